@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make install`, then `make test`. `make demo` runs the main job.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU test environment is pinned; setup.py keeps ranges so the GPU image (torch 2.11, triton 3.6) works too.
+PINNED := torch==2.13.0 triton==3.9.0 pytest==9.2.0 pytest-timeout==2.4.0 safetensors==0.8.0 tqdm==4.70.1 transformers==5.24.0
+
+.PHONY: install test test-fast test-gpu demo bench clean
+
+install:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PINNED)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+
+test:
+	$(PY) -m pytest -q
+
+test-fast:
+	$(PY) -m pytest -q -m "not dist"
+
+# On a CUDA machine (run from the tree: PYTHONPATH=. works when nothing can be installed).
+test-gpu:
+	$(PYTHON) -m pytest -q -m "cuda" tests/gpu
+
+demo:
+	$(PY) -m moe_ref demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache results

@@ -1,0 +1,3 @@
+from moe_ref.cli import main
+
+raise SystemExit(main())

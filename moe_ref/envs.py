@@ -1,0 +1,46 @@
+"""Every environment variable moe_ref reads, in one place (read only, never written).
+
+| variable                           | meaning                                              | default |
+|------------------------------------|------------------------------------------------------|---------|
+| MOE_REF_NUM_MAX_TOKENS_PER_RANK    | per-rank cap when the caller passes none             | unset   |
+| MOE_REF_OVERFLOW_POLICY            | ``error`` or ``chunk`` when the caller passes none   | error   |
+| MOE_REF_TRANSPORT                  | ``auto``, ``symm``, ``a2a`` or ``local``             | auto    |
+| MOE_REF_EXPERTS_BACKEND            | ``auto``, ``torch``, ``grouped_mm``, ``triton``, ``deep_gemm`` | auto |
+| MOE_REF_SHM_DIR                    | folder for the CPU symmetric heap's files            | /dev/shm |
+"""
+from __future__ import annotations
+
+import os
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def num_max_tokens_per_rank() -> int | None:
+    value = _get("MOE_REF_NUM_MAX_TOKENS_PER_RANK")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        from moe_ref.errors import InvalidConfigError
+
+        raise InvalidConfigError(f"MOE_REF_NUM_MAX_TOKENS_PER_RANK={value!r} is not an integer") from None
+
+
+def overflow_policy() -> str | None:
+    return _get("MOE_REF_OVERFLOW_POLICY")
+
+
+def transport() -> str | None:
+    return _get("MOE_REF_TRANSPORT")
+
+
+def experts_backend() -> str | None:
+    return _get("MOE_REF_EXPERTS_BACKEND")
+
+
+def shm_dir() -> str:
+    return _get("MOE_REF_SHM_DIR") or "/dev/shm"

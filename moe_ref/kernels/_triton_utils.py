@@ -1,0 +1,85 @@
+"""Small helpers shared by the Triton kernels in `moe_ref.kernels`.
+
+What lives here:
+- `is_interpreter()`: whether `triton.jit` produced interpreted (CPU, `TRITON_INTERPRET=1`) kernels.
+  Detected from Triton itself (the type of a jitted probe function), so this module never reads or
+  writes environment variables.
+- `check_device(...)`: the launchers' "CUDA tensor or interpreter" check, with a clear error.
+- `to_e4m3(x, EXACT_RNE)`: fp32 -> fp8 e4m3 cast usable inside kernels. The interpreter's own cast
+  drops the mantissa carry (447.9 -> 256 instead of 448; measured with triton 3.9), so under the
+  interpreter we round to the e4m3 grid ourselves (round-to-nearest-even, like torch and like
+  Hopper's `cvt.rn.satfinite`) and then cast a value that is already exact.
+- FP8 constants shared by the quantizers and the kernels (per-128 groups, e4m3 max 448, amax floor 1e-4,
+  DeepGEMM's SM90 convention).
+- `launch_options(...)`: extra launch keywords (`enable_fp_fusion`), filtered out by the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_GROUP = 128
+FP8_MIN_AMAX = 1e-4
+
+
+@triton.jit
+def _probe_kernel(x_ptr):
+    pass
+
+
+@functools.lru_cache(maxsize=None)
+def is_interpreter() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (`TRITON_INTERPRET=1` before import)."""
+    return type(_probe_kernel).__name__ == "InterpretedFunction"
+
+
+def check_device(name: str, tensor: torch.Tensor) -> None:
+    """Raise a clear error when `tensor` cannot be used by a Triton kernel in this process."""
+    if tensor.device.type == "cuda" or is_interpreter():
+        return
+    raise RuntimeError(
+        f"{name} is on {tensor.device}, but Triton kernels need CUDA tensors; on a machine without a GPU "
+        "set TRITON_INTERPRET=1 before importing triton (slow, for tests), or use the torch twin `*_ref`."
+    )
+
+
+def check_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got shape {tuple(tensor.shape)}, strides {tensor.stride()})")
+
+
+def launch_options(fp_fusion: bool) -> dict:
+    """Launch keywords for a GPU compile; the interpreter ignores unknown keywords.
+
+    `enable_fp_fusion=False` keeps `a + w * b` as two roundings (as torch eager does) so that a kernel can
+    match its torch twin bitwise in fp32; the GEMMs allow fusion (it does not touch the MMA path).
+    """
+    return {"enable_fp_fusion": fp_fusion}
+
+
+def num_fp8_groups(n: int) -> int:
+    """ceil(n / 128): number of per-128 scale groups along a dimension of size n."""
+    return triton.cdiv(n, FP8_GROUP)
+
+
+@triton.jit
+def to_e4m3(x, EXACT_RNE: tl.constexpr):
+    """Cast fp32 `x` (|x| <= 448) to fp8 e4m3, rounding to nearest even.
+
+    EXACT_RNE=True (interpreter): round on the e4m3 grid in fp32 first. Normal range (|x| >= 2**-6):
+    keep 3 of 23 mantissa bits with an integer round-half-even on the bit pattern (carries into the
+    exponent correctly). Subnormal range: add and subtract 1.5 * 2**14 to round to a multiple of 2**-9.
+    """
+    if EXACT_RNE:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+        x_normal = bits.to(tl.float32, bitcast=True)
+        x_subnormal = (x + 24576.0) - 24576.0
+        x = tl.where(tl.abs(x) < 0.015625, x_subnormal, x_normal)
+    return x.to(tl.float8e4nv)

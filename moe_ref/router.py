@@ -1,0 +1,106 @@
+"""Router: logits -> top-k expert ids and weights (the torch reference; the Triton kernel is its fast twin).
+
+    logits [T, E] fp32 --score--> scores [T, E] --(+bias, groups)--> selection [T, E]
+        --top-k--> topk_ids [T, K] int64 --gather unbiased scores, renorm, scale--> topk_weights [T, K] fp32
+
+Shape legend: T tokens, E experts, G expert groups, K top-k.
+
+Family semantics (see ``MoEConfig``): Step3 = softmax over all experts, top-k, no renorm, no bias.
+DeepSeek-V3 / Kimi-K2 / Kimi-K3 ("noaux_tc") = sigmoid; ``e_score_correction_bias`` is added for
+*selection only*; grouped top-k scores each group by the sum of its top-2 selection scores and keeps
+``num_topk_groups`` groups; weights are the unbiased sigmoid scores, renormalised with a 1e-20 guard,
+times ``routed_scaling_factor``.
+
+NOTE: experts of dropped groups are excluded with -inf, as DeepSeek's own inference code does.
+HF transformers fills 0.0 instead; the two agree whenever kept selection scores are >= 0 (always true
+without a negative bias) and can differ when a negative bias pushes a kept expert below 0.
+
+Slot order is deterministic: descending selection score, ties broken by the lower expert id.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from moe_ref.config import MoEConfig
+from moe_ref.errors import DTypeError, NonFiniteError, ShapeError
+
+
+class RouterOutput(NamedTuple):
+    topk_ids_TK: torch.Tensor  # [T, K] int64, expert ids in [0, E)
+    topk_weights_TK: torch.Tensor  # [T, K] float32
+
+
+def select_experts(
+    logits_TE: torch.Tensor,
+    num_topk: int,
+    scoring: str = "sigmoid",
+    bias_E: torch.Tensor | None = None,
+    num_groups: int = 1,
+    num_topk_groups: int = 1,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> RouterOutput:
+    """Top-k routing of each token over E experts.
+
+    Args:
+        logits_TE: ``[T, E]`` router logits, any float dtype (computed in fp32).
+        num_topk: K, experts per token.
+        scoring: ``"sigmoid"`` or ``"softmax"`` (softmax over all E experts).
+        bias_E: ``[E]`` selection-only bias (``e_score_correction_bias``), or None.
+        num_groups, num_topk_groups: grouped top-k (G groups of E/G experts, keep the best ones).
+        renormalize: divide the K weights by their sum (+1e-20).
+        routed_scaling_factor: multiplies the final weights.
+
+    Returns:
+        ``RouterOutput(topk_ids_TK [T, K] int64, topk_weights_TK [T, K] float32)``.
+    """
+    num_tokens, num_experts = logits_TE.shape
+    logits_TE = logits_TE.float()
+    scores_TE = logits_TE.sigmoid() if scoring == "sigmoid" else logits_TE.softmax(dim=-1)
+    selection_TE = scores_TE if bias_E is None else scores_TE + bias_E.float()[None, :]
+    if num_groups > 1:
+        grouped_TGX = selection_TE.view(num_tokens, num_groups, num_experts // num_groups)
+        group_scores_TG = grouped_TGX.topk(min(2, grouped_TGX.shape[-1]), dim=-1).values.sum(dim=-1)
+        # Stable descending sort: ties keep the lower group id, like the expert ties below.
+        kept_groups = torch.sort(group_scores_TG, dim=-1, descending=True, stable=True).indices[:, :num_topk_groups]
+        keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, kept_groups, True)
+        keep_TE = keep_TG.repeat_interleave(num_experts // num_groups, dim=1)
+        selection_TE = selection_TE.masked_fill(~keep_TE, float("-inf"))
+    topk_ids_TK = torch.sort(selection_TE, dim=-1, descending=True, stable=True).indices[:, :num_topk]
+    topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
+    if renormalize:
+        topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    topk_weights_TK = topk_weights_TK * routed_scaling_factor
+    return RouterOutput(topk_ids_TK.to(torch.int64), topk_weights_TK.float())
+
+
+def router_logits(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor) -> torch.Tensor:
+    """``[T, D] x [E, D] -> [T, E]`` logits in fp32 (the gate GEMM runs in fp32, as the families do)."""
+    return torch.nn.functional.linear(x_TD.float(), gate_weight_ED.float())
+
+
+def route(
+    x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None,
+    *, check_finite: bool = True,
+) -> RouterOutput:
+    """Route hidden states with ``cfg``'s family semantics (gate GEMM + ``select_experts``).
+
+    Raises ``NonFiniteError`` (INP004) on NaN/inf logits when ``check_finite``. NOTE: that check syncs
+    the host with the device once per call.
+    """
+    if x_TD.dim() != 2 or x_TD.shape[1] != gate_weight_ED.shape[1]:
+        raise ShapeError(f"hidden states {tuple(x_TD.shape)} do not match the gate weight "
+                         f"{tuple(gate_weight_ED.shape)}: expected [T, {gate_weight_ED.shape[1]}]")
+    if not x_TD.is_floating_point():
+        raise DTypeError(f"hidden states have dtype {x_TD.dtype}; expected a floating dtype")
+    logits_TE = router_logits(x_TD, gate_weight_ED)
+    if check_finite and logits_TE.numel() and not bool(torch.isfinite(logits_TE).all()):
+        bad = (~torch.isfinite(logits_TE)).any(dim=1).nonzero().flatten()
+        raise NonFiniteError(f"router logits are NaN/inf for {bad.numel()} of {logits_TE.shape[0]} tokens "
+                             f"(first token indices: {bad[:8].tolist()}); the hidden states or gate weight hold "
+                             f"non-finite values")
+    return select_experts(
+        logits_TE, cfg.num_topk, cfg.scoring, bias_E if cfg.use_selection_bias else None, cfg.num_groups,
+        cfg.num_topk_groups, cfg.renormalize, cfg.routed_scaling_factor)

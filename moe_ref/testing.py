@@ -1,0 +1,86 @@
+"""Helpers for tests and benchmarks, shipped with the package so users can check their own stacks.
+
+- ``calc_diff(x, y)``: scale-free difference ``1 - 2*sum(x*y) / sum(x*x + y*y)`` in float64 (0 = equal).
+- ``assert_close(actual, expected, dtype, **case)``: one tolerance table per dtype; the message carries
+  every case parameter.
+- ``assert_bitwise_equal(a, b, **case)``: exact equality, reporting the first mismatching coordinate.
+- ``count_bytes(*tensors)``, ``bench(fn)`` (CUDA-event timing with L2 flush; wall clock on CPU).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+# (atol, rtol) per dtype of the compared outputs.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-5, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float8_e4m3fn: (1e-1, 1e-1),
+}
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    denominator = (x * x + y * y).sum()
+    if denominator == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denominator)
+
+
+def _case(case: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in case.items())
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, **case) -> None:
+    """``torch.testing.assert_close`` with the tolerance of ``dtype`` (default: ``expected.dtype``)."""
+    atol, rtol = TOLERANCES[dtype or expected.dtype]
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}; {_case(case)}"
+    try:
+        torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    except AssertionError as err:
+        raise AssertionError(f"{_case(case)}\n{err}") from None
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, **case) -> None:
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}; {_case(case)}"
+    assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != {expected.dtype}; {_case(case)}"
+    same = (actual.view(torch.uint8) == expected.view(torch.uint8)) if actual.numel() else torch.ones(0, dtype=torch.bool)
+    if not bool(same.all()):
+        first = (~same).nonzero()[0].tolist()
+        raise AssertionError(f"not bitwise equal: first mismatch at byte index {first}; "
+                             f"{int((~same).sum())} bytes differ; {_case(case)}")
+
+
+def count_bytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 20, flush_l2: bool = True) -> float:
+    """Median time of ``fn()`` in microseconds (CUDA events + L2 flush on GPU, wall clock on CPU)."""
+    if not torch.cuda.is_available():
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6)
+        return sorted(times)[len(times) // 2]
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if flush is not None:
+            flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
