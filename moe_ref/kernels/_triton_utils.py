@@ -69,6 +69,20 @@ def num_fp8_groups(n: int) -> int:
 
 
 @triton.jit
+def div_rn(x, y):
+    """IEEE round-to-nearest fp32 division with broadcasting (plain `/` is `div.full.f32` on NVIDIA,
+    which can differ from torch by an ulp)."""
+    x, y = tl.broadcast(x, y)
+    return tl.math.div_rn(x, y)
+
+
+@triton.jit
+def fp8_scale(amax):
+    """Per-group fp8 scale: max(amax, 1e-4) / 448 with IEEE division (same as `quantize_fp8_per_128`)."""
+    return div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))
+
+
+@triton.jit
 def to_e4m3(x, EXACT_RNE: tl.constexpr):
     """Cast fp32 `x` (|x| <= 448) to fp8 e4m3, rounding to nearest even.
 

@@ -1,0 +1,446 @@
+"""Grouped expert MLP over an expert-major receive pool: GEMM1 (gate||up) + fused activation, then GEMM2.
+
+    router -> pre_dispatch -> dispatch -> [grouped_mlp] -> combine -> combine_reduce
+
+    h[r] = act(x[r] @ gate_up[i, :F].T, x[r] @ gate_up[i, F:].T)   for r in expert i's segment   [R, F]
+    y[r] = h[r] @ down[i].T                                                                        [R, D]
+    y[r] = 0 for pool rows outside every segment (alignment padding)
+
+Both GEMMs run the same `@triton.jit` kernel (`_grouped_gemm_kernel`), specialised by constexpr flags:
+GEMM1 loads the gate and up tiles of the same output columns in one program so the epilogue applies
+the activation (and, for FP8, re-quantizes h per row per 128 columns, DeepGEMM's SM90 convention);
+GEMM2 is a plain grouped GEMM.
+
+Mapping programs to experts: no host sync and no padded work. Program `pid_m` walks the per-expert
+block counts `ceil(num_rows_e[i] / BLOCK_M)` (one vectorised cumsum over the e experts, in-kernel) to
+find its expert and its block inside that expert; the grid has the upper bound `ceil(R / BLOCK_M) + e`
+M blocks and the surplus programs exit at once. So BLOCK_M may be smaller than the 128-row segment
+alignment (decode) and padding blocks cost nothing.
+
+FP8 (e4m3): x with per-row per-128-column fp32 scales `x_scale_RDb`, weights with fp32 128x128 block
+scales; each BLOCK_K (<= 128, dividing 128) k-step multiplies the fp32 partial product by
+`x_scale[row, k // 128] * w_scale[col // 128, k // 128]` before accumulating.
+
+Shape suffixes: R pool rows, D hidden, F expert intermediate, e local experts, Db = ceil(D/128),
+Fb = ceil(F/128), 2Fb = ceil(2F/128).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moe_ref.kernels._triton_utils import (
+    FP8_DTYPE,
+    check_device,
+    div_rn,
+    fp8_scale,
+    is_interpreter,
+    launch_options,
+    num_fp8_groups,
+    to_e4m3,
+)
+from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
+
+__all__ = ["grouped_mlp", "grouped_mlp_ref"]
+
+_ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): portable (no libdevice), exact limits at +-inf
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    # pointers
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, num_rows_ptr,
+    # sizes
+    R, N, K, num_experts, situ_beta, situ_linear_beta,
+    rows_hint,                     # autotune key only: ~total routed rows, power of 2 (unused in the body)
+    # strides (elements; the last dimension of a, b, c is contiguous)
+    stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
+    stride_c_r, stride_c_scale_r,
+    # meta
+    ACTIVATION: tl.constexpr,      # 0: c = a @ b.T; 1 silu, 2 situ: b has 2N rows (gate, then up), c = act(gate, up)
+    SITU_LINEAR: tl.constexpr,     # situ only: apply lb * tanh(up / lb) (situ_linear_beta != 0)
+    FP8: tl.constexpr,             # a, b are fp8 e4m3 with per-128 scales
+    QUANT_OUT: tl.constexpr,       # write c as fp8 e4m3 + per-row per-128 scales (needs BLOCK_N == 128)
+    UPCAST: tl.constexpr,          # interpreter: dot in fp32 (its bf16 dot is wrong)
+    IEEE_FP32: tl.constexpr,       # fp32 inputs: ieee dot instead of tf32
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
+):
+    """One program = BLOCK_M rows of one expert x BLOCK_N output columns (x2 for gate||up).
+
+    Example: e=2, num_rows_e=[3, 0], row_start_e=[0, 128], BLOCK_M=2 -> blocks per expert [2, 0];
+        pid_m 0 -> expert 0 rows 0..1, pid_m 1 -> expert 0 row 2 (row 3 masked), pid_m >= 2 -> exit.
+        With silu, N=F=1, K=D=1, a[0]=[2.0], b[0]=[[1.0], [3.0]] (gate row, up row):
+        gate=2, up=6, c[0] = silu(2) * 6 = 1.7616 * 6 = 10.569.
+    """
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+
+    # --- find this block's expert (vectorised over the e experts) -----------------------------------
+    offs_e = tl.arange(0, BLOCK_E)
+    num_rows_e = tl.load(num_rows_ptr + offs_e, mask=offs_e < num_experts, other=0).to(tl.int32)
+    num_blocks_e = tl.cdiv(num_rows_e, BLOCK_M)
+    block_end_e = tl.cumsum(num_blocks_e, axis=0)
+    if pid_m >= tl.sum(num_blocks_e):
+        return
+    expert = tl.sum((block_end_e <= pid_m).to(tl.int32))
+    block_in_expert = pid_m - tl.sum(tl.where(offs_e < expert, num_blocks_e, 0))
+    rows_left = tl.sum(tl.where(offs_e == expert, num_rows_e, 0)) - block_in_expert * BLOCK_M
+    row0 = tl.load(row_start_ptr + expert).to(tl.int64) + block_in_expert * BLOCK_M
+    expert = expert.to(tl.int64)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = (offs_m < rows_left) & (row0 + offs_m < R)
+    rows = row0 + offs_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + rows[:, None] * stride_a_r + offs_k[None, :]
+    b_base = b_ptr + expert * stride_b_e
+    b_ptrs = b_base + offs_n[None, :] * stride_b_n + offs_k[:, None]          # [BLOCK_K, BLOCK_N] view of b.T
+    up_ptrs = b_ptrs + N * stride_b_n                                         # up rows follow the N gate rows
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+    # --- main loop over K ------------------------------------------------------------------------------
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8:
+            scale_a = tl.load(a_scale_ptr + rows * stride_a_scale_r + k0 // 128, mask=mask_m, other=0.0)
+            scale_b = tl.load(b_scale_ptr + expert * stride_b_scale_e + (offs_n // 128) * stride_b_scale_n + k0 // 128,
+                              mask=mask_n, other=0.0)
+            acc += tl.dot(a, b) * scale_a[:, None] * scale_b[None, :]
+        elif IEEE_FP32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        if ACTIVATION != 0:
+            b_up = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if UPCAST:
+                b_up = b_up.to(tl.float32)
+            if FP8:
+                scale_up = tl.load(b_scale_ptr + expert * stride_b_scale_e + ((offs_n + N) // 128) * stride_b_scale_n
+                                   + k0 // 128, mask=mask_n, other=0.0)
+                acc_up += tl.dot(a, b_up) * scale_a[:, None] * scale_up[None, :]
+            elif IEEE_FP32:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
+            up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    # --- epilogue: activation (fp32), optional fp8 re-quantization, store ----------------------------
+    if ACTIVATION == 1:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    elif ACTIVATION == 2:
+        if SITU_LINEAR:
+            acc_up = situ_linear_beta * _tanh(acc_up / situ_linear_beta)
+        acc = situ_beta * _tanh(acc / situ_beta) * tl.sigmoid(acc) * acc_up
+    c_ptrs = c_ptr + rows[:, None] * stride_c_r + offs_n[None, :]
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    if QUANT_OUT:
+        # BLOCK_N == 128 and pid_n * 128 is a group start: this tile's columns are exactly scale group pid_n
+        acc = tl.where(mask_c, acc, 0.0)
+        scale_c = fp8_scale(tl.max(tl.abs(acc), axis=1))
+        tl.store(c_ptrs, to_e4m3(div_rn(acc, scale_c[:, None]), UPCAST), mask=mask_c)
+        tl.store(c_scale_ptr + rows * stride_c_scale_r + pid_n, scale_c, mask=mask_m)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
+
+
+# --------------------------------------------------------------------------------------------------
+# configs (GPU autotune; one fixed small config under the interpreter)
+# --------------------------------------------------------------------------------------------------
+def _gpu_configs() -> list[triton.Config]:
+    """H200 candidates: prefill tiles (BLOCK_M 64/128) and decode tiles (BLOCK_M 16/32)."""
+    configs = []
+    for block_m in (16, 32, 64, 128):
+        for block_n in (64, 128, 256):
+            for block_k in (64, 128):
+                for num_warps in (4, 8):
+                    for num_stages in (3, 4):
+                        configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
+                                                     num_warps=num_warps, num_stages=num_stages))
+    return configs
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep configs that are legal for this launch and plausible for its shape."""
+    n, k = named_args["N"], named_args["K"]
+    rows_per_expert = named_args["rows_hint"] / max(named_args["num_experts"], 1)
+    gated = kwargs.get("ACTIVATION", 0) != 0
+    fp8 = kwargs.get("FP8", False)
+    quant_out = kwargs.get("QUANT_OUT", False)
+    kept = []
+    for config in configs:
+        block_m, block_n, block_k = (config.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        if quant_out and block_n != 128:
+            continue  # the fp8 epilogue quantizes one 128-column group per tile
+        if fp8 and 128 % block_k != 0:
+            continue  # a k-step must stay inside one 128-wide scale group
+        if block_n > max(64, triton.next_power_of_2(n)) or block_k > max(64, triton.next_power_of_2(k)):
+            continue
+        if gated and block_m * block_n > 128 * 128:
+            continue  # two fp32 accumulators: keep register pressure sane
+        if gated and block_n == 256:
+            continue
+        if config.num_stages * (block_m + block_n * (2 if gated else 1)) * block_k * 2 > 200 * 1024:
+            continue  # shared memory (bf16 bytes; fp8 uses half)
+        if rows_per_expert <= 32 and block_m > 32:
+            continue  # decode: 1-32 rows per expert, weight-bandwidth bound
+        if 32 < rows_per_expert <= 256 and block_m not in (32, 64):
+            continue
+        if rows_per_expert > 256 and block_m < 64:
+            continue  # prefill: big M tiles
+        if block_m == 128 and config.num_warps == 4:
+            continue
+        kept.append(config)
+    return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3)]
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned_kernel():
+    return triton.autotune(
+        configs=_gpu_configs(),
+        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "FP8", "QUANT_OUT"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+    )(_grouped_gemm_kernel)
+
+
+def _interpreter_meta(quant_out: bool) -> dict:
+    return {"BLOCK_M": 16, "BLOCK_N": 128 if quant_out else 32, "BLOCK_K": 32}
+
+
+# --------------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------------
+def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
+                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint):
+    num_rows, num_experts = a.shape[0], b.shape[0]
+    dummy = c
+    a_scale = dummy if a_scale is None else a_scale
+    b_scale = dummy if b_scale is None else b_scale
+    c_scale = dummy if c_scale is None else c_scale
+    b_scale_strides = (b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0)
+    args = (
+        a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e,
+        num_rows, n, k, num_experts, float(situ_beta), float(situ_linear_beta) if situ_linear_beta else 1.0,
+        triton.next_power_of_2(max(1, rows_hint)),
+        a.stride(0), a_scale.stride(0) if fp8 else 0, b.stride(0), b.stride(1), *b_scale_strides,
+        c.stride(0), c_scale.stride(0) if quant_out else 0,
+    )
+    flags = dict(
+        ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), FP8=fp8, QUANT_OUT=quant_out,
+        UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=triton.next_power_of_2(num_experts),
+    )
+
+    def grid(meta):
+        return ((triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    if is_interpreter():
+        meta = _interpreter_meta(quant_out)
+        _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
+    else:
+        _autotuned_kernel()[grid](*args, **flags, **launch_options(fp_fusion=True))
+
+
+def _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
+                x_scale_RDb, gate_up_scale, down_scale) -> bool:
+    """Validate shapes/dtypes; returns whether this is the fp8 path."""
+    if activation not in ("silu", "situ"):
+        raise ValueError(f"{activation=} must be 'silu' or 'situ'")
+    if x_RD.dim() != 2 or gate_up_weight_e2FD.dim() != 3 or down_weight_eDF.dim() != 3:
+        raise ValueError(f"expected x_RD [R, D], gate_up [e, 2F, D], down [e, D, F]; got {tuple(x_RD.shape)}, "
+                         f"{tuple(gate_up_weight_e2FD.shape)}, {tuple(down_weight_eDF.shape)}")
+    _, hidden = x_RD.shape
+    num_experts, two_f, hidden_w = gate_up_weight_e2FD.shape
+    inter = two_f // 2
+    if two_f % 2 or hidden_w != hidden or tuple(down_weight_eDF.shape) != (num_experts, hidden, inter):
+        raise ValueError(f"weight shapes disagree: {tuple(x_RD.shape)=}, {tuple(gate_up_weight_e2FD.shape)=}, "
+                         f"{tuple(down_weight_eDF.shape)=} (want gate_up [e, 2F, D], down [e, D, F])")
+    for name, tensor in (("row_start_e", row_start_e), ("num_rows_e", num_rows_e)):
+        if tuple(tensor.shape) != (num_experts,) or tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32/int64 [{num_experts}], got {tuple(tensor.shape)} {tensor.dtype}")
+    fp8 = x_RD.dtype == FP8_DTYPE
+    if fp8:
+        expected = {
+            "x_scale_RDb": (x_scale_RDb, (x_RD.shape[0], num_fp8_groups(hidden))),
+            "gate_up_scale": (gate_up_scale, (num_experts, num_fp8_groups(two_f), num_fp8_groups(hidden))),
+            "down_scale": (down_scale, (num_experts, num_fp8_groups(hidden), num_fp8_groups(inter))),
+        }
+        for name, (tensor, shape) in expected.items():
+            if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
+                got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+                raise ValueError(f"fp8 grouped_mlp needs {name} fp32 {shape}, got {got}")
+        if gate_up_weight_e2FD.dtype != FP8_DTYPE or down_weight_eDF.dtype != FP8_DTYPE:
+            raise ValueError(f"fp8 x_RD needs fp8 weights, got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
+    else:
+        if x_RD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"x_RD must be bf16/fp16/fp32 or {FP8_DTYPE}, got {x_RD.dtype}")
+        if gate_up_weight_e2FD.dtype != x_RD.dtype or down_weight_eDF.dtype != x_RD.dtype:
+            raise ValueError(f"weights must match {x_RD.dtype=}: got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
+    return fp8
+
+
+def grouped_mlp(
+    x_RD: torch.Tensor,
+    gate_up_weight_e2FD: torch.Tensor,
+    down_weight_eDF: torch.Tensor,
+    row_start_e: torch.Tensor,
+    num_rows_e: torch.Tensor,
+    activation: str = "silu",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+    x_scale_RDb: torch.Tensor | None = None,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    *,
+    num_rows_hint: int | None = None,
+) -> torch.Tensor:
+    """Run every local expert's gated MLP on its rows of the receive pool (two Triton launches).
+
+    Args:
+        x_RD: `[R, D]` bf16/fp16/fp32, or `torch.float8_e4m3fn` with `x_scale_RDb`; expert i owns rows
+            `row_start_e[i] : row_start_e[i] + num_rows_e[i]` (segments must not overlap).
+        gate_up_weight_e2FD: `[e, 2F, D]`, rows 0..F-1 gate, F..2F-1 up; x's dtype (fp8 for fp8 x).
+        down_weight_eDF: `[e, D, F]`, same dtype rule.
+        row_start_e: `[e]` int64 (or int32) first pool row of each expert (128-aligned by the dispatcher;
+            any value works here).
+        num_rows_e: `[e]` int32/int64 rows of each expert (0 = empty expert).
+        activation: "silu" (h = silu(gate) * up) or "situ"
+            (h = beta * tanh(gate / beta) * sigmoid(gate) * (lb * tanh(up / lb), or up if lb == 0)), fp32.
+        situ_beta, situ_linear_beta: SiTU's beta and lb (Kimi-K3: 4.0, 25.0).
+        x_scale_RDb: `[R, ceil(D/128)]` fp32 per-row per-128 scales of an fp8 x.
+        gate_up_scale: `[e, ceil(2F/128), ceil(D/128)]` fp32 128x128 block scales of fp8 gate_up.
+        down_scale: `[e, ceil(D/128), ceil(F/128)]` fp32 128x128 block scales of fp8 down.
+        num_rows_hint: optional, about `sum(num_rows_e)` (known to the host without a sync, e.g. T * K);
+            only picks GPU tile sizes (autotune key, bucketed to a power of 2). Default R.
+
+    Returns:
+        y_RD: `[R, D]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0.
+        The intermediate h is kept in x's dtype (fp8 + per-128 scales on the fp8 path). No host sync.
+    """
+    fp8 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
+                      x_scale_RDb, gate_up_scale, down_scale)
+    num_rows, hidden = x_RD.shape
+    num_experts, two_f, _ = gate_up_weight_e2FD.shape
+    inter = two_f // 2
+    out_dtype = torch.bfloat16 if fp8 else x_RD.dtype
+    device = x_RD.device
+    y_RD = torch.zeros(num_rows, hidden, dtype=out_dtype, device=device)
+    if num_rows == 0 or num_experts == 0 or hidden == 0 or inter == 0:
+        return y_RD
+    check_device("x_RD", x_RD)
+    tensors = {"x_RD": x_RD, "gate_up_weight_e2FD": gate_up_weight_e2FD, "down_weight_eDF": down_weight_eDF,
+               "x_scale_RDb": x_scale_RDb, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
+    for name, tensor in tensors.items():
+        if tensor is not None and not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (strides {tensor.stride()})")
+    row_start_e = row_start_e.contiguous()
+    num_rows_e = num_rows_e.contiguous()
+    rows_hint = num_rows if num_rows_hint is None else num_rows_hint
+
+    # GEMM1: h = act(x @ gate.T, x @ up.T)
+    h_RF = torch.empty(num_rows, inter, dtype=FP8_DTYPE if fp8 else x_RD.dtype, device=device)
+    h_scale_RFb = torch.empty(num_rows, num_fp8_groups(inter), dtype=torch.float32, device=device) if fp8 else None
+    _launch_gemm(x_RD, x_scale_RDb, gate_up_weight_e2FD, gate_up_scale, h_RF, h_scale_RFb, row_start_e, num_rows_e,
+                 n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint)
+    # GEMM2: y = h @ down.T
+    _launch_gemm(h_RF, h_scale_RFb, down_weight_eDF, down_scale, y_RD, None, row_start_e, num_rows_e,
+                 n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                 fp8=fp8, quant_out=False, rows_hint=rows_hint)
+    return y_RD
+
+
+# --------------------------------------------------------------------------------------------------
+# torch twin
+# --------------------------------------------------------------------------------------------------
+def _dequantize_block_128(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 `[N, K]` weight with fp32 128x128 block scales `[ceil(N/128), ceil(K/128)]` -> fp32."""
+    n, k = w.shape
+    scale_full = scale.repeat_interleave(128, dim=0)[:n].repeat_interleave(128, dim=1)[:, :k]
+    return w.float() * scale_full
+
+
+def _activation_ref(gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: float,
+                    situ_linear_beta: float) -> torch.Tensor:
+    if activation == "silu":
+        return F.silu(gate) * up
+    if situ_linear_beta:
+        up = situ_linear_beta * torch.tanh(up / situ_linear_beta)
+    return situ_beta * torch.tanh(gate / situ_beta) * torch.sigmoid(gate) * up
+
+
+def grouped_mlp_ref(
+    x_RD: torch.Tensor,
+    gate_up_weight_e2FD: torch.Tensor,
+    down_weight_eDF: torch.Tensor,
+    row_start_e: torch.Tensor,
+    num_rows_e: torch.Tensor,
+    activation: str = "silu",
+    situ_beta: float = 4.0,
+    situ_linear_beta: float = 25.0,
+    x_scale_RDb: torch.Tensor | None = None,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    *,
+    num_rows_hint: int | None = None,
+) -> torch.Tensor:
+    """Plain-torch twin of `grouped_mlp` (same arguments and return): a loop over experts in fp32.
+
+    Matches the kernel's roundings: h is rounded to x's dtype (non-fp8) or re-quantized to fp8 per row
+    per 128 columns (fp8) before GEMM2. NOTE: `.tolist()` on the row counts syncs the host.
+    """
+    fp8 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
+                      x_scale_RDb, gate_up_scale, down_scale)
+    num_rows, hidden = x_RD.shape
+    inter = gate_up_weight_e2FD.shape[1] // 2
+    out_dtype = torch.bfloat16 if fp8 else x_RD.dtype
+    y_RD = torch.zeros(num_rows, hidden, dtype=out_dtype, device=x_RD.device)
+    for i, (start, count) in enumerate(zip(row_start_e.tolist(), num_rows_e.tolist())):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        if fp8:
+            x_SD = dequantize_fp8_per_128(x_RD[rows], x_scale_RDb[rows])
+            gate_up_2FD = _dequantize_block_128(gate_up_weight_e2FD[i], gate_up_scale[i])
+            down_DF = _dequantize_block_128(down_weight_eDF[i], down_scale[i])
+        else:
+            x_SD = x_RD[rows].float()
+            gate_up_2FD = gate_up_weight_e2FD[i].float()
+            down_DF = down_weight_eDF[i].float()
+        gate_up_S2F = x_SD @ gate_up_2FD.T
+        h_SF = _activation_ref(gate_up_S2F[:, :inter], gate_up_S2F[:, inter:], activation, situ_beta,
+                               situ_linear_beta)
+        if fp8:
+            h_SF = dequantize_fp8_per_128(*quantize_fp8_per_128(h_SF))
+        else:
+            h_SF = h_SF.to(x_RD.dtype).float()
+        y_RD[rows] = (h_SF @ down_DF.T).to(out_dtype)
+    return y_RD
