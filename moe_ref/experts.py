@@ -90,7 +90,8 @@ class Experts(ABC):
     def forward(self, x_RD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         """``x_RD [R, D]`` pool rows -> ``y_RD [R, D]`` in ``x_RD``'s dtype (padding rows zero)."""
 
-    __call__ = forward
+    def __call__(self, x_RD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        return self.forward(x_RD, layout)
 
 
 class TorchLoopExperts(Experts):

@@ -1,0 +1,215 @@
+"""``MegaMoE``: the drop-in expert-parallel MoE block (torch.nn.Module).
+
+    forward(x [T, D]):
+      1. route: gate GEMM in fp32, family top-k        -> topk_ids [T, K] int64, topk_weights [T, K] fp32
+      2. (Kimi-K3) latent down-projection             -> z [T, L]
+      3. routed step on the Dispatcher: overflow policy (error | chunk), pre-dispatch into this rank's
+         symmetric buffer, dispatch to the experts' ranks, expert GEMMs (Experts backend), combine back,
+         fp32 weighted reduce over the K slots          -> routed [T, Dx]
+      4. (Kimi-K3) RMSNorm over the full cross-rank sum, latent up-projection
+      5. + shared experts                               -> y [T, D] in x's dtype
+
+Owners: ``moe_ref.router`` (1), ``moe_ref.dispatch.Dispatcher`` (3, with ``capacity`` / ``buffer`` /
+``transport``), ``moe_ref.experts`` (expert GEMMs), ``moe_ref.reference.moe_block`` (the composition,
+shared with the single-process oracle ``moe_ref.reference.reference_moe``).
+
+Parameters (this rank's experts only; e = E / ep_size): ``gate_weight [E, D]``,
+``e_score_correction_bias [E]`` (fp32 buffer, sigmoid families), ``gate_up_weight [e, 2F, Dx]``,
+``down_weight [e, Dx, F]``, shared ``shared_gate_up_weight [2S, D]``, ``shared_down_weight [D, S]``,
+Kimi-K3 ``latent_down_weight [L, D]``, ``latent_up_weight [D, L]``, ``latent_norm_weight [L]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_ref import envs
+from moe_ref.config import MoEConfig, ParallelConfig, preset
+from moe_ref.errors import DeviceError, DTypeError, ShapeError
+from moe_ref.experts import Experts, make_experts
+from moe_ref.reference import moe_block
+from moe_ref.weights import MoEWeights
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Used when neither the argument nor MOE_REF_NUM_MAX_TOKENS_PER_RANK gives a cap.
+DEFAULT_NUM_MAX_TOKENS_PER_RANK = 4096
+
+
+def as_config(cfg: MoEConfig | str | os.PathLike | Mapping[str, Any]) -> MoEConfig:
+    """A ``MoEConfig`` from itself, a preset name, a config.json path (or its folder), or an HF config dict."""
+    if isinstance(cfg, MoEConfig):
+        return cfg
+    if isinstance(cfg, str) and not os.path.exists(cfg) and not cfg.endswith(".json"):
+        return preset(cfg)
+    return MoEConfig.from_hf_config(cfg)
+
+
+class MegaMoE(nn.Module):
+    """The expert-parallel MoE block of Kimi-K2/K3, DeepSeek-V3 and Step3-style models.
+
+    Args:
+        cfg: ``MoEConfig``, a preset name (``"kimi-k2"``, ``"tiny-step3"``...), an HF config.json path or dict.
+        group: the EP process group (``dist.group.WORLD``...), or None for one process.
+        num_max_tokens_per_rank: the cap: rows ONE rank feeds per call (default:
+            ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``, else 4096). Equal on every rank (checked).
+        overflow: ``"error"`` or ``"chunk"`` when a rank's batch exceeds the cap (default:
+            ``MOE_REF_OVERFLOW_POLICY``, else ``"error"``).
+        transport: ``"auto"``, ``"symm"``, ``"a2a"`` or ``"local"`` (default: ``MOE_REF_TRANSPORT``, else auto).
+        experts_backend: ``"auto"``, ``"torch"``, ``"grouped_mm"``, ``"triton"``, ``"deep_gemm"`` (default:
+            ``MOE_REF_EXPERTS_BACKEND``, else auto = triton on CUDA, torch on CPU).
+        dispatch_fp8: move tokens as FP8 e4m3 with per-128 scales (halves dispatch bytes; lossy).
+        dtype, device: of the parameters; inputs must match them.
+        alignment: rows each expert segment of the receive pool is aligned to (128 for grouped GEMMs).
+        seed: if given, initialise with ``MoEWeights.random(cfg, seed)`` (same on every rank); else
+            the parameters are uninitialised until ``load_hf_weights``/``load_weights``.
+    """
+
+    def __init__(self, cfg: MoEConfig | str | os.PathLike | Mapping[str, Any], group: dist.ProcessGroup | None = None,
+                 *, num_max_tokens_per_rank: int | None = None, overflow: str | None = None,
+                 transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", alignment: int = 128,
+                 seed: int | None = None):
+        super().__init__()
+        self.cfg = cfg = as_config(cfg)
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.num_local_experts = ParallelConfig(ep_size=self.world_size).num_local_experts(cfg)
+        self.first_local_expert = self.rank * self.num_local_experts
+        self.num_max_tokens_per_rank = (num_max_tokens_per_rank or envs.num_max_tokens_per_rank()
+                                        or DEFAULT_NUM_MAX_TOKENS_PER_RANK)
+        self.overflow = overflow or envs.overflow_policy() or "error"
+        self.transport = transport or envs.transport() or "auto"
+        self.experts_backend = experts_backend or envs.experts_backend() or "auto"
+        self.dispatch_fp8, self.alignment = dispatch_fp8, alignment
+        if dtype not in SUPPORTED_DTYPES:
+            raise DTypeError(f"dtype={dtype}; MegaMoE parameters must be one of {SUPPORTED_DTYPES}")
+        self._register_parameters(dtype, torch.device(device))
+        if seed is not None:
+            self.load_weights(MoEWeights.random(cfg, seed=seed, dtype=dtype))
+        self._dispatcher = None
+        self._experts: Experts | None = None
+
+    # --- parameters ----------------------------------------------------------------------------------
+    def _register_parameters(self, dtype: torch.dtype, device: torch.device) -> None:
+        cfg, e = self.cfg, self.num_local_experts
+        D, F, Dx, S, L = (cfg.hidden_size, cfg.intermediate_size, cfg.expert_hidden_size,
+                          cfg.shared_intermediate_size, cfg.latent_dim)
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.gate_weight = param(cfg.num_experts, D)
+        bias = torch.zeros(cfg.num_experts, dtype=torch.float32, device=device) if cfg.use_selection_bias else None
+        self.register_buffer("e_score_correction_bias", bias)
+        self.gate_up_weight = param(e, 2 * F, Dx)
+        self.down_weight = param(e, Dx, F)
+        self.shared_gate_up_weight = param(2 * S, D) if cfg.has_shared_experts else None
+        self.shared_down_weight = param(D, S) if cfg.has_shared_experts else None
+        self.latent_down_weight = param(L, D) if L else None
+        self.latent_up_weight = param(D, L) if L else None
+        self.latent_norm_weight = param(L) if L else None
+
+    def weights(self) -> MoEWeights:
+        """This rank's parameters as ``MoEWeights`` (views, no copy)."""
+        return MoEWeights(
+            gate_weight_ED=self.gate_weight, gate_up_weight_E2FD=self.gate_up_weight,
+            down_weight_EDF=self.down_weight, bias_E=self.e_score_correction_bias,
+            shared_gate_up_weight_2SD=self.shared_gate_up_weight, shared_down_weight_DS=self.shared_down_weight,
+            latent_down_weight_LD=self.latent_down_weight, latent_up_weight_DL=self.latent_up_weight,
+            latent_norm_weight_L=self.latent_norm_weight, first_expert=self.first_local_expert)
+
+    @torch.no_grad()
+    def load_weights(self, weights: MoEWeights) -> "MegaMoE":
+        """Copy ``weights`` (all experts, or a block holding at least this rank's experts) into the parameters."""
+        source = weights.expert_slice(self.first_local_expert, self.num_local_experts)
+        target = self.weights()
+        for field in dataclasses.fields(MoEWeights):
+            dst, src = getattr(target, field.name), getattr(source, field.name)
+            if not isinstance(dst, torch.Tensor):
+                continue
+            if src is None or tuple(src.shape) != tuple(dst.shape):
+                from moe_ref.errors import TensorShapeMismatchError
+
+                raise TensorShapeMismatchError(
+                    f"{field.name}: expected shape {tuple(dst.shape)} for this config, got "
+                    f"{None if src is None else tuple(src.shape)}")
+            dst.copy_(src)
+        self._experts = None
+        return self
+
+    def load_hf_weights(self, path: str | os.PathLike, layer_idx: int, prefix: str | None = None) -> "MegaMoE":
+        """Load layer ``layer_idx`` from an HF safetensors checkpoint (file or folder), reading only this
+        rank's experts. See ``moe_ref.loading.load_moe_weights`` for the names of each family."""
+        from moe_ref.loading import load_moe_weights
+
+        weights = load_moe_weights(path, self.cfg, layer_idx, prefix=prefix,
+                                   expert_range=(self.first_local_expert, self.num_local_experts),
+                                   dtype=self.gate_weight.dtype, device=self.gate_weight.device)
+        return self.load_weights(weights)
+
+    # --- the routed step ------------------------------------------------------------------------------
+    @property
+    def dispatcher(self):
+        """The Dispatcher (built on first use: its symmetric buffer is sized from the plan)."""
+        if self._dispatcher is None:
+            from moe_ref.dispatch import make_dispatcher
+
+            self._dispatcher = make_dispatcher(
+                self.cfg, self.group, self.num_max_tokens_per_rank, overflow=self.overflow,
+                transport=self.transport, activation_dtype=self.gate_weight.dtype, device=self.gate_weight.device,
+                dispatch_fp8=self.dispatch_fp8, alignment=self.alignment)
+        return self._dispatcher
+
+    @property
+    def experts(self) -> Experts:
+        if self._experts is None:
+            self._experts = make_experts(self.experts_backend, self.gate_up_weight, self.down_weight,
+                                         self.cfg.activation, self.cfg.situ_beta, self.cfg.situ_linear_beta)
+        return self._experts
+
+    @property
+    def num_recv_tokens_per_expert(self) -> torch.Tensor:
+        """``[e]`` int64: rows each local expert received, summed over all calls (for load balancers)."""
+        return self.dispatcher.num_recv_tokens_per_expert
+
+    def forward(self, hidden_states: torch.Tensor, *, max_num_tokens: int | None = None) -> torch.Tensor:
+        """``hidden_states [T, D]`` -> ``[T, D]`` in the same dtype. Every rank of the group must call it
+        (with T = 0 if it has no tokens). ``max_num_tokens``: a known bound on T over the group, which
+        skips the one small all-reduce the overflow policy needs."""
+        self._check_input(hidden_states)
+
+        def routed(x_TD, topk_ids_TK, topk_weights_TK):
+            return self.dispatcher.run(x_TD, topk_ids_TK, topk_weights_TK, self.experts,
+                                       max_num_tokens=max_num_tokens)
+
+        return moe_block(hidden_states, self.weights(), self.cfg, routed)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.cfg.hidden_size:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ShapeError(f"hidden_states has shape {shape}; expected [num_tokens, {self.cfg.hidden_size}] "
+                             f"(flatten batch and sequence: x.view(-1, {self.cfg.hidden_size}))")
+        if x.dtype != self.gate_weight.dtype:
+            raise DTypeError(f"hidden_states dtype {x.dtype} != layer dtype {self.gate_weight.dtype}; cast with "
+                             f"x.to({self.gate_weight.dtype}) or build the layer with dtype={x.dtype}")
+        if x.device != self.gate_weight.device:
+            raise DeviceError(f"hidden_states on {x.device}, layer on {self.gate_weight.device}; move with "
+                              f"x.to('{self.gate_weight.device}')")
+
+    def destroy(self) -> None:
+        """Release the symmetric buffer (also released at exit)."""
+        if self._dispatcher is not None:
+            self._dispatcher.destroy()
+            self._dispatcher = None
+
+    def extra_repr(self) -> str:
+        return (f"{self.cfg.name}: E={self.cfg.num_experts} (local {self.num_local_experts} on rank "
+                f"{self.rank}/{self.world_size}), K={self.cfg.num_topk}, D={self.cfg.hidden_size}, "
+                f"cap={self.num_max_tokens_per_rank}, overflow={self.overflow}, transport={self.transport}, "
+                f"experts={self.experts_backend}")
