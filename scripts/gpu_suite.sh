@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The whole GPU job in one call (device time is scarce): CUDA tests on 1 GPU, NCCL torchrun checks on 2,
+# then the benchmarks. Everything lands in $OUT (default results/gpu): suite.log + JSON/markdown/PNG.
+#   OUT=results/gpu bash scripts/gpu_suite.sh [quick|full] [steps...]
+# Steps: info tests dist bench_experts bench_layer (default: all).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu}
+MODE=${1:-quick}; shift || true
+STEPS=${*:-info tests dist bench_experts bench_layer}
+mkdir -p "$OUT"
+LOG="$OUT/suite.log"
+# Keep NVLink multicast off (it can take a shared host's GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+if ls .whl/*.whl >/dev/null 2>&1; then  # optional DeepGEMM wheels carried from a CPU machine
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node 2"
+status=0
+
+step() {  # step NAME TIMEOUT_S CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*" | tee -a "$LOG"
+  local start=$SECONDS
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - start)) s" | tee -a "$LOG"
+  [ $rc -eq 0 ] || status=1
+}
+
+for s in $STEPS; do case $s in
+  info) step info 120 python3 -m moe_ref info ;;
+  tests) step tests 600 python3 -m pytest -q -rs -x --timeout=300 -m "cuda or cuda2" tests/gpu ;;
+  dist)
+    if [ "$NGPU" -ge 2 ]; then
+      for t in symm a2a; do
+        step "dist_$t" 300 $TORCHRUN -m moe_ref.dist_check --device cuda --dtype bf16 --preset tiny-kimi-k2 \
+          --transport $t --tokens-per-rank 300 --cap 128 --overflow chunk --json "$OUT/dist_$t.json"
+      done
+      step dist_k3 300 $TORCHRUN -m moe_ref.dist_check --device cuda --dtype bf16 --preset tiny-kimi-k3 --cap 64
+    else echo "=== dist skipped: $NGPU GPU(s)" | tee -a "$LOG"; fi ;;
+  bench_experts) step bench_experts 600 python3 scripts/bench_experts.py $([ "$MODE" = quick ] && echo --quick) \
+      --out "$OUT/bench_experts.json" ;;
+  bench_layer)
+    if [ "$NGPU" -ge 2 ]; then step bench_layer 600 $TORCHRUN scripts/bench_layer.py --out "$OUT"; fi ;;
+  *) echo "unknown step $s" ;;
+esac; done
+echo "=== suite done, status=$status" | tee -a "$LOG"
+grep -E "^=== |passed|failed|RESULT|error" "$LOG" | tail -n 60
+exit $status
