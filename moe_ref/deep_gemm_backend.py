@@ -1,0 +1,476 @@
+"""DeepGEMM expert backend (optional): the routed-expert MLP on DeepGEMM's SM90 grouped GEMMs.
+
+    recv pool x_RD --grouped_layout_R (local expert of each row, -1 on padding rows)-->
+      m_grouped_{bf16,fp8}_gemm_nt_contiguous(x, gate_up)   -> gate_up_R2F (bf16)
+      --torch, fp32: SiLU-gated / SiTU activation, padding rows zeroed-->  h_RF
+      m_grouped_{bf16,fp8}_gemm_nt_contiguous(h, down)      -> y_RD (padding rows zeroed)
+
+``DeepGemmExperts.forward_masked`` does the same over DeepGEMM's masked layout (``[e, M, D]`` plus the
+valid row count per expert), which needs no host sync and can be captured in a CUDA graph for decode.
+
+Shape legend: R pool rows, D width the experts see, F expert intermediate, e local experts,
+M rows per expert in the masked layout, Db = D / 128, Fb = F / 128.
+
+What this module relies on in ``sgl-deep-gemm`` 0.1.4 (import name ``deep_gemm``), read from its Python
+wrappers and its compiled asserts:
+
+- ``m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout, compiled_dims='nk', use_psum_layout=False,
+  ensure_zero_padding=True, expected_m_for_psum_layout=None)``: ``a [m, k]`` bf16 K-major, ``b [G, n, k]``
+  bf16 contiguous, ``d [m, n]`` bf16, ``grouped_layout [m]`` int32 contiguous: the group of each row, -1 on
+  padding rows. Every group's segment starts on a multiple of ``get_mk_alignment_for_contiguous_layout()``
+  (128). Output rows labelled -1 are not promised to be zero (DeepGEMM's own tests zero them before
+  comparing), so this backend zeroes them.
+- ``m_grouped_fp8_gemm_nt_contiguous(a, b, d, grouped_layout, recipe=None, ..., disable_ue8m0_cast=False, ...)``
+  with ``a = (x fp8 e4m3 [m, k], sf fp32 [m, k/128])`` and ``b = (w fp8 [G, n, k], sf fp32 [G, n/128, k/128])``;
+  on SM90 the default recipe is (1, 128, 128) and the scales are plain fp32 (``disable_ue8m0_cast=True``,
+  as DeepGEMM's SM90 tests pass). Activation scales come from ``deep_gemm.utils.per_token_cast_to_fp8(x,
+  use_ue8m0=False)`` (``max(amax, 1e-4) / 448`` per 128 columns), weight scales from
+  ``deep_gemm.utils.per_block_cast_to_fp8(w, use_ue8m0=False)`` per expert.
+- ``m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims='nk')`` and
+  ``m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, ..., disable_ue8m0_cast=False)``:
+  ``a [G, M, k]`` (fp8: ``sf [G, M, k/128]``), ``d [G, M, n]``, ``masked_m [G]`` int32, ``expected_m > 0``.
+  Rows ``>= masked_m[g]`` of ``d`` are not written; this backend zeroes them.
+
+The first call of each shape JIT-compiles a kernel (seconds to a minute): warm up before timing or
+before capturing a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe_ref.activations import gated_activation
+from moe_ref.errors import (BackendUnavailableError, DeviceError, DTypeError, FP8AlignmentError,
+                            ShapeError, ShapeUnsupportedError, UnknownNameError)
+from moe_ref.experts import Experts, ExpertLayout
+
+__all__ = ["DeepGemmStatus", "deep_gemm_status", "DeepGemmExperts", "deep_gemm_grouped_cases",
+           "quantize_weights_fp8_block128", "KNOWN_GOOD_VERSIONS"]
+
+# Versions that ran on the GPU image (torch 2.11+cu130); see /work/shared/FACTS.md.
+KNOWN_GOOD_VERSIONS = ("0.1.3", "0.1.4")
+_GROUPED_API = ("m_grouped_bf16_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_contiguous",
+                "m_grouped_bf16_gemm_nt_masked", "m_grouped_fp8_gemm_nt_masked",
+                "get_mk_alignment_for_contiguous_layout")
+_MEGA_API = ("get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90", "fp8_mega_moe")
+_INSTALL_HINT = ("install the wheels sgl-deep-gemm==0.1.4 and apache-tvm-ffi==0.1.11 (pip install --no-deps), "
+                 "the pair known to work with torch 2.11+cu130")
+
+
+# --------------------------------------------------------------------------------------------------
+# detection
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeepGemmStatus:
+    """Whether DeepGEMM can run here, and why not.
+
+    Attributes:
+        available: True when ``deep_gemm`` imported on an SM90 GPU and a tiny real grouped GEMM matched torch.
+        version: the installed version (``deep_gemm.__version__`` or the wheel's metadata), None if unknown.
+        reason: one line: what was checked, or what failed and how to fix it.
+        mega_moe: True when ``available`` and the SM90 mega-MoE API (``get_symm_buffer_for_sm90_mega_moe``,
+            ``transform_weights_for_mega_moe_sm90``, ``fp8_mega_moe``) is present. Not exercised by the
+            probe (that needs a process group); ``moe_ref.mega_deep_gemm`` does.
+    """
+
+    available: bool
+    version: str | None
+    reason: str
+    mega_moe: bool = False
+
+
+def deep_gemm_status(*, refresh: bool = False) -> DeepGemmStatus:
+    """Probe DeepGEMM once per process (cached); never raises.
+
+    Checks, in order: the package is installed (without importing it), a CUDA device is visible, it is
+    SM90, ``import deep_gemm`` works, the grouped-GEMM API exists, and a 1-expert bf16 grouped GEMM
+    (128 x 128 x 256) on the current device matches ``torch.matmul`` (calc_diff < 1e-5).
+
+    Args:
+        refresh: forget the cached answer and probe again.
+
+    Returns:
+        status: ``DeepGemmStatus``.
+    """
+    if refresh:
+        _probe.cache_clear()
+    return _probe()
+
+
+def _installed_version() -> str | None:
+    for dist_name in ("sgl-deep-gemm", "deep-gemm", "deep_gemm"):
+        try:
+            return importlib.metadata.version(dist_name)
+        except Exception:  # noqa: BLE001 - metadata lookups can fail in odd environments; treat as unknown
+            continue
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> DeepGemmStatus:
+    version = None
+    try:
+        version = _installed_version()
+        if importlib.util.find_spec("deep_gemm") is None:
+            return DeepGemmStatus(False, version, f"deep_gemm is not installed (optional backend): {_INSTALL_HINT}")
+        if not torch.cuda.is_available():
+            return DeepGemmStatus(False, version, f"no CUDA device visible (torch {torch.__version__}, "
+                                                  f"CUDA {torch.version.cuda}); deep_gemm needs an SM90 GPU")
+        major, minor = torch.cuda.get_device_capability()
+        device_name = torch.cuda.get_device_name()
+        if major != 9:
+            return DeepGemmStatus(False, version, f"{device_name} is SM{major}{minor}; this backend is written "
+                                                  "against deep_gemm's SM90 (Hopper) kernels")
+        try:
+            deep_gemm = importlib.import_module("deep_gemm")
+        except BaseException as err:  # noqa: BLE001 - a broken binary may raise anything, even SystemExit
+            return DeepGemmStatus(False, version, f"import deep_gemm failed: {type(err).__name__}: {err}; "
+                                                  f"{_INSTALL_HINT}")
+        version = getattr(deep_gemm, "__version__", None) or version
+        missing = [name for name in _GROUPED_API if not hasattr(deep_gemm, name)]
+        if missing:
+            return DeepGemmStatus(False, version, f"deep_gemm {version} lacks {', '.join(missing)}; {_INSTALL_HINT}")
+        try:
+            diff = _tiny_grouped_gemm(deep_gemm)
+        except Exception as err:  # noqa: BLE001
+            return DeepGemmStatus(False, version, f"deep_gemm {version} imported, but a 1-expert bf16 grouped GEMM "
+                                                  f"failed: {type(err).__name__}: {err}; {_INSTALL_HINT}")
+        if not diff < 1e-5:
+            return DeepGemmStatus(False, version, f"deep_gemm {version}: a 1-expert bf16 grouped GEMM returned wrong "
+                                                  f"values (calc_diff={diff:.3g} vs torch); {_INSTALL_HINT}")
+        mega = all(hasattr(deep_gemm, name) for name in _MEGA_API)
+        note = "" if version in KNOWN_GOOD_VERSIONS else f" (untested version; known good: {KNOWN_GOOD_VERSIONS})"
+        return DeepGemmStatus(True, version, f"deep_gemm {version} on {device_name} (SM{major}{minor}): 1-expert "
+                                             f"bf16 grouped GEMM matched torch (calc_diff={diff:.2g}); mega-MoE "
+                                             f"API {'present' if mega else 'absent'}{note}", mega)
+    except Exception as err:  # noqa: BLE001 - the probe must never raise
+        return DeepGemmStatus(False, version, f"probing deep_gemm failed: {type(err).__name__}: {err}")
+
+
+def _tiny_grouped_gemm(deep_gemm) -> float:
+    """One real call: ``d = a @ b[0].T`` through ``m_grouped_bf16_gemm_nt_contiguous``; returns calc_diff."""
+    from moe_ref.testing import calc_diff
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(1, 128, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    d = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
+    grouped_layout = torch.zeros(128, device="cuda", dtype=torch.int32)
+    deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout)
+    torch.cuda.synchronize()
+    return calc_diff(d, a.float() @ b[0].float().t())
+
+
+def _import_deep_gemm():
+    """``deep_gemm`` after a successful probe, else the coded ENV001 error with the probe's reason."""
+    status = deep_gemm_status()
+    if not status.available:
+        raise BackendUnavailableError(f"deep_gemm is not usable here: {status.reason}", reason=status.reason)
+    return importlib.import_module("deep_gemm")
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 helpers (DeepGEMM's own quantizers, imported)
+# --------------------------------------------------------------------------------------------------
+def quantize_weights_fp8_block128(weight_eND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each expert's ``[N, K]`` matrix to fp8 e4m3 with one fp32 scale per 128x128 block.
+
+    Uses ``deep_gemm.utils.per_block_cast_to_fp8(w, use_ue8m0=False)`` one expert at a time (bounded
+    temporary memory: one expert in fp32).
+
+    Args:
+        weight_eND: ``[e, N, K]`` bf16/fp16/fp32 CUDA, N and K multiples of 128.
+
+    Returns:
+        weight_fp8_eND: ``[e, N, K]`` ``torch.float8_e4m3fn``, contiguous.
+        scale_eNbKb: ``[e, N/128, K/128]`` fp32 contiguous, ``max(block amax, 1e-4) / 448``.
+    """
+    from deep_gemm.utils import per_block_cast_to_fp8
+
+    num_experts, n, k = weight_eND.shape
+    if n % 128 or k % 128:
+        raise FP8AlignmentError(f"fp8 weights need both matrix dims divisible by 128, got {n=} and {k=}")
+    weight_fp8 = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=weight_eND.device)
+    scale = torch.empty(num_experts, n // 128, k // 128, dtype=torch.float32, device=weight_eND.device)
+    for i in range(num_experts):
+        weight_fp8[i], scale[i] = per_block_cast_to_fp8(weight_eND[i], use_ue8m0=False)
+    return weight_fp8, scale
+
+
+def _quantize_rows_fp8(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., K]`` -> (fp8 ``[..., K]``, fp32 ``[..., K/128]``) with ``deep_gemm.utils.per_token_cast_to_fp8``."""
+    from deep_gemm.utils import per_token_cast_to_fp8
+
+    *lead, k = x_MK.shape
+    x_fp8, scale = per_token_cast_to_fp8(x_MK.reshape(-1, k), use_ue8m0=False)
+    return x_fp8.view(*lead, k), scale.view(*lead, scale.shape[-1])
+
+
+def _call(deep_gemm, name: str, *args, **kwargs) -> None:
+    """Call ``deep_gemm.<name>`` and, on failure, re-raise with every argument's shape/dtype/stride."""
+    try:
+        getattr(deep_gemm, name)(*args, **kwargs)
+    except Exception as err:
+        def describe(value):
+            if isinstance(value, torch.Tensor):
+                return f"Tensor{tuple(value.shape)} {value.dtype} strides={value.stride()} {value.device}"
+            if isinstance(value, (tuple, list)):
+                return "(" + ", ".join(describe(v) for v in value) + ")"
+            return repr(value)
+        described = ", ".join([describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()])
+        raise RuntimeError(f"deep_gemm.{name}({described}) failed: {type(err).__name__}: {err}") from err
+
+
+# --------------------------------------------------------------------------------------------------
+# the experts backend
+# --------------------------------------------------------------------------------------------------
+class DeepGemmExperts(Experts):
+    """Local experts on DeepGEMM grouped GEMMs (bf16, or FP8 1x128 activations / 128x128 weights).
+
+    Args:
+        gate_up_weight_e2FD: ``[e, 2F, D]`` CUDA, gate rows then up rows of each local expert.
+        down_weight_eDF: ``[e, D, F]`` CUDA.
+        activation, situ_beta, situ_linear_beta: see ``moe_ref.activations`` (applied in torch, fp32).
+        fp8: quantize the weights once here (128x128 block scales) and the activations per call
+            (per row per 128 columns); else the weights are used as bf16 (a bf16 copy when they are not).
+
+    Raises:
+        BackendUnavailableError (ENV001): deep_gemm is not usable here; the message carries
+            ``deep_gemm_status().reason``.
+        DeviceError, ShapeError, ShapeUnsupportedError, FP8AlignmentError: weights not on CUDA,
+            inconsistent shapes, dims DeepGEMM cannot tile (bf16: D and F multiples of 8; fp8: of 128).
+    """
+
+    name = "deep_gemm"
+
+    def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
+                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False):
+        deep_gemm = _import_deep_gemm()
+        super().__init__(gate_up_weight_e2FD, down_weight_eDF, activation, situ_beta, situ_linear_beta)
+        if activation not in ("silu", "situ"):
+            raise UnknownNameError(f"activation={activation!r}; supported: silu, situ")
+        self._deep_gemm = deep_gemm
+        self.fp8 = fp8
+        self.mk_alignment = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
+        self.num_local_experts, self.hidden_size, self.intermediate_size = _check_weights(
+            gate_up_weight_e2FD, down_weight_eDF, fp8)
+        if fp8:
+            # NOTE: the bf16 originals stay referenced by the base class (the caller's tensors, no copy).
+            self._gate_up_weight = quantize_weights_fp8_block128(gate_up_weight_e2FD)
+            self._down_weight = quantize_weights_fp8_block128(down_weight_eDF)
+        else:
+            self._gate_up_weight = gate_up_weight_e2FD.to(torch.bfloat16).contiguous()
+            self._down_weight = down_weight_eDF.to(torch.bfloat16).contiguous()
+
+    # --- contiguous layout ---------------------------------------------------------------------------
+    def forward(self, x_RD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        """Run every local expert over its segment of the pool.
+
+        Args:
+            x_RD: ``[R, D]`` CUDA bf16/fp16/fp32 pool rows, expert-major; the rows of local expert i are
+                ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``.
+            layout: ``ExpertLayout``; ``layout.alignment`` must be a multiple of DeepGEMM's M alignment (128).
+
+        Returns:
+            y_RD: ``[R, D]`` in ``x_RD``'s dtype; rows outside every segment are zero. No host sync
+            (the layout's tensors are moved to the device if needed).
+        """
+        self._check_input(x_RD, 2)
+        if layout.alignment % self.mk_alignment:
+            raise ShapeError(f"layout.alignment={layout.alignment} is not a multiple of deep_gemm's contiguous-layout "
+                             f"alignment {self.mk_alignment}; build the pool with alignment={self.mk_alignment}")
+        if layout.num_local_experts != self.num_local_experts:
+            raise ShapeError(f"layout has {layout.num_local_experts} experts, the weights {self.num_local_experts}")
+        num_rows = x_RD.shape[0]
+        if num_rows == 0:
+            return torch.zeros_like(x_RD)
+        # Pad the pool to whole M blocks (only when R is not already a multiple of the alignment).
+        num_padded_rows = -(-num_rows // self.mk_alignment) * self.mk_alignment
+        x_bf16 = x_RD.to(torch.bfloat16)
+        if num_padded_rows != num_rows:
+            x_bf16 = F.pad(x_bf16, (0, 0, 0, num_padded_rows - num_rows))
+        grouped_layout_R, valid_R = grouped_layout_from_expert_layout(layout, num_padded_rows, x_RD.device)
+
+        gate_up_R2F = self._grouped_gemm(x_bf16.contiguous(), self._gate_up_weight, grouped_layout_R)
+        h_RF = self._activation(gate_up_R2F, valid_R[:, None])
+        y_RD = self._grouped_gemm(h_RF, self._down_weight, grouped_layout_R)
+        return torch.where(valid_R[:, None], y_RD, 0)[:num_rows].to(x_RD.dtype)
+
+    def _grouped_gemm(self, a_RK: torch.Tensor, weight, grouped_layout_R: torch.Tensor) -> torch.Tensor:
+        """``[R, K] x [e, N, K] -> [R, N]`` bf16 on DeepGEMM's contiguous layout."""
+        num_out = (weight[0] if self.fp8 else weight).shape[1]
+        out_RN = torch.empty(a_RK.shape[0], num_out, dtype=torch.bfloat16, device=a_RK.device)
+        if self.fp8:
+            _call(self._deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", _quantize_rows_fp8(a_RK), weight, out_RN,
+                  grouped_layout_R, disable_ue8m0_cast=True)
+        else:
+            _call(self._deep_gemm, "m_grouped_bf16_gemm_nt_contiguous", a_RK.to(torch.bfloat16).contiguous(), weight,
+                  out_RN, grouped_layout_R)
+        return out_RN
+
+    def _activation(self, gate_up_2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """fp32 activation of ``[..., 2F]``; rows where ``valid`` is False become 0 (their GEMM output is
+        unwritten memory). bf16 result for the bf16 GEMM, fp32 for the fp8 path (quantized from fp32)."""
+        gate, up = gate_up_2F.chunk(2, dim=-1)
+        h = gated_activation(gate, up, self.activation, self.situ_beta, self.situ_linear_beta)
+        h = torch.where(valid, h, 0.0)
+        return h.contiguous() if self.fp8 else h.to(torch.bfloat16).contiguous()
+
+    # --- masked layout (decode, CUDA graphs) ---------------------------------------------------------
+    def forward_masked(self, x_eMD: torch.Tensor, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
+        """Run expert i over rows ``x_eMD[i, :masked_m_e[i]]`` (DeepGEMM's masked layout).
+
+        No host sync, fixed shapes: after one warm-up call (JIT compile) it can be captured in a
+        ``torch.cuda.CUDAGraph``.
+
+        Args:
+            x_eMD: ``[e, M, D]`` CUDA bf16/fp16/fp32; M = rows reserved per expert.
+            masked_m_e: ``[e]`` int32 CUDA (int64 is converted), valid rows per expert, each in ``[0, M]``.
+            expected_m: a host int > 0, the typical rows per expert (DeepGEMM's tiling hint only).
+
+        Returns:
+            y_eMD: ``[e, M, D]`` in ``x_eMD``'s dtype; rows ``>= masked_m_e[i]`` of expert i are zero.
+        """
+        self._check_input(x_eMD, 3)
+        num_experts, max_rows, _ = x_eMD.shape
+        if num_experts != self.num_local_experts:
+            raise ShapeError(f"x_eMD has {num_experts} experts, the weights {self.num_local_experts}")
+        if tuple(masked_m_e.shape) != (num_experts,) or masked_m_e.device != x_eMD.device:
+            raise ShapeError(f"masked_m_e must be [{num_experts}] on {x_eMD.device}, got {tuple(masked_m_e.shape)} "
+                             f"on {masked_m_e.device}")
+        if not isinstance(expected_m, int) or expected_m <= 0:
+            raise ShapeError(f"expected_m={expected_m!r} must be a positive int (deep_gemm asserts expected_m > 0)")
+        if max_rows == 0:
+            return torch.zeros_like(x_eMD)
+        masked_m_e = masked_m_e.to(torch.int32).contiguous()
+        valid_eM = torch.arange(max_rows, device=x_eMD.device)[None, :] < masked_m_e[:, None]
+
+        gate_up_eM2F = self._masked_gemm(x_eMD.to(torch.bfloat16).contiguous(), self._gate_up_weight, masked_m_e,
+                                         expected_m)
+        h_eMF = self._activation(gate_up_eM2F, valid_eM[..., None])
+        y_eMD = self._masked_gemm(h_eMF, self._down_weight, masked_m_e, expected_m)
+        return torch.where(valid_eM[..., None], y_eMD, 0).to(x_eMD.dtype)
+
+    def _masked_gemm(self, a_eMK: torch.Tensor, weight, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
+        num_out = (weight[0] if self.fp8 else weight).shape[1]
+        out_eMN = torch.empty(*a_eMK.shape[:2], num_out, dtype=torch.bfloat16, device=a_eMK.device)
+        if self.fp8:
+            _call(self._deep_gemm, "m_grouped_fp8_gemm_nt_masked", _quantize_rows_fp8(a_eMK), weight, out_eMN,
+                  masked_m_e, expected_m, disable_ue8m0_cast=True)
+        else:
+            _call(self._deep_gemm, "m_grouped_bf16_gemm_nt_masked", a_eMK.to(torch.bfloat16).contiguous(), weight,
+                  out_eMN, masked_m_e, expected_m)
+        return out_eMN
+
+    def _check_input(self, x: torch.Tensor, ndim: int) -> None:
+        if x.device.type != "cuda":
+            raise DeviceError(f"deep_gemm experts need CUDA inputs, got a tensor on {x.device}")
+        if x.dim() != ndim or x.shape[-1] != self.hidden_size:
+            raise ShapeError(f"expected a {ndim}-D input with last dim D={self.hidden_size}, got {tuple(x.shape)}")
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise DTypeError(f"input dtype {x.dtype}; deep_gemm experts take bf16/fp16/fp32 (computed in bf16/fp8)")
+
+
+def _check_weights(gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, fp8: bool) -> tuple[int, int, int]:
+    """Validate the expert weights; returns (e, D, F)."""
+    for name, weight in (("gate_up_weight_e2FD", gate_up_weight_e2FD), ("down_weight_eDF", down_weight_eDF)):
+        if weight.device.type != "cuda":
+            raise DeviceError(f"{name} is on {weight.device}; deep_gemm experts need CUDA weights")
+        if weight.dim() != 3:
+            raise ShapeError(f"{name} must be 3-D, got {tuple(weight.shape)}")
+    num_experts, two_f, hidden = gate_up_weight_e2FD.shape
+    intermediate = two_f // 2
+    if two_f % 2 or tuple(down_weight_eDF.shape) != (num_experts, hidden, intermediate):
+        raise ShapeError(f"gate_up [e, 2F, D]={tuple(gate_up_weight_e2FD.shape)} and down [e, D, F]="
+                         f"{tuple(down_weight_eDF.shape)} disagree")
+    if fp8 and (hidden % 128 or intermediate % 128):
+        raise FP8AlignmentError(f"fp8 deep_gemm experts need D and F divisible by 128, got D={hidden}, F={intermediate}; "
+                                "use fp8=False")
+    if not fp8 and (hidden % 8 or intermediate % 8):
+        raise ShapeUnsupportedError(f"deep_gemm's TMA loads need 16-byte rows: D={hidden} and F={intermediate} must be "
+                                    "multiples of 8 for bf16")
+    return num_experts, hidden, intermediate
+
+
+def grouped_layout_from_expert_layout(layout: ExpertLayout, num_rows: int,
+                                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepGEMM's per-row group ids from an ``ExpertLayout``, built on ``device`` without a host sync.
+
+    Example: starts [0, 128, 128], counts [3, 0, 5], R = 256 -> rows 0-2 -> 0, rows 3-127 -> -1,
+    rows 128-132 -> 2, rows 133-255 -> -1 (an empty expert shares its start with the next one;
+    ``searchsorted(right=True)`` picks the later, non-empty one).
+
+    Args:
+        layout: segments sorted by start (as ``ExpertLayout.from_counts`` builds them).
+        num_rows: R, rows of the (possibly padded) pool.
+        device: where to build the tensors.
+
+    Returns:
+        grouped_layout_R: ``[R]`` int32, the local expert of each row, -1 on padding rows.
+        valid_R: ``[R]`` bool, ``grouped_layout_R >= 0``.
+    """
+    row_start_e = layout.row_start_e.to(device=device, dtype=torch.int64)
+    num_rows_e = layout.num_rows_e.to(device=device, dtype=torch.int64)
+    rows_R = torch.arange(num_rows, device=device, dtype=torch.int64)
+    seg_R = (torch.searchsorted(row_start_e, rows_R, right=True) - 1).clamp(min=0)
+    valid_R = (rows_R >= row_start_e[seg_R]) & (rows_R < row_start_e[seg_R] + num_rows_e[seg_R])
+    return torch.where(valid_R, seg_R, -1).to(torch.int32), valid_R
+
+
+# --------------------------------------------------------------------------------------------------
+# benchmark hook (scripts/bench_experts.py)
+# --------------------------------------------------------------------------------------------------
+def deep_gemm_grouped_cases(num_local_experts: int, num_rows: int, hidden: int, intermediate: int, *,
+                            activation: str = "silu", fp8_options: tuple[bool, ...] = (False, True),
+                            alignment: int = 128, seed: int = 0, warmup: int = 5, iters: int = 20) -> list[dict]:
+    """Time ``DeepGemmExperts.forward`` (both GEMMs + activation) at one shape; [] when deep_gemm is unusable.
+
+    Rows are spread evenly over the experts (``num_rows`` total, each segment padded to ``alignment``).
+    Each case also reports calc_diff against ``TorchLoopExperts`` on the same bf16 weights.
+
+    Args:
+        num_local_experts, num_rows, hidden, intermediate: e, total valid rows, D, F.
+        fp8_options: which of bf16 (False) / fp8 (True) to run.
+
+    Returns:
+        rows: one dict per case: ``backend`` ("deep_gemm_bf16"/"deep_gemm_fp8"), ``num_local_experts``,
+        ``num_rows``, ``hidden``, ``intermediate``, ``us`` (median, CUDA events, L2 flushed), ``tflops``,
+        ``weight_gbps`` (weight bytes read / time), ``calc_diff``; or ``error`` (a string) when a case failed.
+        An empty list when ``deep_gemm_status()`` is not available.
+    """
+    from moe_ref.experts import TorchLoopExperts
+    from moe_ref.testing import bench, calc_diff
+
+    if not deep_gemm_status().available:
+        return []
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    e, D, Fi = num_local_experts, hidden, intermediate
+    gate_up = torch.randn(e, 2 * Fi, D, device="cuda", dtype=torch.bfloat16, generator=gen) * D ** -0.5
+    down = torch.randn(e, D, Fi, device="cuda", dtype=torch.bfloat16, generator=gen) * Fi ** -0.5
+    counts_e = torch.full((e,), num_rows // e, dtype=torch.int64)
+    counts_e[: num_rows % e] += 1
+    layout = ExpertLayout.from_counts(counts_e.cuda(), alignment)
+    x_RD = torch.randn(layout.num_pool_rows, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    reference = TorchLoopExperts(gate_up, down, activation)(x_RD, layout)
+    rows = []
+    for fp8 in fp8_options:
+        row = dict(backend=f"deep_gemm_{'fp8' if fp8 else 'bf16'}", num_local_experts=e, num_rows=num_rows,
+                   hidden=D, intermediate=Fi)
+        try:
+            experts = DeepGemmExperts(gate_up, down, activation, fp8=fp8)
+            out = experts(x_RD, layout)
+            row["calc_diff"] = calc_diff(out, reference)
+            us = bench(lambda: experts(x_RD, layout), warmup=warmup, iters=iters)
+            weight_bytes = e * 3 * D * Fi * (1 if fp8 else 2)
+            row.update(us=us, tflops=2 * num_rows * 3 * D * Fi / (us * 1e-6) / 1e12,
+                       weight_gbps=weight_bytes / (us * 1e-6) / 1e9)
+        except Exception as err:  # noqa: BLE001 - a bench row reports the failure instead of aborting the sweep
+            row["error"] = f"{type(err).__name__}: {err}"
+        rows.append(row)
+    return rows

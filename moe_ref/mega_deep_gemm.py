@@ -1,0 +1,277 @@
+"""DeepGEMM's SM90 mega-MoE as moe_ref's routed step on 2+ GPUs (optional; sgl-deep-gemm 0.1.4).
+
+    x_TD [T, D], topk_ids_TK [T, K] (-1 = masked), topk_weights_TK [T, K]
+      --moe_ref overflow policy (capacity.group_max + capacity.num_chunks_for, same answer on every rank):
+        'error' -> CapacityExceededError (CAP001) on every rank, before any kernel
+        'chunk' -> n = ceil(max_r T_r / cap) chunks; every rank launches all n, empty ones included-->
+      per chunk:
+        moe_ref.kernels.pre_dispatch: x -> fp8 e4m3 + fp32 scale per 128 columns, ids (int64), weights (fp32)
+            written into DeepGEMM's symmetric-buffer views x, x_sf, topk_idx, topk_weights  (rows [:T])
+        deep_gemm.fp8_mega_moe (one persistent kernel): every rank pulls the rows routed to its experts
+            from its peers over NVLink -> L1 GEMM (fp8 x fp8, 128x128 weight blocks) -> SwiGLU x routing
+            weight -> fp8 requant (per 64 columns) -> L2 GEMM -> bf16 rows written into the SOURCE rank's
+            combine slots -> NVLink barrier -> unweighted fp32 sum of the valid slots -> bf16
+      -> y_TD [T, D] bf16
+
+Semantics (read from deep_gemm 0.1.4's ``include/deep_gemm/impls/sm90_fp8_mega_moe.cuh`` and its wrapper):
+
+- Routing weights are applied inside the kernel, after SwiGLU and before GEMM2 (``swiglu *= weight``);
+  combine is a plain sum. ``fp8_mega_moe`` has no ``routed_scaling_factor`` argument: moe_ref's router
+  already folds ``routed_scaling_factor`` into ``topk_weights`` (``moe_ref.router``), so passing those
+  weights gives ``sum_j w_j * Expert_j(x)`` with the factor included, as in ``routed_experts_reference``.
+- The kernel reads rows ``[0, y.size(0))`` of ``topk_idx`` only (``for (i = ...; i < num_tokens; ...)``,
+  ``num_tokens = y.size(0)``), so stale rows ``[T, cap)`` from an earlier call are never read and need
+  no reset. With T = 0 we still launch (peers wait for us at the in-kernel NVLink barriers) with a
+  1-row ``y`` (SGLang notes the tvm-ffi binding rejects empty tensors) and ``topk_idx[0] = -1``.
+- SwiGLU only (``fp8_mega_moe`` asserts ``activation == 'swiglu'``; Kimi-K3's SiTU is refused), and the
+  wrapper asserts ``intermediate_hidden / 64 <= 64`` (F <= 4096: Step3's 5120 is refused),
+  ``hidden % 128 == 0 and intermediate_hidden % 128 == 0``, ``num_tokens <= num_max_tokens_per_rank``;
+  the kernel static-asserts ``num_topk <= 32``. ``supports(cfg, ep_size)`` checks all of these first.
+- ``get_symm_buffer_for_sm90_mega_moe`` aligns the cap up internally; moe_ref's overflow decision uses
+  the cap the user asked for.
+- Numerics: fp8 activations (per-128 scales), fp8 weights (128x128 blocks), fp8 intermediate; against
+  the bf16 reference calc_diff is about 2e-3 (a CPU simulation of this recipe at D 7168, F 2048 gave
+  2.1e-3 per expert slot).
+
+Shape legend: T tokens of this rank, D hidden (expert input width), F expert intermediate, K top-k,
+E experts, e = E / R local experts, R EP ranks, C cap (``num_max_tokens_per_rank``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moe_ref.capacity import CapacityPlan, group_max, num_chunks_for, resolve_cap, resolve_overflow
+from moe_ref.config import MoEConfig
+from moe_ref.deep_gemm_backend import _call, _import_deep_gemm, deep_gemm_status, quantize_weights_fp8_block128
+from moe_ref.errors import (BackendUnavailableError, CapacityMismatchError, DeviceError, DistributedError,
+                            DTypeError, ExpertIdError, ShapeError, ShapeUnsupportedError)
+
+__all__ = ["supports", "DeepGemmMegaMoE", "MAX_INTERMEDIATE_SIZE", "MAX_TOPK"]
+
+MAX_INTERMEDIATE_SIZE = 4096  # fp8_mega_moe asserts intermediate_hidden / 64 <= 64
+MAX_TOPK = 32  # sm90_fp8_mega_moe_impl: DG_STATIC_ASSERT(kNumTopk <= 32, ...)
+
+
+def supports(cfg: MoEConfig, ep_size: int, *, check_runtime: bool = False) -> tuple[bool, str]:
+    """Whether DeepGEMM 0.1.4's SM90 mega-MoE can run this block at this EP size (for ``auto`` fallback).
+
+    Args:
+        cfg: the MoE block (its expert width is ``cfg.expert_hidden_size``).
+        ep_size: R, ranks of the EP group.
+        check_runtime: also require ``deep_gemm_status()`` to be available with the mega-MoE API.
+
+    Returns:
+        ok: True when every limit holds.
+        reason: ``"ok: ..."`` or every violated limit, ``"; "``-separated, each naming the value and the limit.
+    """
+    hidden, intermediate = cfg.expert_hidden_size, cfg.intermediate_size
+    problems = []
+    if cfg.activation != "silu":
+        problems.append(f"activation={cfg.activation!r}: deep_gemm 0.1.4's SM90 mega-MoE implements SwiGLU only "
+                        "(fp8_mega_moe asserts activation == 'swiglu'); SiTU (Kimi-K3) needs moe_ref's own EP path")
+    if intermediate > MAX_INTERMEDIATE_SIZE:
+        problems.append(f"intermediate_size={intermediate} > {MAX_INTERMEDIATE_SIZE}: fp8_mega_moe asserts "
+                        f"intermediate_hidden / 64 <= 64")
+    if hidden % 128 or intermediate % 128:
+        problems.append(f"hidden={hidden} and intermediate_size={intermediate} must be multiples of 128 (per-128 FP8 "
+                        "scales; fp8_mega_moe asserts hidden % 128 == 0 and intermediate_hidden % 128 == 0)")
+    if cfg.num_topk > MAX_TOPK:
+        problems.append(f"num_topk={cfg.num_topk} > {MAX_TOPK} (the kernel static-asserts kNumTopk <= 32)")
+    if ep_size < 2:
+        problems.append(f"ep_size={ep_size}: the mega path needs 2+ ranks sharing symmetric memory; in one process use "
+                        "experts_backend='deep_gemm' (grouped GEMMs)")
+    elif cfg.num_experts % ep_size:
+        problems.append(f"num_experts={cfg.num_experts} % ep_size={ep_size} != 0")
+    if check_runtime and not problems:
+        status = deep_gemm_status()
+        if not (status.available and status.mega_moe):
+            problems.append(f"deep_gemm mega-MoE not usable here: {status.reason}")
+    if problems:
+        return False, "; ".join(problems)
+    return True, (f"ok: SwiGLU, hidden {hidden}, intermediate {intermediate} <= {MAX_INTERMEDIATE_SIZE}, "
+                  f"top-{cfg.num_topk}, {cfg.num_experts} experts over {ep_size} ranks")
+
+
+class DeepGemmMegaMoE:
+    """The routed step of one MoE block on DeepGEMM's SM90 fused mega-kernel, with moe_ref's overflow policy.
+
+    Construction is collective (every rank of ``group`` must build it with the same cap): it checks the
+    cap on every rank, quantizes this rank's experts to fp8 (128x128 block scales) once, interleaves
+    gate/up with ``transform_weights_for_mega_moe_sm90`` and allocates DeepGEMM's symmetric buffer with
+    ``get_symm_buffer_for_sm90_mega_moe``. Call ``destroy()`` when done.
+
+    Args:
+        cfg: the MoE block; must pass ``supports(cfg, R)``.
+        group: the EP process group (NCCL, one GPU per rank, ``torch.cuda.set_device`` done), R >= 2.
+        num_max_tokens_per_rank: C, the most rows one rank feeds per call (None: ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``).
+        overflow: ``"error"`` or ``"chunk"`` (None: ``MOE_REF_OVERFLOW_POLICY``, else ``"error"``).
+        gate_up_weight_e2FD: ``[e, 2F, D]`` CUDA bf16 (or fp16/fp32), gate rows then up rows of this rank's experts
+            (global experts ``rank * e ... rank * e + e - 1``).
+        down_weight_eDF: ``[e, D, F]`` CUDA.
+        activation_clamp: optional SwiGLU clamp (``gate <= c``, ``-c <= up <= c``); None = no clamp (moe_ref's models).
+        fast_math: DeepGEMM's fast exp/reciprocal in SwiGLU.
+
+    Raises:
+        ShapeUnsupportedError (ENV002): ``supports`` refused the shape (the message names each limit).
+        BackendUnavailableError (ENV001): deep_gemm or its mega-MoE API is not usable here.
+        CapacityMismatchError (CAP002): ranks passed different caps.
+        DistributedError, DeviceError, ShapeError: no process group, weights not on CUDA, wrong shapes.
+    """
+
+    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None, num_max_tokens_per_rank: int | None,
+                 overflow: str | None, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, *,
+                 activation_clamp: float | None = None, fast_math: bool = True):
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        ep_size = dist.get_world_size(group) if group is not None else 1
+        ok, reason = supports(cfg, ep_size)
+        if not ok:
+            raise ShapeUnsupportedError(f"deep_gemm SM90 mega-MoE refuses {cfg.name} at ep_size={ep_size}: {reason}",
+                                        reason=reason)
+        deep_gemm = _import_deep_gemm()
+        status = deep_gemm_status()
+        if not status.mega_moe:
+            raise BackendUnavailableError(f"deep_gemm {status.version} has no SM90 mega-MoE API "
+                                          f"(get_symm_buffer_for_sm90_mega_moe, transform_weights_for_mega_moe_sm90, "
+                                          f"fp8_mega_moe); use sgl-deep-gemm 0.1.4")
+        self._deep_gemm = deep_gemm
+        self.cfg, self.group, self.ep_size = cfg, group, ep_size
+        self.rank = dist.get_rank(group)
+        self.num_max_tokens_per_rank = resolve_cap(num_max_tokens_per_rank)
+        self.overflow = resolve_overflow(overflow)
+        self.activation_clamp, self.fast_math = activation_clamp, fast_math
+        self.num_local_experts = cfg.num_experts // ep_size
+        self.hidden_size, self.intermediate_size = cfg.expert_hidden_size, cfg.intermediate_size
+        self._check_weights(gate_up_weight_e2FD, down_weight_eDF)
+        self.device = gate_up_weight_e2FD.device
+        self._check_cap_agreement()
+        # moe_ref's plan for this cap: only used by the overflow decision and to price a larger cap in
+        # CAP001 messages (DeepGEMM's own buffer has another layout; see buffer_bytes for its real size).
+        self.plan = CapacityPlan.build(cfg, ep_size, self.num_max_tokens_per_rank, torch.bfloat16, dispatch_fp8=True)
+
+        l1_weights = quantize_weights_fp8_block128(gate_up_weight_e2FD)
+        l2_weights = quantize_weights_fp8_block128(down_weight_eDF)
+        self._l1_weights, self._l2_weights = deep_gemm.transform_weights_for_mega_moe_sm90(l1_weights, l2_weights)
+        del l1_weights, l2_weights
+        try:
+            self.buffer = deep_gemm.get_symm_buffer_for_sm90_mega_moe(
+                group, cfg.num_experts, self.num_max_tokens_per_rank, cfg.num_topk, self.hidden_size,
+                self.intermediate_size, True, "swiglu")
+        except Exception as err:
+            raise BackendUnavailableError(
+                f"deep_gemm.get_symm_buffer_for_sm90_mega_moe(ranks={ep_size}, num_experts={cfg.num_experts}, "
+                f"cap={self.num_max_tokens_per_rank}, topk={cfg.num_topk}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}) failed: {type(err).__name__}: {err}") from err
+        # pre_dispatch's per-expert counter (required by its signature; zeroed before each chunk).
+        self.num_rows_per_expert_E = torch.zeros(cfg.num_experts, dtype=torch.int32, device=self.device)
+        # DeepGEMM's cumulative per-local-expert receive counts (rows = (token, slot) pairs), over all calls.
+        self.num_recv_tokens_per_expert_e = torch.zeros(self.num_local_experts, dtype=torch.int32, device=self.device)
+
+    # --- public ----------------------------------------------------------------------------------------
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of DeepGEMM's symmetric buffer on this rank."""
+        return self.buffer.buffer.numel() * self.buffer.buffer.element_size()
+
+    def run(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        """The routed step: ``y[t] = sum_j w[t, j] * Expert_{ids[t, j]}(x[t])`` over the whole EP group.
+
+        Collective: every rank of the group must call it (with T = 0 if it has no tokens).
+
+        Args:
+            x_TD: ``[T, D]`` CUDA bf16/fp16/fp32, this rank's tokens (T may be 0).
+            topk_ids_TK: ``[T, K]`` int64 (int32 accepted), global expert ids, -1 = masked slot.
+            topk_weights_TK: ``[T, K]`` fp32 routing weights (``routed_scaling_factor`` already folded in).
+
+        Returns:
+            y_TD: ``[T, D]`` bf16. NOTE: syncs the host once (the group max of T, plus an input check).
+
+        Raises:
+            CapacityExceededError (CAP001): policy ``error`` and some rank has more than C rows; raised on
+                every rank (decided from the group max).
+            ShapeError, DTypeError, DeviceError, ExpertIdError: bad inputs on this rank; the other ranks raise
+                ShapeError too (the check is collective, so nobody hangs).
+        """
+        local_error = self._input_error(x_TD, topk_ids_TK, topk_weights_TK)
+        num_tokens = x_TD.shape[0] if x_TD.dim() == 2 else 0
+        group_max_tokens, any_error = group_max([num_tokens, int(local_error is not None)], self.group, self.device)
+        if any_error:
+            raise local_error or ShapeError(f"rank {self.rank}: another rank of the EP group passed invalid inputs "
+                                            "to DeepGemmMegaMoE.run (see its error); every rank stops so none hangs")
+        num_chunks = num_chunks_for(num_tokens, group_max_tokens, self.plan, self.overflow, rank=self.rank)
+        if num_chunks == 0:  # no rank has rows: nobody launches
+            return torch.empty(0, self.hidden_size, dtype=torch.bfloat16, device=self.device)
+        topk_ids_TK = topk_ids_TK.to(torch.int64)
+        topk_weights_TK = topk_weights_TK.to(torch.float32)
+        cap = self.num_max_tokens_per_rank
+        outputs = [self._launch(x_TD[c * cap:(c + 1) * cap], topk_ids_TK[c * cap:(c + 1) * cap],
+                                topk_weights_TK[c * cap:(c + 1) * cap]) for c in range(num_chunks)]
+        return outputs[0] if num_chunks == 1 else torch.cat(outputs)
+
+    def destroy(self) -> None:
+        """Release the symmetric buffer (collective use ends here; call on every rank)."""
+        if getattr(self, "buffer", None) is not None:
+            self.buffer.destroy()
+            self.buffer = None
+
+    # --- internals -------------------------------------------------------------------------------------
+    def _launch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        """One kernel launch over at most C rows (possibly 0)."""
+        from moe_ref.kernels.pre_dispatch import pre_dispatch
+
+        if self.buffer is None:
+            raise BackendUnavailableError("DeepGemmMegaMoE.run after destroy()")
+        num_tokens = x_TD.shape[0]
+        buf = self.buffer
+        self.num_rows_per_expert_E.zero_()
+        pre_dispatch(x_TD.contiguous(), topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), buf.x, buf.x_sf,
+                     buf.topk_idx, buf.topk_weights, self.num_rows_per_expert_E)
+        if num_tokens == 0:
+            buf.topk_idx[:1].fill_(-1)  # the 1-row dummy launch below must route nothing
+        y_TD = torch.empty(max(num_tokens, 1), self.hidden_size, dtype=torch.bfloat16, device=self.device)
+        _call(self._deep_gemm, "fp8_mega_moe", y_TD, self._l1_weights, self._l2_weights, buf,
+              cumulative_local_expert_recv_stats=self.num_recv_tokens_per_expert_e, recipe=(128, 128, 128),
+              activation="swiglu", activation_clamp=self.activation_clamp, fast_math=self.fast_math)
+        return y_TD[:num_tokens]
+
+    def _check_weights(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor) -> None:
+        e, D, F = self.num_local_experts, self.hidden_size, self.intermediate_size
+        for name, weight, shape in (("gate_up_weight_e2FD", gate_up_weight_e2FD, (e, 2 * F, D)),
+                                    ("down_weight_eDF", down_weight_eDF, (e, D, F))):
+            if weight.device.type != "cuda":
+                raise DeviceError(f"{name} is on {weight.device}; the deep_gemm mega path needs CUDA weights")
+            if tuple(weight.shape) != shape:
+                raise ShapeError(f"{name} has shape {tuple(weight.shape)}, expected {shape} (e = {self.cfg.num_experts} "
+                                 f"experts / ep_size {self.ep_size})")
+
+    def _check_cap_agreement(self) -> None:
+        cap = self.num_max_tokens_per_rank
+        largest, neg_smallest = group_max([cap, -cap], self.group, self.device)
+        if largest != -neg_smallest:
+            raise CapacityMismatchError(
+                f"rank {self.rank} has num_max_tokens_per_rank={cap}, but the EP group's caps range from "
+                f"{-neg_smallest} to {largest}; pass the same cap on every rank", cap=cap, smallest=-neg_smallest,
+                largest=largest)
+
+    def _input_error(self, x_TD, topk_ids_TK, topk_weights_TK) -> Exception | None:
+        """The first problem with this rank's inputs, or None (checks ids range on device: one host sync)."""
+        D, K, E = self.hidden_size, self.cfg.num_topk, self.cfg.num_experts
+        if x_TD.dim() != 2 or x_TD.shape[1] != D:
+            return ShapeError(f"x_TD must be [T, {D}], got {tuple(x_TD.shape)}")
+        num_tokens = x_TD.shape[0]
+        for name, tensor in (("x_TD", x_TD), ("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK)):
+            if tensor.device != self.device:
+                return DeviceError(f"{name} is on {tensor.device}, the layer on {self.device}")
+        if x_TD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return DTypeError(f"x_TD dtype {x_TD.dtype}; expected bf16/fp16/fp32")
+        if tuple(topk_ids_TK.shape) != (num_tokens, K) or tuple(topk_weights_TK.shape) != (num_tokens, K):
+            return ShapeError(f"topk_ids_TK and topk_weights_TK must be [{num_tokens}, {K}], got "
+                              f"{tuple(topk_ids_TK.shape)} and {tuple(topk_weights_TK.shape)}")
+        if topk_ids_TK.dtype not in (torch.int64, torch.int32) or not topk_weights_TK.dtype.is_floating_point:
+            return DTypeError(f"topk_ids_TK must be int64/int32 and topk_weights_TK floating, got {topk_ids_TK.dtype} "
+                              f"and {topk_weights_TK.dtype}")
+        if num_tokens and bool(((topk_ids_TK < -1) | (topk_ids_TK >= E)).any()):
+            bad = topk_ids_TK[(topk_ids_TK < -1) | (topk_ids_TK >= E)]
+            return ExpertIdError(f"topk_ids_TK holds ids outside [-1, {E}): e.g. {bad[:4].tolist()}")
+        return None
