@@ -176,51 +176,53 @@ def _grouped_gemm_kernel(
 # --------------------------------------------------------------------------------------------------
 # configs (GPU autotune; one fixed small config under the interpreter)
 # --------------------------------------------------------------------------------------------------
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), grouped by the rows-per-expert regime they serve.
+_DECODE_TILES = [  # <= 32 rows per expert: weight-bandwidth bound, many N tiles in flight
+    (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+]
+_MID_TILES = [  # 32..256 rows per expert
+    (32, 128, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
+]
+_PREFILL_TILES = [  # > 256 rows per expert: compute bound, big tiles
+    (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+]
+
+
 def _gpu_configs() -> list[triton.Config]:
-    """H200 candidates: prefill tiles (BLOCK_M 64/128) and decode tiles (BLOCK_M 16/32)."""
-    configs = []
-    for block_m in (16, 32, 64, 128):
-        for block_n in (64, 128, 256):
-            for block_k in (64, 128):
-                for num_warps in (4, 8):
-                    for num_stages in (3, 4):
-                        configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k},
-                                                     num_warps=num_warps, num_stages=num_stages))
-    return configs
+    """H200 candidates (union of the regimes; `_prune_configs` keeps the ones for this launch)."""
+    tiles = dict.fromkeys(_DECODE_TILES + _MID_TILES + _PREFILL_TILES)
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+            for m, n, k, w, st in tiles]
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Keep configs that are legal for this launch and plausible for its shape."""
+    """Keep the configs of this launch's regime that are legal (fp8 groups) and fit shared memory."""
     n, k = named_args["N"], named_args["K"]
     rows_per_expert = named_args["rows_hint"] / max(named_args["num_experts"], 1)
     gated = kwargs.get("ACTIVATION", 0) != 0
     fp8 = kwargs.get("FP8", False)
     quant_out = kwargs.get("QUANT_OUT", False)
+    regime = _DECODE_TILES if rows_per_expert <= 32 else _MID_TILES if rows_per_expert <= 256 else _PREFILL_TILES
     kept = []
     for config in configs:
         block_m, block_n, block_k = (config.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        if (block_m, block_n, block_k, config.num_warps, config.num_stages) not in regime:
+            continue
         if quant_out and block_n != 128:
-            continue  # the fp8 epilogue quantizes one 128-column group per tile
+            continue  # the fp8 epilogue quantizes exactly one 128-column group per tile
         if fp8 and 128 % block_k != 0:
             continue  # a k-step must stay inside one 128-wide scale group
         if block_n > max(64, triton.next_power_of_2(n)) or block_k > max(64, triton.next_power_of_2(k)):
             continue
-        if gated and block_m * block_n > 128 * 128:
-            continue  # two fp32 accumulators: keep register pressure sane
-        if gated and block_n == 256:
-            continue
-        if config.num_stages * (block_m + block_n * (2 if gated else 1)) * block_k * 2 > 200 * 1024:
-            continue  # shared memory (bf16 bytes; fp8 uses half)
-        if rows_per_expert <= 32 and block_m > 32:
-            continue  # decode: 1-32 rows per expert, weight-bandwidth bound
-        if 32 < rows_per_expert <= 256 and block_m not in (32, 64):
-            continue
-        if rows_per_expert > 256 and block_m < 64:
-            continue  # prefill: big M tiles
-        if block_m == 128 and config.num_warps == 4:
+        if gated and block_m * block_n > 128 * 128 or gated and block_n > 128:
+            continue  # two fp32 accumulators (gate, up): keep register pressure sane
+        bytes_per_element = 1 if fp8 else 2
+        smem = config.num_stages * (block_m + block_n * (2 if gated else 1)) * block_k * bytes_per_element
+        if smem > 200 * 1024:
             continue
         kept.append(config)
-    return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3)]
+    fallback = triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3)
+    return kept or [fallback]
 
 
 @functools.lru_cache(maxsize=None)

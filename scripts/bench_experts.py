@@ -1,0 +1,393 @@
+#!/usr/bin/env python
+"""Benchmark the expert MLP backends on one GPU at per-rank EP8 shapes (needs CUDA).
+
+    python scripts/bench_experts.py [--quick] [--out results/bench_experts.json] [--include-deep-gemm]
+
+Shapes (per rank at EP8): Kimi-K2 48 local experts, D 7168, F 2048 (top-8); Step3 48 experts, D 7168,
+F 5120 (top-3). Routed rows 64 / 512 / 4096 / 32768 spread randomly (multinomial, uniform) over the
+experts; our pool puts each expert segment at a 128-aligned row, the torch baselines get the same rows
+packed (their best layout).
+
+Paths per case:
+    triton_bf16     moe_ref.kernels.grouped_mlp (fused gate/up + SiLU epilogue, then down)
+    triton_fp8      same kernel, fp8 e4m3 x (per-row per-128 scales) and weights (128x128 block scales)
+    grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
+    loop_bf16       torch per-expert loop (host-side counts, no sync inside the timed region)
+    deep_gemm_*     optional, from `_deep_gemm_cases` (empty unless `deep_gemm` imports)
+
+Also measured in the same run: HBM bandwidth (a 2 GiB device-to-device copy, read + write bytes) and the
+bf16 GEMM peak (torch.matmul 8192^3). Per case: us | TFLOP/s | weight GB/s | x vs grouped_mm |
+fraction of roofline, where roofline time = max(bytes moved / HBM bandwidth, FLOPs / peak) with bytes =
+weights of the experts that got rows + activations (x, h written and read, y), and peak = the measured
+bf16 peak (x2 for fp8, an estimate). Writes JSON, a markdown table and (if matplotlib imports) a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+ALIGN = 128
+MODELS = {  # name -> (local experts e, hidden D, intermediate F, top-k)
+    "kimi-k2": (48, 7168, 2048, 8),
+    "step3": (48, 7168, 5120, 3),
+}
+ROWS = (64, 512, 4096, 32768)
+QUICK_ROWS = (64, 4096)
+
+
+@dataclasses.dataclass
+class Case:
+    """One benchmark case: a model's expert weights and a routed-row layout."""
+
+    model: str
+    num_rows: int                # routed rows (sum over experts)
+    counts: list[int]            # rows per local expert
+    x_RD: torch.Tensor           # [R, D] bf16 aligned pool (padding rows zero)
+    row_start_e: torch.Tensor    # [e] int64
+    num_rows_e: torch.Tensor     # [e] int32
+    x_packed: torch.Tensor       # [num_rows, D] bf16, the same rows without padding
+    gate_up: torch.Tensor        # [e, 2F, D] bf16
+    down: torch.Tensor           # [e, D, F] bf16
+    fp8: dict | None = None      # quantized inputs for the fp8 path
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------
+def _quantize_block_128(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[e, N, K] -> fp8 e4m3 + fp32 128x128 block scales [e, ceil(N/128), ceil(K/128)] (per expert, to save memory)."""
+    num_experts, n, k = w_eNK.shape
+    nb, kb = -(-n // 128), -(-k // 128)
+    w_fp8 = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=w_eNK.device)
+    scale = torch.empty(num_experts, nb, kb, dtype=torch.float32, device=w_eNK.device)
+    for i in range(num_experts):
+        padded = F.pad(w_eNK[i].float(), (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
+        scale[i] = padded.abs().amax(dim=(1, 3)).clamp(min=1e-4) / 448
+        w_fp8[i] = (padded / scale[i][:, None, :, None]).view(nb * 128, kb * 128)[:n, :k].to(torch.float8_e4m3fn)
+    return w_fp8, scale
+
+
+def _layout(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    starts, row = [], 0
+    for count in counts:
+        starts.append(row)
+        row += -(-count // ALIGN) * ALIGN
+    return (torch.tensor(starts, dtype=torch.int64, device=device),
+            torch.tensor(counts, dtype=torch.int32, device=device), max(row, ALIGN))
+
+
+def _make_case(model: str, num_rows: int, weights: tuple, seed: int, with_fp8: bool) -> Case:
+    num_experts, hidden, _, _ = MODELS[model]
+    gen = torch.Generator().manual_seed(seed + num_rows)
+    picks = torch.randint(0, num_experts, (num_rows,), generator=gen)
+    counts = torch.bincount(picks, minlength=num_experts).tolist()
+    row_start_e, num_rows_e, pool_rows = _layout(counts, "cuda")
+    x_packed = torch.randn(num_rows, hidden, device="cuda").bfloat16()
+    x_RD = torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device="cuda")
+    offset = 0
+    for start, count in zip(row_start_e.tolist(), counts):
+        x_RD[start:start + count] = x_packed[offset:offset + count]
+        offset += count
+    case = Case(model, num_rows, counts, x_RD, row_start_e, num_rows_e, x_packed, *weights[:2])
+    if with_fp8:
+        from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
+
+        x_fp8, x_scale = quantize_fp8_per_128(x_RD)
+        case.fp8 = dict(x=x_fp8, x_scale=x_scale, gate_up=weights[2], gate_up_scale=weights[3],
+                        down=weights[4], down_scale=weights[5])
+    return case
+
+
+def _make_weights(num_experts: int, hidden: int, inter: int, with_fp8: bool, device="cuda") -> tuple:
+    """bf16 gate_up [e, 2F, D] and down [e, D, F] (+ fp8 copies with block scales)."""
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden**0.5).bfloat16()
+    down = (torch.randn(num_experts, hidden, inter, device=device) / inter**0.5).bfloat16()
+    if not with_fp8:
+        return gate_up, down, None, None, None, None
+    return (gate_up, down, *_quantize_block_128(gate_up), *_quantize_block_128(down))
+
+
+# ------------------------------------------------------------------------------------------------
+# paths
+# ------------------------------------------------------------------------------------------------
+def _grouped_mm_fn():
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        return None
+    return lambda a, b, offs: fn(a, b, offs=offs)
+
+
+def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], object]]]:
+    from moe_ref.kernels.grouped_mlp import grouped_mlp
+
+    paths = [("triton_bf16", lambda: grouped_mlp(case.x_RD, case.gate_up, case.down, case.row_start_e,
+                                                 case.num_rows_e, num_rows_hint=case.num_rows))]
+    if case.fp8 is not None:
+        q = case.fp8
+        paths.append(("triton_fp8", lambda: grouped_mlp(
+            q["x"], q["gate_up"], q["down"], case.row_start_e, case.num_rows_e, x_scale_RDb=q["x_scale"],
+            gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"], num_rows_hint=case.num_rows)))
+    grouped_mm = _grouped_mm_fn()
+    inter = case.down.shape[2]
+    if grouped_mm is not None:
+        offs = torch.tensor(case.counts, device=case.x_RD.device).cumsum(0).to(torch.int32)
+        gate_up_t, down_t = case.gate_up.transpose(-2, -1), case.down.transpose(-2, -1)
+
+        def run_grouped_mm():
+            gate_up_N2F = grouped_mm(case.x_packed, gate_up_t, offs)
+            h_NF = F.silu(gate_up_N2F[:, :inter]) * gate_up_N2F[:, inter:]
+            return grouped_mm(h_NF, down_t, offs)
+
+        paths.append(("grouped_mm_bf16", run_grouped_mm))
+    bounds = [0]
+    for count in case.counts:
+        bounds.append(bounds[-1] + count)
+
+    def run_loop():
+        y = torch.empty_like(case.x_packed)
+        for i, count in enumerate(case.counts):
+            if count == 0:
+                continue
+            x = case.x_packed[bounds[i]:bounds[i + 1]]
+            gate_up = x @ case.gate_up[i].T
+            y[bounds[i]:bounds[i + 1]] = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ case.down[i].T
+        return y
+
+    paths.append(("loop_bf16", run_loop))
+    if include_deep_gemm:
+        paths.extend(_deep_gemm_cases(case))
+    return paths
+
+
+def _deep_gemm_cases(case: Case) -> list[tuple[str, Callable[[], object]]]:
+    """DeepGEMM paths for `case` as (name, fn) pairs; [] when `deep_gemm` does not import.
+
+    TODO(deep_gemm owner): add m_grouped_bf16_gemm_nt_contiguous / m_grouped_fp8_gemm_nt_contiguous
+    (grouped_layout = per-row expert id, -1 on padding rows; 128-aligned segments match our pool).
+    """
+    try:
+        import deep_gemm  # noqa: F401
+    except Exception:
+        return []
+    return []
+
+
+# ------------------------------------------------------------------------------------------------
+# measurement
+# ------------------------------------------------------------------------------------------------
+def _bench_us(fn: Callable[[], object], quick: bool) -> float:
+    import triton.testing
+
+    # do_bench flushes L2 before every repetition and returns the median in ms
+    return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=50 if quick else 200,
+                                   return_mode="median") * 1e3
+
+
+def measure_anchors(quick: bool) -> dict:
+    """HBM copy bandwidth (read + write) and bf16 matmul peak, measured now on this GPU."""
+    numel = (2 << 30) // 2
+    src = torch.empty(numel, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    copy_us = _bench_us(lambda: dst.copy_(src), quick)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    b = torch.randn(8192, 8192, device="cuda").bfloat16()
+    gemm_us = _bench_us(lambda: a @ b, quick)
+    del a, b
+    return {"hbm_bytes_per_s": 2 * numel * 2 / (copy_us * 1e-6), "bf16_flops_per_s": 2 * 8192**3 / (gemm_us * 1e-6),
+            "copy_us": copy_us, "gemm_8192_us": gemm_us}
+
+
+def _case_metrics(case: Case, path: str, us: float, anchors: dict) -> dict:
+    hidden, inter = case.gate_up.shape[2], case.down.shape[2]
+    active = sum(1 for c in case.counts if c > 0)
+    fp8 = path.endswith("fp8")
+    weight_bytes = active * 3 * inter * hidden * (1 if fp8 else 2)
+    act_bytes = case.num_rows * (hidden * 2 + inter * 2 * 2 + hidden * 2)  # x, h (w + r), y
+    flops = 6 * case.num_rows * hidden * inter
+    peak = anchors["bf16_flops_per_s"] * (2 if fp8 else 1)
+    roofline_s = max((weight_bytes + act_bytes) / anchors["hbm_bytes_per_s"], flops / peak)
+    return {"us": us, "tflops": flops / (us * 1e-6) / 1e12, "weight_gbps": weight_bytes / (us * 1e-6) / 1e9,
+            "roofline_fraction": roofline_s / (us * 1e-6), "bound": "memory" if
+            (weight_bytes + act_bytes) / anchors["hbm_bytes_per_s"] > flops / peak else "compute"}
+
+
+def check_correctness(include_deep_gemm: bool, device="cuda") -> list[str]:
+    """Every path vs grouped_mlp_ref at one small case (calc_diff limits: bf16 1e-4; fp8 1e-3 vs the fp8 twin)."""
+    from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+
+    torch.manual_seed(0)
+    counts = [3, 0, 130, 64]
+    weights = _make_weights(4, 512, 256, True, device)
+    row_start_e, num_rows_e, pool_rows = _layout(counts, device)
+    x_packed = torch.randn(sum(counts), 512, device=device).bfloat16()
+    x_RD = torch.zeros(pool_rows, 512, dtype=torch.bfloat16, device=device)
+    valid = torch.zeros(pool_rows, dtype=torch.bool, device=device)
+    for start, count in zip(row_start_e.tolist(), counts):
+        valid[start:start + count] = True
+    x_RD[valid] = x_packed
+    case = Case("small", sum(counts), counts, x_RD, row_start_e, num_rows_e, x_packed, *weights[:2])
+    from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
+
+    x_fp8, x_scale = quantize_fp8_per_128(x_RD)
+    case.fp8 = dict(x=x_fp8, x_scale=x_scale, gate_up=weights[2], gate_up_scale=weights[3], down=weights[4],
+                    down_scale=weights[5])
+    ref = grouped_mlp_ref(x_RD, case.gate_up, case.down, row_start_e, num_rows_e)[valid]
+    ref_fp8 = grouped_mlp_ref(x_fp8, weights[2], weights[4], row_start_e, num_rows_e, x_scale_RDb=x_scale,
+                              gate_up_scale=weights[3], down_scale=weights[5])[valid]
+    failures = []
+    for name, fn in _paths(case, include_deep_gemm):
+        out = fn()
+        out = out[valid] if out.shape[0] == pool_rows else out
+        diff = _calc_diff(out, ref_fp8 if "fp8" in name else ref)  # fp8 paths vs the fp8 twin
+        limit = 1e-3 if "fp8" in name else 1e-4
+        status = "ok" if diff < limit else "FAIL"
+        print(f"  check {name:18s} calc_diff={diff:.2e} (limit {limit:.0e}) {status}", flush=True)
+        if status != "ok":
+            failures.append(name)
+    return failures
+
+
+def _calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# reporting
+# ------------------------------------------------------------------------------------------------
+def _markdown(results: dict) -> str:
+    anchors = results["anchors"]
+    lines = [f"# bench_experts ({results['env']['gpu']}, torch {results['env']['torch']}, "
+             f"triton {results['env']['triton']})", "",
+             f"HBM copy: {anchors['hbm_bytes_per_s'] / 1e12:.2f} TB/s; bf16 matmul 8192^3: "
+             f"{anchors['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", "",
+             "| model | rows | path | us | TFLOP/s | weight GB/s | x vs grouped_mm | roofline frac | bound |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for row in results["cases"]:
+        speedup = f"{row['x_vs_grouped_mm']:.2f}" if row.get("x_vs_grouped_mm") else "-"
+        lines.append(f"| {row['model']} | {row['num_rows']} | {row['path']} | {row['us']:.1f} | {row['tflops']:.1f} "
+                     f"| {row['weight_gbps']:.0f} | {speedup} | {row['roofline_fraction']:.2f} | {row['bound']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(results: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        print("matplotlib not available: no plot", flush=True)
+        return
+    models = sorted({row["model"] for row in results["cases"]})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r for r in results["cases"] if r["model"] == model]
+        for name in sorted({r["path"] for r in rows}):
+            points = sorted((r["num_rows"], r["tflops"]) for r in rows if r["path"] == name)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.axhline(results["anchors"]["bf16_flops_per_s"] / 1e12, color="gray", linestyle="--", label="bf16 peak")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("routed rows")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(model)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="kimi-k2 only, rows 64 and 4096, short timing")
+    parser.add_argument("--out", default="results/bench_experts.json")
+    parser.add_argument("--models", default=None, help=f"comma list of {sorted(MODELS)}")
+    parser.add_argument("--rows", default=None, help="comma list of routed row counts")
+    parser.add_argument("--no-fp8", action="store_true")
+    parser.add_argument("--include-deep-gemm", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_experts needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    models = args.models.split(",") if args.models else (["kimi-k2"] if args.quick else list(MODELS))
+    row_counts = [int(r) for r in args.rows.split(",")] if args.rows else (QUICK_ROWS if args.quick else ROWS)
+    with_fp8 = not args.no_fp8
+    results = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                       "python": platform.python_version(), "quick": args.quick}, "cases": []}
+
+    print("correctness check (small case) ...", flush=True)
+    failures = check_correctness(args.include_deep_gemm)
+    results["correctness_failures"] = failures
+    print("measuring anchors ...", flush=True)
+    anchors = measure_anchors(args.quick)
+    results["anchors"] = anchors
+    print(f"  HBM {anchors['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 peak {anchors['bf16_flops_per_s'] / 1e12:.0f} "
+          "TFLOP/s", flush=True)
+
+    for model in models:
+        torch.manual_seed(args.seed)
+        num_experts, hidden, inter, _ = MODELS[model]
+        weights = _make_weights(num_experts, hidden, inter, with_fp8)
+        for num_rows in row_counts:
+            case = _make_case(model, num_rows, weights, args.seed, with_fp8)
+            timings = {}
+            for name, fn in _paths(case, args.include_deep_gemm):
+                start = time.time()
+                fn()  # compile + autotune outside the timed region
+                torch.cuda.synchronize()
+                us = _bench_us(fn, args.quick)
+                timings[name] = us
+                row = {"model": model, "num_rows": num_rows, "path": name, **_case_metrics(case, name, us, anchors)}
+                results["cases"].append(row)
+                print(f"  {model:8s} rows={num_rows:6d} {name:16s} {us:10.1f} us {row['tflops']:7.1f} TFLOP/s "
+                      f"{row['weight_gbps']:7.0f} GB/s roofline {row['roofline_fraction']:.2f} "
+                      f"(setup+bench {time.time() - start:.0f} s)", flush=True)
+            for row in results["cases"]:
+                if row["model"] == model and row["num_rows"] == num_rows and "grouped_mm_bf16" in timings:
+                    row["x_vs_grouped_mm"] = timings["grouped_mm_bf16"] / row["us"]
+            del case
+            torch.cuda.empty_cache()
+        del weights
+        torch.cuda.empty_cache()
+
+    try:
+        from moe_ref.kernels.grouped_mlp import _autotuned_kernel
+
+        results["autotune_choices"] = {str(k): str(v) for k, v in _autotuned_kernel().cache.items()}
+    except Exception as exc:  # informational only
+        results["autotune_choices"] = f"unavailable: {exc!r}"
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    markdown_path = os.path.splitext(args.out)[0] + ".md"
+    with open(markdown_path, "w") as f:
+        f.write(_markdown(results))
+    print(_markdown(results))
+    print(f"wrote {args.out} and {markdown_path}", flush=True)
+    _plot(results, os.path.splitext(args.out)[0] + ".png")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The Triton kernels vs their torch twins on a CUDA GPU at realistic shapes (bf16 and FP8).
+
+Run: `python -m pytest -q -m cuda tests/gpu` on a GPU machine. Skipped without CUDA. The kernel modules
+are imported inside the tests, after the skip, so this module never decorates kernels for a GPU
+on a machine that runs the interpreter tier.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+FP8 = torch.float8_e4m3fn
+ALIGN = 128
+# calc_diff (1 - cosine similarity, DeepGEMM's metric) limits per dtype, kernel vs twin
+DIFF_LIMIT = {torch.bfloat16: 1e-4, torch.float16: 1e-5, "fp8": 1e-3}
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
+
+
+def _layout(counts, device="cuda"):
+    starts, row = [], 0
+    for count in counts:
+        starts.append(row)
+        row += -(-count // ALIGN) * ALIGN
+    return (torch.tensor(starts, dtype=torch.int64, device=device),
+            torch.tensor(counts, dtype=torch.int32, device=device), max(row, ALIGN))
+
+
+def _quantize_block_128(w_eNK):
+    num_experts, n, k = w_eNK.shape
+    nb, kb = -(-n // 128), -(-k // 128)
+    padded = F.pad(w_eNK.float(), (0, kb * 128 - k, 0, nb * 128 - n)).view(num_experts, nb, 128, kb, 128)
+    scale = padded.abs().amax(dim=(2, 4)).clamp(min=1e-4) / 448
+    w_fp8 = (padded / scale[:, :, None, :, None]).view(num_experts, nb * 128, kb * 128)[:, :n, :k]
+    return w_fp8.to(FP8).contiguous(), scale.contiguous()
+
+
+# name -> (rows per expert, hidden D, intermediate F)
+MLP_CASES = {
+    "kimi_k2_decode": ([1, 0, 3, 2, 1, 0, 1, 8], 7168, 2048),
+    "kimi_k2_prefill": ([700, 0, 128, 1000, 5, 257, 640, 383], 7168, 2048),
+    "step3_mixed": ([64, 300, 0, 129], 7168, 5120),
+    "k3_latent_situ": ([33, 200, 1, 0], 3584, 3072),
+    "odd_dims": ([17, 0, 130], 1000, 520),
+}
+
+
+def _mlp_inputs(name, dtype, seed=0):
+    counts, hidden, inter = MLP_CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    row_start_e, num_rows_e, num_rows = _layout(counts)
+    num_experts = len(counts)
+    x_RD = torch.randn(num_rows, hidden, device="cuda", generator=gen)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) / inter**0.5
+    return x_RD, gate_up, down, row_start_e, num_rows_e, sum(counts)
+
+
+def _padding_is_zero(y_RD, row_start_e, num_rows_e) -> bool:
+    valid = torch.zeros(y_RD.shape[0], dtype=torch.bool, device=y_RD.device)
+    for start, count in zip(row_start_e.tolist(), num_rows_e.tolist()):
+        valid[start:start + count] = True
+    return bool((y_RD[~valid] == 0).all())
+
+
+@pytest.mark.parametrize("name", list(MLP_CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_mlp_half(name, dtype):
+    from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
+
+    x_RD, gate_up, down, row_start_e, num_rows_e, total = _mlp_inputs(name, dtype)
+    args = (x_RD.to(dtype), gate_up.to(dtype), down.to(dtype), row_start_e, num_rows_e)
+    activation = "situ" if "situ" in name else "silu"
+    y_ref = grouped_mlp_ref(*args, activation=activation)
+    for hint in (None, total):  # both the R-keyed and the hinted tile regimes
+        y_RD = grouped_mlp(*args, activation=activation, num_rows_hint=hint)
+        diff = calc_diff(y_RD, y_ref)
+        assert diff < DIFF_LIMIT[dtype], f"{name=} {dtype=} {hint=} {diff=:.2e}"
+        assert _padding_is_zero(y_RD, row_start_e, num_rows_e), f"{name=} {dtype=} {hint=}"
+
+
+@pytest.mark.parametrize("name", list(MLP_CASES))
+def test_grouped_mlp_fp8(name):
+    from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
+    from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
+
+    x_RD, gate_up, down, row_start_e, num_rows_e, total = _mlp_inputs(name, torch.float32, seed=1)
+    x_fp8, x_scale = quantize_fp8_per_128(x_RD)
+    gate_up_fp8, gate_up_scale = _quantize_block_128(gate_up)
+    down_fp8, down_scale = _quantize_block_128(down)
+    activation = "situ" if "situ" in name else "silu"
+    args = (x_fp8, gate_up_fp8, down_fp8, row_start_e, num_rows_e, activation)
+    kwargs = dict(x_scale_RDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    y_ref = grouped_mlp_ref(*args, **kwargs)
+    y_RD = grouped_mlp(*args, **kwargs, num_rows_hint=total)
+    assert y_RD.dtype == torch.bfloat16
+    diff = calc_diff(y_RD, y_ref)
+    assert diff < DIFF_LIMIT["fp8"], f"{name=} {diff=:.2e}"
+    assert _padding_is_zero(y_RD, row_start_e, num_rows_e), f"{name=}"
+    y_exact = grouped_mlp_ref(x_RD, gate_up, down, row_start_e, num_rows_e, activation)
+    assert calc_diff(y_RD, y_exact) < 5e-3, f"{name=}: fp8 error vs the unquantized MLP too large"
+
+
+@pytest.mark.parametrize("num_experts,num_topk,kwargs", [
+    (384, 8, dict(bias=True, routed_scaling_factor=2.827)),                    # Kimi-K2
+    (896, 16, dict(bias=True)),                                                 # Kimi-K3
+    (256, 8, dict(bias=True, num_groups=8, num_topk_groups=4, routed_scaling_factor=2.5)),  # DeepSeek-V3
+    (48, 3, dict(scoring="softmax", renormalize=False)),                        # Step3
+])
+def test_router_topk(num_experts, num_topk, kwargs):
+    from moe_ref.kernels.router_topk import router_topk, router_topk_ref
+
+    torch.manual_seed(0)
+    kwargs = dict(kwargs)
+    logits_TE = torch.randn(4096, num_experts, device="cuda")
+    if kwargs.pop("bias", False):
+        kwargs["bias_E"] = torch.randn(num_experts, device="cuda") * 0.1
+    ids, weights = router_topk(logits_TE, num_topk, **kwargs)
+    ids_ref, weights_ref = router_topk_ref(logits_TE, num_topk, **kwargs)
+    # sigmoid/exp may differ by an ulp between Triton and torch: allow rare near-tie swaps
+    mismatch = (ids != ids_ref).any(dim=1).float().mean().item()
+    assert mismatch < 1e-3, f"{num_experts=} {num_topk=} {mismatch=}"
+    same = (ids == ids_ref).all(dim=1)
+    torch.testing.assert_close(weights[same], weights_ref[same], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("buf_dtype", [torch.bfloat16, FP8])
+def test_pre_dispatch(buf_dtype):
+    from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
+
+    num_tokens, capacity, hidden, num_topk, num_experts = 3000, 4096, 7168, 8, 384
+    x_TD = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+    ids_TK = torch.randint(0, num_experts, (num_tokens, num_topk), device="cuda")
+    ids_TK[torch.rand(num_tokens, num_topk, device="cuda") < 0.1] = -1
+    w_TK = torch.rand(num_tokens, num_topk, device="cuda")
+    results = []
+    for fn in (pre_dispatch, pre_dispatch_ref):
+        bufs = dict(
+            buf_x_CD=torch.zeros(capacity, hidden, dtype=buf_dtype, device="cuda"),
+            buf_x_scale_CDb=torch.zeros(capacity, hidden // 128, device="cuda"),
+            buf_topk_ids_CK=torch.zeros(capacity, num_topk, dtype=torch.int64, device="cuda"),
+            buf_topk_weights_CK=torch.zeros(capacity, num_topk, device="cuda"),
+            num_rows_per_expert_E=torch.zeros(num_experts, dtype=torch.int32, device="cuda"),
+        )
+        fn(x_TD, ids_TK, w_TK, **bufs)
+        results.append(bufs)
+    for name in results[0]:
+        a, b = results[0][name], results[1][name]
+        if a.dtype == FP8:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), f"{name} differs ({buf_dtype=}); mismatches={(a != b).sum().item()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_reduce(dtype):
+    from moe_ref.kernels.combine_reduce import combine_reduce, combine_reduce_ref
+
+    num_tokens, capacity, num_topk, hidden = 4000, 4096, 8, 7168
+    combine_KCD = torch.randn(num_topk, capacity, hidden, device="cuda").to(dtype)
+    ids_TK = torch.randint(0, 384, (num_tokens, num_topk), device="cuda")
+    masked = torch.rand(num_tokens, num_topk, device="cuda") < 0.2
+    ids_TK[masked] = -1
+    combine_KCD[:, :num_tokens][masked.T] = float("nan")
+    w_TK = torch.rand(num_tokens, num_topk, device="cuda")
+    shared_TD = torch.randn(num_tokens, hidden, device="cuda").to(dtype)
+    y = combine_reduce(combine_KCD, ids_TK, w_TK, shared_TD)
+    y_ref = combine_reduce_ref(combine_KCD, ids_TK, w_TK, shared_TD)
+    assert not y.isnan().any()
+    if dtype == torch.float32:  # same order, no FMA contraction: bitwise
+        assert torch.equal(y, y_ref), f"max_err={(y - y_ref).abs().max().item()}"
+    else:
+        torch.testing.assert_close(y, y_ref, atol=0, rtol=0)
