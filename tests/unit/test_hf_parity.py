@@ -4,7 +4,8 @@ Checked: (a) the router (ids as sets per token, weights matched by id), (b) the 
 ``reference_moe``, (c) the same after writing the HF module's state dict to safetensors in the transformers
 5.x fused form and in the Hub's per-expert naming and reading it back with ``load_moe_weights`` (whole and
 as two EP ranks' expert ranges), (d) transformers' own ``from_pretrained`` reading checkpoints written by
-``moe_ref.synthetic`` (so our names, orientation and config.json are what transformers expects).
+``moe_ref.synthetic`` (so our names, orientation and config.json are what transformers expects), (e) the
+one-process ``MegaMoE`` loaded with ``load_hf_weights`` from the HF module's checkpoint.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_ref.config import MoEConfig, preset
+from moe_ref.layer import MegaMoE
 from moe_ref.loading import load_moe_weights
 from moe_ref.reference import reference_moe
 from moe_ref.router import route
@@ -22,9 +24,9 @@ from moe_ref.synthetic import write_synthetic_checkpoint
 from moe_ref.testing import assert_close
 from moe_ref.weights import MoEWeights
 
-transformers = pytest.importorskip("transformers")  # a dev dependency; absent only in a bare install
-from transformers import DeepseekV3Config  # noqa: E402
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE  # noqa: E402
+# transformers is a test dependency: imported plainly so that a missing install fails instead of skipping
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 pytestmark = pytest.mark.unit
 
@@ -225,3 +227,21 @@ def test_transformers_from_pretrained_reads_the_synthetic_checkpoint(tmp_path, l
     assert torch.equal(mlp.gate.e_score_correction_bias, written.bias_E), layout
     loaded = load_moe_weights(tmp_path, MoEConfig.from_hf_config(tmp_path), LAYER)
     assert_block_like_hf(mlp, loaded, cfg, inputs(11, cfg.hidden_size), layout=layout)
+
+
+# --- (e) the layer: MegaMoE.load_hf_weights on the HF module's checkpoint ------------------------------------
+
+@pytest.mark.parametrize("layout", ["fused", "hub"])
+@pytest.mark.parametrize("n_group,topk_group", GROUPINGS)
+def test_mega_moe_loaded_from_hf_checkpoint_matches_hf(tmp_path, layout, n_group, topk_group):
+    config = hf_config(n_group, topk_group)
+    cfg, moe = moe_config(config), hf_moe(config, seed=12)
+    (save_fused if layout == "fused" else save_hub)(moe, tmp_path / "model.safetensors")
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=NUM_TOKENS, dtype=torch.float32)
+    layer.load_hf_weights(tmp_path, layer_idx=LAYER)
+    x_TD = inputs(13, config.hidden_size)
+    with torch.no_grad():
+        expected_TD = moe(x_TD)
+        actual_TD = layer(x_TD)
+    layer.destroy()
+    assert_close(actual_TD, expected_TD, torch.float32, layout=layout, n_group=n_group, topk_group=topk_group)
