@@ -183,8 +183,10 @@ def hf_config_to_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
     is_step3 = model_type.startswith("step3") or "moe_num_experts" in d
     is_k3 = model_type == "kimi_k3" or bool(d.get("use_latent_moe"))
     family = ("step3" if is_step3 else "kimi_k3" if is_k3 else "kimi_k2" if model_type == "kimi_k2"
-              else "deepseek_v3" if model_type.startswith("deepseek") else "custom")
-    scoring = _first(d, "scoring_func", "moe_router_activation_func", default="softmax" if is_step3 else "softmax")
+              else "deepseek_v3" if model_type == "deepseek_v3" else "custom")
+    # transformers' own DeepseekV3Config.to_dict() omits scoring_func: the family's router is sigmoid.
+    default_scoring = "sigmoid" if family in ("deepseek_v3", "kimi_k2", "kimi_k3") else "softmax"
+    scoring = _first(d, "scoring_func", "moe_router_activation_func", default=default_scoring)
     topk_method = _first(d, "topk_method", default="noaux_tc" if is_k3 else None)
     moe_intermediate = _first(d, "moe_intermediate_size")
     if moe_intermediate is None:
@@ -197,7 +199,7 @@ def hf_config_to_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
         num_shared = int(_first(d, "n_shared_experts", "num_shared_experts", default=0))
         shared_size = num_shared * int(moe_intermediate)
         renorm = bool(_first(d, "norm_topk_prob", "moe_renormalize", default=scoring == "sigmoid"))
-    latent_dim = _first(d, "latent_moe_dim", "latent_dim") if (is_k3 and d.get("use_latent_moe", True)) else None
+    latent_dim = _first(d, "latent_moe_dim", "routed_expert_hidden_size", "latent_dim") if (is_k3 and d.get("use_latent_moe", True)) else None
     return dict(
         num_experts=int(num_experts),
         num_topk=int(num_topk),

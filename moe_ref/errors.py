@@ -294,6 +294,36 @@ class TensorShapeMismatchError(CheckpointError):
         "cfg = MoEConfig.from_hf_config('<checkpoint dir>/config.json')")
 
 
+class UnsupportedCheckpointError(CheckpointError):
+    """A checkpoint stores the MoE weights in a form this loader does not read (quantized/packed)."""
+
+    code = _entry(
+        "LOAD003", "the checkpoint stores MoE weights quantized or packed (not supported)",
+        "moe_ref reads plain floating-point weights (fp32/fp16/bf16). Reading FP8, INT4 or MXFP4 packed "
+        "values without their scales would give silently wrong weights, so the loader refuses.",
+        "A real Kimi-K3 checkpoint (MXFP4 experts.{e}.w1.weight_packed + scales), DeepSeek-V3/Kimi-K2-Instruct "
+        "block-FP8 weights with weight_scale_inv, or Kimi-K2-Thinking INT4 compressed-tensors.",
+        ["Dequantize the checkpoint to bf16 first (e.g. the model vendor's fp8_cast_bf16 script, or load it "
+         "with its quantization library and save the dequantized state dict).",
+         "For tests and demos, write a bf16 synthetic checkpoint: moe_ref.synthetic.write_synthetic_checkpoint."],
+        "write_synthetic_checkpoint('ckpt/', preset('tiny-kimi-k3'))\n"
+        "load_moe_weights('ckpt/', preset('tiny-kimi-k3'), layer_idx=0)")
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    code = _entry(
+        "LOAD004", "no safetensors checkpoint at the given path",
+        "The loader takes a .safetensors file, or a folder holding model.safetensors, sharded *.safetensors "
+        "files with model.safetensors.index.json, or any *.safetensors files.",
+        "A typo in the path, a folder of .bin (pickle) files, or an index json whose shard files are missing.",
+        ["Pass the file or the folder that holds the .safetensors files.",
+         "Convert .bin checkpoints to safetensors first."],
+        "load_moe_weights('/models/kimi-k2/', cfg, layer_idx=1)")
+
+    def __str__(self) -> str:  # OSError would format its own args
+        return Exception.__str__(self)
+
+
 def explain(code: str) -> str:
     """Return the rendered catalogue entry for ``code`` (case-insensitive); raises KeyError listing codes."""
     entry = CATALOGUE.get(code.upper())

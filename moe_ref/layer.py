@@ -113,7 +113,7 @@ class MegaMoE(nn.Module):
         self.shared_down_weight = param(D, S) if cfg.has_shared_experts else None
         self.latent_down_weight = param(L, D) if L else None
         self.latent_up_weight = param(D, L) if L else None
-        self.latent_norm_weight = param(L) if L else None
+        self.latent_norm_weight = param(L) if L and cfg.latent_norm else None
 
     def weights(self) -> MoEWeights:
         """This rank's parameters as ``MoEWeights`` (views, no copy)."""

@@ -11,9 +11,9 @@ DeepSeek-V3 / Kimi-K2 / Kimi-K3 ("noaux_tc") = sigmoid; ``e_score_correction_bia
 ``num_topk_groups`` groups; weights are the unbiased sigmoid scores, renormalised with a 1e-20 guard,
 times ``routed_scaling_factor``.
 
-NOTE: experts of dropped groups are excluded with -inf, as DeepSeek's own inference code does.
-HF transformers fills 0.0 instead; the two agree whenever kept selection scores are >= 0 (always true
-without a negative bias) and can differ when a negative bias pushes a kept expert below 0.
+NOTE: experts of dropped groups are excluded with -inf, as DeepSeek's own inference code, vLLM and
+transformers 5.x do (older transformers filled 0.0, which differs once a negative bias pushes a kept
+expert's selection score below 0; tests/unit/test_hf_parity.py pins the agreement with transformers).
 
 Slot order is deterministic: descending selection score, ties broken by the lower expert id.
 """
