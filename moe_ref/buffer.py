@@ -1,0 +1,320 @@
+"""SymmetricBuffer: the memory of one rank's ``CapacityPlan``, and (when mappable) views of every peer's.
+
+    CapacityPlan --SymmetricBuffer(plan, group, kind)--> my bytes [plan.total_bytes] uint8
+        .view(name)            my region as ``[shape] dtype``
+        .peer_view(peer, name) the same region in a peer's buffer (symmetric kinds only)
+
+Kinds (chosen by ``moe_ref.transport``):
+
+| kind      | memory                                                  | peers mappable |
+|-----------|---------------------------------------------------------|----------------|
+| private   | ``torch.zeros`` on the device (one process, or a2a)     | no (self only) |
+| shm       | one file per rank in ``MOE_REF_SHM_DIR`` (/dev/shm), mapped by every rank of one host | yes |
+| cuda      | ``torch.distributed._symmetric_memory`` (``empty`` + ``rendezvous``), peers over NVLink | yes |
+
+Creation is collective: every rank checks that all ranks built the same cap and plan bytes, and raises
+``CapacityMismatchError`` (CAP002) listing each rank's value otherwise (on every rank, so none hangs).
+
+Shared-memory lifetime: names are agreed (``all_gather_object``) BEFORE any file exists; each rank creates
+its file, maps every peer's, and once every rank has mapped every file (a collective), each rank unlinks
+its own file at once. From then on the memory lives only as long as the mappings, so nothing is left in
+/dev/shm when a rank exits, raises or is killed. If setup fails part-way (a peer died, a file is missing),
+every surviving rank unlinks every agreed name it can. Should all survivors die in that window too (a
+few milliseconds), the file's name carries its creator's pid, and the next shared-memory buffer on the
+host removes files of dead creators (``sweep_stale_shm_files``).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from moe_ref import envs
+from moe_ref.capacity import CapacityPlan
+from moe_ref.errors import BufferTooSmallError, CapacityMismatchError, DistributedError
+
+BUFFER_KINDS = ("private", "shm", "cuda")
+
+
+def comm_device(group, device: torch.device | str = "cpu") -> torch.device:
+    """Where small collectives of ``group`` run: the CUDA device for NCCL, else the CPU (gloo)."""
+    if group is not None and "nccl" in str(dist.get_backend(group)).lower():
+        device = torch.device(device)
+        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def group_size_and_rank(group) -> tuple[int, int]:
+    """``(world size, rank)`` of ``group``; ``(1, 0)`` for None."""
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _unlink_quietly(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, PermissionError, OSError):
+            pass
+
+
+SHM_PREFIX = "moe_ref_"
+
+
+def shm_file_name(folder: str, rank: int) -> str:
+    """``{folder}/moe_ref_{random}_{pid}_r{rank}``: unique, and names the creating process."""
+    return os.path.join(folder, f"{SHM_PREFIX}{uuid.uuid4().hex[:12]}_{os.getpid()}_r{rank}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def sweep_stale_shm_files(folder: str | None = None) -> list[str]:
+    """Remove buffer files in ``folder`` (default ``MOE_REF_SHM_DIR``) whose creating process is gone.
+
+    Returns the removed paths. Files of live processes are left alone (they are unlinked by their owners
+    right after setup anyway).
+    """
+    folder = folder or envs.shm_dir()
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("_")
+        if not name.startswith(SHM_PREFIX) or len(parts) != 5 or not parts[3].isdigit():
+            continue
+        if not _pid_alive(int(parts[3])):
+            _unlink_quietly(os.path.join(folder, name))
+            removed.append(os.path.join(folder, name))
+    return removed
+
+
+class SymmetricBuffer:
+    """One rank's buffer, laid out by ``plan``; owns the memory and the peer views, released by ``destroy``.
+
+    Args:
+        plan: the layout (identical on every rank; checked collectively).
+        group: the EP process group, or None for one process.
+        kind: ``"private"``, ``"shm"`` or ``"cuda"`` (see the module docstring).
+        device: the device of the memory (``cpu`` for private/shm; a CUDA device for cuda).
+
+    Attributes:
+        plan, group, kind, device, rank, world_size.
+        nbytes: bytes allocated for this rank, equal to ``plan.total_bytes``.
+
+    Raises:
+        CapacityMismatchError (CAP002): ranks built different caps or plans (raised on every rank).
+        DistributedError (ENV003): the peers' memory cannot be mapped (raised on every rank).
+    """
+
+    def __init__(self, plan: CapacityPlan, group=None, *, kind: str = "private", device: torch.device | str = "cpu"):
+        if kind not in BUFFER_KINDS:
+            raise ValueError(f"kind={kind!r}; supported: {', '.join(BUFFER_KINDS)}")
+        self.plan, self.group, self.kind, self.device = plan, group, kind, torch.device(device)
+        self.world_size, self.rank = group_size_and_rank(group)
+        self._paths: list[str] = []
+        self._local_shm: torch.Tensor | None = None
+        self._symm_handle = None
+        self._peer_bytes: list[torch.Tensor | None] = []
+        self._check_same_plan_everywhere()
+        if kind == "shm":
+            self._local_bytes = self._map_shared_files()
+        elif kind == "cuda":
+            self._local_bytes = self._rendezvous_cuda()
+        else:
+            self._local_bytes = torch.zeros(plan.total_bytes, dtype=torch.uint8, device=self.device)
+            self._peer_bytes = [self._local_bytes if peer == self.rank else None for peer in range(self.world_size)]
+        if self._local_bytes.numel() < plan.total_bytes:
+            raise BufferTooSmallError(f"allocated {self._local_bytes.numel()} bytes < plan {plan.total_bytes} bytes")
+        self._views = {region.name: self._region_view(self._local_bytes, region.name) for region in plan.regions}
+        # belt and braces: my own file is normally unlinked right after setup
+        self._finalizer = weakref.finalize(self, _unlink_quietly, *self._paths[self.rank:self.rank + 1])
+
+    # --- construction helpers ------------------------------------------------------------------------
+    @staticmethod
+    def size_hint(cfg, ep_size: int, num_max_tokens_per_rank: int, activation_dtype: torch.dtype = torch.bfloat16,
+                  dispatch_fp8: bool = False, alignment: int = 128) -> int:
+        """Bytes one rank's buffer will take (no allocation): ``CapacityPlan.build(...).total_bytes``."""
+        return CapacityPlan.build(cfg, ep_size, num_max_tokens_per_rank, activation_dtype, dispatch_fp8,
+                                  alignment).total_bytes
+
+    def _check_same_plan_everywhere(self) -> None:
+        if self.world_size == 1:
+            return
+        mine = torch.tensor([self.plan.num_max_tokens_per_rank, self.plan.total_bytes], dtype=torch.int64,
+                            device=comm_device(self.group, self.device))
+        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        caps = [int(t[0]) for t in gathered]
+        plan_bytes = [int(t[1]) for t in gathered]
+        if len(set(caps)) > 1:
+            per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(caps))
+            raise CapacityMismatchError(
+                f"num_max_tokens_per_rank differs across the EP group ({per_rank}); this is rank {self.rank} with "
+                f"{caps[self.rank]}. Pass the same value on every rank (or set MOE_REF_NUM_MAX_TOKENS_PER_RANK in "
+                f"the launcher for all ranks), e.g. {max(caps)}", caps=caps)
+        if len(set(plan_bytes)) > 1:
+            per_rank = ", ".join(f"rank {r}: {b}" for r, b in enumerate(plan_bytes))
+            raise CapacityMismatchError(
+                f"the buffer plans differ across the EP group although the caps agree ({caps[0]}): plan bytes "
+                f"{per_rank}; every rank must use the same config, dtype, FP8 setting and alignment",
+                plan_bytes=plan_bytes)
+
+    def _map_shared_files(self) -> torch.Tensor:
+        """Create my file, map every peer's, then unlink mine (see the module docstring)."""
+        if self.device.type != "cpu":
+            raise DistributedError(f"the shared-memory buffer lives on the CPU, not {self.device}")
+        folder = envs.shm_dir()
+        sweep_stale_shm_files(folder)
+        mine = shm_file_name(folder, self.rank)
+        hosts_paths: list = [None] * self.world_size
+        dist.all_gather_object(hosts_paths, (socket.gethostname(), mine), group=self.group)
+        self._paths = [path for _, path in hosts_paths]
+        hosts = sorted({host for host, _ in hosts_paths})
+        if len(hosts) > 1:  # every rank sees the same gathered list, so every rank raises
+            raise DistributedError(f"the shared-memory buffer needs all ranks on one host; the EP group spans "
+                                   f"{hosts}; use transport='a2a' across hosts")
+        nbytes = self.plan.total_bytes
+        try:
+            problem = self._create_file(mine, nbytes)
+            self._agree(problem, "create")
+            peers: list[torch.Tensor | None] = []
+            problem = None
+            for peer, path in enumerate(self._paths):
+                if peer == self.rank:
+                    peers.append(None)
+                    continue
+                try:
+                    if os.stat(path).st_size != nbytes:  # never let from_file create or grow a file
+                        raise OSError(f"{path} has {os.stat(path).st_size} bytes, expected {nbytes}")
+                    peers.append(torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8))
+                except OSError as err:
+                    problem = problem or f"rank {self.rank} cannot map rank {peer}'s {path}: {err}"
+                    peers.append(None)
+            self._agree(problem, "map")  # after this, every rank has mapped every file
+        except BaseException:
+            _unlink_quietly(*self._paths)
+            raise
+        _unlink_quietly(mine)
+        peers[self.rank] = self._local_shm
+        self._peer_bytes = peers
+        return self._local_shm
+
+    def _create_file(self, path: str, nbytes: int) -> str | None:
+        """Create and map ``path`` (exclusively); returns a problem description or None."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+            self._local_shm = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            return None
+        except OSError as err:
+            return f"rank {self.rank} cannot create {path} ({nbytes} bytes): {err}"
+
+    def _agree(self, problem: str | None, step: str) -> None:
+        """Collective: raise ``DistributedError`` on every rank if any rank reports a problem."""
+        flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if int(flag) or problem is not None:
+            raise DistributedError(
+                f"shared-memory buffer: step '{step}' failed ({problem or 'on another rank'}); the symm transport "
+                f"needs all ranks on one host with a shared {envs.shm_dir()} (MOE_REF_SHM_DIR); use transport='a2a' "
+                f"across hosts")
+
+    def _rendezvous_cuda(self) -> torch.Tensor:
+        """``symm_mem.empty`` + ``rendezvous``; peers through ``handle.get_buffer``."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if self.device.type != "cuda":
+            raise DistributedError(f"CUDA symmetric memory needs a CUDA device, not {self.device}")
+        nbytes = self.plan.total_bytes
+        local = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        local.zero_()
+        group = self.group if self.group is not None else dist.group.WORLD
+        self._symm_handle = symm_mem.rendezvous(local, group.group_name)
+        self._peer_bytes = [local if peer == self.rank else self._symm_handle.get_buffer(peer, (nbytes,), torch.uint8)
+                            for peer in range(self.world_size)]
+        self._symm_handle.barrier(channel=0)  # every rank's memory is zeroed before any peer touches it
+        return local
+
+    # --- views -------------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for this rank (== ``plan.total_bytes``)."""
+        self._check_alive()
+        return self._local_bytes.numel()
+
+    @property
+    def is_symmetric(self) -> bool:
+        """True when every peer's memory is mapped here (shm, cuda, or a single rank)."""
+        return self.kind in ("shm", "cuda") or self.world_size == 1
+
+    def _region_view(self, raw: torch.Tensor, name: str) -> torch.Tensor:
+        region = self.plan.region(name)
+        return raw[region.offset:region.end].view(region.dtype).view(region.shape)
+
+    def view(self, name: str) -> torch.Tensor:
+        """My region ``name`` as a ``[shape] dtype`` tensor (a view into the buffer)."""
+        self._check_alive()
+        return self._views[name]
+
+    def peer_view(self, peer: int, name: str) -> torch.Tensor:
+        """Region ``name`` of rank ``peer``'s buffer (reads and writes go to the peer's memory)."""
+        self._check_alive()
+        if peer == self.rank:
+            return self._views[name]
+        raw = self._peer_bytes[peer] if 0 <= peer < len(self._peer_bytes) else None
+        if raw is None:
+            raise DistributedError(f"rank {peer}'s buffer is not mapped here (kind={self.kind!r}); only symmetric "
+                                   f"kinds (shm, cuda) map peers")
+        return self._region_view(raw, name)
+
+    def barrier(self) -> None:
+        """Order my writes before my peers' reads: ``dist.barrier`` (shm), ``handle.barrier`` (cuda)."""
+        self._check_alive()
+        if self.world_size == 1:
+            return
+        if self.kind == "cuda":
+            self._symm_handle.barrier(channel=0)
+        else:
+            dist.barrier(group=self.group)
+
+    # --- teardown ------------------------------------------------------------------------------------------
+    @property
+    def destroyed(self) -> bool:
+        return self._local_bytes is None
+
+    def _check_alive(self) -> None:
+        if self._local_bytes is None:
+            raise RuntimeError("this SymmetricBuffer was destroyed; build a new one")
+
+    def destroy(self) -> None:
+        """Release the memory and the peer mappings now (idempotent; not collective)."""
+        self._views = {}
+        self._peer_bytes = []
+        self._local_bytes = None
+        self._local_shm = None
+        self._symm_handle = None
+        self._finalizer()
+
+    def __enter__(self) -> "SymmetricBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.destroy()

@@ -1,0 +1,420 @@
+"""Capacity: the exact layout of one rank's symmetric buffer, and the overflow policy.
+
+    x [T, Dx] --(group max of T vs cap: error | chunk)--> pre-dispatch into MY buffer (send regions)
+      --dispatch--> peers' receive pools --experts--> combine slots of the SOURCE rank --> reduce
+
+``CapacityPlan`` is the single source of truth for the buffer (``SymmetricBuffer`` allocates exactly
+``plan.total_bytes``). Every region has an offset (aligned to ``REGION_ALIGN_BYTES``), shape, dtype and
+bytes. Regions, in order:
+
+| region                        | shape                  | dtype                 | what                               |
+|-------------------------------|------------------------|-----------------------|------------------------------------|
+| ``x``                         | ``[C, Dx]``            | activation or fp8     | my token rows (pre-dispatch)       |
+| ``x_scale``  (FP8 only)       | ``[C, ceil(Dx/128)]``  | fp32                  | per-row, per-128-column scales     |
+| ``topk_ids``                  | ``[C, K]``             | int64                 | global expert ids, -1 = masked     |
+| ``topk_weights``              | ``[C, K]``             | fp32                  | routing weights                    |
+| ``recv_x``                    | ``[P, Dx]``            | activation or fp8     | receive pool, expert-major         |
+| ``recv_x_scale`` (FP8 only)   | ``[P, ceil(Dx/128)]``  | fp32                  | scales of the pool rows            |
+| ``recv_src``                  | ``[P, 3]``             | int32                 | (source rank, token, slot), -1 pad |
+| ``combine``                   | ``[K, C, Dx]``         | activation            | expert outputs back at the source  |
+| ``num_tokens``                | ``[1]``                | int64                 | rows I wrote this call             |
+| ``num_rows_per_expert``       | ``[E]``                | int32                 | my non-masked slots per expert     |
+| ``num_recv_tokens_per_expert``| ``[e]``                | int64                 | rows my experts received, all calls|
+
+with ``P = align(R * C * min(K, e) + e * (alignment - 1), alignment)``: every token of every rank may pick up
+to ``min(K, e)`` of my experts, and each expert segment starts on a multiple of ``alignment`` rows.
+
+Shape legend: C = cap = ``num_max_tokens_per_rank`` (rows ONE rank feeds per call), Dx expert input width
+(hidden, or latent for Kimi-K3), K top-k, E experts, e local experts, R EP ranks, P receive-pool rows.
+
+NOTE: the cap is never multiplied by dp_size or ep_size outside ``CapacityPlan.build``; with attention DP
+each rank feeds its own batch, so the per-rank buffer does not depend on dp_size (a peer's double count
+made it 95 GiB per rank instead of about 3 GiB at DEP=32).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from moe_ref import envs
+from moe_ref.config import MoEConfig, ParallelConfig
+from moe_ref.errors import (
+    CapacityExceededError,
+    ExpertsNotDivisibleError,
+    InvalidConfigError,
+    MemoryBudgetError,
+    UnknownNameError,
+)
+
+OVERFLOW_POLICIES = ("error", "chunk")
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_GROUP = 128  # columns per FP8 scale
+REGION_ALIGN_BYTES = 128  # every region starts on a multiple of this (TMA and vector loads want >= 16)
+RECV_SRC_FIELDS = 3  # recv_src columns: source rank, token index, slot index
+
+
+def _align(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``1536 -> '1.50 KiB'`` (binary units)."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Region:
+    """One named slice of the buffer: ``nbytes`` bytes at ``offset``, viewed as ``shape`` of ``dtype``."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """The per-rank symmetric buffer of an EP MoE layer: every region's offset, shape, dtype and bytes.
+
+    Build it with ``CapacityPlan.build``; ``total_bytes`` is what ``SymmetricBuffer`` allocates.
+    """
+
+    cfg: MoEConfig
+    ep_size: int
+    num_max_tokens_per_rank: int
+    activation_dtype: torch.dtype
+    dispatch_fp8: bool
+    alignment: int
+    regions: tuple[Region, ...]
+    total_bytes: int
+
+    @staticmethod
+    def build(cfg: MoEConfig, ep_size: int, num_max_tokens_per_rank: int,
+              activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
+              alignment: int = 128) -> "CapacityPlan":
+        """Lay out one rank's buffer.
+
+        Args:
+            cfg: the MoE block.
+            ep_size: R, ranks of the EP group (must divide ``cfg.num_experts``).
+            num_max_tokens_per_rank: C, the most rows ONE rank feeds into one call (never dp x ep of them).
+            activation_dtype: dtype of the expert input/output rows (bf16, fp16 or fp32).
+            dispatch_fp8: ship rows as fp8 e4m3 + fp32 per-128-column scales (``x``/``recv_x`` become fp8).
+            alignment: rows each expert segment of the pool starts on (128 for the grouped GEMMs).
+
+        Returns:
+            The plan. Raises ``InvalidConfigError`` (CFG007) for a non-positive cap/alignment or an
+            unsupported dtype, ``ExpertsNotDivisibleError`` (CFG002) when R does not divide E.
+        """
+        _check_plan_args(cfg, ep_size, num_max_tokens_per_rank, activation_dtype, alignment)
+        cap, dim, topk = num_max_tokens_per_rank, cfg.expert_hidden_size, cfg.num_topk
+        num_local = cfg.num_experts // ep_size
+        pool = num_recv_pool_rows(cfg, ep_size, cap, alignment)
+        wire_dtype = FP8_DTYPE if dispatch_fp8 else activation_dtype
+        num_scale_cols = math.ceil(dim / FP8_GROUP)
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [("x", (cap, dim), wire_dtype)]
+        if dispatch_fp8:
+            specs.append(("x_scale", (cap, num_scale_cols), torch.float32))
+        specs += [("topk_ids", (cap, topk), torch.int64), ("topk_weights", (cap, topk), torch.float32),
+                  ("recv_x", (pool, dim), wire_dtype)]
+        if dispatch_fp8:
+            specs.append(("recv_x_scale", (pool, num_scale_cols), torch.float32))
+        specs += [("recv_src", (pool, RECV_SRC_FIELDS), torch.int32),
+                  ("combine", (topk, cap, dim), activation_dtype),
+                  ("num_tokens", (1,), torch.int64),
+                  ("num_rows_per_expert", (cfg.num_experts,), torch.int32),
+                  ("num_recv_tokens_per_expert", (num_local,), torch.int64)]
+        regions, offset = [], 0
+        for name, shape, dtype in specs:
+            nbytes = math.prod(shape) * dtype.itemsize
+            regions.append(Region(name, offset, shape, dtype, nbytes))
+            offset = _align(offset + nbytes, REGION_ALIGN_BYTES)
+        return CapacityPlan(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment, tuple(regions), offset)
+
+    # --- queries ---------------------------------------------------------------------------------------
+    @property
+    def num_local_experts(self) -> int:
+        return self.cfg.num_experts // self.ep_size
+
+    @property
+    def num_pool_rows(self) -> int:
+        return self.region("recv_x").shape[0]
+
+    def region(self, name: str) -> Region:
+        """The region called ``name``; raises ``KeyError`` listing the names."""
+        for region in self.regions:
+            if region.name == name:
+                return region
+        raise KeyError(f"no region {name!r} in this plan; regions: {', '.join(r.name for r in self.regions)}")
+
+    def has_region(self, name: str) -> bool:
+        return any(region.name == name for region in self.regions)
+
+    def with_cap(self, num_max_tokens_per_rank: int) -> "CapacityPlan":
+        """The same plan for another cap (used to price the cap an overflow error asks for)."""
+        return CapacityPlan.build(self.cfg, self.ep_size, num_max_tokens_per_rank, self.activation_dtype,
+                                  self.dispatch_fp8, self.alignment)
+
+    def group_bytes(self) -> dict[str, int]:
+        """Bytes per part: send, receive, combine, counters (region bytes plus the alignment gaps after them)."""
+        parts = {"send": ("x", "x_scale", "topk_ids", "topk_weights"),
+                 "receive": ("recv_x", "recv_x_scale", "recv_src"), "combine": ("combine",),
+                 "counters": ("num_tokens", "num_rows_per_expert", "num_recv_tokens_per_expert")}
+        ends = [r.offset for r in self.regions[1:]] + [self.total_bytes]
+        out = {part: 0 for part in parts}
+        for region, end in zip(self.regions, ends):
+            part = next(p for p, names in parts.items() if region.name in names)
+            out[part] += end - region.offset
+        return out
+
+    def report(self) -> str:
+        """A human table of every region, with totals per part and per rank."""
+        cfg = self.cfg
+        wire = "fp8 e4m3 + fp32 scales per 128 columns" if self.dispatch_fp8 else _dtype_name(self.activation_dtype)
+        lines = [
+            f"Symmetric buffer of ONE rank: {cfg.name}, EP {self.ep_size} (local experts {self.num_local_experts} of "
+            f"{cfg.num_experts}, top-{cfg.num_topk}), cap {self.num_max_tokens_per_rank} rows/rank, "
+            f"width {cfg.expert_hidden_size}, dispatch {wire}, alignment {self.alignment}",
+            f"receive pool rows P = R*C*min(K,e) + e*(alignment-1), aligned = {self.ep_size}*"
+            f"{self.num_max_tokens_per_rank}*{min(cfg.num_topk, self.num_local_experts)} + "
+            f"{self.num_local_experts}*{self.alignment - 1} -> {self.num_pool_rows}",
+            "",
+            f"{'region':<28} {'offset':>14} {'shape':<22} {'dtype':<14} {'bytes':>16} {'':>11}",
+        ]
+        for r in self.regions:
+            lines.append(f"{r.name:<28} {r.offset:>14} {str(list(r.shape)):<22} {_dtype_name(r.dtype):<14} "
+                         f"{r.nbytes:>16} {format_bytes(r.nbytes):>11}")
+        lines.append("")
+        for part, nbytes in self.group_bytes().items():
+            lines.append(f"{'total ' + part:<28} {'':>14} {'':<22} {'':<14} {nbytes:>16} {format_bytes(nbytes):>11}")
+        lines.append(f"{'TOTAL per rank':<28} {'':>14} {'':<22} {'':<14} {self.total_bytes:>16} "
+                     f"{format_bytes(self.total_bytes):>11}")
+        lines.append(f"{'TOTAL over the EP group':<28} {'':>14} {'':<22} {'':<14} "
+                     f"{self.total_bytes * self.ep_size:>16} {format_bytes(self.total_bytes * self.ep_size):>11}")
+        return "\n".join(lines)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_plan_args(cfg, ep_size, cap, activation_dtype, alignment) -> None:
+    if not isinstance(ep_size, int) or ep_size <= 0:
+        raise InvalidConfigError(f"ep_size={ep_size!r} must be a positive integer")
+    if cfg.num_experts % ep_size != 0:
+        raise ExpertsNotDivisibleError(
+            f"num_experts={cfg.num_experts} % ep_size={ep_size} = {cfg.num_experts % ep_size}: experts are "
+            f"placed in equal blocks; choose ep_size among the divisors of {cfg.num_experts}",
+            num_experts=cfg.num_experts, ep_size=ep_size)
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
+        raise InvalidConfigError(f"num_max_tokens_per_rank={cap!r} must be a positive integer (rows one rank "
+                                 f"feeds per call)", field="num_max_tokens_per_rank")
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise InvalidConfigError(f"alignment={alignment!r} must be a positive integer (rows)", field="alignment")
+    if activation_dtype not in ACTIVATION_DTYPES:
+        raise InvalidConfigError(f"activation_dtype={activation_dtype} is not supported; use one of "
+                                 f"{', '.join(_dtype_name(d) for d in ACTIVATION_DTYPES)} (FP8 dispatch: "
+                                 f"dispatch_fp8=True)", field="activation_dtype")
+
+
+def num_recv_pool_rows(cfg: MoEConfig, ep_size: int, num_max_tokens_per_rank: int, alignment: int = 128) -> int:
+    """P: rows of one rank's receive pool, ``align(R*C*min(K, e) + e*(alignment-1), alignment)``.
+
+    Example: R=2, C=16, K=4, e=8, alignment=128 -> 2*16*4 + 8*127 = 1144 -> 1152.
+    """
+    num_local = cfg.num_experts // ep_size
+    rows = ep_size * num_max_tokens_per_rank * min(cfg.num_topk, num_local) + num_local * (alignment - 1)
+    return _align(rows, alignment)
+
+
+# --- topology and budget ----------------------------------------------------------------------------------
+
+def plan_for_topology(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: int, *,
+                      activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
+                      alignment: int = 128) -> CapacityPlan:
+    """The plan of one rank for a deployment.
+
+    Args:
+        parallel: tp/ep/dp sizes; only ``ep_size`` shapes the buffer.
+        max_num_tokens: rows ONE rank feeds per call (the scheduler's max batched tokens of one DP rank
+            with attention DP). It is the cap as is: the buffer multiplies by R internally, so it is
+            never multiplied by ``dp_size`` or ``ep_size`` here.
+    """
+    parallel.num_local_experts(cfg)  # raises CFG001/CFG002 for an impossible topology
+    return CapacityPlan.build(cfg, parallel.ep_size, max_num_tokens, activation_dtype, dispatch_fp8, alignment)
+
+
+def max_tokens_for_budget(cfg: MoEConfig, ep_size: int, budget_bytes: int,
+                          activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
+                          alignment: int = 128) -> int:
+    """The largest cap whose per-rank plan fits ``budget_bytes`` (binary search; bytes grow with the cap).
+
+    Raises ``MemoryBudgetError`` (CAP004) when even a cap of 1 does not fit, naming both byte counts.
+    """
+    def cost(cap: int) -> int:
+        return CapacityPlan.build(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment).total_bytes
+
+    smallest = cost(1)
+    if smallest > budget_bytes:
+        raise MemoryBudgetError(
+            f"a cap of 1 row per rank already needs {smallest} bytes ({format_bytes(smallest)}) per rank for "
+            f"{cfg.name} at EP {ep_size}, above the budget of {budget_bytes} bytes ({format_bytes(budget_bytes)}); "
+            f"raise the budget or use more EP ranks", needed_bytes=smallest, budget_bytes=budget_bytes)
+    low, high = 1, 2
+    while cost(high) <= budget_bytes:
+        low, high = high, high * 2
+    while high - low > 1:  # invariant: cost(low) <= budget < cost(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if cost(mid) <= budget_bytes else (low, mid)
+    return low
+
+
+def plan_report(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: int, *,
+                activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
+                alignment: int = 128, budget_bytes: int | None = None) -> str:
+    """The text ``moe-ref plan`` prints: topology, the per-rank region table with totals, and (with a
+    budget) the largest cap that fits it."""
+    plan = plan_for_topology(cfg, parallel, max_num_tokens, activation_dtype=activation_dtype,
+                             dispatch_fp8=dispatch_fp8, alignment=alignment)
+    feeders = "each attention-DP rank feeds its own batch" if parallel.attention_dp else "rows each rank feeds"
+    lines = [
+        f"Topology: tp {parallel.tp_size}, ep {parallel.ep_size}, dp {parallel.dp_size}, attention-dp "
+        f"{'on' if parallel.attention_dp else 'off'}",
+        f"cap = num_max_tokens_per_rank = {max_num_tokens} ({feeders}; the receive side is sized inside the "
+        f"plan from R x cap, and the per-rank bytes do not depend on dp_size)",
+        "",
+        plan.report(),
+    ]
+    if budget_bytes is not None:
+        lines.append("")
+        try:
+            best = max_tokens_for_budget(cfg, parallel.ep_size, budget_bytes, activation_dtype, dispatch_fp8, alignment)
+            best_bytes = plan.with_cap(best).total_bytes
+            lines.append(f"Largest cap within {format_bytes(budget_bytes)} per rank: {best} rows/rank "
+                         f"({format_bytes(best_bytes)}); set num_max_tokens_per_rank={best} or "
+                         f"MOE_REF_NUM_MAX_TOKENS_PER_RANK={best}")
+        except MemoryBudgetError as err:
+            lines.append(str(err))
+    return "\n".join(lines)
+
+
+# --- cap and policy resolution ----------------------------------------------------------------------------
+
+def resolve_cap(num_max_tokens_per_rank: int | None) -> int:
+    """The cap: the argument, else ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``, else ``InvalidConfigError`` (CFG007)."""
+    cap = num_max_tokens_per_rank if num_max_tokens_per_rank is not None else envs.num_max_tokens_per_rank()
+    if cap is None:
+        raise InvalidConfigError(
+            "no per-rank cap given: pass num_max_tokens_per_rank=N (the most rows one rank feeds per call) or set "
+            "MOE_REF_NUM_MAX_TOKENS_PER_RANK=N; `moe-ref plan --budget-gib G` prints the largest N that fits",
+            field="num_max_tokens_per_rank")
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
+        source = "argument" if num_max_tokens_per_rank is not None else "MOE_REF_NUM_MAX_TOKENS_PER_RANK"
+        raise InvalidConfigError(f"num_max_tokens_per_rank={cap!r} (from the {source}) must be a positive integer",
+                                 field="num_max_tokens_per_rank")
+    return cap
+
+
+def resolve_overflow(policy: str | None) -> str:
+    """The overflow policy: the argument, else ``MOE_REF_OVERFLOW_POLICY``, else ``"error"``."""
+    source = "argument overflow"
+    if policy is None:
+        policy, source = envs.overflow_policy(), "MOE_REF_OVERFLOW_POLICY"
+    if policy is None:
+        return "error"
+    if policy not in OVERFLOW_POLICIES:
+        raise UnknownNameError(f"{source}={policy!r}; supported: {', '.join(OVERFLOW_POLICIES)}")
+    return policy
+
+
+# --- the overflow decision ---------------------------------------------------------------------------------
+
+class ChunkingWarning(UserWarning):
+    """A batch larger than the cap is being split into chunks (overflow policy ``chunk``)."""
+
+
+# NOTE: the one piece of module state: chunking is announced once per process, not once per call.
+_ANNOUNCED: set[str] = set()
+
+
+def group_max(values: Sequence[int], group=None, device: torch.device | str = "cpu") -> list[int]:
+    """Element-wise max of small integers over the group (one tiny ``all_reduce``; identity without a group).
+
+    Args:
+        values: this rank's integers (e.g. ``[num_tokens, bad_input_flag]``).
+        group: the EP process group, or None for one process.
+        device: where the collective runs (``cuda`` for NCCL, ``cpu`` for gloo).
+
+    Returns:
+        The maxima, the same on every rank. NOTE: syncs the host (``.tolist()``).
+    """
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def num_chunks_for(num_tokens: int, group_max_tokens: int, plan: CapacityPlan, policy: str, *,
+                   rank: int = 0) -> int:
+    """How many chunks every rank runs, from the group's max row count (the same on every rank).
+
+    Args:
+        num_tokens: this rank's rows (named in the error).
+        group_max_tokens: max rows over the EP group (``group_max``), or a known bound.
+        plan: the buffer plan (its cap, and the price of a larger one).
+        policy: ``"error"`` or ``"chunk"``.
+        rank: this rank (named in the error).
+
+    Returns:
+        ``ceil(group_max_tokens / cap)`` (0 when no rank has rows). Under ``"error"`` it is at most 1, else
+        ``CapacityExceededError`` (CAP001) is raised, on every rank alike. Under ``"chunk"`` with more than
+        one chunk a ``ChunkingWarning`` is issued once per process.
+    """
+    cap = plan.num_max_tokens_per_rank
+    num_chunks = -(-group_max_tokens // cap)
+    if num_chunks <= 1:
+        return num_chunks
+    if policy == "error":
+        raise _exceeded_error(num_tokens, group_max_tokens, plan, rank)
+    if policy != "chunk":
+        raise UnknownNameError(f"overflow={policy!r}; supported: {', '.join(OVERFLOW_POLICIES)}")
+    if "chunk" not in _ANNOUNCED:
+        _ANNOUNCED.add("chunk")
+        warnings.warn(
+            f"moe_ref: the EP group fed up to {group_max_tokens} rows per rank, above num_max_tokens_per_rank={cap}; "
+            f"overflow policy 'chunk' splits each call into ceil({group_max_tokens}/{cap}) = {num_chunks} chunks on "
+            f"every rank (slower, same result). Raise the cap to {group_max_tokens} (costs "
+            f"{format_bytes(plan.with_cap(group_max_tokens).total_bytes)} per rank) to avoid it. "
+            f"This warning is shown once per process.", ChunkingWarning, stacklevel=3)
+    return num_chunks
+
+
+def _exceeded_error(num_tokens: int, group_max_tokens: int, plan: CapacityPlan, rank: int) -> CapacityExceededError:
+    cap = plan.num_max_tokens_per_rank
+    needed_bytes = plan.with_cap(group_max_tokens).total_bytes
+    culprit = "this rank" if num_tokens == group_max_tokens else "another rank of the EP group"
+    return CapacityExceededError(
+        f"rank {rank} has num_tokens={num_tokens}; the max over the EP group is {group_max_tokens} ({culprit}), "
+        f"above the cap num_max_tokens_per_rank={cap}. Raise it to at least {group_max_tokens}: pass "
+        f"num_max_tokens_per_rank={group_max_tokens} or set MOE_REF_NUM_MAX_TOKENS_PER_RANK={group_max_tokens} "
+        f"on every rank (the buffer then takes {needed_bytes} bytes = {format_bytes(needed_bytes)} per rank, now "
+        f"{plan.total_bytes} bytes = {format_bytes(plan.total_bytes)}), or split the batch with overflow='chunk' "
+        f"(MOE_REF_OVERFLOW_POLICY=chunk) into {-(-group_max_tokens // cap)} chunks",
+        rank=rank, num_tokens=num_tokens, group_max_tokens=group_max_tokens, cap=cap,
+        needed_cap=group_max_tokens, needed_bytes=needed_bytes)

@@ -1,0 +1,102 @@
+"""Cases of the multi-process EP tests (enumerators) and their inputs (generators), shared by the pytest
+side (which parametrizes over the case ids) and the torchrun worker (which runs them).
+
+A case is a JSON-able dict with a unique ``id`` and a ``kind``:
+- ``routed``: one preset x one routing scenario, run over both transports (symm and a2a), twice each;
+  checked against the single-process reference, bitwise across repeats and transports, and (scenario
+  ``chunk``) bitwise against an unchunked run with a big enough cap.
+- ``overflow_error``: one rank over the cap with policy ``error``: every rank raises CAP001 quickly.
+- ``cap_mismatch``: ranks pass different caps: every rank raises CAP002 naming each rank's value.
+- ``bad_ids``: one rank passes an out-of-range expert id: every rank raises INP005, none hangs.
+- ``env``: cap, policy and transport come from the MOE_REF_* environment variables.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+PRESETS = ("tiny-kimi-k2", "tiny-kimi-k3", "tiny-deepseek-v3", "tiny-step3")
+SCENARIOS = ("balanced", "all_to_one", "zero_tokens", "uneven", "masked", "t_eq_cap", "chunk", "router")
+TRANSPORTS = ("symm", "a2a")
+CAP = 16
+
+
+def enumerate_cases(world_size: int) -> list[dict]:
+    """Every case of one launch at ``world_size`` ranks."""
+    cases = [dict(id=f"{preset}-{scenario}", kind="routed", preset=preset, scenario=scenario, cap=CAP,
+                  dtype="float32", dispatch_fp8=False, alignment=128)
+             for preset in PRESETS for scenario in SCENARIOS]
+    cases += [
+        dict(id="tiny-kimi-k2-bf16", kind="routed", preset="tiny-kimi-k2", scenario="uneven", cap=CAP,
+             dtype="bfloat16", dispatch_fp8=False, alignment=128),
+        dict(id="tiny-deepseek-v3-fp8-dispatch", kind="routed", preset="tiny-deepseek-v3", scenario="masked", cap=CAP,
+             dtype="float32", dispatch_fp8=True, alignment=128),
+        dict(id="tiny-step3-alignment-8-chunk", kind="routed", preset="tiny-step3", scenario="chunk", cap=CAP,
+             dtype="float32", dispatch_fp8=False, alignment=8),
+    ]
+    for transport in TRANSPORTS:
+        cases += [
+            dict(id=f"overflow-error-{transport}", kind="overflow_error", preset="tiny-kimi-k2", transport=transport,
+                 cap=CAP),
+            dict(id=f"cap-mismatch-{transport}", kind="cap_mismatch", preset="tiny-kimi-k2", transport=transport,
+                 cap=CAP),
+            dict(id=f"bad-ids-{transport}", kind="bad_ids", preset="tiny-step3", transport=transport, cap=CAP),
+        ]
+    cases.append(dict(id="env-a2a-chunk", kind="env", preset="tiny-kimi-k3", cap=CAP))
+    return cases
+
+
+def _generator(case_id: str, rank: int, salt: str = "") -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(f"{case_id}/{rank}/{salt}".encode()))
+
+
+def num_tokens_for(scenario: str, rank: int, world_size: int, cap: int) -> int:
+    """Rows rank ``rank`` feeds in ``scenario``."""
+    return {
+        "balanced": cap, "all_to_one": cap, "t_eq_cap": cap, "masked": cap - 2, "router": 10 + rank,
+        "zero_tokens": 0 if rank == 0 else cap // 2 + rank,
+        "uneven": (3, cap, 7, 11, 1, 9, 5, 13)[rank % 8],
+        "chunk": cap + 1 if rank == 0 else max(cap - 2 * rank, 0),
+    }[scenario]
+
+
+def _distinct_ids(gen, num_tokens, num_experts, num_topk, first=0) -> torch.Tensor:
+    if num_tokens == 0:
+        return torch.empty(0, num_topk, dtype=torch.int64)
+    return torch.stack([first + torch.randperm(num_experts, generator=gen)[:num_topk] for _ in range(num_tokens)])
+
+
+def routing_for(case: dict, cfg, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_ids_TK int64, topk_weights_TK fp32)`` of rank ``rank`` (any rank can build any rank's)."""
+    scenario, cap = case["scenario"], case["cap"]
+    num_tokens = num_tokens_for(scenario, rank, world_size, cap)
+    E, K = cfg.num_experts, cfg.num_topk
+    gen = _generator(case["id"], rank, "routing")
+    if scenario == "balanced":  # every expert gets the same load (up to one row)
+        slots_TK = torch.arange(num_tokens)[:, None] * K + torch.arange(K)[None, :] + rank * num_tokens * K
+        ids = slots_TK % E
+    elif scenario == "all_to_one":  # every token of every rank picks the last rank's experts only
+        num_local = E // world_size
+        picked = min(K, num_local)
+        ids = torch.full((num_tokens, K), -1, dtype=torch.int64)
+        ids[:, :picked] = _distinct_ids(gen, num_tokens, num_local, picked, first=(world_size - 1) * num_local)
+    else:
+        ids = _distinct_ids(gen, num_tokens, E, K)
+        if scenario == "masked" and num_tokens:
+            ids[torch.rand(ids.shape, generator=gen) < 0.3] = -1
+            ids[0] = -1  # a token with every slot masked
+    weights = torch.rand(num_tokens, K, generator=gen, dtype=torch.float32) + 0.05
+    return ids.to(torch.int64), weights
+
+
+def expert_input_for(case: dict, cfg, rank: int, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[T, Dx]`` expert input rows of rank ``rank``."""
+    gen = _generator(case["id"], rank, "x")
+    return torch.randn(num_tokens, cfg.expert_hidden_size, generator=gen).to(dtype)
+
+
+def hidden_for(case: dict, cfg, rank: int, num_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[T, D]`` hidden states (the ``router`` scenario runs the whole block)."""
+    gen = _generator(case["id"], rank, "hidden")
+    return torch.randn(num_tokens, cfg.hidden_size, generator=gen).to(dtype)
