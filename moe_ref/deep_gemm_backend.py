@@ -41,6 +41,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -426,51 +427,33 @@ def grouped_layout_from_expert_layout(layout: ExpertLayout, num_rows: int,
 # --------------------------------------------------------------------------------------------------
 # benchmark hook (scripts/bench_experts.py)
 # --------------------------------------------------------------------------------------------------
-def deep_gemm_grouped_cases(num_local_experts: int, num_rows: int, hidden: int, intermediate: int, *,
-                            activation: str = "silu", fp8_options: tuple[bool, ...] = (False, True),
-                            alignment: int = 128, seed: int = 0, warmup: int = 5, iters: int = 20) -> list[dict]:
-    """Time ``DeepGemmExperts.forward`` (both GEMMs + activation) at one shape; [] when deep_gemm is unusable.
+def deep_gemm_grouped_cases(x_RD: torch.Tensor, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor,
+                            row_start_e: torch.Tensor, num_rows_e: torch.Tensor, *, activation: str = "silu",
+                            fp8_options: tuple[bool, ...] = (False, True)) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    """DeepGEMM paths for a benchmark case as ``(name, fn)`` pairs; [] when deep_gemm is not usable here.
 
-    Rows are spread evenly over the experts (``num_rows`` total, each segment padded to ``alignment``).
-    Each case also reports calc_diff against ``TorchLoopExperts`` on the same bf16 weights.
+    For ``scripts/bench_experts.py``: each ``fn()`` runs ``DeepGemmExperts.forward`` (GEMM1, torch
+    activation, GEMM2; fp8 also quantizes the activations) over the whole pool and returns ``y_RD``.
+    The weights are converted (bf16 copy, or fp8 quantization) here, once, outside the timed ``fn``.
 
     Args:
-        num_local_experts, num_rows, hidden, intermediate: e, total valid rows, D, F.
-        fp8_options: which of bf16 (False) / fp8 (True) to run.
+        x_RD: ``[R, D]`` CUDA pool rows (bf16), segments 128-aligned.
+        gate_up_weight_e2FD: ``[e, 2F, D]`` CUDA.
+        down_weight_eDF: ``[e, D, F]`` CUDA.
+        row_start_e: ``[e]`` int, first pool row of each expert (multiples of 128).
+        num_rows_e: ``[e]`` int, valid rows of each expert.
+        activation: ``"silu"`` or ``"situ"``.
+        fp8_options: which variants to build: False = ``deep_gemm_bf16``, True = ``deep_gemm_fp8``.
 
     Returns:
-        rows: one dict per case: ``backend`` ("deep_gemm_bf16"/"deep_gemm_fp8"), ``num_local_experts``,
-        ``num_rows``, ``hidden``, ``intermediate``, ``us`` (median, CUDA events, L2 flushed), ``tflops``,
-        ``weight_gbps`` (weight bytes read / time), ``calc_diff``; or ``error`` (a string) when a case failed.
-        An empty list when ``deep_gemm_status()`` is not available.
+        cases: ``[("deep_gemm_bf16", fn), ("deep_gemm_fp8", fn)]`` (those asked for), each ``fn() -> y_RD``
+        ``[R, D]`` in ``x_RD``'s dtype, padding rows zero. Empty when ``deep_gemm_status()`` is not available.
     """
-    from moe_ref.experts import TorchLoopExperts
-    from moe_ref.testing import bench, calc_diff
-
     if not deep_gemm_status().available:
         return []
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    e, D, Fi = num_local_experts, hidden, intermediate
-    gate_up = torch.randn(e, 2 * Fi, D, device="cuda", dtype=torch.bfloat16, generator=gen) * D ** -0.5
-    down = torch.randn(e, D, Fi, device="cuda", dtype=torch.bfloat16, generator=gen) * Fi ** -0.5
-    counts_e = torch.full((e,), num_rows // e, dtype=torch.int64)
-    counts_e[: num_rows % e] += 1
-    layout = ExpertLayout.from_counts(counts_e.cuda(), alignment)
-    x_RD = torch.randn(layout.num_pool_rows, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    reference = TorchLoopExperts(gate_up, down, activation)(x_RD, layout)
-    rows = []
+    layout = ExpertLayout(row_start_e, num_rows_e, x_RD.shape[0], 128)
+    cases = []
     for fp8 in fp8_options:
-        row = dict(backend=f"deep_gemm_{'fp8' if fp8 else 'bf16'}", num_local_experts=e, num_rows=num_rows,
-                   hidden=D, intermediate=Fi)
-        try:
-            experts = DeepGemmExperts(gate_up, down, activation, fp8=fp8)
-            out = experts(x_RD, layout)
-            row["calc_diff"] = calc_diff(out, reference)
-            us = bench(lambda: experts(x_RD, layout), warmup=warmup, iters=iters)
-            weight_bytes = e * 3 * D * Fi * (1 if fp8 else 2)
-            row.update(us=us, tflops=2 * num_rows * 3 * D * Fi / (us * 1e-6) / 1e12,
-                       weight_gbps=weight_bytes / (us * 1e-6) / 1e9)
-        except Exception as err:  # noqa: BLE001 - a bench row reports the failure instead of aborting the sweep
-            row["error"] = f"{type(err).__name__}: {err}"
-        rows.append(row)
-    return rows
+        experts = DeepGemmExperts(gate_up_weight_e2FD, down_weight_eDF, activation, fp8=fp8)
+        cases.append((f"deep_gemm_{'fp8' if fp8 else 'bf16'}", functools.partial(experts.forward, x_RD, layout)))
+    return cases

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from moe_ref.capacity import CapacityPlan, group_max, num_chunks_for, resolve_cap, resolve_overflow
 from moe_ref.config import MoEConfig
 from moe_ref.deep_gemm_backend import _call, _import_deep_gemm, deep_gemm_status, quantize_weights_fp8_block128
-from moe_ref.errors import (BackendUnavailableError, CapacityMismatchError, DeviceError, DistributedError,
+from moe_ref.errors import (BackendUnavailableError, CapacityMismatchError, DeviceError,
                             DTypeError, ExpertIdError, ShapeError, ShapeUnsupportedError)
 
 __all__ = ["supports", "DeepGemmMegaMoE", "MAX_INTERMEDIATE_SIZE", "MAX_TOPK"]
@@ -218,15 +218,16 @@ class DeepGemmMegaMoE:
     # --- internals -------------------------------------------------------------------------------------
     def _launch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
         """One kernel launch over at most C rows (possibly 0)."""
-        from moe_ref.kernels.pre_dispatch import pre_dispatch
+        from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
 
         if self.buffer is None:
             raise BackendUnavailableError("DeepGemmMegaMoE.run after destroy()")
         num_tokens = x_TD.shape[0]
         buf = self.buffer
         self.num_rows_per_expert_E.zero_()
-        pre_dispatch(x_TD.contiguous(), topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), buf.x, buf.x_sf,
-                     buf.topk_idx, buf.topk_weights, self.num_rows_per_expert_E)
+        kernel = pre_dispatch if x_TD.is_cuda else pre_dispatch_ref  # the torch twin serves CPU unit tests
+        kernel(x_TD.contiguous(), topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), buf.x, buf.x_sf,
+               buf.topk_idx, buf.topk_weights, self.num_rows_per_expert_E)
         if num_tokens == 0:
             buf.topk_idx[:1].fill_(-1)  # the 1-row dummy launch below must route nothing
         y_TD = torch.empty(max(num_tokens, 1), self.hidden_size, dtype=torch.bfloat16, device=self.device)

@@ -6,17 +6,21 @@ import inspect
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from moe_ref import deep_gemm_backend
-from moe_ref.config import preset
+from moe_ref import deep_gemm_backend, mega_deep_gemm
+from moe_ref.capacity import CapacityPlan
+from moe_ref.config import MoEConfig, preset
 from moe_ref.deep_gemm_backend import (DeepGemmExperts, DeepGemmStatus, deep_gemm_grouped_cases, deep_gemm_status,
                                        grouped_layout_from_expert_layout)
-from moe_ref.errors import BackendUnavailableError, ShapeUnsupportedError
+from moe_ref.errors import (BackendUnavailableError, CapacityExceededError, ExpertIdError, ShapeError,
+                            ShapeUnsupportedError)
 from moe_ref.experts import Experts, ExpertLayout, make_experts
 from moe_ref.mega_deep_gemm import DeepGemmMegaMoE, supports
+from moe_ref.testing import calc_diff
 
 pytestmark = pytest.mark.unit
 
@@ -162,7 +166,9 @@ def test_experts_signature_extends_the_base_with_keyword_fp8():
 
 def test_bench_hook_returns_nothing_when_unusable(monkeypatch):
     _force_not_installed(monkeypatch)
-    assert deep_gemm_grouped_cases(4, 512, 256, 128) == []
+    gate_up, down = _weights(2, 128, 128)
+    x_RD = torch.randn(256, 128)
+    assert deep_gemm_grouped_cases(x_RD, gate_up, down, torch.tensor([0, 128]), torch.tensor([3, 5])) == []
 
 
 def test_grouped_layout_marks_padding_and_skips_empty_experts():
@@ -221,6 +227,124 @@ def test_mega_construction_raises_env002_before_touching_anything(name, words):
     with pytest.raises(ShapeUnsupportedError) as info:
         DeepGemmMegaMoE(cfg, None, 4096, "error", gate_up, down)
     assert info.value.code == "ENV002" and words in str(info.value)
+
+
+# --- the mega path's overflow policy around the kernel (CPU, kernel stubbed) ------------------------------
+
+class _FakeMegaKernel:
+    """Stands in for ``deep_gemm.fp8_mega_moe``: records each launch and returns the dequantized x rows."""
+
+    def __init__(self):
+        self.launches = []
+
+    def fp8_mega_moe(self, y, l1_weights, l2_weights, buffer, **kwargs):
+        rows = y.shape[0]
+        self.launches.append(dict(rows=rows, topk_idx=buffer.topk_idx[:rows].clone(), kwargs=kwargs))
+        y.copy_((buffer.x[:rows].float() * buffer.x_sf[:rows].repeat_interleave(128, dim=1)).bfloat16())
+
+
+def _stub_mega(cap: int, overflow: str) -> DeepGemmMegaMoE:
+    """A DeepGemmMegaMoE whose buffer is plain CPU tensors (cap aligned up to 64 as DeepGEMM does) and whose
+    kernel is ``_FakeMegaKernel``: exercises run() (policy, chunking, pre-dispatch, dummy launches)."""
+    cfg = MoEConfig(num_experts=4, num_topk=2, hidden_size=256, intermediate_size=128, name="stub")
+    mega = DeepGemmMegaMoE.__new__(DeepGemmMegaMoE)
+    rows = -(-cap // 64) * 64
+    mega.cfg, mega.group, mega.ep_size, mega.rank = cfg, None, 2, 0
+    mega.num_max_tokens_per_rank, mega.overflow = cap, overflow
+    mega.activation_clamp, mega.fast_math = None, True
+    mega.num_local_experts, mega.hidden_size, mega.intermediate_size = 2, 256, 128
+    mega.device = torch.device("cpu")
+    mega.plan = CapacityPlan.build(cfg, 2, cap, torch.bfloat16, dispatch_fp8=True)
+    mega._deep_gemm, mega._l1_weights, mega._l2_weights = _FakeMegaKernel(), None, None
+    mega.buffer = SimpleNamespace(x=torch.zeros(rows, 256, dtype=torch.float8_e4m3fn), x_sf=torch.zeros(rows, 2),
+                                  topk_idx=torch.full((rows, 2), 7, dtype=torch.int64),  # stale garbage
+                                  topk_weights=torch.zeros(rows, 2), destroy=lambda: None)
+    mega.num_rows_per_expert_E = torch.zeros(4, dtype=torch.int32)
+    mega.num_recv_tokens_per_expert_e = torch.zeros(2, dtype=torch.int32)
+    return mega
+
+
+def _tokens(num_tokens: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(num_tokens)]) if num_tokens \
+        else torch.empty(0, 2, dtype=torch.int64)
+    return torch.randn(num_tokens, 256, generator=gen).bfloat16(), ids, torch.rand(num_tokens, 2, generator=gen)
+
+
+def test_mega_within_cap_is_one_launch_with_the_routing_in_the_buffer():
+    mega = _stub_mega(8, "error")
+    x, ids, weights = _tokens(5)
+    y = mega.run(x, ids, weights)
+    (launch,) = mega._deep_gemm.launches
+    assert launch["rows"] == 5 and torch.equal(launch["topk_idx"], ids)
+    assert launch["kwargs"]["recipe"] == (128, 128, 128) and launch["kwargs"]["activation"] == "swiglu"
+    assert launch["kwargs"]["cumulative_local_expert_recv_stats"] is mega.num_recv_tokens_per_expert_e
+    assert y.shape == (5, 256) and y.dtype == torch.bfloat16 and calc_diff(y, x) < 1e-3
+
+
+def test_mega_error_policy_raises_cap001_before_any_launch():
+    mega = _stub_mega(8, "error")
+    with pytest.raises(CapacityExceededError) as info:
+        mega.run(*_tokens(9))
+    assert info.value.code == "CAP001" and "num_tokens=9" in str(info.value) and "=8" in str(info.value)
+    assert mega._deep_gemm.launches == []
+
+
+@pytest.mark.filterwarnings("ignore::moe_ref.capacity.ChunkingWarning")
+def test_mega_chunk_policy_launches_every_chunk_and_concatenates():
+    mega = _stub_mega(8, "chunk")
+    x, ids, weights = _tokens(17)
+    y = mega.run(x, ids, weights)
+    assert [launch["rows"] for launch in mega._deep_gemm.launches] == [8, 8, 1]
+    assert torch.equal(mega._deep_gemm.launches[2]["topk_idx"], ids[16:])
+    assert y.shape == (17, 256) and calc_diff(y, x) < 1e-3
+
+
+@pytest.mark.filterwarnings("ignore::moe_ref.capacity.ChunkingWarning")
+def test_mega_rank_with_fewer_rows_still_launches_every_chunk_with_masked_dummies(monkeypatch):
+    monkeypatch.setattr(mega_deep_gemm, "group_max", lambda values, group, device: [17, 0])  # a peer has 17 rows
+    mega = _stub_mega(8, "chunk")
+    x, ids, weights = _tokens(3)
+    y = mega.run(x, ids, weights)
+    launches = mega._deep_gemm.launches
+    assert [launch["rows"] for launch in launches] == [3, 1, 1]
+    for dummy in launches[1:]:  # 0 rows here: a 1-row launch whose only row routes nowhere
+        assert bool((dummy["topk_idx"] == -1).all()), dummy["topk_idx"]
+    assert y.shape == (3, 256)
+
+
+def test_mega_error_policy_raises_on_the_small_rank_too(monkeypatch):
+    monkeypatch.setattr(mega_deep_gemm, "group_max", lambda values, group, device: [9, 0])
+    mega = _stub_mega(8, "error")
+    with pytest.raises(CapacityExceededError, match="max over the EP group is 9"):
+        mega.run(*_tokens(2))
+    assert mega._deep_gemm.launches == []
+
+
+def test_mega_no_rows_anywhere_launches_nothing():
+    mega = _stub_mega(8, "error")
+    y = mega.run(*_tokens(0))
+    assert y.shape == (0, 256) and mega._deep_gemm.launches == []
+
+
+def test_mega_bad_ids_here_or_on_a_peer_stop_every_rank(monkeypatch):
+    mega = _stub_mega(8, "error")
+    x, ids, weights = _tokens(4)
+    with pytest.raises(ExpertIdError):
+        mega.run(x, ids.masked_fill(ids == 3, 4), weights)
+    monkeypatch.setattr(mega_deep_gemm, "group_max", lambda values, group, device: [4, 1])
+    with pytest.raises(ShapeError, match="another rank"):
+        mega.run(x, ids, weights)
+    assert mega._deep_gemm.launches == []
+
+
+def test_mega_accepts_int32_ids_and_masked_slots():
+    mega = _stub_mega(8, "error")
+    x, ids, weights = _tokens(4)
+    ids[1] = -1
+    mega.run(x, ids.to(torch.int32), weights)
+    (launch,) = mega._deep_gemm.launches
+    assert launch["topk_idx"].dtype == torch.int64 and torch.equal(launch["topk_idx"], ids)
 
 
 # --- docstrings (tests/unit/test_docstrings.py skips these modules; same check here) ----------------------

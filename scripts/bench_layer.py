@@ -1,0 +1,298 @@
+#!/usr/bin/env python
+"""Benchmark the routed step of one EP MoE layer on 2 GPUs (torchrun, NCCL) at Kimi-K2 shapes.
+
+    torchrun --standalone --nproc-per-node 2 scripts/bench_layer.py --out results/gpu [--tokens 128 512 4096]
+
+Shapes: 384 experts (192 per rank), top-8, hidden 7168, expert intermediate 2048 (bf16 weights; the
+DeepGEMM path quantizes its copy to fp8 once). Tokens per rank: 128, 512, 4096 by default; routing is
+uniform random top-8 (distinct experts), weights random, the same inputs for every path.
+
+Paths (each built per token count with cap = that count, so no path pays for an oversized buffer):
+    a2a_grouped_mm   NCCL all_to_all_single of counts, rows and local expert ids -> sort by expert ->
+                     torch grouped_mm (gate||up) -> SiLU-and-mul (fp32) -> grouped_mm (down) ->
+                     all_to_all_single back -> fp32 weighted index_add at the source (bf16, one row per slot)
+    moe_ref_triton   moe_ref.dispatch.make_dispatcher (auto transport) + make_experts("triton")
+    deep_gemm_mega   moe_ref.mega_deep_gemm.DeepGemmMegaMoE (DeepGEMM SM90 fused fp8 mega-kernel)
+A path that cannot be built or fails reports 'not available' with its error; the others still run.
+
+Timing: after warmup, per iteration a cross-rank barrier + synchronize, then CUDA events around one call;
+per rank the median, reported as the max over ranks (the layer is as slow as its slowest rank). Every
+path's first output is compared with a2a_grouped_mm's (calc_diff). Rank 0 writes
+``<out>/bench_layer.json`` and ``<out>/bench_layer.md`` (rewritten after every path, so a time-out still
+leaves the finished rows). The first call of a DeepGEMM or Triton shape compiles kernels (reported as
+``first_call_s``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from moe_ref.config import MoEConfig  # noqa: E402
+from moe_ref.testing import calc_diff  # noqa: E402
+
+PATHS = ("a2a_grouped_mm", "moe_ref_triton", "deep_gemm_mega")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="EP MoE layer benchmark (2 GPUs, torchrun)")
+    parser.add_argument("--out", default="results/gpu", help="folder for bench_layer.json / bench_layer.md")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 4096], help="tokens per rank")
+    parser.add_argument("--num-experts", type=int, default=384)
+    parser.add_argument("--num-topk", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------------
+def make_weights(args, rank: int, num_local: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's bf16 experts: gate_up [e, 2F, D], down [e, D, F] (scaled so outputs stay O(1))."""
+    gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
+    D, Fi = args.hidden, args.intermediate
+    gate_up = torch.empty(num_local, 2 * Fi, D, dtype=torch.bfloat16, device=device)
+    down = torch.empty(num_local, D, Fi, dtype=torch.bfloat16, device=device)
+    for i in range(num_local):  # one expert at a time: no fp32 copy of all weights
+        gate_up[i] = torch.randn(2 * Fi, D, device=device, generator=gen) * D ** -0.5
+        down[i] = torch.randn(D, Fi, device=device, generator=gen) * Fi ** -0.5
+    return gate_up, down
+
+
+def make_inputs(args, rank: int, num_tokens: int, device):
+    """x [T, D] bf16, topk ids [T, K] int64 (distinct, uniform), topk weights [T, K] fp32."""
+    gen = torch.Generator(device=device).manual_seed(args.seed * 7919 + 31 * rank + num_tokens)
+    x = torch.randn(num_tokens, args.hidden, device=device, generator=gen).bfloat16()
+    scores = torch.rand(num_tokens, args.num_experts, device=device, generator=gen)
+    weights, ids = scores.topk(args.num_topk, dim=-1)
+    return x, ids.to(torch.int64), (weights / weights.sum(-1, keepdim=True)).float()
+
+
+# ------------------------------------------------------------------------------------------------
+# paths: each builder returns (fn, cleanup)
+# ------------------------------------------------------------------------------------------------
+def build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device):
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if grouped_mm is None:
+        raise RuntimeError(f"torch {torch.__version__} has no grouped_mm")
+    gate_up, down = local_weights
+    gate_up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)
+    world, num_local, Fi, K = dist.get_world_size(group), gate_up.shape[0], args.intermediate, args.num_topk
+
+    def step(x_TD, ids_TK, weights_TK):
+        num_tokens_, dim = x_TD.shape
+        flat_ids = ids_TK.reshape(-1)
+        slot_N = (flat_ids >= 0).nonzero().squeeze(1)
+        expert_N = flat_ids[slot_N]
+        order = torch.argsort(expert_N, stable=True)
+        slot_N, expert_N = slot_N[order], expert_N[order]
+        dst_N = expert_N // num_local
+        send_counts = torch.bincount(dst_N, minlength=world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # NOTE: host sync
+        num_recv = sum(recv_splits)
+        recv_x = x_TD.new_empty(num_recv, dim)
+        dist.all_to_all_single(recv_x, x_TD[slot_N // K], recv_splits, send_splits, group=group)
+        recv_expert = torch.empty(num_recv, dtype=torch.int64, device=x_TD.device)
+        dist.all_to_all_single(recv_expert, expert_N - dst_N * num_local, recv_splits, send_splits, group=group)
+        perm = torch.argsort(recv_expert, stable=True)
+        offs = torch.bincount(recv_expert, minlength=num_local).cumsum(0).to(torch.int32)
+        y_recv = x_TD.new_empty(num_recv, dim)
+        if num_recv:
+            gate_up_rows = grouped_mm(recv_x[perm], gate_up_t, offs=offs)
+            h = (F.silu(gate_up_rows[:, :Fi].float()) * gate_up_rows[:, Fi:].float()).bfloat16()
+            y_recv[perm] = grouped_mm(h, down_t, offs=offs)
+        back = x_TD.new_empty(slot_N.shape[0], dim)
+        dist.all_to_all_single(back, y_recv, send_splits, recv_splits, group=group)
+        out = torch.zeros(num_tokens_, dim, dtype=torch.float32, device=x_TD.device)
+        out.index_add_(0, slot_N // K, back.float() * weights_TK.reshape(-1)[slot_N, None])
+        return out.to(x_TD.dtype)
+
+    return step, lambda: None
+
+
+def build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device):
+    from moe_ref.dispatch import make_dispatcher
+    from moe_ref.experts import make_experts
+
+    dispatcher = make_dispatcher(cfg, group, num_tokens, overflow="error", activation_dtype=torch.bfloat16,
+                                 device=device)
+    experts = make_experts("triton", *local_weights, cfg.activation)
+    print(f"[rank {dist.get_rank()}] moe_ref dispatcher: transport={dispatcher.transport_name}, "
+          f"buffer {dispatcher.plan.total_bytes} bytes", flush=True)
+
+    def step(x_TD, ids_TK, weights_TK):
+        return dispatcher.run(x_TD, ids_TK, weights_TK, experts)
+
+    return step, dispatcher.destroy
+
+
+def build_deep_gemm_mega(args, cfg, group, num_tokens, local_weights, device):
+    from moe_ref.mega_deep_gemm import DeepGemmMegaMoE
+
+    mega = DeepGemmMegaMoE(cfg, group, num_tokens, "error", *local_weights)
+    print(f"[rank {dist.get_rank()}] DeepGEMM mega-MoE: symmetric buffer {mega.buffer_bytes} bytes", flush=True)
+    return mega.run, mega.destroy
+
+
+BUILDERS = {"a2a_grouped_mm": build_a2a_grouped_mm, "moe_ref_triton": build_moe_ref_triton,
+            "deep_gemm_mega": build_deep_gemm_mega}
+
+
+# ------------------------------------------------------------------------------------------------
+# measurement
+# ------------------------------------------------------------------------------------------------
+def all_ok(flag: bool, device) -> bool:
+    """True when every rank passes True (so all ranks skip a broken path together)."""
+    tensor = torch.tensor([0 if flag else 1], device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item()) == 0
+
+
+def time_path(fn, inputs, warmup: int, iters: int, device) -> float:
+    """Median microseconds of ``fn(*inputs)`` on this rank, each iteration started after a barrier."""
+    for _ in range(warmup):
+        fn(*inputs)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*inputs)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def gather_floats(value: float, device) -> list[float]:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    return [float(t.item()) for t in out]
+
+
+def run_path(name, args, cfg, group, num_tokens, local_weights, inputs, reference, device) -> tuple[dict, object]:
+    """Build, check and time one path; every rank returns the same status."""
+    row = {"path": name, "tokens_per_rank": num_tokens}
+    output, cleanup, error = None, None, None
+    start = time.perf_counter()
+    try:
+        fn, cleanup = BUILDERS[name](args, cfg, group, num_tokens, local_weights, device)
+        row["build_s"] = round(time.perf_counter() - start, 2)
+        start = time.perf_counter()
+        output = fn(*inputs)
+        torch.cuda.synchronize()
+        row["first_call_s"] = round(time.perf_counter() - start, 2)
+    except Exception as err:  # noqa: BLE001 - a broken path is reported, the bench goes on
+        error = f"{type(err).__name__}: {err}"
+        print(f"[rank {dist.get_rank()}] {name} at {num_tokens} tokens failed:\n{traceback.format_exc()}", flush=True)
+    if not all_ok(error is None, device):
+        row.update(status="not available", error=error or "failed on another rank")
+        if cleanup is not None:
+            try:
+                cleanup()
+            except Exception:  # noqa: BLE001
+                pass
+        return row, None
+    diffs = gather_floats(calc_diff(output, reference) if reference is not None else float("nan"), device)
+    us = time_path(fn, inputs, args.warmup, args.iters, device)
+    per_rank = gather_floats(us, device)
+    flops = 2 * 3 * args.hidden * args.intermediate * num_tokens * args.num_topk  # per rank, every slot live
+    row.update(status="ok", us=max(per_rank), us_per_rank=per_rank, calc_diff_vs_a2a=max(diffs),
+               tflops_per_rank=flops / (max(per_rank) * 1e-6) / 1e12)
+    cleanup()
+    return row, output
+
+
+def write_results(out_dir: str, meta: dict, rows: list[dict]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_layer.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    base = {r["tokens_per_rank"]: r["us"] for r in rows if r["path"] == "a2a_grouped_mm" and r.get("status") == "ok"}
+    lines = [f"# EP layer routed step, {meta['ranks']} ranks: {meta['shape']}", "",
+             "| tokens/rank | path | us (max over ranks) | us per rank | TFLOP/s per rank | x vs a2a | calc_diff vs a2a "
+             "| first call s | status |",
+             "|---:|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['tokens_per_rank']} | {r['path']} | - | - | - | - | - | - | not available: "
+                         f"{str(r.get('error', ''))[:160].replace('|', '/')} |")
+            continue
+        speedup = base.get(r["tokens_per_rank"], float("nan")) / r["us"]
+        lines.append(f"| {r['tokens_per_rank']} | {r['path']} | {r['us']:.1f} | "
+                     f"{' / '.join(f'{u:.1f}' for u in r['us_per_rank'])} | {r['tflops_per_rank']:.1f} | "
+                     f"{speedup:.2f} | {r['calc_diff_vs_a2a']:.2e} | {r.get('first_call_s', '-')} | ok |")
+    with open(os.path.join(out_dir, "bench_layer.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=10))
+    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    cfg = MoEConfig(num_experts=args.num_experts, num_topk=args.num_topk, hidden_size=args.hidden,
+                    intermediate_size=args.intermediate, name="bench-layer")
+    num_local = args.num_experts // world
+    meta = {"ranks": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "python": platform.python_version(),
+            "shape": f"{args.num_experts} experts ({num_local}/rank), top-{args.num_topk}, hidden {args.hidden}, "
+                     f"intermediate {args.intermediate}, bf16 (deep_gemm_mega: fp8)",
+            "timing": f"median of {args.iters} after {args.warmup} warmup, barrier before each, max over ranks"}
+    try:
+        from moe_ref.deep_gemm_backend import deep_gemm_status
+
+        meta["deep_gemm"] = deep_gemm_status().__dict__
+    except Exception as err:  # noqa: BLE001
+        meta["deep_gemm"] = f"{type(err).__name__}: {err}"
+    if rank == 0:
+        print(f"bench_layer: {meta}", flush=True)
+    t0 = time.perf_counter()
+    local_weights = make_weights(args, rank, num_local, device)
+    if rank == 0:
+        print(f"weights ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows: list[dict] = []
+    for num_tokens in args.tokens:
+        inputs = make_inputs(args, rank, num_tokens, device)
+        reference = None
+        for name in args.paths:
+            t0 = time.perf_counter()
+            row, output = run_path(name, args, cfg, group, num_tokens, local_weights, inputs, reference, device)
+            if name == "a2a_grouped_mm" and output is not None:
+                reference = output
+            rows.append(row)
+            if rank == 0:
+                print(f"RESULT {json.dumps(row)} ({time.perf_counter() - t0:.1f} s)", flush=True)
+                write_results(args.out, meta, rows)
+            torch.cuda.empty_cache()
+    if rank == 0:
+        print(open(os.path.join(args.out, "bench_layer.md")).read(), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""DeepGEMM backend on SM90: grouped bf16/fp8 and masked experts vs ``TorchLoopExperts`` at Kimi-K2-like
+per-rank shapes (8 local experts, D 7168, F 2048, uneven rows with an empty expert), and the 2-GPU mega path
+(``tests/gpu/mega_worker.py`` under torchrun).
+
+Run on the GPU machine (the wheels from .whl installed, see the module docstring of mega_worker.py):
+    python -m pytest -q -rs -m "cuda or cuda2" tests/gpu/test_deep_gemm.py
+Skipped, with ``deep_gemm_status().reason`` shown, when deep_gemm is not usable: it is an optional backend.
+The first call of each shape JIT-compiles a DeepGEMM kernel (seconds to a minute each).
+
+calc_diff limits (DeepGEMM's metric, 1 - cosine similarity):
+- bf16 vs TorchLoopExperts: 1e-4 (DeepGEMM's own bf16 GEMM tests use 1e-5 per GEMM; here two GEMMs and
+  an activation, each rounded to bf16, with another accumulation order than torch).
+- fp8 vs TorchLoopExperts (bf16): 4e-3. DeepGEMM's fp8 tests use 1e-3 per single GEMM (a CPU simulation
+  of one fp8 GEMM at these shapes: 6.8e-4). The MLP chains two fp8 GEMMs and re-quantizes h: the same
+  simulation gives 2.0e-3, so 4e-3 leaves a 2x margin.
+- fp8 vs a torch simulation of the same fp8 recipe (same quantized weights and activations): 1e-3
+  (only accumulation order and rounding flips differ; printed for diagnosis).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_ref.activations import dense_mlp
+from moe_ref.deep_gemm_backend import DeepGemmExperts, deep_gemm_grouped_cases, deep_gemm_status
+from moe_ref.errors import ShapeError
+from moe_ref.experts import ExpertLayout, TorchLoopExperts, make_experts
+from moe_ref.testing import calc_diff
+
+pytestmark = pytest.mark.cuda
+
+NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 7168, 2048
+COUNTS = [5, 0, 130, 64, 300, 1, 128, 257]  # uneven, one empty expert, one exactly 128
+LIMIT = {"bf16": 1e-4, "fp8": 4e-3, "fp8_vs_sim": 1e-3}
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def status():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    status = deep_gemm_status()
+    print(f"\ndeep_gemm_status: {status}")
+    if not status.available:
+        pytest.skip(f"deep_gemm not usable here (optional backend): {status.reason}")
+    return status
+
+
+@pytest.fixture(scope="module")
+def weights(status):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(NUM_EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda", generator=gen)
+               * HIDDEN ** -0.5).bfloat16()
+    down = (torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", generator=gen)
+            * INTERMEDIATE ** -0.5).bfloat16()
+    return gate_up, down
+
+
+@pytest.fixture(scope="module")
+def pool(weights):
+    """Pool rows (padding rows hold noise too: they must come out zero), layout, reference, valid mask."""
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device="cuda"), 128)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x_RD = torch.randn(layout.num_pool_rows, HIDDEN, device="cuda", generator=gen).bfloat16()
+    reference = TorchLoopExperts(*weights).forward(x_RD, layout)
+    valid_R = layout.row_expert_R() >= 0
+    return x_RD, layout, reference, valid_R
+
+
+def _check_pool_output(y_RD, pool, limit, label):
+    x_RD, layout, reference, valid_R = pool
+    assert y_RD.shape == x_RD.shape and y_RD.dtype == x_RD.dtype, (label, y_RD.shape, y_RD.dtype)
+    assert torch.isfinite(y_RD).all(), f"{label}: non-finite output"
+    assert bool((y_RD[~valid_R] == 0).all()), f"{label}: padding rows are not zero"
+    diff = calc_diff(y_RD[valid_R], reference[valid_R])
+    print(f"{label}: calc_diff vs TorchLoopExperts = {diff:.3e} (limit {limit:.0e}); counts={COUNTS}")
+    assert diff < limit, f"{label}: calc_diff={diff:.3e} >= {limit:.0e}; counts={COUNTS}, D={HIDDEN}, F={INTERMEDIATE}"
+    return diff
+
+
+def test_status_reports_version_and_mega_api(status):
+    assert status.version, status
+    if status.version == "0.1.4":
+        assert status.mega_moe, f"0.1.4 ships the SM90 mega-MoE API, the probe says otherwise: {status}"
+
+
+def test_grouped_bf16_matches_torch_loop(weights, pool):
+    experts = DeepGemmExperts(*weights)
+    _check_pool_output(experts(pool[0], pool[1]), pool, LIMIT["bf16"], "deep_gemm bf16 grouped")
+
+
+def test_grouped_fp8_matches_torch_loop_and_fp8_simulation(weights, pool):
+    from deep_gemm.utils import per_token_cast_to_fp8
+
+    experts = DeepGemmExperts(*weights, fp8=True)
+    x_RD, layout = pool[0], pool[1]
+    y_RD = experts(x_RD, layout)
+    _check_pool_output(y_RD, pool, LIMIT["fp8"], "deep_gemm fp8 grouped")
+
+    def dequant_rows(x):
+        q, s = per_token_cast_to_fp8(x, use_ue8m0=False)
+        return (q.float().view(q.shape[0], -1, 128) * s[..., None]).view(q.shape)
+
+    def dequant_blocks(w, s):
+        n, k = w.shape
+        return (w.float().view(n // 128, 128, k // 128, 128) * s[:, None, :, None]).view(n, k)
+
+    simulated = torch.zeros_like(y_RD)
+    (w13, s13), (w2, s2) = experts._gate_up_weight, experts._down_weight
+    for i, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
+        if count:
+            gate_up = (dequant_rows(x_RD[start:start + count]) @ dequant_blocks(w13[i], s13[i]).t()).bfloat16()
+            gate, up = gate_up.float().chunk(2, dim=-1)
+            h = torch.nn.functional.silu(gate) * up
+            simulated[start:start + count] = (dequant_rows(h) @ dequant_blocks(w2[i], s2[i]).t()).bfloat16()
+    valid_R = pool[3]
+    diff = calc_diff(y_RD[valid_R], simulated[valid_R])
+    print(f"deep_gemm fp8 grouped: calc_diff vs torch fp8 simulation = {diff:.3e} (limit {LIMIT['fp8_vs_sim']:.0e})")
+    assert diff < LIMIT["fp8_vs_sim"], f"calc_diff vs fp8 simulation {diff:.3e}"
+
+
+def test_pool_rows_not_a_multiple_of_128_and_all_padding(weights):
+    experts = DeepGemmExperts(*weights)
+    counts = torch.tensor([3, 0, 0, 0, 0, 0, 0, 5], device="cuda")
+    layout = ExpertLayout.from_counts(counts, 128, num_pool_rows=300)  # 256 used + 44 trailing rows
+    x_RD = torch.randn(300, HIDDEN, device="cuda").bfloat16()
+    y_RD = experts(x_RD, layout)
+    reference = TorchLoopExperts(*weights).forward(x_RD, layout)
+    diff = calc_diff(y_RD, reference)
+    assert y_RD.shape == (300, HIDDEN) and diff < LIMIT["bf16"], diff
+    assert bool((y_RD[layout.row_expert_R() < 0] == 0).all())
+
+    empty = ExpertLayout.from_counts(torch.zeros(NUM_EXPERTS, dtype=torch.int64, device="cuda"), 128,
+                                     num_pool_rows=128)
+    y_empty = experts(torch.randn(128, HIDDEN, device="cuda").bfloat16(), empty)
+    assert bool((y_empty == 0).all()), "a pool of padding rows only must come out zero"
+    assert experts(torch.empty(0, HIDDEN, device="cuda", dtype=torch.bfloat16),
+                   ExpertLayout.from_counts(torch.zeros(NUM_EXPERTS, dtype=torch.int64), 128)).shape == (0, HIDDEN)
+
+
+def test_layout_alignment_below_deep_gemm_alignment_is_refused(weights):
+    experts = DeepGemmExperts(*weights)
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device="cuda"), 64)
+    with pytest.raises(ShapeError, match="alignment"):
+        experts(torch.zeros(layout.num_pool_rows, HIDDEN, device="cuda", dtype=torch.bfloat16), layout)
+
+
+def test_make_experts_builds_deep_gemm(weights):
+    assert isinstance(make_experts("deep_gemm", *weights), DeepGemmExperts)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_masked_layout_matches_dense_mlp(weights, fp8):
+    gate_up, down = weights[0][:4], weights[1][:4]
+    experts = DeepGemmExperts(gate_up, down, fp8=fp8)
+    max_rows = 256
+    masked_m = torch.tensor([0, 1, 77, 256], dtype=torch.int32, device="cuda")
+    x_eMD = torch.randn(4, max_rows, HIDDEN, device="cuda").bfloat16()
+    y_eMD = experts.forward_masked(x_eMD, masked_m, expected_m=64)
+    assert y_eMD.shape == x_eMD.shape and y_eMD.dtype == torch.bfloat16
+    outs, refs = [], []
+    for i, rows in enumerate(masked_m.tolist()):
+        assert bool((y_eMD[i, rows:] == 0).all()), f"expert {i}: rows beyond masked_m={rows} are not zero"
+        outs.append(y_eMD[i, :rows])
+        refs.append(dense_mlp(x_eMD[i, :rows], gate_up[i], down[i]))
+    diff = calc_diff(torch.cat(outs), torch.cat(refs))
+    limit = LIMIT["fp8" if fp8 else "bf16"]
+    print(f"deep_gemm {'fp8' if fp8 else 'bf16'} masked: calc_diff vs dense_mlp = {diff:.3e} (limit {limit:.0e})")
+    assert diff < limit, diff
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_masked_layout_replays_in_a_cuda_graph(weights, fp8):
+    experts = DeepGemmExperts(weights[0][:4], weights[1][:4], fp8=fp8)
+    static_x = torch.randn(4, 128, HIDDEN, device="cuda").bfloat16()
+    static_m = torch.tensor([3, 0, 100, 128], dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (JIT compile) outside the capture
+        for _ in range(2):
+            experts.forward_masked(static_x, static_m, 32)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = experts.forward_masked(static_x, static_m, 32)
+    new_x = torch.randn_like(static_x)
+    new_m = torch.tensor([128, 7, 0, 64], dtype=torch.int32, device="cuda")
+    static_x.copy_(new_x)
+    static_m.copy_(new_m)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = experts.forward_masked(new_x, new_m, 32)
+    diff = calc_diff(static_y, eager)
+    assert diff < 1e-6 and bool((static_y[2] == 0).all()) and bool((static_y[1, 7:] == 0).all()), diff
+
+
+def test_bench_hook_paths_match_the_reference(weights, pool):
+    x_RD, layout, _, _ = pool
+    cases = deep_gemm_grouped_cases(x_RD, *weights, layout.row_start_e, layout.num_rows_e)
+    assert [name for name, _ in cases] == ["deep_gemm_bf16", "deep_gemm_fp8"]
+    for name, fn in cases:
+        _check_pool_output(fn(), pool, LIMIT["fp8" if name.endswith("fp8") else "bf16"], f"bench hook {name}")
+
+
+# --- 2 GPUs: the mega path ------------------------------------------------------------------------------
+
+@pytest.mark.cuda2
+@pytest.mark.timeout(1500)
+def test_mega_moe_two_gpus(status):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+    if not status.mega_moe:
+        pytest.skip(f"deep_gemm {status.version} has no SM90 mega-MoE API: {status.reason}")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(REPO / "tests" / "gpu" / "mega_worker.py")]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1400)
+    log = proc.stdout + proc.stderr
+    print(log[-20000:])
+    results = [line for line in log.splitlines() if line.startswith(("RESULT", "SUMMARY"))]
+    assert proc.returncode == 0, f"mega_worker failed (rc={proc.returncode}):\n" + "\n".join(results) + \
+        f"\n--- log tail ---\n{log[-6000:]}"
+    assert any(line.startswith("SUMMARY") and "all passed" in line for line in results), "\n".join(results)
