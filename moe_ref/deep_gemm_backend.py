@@ -370,19 +370,22 @@ class DeepGemmExperts(Experts):
         return out_eMN
 
     def _check_input(self, x: torch.Tensor, ndim: int) -> None:
-        if x.device.type != "cuda":
-            raise DeviceError(f"deep_gemm experts need CUDA inputs, got a tensor on {x.device}")
+        _require_cuda("the input", x)
         if x.dim() != ndim or x.shape[-1] != self.hidden_size:
             raise ShapeError(f"expected a {ndim}-D input with last dim D={self.hidden_size}, got {tuple(x.shape)}")
         if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise DTypeError(f"input dtype {x.dtype}; deep_gemm experts take bf16/fp16/fp32 (computed in bf16/fp8)")
 
 
+def _require_cuda(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cuda":
+        raise DeviceError(f"{name} is on {tensor.device}; deep_gemm runs on CUDA tensors only")
+
+
 def _check_weights(gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, fp8: bool) -> tuple[int, int, int]:
     """Validate the expert weights; returns (e, D, F)."""
     for name, weight in (("gate_up_weight_e2FD", gate_up_weight_e2FD), ("down_weight_eDF", down_weight_eDF)):
-        if weight.device.type != "cuda":
-            raise DeviceError(f"{name} is on {weight.device}; deep_gemm experts need CUDA weights")
+        _require_cuda(name, weight)
         if weight.dim() != 3:
             raise ShapeError(f"{name} must be 3-D, got {tuple(weight.shape)}")
     num_experts, two_f, hidden = gate_up_weight_e2FD.shape

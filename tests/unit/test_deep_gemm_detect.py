@@ -5,6 +5,7 @@ import importlib.util
 import inspect
 import sys
 import textwrap
+import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,8 @@ from moe_ref.deep_gemm_backend import (DeepGemmExperts, DeepGemmStatus, deep_gem
                                        grouped_layout_from_expert_layout)
 from moe_ref.errors import (BackendUnavailableError, CapacityExceededError, ExpertIdError, ShapeError,
                             ShapeUnsupportedError)
-from moe_ref.experts import Experts, ExpertLayout, make_experts
+from moe_ref.activations import dense_mlp
+from moe_ref.experts import Experts, ExpertLayout, TorchLoopExperts, make_experts
 from moe_ref.mega_deep_gemm import DeepGemmMegaMoE, supports
 from moe_ref.testing import calc_diff
 
@@ -187,6 +189,151 @@ def test_grouped_layout_matches_row_expert_for_packed_layouts():
         grouped_R, _ = grouped_layout_from_expert_layout(layout, layout.num_pool_rows + 128, torch.device("cpu"))
         expected = torch.cat([layout.row_expert_R(), torch.full((128,), -1, dtype=torch.int64)])
         assert torch.equal(grouped_R.long(), expected), counts
+
+
+# --- DeepGemmExperts' wiring, against a torch fake of DeepGEMM's grouped GEMMs (CPU) ----------------------
+# The fake implements the documented semantics (per-row group ids with -1 padding; masked rows) and fills
+# every row it does not own with NaN, so unmasked padding would show. The real kernels run in tests/gpu.
+
+FP8 = torch.float8_e4m3fn
+
+
+def _cast_rows(x):  # fp8 per row per 128 columns, scale amax/448 (DeepGEMM's SM90 activation recipe)
+    m, k = x.shape
+    groups = x.float().view(m, k // 128, 128)
+    scale = groups.abs().amax(-1).clamp(min=1e-4) / 448
+    return (groups / scale[..., None]).to(FP8).view(m, k), scale
+
+
+def _cast_blocks(w):  # fp8 128x128 blocks
+    n, k = w.shape
+    blocks = w.float().view(n // 128, 128, k // 128, 128)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-4) / 448
+    return (blocks / scale[:, None, :, None]).to(FP8).view(n, k), scale
+
+
+def _rows_value(a):
+    if isinstance(a, tuple):
+        q, scale = a
+        return (q.float().view(*q.shape[:-1], -1, 128) * scale[..., None]).view(q.shape)
+    assert a.dtype == torch.bfloat16
+    return a.float()
+
+
+def _weight_value(b, g):
+    if isinstance(b, tuple):
+        q, scale = b[0][g], b[1][g]
+        n, k = q.shape
+        return (q.float().view(n // 128, 128, k // 128, 128) * scale[:, None, :, None]).view(n, k)
+    assert b.dtype == torch.bfloat16 and b.is_contiguous()
+    return b[g].float()
+
+
+def _fake_deep_gemm_module() -> types.ModuleType:
+    calls = []
+
+    def contiguous(a, b, d, grouped_layout, **kwargs):
+        rows = (a[0] if isinstance(a, tuple) else a)
+        assert rows.is_contiguous() and rows.shape[0] % 128 == 0 and d.dtype == torch.bfloat16
+        assert grouped_layout.dtype == torch.int32 and grouped_layout.shape == (rows.shape[0],)
+        assert kwargs.get("disable_ue8m0_cast", True) is True
+        calls.append(("contiguous", tuple(rows.shape), kwargs))
+        d.fill_(float("nan"))
+        value = _rows_value(a)
+        for g in torch.unique(grouped_layout[grouped_layout >= 0]).tolist():
+            mask = grouped_layout == g
+            d[mask] = (value[mask] @ _weight_value(b, g).t()).bfloat16()
+
+    def masked(a, b, d, masked_m, expected_m, **kwargs):
+        rows = (a[0] if isinstance(a, tuple) else a)
+        assert rows.dim() == 3 and rows.is_contiguous() and masked_m.dtype == torch.int32 and expected_m > 0
+        calls.append(("masked", tuple(rows.shape), kwargs))
+        d.fill_(float("nan"))
+        value = _rows_value(a)
+        for g, m in enumerate(masked_m.tolist()):
+            d[g, :m] = (value[g, :m] @ _weight_value(b, g).t()).bfloat16()
+
+    module = types.ModuleType("deep_gemm")
+    module.__version__ = "0.1.4-fake"
+    module.calls = calls
+    module.m_grouped_bf16_gemm_nt_contiguous = module.m_grouped_fp8_gemm_nt_contiguous = contiguous
+    module.m_grouped_bf16_gemm_nt_masked = module.m_grouped_fp8_gemm_nt_masked = masked
+    module.get_mk_alignment_for_contiguous_layout = lambda: 128
+    utils = types.ModuleType("deep_gemm.utils")
+    utils.per_token_cast_to_fp8 = lambda x, use_ue8m0, gran_k=128, use_packed_ue8m0=False: _cast_rows(x)
+    utils.per_block_cast_to_fp8 = lambda x, use_ue8m0, gran_k=128: _cast_blocks(x)
+    module.utils = utils
+    return module
+
+
+@pytest.fixture
+def fake_deep_gemm(monkeypatch):
+    module = _fake_deep_gemm_module()
+    monkeypatch.setitem(sys.modules, "deep_gemm", module)
+    monkeypatch.setitem(sys.modules, "deep_gemm.utils", module.utils)
+    monkeypatch.setattr(deep_gemm_backend, "_probe", lambda: DeepGemmStatus(True, "0.1.4-fake", "fake", False))
+    monkeypatch.setattr(deep_gemm_backend, "_require_cuda", lambda name, tensor: None)
+    return module
+
+
+def _small_weights(num_experts=3, hidden=256, intermediate=128, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return ((torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) * hidden ** -0.5).bfloat16(),
+            (torch.randn(num_experts, hidden, intermediate, generator=gen) * intermediate ** -0.5).bfloat16())
+
+
+@pytest.mark.parametrize("fp8, limit", [(False, 1e-4), (True, 1e-2)], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("counts, num_pool_rows", [([3, 0, 130], None), ([0, 0, 5], 300), ([0, 0, 0], 128)])
+def test_experts_wiring_matches_torch_loop(fake_deep_gemm, fp8, limit, counts, num_pool_rows):
+    weights = _small_weights()
+    layout = ExpertLayout.from_counts(torch.tensor(counts), 128, num_pool_rows)
+    x_RD = torch.randn(layout.num_pool_rows, 256).bfloat16()
+    y_RD = DeepGemmExperts(*weights, fp8=fp8)(x_RD, layout)
+    reference = TorchLoopExperts(*weights).forward(x_RD, layout)
+    assert y_RD.shape == x_RD.shape and y_RD.dtype == torch.bfloat16 and bool(torch.isfinite(y_RD).all())
+    assert bool((y_RD[layout.row_expert_R() < 0] == 0).all())
+    assert calc_diff(y_RD, reference) < limit, calc_diff(y_RD, reference)
+    shapes = {call[1] for call in fake_deep_gemm.calls}
+    assert shapes == {(-(-layout.num_pool_rows // 128) * 128, 256), (-(-layout.num_pool_rows // 128) * 128, 128)}
+
+
+@pytest.mark.parametrize("fp8, limit", [(False, 1e-4), (True, 1e-2)], ids=["bf16", "fp8"])
+def test_experts_masked_wiring_matches_dense_mlp(fake_deep_gemm, fp8, limit):
+    gate_up, down = _small_weights()
+    masked_m = torch.tensor([0, 7, 64], dtype=torch.int64)  # int64 is converted
+    x_eMD = torch.randn(3, 64, 256).bfloat16()
+    y_eMD = DeepGemmExperts(gate_up, down, fp8=fp8).forward_masked(x_eMD, masked_m, 16)
+    assert y_eMD.shape == x_eMD.shape and bool(torch.isfinite(y_eMD).all())
+    outs, refs = [], []
+    for i, rows in enumerate(masked_m.tolist()):
+        assert bool((y_eMD[i, rows:] == 0).all())
+        outs.append(y_eMD[i, :rows])
+        refs.append(dense_mlp(x_eMD[i, :rows], gate_up[i], down[i]))
+    assert calc_diff(torch.cat(outs), torch.cat(refs)) < limit
+
+
+def test_experts_refuse_bad_layouts_and_shapes(fake_deep_gemm):
+    experts = DeepGemmExperts(*_small_weights())
+    with pytest.raises(ShapeError, match="alignment"):
+        experts(torch.zeros(128, 256).bfloat16(), ExpertLayout.from_counts(torch.tensor([3, 0, 5]), 64))
+    with pytest.raises(ShapeError, match="D=256"):
+        experts(torch.zeros(128, 255).bfloat16(), ExpertLayout.from_counts(torch.tensor([3, 0, 5]), 128))
+    with pytest.raises(ShapeError, match="expected_m"):
+        experts.forward_masked(torch.zeros(3, 8, 256), torch.zeros(3, dtype=torch.int32), 0)
+    gate_up, down = _small_weights(hidden=200)
+    with pytest.raises(deep_gemm_backend.FP8AlignmentError):
+        DeepGemmExperts(gate_up, down, fp8=True)
+
+
+def test_bench_hook_paths_run_the_experts(fake_deep_gemm):
+    weights = _small_weights()
+    layout = ExpertLayout.from_counts(torch.tensor([3, 0, 130]), 128)
+    x_RD = torch.randn(layout.num_pool_rows, 256).bfloat16()
+    cases = deep_gemm_grouped_cases(x_RD, *weights, layout.row_start_e, layout.num_rows_e)
+    assert [name for name, _ in cases] == ["deep_gemm_bf16", "deep_gemm_fp8"]
+    reference = TorchLoopExperts(*weights).forward(x_RD, layout)
+    for name, fn in cases:
+        assert calc_diff(fn(), reference) < (1e-2 if name.endswith("fp8") else 1e-4), name
 
 
 # --- the mega path ----------------------------------------------------------------------------------------
