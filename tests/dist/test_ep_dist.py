@@ -1,0 +1,140 @@
+"""Expert parallelism across processes (torchrun, gloo, CPU): both transports, 2 and 4 ranks.
+
+One torchrun launch per world size runs every case of ``ep_cases.enumerate_cases`` (process start-up is
+the expensive part on 2 cores); each parametrized test then asserts one case on every rank. Fault
+launches check that a failing or killed rank ends the job quickly and leaves nothing in the shared-memory
+folder. Every launch has a wall-clock limit, so a hang fails the test instead of stalling the suite.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ep_cases  # noqa: E402
+
+from moe_ref.buffer import sweep_stale_shm_files  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "ep_worker.py"
+WORLD_SIZES = (2, 4)
+LAUNCH_TIMEOUT_S = 240  # all cases of one world size (about 10-20 s when the machine is idle)
+FAULT_TIMEOUT_S = 90  # a failing job must end well within this (the worker's group timeout is 60 s)
+
+
+@dataclass
+class Launch:
+    returncode: int | None  # None: killed at the time limit
+    seconds: float
+    log: str
+    leftovers: list[str]  # files left in the private MOE_REF_SHM_DIR after the job
+    results: dict[int, dict]  # rank -> {case id -> result}
+
+
+def _private_shm_dir() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="moe_ref_test_", dir=base)
+
+
+def torchrun(nproc: int, worker_args: list[str], out_dir: Path, timeout_s: float) -> Launch:
+    """Run ``ep_worker.py`` under torchrun with a private shm folder; kill the whole job at the limit."""
+    shm_dir = _private_shm_dir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_REF_SHM_DIR": shm_dir,
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    for name in ("MOE_REF_NUM_MAX_TOKENS_PER_RANK", "MOE_REF_OVERFLOW_POLICY", "MOE_REF_TRANSPORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
+           "--out", str(out_dir), *worker_args]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: the session we started
+        log, _ = proc.communicate()
+        returncode = None
+    seconds = time.perf_counter() - start
+    leftovers = sorted(os.listdir(shm_dir))
+    if leftovers:  # the next buffer on this host would remove files of dead creators; report them first
+        sweep_stale_shm_files(shm_dir)
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    results = {}
+    for rank in range(nproc):
+        path = out_dir / f"rank{rank}.json"
+        if path.exists():
+            results[rank] = json.loads(path.read_text())
+    return Launch(returncode, seconds, log, leftovers, results)
+
+
+@pytest.fixture(scope="session")
+def launches(tmp_path_factory):
+    """``launches(world_size)``: the (cached) launch running every case at that world size."""
+    cache: dict[int, Launch] = {}
+
+    def get(world_size: int) -> Launch:
+        if world_size not in cache:
+            folder = tmp_path_factory.mktemp(f"ep{world_size}")
+            case_file = folder / "cases.json"
+            case_file.write_text(json.dumps(ep_cases.enumerate_cases(world_size)))
+            cache[world_size] = torchrun(world_size, ["--case-file", str(case_file)], folder / "out", LAUNCH_TIMEOUT_S)
+        return cache[world_size]
+    return get
+
+
+def _tail(log: str, lines: int = 40) -> str:
+    return "\n".join(log.splitlines()[-lines:])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_launch_finishes_and_leaves_no_shared_memory(launches, world_size):
+    launch = launches(world_size)
+    assert launch.returncode is not None, f"{world_size=}: the job hung past {LAUNCH_TIMEOUT_S} s\n{_tail(launch.log)}"
+    assert launch.returncode == 0, f"{world_size=}: rc={launch.returncode}\n{_tail(launch.log)}"
+    assert sorted(launch.results) == list(range(world_size)), f"{world_size=}: missing rank results"
+    assert launch.leftovers == [], f"{world_size=}: files left in MOE_REF_SHM_DIR: {launch.leftovers}"
+    print(f"\n{world_size} ranks: {len(ep_cases.enumerate_cases(world_size))} cases in {launch.seconds:.1f} s")
+
+
+_CASES = [pytest.param(world_size, case, id=f"{world_size}ranks-{case['id']}")
+          for world_size in WORLD_SIZES for case in ep_cases.enumerate_cases(world_size)]
+
+
+@pytest.mark.parametrize("world_size, case", _CASES)
+def test_case(launches, world_size, case):
+    launch = launches(world_size)
+    assert launch.results, f"{world_size=}: no results (rc={launch.returncode})\n{_tail(launch.log)}"
+    for rank in range(world_size):
+        result = launch.results.get(rank, {}).get(case["id"])
+        assert result is not None, f"{world_size=} {rank=} {case=}: no result"
+        assert "error" not in result, f"{world_size=} {rank=} case={case['id']}:\n{result['error']}"
+        assert result["checks"], f"{world_size=} {rank=} case={case['id']}: no checks ran"
+        failed = [name for name, ok in result["checks"].items() if not ok]
+        assert not failed, f"{world_size=} {rank=} case={case['id']}: failed {failed}; info={result['info']}"
+
+
+@pytest.mark.parametrize("fault", ["raise", "kill-after-setup", "kill-in-setup"])
+def test_failed_rank_ends_job_and_releases_shared_memory(tmp_path, fault):
+    """A rank raising, or SIGKILLed after or during the buffer's setup: the job ends within seconds (no
+    hang) and no segment is left behind."""
+    launch = torchrun(2, ["--fault", fault], tmp_path / "out", FAULT_TIMEOUT_S)
+    assert launch.returncode is not None, f"{fault=}: the job hung past {FAULT_TIMEOUT_S} s\n{_tail(launch.log)}"
+    assert launch.returncode != 0, f"{fault=}: the injected failure did not fail the job\n{_tail(launch.log)}"
+    expected = "injected failure" if fault == "raise" else "SIGKILL"
+    assert expected in launch.log, f"{fault=}: the job failed for another reason\n{_tail(launch.log)}"
+    assert launch.seconds < 60, f"{fault=}: took {launch.seconds:.1f} s to fail"
+    assert launch.leftovers == [], f"{fault=}: files left in MOE_REF_SHM_DIR: {launch.leftovers}"
