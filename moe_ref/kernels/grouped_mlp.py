@@ -184,7 +184,8 @@ _MID_TILES = [  # 32..256 rows per expert
     (32, 128, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
 ]
 _PREFILL_TILES = [  # > 256 rows per expert: compute bound, big tiles
-    (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+    (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3),
 ]
 
 
@@ -216,12 +217,17 @@ def _prune_configs(configs, named_args, **kwargs):
             continue
         if gated and block_m * block_n > 128 * 128 or gated and block_n > 128:
             continue  # two fp32 accumulators (gate, up): keep register pressure sane
-        bytes_per_element = 1 if fp8 else 2
+        if fp8 and block_m * block_n * (2 if gated else 1) > 128 * 128:
+            continue  # fp8 keeps a scaled partial product beside each accumulator: these spill (ptxas, sm_90a)
+        bytes_per_element = 1 if fp8 else 4 if kwargs.get("IEEE_FP32", False) else 2
         smem = config.num_stages * (block_m + block_n * (2 if gated else 1)) * block_k * bytes_per_element
         if smem > 200 * 1024:
             continue
         kept.append(config)
-    fallback = triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3)
+    if kwargs.get("IEEE_FP32", False):
+        fallback = triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=2)
+    else:
+        fallback = triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3)
     return kept or [fallback]
 
 
