@@ -492,30 +492,3 @@ def test_mega_accepts_int32_ids_and_masked_slots():
     mega.run(x, ids.to(torch.int32), weights)
     (launch,) = mega._deep_gemm.launches
     assert launch["topk_idx"].dtype == torch.int64 and torch.equal(launch["topk_idx"], ids)
-
-
-# --- docstrings (tests/unit/test_docstrings.py skips these modules; same check here) ----------------------
-
-def test_documented_args_exist_in_deep_gemm_modules():
-    spec = importlib.util.spec_from_file_location("_docstring_check", Path(__file__).with_name("test_docstrings.py"))
-    checker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(checker)
-    stale = []
-    for module in (deep_gemm_backend, importlib.import_module("moe_ref.mega_deep_gemm")):
-        for name, obj in vars(module).items():
-            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-                continue
-            targets = [(name, obj)]
-            if inspect.isclass(obj):
-                targets = [(name, obj.__init__)] + [(f"{name}.{m}", f) for m, f in vars(obj).items()
-                                                    if inspect.isfunction(f) and not m.startswith("_")]
-                doc_of = {name: inspect.getdoc(obj)}
-            else:
-                doc_of = {}
-            for qualname, target in targets:
-                if not callable(target):
-                    continue
-                doc = doc_of.get(qualname) or inspect.getdoc(target) or ""
-                params = set(inspect.signature(target).parameters)
-                stale += [f"{qualname}: {arg}" for arg in checker._documented_args("\n" + doc) if arg not in params]
-    assert not stale, stale
