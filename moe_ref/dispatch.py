@@ -17,12 +17,14 @@ Global expert e lives on rank ``e // e_local``. Masked slots (id -1) are never s
 The pool order is a pure function of every rank's ``topk_ids``, so both transports fill the pool
 identically and give bitwise-identical results.
 
-NOTE: the experts compute whole aligned segments (``DispatchHandle.compute_layout``); the padding rows are
-zeroed, so their outputs are zero (gated MLPs without bias map 0 to 0) and are never sent back. Every
-expert GEMM then has a multiple of ``alignment`` rows, which keeps each row's result independent of how
-many rows share its expert: MKL's CPU GEMM takes another code path for small row counts (1-3, 5-7, 9-11
-measured), so without this a chunked run would differ from an unchunked one in the last bit. With the
-default alignment (128) chunked and unchunked runs agree bitwise with the torch expert backend.
+NOTE: backends with ``Experts.computes_whole_segments`` (the torch loop) get whole aligned segments
+(``Dispatcher.whole_segment_layout``): the padding rows are zeroed, so their outputs are zero (gated MLPs
+without bias map 0 to 0) and are never sent back. Every expert GEMM then has a multiple of ``alignment``
+rows, which keeps each row's result independent of how many rows share its expert: MKL's CPU GEMM takes
+another code path for small row counts (1-3, 5-7, 9-11 measured), so without this a chunked run would
+differ from an unchunked one in the last bit. With the default alignment (128) chunked and unchunked runs
+agree bitwise with the torch expert backend. GPU backends skip the padding instead (zeroing it would
+write ~e * 127 rows per call, which dominates decode).
 
 Shape legend: T tokens of this rank, K top-k, Dx expert input width (hidden, or latent for Kimi-K3),
 E experts, e local experts, R EP ranks, C cap, P receive-pool rows, N routed entries.
@@ -99,7 +101,7 @@ def place_entries(recv_entries: tuple[torch.Tensor, ...], num_local_experts: int
     return layout, tuple(recv_pos)
 
 
-def _zero_padding_rows(layout: ExpertLayout, pools: list[torch.Tensor]) -> ExpertLayout:
+def zero_padding_rows(layout: ExpertLayout, pools: list[torch.Tensor]) -> ExpertLayout:
     """Zero the alignment padding of every segment in ``pools`` (``[P, ...]`` tensors) and return the layout
     whose segments cover it (what the experts compute).
 
@@ -150,8 +152,6 @@ class DispatchHandle:
         recv_x_scale_PDb: ``[P, ceil(Dx/128)]`` fp32 scales of the pool (FP8 dispatch), else None.
         recv_src_P3: ``[P, 3]`` int32 ``(source rank, token, slot)`` of each pool row, -1 on padding rows.
         layout: the local experts' segments in the pool (``num_rows_e`` = rows received).
-        compute_layout: the same segments widened to their aligned ends (padding rows zeroed): what the
-            experts compute, so every GEMM has a multiple of ``alignment`` rows.
         recv_pos: per source rank, ``[N_s]`` int64 pool rows of the entries received from it.
         exchange: the agreed entries (see ``RoutingExchange``).
     """
@@ -163,7 +163,6 @@ class DispatchHandle:
     recv_x_scale_PDb: torch.Tensor | None
     recv_src_P3: torch.Tensor
     layout: ExpertLayout
-    compute_layout: ExpertLayout
     recv_pos: tuple[torch.Tensor, ...]
     exchange: RoutingExchange
 
@@ -259,14 +258,12 @@ class Dispatcher:
             recv_src_P3[pos, 0] = src
             recv_src_P3[pos, 1:] = entries[:, :2].to(torch.int32)
         self.transport.gather_rows(exchange, recv_pos)
-        compute_layout = _zero_padding_rows(layout, [self.buffer.view(name) for name in ("recv_x", "recv_x_scale")
-                                                     if self.plan.has_region(name)])
         self.num_recv_tokens_per_expert.add_(layout.num_rows_e)
         return DispatchHandle(
             num_tokens=num_tokens, topk_ids_TK=self.buffer.view("topk_ids")[:num_tokens],
             topk_weights_TK=self.buffer.view("topk_weights")[:num_tokens], recv_x_PD=self.buffer.view("recv_x"),
             recv_x_scale_PDb=self.buffer.view("recv_x_scale") if self.plan.dispatch_fp8 else None,
-            recv_src_P3=recv_src_P3, layout=layout, compute_layout=compute_layout, recv_pos=recv_pos,
+            recv_src_P3=recv_src_P3, layout=layout, recv_pos=recv_pos,
             exchange=exchange)
 
     def _pre_dispatch(self, x_TD, topk_ids_TK, topk_weights_TK) -> None:
@@ -280,6 +277,12 @@ class Dispatcher:
         kernel(x_TD.contiguous(), topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), buf.view("x"),
                buf.view("x_scale") if self.plan.dispatch_fp8 else None, buf.view("topk_ids"),
                buf.view("topk_weights"), counts_E)
+
+    def whole_segment_layout(self, handle: DispatchHandle) -> ExpertLayout:
+        """Zero the pool's alignment padding and return the layout whose segments cover it, so every
+        expert GEMM has a multiple of ``alignment`` rows (see the module NOTE). Host sync."""
+        return zero_padding_rows(handle.layout, [self.buffer.view(name) for name in ("recv_x", "recv_x_scale")
+                                                 if self.plan.has_region(name)])
 
     def expert_input(self, handle: DispatchHandle) -> torch.Tensor:
         """The pool as the experts take it: ``[P, Dx]`` activation dtype. With FP8 dispatch the pool is
@@ -348,7 +351,8 @@ class Dispatcher:
         for chunk in range(num_chunks):  # every rank runs every chunk, with zero rows where it has none left
             lo, hi = min(chunk * cap, num_tokens), min((chunk + 1) * cap, num_tokens)
             handle = self.dispatch(x_TD[lo:hi], topk_ids_TK[lo:hi], topk_weights_TK[lo:hi])
-            y_PD = experts.forward(self.expert_input(handle), handle.compute_layout)
+            layout = self.whole_segment_layout(handle) if experts.computes_whole_segments else handle.layout
+            y_PD = experts.forward(self.expert_input(handle), layout)
             routed.append(self.combine(y_PD, handle))
         if not routed:
             return x_TD.new_empty(0, x_TD.shape[1])

@@ -79,6 +79,9 @@ class Experts(ABC):
     """
 
     name = "abstract"
+    # True: give me whole aligned segments with zeroed padding (see moe_ref.dispatch's NOTE); False: I skip
+    # padding rows myself and leave them zero in my output.
+    computes_whole_segments = False
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
@@ -99,6 +102,7 @@ class TorchLoopExperts(Experts):
     which other rows share its expert, so chunked and unchunked runs agree bitwise on CPU."""
 
     name = "torch"
+    computes_whole_segments = True
 
     def forward(self, x_RD, layout):
         y_RD = torch.zeros_like(x_RD)
@@ -159,7 +163,8 @@ class TritonExperts(Experts):
 
         return grouped_mlp(x_RD, self.gate_up_weight_e2FD, self.down_weight_eDF, layout.row_start_e,
                            layout.num_rows_e, activation=self.activation, situ_beta=self.situ_beta,
-                           situ_linear_beta=self.situ_linear_beta)
+                           situ_linear_beta=self.situ_linear_beta,
+                           num_rows_hint=int(layout.num_rows_e.sum()))  # NOTE: host sync; picks GPU tiles
 
 
 def make_experts(backend: str, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor,

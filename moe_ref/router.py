@@ -62,7 +62,8 @@ def select_experts(
     selection_TE = scores_TE if bias_E is None else scores_TE + bias_E.float()[None, :]
     if num_groups > 1:
         grouped_TGX = selection_TE.view(num_tokens, num_groups, num_experts // num_groups)
-        group_scores_TG = grouped_TGX.topk(min(2, grouped_TGX.shape[-1]), dim=-1).values.sum(dim=-1)
+        top2_TG2 = grouped_TGX.topk(min(2, grouped_TGX.shape[-1]), dim=-1).values
+        group_scores_TG = top2_TG2[..., 0] + top2_TG2[..., 1] if top2_TG2.shape[-1] == 2 else top2_TG2[..., 0]
         # Stable descending sort: ties keep the lower group id, like the expert ties below.
         kept_groups = torch.sort(group_scores_TG, dim=-1, descending=True, stable=True).indices[:, :num_topk_groups]
         keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, kept_groups, True)
@@ -71,7 +72,10 @@ def select_experts(
     topk_ids_TK = torch.sort(selection_TE, dim=-1, descending=True, stable=True).indices[:, :num_topk]
     topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
     if renormalize:
-        topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        weight_sum_T = torch.zeros(num_tokens, dtype=torch.float32, device=logits_TE.device)
+        for slot in range(num_topk):  # slot by slot: the Triton kernel's order, so the two agree bitwise
+            weight_sum_T = weight_sum_T + topk_weights_TK[:, slot]
+        topk_weights_TK = topk_weights_TK / (weight_sum_T + 1e-20)[:, None]
     topk_weights_TK = topk_weights_TK * routed_scaling_factor
     return RouterOutput(topk_ids_TK.to(torch.int64), topk_weights_TK.float())
 
@@ -101,6 +105,11 @@ def route(
         raise NonFiniteError(f"router logits are NaN/inf for {bad.numel()} of {logits_TE.shape[0]} tokens "
                              f"(first token indices: {bad[:8].tolist()}); the hidden states or gate weight hold "
                              f"non-finite values")
-    return select_experts(
+    if logits_TE.is_cuda:  # the fused Triton twin of select_experts
+        from moe_ref.kernels.router_topk import router_topk as topk_fn
+    else:
+        topk_fn = select_experts
+    topk_ids_TK, topk_weights_TK = topk_fn(
         logits_TE, cfg.num_topk, cfg.scoring, bias_E if cfg.use_selection_bias else None, cfg.num_groups,
         cfg.num_topk_groups, cfg.renormalize, cfg.routed_scaling_factor)
+    return RouterOutput(topk_ids_TK, topk_weights_TK)

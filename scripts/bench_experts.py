@@ -172,16 +172,10 @@ def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], 
 
 
 def _deep_gemm_cases(case: Case) -> list[tuple[str, Callable[[], object]]]:
-    """DeepGEMM paths for `case` as (name, fn) pairs; [] when `deep_gemm` does not import.
+    """DeepGEMM grouped-GEMM paths for `case` as (name, fn) pairs; [] when deep_gemm is not usable here."""
+    from moe_ref.deep_gemm_backend import deep_gemm_grouped_cases
 
-    TODO(deep_gemm owner): add m_grouped_bf16_gemm_nt_contiguous / m_grouped_fp8_gemm_nt_contiguous
-    (grouped_layout = per-row expert id, -1 on padding rows; 128-aligned segments match our pool).
-    """
-    try:
-        import deep_gemm  # noqa: F401
-    except Exception:
-        return []
-    return []
+    return deep_gemm_grouped_cases(case.x_RD, case.gate_up, case.down, case.row_start_e, case.num_rows_e)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -2,12 +2,13 @@
 # The whole GPU job in one call (device time is scarce): CUDA tests on 1 GPU, NCCL torchrun checks on 2,
 # then the benchmarks. Everything lands in $OUT (default results/gpu): suite.log + JSON/markdown/PNG.
 #   OUT=results/gpu bash scripts/gpu_suite.sh [quick|full] [steps...]
-# Steps: info tests dist bench_experts bench_layer (default: all).
+# Steps: info tests dist mega bench_experts bench_layer (default: all). One device command runs 10 min at
+# most, so split them over calls, e.g. `bash scripts/gpu_suite.sh quick info tests dist`.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 MODE=${1:-quick}; shift || true
-STEPS=${*:-info tests dist bench_experts bench_layer}
+STEPS=${*:-info tests dist mega bench_experts bench_layer}
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
 # Keep NVLink multicast off (it can take a shared host's GPUs out of service).
@@ -33,7 +34,11 @@ step() {  # step NAME TIMEOUT_S CMD...
 
 for s in $STEPS; do case $s in
   info) step info 120 python3 -m moe_ref info ;;
-  tests) step tests 600 python3 -m pytest -q -rs -x --timeout=300 -m "cuda or cuda2" tests/gpu ;;
+  tests) step tests 420 python3 -m pytest -q -rs --timeout=300 -m cuda tests/gpu -k "not mega" ;;
+  mega)
+    if [ "$NGPU" -ge 2 ]; then
+      step mega 420 $TORCHRUN tests/gpu/mega_worker.py --json "$OUT/mega_worker.json"
+    fi ;;
   dist)
     if [ "$NGPU" -ge 2 ]; then
       for t in symm a2a; do
@@ -43,9 +48,9 @@ for s in $STEPS; do case $s in
       step dist_k3 300 $TORCHRUN -m moe_ref.dist_check --device cuda --dtype bf16 --preset tiny-kimi-k3 --cap 64
     else echo "=== dist skipped: $NGPU GPU(s)" | tee -a "$LOG"; fi ;;
   bench_experts) step bench_experts 600 python3 scripts/bench_experts.py $([ "$MODE" = quick ] && echo --quick) \
-      --out "$OUT/bench_experts.json" ;;
+      --include-deep-gemm --out "$OUT/bench_experts.json" ;;
   bench_layer)
-    if [ "$NGPU" -ge 2 ]; then step bench_layer 600 $TORCHRUN scripts/bench_layer.py --out "$OUT"; fi ;;
+    if [ "$NGPU" -ge 2 ]; then step bench_layer 540 $TORCHRUN scripts/bench_layer.py --out "$OUT/layer"; fi ;;
   *) echo "unknown step $s" ;;
 esac; done
 echo "=== suite done, status=$status" | tee -a "$LOG"

@@ -1,6 +1,13 @@
-"""Suite-wide pytest setup: CUDA-marked tests are skipped, with the reason, where no GPU exists."""
+"""Suite-wide pytest setup: Triton kernels run under the interpreter where no GPU exists (set before
+anything imports triton: Triton reads it when a kernel is defined), and CUDA-marked tests are skipped,
+with the reason, there."""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -208,27 +208,11 @@ def router_topk_ref(
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch twin of `router_topk` (same arguments and returns; self-contained)."""
+    """Plain-torch twin of `router_topk` (same arguments, checks and returns): the package's reference
+    router, ``moe_ref.router.select_experts``."""
+    from moe_ref.router import select_experts
+
     _check_args(logits_TE, num_topk, scoring, bias_E, num_groups, num_topk_groups)
-    num_tokens, num_experts = logits_TE.shape
-    logits = logits_TE.float()
-    scores_TE = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
-    select_TE = scores_TE if bias_E is None else scores_TE + bias_E.float()[None, :]
-    if num_groups > 1:
-        group_size = num_experts // num_groups
-        top2 = select_TE.view(num_tokens, num_groups, group_size).topk(2, dim=-1).values
-        group_scores_TG = top2[..., 0] + top2[..., 1]
-        # stable descending sort: equal group scores keep the lower group id first
-        kept_groups = torch.sort(group_scores_TG, dim=-1, descending=True, stable=True).indices[:, :num_topk_groups]
-        keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, kept_groups, True)
-        keep_TE = keep_TG.repeat_interleave(group_size, dim=1)
-        select_TE = select_TE.masked_fill(~keep_TE, float("-inf"))
-    topk_ids_TK = torch.sort(select_TE, dim=-1, descending=True, stable=True).indices[:, :num_topk]
-    weights_TK = scores_TE.gather(1, topk_ids_TK)
-    if renormalize:
-        weight_sum_T = torch.zeros(num_tokens, dtype=torch.float32, device=logits.device)
-        for k in range(num_topk):  # slot by slot, the kernel's order
-            weight_sum_T = weight_sum_T + weights_TK[:, k]
-        weights_TK = weights_TK / (weight_sum_T + 1e-20)[:, None]
-    weights_TK = weights_TK * routed_scaling_factor
-    return topk_ids_TK.contiguous(), weights_TK.contiguous()
+    topk_ids_TK, topk_weights_TK = select_experts(logits_TE, num_topk, scoring, bias_E, num_groups, num_topk_groups,
+                                                  renormalize, routed_scaling_factor)
+    return topk_ids_TK.contiguous(), topk_weights_TK.contiguous()

@@ -328,7 +328,8 @@ def test_dispatch_handle_pool_layout_and_metadata():
         layout = handle.layout
         assert layout.num_rows_e.tolist() == [3, 0, 0, 0, 0, 2, 0, 1]
         assert layout.row_start_e.tolist() == [0, 4, 4, 4, 4, 4, 8, 8]  # expert-major, aligned to 4
-        assert handle.compute_layout.num_rows_e.tolist() == [4, 0, 0, 0, 0, 4, 0, 4]
+        whole = dispatcher.whole_segment_layout(handle)
+        assert whole.num_rows_e.tolist() == [4, 0, 0, 0, 0, 4, 0, 4]
         # (source rank, token, slot) per pool row, ordered by token then slot inside each expert; -1 on padding
         src = handle.recv_src_P3[:12].tolist()
         assert src[:4] == [[0, 0, 1], [0, 1, 0], [0, 2, 2], [-1, -1, -1]]
@@ -337,7 +338,7 @@ def test_dispatch_handle_pool_layout_and_metadata():
         assert torch.equal(handle.recv_x_PD[[0, 1, 2]], x[[0, 1, 2]])
         assert bool((handle.recv_x_PD[[3, 6, 7, 9]] == 0).all()), "padding rows are zeroed"
         routed = dispatcher.combine(_experts(cfg, weights).forward(dispatcher.expert_input(handle),
-                                                                   handle.compute_layout), handle)
+                                                                   whole), handle)
     expected = routed_experts_reference(x, ids, w, weights.gate_up_weight_E2FD, weights.down_weight_EDF,
                                         cfg.activation)
     assert_close(routed, expected, torch.float32)
