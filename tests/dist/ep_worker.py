@@ -1,7 +1,7 @@
 """torchrun worker of the multi-process EP tests: runs many cases in one launch, writes per-rank JSON.
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/dist/ep_worker.py \\
-        --case-file cases.json --out OUT_DIR [--fault none|raise|kill-after-setup|kill-in-setup]
+        --case-file cases.json --out OUT_DIR [--device cpu|cuda] [--fault none|raise|kill-after-setup|kill-in-setup]
 
 Each rank writes ``OUT_DIR/rank{r}.json``: ``{case_id: {"checks": {name: bool}, "info": {...}}}`` or
 ``{case_id: {"error": traceback}}``. ``--fault`` runs a fault-injection scenario instead of the cases
@@ -36,6 +36,7 @@ from moe_ref.testing import TOLERANCES  # noqa: E402
 from moe_ref.weights import MoEWeights  # noqa: E402
 
 GROUP_TIMEOUT_S = 60  # a desynchronised collective fails after this instead of hanging
+DEVICE = torch.device("cpu")  # --device cuda: NCCL, CUDA symmetric memory, Triton kernels (one GPU per rank)
 
 
 def local_experts(weights: MoEWeights, cfg, rank: int, world_size: int):
@@ -63,23 +64,23 @@ def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
 def run_routed(case: dict, group, rank: int, world: int) -> dict:
     cfg = preset(case["preset"])
     dtype = getattr(torch, case["dtype"])
-    weights = MoEWeights.random(cfg, seed=7)
+    weights = MoEWeights.random(cfg, seed=7, device=DEVICE)
     experts = local_experts(weights, cfg, rank, world)
     scenario, cap = case["scenario"], case["cap"]
     policy = "chunk" if scenario == "chunk" else "error"
     num_local = cfg.num_experts // world
     routing = [ep_cases.routing_for(case, cfg, r, world) for r in range(world)]
-    ids_TK, w_TK = routing[rank]
+    ids_TK, w_TK = (t.to(DEVICE) for t in routing[rank])
     num_tokens = ids_TK.shape[0]
 
     if scenario == "router":  # the whole block: router, (latent), routed step, (norm, up), shared experts
-        x_TD = ep_cases.hidden_for(case, cfg, rank, num_tokens, dtype)
+        x_TD = ep_cases.hidden_for(case, cfg, rank, num_tokens, dtype).to(DEVICE)
         expected = reference_moe(x_TD, weights, cfg)
 
         def compute(dispatcher):
             return moe_block(x_TD, weights, cfg, lambda x, ids, w: dispatcher.run(x, ids, w, experts))
     else:
-        x_TD = ep_cases.expert_input_for(case, cfg, rank, num_tokens, dtype)
+        x_TD = ep_cases.expert_input_for(case, cfg, rank, num_tokens, dtype).to(DEVICE)
         x_ref = x_TD
         if case["dispatch_fp8"]:  # the reference sees what the experts see: the dequantized rows
             x_ref = dequantize_fp8_per_128(*quantize_fp8_per_128(x_TD), dtype)
@@ -92,11 +93,12 @@ def run_routed(case: dict, group, rank: int, world: int) -> dict:
     checks, info, outputs = {}, {"num_tokens": num_tokens}, {}
     for transport in ep_cases.TRANSPORTS:
         with make_dispatcher(cfg, group, cap, overflow=policy, transport=transport, activation_dtype=dtype,
-                             dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"]) as dispatcher:
+                             dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"],
+                             device=DEVICE) as dispatcher:
             checks[f"{transport}: transport_name"] = dispatcher.transport_name == transport
             first = compute(dispatcher)
             second = compute(dispatcher)
-            counted = dispatcher.num_recv_tokens_per_expert.clone()
+            counted = dispatcher.num_recv_tokens_per_expert.cpu()
         outputs[transport] = first
         info[f"{transport}: max_abs_diff_vs_reference"] = max_abs_diff(first, expected)
         checks[f"{transport}: matches reference ({case['dtype']} tolerance)"] = close(first, expected, dtype)
@@ -112,7 +114,8 @@ def run_routed(case: dict, group, rank: int, world: int) -> dict:
     if scenario == "chunk":
         big_cap = max(ep_cases.num_tokens_for(scenario, r, world, cap) for r in range(world))
         with make_dispatcher(cfg, group, big_cap, overflow="error", transport="symm", activation_dtype=dtype,
-                             dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"]) as dispatcher:
+                             dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"],
+                             device=DEVICE) as dispatcher:
             unchunked = compute(dispatcher)
         checks["chunked == unchunked (big cap) bitwise"] = bitwise(outputs["symm"], unchunked)
     return {"checks": checks, "info": info}
@@ -131,7 +134,7 @@ def _expect_error(fn, error_type) -> tuple[BaseException | None, float]:
 
 def run_overflow_error(case: dict, group, rank: int, world: int) -> dict:
     cfg, cap = preset(case["preset"]), case["cap"]
-    weights = MoEWeights.random(cfg, seed=3)
+    weights = MoEWeights.random(cfg, seed=3, device=DEVICE)
     experts = local_experts(weights, cfg, rank, world)
     over = cap + 3
     num_tokens = over if rank == world - 1 else cap  # only the last rank is over the cap
@@ -139,8 +142,9 @@ def run_overflow_error(case: dict, group, rank: int, world: int) -> dict:
     x = torch.randn(num_tokens, cfg.expert_hidden_size, generator=gen)
     ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[:cfg.num_topk] for _ in range(num_tokens)])
     w = torch.rand(num_tokens, cfg.num_topk, generator=gen)
+    x, ids, w = x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE)
     checks, info = {}, {}
-    with make_dispatcher(cfg, group, cap, overflow="error", transport=case["transport"]) as dispatcher:
+    with make_dispatcher(cfg, group, cap, overflow="error", transport=case["transport"], device=DEVICE) as dispatcher:
         err, elapsed = _expect_error(lambda: dispatcher.run(x, ids, w, experts), CapacityExceededError)
         needed_bytes = dispatcher.plan.with_cap(over).total_bytes
         message = str(err)
@@ -164,7 +168,8 @@ def run_cap_mismatch(case: dict, group, rank: int, world: int) -> dict:
     cfg = preset(case["preset"])
     caps = [case["cap"] + r for r in range(world)]
     err, elapsed = _expect_error(
-        lambda: make_dispatcher(cfg, group, caps[rank], transport=case["transport"]), CapacityMismatchError)
+        lambda: make_dispatcher(cfg, group, caps[rank], transport=case["transport"], device=DEVICE),
+        CapacityMismatchError)
     message = str(err)
     checks = {"CAP002 raised on this rank": err is not None and "[CAP002]" in message,
               "raised within 10 s": elapsed < 10}
@@ -176,33 +181,33 @@ def run_cap_mismatch(case: dict, group, rank: int, world: int) -> dict:
 
 def run_bad_ids(case: dict, group, rank: int, world: int) -> dict:
     cfg, cap = preset(case["preset"]), case["cap"]
-    weights = MoEWeights.random(cfg, seed=5)
+    weights = MoEWeights.random(cfg, seed=5, device=DEVICE)
     experts = local_experts(weights, cfg, rank, world)
-    x = torch.randn(4, cfg.expert_hidden_size)
-    ids = torch.tensor([[0, 1, 2]] * 4, dtype=torch.int64)
+    x = torch.randn(4, cfg.expert_hidden_size, device=DEVICE)
+    ids = torch.tensor([[0, 1, 2]] * 4, dtype=torch.int64, device=DEVICE)
     if rank == world - 1:
         ids[2, 1] = cfg.num_experts  # out of range on one rank only
-    w = torch.rand(4, cfg.num_topk)
-    with make_dispatcher(cfg, group, cap, transport=case["transport"]) as dispatcher:
+    w = torch.rand(4, cfg.num_topk, device=DEVICE)
+    with make_dispatcher(cfg, group, cap, transport=case["transport"], device=DEVICE) as dispatcher:
         err, elapsed = _expect_error(lambda: dispatcher.run(x, ids, w, experts), ExpertIdError)
         message = str(err)
         checks = {"INP005 raised on this rank": err is not None and "[INP005]" in message,
                   "raised within 10 s": elapsed < 10}
         if rank == world - 1:
             checks["message names the bad id"] = f"[-1, {cfg.num_experts})" in message and str(cfg.num_experts) in message
-        dispatcher.run(x, torch.tensor([[0, 1, 2]] * 4), w, experts)  # the group still works
+        dispatcher.run(x, torch.tensor([[0, 1, 2]] * 4, device=DEVICE), w, experts)  # the group still works
     return {"checks": checks, "info": {"message": message}}
 
 
 def run_env(case: dict, group, rank: int, world: int) -> dict:
     cfg, cap = preset(case["preset"]), case["cap"]
-    weights = MoEWeights.random(cfg, seed=9)
+    weights = MoEWeights.random(cfg, seed=9, device=DEVICE)
     experts = local_experts(weights, cfg, rank, world)
     os.environ.update(MOE_REF_NUM_MAX_TOKENS_PER_RANK=str(cap), MOE_REF_OVERFLOW_POLICY="chunk", MOE_REF_TRANSPORT="a2a")
     try:
-        with make_dispatcher(cfg, group, None) as dispatcher:
+        with make_dispatcher(cfg, group, None, device=DEVICE) as dispatcher:
             num_tokens = 2 * cap + 1
-            x = torch.randn(num_tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
+            x = torch.randn(num_tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(rank)).to(DEVICE)
             with warnings.catch_warnings(record=True):
                 warnings.simplefilter("always")
                 y = moe_block(x, weights, cfg, lambda a, i, w: dispatcher.run(a, i, w, experts))
@@ -213,8 +218,8 @@ def run_env(case: dict, group, rank: int, world: int) -> dict:
     finally:
         for name in ("MOE_REF_NUM_MAX_TOKENS_PER_RANK", "MOE_REF_OVERFLOW_POLICY", "MOE_REF_TRANSPORT"):
             os.environ.pop(name, None)
-    with make_dispatcher(cfg, group, cap) as dispatcher:
-        checks["auto picks symm on one host (CPU)"] = dispatcher.transport_name == "symm"
+    with make_dispatcher(cfg, group, cap, device=DEVICE) as dispatcher:
+        checks["auto picks symm on one host"] = dispatcher.transport_name == "symm"
     return {"checks": checks, "info": {}}
 
 
@@ -254,12 +259,20 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case-file")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--fault", default="none", choices=["none", "raise", "kill-after-setup", "kill-in-setup"])
     args = parser.parse_args()
     # torchrun stops the survivors of a failed rank with SIGTERM: exit through Python so cleanup runs
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    global DEVICE
+    backend = "gloo"
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(DEVICE)
+        backend = "nccl"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+                            **({"device_id": DEVICE} if DEVICE.type == "cuda" else {}))
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.fault != "none":
         run_fault(args.fault, rank, world)
@@ -273,7 +286,7 @@ def main() -> int:
         start = time.perf_counter()
         # a fresh group per case: a case that fails part-way (ranks left inside different collectives) times
         # out on its own group and cannot poison the next cases
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         try:
             results[case["id"]] = RUNNERS[case["kind"]](case, group, rank, world)
         except Exception:

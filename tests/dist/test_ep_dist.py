@@ -127,6 +127,24 @@ def test_case(launches, world_size, case):
         assert not failed, f"{world_size=} {rank=} case={case['id']}: failed {failed}; info={result['info']}"
 
 
+@pytest.mark.cuda2
+def test_cases_on_two_gpus(tmp_path):
+    """The same cases on 2 GPUs: NCCL, CUDA symmetric memory and the Triton pre-dispatch/combine kernels."""
+    case_file = tmp_path / "cases.json"
+    case_file.write_text(json.dumps(ep_cases.enumerate_cases(2)))
+    launch = torchrun(2, ["--case-file", str(case_file), "--device", "cuda"], tmp_path / "out", LAUNCH_TIMEOUT_S)
+    assert launch.returncode == 0, f"rc={launch.returncode}\n{_tail(launch.log)}"
+    failures = []
+    for rank, results in sorted(launch.results.items()):
+        for case_id, result in results.items():
+            if "error" in result:
+                failures.append(f"rank {rank} {case_id}: {result['error'].strip().splitlines()[-1]}")
+            else:
+                failures += [f"rank {rank} {case_id}: {name} ({result['info']})"
+                             for name, ok in result["checks"].items() if not ok]
+    assert sorted(launch.results) == [0, 1] and not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("fault", ["raise", "kill-after-setup", "kill-in-setup"])
 def test_failed_rank_ends_job_and_releases_shared_memory(tmp_path, fault):
     """A rank raising, or SIGKILLed after or during the buffer's setup: the job ends within seconds (no
