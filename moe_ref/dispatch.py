@@ -65,6 +65,46 @@ def select_entries(topk_ids_TK: torch.Tensor, first_expert: int, num_local_exper
     return torch.stack([token_idx_N, slot_idx_N, local_N], dim=1)[order_N]
 
 
+@dataclass(frozen=True)
+class SendLayout:
+    """Where this rank's routed slots go: the source-side view of a dispatch (the a2a transport sends its
+    rows in exactly this order; the symm transport's receivers pull them in it).
+
+    Attributes:
+        num_rows_Re: ``[R, e]`` int64, non-masked slots per (destination rank, local expert).
+        psum_rows_Re: ``[R, e]`` int64, exclusive prefix sum of ``num_rows_Re`` in (rank, expert) order: the
+            first entry of each (rank, expert) block.
+        token_idx_N: ``[N]`` int64, the token of each entry; entries ordered by (rank, expert, token, slot).
+        slot_idx_N: ``[N]`` int64, the top-k slot of each entry.
+    """
+
+    num_rows_Re: torch.Tensor
+    psum_rows_Re: torch.Tensor
+    token_idx_N: torch.Tensor
+    slot_idx_N: torch.Tensor
+
+
+def pre_dispatch_layout(topk_ids_TK: torch.Tensor, ep_size: int, num_local_experts: int) -> SendLayout:
+    """Per (destination rank, local expert) row counts, offsets and slot indices of ``topk_ids_TK``.
+
+    Args:
+        topk_ids_TK: ``[T, K]`` int64 global expert ids, -1 = masked (skipped).
+        ep_size: R, ranks of the EP group (global expert e lives on rank ``e // num_local_experts``).
+        num_local_experts: e.
+
+    Returns:
+        ``SendLayout``. Example: ids [[2, 0], [3, -1]], R=2, e=2 -> num_rows_Re [[1, 0], [1, 1]],
+        psum_rows_Re [[0, 1], [1, 2]], token_idx_N [0, 0, 1], slot_idx_N [1, 0, 0].
+    """
+    token_idx_N, slot_idx_N = (topk_ids_TK >= 0).nonzero(as_tuple=True)
+    expert_N = topk_ids_TK[token_idx_N, slot_idx_N]
+    order_N = torch.sort(expert_N, stable=True).indices  # global id = rank * e + local: (rank, expert) order
+    num_rows_Re = torch.bincount(expert_N, minlength=ep_size * num_local_experts).view(ep_size, num_local_experts)
+    flat = num_rows_Re.reshape(-1)
+    psum_rows_Re = (torch.cumsum(flat, 0) - flat).view(ep_size, num_local_experts)
+    return SendLayout(num_rows_Re, psum_rows_Re, token_idx_N[order_N], slot_idx_N[order_N])
+
+
 def place_entries(recv_entries: tuple[torch.Tensor, ...], num_local_experts: int, alignment: int,
                   num_pool_rows: int) -> tuple[ExpertLayout, tuple[torch.Tensor, ...]]:
     """Pool positions of the received entries: expert-major, each expert segment aligned, and inside a

@@ -3,11 +3,11 @@
     pre-dispatch (MY buffer) --exchange_routing--> who sends which (token, slot) to whom
         --gather_rows--> my receive pool --experts--> --return_rows--> the SOURCE rank's combine slots
 
-| name    | class                 | memory            | how rows move                                          |
-|---------|-----------------------|-------------------|--------------------------------------------------------|
-| local   | ``PeerMemoryTransport`` | private         | world size 1: copies inside my own buffer              |
-| symm    | ``PeerMemoryTransport`` | shm / CUDA symm | I PULL my experts' rows from every peer's buffer and PUSH results into the source's combine slots |
-| a2a     | ``AllToAllTransport``   | private         | ``all_to_all_single`` (gloo on CPU, NCCL on GPU) of counts, entries, rows |
+- ``local`` (``PeerMemoryTransport``, private memory): world size 1, copies inside my own buffer.
+- ``symm`` (``PeerMemoryTransport``, shm files or CUDA symmetric memory): I PULL my experts' rows from every
+  peer's buffer, and PUSH each result into its source's combine slots; a barrier after each step.
+- ``a2a`` (``AllToAllTransport``, private memory): ``all_to_all_single`` (gloo on CPU, NCCL on GPU) of the
+  counts, the entries and the rows, in both directions.
 
 Both move the same entries in the same order, so the receive pool (and everything after it) is bitwise
 the same whichever transport runs. An *entry* is one routed slot: ``(token_idx, slot_idx, local_expert)``

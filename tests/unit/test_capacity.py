@@ -26,7 +26,7 @@ from moe_ref.capacity import (
     resolve_overflow,
 )
 from moe_ref.config import ParallelConfig, preset
-from moe_ref.dispatch import make_dispatcher, place_entries, select_entries
+from moe_ref.dispatch import make_dispatcher, place_entries, pre_dispatch_layout, select_entries
 from moe_ref.errors import (
     CapacityExceededError,
     DTypeError,
@@ -352,6 +352,19 @@ def test_select_and_place_entries_order_by_source_token_slot():
     layout, pos = place_entries((entries, from_rank1), 2, 4, 16)
     assert layout.num_rows_e.tolist() == [2, 2] and layout.row_start_e.tolist() == [0, 4]
     assert pos[0].tolist() == [0, 1, 4] and pos[1].tolist() == [5]  # rank 0's rows first in each segment
+
+
+def test_pre_dispatch_layout_counts_offsets_and_slots():
+    layout = pre_dispatch_layout(torch.tensor([[2, 0], [3, -1]]), 2, 2)  # the docstring's example
+    assert layout.num_rows_Re.tolist() == [[1, 0], [1, 1]] and layout.psum_rows_Re.tolist() == [[0, 1], [1, 2]]
+    assert layout.token_idx_N.tolist() == [0, 0, 1] and layout.slot_idx_N.tolist() == [1, 0, 0]
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(23)])
+    ids[torch.rand(ids.shape, generator=gen) < 0.3] = -1
+    layout = pre_dispatch_layout(ids, 4, 4)
+    assert int(layout.num_rows_Re.sum()) == int((ids >= 0).sum())  # masked slots are skipped
+    per_dst = torch.cat([select_entries(ids, dst * 4, 4) for dst in range(4)])  # what the transports move
+    assert torch.equal(layout.token_idx_N, per_dst[:, 0]) and torch.equal(layout.slot_idx_N, per_dst[:, 1])
 
 
 def test_fp8_dispatch_dequantizes_before_the_experts():
