@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from moe_ref import envs
 from moe_ref.capacity import CapacityPlan
-from moe_ref.errors import BufferTooSmallError, CapacityMismatchError, DistributedError
+from moe_ref.errors import BufferTooSmallError, CapacityMismatchError, DistributedError, UnknownNameError
 
 BUFFER_KINDS = ("private", "shm", "cuda")
 
@@ -123,7 +123,7 @@ class SymmetricBuffer:
 
     def __init__(self, plan: CapacityPlan, group=None, *, kind: str = "private", device: torch.device | str = "cpu"):
         if kind not in BUFFER_KINDS:
-            raise ValueError(f"kind={kind!r}; supported: {', '.join(BUFFER_KINDS)}")
+            raise UnknownNameError(f"buffer kind={kind!r}; supported: {', '.join(BUFFER_KINDS)}")
         self.plan, self.group, self.kind, self.device = plan, group, kind, torch.device(device)
         self.world_size, self.rank = group_size_and_rank(group)
         self._paths: list[str] = []
@@ -229,13 +229,15 @@ class SymmetricBuffer:
 
     def _agree(self, problem: str | None, step: str) -> None:
         """Collective: raise ``DistributedError`` on every rank if any rank reports a problem."""
-        flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64)
+        device = comm_device(self.group, self.device)
+        flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         if int(flag) or problem is not None:
+            where = (f"all ranks on one host with a shared {envs.shm_dir()} (MOE_REF_SHM_DIR)" if self.kind == "shm"
+                     else "GPUs that can map each other's memory (P2P/NVLink)")
             raise DistributedError(
-                f"shared-memory buffer: step '{step}' failed ({problem or 'on another rank'}); the symm transport "
-                f"needs all ranks on one host with a shared {envs.shm_dir()} (MOE_REF_SHM_DIR); use transport='a2a' "
-                f"across hosts")
+                f"{self.kind} buffer: step '{step}' failed ({problem or 'on another rank'}); the symm transport "
+                f"needs {where}; use transport='a2a' otherwise")
 
     def _rendezvous_cuda(self) -> torch.Tensor:
         """``symm_mem.empty`` + ``rendezvous``; peers through ``handle.get_buffer``."""
@@ -244,10 +246,15 @@ class SymmetricBuffer:
         if self.device.type != "cuda":
             raise DistributedError(f"CUDA symmetric memory needs a CUDA device, not {self.device}")
         nbytes = self.plan.total_bytes
-        local = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
-        local.zero_()
         group = self.group if self.group is not None else dist.group.WORLD
-        self._symm_handle = symm_mem.rendezvous(local, group.group_name)
+        problem = None
+        try:
+            local = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+            local.zero_()
+            self._symm_handle = symm_mem.rendezvous(local, group.group_name)
+        except RuntimeError as err:  # e.g. no P2P between the GPUs; every rank learns it and raises alike
+            problem = f"rank {self.rank}: CUDA symmetric memory rendezvous failed: {err}"
+        self._agree(problem, "rendezvous")
         self._peer_bytes = [local if peer == self.rank else self._symm_handle.get_buffer(peer, (nbytes,), torch.uint8)
                             for peer in range(self.world_size)]
         self._symm_handle.barrier(channel=0)  # every rank's memory is zeroed before any peer touches it
