@@ -27,7 +27,7 @@ wrappers and its compiled asserts:
   use_ue8m0=False)`` (``max(amax, 1e-4) / 448`` per 128 columns), weight scales from
   ``deep_gemm.utils.per_block_cast_to_fp8(w, use_ue8m0=False)`` per expert.
 - ``m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims='nk')`` and
-  ``m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, ..., disable_ue8m0_cast=False)``:
+  ``m_grouped_fp8_fp4_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, ..., disable_ue8m0_cast=False)``:
   ``a [G, M, k]`` (fp8: ``sf [G, M, k/128]``), ``d [G, M, n]``, ``masked_m [G]`` int32, ``expected_m > 0``.
   Rows ``>= masked_m[g]`` of ``d`` are not written; this backend zeroes them.
 
@@ -57,7 +57,7 @@ __all__ = ["DeepGemmStatus", "deep_gemm_status", "DeepGemmExperts", "deep_gemm_g
 # Versions that ran on the GPU image (torch 2.11+cu130); see /work/shared/FACTS.md.
 KNOWN_GOOD_VERSIONS = ("0.1.3", "0.1.4")
 _GROUPED_API = ("m_grouped_bf16_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_contiguous",
-                "m_grouped_bf16_gemm_nt_masked", "m_grouped_fp8_gemm_nt_masked",
+                "m_grouped_bf16_gemm_nt_masked", "m_grouped_fp8_fp4_gemm_nt_masked",
                 "get_mk_alignment_for_contiguous_layout")
 _MEGA_API = ("get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90", "fp8_mega_moe")
 _INSTALL_HINT = ("install the wheels sgl-deep-gemm==0.1.4 and apache-tvm-ffi==0.1.11 (pip install --no-deps), "
@@ -362,7 +362,7 @@ class DeepGemmExperts(Experts):
         num_out = (weight[0] if self.fp8 else weight).shape[1]
         out_eMN = torch.empty(*a_eMK.shape[:2], num_out, dtype=torch.bfloat16, device=a_eMK.device)
         if self.fp8:
-            _call(self._deep_gemm, "m_grouped_fp8_gemm_nt_masked", _quantize_rows_fp8(a_eMK), weight, out_eMN,
+            _call(self._deep_gemm, "m_grouped_fp8_fp4_gemm_nt_masked", _quantize_rows_fp8(a_eMK), weight, out_eMN,
                   masked_m_e, expected_m, disable_ue8m0_cast=True)
         else:
             _call(self._deep_gemm, "m_grouped_bf16_gemm_nt_masked", a_eMK.to(torch.bfloat16).contiguous(), weight,

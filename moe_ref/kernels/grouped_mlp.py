@@ -167,7 +167,7 @@ def _grouped_gemm_kernel(
         # BLOCK_N == 128 and pid_n * 128 is a group start: this tile's columns are exactly scale group pid_n
         acc = tl.where(mask_c, acc, 0.0)
         scale_c = fp8_scale(tl.max(tl.abs(acc), axis=1))
-        tl.store(c_ptrs, to_e4m3(div_rn(acc, scale_c[:, None]), UPCAST), mask=mask_c)
+        tl.store(c_ptrs, to_e4m3(div_rn(acc, scale_c[:, None])), mask=mask_c)
         tl.store(c_scale_ptr + rows * stride_c_scale_r + pid_n, scale_c, mask=mask_m)
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)

@@ -27,7 +27,7 @@ from moe_ref.testing import calc_diff
 pytestmark = pytest.mark.unit
 
 _API = ("m_grouped_bf16_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_masked",
-        "m_grouped_fp8_gemm_nt_masked", "get_mk_alignment_for_contiguous_layout")
+        "m_grouped_fp8_fp4_gemm_nt_masked", "get_mk_alignment_for_contiguous_layout")
 
 
 @pytest.fixture(autouse=True)
@@ -257,7 +257,7 @@ def _fake_deep_gemm_module() -> types.ModuleType:
     module.__version__ = "0.1.4-fake"
     module.calls = calls
     module.m_grouped_bf16_gemm_nt_contiguous = module.m_grouped_fp8_gemm_nt_contiguous = contiguous
-    module.m_grouped_bf16_gemm_nt_masked = module.m_grouped_fp8_gemm_nt_masked = masked
+    module.m_grouped_bf16_gemm_nt_masked = module.m_grouped_fp8_fp4_gemm_nt_masked = masked
     module.get_mk_alignment_for_contiguous_layout = lambda: 128
     utils = types.ModuleType("deep_gemm.utils")
     utils.per_token_cast_to_fp8 = lambda x, use_ue8m0, gran_k=128, use_packed_ue8m0=False: _cast_rows(x)
