@@ -59,7 +59,9 @@ def quantize_fp8_per_128(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     x_float = F.pad(x_TD.float(), (0, pad)) if pad else x_TD.float()
     x_groups = x_float.reshape(*lead, num_groups, FP8_GROUP)
     amax = x_groups.abs().amax(dim=-1).clamp(min=FP8_MIN_AMAX)
-    scale_TDb = amax / FP8_MAX
+    # NOTE: tensor / tensor, not tensor / 448: on CUDA torch turns division by a Python scalar into a
+    # multiplication by its reciprocal, which rounds differently (1 ulp) from the kernel's IEEE division.
+    scale_TDb = amax / torch.full_like(amax, FP8_MAX)
     x_fp8 = (x_groups / scale_TDb.unsqueeze(-1)).reshape(*lead, num_groups * FP8_GROUP)[..., :dim]
     return x_fp8.to(FP8_DTYPE), scale_TDb
 
