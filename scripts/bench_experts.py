@@ -359,6 +359,7 @@ def main(argv=None) -> int:
             for row in results["cases"]:
                 if row["model"] == model and row["num_rows"] == num_rows and "grouped_mm_bf16" in timings:
                     row["x_vs_grouped_mm"] = timings["grouped_mm_bf16"] / row["us"]
+            _write(results, args.out)
             del case
             torch.cuda.empty_cache()
         del weights
@@ -371,16 +372,22 @@ def main(argv=None) -> int:
     except Exception as exc:  # informational only
         results["autotune_choices"] = f"unavailable: {exc!r}"
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    markdown_path = os.path.splitext(args.out)[0] + ".md"
-    with open(markdown_path, "w") as f:
-        f.write(_markdown(results))
+    markdown_path = _write(results, args.out)
     print(_markdown(results))
     print(f"wrote {args.out} and {markdown_path}", flush=True)
     _plot(results, os.path.splitext(args.out)[0] + ".png")
     return 1 if failures else 0
+
+
+def _write(results: dict, out: str) -> str:
+    """Write the JSON and markdown (after every case, so a time-out keeps what was measured)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=2)
+    markdown_path = os.path.splitext(out)[0] + ".md"
+    with open(markdown_path, "w") as f:
+        f.write(_markdown(results))
+    return markdown_path
 
 
 if __name__ == "__main__":
