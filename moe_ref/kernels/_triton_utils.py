@@ -88,11 +88,13 @@ def to_e4m3(x):
 
     Round on the e4m3 grid in fp32 first. Normal range (|x| >= 2**-6): keep 3 of 23 mantissa bits with an
     integer round-half-even on the bit pattern (carries into the exponent correctly). Subnormal range: add
-    and subtract 1.5 * 2**14 to round to a multiple of 2**-9. The final cast is then exact.
+    and subtract 1.5 * 2**14 to |x| to round it to a multiple of 2**-9, then put the sign back (a tiny
+    negative value becomes -0.0, as in torch). The final cast is then exact.
     """
     bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
-    x_normal = bits.to(tl.float32, bitcast=True)
-    x_subnormal = (x + 24576.0) - 24576.0
+    sign_bit = bits & -2147483648
+    x_normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    abs_subnormal = (tl.abs(x) + 24576.0) - 24576.0
+    x_subnormal = (abs_subnormal.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
     x = tl.where(tl.abs(x) < 0.015625, x_subnormal, x_normal)
     return x.to(tl.float8e4nv)

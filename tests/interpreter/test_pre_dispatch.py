@@ -21,6 +21,9 @@ def _inputs(num_tokens, hidden, num_topk, num_experts, dtype, device, seed=0):
     if num_tokens:
         x_TD[0, :] = 0.0  # an all-zero row: scale floors at 1e-4 / 448
         x_TD[-1, 5] = 1000.0  # one outlier column group
+    if num_tokens > 2:  # tiny negatives next to a large value: e4m3 subnormals and -0.0 after scaling
+        x_TD[1, :] = -torch.linspace(1e-6, 1e-2, hidden).to(dtype)
+        x_TD[1, ::128] = 50.0
     ids_TK = torch.randint(0, num_experts, (num_tokens, num_topk), generator=gen)
     ids_TK[torch.rand(num_tokens, num_topk, generator=gen) < 0.25] = -1
     w_TK = torch.rand(num_tokens, num_topk, generator=gen)
