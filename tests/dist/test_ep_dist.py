@@ -9,76 +9,21 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ep_cases  # noqa: E402
+from launch import Launch, torchrun  # noqa: E402
 
-from moe_ref.buffer import sweep_stale_shm_files  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).resolve().parent / "ep_worker.py"
 WORLD_SIZES = (2, 4)
 LAUNCH_TIMEOUT_S = 240  # all cases of one world size (about 10-20 s when the machine is idle)
 FAULT_TIMEOUT_S = 90  # a failing job must end well within this (the worker's group timeout is 60 s)
-
-
-@dataclass
-class Launch:
-    returncode: int | None  # None: killed at the time limit
-    seconds: float
-    log: str
-    leftovers: list[str]  # files left in the private MOE_REF_SHM_DIR after the job
-    results: dict[int, dict]  # rank -> {case id -> result}
-
-
-def _private_shm_dir() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="moe_ref_test_", dir=base)
-
-
-def torchrun(nproc: int, worker_args: list[str], out_dir: Path, timeout_s: float) -> Launch:
-    """Run ``ep_worker.py`` under torchrun with a private shm folder; kill the whole job at the limit."""
-    shm_dir = _private_shm_dir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_REF_SHM_DIR": shm_dir,
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    for name in ("MOE_REF_NUM_MAX_TOKENS_PER_RANK", "MOE_REF_OVERFLOW_POLICY", "MOE_REF_TRANSPORT"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
-           "--out", str(out_dir), *worker_args]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout_s)
-        returncode = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: the session we started
-        log, _ = proc.communicate()
-        returncode = None
-    seconds = time.perf_counter() - start
-    leftovers = sorted(os.listdir(shm_dir))
-    if leftovers:  # the next buffer on this host would remove files of dead creators; report them first
-        sweep_stale_shm_files(shm_dir)
-    shutil.rmtree(shm_dir, ignore_errors=True)
-    results = {}
-    for rank in range(nproc):
-        path = out_dir / f"rank{rank}.json"
-        if path.exists():
-            results[rank] = json.loads(path.read_text())
-    return Launch(returncode, seconds, log, leftovers, results)
 
 
 @pytest.fixture(scope="session")
