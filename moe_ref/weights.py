@@ -41,8 +41,11 @@ class MoEWeights:
         """The same block with only experts ``[first, first + count)`` (views, no copy)."""
         lo = first - self.first_expert
         if lo < 0 or lo + count > self.num_held_experts:
-            raise ValueError(f"experts [{first}, {first + count}) are not all held "
-                             f"(held: [{self.first_expert}, {self.first_expert + self.num_held_experts}))")
+            from moe_ref.errors import TensorShapeMismatchError
+
+            raise TensorShapeMismatchError(
+                f"experts [{first}, {first + count}) are not all held (held: [{self.first_expert}, "
+                f"{self.first_expert + self.num_held_experts})): the weights belong to another config or rank")
         return dataclasses.replace(self, gate_up_weight_E2FD=self.gate_up_weight_E2FD[lo:lo + count],
                                    down_weight_EDF=self.down_weight_EDF[lo:lo + count], first_expert=first)
 

@@ -1,0 +1,81 @@
+"""MegaMoE in one process: every family and dtype against the single-process reference, and its input errors."""
+import pytest
+import torch
+
+from moe_ref.config import preset
+from moe_ref.errors import DTypeError, ShapeError, TensorShapeMismatchError
+from moe_ref.layer import MegaMoE
+from moe_ref.reference import reference_moe
+from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_close, calc_diff
+from moe_ref.weights import MoEWeights
+
+pytestmark = pytest.mark.unit
+PRESETS = ["tiny-kimi-k2", "tiny-kimi-k3", "tiny-deepseek-v3", "tiny-step3"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_layer_matches_reference(name, dtype):
+    cfg = preset(name)
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=64, dtype=dtype, seed=7)
+    x = torch.randn(50, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.inference_mode():
+        y = layer(x)
+        ref = reference_moe(x, MoEWeights.random(cfg, seed=7, dtype=dtype), cfg)
+    layer.destroy()
+    assert y.dtype == dtype and y.shape == x.shape
+    if dtype == torch.float32:
+        assert_close(y, ref, torch.float32, name=name)
+    else:
+        assert calc_diff(y, ref) <= CALC_DIFF_TOLERANCES[dtype], f"{name=} {dtype=} {calc_diff(y, ref)=}"
+
+
+def test_chunked_equals_big_cap_bitwise_and_counts_rows():
+    cfg = preset("tiny-kimi-k2")
+    x = torch.randn(100, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    small = MegaMoE(cfg, num_max_tokens_per_rank=16, overflow="chunk", seed=3)
+    big = MegaMoE(cfg, num_max_tokens_per_rank=128, seed=3)
+    with pytest.warns(Warning, match="chunk"):
+        y_small = small(x)
+    y_big = big(x)
+    assert torch.equal(y_small, y_big)
+    assert int(small.num_recv_tokens_per_expert.sum()) == 100 * cfg.num_topk  # no masked slots from the router
+    small.destroy(), big.destroy()
+
+
+def test_overflow_error_names_numbers_and_fix():
+    cfg = preset("tiny-step3")
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=8, overflow="error", seed=0)
+    with pytest.raises(RuntimeError, match=r"CAP001.*9.*8.*MOE_REF_NUM_MAX_TOKENS_PER_RANK"):
+        layer(torch.randn(9, cfg.hidden_size))
+    layer.destroy()
+
+
+def test_zero_tokens():
+    cfg = preset("tiny-deepseek-v3")
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=8, seed=0)
+    assert layer(torch.empty(0, cfg.hidden_size)).shape == (0, cfg.hidden_size)
+    layer.destroy()
+
+
+def test_input_errors_are_coded():
+    cfg = preset("tiny-kimi-k2")
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=8, seed=0)
+    with pytest.raises(ShapeError, match=r"\(2, 3, 48\).*x.view\(-1, 48\)"):
+        layer(torch.randn(2, 3, cfg.hidden_size))
+    with pytest.raises(DTypeError, match="bfloat16.*float32"):
+        layer(torch.randn(3, cfg.hidden_size, dtype=torch.bfloat16))
+    with pytest.raises(DTypeError, match="int8"):
+        MegaMoE(cfg, dtype=torch.int8)
+    wrong = MoEWeights.random(preset("tiny-step3"), seed=0)
+    with pytest.raises(TensorShapeMismatchError, match=r"experts \[0, 16\) are not all held"):
+        layer.load_weights(wrong)
+    layer.destroy()
+
+
+def test_built_from_hf_config_dict_and_preset_name():
+    from moe_ref.config import hf_config_dict
+
+    cfg = preset("tiny-kimi-k3")
+    assert MegaMoE(hf_config_dict(cfg)).cfg.latent_dim == cfg.latent_dim
+    assert MegaMoE("tiny-kimi-k3").cfg == cfg
