@@ -15,7 +15,11 @@ Mapping programs to experts: no host sync and no padded work. Program `pid_m` wa
 block counts `ceil(num_rows_e[i] / BLOCK_M)` (one vectorised cumsum over the e experts, in-kernel) to
 find its expert and its block inside that expert; the grid has the upper bound `ceil(R / BLOCK_M) + e`
 M blocks and the surplus programs exit at once. So BLOCK_M may be smaller than the 128-row segment
-alignment (decode) and padding blocks cost nothing.
+alignment (decode) and padding blocks cost nothing. Program order: N tiles fastest (GROUP_M = 1, the
+default), or GROUP_M > 1 consecutive M blocks sweep the N tiles together (an L2 swizzle for many rows).
+
+Tiles: autotuned per rows-per-expert regime (`_regime`, `_prune_configs`), or forced with
+`_launch_gemm(..., config=triton.Config(...))` (`scripts/tune_grouped_mlp.py` sweeps them that way).
 
 FP8 (e4m3): x with per-row per-128-column fp32 scales `x_scale_RDb`, weights with fp32 128x128 block
 scales; each BLOCK_K (<= 128, dividing 128) k-step multiplies the fp32 partial product by
@@ -81,6 +85,7 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
+    GROUP_M: tl.constexpr = 1,     # program order: 1 = N fastest (pid_m = pid // num_pid_n); G > 1 = L2 swizzle
 ):
     """One program = BLOCK_M rows of one expert x BLOCK_N output columns (x2 for gate||up).
 
@@ -91,8 +96,19 @@ def _grouped_gemm_kernel(
     """
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
+    if GROUP_M == 1:
+        pid_m = pid // num_pid_n
+        pid_n = pid % num_pid_n
+    else:
+        # GROUP_M consecutive M blocks (any experts) sweep the N tiles together, M fastest: programs that
+        # run at the same time share weight tiles (and a few x row blocks) in L2. The grid is exactly
+        # num_pid_m * num_pid_n; the last group may be short.
+        num_pid_m = tl.num_programs(0) // num_pid_n
+        num_pid_in_group = GROUP_M * num_pid_n
+        first_pid_m = (pid // num_pid_in_group) * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+        pid_n = (pid % num_pid_in_group) // group_size_m
 
     # --- find this block's expert (vectorised over the e experts) -----------------------------------
     offs_e = tl.arange(0, BLOCK_E)
@@ -176,7 +192,10 @@ def _grouped_gemm_kernel(
 # --------------------------------------------------------------------------------------------------
 # configs (GPU autotune; one fixed small config under the interpreter)
 # --------------------------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), grouped by the rows-per-expert regime they serve.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), grouped by the rows-per-expert regime they serve
+# (see `_regime`). For GEMM1 BLOCK_N counts one half: a program computes a BLOCK_M x 2*BLOCK_N gate||up
+# tile. Both GEMMs share these lists; `_config_problem` drops what does not fit one of them.
+# `scripts/tune_grouped_mlp.py` sweeps tiles per GEMM on a GPU (with `_launch_gemm(..., config=...)`).
 _DECODE_TILES = [  # <= 32 rows per expert: weight-bandwidth bound, many N tiles in flight
     (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
 ]
@@ -187,6 +206,10 @@ _PREFILL_TILES = [  # > 256 rows per expert: compute bound, big tiles
     (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
     (128, 256, 64, 8, 3),
 ]
+# Autotune keeps configs whose estimated pipeline buffers stay under this (the H200 allows 227 KB per
+# block; the estimate ignores epilogue scratch, hence the headroom).
+_AUTOTUNE_SMEM_LIMIT = 200 * 1024
+_META_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")  # required in a forced config; GROUP_M is optional (default 1)
 
 
 def _gpu_configs() -> list[triton.Config]:
@@ -196,35 +219,68 @@ def _gpu_configs() -> list[triton.Config]:
             for m, n, k, w, st in tiles]
 
 
+def _tile(config: triton.Config) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of a config, the form of the tile lists."""
+    return (*(config.kwargs[key] for key in _META_KEYS), config.num_warps, config.num_stages)
+
+
+def _regime(rows_hint: int, num_experts: int) -> tuple[str, list]:
+    """(name, tile list) of the rows-per-expert regime for a launch's `rows_hint` bucket (a power of 2).
+
+    Example: 4096 routed rows over 48 experts -> 85 per expert -> ("mid", _MID_TILES); 32768 -> 683 -> prefill.
+    """
+    rows_per_expert = rows_hint / max(num_experts, 1)
+    if rows_per_expert <= 32:
+        return "decode", _DECODE_TILES
+    if rows_per_expert <= 256:
+        return "mid", _MID_TILES
+    return "prefill", _PREFILL_TILES
+
+
+def _smem_bytes(config: triton.Config, *, gated: bool, bytes_per_element: int) -> int:
+    """Estimated pipeline buffers: num_stages x (a tile + b tile(s)); GEMM1 loads gate and up tiles."""
+    block_m, block_n, block_k = (config.kwargs[key] for key in _META_KEYS)
+    return config.num_stages * (block_m + block_n * (2 if gated else 1)) * block_k * bytes_per_element
+
+
+def _config_error(config: triton.Config, *, fp8: bool, quant_out: bool) -> str | None:
+    """Why this config would compute a wrong result for the launch (None if it is correct)."""
+    block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    if quant_out and block_n != 128:
+        return "the fp8 epilogue quantizes exactly one 128-column group per tile (BLOCK_N must be 128)"
+    if fp8 and 128 % block_k != 0:
+        return "a k-step must stay inside one 128-wide scale group (BLOCK_K must divide 128)"
+    return None
+
+
+def _config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: bool, quant_out: bool,
+                    ieee_fp32: bool, smem_limit: int = _AUTOTUNE_SMEM_LIMIT) -> str | None:
+    """Why autotune should not try this config for the launch (None if it should): wrong results,
+    tiles larger than the problem, register spills, shared memory above `smem_limit` bytes."""
+    error = _config_error(config, fp8=fp8, quant_out=quant_out)
+    if error:
+        return error
+    block_m, block_n, block_k = (config.kwargs[key] for key in _META_KEYS)
+    if block_n > max(64, triton.next_power_of_2(n)) or block_k > max(64, triton.next_power_of_2(k)):
+        return "tile larger than the problem"
+    if gated and (block_m * block_n > 128 * 128 or block_n > 128):
+        return "two fp32 accumulators (gate, up): register pressure"
+    if fp8 and block_m * block_n * (2 if gated else 1) > 128 * 128:
+        return "fp8 keeps a scaled partial product beside each accumulator: spills (ptxas, sm_90a)"
+    smem = _smem_bytes(config, gated=gated, bytes_per_element=1 if fp8 else 4 if ieee_fp32 else 2)
+    if smem > smem_limit:
+        return f"shared memory ~{smem // 1024} KB > {smem_limit // 1024} KB"
+    return None
+
+
 def _prune_configs(configs, named_args, **kwargs):
     """Keep the configs of this launch's regime that are legal (fp8 groups) and fit shared memory."""
-    n, k = named_args["N"], named_args["K"]
-    rows_per_expert = named_args["rows_hint"] / max(named_args["num_experts"], 1)
-    gated = kwargs.get("ACTIVATION", 0) != 0
-    fp8 = kwargs.get("FP8", False)
-    quant_out = kwargs.get("QUANT_OUT", False)
-    regime = _DECODE_TILES if rows_per_expert <= 32 else _MID_TILES if rows_per_expert <= 256 else _PREFILL_TILES
-    kept = []
-    for config in configs:
-        block_m, block_n, block_k = (config.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-        if (block_m, block_n, block_k, config.num_warps, config.num_stages) not in regime:
-            continue
-        if quant_out and block_n != 128:
-            continue  # the fp8 epilogue quantizes exactly one 128-column group per tile
-        if fp8 and 128 % block_k != 0:
-            continue  # a k-step must stay inside one 128-wide scale group
-        if block_n > max(64, triton.next_power_of_2(n)) or block_k > max(64, triton.next_power_of_2(k)):
-            continue
-        if gated and block_m * block_n > 128 * 128 or gated and block_n > 128:
-            continue  # two fp32 accumulators (gate, up): keep register pressure sane
-        if fp8 and block_m * block_n * (2 if gated else 1) > 128 * 128:
-            continue  # fp8 keeps a scaled partial product beside each accumulator: these spill (ptxas, sm_90a)
-        bytes_per_element = 1 if fp8 else 4 if kwargs.get("IEEE_FP32", False) else 2
-        smem = config.num_stages * (block_m + block_n * (2 if gated else 1)) * block_k * bytes_per_element
-        if smem > 200 * 1024:
-            continue
-        kept.append(config)
-    if kwargs.get("IEEE_FP32", False):
+    _, regime = _regime(named_args["rows_hint"], named_args["num_experts"])
+    ieee_fp32 = kwargs.get("IEEE_FP32", False)
+    facts = dict(n=named_args["N"], k=named_args["K"], gated=kwargs.get("ACTIVATION", 0) != 0,
+                 fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32)
+    kept = [config for config in configs if _tile(config) in regime and _config_problem(config, **facts) is None]
+    if ieee_fp32:
         fallback = triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=2)
     else:
         fallback = triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3)
@@ -244,11 +300,35 @@ def _interpreter_meta(quant_out: bool) -> dict:
     return {"BLOCK_M": 16, "BLOCK_N": 128 if quant_out else 32, "BLOCK_K": 32}
 
 
+def _forced_options(config: triton.Config) -> dict:
+    """Launch keywords for a forced config: its meta-parameters and compile options."""
+    unknown = set(config.kwargs) - set(_META_KEYS) - {"GROUP_M"}
+    missing = set(_META_KEYS) - set(config.kwargs)
+    if unknown or missing:
+        raise ValueError(f"config needs {_META_KEYS} (+ optional GROUP_M); {missing=} {unknown=}")
+    options = dict(config.kwargs)
+    if is_interpreter():
+        return options  # the interpreter has no compile options
+    options.update(num_warps=config.num_warps, num_stages=config.num_stages, num_ctas=config.num_ctas)
+    if getattr(config, "maxnreg", None) is not None:
+        options["maxnreg"] = config.maxnreg
+    return options
+
+
 # --------------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------------
 def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
-                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint):
+                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, config: triton.Config | None = None):
+    """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up) or GEMM2 (`activation` "none").
+
+    `config=None` (what `grouped_mlp` does): on a GPU, autotune over `_gpu_configs()` pruned to this
+    launch's regime; under the interpreter, a fixed small tile. `config=triton.Config({"BLOCK_M", "BLOCK_N",
+    "BLOCK_K"[, "GROUP_M"]}, num_warps=, num_stages=)` forces that tile (no autotune, no regime or
+    heuristic pruning; one compile per distinct config and kernel flags): used by
+    `scripts/tune_grouped_mlp.py` and the tests. A config that would compute a wrong result (fp8 group
+    rules) raises ValueError; one that does not fit the GPU fails in Triton (OutOfResources).
+    """
     num_rows, num_experts = a.shape[0], b.shape[0]
     dummy = c
     a_scale = dummy if a_scale is None else a_scale
@@ -270,7 +350,14 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
     def grid(meta):
         return ((triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"]),)
 
-    if is_interpreter():
+    if config is not None:
+        options = _forced_options(config)  # checks the meta keys first
+        error = _config_error(config, fp8=fp8, quant_out=quant_out)
+        if error:
+            raise ValueError(f"forced config {config}: {error}")
+        extra = {} if is_interpreter() else launch_options(fp_fusion=True)
+        _grouped_gemm_kernel[grid(options)](*args, **flags, **options, **extra)
+    elif is_interpreter():
         meta = _interpreter_meta(quant_out)
         _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
     else:
