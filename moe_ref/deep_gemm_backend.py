@@ -24,8 +24,10 @@ wrappers and its compiled asserts:
   with ``a = (x fp8 e4m3 [m, k], sf fp32 [m, k/128])`` and ``b = (w fp8 [G, n, k], sf fp32 [G, n/128, k/128])``;
   on SM90 the default recipe is (1, 128, 128) and the scales are plain fp32 (``disable_ue8m0_cast=True``,
   as DeepGEMM's SM90 tests pass). Activation scales come from ``deep_gemm.utils.per_token_cast_to_fp8(x,
-  use_ue8m0=False)`` (``max(amax, 1e-4) / 448`` per 128 columns), weight scales from
-  ``deep_gemm.utils.per_block_cast_to_fp8(w, use_ue8m0=False)`` per expert.
+  use_ue8m0=False)`` (``max(amax, 1e-4) / 448`` per 128 columns). Weights are quantized by moe_ref's own
+  ``kernels.fp8.quantize_fp8_per_block_128`` (the same recipe as ``deep_gemm.utils.per_block_cast_to_fp8(w,
+  use_ue8m0=False)``: fp32 ``max(block amax, 1e-4) / 448`` per 128x128 block; plain fp32 scales need no
+  DeepGEMM-specific format on SM90).
 - ``m_grouped_bf16_gemm_nt_masked(a, b, d, masked_m, expected_m, compiled_dims='nk')`` and
   ``m_grouped_fp8_fp4_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, ..., disable_ue8m0_cast=False)``:
   ``a [G, M, k]`` (fp8: ``sf [G, M, k/128]``), ``d [G, M, n]``, ``masked_m [G]`` int32, ``expected_m > 0``.
@@ -51,8 +53,7 @@ from moe_ref.errors import (BackendUnavailableError, DeviceError, DTypeError, FP
                             ShapeError, ShapeUnsupportedError, UnknownNameError)
 from moe_ref.experts import Experts, ExpertLayout
 
-__all__ = ["DeepGemmStatus", "deep_gemm_status", "DeepGemmExperts", "deep_gemm_grouped_cases",
-           "quantize_weights_fp8_block128", "KNOWN_GOOD_VERSIONS"]
+__all__ = ["DeepGemmStatus", "deep_gemm_status", "DeepGemmExperts", "deep_gemm_grouped_cases", "KNOWN_GOOD_VERSIONS"]
 
 # Versions that ran on the GPU image (torch 2.11+cu130); see /work/shared/FACTS.md.
 KNOWN_GOOD_VERSIONS = ("0.1.3", "0.1.4")
@@ -177,31 +178,16 @@ def _import_deep_gemm():
 
 
 # --------------------------------------------------------------------------------------------------
-# FP8 helpers (DeepGEMM's own quantizers, imported)
+# FP8 helpers (activations: DeepGEMM's own quantizer; weights: moe_ref.kernels.fp8)
 # --------------------------------------------------------------------------------------------------
-def quantize_weights_fp8_block128(weight_eND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize each expert's ``[N, K]`` matrix to fp8 e4m3 with one fp32 scale per 128x128 block.
+def _quantize_weights_fp8(weight_eND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[e, N, K]`` (N, K multiples of 128) -> fp8 ``[e, N, K]`` + fp32 ``[e, N/128, K/128]`` block scales."""
+    from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
 
-    Uses ``deep_gemm.utils.per_block_cast_to_fp8(w, use_ue8m0=False)`` one expert at a time (bounded
-    temporary memory: one expert in fp32).
-
-    Args:
-        weight_eND: ``[e, N, K]`` bf16/fp16/fp32 CUDA, N and K multiples of 128.
-
-    Returns:
-        weight_fp8_eND: ``[e, N, K]`` ``torch.float8_e4m3fn``, contiguous.
-        scale_eNbKb: ``[e, N/128, K/128]`` fp32 contiguous, ``max(block amax, 1e-4) / 448``.
-    """
-    from deep_gemm.utils import per_block_cast_to_fp8
-
-    num_experts, n, k = weight_eND.shape
+    _, n, k = weight_eND.shape
     if n % 128 or k % 128:
         raise FP8AlignmentError(f"fp8 weights need both matrix dims divisible by 128, got {n=} and {k=}")
-    weight_fp8 = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=weight_eND.device)
-    scale = torch.empty(num_experts, n // 128, k // 128, dtype=torch.float32, device=weight_eND.device)
-    for i in range(num_experts):
-        weight_fp8[i], scale[i] = per_block_cast_to_fp8(weight_eND[i], use_ue8m0=False)
-    return weight_fp8, scale
+    return quantize_fp8_per_block_128(weight_eND)
 
 
 def _quantize_rows_fp8(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,6 +235,8 @@ class DeepGemmExperts(Experts):
     """
 
     name = "deep_gemm"
+    segment_alignment = 128  # get_mk_alignment_for_contiguous_layout() of 0.1.x (checked per call)
+    supports_fp8 = True  # fp8=True: fp8 weights; the activations are quantized here, so accepts_fp8_input stays False
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False):
@@ -263,20 +251,21 @@ class DeepGemmExperts(Experts):
             gate_up_weight_e2FD, down_weight_eDF, fp8)
         if fp8:
             # NOTE: the bf16 originals stay referenced by the base class (the caller's tensors, no copy).
-            self._gate_up_weight = quantize_weights_fp8_block128(gate_up_weight_e2FD)
-            self._down_weight = quantize_weights_fp8_block128(down_weight_eDF)
+            self._gate_up_weight = _quantize_weights_fp8(gate_up_weight_e2FD)
+            self._down_weight = _quantize_weights_fp8(down_weight_eDF)
         else:
             self._gate_up_weight = gate_up_weight_e2FD.to(torch.bfloat16).contiguous()
             self._down_weight = down_weight_eDF.to(torch.bfloat16).contiguous()
 
     # --- contiguous layout ---------------------------------------------------------------------------
-    def forward(self, x_RD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    def forward(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
         """Run every local expert over its segment of the pool.
 
         Args:
             x_RD: ``[R, D]`` CUDA bf16/fp16/fp32 pool rows, expert-major; the rows of local expert i are
                 ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``.
             layout: ``ExpertLayout``; ``layout.alignment`` must be a multiple of DeepGEMM's M alignment (128).
+            x_scale_RDb: always None (this backend takes activation-dtype rows; ``accepts_fp8_input`` is False).
 
         Returns:
             y_RD: ``[R, D]`` in ``x_RD``'s dtype; rows outside every segment are zero. No host sync

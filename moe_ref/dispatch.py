@@ -8,7 +8,8 @@ routed step of the layer.
       3. dispatch       (Transport)             entries per (source, local expert); my experts' rows -> my
                                                 receive pool, expert-major, segments aligned, ordered by
                                                 (source rank, token, slot); receive metadata (src, token, slot)
-      4. experts        (Experts.forward)       pool rows -> result rows (FP8 pool dequantized first)
+      4. experts        (Experts.__call__)      the used prefix of the pool -> result rows (an FP8 pool goes as
+                                                is to backends with ``accepts_fp8_input``, dequantized to the others)
       5. combine        (Transport)             each result row -> the SOURCE rank's combine[slot, token]
       6. reduce         (kernels.combine_reduce) y[t] = sum_j w[t, j] * combine[j, t], fp32, slot order 0..K-1
       -> routed_TD [T, Dx]
@@ -24,7 +25,13 @@ rows, which keeps each row's result independent of how many rows share its exper
 another code path for small row counts (1-3, 5-7, 9-11 measured), so without this a chunked run would
 differ from an unchunked one in the last bit. With the default alignment (128) chunked and unchunked runs
 agree bitwise with the torch expert backend. GPU backends skip the padding instead (zeroing it would
-write ~e * 127 rows per call, which dominates decode).
+write ~e * 127 rows per call, which dominates decode), and plan the pool with their own, smaller
+``Experts.segment_alignment`` (triton: 1, no padding rows at all).
+
+NOTE: the experts get only the used prefix of the pool, ``recv_x[:R]`` with R the aligned end of the last
+segment (``ExpertLayout.num_pool_rows``; a host int from the one sync ``place_entries`` already makes), not
+all P rows the plan reserves for the worst case: at decode P is ~20x the routed rows, and a backend's
+output of P rows would be allocated and zeroed on every call.
 
 Shape legend: T tokens of this rank, K top-k, Dx expert input width (hidden, or latent for Kimi-K3),
 E experts, e local experts, R EP ranks, C cap, P receive-pool rows, N routed entries.
@@ -117,7 +124,8 @@ def place_entries(recv_entries: tuple[torch.Tensor, ...], num_local_experts: int
         num_pool_rows: P, rows of the pool.
 
     Returns:
-        layout: ``ExpertLayout`` of the e segments (``num_rows_e`` counts the received rows).
+        layout: ``ExpertLayout`` of the e segments (``num_rows_e`` counts the received rows); its
+            ``num_pool_rows`` is the used prefix: the aligned end of the last segment (<= P).
         recv_pos: per source rank, ``[N_s]`` int64 pool row of each entry.
 
     Example: e=2, alignment 4, source 0 sends experts [0, 1], source 1 sends [0]
@@ -125,9 +133,8 @@ def place_entries(recv_entries: tuple[torch.Tensor, ...], num_local_experts: int
     """
     device = recv_entries[0].device
     counts_Re = torch.stack([torch.bincount(e[:, 2], minlength=num_local_experts) for e in recv_entries])
-    layout = ExpertLayout.from_counts(counts_Re.sum(0), alignment, num_pool_rows)
-    aligned_e = (layout.num_rows_e + alignment - 1) // alignment * alignment
-    used = int(aligned_e.sum())  # segments are packed back to back; NOTE: host sync
+    layout = ExpertLayout.from_counts(counts_Re.sum(0), alignment)  # segments back to back; NOTE: host sync
+    used = layout.num_pool_rows
     if used > num_pool_rows:
         raise ExpertIdError(f"the received rows need {used} pool rows but the pool has {num_pool_rows}: a token "
                             f"picked the same expert twice (each token must route to distinct experts)")
@@ -188,10 +195,11 @@ class DispatchHandle:
         topk_ids_TK: ``[T, K]`` int64 (view of my ``topk_ids`` region), -1 = masked.
         topk_weights_TK: ``[T, K]`` fp32 (view of my ``topk_weights`` region).
         recv_x_PD: ``[P, Dx]`` the receive pool (activation dtype, or fp8 with FP8 dispatch); rows outside
-            the segments of ``layout`` hold stale data.
+            the segments of ``layout`` hold stale data, and rows from ``layout.num_pool_rows`` on are unused.
         recv_x_scale_PDb: ``[P, ceil(Dx/128)]`` fp32 scales of the pool (FP8 dispatch), else None.
         recv_src_P3: ``[P, 3]`` int32 ``(source rank, token, slot)`` of each pool row, -1 on padding rows.
-        layout: the local experts' segments in the pool (``num_rows_e`` = rows received).
+        layout: the local experts' segments in the pool (``num_rows_e`` = rows received; ``num_pool_rows`` =
+            the used prefix, the aligned end of the last segment).
         recv_pos: per source rank, ``[N_s]`` int64 pool rows of the entries received from it.
         exchange: the agreed entries (see ``RoutingExchange``).
     """
@@ -324,20 +332,41 @@ class Dispatcher:
         return zero_padding_rows(handle.layout, [self.buffer.view(name) for name in ("recv_x", "recv_x_scale")
                                                  if self.plan.has_region(name)])
 
-    def expert_input(self, handle: DispatchHandle) -> torch.Tensor:
-        """The pool as the experts take it: ``[P, Dx]`` activation dtype. With FP8 dispatch the pool is
-        dequantized here (the reference path; an FP8 grouped GEMM would take ``recv_x_PD`` and its scales)."""
-        if handle.recv_x_scale_PDb is None:
-            return handle.recv_x_PD
-        from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128
+    def expert_input(self, handle: DispatchHandle,
+                     experts: Experts | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pool rows as ``experts`` take them: the one place that decides the experts' input format.
 
-        return dequantize_fp8_per_128(handle.recv_x_PD, handle.recv_x_scale_PDb, self.plan.activation_dtype)
-
-    def combine(self, y_PD: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Send every result row to its source's combine slots and reduce mine (collective; one chunk).
+        Only the used prefix ``[:R]`` is passed (R = ``handle.layout.num_pool_rows``, the aligned end of the
+        last segment; see the module NOTE). With FP8 dispatch, a backend with ``accepts_fp8_input`` gets the
+        fp8 rows and their scales as dispatched (views, no copy); any other backend, and ``experts=None``,
+        gets them dequantized to the activation dtype.
 
         Args:
-            y_PD: ``[P, Dx]`` expert outputs on the pool rows (activation dtype; padding rows ignored).
+            handle: from ``dispatch`` of this chunk (call ``whole_segment_layout`` first if the backend needs
+                it: the padding must be zeroed before the rows are dequantized).
+            experts: the backend that will run them, or None.
+
+        Returns:
+            x_RD: ``[R, Dx]`` view of the pool (activation dtype, or fp8 e4m3), or its dequantized copy.
+            x_scale_RDb: ``[R, ceil(Dx/128)]`` fp32 view of the scales when ``x_RD`` is fp8, else None.
+        """
+        num_rows = handle.layout.num_pool_rows
+        x_RD = handle.recv_x_PD[:num_rows]
+        if handle.recv_x_scale_PDb is None:
+            return x_RD, None
+        x_scale_RDb = handle.recv_x_scale_PDb[:num_rows]
+        if experts is not None and experts.accepts_fp8_input:
+            return x_RD, x_scale_RDb
+        from moe_ref.kernels.fp8 import dequantize_fp8_per_128
+
+        return dequantize_fp8_per_128(x_RD, x_scale_RDb, self.plan.activation_dtype), None
+
+    def combine(self, y_RD: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Send every result row back to its source's combine slots and reduce mine (collective; one chunk).
+
+        Args:
+            y_RD: ``[R, Dx]`` expert outputs on the used prefix of the pool (any float dtype; rows are read only
+                at the received positions ``handle.recv_pos``, so padding rows are ignored).
             handle: from ``dispatch`` of the same chunk.
 
         Returns:
@@ -345,8 +374,8 @@ class Dispatcher:
         """
         from moe_ref.kernels.combine_reduce import combine_reduce, combine_reduce_ref
 
-        self.transport.return_rows(handle.exchange, handle.recv_pos, y_PD.to(self.plan.activation_dtype))
-        kernel = combine_reduce if y_PD.is_cuda else combine_reduce_ref
+        self.transport.return_rows(handle.exchange, handle.recv_pos, y_RD.to(self.plan.activation_dtype))
+        kernel = combine_reduce if y_RD.is_cuda else combine_reduce_ref
         return kernel(self.buffer.view("combine"), handle.topk_ids_TK, handle.topk_weights_TK,
                       out_dtype=self.plan.activation_dtype)
 
@@ -359,7 +388,8 @@ class Dispatcher:
             x_TD: ``[T, Dx]`` expert input in the activation dtype (T may be 0).
             topk_ids_TK: ``[T, K]`` int64 global expert ids, -1 = masked slot.
             topk_weights_TK: ``[T, K]`` fp32 routing weights.
-            experts: this rank's local experts (``make_experts`` over the local weight slices).
+            experts: this rank's local experts (``make_experts`` over the local weight slices); they get the
+                used prefix of the pool in the format ``expert_input`` picks for them.
             max_num_tokens: a bound on T known to hold on EVERY rank; skips the group all_reduce (and makes
                 bad ids raise on the offending rank only).
 
@@ -392,8 +422,8 @@ class Dispatcher:
             lo, hi = min(chunk * cap, num_tokens), min((chunk + 1) * cap, num_tokens)
             handle = self.dispatch(x_TD[lo:hi], topk_ids_TK[lo:hi], topk_weights_TK[lo:hi])
             layout = self.whole_segment_layout(handle) if experts.computes_whole_segments else handle.layout
-            y_PD = experts.forward(self.expert_input(handle), layout)
-            routed.append(self.combine(y_PD, handle))
+            x_RD, x_scale_RDb = self.expert_input(handle, experts)
+            routed.append(self.combine(experts(x_RD, layout, x_scale_RDb), handle))
         if not routed:
             return x_TD.new_empty(0, x_TD.shape[1])
         return routed[0] if len(routed) == 1 else torch.cat(routed)
@@ -422,8 +452,10 @@ def make_dispatcher(cfg: MoEConfig, group, num_max_tokens_per_rank: int | None, 
         transport: ``auto`` | ``local`` | ``symm`` | ``a2a``; None or ``auto``: ``MOE_REF_TRANSPORT``, else auto.
         activation_dtype: dtype of the rows (fp32, bf16, fp16).
         device: ``cpu`` or a CUDA device.
-        dispatch_fp8: ship rows as fp8 + per-128 scales (dequantized before the experts).
-        alignment: rows each expert segment of the pool starts on.
+        dispatch_fp8: ship rows as fp8 + per-128 scales (the experts get them as is if they accept fp8 input,
+            else dequantized).
+        alignment: rows each expert segment of the pool starts on (pass the backend's
+            ``Experts.segment_alignment``; 128 suits every backend).
 
     Returns:
         A ``Dispatcher``. Raises ``CapacityMismatchError`` (CAP002) on every rank if the caps differ.

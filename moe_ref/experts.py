@@ -3,18 +3,26 @@
     recv pool x_RD (expert-major, segments aligned) --GEMM1 gate||up--> act --GEMM2 down--> y_RD
 
 Shape legend: R pool rows, D width the experts see (hidden, or latent for Kimi-K3), F expert
-intermediate, e local experts.
+intermediate, e local experts, Db = ceil(D/128).
 
-Every backend implements ``Experts.forward(x_RD, layout) -> y_RD`` over the same layout
-(``ExpertLayout``): the rows of local expert i are ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``;
-rows outside every segment (alignment padding) come out as zeros. Backends:
+Every backend is called as ``experts(x_RD, layout, x_scale_RDb=None) -> y_RD`` (``Experts.__call__``
+checks the input format, then runs ``forward``) over the same layout (``ExpertLayout``): the rows of
+local expert i are ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``; rows outside every segment
+(alignment padding) come out as zeros. Each backend declares what it wants from the dispatcher:
 
-| name         | what                                            | where            |
-|--------------|-------------------------------------------------|------------------|
-| ``torch``    | per-expert loop of plain matmuls (the oracle)   | anywhere         |
-| ``grouped_mm`` | ``torch.nn.functional.grouped_mm``            | torch >= 2.9     |
-| ``triton``   | ``kernels.grouped_mlp``, activation fused       | CUDA (or interpreter) |
-| ``deep_gemm``| DeepGEMM grouped GEMMs                          | SM90 + deep_gemm |
+- ``segment_alignment``: rows each segment of the pool should start on (the dispatcher's pool layout).
+- ``computes_whole_segments``: give me whole aligned segments with zeroed padding (the torch loop).
+- ``supports_fp8``: ``fp8=True`` is accepted: weights quantized once to fp8 e4m3 with fp32 128x128
+  block scales (``kernels.fp8.quantize_fp8_per_block_128``).
+- ``accepts_fp8_input``: ``x_RD`` may be the FP8 pool (e4m3 + per-row per-128 ``x_scale_RDb``) as
+  dispatched; the others get activation-dtype rows (``Dispatcher.expert_input`` decides).
+
+| name           | what                                          | where                 | alignment | fp8 weights / fp8 input |
+|----------------|-----------------------------------------------|-----------------------|-----------|-------------------------|
+| ``torch``      | per-expert loop of plain matmuls (the oracle) | anywhere              | 128       | no / no                 |
+| ``grouped_mm`` | ``torch.nn.functional.grouped_mm``            | torch >= 2.9          | 16        | no / no                 |
+| ``triton``     | ``kernels.grouped_mlp``, activation fused     | CUDA (or interpreter) | 1         | ``fp8=True`` / with fp8 |
+| ``deep_gemm``  | DeepGEMM grouped GEMMs                        | SM90 + deep_gemm      | 128       | ``fp8=True`` / no       |
 """
 from __future__ import annotations
 
@@ -24,9 +32,10 @@ from dataclasses import dataclass
 import torch
 
 from moe_ref.activations import dense_mlp, gated_activation
-from moe_ref.errors import BackendUnavailableError, UnknownNameError
+from moe_ref.errors import BackendUnavailableError, DTypeError, InvalidConfigError, UnknownNameError
 
 EXPERT_BACKENDS = ("auto", "torch", "grouped_mm", "triton", "deep_gemm")
+FP8_DTYPE = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -36,8 +45,9 @@ class ExpertLayout:
     Attributes:
         row_start_e: ``[e]`` int64, first pool row of each expert (a multiple of ``alignment``).
         num_rows_e: ``[e]`` int64, valid rows of each expert (may be 0).
-        num_pool_rows: R, rows of the pool tensor (>= the last segment's aligned end).
-        alignment: segment alignment in rows (128 for the grouped GEMMs).
+        num_pool_rows: R, rows of the pool tensor the experts get (>= the last segment's aligned end; the
+            dispatcher passes exactly that prefix of its receive pool).
+        alignment: segment alignment in rows (the backend's ``segment_alignment`` by default).
     """
 
     row_start_e: torch.Tensor
@@ -82,6 +92,15 @@ class Experts(ABC):
     # True: give me whole aligned segments with zeroed padding (see moe_ref.dispatch's NOTE); False: I skip
     # padding rows myself and leave them zero in my output.
     computes_whole_segments = False
+    # Rows each expert segment of the receive pool should start on: what MegaMoE plans its pool with
+    # unless told otherwise. Smaller = fewer padding rows the experts are handed.
+    segment_alignment = 128
+    # True: the constructor takes keyword-only ``fp8`` (weights quantized once to fp8 128x128 blocks).
+    supports_fp8 = False
+    # Whether this instance runs fp8 weights, and whether its forward takes the FP8 pool (fp8 ``x_RD`` +
+    # ``x_scale_RDb``) as dispatched. Backends set them per instance (they follow ``fp8``).
+    fp8 = False
+    accepts_fp8_input = False
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
@@ -90,11 +109,31 @@ class Experts(ABC):
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
 
     @abstractmethod
-    def forward(self, x_RD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-        """``x_RD [R, D]`` pool rows -> ``y_RD [R, D]`` in ``x_RD``'s dtype (padding rows zero)."""
+    def forward(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_RD [R, D]`` pool rows -> ``y_RD [R, D]`` (padding rows zero): in ``x_RD``'s dtype, bf16 for
+        an fp8 ``x_RD`` (which comes with its ``x_scale_RDb [R, Db]`` fp32, only where
+        ``accepts_fp8_input``)."""
 
-    def __call__(self, x_RD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-        return self.forward(x_RD, layout)
+    def __call__(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
+        """Check the input format against ``accepts_fp8_input``, then ``forward``.
+
+        Args:
+            x_RD: ``[R, D]`` pool rows: the activation dtype, or fp8 e4m3 for a backend that accepts it.
+            layout: the segments of the local experts in ``x_RD``.
+            x_scale_RDb: ``[R, ceil(D/128)]`` fp32 per-row per-128-column scales, given iff ``x_RD`` is fp8.
+
+        Returns:
+            ``y_RD [R, D]``; raises ``DTypeError`` (INP002) for fp8 rows this backend cannot take, or a
+            missing/unexpected scale.
+        """
+        is_fp8 = x_RD.dtype == FP8_DTYPE
+        if is_fp8 and not self.accepts_fp8_input:
+            raise DTypeError(f"experts backend {self.name!r} (fp8={self.fp8}) takes {self.gate_up_weight_e2FD.dtype} "
+                             f"rows, got {x_RD.dtype}: dequantize first (Dispatcher.expert_input does)")
+        if is_fp8 != (x_scale_RDb is not None):
+            raise DTypeError(f"x_scale_RDb must be given exactly for fp8 rows: x_RD is {x_RD.dtype}, x_scale_RDb is "
+                             f"{'None' if x_scale_RDb is None else tuple(x_scale_RDb.shape)}")
+        return self.forward(x_RD, layout, x_scale_RDb)
 
 
 class TorchLoopExperts(Experts):
@@ -103,8 +142,9 @@ class TorchLoopExperts(Experts):
 
     name = "torch"
     computes_whole_segments = True
+    segment_alignment = 128  # whole 128-row segments keep chunked == unchunked bitwise (moe_ref.dispatch NOTE)
 
-    def forward(self, x_RD, layout):
+    def forward(self, x_RD, layout, x_scale_RDb=None):
         y_RD = torch.zeros_like(x_RD)
         for i, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
             if count:
@@ -118,10 +158,13 @@ class GroupedMMExperts(Experts):
     """``torch.nn.functional.grouped_mm`` (CUTLASS on SM90 for bf16; a composite elsewhere).
 
     Segments are passed with their aligned ends as ``offs``, so padding rows are computed and then
-    zeroed; no host sync on CUDA.
+    zeroed; no host sync on CUDA. Segments start on multiples of 16 rows: any start works for torch's
+    2-D x 3-D grouped_mm (its TMA stride rule concerns K), and 16 rows also meet the older per-group
+    16-byte check of torch < 2.8 for every dtype.
     """
 
     name = "grouped_mm"
+    segment_alignment = 16
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -129,8 +172,10 @@ class GroupedMMExperts(Experts):
         if self._grouped_mm is None:
             raise BackendUnavailableError(f"torch {torch.__version__} has no grouped_mm; use backend='torch'")
 
-    def forward(self, x_RD, layout):
+    def forward(self, x_RD, layout, x_scale_RDb=None):
         num_rows = x_RD.shape[0]
+        if num_rows == 0:
+            return torch.zeros_like(x_RD)
         aligned_e = (layout.num_rows_e + layout.alignment - 1) // layout.alignment * layout.alignment
         offs_e = (layout.row_start_e + aligned_e).clamp(max=num_rows).to(torch.int32)
         x_in = x_RD.to(self.gate_up_weight_e2FD.dtype)
@@ -154,29 +199,101 @@ def _valid_rows(layout: ExpertLayout, num_rows: int, device) -> torch.Tensor:
 
 class TritonExperts(Experts):
     """moe_ref's Triton grouped MLP (``kernels.grouped_mlp``): gate/up GEMM with the activation fused in
-    its epilogue, then the down GEMM."""
+    its epilogue, then the down GEMM.
+
+    The kernel maps its M blocks to experts itself and masks every row outside a segment, so segments
+    may start anywhere (``segment_alignment = 1``: the pool holds no padding rows at all). FP8 scales are
+    per row, so they line up with any segment start too.
+
+    Args:
+        gate_up_weight_e2FD: ``[e, 2F, D]``, gate rows then up rows (bf16/fp16/fp32; CUDA, or CPU under the
+            interpreter).
+        down_weight_eDF: ``[e, D, F]``.
+        activation, situ_beta, situ_linear_beta: see ``moe_ref.activations`` (fused in the kernel, fp32).
+        fp8: quantize the weights ONCE here to fp8 e4m3 with fp32 128x128 block scales
+            (``quantize_fp8_per_block_128``) and run the FP8 kernel. ``forward`` then takes the FP8 pool with
+            its per-row per-128 scales as dispatched (``accepts_fp8_input``) and returns bf16; given
+            activation-dtype rows it quantizes them per 128 columns itself and returns their dtype.
+    """
 
     name = "triton"
+    segment_alignment = 1
+    supports_fp8 = True
 
-    def forward(self, x_RD, layout):
+    def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
+                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False):
+        super().__init__(gate_up_weight_e2FD, down_weight_eDF, activation, situ_beta, situ_linear_beta)
+        self.fp8 = self.accepts_fp8_input = fp8
+        if fp8:
+            from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+
+            # NOTE: the originals stay referenced by the base class (the caller's tensors, no copy).
+            self.gate_up_fp8_e2FD, self.gate_up_scale_e2FbDb = quantize_fp8_per_block_128(gate_up_weight_e2FD)
+            self.down_fp8_eDF, self.down_scale_eDbFb = quantize_fp8_per_block_128(down_weight_eDF)
+
+    def forward(self, x_RD, layout, x_scale_RDb=None):
         from moe_ref.kernels.grouped_mlp import grouped_mlp
 
-        return grouped_mlp(x_RD, self.gate_up_weight_e2FD, self.down_weight_eDF, layout.row_start_e,
-                           layout.num_rows_e, activation=self.activation, situ_beta=self.situ_beta,
-                           situ_linear_beta=self.situ_linear_beta,
-                           num_rows_hint=int(layout.num_rows_e.sum()))  # NOTE: host sync; picks GPU tiles
+        options = dict(activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
+                       num_rows_hint=int(layout.num_rows_e.sum()))  # NOTE: host sync; picks GPU tiles
+        if not self.fp8:
+            return grouped_mlp(x_RD, self.gate_up_weight_e2FD, self.down_weight_eDF, layout.row_start_e,
+                               layout.num_rows_e, **options)
+        out_dtype = torch.bfloat16
+        if x_RD.dtype != FP8_DTYPE:  # activation-dtype rows (used outside the dispatcher): quantize them here
+            from moe_ref.kernels.fp8 import quantize_fp8_per_128
+
+            out_dtype = x_RD.dtype
+            x_RD, x_scale_RDb = quantize_fp8_per_128(x_RD)
+        y_RD = grouped_mlp(x_RD, self.gate_up_fp8_e2FD, self.down_fp8_eDF, layout.row_start_e, layout.num_rows_e,
+                           x_scale_RDb=x_scale_RDb, gate_up_scale=self.gate_up_scale_e2FbDb,
+                           down_scale=self.down_scale_eDbFb, **options)
+        return y_RD.to(out_dtype)
 
 
-def make_experts(backend: str, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor,
-                 activation: str = "silu", situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> Experts:
-    """Build the expert backend ``backend`` (``auto`` = triton on CUDA, else torch)."""
+def experts_class(backend: str, device: torch.device | str = "cpu") -> type[Experts]:
+    """The class of expert backend ``backend`` (``auto`` = triton on CUDA, else torch), without building it:
+    its ``segment_alignment`` and ``supports_fp8`` are what a layer plans with.
+
+    Args:
+        backend: one of ``EXPERT_BACKENDS``.
+        device: where the weights live (decides ``auto``).
+
+    Returns:
+        The ``Experts`` subclass. Raises ``UnknownNameError`` (CFG006) for another name.
+    """
     if backend not in EXPERT_BACKENDS:
         raise UnknownNameError(f"experts backend={backend!r}; supported: {', '.join(EXPERT_BACKENDS)}")
     if backend == "auto":
-        backend = "triton" if gate_up_weight_e2FD.is_cuda else "torch"
-    classes = {"torch": TorchLoopExperts, "grouped_mm": GroupedMMExperts, "triton": TritonExperts}
+        backend = "triton" if torch.device(device).type == "cuda" else "torch"
     if backend == "deep_gemm":
         from moe_ref.deep_gemm_backend import DeepGemmExperts
 
-        classes["deep_gemm"] = DeepGemmExperts
-    return classes[backend](gate_up_weight_e2FD, down_weight_eDF, activation, situ_beta, situ_linear_beta)
+        return DeepGemmExperts
+    return {"torch": TorchLoopExperts, "grouped_mm": GroupedMMExperts, "triton": TritonExperts}[backend]
+
+
+def make_experts(backend: str, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor,
+                 activation: str = "silu", situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *,
+                 fp8: bool = False) -> Experts:
+    """Build the expert backend ``backend`` (``auto`` = triton on CUDA, else torch).
+
+    Args:
+        backend: one of ``EXPERT_BACKENDS``.
+        gate_up_weight_e2FD: ``[e, 2F, D]`` this rank's experts, gate rows then up rows.
+        down_weight_eDF: ``[e, D, F]``.
+        activation, situ_beta, situ_linear_beta: see ``moe_ref.activations``.
+        fp8: fp8 e4m3 weights with 128x128 block scales, quantized once at construction; only for
+            backends with ``supports_fp8`` (triton, deep_gemm), else ``InvalidConfigError`` (CFG007).
+
+    Returns:
+        The ``Experts`` instance.
+    """
+    cls = experts_class(backend, gate_up_weight_e2FD.device)
+    args = (gate_up_weight_e2FD, down_weight_eDF, activation, situ_beta, situ_linear_beta)
+    if cls.supports_fp8:
+        return cls(*args, fp8=fp8)
+    if fp8:
+        raise InvalidConfigError(f"experts backend {cls.name!r} has no fp8 weights (fp8=True); use 'triton' or "
+                                 f"'deep_gemm', or fp8=False", field="fp8")
+    return cls(*args)

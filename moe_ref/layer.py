@@ -3,9 +3,11 @@
     forward(x [T, D]):
       1. route: gate GEMM in fp32, family top-k        -> topk_ids [T, K] int64, topk_weights [T, K] fp32
       2. (Kimi-K3) latent down-projection             -> z [T, L]
-      3. routed step on the Dispatcher: overflow policy (error | chunk), pre-dispatch into this rank's
-         symmetric buffer, dispatch to the experts' ranks, expert GEMMs (Experts backend), combine back,
-         fp32 weighted reduce over the K slots          -> routed [T, Dx]
+      3. routed step on the Dispatcher: overflow policy (error | chunk), pre-dispatch (FP8-quantized with
+         ``dispatch_fp8``) into this rank's symmetric buffer, dispatch to the experts' ranks, expert GEMMs on
+         the used prefix of the pool (Experts backend; FP8 weights and the FP8 pool as is with
+         ``dispatch_fp8`` on a backend that has them), combine back, fp32 weighted reduce over the K slots
+                                                        -> routed [T, Dx]
       4. (Kimi-K3) RMSNorm over the full cross-rank sum, latent up-projection
       5. + shared experts                               -> y [T, D] in x's dtype
 
@@ -31,7 +33,7 @@ from torch import nn
 from moe_ref import envs
 from moe_ref.config import MoEConfig, ParallelConfig, preset
 from moe_ref.errors import DeviceError, DTypeError, ShapeError
-from moe_ref.experts import Experts, make_experts
+from moe_ref.experts import Experts, experts_class, make_experts
 from moe_ref.reference import moe_block
 from moe_ref.weights import MoEWeights
 
@@ -62,9 +64,14 @@ class MegaMoE(nn.Module):
         transport: ``"auto"``, ``"symm"``, ``"a2a"`` or ``"local"`` (default: ``MOE_REF_TRANSPORT``, else auto).
         experts_backend: ``"auto"``, ``"torch"``, ``"grouped_mm"``, ``"triton"``, ``"deep_gemm"`` (default:
             ``MOE_REF_EXPERTS_BACKEND``, else auto = triton on CUDA, torch on CPU).
-        dispatch_fp8: move tokens as FP8 e4m3 with per-128 scales (halves dispatch bytes; lossy).
+        dispatch_fp8: FP8 end to end where the backend allows: tokens move as FP8 e4m3 with per-128 scales
+            (halves dispatch bytes; lossy), and a backend with fp8 weights (``supports_fp8``: triton,
+            deep_gemm) runs them, quantized once to 128x128 blocks; triton takes the FP8 pool as is. The
+            torch and grouped_mm backends run the dequantized pool with the layer's weights. FP8 experts
+            iff ``dispatch_fp8`` (``fp8_experts``): there is no fp8-weights-over-bf16-dispatch mode.
         dtype, device: of the parameters; inputs must match them.
-        alignment: rows each expert segment of the receive pool is aligned to (128 for grouped GEMMs).
+        alignment: rows each expert segment of the receive pool is aligned to; None (default): the
+            backend's ``segment_alignment`` (torch 128, grouped_mm 16, triton 1, deep_gemm 128).
         seed: if given, initialise with ``MoEWeights.random(cfg, seed)`` (same on every rank); else
             the parameters are uninitialised until ``load_hf_weights``/``load_weights``.
     """
@@ -72,7 +79,7 @@ class MegaMoE(nn.Module):
     def __init__(self, cfg: MoEConfig | str | os.PathLike | Mapping[str, Any], group: dist.ProcessGroup | None = None,
                  *, num_max_tokens_per_rank: int | None = None, overflow: str | None = None,
                  transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", alignment: int = 128,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", alignment: int | None = None,
                  seed: int | None = None):
         super().__init__()
         self.cfg = cfg = as_config(cfg)
@@ -86,7 +93,10 @@ class MegaMoE(nn.Module):
         self.overflow = overflow or envs.overflow_policy() or "error"
         self.transport = transport or envs.transport() or "auto"
         self.experts_backend = experts_backend or envs.experts_backend() or "auto"
-        self.dispatch_fp8, self.alignment = dispatch_fp8, alignment
+        experts_cls = experts_class(self.experts_backend, device)  # the plan needs its alignment before any weights
+        self.dispatch_fp8 = dispatch_fp8
+        self.fp8_experts = dispatch_fp8 and experts_cls.supports_fp8
+        self.alignment = experts_cls.segment_alignment if alignment is None else alignment
         if dtype not in SUPPORTED_DTYPES:
             raise DTypeError(f"dtype={dtype}; MegaMoE parameters must be one of {SUPPORTED_DTYPES}")
         self._register_parameters(dtype, torch.device(device))
@@ -156,7 +166,8 @@ class MegaMoE(nn.Module):
     # --- the routed step ------------------------------------------------------------------------------
     @property
     def dispatcher(self):
-        """The Dispatcher (built on first use: its symmetric buffer is sized from the plan)."""
+        """The Dispatcher (built on first use: its symmetric buffer is sized from the plan, whose segment
+        alignment is ``self.alignment``)."""
         if self._dispatcher is None:
             from moe_ref.dispatch import make_dispatcher
 
@@ -168,9 +179,12 @@ class MegaMoE(nn.Module):
 
     @property
     def experts(self) -> Experts:
+        """This rank's experts backend, built on first use after the weights are loaded (``load_weights``
+        drops it: fp8 weights are quantized from the parameters at construction)."""
         if self._experts is None:
             self._experts = make_experts(self.experts_backend, self.gate_up_weight, self.down_weight,
-                                         self.cfg.activation, self.cfg.situ_beta, self.cfg.situ_linear_beta)
+                                         self.cfg.activation, self.cfg.situ_beta, self.cfg.situ_linear_beta,
+                                         fp8=self.fp8_experts)
         return self._experts
 
     @property
@@ -212,4 +226,5 @@ class MegaMoE(nn.Module):
         return (f"{self.cfg.name}: E={self.cfg.num_experts} (local {self.num_local_experts} on rank "
                 f"{self.rank}/{self.world_size}), K={self.cfg.num_topk}, D={self.cfg.hidden_size}, "
                 f"cap={self.num_max_tokens_per_rank}, overflow={self.overflow}, transport={self.transport}, "
-                f"experts={self.experts_backend}")
+                f"experts={self.experts_backend}{' (fp8)' if self.fp8_experts else ''}, "
+                f"dispatch={'fp8' if self.dispatch_fp8 else 'activation dtype'}, alignment={self.alignment}")

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from moe_ref.capacity import CapacityPlan, group_max, num_chunks_for, resolve_cap, resolve_overflow
 from moe_ref.config import MoEConfig
-from moe_ref.deep_gemm_backend import _call, _import_deep_gemm, deep_gemm_status, quantize_weights_fp8_block128
+from moe_ref.deep_gemm_backend import _call, _import_deep_gemm, deep_gemm_status
 from moe_ref.errors import (BackendUnavailableError, CapacityMismatchError, DeviceError,
                             DTypeError, ExpertIdError, ShapeError, ShapeUnsupportedError)
 
@@ -150,8 +150,10 @@ class DeepGemmMegaMoE:
         # CAP001 messages (DeepGEMM's own buffer has another layout; see buffer_bytes for its real size).
         self.plan = CapacityPlan.build(cfg, ep_size, self.num_max_tokens_per_rank, torch.bfloat16, dispatch_fp8=True)
 
-        l1_weights = quantize_weights_fp8_block128(gate_up_weight_e2FD)
-        l2_weights = quantize_weights_fp8_block128(down_weight_eDF)
+        from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+
+        l1_weights = quantize_fp8_per_block_128(gate_up_weight_e2FD)
+        l2_weights = quantize_fp8_per_block_128(down_weight_eDF)
         self._l1_weights, self._l2_weights = deep_gemm.transform_weights_for_mega_moe_sm90(l1_weights, l2_weights)
         del l1_weights, l2_weights
         try:

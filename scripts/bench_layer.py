@@ -4,14 +4,18 @@
     torchrun --standalone --nproc-per-node 2 scripts/bench_layer.py --out results/gpu [--tokens 128 512 4096]
 
 Shapes: 384 experts (192 per rank), top-8, hidden 7168, expert intermediate 2048 (bf16 weights; the
-DeepGEMM path quantizes its copy to fp8 once). Tokens per rank: 128, 512, 4096 by default; routing is
+FP8 paths quantize their copy to fp8 with 128x128 block scales once, at build). Tokens per rank: 128, 512, 4096 by default; routing is
 uniform random top-8 (distinct experts), weights random, the same inputs for every path.
 
 Paths (each built per token count with cap = that count, so no path pays for an oversized buffer):
     a2a_grouped_mm   NCCL all_to_all_single of counts, rows and local expert ids -> sort by expert ->
                      torch grouped_mm (gate||up) -> SiLU-and-mul (fp32) -> grouped_mm (down) ->
                      all_to_all_single back -> fp32 weighted index_add at the source (bf16, one row per slot)
-    moe_ref_triton   moe_ref.dispatch.make_dispatcher (auto transport) + make_experts("triton")
+    moe_ref_triton   moe_ref.dispatch.make_dispatcher (auto transport) + make_experts("triton"), bf16 end to end,
+                     pool planned with the backend's segment alignment (TritonExperts: 1, no padding rows)
+    moe_ref_triton_fp8  the same with dispatch_fp8=True + make_experts("triton", fp8=True): tokens move as fp8
+                     e4m3 + per-128 scales and the Triton FP8 grouped MLP takes that pool as is (MegaMoE's
+                     dispatch_fp8=True on CUDA)
     deep_gemm_mega   moe_ref.mega_deep_gemm.DeepGemmMegaMoE (DeepGEMM SM90 fused fp8 mega-kernel)
 A path that cannot be built or fails reports 'not available' with its error; the others still run.
 
@@ -42,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from moe_ref.config import MoEConfig  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
 
-PATHS = ("a2a_grouped_mm", "moe_ref_triton", "deep_gemm_mega")
+PATHS = ("a2a_grouped_mm", "moe_ref_triton", "moe_ref_triton_fp8", "deep_gemm_mega")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -128,20 +132,25 @@ def build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device):
     return step, lambda: None
 
 
-def build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device):
+def build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, *, fp8: bool = False):
     from moe_ref.dispatch import make_dispatcher
     from moe_ref.experts import make_experts
 
+    experts = make_experts("triton", *local_weights, cfg.activation, fp8=fp8)
     dispatcher = make_dispatcher(cfg, group, num_tokens, overflow="error", activation_dtype=torch.bfloat16,
-                                 device=device)
-    experts = make_experts("triton", *local_weights, cfg.activation)
-    print(f"[rank {dist.get_rank()}] moe_ref dispatcher: transport={dispatcher.transport_name}, "
+                                 device=device, dispatch_fp8=fp8, alignment=experts.segment_alignment)
+    print(f"[rank {dist.get_rank()}] moe_ref dispatcher: transport={dispatcher.transport_name}, fp8={fp8}, "
+          f"alignment={dispatcher.plan.alignment}, pool {dispatcher.plan.num_pool_rows} rows, "
           f"buffer {dispatcher.plan.total_bytes} bytes", flush=True)
 
     def step(x_TD, ids_TK, weights_TK):
         return dispatcher.run(x_TD, ids_TK, weights_TK, experts)
 
     return step, dispatcher.destroy
+
+
+def build_moe_ref_triton_fp8(args, cfg, group, num_tokens, local_weights, device):
+    return build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, fp8=True)
 
 
 def build_deep_gemm_mega(args, cfg, group, num_tokens, local_weights, device):
@@ -153,7 +162,7 @@ def build_deep_gemm_mega(args, cfg, group, num_tokens, local_weights, device):
 
 
 BUILDERS = {"a2a_grouped_mm": build_a2a_grouped_mm, "moe_ref_triton": build_moe_ref_triton,
-            "deep_gemm_mega": build_deep_gemm_mega}
+            "moe_ref_triton_fp8": build_moe_ref_triton_fp8, "deep_gemm_mega": build_deep_gemm_mega}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,7 +268,7 @@ def main(argv=None) -> int:
     meta = {"ranks": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "python": platform.python_version(),
             "shape": f"{args.num_experts} experts ({num_local}/rank), top-{args.num_topk}, hidden {args.hidden}, "
-                     f"intermediate {args.intermediate}, bf16 (deep_gemm_mega: fp8)",
+                     f"intermediate {args.intermediate}, bf16 (moe_ref_triton_fp8, deep_gemm_mega: fp8)",
             "timing": f"median of {args.iters} after {args.warmup} warmup, barrier before each, max over ranks"}
     try:
         from moe_ref.deep_gemm_backend import deep_gemm_status

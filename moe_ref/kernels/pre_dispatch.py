@@ -13,21 +13,18 @@ One launch writes, for tokens 0..T-1 of this rank:
 Shape suffixes: T tokens of this rank, D hidden, K top-k, E experts (global), C capacity (rows per rank),
 Db = ceil(D / 128) scale groups per row.
 
-Also exported: `quantize_fp8_per_128` and `dequantize_fp8_per_128`, the torch quantizers used by the twins.
+The torch quantizers `quantize_fp8_per_128` / `dequantize_fp8_per_128` live in `moe_ref.kernels.fp8` (also
+importable from here, where the twin uses them).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from moe_ref.kernels._triton_utils import (
     FP8_DTYPE,
-    FP8_GROUP,
-    FP8_MAX,
-    FP8_MIN_AMAX,
     check_device,
     div_rn,
     fp8_scale,
@@ -36,41 +33,9 @@ from moe_ref.kernels._triton_utils import (
     num_fp8_groups,
     to_e4m3,
 )
+from moe_ref.kernels.fp8 import dequantize_fp8_per_128, quantize_fp8_per_128
 
 __all__ = ["pre_dispatch", "pre_dispatch_ref", "quantize_fp8_per_128", "dequantize_fp8_per_128"]
-
-
-# --------------------------------------------------------------------------------------------------
-# torch FP8 helpers (per row, per 128 columns)
-# --------------------------------------------------------------------------------------------------
-def quantize_fp8_per_128(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the last dimension of `x_TD` to fp8 e4m3 in groups of 128 columns.
-
-    Args:
-        x_TD: `[..., D]` float tensor (bf16/fp16/fp32).
-
-    Returns:
-        x_fp8_TD: `[..., D]` `torch.float8_e4m3fn`, `x / scale` rounded to nearest even.
-        scale_TDb: `[..., ceil(D/128)]` fp32, `max(amax over the group, 1e-4) / 448`.
-    """
-    *lead, dim = x_TD.shape
-    num_groups = num_fp8_groups(dim)
-    pad = num_groups * FP8_GROUP - dim
-    x_float = F.pad(x_TD.float(), (0, pad)) if pad else x_TD.float()
-    x_groups = x_float.reshape(*lead, num_groups, FP8_GROUP)
-    amax = x_groups.abs().amax(dim=-1).clamp(min=FP8_MIN_AMAX)
-    # NOTE: tensor / tensor, not tensor / 448: on CUDA torch turns division by a Python scalar into a
-    # multiplication by its reciprocal, which rounds differently (1 ulp) from the kernel's IEEE division.
-    scale_TDb = amax / torch.full_like(amax, FP8_MAX)
-    x_fp8 = (x_groups / scale_TDb.unsqueeze(-1)).reshape(*lead, num_groups * FP8_GROUP)[..., :dim]
-    return x_fp8.to(FP8_DTYPE), scale_TDb
-
-
-def dequantize_fp8_per_128(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of `quantize_fp8_per_128`: `x [..., D]` fp8 times `scale [..., ceil(D/128)]` fp32 -> `dtype`."""
-    dim = x.shape[-1]
-    scale_full = scale.float().repeat_interleave(FP8_GROUP, dim=-1)[..., :dim]
-    return (x.float() * scale_full).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ side (which parametrizes over the case ids) and the torchrun worker (which runs 
 A case is a JSON-able dict with a unique ``id`` and a ``kind``:
 - ``routed``: one preset x one routing scenario, run over both transports (symm and a2a), twice each;
   checked against the single-process reference, bitwise across repeats and transports, and (scenario
-  ``chunk``) bitwise against an unchunked run with a big enough cap.
+  ``chunk``) bitwise against an unchunked run with a big enough cap. ``experts`` names the backend
+  (default torch); ``triton`` with ``dispatch_fp8`` runs FP8 experts on the FP8 pool (the Triton kernel:
+  interpreted on CPU), judged by calc_diff against the exact reference (``FP8_EXPERTS_LIMIT``).
 - ``overflow_error``: one rank over the cap with policy ``error``: every rank raises CAP001 quickly.
 - ``cap_mismatch``: ranks pass different caps: every rank raises CAP002 naming each rank's value.
 - ``bad_ids``: one rank passes an out-of-range expert id: every rank raises INP005, none hangs.
@@ -20,10 +22,13 @@ PRESETS = ("tiny-kimi-k2", "tiny-kimi-k3", "tiny-deepseek-v3", "tiny-step3")
 SCENARIOS = ("balanced", "all_to_one", "zero_tokens", "uneven", "masked", "t_eq_cap", "chunk", "router")
 TRANSPORTS = ("symm", "a2a")
 CAP = 16
+# calc_diff of FP8 experts (x, gate_up, h and down each rounded to e4m3) vs the exact reference: measured
+# ~2e-3 (FP8 dispatch alone ~0.7e-3); the limit of tests/gpu/test_deep_gemm.py for the same fp8 MLP recipe.
+FP8_EXPERTS_LIMIT = 4e-3
 
 
-def enumerate_cases(world_size: int) -> list[dict]:
-    """Every case of one launch at ``world_size`` ranks."""
+def enumerate_cases(world_size: int, device: str = "cpu") -> list[dict]:
+    """Every case of one launch at ``world_size`` ranks on ``device`` (``cpu``: gloo; ``cuda``: NCCL)."""
     cases = [dict(id=f"{preset}-{scenario}", kind="routed", preset=preset, scenario=scenario, cap=CAP,
                   dtype="float32", dispatch_fp8=False, alignment=128)
              for preset in PRESETS for scenario in SCENARIOS]
@@ -35,6 +40,11 @@ def enumerate_cases(world_size: int) -> list[dict]:
         dict(id="tiny-step3-alignment-8-chunk", kind="routed", preset="tiny-step3", scenario="chunk", cap=CAP,
              dtype="float32", dispatch_fp8=False, alignment=8),
     ]
+    # Triton experts run where Triton can: on the GPU, or interpreted on a machine without one (~1 s a call,
+    # so at one world size); a GPU machine's CPU launch leaves them to its cuda launch.
+    if world_size == 2 and (device == "cuda" or not torch.cuda.is_available()):
+        cases.append(dict(id="tiny-kimi-k2-fp8-triton-experts", kind="routed", preset="tiny-kimi-k2", scenario="uneven",
+                          cap=CAP, dtype="bfloat16", dispatch_fp8=True, alignment=1, experts="triton"))
     for transport in TRANSPORTS:
         cases += [
             dict(id=f"overflow-error-{transport}", kind="overflow_error", preset="tiny-kimi-k2", transport=transport,

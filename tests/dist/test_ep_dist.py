@@ -74,9 +74,10 @@ def test_case(launches, world_size, case):
 
 @pytest.mark.cuda2
 def test_cases_on_two_gpus(tmp_path):
-    """The same cases on 2 GPUs: NCCL, CUDA symmetric memory and the Triton pre-dispatch/combine kernels."""
+    """The same cases on 2 GPUs: NCCL, CUDA symmetric memory and the Triton pre-dispatch/combine kernels, plus
+    FP8 dispatch into Triton FP8 experts."""
     case_file = tmp_path / "cases.json"
-    case_file.write_text(json.dumps(ep_cases.enumerate_cases(2)))
+    case_file.write_text(json.dumps(ep_cases.enumerate_cases(2, device="cuda")))
     launch = torchrun(2, ["--case-file", str(case_file), "--device", "cuda"], tmp_path / "out", LAUNCH_TIMEOUT_S)
     assert launch.returncode == 0, f"rc={launch.returncode}\n{_tail(launch.log)}"
     failures = []

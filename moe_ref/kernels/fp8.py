@@ -1,0 +1,101 @@
+"""Torch FP8 e4m3 quantizers: the one place moe_ref turns activations and weights into fp8 + fp32 scales.
+
+    activations (rows)  x [..., D]     -> fp8 [..., D]     + scale [..., ceil(D/128)]           per row, per 128 columns
+    weights (matrices)  w [..., N, K]  -> fp8 [..., N, K]  + scale [..., ceil(N/128), ceil(K/128)]  per 128x128 block
+
+Both follow DeepGEMM's SM90 convention (plain fp32 scales, no UE8M0): ``scale = max(amax, 1e-4) / 448``
+with IEEE division, value = ``x / scale`` rounded to nearest even. The Triton kernels quantize in-kernel
+with the same formula (``_triton_utils.fp8_scale`` / ``to_e4m3``); these are their torch twins' helpers,
+and the expert backends quantize their weights once with ``quantize_fp8_per_block_128``.
+
+Shape suffixes: T rows, D columns (per-row groups), N x K a weight matrix, Db/Nb/Kb = ceil(./128).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_ref.kernels._triton_utils import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_AMAX, num_fp8_groups
+
+__all__ = ["quantize_fp8_per_128", "dequantize_fp8_per_128", "quantize_fp8_per_block_128",
+           "dequantize_fp8_per_block_128"]
+
+
+# --------------------------------------------------------------------------------------------------
+# activations: per row, per 128 columns
+# --------------------------------------------------------------------------------------------------
+def quantize_fp8_per_128(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the last dimension of `x_TD` to fp8 e4m3 in groups of 128 columns.
+
+    Args:
+        x_TD: `[..., D]` float tensor (bf16/fp16/fp32).
+
+    Returns:
+        x_fp8_TD: `[..., D]` `torch.float8_e4m3fn`, `x / scale` rounded to nearest even.
+        scale_TDb: `[..., ceil(D/128)]` fp32, `max(amax over the group, 1e-4) / 448`.
+    """
+    *lead, dim = x_TD.shape
+    num_groups = num_fp8_groups(dim)
+    pad = num_groups * FP8_GROUP - dim
+    x_float = F.pad(x_TD.float(), (0, pad)) if pad else x_TD.float()
+    x_groups = x_float.reshape(*lead, num_groups, FP8_GROUP)
+    amax = x_groups.abs().amax(dim=-1).clamp(min=FP8_MIN_AMAX)
+    # NOTE: tensor / tensor, not tensor / 448: on CUDA torch turns division by a Python scalar into a
+    # multiplication by its reciprocal, which rounds differently (1 ulp) from the kernel's IEEE division.
+    scale_TDb = amax / torch.full_like(amax, FP8_MAX)
+    x_fp8 = (x_groups / scale_TDb.unsqueeze(-1)).reshape(*lead, num_groups * FP8_GROUP)[..., :dim]
+    return x_fp8.to(FP8_DTYPE), scale_TDb
+
+
+def dequantize_fp8_per_128(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_fp8_per_128`: `x [..., D]` fp8 times `scale [..., ceil(D/128)]` fp32 -> `dtype`."""
+    dim = x.shape[-1]
+    scale_full = scale.float().repeat_interleave(FP8_GROUP, dim=-1)[..., :dim]
+    return (x.float() * scale_full).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# weights: per 128x128 block
+# --------------------------------------------------------------------------------------------------
+def quantize_fp8_per_block_128(weight_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each ``[N, K]`` matrix of ``weight_NK`` to fp8 e4m3 with one fp32 scale per 128x128 block.
+
+    Matrices are quantized one at a time (the fp32 temporaries hold one matrix, not all experts).
+    Partial edge blocks (N or K not a multiple of 128) take the amax of their real elements.
+
+    Example: w = [[0.5, -2.0]] (N=1, K=2) -> one block, amax 2.0, scale 2/448 = 0.004464,
+        fp8 = [[112, -448]] (0.5 / scale = 112 exactly).
+
+    Args:
+        weight_NK: ``[..., N, K]`` bf16/fp16/fp32 (e.g. ``[e, 2F, D]`` expert weights), any device.
+
+    Returns:
+        weight_fp8_NK: ``[..., N, K]`` ``torch.float8_e4m3fn``, contiguous.
+        scale_NbKb: ``[..., ceil(N/128), ceil(K/128)]`` fp32, contiguous, ``max(block amax, 1e-4) / 448``.
+    """
+    *lead, n, k = weight_NK.shape
+    num_n, num_k = num_fp8_groups(n), num_fp8_groups(k)
+    device = weight_NK.device
+    weight_fp8 = torch.empty(*lead, n, k, dtype=FP8_DTYPE, device=device)
+    scale = torch.empty(*lead, num_n, num_k, dtype=torch.float32, device=device)
+    flat_w, flat_q, flat_s = weight_NK.reshape(-1, n, k), weight_fp8.view(-1, n, k), scale.view(-1, num_n, num_k)
+    for i in range(flat_w.shape[0]):
+        padded = F.pad(flat_w[i].float(), (0, num_k * FP8_GROUP - k, 0, num_n * FP8_GROUP - n))
+        blocks = padded.view(num_n, FP8_GROUP, num_k, FP8_GROUP)
+        amax = blocks.abs().amax(dim=(1, 3)).clamp(min=FP8_MIN_AMAX)
+        block_scale = amax / torch.full_like(amax, FP8_MAX)  # IEEE division, as in quantize_fp8_per_128
+        quantized = (blocks / block_scale[:, None, :, None]).view(num_n * FP8_GROUP, num_k * FP8_GROUP)
+        flat_q[i] = quantized[:n, :k].to(FP8_DTYPE)
+        flat_s[i] = block_scale
+    return weight_fp8, scale
+
+
+def dequantize_fp8_per_block_128(weight: torch.Tensor, scale: torch.Tensor,
+                                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_fp8_per_block_128`: `weight [..., N, K]` fp8 times its block scales
+    `scale [..., ceil(N/128), ceil(K/128)]` -> `dtype`."""
+    n, k = weight.shape[-2:]
+    scale_full = scale.float().repeat_interleave(FP8_GROUP, dim=-2)[..., :n, :]
+    scale_full = scale_full.repeat_interleave(FP8_GROUP, dim=-1)[..., :k]
+    return (weight.float() * scale_full).to(dtype)
