@@ -192,9 +192,10 @@ def _grouped_gemm_kernel(
 # --------------------------------------------------------------------------------------------------
 # configs (GPU autotune; one fixed small config under the interpreter)
 # --------------------------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), grouped by the rows-per-expert regime they serve
-# (see `_regime`). For GEMM1 BLOCK_N counts one half: a program computes a BLOCK_M x 2*BLOCK_N gate||up
-# tile. Both GEMMs share these lists; `_config_problem` drops what does not fit one of them.
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, GROUP_M]), grouped by the rows-per-expert regime
+# they serve (see `_regime`); GROUP_M (program-order swizzle) is 1 when left out. For GEMM1 BLOCK_N
+# counts one half: a program computes a BLOCK_M x 2*BLOCK_N gate||up tile. Both GEMMs share these
+# lists; `_config_problem` drops what does not fit one of them.
 # `scripts/tune_grouped_mlp.py` sweeps tiles per GEMM on a GPU (with `_launch_gemm(..., config=...)`).
 _DECODE_TILES = [  # <= 32 rows per expert: weight-bandwidth bound, many N tiles in flight
     (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
@@ -212,16 +213,29 @@ _AUTOTUNE_SMEM_LIMIT = 200 * 1024
 _META_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")  # required in a forced config; GROUP_M is optional (default 1)
 
 
+def _normalize_tile(tile: tuple) -> tuple:
+    """A tile-list entry without a trailing GROUP_M of 1 (so 5- and 6-element forms compare equal)."""
+    return tuple(tile[:5]) if len(tile) == 5 or tile[5] == 1 else tuple(tile)
+
+
+def _config_of_tile(tile: tuple) -> triton.Config:
+    block_m, block_n, block_k, warps, stages = tile[:5]
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    if len(tile) > 5 and tile[5] != 1:
+        meta["GROUP_M"] = tile[5]
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
+
+
 def _gpu_configs() -> list[triton.Config]:
     """H200 candidates (union of the regimes; `_prune_configs` keeps the ones for this launch)."""
-    tiles = dict.fromkeys(_DECODE_TILES + _MID_TILES + _PREFILL_TILES)
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
-            for m, n, k, w, st in tiles]
+    tiles = dict.fromkeys(_normalize_tile(t) for t in _DECODE_TILES + _MID_TILES + _PREFILL_TILES)
+    return [_config_of_tile(tile) for tile in tiles]
 
 
-def _tile(config: triton.Config) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of a config, the form of the tile lists."""
-    return (*(config.kwargs[key] for key in _META_KEYS), config.num_warps, config.num_stages)
+def _tile(config: triton.Config) -> tuple:
+    """The tile-list form of a config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, GROUP_M if != 1])."""
+    return _normalize_tile((*(config.kwargs[key] for key in _META_KEYS), config.num_warps, config.num_stages,
+                            config.kwargs.get("GROUP_M", 1)))
 
 
 def _regime(rows_hint: int, num_experts: int) -> tuple[str, list]:
@@ -276,6 +290,7 @@ def _config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: 
 def _prune_configs(configs, named_args, **kwargs):
     """Keep the configs of this launch's regime that are legal (fp8 groups) and fit shared memory."""
     _, regime = _regime(named_args["rows_hint"], named_args["num_experts"])
+    regime = {_normalize_tile(tile) for tile in regime}
     ieee_fp32 = kwargs.get("IEEE_FP32", False)
     facts = dict(n=named_args["N"], k=named_args["K"], gated=kwargs.get("ACTIVATION", 0) != 0,
                  fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32)
@@ -328,6 +343,8 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
     heuristic pruning; one compile per distinct config and kernel flags): used by
     `scripts/tune_grouped_mlp.py` and the tests. A config that would compute a wrong result (fp8 group
     rules) raises ValueError; one that does not fit the GPU fails in Triton (OutOfResources).
+    Returns what the Triton launch returns (on a GPU the compiled kernel: `n_regs`, `n_spills`,
+    `metadata.shared`; `grouped_mlp` ignores it).
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
     dummy = c
@@ -356,12 +373,11 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
         if error:
             raise ValueError(f"forced config {config}: {error}")
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
-        _grouped_gemm_kernel[grid(options)](*args, **flags, **options, **extra)
-    elif is_interpreter():
+        return _grouped_gemm_kernel[grid(options)](*args, **flags, **options, **extra)
+    if is_interpreter():
         meta = _interpreter_meta(quant_out)
-        _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
-    else:
-        _autotuned_kernel()[grid](*args, **flags, **launch_options(fp_fusion=True))
+        return _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
+    return _autotuned_kernel()[grid](*args, **flags, **launch_options(fp_fusion=True))
 
 
 def _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,

@@ -102,3 +102,15 @@ def test_config_problem_smem_and_registers():
     assert gm._config_problem(big, gated=False, smem_limit=227 * 1024, **facts) is None  # 160 KB
     wide = triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3)
     assert "register" in gm._config_problem(wide, gated=True, **facts)
+
+
+def test_tile_lists_take_an_optional_group_m(monkeypatch):
+    monkeypatch.setattr(gm, "_PREFILL_TILES", [(128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 1)])
+    configs = gm._gpu_configs()
+    tiles = [gm._tile(c) for c in configs]
+    assert (128, 256, 64, 8, 3, 8) in tiles and (128, 128, 64, 8, 4) in tiles  # GROUP_M 1 drops out
+    swizzled = configs[tiles.index((128, 256, 64, 8, 3, 8))]
+    assert swizzled.kwargs["GROUP_M"] == 8 and swizzled.num_stages == 3
+    named = {"rows_hint": 32768, "num_experts": 48, "N": 7168, "K": 2048}
+    kept = [gm._tile(c) for c in gm._prune_configs(configs, named, ACTIVATION=0, FP8=False, QUANT_OUT=False)]
+    assert kept == [(128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4)]

@@ -1,0 +1,754 @@
+#!/usr/bin/env python
+"""Sweep grouped_mlp tiles per GEMM for the prefill regime on one H200 (needs CUDA; --dry-run runs anywhere).
+
+    python3 scripts/tune_grouped_mlp.py [--out results/tune_grouped_mlp.json] [--max-seconds 170] [--dry-run]
+
+Cases: Kimi-K2 (48 experts, D 7168, F 2048) and Step3 (48 experts, D 7168, F 5120) per-rank shapes, 4096
+and 32768 routed rows spread evenly over the experts, each expert segment at a 128-aligned pool row
+(what the dispatcher produces). Per case both GEMMs are timed separately through the library launcher
+with a forced config (`moe_ref.kernels.grouped_mlp._launch_gemm(..., config=triton.Config(...))`, the
+same kernel and compile options that autotune uses):
+
+    gate_up (GEMM1)  h[R, F] = silu(x @ gate.T) * (x @ up.T)   w [e, 2F, D]; one program: BLOCK_M x 2*BLOCK_N
+    down    (GEMM2)  y[R, D] = h @ down.T                      w [e, D, F]
+
+Anchor: torch grouped_mm on the same rows packed, the same GEMM (without SiLU for gate_up).
+Check: every (config, case) result once against grouped_mlp_ref (on 5 of the 48 experts, fp32), calc_diff
+< 1e-4: gate_up through a fixed down config, down from a fixed gate_up's h.
+
+Candidates (Hopper wgmma, bf16): BLOCK_M {64, 128} x effective N tile {128, 256} (gate_up: BLOCK_N is per
+half, so {64, 128}) x BLOCK_K 64 x num_warps {4, 8} x num_stages {3, 4, 5}, pruned at 227 KB of shared
+memory, > 128 fp32 accumulator registers per thread, and the library's legality rules; plus the tiles
+of the current autotune lists (`_MID_TILES`, `_PREFILL_TILES`) that are legal for the GEMM (marked * in
+a case's table when autotune would consider them for that launch). Phase 2: the best `--swizzle-top`
+tiles per GEMM (ranked on the 32768-row cases) again with GROUP_M in `--group-m` (L2 swizzle).
+
+Compile time: each config compiles once per GEMM (every case has the same Triton specialisation, so
+the compiled kernel is reused across shapes and rows). Before timing, a pool of processes compiles all
+configs of a phase in parallel into Triton's on-disk cache with tiny launches of identical
+specialisation (--jobs 0: compile in this process, serially). Nothing is timed while they compile.
+
+Output: a progress line per config (flushed), then per (shape, rows, GEMM) a table config | us |
+TFLOP/s | x vs grouped_mm | calc_diff | registers per thread | spilled bytes, the best config per case, and per (regime, GEMM) the tiles to
+put into `_MID_TILES` / `_PREFILL_TILES` of moe_ref/kernels/grouped_mlp.py (also written to <out>.txt).
+JSON goes to --out after every config, so a time-out keeps what was measured; --max-seconds stops the
+sweep cleanly (default 170 s, counted from process start, including setup and compilation).
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.monotonic()  # before the heavy imports: --max-seconds counts the whole process
+
+import argparse  # noqa: E402
+import concurrent.futures  # noqa: E402
+import importlib  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+ALIGN = 128
+SHAPES = {  # name -> (local experts e, hidden D, intermediate F): per rank at EP8
+    "kimi-k2": (48, 7168, 2048),
+    "step3": (48, 7168, 5120),
+}
+ROWS = (4096, 32768)
+GEMMS = ("gate_up", "down")
+SMEM_LIMIT = 227 * 1024          # H100/H200 opt-in shared memory per block
+MAX_ACC_REGS = 128               # fp32 accumulator registers per thread (BLOCK_M x effective N / threads)
+CALC_DIFF_LIMIT = 1e-4
+CHECK_EXPERTS = (0, 1, 24, -2, -1)  # experts whose rows are checked (mod e)
+GRID_BLOCK_M = (64, 128)
+GRID_EFFECTIVE_N = (128, 256)
+GRID_BLOCK_K = (64,)
+GRID_WARPS = (4, 8)
+GRID_STAGES = (3, 4, 5)
+FIXED_TILE = (64, 128, 64, 4, 3)  # the library's fallback: computes h for the down sweep, y for gate_up checks
+SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # grouped_mlp's defaults (same constexpr flags as the library)
+DEVICE = "cuda"  # a CPU smoke test of the whole flow sets "cpu" (with TRITON_INTERPRET=1 and tiny SHAPES)
+
+
+def _gm():
+    # the package re-exports a function named grouped_mlp: take the module itself
+    return importlib.import_module("moe_ref.kernels.grouped_mlp")
+
+
+def _elapsed() -> float:
+    return time.monotonic() - _T0
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _log(message: str) -> None:
+    print(f"[{_elapsed():6.1f}s] {message}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# candidates
+# ------------------------------------------------------------------------------------------------
+def _make_config(tile: tuple, group_m: int) -> triton.Config:
+    return _gm()._config_of_tile((*tile, group_m))
+
+
+def _list_entry(tile: tuple, group_m: int) -> tuple:
+    """The form of an entry of `_MID_TILES` / `_PREFILL_TILES`: GROUP_M as a 6th element when != 1."""
+    return tuple(tile) if group_m == 1 else (*tile, group_m)
+
+
+def _label(gemm: str, tile: tuple, group_m: int) -> str:
+    block_m, block_n, block_k, warps, stages = tile
+    n = f"{block_n}x2" if gemm == "gate_up" else f"{block_n}"
+    return f"M{block_m} N{n} K{block_k} w{warps} s{stages} g{group_m}"
+
+
+def _skip_reason(gemm: str, tile: tuple) -> str | None:
+    """Why the sweep leaves this tile out for this GEMM (None: keep). Uses the library's rules with the
+    H200's 227 KB, plus an accumulator-register bound."""
+    gm = _gm()
+    gated = gemm == "gate_up"
+    config = _make_config(tile, 1)
+    _, hidden, inter = SHAPES["kimi-k2"]
+    n, k = (inter, hidden) if gated else (hidden, inter)
+    problem = gm._config_problem(config, n=n, k=k, gated=gated, fp8=False, quant_out=False, ieee_fp32=False,
+                                 smem_limit=SMEM_LIMIT)
+    if problem:
+        return problem
+    block_m, block_n, _, warps, _ = tile
+    acc_regs = block_m * block_n * (2 if gated else 1) // (32 * warps)
+    if acc_regs > MAX_ACC_REGS:
+        return f"{acc_regs} fp32 accumulator registers per thread > {MAX_ACC_REGS}"
+    return None
+
+
+def _current_tiles() -> list[tuple]:
+    """(tile, GROUP_M) of the current mid and prefill autotune lists."""
+    gm = _gm()
+    entries = dict.fromkeys(gm._normalize_tile(t) for t in gm._MID_TILES + gm._PREFILL_TILES)
+    return [(tuple(t[:5]), t[5] if len(t) > 5 else 1) for t in entries]
+
+
+def enumerate_candidates(gemm: str, include_current: bool = True) -> tuple[list[dict], list[dict]]:
+    """(kept, skipped) phase-1 candidates for one GEMM: current autotune tiles first, then the grid
+    (largest tiles first, so a truncated sweep has the likely winners)."""
+    gated = gemm == "gate_up"
+    grid = []
+    for block_m, n_eff, block_k, warps, stages in itertools.product(
+            sorted(GRID_BLOCK_M, reverse=True), sorted(GRID_EFFECTIVE_N, reverse=True), GRID_BLOCK_K,
+            sorted(GRID_WARPS, reverse=True), GRID_STAGES):
+        grid.append(((block_m, n_eff // 2 if gated else n_eff, block_k, warps, stages), 1))
+    current = _current_tiles() if include_current else []
+    kept, skipped = [], []
+    for tile, group_m in dict.fromkeys(current + grid):
+        source = "+".join(name for name, pool in (("current", current), ("grid", grid)) if (tile, group_m) in pool)
+        entry = {"gemm": gemm, "tile": tile, "group_m": group_m, "label": _label(gemm, tile, group_m),
+                 "source": source,
+                 "smem_kb": _gm()._smem_bytes(_make_config(tile, 1), gated=gated, bytes_per_element=2) / 1024}
+        reason = _skip_reason(gemm, tile)
+        if reason:
+            skipped.append({**entry, "reason": reason})
+        else:
+            kept.append(entry)
+    if FIXED_TILE not in [c["tile"] for c in kept]:
+        raise AssertionError(f"the fixed check tile {FIXED_TILE} must be a candidate of {gemm}")
+    return kept, skipped
+
+
+# ------------------------------------------------------------------------------------------------
+# launches (the library launcher, as grouped_mlp calls it for bf16 + silu)
+# ------------------------------------------------------------------------------------------------
+def launch(gemm: str, a, w, out, row_start_e, num_rows_e, rows_hint: int, config: triton.Config):
+    """One GEMM through the library launcher; returns the compiled kernel (GPU) or None."""
+    gm = _gm()
+    if gemm == "gate_up":
+        n, k, activation = w.shape[1] // 2, w.shape[2], "silu"
+    else:
+        n, k, activation = w.shape[1], w.shape[2], "none"
+    return gm._launch_gemm(a, None, w, None, out, None, row_start_e, num_rows_e, n=n, k=k, activation=activation,
+                    situ_beta=SITU_BETA, situ_linear_beta=SITU_LINEAR_BETA, fp8=False, quant_out=False,
+                    rows_hint=rows_hint, config=config)
+
+
+_WORKER_TENSORS: dict = {}
+
+
+def _compile_job(gemm: str, tile: tuple, group_m: int, num_experts: int) -> tuple[float, str | None]:
+    """Pool worker: compile one config into Triton's on-disk cache with a tiny launch whose
+    specialisation equals the real cases' (same expert count, every int a multiple of 16, same
+    dtypes and flags), so the main process's first launch of it only loads the cubin."""
+    start = time.perf_counter()
+    try:
+        if not _WORKER_TENSORS:
+            e, d, f, r = num_experts, 256, 128, 256
+            _WORKER_TENSORS.update(
+                x=torch.zeros(r, d, dtype=torch.bfloat16, device="cuda"),
+                gate_up=torch.zeros(e, 2 * f, d, dtype=torch.bfloat16, device="cuda"),
+                h=torch.zeros(r, f, dtype=torch.bfloat16, device="cuda"),
+                down=torch.zeros(e, d, f, dtype=torch.bfloat16, device="cuda"),
+                y=torch.zeros(r, d, dtype=torch.bfloat16, device="cuda"),
+                row_start_e=torch.zeros(e, dtype=torch.int64, device="cuda"),
+                num_rows_e=torch.tensor([64] + [0] * (e - 1), dtype=torch.int32, device="cuda"),
+            )
+        t = _WORKER_TENSORS
+        a, w, out = (t["x"], t["gate_up"], t["h"]) if gemm == "gate_up" else (t["h"], t["down"], t["y"])
+        launch(gemm, a, w, out, t["row_start_e"], t["num_rows_e"], 4096, _make_config(tuple(tile), group_m))
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, None
+    except Exception as exc:  # reported; the main process retries (and records) it
+        return time.perf_counter() - start, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+class Precompiler:
+    """Compiles configs in worker processes (spawned once, reused by both phases)."""
+
+    def __init__(self, jobs: int, num_experts: int):
+        self.jobs, self.num_experts = jobs, num_experts
+        self.pool = None
+        if jobs > 0:
+            try:
+                self.pool = concurrent.futures.ProcessPoolExecutor(
+                    max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+            except Exception as exc:
+                _log(f"precompile pool unavailable ({exc!r}): compiling serially")
+
+    def submit(self, candidates: list[dict]) -> list:
+        if self.pool is None:
+            return []
+        try:
+            return [(c, self.pool.submit(_compile_job, c["gemm"], c["tile"], c["group_m"], self.num_experts)) for c in candidates]
+        except Exception as exc:
+            _log(f"precompile submit failed ({exc!r}): compiling serially")
+            return []
+
+    def wait(self, futures: list, deadline: float) -> None:
+        if not futures:
+            return
+        start = _elapsed()
+        done, errors, total = 0, [], 0.0
+        for candidate, future in futures:
+            try:
+                seconds, error = future.result(timeout=max(1.0, deadline - _elapsed()))
+                total += seconds
+                done += 1
+                if error:
+                    errors.append(f"{candidate['gemm']} {candidate['label']}: {error}")
+            except concurrent.futures.TimeoutError:
+                _log("precompile: --max-seconds reached while compiling")
+                break
+            except Exception as exc:
+                errors.append(f"{candidate['gemm']} {candidate['label']}: worker {exc!r}")
+        _log(f"precompiled {done}/{len(futures)} configs with {self.jobs} processes in {_elapsed() - start:.1f} s "
+             f"(sum of per-config times {total:.0f} s)")
+        for error in errors[:8]:
+            _log(f"  precompile error (retried here): {error}")
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
+# ------------------------------------------------------------------------------------------------
+# cases
+# ------------------------------------------------------------------------------------------------
+def even_counts(num_rows: int, num_experts: int) -> list[int]:
+    base, extra = divmod(num_rows, num_experts)
+    return [base + (1 if i < extra else 0) for i in range(num_experts)]
+
+
+def layout(counts: list[int]) -> tuple[list[int], int]:
+    starts, row = [], 0
+    for count in counts:
+        starts.append(row)
+        row += -(-count // ALIGN) * ALIGN
+    return starts, max(row, ALIGN)
+
+
+def _grouped_mm_fn():
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    return None if fn is None else (lambda a, b, offs: fn(a, b, offs=offs))
+
+
+def make_weights(shape: str) -> dict:
+    num_experts, hidden, inter = SHAPES[shape]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    down = torch.randn(num_experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    return {"gate_up": gate_up.mul_(hidden**-0.5), "down": down.mul_(inter**-0.5)}
+
+
+def make_case(shape: str, num_rows: int, weights: dict) -> dict:
+    """Pool inputs, output buffers, the fixed-config h, the reference y on CHECK_EXPERTS, and grouped_mm inputs."""
+    gm = _gm()
+    num_experts, hidden, inter = SHAPES[shape]
+    counts = even_counts(num_rows, num_experts)
+    starts, pool_rows = layout(counts)
+    row_start_e = torch.tensor(starts, dtype=torch.int64, device=DEVICE)
+    num_rows_e = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    valid = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)]).to(DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(num_rows)
+    x_packed = torch.randn(num_rows, hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    x_RD = torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=DEVICE)
+    x_RD[valid] = x_packed
+    case = dict(shape=shape, rows=num_rows, counts=counts, pool_rows=pool_rows, row_start_e=row_start_e,
+                num_rows_e=num_rows_e, x_RD=x_RD, x_packed=x_packed,
+                h_RF=torch.zeros(pool_rows, inter, dtype=torch.bfloat16, device=DEVICE),
+                h_fixed=torch.zeros(pool_rows, inter, dtype=torch.bfloat16, device=DEVICE),
+                y_RD=torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=DEVICE), **weights)
+    # reference y on a few experts (fp32 torch twin; the other experts get 0 rows there)
+    check_experts = sorted({i % num_experts for i in CHECK_EXPERTS})
+    check_counts = [c if i in check_experts else 0 for i, c in enumerate(counts)]
+    check_rows = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in check_experts]).to(DEVICE)
+    y_ref = gm.grouped_mlp_ref(x_RD, weights["gate_up"], weights["down"], row_start_e,
+                               torch.tensor(check_counts, dtype=torch.int32, device=DEVICE))
+    case.update(check_rows=check_rows, y_ref_check=y_ref[check_rows].float())
+    del y_ref
+    # fixed-config h (input of every down config) and its own check
+    fixed = _make_config(FIXED_TILE, 1)
+    launch("gate_up", x_RD, weights["gate_up"], case["h_fixed"], row_start_e, num_rows_e, num_rows, fixed)
+    case["y_RD"].fill_(float("nan"))
+    launch("down", case["h_fixed"], weights["down"], case["y_RD"], row_start_e, num_rows_e, num_rows, fixed)
+    case["fixed_calc_diff"] = _check_diff(case)
+    case["h_packed"] = case["h_fixed"][valid].contiguous()
+    case["offs"] = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+    return case
+
+
+def case_key(case: dict) -> str:
+    return f"{case['shape']}/{case['rows']}"
+
+
+def flops(case: dict, gemm: str) -> float:
+    _, hidden, inter = SHAPES[case["shape"]]
+    return 2.0 * case["rows"] * hidden * inter * (2 if gemm == "gate_up" else 1)
+
+
+def _check_diff(case: dict) -> float:
+    from moe_ref.testing import calc_diff
+
+    return calc_diff(case["y_RD"][case["check_rows"]].float(), case["y_ref_check"])
+
+
+def current_autotune_tiles(case: dict, gemm: str) -> tuple[str, list[tuple]]:
+    """(regime, tiles) that the library's autotune would consider for this launch."""
+    gm = _gm()
+    num_experts, hidden, inter = SHAPES[case["shape"]]
+    n, k = (inter, hidden) if gemm == "gate_up" else (hidden, inter)
+    rows_hint = triton.next_power_of_2(case["rows"])
+    named = {"rows_hint": rows_hint, "num_experts": num_experts, "N": n, "K": k}
+    flags = {"ACTIVATION": 1 if gemm == "gate_up" else 0, "FP8": False, "QUANT_OUT": False, "IEEE_FP32": False}
+    regime, _ = gm._regime(rows_hint, num_experts)
+    return regime, [gm._tile(c) for c in gm._prune_configs(gm._gpu_configs(), named, **flags)]
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+class Timer:
+    """Median of CUDA-event times of `fn`, L2 flushed (256 MB write) before each run."""
+
+    def __init__(self, rep_ms: float):
+        self.rep_ms = rep_ms
+        self.flush = torch.empty(256 << 20 if DEVICE == "cuda" else 1, dtype=torch.int8, device=DEVICE)
+
+    def __call__(self, fn, min_runs: int = 3, max_runs: int = 100) -> float:
+        if DEVICE != "cuda":  # CPU smoke test: wall clock of one run
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e6
+        fn()  # warm-up
+        self.flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        estimate_ms = max(start.elapsed_time(end), 1e-3)
+        runs = int(min(max_runs, max(min_runs, self.rep_ms / estimate_ms)))
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+        for begin, finish in events:
+            self.flush.zero_()
+            begin.record()
+            fn()
+            finish.record()
+        torch.cuda.synchronize()
+        return statistics.median(b.elapsed_time(f) for b, f in events) * 1e3
+
+
+def run_candidate(candidate: dict, case: dict, timer: Timer) -> dict:
+    """Check once, then time one config on one case."""
+    gemm = candidate["gemm"]
+    config = _make_config(candidate["tile"], candidate["group_m"])
+    args = (case["row_start_e"], case["num_rows_e"], case["rows"])
+    if gemm == "gate_up":
+        case["h_RF"].fill_(float("nan"))
+        launch("gate_up", case["x_RD"], case["gate_up"], case["h_RF"], *args, config)
+        case["y_RD"].fill_(float("nan"))
+        launch("down", case["h_RF"], case["down"], case["y_RD"], *args, _make_config(FIXED_TILE, 1))
+
+        def fn():
+            launch("gate_up", case["x_RD"], case["gate_up"], case["h_RF"], *args, config)
+    else:
+        case["y_RD"].fill_(float("nan"))
+        launch("down", case["h_fixed"], case["down"], case["y_RD"], *args, config)
+
+        def fn():
+            launch("down", case["h_fixed"], case["down"], case["y_RD"], *args, config)
+    diff = _check_diff(case)
+    us = timer(fn)
+    return {"us": us, "tflops": flops(case, gemm) / (us * 1e-6) / 1e12, "calc_diff": diff,
+            "ok": bool(diff < CALC_DIFF_LIMIT)}
+
+
+def _resources(kernel) -> dict:
+    """Registers per thread, spilled bytes and shared memory of a compiled kernel (empty if unknown)."""
+    out = {}
+    for key, attr in (("regs", "n_regs"), ("spills", "n_spills")):
+        value = getattr(kernel, attr, None)
+        if isinstance(value, int):
+            out[key] = value
+    shared = getattr(getattr(kernel, "metadata", None), "shared", None)
+    if isinstance(shared, int):
+        out["smem_bytes"] = shared
+    return out
+
+
+def run_anchor(case: dict, gemm: str, timer: Timer) -> dict | None:
+    grouped_mm = _grouped_mm_fn()
+    if grouped_mm is None:
+        return None
+    if gemm == "gate_up":
+        a, w = case["x_packed"], case["gate_up"].transpose(-2, -1)
+    else:
+        a, w = case["h_packed"], case["down"].transpose(-2, -1)
+    try:
+        us = timer(lambda: grouped_mm(a, w, case["offs"]))
+    except Exception as exc:
+        _log(f"grouped_mm {gemm} on {case_key(case)} failed: {exc!r}")
+        return None
+    return {"us": us, "tflops": flops(case, gemm) / (us * 1e-6) / 1e12}
+
+
+# ------------------------------------------------------------------------------------------------
+# reporting
+# ------------------------------------------------------------------------------------------------
+def _rows_of(results: dict, shape: str, rows: int, gemm: str) -> list[dict]:
+    return [r for r in results["runs"] if r["shape"] == shape and r["rows"] == rows and r["gemm"] == gemm]
+
+
+def _best(runs: list[dict], current_only: bool = False) -> dict | None:
+    good = [r for r in runs if r.get("ok") and (r["in_current_autotune"] or not current_only)]
+    return min(good, key=lambda r: r["us"]) if good else None
+
+
+def summarize(results: dict) -> dict:
+    """Best config per (shape, rows, GEMM) and the tiles to add per (regime, GEMM)."""
+    best, suggestions = [], {}
+    for meta in results["cases"]:
+        runs = _rows_of(results, meta["shape"], meta["rows"], meta["gemm"])
+        top, top_current = _best(runs), _best(runs, current_only=True)
+        if top is None:
+            continue
+        anchor = meta.get("grouped_mm_us")
+        entry = {"shape": meta["shape"], "rows": meta["rows"], "gemm": meta["gemm"], "regime": meta["regime"],
+                 "label": top["label"], "tile": top["tile"], "group_m": top["group_m"], "us": top["us"],
+                 "tflops": top["tflops"], "x_vs_grouped_mm": anchor / top["us"] if anchor else None,
+                 "current_best_label": top_current["label"] if top_current else None,
+                 "current_best_us": top_current["us"] if top_current else None,
+                 "speedup_vs_current": top_current["us"] / top["us"] if top_current else None}
+        best.append(entry)
+        key = f"{meta['regime']}/{meta['gemm']}"
+        suggestions.setdefault(key, {"list": f"_{meta['regime'].upper()}_TILES", "tiles": []})
+        tiles = suggestions[key]["tiles"]
+        entry = list(_list_entry(top["tile"], top["group_m"]))
+        if entry not in tiles:
+            tiles.append(entry)
+    return {"best": best, "suggestions": suggestions}
+
+
+def format_tables(results: dict) -> str:
+    """The per-case tables, the best config per case and the tile-list entries, as text."""
+    lines = []
+    emit = lines.append
+    for meta in results["cases"]:
+        runs = sorted(_rows_of(results, meta["shape"], meta["rows"], meta["gemm"]),
+                      key=lambda r: (not r.get("ok", False), r.get("us", float("inf"))))
+        if not runs:
+            continue
+        anchor = meta.get("grouped_mm_us")
+        _, hidden, inter = SHAPES[meta["shape"]]
+        what = (f"x[R,{hidden}] @ w[e,{2 * inter},{hidden}]^T + SiLU" if meta["gemm"] == "gate_up"
+                else f"h[R,{inter}] @ w[e,{hidden},{inter}]^T")
+        anchor_text = f"grouped_mm {anchor:.1f} us ({meta['grouped_mm_tflops']:.0f} TFLOP/s)" if anchor else \
+            "grouped_mm n/a"
+        emit(f"\n== {meta['shape']} rows={meta['rows']} {meta['gemm']} ({what}), regime {meta['regime']}, "
+              f"{anchor_text}; * = in the current autotune set")
+        emit(f"   {'config':30s} {'us':>9s} {'TFLOP/s':>8s} {'x gmm':>6s} {'calc_diff':>9s} {'regs':>5s} {'spill':>5s}")
+        for r in runs:
+            mark = "*" if r["in_current_autotune"] else " "
+            if "us" not in r:
+                emit(f" {mark} {r['label']:30s} error: {r.get('error', '?')[:80]}")
+                continue
+            speed = f"{anchor / r['us']:6.2f}" if anchor else "   n/a"
+            flag = "" if r["ok"] else "  FAIL"
+            emit(f" {mark} {r['label']:30s} {r['us']:9.1f} {r['tflops']:8.1f} {speed} {r['calc_diff']:9.1e} "
+                 f"{r.get('regs', '-'):>5} {r.get('spills', '-'):>5}{flag}")
+    summary = summarize(results)
+    emit("\n== best per (shape, rows, GEMM)")
+    for b in summary["best"]:
+        vs = f"{b['x_vs_grouped_mm']:.2f}x gmm" if b["x_vs_grouped_mm"] else "gmm n/a"
+        current = (f"; current autotune set best {b['current_best_label']} {b['current_best_us']:.1f} us "
+                   f"-> {b['speedup_vs_current']:.2f}x" if b["current_best_us"] else "")
+        emit(f"  {b['shape']:8s} {b['rows']:6d} {b['gemm']:8s} [{b['regime']}] {b['label']:30s} {b['us']:9.1f} us "
+              f"{b['tflops']:6.1f} TFLOP/s {vs}{current}")
+    emit("\n== winners as entries of the tile lists in moe_ref/kernels/grouped_mlp.py: (BLOCK_M, BLOCK_N "
+          "[per half for gate_up], BLOCK_K, num_warps, num_stages[, GROUP_M])")
+    for key, s in summary["suggestions"].items():
+        emit(f"  {key:16s} -> {s['list']}: {', '.join(str(tuple(t)) for t in s['tiles'])}")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(results: dict, path: str) -> None:
+    results["elapsed_s"] = _elapsed()
+    results["summary"] = summarize(results)
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/tune_grouped_mlp.json")
+    parser.add_argument("--max-seconds", type=float, default=170.0,
+                        help="stop the sweep cleanly after this many seconds from process start (default 170)")
+    parser.add_argument("--dry-run", action="store_true", help="list cases and candidates, then exit (no GPU)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma list of routed rows")
+    parser.add_argument("--gemms", default=",".join(GEMMS), help=f"comma list of {list(GEMMS)}")
+    parser.add_argument("--rep-ms", type=float, default=50.0, help="timed milliseconds per (config, case)")
+    parser.add_argument("--jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
+                        help="parallel compile processes (0: compile serially in this process)")
+    parser.add_argument("--group-m", default="8", help="GROUP_M values for phase 2 ('' to skip)")
+    parser.add_argument("--swizzle-top", type=int, default=3, help="tiles per GEMM that phase 2 re-runs with GROUP_M")
+    parser.add_argument("--no-current", action="store_true", help="leave out the current autotune tiles")
+    parser.add_argument("--limit", type=int, default=0, help="at most this many phase-1 candidates per GEMM (0: all)")
+    args = parser.parse_args(argv)
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    args.rows = [int(r) for r in args.rows.split(",") if r]
+    args.gemms = [g for g in args.gemms.split(",") if g]
+    args.group_m = [int(g) for g in args.group_m.split(",") if g]
+    for name, values, allowed in (("shape", args.shapes, SHAPES), ("gemm", args.gemms, GEMMS)):
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            parser.error(f"unknown {name} {bad}; choose from {list(allowed)}")
+    return args
+
+
+def dry_run(args, candidates: dict, skipped: dict) -> int:
+    gm = _gm()
+    print("cases (rows spread evenly, 128-aligned segments):")
+    for shape in args.shapes:
+        num_experts, hidden, inter = SHAPES[shape]
+        for rows in args.rows:
+            counts = even_counts(rows, num_experts)
+            _, pool_rows = layout(counts)
+            fake = {"shape": shape, "rows": rows}
+            regime = gm._regime(triton.next_power_of_2(rows), num_experts)[0]
+            print(f"  {shape:8s} e={num_experts} D={hidden} F={inter} rows={rows:6d} per expert {min(counts)}-"
+                  f"{max(counts)} pool R={pool_rows} regime={regime}")
+            for gemm in args.gemms:
+                tiles = current_autotune_tiles(fake, gemm)[1]
+                print(f"      current autotune set {gemm:8s}: {[_label(gemm, t, 1) for t in tiles]}")
+    for gemm in args.gemms:
+        print(f"\n{gemm}: {len(candidates[gemm])} phase-1 candidates (+ phase 2: GROUP_M {args.group_m} on the "
+              f"best {args.swizzle_top}):")
+        for c in candidates[gemm]:
+            print(f"  {c['label']:30s} smem ~{c['smem_kb']:5.0f} KB  [{c['source']}]")
+        for c in skipped[gemm]:
+            print(f"  skip {c['label']:25s} {c['reason']}")
+    total = sum(len(candidates[g]) for g in args.gemms) + len(args.gemms) * args.swizzle_top * len(args.group_m)
+    print(f"\ncompiles: at most {total} (each config once per GEMM, reused across shapes and rows)")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    candidates, skipped = {}, {}
+    for gemm in args.gemms:
+        candidates[gemm], skipped[gemm] = enumerate_candidates(gemm, include_current=not args.no_current)
+        if args.limit:
+            fixed = [c for c in candidates[gemm] if c["tile"] == FIXED_TILE]
+            candidates[gemm] = candidates[gemm][:args.limit]
+            candidates[gemm] += [c for c in fixed if c not in candidates[gemm]]
+    if args.dry_run:
+        return dry_run(args, candidates, skipped)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("tune_grouped_mlp needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    deadline = args.max_seconds
+    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+    if DEVICE == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(), sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    results = {"env": env,
+               "args": {k: v for k, v in vars(args).items()}, "calc_diff_limit": CALC_DIFF_LIMIT,
+               "candidates": candidates, "skipped": skipped, "cases": [], "runs": [], "stopped_early": False}
+
+    # phase-1 compiles run in workers while this process builds the cases (no timing meanwhile)
+    experts = {SHAPES[shape][0] for shape in args.shapes}
+    precompiler = Precompiler(args.jobs if len(experts) == 1 and DEVICE == "cuda" else 0, experts.pop())
+    # interleave the GEMMs so that a sweep cut short by --max-seconds still covers both
+    phase1 = [c for group in itertools.zip_longest(*(candidates[g] for g in args.gemms)) for c in group if c]
+    futures = precompiler.submit(phase1)
+    _log(f"{len(phase1)} phase-1 configs; precompiling with {precompiler.jobs if futures else 0} processes")
+
+    cases = []
+    timer = Timer(args.rep_ms)
+    try:
+        for shape in args.shapes:
+            weights = make_weights(shape)
+            for rows in args.rows:
+                start = _elapsed()
+                case = make_case(shape, rows, weights)
+                cases.append(case)
+                _log(f"case {case_key(case)}: pool R={case['pool_rows']}, fixed-config check calc_diff "
+                     f"{case['fixed_calc_diff']:.1e} (setup {_elapsed() - start:.1f} s)")
+        _sync()
+        precompiler.wait(futures, deadline)
+        for case in cases:
+            for gemm in args.gemms:
+                regime, tiles = current_autotune_tiles(case, gemm)
+                anchor = run_anchor(case, gemm, timer)
+                meta = {"shape": case["shape"], "rows": case["rows"], "gemm": gemm, "regime": regime,
+                        "pool_rows": case["pool_rows"], "rows_per_expert": [min(case["counts"]), max(case["counts"])],
+                        "flops": flops(case, gemm), "current_autotune_tiles": tiles,
+                        "grouped_mm_us": anchor["us"] if anchor else None,
+                        "grouped_mm_tflops": anchor["tflops"] if anchor else None}
+                case.setdefault("current", {})[gemm] = tiles
+                results["cases"].append(meta)
+                _log(f"anchor {case_key(case)} {gemm}: grouped_mm "
+                     + (f"{anchor['us']:.1f} us {anchor['tflops']:.0f} TFLOP/s" if anchor else "n/a"))
+        write_json(results, args.out)
+        cost = [0.0]  # the most one config has taken so far (compile + checks + timing on every case)
+
+        def sweep(batch: list[dict]) -> bool:
+            """Run a batch of candidates over all cases; False when --max-seconds stopped it."""
+            for candidate in batch:
+                if _elapsed() + cost[0] > deadline:  # would the next config end after the deadline?
+                    _log(f"--max-seconds {deadline:.0f} reached: stopping the sweep")
+                    results["stopped_early"] = True
+                    return False
+                begin = _elapsed()
+                parts, compile_s, failed, resources = [], None, None, {}
+                for case in cases:
+                    run = {"shape": case["shape"], "rows": case["rows"], "gemm": candidate["gemm"],
+                           "label": candidate["label"], "tile": list(candidate["tile"]),
+                           "group_m": candidate["group_m"], "source": candidate["source"],
+                           "in_current_autotune": _list_entry(candidate["tile"], candidate["group_m"])
+                           in case["current"][candidate["gemm"]]}
+                    if failed:
+                        run["error"] = failed
+                    else:
+                        try:
+                            if compile_s is None:  # first launch compiles (or loads the precompiled cubin)
+                                t = time.perf_counter()
+                                kernel = launch(candidate["gemm"], *(
+                                    (case["x_RD"], case["gate_up"], case["h_RF"]) if candidate["gemm"] == "gate_up"
+                                    else (case["h_fixed"], case["down"], case["y_RD"])),
+                                    case["row_start_e"], case["num_rows_e"], case["rows"],
+                                    _make_config(candidate["tile"], candidate["group_m"]))
+                                _sync()
+                                compile_s = time.perf_counter() - t
+                                resources = _resources(kernel)
+                            run.update(run_candidate(candidate, case, timer))
+                            run.update(compile_s=compile_s, **resources)
+                        except Exception as exc:
+                            failed = f"{type(exc).__name__}: {str(exc)[:300]}"
+                            run["error"] = failed
+                            if "illegal" in failed.lower() or "cuda error" in failed.lower():
+                                raise  # the CUDA context is gone; nothing more can be measured
+                    results["runs"].append(run)
+                    if "us" in run:
+                        anchor = next(m["grouped_mm_us"] for m in results["cases"] if m["shape"] == run["shape"]
+                                      and m["rows"] == run["rows"] and m["gemm"] == run["gemm"])
+                        vs = f" {anchor / run['us']:.2f}x" if anchor else ""
+                        bad = "" if run["ok"] else f" FAIL({run['calc_diff']:.1e})"
+                        parts.append(f"{case_key(case)} {run['us']:.0f}us{vs}{bad}")
+                    else:
+                        parts.append(f"{case_key(case)} error")
+                cost[0] = max(cost[0], _elapsed() - begin)
+                compile_text = f"{compile_s:.1f}s" if compile_s is not None else "-"
+                regs = f" regs {resources.get('regs')} spills {resources.get('spills')}" if resources else ""
+                _log(f"{candidate['gemm']:7s} {candidate['label']:28s} compile {compile_text}{regs} | " + " | ".join(parts)
+                     + (f" | {failed}" if failed else ""))
+                write_json(results, args.out)
+            return True
+
+        finished = sweep(phase1)
+        if finished and args.group_m and args.swizzle_top > 0:
+            phase2 = []
+            for gemm in args.gemms:
+                phase2 += swizzle_candidates(results, gemm, args, cases)
+            if phase2:
+                _log(f"phase 2: {[c['gemm'] + ' ' + c['label'] for c in phase2]}")
+                precompiler.wait(precompiler.submit(phase2), deadline)
+                sweep(phase2)
+    except Exception:
+        traceback.print_exc()
+        results["error"] = traceback.format_exc()
+    finally:
+        precompiler.close()
+    write_json(results, args.out)
+    tables = format_tables(results)
+    print(tables, flush=True)
+    text_path = os.path.splitext(args.out)[0] + ".txt"
+    with open(text_path, "w") as f:
+        f.write(tables)
+    _log(f"wrote {args.out} and {text_path}{' (stopped early by --max-seconds)' if results['stopped_early'] else ''}")
+    return 1 if "error" in results else 0
+
+
+def swizzle_candidates(results: dict, gemm: str, args, cases: list[dict]) -> list[dict]:
+    """The best `--swizzle-top` tiles of a GEMM (mean time relative to each case's best, on the cases with
+    the most rows) again with each GROUP_M."""
+    big = max(case["rows"] for case in cases)
+    runs = [r for r in results["runs"] if r["gemm"] == gemm and r["rows"] == big and r.get("ok")]
+    best_us = {}
+    for r in runs:
+        best_us[r["shape"]] = min(best_us.get(r["shape"], float("inf")), r["us"])
+    scores = {}
+    for r in runs:
+        scores.setdefault(tuple(r["tile"]), []).append(r["us"] / best_us[r["shape"]])
+    complete = {t: s for t, s in scores.items() if len(s) == len(best_us)}
+    ranked = sorted(complete, key=lambda t: sum(complete[t]) / len(complete[t]))[:args.swizzle_top]
+    gated = gemm == "gate_up"
+    out = []
+    for tile in ranked:
+        for group_m in args.group_m:
+            if group_m == 1:
+                continue
+            out.append({"gemm": gemm, "tile": tile, "group_m": group_m, "label": _label(gemm, tile, group_m),
+                        "source": "swizzle", "smem_kb": _gm()._smem_bytes(_make_config(tile, 1), gated=gated,
+                                                                          bytes_per_element=2) / 1024})
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
