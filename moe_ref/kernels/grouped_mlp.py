@@ -324,7 +324,9 @@ def _forced_options(config: triton.Config) -> dict:
     options = dict(config.kwargs)
     if is_interpreter():
         return options  # the interpreter has no compile options
-    options.update(num_warps=config.num_warps, num_stages=config.num_stages, num_ctas=config.num_ctas)
+    options.update(num_warps=config.num_warps, num_stages=config.num_stages)
+    if getattr(config, "num_ctas", 1) != 1:  # only what a config sets: the launch keywords autotune passes
+        options["num_ctas"] = config.num_ctas
     if getattr(config, "maxnreg", None) is not None:
         options["maxnreg"] = config.maxnreg
     return options
