@@ -28,7 +28,9 @@ CALC_DIFF_TOLERANCES: dict[torch.dtype, float] = {
     torch.float32: 1e-9,
     torch.float16: 1e-5,
     torch.bfloat16: 1e-4,
-    torch.float8_e4m3fn: 2e-3,
+    # The FP8 recipe (x per 128 columns, weights per 128x128, h re-quantized): four roundings, measured
+    # 2.0-2.15e-3 against the exact reference on CPU and H200; FP8 dispatch alone measured ~0.7e-3.
+    torch.float8_e4m3fn: 4e-3,
 }
 
 

@@ -28,13 +28,13 @@ from moe_ref.activations import dense_mlp
 from moe_ref.deep_gemm_backend import DeepGemmExperts, deep_gemm_grouped_cases, deep_gemm_status
 from moe_ref.errors import ShapeError
 from moe_ref.experts import ExpertLayout, TorchLoopExperts, make_experts
-from moe_ref.testing import calc_diff
+from moe_ref.testing import CALC_DIFF_TOLERANCES, calc_diff
 
 pytestmark = pytest.mark.cuda
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 7168, 2048
 COUNTS = [5, 0, 130, 64, 300, 1, 128, 257]  # uneven, one empty expert, one exactly 128
-LIMIT = {"bf16": 1e-4, "fp8": 4e-3, "fp8_vs_sim": 1e-3}
+LIMIT = {"bf16": CALC_DIFF_TOLERANCES[torch.bfloat16], "fp8": CALC_DIFF_TOLERANCES[torch.float8_e4m3fn], "fp8_vs_sim": 1e-3}
 REPO = Path(__file__).resolve().parents[2]
 
 
