@@ -110,7 +110,9 @@ def _list_entry(tile: tuple, group_m: int) -> tuple:
 
 
 def _label(gemm: str, tile: tuple, group_m: int) -> str:
-    block_m, block_n, block_k, warps, stages = tile
+    """`tile` is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, GROUP_M]); a 6th element overrides `group_m`."""
+    block_m, block_n, block_k, warps, stages, *rest = tile
+    group_m = rest[0] if rest else group_m
     n = f"{block_n}x2" if gemm == "gate_up" else f"{block_n}"
     return f"M{block_m} N{n} K{block_k} w{warps} s{stages} g{group_m}"
 
