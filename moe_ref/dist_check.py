@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transport", default="auto", choices=("auto", "symm", "a2a", "local"))
     p.add_argument("--experts-backend", default="auto")
     p.add_argument("--dispatch-fp8", action="store_true")
+    p.add_argument("--mega", default="off", choices=("off", "deep_gemm", "auto"),
+                   help="routed step on DeepGEMM's SM90 fused mega-MoE (2+ GPUs)")
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--checkpoint", default=None, help="folder of a safetensors checkpoint (written if absent)")
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     full_weights, checkpoint = _weights(args, cfg, dtype, device, rank)
     moe = MegaMoE(cfg, dist.group.WORLD, num_max_tokens_per_rank=args.cap, overflow=args.overflow,
                   transport=args.transport, experts_backend=args.experts_backend, dispatch_fp8=args.dispatch_fp8,
-                  dtype=dtype, device=device)
+                  dtype=dtype, device=device, mega=args.mega)
     if checkpoint:
         moe.load_hf_weights(checkpoint, layer_idx=0)
     else:
@@ -109,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
         ref_TD = reference_moe(x_TD, full_weights, cfg)
     # fp32: elementwise; lower precision: calc_diff (the reference rounds differently, not wrongly).
-    tolerance_dtype = torch.float8_e4m3fn if args.dispatch_fp8 else dtype
+    fp8 = args.dispatch_fp8 or moe.uses_mega  # the mega kernel is FP8 inside
+    tolerance_dtype = torch.float8_e4m3fn if fp8 else dtype
     err = (y_TD.float() - ref_TD.float()).abs()
     if tolerance_dtype == torch.float32:
         atol, rtol = TOLERANCES[torch.float32]
@@ -124,12 +127,13 @@ def run(args: argparse.Namespace) -> int:
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     passed = all(r["ok"] for r in everyone)
+    # NOTE: engine() reads state built during the calls above (building anything here would be
+    # collective, and only rank 0 prints).
     if rank == 0:
         _print_summary(args, cfg, moe, everyone, passed, world)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(args=vars(args), ranks=everyone, passed=passed,
-                               transport=moe.dispatcher.transport_name), f, indent=2)
+                json.dump(dict(args=vars(args), ranks=everyone, passed=passed, engine=_engine(moe)), f, indent=2)
     moe.destroy()
     dist.barrier()
     dist.destroy_process_group()
@@ -142,13 +146,20 @@ def _progress(total: int, rank: int):
     return tqdm(total=total, desc="forward calls", disable=rank != 0, file=sys.stdout, ncols=80)
 
 
+def _engine(moe) -> str:
+    """What ran the routed step (from state the calls built)."""
+    if moe.uses_mega:
+        return f"deep_gemm mega-MoE (FP8), buffer {moe.mega_engine.buffer_bytes} bytes per rank"
+    return f"transport={moe.dispatcher.transport_name}, experts={moe.experts.name}"
+
+
 def _print_summary(args, cfg, moe, ranks, passed, world) -> None:
-    plan = moe.dispatcher.plan
     max_tokens = max(r["num_tokens"] for r in ranks)
     num_chunks = -(-max_tokens // args.cap) if max_tokens else 1
-    print(f"\n== moe_ref.dist_check: {cfg.name} on {world} ranks ({args.device}, {args.dtype}), transport="
-          f"{moe.dispatcher.transport_name}, experts={moe.experts.name}, cap={args.cap}, overflow={args.overflow}")
-    print(plan.report())
+    print(f"\n== moe_ref.dist_check: {cfg.name} on {world} ranks ({args.device}, {args.dtype}), {_engine(moe)}, "
+          f"cap={args.cap}, overflow={args.overflow}")
+    if not moe.uses_mega:
+        print(moe.dispatcher.plan.report())
     if num_chunks > 1:
         print(f"largest batch {max_tokens} > cap {args.cap}: every rank ran {num_chunks} chunks")
     print(f"\n{'rank':>4} {'tokens':>7} {'recv rows':>10} {'max|err|':>10} {'calc_diff':>10} {'ms/call':>8}  result")
@@ -158,8 +169,9 @@ def _print_summary(args, cfg, moe, ranks, passed, world) -> None:
     loads = [sum(r["recv_rows_per_expert"]) for r in ranks]
     print(f"\nper-rank expert load (rows received over {args.runs + 1} calls): {loads}")
     print(f"per-expert load, rank 0: {ranks[0]['recv_rows_per_expert']}")
-    rule = ("elementwise fp32 tolerance" if args.dtype == "fp32" and not args.dispatch_fp8 else
-            f"calc_diff <= {CALC_DIFF_TOLERANCES[torch.float8_e4m3fn if args.dispatch_fp8 else DTYPES[args.dtype]]:g}")
+    fp8 = args.dispatch_fp8 or moe.uses_mega
+    rule = ("elementwise fp32 tolerance" if args.dtype == "fp32" and not fp8 else
+            f"calc_diff <= {CALC_DIFF_TOLERANCES[torch.float8_e4m3fn if fp8 else DTYPES[args.dtype]]:g}")
     print(f"\nRESULT: {'PASS' if passed else 'FAIL'} (EP output vs single-process reference: {rule}; "
           f"and a second call bitwise equal)")
 

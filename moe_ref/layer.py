@@ -8,6 +8,8 @@
          the used prefix of the pool (Experts backend; FP8 weights and the FP8 pool as is with
          ``dispatch_fp8`` on a backend that has them), combine back, fp32 weighted reduce over the K slots
                                                         -> routed [T, Dx]
+         (``mega="deep_gemm"``/``"auto"``: DeepGEMM's SM90 FP8 fused kernel does step 3's dispatch, GEMMs and
+         combine in one launch, under the same overflow policy; ``moe_ref.mega_deep_gemm``)
       4. (Kimi-K3) RMSNorm over the full cross-rank sum, latent up-projection
       5. + shared experts                               -> y [T, D] in x's dtype
 
@@ -23,6 +25,7 @@ Kimi-K3 ``latent_down_weight [L, D]``, ``latent_up_weight [D, L]``, ``latent_nor
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, Mapping
 
@@ -32,12 +35,14 @@ from torch import nn
 
 from moe_ref import envs
 from moe_ref.config import MoEConfig, ParallelConfig, preset
-from moe_ref.errors import DeviceError, DTypeError, ShapeError
+from moe_ref.errors import DeviceError, DTypeError, ShapeError, ShapeUnsupportedError, UnknownNameError
 from moe_ref.experts import Experts, experts_class, make_experts
 from moe_ref.reference import moe_block
 from moe_ref.weights import MoEWeights
 
+logger = logging.getLogger(__name__)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MEGA_CHOICES = ("off", "deep_gemm", "auto")
 # Used when neither the argument nor MOE_REF_NUM_MAX_TOKENS_PER_RANK gives a cap.
 DEFAULT_NUM_MAX_TOKENS_PER_RANK = 4096
 
@@ -74,13 +79,17 @@ class MegaMoE(nn.Module):
             backend's ``segment_alignment`` (torch 128, grouped_mm 16, triton 1, deep_gemm 128).
         seed: if given, initialise with ``MoEWeights.random(cfg, seed)`` (same on every rank); else
             the parameters are uninitialised until ``load_hf_weights``/``load_weights``.
+        mega: the routed step's engine: ``"off"`` (default: moe_ref's dispatcher + experts backend),
+            ``"deep_gemm"`` (DeepGEMM's SM90 FP8 fused mega-MoE under moe_ref's router, cap and overflow
+            policy; ENV001/ENV002 when it cannot run), or ``"auto"`` (deep_gemm where ``supports`` accepts
+            the shape, the EP size and this machine, else moe_ref's own path; the reason is logged).
     """
 
     def __init__(self, cfg: MoEConfig | str | os.PathLike | Mapping[str, Any], group: dist.ProcessGroup | None = None,
                  *, num_max_tokens_per_rank: int | None = None, overflow: str | None = None,
                  transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", alignment: int | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, mega: str = "off"):
         super().__init__()
         self.cfg = cfg = as_config(cfg)
         self.group = group
@@ -99,11 +108,16 @@ class MegaMoE(nn.Module):
         self.alignment = experts_cls.segment_alignment if alignment is None else alignment
         if dtype not in SUPPORTED_DTYPES:
             raise DTypeError(f"dtype={dtype}; MegaMoE parameters must be one of {SUPPORTED_DTYPES}")
+        if mega not in MEGA_CHOICES:
+            raise UnknownNameError(f"mega={mega!r}; supported: {', '.join(MEGA_CHOICES)}")
+        self.mega = mega
+        self._dispatcher = None
+        self._experts: Experts | None = None
+        self._mega_engine = None  # DeepGemmMegaMoE, built on first use when the mega path is chosen
+        self._mega_decided: bool | None = None
         self._register_parameters(dtype, torch.device(device))
         if seed is not None:
             self.load_weights(MoEWeights.random(cfg, seed=seed, dtype=dtype))
-        self._dispatcher = None
-        self._experts: Experts | None = None
 
     # --- parameters ----------------------------------------------------------------------------------
     def _register_parameters(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -151,6 +165,7 @@ class MegaMoE(nn.Module):
                     f"{None if src is None else tuple(src.shape)}")
             dst.copy_(src)
         self._experts = None
+        self._drop_mega_engine()  # it holds fp8 copies of the old weights
         return self
 
     def load_hf_weights(self, path: str | os.PathLike, layer_idx: int, prefix: str | None = None) -> "MegaMoE":
@@ -188,8 +203,48 @@ class MegaMoE(nn.Module):
         return self._experts
 
     @property
+    def uses_mega(self) -> bool:
+        """Whether the routed step runs on DeepGEMM's mega-MoE (decided once, see ``mega``)."""
+        if self._mega_decided is None:
+            self._mega_decided = self._decide_mega()
+        return self._mega_decided
+
+    def _decide_mega(self) -> bool:
+        if self.mega == "off":
+            return False
+        from moe_ref.mega_deep_gemm import supports
+
+        ok, reason = supports(self.cfg, self.world_size, check_runtime=self.gate_weight.is_cuda)
+        if ok and not self.gate_weight.is_cuda:
+            ok, reason = False, f"the layer is on {self.gate_weight.device}; DeepGEMM's mega-MoE needs CUDA (SM90)"
+        if ok:
+            return True
+        if self.mega == "deep_gemm":
+            raise ShapeUnsupportedError(f"mega='deep_gemm' cannot run {self.cfg.name} at ep_size={self.world_size}: "
+                                        f"{reason}; use mega='auto' to fall back to moe_ref's own path")
+        logger.info("moe_ref: mega='auto' uses moe_ref's own EP path: %s", reason)
+        return False
+
+    @property
+    def mega_engine(self):
+        """The ``DeepGemmMegaMoE`` of this rank (collective to build; only when ``uses_mega``)."""
+        if self._mega_engine is None:
+            from moe_ref.mega_deep_gemm import DeepGemmMegaMoE
+
+            self._mega_engine = DeepGemmMegaMoE(self.cfg, self.group, self.num_max_tokens_per_rank, self.overflow,
+                                                self.gate_up_weight, self.down_weight)
+        return self._mega_engine
+
+    def _drop_mega_engine(self) -> None:
+        if self._mega_engine is not None:
+            self._mega_engine.destroy()
+            self._mega_engine = None
+
+    @property
     def num_recv_tokens_per_expert(self) -> torch.Tensor:
         """``[e]`` int64: rows each local expert received, summed over all calls (for load balancers)."""
+        if self.uses_mega:
+            return self.mega_engine.num_recv_tokens_per_expert_e.to(torch.int64)
         return self.dispatcher.num_recv_tokens_per_expert
 
     def forward(self, hidden_states: torch.Tensor, *, max_num_tokens: int | None = None) -> torch.Tensor:
@@ -199,6 +254,8 @@ class MegaMoE(nn.Module):
         self._check_input(hidden_states)
 
         def routed(x_TD, topk_ids_TK, topk_weights_TK):
+            if self.uses_mega:  # bf16 out of the fused kernel (FP8 inside)
+                return self.mega_engine.run(x_TD, topk_ids_TK, topk_weights_TK).to(x_TD.dtype)
             return self.dispatcher.run(x_TD, topk_ids_TK, topk_weights_TK, self.experts,
                                        max_num_tokens=max_num_tokens)
 
@@ -217,14 +274,15 @@ class MegaMoE(nn.Module):
                               f"x.to('{self.gate_weight.device}')")
 
     def destroy(self) -> None:
-        """Release the symmetric buffer (also released at exit)."""
+        """Release the symmetric buffers (also released at exit)."""
         if self._dispatcher is not None:
             self._dispatcher.destroy()
             self._dispatcher = None
+        self._drop_mega_engine()
 
     def extra_repr(self) -> str:
         return (f"{self.cfg.name}: E={self.cfg.num_experts} (local {self.num_local_experts} on rank "
                 f"{self.rank}/{self.world_size}), K={self.cfg.num_topk}, D={self.cfg.hidden_size}, "
                 f"cap={self.num_max_tokens_per_rank}, overflow={self.overflow}, transport={self.transport}, "
                 f"experts={self.experts_backend}{' (fp8)' if self.fp8_experts else ''}, "
-                f"dispatch={'fp8' if self.dispatch_fp8 else 'activation dtype'}, alignment={self.alignment}")
+                f"dispatch={'fp8' if self.dispatch_fp8 else 'activation dtype'}, alignment={self.alignment}, mega={self.mega}")
