@@ -38,6 +38,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from moe_ref.kernels.fp8 import quantize_fp8_per_block_128  # noqa: E402
+from moe_ref.testing import calc_diff  # noqa: E402
+
 ALIGN = 128
 MODELS = {  # name -> (local experts e, hidden D, intermediate F, top-k)
     "kimi-k2": (48, 7168, 2048, 8),
@@ -66,19 +69,6 @@ class Case:
 # ------------------------------------------------------------------------------------------------
 # inputs
 # ------------------------------------------------------------------------------------------------
-def _quantize_block_128(w_eNK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[e, N, K] -> fp8 e4m3 + fp32 128x128 block scales [e, ceil(N/128), ceil(K/128)] (per expert, to save memory)."""
-    num_experts, n, k = w_eNK.shape
-    nb, kb = -(-n // 128), -(-k // 128)
-    w_fp8 = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=w_eNK.device)
-    scale = torch.empty(num_experts, nb, kb, dtype=torch.float32, device=w_eNK.device)
-    for i in range(num_experts):
-        padded = F.pad(w_eNK[i].float(), (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
-        scale[i] = padded.abs().amax(dim=(1, 3)).clamp(min=1e-4) / 448
-        w_fp8[i] = (padded / scale[i][:, None, :, None]).view(nb * 128, kb * 128)[:n, :k].to(torch.float8_e4m3fn)
-    return w_fp8, scale
-
-
 def _layout(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
     starts, row = [], 0
     for count in counts:
@@ -116,7 +106,7 @@ def _make_weights(num_experts: int, hidden: int, inter: int, with_fp8: bool, dev
     down = (torch.randn(num_experts, hidden, inter, device=device) / inter**0.5).bfloat16()
     if not with_fp8:
         return gate_up, down, None, None, None, None
-    return (gate_up, down, *_quantize_block_128(gate_up), *_quantize_block_128(down))
+    return (gate_up, down, *quantize_fp8_per_block_128(gate_up), *quantize_fp8_per_block_128(down))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,19 +235,13 @@ def check_correctness(include_deep_gemm: bool, device="cuda") -> list[str]:
     for name, fn in _paths(case, include_deep_gemm):
         out = fn()
         out = out[valid] if out.shape[0] == pool_rows else out
-        diff = _calc_diff(out, ref_fp8 if "fp8" in name else ref)  # fp8 paths vs the fp8 twin
+        diff = calc_diff(out, ref_fp8 if "fp8" in name else ref)  # fp8 paths vs the fp8 twin
         limit = 1e-3 if "fp8" in name else 1e-4
         status = "ok" if diff < limit else "FAIL"
         print(f"  check {name:18s} calc_diff={diff:.2e} (limit {limit:.0e}) {status}", flush=True)
         if status != "ok":
             failures.append(name)
     return failures
-
-
-def _calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    denom = (x * x + y * y).sum()
-    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
 
 
 # ------------------------------------------------------------------------------------------------

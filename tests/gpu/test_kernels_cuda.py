@@ -7,7 +7,8 @@ on a machine that runs the interpreter tier.
 
 import pytest
 import torch
-import torch.nn.functional as F
+
+from moe_ref.testing import calc_diff
 
 pytestmark = [
     pytest.mark.cuda,
@@ -20,12 +21,6 @@ ALIGN = 128
 DIFF_LIMIT = {torch.bfloat16: 1e-4, torch.float16: 1e-5, "fp8": 1e-3}
 
 
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    denom = (x * x + y * y).sum()
-    return float(1 - 2 * (x * y).sum() / denom) if denom > 0 else 0.0
-
-
 def _layout(counts, device="cuda"):
     starts, row = [], 0
     for count in counts:
@@ -33,15 +28,6 @@ def _layout(counts, device="cuda"):
         row += -(-count // ALIGN) * ALIGN
     return (torch.tensor(starts, dtype=torch.int64, device=device),
             torch.tensor(counts, dtype=torch.int32, device=device), max(row, ALIGN))
-
-
-def _quantize_block_128(w_eNK):
-    num_experts, n, k = w_eNK.shape
-    nb, kb = -(-n // 128), -(-k // 128)
-    padded = F.pad(w_eNK.float(), (0, kb * 128 - k, 0, nb * 128 - n)).view(num_experts, nb, 128, kb, 128)
-    scale = padded.abs().amax(dim=(2, 4)).clamp(min=1e-4) / 448
-    w_fp8 = (padded / scale[:, :, None, :, None]).view(num_experts, nb * 128, kb * 128)[:, :n, :k]
-    return w_fp8.to(FP8).contiguous(), scale.contiguous()
 
 
 # name -> (rows per expert, hidden D, intermediate F)
@@ -95,8 +81,10 @@ def test_grouped_mlp_fp8(name):
 
     x_RD, gate_up, down, row_start_e, num_rows_e, total = _mlp_inputs(name, torch.float32, seed=1)
     x_fp8, x_scale = quantize_fp8_per_128(x_RD)
-    gate_up_fp8, gate_up_scale = _quantize_block_128(gate_up)
-    down_fp8, down_scale = _quantize_block_128(down)
+    from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+
+    gate_up_fp8, gate_up_scale = quantize_fp8_per_block_128(gate_up)
+    down_fp8, down_scale = quantize_fp8_per_block_128(down)
     activation = "situ" if "situ" in name else "silu"
     args = (x_fp8, gate_up_fp8, down_fp8, row_start_e, num_rows_e, activation)
     kwargs = dict(x_scale_RDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)

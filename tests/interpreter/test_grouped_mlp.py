@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
 from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
 from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
 
@@ -68,23 +68,14 @@ def test_matches_twin(layout, dtype, activation, situ_linear_beta, device, asser
     assert_close(y_RD, y_ref, dtype, **case)
 
 
-def _quantize_block_128(w_eNK):
-    num_experts, n, k = w_eNK.shape
-    nb, kb = -(-n // 128), -(-k // 128)
-    padded = F.pad(w_eNK.float(), (0, kb * 128 - k, 0, nb * 128 - n)).view(num_experts, nb, 128, kb, 128)
-    scale = padded.abs().amax(dim=(2, 4)).clamp(min=1e-4) / 448
-    w_fp8 = (padded / scale[:, :, None, :, None]).view(num_experts, nb * 128, kb * 128)[:, :n, :k]
-    return w_fp8.to(FP8), scale
-
-
 @pytest.mark.parametrize("activation", ["silu", "situ"])
 @pytest.mark.parametrize("hidden,inter", [(48, 40), (160, 136)])  # second: 2 scale groups on D and F
 def test_fp8_matches_twin(activation, hidden, inter, device, assert_close):
     x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
                                                            torch.float32, device, seed=1)
     x_fp8, x_scale = quantize_fp8_per_128(x_RD.nan_to_num(0.0))
-    gate_up_fp8, gate_up_scale = _quantize_block_128(gate_up)
-    down_fp8, down_scale = _quantize_block_128(down)
+    gate_up_fp8, gate_up_scale = quantize_fp8_per_block_128(gate_up)
+    down_fp8, down_scale = quantize_fp8_per_block_128(down)
     args = (x_fp8, gate_up_fp8, down_fp8, row_start_e, num_rows_e, activation)
     kwargs = dict(x_scale_RDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
     y_RD = grouped_mlp(*args, **kwargs)
