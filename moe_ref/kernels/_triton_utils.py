@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ref.errors import DeviceError, ShapeError
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_GROUP = 128
@@ -43,7 +45,7 @@ def check_device(name: str, tensor: torch.Tensor) -> None:
     """Raise a clear error when `tensor` cannot be used by a Triton kernel in this process."""
     if tensor.device.type == "cuda" or is_interpreter():
         return
-    raise RuntimeError(
+    raise DeviceError(
         f"{name} is on {tensor.device}, but Triton kernels need CUDA tensors; on a machine without a GPU "
         "set TRITON_INTERPRET=1 before importing triton (slow, for tests), or use the torch twin `*_ref`."
     )
@@ -51,7 +53,7 @@ def check_device(name: str, tensor: torch.Tensor) -> None:
 
 def check_contiguous(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (got shape {tuple(tensor.shape)}, strides {tensor.stride()})")
+        raise ShapeError(f"{name} must be contiguous (got shape {tuple(tensor.shape)}, strides {tensor.stride()})")
 
 
 def launch_options(fp_fusion: bool) -> dict:

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ref.errors import DTypeError, ShapeError
+
 from moe_ref.kernels._triton_utils import check_device, is_interpreter, launch_options
 
 __all__ = ["combine_reduce", "combine_reduce_ref"]
@@ -63,22 +65,22 @@ def _combine_reduce_kernel(
 
 def _check_args(combine_KCD, topk_ids_TK, topk_weights_TK, shared_TD, out_dtype) -> torch.dtype:
     if combine_KCD.dim() != 3:
-        raise ValueError(f"combine_KCD must be [K, C, D], got {tuple(combine_KCD.shape)}")
+        raise ShapeError(f"combine_KCD must be [K, C, D], got {tuple(combine_KCD.shape)}")
     num_topk, capacity, hidden = combine_KCD.shape
     if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[1] != num_topk or topk_ids_TK.dtype != torch.int64:
-        raise ValueError(f"topk_ids_TK must be int64 [T, {num_topk}], got {tuple(topk_ids_TK.shape)} {topk_ids_TK.dtype}")
+        raise DTypeError(f"topk_ids_TK must be int64 [T, {num_topk}], got {tuple(topk_ids_TK.shape)} {topk_ids_TK.dtype}")
     num_tokens = topk_ids_TK.shape[0]
     if num_tokens > capacity:
-        raise ValueError(f"{num_tokens=} exceeds the combine buffer's {capacity=} rows")
+        raise ShapeError(f"{num_tokens=} exceeds the combine buffer's {capacity=} rows")
     if tuple(topk_weights_TK.shape) != (num_tokens, num_topk) or topk_weights_TK.dtype != torch.float32:
-        raise ValueError(f"topk_weights_TK must be fp32 [{num_tokens}, {num_topk}], got "
+        raise DTypeError(f"topk_weights_TK must be fp32 [{num_tokens}, {num_topk}], got "
                          f"{tuple(topk_weights_TK.shape)} {topk_weights_TK.dtype}")
     if shared_TD is not None and tuple(shared_TD.shape) != (num_tokens, hidden):
-        raise ValueError(f"shared_TD must be [{num_tokens}, {hidden}], got {tuple(shared_TD.shape)}")
+        raise ShapeError(f"shared_TD must be [{num_tokens}, {hidden}], got {tuple(shared_TD.shape)}")
     for name, tensor in (("combine_KCD", combine_KCD), ("topk_ids_TK", topk_ids_TK),
                          ("topk_weights_TK", topk_weights_TK), ("shared_TD", shared_TD)):
         if tensor is not None and tensor.numel() > 0 and tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension, got strides {tensor.stride()}")
+            raise ShapeError(f"{name} must have a contiguous last dimension, got strides {tensor.stride()}")
     return combine_KCD.dtype if out_dtype is None else out_dtype
 
 

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moe_ref.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
+
 from moe_ref.kernels._triton_utils import (
     FP8_DTYPE,
     check_device,
@@ -324,7 +326,7 @@ def _forced_options(config: triton.Config) -> dict:
     unknown = set(config.kwargs) - set(_META_KEYS) - {"GROUP_M"}
     missing = set(_META_KEYS) - set(config.kwargs)
     if unknown or missing:
-        raise ValueError(f"config needs {_META_KEYS} (+ optional GROUP_M); {missing=} {unknown=}")
+        raise InvalidConfigError(f"config needs {_META_KEYS} (+ optional GROUP_M); {missing=} {unknown=}")
     options = dict(config.kwargs)
     if is_interpreter():
         return options  # the interpreter has no compile options
@@ -377,7 +379,7 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
         options = _forced_options(config)  # checks the meta keys first
         error = _config_error(config, fp8=fp8, quant_out=quant_out)
         if error:
-            raise ValueError(f"forced config {config}: {error}")
+            raise InvalidConfigError(f"forced config {config}: {error}")
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
         return _grouped_gemm_kernel[grid(options)](*args, **flags, **options, **extra)
     if is_interpreter():
@@ -390,19 +392,19 @@ def _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_row
                 x_scale_RDb, gate_up_scale, down_scale) -> bool:
     """Validate shapes/dtypes; returns whether this is the fp8 path."""
     if activation not in ("silu", "situ"):
-        raise ValueError(f"{activation=} must be 'silu' or 'situ'")
+        raise UnknownNameError(f"{activation=} must be 'silu' or 'situ'")
     if x_RD.dim() != 2 or gate_up_weight_e2FD.dim() != 3 or down_weight_eDF.dim() != 3:
-        raise ValueError(f"expected x_RD [R, D], gate_up [e, 2F, D], down [e, D, F]; got {tuple(x_RD.shape)}, "
+        raise ShapeError(f"expected x_RD [R, D], gate_up [e, 2F, D], down [e, D, F]; got {tuple(x_RD.shape)}, "
                          f"{tuple(gate_up_weight_e2FD.shape)}, {tuple(down_weight_eDF.shape)}")
     _, hidden = x_RD.shape
     num_experts, two_f, hidden_w = gate_up_weight_e2FD.shape
     inter = two_f // 2
     if two_f % 2 or hidden_w != hidden or tuple(down_weight_eDF.shape) != (num_experts, hidden, inter):
-        raise ValueError(f"weight shapes disagree: {tuple(x_RD.shape)=}, {tuple(gate_up_weight_e2FD.shape)=}, "
+        raise ShapeError(f"weight shapes disagree: {tuple(x_RD.shape)=}, {tuple(gate_up_weight_e2FD.shape)=}, "
                          f"{tuple(down_weight_eDF.shape)=} (want gate_up [e, 2F, D], down [e, D, F])")
     for name, tensor in (("row_start_e", row_start_e), ("num_rows_e", num_rows_e)):
         if tuple(tensor.shape) != (num_experts,) or tensor.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32/int64 [{num_experts}], got {tuple(tensor.shape)} {tensor.dtype}")
+            raise DTypeError(f"{name} must be int32/int64 [{num_experts}], got {tuple(tensor.shape)} {tensor.dtype}")
     fp8 = x_RD.dtype == FP8_DTYPE
     if fp8:
         expected = {
@@ -413,14 +415,14 @@ def _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_row
         for name, (tensor, shape) in expected.items():
             if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
                 got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
-                raise ValueError(f"fp8 grouped_mlp needs {name} fp32 {shape}, got {got}")
+                raise DTypeError(f"fp8 grouped_mlp needs {name} fp32 {shape}, got {got}")
         if gate_up_weight_e2FD.dtype != FP8_DTYPE or down_weight_eDF.dtype != FP8_DTYPE:
-            raise ValueError(f"fp8 x_RD needs fp8 weights, got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
+            raise DTypeError(f"fp8 x_RD needs fp8 weights, got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
     else:
         if x_RD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"x_RD must be bf16/fp16/fp32 or {FP8_DTYPE}, got {x_RD.dtype}")
+            raise DTypeError(f"x_RD must be bf16/fp16/fp32 or {FP8_DTYPE}, got {x_RD.dtype}")
         if gate_up_weight_e2FD.dtype != x_RD.dtype or down_weight_eDF.dtype != x_RD.dtype:
-            raise ValueError(f"weights must match {x_RD.dtype=}: got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
+            raise DTypeError(f"weights must match {x_RD.dtype=}: got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
     return fp8
 
 
@@ -477,7 +479,7 @@ def grouped_mlp(
                "x_scale_RDb": x_scale_RDb, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
     for name, tensor in tensors.items():
         if tensor is not None and not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (strides {tensor.stride()})")
+            raise ShapeError(f"{name} must be contiguous (strides {tensor.stride()})")
     row_start_e = row_start_e.contiguous()
     num_rows_e = num_rows_e.contiguous()
     rows_hint = num_rows if num_rows_hint is None else num_rows_hint

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ref.errors import DTypeError, ShapeError
+
 from moe_ref.kernels._triton_utils import (
     FP8_DTYPE,
     check_device,
@@ -101,18 +103,18 @@ def _check_args(x_TD, topk_ids_TK, topk_weights_TK, buf_x_CD, buf_x_scale_CDb, b
                 buf_topk_weights_CK, num_rows_per_expert_E) -> bool:
     """Validate shapes/dtypes; returns whether the buffer is fp8 (quantizing)."""
     if x_TD.dim() != 2 or buf_x_CD.dim() != 2:
-        raise ValueError(f"x_TD and buf_x_CD must be 2-D, got {tuple(x_TD.shape)=}, {tuple(buf_x_CD.shape)=}")
+        raise ShapeError(f"x_TD and buf_x_CD must be 2-D, got {tuple(x_TD.shape)=}, {tuple(buf_x_CD.shape)=}")
     num_tokens, hidden = x_TD.shape
     capacity = buf_x_CD.shape[0]
     if buf_x_CD.shape[1] != hidden:
-        raise ValueError(f"hidden size mismatch: {tuple(x_TD.shape)=} vs {tuple(buf_x_CD.shape)=}")
+        raise ShapeError(f"hidden size mismatch: {tuple(x_TD.shape)=} vs {tuple(buf_x_CD.shape)=}")
     if num_tokens > capacity:
-        raise ValueError(
+        raise ShapeError(
             f"pre_dispatch: {num_tokens=} rows do not fit the send buffer ({capacity=} rows per rank); "
             "raise num_max_tokens_per_rank or use overflow='chunk'"
         )
     if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids_TK must be [T, K] with {num_tokens=}, got {tuple(topk_ids_TK.shape)}")
+        raise ShapeError(f"topk_ids_TK must be [T, K] with {num_tokens=}, got {tuple(topk_ids_TK.shape)}")
     num_topk = topk_ids_TK.shape[1]
     for name, tensor, rows, dtype in (
         ("topk_ids_TK", topk_ids_TK, num_tokens, torch.int64),
@@ -121,26 +123,26 @@ def _check_args(x_TD, topk_ids_TK, topk_weights_TK, buf_x_CD, buf_x_scale_CDb, b
         ("buf_topk_weights_CK", buf_topk_weights_CK, capacity, torch.float32),
     ):
         if tuple(tensor.shape) != (rows, num_topk) or tensor.dtype != dtype:
-            raise ValueError(f"{name} must be [{rows}, {num_topk}] {dtype}, got {tuple(tensor.shape)} {tensor.dtype}")
+            raise DTypeError(f"{name} must be [{rows}, {num_topk}] {dtype}, got {tuple(tensor.shape)} {tensor.dtype}")
     if num_rows_per_expert_E.dim() != 1 or num_rows_per_expert_E.dtype != torch.int32:
-        raise ValueError(f"num_rows_per_expert_E must be int32 [E], got {tuple(num_rows_per_expert_E.shape)} "
+        raise DTypeError(f"num_rows_per_expert_E must be int32 [E], got {tuple(num_rows_per_expert_E.shape)} "
                          f"{num_rows_per_expert_E.dtype}")
     quant_fp8 = buf_x_CD.dtype == FP8_DTYPE
     if not quant_fp8 and buf_x_CD.dtype != x_TD.dtype:
-        raise ValueError(f"buf_x_CD dtype must equal x_TD dtype or be {FP8_DTYPE}, got {buf_x_CD.dtype=}, {x_TD.dtype=}")
+        raise DTypeError(f"buf_x_CD dtype must equal x_TD dtype or be {FP8_DTYPE}, got {buf_x_CD.dtype=}, {x_TD.dtype=}")
     if quant_fp8:
         if x_TD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"fp8 pre-dispatch needs a bf16/fp16/fp32 x_TD, got {x_TD.dtype}")
+            raise DTypeError(f"fp8 pre-dispatch needs a bf16/fp16/fp32 x_TD, got {x_TD.dtype}")
         expected = (capacity, num_fp8_groups(hidden))
         if buf_x_scale_CDb is None or tuple(buf_x_scale_CDb.shape) != expected or buf_x_scale_CDb.dtype != torch.float32:
             got = None if buf_x_scale_CDb is None else (tuple(buf_x_scale_CDb.shape), buf_x_scale_CDb.dtype)
-            raise ValueError(f"fp8 buf_x_CD needs buf_x_scale_CDb fp32 {expected}, got {got}")
+            raise DTypeError(f"fp8 buf_x_CD needs buf_x_scale_CDb fp32 {expected}, got {got}")
     for name, tensor in (("x_TD", x_TD), ("buf_x_CD", buf_x_CD), ("buf_x_scale_CDb", buf_x_scale_CDb),
                          ("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK),
                          ("buf_topk_ids_CK", buf_topk_ids_CK), ("buf_topk_weights_CK", buf_topk_weights_CK),
                          ("num_rows_per_expert_E", num_rows_per_expert_E)):
         if tensor is not None and tensor.numel() > 0 and tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension, got strides {tensor.stride()}")
+            raise ShapeError(f"{name} must have a contiguous last dimension, got strides {tensor.stride()}")
     return quant_fp8
 
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ref.errors import DTypeError, GroupConfigError, ShapeError, TopKError, UnknownNameError
+
 from moe_ref.kernels._triton_utils import check_device, div_rn, is_interpreter, launch_options
 
 __all__ = ["router_topk", "router_topk_ref"]
@@ -122,26 +124,26 @@ def _router_topk_kernel(
 
 def _check_args(logits_TE, num_topk, scoring, bias_E, num_groups, num_topk_groups) -> None:
     if logits_TE.dim() != 2:
-        raise ValueError(f"logits_TE must be [T, E], got {tuple(logits_TE.shape)}")
+        raise ShapeError(f"logits_TE must be [T, E], got {tuple(logits_TE.shape)}")
     if not logits_TE.is_floating_point():
-        raise ValueError(f"logits_TE must be a float tensor, got {logits_TE.dtype}")
+        raise DTypeError(f"logits_TE must be a float tensor, got {logits_TE.dtype}")
     num_experts = logits_TE.shape[1]
     if scoring not in _SCORING:
-        raise ValueError(f"{scoring=} must be one of {sorted(_SCORING)}")
+        raise UnknownNameError(f"{scoring=} must be one of {sorted(_SCORING)}")
     if not 1 <= num_topk <= num_experts:
-        raise ValueError(f"{num_topk=} must be in [1, {num_experts=}]")
+        raise TopKError(f"{num_topk=} must be in [1, {num_experts=}]")
     if bias_E is not None and tuple(bias_E.shape) != (num_experts,):
-        raise ValueError(f"bias_E must be [{num_experts}], got {tuple(bias_E.shape)}")
+        raise ShapeError(f"bias_E must be [{num_experts}], got {tuple(bias_E.shape)}")
     if num_groups < 1 or num_experts % num_groups != 0:
-        raise ValueError(f"{num_groups=} must divide {num_experts=}")
+        raise GroupConfigError(f"{num_groups=} must divide {num_experts=}")
     if not 1 <= num_topk_groups <= num_groups:
-        raise ValueError(f"{num_topk_groups=} must be in [1, {num_groups=}]")
+        raise GroupConfigError(f"{num_topk_groups=} must be in [1, {num_groups=}]")
     if num_groups > 1:
         group_size = num_experts // num_groups
         if group_size < 2:
-            raise ValueError(f"grouped routing needs >= 2 experts per group, got {num_experts=} / {num_groups=}")
+            raise GroupConfigError(f"grouped routing needs >= 2 experts per group, got {num_experts=} / {num_groups=}")
         if num_topk > num_topk_groups * group_size:
-            raise ValueError(f"{num_topk=} exceeds the experts in the kept groups ({num_topk_groups=} x {group_size=})")
+            raise GroupConfigError(f"{num_topk=} exceeds the experts in the kept groups ({num_topk_groups=} x {group_size=})")
 
 
 def router_topk(
