@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from moe_ref.experts import ExpertLayout  # noqa: E402
 from moe_ref.kernels.fp8 import quantize_fp8_per_block_128  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
 
@@ -70,12 +71,10 @@ class Case:
 # inputs
 # ------------------------------------------------------------------------------------------------
 def _layout(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    starts, row = [], 0
-    for count in counts:
-        starts.append(row)
-        row += -(-count // ALIGN) * ALIGN
-    return (torch.tensor(starts, dtype=torch.int64, device=device),
-            torch.tensor(counts, dtype=torch.int32, device=device), max(row, ALIGN))
+    """(row_start_e int64, num_rows_e int32, pool rows): segments packed by ``ExpertLayout.from_counts``."""
+    layout = ExpertLayout.from_counts(torch.tensor(counts, dtype=torch.int64), ALIGN)
+    return (layout.row_start_e.to(device), layout.num_rows_e.to(device=device, dtype=torch.int32),
+            max(layout.num_pool_rows, ALIGN))
 
 
 def _make_case(model: str, num_rows: int, weights: tuple, seed: int, with_fp8: bool) -> Case:

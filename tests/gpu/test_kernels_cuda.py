@@ -8,6 +8,7 @@ on a machine that runs the interpreter tier.
 import pytest
 import torch
 
+from moe_ref.experts import ExpertLayout
 from moe_ref.testing import calc_diff
 
 pytestmark = [
@@ -22,12 +23,10 @@ DIFF_LIMIT = {torch.bfloat16: 1e-4, torch.float16: 1e-5, "fp8": 1e-3}
 
 
 def _layout(counts, device="cuda"):
-    starts, row = [], 0
-    for count in counts:
-        starts.append(row)
-        row += -(-count // ALIGN) * ALIGN
-    return (torch.tensor(starts, dtype=torch.int64, device=device),
-            torch.tensor(counts, dtype=torch.int32, device=device), max(row, ALIGN))
+    """(row_start_e int64, num_rows_e int32, pool rows): segments packed by ``ExpertLayout.from_counts``."""
+    layout = ExpertLayout.from_counts(torch.tensor(counts, dtype=torch.int64), ALIGN)
+    return (layout.row_start_e.to(device), layout.num_rows_e.to(device=device, dtype=torch.int32),
+            max(layout.num_pool_rows, ALIGN))
 
 
 # name -> (rows per expert, hidden D, intermediate F)
