@@ -19,6 +19,8 @@ from typing import Any, Mapping
 
 from moe_ref.errors import (
     ConfigError,
+    ConfigFieldError,
+    ConfigFileError,
     ExpertsNotDivisibleError,
     GroupConfigError,
     InvalidConfigError,
@@ -145,95 +147,195 @@ class MoEConfig:
         ``latent_moe_dim``, ``hidden_act: situ``. Step3: ``moe_num_experts``, ``moe_top_k``,
         ``norm_expert_weight``, ``share_expert_dim``, ``moe_layers_enum`` (softmax router).
         """
-        raw = _read_json(path_or_dict)
-        kwargs = hf_config_to_fields(raw)
+        raw = read_hf_config_json(path_or_dict)
+        kwargs = hf_config_to_fields(raw, source=_source(path_or_dict))
         return cls(**kwargs) if validate else cls.unchecked(**kwargs)
 
 
-def _read_json(path_or_dict) -> dict:
+def _source(path_or_dict) -> str:
+    """The config's file for messages (``<dict>`` for a dict)."""
+    if isinstance(path_or_dict, (str, os.PathLike)):
+        path = Path(path_or_dict)
+        return str(path / "config.json" if path.is_dir() else path)
+    return "<dict>"
+
+
+def read_hf_config_json(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict:
+    """The config dict of a config.json path, the folder holding it, or a dict.
+
+    Raises ``ConfigFileError`` (CFG010) naming the file: None or another type given, a missing file,
+    a file that is not JSON, or JSON that is not an object.
+    """
     if isinstance(path_or_dict, Mapping):
         return dict(path_or_dict)
+    if not isinstance(path_or_dict, (str, os.PathLike)):
+        raise ConfigFileError(
+            f"the model config is {path_or_dict!r} ({type(path_or_dict).__name__}); pass a MoEConfig, a preset name, "
+            f"the path of config.json (or its folder) or its dict, e.g. MoEConfig.from_hf_config('<model dir>')")
     path = Path(path_or_dict)
     if path.is_dir():
         path = path / "config.json"
-    if not path.exists():
-        raise InvalidConfigError(f"config file {str(path)!r} does not exist")
-    with open(path) as f:
-        return json.load(f)
+    if not path.is_file():
+        raise ConfigFileError(f"config file {str(path)!r} does not exist; pass the config.json that came with the "
+                              f"checkpoint (or its folder)", path=str(path))
+    try:
+        raw = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigFileError(f"config file {str(path)!r} is not valid JSON ({err}); restore it from the model's "
+                              f"published config.json", path=str(path)) from None
+    if not isinstance(raw, dict):
+        raise ConfigFileError(f"config file {str(path)!r} holds a JSON {type(raw).__name__}, not an object "
+                              f"({{\"hidden_size\": ..., ...}}); restore it from the model's published config.json",
+                              path=str(path))
+    return raw
 
 
-def _first(d: Mapping, *names, default=None):
-    for name in names:
-        if name in d and d[name] is not None:
-            return d[name]
-    return default
+class _Fields:
+    """Typed reads of an HF config dict; every bad value raises ``ConfigFieldError`` (CFG011) naming the file,
+    the key, what was found and the fix."""
+
+    def __init__(self, d: Mapping[str, Any], source: str):
+        self.d, self.source = d, source
+
+    def _raw(self, names: tuple[str, ...]):
+        """(key, value) of the first of ``names`` present with a non-null value, else (None, None)."""
+        for name in names:
+            if self.d.get(name) is not None:
+                return name, self.d[name]
+        return None, None
+
+    def _bad(self, key: str, value, want: str) -> ConfigFieldError:
+        return ConfigFieldError(f"{self.source}: {key!r} is {json.dumps(value)} ({type(value).__name__}); it must be "
+                                f"{want}: fix it in the file (e.g. from the model's published config.json)",
+                                field=key, path=self.source)
+
+    def required_int(self, *names: str, what: str) -> int:
+        key, value = self._raw(names)
+        if key is None:
+            null = [name for name in names if name in self.d]
+            found = (f"{null[0]!r} is null" if null else f"{names[0]!r} is missing" if len(names) == 1
+                     else f"none of {', '.join(repr(n) for n in names)} is present")
+            raise ConfigFieldError(f"{self.source}: {found}; the config needs {what} as a JSON integer (e.g. "
+                                   f"\"{names[0]}\": 7168): fix it in the file", field=names[0], path=self.source)
+        return self._int(key, value)
+
+    def optional_int(self, *names: str, default: int | None = None) -> int | None:
+        key, value = self._raw(names)
+        return default if key is None else self._int(key, value)
+
+    def _int(self, key: str, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._bad(key, value, "a JSON integer (write 7168, not \"7168\" or 7168.5)")
+        return value
+
+    def number(self, *names: str, default: float) -> float:
+        key, value = self._raw(names)
+        if key is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._bad(key, value, "a JSON number")
+        return float(value)
+
+    def boolean(self, *names: str, default: bool) -> bool:
+        key, value = self._raw(names)
+        if key is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._bad(key, value, "true or false")
+        return value
+
+    def string(self, *names: str, default: str | None) -> str | None:
+        key, value = self._raw(names)
+        if key is None:
+            return default
+        if not isinstance(value, str):
+            raise self._bad(key, value, "a JSON string")
+        return value
 
 
-def hf_config_to_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Map an HF config dict (any supported family) to ``MoEConfig`` keyword arguments."""
-    model_type = str(raw.get("model_type", ""))
-    d = {**raw, **raw["text_config"]} if isinstance(raw.get("text_config"), Mapping) else dict(raw)
-    model_type = model_type or str(d.get("model_type", ""))
-    num_experts = _first(d, "n_routed_experts", "num_experts", "moe_num_experts", "num_local_experts")
-    num_topk = _first(d, "num_experts_per_tok", "num_experts_per_token", "moe_top_k")
-    if num_experts is None or num_topk is None:
+def hf_config_to_fields(raw: Mapping[str, Any], source: str = "<dict>") -> dict[str, Any]:
+    """Map an HF config dict (any supported family) to ``MoEConfig`` keyword arguments.
+
+    Args:
+        raw: the parsed config.json.
+        source: where it came from, for messages.
+
+    Raises:
+        ConfigFieldError (CFG011) for a missing, null or mistyped field; InvalidConfigError (CFG007) when the
+        config has no routed experts at all.
+    """
+    text_config = raw.get("text_config")
+    d = {**raw, **text_config} if isinstance(text_config, Mapping) else dict(raw)
+    f = _Fields(d, source)
+    model_type = f.string("model_type", default="")
+    expert_keys, topk_keys = ("n_routed_experts", "num_experts", "moe_num_experts", "num_local_experts"), \
+        ("num_experts_per_tok", "num_experts_per_token", "moe_top_k")
+    if all(d.get(k) is None for k in expert_keys) and all(d.get(k) is None for k in topk_keys):
         raise InvalidConfigError(
-            "config has no routed-expert count or top-k (looked for n_routed_experts/num_experts/"
+            f"{source}: config has no routed-expert count or top-k (looked for n_routed_experts/num_experts/"
             "moe_num_experts and num_experts_per_tok/num_experts_per_token/moe_top_k); is it an MoE model?")
+    num_experts = f.required_int(*expert_keys, what="the routed-expert count")
+    num_topk = f.required_int(*topk_keys, what="the experts per token (top-k)")
     is_step3 = model_type.startswith("step3") or "moe_num_experts" in d
-    is_k3 = model_type == "kimi_k3" or bool(d.get("use_latent_moe"))
+    use_latent = f.boolean("use_latent_moe", default=model_type == "kimi_k3")
+    is_k3 = model_type == "kimi_k3" or use_latent
     family = ("step3" if is_step3 else "kimi_k3" if is_k3 else "kimi_k2" if model_type == "kimi_k2"
               else "deepseek_v3" if model_type == "deepseek_v3" else "custom")
     # transformers' own DeepseekV3Config.to_dict() omits scoring_func: the family's router is sigmoid.
     default_scoring = "sigmoid" if family in ("deepseek_v3", "kimi_k2", "kimi_k3") else "softmax"
-    scoring = _first(d, "scoring_func", "moe_router_activation_func", default=default_scoring)
-    topk_method = _first(d, "topk_method", default="noaux_tc" if is_k3 else None)
-    moe_intermediate = _first(d, "moe_intermediate_size")
-    if moe_intermediate is None:
-        raise InvalidConfigError("config has no moe_intermediate_size")
+    scoring = f.string("scoring_func", "moe_router_activation_func", default=default_scoring)
+    topk_method = f.string("topk_method", default="noaux_tc" if is_k3 else None)
+    moe_intermediate = f.required_int("moe_intermediate_size", what="the routed expert's intermediate size")
     if is_step3:
-        num_shared = 1 if _first(d, "share_expert_dim", default=0) else 0
-        shared_size = int(_first(d, "share_expert_dim", default=0))
-        renorm = bool(_first(d, "norm_expert_weight", default=False))
+        shared_size = f.optional_int("share_expert_dim", default=0)
+        num_shared = 1 if shared_size else 0
+        renorm = f.boolean("norm_expert_weight", default=False)
     else:
-        num_shared = int(_first(d, "n_shared_experts", "num_shared_experts", default=0))
-        shared_size = num_shared * int(moe_intermediate)
-        renorm = bool(_first(d, "norm_topk_prob", "moe_renormalize", default=scoring == "sigmoid"))
-    latent_dim = _first(d, "latent_moe_dim", "routed_expert_hidden_size", "latent_dim") if (is_k3 and d.get("use_latent_moe", True)) else None
+        num_shared = f.optional_int("n_shared_experts", "num_shared_experts", default=0)
+        shared_size = num_shared * moe_intermediate
+        renorm = f.boolean("norm_topk_prob", "moe_renormalize", default=scoring == "sigmoid")
+    latent_dim = f.optional_int("latent_moe_dim", "routed_expert_hidden_size", "latent_dim") if (is_k3 and use_latent) \
+        else None
     return dict(
-        num_experts=int(num_experts),
-        num_topk=int(num_topk),
-        hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(moe_intermediate),
-        scoring=str(scoring),
+        num_experts=num_experts,
+        num_topk=num_topk,
+        hidden_size=f.required_int("hidden_size", what="the hidden size"),
+        intermediate_size=moe_intermediate,
+        scoring=scoring,
         use_selection_bias=scoring == "sigmoid" and topk_method in ("noaux_tc", None) and not is_step3,
         renormalize=renorm,
-        num_groups=int(_first(d, "n_group", "num_expert_group", default=1)),
-        num_topk_groups=int(_first(d, "topk_group", default=1)),
-        routed_scaling_factor=float(_first(d, "routed_scaling_factor", default=1.0)),
-        activation=str(_first(d, "hidden_act", default="silu")).lower(),
-        situ_beta=float(_first(d, "activation_situ_beta", default=4.0)),
-        situ_linear_beta=float(_first(d, "activation_situ_linear_beta", default=25.0)),
+        num_groups=f.optional_int("n_group", "num_expert_group", default=1),
+        num_topk_groups=f.optional_int("topk_group", default=1),
+        routed_scaling_factor=f.number("routed_scaling_factor", default=1.0),
+        activation=f.string("hidden_act", default="silu").lower(),
+        situ_beta=f.number("activation_situ_beta", default=4.0),
+        situ_linear_beta=f.number("activation_situ_linear_beta", default=25.0),
         num_shared_experts=num_shared,
         shared_intermediate_size=shared_size,
-        latent_dim=int(latent_dim) if latent_dim else None,
-        latent_norm=bool(_first(d, "latent_moe_use_norm", default=True)),
-        rms_norm_eps=float(_first(d, "rms_norm_eps", default=1e-6)),
+        latent_dim=latent_dim or None,
+        latent_norm=f.boolean("latent_moe_use_norm", default=True),
+        rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
         family=family,
         name=str(raw.get("_name", model_type or "custom")),
-        moe_layers=_moe_layers(d, is_step3),
+        moe_layers=_moe_layers(f, is_step3),
     )
 
 
-def _moe_layers(d: Mapping, is_step3: bool) -> tuple[int, ...]:
-    num_layers = d.get("num_hidden_layers")
-    if is_step3 and d.get("moe_layers_enum"):
-        return tuple(int(i) for i in str(d["moe_layers_enum"]).split(",") if i.strip())
+def _moe_layers(f: _Fields, is_step3: bool) -> tuple[int, ...]:
+    num_layers = f.optional_int("num_hidden_layers")
+    layers_enum = f.string("moe_layers_enum", default=None) if is_step3 else None
+    if layers_enum:
+        try:
+            return tuple(int(i) for i in layers_enum.split(",") if i.strip())
+        except ValueError:
+            raise f._bad("moe_layers_enum", layers_enum, "comma-separated layer numbers (\"4,5,6\")") from None
     if num_layers is None:
         return ()
-    first_dense = int(d.get("first_k_dense_replace", 0))
-    freq = int(d.get("moe_layer_freq", 1))
-    return tuple(i for i in range(first_dense, int(num_layers)) if (i - first_dense) % freq == 0)
+    first_dense = f.optional_int("first_k_dense_replace", default=0)
+    freq = f.optional_int("moe_layer_freq", default=1)
+    if freq < 1:
+        raise f._bad("moe_layer_freq", freq, "a positive integer")
+    return tuple(i for i in range(first_dense, num_layers) if (i - first_dense) % freq == 0)
 
 
 @dataclass(frozen=True)
