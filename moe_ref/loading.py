@@ -44,20 +44,24 @@ import difflib
 import json
 import os
 import re
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moe_ref.config import MoEConfig
 from moe_ref.errors import (
     CheckpointNotFoundError,
+    CorruptIndexError,
+    CorruptSafetensorsError,
     DTypeError,
     InvalidConfigError,
+    MissingShardError,
     MissingTensorError,
     TensorShapeMismatchError,
+    UnsafeShardPathError,
     UnsupportedCheckpointError,
 )
 from moe_ref.weights import MoEWeights
@@ -178,13 +182,7 @@ class CheckpointReader:
             raise CheckpointNotFoundError(f"checkpoint path {str(path)!r} does not exist", path=str(path))
         index = path / INDEX_FILE
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            missing = sorted({f for f in weight_map.values() if not (path / f).exists()})
-            if missing:
-                raise CheckpointNotFoundError(
-                    f"{str(index)!r} names shard files that are missing: {missing[:4]}"
-                    f"{' ...' if len(missing) > 4 else ''}; download/copy every shard", path=str(path))
-            return {name: path / f for name, f in weight_map.items()}
+            return _index_weight_map(path, index)
         files = [path / SINGLE_FILE] if (path / SINGLE_FILE).exists() else sorted(path.glob("*.safetensors"))
         if not files:
             found = sorted(p.name for p in path.iterdir())[:8]
@@ -196,7 +194,8 @@ class CheckpointReader:
     def _handle(self, name: str):
         file = self.file_of[name]
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            with _corrupt_file_errors(file):
+                self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
         return self._handles[file]
 
     def __contains__(self, name: str) -> bool:
@@ -213,11 +212,15 @@ class CheckpointReader:
         return self._handle(name).get_slice(name).get_dtype()
 
     def read(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        handle = self._handle(name)
+        with _corrupt_file_errors(self.file_of[name]):
+            return handle.get_tensor(name)
 
     def read_rows(self, name: str, first: int, count: int) -> torch.Tensor:
         """Rows ``[first, first + count)`` of dim 0, reading only those bytes."""
-        return self._handle(name).get_slice(name)[first:first + count]
+        handle = self._handle(name)
+        with _corrupt_file_errors(self.file_of[name]):
+            return handle.get_slice(name)[first:first + count]
 
     def describe_files(self, limit: int = 3) -> str:
         names = [str(f) for f in self.files[:limit]]
@@ -226,8 +229,49 @@ class CheckpointReader:
 
 
 def _keys(file: Path) -> list[str]:
-    with safe_open(str(file), framework="pt", device="cpu") as handle:
+    with _corrupt_file_errors(file), safe_open(str(file), framework="pt", device="cpu") as handle:
         return list(handle.keys())
+
+
+@contextmanager
+def _corrupt_file_errors(file: Path):
+    """Turn safetensors' header/data errors on ``file`` into ``CorruptSafetensorsError`` (LOAD010) naming it."""
+    try:
+        yield
+    except (SafetensorError, OSError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        size = file.stat().st_size if file.exists() else 0
+        raise CorruptSafetensorsError(
+            f"{str(file)!r} ({size} bytes) is truncated or not a safetensors file ({type(err).__name__}: {err}); "
+            f"download it again", path=str(file)) from None
+
+
+def _index_weight_map(folder: Path, index: Path) -> dict[str, Path]:
+    """``{tensor name: shard path}`` of ``index``, every shard a file inside ``folder``.
+
+    Raises CorruptIndexError (LOAD012), UnsafeShardPathError (LOAD013), MissingShardError (LOAD011).
+    """
+    try:
+        weight_map = json.loads(index.read_bytes()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise CorruptIndexError(f"{str(index)!r} is not a JSON object with a 'weight_map' ({err}); download it "
+                                f"again, or delete it to read every *.safetensors file of the folder",
+                                path=str(index)) from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CorruptIndexError(f"{str(index)!r}: 'weight_map' must map tensor names to shard file names, got "
+                                f"{str(weight_map)[:120]}; download it again", path=str(index))
+    root = folder.resolve()
+    outside = sorted({f for f in weight_map.values() if not (root / f).resolve().is_relative_to(root)})
+    if outside:
+        raise UnsafeShardPathError(f"{str(index)!r} names shard files outside the checkpoint folder {str(root)!r}: "
+                                   f"{outside[:4]}; shards must be file names inside the folder", path=str(index))
+    missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+    if missing:
+        raise MissingShardError(
+            f"{str(index)!r} names shard files that are missing: {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''}; download/copy every shard", path=str(folder))
+    return {name: folder / f for name, f in weight_map.items()}
 
 
 # --- the loader ------------------------------------------------------------------------------------------

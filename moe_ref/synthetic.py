@@ -2,12 +2,14 @@
 
     MoEConfig --MoEWeights.random(seed)--> canonical tensors
       --split into the family's checkpoint names (moe_ref.loading.layer_names)-->
-      config.json + model.safetensors  (or model-0000i-of-0000n.safetensors + model.safetensors.index.json)
+      (quant=...: routed experts quantized and stored as the published checkpoints store them, moe_ref.quant)
+      config.json (+ quantization_config) + model.safetensors  (or shards + model.safetensors.index.json)
 
 Used by the loader's tests, the HF parity tests and ``moe-ref demo``. Shape legend as in ``moe_ref.weights``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -18,16 +20,42 @@ from safetensors.torch import save_file
 from moe_ref.config import MoEConfig, hf_config_dict
 from moe_ref.errors import InvalidConfigError
 from moe_ref.loading import INDEX_FILE, SINGLE_FILE, LayerNames, layer_names
+from moe_ref.quant import GROUP_SIZE, QuantFormat, QuantSpec, dequantize_weight, quantize_weight
 from moe_ref.weights import MoEWeights
 
 # the prefix each family's published checkpoints use before the layer number
 FAMILY_PREFIX = {"kimi_k3": "language_model.layers."}
 DEFAULT_PREFIX = "model.layers."
 
+# quantization_config as the published checkpoints write it: DeepSeek-V3/R1 and Kimi-K2-Instruct (fp8),
+# Kimi-K2-Thinking/K2.5 (compressed-tensors pack-quantized int4), Kimi-K3 (compressed-tensors mxfp4).
+_CT_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
+QUANTIZATION_CONFIGS = {
+    QuantFormat.FP8_BLOCK: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+    QuantFormat.INT4_GROUP: {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "input_activations": None,
+                                      "output_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                  "group_size": GROUP_SIZE, "dynamic": False, "actorder": None,
+                                                  "observer": "minmax", "block_structure": None}}},
+        "ignore": _CT_IGNORE, "kv_cache_scheme": None},
+    QuantFormat.MXFP4: {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": "mxfp4-pack-quantized",
+                                      "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": 4, "type": "float", "symmetric": True,
+                                                  "strategy": "group", "group_size": GROUP_SIZE, "dynamic": False,
+                                                  "observer": "minmax"}}},
+        "ignore": _CT_IGNORE + ["re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"], "kv_cache_scheme": None},
+}
+
 
 def write_synthetic_checkpoint(
     out_dir: str | os.PathLike, cfg: MoEConfig, *, layer_idx: int = 0, seed: int = 0,
-    dtype: torch.dtype = torch.bfloat16, layout: str = "hub", num_shards: int = 1,
+    dtype: torch.dtype = torch.bfloat16, layout: str = "hub", num_shards: int = 1, quant: str | None = None,
+    prefix: str | None = None,
 ) -> MoEWeights:
     """Write ``config.json`` and the safetensors of MoE layer ``layer_idx`` with seeded random weights.
 
@@ -43,21 +71,63 @@ def write_synthetic_checkpoint(
             ``experts.down_proj [E, D, F]``; DeepSeek-V3/Kimi-K2 only).
         num_shards: 1 writes ``model.safetensors``; more writes that many shard files plus
             ``model.safetensors.index.json`` (tensors split in name order).
+        quant: None (plain ``dtype`` weights) or a ``moe_ref.quant.QuantFormat`` value (``"fp8_block"``,
+            ``"int4_group"``, ``"mxfp4"``): the routed experts are quantized from the random weights and stored
+            under the published names/dtypes/shapes (hub layout only), with the published
+            ``quantization_config`` in config.json; everything else stays in ``dtype``.
+        prefix: the text before the layer number; default: the family's published one (e.g.
+            ``"language_model.model.layers."`` writes Kimi-K2.5's naming).
 
     Returns:
-        The ``MoEWeights`` written (all experts, tensors in ``dtype``, bias fp32), to compare a load against.
+        The ``MoEWeights`` written (all experts, tensors in ``dtype``, bias fp32), to compare a load against;
+        with ``quant``, the routed experts are the dequantized stored values in fp32 (what the checkpoint means).
     """
     if num_shards < 1:
         raise InvalidConfigError(f"num_shards={num_shards} must be >= 1", field="num_shards")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = MoEWeights.random(cfg, seed=seed, dtype=dtype)
-    prefix = FAMILY_PREFIX.get(cfg.family, DEFAULT_PREFIX)
+    prefix = FAMILY_PREFIX.get(cfg.family, DEFAULT_PREFIX) if prefix is None else prefix
     names = layer_names(cfg.family, layout, f"{prefix}{layer_idx}.")
     tensors = checkpoint_tensors(weights, cfg, names)
-    (out / "config.json").write_text(json.dumps(_config_for_layer(cfg, layer_idx), indent=1))
+    config = _config_for_layer(cfg, layer_idx)
+    if quant is not None:
+        fmt = QuantFormat(quant)
+        weights = _quantize_experts(tensors, weights, cfg, names, fmt)
+        config["quantization_config"] = QUANTIZATION_CONFIGS[fmt]
+    (out / "config.json").write_text(json.dumps(config, indent=1))
     _save_sharded(tensors, out, num_shards)
     return weights
+
+
+def _quantize_experts(tensors: dict[str, torch.Tensor], weights: MoEWeights, cfg: MoEConfig, names: LayerNames,
+                      fmt: QuantFormat) -> MoEWeights:
+    """Replace the expert weights in ``tensors`` (in place) by their stored quantized form; return ``weights``
+    with the experts dequantized (fp32) from what was stored."""
+    spec = QuantSpec(fmt, 128 if fmt == QuantFormat.FP8_BLOCK else GROUP_SIZE)
+    F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
+    if names.expert_form == "stacked_gate_up" or (fmt != QuantFormat.FP8_BLOCK and (F % GROUP_SIZE or Dx % GROUP_SIZE)) \
+            or (fmt == QuantFormat.FP8_BLOCK and F % 128):
+        raise InvalidConfigError(f"quant={fmt.value!r} needs the hub layout, and F={F}, D={Dx} multiples of "
+                                 f"{GROUP_SIZE} (int4/mxfp4) or F a multiple of 128 (fp8 blocks)", field="quant")
+    dense = {}
+    templates = (names.gate, names.up, names.down)
+    experts = [None] if names.expert_form == "stacked" else range(cfg.num_experts)
+    for template in templates:
+        for expert in experts:
+            name = template if expert is None else template.format(expert=expert)
+            stem = name[:-len(".weight")]
+            qweight, scale = quantize_weight(tensors.pop(name), fmt)
+            tensors[f"{stem}.{spec.weight_suffix}"] = qweight.contiguous()
+            tensors[f"{stem}.{spec.scale_suffix}"] = scale.contiguous()
+            if fmt == QuantFormat.INT4_GROUP:
+                tensors[f"{stem}.weight_shape"] = torch.tensor(list(qweight.shape[:-1]) + [Dx if template != names.down
+                                                                                           else F], dtype=torch.int32)
+            dense[(template, expert)] = dequantize_weight(qweight, scale, fmt)
+    stack = (lambda t: dense[(t, None)]) if names.expert_form == "stacked" else \
+        (lambda t: torch.stack([dense[(t, e)] for e in experts]))
+    return dataclasses.replace(weights, gate_up_weight_E2FD=torch.cat([stack(names.gate), stack(names.up)], dim=1),
+                               down_weight_EDF=stack(names.down))
 
 
 def checkpoint_tensors(weights: MoEWeights, cfg: MoEConfig, names: LayerNames) -> dict[str, torch.Tensor]:
