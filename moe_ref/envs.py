@@ -7,6 +7,7 @@
 | MOE_REF_TRANSPORT                  | ``auto``, ``symm``, ``a2a`` or ``local``             | auto    |
 | MOE_REF_EXPERTS_BACKEND            | ``auto``, ``torch``, ``grouped_mm``, ``triton``, ``deep_gemm`` | auto |
 | MOE_REF_SHM_DIR                    | folder for the CPU symmetric heap's files            | /dev/shm |
+| MOE_REF_DEBUG                      | ``moe-ref`` shows tracebacks of coded errors (1/0)   | off     |
 """
 from __future__ import annotations
 
@@ -44,3 +45,9 @@ def experts_backend() -> str | None:
 
 def shm_dir() -> str:
     return _get("MOE_REF_SHM_DIR") or "/dev/shm"
+
+
+def debug() -> bool:
+    """``MOE_REF_DEBUG`` set to anything but ``0``/``false``/``no``/``off``: the CLI shows tracebacks."""
+    value = _get("MOE_REF_DEBUG")
+    return value is not None and value.strip().lower() not in ("0", "false", "no", "off")

@@ -1,0 +1,279 @@
+"""``moe-ref`` and ``moe_ref.dist_check`` refuse bad flags, devices, paths and memory with one coded line.
+
+Every test calls ``main([...])`` in-process and checks the exit status, the code and the numbers; the demo's
+torchrun is replaced by a recorder (``subprocess.call``) so nothing is spawned, except in the one subprocess
+test at the end.
+"""
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_ref import cli, dist_check
+from moe_ref.config import preset
+from moe_ref.testing import count_bytes
+from moe_ref.weights import MoEWeights
+
+pytestmark = pytest.mark.unit
+GiB = 2**30
+
+
+def _run(capsys, argv, entry=cli.main):
+    status = entry(argv)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def _one_coded_line(err: str, code: str, prefix: str = "moe-ref") -> str:
+    """The last stderr line is ``<prefix>: [CODE] ...``; no traceback anywhere."""
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"{prefix}: [{code}] "), err
+    return last
+
+
+class _Torchrun(list):
+    """Stands in for ``subprocess.call``: records the demo's command and its checkpoint folder's state."""
+
+    status = 0
+
+    def __call__(self, command, env=None):
+        folder = command[command.index("--checkpoint") + 1]
+        is_dir = os.path.isdir(folder)
+        self.append(dict(command=command, folder=folder, existed=is_dir,
+                         mode=stat.S_IMODE(os.stat(folder).st_mode) if is_dir else None,
+                         entries=sorted(os.listdir(folder)) if is_dir else None))
+        return self.status
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    torchrun = _Torchrun()
+    monkeypatch.setattr(cli.subprocess, "call", torchrun)
+    monkeypatch.delenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK", raising=False)
+    monkeypatch.delenv("MOE_REF_DEBUG", raising=False)
+    return torchrun
+
+
+# --- flags out of range: CFG015 naming the flag, the value and the range ----------------------------------
+@pytest.mark.parametrize("argv, flag, value, bound", [
+    (["bench", "--experts", "0"], "--experts", "0", ">= 1"),
+    (["bench", "--iters", "0"], "--iters", "0", ">= 1"),
+    (["bench", "--rows", "-4"], "--rows", "-4", ">= 1"),
+    (["bench", "--hidden", "0"], "--hidden", "0", ">= 1"),
+    (["demo", "--runs", "0"], "--runs", "0", ">= 1"),
+    (["demo", "--runs", "-3"], "--runs", "-3", ">= 1"),
+    (["demo", "--cap", "0"], "--cap", "0", ">= 1"),
+    (["demo", "--cap", "-5"], "--cap", "-5", ">= 1"),
+    (["demo", "--nproc", "0"], "--nproc", "0", ">= 1"),
+    (["demo", "--tokens-per-rank", "-1"], "--tokens-per-rank", "-1", ">= 0"),
+    (["plan", "--ep", "0"], "--ep", "0", ">= 1"),
+    (["plan", "--max-num-tokens", "0"], "--max-num-tokens", "0", ">= 1"),
+    (["plan", "--budget-gib", "0"], "--budget-gib", "0.0", "> 0"),
+    (["check", "--tp", "-2"], "--tp", "-2", ">= 1"),
+    (["bench", "--experts", "eight"], "--experts", "'eight'", ">= 1"),
+])
+def test_flag_out_of_range_is_cfg015_naming_flag_value_and_range(capsys, no_spawn, argv, flag, value, bound):
+    status, out, err = _run(capsys, argv)
+    line = _one_coded_line(err, "CFG015")
+    assert status == 2 and f"argument {flag}: {value} " in line and bound in line, line
+    assert len(err.strip().splitlines()) == 1 and not no_spawn
+
+
+def test_unknown_command_is_cfg015(capsys):
+    status, _, err = _run(capsys, ["bogus"])
+    assert status == 2 and "'bogus'" in _one_coded_line(err, "CFG015")
+
+
+def test_bench_rows_fewer_than_experts_is_cfg015_naming_both(capsys):
+    status, _, err = _run(capsys, ["bench", "--experts", "8", "--rows", "4"])
+    line = _one_coded_line(err, "CFG015")
+    assert status == 2 and "--rows 4 < --experts 8" in line and "--rows >= 8" in line
+
+
+def test_bench_smallest_valid_run_prints_rows_and_progress(capsys):
+    status, out, err = _run(capsys, ["bench", "--experts", "1", "--hidden", "16", "--intermediate", "8",
+                                     "--rows", "1", "--iters", "1"])
+    assert status == 0, err
+    assert "e=1 D=16 F=8 rows=1" in out and "torch" in out and "backends" in err  # tqdm on stderr
+
+
+# --- demo: device, checkpoint folder, memory, private temporary folder ------------------------------------
+def test_demo_device_cuda_without_cuda_is_env006_naming_the_fix(capsys, no_spawn, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    status, _, err = _run(capsys, ["demo", "--device", "cuda", "--nproc", "2"])
+    line = _one_coded_line(err, "ENV006")
+    assert status == 2 and "needs 2 CUDA GPU(s)" in line and "sees 0" in line and "--device cpu" in line
+    assert not no_spawn
+
+
+def test_demo_device_cuda_with_too_few_gpus_names_the_count(capsys, no_spawn, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    status, _, err = _run(capsys, ["demo", "--device", "cuda", "--nproc", "4", "--skip-memory-check"])
+    line = _one_coded_line(err, "ENV006")
+    assert status == 2 and "needs 4 CUDA GPU(s)" in line and "sees 1" in line and "--nproc 1" in line
+    assert not no_spawn
+
+
+@pytest.mark.parametrize("path, reason", [("/proc/nope/x", "No such file or directory"),
+                                          ("FILE/sub", "Not a directory")])
+def test_demo_checkpoint_that_cannot_be_created_is_env015(capsys, no_spawn, tmp_path, path, reason):
+    (tmp_path / "FILE").write_text("not a folder")
+    path = path.replace("FILE", str(tmp_path / "FILE"))
+    status, _, err = _run(capsys, ["demo", "--nproc", "1", "--checkpoint", path])
+    line = _one_coded_line(err, "ENV015")
+    assert status == 2 and repr(path) in line and reason in line and not no_spawn
+
+
+def test_demo_memory_estimate_matches_what_dist_check_allocates():
+    for name in ("tiny-kimi-k2", "tiny-kimi-k3", "tiny-deepseek-v3"):
+        cfg = preset(name)
+        weights = MoEWeights.random(cfg, dtype=torch.float32)
+        held = lambda w: count_bytes(*(t for t in vars(w).values() if isinstance(t, torch.Tensor)))  # noqa: E731
+        parts = cli.demo_memory_bytes(cfg, 2, 64, torch.float32)
+        assert parts["all experts"] == held(weights), name
+        assert parts["this rank's experts"] == held(weights.expert_slice(0, cfg.num_experts // 2)), name
+        from moe_ref.capacity import CapacityPlan
+        assert parts["buffer"] == CapacityPlan.build(cfg, 2, 64, torch.float32, alignment=128).total_bytes
+
+
+def test_demo_kimi_k2_on_a_laptop_refuses_with_the_bytes_before_allocating(capsys, no_spawn, monkeypatch):
+    monkeypatch.setattr(cli, "available_memory_bytes", lambda gpu_index=None: (16 * GiB, "host memory"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    need = 2 * sum(cli.demo_memory_bytes(preset("kimi-k2"), 2, 64, torch.float32).values())
+    status, _, err = _run(capsys, ["demo", "--preset", "kimi-k2"])
+    line = _one_coded_line(err, "ENV016")
+    assert status == 2 and need > 100 * GiB and not no_spawn
+    assert f"({need} bytes)" in line and f"({16 * GiB} bytes) available" in line
+    assert "--preset tiny-kimi-k2" in line and "--device cuda" in line and "--skip-memory-check" in line
+
+
+def test_demo_skip_memory_check_goes_ahead_and_tells_the_ranks(capsys, no_spawn, monkeypatch):
+    monkeypatch.setattr(cli, "available_memory_bytes", lambda gpu_index=None: (16 * GiB, "host memory"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    status, _, err = _run(capsys, ["demo", "--preset", "kimi-k2", "--skip-memory-check"])
+    assert status == 0, err
+    assert len(no_spawn) == 1 and "--skip-memory-check" in no_spawn[0]["command"]
+
+
+def test_demo_uses_a_fresh_private_folder_and_removes_it(capsys, no_spawn, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli.tempfile, "tempdir", str(tmp_path))
+    planted = tmp_path / "moe_ref_demo_tiny-kimi-k2"  # the predictable folder of old versions, pre-written
+    planted.mkdir()
+    (planted / "config.json").write_text("{}")
+    status, out, err = _run(capsys, ["demo", "--nproc", "1"])
+    assert status == 0, err
+    call = no_spawn[0]
+    assert call["existed"] and call["entries"] == [] and call["mode"] == 0o700, call
+    assert os.path.dirname(call["folder"]) == str(tmp_path) and call["folder"] != str(planted)
+    assert not os.path.exists(call["folder"]) and (planted / "config.json").exists()
+    assert "--cap 64" in " ".join(call["command"]) and "demo [2/3]" in err and "demo [3/3]" in err
+
+
+def test_demo_failure_still_removes_the_folder_and_passes_the_status(capsys, no_spawn, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli.tempfile, "tempdir", str(tmp_path))
+    no_spawn.status = 1
+    status, _, err = _run(capsys, ["demo", "--nproc", "1"])
+    assert status == 1 and "torchrun exited with status 1" in err
+    assert not os.path.exists(no_spawn[0]["folder"])
+
+
+def test_demo_keeps_a_checkpoint_folder_the_user_gave(capsys, no_spawn, tmp_path):
+    folder = tmp_path / "new" / "ckpt"
+    status, _, err = _run(capsys, ["demo", "--nproc", "1", "--checkpoint", str(folder)])
+    assert status == 0, err
+    assert no_spawn[0]["folder"] == str(folder) and folder.is_dir()
+
+
+# --- the cap from the environment ----------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_env_cap_not_positive_is_cfg007_naming_the_variable(capsys, no_spawn, monkeypatch, value):
+    monkeypatch.setenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK", value)
+    for argv in (["demo", "--nproc", "1"], ["plan", "--preset", "tiny-kimi-k2", "--ep", "2"]):
+        status, _, err = _run(capsys, argv)
+        line = _one_coded_line(err, "CFG007")
+        assert status == 2 and f"MOE_REF_NUM_MAX_TOKENS_PER_RANK={value} must be >= 1" in line, argv
+    assert not no_spawn
+
+
+def test_env_cap_is_the_default_and_the_flag_wins(capsys, no_spawn, monkeypatch):
+    monkeypatch.setenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK", "32")
+    status, out, _ = _run(capsys, ["plan", "--preset", "tiny-kimi-k2", "--ep", "2"])
+    assert status == 0 and "cap = 32 rows" in out
+    status, out, _ = _run(capsys, ["plan", "--preset", "tiny-kimi-k2", "--ep", "2", "--max-num-tokens", "8"])
+    assert status == 0 and "cap = 8 rows" in out
+    assert _run(capsys, ["demo", "--nproc", "1"])[0] == 0
+    assert no_spawn[0]["command"][no_spawn[0]["command"].index("--cap") + 1] == "32"
+
+
+# --- one line, or the traceback with --debug / MOE_REF_DEBUG ---------------------------------------------
+def test_error_raised_inside_a_command_is_one_line(capsys):
+    status, _, err = _run(capsys, ["plan", "--preset", "tiny-kimi-k2", "--ep", "3"])  # 16 experts on 3 ranks
+    assert status == 2 and "ep_size" in _one_coded_line(err, "CFG002") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_shows_the_traceback(capsys, monkeypatch, how):
+    argv = ["plan", "--preset", "tiny-kimi-k2", "--ep", "3"]
+    if how == "flag":
+        argv.append("--debug")
+    else:
+        monkeypatch.setenv("MOE_REF_DEBUG", "1")
+    status, _, err = _run(capsys, argv)
+    assert status == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("moe-ref: [CFG002] ")
+
+
+# --- moe_ref.dist_check: the same checks, agreed by every rank -----------------------------------------
+def test_dist_check_flags_are_checked_before_any_work(capsys):
+    status, _, err = _run(capsys, ["--runs", "0"], dist_check.main)
+    assert status == 2 and "argument --runs: 0" in _one_coded_line(err, "CFG015", "moe_ref.dist_check")
+
+
+def test_dist_check_device_cuda_without_cuda_before_the_process_group(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    status, _, err = _run(capsys, ["--device", "cuda"], dist_check.main)
+    assert status == 2 and "sees 0" in _one_coded_line(err, "ENV006", "moe_ref.dist_check")
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    yield
+    assert not torch.distributed.is_initialized()  # main() tore the group down
+
+
+def test_dist_check_memory_refusal_on_every_rank_before_allocating(capsys, monkeypatch, one_rank):
+    monkeypatch.setattr(cli, "available_memory_bytes", lambda gpu_index=None: (8 * GiB, "host memory"))
+    allocations = []
+    monkeypatch.setattr(MoEWeights, "random", staticmethod(lambda *a, **k: allocations.append(a)))
+    status, _, err = _run(capsys, ["--preset", "kimi-k2", "--cap", "64"], dist_check.main)
+    line = _one_coded_line(err, "ENV016", "moe_ref.dist_check")
+    assert status == 2 and "rank 0: kimi-k2 over 1 process(es)" in line and f"({8 * GiB} bytes)" in line
+    assert not allocations
+
+
+def test_dist_check_unwritable_checkpoint_is_env015(capsys, one_rank):
+    status, _, err = _run(capsys, ["--checkpoint", "/proc/nope/x"], dist_check.main)
+    assert status == 2 and "'/proc/nope/x'" in _one_coded_line(err, "ENV015", "moe_ref.dist_check")
+
+
+# --- the console entry point (the one subprocess test) ----------------------------------------------------
+def test_python_dash_m_prints_one_line_and_exits_2():
+    env = {k: v for k, v in os.environ.items() if k != "MOE_REF_DEBUG"}
+    proc = subprocess.run([sys.executable, "-m", "moe_ref", "bench", "--experts", "0"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("moe-ref: [CFG015] ")
