@@ -250,15 +250,18 @@ def cmd_explain(args) -> int:
 def cmd_demo(args) -> int:
     from moe_ref.config import preset
 
-    step = _Steps("demo", 3)
+    private = args.checkpoint is None
+    step = _Steps("demo", 3 if private else 2)
     step("checking flags, device and memory")
     cap = resolve_cap(args.cap, default=DEMO_CAP)
+    cfg = preset(args.preset)
+    for problem in ParallelConfig(ep_size=args.nproc).problems(cfg):  # e.g. CFG002: --nproc must divide E
+        raise problem
     require_devices(args.device, args.nproc)
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.device_count() >= args.nproc)
     device, dtype = ("cuda", "bf16") if on_gpu else ("cpu", "fp32")
     if not args.skip_memory_check and not on_gpu:  # on GPUs each rank checks its own (no CUDA context here)
-        check_demo_memory(preset(args.preset), args.nproc, cap, DTYPES[dtype])
-    private = args.checkpoint is None
+        check_demo_memory(cfg, args.nproc, cap, DTYPES[dtype])
     checkpoint = tempfile.mkdtemp(prefix="moe_ref_demo_") if private else writable_folder(args.checkpoint)
     try:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
@@ -376,27 +379,27 @@ def build_parser() -> argparse.ArgumentParser:
                                parents=[debug])
     parser.set_defaults(debug=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    count, size = int_at_least(1), int_at_least(1)
+    positive = int_at_least(1)
 
     p = sub.add_parser("plan", parents=[debug], help="print the per-rank symmetric buffer layout for a model and topology")
     _add_model_args(p)
-    p.add_argument("--ep", type=count, default=8, help="expert-parallel size")
-    p.add_argument("--dp", type=count, default=1, help="data-parallel size (does not change the per-rank cap)")
+    p.add_argument("--ep", type=positive, default=8, help="expert-parallel size")
+    p.add_argument("--dp", type=positive, default=1, help="data-parallel size (does not change the per-rank cap)")
     p.add_argument("--attention-dp", action="store_true", help="attention data parallel")
-    p.add_argument("--max-num-tokens", type=size, default=None,
+    p.add_argument("--max-num-tokens", type=positive, default=None,
                    help="cap: rows one rank feeds per call (default: MOE_REF_NUM_MAX_TOKENS_PER_RANK, else 4096)")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     p.add_argument("--dispatch-fp8", action="store_true")
-    p.add_argument("--alignment", type=size, default=128)
+    p.add_argument("--alignment", type=positive, default=128)
     p.add_argument("--budget-gib", type=positive_float, default=None,
                    help="also print the largest cap within this budget")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("check", parents=[debug], help="validate a deployment; prints every problem at once")
     _add_model_args(p)
-    p.add_argument("--tp", type=count, default=1)
-    p.add_argument("--ep", type=count, default=1)
-    p.add_argument("--dp", type=count, default=1)
+    p.add_argument("--tp", type=positive, default=1)
+    p.add_argument("--ep", type=positive, default=1)
+    p.add_argument("--dp", type=positive, default=1)
     p.add_argument("--dispatch-fp8", action="store_true")
     p.set_defaults(fn=cmd_check)
 
@@ -406,13 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_explain)
 
     p = sub.add_parser("demo", parents=[debug], help="run the EP layer over several processes against the reference")
-    p.add_argument("--nproc", type=count, default=2)
+    p.add_argument("--nproc", type=positive, default=2)
     p.add_argument("--preset", default="tiny-kimi-k2", choices=PRESETS)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--tokens-per-rank", type=int_at_least(0), default=150)
-    p.add_argument("--cap", type=size, default=None,
+    p.add_argument("--cap", type=positive, default=None,
                    help=f"rows one rank feeds per call (default: MOE_REF_NUM_MAX_TOKENS_PER_RANK, else {DEMO_CAP})")
-    p.add_argument("--runs", type=count, default=5, help="timed forward calls after the checked one")
+    p.add_argument("--runs", type=positive, default=5, help="timed forward calls after the checked one")
     p.add_argument("--checkpoint", default=None,
                    help="checkpoint folder (written if it holds no config.json); default: a private temporary "
                         "folder, removed at the end")
@@ -420,11 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("bench", parents=[debug], help="time the expert backends on this machine")
-    p.add_argument("--experts", type=count, default=8)
-    p.add_argument("--hidden", type=size, default=256)
-    p.add_argument("--intermediate", type=size, default=128)
-    p.add_argument("--rows", type=count, default=512, help="rows over all experts (at least one per expert)")
-    p.add_argument("--iters", type=count, default=10)
+    p.add_argument("--experts", type=positive, default=8)
+    p.add_argument("--hidden", type=positive, default=256)
+    p.add_argument("--intermediate", type=positive, default=128)
+    p.add_argument("--rows", type=positive, default=512, help="rows over all experts (at least one per expert)")
+    p.add_argument("--iters", type=positive, default=10)
     p.add_argument("--skip-memory-check", action="store_true", help="run even when the memory estimate does not fit")
     p.set_defaults(fn=cmd_bench)
 

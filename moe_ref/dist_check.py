@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     try:
         return run(parse_args(argv))
     except MoERefError as err:
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        rank = dist.get_rank() if dist.is_initialized() else envs.launcher_rank()
         if debug:
             traceback.print_exc(file=sys.stderr)
         if rank == 0 or debug:

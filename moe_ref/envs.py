@@ -51,3 +51,9 @@ def debug() -> bool:
     """``MOE_REF_DEBUG`` set to anything but ``0``/``false``/``no``/``off``: the CLI shows tracebacks."""
     value = _get("MOE_REF_DEBUG")
     return value is not None and value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def launcher_rank() -> int:
+    """``RANK`` as set by torchrun (0 when unset), for output before the process group exists."""
+    value = _get("RANK")
+    return int(value) if value is not None and value.isdigit() else 0

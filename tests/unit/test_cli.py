@@ -131,6 +131,12 @@ def test_demo_checkpoint_that_cannot_be_created_is_env015(capsys, no_spawn, tmp_
     assert status == 2 and repr(path) in line and reason in line and not no_spawn
 
 
+def test_demo_nproc_that_does_not_divide_the_experts_is_cfg002_even_without_memory_check(capsys, no_spawn):
+    status, _, err = _run(capsys, ["demo", "--nproc", "3", "--skip-memory-check"])  # tiny-kimi-k2: 16 experts
+    line = _one_coded_line(err, "CFG002")
+    assert status == 2 and "16" in line and "3" in line and not no_spawn
+
+
 def test_demo_memory_estimate_matches_what_dist_check_allocates():
     for name in ("tiny-kimi-k2", "tiny-kimi-k3", "tiny-deepseek-v3"):
         cfg = preset(name)
