@@ -1,0 +1,240 @@
+"""EP combine: the expert owner pushes ONE weighted partial row per (source, token) back to the source, and the
+source sums the partials of the ranks that own its token's slots, in rank order.
+
+    ... ep_dispatch -> experts (y_PD) -> [ep_combine_push] -> symm_barrier -> [ep_combine_reduce] -> out_TD
+
+push, on expert owner r, for every source s and token t < T_s with >= 1 slot on my experts:
+    partial = sum_{j = 0..K-1 in order, recv_pos[s, t, j] >= 0} recv_weight[s, t, j] * y[recv_pos[s, t, j]]   (fp32)
+    combine_partial_s[r, t] = partial.to(activation dtype)                                    (a store to rank s)
+reduce, on source s, for every token t < T:
+    out[t] = sum_{r' = 0..R-1 in order, r' owns >= 1 of t's slots} combine_partial[r', t]    (fp32) -> out dtype
+A rank that owns none of t's slots wrote nothing at [r', t] and is never read (no zero rows are sent).
+
+Both sums add in a fixed order with separate multiply and add roundings (GPU launches disable FMA
+contraction), so the kernels and their twins agree bitwise and every run repeats bitwise.
+
+Shape legend: R ranks, e local experts, K top-k, C cap, T tokens of this rank, Dx row width, P pool rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_ref.errors import DTypeError, ShapeError
+
+from moe_ref.kernels._triton_utils import check_device, is_interpreter, launch_options
+from moe_ref.kernels.ep_dispatch import source_token
+from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, check_peers
+
+__all__ = ["ep_combine_push", "ep_combine_push_ref", "ep_combine_reduce", "ep_combine_reduce_ref"]
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _cast_rn(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE rounding to nearest even. For bf16 the rounding is done on the bit pattern first (the
+    interpreter's own fp32 -> bf16 cast does not round to nearest; the GPU's does, so both agree)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        x = tl.where(x != x, x, rounded)  # NaN stays NaN
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _combine_push_kernel(
+    # pointers
+    y_ptr, ptrs_R,
+    # sizes / scalars
+    rank, C, K, D, off_recv_num_tokens, off_recv_pos, off_recv_weight, off_combine_partial,
+    # strides
+    stride_y_p,
+    # meta
+    PART_DTYPE: tl.constexpr,      # activation dtype of combine_partial
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program = one (source s, token t): weighted sum of t's rows on my experts, stored once at s.
+
+    Example: K=2, recv_pos[s, t] = [7, -1], recv_weight[s, t] = [0.5, 0.25], y[7] = [2.0, -4.0]
+        -> combine_partial_s[rank, t] = [1.0, -2.0]; a token with recv_pos [-1, -1] stores nothing.
+    """
+    s, t, my_base, live = source_token(ptrs_R, rank, C, off_recv_num_tokens)
+    if live:
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        my_slot = (s * C + t).to(tl.int64) * K + offs_k
+        pos = tl.load((my_base + off_recv_pos).to(tl.pointer_type(tl.int32)) + my_slot, mask=mask_k, other=-1)
+        weight = tl.load((my_base + off_recv_weight).to(tl.pointer_type(tl.float32)) + my_slot, mask=mask_k,
+                         other=0.0)
+        if tl.sum((pos >= 0).to(tl.int32), axis=0) > 0:
+            dst_base = tl.load(ptrs_R + s)
+            out_ptr = (dst_base + off_combine_partial).to(tl.pointer_type(PART_DTYPE)) + (rank * C + t).to(tl.int64) * D
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                mask_d = offs_d < D
+                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for j in tl.static_range(BLOCK_K):
+                    pos_j = tl.sum(tl.where(offs_k == j, pos, 0), axis=0).to(tl.int64)
+                    w_j = tl.sum(tl.where(offs_k == j, weight, -0.0), axis=0)  # -0.0: the sum is exact, sign included
+                    valid = (tl.full([BLOCK_D], 0, tl.int64) + pos_j) >= 0  # a tensor (the interpreter needs it)
+                    row = tl.load(y_ptr + pos_j * stride_y_p + offs_d, mask=mask_d & valid, other=0.0).to(tl.float32)
+                    # where(), not "+ 0": a skipped slot leaves acc bit-identical (-0.0 stays -0.0)
+                    acc = tl.where(valid, acc + w_j * row, acc)
+                tl.store(out_ptr + offs_d, _cast_rn(acc, PART_DTYPE), mask=mask_d)
+
+
+@triton.jit
+def _combine_reduce_kernel(
+    # pointers
+    out_ptr, ptrs_R,
+    # sizes / scalars
+    rank, R, C, K, D, e, off_topk_ids, off_combine_partial,
+    # strides
+    stride_out_t,
+    # meta
+    PART_DTYPE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program = one token t x BLOCK_D columns: sum the partials of the owning ranks in rank order.
+
+    Example: R=2, e=4, ids[t] = [5, 6] (both on rank 1) -> out[t] = partial[1, t]; ids [0, -1] -> partial[0, t].
+    """
+    t = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_k = tl.arange(0, BLOCK_K)
+    my_base = tl.load(ptrs_R + rank)
+    ids = tl.load((my_base + off_topk_ids).to(tl.pointer_type(tl.int64)) + t * K + offs_k, mask=offs_k < K, other=-1)
+    owner = tl.where(ids >= 0, ids // e, -1)
+    part_ptr = (my_base + off_combine_partial).to(tl.pointer_type(PART_DTYPE))
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for src in range(0, R):
+        owns = (tl.full([BLOCK_D], 0, tl.int32) + tl.sum((owner == src).to(tl.int32), axis=0)) > 0
+        row = tl.load(part_ptr + (src * C + t) * D + offs_d, mask=mask_d & owns, other=0.0).to(tl.float32)
+        acc = tl.where(owns, acc + row, acc)
+    tl.store(out_ptr + t * stride_out_t + offs_d, _cast_rn(acc, out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def _check_push_args(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
+    check_peers(peers, regions)
+    if y_PD.dim() != 2 or y_PD.shape[1] != regions.hidden or y_PD.shape[0] > regions.num_pool_rows:
+        raise ShapeError(f"y_PD must be [<= P={regions.num_pool_rows}, Dx={regions.hidden}], got {tuple(y_PD.shape)}")
+    if not y_PD.dtype.is_floating_point or y_PD.dtype == torch.float8_e4m3fn:
+        raise DTypeError(f"y_PD must be fp32/fp16/bf16, got {y_PD.dtype}")
+    if y_PD.numel() and y_PD.stride(1) != 1:
+        raise ShapeError(f"y_PD must have a contiguous last dimension, got strides {y_PD.stride()}")
+
+
+def ep_combine_push(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
+    """Push one weighted partial per (source, token) into each source's `combine_partial` (one launch).
+
+    Call after `ep_dispatch` (same chunk) and the experts; follow with `symm_barrier`, then
+    `ep_combine_reduce` on every rank.
+
+    Args:
+        y_PD: `[R_used, Dx]` fp32/fp16/bf16 expert outputs, row p = the expert result of pool row p; must cover
+            every received row (R_used >= `pool_end`; the whole pool `[P, Dx]` is fine). Padding rows are never read.
+        peers, regions: the buffers and layout; reads MY `recv_num_tokens`, `recv_pos`, `recv_weight`.
+
+    Writes: `combine_partial[rank, t]` of every source s (activation dtype) for its tokens with >= 1 slot here.
+    """
+    _check_push_args(y_PD, peers, regions)
+    check_device("y_PD", y_PD)
+    R, K, C, D = regions.num_ranks, regions.num_topk, regions.cap, regions.hidden
+    block_d = min(triton.next_power_of_2(D), 64 if is_interpreter() else 1024)
+    off = regions.offsets
+    _combine_push_kernel[(R * C,)](
+        y_PD, peers.ptrs_R,
+        peers.rank, C, K, D, off["recv_num_tokens"], off["recv_pos"], off["recv_weight"], off["combine_partial"],
+        y_PD.stride(0) if y_PD.numel() else D,
+        PART_DTYPE=_TL_DTYPES[regions.activation_dtype], BLOCK_K=triton.next_power_of_2(K), BLOCK_D=block_d,
+        num_warps=4, **launch_options(fp_fusion=False),
+    )
+
+
+def ep_combine_push_ref(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
+    """Torch twin of `ep_combine_push` (same arguments, same writes, bitwise; no host sync)."""
+    _check_push_args(y_PD, peers, regions)
+    my, rank = peers.local, peers.rank
+    view = regions.view
+    K, C, D = regions.num_topk, regions.cap, regions.hidden
+    device = my.device
+    num_tokens_R = view(my, "recv_num_tokens")
+    pos_RCK = view(my, "recv_pos").to(torch.int64)
+    weight_RCK = view(my, "recv_weight")
+    y_pad = torch.cat([y_PD.float(), y_PD.new_zeros(1, D, dtype=torch.float32)])  # row -1 -> a zero row
+    for s, dst in enumerate(peers.buffers):
+        live_C = torch.arange(C, device=device) < num_tokens_R[s]
+        valid_CK = live_C[:, None] & (pos_RCK[s] >= 0)  # rows t >= T_s of recv_pos are stale
+        pos_CK = torch.where(valid_CK, pos_RCK[s], -1)
+        acc_CD = torch.zeros(C, D, dtype=torch.float32, device=device)
+        for j in range(K):
+            row_CD = y_pad[pos_CK[:, j]]
+            acc_CD = torch.where(valid_CK[:, j:j + 1], acc_CD + weight_RCK[s, :, j:j + 1] * row_CD, acc_CD)
+        send_C = valid_CK.any(dim=1)[:, None]
+        part_CD = view(dst, "combine_partial")[rank]
+        part_CD.copy_(torch.where(send_C, acc_CD.to(regions.activation_dtype).to(part_CD.device), part_CD))
+
+
+def _check_reduce_args(num_tokens: int, peers: PeerBuffers, regions: EPRegions, out_dtype) -> torch.dtype:
+    check_peers(peers, regions)
+    if not 0 <= num_tokens <= regions.cap:
+        raise ShapeError(f"{num_tokens=} must be in [0, C={regions.cap}]")
+    out_dtype = regions.activation_dtype if out_dtype is None else out_dtype
+    if out_dtype not in _TL_DTYPES:
+        raise DTypeError(f"out_dtype must be fp32/fp16/bf16, got {out_dtype}")
+    return out_dtype
+
+
+def ep_combine_reduce(num_tokens: int, peers: PeerBuffers, regions: EPRegions,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Sum my tokens' partials over the owning ranks in rank order (one launch, local reads only).
+
+    Call after every rank's `ep_combine_push` and a `symm_barrier`.
+
+    Args:
+        num_tokens: T of this chunk (a host int: the output shape; the same T that `ep_pre_dispatch` got).
+        peers, regions: reads MY `topk_ids [:T]` and `combine_partial`.
+        out_dtype: default the activation dtype.
+
+    Returns:
+        out_TD: `[T, Dx]` out_dtype; a token with no live slot gets zeros.
+    """
+    out_dtype = _check_reduce_args(num_tokens, peers, regions, out_dtype)
+    check_device("peers.ptrs_R", peers.ptrs_R)
+    D = regions.hidden
+    out_TD = torch.empty(num_tokens, D, dtype=out_dtype, device=peers.local.device)
+    if num_tokens == 0:
+        return out_TD
+    block_d = min(triton.next_power_of_2(D), 64 if is_interpreter() else 1024)
+    off = regions.offsets
+    _combine_reduce_kernel[(num_tokens, triton.cdiv(D, block_d))](
+        out_TD, peers.ptrs_R,
+        peers.rank, regions.num_ranks, regions.cap, regions.num_topk, D, regions.num_local_experts,
+        off["topk_ids"], off["combine_partial"],
+        out_TD.stride(0),
+        PART_DTYPE=_TL_DTYPES[regions.activation_dtype], BLOCK_K=triton.next_power_of_2(regions.num_topk),
+        BLOCK_D=block_d, num_warps=4, **launch_options(fp_fusion=False),
+    )
+    return out_TD
+
+
+def ep_combine_reduce_ref(num_tokens: int, peers: PeerBuffers, regions: EPRegions,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch twin of `ep_combine_reduce` (same arguments and result, bitwise; no host sync)."""
+    out_dtype = _check_reduce_args(num_tokens, peers, regions, out_dtype)
+    my = peers.local
+    ids_TK = regions.view(my, "topk_ids")[:num_tokens]
+    owner_TK = torch.where(ids_TK >= 0, ids_TK // regions.num_local_experts, -1)
+    part_RCD = regions.view(my, "combine_partial")
+    acc_TD = torch.zeros(num_tokens, regions.hidden, dtype=torch.float32, device=my.device)
+    for src in range(regions.num_ranks):
+        owns_T1 = (owner_TK == src).any(dim=1, keepdim=True)
+        acc_TD = torch.where(owns_T1, acc_TD + part_RCD[src, :num_tokens].float(), acc_TD)
+    return acc_TD.to(out_dtype)

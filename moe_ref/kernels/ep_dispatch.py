@@ -1,0 +1,292 @@
+"""Receiver-side EP dispatch: pull every source's rows routed to my experts into my expert-major pool.
+
+    ep_pre_dispatch (every rank) -> symm_barrier -> [ep_dispatch] -> experts -> ep_combine_push -> ...
+
+Two launches, no host sync:
+1. `_recv_layout_kernel` (one program): read every source's `num_tokens` and `send_count[:, r]` (my column),
+   then on the device
+       num_rows[i]     = sum_s send_count_s[r, i]
+       row_start[i]    = sum_{i' < i} align(num_rows[i'], alignment)        (segment starts, aligned)
+       recv_base[s, i] = row_start[i] + sum_{s' < s} send_count_{s'}[r, i]
+       pool_end        = sum_i align(num_rows[i], alignment)
+   and write -1 into `recv_src` of every padding row below `pool_end`. `pool_end > P` sets
+   `status = [2, pool_end]` (rows past P are then dropped, never written out of bounds).
+2. `_dispatch_rows_kernel` (one program per (source s, token t < C)): for t < T_s read the token's K ids,
+   slot ranks and weights from s, and for the slots j routed to my local expert i:
+       pos = recv_base[s, i] + slot_rank_s[t, j]
+   write `recv_src[pos] = (s, t, j)`, `recv_pos[s, t, j] = pos` (-1 for slots not mine), `recv_weight[s, t, j]`,
+   then read the row `x_s[t]` ONCE (and its fp8 scales) and store it into each of its k' <= K pool rows.
+   Rows are moved as raw words (8, 4, 2 or 1 bytes), so any wire dtype is copied bit for bit.
+
+Shape legend: R ranks, e local experts, K top-k, C cap, Dx row width, Db = ceil(Dx/128), P pool rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_ref.kernels._triton_utils import check_device, is_interpreter
+from moe_ref.kernels.ep_regions import STATUS_POOL_OVERFLOW, EPRegions, PeerBuffers, check_peers
+
+__all__ = ["ep_dispatch", "ep_dispatch_ref"]
+
+_WORD_DTYPES = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
+
+
+@triton.jit
+def _recv_layout_kernel(
+    # pointers
+    ptrs_R,
+    # sizes / scalars
+    rank, R, e, alignment, P,
+    off_num_tokens, off_send_count, off_recv_num_tokens, off_num_rows, off_row_start, off_recv_base, off_pool_end,
+    off_recv_src, off_status,
+    # meta
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+):
+    """One program: the receive layout of rank `rank` from every source's counts.
+
+    Example: R=2, e=2, alignment 4, send_count column of rank 0: source 0 -> [1, 2], source 1 -> [3, 0]
+        -> num_rows [4, 2], row_start [0, 4], recv_base [[0, 4], [1, 6]], pool_end 8, recv_src[6:8] = -1.
+    """
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < e
+    my_base = tl.load(ptrs_R + rank)
+    src_base = tl.load(ptrs_R + offs_r, mask=mask_r, other=0)
+    num_tokens_r = tl.load((src_base + off_num_tokens).to(tl.pointer_type(tl.int32)), mask=mask_r, other=0)
+    counts_ptrs = (src_base[:, None] + off_send_count).to(tl.pointer_type(tl.int32)) + rank * e + offs_e[None, :]
+    mask_re = mask_r[:, None] & mask_e[None, :]
+    counts = tl.load(counts_ptrs, mask=mask_re, other=0).to(tl.int64)            # [BLOCK_R, BLOCK_E]
+    num_rows = tl.sum(counts, axis=0)
+    aligned = (num_rows + alignment - 1) // alignment * alignment
+    row_start = tl.cumsum(aligned, axis=0) - aligned
+    recv_base = row_start[None, :] + tl.cumsum(counts, axis=0) - counts
+    pool_end = tl.sum(aligned, axis=0)
+
+    tl.store((my_base + off_recv_num_tokens).to(tl.pointer_type(tl.int32)) + offs_r, num_tokens_r, mask=mask_r)
+    tl.store((my_base + off_num_rows).to(tl.pointer_type(tl.int64)) + offs_e, num_rows, mask=mask_e)
+    tl.store((my_base + off_row_start).to(tl.pointer_type(tl.int64)) + offs_e, row_start, mask=mask_e)
+    tl.store((my_base + off_recv_base).to(tl.pointer_type(tl.int64)) + offs_r[:, None] * e + offs_e[None, :],
+             recv_base, mask=mask_re)
+    tl.store((my_base + off_pool_end).to(tl.pointer_type(tl.int64)), pool_end)
+    if pool_end > P:
+        status_ptr = (my_base + off_status).to(tl.pointer_type(tl.int32))
+        tl.store(status_ptr + 1, pool_end.to(tl.int32))
+        tl.store(status_ptr, 2)
+
+    # padding rows of each segment: recv_src = -1
+    recv_src_ptr = (my_base + off_recv_src).to(tl.pointer_type(tl.int32))
+    pad_first = row_start + num_rows
+    num_pad = aligned - num_rows
+    for a0 in range(0, alignment - 1, BLOCK_A):
+        offs_a = a0 + tl.arange(0, BLOCK_A)
+        rows = pad_first[:, None] + offs_a[None, :]                             # [BLOCK_E, BLOCK_A]
+        mask_pad = mask_e[:, None] & (offs_a[None, :] < num_pad[:, None]) & (rows < P)
+        minus_one = tl.full([BLOCK_E, BLOCK_A], -1, tl.int32)
+        for c in tl.static_range(3):
+            tl.store(recv_src_ptr + rows * 3 + c, minus_one, mask=mask_pad)
+
+
+@triton.jit
+def _pick(values, offs_k, j):
+    """values[j] of a [BLOCK_K] vector, as a scalar."""
+    return tl.sum(tl.where(offs_k == j, values, 0), axis=0)
+
+
+@triton.jit
+def source_token(ptrs_R, rank, C, off_recv_num_tokens):
+    """(s, t, my base address, t < T_s) of a program of an R * C grid over (source rank, token)."""
+    pid = tl.program_id(0)
+    s = pid // C
+    t = pid - s * C
+    my_base = tl.load(ptrs_R + rank)
+    num_tokens_s = tl.load((my_base + off_recv_num_tokens).to(tl.pointer_type(tl.int32)) + s)
+    return s, t, my_base, t < num_tokens_s
+
+
+@triton.jit
+def _dispatch_rows_kernel(
+    # pointers
+    ptrs_R,
+    # sizes / scalars
+    rank, C, K, e, P, row_words, scale_words,
+    off_topk_ids, off_topk_weights, off_slot_rank, off_x, off_x_scale,
+    off_recv_num_tokens, off_recv_base, off_recv_pos, off_recv_weight, off_recv_src, off_recv_x, off_recv_x_scale,
+    # meta
+    WORD: tl.constexpr,            # integer type the rows are copied as
+    HAS_SCALE: tl.constexpr,       # fp8: copy the scale rows too (int32 words)
+    BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One program = one (source s, token t): move the row once, expand it to its pool rows here.
+
+    Example: rank 1, e=2, K=2, source 0 token 3 with ids [3, 0], slot_rank [5, 9], recv_base[0] = [8, 20]
+        -> slot 0 goes to local expert 1: pos 20 + 5 = 25; slot 1 is not mine. recv_pos[0, 3] = [25, -1],
+        recv_src[25] = (0, 3, 0), recv_x[25] = x_0[3].
+    """
+    s, t, my_base, live = source_token(ptrs_R, rank, C, off_recv_num_tokens)
+    if live:
+        src_base = tl.load(ptrs_R + s)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        slot = t.to(tl.int64) * K + offs_k
+        ids = tl.load((src_base + off_topk_ids).to(tl.pointer_type(tl.int64)) + slot, mask=mask_k, other=-1)
+        srank = tl.load((src_base + off_slot_rank).to(tl.pointer_type(tl.int32)) + slot, mask=mask_k, other=0)
+        weight = tl.load((src_base + off_topk_weights).to(tl.pointer_type(tl.float32)) + slot, mask=mask_k, other=0.0)
+        local = ids - rank * e
+        mine = mask_k & (ids >= 0) & (local >= 0) & (local < e)
+        base = tl.load((my_base + off_recv_base).to(tl.pointer_type(tl.int64)) + s * e + local, mask=mine, other=0)
+        pos = base + srank
+        mine = mine & (pos < P)  # an overflowing pool (status 2) drops rows instead of writing past it
+        pos = tl.where(mine, pos, -1)
+        my_slot = (s * C + t).to(tl.int64) * K + offs_k
+        tl.store((my_base + off_recv_pos).to(tl.pointer_type(tl.int32)) + my_slot, pos.to(tl.int32), mask=mask_k)
+        tl.store((my_base + off_recv_weight).to(tl.pointer_type(tl.float32)) + my_slot, weight, mask=mask_k)
+        recv_src_ptr = (my_base + off_recv_src).to(tl.pointer_type(tl.int32))
+        tl.store(recv_src_ptr + pos * 3, tl.full([BLOCK_K], 0, tl.int32) + s, mask=mine)
+        tl.store(recv_src_ptr + pos * 3 + 1, tl.full([BLOCK_K], 0, tl.int32) + t, mask=mine)
+        tl.store(recv_src_ptr + pos * 3 + 2, offs_k, mask=mine)
+
+        if tl.sum(mine.to(tl.int32), axis=0) > 0:
+            x_src = (src_base + off_x).to(tl.pointer_type(WORD)) + t.to(tl.int64) * row_words
+            x_dst = (my_base + off_recv_x).to(tl.pointer_type(WORD))
+            for w0 in range(0, row_words, BLOCK_W):
+                offs_w = w0 + tl.arange(0, BLOCK_W)
+                mask_w = offs_w < row_words
+                words = tl.load(x_src + offs_w, mask=mask_w)
+                for j in tl.static_range(BLOCK_K):
+                    pos_j = _pick(pos, offs_k, j)
+                    tl.store(x_dst + pos_j * row_words + offs_w, words, mask=mask_w & ((offs_w * 0 + pos_j) >= 0))
+            if HAS_SCALE:
+                offs_c = tl.arange(0, BLOCK_S)
+                mask_c = offs_c < scale_words
+                scales = tl.load((src_base + off_x_scale).to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * scale_words
+                                 + offs_c, mask=mask_c)
+                scale_dst = (my_base + off_recv_x_scale).to(tl.pointer_type(tl.int32))
+                for j in tl.static_range(BLOCK_K):
+                    pos_j = _pick(pos, offs_k, j)
+                    tl.store(scale_dst + pos_j * scale_words + offs_c, scales, mask=mask_c & ((offs_c * 0 + pos_j) >= 0))
+
+
+def _word_bytes(row_bytes: int) -> int:
+    return next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)
+
+
+def ep_dispatch(peers: PeerBuffers, regions: EPRegions) -> None:
+    """Pull my experts' rows from every source into my pool (two launches, no host sync).
+
+    Call after every rank's `ep_pre_dispatch` and a `symm_barrier`.
+
+    Args:
+        peers: the buffers (peers' send regions are read, mine written).
+        regions: the layout (R, e, K, C, Dx, P, alignment, fp8).
+
+    Writes (my buffer): `recv_num_tokens [R]`, `num_rows [e]`, `row_start [e]`, `recv_base [R, e]`, `pool_end [1]`,
+    `recv_pos [R, C, K]` and `recv_weight [R, C, K]` (rows t < T_s of each source), `recv_src [P, 3]` (received
+    and padding rows below `pool_end`), `recv_x [P, Dx]` (+ `recv_x_scale [P, Db]`) at the received rows; on
+    pool overflow `status = [2, rows needed, ...]` (`check_ep_status` raises ExpertIdError).
+    """
+    check_peers(peers, regions)
+    check_device("peers.ptrs_R", peers.ptrs_R)
+    off = regions.offsets
+    R, e, K, C = regions.num_ranks, regions.num_local_experts, regions.num_topk, regions.cap
+    _recv_layout_kernel[(1,)](
+        peers.ptrs_R,
+        peers.rank, R, e, regions.alignment, regions.num_pool_rows,
+        off["num_tokens"], off["send_count"], off["recv_num_tokens"], off["num_rows"], off["row_start"],
+        off["recv_base"], off["pool_end"], off["recv_src"], off["status"],
+        BLOCK_R=triton.next_power_of_2(R), BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_A=min(triton.next_power_of_2(max(regions.alignment - 1, 1)), 8 if is_interpreter() else 32),
+        num_warps=4,
+    )
+    row_bytes = regions.hidden * regions.wire_dtype.itemsize
+    word = _word_bytes(row_bytes)
+    row_words = row_bytes // word
+    block_w = min(triton.next_power_of_2(row_words), 64 if is_interpreter() else 1024 // word * 8)
+    _dispatch_rows_kernel[(R * C,)](
+        peers.ptrs_R,
+        peers.rank, C, K, e, regions.num_pool_rows, row_words, regions.num_scale_cols,
+        off["topk_ids"], off["topk_weights"], off["slot_rank"], off["x"], off.get("x_scale", 0),
+        off["recv_num_tokens"], off["recv_base"], off["recv_pos"], off["recv_weight"], off["recv_src"],
+        off["recv_x"], off.get("recv_x_scale", 0),
+        WORD=_WORD_DTYPES[word], HAS_SCALE=regions.fp8, BLOCK_K=triton.next_power_of_2(K), BLOCK_W=block_w,
+        BLOCK_S=triton.next_power_of_2(regions.num_scale_cols),
+        num_warps=4,
+    )
+
+
+def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions) -> None:
+    """Torch twin of `ep_dispatch` (same arguments, same writes, bitwise; no host sync except on the pool
+    overflow check, which a kernel does on the device)."""
+    check_peers(peers, regions)
+    my, rank = peers.local, peers.rank
+    view = regions.view
+    R, e, K, C, P = (regions.num_ranks, regions.num_local_experts, regions.num_topk, regions.cap,
+                     regions.num_pool_rows)
+    device = my.device
+    num_tokens_R = torch.stack([view(b, "num_tokens")[0] for b in peers.buffers])
+    counts_Re = torch.stack([view(b, "send_count")[rank] for b in peers.buffers]).to(torch.int64)
+    num_rows_e = counts_Re.sum(0)
+    aligned_e = (num_rows_e + regions.alignment - 1) // regions.alignment * regions.alignment
+    row_start_e = torch.cumsum(aligned_e, 0) - aligned_e
+    recv_base_Re = row_start_e[None, :] + torch.cumsum(counts_Re, 0) - counts_Re
+    pool_end = aligned_e.sum()
+    view(my, "recv_num_tokens").copy_(num_tokens_R)
+    view(my, "num_rows").copy_(num_rows_e)
+    view(my, "row_start").copy_(row_start_e)
+    view(my, "recv_base").copy_(recv_base_Re)
+    view(my, "pool_end").fill_(pool_end)
+    status = view(my, "status")
+    overflow = pool_end > P
+    status[1] = torch.where(overflow, pool_end.to(torch.int32), status[1])
+    status[0] = torch.where(overflow, STATUS_POOL_OVERFLOW, status[0])
+
+    recv_src_P3 = view(my, "recv_src")
+    # padding rows: [row_start + num_rows, row_start + aligned) of each segment, below P
+    pad_e = aligned_e - num_rows_e
+    pad_rows = (row_start_e + num_rows_e)[:, None] + torch.arange(max(regions.alignment - 1, 0), device=device)
+    pad_mask = (torch.arange(pad_rows.shape[1], device=device)[None, :] < pad_e[:, None]) & (pad_rows < P)
+    recv_src_P3[pad_rows[pad_mask]] = -1
+
+    recv_pos_RCK, recv_weight_RCK = view(my, "recv_pos"), view(my, "recv_weight")
+    recv_x_PD = view(my, "recv_x")
+    recv_scale_PDb = view(my, "recv_x_scale") if regions.fp8 else None
+    arange_K = torch.arange(K, device=device)
+    for s, src in enumerate(peers.buffers):
+        num_tokens = view(src, "num_tokens")[0].to(device)
+        live_C = torch.arange(C, device=device) < num_tokens                     # t < T_s, no host sync
+        ids_CK = view(src, "topk_ids").to(device)
+        local_CK = ids_CK - rank * e
+        mine_CK = live_C[:, None] & (ids_CK >= 0) & (local_CK >= 0) & (local_CK < e)
+        pos_CK = recv_base_Re[s, local_CK.clamp(0, e - 1)] + view(src, "slot_rank").to(device)
+        mine_CK &= pos_CK < P
+        pos_CK = torch.where(mine_CK, pos_CK, -1)
+        recv_pos_RCK[s] = torch.where(live_C[:, None], pos_CK.to(torch.int32), recv_pos_RCK[s])
+        recv_weight_RCK[s] = torch.where(live_C[:, None], view(src, "topk_weights").to(device), recv_weight_RCK[s])
+        # scatter the mine slots: send non-mine ones to a dummy row P (dropped by slicing)
+        target_N = torch.where(mine_CK, pos_CK, P).reshape(-1)
+        token_N = torch.arange(C, device=device).repeat_interleave(K)
+        src_rows = torch.stack([torch.full_like(token_N, s), token_N, arange_K.repeat(C)], dim=1).to(torch.int32)
+        _scatter_rows(recv_src_P3, target_N, src_rows)
+        _scatter_rows(recv_x_PD, target_N, view(src, "x").to(device).index_select(0, token_N))
+        if recv_scale_PDb is not None:
+            _scatter_rows(recv_scale_PDb, target_N, view(src, "x_scale").to(device).index_select(0, token_N))
+
+
+def _scatter_rows(dst_PW: torch.Tensor, target_N: torch.Tensor, rows_NW: torch.Tensor) -> None:
+    """dst[target[n]] = rows[n] for target < P (rows aimed at P are dropped); no host sync."""
+    num_rows = dst_PW.shape[0]
+    padded = torch.cat([dst_PW, dst_PW.new_empty(1, *dst_PW.shape[1:])])
+    if dst_PW.dtype == torch.float8_e4m3fn:  # index_copy has no fp8 kernel: move the bytes
+        padded_u8 = padded.view(torch.uint8)
+        padded_u8.index_copy_(0, target_N, rows_NW.view(torch.uint8))
+    else:
+        padded.index_copy_(0, target_N, rows_NW)
+    dst_PW.copy_(padded[:num_rows])
