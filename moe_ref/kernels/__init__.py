@@ -1,6 +1,8 @@
 """Triton kernels of moe_ref, each beside its plain-torch twin `<op>_ref` (same signature).
 
     router_topk -> pre_dispatch -> (dispatch) -> grouped_mlp -> (combine) -> combine_reduce
+    EP over symmetric memory: ep_pre_dispatch -> symm_barrier -> ep_dispatch -> experts -> ep_combine_push
+        -> symm_barrier -> ep_combine_reduce   (ep_chunk runs them in order)
 
 `fp8` holds the torch FP8 quantizers (activations per 128 columns, weights per 128x128 block).
 
@@ -9,6 +11,16 @@ Under `TRITON_INTERPRET=1` (set before triton is imported) the kernels run on CP
 
 from moe_ref.kernels._triton_utils import is_interpreter
 from moe_ref.kernels.combine_reduce import combine_reduce, combine_reduce_ref
+from moe_ref.kernels.ep_chunk import ep_chunk
+from moe_ref.kernels.ep_combine import (
+    ep_combine_push,
+    ep_combine_push_ref,
+    ep_combine_reduce,
+    ep_combine_reduce_ref,
+)
+from moe_ref.kernels.ep_dispatch import ep_dispatch, ep_dispatch_ref
+from moe_ref.kernels.ep_layout import ep_layout, ep_layout_ref, ep_pre_dispatch, ep_pre_dispatch_ref
+from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers
 from moe_ref.kernels.fp8 import (
     dequantize_fp8_per_128,
     dequantize_fp8_per_block_128,
@@ -18,6 +30,7 @@ from moe_ref.kernels.fp8 import (
 from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
 from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
 from moe_ref.kernels.router_topk import router_topk, router_topk_ref
+from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier, symm_barrier_ref
 
 __all__ = [
     "is_interpreter",
@@ -33,4 +46,21 @@ __all__ = [
     "grouped_mlp_ref",
     "combine_reduce",
     "combine_reduce_ref",
+    # device-side EP data path over symmetric memory (see ep_regions for the buffer contract)
+    "EPRegions",
+    "PeerBuffers",
+    "ep_layout",
+    "ep_layout_ref",
+    "ep_pre_dispatch",
+    "ep_pre_dispatch_ref",
+    "ep_dispatch",
+    "ep_dispatch_ref",
+    "ep_combine_push",
+    "ep_combine_push_ref",
+    "ep_combine_reduce",
+    "ep_combine_reduce_ref",
+    "symm_barrier",
+    "symm_barrier_ref",
+    "check_ep_status",
+    "ep_chunk",
 ]
