@@ -123,9 +123,12 @@ class _QuantReader:
 
     def scale_dtype(self, expert: int) -> torch.dtype:
         """The stored scale dtype (INT4 scales may be bf16, fp16 or fp32; checked against the spec)."""
-        name = f"{self._stem(self.names.gate, expert)}.{self.spec.scale_suffix}"
+        stem = self._stem(self.names.gate, expert)
+        name, weight_name = f"{stem}.{self.spec.scale_suffix}", f"{stem}.{self.spec.weight_suffix}"
+        if weight_name not in self.ckpt:
+            self._raise_missing_weight(weight_name, stem)
         if name not in self.ckpt:
-            self._raise_missing_scale(name, f"{self._stem(self.names.gate, expert)}.{self.spec.weight_suffix}")
+            self._raise_missing_scale(name, weight_name)
         found = self.ckpt.dtype(name)
         for dtype in self.spec.scale_dtypes:
             if _SAFETENSORS_DTYPES[dtype] == found:

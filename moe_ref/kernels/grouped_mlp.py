@@ -25,6 +25,13 @@ FP8 (e4m3): x with per-row per-128-column fp32 scales `x_scale_RDb`, weights wit
 scales; each BLOCK_K (<= 128, dividing 128) k-step multiplies the fp32 partial product by
 `x_scale[row, k // 128] * w_scale[col // 128, k // 128]` before accumulating.
 
+W4A16 (weight-only 4-bit, picked by the weights' dtype; formats in `moe_ref.quant`): int32 weights are
+compressed-tensors INT4 (`[e, N, K/8]`, 8 offset-binary nibbles per word, low nibble first) with
+bf16/fp16/fp32 group-32 scales `[e, N, K/32]`; uint8 weights are MXFP4 (`[e, N, K/2]`, E2M1 pairs, low
+nibble first) with E8M0 scale bytes `[e, N, K/32]` (`2**(byte - 125)`). Each k-step (BLOCK_K a multiple
+of 32) loads the packed tile, unpacks the nibbles, applies the group scales in fp32 and casts the tile to
+x's dtype for the dot (bf16/fp16 tensor cores; fp32 accumulation), so h and y round as on the dense path.
+
 Shape suffixes: R pool rows, D hidden, F expert intermediate, e local experts, Db = ceil(D/128),
 Fb = ceil(F/128), 2Fb = ceil(2F/128).
 """
@@ -67,6 +74,37 @@ def _tanh(x):
 
 
 @triton.jit
+def _w4_tile(b_base, scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_scale_n,
+             W4: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dequantized fp32 `[BLOCK_K, BLOCK_N]` tile (rows k0.., columns offs_n) of a packed 4-bit weight.
+
+    Example (W4=1, int4): word 0x7 + (0x9 << 4) holds k=0 -> 7 - 8 = -1 and k=1 -> 9 - 8 = 1; with group scale
+        0.5 the tile's first two rows are -0.5 and 0.5. (W4=2, mxfp4): byte 0x5A holds k=0 -> code 0xA = -1.0 and
+        k=1 -> code 0x5 = 3.0; scale byte 126 -> x2: -2.0 and 6.0.
+    """
+    PER: tl.constexpr = 8 if W4 == 1 else 2                                   # values per stored element
+    offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
+    mask_w = (offs_w < K // PER)[:, None] & mask_n[None, :]
+    packed = tl.load(b_base + offs_n[None, :] * stride_b_n + offs_w[:, None], mask=mask_w, other=0).to(tl.int32)
+    shifts = tl.arange(0, PER) * 4
+    nibbles = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K // 32, 32, BLOCK_N))
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    mask_g = (offs_g < K // 32)[:, None] & mask_n[None, :]
+    scale = tl.load(scale_base + offs_n[None, :] * stride_scale_n + offs_g[:, None], mask=mask_g, other=0)
+    if W4 == 1:
+        values = (nibbles - 8).to(tl.float32)
+        scale = scale.to(tl.float32)
+    else:
+        # E2M1 code s|ee|m -> fp32 bits: e > 0: 2**(e-1) * (1 + m/2); e == 0: m * 0.5 (exponent 126); sign bit 3
+        e = (nibbles >> 1) & 3
+        m = nibbles & 1
+        bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((nibbles & 8) << 28)
+        values = bits.to(tl.float32, bitcast=True)
+        scale = ((scale.to(tl.int32) + 2) << 23).to(tl.float32, bitcast=True)  # 2**(byte - 125)
+    return tl.reshape(values * scale[:, None, :], (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     # pointers
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, num_rows_ptr,
@@ -80,6 +118,7 @@ def _grouped_gemm_kernel(
     ACTIVATION: tl.constexpr,      # 0: c = a @ b.T; 1 silu, 2 situ: b has 2N rows (gate, then up), c = act(gate, up)
     SITU_LINEAR: tl.constexpr,     # situ only: apply lb * tanh(up / lb) (situ_linear_beta != 0)
     FP8: tl.constexpr,             # a, b are fp8 e4m3 with per-128 scales
+    W4: tl.constexpr,              # b is packed 4-bit with group-32 scales: 1 int4 (int32 words), 2 mxfp4 (uint8)
     QUANT_OUT: tl.constexpr,       # write c as fp8 e4m3 + per-row per-128 scales (needs BLOCK_N == 128)
     UPCAST: tl.constexpr,          # interpreter: dot in fp32 (its bf16 dot is wrong)
     IEEE_FP32: tl.constexpr,       # fp32 inputs: ieee dot instead of tf32
@@ -134,6 +173,7 @@ def _grouped_gemm_kernel(
 
     a_ptrs = a_ptr + rows[:, None] * stride_a_r + offs_k[None, :]
     b_base = b_ptr + expert * stride_b_e
+    b_scale_base = b_scale_ptr + expert * stride_b_scale_e
     b_ptrs = b_base + offs_n[None, :] * stride_b_n + offs_k[:, None]          # [BLOCK_K, BLOCK_N] view of b.T
     up_ptrs = b_ptrs + N * stride_b_n                                         # up rows follow the N gate rows
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -143,7 +183,11 @@ def _grouped_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if W4 != 0:  # the dequantized tile takes x's dtype (as the twin's weights), before any upcast
+            b = _w4_tile(b_base, b_scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_b_scale_n, W4, BLOCK_K,
+                         BLOCK_N).to(a_ptr.dtype.element_ty)
+        else:
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -157,7 +201,11 @@ def _grouped_gemm_kernel(
         else:
             acc = tl.dot(a, b, acc)
         if ACTIVATION != 0:
-            b_up = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if W4 != 0:
+                b_up = _w4_tile(b_base + N * stride_b_n, b_scale_base + N * stride_b_scale_n, offs_n, mask_n, k0, K,
+                                stride_b_n, stride_b_scale_n, W4, BLOCK_K, BLOCK_N).to(a_ptr.dtype.element_ty)
+            else:
+                b_up = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             if FP8:
@@ -263,9 +311,11 @@ def _smem_bytes(config: triton.Config, *, gated: bool, bytes_per_element: int) -
     return config.num_stages * (block_m + block_n * (2 if gated else 1)) * block_k * bytes_per_element
 
 
-def _config_error(config: triton.Config, *, fp8: bool, quant_out: bool) -> str | None:
+def _config_error(config: triton.Config, *, fp8: bool, quant_out: bool, w4: int = 0) -> str | None:
     """Why this config would compute a wrong result for the launch (None if it is correct)."""
     block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    if w4 and block_k % 32:
+        return "a 4-bit k-step covers whole 32-wide scale groups (BLOCK_K must be a multiple of 32)"
     if quant_out and block_n != 128:
         return "the fp8 epilogue quantizes exactly one 128-column group per tile (BLOCK_N must be 128)"
     if fp8 and 128 % block_k != 0:
@@ -274,10 +324,10 @@ def _config_error(config: triton.Config, *, fp8: bool, quant_out: bool) -> str |
 
 
 def _config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: bool, quant_out: bool,
-                    ieee_fp32: bool, smem_limit: int = _AUTOTUNE_SMEM_LIMIT) -> str | None:
+                    ieee_fp32: bool, w4: int = 0, smem_limit: int = _AUTOTUNE_SMEM_LIMIT) -> str | None:
     """Why autotune should not try this config for the launch (None if it should): wrong results,
     tiles larger than the problem, register spills, shared memory above `smem_limit` bytes."""
-    error = _config_error(config, fp8=fp8, quant_out=quant_out)
+    error = _config_error(config, fp8=fp8, quant_out=quant_out, w4=w4)
     if error:
         return error
     block_m, block_n, block_k = (config.kwargs[key] for key in _META_KEYS)
@@ -299,7 +349,8 @@ def _prune_configs(configs, named_args, **kwargs):
     regime = {_normalize_tile(tile) for tile in regime}
     ieee_fp32 = kwargs.get("IEEE_FP32", False)
     facts = dict(n=named_args["N"], k=named_args["K"], gated=kwargs.get("ACTIVATION", 0) != 0,
-                 fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32)
+                 fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32,
+                 w4=kwargs.get("W4", 0))
     kept = [config for config in configs if _tile(config) in regime and _config_problem(config, **facts) is None]
     if ieee_fp32:
         fallback = triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=2)
@@ -312,7 +363,7 @@ def _prune_configs(configs, named_args, **kwargs):
 def _autotuned_kernel():
     return triton.autotune(
         configs=_gpu_configs(),
-        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "FP8", "QUANT_OUT"],
+        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "FP8", "QUANT_OUT", "W4"],
         prune_configs_by={"early_config_prune": _prune_configs},
     )(_grouped_gemm_kernel)
 
@@ -342,7 +393,8 @@ def _forced_options(config: triton.Config) -> dict:
 # launcher
 # --------------------------------------------------------------------------------------------------
 def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
-                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, config: triton.Config | None = None):
+                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, w4: int = 0,
+                 config: triton.Config | None = None):
     """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up) or GEMM2 (`activation` "none").
 
     `config=None` (what `grouped_mlp` does): on a GPU, autotune over `_gpu_configs()` pruned to this
@@ -359,7 +411,7 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
     a_scale = dummy if a_scale is None else a_scale
     b_scale = dummy if b_scale is None else b_scale
     c_scale = dummy if c_scale is None else c_scale
-    b_scale_strides = (b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0)
+    b_scale_strides = (b_scale.stride(0), b_scale.stride(1)) if fp8 or w4 else (0, 0)
     args = (
         a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e,
         num_rows, n, k, num_experts, float(situ_beta), float(situ_linear_beta) if situ_linear_beta else 1.0,
@@ -368,7 +420,7 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
         c.stride(0), c_scale.stride(0) if quant_out else 0,
     )
     flags = dict(
-        ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), FP8=fp8, QUANT_OUT=quant_out,
+        ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), FP8=fp8, QUANT_OUT=quant_out, W4=w4,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=triton.next_power_of_2(num_experts),
     )
 
@@ -377,7 +429,7 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
 
     if config is not None:
         options = _forced_options(config)  # checks the meta keys first
-        error = _config_error(config, fp8=fp8, quant_out=quant_out)
+        error = _config_error(config, fp8=fp8, quant_out=quant_out, w4=w4)
         if error:
             raise InvalidConfigError(f"forced config {config}: {error}")
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
@@ -388,23 +440,28 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
     return _autotuned_kernel()[grid](*args, **flags, **launch_options(fp_fusion=True))
 
 
+# packed 4-bit weight dtype -> (W4 kernel flag, values per stored element, accepted scale dtypes)
+_W4_FORMATS = {torch.int32: (1, 8, (torch.bfloat16, torch.float16, torch.float32)),
+               torch.uint8: (2, 2, (torch.uint8,))}
+
+
 def _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
-                x_scale_RDb, gate_up_scale, down_scale) -> bool:
-    """Validate shapes/dtypes; returns whether this is the fp8 path."""
+                x_scale_RDb, gate_up_scale, down_scale) -> tuple[bool, int]:
+    """Validate shapes/dtypes; returns (fp8 path, W4 flag: 0 dense, 1 int4, 2 mxfp4)."""
     if activation not in ("silu", "situ"):
         raise UnknownNameError(f"{activation=} must be 'silu' or 'situ'")
     if x_RD.dim() != 2 or gate_up_weight_e2FD.dim() != 3 or down_weight_eDF.dim() != 3:
         raise ShapeError(f"expected x_RD [R, D], gate_up [e, 2F, D], down [e, D, F]; got {tuple(x_RD.shape)}, "
                          f"{tuple(gate_up_weight_e2FD.shape)}, {tuple(down_weight_eDF.shape)}")
+    _check_layout_args(row_start_e, num_rows_e, gate_up_weight_e2FD.shape[0])
+    if gate_up_weight_e2FD.dtype in _W4_FORMATS:
+        return False, _check_w4_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, gate_up_scale, down_scale)
     _, hidden = x_RD.shape
     num_experts, two_f, hidden_w = gate_up_weight_e2FD.shape
     inter = two_f // 2
     if two_f % 2 or hidden_w != hidden or tuple(down_weight_eDF.shape) != (num_experts, hidden, inter):
         raise ShapeError(f"weight shapes disagree: {tuple(x_RD.shape)=}, {tuple(gate_up_weight_e2FD.shape)=}, "
                          f"{tuple(down_weight_eDF.shape)=} (want gate_up [e, 2F, D], down [e, D, F])")
-    for name, tensor in (("row_start_e", row_start_e), ("num_rows_e", num_rows_e)):
-        if tuple(tensor.shape) != (num_experts,) or tensor.dtype not in (torch.int32, torch.int64):
-            raise DTypeError(f"{name} must be int32/int64 [{num_experts}], got {tuple(tensor.shape)} {tensor.dtype}")
     fp8 = x_RD.dtype == FP8_DTYPE
     if fp8:
         expected = {
@@ -423,7 +480,37 @@ def _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_row
             raise DTypeError(f"x_RD must be bf16/fp16/fp32 or {FP8_DTYPE}, got {x_RD.dtype}")
         if gate_up_weight_e2FD.dtype != x_RD.dtype or down_weight_eDF.dtype != x_RD.dtype:
             raise DTypeError(f"weights must match {x_RD.dtype=}: got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
-    return fp8
+    return fp8, 0
+
+
+def _check_layout_args(row_start_e, num_rows_e, num_experts: int) -> None:
+    for name, tensor in (("row_start_e", row_start_e), ("num_rows_e", num_rows_e)):
+        if tuple(tensor.shape) != (num_experts,) or tensor.dtype not in (torch.int32, torch.int64):
+            raise DTypeError(f"{name} must be int32/int64 [{num_experts}], got {tuple(tensor.shape)} {tensor.dtype}")
+
+
+def _check_w4_args(x_RD, gate_up_packed, down_packed, gate_up_scale, down_scale) -> int:
+    """Shapes/dtypes of the W4A16 path (packed int32 int4 or uint8 mxfp4 weights + group-32 scales);
+    returns the kernel's W4 flag."""
+    w4, per, scale_dtypes = _W4_FORMATS[gate_up_packed.dtype]
+    if x_RD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise DTypeError(f"4-bit weights take bf16/fp16/fp32 x_RD, got {x_RD.dtype}")
+    hidden = x_RD.shape[1]
+    num_experts, two_f, _ = gate_up_packed.shape
+    inter = two_f // 2
+    expected = {
+        "gate_up_weight_e2FD": (gate_up_packed, (num_experts, two_f, hidden // per), (gate_up_packed.dtype,)),
+        "down_weight_eDF": (down_packed, (num_experts, hidden, inter // per), (gate_up_packed.dtype,)),
+        "gate_up_scale": (gate_up_scale, (num_experts, two_f, hidden // 32), scale_dtypes),
+        "down_scale": (down_scale, (num_experts, hidden, inter // 32), scale_dtypes),
+    }
+    if hidden % 32 or inter % 32 or two_f % 2:
+        raise ShapeError(f"4-bit weights need D and F multiples of 32 (group size): D={hidden}, 2F={two_f}")
+    for name, (tensor, shape, dtypes) in expected.items():
+        if tensor is None or tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
+            got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+            raise DTypeError(f"{gate_up_packed.dtype} (4-bit) grouped_mlp needs {name} {shape} in {dtypes}, got {got}")
+    return w4
 
 
 def grouped_mlp(
@@ -446,8 +533,9 @@ def grouped_mlp(
     Args:
         x_RD: `[R, D]` bf16/fp16/fp32, or `torch.float8_e4m3fn` with `x_scale_RDb`; expert i owns rows
             `row_start_e[i] : row_start_e[i] + num_rows_e[i]` (segments must not overlap).
-        gate_up_weight_e2FD: `[e, 2F, D]`, rows 0..F-1 gate, F..2F-1 up; x's dtype (fp8 for fp8 x).
-        down_weight_eDF: `[e, D, F]`, same dtype rule.
+        gate_up_weight_e2FD: `[e, 2F, D]`, rows 0..F-1 gate, F..2F-1 up; x's dtype (fp8 for fp8 x), or packed
+            4-bit for bf16/fp16/fp32 x: int32 `[e, 2F, D/8]` (INT4) or uint8 `[e, 2F, D/2]` (MXFP4).
+        down_weight_eDF: `[e, D, F]`, same dtype rule (packed: `[e, D, F/8]` / `[e, D, F/2]`).
         row_start_e: `[e]` int64 (or int32) first pool row of each expert (128-aligned by the dispatcher;
             any value works here).
         num_rows_e: `[e]` int32/int64 rows of each expert (0 = empty expert).
@@ -457,6 +545,8 @@ def grouped_mlp(
         x_scale_RDb: `[R, ceil(D/128)]` fp32 per-row per-128 scales of an fp8 x.
         gate_up_scale: `[e, ceil(2F/128), ceil(D/128)]` fp32 128x128 block scales of fp8 gate_up.
         down_scale: `[e, ceil(D/128), ceil(F/128)]` fp32 128x128 block scales of fp8 down.
+            4-bit weights: group-32 scales `[e, 2F, D/32]` / `[e, D, F/32]`, bf16/fp16/fp32 (INT4) or uint8 E8M0
+            bytes (MXFP4), see `moe_ref.quant`.
         num_rows_hint: optional, about `sum(num_rows_e)` (known to the host without a sync, e.g. T * K);
             only picks GPU tile sizes (autotune key, bucketed to a power of 2). Default R.
 
@@ -464,8 +554,8 @@ def grouped_mlp(
         y_RD: `[R, D]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0.
         The intermediate h is kept in x's dtype (fp8 + per-128 scales on the fp8 path). No host sync.
     """
-    fp8 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
-                      x_scale_RDb, gate_up_scale, down_scale)
+    fp8, w4 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
+                          x_scale_RDb, gate_up_scale, down_scale)
     num_rows, hidden = x_RD.shape
     num_experts, two_f, _ = gate_up_weight_e2FD.shape
     inter = two_f // 2
@@ -489,11 +579,11 @@ def grouped_mlp(
     h_scale_RFb = torch.empty(num_rows, num_fp8_groups(inter), dtype=torch.float32, device=device) if fp8 else None
     _launch_gemm(x_RD, x_scale_RDb, gate_up_weight_e2FD, gate_up_scale, h_RF, h_scale_RFb, row_start_e, num_rows_e,
                  n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint)
+                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4)
     # GEMM2: y = h @ down.T
     _launch_gemm(h_RF, h_scale_RFb, down_weight_eDF, down_scale, y_RD, None, row_start_e, num_rows_e,
                  n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                 fp8=fp8, quant_out=False, rows_hint=rows_hint)
+                 fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4)
     return y_RD
 
 
@@ -534,10 +624,11 @@ def grouped_mlp_ref(
     """Plain-torch twin of `grouped_mlp` (same arguments and return): a loop over experts in fp32.
 
     Matches the kernel's roundings: h is rounded to x's dtype (non-fp8) or re-quantized to fp8 per row
-    per 128 columns (fp8) before GEMM2. NOTE: `.tolist()` on the row counts syncs the host.
+    per 128 columns (fp8) before GEMM2; 4-bit weights are dequantized (``moe_ref.quant``) and rounded to x's
+    dtype, as the kernel's tiles are. NOTE: `.tolist()` on the row counts syncs the host.
     """
-    fp8 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
-                      x_scale_RDb, gate_up_scale, down_scale)
+    fp8, w4 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
+                          x_scale_RDb, gate_up_scale, down_scale)
     num_rows, hidden = x_RD.shape
     inter = gate_up_weight_e2FD.shape[1] // 2
     out_dtype = torch.bfloat16 if fp8 else x_RD.dtype
@@ -550,6 +641,13 @@ def grouped_mlp_ref(
             x_SD = dequantize_fp8_per_128(x_RD[rows], x_scale_RDb[rows])
             gate_up_2FD = _dequantize_block_128(gate_up_weight_e2FD[i], gate_up_scale[i])
             down_DF = _dequantize_block_128(down_weight_eDF[i], down_scale[i])
+        elif w4:
+            from moe_ref.quant import QuantFormat, dequantize_weight
+
+            fmt = QuantFormat.INT4_GROUP if w4 == 1 else QuantFormat.MXFP4
+            x_SD = x_RD[rows].float()
+            gate_up_2FD = dequantize_weight(gate_up_weight_e2FD[i], gate_up_scale[i], fmt, x_RD.dtype).float()
+            down_DF = dequantize_weight(down_weight_eDF[i], down_scale[i], fmt, x_RD.dtype).float()
         else:
             x_SD = x_RD[rows].float()
             gate_up_2FD = gate_up_weight_e2FD[i].float()
