@@ -163,8 +163,9 @@ def ep_pre_dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_
     if x_TD.dtype != regions.activation_dtype:
         raise DTypeError(f"x_TD is {x_TD.dtype}, the regions were laid out for {regions.activation_dtype}")
     ep_layout(topk_ids_TK, peers, regions)
-    # an empty counter: pre_dispatch counts only ids in [0, 0), i.e. none (ep_layout wrote the counts)
-    no_counts = torch.empty(0, dtype=torch.int32, device=x_TD.device)
+    # an empty counter: pre_dispatch counts only ids in [0, 0), i.e. none (ep_layout wrote the counts); a
+    # zero-size view of a real allocation, so the kernel gets a valid (never dereferenced) pointer
+    no_counts = torch.empty(1, dtype=torch.int32, device=x_TD.device)[:0]
     pre_dispatch(x_TD, topk_ids_TK, topk_weights_TK, num_rows_per_expert_E=no_counts, **_send_views(peers, regions))
 
 

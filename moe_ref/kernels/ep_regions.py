@@ -209,10 +209,14 @@ class PeerBuffers:
 
         `ptrs_R` comes from `handle.buffer_ptrs`; `buffers` from `handle.get_buffer` (twins and tests).
         """
-        rank, world = handle.rank, handle.world_size
+        ptr_list = list(handle.buffer_ptrs)
+        world = len(ptr_list)
+        rank = getattr(handle, "rank", None)
+        if rank is None:
+            rank = ptr_list.index(local.data_ptr() - local.storage_offset() * local.element_size())
         nbytes = local.numel()
         buffers = tuple(local if s == rank else handle.get_buffer(s, (nbytes,), torch.uint8) for s in range(world))
-        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=local.device)
+        ptrs = torch.tensor(ptr_list, dtype=torch.int64, device=local.device)
         return PeerBuffers(rank, buffers, ptrs)
 
     @property

@@ -45,7 +45,7 @@ from moe_ref.kernels.ep_regions import (
 
 __all__ = ["symm_barrier", "symm_barrier_ref", "check_ep_status", "DEFAULT_TIMEOUT_US", "DEFAULT_MAX_POLLS"]
 
-DEFAULT_TIMEOUT_US = 5_000_000.0  # 5 s: far above any healthy wait, short enough to report a dead peer
+DEFAULT_TIMEOUT_US = 30_000_000.0  # 30 s: above a first call's JIT compilation on a slow peer; reports a dead peer
 DEFAULT_MAX_POLLS = 2**31 - 1     # GPU: the time bound decides; the interpreter passes a small count
 
 # BOUND modes (constexpr): what the wait loop checks besides the flags

@@ -1,0 +1,309 @@
+"""Dispatch + combine alone (identity experts) over the device-side EP kernels, beside same-run anchors.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. \
+        python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_dispatch.py --out results/
+
+Rows (per tokens/rank T, H 7168, top-8 over 384 experts = 192 per rank at EP 2, random distinct experts):
+- `kernels eager`: `ep_chunk` (ep_pre_dispatch, barrier, ep_dispatch, identity, ep_combine_push, barrier,
+  ep_combine_reduce), launched from Python each call; also split into its dispatch and combine halves.
+- `kernels graph`: the same chunk captured in one torch.cuda.CUDAGraph, replayed.
+- `nccl plain` (anchor): argsort by destination + counts `all_to_all_single` + `.tolist()` + rows
+  `all_to_all_single` out (one row per slot) + identity + rows back + weighted `index_add_`.
+- `all_to_all_vdev` (anchor, a separate launch with `--vdev-only`): torch's NVSHMEM `all_to_all_vdev`, one way,
+  T*K/R rows to each rank (one row per slot, one direction).
+Identity experts: bf16 -> y is the pool itself (no copy); FP8 -> y is a preallocated bf16 pool-sized tensor
+(its values are not the dequantized rows; the data path's time does not depend on them).
+
+Times: CUDA events around `iters` back-to-back calls (the in-chunk barriers keep the ranks in step), median of
+`repeats`, max over ranks. NVLink bytes per direction: rows that cross to the other rank once per (token, rank)
+(dispatch) and partials that come back once per (token, rank) (combine).
+Writes bench_dispatch.json and .md (and .png when matplotlib imports) under --out (bench_dispatch_vdev.* with
+--vdev-only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from moe_ref.kernels.ep_chunk import ep_chunk  # noqa: E402
+from moe_ref.kernels.ep_combine import ep_combine_push, ep_combine_reduce  # noqa: E402
+from moe_ref.kernels.ep_dispatch import ep_dispatch  # noqa: E402
+from moe_ref.kernels.ep_layout import ep_pre_dispatch  # noqa: E402
+from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, zero_signal_regions  # noqa: E402
+from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier  # noqa: E402
+
+HIDDEN, TOPK, NUM_EXPERTS = 7168, 8, 384
+
+
+def routing(num_tokens: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, device=device, generator=gen).to(torch.bfloat16)
+    scores = torch.rand(num_tokens, NUM_EXPERTS, device=device, generator=gen)
+    ids = scores.topk(TOPK, dim=1).indices
+    w = torch.rand(num_tokens, TOPK, device=device, generator=gen)
+    return x, ids, w
+
+
+def timed(fn, iters: int, repeats: int) -> float:
+    """Median over repeats of the mean us per call of `iters` back-to-back calls; max over ranks."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    value = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph (after one warm-up call on a side stream); collective (barriers inside)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return graph
+
+
+def link_bytes(ids: torch.Tensor, rank: int, e: int, world: int, row_bytes: int) -> int:
+    """Bytes this rank sends to other ranks in one direction: one row per (token, other rank with >= 1 slot)."""
+    dests = ids // e
+    total = 0
+    for s in range(world):
+        if s != rank:
+            total += int((dests == s).any(dim=1).sum()) * row_bytes
+    return total
+
+
+def bench_kernels(num_tokens: int, fp8: bool, rank: int, world: int, device, iters: int, repeats: int) -> dict:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    e = NUM_EXPERTS // world
+    regions = EPRegions.build(world, e, TOPK, num_tokens, HIDDEN, activation_dtype=torch.bfloat16, fp8=fp8,
+                              alignment=1)
+    local = symm_mem.empty(regions.end, dtype=torch.uint8, device=device)
+    local.zero_()
+    handle = symm_mem.rendezvous(local, dist.group.WORLD.group_name)
+    peers = PeerBuffers.from_symm_handle(local, handle)
+    zero_signal_regions(peers, regions)
+    torch.cuda.synchronize()
+    dist.barrier()
+    x, ids, w = routing(num_tokens, 1000 + rank, device)
+    pool = regions.view(local, "recv_x")
+    y_fp8 = torch.zeros(pool.shape, dtype=torch.bfloat16, device=device) if fp8 else None
+
+    def experts(recv_x, recv_x_scale):
+        return y_fp8 if fp8 else recv_x
+
+    def chunk():
+        return ep_chunk(x, ids, w, experts, peers, regions)
+
+    def dispatch_half():
+        ep_pre_dispatch(x, ids, w, peers, regions)
+        symm_barrier(peers, regions)
+        ep_dispatch(peers, regions)
+
+    def combine_half():
+        ep_combine_push(experts(pool, None), peers, regions)
+        symm_barrier(peers, regions)
+        return ep_combine_reduce(num_tokens, peers, regions)
+
+    for _ in range(3):
+        chunk()
+    torch.cuda.synchronize()
+    out = {"eager_us": timed(chunk, iters, repeats)}
+    out["eager_dispatch_us"] = timed(dispatch_half, iters, repeats)
+    out["eager_combine_us"] = timed(combine_half, iters, repeats)
+    graph, graph_d, graph_c = capture(chunk), capture(dispatch_half), capture(combine_half)
+    out["graph_us"] = timed(graph.replay, iters, repeats)
+    out["graph_dispatch_us"] = timed(graph_d.replay, iters, repeats)
+    out["graph_combine_us"] = timed(graph_c.replay, iters, repeats)
+    torch.cuda.synchronize()
+    check_ep_status(peers, regions)
+    row_bytes = HIDDEN * (1 if fp8 else 2) + (regions.num_scale_cols * 4 if fp8 else 0)
+    out["dispatch_link_bytes"] = link_bytes(ids, rank, e, world, row_bytes)
+    out["combine_link_bytes"] = link_bytes(ids, rank, e, world, HIDDEN * 2)
+    out["pool_rows"] = int(regions.view(local, "pool_end")[0])
+    del graph, graph_d, graph_c
+    dist.barrier()
+    return out
+
+
+def bench_nccl_plain(num_tokens: int, rank: int, world: int, device, iters: int, repeats: int) -> float:
+    """The plain torch path (anchor): one row per slot each way, a host sync for the split sizes."""
+    e = NUM_EXPERTS // world
+    x, ids, w = routing(num_tokens, 1000 + rank, device)
+
+    def run():
+        dest_N = (ids // e).reshape(-1)
+        order_N = torch.argsort(dest_N, stable=True)
+        token_N = order_N // TOPK
+        send_counts = torch.bincount(dest_N, minlength=world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)
+        send_list, recv_list = send_counts.tolist(), recv_counts.tolist()  # NOTE: host sync
+        rows = x.index_select(0, token_N)
+        recv = rows.new_empty(sum(recv_list), HIDDEN)
+        dist.all_to_all_single(recv, rows, recv_list, send_list)
+        back = torch.empty_like(rows)
+        dist.all_to_all_single(back, recv, send_list, recv_list)  # identity experts
+        out = torch.zeros(num_tokens, HIDDEN, dtype=torch.float32, device=device)
+        out.index_add_(0, token_N, back.float() * w.reshape(-1)[order_N, None])
+        return out.to(torch.bfloat16)
+
+    for _ in range(3):
+        run()
+    return timed(run, iters, repeats)
+
+
+def bench_vdev(num_tokens: int, rank: int, world: int, device, iters: int, repeats: int) -> float | None:
+    """torch all_to_all_vdev one way: the rows of one direction (T * K / world per peer on average)."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        rows = num_tokens * TOPK
+        inp = symm_mem.empty(rows, HIDDEN, dtype=torch.bfloat16, device=device).normal_()
+        out = symm_mem.empty(rows * 2, HIDDEN, dtype=torch.bfloat16, device=device)
+        in_splits = symm_mem.empty(world, dtype=torch.int64, device=device).fill_(rows // world)
+        out_splits = symm_mem.empty(2, world, dtype=torch.int64, device=device)
+        group = dist.group.WORLD.group_name
+        for t in (inp, out, in_splits, out_splits):
+            symm_mem.rendezvous(t, group)
+
+        def run():
+            torch.ops.symm_mem.all_to_all_vdev(inp, out, in_splits, out_splits, group)
+
+        for _ in range(3):
+            run()
+        return timed(run, iters, repeats)
+    except Exception as err:  # an anchor that does not run here is reported, not fatal
+        if rank == 0:
+            print(f"all_to_all_vdev did not run: {err!r}", flush=True)
+        return None
+
+
+def write_outputs(rows: list[dict], out_dir: str, meta: dict, name: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [f"# bench_dispatch ({meta['device']} x{meta['world']}, H {HIDDEN}, top-{TOPK}, {NUM_EXPERTS} experts)",
+             "", "Dispatch + combine alone, identity experts; us per call (max over ranks, median of repeats).", "",
+             "| tokens/rank | path | dtype | mode | total us | dispatch us | combine us | GB/s per direction |",
+             "|---:|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        def fmt(v):
+            return "" if v is None else f"{v:.1f}"
+        lines.append(f"| {r['tokens']} | {r['path']} | {r['dtype']} | {r['mode']} | {fmt(r.get('total_us'))} | "
+                     f"{fmt(r.get('dispatch_us'))} | {fmt(r.get('combine_us'))} | {fmt(r.get('gbps'))} |")
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 5))
+        series = {}
+        for r in rows:
+            if r.get("total_us") is not None:
+                series.setdefault(f"{r['path']} {r['dtype']} {r['mode']}", []).append((r["tokens"], r["total_us"]))
+        for label, pts in series.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("us per call")
+        ax.set_title("dispatch + combine (identity experts), 2x H200")
+        ax.legend(fontsize=7)
+        fig.savefig(os.path.join(out_dir, name + ".png"), dpi=120, bbox_inches="tight")
+    except ImportError:
+        pass
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--tokens", default="128,512,4096")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--vdev-only", action="store_true",
+                        help="time only torch all_to_all_vdev (NVSHMEM backend, set before any allocation; run it "
+                             "as its own launch) and write bench_dispatch_vdev.json")
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    rows = []
+    t_start = time.perf_counter()
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    if args.vdev_only:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NVSHMEM")
+        for num_tokens in token_counts:
+            vdev = bench_vdev(num_tokens, rank, world, device, args.iters, args.repeats)
+            rows.append(dict(tokens=num_tokens, path="torch all_to_all_vdev one way (T*K/R rows to each rank)",
+                             dtype="bf16", mode="eager", total_us=vdev))
+            if rank == 0:
+                print(f"T={num_tokens} all_to_all_vdev: {vdev}", flush=True)
+    for num_tokens in [] if args.vdev_only else token_counts:
+        for fp8 in (False, True):
+            res = bench_kernels(num_tokens, fp8, rank, world, device, args.iters, args.repeats)
+            dtype = "fp8" if fp8 else "bf16"
+            link = torch.tensor([res["dispatch_link_bytes"] + res["combine_link_bytes"]], device=device,
+                                dtype=torch.float64)
+            dist.all_reduce(link, op=dist.ReduceOp.MAX)
+            for mode in ("eager", "graph"):
+                total = res[f"{mode}_us"]
+                rows.append(dict(tokens=num_tokens, path="moe_ref kernels", dtype=dtype, mode=mode, total_us=total,
+                                 dispatch_us=res[f"{mode}_dispatch_us"], combine_us=res[f"{mode}_combine_us"],
+                                 gbps=float(link) / (total * 1e-6) / 1e9 / 2, pool_rows=res["pool_rows"],
+                                 link_bytes_both_directions=float(link)))
+            if rank == 0:
+                print(f"T={num_tokens} {dtype}: {res}", flush=True)
+        nccl = bench_nccl_plain(num_tokens, rank, world, device, max(5, args.iters // 2), args.repeats)
+        rows.append(dict(tokens=num_tokens, path="nccl plain (argsort+a2a+tolist+index_add)", dtype="bf16",
+                         mode="eager", total_us=nccl))
+        if rank == 0:
+            print(f"T={num_tokens} nccl plain: {nccl:.1f} us", flush=True)
+    meta = dict(device=torch.cuda.get_device_name(device), world=world, torch=torch.__version__,
+                triton=__import__("triton").__version__, seconds=time.perf_counter() - t_start,
+                iters=args.iters, repeats=args.repeats)
+    if rank == 0:
+        name = "bench_dispatch_vdev" if args.vdev_only else "bench_dispatch"
+        write_outputs(rows, args.out, meta, name)
+        print(open(os.path.join(args.out, name + ".md")).read(), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
