@@ -75,14 +75,13 @@ def _tanh(x):
 
 @triton.jit
 def _w4_tile(b_base, scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_scale_n,
-             W4: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+             W4: tl.constexpr, PER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Dequantized fp32 `[BLOCK_K, BLOCK_N]` tile (rows k0.., columns offs_n) of a packed 4-bit weight.
 
     Example (W4=1, int4): word 0x7 + (0x9 << 4) holds k=0 -> 7 - 8 = -1 and k=1 -> 9 - 8 = 1; with group scale
         0.5 the tile's first two rows are -0.5 and 0.5. (W4=2, mxfp4): byte 0x5A holds k=0 -> code 0xA = -1.0 and
         k=1 -> code 0x5 = 3.0; scale byte 126 -> x2: -2.0 and 6.0.
     """
-    PER: tl.constexpr = 8 if W4 == 1 else 2                                   # values per stored element
     offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
     mask_w = (offs_w < K // PER)[:, None] & mask_n[None, :]
     packed = tl.load(b_base + offs_n[None, :] * stride_b_n + offs_w[:, None], mask=mask_w, other=0).to(tl.int32)
@@ -119,6 +118,7 @@ def _grouped_gemm_kernel(
     SITU_LINEAR: tl.constexpr,     # situ only: apply lb * tanh(up / lb) (situ_linear_beta != 0)
     FP8: tl.constexpr,             # a, b are fp8 e4m3 with per-128 scales
     W4: tl.constexpr,              # b is packed 4-bit with group-32 scales: 1 int4 (int32 words), 2 mxfp4 (uint8)
+    W4_PER: tl.constexpr,          # 4-bit values per stored element: 8 (int4), 2 (mxfp4); 1 otherwise
     QUANT_OUT: tl.constexpr,       # write c as fp8 e4m3 + per-row per-128 scales (needs BLOCK_N == 128)
     UPCAST: tl.constexpr,          # interpreter: dot in fp32 (its bf16 dot is wrong)
     IEEE_FP32: tl.constexpr,       # fp32 inputs: ieee dot instead of tf32
@@ -184,8 +184,8 @@ def _grouped_gemm_kernel(
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if W4 != 0:  # the dequantized tile takes x's dtype (as the twin's weights), before any upcast
-            b = _w4_tile(b_base, b_scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_b_scale_n, W4, BLOCK_K,
-                         BLOCK_N).to(a_ptr.dtype.element_ty)
+            b = _w4_tile(b_base, b_scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_b_scale_n, W4, W4_PER,
+                         BLOCK_K, BLOCK_N).to(a_ptr.dtype.element_ty)
         else:
             b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:
@@ -203,7 +203,7 @@ def _grouped_gemm_kernel(
         if ACTIVATION != 0:
             if W4 != 0:
                 b_up = _w4_tile(b_base + N * stride_b_n, b_scale_base + N * stride_b_scale_n, offs_n, mask_n, k0, K,
-                                stride_b_n, stride_b_scale_n, W4, BLOCK_K, BLOCK_N).to(a_ptr.dtype.element_ty)
+                                stride_b_n, stride_b_scale_n, W4, W4_PER, BLOCK_K, BLOCK_N).to(a_ptr.dtype.element_ty)
             else:
                 b_up = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if UPCAST:
@@ -421,6 +421,7 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
     )
     flags = dict(
         ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), FP8=fp8, QUANT_OUT=quant_out, W4=w4,
+        W4_PER={0: 1, 1: 8, 2: 2}[w4],
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=triton.next_power_of_2(num_experts),
     )
 
