@@ -451,7 +451,9 @@ class UnsupportedCheckpointError(CheckpointError):
         "values without their scales would give silently wrong weights, so the loader refuses.",
         "A real Kimi-K3 checkpoint (MXFP4 experts.{e}.w1.weight_packed + scales), DeepSeek-V3/Kimi-K2-Instruct "
         "block-FP8 weights with weight_scale_inv, or Kimi-K2-Thinking INT4 compressed-tensors.",
-        ["Dequantize the checkpoint to bf16 first (e.g. the model vendor's fp8_cast_bf16 script, or load it "
+        ["Read the routed experts as stored: moe_ref.quant_loading.load_quantized_experts (FP8 128x128 blocks, "
+         "compressed-tensors INT4 group 32, MXFP4) and moe_ref.experts_quant.make_quantized_experts.",
+         "Or dequantize the checkpoint to bf16 first (e.g. the model vendor's fp8_cast_bf16 script, or load it "
          "with its quantization library and save the dequantized state dict).",
          "For tests and demos, write a bf16 synthetic checkpoint: moe_ref.synthetic.write_synthetic_checkpoint."],
         "write_synthetic_checkpoint('ckpt/', preset('tiny-kimi-k3'))\n"

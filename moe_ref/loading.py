@@ -30,13 +30,15 @@ Kimi-K3        module ``block_sparse_moe.``: router ``gate.weight [E, D]``, ``ga
                ``routed_expert_norm.weight [L]``. The latent tensors sit under ``block_sparse_moe.``:
                SGLang's ``KimiK3MoE`` owns them and its loader only renames ``block_sparse_moe`` to
                ``mlp``. Real K3 checkpoints store the routed experts as MXFP4 ``weight_packed`` + scales:
-               not supported (``UnsupportedCheckpointError``, LOAD003).
+               this loader refuses them (LOAD003); ``moe_ref.quant_loading.load_quantized_experts`` reads them.
 Step3          router ``moe.gate.weight [E, D]`` (no bias); stacked experts ``moe.{gate_proj,up_proj}.weight
                [E, F, D]``, ``moe.down_proj.weight [E, D, F]``; shared ``share_expert.{gate,up,down}_proj.weight``.
 =============  ==========================================================================================
 
 Quantized tensors (FP8/INT/packed dtypes, or ``*_scale_inv`` / ``weight_packed`` siblings) are refused with
-LOAD003 rather than read as if they were plain weights.
+LOAD003 rather than read as if they were plain weights; ``moe_ref.quant_loading.load_quantized_experts`` reads
+the routed experts of the published FP8-block, INT4 and MXFP4 checkpoints as stored (this loader still reads
+their bf16 router, shared and latent tensors).
 """
 from __future__ import annotations
 
@@ -391,7 +393,9 @@ class _LayerReader:
         if found_dtype not in _PLAIN_DTYPES:
             raise UnsupportedCheckpointError(
                 f"tensor {name!r} has dtype {found_dtype} (quantized); moe_ref reads fp32/fp16/bf16 weights only. "
-                f"{self._quant_siblings(name)}Dequantize the checkpoint to bf16 first", name=name, dtype=found_dtype)
+                f"{self._quant_siblings(name)}Read quantized routed experts as stored with "
+                f"moe_ref.quant_loading.load_quantized_experts, or dequantize the checkpoint to bf16 first",
+                name=name, dtype=found_dtype)
         found = self.ckpt.shape(name)
         if found != tuple(expected):
             raise TensorShapeMismatchError(
