@@ -280,7 +280,7 @@ def _index_weight_map(folder: Path, index: Path) -> dict[str, Path]:
 
 def load_moe_weights(
     path: str | os.PathLike, cfg: MoEConfig, layer_idx: int, *, expert_range: tuple[int, int] | None = None,
-    prefix: str | None = None, dtype: torch.dtype | None = None, device="cpu",
+    prefix: str | None = None, dtype: torch.dtype | None = None, device="cpu", experts: bool = True,
 ) -> MoEWeights:
     """Read MoE layer ``layer_idx`` of a checkpoint into ``MoEWeights``, reading only the experts asked for.
 
@@ -296,6 +296,8 @@ def load_moe_weights(
             ``KNOWN_PREFIXES``.
         dtype: cast every tensor except the bias to this dtype; None keeps the checkpoint's dtypes.
         device: where the returned tensors live.
+        experts: False skips the routed experts (quantized checkpoints: ``load_quantized_experts`` reads them as
+            stored); the returned expert tensors are then empty, ``[0, 2F, Dx]`` and ``[0, Dx, F]``.
 
     Returns:
         ``MoEWeights`` with ``gate_up_weight_E2FD [count, 2F, Dx]``, ``down_weight_EDF [count, Dx, F]``,
@@ -316,7 +318,13 @@ def load_moe_weights(
         # the router first: when it is missing, the layer is most likely dense, which the error says
         gate_weight_ED = reader.tensor(names.router, (cfg.num_experts, cfg.hidden_size))
         bias_E = reader.tensor(names.bias, (cfg.num_experts,), torch.float32) if cfg.use_selection_bias else None
-        gate_up_E2FD, down_EDF = reader.experts(first, count)
+        if experts:
+            gate_up_E2FD, down_EDF = reader.experts(first, count)
+        else:
+            empty_dtype = dtype or gate_weight_ED.dtype
+            F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
+            gate_up_E2FD = torch.empty(0, 2 * F, Dx, dtype=empty_dtype, device=device)
+            down_EDF = torch.empty(0, Dx, F, dtype=empty_dtype, device=device)
         shared = reader.shared() if cfg.has_shared_experts else (None, None)
         return MoEWeights(
             gate_weight_ED=gate_weight_ED,

@@ -258,3 +258,52 @@ def test_truncated_or_random_files_are_load010(tmp_path, damage, sharded_layout)
     with pytest.raises(CorruptSafetensorsError, match=file.name) as info:
         load_quantized_experts(tmp_path, cfg, LAYER, progress=False)
     assert info.value.code == "LOAD010"
+
+
+# --- a whole block from a quantized checkpoint (what MegaMoE.load_hf_weights will compose) ------------------------
+
+def _routed_over_ranks(ranks, expert_width):
+    """Routed step of one process over per-rank quantized experts: each slot's row goes to its owner's pool
+    (expert-major, the backend's alignment), results are summed in slot order in fp32 (as the reference)."""
+    def routed(x_TD, topk_ids_TK, topk_weights_TK):
+        num_tokens, num_topk = topk_ids_TK.shape
+        out_KTD = torch.zeros(num_topk, num_tokens, expert_width, dtype=x_TD.dtype)
+        for experts, first, count in ranks:
+            tok, slot = ((topk_ids_TK >= first) & (topk_ids_TK < first + count)).nonzero(as_tuple=True)
+            local = topk_ids_TK[tok, slot] - first
+            order = torch.argsort(local, stable=True)
+            tok, slot, local = tok[order], slot[order], local[order]
+            counts = torch.bincount(local, minlength=count)
+            layout = ExpertLayout.from_counts(counts, alignment=experts.segment_alignment)
+            rank_in_expert = torch.arange(local.numel()) - (torch.cumsum(counts, 0) - counts)[local]
+            pos = layout.row_start_e[local] + rank_in_expert
+            pool = torch.zeros(layout.num_pool_rows, expert_width, dtype=x_TD.dtype)
+            pool[pos] = x_TD[tok]
+            out_KTD[slot, tok] = experts(pool, layout)[pos]
+        y_TD = torch.zeros(num_tokens, expert_width)
+        for k in range(num_topk):
+            live = topk_ids_TK[:, k] >= 0
+            y_TD += torch.where(live[:, None], topk_weights_TK[:, k, None] * out_KTD[k].float(), 0.0)
+        return y_TD.to(x_TD.dtype)
+    return routed
+
+
+@pytest.mark.parametrize("case", ["kimi-k3-mxfp4", "kimi-k2-thinking-int4", "deepseek-v3-fp8"])
+def test_whole_block_from_a_quantized_checkpoint_on_two_ranks(tmp_path, case):
+    from moe_ref.reference import moe_block, reference_moe
+
+    cfg = _cfg(case)
+    written = write_synthetic_checkpoint(tmp_path, cfg, layer_idx=LAYER, quant=CASES[case][1], seed=9,
+                                         dtype=torch.float32, num_shards=2)
+    count = cfg.num_experts // 2
+    ranks = []
+    for rank in range(2):
+        q = load_quantized_experts(tmp_path, cfg, LAYER, (rank * count, count), progress=False)
+        ranks.append((make_quantized_experts(q, cfg.activation, cfg.situ_beta, cfg.situ_linear_beta), rank * count,
+                      count))
+    dense = load_moe_weights(tmp_path, cfg, LAYER, experts=False)  # router, bias, shared, latent: as stored
+    assert dense.num_held_experts == 0
+    x = torch.randn(24, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    y = moe_block(x, dense, cfg, _routed_over_ranks(ranks, cfg.expert_hidden_size))
+    y_ref = reference_moe(x, written, cfg)
+    assert calc_diff(y, y_ref) <= 1e-9, calc_diff(y, y_ref)
