@@ -237,19 +237,17 @@ class _Fields:
         return float(value)
 
     def boolean(self, *names: str, default: bool) -> bool:
-        key, value = self._raw(names)
-        if key is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._bad(key, value, "true or false")
-        return value
+        return self._typed(names, default, bool, "true or false")
 
     def string(self, *names: str, default: str | None) -> str | None:
+        return self._typed(names, default, str, "a JSON string")
+
+    def _typed(self, names: tuple[str, ...], default, kind: type, want: str):
         key, value = self._raw(names)
         if key is None:
             return default
-        if not isinstance(value, str):
-            raise self._bad(key, value, "a JSON string")
+        if not isinstance(value, kind):
+            raise self._bad(key, value, want)
         return value
 
 
