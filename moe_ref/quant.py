@@ -127,7 +127,9 @@ def quant_spec_from_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) 
 
     Args:
         path_or_dict: config.json path, the checkpoint folder holding it, or the parsed dict. The
-            ``quantization_config`` may sit at the top level or in ``text_config`` (multimodal wrappers).
+            ``quantization_config`` may sit at the top level or in ``text_config`` (multimodal wrappers; that one
+            wins, the routed experts are the text model's). Scheme keys left out take compressed-tensors'
+            defaults (e.g. a weights scheme of only ``num_bits`` and ``group_size`` under an mxfp4 format).
 
     Returns:
         ``QuantSpec``, or None when the config has no ``quantization_config`` (plain weights). Raises
@@ -138,7 +140,8 @@ def quant_spec_from_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) 
 
     raw = read_hf_config_json(path_or_dict)
     text = raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else {}
-    qc = raw.get("quantization_config") or text.get("quantization_config")
+    # the routed experts live in the text model: its quantization_config wins over a wrapper's
+    qc = text.get("quantization_config") or raw.get("quantization_config")
     if qc is None:
         return None
     if not isinstance(qc, Mapping):
@@ -179,7 +182,9 @@ def _compressed_tensors_format(qc: Mapping[str, Any]) -> tuple[QuantFormat, int]
         raise UnsupportedQuantizationError(f"compressed-tensors format={fmt!r} is not supported; supported: "
                                            f"{SUPPORTED_FORMATS}", format=fmt)
     quant_format, wanted = expected[fmt]
-    wrong = {key: settings[key] for key, value in wanted.items() if settings[key] != value}
+    required = ("num_bits", "group_size")  # the others may be left to the defaults the format implies
+    wrong = {key: settings[key] for key, value in wanted.items()
+             if settings[key] != value and (settings[key] is not None or key in required)}
     if wrong:
         raise UnsupportedQuantizationError(
             f"compressed-tensors {fmt!r} with weights {wrong} (want {wanted}): moe_ref reads the published "

@@ -122,6 +122,15 @@ def test_published_configs_parse(fmt):
     assert nested == spec
 
 
+def test_minimal_scheme_and_the_text_configs_quantization_config_wins():
+    minimal = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+               "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"],
+                                             "weights": {"num_bits": 4, "group_size": 32}}}}
+    raw = {"model_type": "kimi_k3", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+           "text_config": {"quantization_config": minimal}}
+    assert quant_spec_from_config(raw).format == QuantFormat.MXFP4
+
+
 def test_no_quantization_config_is_none():
     assert quant_spec_from_config({"hidden_size": 8}) is None
 
