@@ -15,8 +15,13 @@ Identity experts: bf16 -> y is the pool itself (no copy); FP8 -> y is a prealloc
 (its values are not the dequantized rows; the data path's time does not depend on them).
 
 Times: CUDA events around `iters` back-to-back calls (the in-chunk barriers keep the ranks in step), median of
-`repeats`, max over ranks. NVLink bytes per direction: rows that cross to the other rank once per (token, rank)
-(dispatch) and partials that come back once per (token, rank) (combine).
+`repeats`, max over ranks. NVLink bytes per direction (each rank sends this much to the other, both directions
+busy at once): rows that cross once per (token, other rank) in dispatch (+ fp8 scales) plus partials that come back
+once per (token, other rank) in combine; GB/s = those bytes / total time (whole call, not only the copy phases).
+`dispatch us` / `combine us`: the two halves timed alone (`ep_pre_dispatch(post) + ep_dispatch(wait)` and
+`ep_combine_push(post) + ep_combine_reduce(wait)`). `standalone barriers`: `fused_signals=False` (8 launches
+instead of 6). With `--profile`-like output in the JSON: GPU time per kernel of the eager chunk (rank 0, bf16,
+T = 128 and 4096).
 Writes bench_dispatch.json and .md (and .png when matplotlib imports) under --out (bench_dispatch_vdev.* with
 --vdev-only).
 """
@@ -99,7 +104,33 @@ def link_bytes(ids: torch.Tensor, rank: int, e: int, world: int, row_bytes: int)
     return total
 
 
-def bench_kernels(num_tokens: int, fp8: bool, rank: int, world: int, device, iters: int, repeats: int) -> dict:
+def profile_kernels(fn, rank: int, calls: int = 10) -> list[dict]:
+    """GPU time per kernel name (us per call, summed over launches of the same kernel) over `calls` eager calls,
+    profiled on rank 0 (collective: every rank runs the calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    if rank != 0:  # the peer runs the same calls (its barriers pair with rank 0's), unprofiled
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages():
+        device_us = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
+        if device_us > 0:
+            rows.append(dict(kernel=evt.key[:80], us_per_call=device_us / calls, launches_per_call=evt.count / calls))
+    rows.sort(key=lambda r: -r["us_per_call"])
+    return rows[:14]
+
+
+def bench_kernels(num_tokens: int, fp8: bool, rank: int, world: int, device, iters: int, repeats: int,
+                  profile: bool = False) -> dict:
     import torch.distributed._symmetric_memory as symm_mem
 
     e = NUM_EXPERTS // world
@@ -122,15 +153,16 @@ def bench_kernels(num_tokens: int, fp8: bool, rank: int, world: int, device, ite
     def chunk():
         return ep_chunk(x, ids, w, experts, peers, regions)
 
+    def chunk_unfused():
+        return ep_chunk(x, ids, w, experts, peers, regions, fused_signals=False)
+
     def dispatch_half():
-        ep_pre_dispatch(x, ids, w, peers, regions)
-        symm_barrier(peers, regions)
-        ep_dispatch(peers, regions)
+        ep_pre_dispatch(x, ids, w, peers, regions, post=True)
+        ep_dispatch(peers, regions, wait=True)
 
     def combine_half():
-        ep_combine_push(experts(pool, None), peers, regions)
-        symm_barrier(peers, regions)
-        return ep_combine_reduce(num_tokens, peers, regions)
+        ep_combine_push(experts(pool, None), peers, regions, post=True)
+        return ep_combine_reduce(num_tokens, peers, regions, wait=True)
 
     for _ in range(3):
         chunk()
@@ -139,7 +171,12 @@ def bench_kernels(num_tokens: int, fp8: bool, rank: int, world: int, device, ite
     out["eager_dispatch_us"] = timed(dispatch_half, iters, repeats)
     out["eager_combine_us"] = timed(combine_half, iters, repeats)
     graph, graph_d, graph_c = capture(chunk), capture(dispatch_half), capture(combine_half)
+    graph_u = capture(chunk_unfused)
     out["graph_us"] = timed(graph.replay, iters, repeats)
+    out["graph_unfused_us"] = timed(graph_u.replay, iters, repeats)
+    out["eager_unfused_us"] = timed(chunk_unfused, iters, repeats)
+    if profile:
+        out["profile"] = profile_kernels(chunk, rank)
     out["graph_dispatch_us"] = timed(graph_d.replay, iters, repeats)
     out["graph_combine_us"] = timed(graph_c.replay, iters, repeats)
     torch.cuda.synchronize()
@@ -148,7 +185,7 @@ def bench_kernels(num_tokens: int, fp8: bool, rank: int, world: int, device, ite
     out["dispatch_link_bytes"] = link_bytes(ids, rank, e, world, row_bytes)
     out["combine_link_bytes"] = link_bytes(ids, rank, e, world, HIDDEN * 2)
     out["pool_rows"] = int(regions.view(local, "pool_end")[0])
-    del graph, graph_d, graph_c
+    del graph, graph_d, graph_c, graph_u
     dist.barrier()
     return out
 
@@ -212,7 +249,7 @@ def write_outputs(rows: list[dict], out_dir: str, meta: dict, name: str) -> None
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [f"# bench_dispatch ({meta['device']} x{meta['world']}, H {HIDDEN}, top-{TOPK}, {NUM_EXPERTS} experts)",
              "", "Dispatch + combine alone, identity experts; us per call (max over ranks, median of repeats).", "",
-             "| tokens/rank | path | dtype | mode | total us | dispatch us | combine us | GB/s per direction |",
+             "| tokens/rank | path | dtype | mode | total us | dispatch us | combine us | NVLink GB/s per direction |",
              "|---:|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         def fmt(v):
@@ -275,7 +312,8 @@ def main() -> int:
                 print(f"T={num_tokens} all_to_all_vdev: {vdev}", flush=True)
     for num_tokens in [] if args.vdev_only else token_counts:
         for fp8 in (False, True):
-            res = bench_kernels(num_tokens, fp8, rank, world, device, args.iters, args.repeats)
+            res = bench_kernels(num_tokens, fp8, rank, world, device, args.iters, args.repeats,
+                                profile=not fp8 and num_tokens in (128, 4096))
             dtype = "fp8" if fp8 else "bf16"
             link = torch.tensor([res["dispatch_link_bytes"] + res["combine_link_bytes"]], device=device,
                                 dtype=torch.float64)
@@ -284,10 +322,16 @@ def main() -> int:
                 total = res[f"{mode}_us"]
                 rows.append(dict(tokens=num_tokens, path="moe_ref kernels", dtype=dtype, mode=mode, total_us=total,
                                  dispatch_us=res[f"{mode}_dispatch_us"], combine_us=res[f"{mode}_combine_us"],
-                                 gbps=float(link) / (total * 1e-6) / 1e9 / 2, pool_rows=res["pool_rows"],
-                                 link_bytes_both_directions=float(link)))
+                                 gbps=float(link) / (total * 1e-6) / 1e9, pool_rows=res["pool_rows"],
+                                 link_bytes_per_direction=float(link), profile=res.get("profile")))
+            for mode in ("eager", "graph"):
+                total = res[f"{mode}_unfused_us"]
+                rows.append(dict(tokens=num_tokens, path="moe_ref kernels, standalone barriers", dtype=dtype,
+                                 mode=mode, total_us=total, gbps=float(link) / (total * 1e-6) / 1e9))
             if rank == 0:
-                print(f"T={num_tokens} {dtype}: {res}", flush=True)
+                print(f"T={num_tokens} {dtype}: { {k: v for k, v in res.items() if k != 'profile'} }", flush=True)
+                for prow in res.get("profile") or []:
+                    print(f"   profile T={num_tokens} {dtype}: {prow}", flush=True)
         nccl = bench_nccl_plain(num_tokens, rank, world, device, max(5, args.iters // 2), args.repeats)
         rows.append(dict(tokens=num_tokens, path="nccl plain (argsort+a2a+tolist+index_add)", dtype="bf16",
                          mode="eager", total_us=nccl))

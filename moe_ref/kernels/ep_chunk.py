@@ -2,6 +2,11 @@
 
     ep_pre_dispatch -> symm_barrier -> ep_dispatch -> experts -> ep_combine_push -> symm_barrier -> ep_combine_reduce
 
+With `fused_signals=True` (default) each barrier is split into its two halves and fused into the kernels
+around it, saving two launches per chunk: `ep_pre_dispatch(post=True)` (the last program of its second launch
+posts) -> `ep_dispatch(wait=True)` (its first, one-program launch waits) and `ep_combine_push(post=True)` ->
+`ep_combine_reduce(wait=True)` (every program waits, then reads). Six launches per chunk instead of eight.
+
 Why two barriers are enough per chunk: the first makes every rank's send regions (and counts) visible before
 any rank pulls; the second makes every partial visible before any source reduces. A rank overwrites its send
 regions in the next chunk only after the second barrier, which every peer passes only after its dispatch
@@ -38,7 +43,7 @@ ExpertsFn = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def ep_chunk(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, experts: ExpertsFn,
-             peers: PeerBuffers, regions: EPRegions, *, kernels: bool = True,
+             peers: PeerBuffers, regions: EPRegions, *, kernels: bool = True, fused_signals: bool = True,
              timeout_us: float = DEFAULT_TIMEOUT_US) -> torch.Tensor:
     """Dispatch, experts, combine and reduce of one chunk (collective: every rank calls it with its own T).
 
@@ -49,6 +54,7 @@ def ep_chunk(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: tor
             (rows at received positions are read; the used rows end at MY `pool_end`, on the device).
         peers, regions: the symmetric buffers and their layout.
         kernels: Triton kernels (no host sync) or the torch twins (the CPU path; the barrier twin syncs).
+        fused_signals: fuse the barriers' post/wait halves into the neighbouring kernels (module doc).
         timeout_us: bound of each device-side wait.
 
     Returns:
@@ -59,10 +65,17 @@ def ep_chunk(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: tor
         (ep_pre_dispatch, symm_barrier, ep_dispatch, ep_combine_push, ep_combine_reduce) if kernels else
         (ep_pre_dispatch_ref, symm_barrier_ref, ep_dispatch_ref, ep_combine_push_ref, ep_combine_reduce_ref))
     my = peers.local
-    pre(x_TD, topk_ids_TK, topk_weights_TK, peers, regions)
-    barrier(peers, regions, timeout_us=timeout_us)
-    dispatch(peers, regions)
+    if fused_signals:
+        pre(x_TD, topk_ids_TK, topk_weights_TK, peers, regions, post=True)
+        dispatch(peers, regions, wait=True, timeout_us=timeout_us)
+    else:
+        pre(x_TD, topk_ids_TK, topk_weights_TK, peers, regions)
+        barrier(peers, regions, timeout_us=timeout_us)
+        dispatch(peers, regions)
     y_PD = experts(regions.view(my, "recv_x"), regions.view(my, "recv_x_scale") if regions.fp8 else None)
+    if fused_signals:
+        push(y_PD, peers, regions, post=True)
+        return reduce(x_TD.shape[0], peers, regions, wait=True, timeout_us=timeout_us)
     push(y_PD, peers, regions)
     barrier(peers, regions, timeout_us=timeout_us)
     return reduce(x_TD.shape[0], peers, regions)

@@ -27,6 +27,15 @@ from moe_ref.errors import DTypeError, ShapeError
 from moe_ref.kernels._triton_utils import check_device, is_interpreter, launch_options
 from moe_ref.kernels.ep_dispatch import source_token
 from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, check_peers
+from moe_ref.kernels.symm_signal import (
+    DEFAULT_MAX_POLLS,
+    DEFAULT_TIMEOUT_US,
+    arrive_then_post,
+    bound_mode,
+    symm_barrier,
+    symm_barrier_ref,
+    wait_epoch,
+)
 
 __all__ = ["ep_combine_push", "ep_combine_push_ref", "ep_combine_reduce", "ep_combine_reduce_ref"]
 
@@ -50,12 +59,15 @@ def _combine_push_kernel(
     y_ptr, ptrs_R,
     # sizes / scalars
     rank, C, K, D, off_recv_num_tokens, off_recv_pos, off_recv_weight, off_combine_partial,
+    R, off_signal, off_epoch, off_counter,
     # strides
     stride_y_p,
     # meta
     PART_DTYPE: tl.constexpr,      # activation dtype of combine_partial
+    POST: tl.constexpr,            # the last program to finish posts the next barrier epoch to every rank
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """One program = one (source s, token t): weighted sum of t's rows on my experts, stored once at s.
 
@@ -85,6 +97,8 @@ def _combine_push_kernel(
                     # where(), not "+ 0": a skipped slot leaves acc bit-identical (-0.0 stays -0.0)
                     acc = tl.where(valid, acc + w_j * row, acc)
                 tl.store(out_ptr + offs_d, _cast_rn(acc, PART_DTYPE), mask=mask_d)
+    if POST:
+        arrive_then_post(ptrs_R, my_base, rank, R, off_signal, off_epoch, off_counter, BLOCK_R)
 
 
 @triton.jit
@@ -92,33 +106,42 @@ def _combine_reduce_kernel(
     # pointers
     out_ptr, ptrs_R,
     # sizes / scalars
-    rank, R, C, K, D, e, off_topk_ids, off_combine_partial,
+    rank, R, T, C, K, D, e, off_topk_ids, off_combine_partial,
+    off_signal, off_epoch, off_status, max_polls, timeout_ns,
     # strides
     stride_out_t,
     # meta
     PART_DTYPE: tl.constexpr,
+    WAIT: tl.constexpr,            # every program first waits (bounded) for every rank's post of my epoch
+    BOUND: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    """One program = one token t x BLOCK_D columns: sum the partials of the owning ranks in rank order.
+    """Program p = tokens p, p + P, ... (P programs, at most a few per SM: each waits once), all columns:
+    sum the partials of the owning ranks in rank order.
 
     Example: R=2, e=4, ids[t] = [5, 6] (both on rank 1) -> out[t] = partial[1, t]; ids [0, -1] -> partial[0, t].
     """
-    t = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    offs_k = tl.arange(0, BLOCK_K)
     my_base = tl.load(ptrs_R + rank)
-    ids = tl.load((my_base + off_topk_ids).to(tl.pointer_type(tl.int64)) + t * K + offs_k, mask=offs_k < K, other=-1)
-    owner = tl.where(ids >= 0, ids // e, -1)
+    if WAIT:
+        wait_epoch(my_base, R, off_signal, off_epoch, off_status, max_polls, timeout_ns, BOUND, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
     part_ptr = (my_base + off_combine_partial).to(tl.pointer_type(PART_DTYPE))
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for src in range(0, R):
-        owns = (tl.full([BLOCK_D], 0, tl.int32) + tl.sum((owner == src).to(tl.int32), axis=0)) > 0
-        row = tl.load(part_ptr + (src * C + t) * D + offs_d, mask=mask_d & owns, other=0.0).to(tl.float32)
-        acc = tl.where(owns, acc + row, acc)
-    tl.store(out_ptr + t * stride_out_t + offs_d, _cast_rn(acc, out_ptr.dtype.element_ty), mask=mask_d)
+    for t_idx in range(tl.program_id(0), T, tl.num_programs(0)):
+        t = t_idx + tl.zeros([], dtype=tl.int64)  # int64 offsets (works for the interpreter's plain ints too)
+        ids = tl.load((my_base + off_topk_ids).to(tl.pointer_type(tl.int64)) + t * K + offs_k, mask=offs_k < K,
+                      other=-1)
+        owner = tl.where(ids >= 0, ids // e, -1)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for src in range(0, R):
+                owns = (tl.full([BLOCK_D], 0, tl.int32) + tl.sum((owner == src).to(tl.int32), axis=0)) > 0
+                row = tl.load(part_ptr + (src * C + t) * D + offs_d, mask=mask_d & owns, other=0.0).to(tl.float32)
+                acc = tl.where(owns, acc + row, acc)
+            tl.store(out_ptr + t * stride_out_t + offs_d, _cast_rn(acc, out_ptr.dtype.element_ty), mask=mask_d)
 
 
 def _check_push_args(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
@@ -131,16 +154,17 @@ def _check_push_args(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions)
         raise ShapeError(f"y_PD must have a contiguous last dimension, got strides {y_PD.stride()}")
 
 
-def ep_combine_push(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
+def ep_combine_push(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions, *, post: bool = False) -> None:
     """Push one weighted partial per (source, token) into each source's `combine_partial` (one launch).
 
     Call after `ep_dispatch` (same chunk) and the experts; follow with `symm_barrier`, then
-    `ep_combine_reduce` on every rank.
+    `ep_combine_reduce` on every rank (or `post=True` here and `ep_combine_reduce(..., wait=True)`).
 
     Args:
         y_PD: `[R_used, Dx]` fp32/fp16/bf16 expert outputs, row p = the expert result of pool row p; must cover
             every received row (R_used >= `pool_end`; the whole pool `[P, Dx]` is fine). Padding rows are never read.
         peers, regions: the buffers and layout; reads MY `recv_num_tokens`, `recv_pos`, `recv_weight`.
+        post: the last program to finish posts the next barrier epoch (the first half of `symm_barrier`, fused).
 
     Writes: `combine_partial[rank, t]` of every source s (activation dtype) for its tokens with >= 1 slot here.
     """
@@ -152,13 +176,14 @@ def ep_combine_push(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions) 
     _combine_push_kernel[(R * C,)](
         y_PD, peers.ptrs_R,
         peers.rank, C, K, D, off["recv_num_tokens"], off["recv_pos"], off["recv_weight"], off["combine_partial"],
+        R, off["signal"], off["epoch"], off["counter"],
         y_PD.stride(0) if y_PD.numel() else D,
-        PART_DTYPE=_TL_DTYPES[regions.activation_dtype], BLOCK_K=triton.next_power_of_2(K), BLOCK_D=block_d,
-        num_warps=4, **launch_options(fp_fusion=False),
+        PART_DTYPE=_TL_DTYPES[regions.activation_dtype], POST=post, BLOCK_K=triton.next_power_of_2(K),
+        BLOCK_D=block_d, BLOCK_R=triton.next_power_of_2(R), num_warps=4, **launch_options(fp_fusion=False),
     )
 
 
-def ep_combine_push_ref(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
+def ep_combine_push_ref(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions, *, post: bool = False) -> None:
     """Torch twin of `ep_combine_push` (same arguments, same writes, bitwise; no host sync)."""
     _check_push_args(y_PD, peers, regions)
     my, rank = peers.local, peers.rank
@@ -180,6 +205,8 @@ def ep_combine_push_ref(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegio
         send_C = valid_CK.any(dim=1)[:, None]
         part_CD = view(dst, "combine_partial")[rank]
         part_CD.copy_(torch.where(send_C, acc_CD.to(regions.activation_dtype).to(part_CD.device), part_CD))
+    if post:
+        symm_barrier_ref(peers, regions, post=True, wait=False)
 
 
 def _check_reduce_args(num_tokens: int, peers: PeerBuffers, regions: EPRegions, out_dtype) -> torch.dtype:
@@ -193,15 +220,20 @@ def _check_reduce_args(num_tokens: int, peers: PeerBuffers, regions: EPRegions, 
 
 
 def ep_combine_reduce(num_tokens: int, peers: PeerBuffers, regions: EPRegions,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype | None = None, *, wait: bool = False,
+                      timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS) -> torch.Tensor:
     """Sum my tokens' partials over the owning ranks in rank order (one launch, local reads only).
 
-    Call after every rank's `ep_combine_push` and a `symm_barrier`.
+    Call after every rank's `ep_combine_push` and a `symm_barrier`, or pass `wait=True` after every rank's
+    `ep_combine_push(..., post=True)`.
 
     Args:
         num_tokens: T of this chunk (a host int: the output shape; the same T that `ep_pre_dispatch` got).
         peers, regions: reads MY `topk_ids [:T]` and `combine_partial`.
         out_dtype: default the activation dtype.
+        wait: every program first waits for every rank's post of my current epoch (the second half of
+            `symm_barrier`, fused; bounded by `timeout_us` / `max_polls`).
+        timeout_us, max_polls: the bound of that wait.
 
     Returns:
         out_TD: `[T, Dx]` out_dtype; a token with no live slot gets zeros.
@@ -211,24 +243,33 @@ def ep_combine_reduce(num_tokens: int, peers: PeerBuffers, regions: EPRegions,
     D = regions.hidden
     out_TD = torch.empty(num_tokens, D, dtype=out_dtype, device=peers.local.device)
     if num_tokens == 0:
+        if wait:  # nothing to reduce, but the wait is part of the barrier every rank counts on
+            symm_barrier(peers, regions, post=False, wait=True, timeout_us=timeout_us, max_polls=max_polls)
         return out_TD
     block_d = min(triton.next_power_of_2(D), 64 if is_interpreter() else 1024)
     off = regions.offsets
-    _combine_reduce_kernel[(num_tokens, triton.cdiv(D, block_d))](
+    num_programs = min(num_tokens, 8 if is_interpreter() else 4 * torch.cuda.get_device_properties(
+        out_TD.device).multi_processor_count)
+    _combine_reduce_kernel[(num_programs,)](
         out_TD, peers.ptrs_R,
-        peers.rank, regions.num_ranks, regions.cap, regions.num_topk, D, regions.num_local_experts,
+        peers.rank, regions.num_ranks, num_tokens, regions.cap, regions.num_topk, D, regions.num_local_experts,
         off["topk_ids"], off["combine_partial"],
+        off["signal"], off["epoch"], off["status"], int(max_polls), int(timeout_us * 1000),
         out_TD.stride(0),
-        PART_DTYPE=_TL_DTYPES[regions.activation_dtype], BLOCK_K=triton.next_power_of_2(regions.num_topk),
-        BLOCK_D=block_d, num_warps=4, **launch_options(fp_fusion=False),
+        PART_DTYPE=_TL_DTYPES[regions.activation_dtype], WAIT=wait, BOUND=bound_mode(),
+        BLOCK_K=triton.next_power_of_2(regions.num_topk), BLOCK_D=block_d,
+        BLOCK_R=triton.next_power_of_2(regions.num_ranks), num_warps=4, **launch_options(fp_fusion=False),
     )
     return out_TD
 
 
 def ep_combine_reduce_ref(num_tokens: int, peers: PeerBuffers, regions: EPRegions,
-                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Torch twin of `ep_combine_reduce` (same arguments and result, bitwise; no host sync)."""
+                          out_dtype: torch.dtype | None = None, *, wait: bool = False,
+                          timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS) -> torch.Tensor:
+    """Torch twin of `ep_combine_reduce` (same arguments and result, bitwise; no host sync but the wait's)."""
     out_dtype = _check_reduce_args(num_tokens, peers, regions, out_dtype)
+    if wait:
+        symm_barrier_ref(peers, regions, post=False, wait=True, timeout_us=timeout_us, max_polls=max_polls)
     my = peers.local
     ids_TK = regions.view(my, "topk_ids")[:num_tokens]
     owner_TK = torch.where(ids_TK >= 0, ids_TK // regions.num_local_experts, -1)

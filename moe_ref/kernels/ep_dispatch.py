@@ -10,7 +10,8 @@ Two launches, no host sync:
        recv_base[s, i] = row_start[i] + sum_{s' < s} send_count_{s'}[r, i]
        pool_end        = sum_i align(num_rows[i], alignment)
    and write -1 into `recv_src` of every padding row below `pool_end`. `pool_end > P` sets
-   `status = [2, pool_end]` (rows past P are then dropped, never written out of bounds).
+   `status = [2, pool_end]` (rows past P are then dropped, never written out of bounds). After a peer
+   timeout (`status[0] == 1`) it receives nothing (every T_s = 0): the peers' regions may hold anything.
 2. `_dispatch_rows_kernel` (one program per (source s, token t < C)): for t < T_s read the token's K ids,
    slot ranks and weights from s, and for the slots j routed to my local expert i:
        pos = recv_base[s, i] + slot_rank_s[t, j]
@@ -28,7 +29,14 @@ import triton
 import triton.language as tl
 
 from moe_ref.kernels._triton_utils import check_device, is_interpreter
-from moe_ref.kernels.ep_regions import STATUS_POOL_OVERFLOW, EPRegions, PeerBuffers, check_peers
+from moe_ref.kernels.ep_regions import STATUS_PEER_TIMEOUT, STATUS_POOL_OVERFLOW, EPRegions, PeerBuffers, check_peers
+from moe_ref.kernels.symm_signal import (
+    DEFAULT_MAX_POLLS,
+    DEFAULT_TIMEOUT_US,
+    bound_mode,
+    symm_barrier_ref,
+    wait_epoch,
+)
 
 __all__ = ["ep_dispatch", "ep_dispatch_ref"]
 
@@ -42,8 +50,10 @@ def _recv_layout_kernel(
     # sizes / scalars
     rank, R, e, alignment, P,
     off_num_tokens, off_send_count, off_recv_num_tokens, off_num_rows, off_row_start, off_recv_base, off_pool_end,
-    off_recv_src, off_status,
+    off_recv_src, off_status, off_signal, off_epoch, max_polls, timeout_ns,
     # meta
+    WAIT: tl.constexpr,            # first wait (bounded) until every rank posted my current epoch
+    BOUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_A: tl.constexpr,
@@ -53,16 +63,23 @@ def _recv_layout_kernel(
     Example: R=2, e=2, alignment 4, send_count column of rank 0: source 0 -> [1, 2], source 1 -> [3, 0]
         -> num_rows [4, 2], row_start [0, 4], recv_base [[0, 4], [1, 6]], pool_end 8, recv_src[6:8] = -1.
     """
+    my_base = tl.load(ptrs_R + rank)
+    if WAIT:
+        wait_epoch(my_base, R, off_signal, off_epoch, off_status, max_polls, timeout_ns, BOUND, BLOCK_R)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < e
-    my_base = tl.load(ptrs_R + rank)
+    # after a peer timeout the peers' send regions may hold anything: receive nothing (the call is invalid)
+    status_ptr = (my_base + off_status).to(tl.pointer_type(tl.int32))
+    live = tl.load(status_ptr) != 1
     src_base = tl.load(ptrs_R + offs_r, mask=mask_r, other=0)
     num_tokens_r = tl.load((src_base + off_num_tokens).to(tl.pointer_type(tl.int32)), mask=mask_r, other=0)
+    num_tokens_r = tl.where(live, num_tokens_r, 0)
     counts_ptrs = (src_base[:, None] + off_send_count).to(tl.pointer_type(tl.int32)) + rank * e + offs_e[None, :]
     mask_re = mask_r[:, None] & mask_e[None, :]
-    counts = tl.load(counts_ptrs, mask=mask_re, other=0).to(tl.int64)            # [BLOCK_R, BLOCK_E]
+    counts = tl.load(counts_ptrs, mask=mask_re, other=0).to(tl.int64)           # [BLOCK_R, BLOCK_E]
+    counts = tl.where(live, counts, 0)
     num_rows = tl.sum(counts, axis=0)
     aligned = (num_rows + alignment - 1) // alignment * alignment
     row_start = tl.cumsum(aligned, axis=0) - aligned
@@ -76,7 +93,6 @@ def _recv_layout_kernel(
              recv_base, mask=mask_re)
     tl.store((my_base + off_pool_end).to(tl.pointer_type(tl.int64)), pool_end)
     if pool_end > P:
-        status_ptr = (my_base + off_status).to(tl.pointer_type(tl.int32))
         tl.store(status_ptr + 1, pool_end.to(tl.int32))
         tl.store(status_ptr, 2)
 
@@ -87,7 +103,7 @@ def _recv_layout_kernel(
     for a0 in range(0, alignment - 1, BLOCK_A):
         offs_a = a0 + tl.arange(0, BLOCK_A)
         rows = pad_first[:, None] + offs_a[None, :]                             # [BLOCK_E, BLOCK_A]
-        mask_pad = mask_e[:, None] & (offs_a[None, :] < num_pad[:, None]) & (rows < P)
+        mask_pad = mask_e[:, None] & (offs_a[None, :] < num_pad[:, None]) & (rows >= 0) & (rows < P)
         minus_one = tl.full([BLOCK_E, BLOCK_A], -1, tl.int32)
         for c in tl.static_range(3):
             tl.store(recv_src_ptr + rows * 3 + c, minus_one, mask=mask_pad)
@@ -144,7 +160,7 @@ def _dispatch_rows_kernel(
         mine = mask_k & (ids >= 0) & (local >= 0) & (local < e)
         base = tl.load((my_base + off_recv_base).to(tl.pointer_type(tl.int64)) + s * e + local, mask=mine, other=0)
         pos = base + srank
-        mine = mine & (pos < P)  # an overflowing pool (status 2) drops rows instead of writing past it
+        mine = mine & (pos >= 0) & (pos < P)  # an overflowing pool (status 2) drops rows, never writes past it
         pos = tl.where(mine, pos, -1)
         my_slot = (s * C + t).to(tl.int64) * K + offs_k
         tl.store((my_base + off_recv_pos).to(tl.pointer_type(tl.int32)) + my_slot, pos.to(tl.int32), mask=mask_k)
@@ -179,14 +195,19 @@ def _word_bytes(row_bytes: int) -> int:
     return next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)
 
 
-def ep_dispatch(peers: PeerBuffers, regions: EPRegions) -> None:
+def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
+                timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS) -> None:
     """Pull my experts' rows from every source into my pool (two launches, no host sync).
 
-    Call after every rank's `ep_pre_dispatch` and a `symm_barrier`.
+    Call after every rank's `ep_pre_dispatch` and a `symm_barrier`, or pass `wait=True` after every rank's
+    `ep_pre_dispatch(..., post=True)`.
 
     Args:
         peers: the buffers (peers' send regions are read, mine written).
         regions: the layout (R, e, K, C, Dx, P, alignment, fp8).
+        wait: the first launch first waits for every rank's post of my current epoch (the second half of
+            `symm_barrier`, fused; bounded by `timeout_us` / `max_polls` like it).
+        timeout_us, max_polls: the bound of that wait.
 
     Writes (my buffer): `recv_num_tokens [R]`, `num_rows [e]`, `row_start [e]`, `recv_base [R, e]`, `pool_end [1]`,
     `recv_pos [R, C, K]` and `recv_weight [R, C, K]` (rows t < T_s of each source), `recv_src [P, 3]` (received
@@ -201,8 +222,9 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions) -> None:
         peers.ptrs_R,
         peers.rank, R, e, regions.alignment, regions.num_pool_rows,
         off["num_tokens"], off["send_count"], off["recv_num_tokens"], off["num_rows"], off["row_start"],
-        off["recv_base"], off["pool_end"], off["recv_src"], off["status"],
-        BLOCK_R=triton.next_power_of_2(R), BLOCK_E=triton.next_power_of_2(e),
+        off["recv_base"], off["pool_end"], off["recv_src"], off["status"], off["signal"], off["epoch"],
+        int(max_polls), int(timeout_us * 1000),
+        WAIT=wait, BOUND=bound_mode(), BLOCK_R=triton.next_power_of_2(R), BLOCK_E=triton.next_power_of_2(e),
         BLOCK_A=min(triton.next_power_of_2(max(regions.alignment - 1, 1)), 8 if is_interpreter() else 32),
         num_warps=4,
     )
@@ -222,17 +244,21 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions) -> None:
     )
 
 
-def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions) -> None:
-    """Torch twin of `ep_dispatch` (same arguments, same writes, bitwise; no host sync except on the pool
-    overflow check, which a kernel does on the device)."""
+def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
+                    timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS) -> None:
+    """Torch twin of `ep_dispatch` (same arguments, same writes, bitwise; the padding-row fill and the wait
+    sync the host)."""
     check_peers(peers, regions)
+    if wait:
+        symm_barrier_ref(peers, regions, post=False, wait=True, timeout_us=timeout_us, max_polls=max_polls)
     my, rank = peers.local, peers.rank
     view = regions.view
     R, e, K, C, P = (regions.num_ranks, regions.num_local_experts, regions.num_topk, regions.cap,
                      regions.num_pool_rows)
     device = my.device
-    num_tokens_R = torch.stack([view(b, "num_tokens")[0] for b in peers.buffers])
-    counts_Re = torch.stack([view(b, "send_count")[rank] for b in peers.buffers]).to(torch.int64)
+    live = view(my, "status")[0] != STATUS_PEER_TIMEOUT
+    num_tokens_R = torch.stack([view(b, "num_tokens")[0] for b in peers.buffers]) * live
+    counts_Re = torch.stack([view(b, "send_count")[rank] for b in peers.buffers]).to(torch.int64) * live
     num_rows_e = counts_Re.sum(0)
     aligned_e = (num_rows_e + regions.alignment - 1) // regions.alignment * regions.alignment
     row_start_e = torch.cumsum(aligned_e, 0) - aligned_e
@@ -252,7 +278,7 @@ def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions) -> None:
     # padding rows: [row_start + num_rows, row_start + aligned) of each segment, below P
     pad_e = aligned_e - num_rows_e
     pad_rows = (row_start_e + num_rows_e)[:, None] + torch.arange(max(regions.alignment - 1, 0), device=device)
-    pad_mask = (torch.arange(pad_rows.shape[1], device=device)[None, :] < pad_e[:, None]) & (pad_rows < P)
+    pad_mask = (torch.arange(pad_rows.shape[1], device=device)[None, :] < pad_e[:, None]) & (pad_rows >= 0) & (pad_rows < P)
     recv_src_P3[pad_rows[pad_mask]] = -1
 
     recv_pos_RCK, recv_weight_RCK = view(my, "recv_pos"), view(my, "recv_weight")
@@ -266,7 +292,7 @@ def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions) -> None:
         local_CK = ids_CK - rank * e
         mine_CK = live_C[:, None] & (ids_CK >= 0) & (local_CK >= 0) & (local_CK < e)
         pos_CK = recv_base_Re[s, local_CK.clamp(0, e - 1)] + view(src, "slot_rank").to(device)
-        mine_CK &= pos_CK < P
+        mine_CK &= (pos_CK >= 0) & (pos_CK < P)
         pos_CK = torch.where(mine_CK, pos_CK, -1)
         recv_pos_RCK[s] = torch.where(live_C[:, None], pos_CK.to(torch.int32), recv_pos_RCK[s])
         recv_weight_RCK[s] = torch.where(live_C[:, None], view(src, "topk_weights").to(device), recv_weight_RCK[s])

@@ -30,6 +30,7 @@ from moe_ref.errors import DTypeError, ShapeError
 from moe_ref.kernels._triton_utils import check_device, is_interpreter
 from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, check_peers
 from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
+from moe_ref.kernels.symm_signal import arrive_then_post, symm_barrier_ref
 
 __all__ = ["ep_layout", "ep_layout_ref", "ep_pre_dispatch", "ep_pre_dispatch_ref"]
 
@@ -40,11 +41,14 @@ def _ep_layout_kernel(
     topk_ids_ptr, ptrs_R,
     # sizes / scalars
     rank, T, K, E, off_num_tokens, off_send_count, off_slot_rank,
+    R, off_signal, off_epoch, off_counter,
     # strides
     stride_ids_t,
     # meta
+    POST: tl.constexpr,            # the last program to finish posts the next barrier epoch to every rank
     BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """One program = BLOCK_E global experts, scanning every slot of this rank in (token, slot) order.
 
@@ -76,6 +80,8 @@ def _ep_layout_kernel(
     if pid == 0:
         num_tokens_ptr = (my_base + off_num_tokens).to(tl.pointer_type(tl.int32))
         tl.store(num_tokens_ptr, T)
+    if POST:
+        arrive_then_post(ptrs_R, my_base, rank, R, off_signal, off_epoch, off_counter, BLOCK_R)
 
 
 def _check_args(topk_ids_TK: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
@@ -89,13 +95,16 @@ def _check_args(topk_ids_TK: torch.Tensor, peers: PeerBuffers, regions: EPRegion
     check_peers(peers, regions)
 
 
-def ep_layout(topk_ids_TK: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
+def ep_layout(topk_ids_TK: torch.Tensor, peers: PeerBuffers, regions: EPRegions, *, post: bool = False) -> None:
     """Write MY `num_tokens`, `send_count [R, e]` and `slot_rank [:T]` regions (one launch, no host sync).
 
     Args:
         topk_ids_TK: `[T, K]` int64 global expert ids of my tokens, -1 = masked; T <= C (T may be 0).
         peers: the buffers (mine is written).
         regions: the layout (R, e, K, C).
+        post: when every program is done, post the next barrier epoch to every rank (the first half of
+            `symm_barrier`, fused; everything written before and by this launch is then visible to a peer that
+            waits for it, e.g. `ep_dispatch(wait=True)`).
 
     Writes (in my buffer): `num_tokens[0] = T` int32; `send_count[s, i]` int32 = my slots to global expert
     s * e + i; `slot_rank[t, j]` int32 (module doc), rows t >= T untouched.
@@ -114,12 +123,13 @@ def ep_layout(topk_ids_TK: torch.Tensor, peers: PeerBuffers, regions: EPRegions)
         topk_ids_TK, peers.ptrs_R,
         peers.rank, num_tokens, num_topk, num_experts, regions.offsets["num_tokens"], regions.offsets["send_count"],
         regions.offsets["slot_rank"],
+        regions.num_ranks, regions.offsets["signal"], regions.offsets["epoch"], regions.offsets["counter"],
         topk_ids_TK.stride(0) if num_tokens else num_topk,
-        BLOCK_N=block_n, BLOCK_E=block_e, num_warps=4,
+        POST=post, BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_R=triton.next_power_of_2(regions.num_ranks), num_warps=4,
     )
 
 
-def ep_layout_ref(topk_ids_TK: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
+def ep_layout_ref(topk_ids_TK: torch.Tensor, peers: PeerBuffers, regions: EPRegions, *, post: bool = False) -> None:
     """Torch twin of `ep_layout` (same arguments, same writes; a stable sort instead of one-hot scans)."""
     _check_args(topk_ids_TK, peers, regions)
     my = peers.local
@@ -138,6 +148,8 @@ def ep_layout_ref(topk_ids_TK: torch.Tensor, peers: PeerBuffers, regions: EPRegi
     regions.view(my, "slot_rank")[:num_tokens] = rank_N.view(num_tokens, num_topk).to(torch.int32)
     regions.view(my, "send_count").copy_(counts[:num_experts].view(regions.num_ranks, -1).to(torch.int32))
     regions.view(my, "num_tokens").fill_(num_tokens)
+    if post:
+        symm_barrier_ref(peers, regions, post=True, wait=False)
 
 
 def _send_views(peers: PeerBuffers, regions: EPRegions) -> dict:
@@ -148,33 +160,34 @@ def _send_views(peers: PeerBuffers, regions: EPRegions) -> dict:
 
 
 def ep_pre_dispatch(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                    peers: PeerBuffers, regions: EPRegions) -> None:
-    """Fill MY send regions for one chunk: `ep_layout` + `kernels.pre_dispatch` (two launches, no host sync).
+                    peers: PeerBuffers, regions: EPRegions, *, post: bool = False) -> None:
+    """Fill MY send regions for one chunk: `kernels.pre_dispatch` + `ep_layout` (two launches, no host sync).
 
     Args:
         x_TD: `[T, Dx]` activation dtype (`regions.activation_dtype`), T <= C.
         topk_ids_TK: `[T, K]` int64, -1 = masked.
         topk_weights_TK: `[T, K]` fp32.
         peers, regions: the buffers and their layout.
+        post: `ep_layout`'s last program posts the next barrier epoch (after both launches' writes).
 
     Writes (my buffer): `num_tokens`, `send_count`, `slot_rank`, `x` (+ `x_scale`: fp8 e4m3 per 128 columns),
     `topk_ids`, `topk_weights` (rows t < T).
     """
     if x_TD.dtype != regions.activation_dtype:
         raise DTypeError(f"x_TD is {x_TD.dtype}, the regions were laid out for {regions.activation_dtype}")
-    ep_layout(topk_ids_TK, peers, regions)
     # an empty counter: pre_dispatch counts only ids in [0, 0), i.e. none (ep_layout wrote the counts); a
     # zero-size view of a real allocation, so the kernel gets a valid (never dereferenced) pointer
     no_counts = torch.empty(1, dtype=torch.int32, device=x_TD.device)[:0]
     pre_dispatch(x_TD, topk_ids_TK, topk_weights_TK, num_rows_per_expert_E=no_counts, **_send_views(peers, regions))
+    ep_layout(topk_ids_TK, peers, regions, post=post)  # second: its post covers pre_dispatch's writes
 
 
 def ep_pre_dispatch_ref(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                        peers: PeerBuffers, regions: EPRegions) -> None:
+                        peers: PeerBuffers, regions: EPRegions, *, post: bool = False) -> None:
     """Torch twin of `ep_pre_dispatch` (same arguments, same writes)."""
     if x_TD.dtype != regions.activation_dtype:
         raise DTypeError(f"x_TD is {x_TD.dtype}, the regions were laid out for {regions.activation_dtype}")
     # the twin's counter is scratch: pre_dispatch_ref cannot take an empty one
     scratch = torch.zeros(regions.num_ranks * regions.num_local_experts, dtype=torch.int32, device=x_TD.device)
     pre_dispatch_ref(x_TD, topk_ids_TK, topk_weights_TK, num_rows_per_expert_E=scratch, **_send_views(peers, regions))
-    ep_layout_ref(topk_ids_TK, peers, regions)
+    ep_layout_ref(topk_ids_TK, peers, regions, post=post)

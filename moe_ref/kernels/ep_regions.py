@@ -16,6 +16,7 @@ process that simulates R ranks with R separately allocated buffers (the interpre
 | `signal`          | `[R]`          | int32            | slot s: the last epoch rank s posted to me (peers write)     |
 | `epoch`           | `[1]`          | int32            | my barrier count (local; device-side, CUDA-graph replayable) |
 | `status`          | `[2 + R]`      | int32            | 0 ok / 1 peer timeout / 2 pool overflow; detail; missing[R]  |
+| `counter`         | `[1]`          | int32            | programs arrived in a kernel that posts when all are done    |
 | `num_tokens`      | `[1]`          | int32            | T of this chunk (ep_layout; peers read)                      |
 | `send_count`      | `[R, e]`       | int32            | my slots per (destination rank, its local expert)            |
 | `topk_ids`        | `[C, K]`       | int64            | my routing (pre-dispatch), -1 = masked                       |
@@ -36,8 +37,8 @@ process that simulates R ranks with R separately allocated buffers (the interpre
 | `combine_partial` | `[R, C, Dx]`   | activation       | partial[s, t] = sum of token t's slots on rank s (s writes)  |
 
 Rows of `recv_src`/`recv_x` at or past `pool_end` and padding rows of `recv_x` hold stale data.
-`signal`, `epoch` and `status` must be zero on every rank before the first barrier (`zero_signal_regions` +
-a host barrier).
+`signal`, `epoch`, `status` and `counter` must be zero on every rank before the first barrier
+(`zero_signal_regions` + a host barrier).
 
 Shape legend: R ranks, e local experts, K top-k, C cap (rows one rank feeds per call), Dx row width,
 Db = ceil(Dx / 128), P receive-pool rows.
@@ -58,6 +59,8 @@ REGION_ALIGN_BYTES = 128
 FP8_GROUP = 128
 
 # values of status[0]
+SIGNAL_REGIONS = ("signal", "epoch", "status", "counter")
+
 STATUS_OK = 0
 STATUS_PEER_TIMEOUT = 1
 STATUS_POOL_OVERFLOW = 2
@@ -77,7 +80,7 @@ def default_pool_rows(num_ranks: int, cap: int, num_topk: int, num_local_experts
 
 
 def region_names(fp8: bool) -> tuple[str, ...]:
-    names = ["signal", "epoch", "status", "num_tokens", "send_count", "topk_ids", "topk_weights", "slot_rank", "x",
+    names = ["signal", "epoch", "status", "counter", "num_tokens", "send_count", "topk_ids", "topk_weights", "slot_rank", "x",
              "x_scale", "recv_num_tokens", "num_rows", "row_start", "recv_base", "pool_end", "recv_pos",
              "recv_weight", "recv_src", "recv_x", "recv_x_scale", "combine_partial"]
     return tuple(n for n in names if fp8 or n not in ("x_scale", "recv_x_scale"))
@@ -158,6 +161,7 @@ class EPRegions:
         Db = self.num_scale_cols
         specs = {
             "signal": ((R,), torch.int32), "epoch": ((1,), torch.int32), "status": ((2 + R,), torch.int32),
+            "counter": ((1,), torch.int32),
             "num_tokens": ((1,), torch.int32), "send_count": ((R, e), torch.int32),
             "topk_ids": ((C, K), torch.int64), "topk_weights": ((C, K), torch.float32),
             "slot_rank": ((C, K), torch.int32), "x": ((C, D), self.wire_dtype), "x_scale": ((C, Db), torch.float32),
@@ -242,6 +246,6 @@ def check_peers(peers: PeerBuffers, regions: EPRegions) -> None:
 
 
 def zero_signal_regions(peers: PeerBuffers, regions: EPRegions) -> None:
-    """Zero MY `signal`, `epoch` and `status` (do it on every rank, then a host barrier, before the first use)."""
-    for name in ("signal", "epoch", "status"):
+    """Zero MY `signal`, `epoch`, `status` and `counter` (on every rank, then a host barrier, before first use)."""
+    for name in SIGNAL_REGIONS:
         regions.view(peers.local, name).zero_()

@@ -60,6 +60,68 @@ def _globaltimer_ns():
 
 
 @triton.jit
+def post_epoch(ptrs_R, my_base, rank, R, off_signal, off_epoch, BLOCK_R: tl.constexpr):
+    """`epoch += 1` in my buffer, then `signal_s[rank] = epoch` on every rank s (release, system scope)."""
+    epoch_ptr = (my_base + off_epoch).to(tl.pointer_type(tl.int32))
+    epoch = tl.load(epoch_ptr) + 1
+    tl.store(epoch_ptr, epoch)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    peer_base = tl.load(ptrs_R + offs_r, mask=mask_r, other=0)
+    flag_ptrs = (peer_base + off_signal).to(tl.pointer_type(tl.int32)) + rank
+    tl.atomic_xchg(flag_ptrs, tl.full([BLOCK_R], 0, tl.int32) + epoch, mask=mask_r, sem="release", scope="sys")
+
+
+@triton.jit
+def arrive_then_post(ptrs_R, my_base, rank, R, off_signal, off_epoch, off_counter, BLOCK_R: tl.constexpr):
+    """Called once by every program of a kernel at its end: the LAST program to arrive posts the next epoch,
+    so peers that acquire it see every program's writes (the CTA barrier orders this program's threads'
+    writes before its arrival; arrivals are acq_rel at system scope). The last program resets the counter."""
+    tl.debug_barrier()
+    counter_ptr = (my_base + off_counter).to(tl.pointer_type(tl.int32))
+    num_programs = tl.num_programs(0) * tl.num_programs(1)
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    if arrived == num_programs - 1:
+        tl.store(counter_ptr, 0)
+        post_epoch(ptrs_R, my_base, rank, R, off_signal, off_epoch, BLOCK_R)
+
+
+@triton.jit
+def wait_epoch(my_base, R, off_signal, off_epoch, off_status, max_polls, timeout_ns,
+               BOUND: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Wait (bounded) until my `signal[s]` reached my `epoch` for every s, with acquire at system scope.
+    On timeout: status = [1, epoch, missing...]. Skips the wait when status is already set."""
+    status_ptr = (my_base + off_status).to(tl.pointer_type(tl.int32))
+    if tl.load(status_ptr) == 0:
+        epoch = tl.load((my_base + off_epoch).to(tl.pointer_type(tl.int32)))
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        my_flags = (my_base + off_signal).to(tl.pointer_type(tl.int32)) + offs_r
+        seen = tl.atomic_add(my_flags, 0, mask=mask_r, sem="acquire", scope="sys")
+        # difference, not >=: stays right when the int32 epoch wraps; a peer may be one epoch ahead
+        missing = mask_r & ((seen - epoch) < 0)
+        num_missing = tl.sum(missing.to(tl.int32), axis=0)
+        polls = 0
+        if BOUND == 2:
+            start = _globaltimer_ns()
+        go = num_missing > 0
+        while go:
+            seen = tl.atomic_add(my_flags, 0, mask=mask_r, sem="acquire", scope="sys")
+            missing = mask_r & ((seen - epoch) < 0)
+            num_missing = tl.sum(missing.to(tl.int32), axis=0)
+            polls += 1
+            go = num_missing > 0
+            if BOUND >= 1:
+                go = go & (polls < max_polls)
+            if BOUND == 2:
+                go = go & ((_globaltimer_ns() - start) < timeout_ns)
+        if num_missing > 0:
+            tl.store(status_ptr + 1, epoch)
+            tl.store(status_ptr + 2 + offs_r, missing.to(tl.int32), mask=mask_r)
+            tl.store(status_ptr, 1)
+
+
+@triton.jit
 def _symm_barrier_kernel(
     # pointers
     ptrs_R,
@@ -77,43 +139,17 @@ def _symm_barrier_kernel(
         wait until my signal[0] >= 5 and signal[1] >= 5. If rank 1 never posts: status = [1, 5, 0, 1].
     """
     my_base = tl.load(ptrs_R + rank)
-    epoch_ptr = (my_base + off_epoch).to(tl.pointer_type(tl.int32))
-    status_ptr = (my_base + off_status).to(tl.pointer_type(tl.int32))
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
     if POST:
-        epoch = tl.load(epoch_ptr) + 1
-        tl.store(epoch_ptr, epoch)
-        peer_base = tl.load(ptrs_R + offs_r, mask=mask_r, other=0)
-        flag_ptrs = (peer_base + off_signal).to(tl.pointer_type(tl.int32)) + rank
-        tl.atomic_xchg(flag_ptrs, tl.full([BLOCK_R], 0, tl.int32) + epoch, mask=mask_r, sem="release", scope="sys")
-    else:
-        epoch = tl.load(epoch_ptr)
+        post_epoch(ptrs_R, my_base, rank, R, off_signal, off_epoch, BLOCK_R)
     if WAIT:
-        if tl.load(status_ptr) == 0:
-            my_flags = (my_base + off_signal).to(tl.pointer_type(tl.int32)) + offs_r
-            seen = tl.atomic_add(my_flags, 0, mask=mask_r, sem="acquire", scope="sys")
-            # difference, not >=: stays right when the int32 epoch wraps
-            missing = mask_r & ((seen - epoch) < 0)
-            num_missing = tl.sum(missing.to(tl.int32), axis=0)
-            polls = 0
-            if BOUND == 2:
-                start = _globaltimer_ns()
-            go = num_missing > 0
-            while go:
-                seen = tl.atomic_add(my_flags, 0, mask=mask_r, sem="acquire", scope="sys")
-                missing = mask_r & ((seen - epoch) < 0)
-                num_missing = tl.sum(missing.to(tl.int32), axis=0)
-                polls += 1
-                go = num_missing > 0
-                if BOUND >= 1:
-                    go = go & (polls < max_polls)
-                if BOUND == 2:
-                    go = go & ((_globaltimer_ns() - start) < timeout_ns)
-            if num_missing > 0:
-                tl.store(status_ptr + 1, epoch)
-                tl.store(status_ptr + 2 + offs_r, missing.to(tl.int32), mask=mask_r)
-                tl.store(status_ptr, 1)
+        wait_epoch(my_base, R, off_signal, off_epoch, off_status, max_polls, timeout_ns, BOUND, BLOCK_R)
+
+
+def bound_mode(override: int | None = None) -> int:
+    """The wait bound the kernels use here: poll counter + %globaltimer on a GPU, poll counter in the interpreter."""
+    if override is not None:
+        return override
+    return BOUND_POLLS if is_interpreter() else BOUND_TIMER
 
 
 def _check_args(peers: PeerBuffers, regions: EPRegions, post: bool, wait: bool) -> None:
@@ -140,7 +176,7 @@ def symm_barrier(peers: PeerBuffers, regions: EPRegions, *, timeout_us: float = 
     """
     _check_args(peers, regions, post, wait)
     check_device("peers.ptrs_R", peers.ptrs_R)
-    bound = _bound if _bound is not None else (BOUND_POLLS if is_interpreter() else BOUND_TIMER)
+    bound = bound_mode(_bound)
     _symm_barrier_kernel[(1,)](
         peers.ptrs_R,
         peers.rank, regions.num_ranks, regions.offsets["signal"], regions.offsets["epoch"],

@@ -78,7 +78,9 @@ def rank_inputs(counts, rank, K, E, D, dtype, seed, one_expert, device) -> RankI
 
 def check_twins(world_k: SymmWorld, world_t: SymmWorld, rank: int, world_size: int, device) -> dict:
     results = {}
-    for idx, (name, (counts, e, K, C, D, dtype, fp8, alignment, one_expert)) in enumerate(TWIN_CASES.items()):
+    cases = [(name, spec, True) for name, spec in TWIN_CASES.items()]
+    cases.append(("full_cap_bf16_standalone_barriers", TWIN_CASES["full_cap_bf16"], False))
+    for idx, (name, (counts, e, K, C, D, dtype, fp8, alignment, one_expert), fused) in enumerate(cases):
         regions = EPRegions.build(world_size, e, K, C, D, activation_dtype=dtype, fp8=fp8, alignment=alignment)
         inp = rank_inputs(counts, rank, K, world_size * e, D, dtype, idx, one_expert, device)
         fill_garbage(world_k, regions, seed=1000 + idx * 10 + rank)
@@ -87,7 +89,7 @@ def check_twins(world_k: SymmWorld, world_t: SymmWorld, rank: int, world_size: i
         for label, world, kernels in (("kernel", world_k, True), ("twin", world_t, False)):
             experts = scaled_identity_experts(world.peers, regions)
             outs[label] = ep_chunk(inp.x_TD, inp.topk_ids_TK, inp.topk_weights_TK, experts, world.peers, regions,
-                                   kernels=kernels, timeout_us=10e6)
+                                   kernels=kernels, fused_signals=fused, timeout_us=10e6)
             torch.cuda.synchronize()
             check_ep_status(world.peers, regions)
         bad_regions = [r for r in regions.offsets
@@ -180,6 +182,26 @@ def check_timeout(world: SymmWorld, rank: int, world_size: int) -> dict:
         log(rank, f"timeout: {'PASS' if result['ok'] else 'FAIL'} {result}")
     dist.barrier()
     fill_garbage(world, regions, seed=6)  # resets signal/epoch/status on every rank
+    if rank == 0:  # the fused wait of ep_dispatch: same error, and nothing is received from the silent peer
+        from moe_ref.kernels.ep_dispatch import ep_dispatch
+
+        regions.view(world.local, "epoch").fill_(1)  # as if my ep_pre_dispatch(post=True) had run: it posts
+        regions.view(world.local, "signal")[rank] = 1  # to every rank, me included
+        t0 = time.perf_counter()
+        ep_dispatch(world.peers, regions, wait=True, timeout_us=bound_us)
+        torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - t0) * 1e6
+        try:
+            check_ep_status(world.peers, regions)
+            ok = False
+        except PeerTimeoutError as err:
+            ok = err.details["peers"] == list(range(1, world_size))
+        pool_end = int(regions.view(world.local, "pool_end")[0])
+        result["fused_wait"] = dict(ok=ok and pool_end == 0, elapsed_us=elapsed, pool_end=pool_end)
+        result["ok"] = result["ok"] and result["fused_wait"]["ok"]
+        log(rank, f"fused-wait timeout: {'PASS' if result['fused_wait']['ok'] else 'FAIL'} {result['fused_wait']}")
+    dist.barrier()
+    fill_garbage(world, regions, seed=7)
     return result
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers
+from moe_ref.kernels.ep_regions import SIGNAL_REGIONS, EPRegions, PeerBuffers
 from moe_ref.kernels.fp8 import dequantize_fp8_per_128
 
 
@@ -82,7 +82,7 @@ def make_world(regions: EPRegions, *, garbage_seed: int | None = 0, device: str 
     for _ in range(regions.num_ranks):
         buf = (torch.randint(0, 256, (regions.end,), dtype=torch.uint8, generator=gen) if garbage_seed is not None
                else torch.zeros(regions.end, dtype=torch.uint8)).to(device)
-        for name in ("signal", "epoch", "status"):
+        for name in SIGNAL_REGIONS:
             regions.view(buf, name).zero_()
         buffers.append(buf)
     return [PeerBuffers.from_tensors(r, buffers) for r in range(regions.num_ranks)]
@@ -94,8 +94,11 @@ def clone_world(world: list[PeerBuffers]) -> list[PeerBuffers]:
 
 
 def simulate_chunk(world: list[PeerBuffers], regions: EPRegions, inputs: list[RankInputs], *, kernels: bool,
-                   max_polls: int = 50) -> list[torch.Tensor]:
-    """`ep_chunk` for R fake ranks in one process, phase by phase; returns every rank's out_TD."""
+                   fused_signals: bool = True, max_polls: int = 50) -> list[torch.Tensor]:
+    """`ep_chunk` for R fake ranks in one process, phase by phase; returns every rank's out_TD.
+
+    fused_signals: posts inside ep_pre_dispatch / ep_combine_push and waits inside ep_dispatch /
+    ep_combine_reduce (what ep_chunk does by default), else standalone barriers (post all, then wait all)."""
     from moe_ref.kernels.ep_combine import (
         ep_combine_push, ep_combine_push_ref, ep_combine_reduce, ep_combine_reduce_ref)
     from moe_ref.kernels.ep_dispatch import ep_dispatch, ep_dispatch_ref
@@ -112,20 +115,24 @@ def simulate_chunk(world: list[PeerBuffers], regions: EPRegions, inputs: list[Ra
         for peers in world:
             barrier(peers, regions, post=False, wait=True, max_polls=max_polls)
 
+    post = dict(post=True) if fused_signals else {}
+    wait = dict(wait=True, max_polls=max_polls) if fused_signals else {}
     for peers, inp in zip(world, inputs):
-        pre(inp.x_TD, inp.topk_ids_TK, inp.topk_weights_TK, peers, regions)
-    barrier_all()
+        pre(inp.x_TD, inp.topk_ids_TK, inp.topk_weights_TK, peers, regions, **post)
+    if not fused_signals:
+        barrier_all()
     for peers in world:
-        dispatch(peers, regions)
+        dispatch(peers, regions, **wait)
     ys = []
     for peers in world:
         my = peers.local
         experts = scaled_identity_experts(peers, regions)
         ys.append(experts(regions.view(my, "recv_x"), regions.view(my, "recv_x_scale") if regions.fp8 else None))
     for peers, y_PD in zip(world, ys):
-        push(y_PD, peers, regions)
-    barrier_all()
-    return [reduce(inp.x_TD.shape[0], peers, regions) for peers, inp in zip(world, inputs)]
+        push(y_PD, peers, regions, **post)
+    if not fused_signals:
+        barrier_all()
+    return [reduce(inp.x_TD.shape[0], peers, regions, **wait) for peers, inp in zip(world, inputs)]
 
 
 def check_pool_semantics(world: list[PeerBuffers], regions: EPRegions, inputs: list[RankInputs]) -> None:

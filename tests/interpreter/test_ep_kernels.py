@@ -59,18 +59,23 @@ def test_chunk_kernels_match_twins_and_oracle(name):
         torch.testing.assert_close(outs_k[r].double(), want, atol=atol * 4, rtol=rtol, msg=f"{name=} rank {r}")
 
 
-def test_chunk_repeats_bitwise_and_second_chunk_reuses_buffers():
+@pytest.mark.parametrize("fused_signals", [True, False])
+def test_chunk_repeats_bitwise_and_second_chunk_reuses_buffers(fused_signals):
     regions = EPRegions.build(2, 2, 2, 4, 48, activation_dtype=torch.float32, alignment=2)
     world = make_world(regions, garbage_seed=5)
+    world_t = clone_world(world)
     first = [make_inputs(T, 2, 4, 48, torch.float32, seed=s) for s, T in enumerate([4, 3])]
     second = [make_inputs(T, 2, 4, 48, torch.float32, seed=7 + s) for s, T in enumerate([1, 4])]
-    outs_1 = simulate_chunk(world, regions, first, kernels=True)
-    outs_2 = simulate_chunk(world, regions, second, kernels=True)
-    outs_1_again = simulate_chunk(world, regions, first, kernels=True)
+    outs_1 = simulate_chunk(world, regions, first, kernels=True, fused_signals=fused_signals)
+    outs_2 = simulate_chunk(world, regions, second, kernels=True, fused_signals=fused_signals)
+    outs_1_again = simulate_chunk(world, regions, first, kernels=True, fused_signals=fused_signals)
+    for inputs in (first, second, first):
+        simulate_chunk(world_t, regions, inputs, kernels=False, fused_signals=fused_signals)
     for r in range(2):
         assert_bitwise_equal(outs_1[r], outs_1_again[r], rank=r)
         torch.testing.assert_close(outs_2[r].double(), expected_output(second[r], 2, False), atol=1e-5, rtol=1e-5)
         assert int(regions.view(world[r].local, "epoch")[0]) == 6  # two barriers per chunk
+        assert_bitwise_equal(world[r].local, world_t[r].local, rank=r, what="whole buffer after 3 chunks")
 
 
 def test_layout_counts_and_slot_ranks_example():
@@ -132,3 +137,18 @@ def test_pool_overflow_is_reported_not_written_past_the_pool():
     with pytest.raises(ExpertIdError, match="need 6 pool rows but the pool has 4"):
         check_ep_status(world[0], regions)
     assert torch.equal(world[0].local[regions.end:], tail_before)
+
+
+def test_fused_wait_in_dispatch_reports_a_silent_peer():
+    from moe_ref.kernels.ep_dispatch import ep_dispatch
+    from moe_ref.kernels.ep_layout import ep_pre_dispatch
+
+    regions = EPRegions.build(2, 2, 2, 4, 16, activation_dtype=torch.float32)
+    world = make_world(regions, garbage_seed=6)
+    inp = make_inputs(3, 2, 4, 16, torch.float32, seed=1)
+    ep_pre_dispatch(inp.x_TD, inp.topk_ids_TK, inp.topk_weights_TK, world[0], regions, post=True)  # rank 1 silent
+    assert int(regions.view(world[1].local, "signal")[0]) == 1, "rank 0's last layout program posted to rank 1"
+    assert int(regions.view(world[0].local, "counter")[0]) == 0, "the arrival counter is reset for the next use"
+    ep_dispatch(world[0], regions, wait=True, max_polls=20)
+    with pytest.raises(PeerTimeoutError, match=r"peer\(s\) \[1\]"):
+        check_ep_status(world[0], regions)
