@@ -34,25 +34,12 @@ import torch
 import torch.distributed as dist
 
 from moe_ref import envs
-from moe_ref.capacity import CapacityPlan
-from moe_ref.errors import BufferTooSmallError, CapacityMismatchError, DistributedError, UnknownNameError
+from moe_ref.capacity import CapacityPlan, format_bytes
+from moe_ref.distributed import comm_device, group_size_and_rank
+from moe_ref.errors import (BufferTooSmallError, CapacityMismatchError, DistributedError, MemoryBudgetError,
+                            UnknownNameError)
 
 BUFFER_KINDS = ("private", "shm", "cuda")
-
-
-def comm_device(group, device: torch.device | str = "cpu") -> torch.device:
-    """Where small collectives of ``group`` run: the CUDA device for NCCL, else the CPU (gloo)."""
-    if group is not None and "nccl" in str(dist.get_backend(group)).lower():
-        device = torch.device(device)
-        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def group_size_and_rank(group) -> tuple[int, int]:
-    """``(world size, rank)`` of ``group``; ``(1, 0)`` for None."""
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _unlink_quietly(*paths: str) -> None:
@@ -153,14 +140,19 @@ class SymmetricBuffer:
                                   alignment).total_bytes
 
     def _check_same_plan_everywhere(self) -> None:
+        """Collective: every rank has the same cap and plan bytes, and its memory can hold them (else a coded
+        error on every rank, before anything is allocated)."""
+        free = self._free_bytes()
+        mine = [self.plan.num_max_tokens_per_rank, self.plan.total_bytes, free]
         if self.world_size == 1:
-            return
-        mine = torch.tensor([self.plan.num_max_tokens_per_rank, self.plan.total_bytes], dtype=torch.int64,
-                            device=comm_device(self.group, self.device))
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.group)
-        caps = [int(t[0]) for t in gathered]
-        plan_bytes = [int(t[1]) for t in gathered]
+            gathered = [mine]
+        else:
+            mine_t = torch.tensor(mine, dtype=torch.int64, device=comm_device(self.group, self.device))
+            parts = [torch.empty_like(mine_t) for _ in range(self.world_size)]
+            dist.all_gather(parts, mine_t, group=self.group)
+            gathered = [t.tolist() for t in parts]
+        caps = [g[0] for g in gathered]
+        plan_bytes = [g[1] for g in gathered]
         if len(set(caps)) > 1:
             per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(caps))
             raise CapacityMismatchError(
@@ -173,6 +165,30 @@ class SymmetricBuffer:
                 f"the buffer plans differ across the EP group although the caps agree ({caps[0]}): plan bytes "
                 f"{per_rank}; every rank must use the same config, dtype, FP8 setting and alignment",
                 plan_bytes=plan_bytes)
+        short = [(r, g[2]) for r, g in enumerate(gathered) if 0 <= g[2] < g[1]]
+        if short:
+            need = self.plan.total_bytes
+            where = ", ".join(f"rank {r} has {format_bytes(f)} free" for r, f in short)
+            raise MemoryBudgetError(
+                f"the {self.kind} buffer for num_max_tokens_per_rank={caps[0]} needs {need} bytes "
+                f"({format_bytes(need)}) per rank, but {where}; lower the cap (`moe-ref plan --budget-gib G` prints "
+                f"the largest that fits) or use more EP ranks", needed_bytes=need, budget_bytes=min(f for _, f in short))
+
+    def _free_bytes(self) -> int:
+        """Bytes this rank could allocate for its buffer, or -1 when unknown."""
+        try:
+            if self.kind == "shm":
+                stat = os.statvfs(envs.shm_dir())
+                return stat.f_bavail * stat.f_frsize
+            if self.device.type == "cuda":
+                return int(torch.cuda.mem_get_info(self.device)[0])
+            with open("/proc/meminfo") as meminfo:  # MemAvailable counts reclaimable page cache, unlike free pages
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, RuntimeError, AttributeError):
+            pass
+        return -1
 
     def _map_shared_files(self) -> torch.Tensor:
         """Create my file, map every peer's, then unlink mine (see the module docstring)."""

@@ -1,4 +1,4 @@
-"""Capacity: the exact layout of one rank's symmetric buffer, and the overflow policy.
+"""Capacity: the exact layout of one rank's symmetric buffer (the overflow policy is ``moe_ref.overflow``).
 
     x [T, Dx] --(group max of T vs cap: error | chunk)--> pre-dispatch into MY buffer (send regions)
       --dispatch--> peers' receive pools --experts--> combine slots of the SOURCE rank --> reduce
@@ -34,26 +34,15 @@ made it 95 GiB per rank instead of about 3 GiB at DEP=32).
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-from moe_ref import envs
 from moe_ref.config import MoEConfig, ParallelConfig
-from moe_ref.errors import (
-    CapacityExceededError,
-    ExpertsNotDivisibleError,
-    InvalidConfigError,
-    MemoryBudgetError,
-    UnknownNameError,
-)
+from moe_ref.errors import ExpertsNotDivisibleError, InvalidConfigError, MemoryBudgetError
+from moe_ref.kernels._triton_utils import FP8_DTYPE, FP8_GROUP
+from moe_ref.options import ACTIVATION_DTYPES
 
-OVERFLOW_POLICIES = ("error", "chunk")
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_GROUP = 128  # columns per FP8 scale
 REGION_ALIGN_BYTES = 128  # every region starts on a multiple of this (TMA and vector loads want >= 16)
 RECV_SRC_FIELDS = 3  # recv_src columns: source rank, token index, slot index
 
@@ -311,110 +300,3 @@ def plan_report(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: int, *
         except MemoryBudgetError as err:
             lines.append(str(err))
     return "\n".join(lines)
-
-
-# --- cap and policy resolution ----------------------------------------------------------------------------
-
-def resolve_cap(num_max_tokens_per_rank: int | None) -> int:
-    """The cap: the argument, else ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``, else ``InvalidConfigError`` (CFG007)."""
-    cap = num_max_tokens_per_rank if num_max_tokens_per_rank is not None else envs.num_max_tokens_per_rank()
-    if cap is None:
-        raise InvalidConfigError(
-            "no per-rank cap given: pass num_max_tokens_per_rank=N (the most rows one rank feeds per call) or set "
-            "MOE_REF_NUM_MAX_TOKENS_PER_RANK=N; `moe-ref plan --budget-gib G` prints the largest N that fits",
-            field="num_max_tokens_per_rank")
-    if not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
-        source = "argument" if num_max_tokens_per_rank is not None else "MOE_REF_NUM_MAX_TOKENS_PER_RANK"
-        raise InvalidConfigError(f"num_max_tokens_per_rank={cap!r} (from the {source}) must be a positive integer",
-                                 field="num_max_tokens_per_rank")
-    return cap
-
-
-def resolve_overflow(policy: str | None) -> str:
-    """The overflow policy: the argument, else ``MOE_REF_OVERFLOW_POLICY``, else ``"error"``."""
-    source = "argument overflow"
-    if policy is None:
-        policy, source = envs.overflow_policy(), "MOE_REF_OVERFLOW_POLICY"
-    if policy is None:
-        return "error"
-    if policy not in OVERFLOW_POLICIES:
-        raise UnknownNameError(f"{source}={policy!r}; supported: {', '.join(OVERFLOW_POLICIES)}")
-    return policy
-
-
-# --- the overflow decision ---------------------------------------------------------------------------------
-
-class ChunkingWarning(UserWarning):
-    """A batch larger than the cap is being split into chunks (overflow policy ``chunk``)."""
-
-
-# NOTE: the one piece of module state: chunking is announced once per process, not once per call.
-_ANNOUNCED: set[str] = set()
-
-
-def group_max(values: Sequence[int], group=None, device: torch.device | str = "cpu") -> list[int]:
-    """Element-wise max of small integers over the group (one tiny ``all_reduce``; identity without a group).
-
-    Args:
-        values: this rank's integers (e.g. ``[num_tokens, bad_input_flag]``).
-        group: the EP process group, or None for one process.
-        device: where the collective runs (``cuda`` for NCCL, ``cpu`` for gloo).
-
-    Returns:
-        The maxima, the same on every rank. NOTE: syncs the host (``.tolist()``).
-    """
-    if group is None or torch.distributed.get_world_size(group) == 1:
-        return list(values)
-    tensor = torch.tensor(list(values), dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
-    return tensor.tolist()
-
-
-def num_chunks_for(num_tokens: int, group_max_tokens: int, plan: CapacityPlan, policy: str, *,
-                   rank: int = 0) -> int:
-    """How many chunks every rank runs, from the group's max row count (the same on every rank).
-
-    Args:
-        num_tokens: this rank's rows (named in the error).
-        group_max_tokens: max rows over the EP group (``group_max``), or a known bound.
-        plan: the buffer plan (its cap, and the price of a larger one).
-        policy: ``"error"`` or ``"chunk"``.
-        rank: this rank (named in the error).
-
-    Returns:
-        ``ceil(group_max_tokens / cap)`` (0 when no rank has rows). Under ``"error"`` it is at most 1, else
-        ``CapacityExceededError`` (CAP001) is raised, on every rank alike. Under ``"chunk"`` with more than
-        one chunk a ``ChunkingWarning`` is issued once per process.
-    """
-    cap = plan.num_max_tokens_per_rank
-    num_chunks = -(-group_max_tokens // cap)
-    if num_chunks <= 1:
-        return num_chunks
-    if policy == "error":
-        raise _exceeded_error(num_tokens, group_max_tokens, plan, rank)
-    if policy != "chunk":
-        raise UnknownNameError(f"overflow={policy!r}; supported: {', '.join(OVERFLOW_POLICIES)}")
-    if "chunk" not in _ANNOUNCED:
-        _ANNOUNCED.add("chunk")
-        warnings.warn(
-            f"moe_ref: the EP group fed up to {group_max_tokens} rows per rank, above num_max_tokens_per_rank={cap}; "
-            f"overflow policy 'chunk' splits each call into ceil({group_max_tokens}/{cap}) = {num_chunks} chunks on "
-            f"every rank (slower, same result). Raise the cap to {group_max_tokens} (costs "
-            f"{format_bytes(plan.with_cap(group_max_tokens).total_bytes)} per rank) to avoid it. "
-            f"This warning is shown once per process.", ChunkingWarning, stacklevel=3)
-    return num_chunks
-
-
-def _exceeded_error(num_tokens: int, group_max_tokens: int, plan: CapacityPlan, rank: int) -> CapacityExceededError:
-    cap = plan.num_max_tokens_per_rank
-    needed_bytes = plan.with_cap(group_max_tokens).total_bytes
-    culprit = "this rank" if num_tokens == group_max_tokens else "another rank of the EP group"
-    return CapacityExceededError(
-        f"rank {rank} has num_tokens={num_tokens}; the max over the EP group is {group_max_tokens} ({culprit}), "
-        f"above the cap num_max_tokens_per_rank={cap}. Raise it to at least {group_max_tokens}: pass "
-        f"num_max_tokens_per_rank={group_max_tokens} or set MOE_REF_NUM_MAX_TOKENS_PER_RANK={group_max_tokens} "
-        f"on every rank (the buffer then takes {needed_bytes} bytes = {format_bytes(needed_bytes)} per rank, now "
-        f"{plan.total_bytes} bytes = {format_bytes(plan.total_bytes)}), or split the batch with overflow='chunk' "
-        f"(MOE_REF_OVERFLOW_POLICY=chunk) into {-(-group_max_tokens // cap)} chunks",
-        rank=rank, num_tokens=num_tokens, group_max_tokens=group_max_tokens, cap=cap,
-        needed_cap=group_max_tokens, needed_bytes=needed_bytes)

@@ -1,8 +1,8 @@
-"""Dispatch and combine of an expert-parallel MoE layer, over any transport; ``Dispatcher.run`` is the
-routed step of the layer.
+"""Dispatch and combine of an expert-parallel MoE layer, over any transport (the modular routed step's
+transport half; ``moe_ref.routed_step`` runs the overflow policy and the chunk loop around it).
 
     x_TD, topk_ids_TK, topk_weights_TK (this rank's tokens)
-      1. overflow policy: max rows over the EP group vs the cap -> error (CAP001 on every rank) | n chunks
+      1. overflow policy (moe_ref.overflow): one collective -> error on every rank | n chunks
       per chunk:
       2. pre-dispatch   (kernels.pre_dispatch)  my rows, ids, weights -> MY buffer's send regions
       3. dispatch       (Transport)             entries per (source, local expert); my experts' rows -> my
@@ -42,11 +42,14 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ref.buffer import comm_device
-from moe_ref.capacity import CapacityPlan, group_max, num_chunks_for, resolve_cap, resolve_overflow
+from moe_ref import ops
+from moe_ref.capacity import CapacityPlan
 from moe_ref.config import MoEConfig
-from moe_ref.errors import CapacityExceededError, DTypeError, ExpertIdError, ShapeError
+from moe_ref.distributed import comm_device
+from moe_ref.errors import (CapacityExceededError, DeviceError, DTypeError, ExpertIdError, InputError, NonFiniteError,
+                            ShapeError)
 from moe_ref.experts import ExpertLayout, Experts
+from moe_ref.options import EPOptions
 from moe_ref.transport import RoutingExchange, Transport, make_transport
 
 # --- layout (pure functions of topk ids) ------------------------------------------------------------------
@@ -70,46 +73,6 @@ def select_entries(topk_ids_TK: torch.Tensor, first_expert: int, num_local_exper
     local_N = topk_ids_TK[token_idx_N, slot_idx_N] - first_expert
     order_N = torch.sort(local_N, stable=True).indices
     return torch.stack([token_idx_N, slot_idx_N, local_N], dim=1)[order_N]
-
-
-@dataclass(frozen=True)
-class SendLayout:
-    """Where this rank's routed slots go: the source-side view of a dispatch (the a2a transport sends its
-    rows in exactly this order; the symm transport's receivers pull them in it).
-
-    Attributes:
-        num_rows_Re: ``[R, e]`` int64, non-masked slots per (destination rank, local expert).
-        psum_rows_Re: ``[R, e]`` int64, exclusive prefix sum of ``num_rows_Re`` in (rank, expert) order: the
-            first entry of each (rank, expert) block.
-        token_idx_N: ``[N]`` int64, the token of each entry; entries ordered by (rank, expert, token, slot).
-        slot_idx_N: ``[N]`` int64, the top-k slot of each entry.
-    """
-
-    num_rows_Re: torch.Tensor
-    psum_rows_Re: torch.Tensor
-    token_idx_N: torch.Tensor
-    slot_idx_N: torch.Tensor
-
-
-def pre_dispatch_layout(topk_ids_TK: torch.Tensor, ep_size: int, num_local_experts: int) -> SendLayout:
-    """Per (destination rank, local expert) row counts, offsets and slot indices of ``topk_ids_TK``.
-
-    Args:
-        topk_ids_TK: ``[T, K]`` int64 global expert ids, -1 = masked (skipped).
-        ep_size: R, ranks of the EP group (global expert e lives on rank ``e // num_local_experts``).
-        num_local_experts: e.
-
-    Returns:
-        ``SendLayout``. Example: ids [[2, 0], [3, -1]], R=2, e=2 -> num_rows_Re [[1, 0], [1, 1]],
-        psum_rows_Re [[0, 1], [1, 2]], token_idx_N [0, 0, 1], slot_idx_N [1, 0, 0].
-    """
-    token_idx_N, slot_idx_N = (topk_ids_TK >= 0).nonzero(as_tuple=True)
-    expert_N = topk_ids_TK[token_idx_N, slot_idx_N]
-    order_N = torch.sort(expert_N, stable=True).indices  # global id = rank * e + local: (rank, expert) order
-    num_rows_Re = torch.bincount(expert_N, minlength=ep_size * num_local_experts).view(ep_size, num_local_experts)
-    flat = num_rows_Re.reshape(-1)
-    psum_rows_Re = (torch.cumsum(flat, 0) - flat).view(ep_size, num_local_experts)
-    return SendLayout(num_rows_Re, psum_rows_Re, token_idx_N[order_N], slot_idx_N[order_N])
 
 
 def place_entries(recv_entries: tuple[torch.Tensor, ...], num_local_experts: int, alignment: int,
@@ -183,6 +146,42 @@ def check_topk_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> str | None:
     return None
 
 
+def routed_input_problem(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                         cfg: MoEConfig, activation_dtype: torch.dtype,
+                         device: torch.device) -> InputError | None:
+    """What is wrong with the routed step's input on this rank (a coded error, NOT raised), or None.
+
+    Checks: ``x_TD`` is ``[T, Dx]`` in ``activation_dtype`` on ``device``; ids ``[T, K]`` int64 (or int32) and
+    weights ``[T, K]`` floating on ``device``; weights finite; ids in ``[-1, E)`` with no expert picked twice by
+    one token. Both kinds of routed step (modular and monolithic) use this one check. NOTE: syncs the host.
+    """
+    dim, topk = cfg.expert_hidden_size, cfg.num_topk
+    for name, tensor in (("x_TD", x_TD), ("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK)):
+        if not isinstance(tensor, torch.Tensor):
+            return ShapeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device != torch.device(device):
+            return DeviceError(f"{name} is on {tensor.device}, the layer on {device}; move it with .to('{device}')")
+    if x_TD.dim() != 2 or x_TD.shape[1] != dim:
+        return ShapeError(f"x_TD has shape {tuple(x_TD.shape)}; expected [T, {dim}] (the expert input width of "
+                          f"{cfg.name})")
+    num_tokens = x_TD.shape[0]
+    if tuple(topk_ids_TK.shape) != (num_tokens, topk) or tuple(topk_weights_TK.shape) != (num_tokens, topk):
+        return ShapeError(f"topk ids {tuple(topk_ids_TK.shape)} and weights {tuple(topk_weights_TK.shape)} must "
+                          f"both be [T={num_tokens}, K={topk}]")
+    if x_TD.dtype != activation_dtype:
+        return DTypeError(f"x_TD has dtype {x_TD.dtype}; the layer runs {activation_dtype} (cast with "
+                          f"x.to({activation_dtype}))")
+    if topk_ids_TK.dtype not in (torch.int64, torch.int32) or not topk_weights_TK.dtype.is_floating_point:
+        return DTypeError(f"topk ids must be int64 (or int32) and weights floating, got {topk_ids_TK.dtype} and "
+                          f"{topk_weights_TK.dtype}")
+    if num_tokens and not bool(torch.isfinite(topk_weights_TK).all()):
+        bad = (~torch.isfinite(topk_weights_TK)).any(dim=1).nonzero().flatten()
+        return NonFiniteError(f"topk weights are NaN/inf for {bad.numel()} of {num_tokens} tokens (first: "
+                              f"{bad[:8].tolist()})")
+    ids_problem = check_topk_ids(topk_ids_TK, cfg.num_experts)
+    return None if ids_problem is None else ExpertIdError(ids_problem)
+
+
 # --- the handle ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -223,7 +222,8 @@ class DispatchHandle:
 # --- the dispatcher ------------------------------------------------------------------------------------------
 
 class Dispatcher:
-    """Dispatch/combine of one EP group over one transport; ``run`` is the whole routed step.
+    """Dispatch/combine of one EP group over one transport, one chunk at a time (the transport half of the
+    modular routed step, ``moe_ref.routed_step.ModularRoutedStep``).
 
     One process (group None or world size 1) is the base case: the ``local`` transport copies inside its
     own buffer. Build with ``make_dispatcher``.
@@ -231,14 +231,12 @@ class Dispatcher:
     Attributes:
         plan: the buffer plan. rank, world_size: in the EP group. num_local_experts: e.
         first_local_expert: global id of my first expert (``rank * e``). transport_name: local, symm or a2a.
-        overflow: ``"error"`` or ``"chunk"``.
         num_recv_tokens_per_expert: ``[e]`` int64 (a view of the buffer's counter), rows my experts received
             over all calls (non-masked slots; what expert load balancers read).
     """
 
-    def __init__(self, plan: CapacityPlan, transport: Transport, group=None, *, overflow: str = "error"):
+    def __init__(self, plan: CapacityPlan, transport: Transport, group=None):
         self.plan, self.transport, self.group = plan, transport, group
-        self.overflow = resolve_overflow(overflow)
         self.rank, self.world_size = transport.rank, transport.world_size
         self.num_local_experts = plan.num_local_experts
         self.first_local_expert = self.rank * self.num_local_experts
@@ -253,45 +251,33 @@ class Dispatcher:
     def num_recv_tokens_per_expert(self) -> torch.Tensor:
         return self.buffer.view("num_recv_tokens_per_expert")
 
-    # --- checks ----------------------------------------------------------------------------------------
-    def _check_inputs(self, x_TD, topk_ids_TK, topk_weights_TK) -> None:
-        plan = self.plan
-        dim, topk = plan.cfg.expert_hidden_size, plan.cfg.num_topk
-        if x_TD.dim() != 2 or x_TD.shape[1] != dim:
-            raise ShapeError(f"x_TD has shape {tuple(x_TD.shape)}; expected [T, {dim}] (the expert input width of "
-                             f"{plan.cfg.name})")
-        num_tokens = x_TD.shape[0]
-        if tuple(topk_ids_TK.shape) != (num_tokens, topk) or tuple(topk_weights_TK.shape) != (num_tokens, topk):
-            raise ShapeError(f"topk ids {tuple(topk_ids_TK.shape)} and weights {tuple(topk_weights_TK.shape)} must "
-                             f"both be [T={num_tokens}, K={topk}]")
-        if x_TD.dtype != plan.activation_dtype:
-            raise DTypeError(f"x_TD has dtype {x_TD.dtype}; this dispatcher was planned for {plan.activation_dtype} "
-                             f"(pass activation_dtype=... to make_dispatcher)")
-        if topk_ids_TK.dtype != torch.int64 or topk_weights_TK.dtype != torch.float32:
-            raise DTypeError(f"topk ids must be int64 and weights float32, got {topk_ids_TK.dtype} and "
-                             f"{topk_weights_TK.dtype}")
-
     # --- one chunk -------------------------------------------------------------------------------------
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> DispatchHandle:
         """Pre-dispatch my rows and pull my experts' rows from every rank (collective; one chunk).
 
         Args:
-            x_TD: ``[T, Dx]`` activation dtype, T <= cap (``run`` splits larger batches).
+            x_TD: ``[T, Dx]`` activation dtype, T <= cap (the routed step splits larger batches).
             topk_ids_TK: ``[T, K]`` int64 global expert ids, -1 = masked slot.
             topk_weights_TK: ``[T, K]`` fp32.
 
         Returns:
             ``DispatchHandle`` with the receive pool and its layout. Adds the received rows per local expert
             to ``num_recv_tokens_per_expert``. Raises ``CapacityExceededError`` (CAP001, on this rank only)
-            when T > cap: use ``run`` for the group-wide policy.
+            when T > cap, and the input errors of ``routed_input_problem``.
+
+        NOTE: a bad input raises on THIS rank only (its peers are already inside the collective): the routed
+        step (``moe_ref.routed_step``) checks inputs in its per-call collective before calling this.
         """
-        self._check_inputs(x_TD, topk_ids_TK, topk_weights_TK)
+        problem = routed_input_problem(x_TD, topk_ids_TK, topk_weights_TK, self.plan.cfg, self.plan.activation_dtype,
+                                       self.buffer.device)
+        if problem is not None:
+            raise problem
         num_tokens, cap = x_TD.shape[0], self.plan.num_max_tokens_per_rank
         if num_tokens > cap:
             raise CapacityExceededError(
                 f"dispatch() got num_tokens={num_tokens} rows on rank {self.rank}, above num_max_tokens_per_rank="
-                f"{cap}; call run() (overflow policy) or raise the cap (MOE_REF_NUM_MAX_TOKENS_PER_RANK)",
-                rank=self.rank, num_tokens=num_tokens, cap=cap)
+                f"{cap}; run the routed step (its overflow policy chunks or raises on every rank) or raise the cap "
+                f"(MOE_REF_NUM_MAX_TOKENS_PER_RANK)", rank=self.rank, num_tokens=num_tokens, cap=cap)
         self._pre_dispatch(x_TD, topk_ids_TK, topk_weights_TK)
         num_local = self.num_local_experts
 
@@ -315,16 +301,14 @@ class Dispatcher:
             exchange=exchange)
 
     def _pre_dispatch(self, x_TD, topk_ids_TK, topk_weights_TK) -> None:
-        from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
-
         buf = self.buffer
         buf.view("num_tokens").fill_(x_TD.shape[0])
         counts_E = buf.view("num_rows_per_expert")
         counts_E.zero_()
-        kernel = pre_dispatch if x_TD.is_cuda else pre_dispatch_ref
-        kernel(x_TD.contiguous(), topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), buf.view("x"),
-               buf.view("x_scale") if self.plan.dispatch_fp8 else None, buf.view("topk_ids"),
-               buf.view("topk_weights"), counts_E)
+        ops.pre_dispatch(x_TD.contiguous(), topk_ids_TK.to(torch.int64).contiguous(),
+                         topk_weights_TK.to(torch.float32).contiguous(), buf.view("x"),
+                         buf.view("x_scale") if self.plan.dispatch_fp8 else None, buf.view("topk_ids"),
+                         buf.view("topk_weights"), counts_E)
 
     def whole_segment_layout(self, handle: DispatchHandle) -> ExpertLayout:
         """Zero the pool's alignment padding and return the layout whose segments cover it, so every
@@ -372,61 +356,9 @@ class Dispatcher:
         Returns:
             ``routed_TD``: ``[T, Dx]`` activation dtype, ``sum_j w[t, j] * expert_j(x[t])`` in fp32, slots in order.
         """
-        from moe_ref.kernels.combine_reduce import combine_reduce, combine_reduce_ref
-
         self.transport.return_rows(handle.exchange, handle.recv_pos, y_RD.to(self.plan.activation_dtype))
-        kernel = combine_reduce if y_RD.is_cuda else combine_reduce_ref
-        return kernel(self.buffer.view("combine"), handle.topk_ids_TK, handle.topk_weights_TK,
+        return ops.combine_reduce(self.buffer.view("combine"), handle.topk_ids_TK, handle.topk_weights_TK,
                       out_dtype=self.plan.activation_dtype)
-
-    # --- the routed step ---------------------------------------------------------------------------------
-    def run(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, experts: Experts,
-            *, max_num_tokens: int | None = None) -> torch.Tensor:
-        """The routed step: overflow policy, then per chunk pre-dispatch, dispatch, experts, combine, reduce.
-
-        Args:
-            x_TD: ``[T, Dx]`` expert input in the activation dtype (T may be 0).
-            topk_ids_TK: ``[T, K]`` int64 global expert ids, -1 = masked slot.
-            topk_weights_TK: ``[T, K]`` fp32 routing weights.
-            experts: this rank's local experts (``make_experts`` over the local weight slices); they get the
-                used prefix of the pool in the format ``expert_input`` picks for them.
-            max_num_tokens: a bound on T known to hold on EVERY rank; skips the group all_reduce (and makes
-                bad ids raise on the offending rank only).
-
-        Returns:
-            ``routed_TD``: ``[T, Dx]`` in ``x_TD``'s dtype.
-
-        Raises (on every rank alike, before any rows move): ``CapacityExceededError`` (CAP001) with policy
-        ``error`` when a rank has more rows than the cap; ``ExpertIdError`` (INP005) for ids outside
-        ``[-1, E)`` or a token picking an expert twice. NOTE: syncs the host (the group max, the layout).
-        """
-        self._check_inputs(x_TD, topk_ids_TK, topk_weights_TK)
-        num_tokens = x_TD.shape[0]
-        problem = check_topk_ids(topk_ids_TK, self.plan.cfg.num_experts)
-        if max_num_tokens is None:
-            group_max_tokens, any_problem = group_max([num_tokens, int(problem is not None)], self.group,
-                                                      self._comm_device)
-        else:
-            if num_tokens > max_num_tokens:
-                raise ShapeError(f"rank {self.rank} has num_tokens={num_tokens} > the max_num_tokens={max_num_tokens} "
-                                 f"promised for every rank; pass a true bound or None")
-            group_max_tokens, any_problem = max_num_tokens, int(problem is not None)
-        if any_problem:
-            raise ExpertIdError(f"rank {self.rank}: {problem}" if problem else
-                                f"rank {self.rank}: another rank of the EP group passed invalid topk ids (its "
-                                f"error names them); no rows were moved")
-        num_chunks = num_chunks_for(num_tokens, group_max_tokens, self.plan, self.overflow, rank=self.rank)
-        cap = self.plan.num_max_tokens_per_rank
-        routed = []
-        for chunk in range(num_chunks):  # every rank runs every chunk, with zero rows where it has none left
-            lo, hi = min(chunk * cap, num_tokens), min((chunk + 1) * cap, num_tokens)
-            handle = self.dispatch(x_TD[lo:hi], topk_ids_TK[lo:hi], topk_weights_TK[lo:hi])
-            layout = self.whole_segment_layout(handle) if experts.computes_whole_segments else handle.layout
-            x_RD, x_scale_RDb = self.expert_input(handle, experts)
-            routed.append(self.combine(experts(x_RD, layout, x_scale_RDb), handle))
-        if not routed:
-            return x_TD.new_empty(0, x_TD.shape[1])
-        return routed[0] if len(routed) == 1 else torch.cat(routed)
 
     def destroy(self) -> None:
         """Release the buffer (and peer mappings). Not collective."""
@@ -439,29 +371,20 @@ class Dispatcher:
         self.destroy()
 
 
-def make_dispatcher(cfg: MoEConfig, group, num_max_tokens_per_rank: int | None, *, overflow: str | None = None,
-                    transport: str | None = None, activation_dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu", dispatch_fp8: bool = False, alignment: int = 128) -> Dispatcher:
+def make_dispatcher(cfg: MoEConfig, group, options: EPOptions) -> Dispatcher:
     """Plan, allocate and connect a dispatcher (collective over ``group``).
 
     Args:
         cfg: the MoE block (``E`` must divide by the group size: CFG002).
         group: the EP process group, or None for one process.
-        num_max_tokens_per_rank: the cap (rows one rank feeds per call); None: ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``.
-        overflow: ``error`` | ``chunk``; None: ``MOE_REF_OVERFLOW_POLICY``, else ``error``.
-        transport: ``auto`` | ``local`` | ``symm`` | ``a2a``; None or ``auto``: ``MOE_REF_TRANSPORT``, else auto.
-        activation_dtype: dtype of the rows (fp32, bf16, fp16).
-        device: ``cpu`` or a CUDA device.
-        dispatch_fp8: ship rows as fp8 + per-128 scales (the experts get them as is if they accept fp8 input,
-            else dequantized).
-        alignment: rows each expert segment of the pool starts on (pass the backend's
-            ``Experts.segment_alignment``; 128 suits every backend).
+        options: resolved options; uses the cap, transport, dtype, device, ``dispatch_fp8`` and ``alignment``
+            (which must be set: ``EPOptions.resolve`` sets it from the experts backend).
 
     Returns:
-        A ``Dispatcher``. Raises ``CapacityMismatchError`` (CAP002) on every rank if the caps differ.
+        A ``Dispatcher``. Raises ``CapacityMismatchError`` (CAP002) on every rank if the caps differ,
+        ``MemoryBudgetError`` (CAP004) on every rank if a rank cannot hold the buffer.
     """
     world = 1 if group is None else torch.distributed.get_world_size(group)
-    plan = CapacityPlan.build(cfg, world, resolve_cap(num_max_tokens_per_rank), activation_dtype, dispatch_fp8,
-                              alignment)
-    overflow = resolve_overflow(overflow)
-    return Dispatcher(plan, make_transport(transport, plan, group, device), group, overflow=overflow)
+    plan = CapacityPlan.build(cfg, world, options.num_max_tokens_per_rank, options.dtype, options.dispatch_fp8,
+                              options.alignment)
+    return Dispatcher(plan, make_transport(options.transport, plan, group, options.device), group)

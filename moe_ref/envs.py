@@ -8,6 +8,7 @@
 | MOE_REF_EXPERTS_BACKEND            | ``auto``, ``torch``, ``grouped_mm``, ``triton``, ``deep_gemm`` | auto |
 | MOE_REF_SHM_DIR                    | folder for the CPU symmetric heap's files            | /dev/shm |
 | MOE_REF_DEBUG                      | ``moe-ref`` shows tracebacks of coded errors (1/0)   | off     |
+| MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
 """
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ def experts_backend() -> str | None:
 
 def shm_dir() -> str:
     return _get("MOE_REF_SHM_DIR") or "/dev/shm"
+
+
+def debug_checks() -> bool | None:
+    value = _get("MOE_REF_DEBUG_CHECKS")
+    if value is None:
+        return None
+    return value.lower() not in ("0", "false", "no", "off")
 
 
 def debug() -> bool:

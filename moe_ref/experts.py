@@ -26,6 +26,7 @@ local expert i are ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``; ro
 """
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -33,9 +34,8 @@ import torch
 
 from moe_ref.activations import dense_mlp, gated_activation
 from moe_ref.errors import BackendUnavailableError, DTypeError, InvalidConfigError, UnknownNameError
+from moe_ref.kernels._triton_utils import FP8_DTYPE
 
-EXPERT_BACKENDS = ("auto", "torch", "grouped_mm", "triton", "deep_gemm")
-FP8_DTYPE = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -251,26 +251,43 @@ class TritonExperts(Experts):
         return y_RD.to(out_dtype)
 
 
+# name -> "module:Class". Resolved on first use (importlib), so optional backends such as deep_gemm are imported
+# only when asked for, and no backend module needs this one to import it back.
+_REGISTRY: dict[str, str] = {
+    "torch": "moe_ref.experts:TorchLoopExperts",
+    "grouped_mm": "moe_ref.experts:GroupedMMExperts",
+    "triton": "moe_ref.experts:TritonExperts",
+    "deep_gemm": "moe_ref.deep_gemm_backend:DeepGemmExperts",
+}
+
+
+def register_experts(name: str, target: str) -> None:
+    """Make ``make_experts(name, ...)`` build ``target`` (``"package.module:ClassName"``, an ``Experts``)."""
+    _REGISTRY[name] = target
+
+
+def registered_backends() -> tuple[str, ...]:
+    """Names ``make_experts`` accepts besides ``auto``."""
+    return tuple(_REGISTRY)
+
+
 def experts_class(backend: str, device: torch.device | str = "cpu") -> type[Experts]:
     """The class of expert backend ``backend`` (``auto`` = triton on CUDA, else torch), without building it:
     its ``segment_alignment`` and ``supports_fp8`` are what a layer plans with.
 
     Args:
-        backend: one of ``EXPERT_BACKENDS``.
+        backend: ``auto`` or a registered name (``torch``, ``grouped_mm``, ``triton``, ``deep_gemm``, ...).
         device: where the weights live (decides ``auto``).
 
     Returns:
         The ``Experts`` subclass. Raises ``UnknownNameError`` (CFG006) for another name.
     """
-    if backend not in EXPERT_BACKENDS:
-        raise UnknownNameError(f"experts backend={backend!r}; supported: {', '.join(EXPERT_BACKENDS)}")
     if backend == "auto":
         backend = "triton" if torch.device(device).type == "cuda" else "torch"
-    if backend == "deep_gemm":
-        from moe_ref.deep_gemm_backend import DeepGemmExperts
-
-        return DeepGemmExperts
-    return {"torch": TorchLoopExperts, "grouped_mm": GroupedMMExperts, "triton": TritonExperts}[backend]
+    if backend not in _REGISTRY:
+        raise UnknownNameError(f"experts backend={backend!r}; supported: auto, {', '.join(_REGISTRY)}")
+    module_name, class_name = _REGISTRY[backend].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 def make_experts(backend: str, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor,
@@ -279,7 +296,7 @@ def make_experts(backend: str, gate_up_weight_e2FD: torch.Tensor, down_weight_eD
     """Build the expert backend ``backend`` (``auto`` = triton on CUDA, else torch).
 
     Args:
-        backend: one of ``EXPERT_BACKENDS``.
+        backend: ``auto`` or a registered name (see ``experts_class``).
         gate_up_weight_e2FD: ``[e, 2F, D]`` this rank's experts, gate rows then up rows.
         down_weight_eDF: ``[e, D, F]``.
         activation, situ_beta, situ_linear_beta: see ``moe_ref.activations``.

@@ -1,26 +1,28 @@
 """``MegaMoE``: the drop-in expert-parallel MoE block (torch.nn.Module).
 
-    forward(x [T, D]):
-      1. route: gate GEMM in fp32, family top-k        -> topk_ids [T, K] int64, topk_weights [T, K] fp32
-      2. (Kimi-K3) latent down-projection             -> z [T, L]
-      3. routed step on the Dispatcher: overflow policy (error | chunk), pre-dispatch (FP8-quantized with
-         ``dispatch_fp8``) into this rank's symmetric buffer, dispatch to the experts' ranks, expert GEMMs on
-         the used prefix of the pool (Experts backend; FP8 weights and the FP8 pool as is with
-         ``dispatch_fp8`` on a backend that has them), combine back, fp32 weighted reduce over the K slots
-                                                        -> routed [T, Dx]
-         (``mega="deep_gemm"``/``"auto"``: DeepGEMM's SM90 FP8 fused kernel does step 3's dispatch, GEMMs and
-         combine in one launch, under the same overflow policy; ``moe_ref.mega_deep_gemm``)
-      4. (Kimi-K3) RMSNorm over the full cross-rank sum, latent up-projection
-      5. + shared experts                               -> y [T, D] in x's dtype
+    MegaMoE(cfg, group, **options)
+      EPOptions.resolve: every option once (argument, environment, default), checked
+      one collective: config + options + the mega decision agreed by every rank (else CFG008/CAP002/ENV002 on all)
+      the routed step, built once: ModularRoutedStep (transport x experts) or MonolithicRoutedStep (DeepGEMM mega)
 
-Owners: ``moe_ref.router`` (1), ``moe_ref.dispatch.Dispatcher`` (3, with ``capacity`` / ``buffer`` /
-``transport``), ``moe_ref.experts`` (expert GEMMs), ``moe_ref.reference.moe_block`` (the composition,
-shared with the single-process oracle ``moe_ref.reference.reference_moe``).
+    forward(x [T, D]):
+      1. check x (shape, dtype, device), weights loaded, no gradient requested  -> a problem, not raised yet
+      2. route: gate GEMM in fp32, family top-k (block.route_unchecked)           -> topk_ids [T, K], topk_weights [T, K]
+         (NaN/inf logits are a problem too)
+      3. (Kimi-K3) latent down-projection (block.expert_input)                    -> z [T, Dx]
+      4. the routed step (moe_ref.routed_step): ONE small collective agrees on every rank's problem and row count
+         (a coded error on every rank, or n chunks), then per chunk dispatch -> experts -> combine -> reduce
+                                                                                   -> routed [T, Dx]
+      5. (Kimi-K3) RMSNorm over the full cross-rank sum, latent up; + shared experts (block.finish) -> y [T, D]
 
 Parameters (this rank's experts only; e = E / ep_size): ``gate_weight [E, D]``,
 ``e_score_correction_bias [E]`` (fp32 buffer, sigmoid families), ``gate_up_weight [e, 2F, Dx]``,
 ``down_weight [e, Dx, F]``, shared ``shared_gate_up_weight [2S, D]``, ``shared_down_weight [D, S]``,
 Kimi-K3 ``latent_down_weight [L, D]``, ``latent_up_weight [D, L]``, ``latent_norm_weight [L]``.
+
+Inference mode and autograd: the step's buffers are built outside inference mode, so calls in and out of
+``torch.inference_mode()`` mix in any order. The layer has no backward: with grad mode on and an input or
+parameter requiring grad, every rank raises ``GradientNotSupportedError`` (INP007).
 """
 from __future__ import annotations
 
@@ -33,24 +35,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_ref import envs
+from moe_ref.block import expert_input, finish, route_unchecked
 from moe_ref.config import MoEConfig, ParallelConfig, preset
-from moe_ref.errors import DeviceError, DTypeError, ShapeError, ShapeUnsupportedError, UnknownNameError
+from moe_ref.distributed import check_fields_agree, gather_objects, group_size_and_rank
+from moe_ref.errors import (DeviceError, DTypeError, GradientNotSupportedError, InputError, InvalidConfigError,
+                            ShapeError, ShapeUnsupportedError, TensorShapeMismatchError, WeightsNotLoadedError)
 from moe_ref.experts import Experts, experts_class, make_experts
-from moe_ref.reference import moe_block
+from moe_ref.options import EPOptions
+from moe_ref.routed_step import RoutedStep, make_modular_step
 from moe_ref.weights import MoEWeights
 
 logger = logging.getLogger(__name__)
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MEGA_CHOICES = ("off", "deep_gemm", "auto")
-# Used when neither the argument nor MOE_REF_NUM_MAX_TOKENS_PER_RANK gives a cap.
-DEFAULT_NUM_MAX_TOKENS_PER_RANK = 4096
 
 
 def as_config(cfg: MoEConfig | str | os.PathLike | Mapping[str, Any]) -> MoEConfig:
     """A ``MoEConfig`` from itself, a preset name, a config.json path (or its folder), or an HF config dict."""
     if isinstance(cfg, MoEConfig):
         return cfg
+    if not isinstance(cfg, (str, os.PathLike, Mapping)):
+        raise InvalidConfigError(f"cfg={cfg!r} ({type(cfg).__name__}); pass a MoEConfig, a preset name "
+                                 f"(e.g. 'tiny-kimi-k2'), a config.json path or folder, or an HF config dict",
+                                 field="cfg")
     if isinstance(cfg, str) and not os.path.exists(cfg) and not cfg.endswith(".json"):
         return preset(cfg)
     return MoEConfig.from_hf_config(cfg)
@@ -59,11 +64,15 @@ def as_config(cfg: MoEConfig | str | os.PathLike | Mapping[str, Any]) -> MoEConf
 class MegaMoE(nn.Module):
     """The expert-parallel MoE block of Kimi-K2/K3, DeepSeek-V3 and Step3-style models.
 
+    Construction is collective over ``group``: every rank must build the layer with the same config and
+    options (checked in one collective; a difference raises ``GroupDisagreementError`` (CFG008), or
+    ``CapacityMismatchError`` (CAP002) for the cap, on every rank, naming each rank's value).
+
     Args:
         cfg: ``MoEConfig``, a preset name (``"kimi-k2"``, ``"tiny-step3"``...), an HF config.json path or dict.
         group: the EP process group (``dist.group.WORLD``...), or None for one process.
         num_max_tokens_per_rank: the cap: rows ONE rank feeds per call (default:
-            ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``, else 4096). Equal on every rank (checked).
+            ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``, else 4096).
         overflow: ``"error"`` or ``"chunk"`` when a rank's batch exceeds the cap (default:
             ``MOE_REF_OVERFLOW_POLICY``, else ``"error"``).
         transport: ``"auto"``, ``"symm"``, ``"a2a"`` or ``"local"`` (default: ``MOE_REF_TRANSPORT``, else auto).
@@ -72,52 +81,77 @@ class MegaMoE(nn.Module):
         dispatch_fp8: FP8 end to end where the backend allows: tokens move as FP8 e4m3 with per-128 scales
             (halves dispatch bytes; lossy), and a backend with fp8 weights (``supports_fp8``: triton,
             deep_gemm) runs them, quantized once to 128x128 blocks; triton takes the FP8 pool as is. The
-            torch and grouped_mm backends run the dequantized pool with the layer's weights. FP8 experts
-            iff ``dispatch_fp8`` (``fp8_experts``): there is no fp8-weights-over-bf16-dispatch mode.
+            torch and grouped_mm backends run the dequantized pool with the layer's weights.
         dtype, device: of the parameters; inputs must match them.
         alignment: rows each expert segment of the receive pool is aligned to; None (default): the
             backend's ``segment_alignment`` (torch 128, grouped_mm 16, triton 1, deep_gemm 128).
-        seed: if given, initialise with ``MoEWeights.random(cfg, seed)`` (same on every rank); else
-            the parameters are uninitialised until ``load_hf_weights``/``load_weights``.
-        mega: the routed step's engine: ``"off"`` (default: moe_ref's dispatcher + experts backend),
-            ``"deep_gemm"`` (DeepGEMM's SM90 FP8 fused mega-MoE under moe_ref's router, cap and overflow
-            policy; ENV001/ENV002 when it cannot run), or ``"auto"`` (deep_gemm where ``supports`` accepts
-            the shape, the EP size and this machine, else moe_ref's own path; the reason is logged).
+        seed: if given, initialise with ``MoEWeights.random(cfg, seed)`` (same on every rank); else the
+            parameters are uninitialised and a call raises ``WeightsNotLoadedError`` (INP006) until
+            ``load_hf_weights``/``load_weights``.
+        mega: the routed step's engine: ``"off"`` (default: moe_ref's transport + experts backend),
+            ``"deep_gemm"`` (DeepGEMM's SM90 FP8 fused mega-MoE; ENV001/ENV002 on every rank when it cannot
+            run), or ``"auto"`` (deep_gemm where every rank accepts the shape and machine, else moe_ref's own
+            path; the reason is logged as a warning).
+        debug_checks: per-call checks that nothing is lost (default: ``MOE_REF_DEBUG_CHECKS``, else off).
+
+    Attributes:
+        options: the resolved ``EPOptions``. uses_mega: the agreed engine choice. routed_step: the one
+            ``RoutedStep`` (built on first use). num_local_experts, first_local_expert, rank, world_size.
     """
 
     def __init__(self, cfg: MoEConfig | str | os.PathLike | Mapping[str, Any], group: dist.ProcessGroup | None = None,
                  *, num_max_tokens_per_rank: int | None = None, overflow: str | None = None,
                  transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", alignment: int | None = None,
-                 seed: int | None = None, mega: str = "off"):
+                 seed: int | None = None, mega: str | None = None, debug_checks: bool | None = None):
         super().__init__()
         self.cfg = cfg = as_config(cfg)
+        self.options = EPOptions.resolve(
+            num_max_tokens_per_rank=num_max_tokens_per_rank, overflow=overflow, transport=transport,
+            experts_backend=experts_backend, dispatch_fp8=dispatch_fp8, alignment=alignment, mega=mega, dtype=dtype,
+            device=device, debug_checks=debug_checks)
         self.group = group
-        self.rank = dist.get_rank(group) if group is not None else 0
-        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.world_size, self.rank = group_size_and_rank(group)
         self.num_local_experts = ParallelConfig(ep_size=self.world_size).num_local_experts(cfg)
         self.first_local_expert = self.rank * self.num_local_experts
-        self.num_max_tokens_per_rank = (num_max_tokens_per_rank or envs.num_max_tokens_per_rank()
-                                        or DEFAULT_NUM_MAX_TOKENS_PER_RANK)
-        self.overflow = overflow or envs.overflow_policy() or "error"
-        self.transport = transport or envs.transport() or "auto"
-        self.experts_backend = experts_backend or envs.experts_backend() or "auto"
-        experts_cls = experts_class(self.experts_backend, device)  # the plan needs its alignment before any weights
-        self.dispatch_fp8 = dispatch_fp8
-        self.fp8_experts = dispatch_fp8 and experts_cls.supports_fp8
-        self.alignment = experts_cls.segment_alignment if alignment is None else alignment
-        if dtype not in SUPPORTED_DTYPES:
-            raise DTypeError(f"dtype={dtype}; MegaMoE parameters must be one of {SUPPORTED_DTYPES}")
-        if mega not in MEGA_CHOICES:
-            raise UnknownNameError(f"mega={mega!r}; supported: {', '.join(MEGA_CHOICES)}")
-        self.mega = mega
-        self._dispatcher = None
+        self.uses_mega = self._agree_on_construction()
+        self._routed_step: RoutedStep | None = None
         self._experts: Experts | None = None
-        self._mega_engine = None  # DeepGemmMegaMoE, built on first use when the mega path is chosen
-        self._mega_decided: bool | None = None
-        self._register_parameters(dtype, torch.device(device))
+        self._weights_loaded = False
+        self._register_parameters(self.options.dtype, self.options.device)
         if seed is not None:
-            self.load_weights(MoEWeights.random(cfg, seed=seed, dtype=dtype))
+            self.load_weights(MoEWeights.random(cfg, seed=seed, dtype=self.options.dtype))
+
+    # --- construction agreement ----------------------------------------------------------------------
+    def _agree_on_construction(self) -> bool:
+        """One collective: config and options must match on every rank; returns the agreed mega choice."""
+        options = self.options
+        fields = {f"cfg.{k}": str(v) for k, v in dataclasses.asdict(self.cfg).items()}
+        fields.update(options.fingerprint())
+        mega_ok, mega_reason = self._mega_supported_here()
+        everyone = gather_objects((fields, mega_ok, mega_reason), self.group)
+        check_fields_agree([f for f, _, _ in everyone], self.rank, what="MegaMoE")
+        if options.mega == "off":
+            return False
+        refusals = [f"rank {r}: {reason}" for r, (_, ok, reason) in enumerate(everyone) if not ok]
+        if not refusals:
+            return True
+        if options.mega == "deep_gemm":
+            raise ShapeUnsupportedError(f"mega='deep_gemm' cannot run {self.cfg.name} at ep_size={self.world_size} "
+                                        f"({'; '.join(refusals)}); use mega='auto' to fall back to moe_ref's own path")
+        logger.warning("moe_ref: mega='auto' uses moe_ref's own EP path on every rank: %s", "; ".join(refusals))
+        return False
+
+    def _mega_supported_here(self) -> tuple[bool, str]:
+        if self.options.mega == "off":
+            return False, "mega='off'"
+        from moe_ref.mega_deep_gemm import supports
+
+        on_cuda = self.options.device.type == "cuda"
+        ok, reason = supports(self.cfg, self.world_size, check_runtime=on_cuda)
+        if ok and not on_cuda:
+            return False, f"the layer is on {self.options.device}; DeepGEMM's mega-MoE needs CUDA (SM90)"
+        return ok, reason
 
     # --- parameters ----------------------------------------------------------------------------------
     def _register_parameters(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -128,16 +162,17 @@ class MegaMoE(nn.Module):
         def param(*shape):
             return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
-        self.gate_weight = param(cfg.num_experts, D)
-        bias = torch.zeros(cfg.num_experts, dtype=torch.float32, device=device) if cfg.use_selection_bias else None
-        self.register_buffer("e_score_correction_bias", bias)
-        self.gate_up_weight = param(e, 2 * F, Dx)
-        self.down_weight = param(e, Dx, F)
-        self.shared_gate_up_weight = param(2 * S, D) if cfg.has_shared_experts else None
-        self.shared_down_weight = param(D, S) if cfg.has_shared_experts else None
-        self.latent_down_weight = param(L, D) if L else None
-        self.latent_up_weight = param(D, L) if L else None
-        self.latent_norm_weight = param(L) if L and cfg.latent_norm else None
+        with torch.inference_mode(False):  # normal tensors even when built inside inference mode
+            self.gate_weight = param(cfg.num_experts, D)
+            bias = torch.zeros(cfg.num_experts, dtype=torch.float32, device=device) if cfg.use_selection_bias else None
+            self.register_buffer("e_score_correction_bias", bias)
+            self.gate_up_weight = param(e, 2 * F, Dx)
+            self.down_weight = param(e, Dx, F)
+            self.shared_gate_up_weight = param(2 * S, D) if cfg.has_shared_experts else None
+            self.shared_down_weight = param(D, S) if cfg.has_shared_experts else None
+            self.latent_down_weight = param(L, D) if L else None
+            self.latent_up_weight = param(D, L) if L else None
+            self.latent_norm_weight = param(L) if L and cfg.latent_norm else None
 
     def weights(self) -> MoEWeights:
         """This rank's parameters as ``MoEWeights`` (views, no copy)."""
@@ -148,24 +183,30 @@ class MegaMoE(nn.Module):
             latent_down_weight_LD=self.latent_down_weight, latent_up_weight_DL=self.latent_up_weight,
             latent_norm_weight_L=self.latent_norm_weight, first_expert=self.first_local_expert)
 
-    @torch.no_grad()
     def load_weights(self, weights: MoEWeights) -> "MegaMoE":
-        """Copy ``weights`` (all experts, or a block holding at least this rank's experts) into the parameters."""
+        """Copy ``weights`` (all experts, or a block holding at least this rank's experts) into the parameters.
+
+        With ``mega`` in use this is collective (the fused engine is rebuilt from the new weights on the next call).
+        """
         source = weights.expert_slice(self.first_local_expert, self.num_local_experts)
         target = self.weights()
-        for field in dataclasses.fields(MoEWeights):
-            dst, src = getattr(target, field.name), getattr(source, field.name)
-            if not isinstance(dst, torch.Tensor):
-                continue
-            if src is None or tuple(src.shape) != tuple(dst.shape):
-                from moe_ref.errors import TensorShapeMismatchError
-
-                raise TensorShapeMismatchError(
-                    f"{field.name}: expected shape {tuple(dst.shape)} for this config, got "
-                    f"{None if src is None else tuple(src.shape)}")
-            dst.copy_(src)
-        self._experts = None
-        self._drop_mega_engine()  # it holds fp8 copies of the old weights
+        with torch.inference_mode(False), torch.no_grad():
+            for field in dataclasses.fields(MoEWeights):
+                dst, src = getattr(target, field.name), getattr(source, field.name)
+                if not isinstance(dst, torch.Tensor):
+                    continue
+                if src is None or tuple(src.shape) != tuple(dst.shape):
+                    raise TensorShapeMismatchError(
+                        f"{field.name}: expected shape {tuple(dst.shape)} for this config, got "
+                        f"{None if src is None else tuple(src.shape)}")
+                dst.copy_(src)
+        self._weights_loaded = True
+        self._experts = None  # fp8 copies of the old weights
+        if self.uses_mega and self._routed_step is not None:  # the fused engine holds fp8 copies too
+            self._routed_step.destroy()
+            self._routed_step = None
+        elif self._routed_step is not None:
+            self._routed_step.experts = self.experts
         return self
 
     def load_hf_weights(self, path: str | os.PathLike, layer_idx: int, prefix: str | None = None) -> "MegaMoE":
@@ -180,109 +221,99 @@ class MegaMoE(nn.Module):
 
     # --- the routed step ------------------------------------------------------------------------------
     @property
-    def dispatcher(self):
-        """The Dispatcher (built on first use: its symmetric buffer is sized from the plan, whose segment
-        alignment is ``self.alignment``)."""
-        if self._dispatcher is None:
-            from moe_ref.dispatch import make_dispatcher
-
-            self._dispatcher = make_dispatcher(
-                self.cfg, self.group, self.num_max_tokens_per_rank, overflow=self.overflow,
-                transport=self.transport, activation_dtype=self.gate_weight.dtype, device=self.gate_weight.device,
-                dispatch_fp8=self.dispatch_fp8, alignment=self.alignment)
-        return self._dispatcher
-
-    @property
     def experts(self) -> Experts:
-        """This rank's experts backend, built on first use after the weights are loaded (``load_weights``
-        drops it: fp8 weights are quantized from the parameters at construction)."""
+        """This rank's experts backend (modular step), built on first use from the loaded weights."""
         if self._experts is None:
-            self._experts = make_experts(self.experts_backend, self.gate_up_weight, self.down_weight,
-                                         self.cfg.activation, self.cfg.situ_beta, self.cfg.situ_linear_beta,
-                                         fp8=self.fp8_experts)
+            with torch.inference_mode(False):
+                self._experts = make_experts(self.options.experts_backend, self.gate_up_weight, self.down_weight,
+                                             self.cfg.activation, self.cfg.situ_beta, self.cfg.situ_linear_beta,
+                                             fp8=self.fp8_experts)
         return self._experts
 
     @property
-    def uses_mega(self) -> bool:
-        """Whether the routed step runs on DeepGEMM's mega-MoE (decided once, see ``mega``)."""
-        if self._mega_decided is None:
-            self._mega_decided = self._decide_mega()
-        return self._mega_decided
-
-    def _decide_mega(self) -> bool:
-        if self.mega == "off":
-            return False
-        from moe_ref.mega_deep_gemm import supports
-
-        ok, reason = supports(self.cfg, self.world_size, check_runtime=self.gate_weight.is_cuda)
-        if ok and not self.gate_weight.is_cuda:
-            ok, reason = False, f"the layer is on {self.gate_weight.device}; DeepGEMM's mega-MoE needs CUDA (SM90)"
-        if ok:
-            return True
-        if self.mega == "deep_gemm":
-            raise ShapeUnsupportedError(f"mega='deep_gemm' cannot run {self.cfg.name} at ep_size={self.world_size}: "
-                                        f"{reason}; use mega='auto' to fall back to moe_ref's own path")
-        logger.info("moe_ref: mega='auto' uses moe_ref's own EP path: %s", reason)
-        return False
+    def fp8_experts(self) -> bool:
+        """FP8 expert weights: with ``dispatch_fp8`` on a backend that has them (triton, deep_gemm)."""
+        return self.options.dispatch_fp8 and experts_class(self.options.experts_backend).supports_fp8
 
     @property
-    def mega_engine(self):
-        """The ``DeepGemmMegaMoE`` of this rank (collective to build; only when ``uses_mega``)."""
-        if self._mega_engine is None:
-            from moe_ref.mega_deep_gemm import DeepGemmMegaMoE
+    def routed_step(self) -> RoutedStep:
+        """The layer's one routed step (collective to build: every rank builds it on its first call)."""
+        if self._routed_step is None:
+            with torch.inference_mode(False):  # buffers must stay usable outside inference mode
+                if self.uses_mega:
+                    from moe_ref.mega_deep_gemm import make_mega_step
 
-            self._mega_engine = DeepGemmMegaMoE(self.cfg, self.group, self.num_max_tokens_per_rank, self.overflow,
-                                                self.gate_up_weight, self.down_weight)
-        return self._mega_engine
-
-    def _drop_mega_engine(self) -> None:
-        if self._mega_engine is not None:
-            self._mega_engine.destroy()
-            self._mega_engine = None
+                    self._routed_step = make_mega_step(self.cfg, self.group, self.options, self.gate_up_weight,
+                                                       self.down_weight)
+                else:
+                    self._routed_step = make_modular_step(self.cfg, self.group, self.experts, self.options)
+        return self._routed_step
 
     @property
     def num_recv_tokens_per_expert(self) -> torch.Tensor:
         """``[e]`` int64: rows each local expert received, summed over all calls (for load balancers)."""
-        if self.uses_mega:
-            return self.mega_engine.num_recv_tokens_per_expert_e.to(torch.int64)
-        return self.dispatcher.num_recv_tokens_per_expert
+        return self.routed_step.num_recv_tokens_per_expert
 
     def forward(self, hidden_states: torch.Tensor, *, max_num_tokens: int | None = None) -> torch.Tensor:
-        """``hidden_states [T, D]`` -> ``[T, D]`` in the same dtype. Every rank of the group must call it
-        (with T = 0 if it has no tokens). ``max_num_tokens``: a known bound on T over the group, which
-        skips the one small all-reduce the overflow policy needs."""
-        self._check_input(hidden_states)
+        """``hidden_states [T, D]`` -> ``[T, D]`` in the same dtype (collective: every rank of the group calls it,
+        with T = 0 if it has no tokens).
 
-        def routed(x_TD, topk_ids_TK, topk_weights_TK):
-            if self.uses_mega:  # bf16 out of the fused kernel (FP8 inside)
-                return self.mega_engine.run(x_TD, topk_ids_TK, topk_weights_TK).to(x_TD.dtype)
-            return self.dispatcher.run(x_TD, topk_ids_TK, topk_weights_TK, self.experts,
-                                       max_num_tokens=max_num_tokens)
+        Args:
+            hidden_states: ``[T, D]`` in the layer's dtype, on its device.
+            max_num_tokens: a bound on T promised for every rank (checked in the per-call collective; give it
+                on every rank or on none).
 
-        return moe_block(hidden_states, self.weights(), self.cfg, routed)
+        Raises, on every rank alike: this or any rank's input problem (INP001-INP007), CAP001 under
+        ``overflow='error'``, ENV004/ENV005/CFG008 (see ``moe_ref.routed_step``).
+        """
+        problem = self._input_problem(hidden_states)
+        step = self.routed_step
+        weights = self.weights()
+        if problem is None:
+            (topk_ids_TK, topk_weights_TK), problem = route_unchecked(hidden_states, self.gate_weight, self.cfg,
+                                                                      self.e_score_correction_bias)
+        if problem is not None:  # no rows move: the step's collective raises it on every rank
+            empty = torch.empty(0, self.cfg.num_topk, device=self.options.device)
+            step(torch.empty(0, self.cfg.expert_hidden_size, dtype=self.options.dtype, device=self.options.device),
+                 empty.long(), empty, problem=problem, max_num_tokens=max_num_tokens)
+            raise AssertionError("unreachable: the routed step raises the agreed problem")
+        routed = step(expert_input(hidden_states, weights, self.cfg), topk_ids_TK, topk_weights_TK,
+                      max_num_tokens=max_num_tokens)
+        return finish(routed, hidden_states, weights, self.cfg)
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.cfg.hidden_size:
+    def _input_problem(self, x: torch.Tensor) -> InputError | None:
+        """What is wrong with this call on this rank (not raised: the routed step agrees on it first)."""
+        width, dtype, device = self.cfg.hidden_size, self.options.dtype, self.gate_weight.device
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != width:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ShapeError(f"hidden_states has shape {shape}; expected [num_tokens, {self.cfg.hidden_size}] "
-                             f"(flatten batch and sequence: x.view(-1, {self.cfg.hidden_size}))")
-        if x.dtype != self.gate_weight.dtype:
-            raise DTypeError(f"hidden_states dtype {x.dtype} != layer dtype {self.gate_weight.dtype}; cast with "
-                             f"x.to({self.gate_weight.dtype}) or build the layer with dtype={x.dtype}")
-        if x.device != self.gate_weight.device:
-            raise DeviceError(f"hidden_states on {x.device}, layer on {self.gate_weight.device}; move with "
-                              f"x.to('{self.gate_weight.device}')")
+            return ShapeError(f"hidden_states has shape {shape}; expected [num_tokens, {width}] "
+                              f"(flatten batch and sequence: x.view(-1, {width}))")
+        if x.dtype != dtype:
+            return DTypeError(f"hidden_states dtype {x.dtype} != layer dtype {dtype}; cast with x.to({dtype}) or "
+                              f"build the layer with dtype={x.dtype}")
+        if x.device != device:
+            return DeviceError(f"hidden_states on {x.device}, layer on {device}; move with x.to('{device}')")
+        if not self._weights_loaded:
+            return WeightsNotLoadedError(f"rank {self.rank}: the layer's weights were never loaded; call "
+                                         f"load_hf_weights(path, layer_idx) or load_weights(...) first, or build it "
+                                         f"with seed=N for random test weights")
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return GradientNotSupportedError(
+                "MegaMoE has no backward (rows cross ranks through buffers autograd cannot follow); run it under "
+                "torch.no_grad() or torch.inference_mode(), or pass x.detach()")
+        return None
 
     def destroy(self) -> None:
         """Release the symmetric buffers (also released at exit)."""
-        if self._dispatcher is not None:
-            self._dispatcher.destroy()
-            self._dispatcher = None
-        self._drop_mega_engine()
+        if self._routed_step is not None:
+            self._routed_step.destroy()
+            self._routed_step = None
 
     def extra_repr(self) -> str:
+        o = self.options
         return (f"{self.cfg.name}: E={self.cfg.num_experts} (local {self.num_local_experts} on rank "
                 f"{self.rank}/{self.world_size}), K={self.cfg.num_topk}, D={self.cfg.hidden_size}, "
-                f"cap={self.num_max_tokens_per_rank}, overflow={self.overflow}, transport={self.transport}, "
-                f"experts={self.experts_backend}{' (fp8)' if self.fp8_experts else ''}, "
-                f"dispatch={'fp8' if self.dispatch_fp8 else 'activation dtype'}, alignment={self.alignment}, mega={self.mega}")
+                f"cap={o.num_max_tokens_per_rank}, overflow={o.overflow}, transport={o.transport}, "
+                f"experts={o.experts_backend}{' (fp8)' if self.fp8_experts else ''}, "
+                f"dispatch={'fp8' if o.dispatch_fp8 else 'activation dtype'}, alignment={o.alignment}, "
+                f"mega={o.mega}{' (in use)' if self.uses_mega else ''}")

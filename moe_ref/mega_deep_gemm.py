@@ -1,7 +1,8 @@
 """DeepGEMM's SM90 mega-MoE as moe_ref's routed step on 2+ GPUs (optional; sgl-deep-gemm 0.1.4).
 
     x_TD [T, D], topk_ids_TK [T, K] (-1 = masked), topk_weights_TK [T, K]
-      --moe_ref overflow policy (capacity.group_max + capacity.num_chunks_for, same answer on every rank):
+      --moe_ref's routed step (MonolithicRoutedStep: input check + overflow policy, one collective, same
+        answer on every rank):
         'error' -> CapacityExceededError (CAP001) on every rank, before any kernel
         'chunk' -> n = ceil(max_r T_r / cap) chunks; every rank launches all n, empty ones included-->
       per chunk:
@@ -41,11 +42,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_ref.capacity import CapacityPlan, group_max, num_chunks_for, resolve_cap, resolve_overflow
+from moe_ref import ops
 from moe_ref.config import MoEConfig
 from moe_ref.deep_gemm_backend import _call, _import_deep_gemm, deep_gemm_status
-from moe_ref.errors import (BackendUnavailableError, CapacityMismatchError, DeviceError,
-                            DTypeError, ExpertIdError, ShapeError, ShapeUnsupportedError)
+from moe_ref.distributed import group_max
+from moe_ref.errors import (BackendUnavailableError, CapacityMismatchError, DeviceError, ShapeError,
+                            ShapeUnsupportedError)
+from moe_ref.options import EPOptions
 
 __all__ = ["supports", "DeepGemmMegaMoE", "MAX_INTERMEDIATE_SIZE", "MAX_TOPK"]
 
@@ -94,7 +97,8 @@ def supports(cfg: MoEConfig, ep_size: int, *, check_runtime: bool = False) -> tu
 
 
 class DeepGemmMegaMoE:
-    """The routed step of one MoE block on DeepGEMM's SM90 fused mega-kernel, with moe_ref's overflow policy.
+    """The fused engine of one MoE block on DeepGEMM's SM90 mega-kernel (``launch``: one chunk; the routed step
+    around it, with moe_ref's checks and overflow policy, is ``make_mega_step``).
 
     Construction is collective (every rank of ``group`` must build it with the same cap): it checks the
     cap on every rank, quantizes this rank's experts to fp8 (128x128 block scales) once, interleaves
@@ -104,8 +108,7 @@ class DeepGemmMegaMoE:
     Args:
         cfg: the MoE block; must pass ``supports(cfg, R)``.
         group: the EP process group (NCCL, one GPU per rank, ``torch.cuda.set_device`` done), R >= 2.
-        num_max_tokens_per_rank: C, the most rows one rank feeds per call (None: ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``).
-        overflow: ``"error"`` or ``"chunk"`` (None: ``MOE_REF_OVERFLOW_POLICY``, else ``"error"``).
+        num_max_tokens_per_rank: C, the most rows one rank feeds per call (``EPOptions``, resolved).
         gate_up_weight_e2FD: ``[e, 2F, D]`` CUDA bf16 (or fp16/fp32), gate rows then up rows of this rank's experts
             (global experts ``rank * e ... rank * e + e - 1``).
         down_weight_eDF: ``[e, D, F]`` CUDA.
@@ -119,8 +122,8 @@ class DeepGemmMegaMoE:
         DistributedError, DeviceError, ShapeError: no process group, weights not on CUDA, wrong shapes.
     """
 
-    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None, num_max_tokens_per_rank: int | None,
-                 overflow: str | None, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, *,
+    def __init__(self, cfg: MoEConfig, group: dist.ProcessGroup | None, num_max_tokens_per_rank: int,
+                 gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, *,
                  activation_clamp: float | None = None, fast_math: bool = True):
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
@@ -138,17 +141,13 @@ class DeepGemmMegaMoE:
         self._deep_gemm = deep_gemm
         self.cfg, self.group, self.ep_size = cfg, group, ep_size
         self.rank = dist.get_rank(group)
-        self.num_max_tokens_per_rank = resolve_cap(num_max_tokens_per_rank)
-        self.overflow = resolve_overflow(overflow)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.activation_clamp, self.fast_math = activation_clamp, fast_math
         self.num_local_experts = cfg.num_experts // ep_size
         self.hidden_size, self.intermediate_size = cfg.expert_hidden_size, cfg.intermediate_size
         self._check_weights(gate_up_weight_e2FD, down_weight_eDF)
         self.device = gate_up_weight_e2FD.device
         self._check_cap_agreement()
-        # moe_ref's plan for this cap: only used by the overflow decision and to price a larger cap in
-        # CAP001 messages (DeepGEMM's own buffer has another layout; see buffer_bytes for its real size).
-        self.plan = CapacityPlan.build(cfg, ep_size, self.num_max_tokens_per_rank, torch.bfloat16, dispatch_fp8=True)
 
         from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
 
@@ -176,41 +175,6 @@ class DeepGemmMegaMoE:
         """Bytes of DeepGEMM's symmetric buffer on this rank."""
         return self.buffer.buffer.numel() * self.buffer.buffer.element_size()
 
-    def run(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        """The routed step: ``y[t] = sum_j w[t, j] * Expert_{ids[t, j]}(x[t])`` over the whole EP group.
-
-        Collective: every rank of the group must call it (with T = 0 if it has no tokens).
-
-        Args:
-            x_TD: ``[T, D]`` CUDA bf16/fp16/fp32, this rank's tokens (T may be 0).
-            topk_ids_TK: ``[T, K]`` int64 (int32 accepted), global expert ids, -1 = masked slot.
-            topk_weights_TK: ``[T, K]`` fp32 routing weights (``routed_scaling_factor`` already folded in).
-
-        Returns:
-            y_TD: ``[T, D]`` bf16. NOTE: syncs the host once (the group max of T, plus an input check).
-
-        Raises:
-            CapacityExceededError (CAP001): policy ``error`` and some rank has more than C rows; raised on
-                every rank (decided from the group max).
-            ShapeError, DTypeError, DeviceError, ExpertIdError: bad inputs on this rank; the other ranks raise
-                ShapeError too (the check is collective, so nobody hangs).
-        """
-        local_error = self._input_error(x_TD, topk_ids_TK, topk_weights_TK)
-        num_tokens = x_TD.shape[0] if x_TD.dim() == 2 else 0
-        group_max_tokens, any_error = group_max([num_tokens, int(local_error is not None)], self.group, self.device)
-        if any_error:
-            raise local_error or ShapeError(f"rank {self.rank}: another rank of the EP group passed invalid inputs "
-                                            "to DeepGemmMegaMoE.run (see its error); every rank stops so none hangs")
-        num_chunks = num_chunks_for(num_tokens, group_max_tokens, self.plan, self.overflow, rank=self.rank)
-        if num_chunks == 0:  # no rank has rows: nobody launches
-            return torch.empty(0, self.hidden_size, dtype=torch.bfloat16, device=self.device)
-        topk_ids_TK = topk_ids_TK.to(torch.int64)
-        topk_weights_TK = topk_weights_TK.to(torch.float32)
-        cap = self.num_max_tokens_per_rank
-        outputs = [self._launch(x_TD[c * cap:(c + 1) * cap], topk_ids_TK[c * cap:(c + 1) * cap],
-                                topk_weights_TK[c * cap:(c + 1) * cap]) for c in range(num_chunks)]
-        return outputs[0] if num_chunks == 1 else torch.cat(outputs)
-
     def destroy(self) -> None:
         """Release the symmetric buffer (collective use ends here; call on every rank)."""
         if getattr(self, "buffer", None) is not None:
@@ -218,17 +182,23 @@ class DeepGemmMegaMoE:
             self.buffer = None
 
     # --- internals -------------------------------------------------------------------------------------
-    def _launch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        """One kernel launch over at most C rows (possibly 0)."""
-        from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
+    def launch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        """One collective kernel launch over at most C rows (T may be 0; every rank launches).
 
+        Args:
+            x_TD: ``[T, D]`` CUDA bf16/fp16/fp32, T <= C (the routed step checks and chunks).
+            topk_ids_TK: ``[T, K]`` int64 global expert ids, -1 = masked slot.
+            topk_weights_TK: ``[T, K]`` fp32 (``routed_scaling_factor`` folded in).
+
+        Returns:
+            ``y_TD`` ``[T, D]`` bf16.
+        """
         if self.buffer is None:
-            raise BackendUnavailableError("DeepGemmMegaMoE.run after destroy()")
+            raise BackendUnavailableError("DeepGemmMegaMoE.launch after destroy()")
         num_tokens = x_TD.shape[0]
         buf = self.buffer
         self.num_rows_per_expert_E.zero_()
-        kernel = pre_dispatch if x_TD.is_cuda else pre_dispatch_ref  # the torch twin serves CPU unit tests
-        kernel(x_TD.contiguous(), topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), buf.x, buf.x_sf,
+        ops.pre_dispatch(x_TD.contiguous(), topk_ids_TK.contiguous(), topk_weights_TK.contiguous(), buf.x, buf.x_sf,
                buf.topk_idx, buf.topk_weights, self.num_rows_per_expert_E)
         if num_tokens == 0:
             buf.topk_idx[:1].fill_(-1)  # the 1-row dummy launch below must route nothing
@@ -257,24 +227,15 @@ class DeepGemmMegaMoE:
                 f"{-neg_smallest} to {largest}; pass the same cap on every rank", cap=cap, smallest=-neg_smallest,
                 largest=largest)
 
-    def _input_error(self, x_TD, topk_ids_TK, topk_weights_TK) -> Exception | None:
-        """The first problem with this rank's inputs, or None (checks ids range on device: one host sync)."""
-        D, K, E = self.hidden_size, self.cfg.num_topk, self.cfg.num_experts
-        if x_TD.dim() != 2 or x_TD.shape[1] != D:
-            return ShapeError(f"x_TD must be [T, {D}], got {tuple(x_TD.shape)}")
-        num_tokens = x_TD.shape[0]
-        for name, tensor in (("x_TD", x_TD), ("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK)):
-            if tensor.device != self.device:
-                return DeviceError(f"{name} is on {tensor.device}, the layer on {self.device}")
-        if x_TD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return DTypeError(f"x_TD dtype {x_TD.dtype}; expected bf16/fp16/fp32")
-        if tuple(topk_ids_TK.shape) != (num_tokens, K) or tuple(topk_weights_TK.shape) != (num_tokens, K):
-            return ShapeError(f"topk_ids_TK and topk_weights_TK must be [{num_tokens}, {K}], got "
-                              f"{tuple(topk_ids_TK.shape)} and {tuple(topk_weights_TK.shape)}")
-        if topk_ids_TK.dtype not in (torch.int64, torch.int32) or not topk_weights_TK.dtype.is_floating_point:
-            return DTypeError(f"topk_ids_TK must be int64/int32 and topk_weights_TK floating, got {topk_ids_TK.dtype} "
-                              f"and {topk_weights_TK.dtype}")
-        if num_tokens and bool(((topk_ids_TK < -1) | (topk_ids_TK >= E)).any()):
-            bad = topk_ids_TK[(topk_ids_TK < -1) | (topk_ids_TK >= E)]
-            return ExpertIdError(f"topk_ids_TK holds ids outside [-1, {E}): e.g. {bad[:4].tolist()}")
-        return None
+
+def make_mega_step(cfg: MoEConfig, group, options: EPOptions, gate_up_weight_e2FD: torch.Tensor,
+                   down_weight_eDF: torch.Tensor):
+    """The monolithic routed step on DeepGEMM's mega-MoE, under ``options``' cap and overflow policy
+    (collective). Bf16 out of the fused kernel, cast to ``options.dtype``."""
+    from moe_ref.routed_step import MonolithicRoutedStep, overflow_policy
+
+    engine = DeepGemmMegaMoE(cfg, group, options.num_max_tokens_per_rank, gate_up_weight_e2FD, down_weight_eDF)
+    # moe_ref's FP8 plan prices a larger cap in CAP001 messages (DeepGEMM's own buffer has another layout;
+    # ``engine.buffer_bytes`` is its real size).
+    policy = overflow_policy(cfg, engine.ep_size, options.replace(dispatch_fp8=True))
+    return MonolithicRoutedStep(cfg, engine.group, policy, options.dtype, engine.device, engine)

@@ -1,4 +1,5 @@
-"""Router: logits -> top-k expert ids and weights (the torch reference; the Triton kernel is its fast twin).
+"""Router semantics: logits -> top-k expert ids and weights, in torch (the reference; ``kernels.router_topk``
+is its fused Triton twin, ``ops.select_experts`` picks one, ``block.route`` runs the gate GEMM + top-k).
 
     logits [T, E] fp32 --score--> scores [T, E] --(+bias, groups)--> selection [T, E]
         --top-k--> topk_ids [T, K] int64 --gather unbiased scores, renorm, scale--> topk_weights [T, K] fp32
@@ -23,8 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from moe_ref.config import MoEConfig
-from moe_ref.errors import DTypeError, NonFiniteError, ShapeError
+from moe_ref.errors import NonFiniteError
 
 
 class RouterOutput(NamedTuple):
@@ -85,31 +85,13 @@ def router_logits(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor) -> torch.Ten
     return torch.nn.functional.linear(x_TD.float(), gate_weight_ED.float())
 
 
-def route(
-    x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None,
-    *, check_finite: bool = True,
-) -> RouterOutput:
-    """Route hidden states with ``cfg``'s family semantics (gate GEMM + ``select_experts``).
+def non_finite_logits_error(logits_TE: torch.Tensor) -> NonFiniteError | None:
+    """``NonFiniteError`` (INP004, not raised) naming the tokens whose logits hold NaN/inf, or None.
 
-    Raises ``NonFiniteError`` (INP004) on NaN/inf logits when ``check_finite``. NOTE: that check syncs
-    the host with the device once per call.
+    NOTE: syncs the host with the device once.
     """
-    if x_TD.dim() != 2 or x_TD.shape[1] != gate_weight_ED.shape[1]:
-        raise ShapeError(f"hidden states {tuple(x_TD.shape)} do not match the gate weight "
-                         f"{tuple(gate_weight_ED.shape)}: expected [T, {gate_weight_ED.shape[1]}]")
-    if not x_TD.is_floating_point():
-        raise DTypeError(f"hidden states have dtype {x_TD.dtype}; expected a floating dtype")
-    logits_TE = router_logits(x_TD, gate_weight_ED)
-    if check_finite and logits_TE.numel() and not bool(torch.isfinite(logits_TE).all()):
-        bad = (~torch.isfinite(logits_TE)).any(dim=1).nonzero().flatten()
-        raise NonFiniteError(f"router logits are NaN/inf for {bad.numel()} of {logits_TE.shape[0]} tokens "
-                             f"(first token indices: {bad[:8].tolist()}); the hidden states or gate weight hold "
-                             f"non-finite values")
-    if logits_TE.is_cuda:  # the fused Triton twin of select_experts
-        from moe_ref.kernels.router_topk import router_topk as topk_fn
-    else:
-        topk_fn = select_experts
-    topk_ids_TK, topk_weights_TK = topk_fn(
-        logits_TE, cfg.num_topk, cfg.scoring, bias_E if cfg.use_selection_bias else None, cfg.num_groups,
-        cfg.num_topk_groups, cfg.renormalize, cfg.routed_scaling_factor)
-    return RouterOutput(topk_ids_TK, topk_weights_TK)
+    if logits_TE.numel() == 0 or bool(torch.isfinite(logits_TE).all()):
+        return None
+    bad = (~torch.isfinite(logits_TE)).any(dim=1).nonzero().flatten()
+    return NonFiniteError(f"router logits are NaN/inf for {bad.numel()} of {logits_TE.shape[0]} tokens (first token "
+                          f"indices: {bad[:8].tolist()}); the hidden states or gate weight hold non-finite values")

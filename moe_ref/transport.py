@@ -15,9 +15,9 @@ int64, and the entries a source sends to one destination are ordered by (local e
 dispatcher's ``select`` function builds them from a ``topk_ids`` tensor, so both sides of a ``symm`` pull
 compute them identically.
 
-``make_transport`` picks one: the argument, else ``MOE_REF_TRANSPORT``, else ``auto`` (local for one
+``make_transport`` builds the one ``EPOptions.transport`` names; ``auto`` is local for one
 process; symm when every rank can map every peer's memory: one host with /dev/shm on CPU, CUDA symmetric
-memory on GPU; a2a otherwise).
+memory on GPU; a2a otherwise.
 
 Shape legend: T tokens of this rank, K top-k, C cap, P receive-pool rows, Dx row width, N entries.
 """
@@ -32,12 +32,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from moe_ref import envs
-from moe_ref.buffer import SymmetricBuffer, comm_device, group_size_and_rank
+from moe_ref.buffer import SymmetricBuffer
 from moe_ref.capacity import CapacityPlan
+from moe_ref.distributed import comm_device, group_size_and_rank
 from moe_ref.errors import DistributedError, UnknownNameError
-
-TRANSPORTS = ("auto", "local", "symm", "a2a")
+from moe_ref.options import TRANSPORTS
 
 # (topk_ids_TK [T, K] int64 of a source rank, destination rank) -> entries [N, 3] int64
 SelectFn = Callable[[torch.Tensor, int], torch.Tensor]
@@ -193,20 +192,6 @@ class AllToAllTransport(Transport):
 
 # --- choosing a transport ------------------------------------------------------------------------------------
 
-def resolve_transport(name: str | None) -> str:
-    """The requested transport: the argument unless None/``auto``, else ``MOE_REF_TRANSPORT``, else ``auto``.
-
-    NOTE: an explicit ``auto`` still lets the operator's ``MOE_REF_TRANSPORT`` decide.
-    """
-    source = "argument transport"
-    if name in (None, "auto"):
-        env = envs.transport()
-        name, source = (env, "MOE_REF_TRANSPORT") if env is not None else ("auto", source)
-    if name not in TRANSPORTS:
-        raise UnknownNameError(f"{source}={name!r}; supported: {', '.join(TRANSPORTS)}")
-    return name
-
-
 def _same_host(group) -> bool:
     """Collective: do all ranks of ``group`` run on one host (same hostname)?"""
     world, _ = group_size_and_rank(group)
@@ -227,7 +212,7 @@ def make_transport(name: str | None, plan: CapacityPlan, group=None, device: tor
     """Allocate the buffer for ``plan`` and the transport that moves it (collective over ``group``).
 
     Args:
-        name: ``auto``, ``local``, ``symm``, ``a2a`` (or None: ``MOE_REF_TRANSPORT``, else ``auto``).
+        name: ``auto``, ``local``, ``symm`` or ``a2a`` (``EPOptions.transport``, already resolved).
         plan: the buffer plan (same on every rank; checked: CAP002).
         group: the EP process group, or None for one process.
         device: ``cpu`` (gloo, shm) or a CUDA device (NCCL, CUDA symmetric memory).
@@ -236,7 +221,8 @@ def make_transport(name: str | None, plan: CapacityPlan, group=None, device: tor
         A ``Transport`` owning its ``SymmetricBuffer``. ``symm`` raises ``DistributedError`` (ENV003) on every
         rank when peers cannot be mapped; ``auto`` then falls back to ``a2a`` on every rank.
     """
-    name = resolve_transport(name)
+    if name not in TRANSPORTS:
+        raise UnknownNameError(f"transport={name!r}; supported: {', '.join(TRANSPORTS)}")
     device = torch.device(device)
     world, _ = group_size_and_rank(group)
     if world == 1:

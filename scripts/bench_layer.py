@@ -11,12 +11,12 @@ Paths (each built per token count with cap = that count, so no path pays for an 
     a2a_grouped_mm   NCCL all_to_all_single of counts, rows and local expert ids -> sort by expert ->
                      torch grouped_mm (gate||up) -> SiLU-and-mul (fp32) -> grouped_mm (down) ->
                      all_to_all_single back -> fp32 weighted index_add at the source (bf16, one row per slot)
-    moe_ref_triton   moe_ref.dispatch.make_dispatcher (auto transport) + make_experts("triton"), bf16 end to end,
+    moe_ref_triton   moe_ref.routed_step.make_modular_step (auto transport) + make_experts("triton"), bf16 end to end,
                      pool planned with the backend's segment alignment (TritonExperts: 1, no padding rows)
     moe_ref_triton_fp8  the same with dispatch_fp8=True + make_experts("triton", fp8=True): tokens move as fp8
                      e4m3 + per-128 scales and the Triton FP8 grouped MLP takes that pool as is (MegaMoE's
                      dispatch_fp8=True on CUDA)
-    deep_gemm_mega   moe_ref.mega_deep_gemm.DeepGemmMegaMoE (DeepGEMM SM90 fused fp8 mega-kernel)
+    deep_gemm_mega   moe_ref.mega_deep_gemm.make_mega_step (DeepGEMM SM90 fused fp8 mega-kernel)
 A path that cannot be built or fails reports 'not available' with its error; the others still run.
 
 Timing: after warmup, per iteration a cross-rank barrier + synchronize, then CUDA events around one call;
@@ -133,20 +133,18 @@ def build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device):
 
 
 def build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, *, fp8: bool = False):
-    from moe_ref.dispatch import make_dispatcher
     from moe_ref.experts import make_experts
+    from moe_ref.options import EPOptions
+    from moe_ref.routed_step import make_modular_step
 
     experts = make_experts("triton", *local_weights, cfg.activation, fp8=fp8)
-    dispatcher = make_dispatcher(cfg, group, num_tokens, overflow="error", activation_dtype=torch.bfloat16,
-                                 device=device, dispatch_fp8=fp8, alignment=experts.segment_alignment)
-    print(f"[rank {dist.get_rank()}] moe_ref dispatcher: transport={dispatcher.transport_name}, fp8={fp8}, "
-          f"alignment={dispatcher.plan.alignment}, pool {dispatcher.plan.num_pool_rows} rows, "
-          f"buffer {dispatcher.plan.total_bytes} bytes", flush=True)
-
-    def step(x_TD, ids_TK, weights_TK):
-        return dispatcher.run(x_TD, ids_TK, weights_TK, experts)
-
-    return step, dispatcher.destroy
+    options = EPOptions.resolve(num_max_tokens_per_rank=num_tokens, overflow="error", dtype=torch.bfloat16,
+                                device=device, dispatch_fp8=fp8, experts_backend="triton")
+    step = make_modular_step(cfg, group, experts, options)
+    print(f"[rank {dist.get_rank()}] moe_ref routed step: transport={step.transport_name}, fp8={fp8}, "
+          f"alignment={step.plan.alignment}, pool {step.plan.num_pool_rows} rows, "
+          f"buffer {step.plan.total_bytes} bytes", flush=True)
+    return step, step.destroy
 
 
 def build_moe_ref_triton_fp8(args, cfg, group, num_tokens, local_weights, device):
@@ -154,11 +152,14 @@ def build_moe_ref_triton_fp8(args, cfg, group, num_tokens, local_weights, device
 
 
 def build_deep_gemm_mega(args, cfg, group, num_tokens, local_weights, device):
-    from moe_ref.mega_deep_gemm import DeepGemmMegaMoE
+    from moe_ref.mega_deep_gemm import make_mega_step
+    from moe_ref.options import EPOptions
 
-    mega = DeepGemmMegaMoE(cfg, group, num_tokens, "error", *local_weights)
-    print(f"[rank {dist.get_rank()}] DeepGEMM mega-MoE: symmetric buffer {mega.buffer_bytes} bytes", flush=True)
-    return mega.run, mega.destroy
+    options = EPOptions.resolve(num_max_tokens_per_rank=num_tokens, overflow="error", dtype=torch.bfloat16,
+                                device=device, experts_backend="deep_gemm")
+    mega = make_mega_step(cfg, group, options, *local_weights)
+    print(f"[rank {dist.get_rank()}] DeepGEMM mega-MoE: symmetric buffer {mega.engine.buffer_bytes} bytes", flush=True)
+    return mega, mega.destroy
 
 
 BUILDERS = {"a2a_grouped_mm": build_a2a_grouped_mm, "moe_ref_triton": build_moe_ref_triton,

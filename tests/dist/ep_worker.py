@@ -27,11 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ep_cases  # noqa: E402
 
 from moe_ref.config import preset  # noqa: E402
-from moe_ref.dispatch import make_dispatcher  # noqa: E402
 from moe_ref.errors import CapacityExceededError, CapacityMismatchError, ExpertIdError  # noqa: E402
 from moe_ref.experts import make_experts  # noqa: E402
 from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128  # noqa: E402
-from moe_ref.reference import moe_block, reference_moe, routed_experts_reference  # noqa: E402
+from moe_ref.block import moe_block  # noqa: E402
+from moe_ref.options import EPOptions  # noqa: E402
+from moe_ref.reference import reference_moe, routed_experts_reference  # noqa: E402
+from moe_ref.routed_step import make_modular_step  # noqa: E402
 from moe_ref.testing import TOLERANCES, calc_diff  # noqa: E402
 from moe_ref.weights import MoEWeights  # noqa: E402
 
@@ -44,6 +46,11 @@ def local_experts(weights: MoEWeights, cfg, rank: int, world_size: int, backend:
     mine = weights.expert_slice(rank * num_local, num_local)
     return make_experts(backend, mine.gate_up_weight_E2FD, mine.down_weight_EDF, cfg.activation, cfg.situ_beta,
                         cfg.situ_linear_beta, fp8=fp8)
+
+
+def make_step(cfg, group, experts, **options):
+    """The modular routed step (collective) with ``options`` resolved as MegaMoE would, on ``DEVICE``."""
+    return make_modular_step(cfg, group, experts, EPOptions.resolve(device=DEVICE, **options))
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,8 +86,8 @@ def run_routed(case: dict, group, rank: int, world: int) -> dict:
         x_TD = ep_cases.hidden_for(case, cfg, rank, num_tokens, dtype).to(DEVICE)
         expected = reference_moe(x_TD, weights, cfg)
 
-        def compute(dispatcher):
-            return moe_block(x_TD, weights, cfg, lambda x, ids, w: dispatcher.run(x, ids, w, experts))
+        def compute(step):
+            return moe_block(x_TD, weights, cfg, step)
     else:
         x_TD = ep_cases.expert_input_for(case, cfg, rank, num_tokens, dtype).to(DEVICE)
         x_ref = x_TD
@@ -89,18 +96,17 @@ def run_routed(case: dict, group, rank: int, world: int) -> dict:
         expected = routed_experts_reference(x_ref, ids_TK, w_TK, weights.gate_up_weight_E2FD, weights.down_weight_EDF,
                                             cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
 
-        def compute(dispatcher):
-            return dispatcher.run(x_TD, ids_TK, w_TK, experts)
+        def compute(step):
+            return step(x_TD, ids_TK, w_TK)
 
     checks, info, outputs = {}, {"num_tokens": num_tokens}, {}
     for transport in ep_cases.TRANSPORTS:
-        with make_dispatcher(cfg, group, cap, overflow=policy, transport=transport, activation_dtype=dtype,
-                             dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"],
-                             device=DEVICE) as dispatcher:
-            checks[f"{transport}: transport_name"] = dispatcher.transport_name == transport
-            first = compute(dispatcher)
-            second = compute(dispatcher)
-            counted = dispatcher.num_recv_tokens_per_expert.cpu()
+        with make_step(cfg, group, experts, num_max_tokens_per_rank=cap, overflow=policy, transport=transport,
+                       dtype=dtype, dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"]) as step:
+            checks[f"{transport}: transport_name"] = step.transport_name == transport
+            first = compute(step)
+            second = compute(step)
+            counted = step.num_recv_tokens_per_expert.cpu()
         outputs[transport] = first
         info[f"{transport}: max_abs_diff_vs_reference"] = max_abs_diff(first, expected)
         if fp8_experts:  # fp8 weights: judged by calc_diff against the exact reference
@@ -120,10 +126,9 @@ def run_routed(case: dict, group, rank: int, world: int) -> dict:
     checks["symm and a2a bitwise equal"] = bitwise(outputs["symm"], outputs["a2a"])
     if scenario == "chunk":
         big_cap = max(ep_cases.num_tokens_for(scenario, r, world, cap) for r in range(world))
-        with make_dispatcher(cfg, group, big_cap, overflow="error", transport="symm", activation_dtype=dtype,
-                             dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"],
-                             device=DEVICE) as dispatcher:
-            unchunked = compute(dispatcher)
+        with make_step(cfg, group, experts, num_max_tokens_per_rank=big_cap, overflow="error", transport="symm",
+                       dtype=dtype, dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"]) as step:
+            unchunked = compute(step)
         checks["chunked == unchunked (big cap) bitwise"] = bitwise(outputs["symm"], unchunked)
     return {"checks": checks, "info": info}
 
@@ -151,9 +156,10 @@ def run_overflow_error(case: dict, group, rank: int, world: int) -> dict:
     w = torch.rand(num_tokens, cfg.num_topk, generator=gen)
     x, ids, w = x.to(DEVICE), ids.to(DEVICE), w.to(DEVICE)
     checks, info = {}, {}
-    with make_dispatcher(cfg, group, cap, overflow="error", transport=case["transport"], device=DEVICE) as dispatcher:
-        err, elapsed = _expect_error(lambda: dispatcher.run(x, ids, w, experts), CapacityExceededError)
-        needed_bytes = dispatcher.plan.with_cap(over).total_bytes
+    with make_step(cfg, group, experts, num_max_tokens_per_rank=cap, overflow="error",
+                   transport=case["transport"]) as step:
+        err, elapsed = _expect_error(lambda: step(x, ids, w), CapacityExceededError)
+        needed_bytes = step.plan.with_cap(over).total_bytes
         message = str(err)
         info.update(seconds_to_raise=elapsed, message=message)
         checks["CAP001 raised on this rank"] = err is not None and "[CAP001]" in message
@@ -162,11 +168,11 @@ def run_overflow_error(case: dict, group, rank: int, world: int) -> dict:
                        f"num_max_tokens_per_rank={cap}", f"num_max_tokens_per_rank={over}",
                        f"MOE_REF_NUM_MAX_TOKENS_PER_RANK={over}", str(needed_bytes), "overflow='chunk'"):
             checks[f"message names {needle!r}"] = needle in message
-        # a known bound over the cap takes the same branch without the all_reduce
-        err2, _ = _expect_error(lambda: dispatcher.run(x, ids, w, experts, max_num_tokens=over), CapacityExceededError)
-        checks["CAP001 with a known bound (no all_reduce)"] = err2 is not None
+        # a known bound over the cap takes the same branch (the bound is checked in the same collective)
+        err2, _ = _expect_error(lambda: step(x, ids, w, max_num_tokens=over), CapacityExceededError)
+        checks["CAP001 with a known bound"] = err2 is not None
         # nobody is left inside a collective: the group still works
-        ok = dispatcher.run(x[:cap], ids[:cap], w[:cap], experts)
+        ok = step(x[:cap], ids[:cap], w[:cap])
         checks["group usable afterwards"] = ok.shape == (cap, cfg.expert_hidden_size)
     return {"checks": checks, "info": info}
 
@@ -175,7 +181,7 @@ def run_cap_mismatch(case: dict, group, rank: int, world: int) -> dict:
     cfg = preset(case["preset"])
     caps = [case["cap"] + r for r in range(world)]
     err, elapsed = _expect_error(
-        lambda: make_dispatcher(cfg, group, caps[rank], transport=case["transport"], device=DEVICE),
+        lambda: make_step(cfg, group, None, num_max_tokens_per_rank=caps[rank], transport=case["transport"]),
         CapacityMismatchError)
     message = str(err)
     checks = {"CAP002 raised on this rank": err is not None and "[CAP002]" in message,
@@ -195,14 +201,14 @@ def run_bad_ids(case: dict, group, rank: int, world: int) -> dict:
     if rank == world - 1:
         ids[2, 1] = cfg.num_experts  # out of range on one rank only
     w = torch.rand(4, cfg.num_topk, device=DEVICE)
-    with make_dispatcher(cfg, group, cap, transport=case["transport"], device=DEVICE) as dispatcher:
-        err, elapsed = _expect_error(lambda: dispatcher.run(x, ids, w, experts), ExpertIdError)
+    with make_step(cfg, group, experts, num_max_tokens_per_rank=cap, transport=case["transport"]) as step:
+        err, elapsed = _expect_error(lambda: step(x, ids, w), ExpertIdError)
         message = str(err)
         checks = {"INP005 raised on this rank": err is not None and "[INP005]" in message,
                   "raised within 10 s": elapsed < 10}
         if rank == world - 1:
             checks["message names the bad id"] = f"[-1, {cfg.num_experts})" in message and str(cfg.num_experts) in message
-        dispatcher.run(x, torch.tensor([[0, 1, 2]] * 4, device=DEVICE), w, experts)  # the group still works
+        step(x, torch.tensor([[0, 1, 2]] * 4, device=DEVICE), w)  # the group still works
     return {"checks": checks, "info": {"message": message}}
 
 
@@ -212,21 +218,21 @@ def run_env(case: dict, group, rank: int, world: int) -> dict:
     experts = local_experts(weights, cfg, rank, world)
     os.environ.update(MOE_REF_NUM_MAX_TOKENS_PER_RANK=str(cap), MOE_REF_OVERFLOW_POLICY="chunk", MOE_REF_TRANSPORT="a2a")
     try:
-        with make_dispatcher(cfg, group, None, device=DEVICE) as dispatcher:
+        with make_step(cfg, group, experts) as step:
             num_tokens = 2 * cap + 1
             x = torch.randn(num_tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(rank)).to(DEVICE)
             with warnings.catch_warnings(record=True):
                 warnings.simplefilter("always")
-                y = moe_block(x, weights, cfg, lambda a, i, w: dispatcher.run(a, i, w, experts))
-            checks = {"cap from env": dispatcher.plan.num_max_tokens_per_rank == cap,
-                      "policy from env": dispatcher.overflow == "chunk",
-                      "transport from env": dispatcher.transport_name == "a2a",
+                y = moe_block(x, weights, cfg, step)
+            checks = {"cap from env": step.plan.num_max_tokens_per_rank == cap,
+                      "policy from env": step.policy.mode == "chunk",
+                      "transport from env": step.transport_name == "a2a",
                       "3 chunks match the reference": close(y, reference_moe(x, weights, cfg), torch.float32)}
     finally:
         for name in ("MOE_REF_NUM_MAX_TOKENS_PER_RANK", "MOE_REF_OVERFLOW_POLICY", "MOE_REF_TRANSPORT"):
             os.environ.pop(name, None)
-    with make_dispatcher(cfg, group, cap, device=DEVICE) as dispatcher:
-        checks["auto picks symm on one host"] = dispatcher.transport_name == "symm"
+    with make_step(cfg, group, experts, num_max_tokens_per_rank=cap) as step:
+        checks["auto picks symm on one host"] = step.transport_name == "symm"
     return {"checks": checks, "info": {}}
 
 
@@ -249,17 +255,17 @@ def run_fault(fault: str, rank: int, world: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
             return problem
         buffer_module.SymmetricBuffer._create_file = create_then_die
-    dispatcher = make_dispatcher(cfg, dist.group.WORLD, 8, transport="symm")
     experts = local_experts(MoEWeights.random(cfg, seed=1), cfg, rank, world)
+    step = make_step(cfg, dist.group.WORLD, experts, num_max_tokens_per_rank=8, transport="symm")
     x = torch.randn(8, cfg.hidden_size)
     weights = MoEWeights.random(cfg, seed=1)
-    moe_block(x, weights, cfg, lambda a, i, w: dispatcher.run(a, i, w, experts))
+    moe_block(x, weights, cfg, step)
     if fault == "raise" and rank == 0:
         raise RuntimeError("injected failure on rank 0 while holding a symmetric buffer")
     if fault == "kill-after-setup" and rank == world - 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    moe_block(x, weights, cfg, lambda a, i, w: dispatcher.run(a, i, w, experts))  # peers wait here for the dead
-    dispatcher.destroy()
+    moe_block(x, weights, cfg, step)  # peers wait here for the dead
+    step.destroy()
 
 
 def main() -> int:

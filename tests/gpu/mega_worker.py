@@ -1,4 +1,4 @@
-"""2-GPU check of ``moe_ref.mega_deep_gemm.DeepGemmMegaMoE`` (DeepGEMM SM90 mega-MoE + moe_ref's overflow policy).
+"""2-GPU check of ``moe_ref.mega_deep_gemm.make_mega_step`` (DeepGEMM SM90 mega-MoE + moe_ref's overflow policy).
 
     torchrun --standalone --nproc-per-node 2 tests/gpu/mega_worker.py [--json results/mega_worker.json]
 
@@ -94,10 +94,10 @@ def run_case(case_idx, case, layers, all_weights, rank, world, group, device) ->
     x, ids, weights = make_inputs(case_idx, rank, num_tokens, routing, device)
     result = dict(case=name, rank=rank, T=num_tokens, policy=policy, ok=True, notes=[])
     layer = layers[policy]
-    stats_before = layer.num_recv_tokens_per_expert_e.clone()
+    stats_before = layer.num_recv_tokens_per_expert.clone()
     start = time.perf_counter()
     try:
-        y = layer.run(x, ids, weights)
+        y = layer(x, ids, weights)
         torch.cuda.synchronize()
     except CapacityExceededError as err:
         result["seconds"] = round(time.perf_counter() - start, 3)
@@ -126,14 +126,14 @@ def run_case(case_idx, case, layers, all_weights, rank, world, group, device) ->
         result["ok"] = False
         result["notes"].append("token 0 has every slot masked but its output row is not zero")
     if policy == "chunk":
-        y_big = layers["big"].run(x, ids, weights)
+        y_big = layers["big"](x, ids, weights)
         chunk_diff = calc_diff(y, y_big) if num_tokens else 0.0
         result["calc_diff_vs_big_cap"] = chunk_diff
         result["bitwise_equal_to_big_cap"] = bool(torch.equal(y, y_big))
         if not chunk_diff < LIMIT_CHUNK_VS_BIG:
             result["ok"] = False
             result["notes"].append(f"chunked vs big-cap calc_diff {chunk_diff:.3e} >= {LIMIT_CHUNK_VS_BIG:.0e}")
-    received = layer.num_recv_tokens_per_expert_e - stats_before
+    received = layer.num_recv_tokens_per_expert - stats_before
     expected = expected_recv_counts(ids, rank, group)
     if name != "all_empty" and not torch.equal(received.cpu(), expected.cpu()):
         result["ok"] = False
@@ -152,7 +152,8 @@ def main() -> int:
     device = torch.device("cuda", local_rank)
 
     from moe_ref.deep_gemm_backend import deep_gemm_status
-    from moe_ref.mega_deep_gemm import DeepGemmMegaMoE
+    from moe_ref.mega_deep_gemm import make_mega_step
+    from moe_ref.options import EPOptions
 
     status = deep_gemm_status()
     print(f"[rank {rank}] deep_gemm_status: {status}", flush=True)
@@ -169,11 +170,14 @@ def main() -> int:
     local = (gate_up_all[rank * num_local:(rank + 1) * num_local], down_all[rank * num_local:(rank + 1) * num_local])
 
     start = time.perf_counter()
-    layers = {"error": DeepGemmMegaMoE(cfg, group, CAP, "error", *local),
-              "chunk": DeepGemmMegaMoE(cfg, group, CAP, "chunk", *local),
-              "big": DeepGemmMegaMoE(cfg, group, BIG_CAP, "error", *local)}
-    print(f"[rank {rank}] built 3 DeepGemmMegaMoE (caps {CAP}, {CAP}, {BIG_CAP}) in {time.perf_counter() - start:.1f} s; "
-          f"symmetric buffer {layers['error'].buffer_bytes} bytes at cap {CAP}", flush=True)
+    def mega_step(cap: int, overflow: str):
+        options = EPOptions.resolve(num_max_tokens_per_rank=cap, overflow=overflow, dtype=torch.bfloat16, device=device,
+                                    experts_backend="deep_gemm")
+        return make_mega_step(cfg, group, options, *local)
+
+    layers = {"error": mega_step(CAP, "error"), "chunk": mega_step(CAP, "chunk"), "big": mega_step(BIG_CAP, "error")}
+    print(f"[rank {rank}] built 3 mega steps (caps {CAP}, {CAP}, {BIG_CAP}) in {time.perf_counter() - start:.1f} s; "
+          f"symmetric buffer {layers['error'].engine.buffer_bytes} bytes at cap {CAP}", flush=True)
 
     results = []
     for case_idx, case in enumerate(CASES):

@@ -40,7 +40,7 @@ def test_layer_matches_bf16_reference(weights, num_tokens, dispatch_fp8, monkeyp
                     device="cuda").load_weights(weights)
     experts = layer.experts
     assert isinstance(experts, TritonExperts) and experts.fp8 == dispatch_fp8 == experts.accepts_fp8_input
-    assert layer.dispatcher.plan.alignment == TritonExperts.segment_alignment == 1
+    assert layer.routed_step.plan.alignment == TritonExperts.segment_alignment == 1
     pool_rows = []
     forward = experts.forward
 

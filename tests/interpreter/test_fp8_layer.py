@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from moe_ref.config import MoEConfig
-from moe_ref.dispatch import make_dispatcher
 from moe_ref.experts import ExpertLayout, TritonExperts
 from moe_ref.kernels.fp8 import quantize_fp8_per_128
 from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
 from moe_ref.layer import MegaMoE
+from moe_ref.options import EPOptions
 from moe_ref.reference import reference_moe, routed_experts_reference
+from moe_ref.routed_step import make_modular_step
 from moe_ref.testing import CALC_DIFF_TOLERANCES, calc_diff
 from moe_ref.weights import MoEWeights
 
@@ -49,7 +50,7 @@ def test_layer_fp8_dispatch_and_fp8_triton_experts(dtype, device, monkeypatch):
     layer = MegaMoE(CFG, num_max_tokens_per_rank=32, experts_backend="triton", dispatch_fp8=True, dtype=dtype,
                     device=device, seed=3)
     assert layer.fp8_experts and layer.experts.accepts_fp8_input
-    assert layer.alignment == layer.dispatcher.plan.alignment == TritonExperts.segment_alignment == 1
+    assert layer.options.alignment == layer.routed_step.plan.alignment == TritonExperts.segment_alignment == 1
     x = torch.randn(30, CFG.hidden_size, generator=torch.Generator().manual_seed(4)).to(dtype=dtype, device=device)
     with torch.inference_mode():
         y = layer(x)
@@ -66,7 +67,7 @@ def test_layer_fp8_dispatch_and_fp8_triton_experts(dtype, device, monkeypatch):
 
 
 def test_dispatcher_fp8_pool_into_fp8_experts_with_empty_experts_masked_slots_and_chunks(device):
-    """Dispatcher + TritonExperts(fp8=True) directly: two hot experts (the other six empty), masked slots, and
+    """The modular routed step + TritonExperts(fp8=True) directly: two hot experts (the other six empty), masked slots, and
     a chunked run (cap 8 over 20 tokens) against an unchunked one."""
     weights = MoEWeights.random(CFG, seed=5, device=device)
     experts = TritonExperts(weights.gate_up_weight_E2FD, weights.down_weight_EDF, fp8=True)
@@ -77,11 +78,12 @@ def test_dispatcher_fp8_pool_into_fp8_experts_with_empty_experts_masked_slots_an
     w = torch.rand(20, 2, generator=gen).to(device)
     outputs = {}
     for cap, overflow in ((20, "error"), (8, "chunk")):
-        with make_dispatcher(CFG, None, cap, overflow=overflow, dispatch_fp8=True, alignment=1,
-                             device=device) as dispatcher:
+        options = EPOptions.resolve(num_max_tokens_per_rank=cap, overflow=overflow, dispatch_fp8=True, alignment=1,
+                                    device=device)
+        with make_modular_step(CFG, None, experts, options) as step:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the chunking warning (tests/unit/test_capacity.py checks it)
-                outputs[cap] = dispatcher.run(x, ids, w, experts)
+                warnings.simplefilter("ignore")  # the chunking warning (tests/unit/test_overflow.py checks it)
+                outputs[cap] = step(x, ids, w)
     ref = routed_experts_reference(x, ids, w, weights.gate_up_weight_E2FD, weights.down_weight_EDF, CFG.activation)
     case = dict(vs_exact=calc_diff(outputs[20], ref), chunked_vs_not=calc_diff(outputs[8], outputs[20]))
     assert case["vs_exact"] <= FP8_EXPERTS_LIMIT, case

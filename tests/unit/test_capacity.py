@@ -1,5 +1,5 @@
-"""CapacityPlan, SymmetricBuffer allocation, cap/policy resolution, the overflow decision, and the
-one-process dispatcher (the EP=1 base case) under both overflow policies."""
+"""CapacityPlan, SymmetricBuffer allocation and shared-memory leftovers (options: test_options.py; the
+overflow policy: test_overflow.py; the one-process routed step: test_routed_step.py)."""
 from __future__ import annotations
 
 import math
@@ -11,22 +11,16 @@ import warnings
 import pytest
 import torch
 
-from moe_ref import capacity
 from moe_ref.buffer import SymmetricBuffer, sweep_stale_shm_files
 from moe_ref.capacity import (
     REGION_ALIGN_BYTES,
     CapacityPlan,
-    ChunkingWarning,
     max_tokens_for_budget,
-    num_chunks_for,
     num_recv_pool_rows,
     plan_for_topology,
     plan_report,
-    resolve_cap,
-    resolve_overflow,
 )
 from moe_ref.config import ParallelConfig, preset
-from moe_ref.dispatch import make_dispatcher, place_entries, pre_dispatch_layout, select_entries
 from moe_ref.errors import (
     CapacityExceededError,
     DTypeError,
@@ -36,9 +30,6 @@ from moe_ref.errors import (
     MemoryBudgetError,
     UnknownNameError,
 )
-from moe_ref.experts import make_experts
-from moe_ref.reference import moe_block, reference_moe, routed_experts_reference
-from moe_ref.testing import assert_bitwise_equal, assert_close
 from moe_ref.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
@@ -190,212 +181,6 @@ def test_budget_too_small_is_a_coded_error_with_numbers():
     with pytest.raises(MemoryBudgetError, match=rf"\[CAP004\].*needs {smallest} bytes.*budget of 1000 bytes"):
         max_tokens_for_budget(cfg, 8, 1000)
     assert "[CAP004]" in plan_report(cfg, ParallelConfig(ep_size=8), 16, budget_bytes=1000)
-
-
-# --- cap and policy resolution ----------------------------------------------------------------------------------
-
-def test_resolve_cap_argument_then_env_then_error(monkeypatch):
-    monkeypatch.setenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK", "512")
-    assert resolve_cap(64) == 64
-    assert resolve_cap(None) == 512
-    monkeypatch.setenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK", "0")
-    with pytest.raises(InvalidConfigError, match=r"num_max_tokens_per_rank=0 \(from the MOE_REF_NUM_MAX_TOKENS_PER_RANK\)"):
-        resolve_cap(None)
-    monkeypatch.setenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK", "lots")
-    with pytest.raises(InvalidConfigError, match="'lots' is not an integer"):
-        resolve_cap(None)
-    monkeypatch.delenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK")
-    with pytest.raises(InvalidConfigError, match=r"\[CFG007\].*num_max_tokens_per_rank=N.*MOE_REF_NUM_MAX_TOKENS_PER_RANK=N"):
-        resolve_cap(None)
-    with pytest.raises(InvalidConfigError, match="must be a positive integer"):
-        resolve_cap(-5)
-
-
-def test_resolve_overflow_argument_then_env_then_error(monkeypatch):
-    assert resolve_overflow(None) == "error"
-    monkeypatch.setenv("MOE_REF_OVERFLOW_POLICY", "chunk")
-    assert resolve_overflow(None) == "chunk"
-    assert resolve_overflow("error") == "error"
-    with pytest.raises(UnknownNameError, match=r"argument overflow='drop'; supported: error, chunk"):
-        resolve_overflow("drop")
-    monkeypatch.setenv("MOE_REF_OVERFLOW_POLICY", "drop")
-    with pytest.raises(UnknownNameError, match=r"MOE_REF_OVERFLOW_POLICY='drop'"):
-        resolve_overflow(None)
-
-
-# --- the overflow decision ----------------------------------------------------------------------------------------
-
-def test_error_policy_names_rows_cap_fix_and_cost():
-    plan = CapacityPlan.build(preset("tiny-kimi-k2"), 2, 16, torch.bfloat16)
-    needed_bytes = plan.with_cap(21).total_bytes
-    with pytest.raises(CapacityExceededError) as info:
-        num_chunks_for(12, 21, plan, "error", rank=1)
-    message = str(info.value)
-    for needle in ("[CAP001]", "rank 1 has num_tokens=12", "max over the EP group is 21 (another rank",
-                   "num_max_tokens_per_rank=16", "num_max_tokens_per_rank=21", "MOE_REF_NUM_MAX_TOKENS_PER_RANK=21",
-                   str(needed_bytes), str(plan.total_bytes), "overflow='chunk'", "2 chunks"):
-        assert needle in message, (needle, message)
-    assert info.value.details["needed_bytes"] == needed_bytes
-    assert isinstance(info.value, RuntimeError)
-
-
-def test_chunk_counts_and_boundaries(monkeypatch):
-    monkeypatch.setattr(capacity, "_ANNOUNCED", set())
-    plan = CapacityPlan.build(preset("tiny-step3"), 2, 16)
-    assert num_chunks_for(0, 0, plan, "error") == 0  # nobody has rows: no chunk at all, on every rank
-    assert num_chunks_for(16, 16, plan, "error") == 1  # exactly the cap fits
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert num_chunks_for(3, 17, plan, "chunk") == 2  # cap + 1 -> 2 chunks, on every rank
-        assert num_chunks_for(0, 48, plan, "chunk") == 3  # a rank with no rows still runs every chunk
-        assert num_chunks_for(49, 49, plan, "chunk") == 4
-    chunk_warnings = [w for w in caught if issubclass(w.category, ChunkingWarning)]
-    assert len(chunk_warnings) == 1, "chunking is announced once per process"
-    assert "17 rows per rank, above num_max_tokens_per_rank=16" in str(chunk_warnings[0].message)
-
-
-# --- the one-process dispatcher (EP=1 base case) ------------------------------------------------------------------
-
-def _experts(cfg, weights):
-    return make_experts("torch", weights.gate_up_weight_E2FD, weights.down_weight_EDF, cfg.activation,
-                        cfg.situ_beta, cfg.situ_linear_beta)
-
-
-@pytest.mark.parametrize("name", TINY)
-def test_local_dispatcher_chunked_equals_unchunked_bitwise_and_matches_reference(name):
-    cfg = preset(name)
-    weights = MoEWeights.random(cfg, seed=1)
-    x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
-    experts = _experts(cfg, weights)
-    outputs = {}
-    for cap in (64, 16, 1):
-        with make_dispatcher(cfg, None, cap, overflow="chunk") as dispatcher:
-            assert dispatcher.transport_name == "local"
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ChunkingWarning)
-                outputs[cap] = moe_block(x, weights, cfg, lambda a, i, w: dispatcher.run(a, i, w, experts))
-    assert_close(outputs[64], reference_moe(x, weights, cfg), torch.float32, name=name)
-    assert_bitwise_equal(outputs[16], outputs[64], name=name, cap=16)
-    assert_bitwise_equal(outputs[1], outputs[64], name=name, cap=1)
-
-
-def test_local_dispatcher_edge_cases_and_counters():
-    cfg = preset("tiny-kimi-k2")
-    weights = MoEWeights.random(cfg, seed=3)
-    experts = _experts(cfg, weights)
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(16, cfg.hidden_size, generator=gen)
-    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(16)])
-    ids[torch.rand(ids.shape, generator=gen) < 0.4] = -1
-    ids[3] = -1
-    w = torch.rand(16, 4, generator=gen)
-
-    def reference(x_, ids_, w_):
-        return routed_experts_reference(x_, ids_, w_, weights.gate_up_weight_E2FD, weights.down_weight_EDF,
-                                        cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
-
-    with make_dispatcher(cfg, None, 16) as dispatcher:
-        y = dispatcher.run(x, ids, w, experts)  # T == cap, masked slots, a fully masked token
-        assert_close(y, reference(x, ids, w), torch.float32)
-        assert torch.equal(y[3], torch.zeros(cfg.hidden_size))
-        empty = dispatcher.run(x[:0], ids[:0], w[:0], experts)
-        assert empty.shape == (0, cfg.hidden_size)
-        expected_counts = torch.bincount(ids[ids >= 0], minlength=16)
-        assert torch.equal(dispatcher.num_recv_tokens_per_expert, expected_counts)  # masked slots never count
-        dispatcher.run(x, ids, w, experts)
-        assert torch.equal(dispatcher.num_recv_tokens_per_expert, 2 * expected_counts)  # accumulated over calls
-        with pytest.raises(CapacityExceededError, match=r"rank 0 has num_tokens=17.*num_max_tokens_per_rank=17"):
-            dispatcher.run(torch.cat([x, x[:1]]), torch.cat([ids, ids[:1]]), torch.cat([w, w[:1]]), experts)
-        bad = ids.clone()
-        bad[0, 0] = 16
-        with pytest.raises(ExpertIdError, match=r"\[INP005\].*outside \[-1, 16\)"):
-            dispatcher.run(x, bad, w, experts)
-        twice = torch.tensor([[1, 1, 2, 3]] * 16)
-        with pytest.raises(ExpertIdError, match="picks an expert twice"):
-            dispatcher.run(x, twice, w, experts)
-        with pytest.raises(DTypeError, match="planned for torch.float32"):
-            dispatcher.run(x.bfloat16(), ids, w, experts)
-
-
-def test_dispatch_handle_pool_layout_and_metadata():
-    cfg = preset("tiny-step3")  # E=8, K=3
-    weights = MoEWeights.random(cfg, seed=5)
-    x = torch.randn(3, cfg.hidden_size)
-    ids = torch.tensor([[5, 0, -1], [0, 7, 5], [-1, -1, 0]])
-    w = torch.rand(3, 3)
-    with make_dispatcher(cfg, None, 4, alignment=4) as dispatcher:
-        handle = dispatcher.dispatch(x, ids, w)
-        layout = handle.layout
-        assert layout.num_rows_e.tolist() == [3, 0, 0, 0, 0, 2, 0, 1]
-        assert layout.row_start_e.tolist() == [0, 4, 4, 4, 4, 4, 8, 8]  # expert-major, aligned to 4
-        whole = dispatcher.whole_segment_layout(handle)
-        assert whole.num_rows_e.tolist() == [4, 0, 0, 0, 0, 4, 0, 4]
-        # (source rank, token, slot) per pool row, ordered by token then slot inside each expert; -1 on padding
-        src = handle.recv_src_P3[:12].tolist()
-        assert src[:4] == [[0, 0, 1], [0, 1, 0], [0, 2, 2], [-1, -1, -1]]
-        assert src[4:8] == [[0, 0, 0], [0, 1, 2], [-1, -1, -1], [-1, -1, -1]]
-        assert src[8:9] == [[0, 1, 1]]
-        assert torch.equal(handle.recv_x_PD[[0, 1, 2]], x[[0, 1, 2]])
-        assert bool((handle.recv_x_PD[[3, 6, 7, 9]] == 0).all()), "padding rows are zeroed"
-        x_RD, x_scale_RDb = dispatcher.expert_input(handle)
-        assert x_RD.shape[0] == layout.num_pool_rows == 12 and x_scale_RDb is None  # the used prefix only
-        routed = dispatcher.combine(_experts(cfg, weights)(x_RD, whole), handle)
-    expected = routed_experts_reference(x, ids, w, weights.gate_up_weight_E2FD, weights.down_weight_EDF,
-                                        cfg.activation)
-    assert_close(routed, expected, torch.float32)
-
-
-def test_select_and_place_entries_order_by_source_token_slot():
-    ids = torch.tensor([[2, 0], [3, 2]])
-    entries = select_entries(ids, 2, 2)  # experts 2 and 3 -> local 0 and 1
-    assert entries.tolist() == [[0, 0, 0], [1, 1, 0], [1, 0, 1]]
-    from_rank1 = select_entries(torch.tensor([[3, 1]]), 2, 2)
-    layout, pos = place_entries((entries, from_rank1), 2, 4, 16)
-    assert layout.num_rows_e.tolist() == [2, 2] and layout.row_start_e.tolist() == [0, 4]
-    assert pos[0].tolist() == [0, 1, 4] and pos[1].tolist() == [5]  # rank 0's rows first in each segment
-
-
-def test_pre_dispatch_layout_counts_offsets_and_slots():
-    layout = pre_dispatch_layout(torch.tensor([[2, 0], [3, -1]]), 2, 2)  # the docstring's example
-    assert layout.num_rows_Re.tolist() == [[1, 0], [1, 1]] and layout.psum_rows_Re.tolist() == [[0, 1], [1, 2]]
-    assert layout.token_idx_N.tolist() == [0, 0, 1] and layout.slot_idx_N.tolist() == [1, 0, 0]
-    gen = torch.Generator().manual_seed(8)
-    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(23)])
-    ids[torch.rand(ids.shape, generator=gen) < 0.3] = -1
-    layout = pre_dispatch_layout(ids, 4, 4)
-    assert int(layout.num_rows_Re.sum()) == int((ids >= 0).sum())  # masked slots are skipped
-    per_dst = torch.cat([select_entries(ids, dst * 4, 4) for dst in range(4)])  # what the transports move
-    assert torch.equal(layout.token_idx_N, per_dst[:, 0]) and torch.equal(layout.slot_idx_N, per_dst[:, 1])
-
-
-def test_fp8_dispatch_dequantizes_before_the_experts():
-    from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
-
-    cfg = preset("tiny-kimi-k3")
-    weights = MoEWeights.random(cfg, seed=6)
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(10, cfg.expert_hidden_size, generator=gen)
-    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(10)])
-    w = torch.rand(10, 4, generator=gen)
-    with make_dispatcher(cfg, None, 10, dispatch_fp8=True) as dispatcher:
-        assert dispatcher.buffer.view("recv_x").dtype == torch.float8_e4m3fn
-        y = dispatcher.run(x, ids, w, _experts(cfg, weights))
-    x_seen = dequantize_fp8_per_128(*quantize_fp8_per_128(x), torch.float32)
-    expected = routed_experts_reference(x_seen, ids, w, weights.gate_up_weight_E2FD, weights.down_weight_EDF,
-                                        cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
-    assert_close(y, expected, torch.float32)
-
-
-def test_transport_name_from_argument_or_env(monkeypatch):
-    cfg = preset("tiny-step3")
-    monkeypatch.setenv("MOE_REF_TRANSPORT", "teleport")
-    with pytest.raises(UnknownNameError, match=r"MOE_REF_TRANSPORT='teleport'; supported: auto, local, symm, a2a"):
-        make_dispatcher(cfg, None, 4)
-    monkeypatch.setenv("MOE_REF_TRANSPORT", "local")
-    with make_dispatcher(cfg, None, 4) as dispatcher:
-        assert dispatcher.transport_name == "local"
-    with pytest.raises(UnknownNameError, match="argument transport='nvlink'"):
-        make_dispatcher(cfg, None, 4, transport="nvlink")
 
 
 # --- shared-memory leftovers -------------------------------------------------------------------------------------

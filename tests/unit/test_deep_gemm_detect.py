@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_ref import deep_gemm_backend, mega_deep_gemm
+from moe_ref import deep_gemm_backend, mega_deep_gemm, overflow
 from moe_ref.capacity import CapacityPlan
 from moe_ref.config import MoEConfig, preset
 from moe_ref.deep_gemm_backend import (DeepGemmExperts, DeepGemmStatus, deep_gemm_grouped_cases, deep_gemm_status,
@@ -22,6 +22,8 @@ from moe_ref.errors import (BackendUnavailableError, CapacityExceededError, Expe
 from moe_ref.activations import dense_mlp
 from moe_ref.experts import Experts, ExpertLayout, TorchLoopExperts, make_experts
 from moe_ref.mega_deep_gemm import DeepGemmMegaMoE, supports
+from moe_ref.overflow import OverflowPolicy
+from moe_ref.routed_step import MonolithicRoutedStep
 from moe_ref.testing import calc_diff
 
 pytestmark = pytest.mark.unit
@@ -372,7 +374,7 @@ def test_mega_construction_raises_env002_before_touching_anything(name, words):
     cfg = preset(name)
     gate_up, down = _weights(1, 128, 128)  # wrong shapes on purpose: the shape refusal comes first
     with pytest.raises(ShapeUnsupportedError) as info:
-        DeepGemmMegaMoE(cfg, None, 4096, "error", gate_up, down)
+        DeepGemmMegaMoE(cfg, None, 4096, gate_up, down)
     assert info.value.code == "ENV002" and words in str(info.value)
 
 
@@ -390,25 +392,33 @@ class _FakeMegaKernel:
         y.copy_((buffer.x[:rows].float() * buffer.x_sf[:rows].repeat_interleave(128, dim=1)).bfloat16())
 
 
-def _stub_mega(cap: int, overflow: str) -> DeepGemmMegaMoE:
-    """A DeepGemmMegaMoE whose buffer is plain CPU tensors (cap aligned up to 64 as DeepGEMM does) and whose
-    kernel is ``_FakeMegaKernel``: exercises run() (policy, chunking, pre-dispatch, dummy launches)."""
+def _stub_mega(cap: int, overflow: str) -> MonolithicRoutedStep:
+    """The monolithic routed step over a DeepGemmMegaMoE whose buffer is plain CPU tensors (cap aligned up to
+    64 as DeepGEMM does) and whose kernel is ``_FakeMegaKernel``: exercises the policy, chunking, pre-dispatch
+    and dummy launches around ``launch``."""
     cfg = MoEConfig(num_experts=4, num_topk=2, hidden_size=256, intermediate_size=128, name="stub")
     mega = DeepGemmMegaMoE.__new__(DeepGemmMegaMoE)
     rows = -(-cap // 64) * 64
     mega.cfg, mega.group, mega.ep_size, mega.rank = cfg, None, 2, 0
-    mega.num_max_tokens_per_rank, mega.overflow = cap, overflow
+    mega.num_max_tokens_per_rank = cap
     mega.activation_clamp, mega.fast_math = None, True
     mega.num_local_experts, mega.hidden_size, mega.intermediate_size = 2, 256, 128
     mega.device = torch.device("cpu")
-    mega.plan = CapacityPlan.build(cfg, 2, cap, torch.bfloat16, dispatch_fp8=True)
     mega._deep_gemm, mega._l1_weights, mega._l2_weights = _FakeMegaKernel(), None, None
     mega.buffer = SimpleNamespace(x=torch.zeros(rows, 256, dtype=torch.float8_e4m3fn), x_sf=torch.zeros(rows, 2),
                                   topk_idx=torch.full((rows, 2), 7, dtype=torch.int64),  # stale garbage
                                   topk_weights=torch.zeros(rows, 2), destroy=lambda: None)
     mega.num_rows_per_expert_E = torch.zeros(4, dtype=torch.int32)
     mega.num_recv_tokens_per_expert_e = torch.zeros(2, dtype=torch.int32)
-    return mega
+    policy = OverflowPolicy(cap, overflow, lambda c: CapacityPlan.build(cfg, 2, c, torch.bfloat16, True).total_bytes)
+    return MonolithicRoutedStep(cfg, None, policy, torch.bfloat16, torch.device("cpu"), mega)
+
+
+def _peer_reports(monkeypatch, num_tokens: int, problem: tuple[str, str] | None = None) -> None:
+    """Pretend a second rank reported ``num_tokens`` rows (and ``problem``) in the per-call collective."""
+    monkeypatch.setattr(overflow, "gather_ints", lambda values, group, device: [list(values), [values[0], num_tokens,
+                                                                                       values[2], int(bool(problem))]])
+    monkeypatch.setattr(overflow, "gather_objects", lambda obj, group: [obj, problem])
 
 
 def _tokens(num_tokens: int, seed: int = 0):
@@ -421,39 +431,39 @@ def _tokens(num_tokens: int, seed: int = 0):
 def test_mega_within_cap_is_one_launch_with_the_routing_in_the_buffer():
     mega = _stub_mega(8, "error")
     x, ids, weights = _tokens(5)
-    y = mega.run(x, ids, weights)
-    (launch,) = mega._deep_gemm.launches
+    y = mega(x, ids, weights)
+    (launch,) = mega.engine._deep_gemm.launches
     assert launch["rows"] == 5 and torch.equal(launch["topk_idx"], ids)
     assert launch["kwargs"]["recipe"] == (128, 128, 128) and launch["kwargs"]["activation"] == "swiglu"
-    assert launch["kwargs"]["cumulative_local_expert_recv_stats"] is mega.num_recv_tokens_per_expert_e
+    assert launch["kwargs"]["cumulative_local_expert_recv_stats"] is mega.engine.num_recv_tokens_per_expert_e
     assert y.shape == (5, 256) and y.dtype == torch.bfloat16 and calc_diff(y, x) < 1e-3
 
 
 def test_mega_error_policy_raises_cap001_before_any_launch():
     mega = _stub_mega(8, "error")
     with pytest.raises(CapacityExceededError) as info:
-        mega.run(*_tokens(9))
+        mega(*_tokens(9))
     assert info.value.code == "CAP001" and "num_tokens=9" in str(info.value) and "=8" in str(info.value)
-    assert mega._deep_gemm.launches == []
+    assert mega.engine._deep_gemm.launches == []
 
 
-@pytest.mark.filterwarnings("ignore::moe_ref.capacity.ChunkingWarning")
+@pytest.mark.filterwarnings("ignore::moe_ref.overflow.ChunkingWarning")
 def test_mega_chunk_policy_launches_every_chunk_and_concatenates():
     mega = _stub_mega(8, "chunk")
     x, ids, weights = _tokens(17)
-    y = mega.run(x, ids, weights)
-    assert [launch["rows"] for launch in mega._deep_gemm.launches] == [8, 8, 1]
-    assert torch.equal(mega._deep_gemm.launches[2]["topk_idx"], ids[16:])
+    y = mega(x, ids, weights)
+    assert [launch["rows"] for launch in mega.engine._deep_gemm.launches] == [8, 8, 1]
+    assert torch.equal(mega.engine._deep_gemm.launches[2]["topk_idx"], ids[16:])
     assert y.shape == (17, 256) and calc_diff(y, x) < 1e-3
 
 
-@pytest.mark.filterwarnings("ignore::moe_ref.capacity.ChunkingWarning")
+@pytest.mark.filterwarnings("ignore::moe_ref.overflow.ChunkingWarning")
 def test_mega_rank_with_fewer_rows_still_launches_every_chunk_with_masked_dummies(monkeypatch):
-    monkeypatch.setattr(mega_deep_gemm, "group_max", lambda values, group, device: [17, 0])  # a peer has 17 rows
+    _peer_reports(monkeypatch, 17)  # a peer has 17 rows
     mega = _stub_mega(8, "chunk")
     x, ids, weights = _tokens(3)
-    y = mega.run(x, ids, weights)
-    launches = mega._deep_gemm.launches
+    y = mega(x, ids, weights)
+    launches = mega.engine._deep_gemm.launches
     assert [launch["rows"] for launch in launches] == [3, 1, 1]
     for dummy in launches[1:]:  # 0 rows here: a 1-row launch whose only row routes nowhere
         assert bool((dummy["topk_idx"] == -1).all()), dummy["topk_idx"]
@@ -461,34 +471,34 @@ def test_mega_rank_with_fewer_rows_still_launches_every_chunk_with_masked_dummie
 
 
 def test_mega_error_policy_raises_on_the_small_rank_too(monkeypatch):
-    monkeypatch.setattr(mega_deep_gemm, "group_max", lambda values, group, device: [9, 0])
+    _peer_reports(monkeypatch, 9)
     mega = _stub_mega(8, "error")
     with pytest.raises(CapacityExceededError, match="max over the EP group is 9"):
-        mega.run(*_tokens(2))
-    assert mega._deep_gemm.launches == []
+        mega(*_tokens(2))
+    assert mega.engine._deep_gemm.launches == []
 
 
 def test_mega_no_rows_anywhere_launches_nothing():
     mega = _stub_mega(8, "error")
-    y = mega.run(*_tokens(0))
-    assert y.shape == (0, 256) and mega._deep_gemm.launches == []
+    y = mega(*_tokens(0))
+    assert y.shape == (0, 256) and mega.engine._deep_gemm.launches == []
 
 
 def test_mega_bad_ids_here_or_on_a_peer_stop_every_rank(monkeypatch):
     mega = _stub_mega(8, "error")
     x, ids, weights = _tokens(4)
     with pytest.raises(ExpertIdError):
-        mega.run(x, ids.masked_fill(ids == 3, 4), weights)
-    monkeypatch.setattr(mega_deep_gemm, "group_max", lambda values, group, device: [4, 1])
-    with pytest.raises(ShapeError, match="another rank"):
-        mega.run(x, ids, weights)
-    assert mega._deep_gemm.launches == []
+        mega(x, ids.masked_fill(ids == 3, 4), weights)
+    _peer_reports(monkeypatch, 4, ("INP005", "topk ids span [0, 9], outside [-1, 4)"))
+    with pytest.raises(ExpertIdError, match=r"another rank.*rank 1: \[INP005\] topk ids span"):
+        mega(x, ids, weights)
+    assert mega.engine._deep_gemm.launches == []
 
 
 def test_mega_accepts_int32_ids_and_masked_slots():
     mega = _stub_mega(8, "error")
     x, ids, weights = _tokens(4)
     ids[1] = -1
-    mega.run(x, ids.to(torch.int32), weights)
-    (launch,) = mega._deep_gemm.launches
+    mega(x, ids.to(torch.int32), weights)
+    (launch,) = mega.engine._deep_gemm.launches
     assert launch["topk_idx"].dtype == torch.int64 and torch.equal(launch["topk_idx"], ids)

@@ -5,14 +5,15 @@ import pytest
 import torch
 
 from moe_ref.config import preset
-from moe_ref.dispatch import make_dispatcher
 from moe_ref.errors import DTypeError, InvalidConfigError
 from moe_ref.experts import (ExpertLayout, Experts, GroupedMMExperts, TorchLoopExperts, TritonExperts, experts_class,
                              make_experts)
 from moe_ref.kernels.fp8 import (dequantize_fp8_per_128, dequantize_fp8_per_block_128, quantize_fp8_per_128,
                                  quantize_fp8_per_block_128)
 from moe_ref.layer import MegaMoE
+from moe_ref.options import EPOptions
 from moe_ref.reference import routed_experts_reference
+from moe_ref.routed_step import make_modular_step
 from moe_ref.testing import assert_close
 from moe_ref.weights import MoEWeights
 
@@ -125,10 +126,12 @@ def test_fp8_pool_goes_as_is_only_to_backends_that_accept_it(experts_cls):
     x, ids, w = _routing(cfg, 10, seed=7)
     experts = experts_cls(weights.gate_up_weight_E2FD, weights.down_weight_EDF, cfg.activation, cfg.situ_beta,
                           cfg.situ_linear_beta)
-    with make_dispatcher(cfg, None, 10, dispatch_fp8=True, alignment=4) as dispatcher:
-        y = dispatcher.run(x, ids, w, experts)
+    options = EPOptions.resolve(num_max_tokens_per_rank=10, dispatch_fp8=True, alignment=4)
+    with make_modular_step(cfg, None, experts, options) as step:
+        y = step(x, ids, w)
         (call,) = experts.calls
-        pool, pool_scale = dispatcher.buffer.view("recv_x"), dispatcher.buffer.view("recv_x_scale")
+        buffer = step.dispatcher.buffer
+        pool, pool_scale = buffer.view("recv_x"), buffer.view("recv_x_scale")
         if experts.accepts_fp8_input:  # the pool itself (views of the buffer), not a dequantized copy
             assert call["x_RD"].dtype == FP8 and call["x_RD"].data_ptr() == pool.data_ptr()
             assert call["x_scale_RDb"].data_ptr() == pool_scale.data_ptr()
@@ -148,9 +151,9 @@ def test_experts_get_only_the_used_prefix_of_the_pool(alignment, whole_segments)
     x, ids, w = _routing(cfg, 12, seed=2)
     experts = RecordingExperts(weights.gate_up_weight_E2FD, weights.down_weight_EDF, cfg.activation)
     experts.computes_whole_segments = whole_segments
-    with make_dispatcher(cfg, None, 12, alignment=alignment) as dispatcher:
-        y = dispatcher.run(x, ids, w, experts)
-        num_pool_rows = dispatcher.plan.num_pool_rows
+    with make_modular_step(cfg, None, experts, EPOptions.resolve(num_max_tokens_per_rank=12, alignment=alignment)) as step:
+        y = step(x, ids, w)
+        num_pool_rows = step.plan.num_pool_rows
     counts_e = torch.bincount(ids[ids >= 0], minlength=cfg.num_experts)
     used = int(((counts_e + alignment - 1) // alignment * alignment).sum())  # the last segment's aligned end
     (call,) = experts.calls
@@ -170,10 +173,10 @@ def test_layer_pool_alignment_follows_the_backend(backend, alignment):
     cfg = preset("tiny-kimi-k2")
     layer = MegaMoE(cfg, num_max_tokens_per_rank=8, experts_backend=backend, seed=0)
     assert experts_class(backend).segment_alignment == alignment
-    assert layer.alignment == alignment and layer.dispatcher.plan.alignment == alignment, backend
+    assert layer.options.alignment == alignment and layer.routed_step.plan.alignment == alignment, backend
     layer.destroy()
     explicit = MegaMoE(cfg, num_max_tokens_per_rank=8, experts_backend=backend, alignment=8, seed=0)
-    assert explicit.dispatcher.plan.alignment == 8
+    assert explicit.routed_step.plan.alignment == 8
     explicit.destroy()
 
 

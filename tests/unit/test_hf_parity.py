@@ -19,7 +19,7 @@ from moe_ref.config import MoEConfig, preset
 from moe_ref.layer import MegaMoE
 from moe_ref.loading import load_moe_weights
 from moe_ref.reference import reference_moe
-from moe_ref.router import route
+from moe_ref.block import route
 from moe_ref.synthetic import write_synthetic_checkpoint
 from moe_ref.testing import assert_close
 from moe_ref.weights import MoEWeights

@@ -31,14 +31,14 @@ def test_layer_matches_reference(name, dtype):
 
 
 def test_chunked_equals_big_cap_bitwise_and_counts_rows(monkeypatch):
-    from moe_ref import capacity
+    from moe_ref import overflow
 
-    monkeypatch.setattr(capacity, "_ANNOUNCED", set())  # chunking is announced once per process
+    monkeypatch.setattr(overflow, "_ANNOUNCED", set())  # chunking is announced once per process
     cfg = preset("tiny-kimi-k2")
     x = torch.randn(100, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     small = MegaMoE(cfg, num_max_tokens_per_rank=16, overflow="chunk", seed=3)
     big = MegaMoE(cfg, num_max_tokens_per_rank=128, seed=3)
-    y_small = small(x)  # (the once-per-process ChunkingWarning is tested in tests/unit/test_capacity.py)
+    y_small = small(x)  # (the once-per-process ChunkingWarning is tested in tests/unit/test_overflow.py)
     y_big = big(x)
     assert torch.equal(y_small, y_big)
     assert int(small.num_recv_tokens_per_expert.sum()) == 100 * cfg.num_topk  # no masked slots from the router

@@ -22,10 +22,9 @@ def test_unknown_mega_name():
         MegaMoE("tiny-kimi-k2", mega="fused")
 
 
-def test_deep_gemm_refused_with_the_limits_named():
-    layer = MegaMoE("tiny-step3", mega="deep_gemm", seed=0)  # hidden 48 (not % 128), one process
+def test_deep_gemm_refused_at_construction_with_the_limits_named():
     with pytest.raises(ShapeUnsupportedError, match=r"ENV002.*multiples of 128.*ep_size=1.*mega='auto'"):
-        layer(torch.randn(3, 48))
+        MegaMoE("tiny-step3", mega="deep_gemm", seed=0)  # hidden 48 (not % 128), one process
 
 
 def test_auto_falls_back_to_moe_ref_and_matches_reference():
@@ -42,12 +41,13 @@ class FakeMega:
 
     built = []
 
-    def __init__(self, cfg, group, cap, overflow, gate_up, down):
+    def __init__(self, cfg, group, cap, gate_up, down):
         self.cfg, self.gate_up, self.down, self.calls = cfg, gate_up, down, 0
+        self.group, self.ep_size, self.device = group, 1, gate_up.device
         self.num_recv_tokens_per_expert_e = torch.zeros(gate_up.shape[0], dtype=torch.int32)
         FakeMega.built.append(self)
 
-    def run(self, x, ids, weights):
+    def launch(self, x, ids, weights):
         self.calls += 1
         self.num_recv_tokens_per_expert_e += torch.bincount(ids[ids >= 0], minlength=self.gate_up.shape[0]).int()
         return routed_experts_reference(x, ids, weights, self.gate_up, self.down).bfloat16()
@@ -57,17 +57,16 @@ class FakeMega:
 
 
 def test_layer_delegates_the_routed_step_to_the_mega_engine(monkeypatch):
-    monkeypatch.setattr(mega_deep_gemm, "supports", lambda cfg, ep, check_runtime=False: (True, "ok"))
     monkeypatch.setattr(mega_deep_gemm, "DeepGemmMegaMoE", FakeMega)
+    monkeypatch.setattr(MegaMoE, "_mega_supported_here", lambda self: (True, "pretend CUDA SM90"))
     FakeMega.built.clear()
     cfg = preset("tiny-kimi-k2")
     layer = MegaMoE(cfg, mega="auto", seed=2)
-    monkeypatch.setattr(type(layer.gate_weight), "is_cuda", property(lambda self: True))  # pretend CUDA
     x = torch.randn(12, cfg.hidden_size)
     y = layer(x)
     monkeypatch.undo()
     (engine,) = FakeMega.built
-    assert engine.calls == 1 and layer.uses_mega and layer._dispatcher is None  # moe_ref's buffer never built
+    assert engine.calls == 1 and layer.uses_mega and layer.routed_step.engine is engine  # moe_ref's buffer never built
     assert int(layer.num_recv_tokens_per_expert.sum()) == 12 * cfg.num_topk
     # The engine's bf16 output is cast back; within bf16 of the fp32 reference.
     assert_close(y, reference_moe(x, MoEWeights.random(cfg, seed=2), cfg), torch.bfloat16)

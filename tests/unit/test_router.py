@@ -3,7 +3,8 @@ import torch
 
 from moe_ref.config import preset
 from moe_ref.errors import NonFiniteError, ShapeError
-from moe_ref.router import route, select_experts
+from moe_ref.block import route
+from moe_ref.router import select_experts
 
 pytestmark = pytest.mark.unit
 

@@ -1,0 +1,97 @@
+"""The MoE block around its routed step: routing before it, the Kimi-K3 latent path and shared experts after.
+
+    x [T, D] --route (gate GEMM fp32, family top-k)--> topk_ids [T, K] int64, topk_weights [T, K] fp32
+      --expert_input: (Kimi-K3) latent_down--> z [T, Dx]
+      --routed step (EP layer: moe_ref.routed_step; oracle: reference.routed_experts_reference)--> routed [T, Dx]
+      --finish: (Kimi-K3) RMSNorm over the FULL cross-rank sum, latent_up; + shared experts (fp32 add)--> y [T, D]
+
+Both the EP layer (``MegaMoE``) and the single-process oracle (``reference.reference_moe``) are this
+composition with a different routed step, so they cannot drift apart.
+
+Shape legend: T tokens, D hidden, Dx expert input width (D, or the latent L for Kimi-K3), E experts, K top-k.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moe_ref import ops
+from moe_ref.activations import dense_mlp
+from moe_ref.config import MoEConfig
+from moe_ref.errors import DTypeError, NonFiniteError, ShapeError
+from moe_ref.router import RouterOutput, non_finite_logits_error, router_logits
+from moe_ref.weights import MoEWeights
+
+# (expert input [T, Dx], topk_ids [T, K] int64, topk_weights [T, K] fp32) -> routed sum [T, Dx] in input dtype
+RoutedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoEConfig,
+                    bias_E: torch.Tensor | None = None) -> tuple[RouterOutput, NonFiniteError | None]:
+    """Route with ``cfg``'s family semantics, returning (not raising) the NaN/inf-logits problem.
+
+    Args:
+        x_TD: ``[T, D]`` hidden states (any float dtype; the gate GEMM runs in fp32).
+        gate_weight_ED: ``[E, D]``.
+        bias_E: ``[E]`` fp32 selection-only bias (used when ``cfg.use_selection_bias``).
+
+    Returns:
+        ``RouterOutput(topk_ids_TK [T, K] int64, topk_weights_TK [T, K] fp32)`` and ``NonFiniteError`` (INP004)
+        or None. The EP layer folds that problem into its per-call collective. NOTE: syncs the host once.
+    """
+    if x_TD.dim() != 2 or x_TD.shape[1] != gate_weight_ED.shape[1]:
+        raise ShapeError(f"hidden states {tuple(x_TD.shape)} do not match the gate weight "
+                         f"{tuple(gate_weight_ED.shape)}: expected [T, {gate_weight_ED.shape[1]}]")
+    if not x_TD.is_floating_point():
+        raise DTypeError(f"hidden states have dtype {x_TD.dtype}; expected a floating dtype")
+    logits_TE = router_logits(x_TD, gate_weight_ED)
+    problem = non_finite_logits_error(logits_TE)
+    topk_ids_TK, topk_weights_TK = ops.select_experts(
+        logits_TE, cfg.num_topk, cfg.scoring, bias_E if cfg.use_selection_bias else None, cfg.num_groups,
+        cfg.num_topk_groups, cfg.renormalize, cfg.routed_scaling_factor)
+    return RouterOutput(topk_ids_TK, topk_weights_TK), problem
+
+
+def route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None,
+          *, check_finite: bool = True) -> RouterOutput:
+    """``route_unchecked`` that raises ``NonFiniteError`` (INP004) on NaN/inf logits when ``check_finite``."""
+    output, problem = route_unchecked(x_TD, gate_weight_ED, cfg, bias_E)
+    if check_finite and problem is not None:
+        raise problem
+    return output
+
+
+def expert_input(x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig) -> torch.Tensor:
+    """What the routed experts see: ``x_TD`` itself, or (Kimi-K3) ``x_TD @ latent_down^T`` ``[T, L]``."""
+    return x_TD if cfg.latent_dim is None else x_TD @ weights.latent_down_weight_LD.t().to(x_TD.dtype)
+
+
+def rms_norm(x_TL: torch.Tensor, weight_L: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, output in ``x_TL``'s dtype."""
+    x32 = x_TL.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight_L.float()).to(x_TL.dtype)
+
+
+def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig) -> torch.Tensor:
+    """After the routed step: (Kimi-K3) RMSNorm of the full sum + latent up-projection, + shared experts.
+
+    Returns ``[T, D]`` in ``x_TD``'s dtype.
+    """
+    routed = routed_TDx
+    if cfg.latent_dim is not None:
+        if cfg.latent_norm:
+            routed = rms_norm(routed, weights.latent_norm_weight_L, cfg.rms_norm_eps)
+        routed = routed @ weights.latent_up_weight_DL.t().to(routed.dtype)
+    if not cfg.has_shared_experts:
+        return routed
+    shared_TD = dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS, cfg.activation,
+                          cfg.situ_beta, cfg.situ_linear_beta)
+    return (routed.float() + shared_TD.float()).to(x_TD.dtype)
+
+
+def moe_block(x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, routed_fn: RoutedFn,
+              *, check_finite: bool = True) -> torch.Tensor:
+    """One MoE block in one process: ``route``, ``expert_input``, ``routed_fn``, ``finish``. Returns ``[T, D]``."""
+    topk_ids_TK, topk_weights_TK = route(x_TD, weights.gate_weight_ED, cfg, weights.bias_E, check_finite=check_finite)
+    return finish(routed_fn(expert_input(x_TD, weights, cfg), topk_ids_TK, topk_weights_TK), x_TD, weights, cfg)

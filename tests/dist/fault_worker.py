@@ -1,0 +1,241 @@
+"""torchrun worker of the fault tests: one rank disagrees or fails; EVERY rank must raise a coded error, fast.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/dist/fault_worker.py --out OUT_DIR
+
+Only the public ``MegaMoE`` is used. For each case of ``CASES`` every rank writes one line to
+``OUT_DIR/rank{r}.jsonl`` as soon as the case ends (``{"case", "code", "message", "seconds", "next_ok"}``), so
+the pytest side sees which ranks reported even when a rank hangs, and fails the case then. The process group's
+own timeout (``GROUP_TIMEOUT_S``) is far above the 10 s a case may take, so a case passes only when the layer
+itself turned the fault into an error on every rank. ``next_ok``: after the error, a correct call on every
+rank gave the single-process reference's output (the layer is usable again, nothing paired with a stale call).
+The last case kills one rank mid-run (``--kill``): the survivors must report a coded error too.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from moe_ref import MegaMoE
+from moe_ref.config import preset
+from moe_ref.errors import MoERefError
+from moe_ref.reference import reference_moe
+from moe_ref.weights import MoEWeights
+
+GROUP_TIMEOUT_S = 120
+PRESET = "tiny-kimi-k2"
+CAP = 16
+
+
+def _layer(rank: int, **overrides) -> MegaMoE:
+    options = dict(num_max_tokens_per_rank=CAP, overflow="chunk", transport="symm", seed=3)
+    options.update(overrides)
+    return MegaMoE(PRESET, dist.group.WORLD, **options)
+
+
+def _tokens(rank: int, num_tokens: int = 12) -> torch.Tensor:
+    cfg = preset(PRESET)
+    return torch.randn(num_tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _next_call_ok(layer: MegaMoE, rank: int) -> bool:
+    """A correct call on every rank after the fault: the output equals the one-process reference."""
+    x = _tokens(rank)
+    with torch.no_grad():
+        y = layer(x)
+    expected = reference_moe(x, MoEWeights.random(layer.cfg, seed=3), layer.cfg)
+    return bool(torch.allclose(y, expected, atol=1e-5, rtol=1e-4))
+
+
+def _on(rank: int, target: int, bad, good):
+    return bad if rank == target else good
+
+
+def case_overflow(rank, world):
+    return _layer(rank, overflow=_on(rank, 0, "error", "chunk")), None
+
+
+def case_transport(rank, world):
+    return _layer(rank, transport=_on(rank, world - 1, "a2a", "symm")), None
+
+
+def case_fp8(rank, world):
+    return _layer(rank, dispatch_fp8=_on(rank, 0, True, False)), None
+
+
+def case_backend(rank, world):
+    return _layer(rank, experts_backend=_on(rank, 0, "grouped_mm", "torch")), None
+
+
+def case_model_size(rank, world):
+    cfg = preset(PRESET)
+    other = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 8)
+    return MegaMoE(_on(rank, world - 1, other, cfg), dist.group.WORLD, num_max_tokens_per_rank=CAP, seed=3), None
+
+
+def case_cap(rank, world):
+    return _layer(rank, num_max_tokens_per_rank=CAP + rank), None
+
+
+def _call_with(make_input):
+    def run(layer, rank, world):
+        with torch.no_grad():
+            layer(*make_input(rank, world))
+    return run
+
+
+def call_nan(layer, rank, world):
+    x = _tokens(rank)
+    if rank == world - 1:
+        x[5, 3] = float("nan")
+    with torch.no_grad():
+        layer(x)
+
+
+def call_dtype(layer, rank, world):
+    with torch.no_grad():
+        layer(_tokens(rank).to(_on(rank, 0, torch.bfloat16, torch.float32)))
+
+
+def call_width(layer, rank, world):
+    x = _tokens(rank)
+    with torch.no_grad():
+        layer(x[:, :-1] if rank == world - 1 else x)
+
+
+def call_bound(layer, rank, world):
+    with torch.no_grad():
+        layer(_tokens(rank), max_num_tokens=_on(rank, 0, 64, None))
+
+
+def call_overflow(layer, rank, world):
+    with torch.no_grad():
+        layer(_tokens(rank, _on(rank, world - 1, CAP + 1, 3)))
+
+
+def call_experts_raise(layer, rank, world):
+    if rank == 0:
+        experts = layer.experts
+        original = experts.forward
+
+        def boom(*args, **kwargs):
+            experts.forward = original  # only this call fails
+            raise MemoryError("injected out-of-memory inside rank 0's experts")
+        experts.forward = boom
+    with torch.no_grad():
+        layer(_tokens(rank))
+
+
+def call_grad(layer, rank, world):
+    x = _tokens(rank).requires_grad_(rank == 0)
+    layer(x)
+
+
+def build_unloaded(rank, world):
+    return _layer(rank, seed=_on(rank, 0, None, 3)), None
+
+
+# name, build (None: the default layer), call (None: construction is the case), the rank at fault (0 or -1 for
+# the last), the code expected there, the code expected on every other rank.
+CASES = [
+    ("overflow_differs", case_overflow, None, 0, "CFG008", "CFG008"),
+    ("transport_differs", case_transport, None, -1, "CFG008", "CFG008"),
+    ("dispatch_fp8_differs", case_fp8, None, 0, "CFG008", "CFG008"),
+    ("experts_backend_differs", case_backend, None, 0, "CFG008", "CFG008"),
+    ("model_size_differs", case_model_size, None, -1, "CFG008", "CFG008"),
+    ("cap_differs", case_cap, None, -1, "CAP002", "CAP002"),
+    ("max_num_tokens_on_one_rank", None, call_bound, 0, "CFG008", "CFG008"),
+    ("nan_input_on_one_rank", None, call_nan, -1, "INP004", "INP004"),
+    ("wrong_dtype_on_one_rank", None, call_dtype, 0, "INP002", "INP002"),
+    ("wrong_width_on_one_rank", None, call_width, -1, "INP001", "INP001"),
+    ("over_cap_under_error", None, call_overflow, -1, "CAP001", "CAP001"),
+    ("exception_in_experts", None, call_experts_raise, 0, "MemoryError", "ENV005"),
+    ("gradient_requested_on_one_rank", None, call_grad, 0, "INP007", "INP007"),
+    ("weights_not_loaded_on_one_rank", build_unloaded, _call_with(lambda r, w: (_tokens(r),)), 0, "INP006", "INP006"),
+]
+
+
+def _code(err: BaseException) -> str:
+    return err.code if isinstance(err, MoERefError) else type(err).__name__
+
+
+def run_case(name, build, call, rank, world) -> dict:
+    start = time.perf_counter()
+    layer, code, message = None, None, ""
+    try:
+        if build is not None:
+            layer, _ = build(rank, world)
+        else:
+            layer = _layer(rank, overflow="error" if name == "over_cap_under_error" else "chunk")
+        if call is not None:
+            call(layer, rank, world)
+    except BaseException as err:  # noqa: BLE001 - the error IS the result
+        code, message = _code(err), str(err)
+    seconds = time.perf_counter() - start
+    next_ok = None
+    if layer is not None and call is not None:  # the same layer must work again, on every rank
+        if name == "weights_not_loaded_on_one_rank" and rank == 0:
+            layer.load_weights(MoEWeights.random(layer.cfg, seed=3))
+        try:
+            next_ok = _next_call_ok(layer, rank)
+        except BaseException as err:  # noqa: BLE001
+            next_ok, message = False, message + f" | next call: {_code(err)} {err}"
+    if layer is not None:
+        layer.destroy()
+    return {"case": name, "code": code, "message": message[:600], "seconds": round(seconds, 3), "next_ok": next_ok}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kill", action="store_true", help="end with the dead-peer case")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.makedirs(args.out, exist_ok=True)
+    out_path = os.path.join(args.out, f"rank{rank}.jsonl")
+
+    def report(result: dict) -> None:
+        with open(out_path, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+    for name, build, call, *_ in CASES:
+        report(run_case(name, build, call, rank, world))
+        dist.barrier()  # cases start together (not part of what is measured)
+    if args.kill:
+        # torchrun SIGTERMs the survivors as soon as it sees a dead worker: ignore that here, so each survivor
+        # must end the case by itself (the layer's coded error), not be rescued by the launcher.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        layer = _layer(rank)
+        with torch.no_grad():
+            layer(_tokens(rank))
+        if rank == world - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # dies between two calls; the peers' next call must fail fast
+        start = time.perf_counter()
+        code, message = None, ""
+        try:
+            with torch.no_grad():
+                layer(_tokens(rank))
+        except BaseException as err:  # noqa: BLE001
+            code, message = _code(err), str(err)
+        report({"case": "dead_peer", "code": code, "message": message[:600],
+                "seconds": round(time.perf_counter() - start, 3), "next_ok": None})
+        os._exit(0)  # the group has a dead member: no clean teardown
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

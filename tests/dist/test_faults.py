@@ -1,0 +1,75 @@
+"""Issue 11's fault table: one rank disagrees or fails; every rank raises a coded error within 10 s, and the
+next call is correct. 2 and 4 ranks, CPU (gloo, shared-memory transport), public ``MegaMoE`` only.
+
+Each rank reports each case as soon as it ends (tests/dist/fault_worker.py); a rank that hangs never reports,
+and the launch is killed at ``LAUNCH_TIMEOUT_S``: such a case fails here for the missing rank, not later in
+torchrun. The process group's own timeout is 120 s, so nothing but the layer can end a case within 10 s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from fault_worker import CASES  # noqa: E402
+from launch import torchrun  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+WORLD_SIZES = (2, 4)
+LAUNCH_TIMEOUT_S = 300
+CASE_DEADLINE_S = 10.0
+FAULT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_worker.py")
+
+
+@pytest.fixture(scope="session")
+def fault_reports(tmp_path_factory):
+    """``fault_reports(world) -> (launch, {rank: {case: report}})``, one cached launch per world size."""
+    cache = {}
+
+    def get(world_size: int):
+        if world_size not in cache:
+            out = tmp_path_factory.mktemp(f"faults{world_size}")
+            launch = torchrun(world_size, ["--kill"], out, LAUNCH_TIMEOUT_S, worker=FAULT_WORKER)
+            reports = {}
+            for rank in range(world_size):
+                path = out / f"rank{rank}.jsonl"
+                lines = path.read_text().splitlines() if path.exists() else []
+                reports[rank] = {r["case"]: r for r in map(json.loads, lines)}
+            cache[world_size] = (launch, reports)
+        return cache[world_size]
+    return get
+
+
+_CASES = [pytest.param(world, case, id=f"{world}ranks-{case[0]}") for world in WORLD_SIZES for case in CASES]
+
+
+@pytest.mark.parametrize("world_size, case", _CASES)
+def test_every_rank_raises_a_coded_error_fast_and_recovers(fault_reports, world_size, case):
+    name, build, call, faulty, code_at_fault, code_elsewhere = case
+    launch, reports = fault_reports(world_size)
+    faulty_rank = faulty % world_size
+    for rank in range(world_size):
+        report = reports[rank].get(name)
+        assert report is not None, (f"{world_size=} {rank=} {name}: this rank never reported (it hung or died); "
+                                    f"launch rc={launch.returncode}\n{launch.log[-3000:]}")
+        expected = code_at_fault if rank == faulty_rank else code_elsewhere
+        assert report["code"] == expected, f"{world_size=} {rank=} {name}: {report}"
+        assert report["seconds"] < CASE_DEADLINE_S, f"{world_size=} {rank=} {name}: too slow: {report}"
+        if call is not None and build is not case[1] or call is not None:
+            assert report["next_ok"] is True, f"{world_size=} {rank=} {name}: the next call was wrong: {report}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_a_dead_peer_is_a_coded_error_on_the_survivors(fault_reports, world_size):
+    launch, reports = fault_reports(world_size)
+    for rank in range(world_size - 1):  # the last rank killed itself
+        report = reports[rank].get("dead_peer")
+        assert report is not None, f"{world_size=} {rank=}: never reported after the peer died\n{launch.log[-3000:]}"
+        assert report["code"] == "ENV005", f"{world_size=} {rank=}: {report}"
+        assert report["seconds"] < CASE_DEADLINE_S, f"{world_size=} {rank=}: {report}"
+    assert launch.leftovers == [], f"files left in MOE_REF_SHM_DIR: {launch.leftovers}"
