@@ -364,6 +364,18 @@ class PeerFailedError(EnvironmentError_):
         "torchrun ... (look for the first rank that printed an error other than ENV005)")
 
 
+class ConservationError(EnvironmentError_):
+    code = _entry(
+        "ENV007", "debug checks found rows lost, duplicated or corrupted in the routed step",
+        "With debug_checks on, every call compares the rows each rank sent with the rows the group received (count "
+        "and float64 checksum per source rank) and checks that every non-masked slot came back from combine; a "
+        "difference means the transport lost, duplicated or corrupted rows.",
+        "A transport bug, a peer writing into a buffer it does not own, or memory corruption.",
+        ["Report it with the message (it names the source ranks and the counts).",
+         "Compare transports: transport='a2a' and 'symm' must give the same pool bitwise."],
+        "MegaMoE(cfg, group, debug_checks=True)  # or MOE_REF_DEBUG_CHECKS=1")
+
+
 class DeviceUnavailableError(EnvironmentError_):
     code = _entry(
         "ENV006", "the requested device is not available here",

@@ -27,8 +27,8 @@ import torch
 from moe_ref.capacity import CapacityPlan
 from moe_ref.config import MoEConfig
 from moe_ref.dispatch import Dispatcher, make_dispatcher, routed_input_problem
-from moe_ref.distributed import agree_on_failure, comm_device, group_size_and_rank, peer_errors
-from moe_ref.errors import MoERefError
+from moe_ref.distributed import agree_on_failure, comm_device, gather_ints, group_size_and_rank, peer_errors
+from moe_ref.errors import ConservationError, MoERefError
 from moe_ref.experts import Experts
 from moe_ref.options import EPOptions
 from moe_ref.overflow import OverflowPolicy
@@ -118,10 +118,11 @@ class ModularRoutedStep(RoutedStep):
         policy: the overflow policy.
     """
 
-    def __init__(self, dispatcher: Dispatcher, experts: Experts, policy: OverflowPolicy):
+    def __init__(self, dispatcher: Dispatcher, experts: Experts, policy: OverflowPolicy, *,
+                 debug_checks: bool = False):
         plan = dispatcher.plan
         super().__init__(plan.cfg, dispatcher.group, policy, plan.activation_dtype, dispatcher.buffer.device)
-        self.dispatcher, self.experts = dispatcher, experts
+        self.dispatcher, self.experts, self.debug_checks = dispatcher, experts, debug_checks
 
     @property
     def plan(self) -> CapacityPlan:
@@ -138,6 +139,8 @@ class ModularRoutedStep(RoutedStep):
     def run_chunk(self, x_TD, topk_ids_TK, topk_weights_TK):
         with peer_errors(f"dispatch over the {self.transport_name} transport"):
             handle = self.dispatcher.dispatch(x_TD, topk_ids_TK, topk_weights_TK)
+        if self.debug_checks:
+            self._check_dispatch_conserved(handle)
         failure, y_RD = None, None
         try:
             experts = self.experts
@@ -150,7 +153,57 @@ class ModularRoutedStep(RoutedStep):
         # in combine: every rank raises (the failing one its own error, the others PeerFailedError).
         agree_on_failure(failure, self.group, self.comm_device)
         with peer_errors(f"combine over the {self.transport_name} transport"):
-            return self.dispatcher.combine(y_RD, handle)
+            routed_TD = self.dispatcher.combine(y_RD, handle)
+        if self.debug_checks:
+            self._check_every_slot_returned(handle)
+        return routed_TD
+
+    # --- debug checks (debug_checks=True): nothing lost, nothing duplicated ------------------------------
+    def _check_dispatch_conserved(self, handle) -> None:
+        """Rows each source sent == rows the group received from it (count and float64 checksum of the wire
+        rows), then poison my combine slots so that ``_check_every_slot_returned`` sees any slot not written.
+
+        NOTE: one extra all_gather per chunk and host syncs; for debugging only. The poisoning happens before
+        the failure agreement, a collective no peer leaves before this rank entered it, so no peer's combine
+        write can precede it."""
+        buffer, world = self.dispatcher.buffer, self.world_size
+        ids_TK = handle.topk_ids_TK
+        sent_x = buffer.view("x")[:handle.num_tokens].double().sum(dim=1)  # per token, the wire rows as stored
+        live_TK = ids_TK >= 0
+        sent_count = int(live_TK.sum())
+        sent_sum = float((sent_x[:, None] * live_TK).sum())
+        rows = handle.layout.num_pool_rows
+        src_P = handle.recv_src_P3[:rows, 0].long()
+        received = src_P >= 0
+        recv_x = buffer.view("recv_x")[:rows].double().sum(dim=1)
+        counts = [int(((src_P == s) & received).sum()) for s in range(world)]
+        sums = [float(recv_x[(src_P == s) & received].sum()) for s in range(world)]
+        # checksums travel as integers: float64 sums scaled, then rounded (a difference far above rounding shows)
+        everyone = gather_ints([sent_count, round(sent_sum * 1e6), *counts, *(round(v * 1e6) for v in sums)],
+                               self.group, self.comm_device)
+        problems = []
+        for src in range(world):
+            got = sum(row[2 + src] for row in everyone)
+            got_sum = sum(row[2 + world + src] for row in everyone)
+            want, want_sum = everyone[src][0], everyone[src][1]
+            if got != want or abs(got_sum - want_sum) > max(1, abs(want_sum)) * 1e-9 + 64:
+                problems.append(f"rank {src} sent {want} rows (checksum {want_sum / 1e6:.6g}), the group received {got} "
+                                f"(checksum {got_sum / 1e6:.6g})")
+        if problems:
+            raise ConservationError(f"rank {self.rank}: dispatch did not conserve rows: {'; '.join(problems)}",
+                                    problems=problems)
+        combine_KCD = buffer.view("combine")
+        combine_KCD[:, :handle.num_tokens].fill_(float("nan"))
+
+    def _check_every_slot_returned(self, handle) -> None:
+        """Every non-masked slot of mine was written back by combine (no NaN poison left). Local check."""
+        combine_KTD = self.dispatcher.buffer.view("combine")[:, :handle.num_tokens]
+        live_KT = (handle.topk_ids_TK >= 0).t()
+        missing_KT = live_KT & torch.isnan(combine_KTD).any(dim=-1)
+        if bool(missing_KT.any()):
+            slot, token = missing_KT.nonzero()[0].tolist()
+            raise ConservationError(f"rank {self.rank}: combine left {int(missing_KT.sum())} of {int(live_KT.sum())} "
+                                    f"non-masked slots unwritten (first: token {token}, slot {slot})")
 
     def destroy(self) -> None:
         self.dispatcher.destroy()
@@ -204,4 +257,5 @@ def overflow_policy(cfg: MoEConfig, ep_size: int, options: EPOptions) -> Overflo
 def make_modular_step(cfg: MoEConfig, group, experts: Experts, options: EPOptions) -> ModularRoutedStep:
     """Plan, allocate and connect the modular routed step (collective over ``group``)."""
     dispatcher = make_dispatcher(cfg, group, options)
-    return ModularRoutedStep(dispatcher, experts, overflow_policy(cfg, dispatcher.world_size, options))
+    return ModularRoutedStep(dispatcher, experts, overflow_policy(cfg, dispatcher.world_size, options),
+                             debug_checks=options.debug_checks)

@@ -101,8 +101,10 @@ def run_routed(case: dict, group, rank: int, world: int) -> dict:
 
     checks, info, outputs = {}, {"num_tokens": num_tokens}, {}
     for transport in ep_cases.TRANSPORTS:
+        # debug_checks: every chunk also checks that rows are conserved across the group (ENV007 otherwise)
         with make_step(cfg, group, experts, num_max_tokens_per_rank=cap, overflow=policy, transport=transport,
-                       dtype=dtype, dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"]) as step:
+                       dtype=dtype, dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"],
+                       debug_checks=True) as step:
             checks[f"{transport}: transport_name"] = step.transport_name == transport
             first = compute(step)
             second = compute(step)

@@ -10,7 +10,8 @@ import torch
 from moe_ref.config import preset
 from moe_ref.block import moe_block
 from moe_ref.dispatch import make_dispatcher, place_entries, select_entries
-from moe_ref.errors import CapacityExceededError, DTypeError, ExpertIdError, NonFiniteError, UnknownNameError
+from moe_ref.errors import (CapacityExceededError, ConservationError, DTypeError, ExpertIdError, NonFiniteError,
+                            UnknownNameError)
 from moe_ref.experts import make_experts
 from moe_ref.options import EPOptions
 from moe_ref.overflow import ChunkingWarning
@@ -179,3 +180,36 @@ def test_an_exception_inside_the_experts_reaches_the_caller_and_the_step_stays_u
             step(x, ids, w)
         experts.forward = original
         assert_bitwise_equal(step(x, ids, w), expected)
+
+
+def test_debug_checks_pass_on_a_good_call_and_catch_lost_or_corrupted_rows():
+    cfg = preset("tiny-kimi-k2")
+    weights = MoEWeights.random(cfg, seed=11)
+    experts = _experts(cfg, weights)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(9, cfg.hidden_size, generator=gen)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(9)])
+    ids[2, 1:] = -1  # masked slots are neither sent nor expected back
+    w = torch.rand(9, 4, generator=gen)
+    with _step(cfg, 16, experts, debug_checks=True) as step:
+        plain = step(x, ids, w)
+        transport = step.dispatcher.transport
+        gather_rows, return_rows = transport.gather_rows, transport.return_rows
+
+        def corrupt(exchange, recv_pos):
+            gather_rows(exchange, recv_pos)
+            step.dispatcher.buffer.view("recv_x")[int(recv_pos[0][3])] += 1.0
+        transport.gather_rows = corrupt
+        with pytest.raises(ConservationError, match=r"\[ENV007\].*rank 0 sent 33 rows .* received 33"):
+            step(x, ids, w)
+        transport.gather_rows = gather_rows
+
+        def lose_one(exchange, recv_pos, y_PD):  # what return_rows does, less the first entry
+            entries = exchange.recv_entries[0][1:]
+            combine = step.dispatcher.buffer.view("combine")
+            combine[entries[:, 1], entries[:, 0]] = y_PD.index_select(0, recv_pos[0][1:]).to(combine.dtype)
+        transport.return_rows = lose_one
+        with pytest.raises(ConservationError, match=r"combine left 1 of 33 non-masked slots unwritten"):
+            step(x, ids, w)
+        transport.return_rows = return_rows
+        assert_bitwise_equal(step(x, ids, w), plain)  # the checks change nothing when all is well
