@@ -307,3 +307,16 @@ def test_whole_block_from_a_quantized_checkpoint_on_two_ranks(tmp_path, case):
     y = moe_block(x, dense, cfg, _routed_over_ranks(ranks, cfg.expert_hidden_size))
     y_ref = reference_moe(x, written, cfg)
     assert calc_diff(y, y_ref) <= 1e-9, calc_diff(y, y_ref)
+
+
+def test_backend_choice_and_names():
+    from moe_ref.errors import UnknownNameError
+    from moe_ref.experts_quant import FP8BlockExperts, W4A16Experts, quantized_experts_class
+
+    assert quantized_experts_class("mxfp4") is QuantTorchExperts  # auto on CPU
+    assert quantized_experts_class("mxfp4", device="cuda") is W4A16Experts
+    assert quantized_experts_class("int4_group", "triton") is W4A16Experts
+    assert quantized_experts_class(QuantFormat.FP8_BLOCK, "auto", "cuda") is FP8BlockExperts
+    assert W4A16Experts.segment_alignment == 1 and not W4A16Experts.accepts_fp8_input
+    with pytest.raises(UnknownNameError, match="marlin"):
+        quantized_experts_class("mxfp4", "marlin")
