@@ -255,9 +255,11 @@ def test_truncated_or_random_files_are_load010(tmp_path, damage, sharded_layout)
     file.write_bytes({"truncated": data[:len(data) * 2 // 3], "random": torch.randint(0, 256, (999,),
                       generator=torch.Generator().manual_seed(0), dtype=torch.uint8).numpy().tobytes(),
                       "empty": b""}[damage])
-    with pytest.raises(CorruptSafetensorsError, match=file.name) as info:
-        load_quantized_experts(tmp_path, cfg, LAYER, progress=False)
-    assert info.value.code == "LOAD010"
+    for load in (lambda: load_quantized_experts(tmp_path, cfg, LAYER, progress=False),
+                 lambda: load_moe_weights(tmp_path, cfg, LAYER, experts=False)):
+        with pytest.raises(CorruptSafetensorsError, match=file.name) as info:
+            load()
+        assert info.value.code == "LOAD010"
 
 
 # --- a whole block from a quantized checkpoint (what MegaMoE.load_hf_weights will compose) ------------------------
