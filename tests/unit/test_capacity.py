@@ -196,3 +196,10 @@ def test_sweep_removes_files_of_dead_creators_only(tmp_path):
     removed = sweep_stale_shm_files(str(tmp_path))
     assert removed == [str(stale)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
+def test_a_buffer_larger_than_memory_is_refused_before_allocating():
+    """``num_max_tokens_per_rank`` near the bound used to die inside the allocator with a bare error."""
+    plan = CapacityPlan.build(preset("deepseek-v3"), 1, 1 << 20, torch.bfloat16)
+    with pytest.raises(MemoryBudgetError, match=rf"\[CAP004\].*needs {plan.total_bytes} bytes .* free"):
+        SymmetricBuffer(plan)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from moe_ref.config import preset
-from moe_ref.errors import DTypeError, ShapeError, TensorShapeMismatchError
+from moe_ref.errors import (DTypeError, GradientNotSupportedError, InvalidConfigError, ShapeError,
+                            TensorShapeMismatchError, WeightsNotLoadedError)
 from moe_ref.layer import MegaMoE
 from moe_ref.reference import reference_moe
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_close, calc_diff
@@ -81,3 +82,52 @@ def test_built_from_hf_config_dict_and_preset_name():
     cfg = preset("tiny-kimi-k3")
     assert MegaMoE(hf_config_dict(cfg)).cfg.latent_dim == cfg.latent_dim
     assert MegaMoE("tiny-kimi-k3").cfg == cfg
+
+
+def test_inference_mode_and_normal_calls_mix_in_any_order():
+    """The buffers used to be built inside the first call: under inference_mode they became inference
+    tensors and the next normal call failed ("Inplace update to inference tensor")."""
+    cfg = preset("tiny-kimi-k2")
+    x = torch.randn(10, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        layer = MegaMoE(cfg, num_max_tokens_per_rank=16, seed=2)  # built inside inference mode too
+        first = layer(x)
+    expected = reference_moe(x, MoEWeights.random(cfg, seed=2), cfg)
+    with torch.no_grad():
+        assert torch.equal(layer(x), first)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), first)
+    assert torch.equal(layer(x), first)  # grad mode on: nothing requires grad, so it runs
+    assert_close(first, expected, torch.float32)
+    layer.destroy()
+
+
+def test_gradient_requested_is_a_coded_error():
+    cfg = preset("tiny-kimi-k2")
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=16, seed=2)
+    x = torch.randn(4, cfg.hidden_size, requires_grad=True)
+    with pytest.raises(GradientNotSupportedError, match=r"\[INP007\].*no backward"):
+        layer(x)
+    layer.gate_up_weight.requires_grad_(True)
+    with pytest.raises(GradientNotSupportedError):
+        layer(x.detach())
+    with torch.no_grad():
+        assert layer(x).shape == x.shape  # no gradient wanted: fine
+    layer.destroy()
+
+
+def test_unloaded_weights_are_a_coded_error_until_loaded():
+    cfg = preset("tiny-step3")
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=16)
+    x = torch.randn(4, cfg.hidden_size)
+    with pytest.raises(WeightsNotLoadedError, match=r"\[INP006\].*load_hf_weights"):
+        layer(x)
+    layer.load_weights(MoEWeights.random(cfg, seed=4))
+    assert_close(layer(x), reference_moe(x, MoEWeights.random(cfg, seed=4), cfg), torch.float32)
+    layer.destroy()
+
+
+@pytest.mark.parametrize("bad", [None, 3, ["tiny-kimi-k2"]])
+def test_config_of_the_wrong_type_is_a_coded_error(bad):
+    with pytest.raises(InvalidConfigError, match=r"\[CFG0"):
+        MegaMoE(bad)

@@ -27,9 +27,11 @@ def test_deep_gemm_refused_at_construction_with_the_limits_named():
         MegaMoE("tiny-step3", mega="deep_gemm", seed=0)  # hidden 48 (not % 128), one process
 
 
-def test_auto_falls_back_to_moe_ref_and_matches_reference():
+def test_auto_falls_back_to_moe_ref_and_matches_reference(caplog):
     cfg = preset("tiny-kimi-k3")  # SiTU: refused by the mega kernel
-    layer = MegaMoE(cfg, mega="auto", seed=4)
+    with caplog.at_level("WARNING", logger="moe_ref.layer"):
+        layer = MegaMoE(cfg, mega="auto", seed=4)
+    assert "mega='auto' uses moe_ref's own EP path on every rank: rank 0: activation='situ'" in caplog.text
     x = torch.randn(20, cfg.hidden_size)
     assert_close(layer(x), reference_moe(x, MoEWeights.random(cfg, seed=4), cfg), torch.float32)
     assert not layer.uses_mega

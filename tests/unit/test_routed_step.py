@@ -213,3 +213,10 @@ def test_debug_checks_pass_on_a_good_call_and_catch_lost_or_corrupted_rows():
             step(x, ids, w)
         transport.return_rows = return_rows
         assert_bitwise_equal(step(x, ids, w), plain)  # the checks change nothing when all is well
+
+
+def test_public_dispatch_refuses_out_of_range_ids_instead_of_dropping_them():
+    cfg = preset("tiny-step3")  # E=8, K=3
+    with make_dispatcher(cfg, None, EPOptions.resolve(num_max_tokens_per_rank=4)) as dispatcher:
+        with pytest.raises(ExpertIdError, match=r"\[INP005\].*outside \[-1, 8\)"):
+            dispatcher.dispatch(torch.randn(2, cfg.hidden_size), torch.tensor([[0, 1, 9], [2, 3, 4]]), torch.rand(2, 3))
