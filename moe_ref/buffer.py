@@ -40,6 +40,7 @@ from moe_ref.errors import (BufferTooSmallError, CapacityMismatchError, Distribu
                             UnknownNameError)
 
 BUFFER_KINDS = ("private", "shm", "cuda")
+CUDA_BARRIER_TIMEOUT_MS = 30_000  # the longest a rank waits for its peers at a CUDA symmetric-memory barrier
 
 
 def _unlink_quietly(*paths: str) -> None:
@@ -314,7 +315,9 @@ class SymmetricBuffer:
         if self.world_size == 1:
             return
         if self.kind == "cuda":
-            self._symm_handle.barrier(channel=0)
+            # NOTE: bounded: a peer that never arrives makes torch's barrier kernel fail after the timeout (a CUDA
+            # error the routed step reports as PeerFailedError, ENV005) instead of spinning forever.
+            self._symm_handle.barrier(channel=0, timeout_ms=CUDA_BARRIER_TIMEOUT_MS)
         else:
             dist.barrier(group=self.group)
 
