@@ -111,6 +111,7 @@ class EPRegions:
     fp8: bool
     offsets: dict
     end: int
+    specs: dict = None  # name -> (shape, dtype, nbytes), filled by build (views are made on every call)
 
     @staticmethod
     def build(num_ranks: int, num_local_experts: int, num_topk: int, cap: int, hidden: int, *,
@@ -135,12 +136,14 @@ class EPRegions:
             raise ShapeError(f"sizes must be positive: {num_ranks=} {num_local_experts=} {num_topk=} {cap=} "
                              f"{hidden=} {alignment=}")
         pool = num_pool_rows or default_pool_rows(num_ranks, cap, num_topk, num_local_experts, alignment)
-        offsets, offset = {}, base_offset
+        offsets, offset, specs = {}, base_offset, {}
         regions = EPRegions(num_ranks, num_local_experts, num_topk, cap, hidden, pool, alignment, activation_dtype,
-                            fp8, offsets, 0)
+                            fp8, offsets, 0, specs)
         for name in region_names(fp8):
+            shape, dtype = regions._spec(name)
+            specs[name] = (shape, dtype, math.prod(shape) * dtype.itemsize)
             offsets[name] = offset
-            offset = _align(offset + regions.nbytes(name), REGION_ALIGN_BYTES)
+            offset = _align(offset + specs[name][2], REGION_ALIGN_BYTES)
         object.__setattr__(regions, "end", offset)
         return regions
 
@@ -156,6 +159,10 @@ class EPRegions:
 
     def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of region `name`."""
+        shape, dtype, _ = self.specs[name]
+        return shape, dtype
+
+    def _spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         R, e, K, C, D, P = (self.num_ranks, self.num_local_experts, self.num_topk, self.cap, self.hidden,
                             self.num_pool_rows)
         Db = self.num_scale_cols
@@ -174,16 +181,15 @@ class EPRegions:
         return specs[name]
 
     def nbytes(self, name: str) -> int:
-        shape, dtype = self.spec(name)
-        return math.prod(shape) * dtype.itemsize
+        return self.specs[name][2]
 
     def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
         """Region `name` of one rank's buffer (`[>= end]` uint8) as a `[shape] dtype` tensor view."""
-        if name not in self.offsets:
+        if name not in self.specs:
             raise KeyError(f"no region {name!r}; regions: {', '.join(self.offsets)}")
-        shape, dtype = self.spec(name)
+        shape, dtype, nbytes = self.specs[name]
         start = self.offsets[name]
-        return buffer[start:start + self.nbytes(name)].view(dtype).view(shape)
+        return buffer[start:start + nbytes].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
