@@ -18,6 +18,8 @@ Shape legend: R ranks, e local experts, K top-k, C cap, T tokens of this rank, D
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -144,6 +146,11 @@ def _combine_reduce_kernel(
             tl.store(out_ptr + t * stride_out_t + offs_d, _cast_rn(acc, out_ptr.dtype.element_ty), mask=mask_d)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _check_push_args(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
     check_peers(peers, regions)
     if y_PD.dim() != 2 or y_PD.shape[1] != regions.hidden or y_PD.shape[0] > regions.num_pool_rows:
@@ -248,8 +255,7 @@ def ep_combine_reduce(num_tokens: int, peers: PeerBuffers, regions: EPRegions,
         return out_TD
     block_d = min(triton.next_power_of_2(D), 64 if is_interpreter() else 1024)
     off = regions.offsets
-    num_programs = min(num_tokens, 8 if is_interpreter() else 4 * torch.cuda.get_device_properties(
-        out_TD.device).multi_processor_count)
+    num_programs = min(num_tokens, 8 if is_interpreter() else 4 * _num_sms(out_TD.device.index))
     _combine_reduce_kernel[(num_programs,)](
         out_TD, peers.ptrs_R,
         peers.rank, regions.num_ranks, num_tokens, regions.cap, regions.num_topk, D, regions.num_local_experts,
