@@ -246,8 +246,7 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
 
 def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
                     timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS) -> None:
-    """Torch twin of `ep_dispatch` (same arguments, same writes, bitwise; the padding-row fill and the wait
-    sync the host)."""
+    """Torch twin of `ep_dispatch` (same arguments, same writes, bitwise; no host sync except the wait's)."""
     check_peers(peers, regions)
     if wait:
         symm_barrier_ref(peers, regions, post=False, wait=True, timeout_us=timeout_us, max_polls=max_polls)
@@ -279,7 +278,9 @@ def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions, *, wait: bool = Fals
     pad_e = aligned_e - num_rows_e
     pad_rows = (row_start_e + num_rows_e)[:, None] + torch.arange(max(regions.alignment - 1, 0), device=device)
     pad_mask = (torch.arange(pad_rows.shape[1], device=device)[None, :] < pad_e[:, None]) & (pad_rows >= 0) & (pad_rows < P)
-    recv_src_P3[pad_rows[pad_mask]] = -1
+    pad_target_N = torch.where(pad_mask, pad_rows, P).reshape(-1)
+    _scatter_rows(recv_src_P3, pad_target_N, torch.full((pad_target_N.numel(), 3), -1, dtype=torch.int32,
+                                                        device=device))
 
     recv_pos_RCK, recv_weight_RCK = view(my, "recv_pos"), view(my, "recv_weight")
     recv_x_PD = view(my, "recv_x")
