@@ -4,8 +4,10 @@
       -> dispatch (peers pull their experts' rows) -> expert GEMMs -> combine (rows back to the source)
       -> deterministic fp32 weighted reduce (+ shared experts) -> y [T, D]
 
-Modules, in data-flow order: ``config``, ``errors``, ``router``, ``capacity``, ``buffer``/``transport``,
-``dispatch``, ``experts`` and ``kernels/``, ``layer``, ``loading``, ``cli``.
+Modules, in data-flow order: ``config``, ``options`` (every option resolved once), ``errors``, ``router`` and
+``ops`` (kernel or twin), ``block`` (the composition around the routed step), ``routed_step`` (modular or
+monolithic; its per-call ``overflow`` policy; ``distributed`` agreements), ``capacity`` (the buffer plan),
+``buffer``/``transport``, ``dispatch``, ``experts`` and ``kernels/``, ``layer``, ``loading``, ``cli``.
 """
 from moe_ref.config import MoEConfig, ParallelConfig, preset
 from moe_ref.errors import MoERefError
