@@ -88,6 +88,8 @@ class EPOptions:
             if index >= available:
                 raise DeviceUnavailableError(f"device={str(self.device)!r} but torch sees {available} CUDA device(s) "
                                              f"here; use device='cpu' or run on a machine with that GPU")
+            if self.device.index is None:  # 'cuda' means the current device: name it, so tensors compare equal
+                object.__setattr__(self, "device", torch.device("cuda", torch.cuda.current_device()))
         elif self.device.type != "cpu":
             raise DeviceUnavailableError(f"device={str(self.device)!r}: moe_ref runs on 'cpu' and 'cuda' devices")
 
