@@ -1,5 +1,8 @@
 """DeepGEMM expert backend (optional): the routed-expert MLP on DeepGEMM's SM90 grouped GEMMs.
 
+One job: the ``deep_gemm`` entry of the experts registry. Whether DeepGEMM can run here is
+``moe_ref.deep_gemm_probe``; the benchmark paths are ``moe_ref.deep_gemm_bench``.
+
     recv pool x_RD --grouped_layout_R (local expert of each row, -1 on padding rows)-->
       m_grouped_{bf16,fp8}_gemm_nt_contiguous(x, gate_up)   -> gate_up_R2F (bf16)
       --torch, fp32: SiLU-gated / SiTU activation, padding rows zeroed-->  h_RF
@@ -38,143 +41,18 @@ before capturing a CUDA graph.
 """
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.metadata
-import importlib.util
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
 from moe_ref.activations import gated_activation
-from moe_ref.errors import (BackendUnavailableError, DeviceError, DTypeError, FP8AlignmentError,
-                            ShapeError, ShapeUnsupportedError, UnknownNameError)
+# call_deep_gemm/import_deep_gemm: detection lives in deep_gemm_probe; DeepGemmStatus and deep_gemm_status are
+# re-exported here only for callers that still import them from this module (moe_ref/cli.py's `info`).
+from moe_ref.deep_gemm_probe import DeepGemmStatus, call_deep_gemm, deep_gemm_status, import_deep_gemm  # noqa: F401
+from moe_ref.errors import (DeviceError, DTypeError, FP8AlignmentError, ShapeError, ShapeUnsupportedError,
+                            UnknownNameError)
 from moe_ref.experts import Experts, ExpertLayout
 
-__all__ = ["DeepGemmStatus", "deep_gemm_status", "DeepGemmExperts", "deep_gemm_grouped_cases", "KNOWN_GOOD_VERSIONS"]
-
-# Versions that ran on the GPU image (torch 2.11+cu130); see /work/shared/FACTS.md.
-KNOWN_GOOD_VERSIONS = ("0.1.3", "0.1.4")
-_GROUPED_API = ("m_grouped_bf16_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_contiguous",
-                "m_grouped_bf16_gemm_nt_masked", "m_grouped_fp8_fp4_gemm_nt_masked",
-                "get_mk_alignment_for_contiguous_layout")
-_MEGA_API = ("get_symm_buffer_for_sm90_mega_moe", "transform_weights_for_mega_moe_sm90", "fp8_mega_moe")
-_INSTALL_HINT = ("install the wheels sgl-deep-gemm==0.1.4 and apache-tvm-ffi==0.1.11 (pip install --no-deps), "
-                 "the pair known to work with torch 2.11+cu130")
-
-
-# --------------------------------------------------------------------------------------------------
-# detection
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DeepGemmStatus:
-    """Whether DeepGEMM can run here, and why not.
-
-    Attributes:
-        available: True when ``deep_gemm`` imported on an SM90 GPU and a tiny real grouped GEMM matched torch.
-        version: the installed version (``deep_gemm.__version__`` or the wheel's metadata), None if unknown.
-        reason: one line: what was checked, or what failed and how to fix it.
-        mega_moe: True when ``available`` and the SM90 mega-MoE API (``get_symm_buffer_for_sm90_mega_moe``,
-            ``transform_weights_for_mega_moe_sm90``, ``fp8_mega_moe``) is present. Not exercised by the
-            probe (that needs a process group); ``moe_ref.mega_deep_gemm`` does.
-    """
-
-    available: bool
-    version: str | None
-    reason: str
-    mega_moe: bool = False
-
-
-def deep_gemm_status(*, refresh: bool = False) -> DeepGemmStatus:
-    """Probe DeepGEMM once per process (cached); never raises.
-
-    Checks, in order: the package is installed (without importing it), a CUDA device is visible, it is
-    SM90, ``import deep_gemm`` works, the grouped-GEMM API exists, and a 1-expert bf16 grouped GEMM
-    (128 x 128 x 256) on the current device matches ``torch.matmul`` (calc_diff < 1e-5).
-
-    Args:
-        refresh: forget the cached answer and probe again.
-
-    Returns:
-        status: ``DeepGemmStatus``.
-    """
-    if refresh:
-        _probe.cache_clear()
-    return _probe()
-
-
-def _installed_version() -> str | None:
-    for dist_name in ("sgl-deep-gemm", "deep-gemm", "deep_gemm"):
-        try:
-            return importlib.metadata.version(dist_name)
-        except Exception:  # noqa: BLE001 - metadata lookups can fail in odd environments; treat as unknown
-            continue
-    return None
-
-
-@functools.lru_cache(maxsize=1)
-def _probe() -> DeepGemmStatus:
-    version = None
-    try:
-        version = _installed_version()
-        if importlib.util.find_spec("deep_gemm") is None:
-            return DeepGemmStatus(False, version, f"deep_gemm is not installed (optional backend): {_INSTALL_HINT}")
-        if not torch.cuda.is_available():
-            return DeepGemmStatus(False, version, f"no CUDA device visible (torch {torch.__version__}, "
-                                                  f"CUDA {torch.version.cuda}); deep_gemm needs an SM90 GPU")
-        major, minor = torch.cuda.get_device_capability()
-        device_name = torch.cuda.get_device_name()
-        if major != 9:
-            return DeepGemmStatus(False, version, f"{device_name} is SM{major}{minor}; this backend is written "
-                                                  "against deep_gemm's SM90 (Hopper) kernels")
-        try:
-            deep_gemm = importlib.import_module("deep_gemm")
-        except BaseException as err:  # noqa: BLE001 - a broken binary may raise anything, even SystemExit
-            return DeepGemmStatus(False, version, f"import deep_gemm failed: {type(err).__name__}: {err}; "
-                                                  f"{_INSTALL_HINT}")
-        version = getattr(deep_gemm, "__version__", None) or version
-        missing = [name for name in _GROUPED_API if not hasattr(deep_gemm, name)]
-        if missing:
-            return DeepGemmStatus(False, version, f"deep_gemm {version} lacks {', '.join(missing)}; {_INSTALL_HINT}")
-        try:
-            diff = _tiny_grouped_gemm(deep_gemm)
-        except Exception as err:  # noqa: BLE001
-            return DeepGemmStatus(False, version, f"deep_gemm {version} imported, but a 1-expert bf16 grouped GEMM "
-                                                  f"failed: {type(err).__name__}: {err}; {_INSTALL_HINT}")
-        if not diff < 1e-5:
-            return DeepGemmStatus(False, version, f"deep_gemm {version}: a 1-expert bf16 grouped GEMM returned wrong "
-                                                  f"values (calc_diff={diff:.3g} vs torch); {_INSTALL_HINT}")
-        mega = all(hasattr(deep_gemm, name) for name in _MEGA_API)
-        note = "" if version in KNOWN_GOOD_VERSIONS else f" (untested version; known good: {KNOWN_GOOD_VERSIONS})"
-        return DeepGemmStatus(True, version, f"deep_gemm {version} on {device_name} (SM{major}{minor}): 1-expert "
-                                             f"bf16 grouped GEMM matched torch (calc_diff={diff:.2g}); mega-MoE "
-                                             f"API {'present' if mega else 'absent'}{note}", mega)
-    except Exception as err:  # noqa: BLE001 - the probe must never raise
-        return DeepGemmStatus(False, version, f"probing deep_gemm failed: {type(err).__name__}: {err}")
-
-
-def _tiny_grouped_gemm(deep_gemm) -> float:
-    """One real call: ``d = a @ b[0].T`` through ``m_grouped_bf16_gemm_nt_contiguous``; returns calc_diff."""
-    from moe_ref.testing import calc_diff
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
-    b = torch.randn(1, 128, 256, device="cuda", dtype=torch.bfloat16, generator=gen)
-    d = torch.empty(128, 128, device="cuda", dtype=torch.bfloat16)
-    grouped_layout = torch.zeros(128, device="cuda", dtype=torch.int32)
-    deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, grouped_layout)
-    torch.cuda.synchronize()
-    return calc_diff(d, a.float() @ b[0].float().t())
-
-
-def _import_deep_gemm():
-    """``deep_gemm`` after a successful probe, else the coded ENV001 error with the probe's reason."""
-    status = deep_gemm_status()
-    if not status.available:
-        raise BackendUnavailableError(f"deep_gemm is not usable here: {status.reason}", reason=status.reason)
-    return importlib.import_module("deep_gemm")
+__all__ = ["DeepGemmExperts", "grouped_layout_from_expert_layout"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,21 +75,6 @@ def _quantize_rows_fp8(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     *lead, k = x_MK.shape
     x_fp8, scale = per_token_cast_to_fp8(x_MK.reshape(-1, k), use_ue8m0=False)
     return x_fp8.view(*lead, k), scale.view(*lead, scale.shape[-1])
-
-
-def _call(deep_gemm, name: str, *args, **kwargs) -> None:
-    """Call ``deep_gemm.<name>`` and, on failure, re-raise with every argument's shape/dtype/stride."""
-    try:
-        getattr(deep_gemm, name)(*args, **kwargs)
-    except Exception as err:
-        def describe(value):
-            if isinstance(value, torch.Tensor):
-                return f"Tensor{tuple(value.shape)} {value.dtype} strides={value.stride()} {value.device}"
-            if isinstance(value, (tuple, list)):
-                return "(" + ", ".join(describe(v) for v in value) + ")"
-            return repr(value)
-        described = ", ".join([describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()])
-        raise RuntimeError(f"deep_gemm.{name}({described}) failed: {type(err).__name__}: {err}") from err
 
 
 # --------------------------------------------------------------------------------------------------
@@ -240,7 +103,7 @@ class DeepGemmExperts(Experts):
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False):
-        deep_gemm = _import_deep_gemm()
+        deep_gemm = import_deep_gemm()
         super().__init__(gate_up_weight_e2FD, down_weight_eDF, activation, situ_beta, situ_linear_beta)
         if activation not in ("silu", "situ"):
             raise UnknownNameError(f"activation={activation!r}; supported: silu, situ")
@@ -297,11 +160,11 @@ class DeepGemmExperts(Experts):
         num_out = (weight[0] if self.fp8 else weight).shape[1]
         out_RN = torch.empty(a_RK.shape[0], num_out, dtype=torch.bfloat16, device=a_RK.device)
         if self.fp8:
-            _call(self._deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", _quantize_rows_fp8(a_RK), weight, out_RN,
-                  grouped_layout_R, disable_ue8m0_cast=True)
+            call_deep_gemm(self._deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", _quantize_rows_fp8(a_RK), weight,
+                           out_RN, grouped_layout_R, disable_ue8m0_cast=True)
         else:
-            _call(self._deep_gemm, "m_grouped_bf16_gemm_nt_contiguous", a_RK.to(torch.bfloat16).contiguous(), weight,
-                  out_RN, grouped_layout_R)
+            call_deep_gemm(self._deep_gemm, "m_grouped_bf16_gemm_nt_contiguous", a_RK.to(torch.bfloat16).contiguous(),
+                           weight, out_RN, grouped_layout_R)
         return out_RN
 
     def _activation(self, gate_up_2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -351,11 +214,11 @@ class DeepGemmExperts(Experts):
         num_out = (weight[0] if self.fp8 else weight).shape[1]
         out_eMN = torch.empty(*a_eMK.shape[:2], num_out, dtype=torch.bfloat16, device=a_eMK.device)
         if self.fp8:
-            _call(self._deep_gemm, "m_grouped_fp8_fp4_gemm_nt_masked", _quantize_rows_fp8(a_eMK), weight, out_eMN,
-                  masked_m_e, expected_m, disable_ue8m0_cast=True)
+            call_deep_gemm(self._deep_gemm, "m_grouped_fp8_fp4_gemm_nt_masked", _quantize_rows_fp8(a_eMK), weight,
+                           out_eMN, masked_m_e, expected_m, disable_ue8m0_cast=True)
         else:
-            _call(self._deep_gemm, "m_grouped_bf16_gemm_nt_masked", a_eMK.to(torch.bfloat16).contiguous(), weight,
-                  out_eMN, masked_m_e, expected_m)
+            call_deep_gemm(self._deep_gemm, "m_grouped_bf16_gemm_nt_masked", a_eMK.to(torch.bfloat16).contiguous(),
+                           weight, out_eMN, masked_m_e, expected_m)
         return out_eMN
 
     def _check_input(self, x: torch.Tensor, ndim: int) -> None:
@@ -414,38 +277,3 @@ def grouped_layout_from_expert_layout(layout: ExpertLayout, num_rows: int,
     seg_R = (torch.searchsorted(row_start_e, rows_R, right=True) - 1).clamp(min=0)
     valid_R = (rows_R >= row_start_e[seg_R]) & (rows_R < row_start_e[seg_R] + num_rows_e[seg_R])
     return torch.where(valid_R, seg_R, -1).to(torch.int32), valid_R
-
-
-# --------------------------------------------------------------------------------------------------
-# benchmark hook (scripts/bench_experts.py)
-# --------------------------------------------------------------------------------------------------
-def deep_gemm_grouped_cases(x_RD: torch.Tensor, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor,
-                            row_start_e: torch.Tensor, num_rows_e: torch.Tensor, *, activation: str = "silu",
-                            fp8_options: tuple[bool, ...] = (False, True)) -> list[tuple[str, Callable[[], torch.Tensor]]]:
-    """DeepGEMM paths for a benchmark case as ``(name, fn)`` pairs; [] when deep_gemm is not usable here.
-
-    For ``scripts/bench_experts.py``: each ``fn()`` runs ``DeepGemmExperts.forward`` (GEMM1, torch
-    activation, GEMM2; fp8 also quantizes the activations) over the whole pool and returns ``y_RD``.
-    The weights are converted (bf16 copy, or fp8 quantization) here, once, outside the timed ``fn``.
-
-    Args:
-        x_RD: ``[R, D]`` CUDA pool rows (bf16), segments 128-aligned.
-        gate_up_weight_e2FD: ``[e, 2F, D]`` CUDA.
-        down_weight_eDF: ``[e, D, F]`` CUDA.
-        row_start_e: ``[e]`` int, first pool row of each expert (multiples of 128).
-        num_rows_e: ``[e]`` int, valid rows of each expert.
-        activation: ``"silu"`` or ``"situ"``.
-        fp8_options: which variants to build: False = ``deep_gemm_bf16``, True = ``deep_gemm_fp8``.
-
-    Returns:
-        cases: ``[("deep_gemm_bf16", fn), ("deep_gemm_fp8", fn)]`` (those asked for), each ``fn() -> y_RD``
-        ``[R, D]`` in ``x_RD``'s dtype, padding rows zero. Empty when ``deep_gemm_status()`` is not available.
-    """
-    if not deep_gemm_status().available:
-        return []
-    layout = ExpertLayout(row_start_e, num_rows_e, x_RD.shape[0], 128)
-    cases = []
-    for fp8 in fp8_options:
-        experts = DeepGemmExperts(gate_up_weight_e2FD, down_weight_eDF, activation, fp8=fp8)
-        cases.append((f"deep_gemm_{'fp8' if fp8 else 'bf16'}", functools.partial(experts.forward, x_RD, layout)))
-    return cases

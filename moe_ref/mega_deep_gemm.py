@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from moe_ref import ops
 from moe_ref.config import MoEConfig
-from moe_ref.deep_gemm_backend import _call, _import_deep_gemm, deep_gemm_status
+from moe_ref.deep_gemm_probe import call_deep_gemm, deep_gemm_status, import_deep_gemm
 from moe_ref.distributed import group_max
 from moe_ref.errors import (BackendUnavailableError, CapacityMismatchError, DeviceError, ShapeError,
                             ShapeUnsupportedError)
@@ -132,7 +132,7 @@ class DeepGemmMegaMoE:
         if not ok:
             raise ShapeUnsupportedError(f"deep_gemm SM90 mega-MoE refuses {cfg.name} at ep_size={ep_size}: {reason}",
                                         reason=reason)
-        deep_gemm = _import_deep_gemm()
+        deep_gemm = import_deep_gemm()
         status = deep_gemm_status()
         if not status.mega_moe:
             raise BackendUnavailableError(f"deep_gemm {status.version} has no SM90 mega-MoE API "
@@ -203,9 +203,9 @@ class DeepGemmMegaMoE:
         if num_tokens == 0:
             buf.topk_idx[:1].fill_(-1)  # the 1-row dummy launch below must route nothing
         y_TD = torch.empty(max(num_tokens, 1), self.hidden_size, dtype=torch.bfloat16, device=self.device)
-        _call(self._deep_gemm, "fp8_mega_moe", y_TD, self._l1_weights, self._l2_weights, buf,
-              cumulative_local_expert_recv_stats=self.num_recv_tokens_per_expert_e, recipe=(128, 128, 128),
-              activation="swiglu", activation_clamp=self.activation_clamp, fast_math=self.fast_math)
+        call_deep_gemm(self._deep_gemm, "fp8_mega_moe", y_TD, self._l1_weights, self._l2_weights, buf,
+                       cumulative_local_expert_recv_stats=self.num_recv_tokens_per_expert_e, recipe=(128, 128, 128),
+                       activation="swiglu", activation_clamp=self.activation_clamp, fast_math=self.fast_math)
         return y_TD[:num_tokens]
 
     def _check_weights(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor) -> None:

@@ -162,7 +162,7 @@ def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], 
 
 def _deep_gemm_cases(case: Case) -> list[tuple[str, Callable[[], object]]]:
     """DeepGEMM grouped-GEMM paths for `case` as (name, fn) pairs; [] when deep_gemm is not usable here."""
-    from moe_ref.deep_gemm_backend import deep_gemm_grouped_cases
+    from moe_ref.deep_gemm_bench import deep_gemm_grouped_cases
 
     return deep_gemm_grouped_cases(case.x_RD, case.gate_up, case.down, case.row_start_e, case.num_rows_e)
 

@@ -272,7 +272,7 @@ def main(argv=None) -> int:
                      f"intermediate {args.intermediate}, bf16 (moe_ref_triton_fp8, deep_gemm_mega: fp8)",
             "timing": f"median of {args.iters} after {args.warmup} warmup, barrier before each, max over ranks"}
     try:
-        from moe_ref.deep_gemm_backend import deep_gemm_status
+        from moe_ref.deep_gemm_probe import deep_gemm_status
 
         meta["deep_gemm"] = deep_gemm_status().__dict__
     except Exception as err:  # noqa: BLE001

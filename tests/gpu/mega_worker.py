@@ -151,7 +151,7 @@ def main() -> int:
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank)
 
-    from moe_ref.deep_gemm_backend import deep_gemm_status
+    from moe_ref.deep_gemm_probe import deep_gemm_status
     from moe_ref.mega_deep_gemm import make_mega_step
     from moe_ref.options import EPOptions
 

@@ -25,7 +25,9 @@ import pytest
 import torch
 
 from moe_ref.activations import dense_mlp
-from moe_ref.deep_gemm_backend import DeepGemmExperts, deep_gemm_grouped_cases, deep_gemm_status
+from moe_ref.deep_gemm_backend import DeepGemmExperts
+from moe_ref.deep_gemm_bench import deep_gemm_grouped_cases
+from moe_ref.deep_gemm_probe import deep_gemm_status
 from moe_ref.errors import ShapeError
 from moe_ref.experts import ExpertLayout, TorchLoopExperts, make_experts
 from moe_ref.testing import CALC_DIFF_TOLERANCES, calc_diff

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_ref import deep_gemm_backend, mega_deep_gemm, overflow
+from moe_ref import deep_gemm_backend, deep_gemm_probe, mega_deep_gemm, overflow
 from moe_ref.capacity import CapacityPlan
 from moe_ref.config import MoEConfig, preset
-from moe_ref.deep_gemm_backend import (DeepGemmExperts, DeepGemmStatus, deep_gemm_grouped_cases, deep_gemm_status,
-                                       grouped_layout_from_expert_layout)
+from moe_ref.deep_gemm_backend import DeepGemmExperts, grouped_layout_from_expert_layout
+from moe_ref.deep_gemm_bench import deep_gemm_grouped_cases
+from moe_ref.deep_gemm_probe import DeepGemmStatus, deep_gemm_status
 from moe_ref.errors import (BackendUnavailableError, CapacityExceededError, ExpertIdError, ShapeError,
                             ShapeUnsupportedError)
 from moe_ref.activations import dense_mlp
@@ -36,9 +37,9 @@ _API = ("m_grouped_bf16_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_contiguous",
 def fresh_probe():
     """Every test probes afresh and leaves no fake ``deep_gemm`` module behind."""
     real = sys.modules.get("deep_gemm")
-    deep_gemm_backend._probe.cache_clear()
+    deep_gemm_probe._probe.cache_clear()
     yield
-    deep_gemm_backend._probe.cache_clear()
+    deep_gemm_probe._probe.cache_clear()
     if sys.modules.get("deep_gemm") is not real:
         sys.modules.pop("deep_gemm", None)
         if real is not None:
@@ -135,7 +136,7 @@ def test_failing_tiny_call_is_caught(tmp_path, monkeypatch):
 def test_unexpected_probe_error_is_reported_not_raised(monkeypatch):
     def boom():
         raise RuntimeError("metadata exploded")
-    monkeypatch.setattr(deep_gemm_backend, "_installed_version", boom)
+    monkeypatch.setattr(deep_gemm_probe, "_installed_version", boom)
     status = deep_gemm_status(refresh=True)
     assert not status.available and "metadata exploded" in status.reason
 
@@ -273,7 +274,7 @@ def fake_deep_gemm(monkeypatch):
     module = _fake_deep_gemm_module()
     monkeypatch.setitem(sys.modules, "deep_gemm", module)
     monkeypatch.setitem(sys.modules, "deep_gemm.utils", module.utils)
-    monkeypatch.setattr(deep_gemm_backend, "_probe", lambda: DeepGemmStatus(True, "0.1.4-fake", "fake", False))
+    monkeypatch.setattr(deep_gemm_probe, "_probe", lambda: DeepGemmStatus(True, "0.1.4-fake", "fake", False))
     monkeypatch.setattr(deep_gemm_backend, "_require_cuda", lambda name, tensor: None)
     return module
 
