@@ -8,7 +8,8 @@
 Both the EP layer (``MegaMoE``) and the single-process oracle (``reference.reference_moe``) are this
 composition with a different routed step, so they cannot drift apart.
 
-Shape legend: T tokens, D hidden, Dx expert input width (D, or the latent L for Kimi-K3), E experts, K top-k.
+Shape legend: T tokens, D hidden, L latent width (Kimi-K3), Dx expert input width (D, or the latent L for
+Kimi-K3), E experts, K top-k, S shared-MLP intermediate.
 """
 from __future__ import annotations
 

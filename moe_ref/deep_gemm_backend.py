@@ -3,16 +3,18 @@
 One job: the ``deep_gemm`` entry of the experts registry. Whether DeepGEMM can run here is
 ``moe_ref.deep_gemm_probe``; the benchmark paths are ``moe_ref.deep_gemm_bench``.
 
-    recv pool x_RD --grouped_layout_R (local expert of each row, -1 on padding rows)-->
-      m_grouped_{bf16,fp8}_gemm_nt_contiguous(x, gate_up)   -> gate_up_R2F (bf16)
-      --torch, fp32: SiLU-gated / SiTU activation, padding rows zeroed-->  h_RF
-      m_grouped_{bf16,fp8}_gemm_nt_contiguous(h, down)      -> y_RD (padding rows zeroed)
+    recv pool x_PDx --grouped_layout_P (local expert of each row, -1 on padding rows)-->
+      m_grouped_{bf16,fp8}_gemm_nt_contiguous(x, gate_up)   -> gate_up_P2F (bf16)
+      --torch, fp32: SiLU-gated / SiTU activation, padding rows zeroed-->  h_PF
+      m_grouped_{bf16,fp8}_gemm_nt_contiguous(h, down)      -> y_PDx (padding rows zeroed)
 
-``DeepGemmExperts.forward_masked`` does the same over DeepGEMM's masked layout (``[e, M, D]`` plus the
+``DeepGemmExperts.forward_masked`` does the same over DeepGEMM's masked layout (``[e, M, Dx]`` plus the
 valid row count per expert), which needs no host sync and can be captured in a CUDA graph for decode.
 
-Shape legend: R pool rows, D width the experts see, F expert intermediate, e local experts,
-M rows per expert in the masked layout, Db = D / 128, Fb = F / 128.
+Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, M rows reserved
+per expert in DeepGEMM's masked layout, O and I one weight matrix's output and input features (DeepGEMM's n and
+k), Db = ceil(Dx / 128), Ib = ceil(I / 128). ``x_RD`` and ``x_scale_RDb`` in ``forward`` keep the names of
+``Experts.forward``'s signature (read ``[P, Dx]`` and ``[P, Db]``); the weights' ``D`` is Dx too.
 
 What this module relies on in ``sgl-deep-gemm`` 0.1.4 (import name ``deep_gemm``), read from its Python
 wrappers and its compiled asserts:
@@ -58,22 +60,22 @@ __all__ = ["DeepGemmExperts", "grouped_layout_from_expert_layout"]
 # --------------------------------------------------------------------------------------------------
 # FP8 helpers (activations: DeepGEMM's own quantizer; weights: moe_ref.kernels.fp8)
 # --------------------------------------------------------------------------------------------------
-def _quantize_weights_fp8(weight_eND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[e, N, K]`` (N, K multiples of 128) -> fp8 ``[e, N, K]`` + fp32 ``[e, N/128, K/128]`` block scales."""
+def _quantize_weights_fp8(weight_eOI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[e, O, I]`` (O, I multiples of 128) -> fp8 ``[e, O, I]`` + fp32 ``[e, O/128, I/128]`` block scales."""
     from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
 
-    _, n, k = weight_eND.shape
+    _, n, k = weight_eOI.shape
     if n % 128 or k % 128:
         raise FP8AlignmentError(f"fp8 weights need both matrix dims divisible by 128, got {n=} and {k=}")
-    return quantize_fp8_per_block_128(weight_eND)
+    return quantize_fp8_per_block_128(weight_eOI)
 
 
-def _quantize_rows_fp8(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., K]`` -> (fp8 ``[..., K]``, fp32 ``[..., K/128]``) with ``deep_gemm.utils.per_token_cast_to_fp8``."""
+def _quantize_rows_fp8(x_I: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., I]`` -> (fp8 ``[..., I]``, fp32 ``[..., Ib]``) with ``deep_gemm.utils.per_token_cast_to_fp8``."""
     from deep_gemm.utils import per_token_cast_to_fp8
 
-    *lead, k = x_MK.shape
-    x_fp8, scale = per_token_cast_to_fp8(x_MK.reshape(-1, k), use_ue8m0=False)
+    *lead, k = x_I.shape
+    x_fp8, scale = per_token_cast_to_fp8(x_I.reshape(-1, k), use_ue8m0=False)
     return x_fp8.view(*lead, k), scale.view(*lead, scale.shape[-1])
 
 
@@ -125,13 +127,13 @@ class DeepGemmExperts(Experts):
         """Run every local expert over its segment of the pool.
 
         Args:
-            x_RD: ``[R, D]`` CUDA bf16/fp16/fp32 pool rows, expert-major; the rows of local expert i are
+            x_RD: ``[P, Dx]`` CUDA bf16/fp16/fp32 pool rows, expert-major; the rows of local expert i are
                 ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``.
             layout: ``ExpertLayout``; ``layout.alignment`` must be a multiple of DeepGEMM's M alignment (128).
             x_scale_RDb: always None (this backend takes activation-dtype rows; ``accepts_fp8_input`` is False).
 
         Returns:
-            y_RD: ``[R, D]`` in ``x_RD``'s dtype; rows outside every segment are zero. No host sync
+            y_PDx: ``[P, Dx]`` in ``x_RD``'s dtype; rows outside every segment are zero. No host sync
             (the layout's tensors are moved to the device if needed).
         """
         self._check_input(x_RD, 2)
@@ -143,29 +145,29 @@ class DeepGemmExperts(Experts):
         num_rows = x_RD.shape[0]
         if num_rows == 0:
             return torch.zeros_like(x_RD)
-        # Pad the pool to whole M blocks (only when R is not already a multiple of the alignment).
+        # Pad the pool to whole GEMM M blocks (only when P is not already a multiple of the alignment).
         num_padded_rows = -(-num_rows // self.mk_alignment) * self.mk_alignment
         x_bf16 = x_RD.to(torch.bfloat16)
         if num_padded_rows != num_rows:
             x_bf16 = F.pad(x_bf16, (0, 0, 0, num_padded_rows - num_rows))
-        grouped_layout_R, valid_R = grouped_layout_from_expert_layout(layout, num_padded_rows, x_RD.device)
+        grouped_layout_P, valid_P = grouped_layout_from_expert_layout(layout, num_padded_rows, x_RD.device)
 
-        gate_up_R2F = self._grouped_gemm(x_bf16.contiguous(), self._gate_up_weight, grouped_layout_R)
-        h_RF = self._activation(gate_up_R2F, valid_R[:, None])
-        y_RD = self._grouped_gemm(h_RF, self._down_weight, grouped_layout_R)
-        return torch.where(valid_R[:, None], y_RD, 0)[:num_rows].to(x_RD.dtype)
+        gate_up_P2F = self._grouped_gemm(x_bf16.contiguous(), self._gate_up_weight, grouped_layout_P)
+        h_PF = self._activation(gate_up_P2F, valid_P[:, None])
+        y_PDx = self._grouped_gemm(h_PF, self._down_weight, grouped_layout_P)
+        return torch.where(valid_P[:, None], y_PDx, 0)[:num_rows].to(x_RD.dtype)
 
-    def _grouped_gemm(self, a_RK: torch.Tensor, weight, grouped_layout_R: torch.Tensor) -> torch.Tensor:
-        """``[R, K] x [e, N, K] -> [R, N]`` bf16 on DeepGEMM's contiguous layout."""
+    def _grouped_gemm(self, a_PI: torch.Tensor, weight, grouped_layout_P: torch.Tensor) -> torch.Tensor:
+        """``[P, I] x [e, O, I] -> [P, O]`` bf16 on DeepGEMM's contiguous layout."""
         num_out = (weight[0] if self.fp8 else weight).shape[1]
-        out_RN = torch.empty(a_RK.shape[0], num_out, dtype=torch.bfloat16, device=a_RK.device)
+        out_PO = torch.empty(a_PI.shape[0], num_out, dtype=torch.bfloat16, device=a_PI.device)
         if self.fp8:
-            call_deep_gemm(self._deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", _quantize_rows_fp8(a_RK), weight,
-                           out_RN, grouped_layout_R, disable_ue8m0_cast=True)
+            call_deep_gemm(self._deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", _quantize_rows_fp8(a_PI), weight,
+                           out_PO, grouped_layout_P, disable_ue8m0_cast=True)
         else:
-            call_deep_gemm(self._deep_gemm, "m_grouped_bf16_gemm_nt_contiguous", a_RK.to(torch.bfloat16).contiguous(),
-                           weight, out_RN, grouped_layout_R)
-        return out_RN
+            call_deep_gemm(self._deep_gemm, "m_grouped_bf16_gemm_nt_contiguous", a_PI.to(torch.bfloat16).contiguous(),
+                           weight, out_PO, grouped_layout_P)
+        return out_PO
 
     def _activation(self, gate_up_2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """fp32 activation of ``[..., 2F]``; rows where ``valid`` is False become 0 (their GEMM output is
@@ -176,50 +178,50 @@ class DeepGemmExperts(Experts):
         return h.contiguous() if self.fp8 else h.to(torch.bfloat16).contiguous()
 
     # --- masked layout (decode, CUDA graphs) ---------------------------------------------------------
-    def forward_masked(self, x_eMD: torch.Tensor, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
-        """Run expert i over rows ``x_eMD[i, :masked_m_e[i]]`` (DeepGEMM's masked layout).
+    def forward_masked(self, x_eMDx: torch.Tensor, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
+        """Run expert i over rows ``x_eMDx[i, :masked_m_e[i]]`` (DeepGEMM's masked layout).
 
         No host sync, fixed shapes: after one warm-up call (JIT compile) it can be captured in a
         ``torch.cuda.CUDAGraph``.
 
         Args:
-            x_eMD: ``[e, M, D]`` CUDA bf16/fp16/fp32; M = rows reserved per expert.
+            x_eMDx: ``[e, M, Dx]`` CUDA bf16/fp16/fp32; M = rows reserved per expert.
             masked_m_e: ``[e]`` int32 CUDA (int64 is converted), valid rows per expert, each in ``[0, M]``.
             expected_m: a host int > 0, the typical rows per expert (DeepGEMM's tiling hint only).
 
         Returns:
-            y_eMD: ``[e, M, D]`` in ``x_eMD``'s dtype; rows ``>= masked_m_e[i]`` of expert i are zero.
+            y_eMDx: ``[e, M, Dx]`` in ``x_eMDx``'s dtype; rows ``>= masked_m_e[i]`` of expert i are zero.
         """
-        self._check_input(x_eMD, 3)
-        num_experts, max_rows, _ = x_eMD.shape
+        self._check_input(x_eMDx, 3)
+        num_experts, max_rows, _ = x_eMDx.shape
         if num_experts != self.num_local_experts:
-            raise ShapeError(f"x_eMD has {num_experts} experts, the weights {self.num_local_experts}")
-        if tuple(masked_m_e.shape) != (num_experts,) or masked_m_e.device != x_eMD.device:
-            raise ShapeError(f"masked_m_e must be [{num_experts}] on {x_eMD.device}, got {tuple(masked_m_e.shape)} "
+            raise ShapeError(f"x_eMDx has {num_experts} experts, the weights {self.num_local_experts}")
+        if tuple(masked_m_e.shape) != (num_experts,) or masked_m_e.device != x_eMDx.device:
+            raise ShapeError(f"masked_m_e must be [{num_experts}] on {x_eMDx.device}, got {tuple(masked_m_e.shape)} "
                              f"on {masked_m_e.device}")
         if not isinstance(expected_m, int) or expected_m <= 0:
             raise ShapeError(f"expected_m={expected_m!r} must be a positive int (deep_gemm asserts expected_m > 0)")
         if max_rows == 0:
-            return torch.zeros_like(x_eMD)
+            return torch.zeros_like(x_eMDx)
         masked_m_e = masked_m_e.to(torch.int32).contiguous()
-        valid_eM = torch.arange(max_rows, device=x_eMD.device)[None, :] < masked_m_e[:, None]
+        valid_eM = torch.arange(max_rows, device=x_eMDx.device)[None, :] < masked_m_e[:, None]
 
-        gate_up_eM2F = self._masked_gemm(x_eMD.to(torch.bfloat16).contiguous(), self._gate_up_weight, masked_m_e,
+        gate_up_eM2F = self._masked_gemm(x_eMDx.to(torch.bfloat16).contiguous(), self._gate_up_weight, masked_m_e,
                                          expected_m)
         h_eMF = self._activation(gate_up_eM2F, valid_eM[..., None])
-        y_eMD = self._masked_gemm(h_eMF, self._down_weight, masked_m_e, expected_m)
-        return torch.where(valid_eM[..., None], y_eMD, 0).to(x_eMD.dtype)
+        y_eMDx = self._masked_gemm(h_eMF, self._down_weight, masked_m_e, expected_m)
+        return torch.where(valid_eM[..., None], y_eMDx, 0).to(x_eMDx.dtype)
 
-    def _masked_gemm(self, a_eMK: torch.Tensor, weight, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
+    def _masked_gemm(self, a_eMI: torch.Tensor, weight, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
         num_out = (weight[0] if self.fp8 else weight).shape[1]
-        out_eMN = torch.empty(*a_eMK.shape[:2], num_out, dtype=torch.bfloat16, device=a_eMK.device)
+        out_eMO = torch.empty(*a_eMI.shape[:2], num_out, dtype=torch.bfloat16, device=a_eMI.device)
         if self.fp8:
-            call_deep_gemm(self._deep_gemm, "m_grouped_fp8_fp4_gemm_nt_masked", _quantize_rows_fp8(a_eMK), weight,
-                           out_eMN, masked_m_e, expected_m, disable_ue8m0_cast=True)
+            call_deep_gemm(self._deep_gemm, "m_grouped_fp8_fp4_gemm_nt_masked", _quantize_rows_fp8(a_eMI), weight,
+                           out_eMO, masked_m_e, expected_m, disable_ue8m0_cast=True)
         else:
-            call_deep_gemm(self._deep_gemm, "m_grouped_bf16_gemm_nt_masked", a_eMK.to(torch.bfloat16).contiguous(),
-                           weight, out_eMN, masked_m_e, expected_m)
-        return out_eMN
+            call_deep_gemm(self._deep_gemm, "m_grouped_bf16_gemm_nt_masked", a_eMI.to(torch.bfloat16).contiguous(),
+                           weight, out_eMO, masked_m_e, expected_m)
+        return out_eMO
 
     def _check_input(self, x: torch.Tensor, ndim: int) -> None:
         _require_cuda("the input", x)
@@ -258,22 +260,22 @@ def grouped_layout_from_expert_layout(layout: ExpertLayout, num_rows: int,
                                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepGEMM's per-row group ids from an ``ExpertLayout``, built on ``device`` without a host sync.
 
-    Example: starts [0, 128, 128], counts [3, 0, 5], R = 256 -> rows 0-2 -> 0, rows 3-127 -> -1,
+    Example: starts [0, 128, 128], counts [3, 0, 5], P = 256 -> rows 0-2 -> 0, rows 3-127 -> -1,
     rows 128-132 -> 2, rows 133-255 -> -1 (an empty expert shares its start with the next one;
     ``searchsorted(right=True)`` picks the later, non-empty one).
 
     Args:
         layout: segments sorted by start (as ``ExpertLayout.from_counts`` builds them).
-        num_rows: R, rows of the (possibly padded) pool.
+        num_rows: P, rows of the (possibly padded) pool.
         device: where to build the tensors.
 
     Returns:
-        grouped_layout_R: ``[R]`` int32, the local expert of each row, -1 on padding rows.
-        valid_R: ``[R]`` bool, ``grouped_layout_R >= 0``.
+        grouped_layout_P: ``[P]`` int32, the local expert of each row, -1 on padding rows.
+        valid_P: ``[P]`` bool, ``grouped_layout_P >= 0``.
     """
     row_start_e = layout.row_start_e.to(device=device, dtype=torch.int64)
     num_rows_e = layout.num_rows_e.to(device=device, dtype=torch.int64)
-    rows_R = torch.arange(num_rows, device=device, dtype=torch.int64)
-    seg_R = (torch.searchsorted(row_start_e, rows_R, right=True) - 1).clamp(min=0)
-    valid_R = (rows_R >= row_start_e[seg_R]) & (rows_R < row_start_e[seg_R] + num_rows_e[seg_R])
-    return torch.where(valid_R, seg_R, -1).to(torch.int32), valid_R
+    rows_P = torch.arange(num_rows, device=device, dtype=torch.int64)
+    seg_P = (torch.searchsorted(row_start_e, rows_P, right=True) - 1).clamp(min=0)
+    valid_P = (rows_P >= row_start_e[seg_P]) & (rows_P < row_start_e[seg_P] + num_rows_e[seg_P])
+    return torch.where(valid_P, seg_P, -1).to(torch.int32), valid_P

@@ -1,11 +1,13 @@
 """Expert backends: the routed-expert MLP over an expert-major receive pool.
 
-    recv pool x_RD (expert-major, segments aligned) --GEMM1 gate||up--> act --GEMM2 down--> y_RD
+    recv pool x_PDx (expert-major, segments aligned) --GEMM1 gate||up--> act --GEMM2 down--> y_PDx
 
-Shape legend: R pool rows, D width the experts see (hidden, or latent for Kimi-K3), F expert
-intermediate, e local experts, Db = ceil(D/128).
+Shape legend: P receive-pool rows, Dx expert input width (hidden, or latent for Kimi-K3), F expert
+intermediate, e local experts, Db = ceil(Dx / 128), Fb = ceil(F / 128). The argument names all backends share
+(``x_RD``, ``x_scale_RDb``, ``gate_up_weight_e2FD``, ``down_weight_eDF``) predate the package legend: read R as P
+and D as Dx in them.
 
-Every backend is called as ``experts(x_RD, layout, x_scale_RDb=None) -> y_RD`` (``Experts.__call__``
+Every backend is called as ``experts(x_RD, layout, x_scale_RDb=None) -> y_PDx`` (``Experts.__call__``
 checks the input format, then runs ``forward``) over the same layout (``ExpertLayout``): the rows of
 local expert i are ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``; rows outside every segment
 (alignment padding) come out as zeros. Each backend declares what it wants from the dispatcher:
@@ -45,7 +47,7 @@ class ExpertLayout:
     Attributes:
         row_start_e: ``[e]`` int64, first pool row of each expert (a multiple of ``alignment``).
         num_rows_e: ``[e]`` int64, valid rows of each expert (may be 0).
-        num_pool_rows: R, rows of the pool tensor the experts get (>= the last segment's aligned end; the
+        num_pool_rows: P, rows of the pool tensor the experts get (>= the last segment's aligned end; the
             dispatcher passes exactly that prefix of its receive pool).
         alignment: segment alignment in rows (the backend's ``segment_alignment`` by default).
     """
@@ -59,7 +61,7 @@ class ExpertLayout:
     def from_counts(num_rows_e: torch.Tensor, alignment: int, num_pool_rows: int | None = None) -> "ExpertLayout":
         """Pack segments back to back, each starting on a multiple of ``alignment``.
 
-        Example: counts [3, 0, 5], alignment 4 -> starts [0, 4, 4], ends 3, 4, 9; R = 12 unless given.
+        Example: counts [3, 0, 5], alignment 4 -> starts [0, 4, 4], ends 3, 4, 9; P = 12 unless given.
         """
         num_rows_e = num_rows_e.to(torch.int64)
         aligned_e = (num_rows_e + alignment - 1) // alignment * alignment
@@ -72,19 +74,19 @@ class ExpertLayout:
         return self.num_rows_e.numel()
 
     def row_expert_R(self) -> torch.Tensor:
-        """``[R]`` int64: the local expert of each pool row, -1 for padding rows."""
-        expert_R = torch.full((self.num_pool_rows,), -1, dtype=torch.int64, device=self.num_rows_e.device)
+        """``[P]`` int64: the local expert of each pool row, -1 for padding rows (R in the name predates the legend)."""
+        expert_P = torch.full((self.num_pool_rows,), -1, dtype=torch.int64, device=self.num_rows_e.device)
         for i, (start, count) in enumerate(zip(self.row_start_e.tolist(), self.num_rows_e.tolist())):
-            expert_R[start:start + count] = i
-        return expert_R
+            expert_P[start:start + count] = i
+        return expert_P
 
 
 class Experts(ABC):
     """The local experts' weights and one way to run them.
 
     Args:
-        gate_up_weight_e2FD: ``[e, 2F, D]`` gate rows then up rows of each local expert.
-        down_weight_eDF: ``[e, D, F]``.
+        gate_up_weight_e2FD: ``[e, 2F, Dx]`` gate rows then up rows of each local expert.
+        down_weight_eDF: ``[e, Dx, F]``.
         activation, situ_beta, situ_linear_beta: see ``moe_ref.activations``.
     """
 
@@ -110,20 +112,20 @@ class Experts(ABC):
 
     @abstractmethod
     def forward(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
-        """``x_RD [R, D]`` pool rows -> ``y_RD [R, D]`` (padding rows zero): in ``x_RD``'s dtype, bf16 for
-        an fp8 ``x_RD`` (which comes with its ``x_scale_RDb [R, Db]`` fp32, only where
+        """``x_RD [P, Dx]`` pool rows -> ``y_PDx [P, Dx]`` (padding rows zero): in ``x_RD``'s dtype, bf16 for
+        an fp8 ``x_RD`` (which comes with its ``x_scale_RDb [P, Db]`` fp32, only where
         ``accepts_fp8_input``)."""
 
     def __call__(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
         """Check the input format against ``accepts_fp8_input``, then ``forward``.
 
         Args:
-            x_RD: ``[R, D]`` pool rows: the activation dtype, or fp8 e4m3 for a backend that accepts it.
+            x_RD: ``[P, Dx]`` pool rows: the activation dtype, or fp8 e4m3 for a backend that accepts it.
             layout: the segments of the local experts in ``x_RD``.
-            x_scale_RDb: ``[R, ceil(D/128)]`` fp32 per-row per-128-column scales, given iff ``x_RD`` is fp8.
+            x_scale_RDb: ``[P, Db]`` fp32 per-row per-128-column scales, given iff ``x_RD`` is fp8.
 
         Returns:
-            ``y_RD [R, D]``; raises ``DTypeError`` (INP002) for fp8 rows this backend cannot take, or a
+            ``y_PDx [P, Dx]``; raises ``DTypeError`` (INP002) for fp8 rows this backend cannot take, or a
             missing/unexpected scale.
         """
         is_fp8 = x_RD.dtype == FP8_DTYPE
@@ -145,13 +147,13 @@ class TorchLoopExperts(Experts):
     segment_alignment = 128  # whole 128-row segments keep chunked == unchunked bitwise (moe_ref.dispatch NOTE)
 
     def forward(self, x_RD, layout, x_scale_RDb=None):
-        y_RD = torch.zeros_like(x_RD)
+        y_PDx = torch.zeros_like(x_RD)
         for i, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
             if count:
-                y_RD[start:start + count] = dense_mlp(
+                y_PDx[start:start + count] = dense_mlp(
                     x_RD[start:start + count], self.gate_up_weight_e2FD[i], self.down_weight_eDF[i],
                     self.activation, self.situ_beta, self.situ_linear_beta)
-        return y_RD
+        return y_PDx
 
 
 class GroupedMMExperts(Experts):
@@ -179,22 +181,22 @@ class GroupedMMExperts(Experts):
         aligned_e = (layout.num_rows_e + layout.alignment - 1) // layout.alignment * layout.alignment
         offs_e = (layout.row_start_e + aligned_e).clamp(max=num_rows).to(torch.int32)
         x_in = x_RD.to(self.gate_up_weight_e2FD.dtype)
-        gate_up_R2F = self._grouped_mm(x_in, self.gate_up_weight_e2FD.transpose(-2, -1), offs=offs_e)
-        gate_RF, up_RF = gate_up_R2F.chunk(2, dim=-1)
-        h_RF = gated_activation(gate_RF, up_RF, self.activation, self.situ_beta, self.situ_linear_beta)
-        y_RD = self._grouped_mm(h_RF.to(self.down_weight_eDF.dtype).contiguous(),
-                                self.down_weight_eDF.transpose(-2, -1), offs=offs_e)
-        valid_R = _valid_rows(layout, num_rows, x_RD.device)
-        return torch.where(valid_R[:, None], y_RD, 0).to(x_RD.dtype)
+        gate_up_P2F = self._grouped_mm(x_in, self.gate_up_weight_e2FD.transpose(-2, -1), offs=offs_e)
+        gate_PF, up_PF = gate_up_P2F.chunk(2, dim=-1)
+        h_PF = gated_activation(gate_PF, up_PF, self.activation, self.situ_beta, self.situ_linear_beta)
+        y_PDx = self._grouped_mm(h_PF.to(self.down_weight_eDF.dtype).contiguous(),
+                                 self.down_weight_eDF.transpose(-2, -1), offs=offs_e)
+        valid_P = _valid_rows(layout, num_rows, x_RD.device)
+        return torch.where(valid_P[:, None], y_PDx, 0).to(x_RD.dtype)
 
 
 def _valid_rows(layout: ExpertLayout, num_rows: int, device) -> torch.Tensor:
-    """``[R]`` bool, True on rows inside a segment (computed on device, no host sync)."""
-    rows_R = torch.arange(num_rows, device=device)
+    """``[P]`` bool, True on rows inside a segment (computed on device, no host sync)."""
+    rows_P = torch.arange(num_rows, device=device)
     ends_e = layout.row_start_e + layout.num_rows_e
-    seg_R = torch.searchsorted(layout.row_start_e, rows_R, right=True) - 1
-    seg_R = seg_R.clamp(min=0)
-    return (rows_R >= layout.row_start_e[seg_R]) & (rows_R < ends_e[seg_R])
+    seg_P = torch.searchsorted(layout.row_start_e, rows_P, right=True) - 1
+    seg_P = seg_P.clamp(min=0)
+    return (rows_P >= layout.row_start_e[seg_P]) & (rows_P < ends_e[seg_P])
 
 
 class TritonExperts(Experts):
@@ -206,9 +208,9 @@ class TritonExperts(Experts):
     per row, so they line up with any segment start too.
 
     Args:
-        gate_up_weight_e2FD: ``[e, 2F, D]``, gate rows then up rows (bf16/fp16/fp32; CUDA, or CPU under the
+        gate_up_weight_e2FD: ``[e, 2F, Dx]``, gate rows then up rows (bf16/fp16/fp32; CUDA, or CPU under the
             interpreter).
-        down_weight_eDF: ``[e, D, F]``.
+        down_weight_eDF: ``[e, Dx, F]``.
         activation, situ_beta, situ_linear_beta: see ``moe_ref.activations`` (fused in the kernel, fp32).
         fp8: quantize the weights ONCE here to fp8 e4m3 with fp32 128x128 block scales
             (``quantize_fp8_per_block_128``) and run the FP8 kernel. ``forward`` then takes the FP8 pool with
@@ -245,10 +247,10 @@ class TritonExperts(Experts):
 
             out_dtype = x_RD.dtype
             x_RD, x_scale_RDb = quantize_fp8_per_128(x_RD)
-        y_RD = grouped_mlp(x_RD, self.gate_up_fp8_e2FD, self.down_fp8_eDF, layout.row_start_e, layout.num_rows_e,
-                           x_scale_RDb=x_scale_RDb, gate_up_scale=self.gate_up_scale_e2FbDb,
-                           down_scale=self.down_scale_eDbFb, **options)
-        return y_RD.to(out_dtype)
+        y_PDx = grouped_mlp(x_RD, self.gate_up_fp8_e2FD, self.down_fp8_eDF, layout.row_start_e, layout.num_rows_e,
+                            x_scale_RDb=x_scale_RDb, gate_up_scale=self.gate_up_scale_e2FbDb,
+                            down_scale=self.down_scale_eDbFb, **options)
+        return y_PDx.to(out_dtype)
 
 
 # name -> "module:Class". Resolved on first use (importlib), so optional backends such as deep_gemm are imported
@@ -297,8 +299,8 @@ def make_experts(backend: str, gate_up_weight_e2FD: torch.Tensor, down_weight_eD
 
     Args:
         backend: ``auto`` or a registered name (see ``experts_class``).
-        gate_up_weight_e2FD: ``[e, 2F, D]`` this rank's experts, gate rows then up rows.
-        down_weight_eDF: ``[e, D, F]``.
+        gate_up_weight_e2FD: ``[e, 2F, Dx]`` this rank's experts, gate rows then up rows.
+        down_weight_eDF: ``[e, Dx, F]``.
         activation, situ_beta, situ_linear_beta: see ``moe_ref.activations``.
         fp8: fp8 e4m3 weights with 128x128 block scales, quantized once at construction; only for
             backends with ``supports_fp8`` (triton, deep_gemm), else ``InvalidConfigError`` (CFG007).

@@ -4,7 +4,7 @@ is its fused Triton twin, ``ops.select_experts`` picks one, ``block.route`` runs
     logits [T, E] fp32 --score--> scores [T, E] --(+bias, groups)--> selection [T, E]
         --top-k--> topk_ids [T, K] int64 --gather unbiased scores, renorm, scale--> topk_weights [T, K] fp32
 
-Shape legend: T tokens, E experts, G expert groups, K top-k.
+Shape legend: T tokens, E experts, G expert groups, Eg experts per group (E / G), K top-k.
 
 Family semantics (see ``MoEConfig``): Step3 = softmax over all experts, top-k, no renorm, no bias.
 DeepSeek-V3 / Kimi-K2 / Kimi-K3 ("noaux_tc") = sigmoid; ``e_score_correction_bias`` is added for
@@ -61,8 +61,8 @@ def select_experts(
     scores_TE = logits_TE.sigmoid() if scoring == "sigmoid" else logits_TE.softmax(dim=-1)
     selection_TE = scores_TE if bias_E is None else scores_TE + bias_E.float()[None, :]
     if num_groups > 1:
-        grouped_TGX = selection_TE.view(num_tokens, num_groups, num_experts // num_groups)
-        top2_TG2 = grouped_TGX.topk(min(2, grouped_TGX.shape[-1]), dim=-1).values
+        grouped_TGEg = selection_TE.view(num_tokens, num_groups, num_experts // num_groups)
+        top2_TG2 = grouped_TGEg.topk(min(2, grouped_TGEg.shape[-1]), dim=-1).values
         group_scores_TG = top2_TG2[..., 0] + top2_TG2[..., 1] if top2_TG2.shape[-1] == 2 else top2_TG2[..., 0]
         # Stable descending sort: ties keep the lower group id, like the expert ties below.
         kept_groups = torch.sort(group_scores_TG, dim=-1, descending=True, stable=True).indices[:, :num_topk_groups]

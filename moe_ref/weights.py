@@ -1,7 +1,8 @@
 """The tensors of one MoE block, in moe_ref's canonical layout, independent of any checkpoint naming.
 
-Shape legend: E experts held (all, or one rank's block), D hidden, F expert intermediate,
-S shared-MLP intermediate (all shared experts fused), L latent width (Kimi-K3; experts then see L, not D).
+Shape legend: E experts (the arrays hold all E, or one rank's block of e under the same names), D hidden,
+F expert intermediate, S shared-MLP intermediate (all shared experts fused), L latent width (Kimi-K3; experts
+then see L, not D: the expert weights' D is Dx, expert input width).
 
 ``gate_up_weight_E2FD`` stacks each expert's gate rows (0..F-1) then its up rows (F..2F-1), so one GEMM
 computes both; ``down_weight_EDF`` is the down projection. Loaders (``moe_ref.loading``) fill this from

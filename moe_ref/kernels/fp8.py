@@ -1,14 +1,16 @@
 """Torch FP8 e4m3 quantizers: the one place moe_ref turns activations and weights into fp8 + fp32 scales.
 
-    activations (rows)  x [..., D]     -> fp8 [..., D]     + scale [..., ceil(D/128)]           per row, per 128 columns
-    weights (matrices)  w [..., N, K]  -> fp8 [..., N, K]  + scale [..., ceil(N/128), ceil(K/128)]  per 128x128 block
+    activations (rows)  x [..., Dx]    -> fp8 [..., Dx]    + scale [..., Db]                    per row, per 128 columns
+    weights (matrices)  w [..., O, I]  -> fp8 [..., O, I]  + scale [..., Ob, Ib]                per 128x128 block
 
 Both follow DeepGEMM's SM90 convention (plain fp32 scales, no UE8M0): ``scale = max(amax, 1e-4) / 448``
 with IEEE division, value = ``x / scale`` rounded to nearest even. The Triton kernels quantize in-kernel
 with the same formula (``_triton_utils.fp8_scale`` / ``to_e4m3``); these are their torch twins' helpers,
 and the expert backends quantize their weights once with ``quantize_fp8_per_block_128``.
 
-Shape suffixes: T rows, D columns (per-row groups), N x K a weight matrix, Db/Nb/Kb = ceil(./128).
+Shape legend: T tokens of this rank (any rows: the quantizer is per row), Dx expert input width (the columns
+quantized per row), O and I one weight matrix's output and input features, Db = ceil(Dx / 128),
+Ob = ceil(O / 128), Ib = ceil(I / 128).
 """
 
 from __future__ import annotations
@@ -25,20 +27,20 @@ __all__ = ["quantize_fp8_per_128", "dequantize_fp8_per_128", "quantize_fp8_per_b
 # --------------------------------------------------------------------------------------------------
 # activations: per row, per 128 columns
 # --------------------------------------------------------------------------------------------------
-def quantize_fp8_per_128(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the last dimension of `x_TD` to fp8 e4m3 in groups of 128 columns.
+def quantize_fp8_per_128(x_TDx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize the last dimension of `x_TDx` to fp8 e4m3 in groups of 128 columns.
 
     Args:
-        x_TD: `[..., D]` float tensor (bf16/fp16/fp32).
+        x_TDx: `[..., Dx]` float tensor (bf16/fp16/fp32).
 
     Returns:
-        x_fp8_TD: `[..., D]` `torch.float8_e4m3fn`, `x / scale` rounded to nearest even.
-        scale_TDb: `[..., ceil(D/128)]` fp32, `max(amax over the group, 1e-4) / 448`.
+        x_fp8_TDx: `[..., Dx]` `torch.float8_e4m3fn`, `x / scale` rounded to nearest even.
+        scale_TDb: `[..., Db]` fp32, `max(amax over the group, 1e-4) / 448`.
     """
-    *lead, dim = x_TD.shape
+    *lead, dim = x_TDx.shape
     num_groups = num_fp8_groups(dim)
     pad = num_groups * FP8_GROUP - dim
-    x_float = F.pad(x_TD.float(), (0, pad)) if pad else x_TD.float()
+    x_float = F.pad(x_TDx.float(), (0, pad)) if pad else x_TDx.float()
     x_groups = x_float.reshape(*lead, num_groups, FP8_GROUP)
     amax = x_groups.abs().amax(dim=-1).clamp(min=FP8_MIN_AMAX)
     # NOTE: tensor / tensor, not tensor / 448: on CUDA torch turns division by a Python scalar into a
@@ -49,7 +51,7 @@ def quantize_fp8_per_128(x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def dequantize_fp8_per_128(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of `quantize_fp8_per_128`: `x [..., D]` fp8 times `scale [..., ceil(D/128)]` fp32 -> `dtype`."""
+    """Inverse of `quantize_fp8_per_128`: `x [..., Dx]` fp8 times `scale [..., Db]` fp32 -> `dtype`."""
     dim = x.shape[-1]
     scale_full = scale.float().repeat_interleave(FP8_GROUP, dim=-1)[..., :dim]
     return (x.float() * scale_full).to(dtype)
@@ -58,28 +60,28 @@ def dequantize_fp8_per_128(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 # --------------------------------------------------------------------------------------------------
 # weights: per 128x128 block
 # --------------------------------------------------------------------------------------------------
-def quantize_fp8_per_block_128(weight_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize each ``[N, K]`` matrix of ``weight_NK`` to fp8 e4m3 with one fp32 scale per 128x128 block.
+def quantize_fp8_per_block_128(weight_OI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each ``[O, I]`` matrix of ``weight_OI`` to fp8 e4m3 with one fp32 scale per 128x128 block.
 
     Matrices are quantized one at a time (the fp32 temporaries hold one matrix, not all experts).
-    Partial edge blocks (N or K not a multiple of 128) take the amax of their real elements.
+    Partial edge blocks (O or I not a multiple of 128) take the amax of their real elements.
 
-    Example: w = [[0.5, -2.0]] (N=1, K=2) -> one block, amax 2.0, scale 2/448 = 0.004464,
+    Example: w = [[0.5, -2.0]] (O=1, I=2) -> one block, amax 2.0, scale 2/448 = 0.004464,
         fp8 = [[112, -448]] (0.5 / scale = 112 exactly).
 
     Args:
-        weight_NK: ``[..., N, K]`` bf16/fp16/fp32 (e.g. ``[e, 2F, D]`` expert weights), any device.
+        weight_OI: ``[..., O, I]`` bf16/fp16/fp32 (e.g. ``[e, 2F, Dx]`` expert weights), any device.
 
     Returns:
-        weight_fp8_NK: ``[..., N, K]`` ``torch.float8_e4m3fn``, contiguous.
-        scale_NbKb: ``[..., ceil(N/128), ceil(K/128)]`` fp32, contiguous, ``max(block amax, 1e-4) / 448``.
+        weight_fp8_OI: ``[..., O, I]`` ``torch.float8_e4m3fn``, contiguous.
+        scale_ObIb: ``[..., Ob, Ib]`` fp32, contiguous, ``max(block amax, 1e-4) / 448``.
     """
-    *lead, n, k = weight_NK.shape
+    *lead, n, k = weight_OI.shape
     num_n, num_k = num_fp8_groups(n), num_fp8_groups(k)
-    device = weight_NK.device
+    device = weight_OI.device
     weight_fp8 = torch.empty(*lead, n, k, dtype=FP8_DTYPE, device=device)
     scale = torch.empty(*lead, num_n, num_k, dtype=torch.float32, device=device)
-    flat_w, flat_q, flat_s = weight_NK.reshape(-1, n, k), weight_fp8.view(-1, n, k), scale.view(-1, num_n, num_k)
+    flat_w, flat_q, flat_s = weight_OI.reshape(-1, n, k), weight_fp8.view(-1, n, k), scale.view(-1, num_n, num_k)
     for i in range(flat_w.shape[0]):
         padded = F.pad(flat_w[i].float(), (0, num_k * FP8_GROUP - k, 0, num_n * FP8_GROUP - n))
         blocks = padded.view(num_n, FP8_GROUP, num_k, FP8_GROUP)
@@ -93,8 +95,8 @@ def quantize_fp8_per_block_128(weight_NK: torch.Tensor) -> tuple[torch.Tensor, t
 
 def dequantize_fp8_per_block_128(weight: torch.Tensor, scale: torch.Tensor,
                                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of `quantize_fp8_per_block_128`: `weight [..., N, K]` fp8 times its block scales
-    `scale [..., ceil(N/128), ceil(K/128)]` -> `dtype`."""
+    """Inverse of `quantize_fp8_per_block_128`: `weight [..., O, I]` fp8 times its block scales
+    `scale [..., Ob, Ib]` -> `dtype`."""
     n, k = weight.shape[-2:]
     scale_full = scale.float().repeat_interleave(FP8_GROUP, dim=-2)[..., :n, :]
     scale_full = scale_full.repeat_interleave(FP8_GROUP, dim=-1)[..., :k]

@@ -2,8 +2,8 @@
 
     router -> pre_dispatch -> dispatch -> [grouped_mlp] -> combine -> combine_reduce
 
-    h[r] = act(x[r] @ gate_up[i, :F].T, x[r] @ gate_up[i, F:].T)   for r in expert i's segment   [R, F]
-    y[r] = h[r] @ down[i].T                                                                        [R, D]
+    h[r] = act(x[r] @ gate_up[i, :F].T, x[r] @ gate_up[i, F:].T)   for r in expert i's segment   [P, F]
+    y[r] = h[r] @ down[i].T                                                                        [P, Dx]
     y[r] = 0 for pool rows outside every segment (alignment padding)
 
 Both GEMMs run the same `@triton.jit` kernel (`_grouped_gemm_kernel`), specialised by constexpr flags:
@@ -13,7 +13,7 @@ GEMM2 is a plain grouped GEMM.
 
 Mapping programs to experts: no host sync and no padded work. Program `pid_m` walks the per-expert
 block counts `ceil(num_rows_e[i] / BLOCK_M)` (one vectorised cumsum over the e experts, in-kernel) to
-find its expert and its block inside that expert; the grid has the upper bound `ceil(R / BLOCK_M) + e`
+find its expert and its block inside that expert; the grid has the upper bound `ceil(P / BLOCK_M) + e`
 M blocks and the surplus programs exit at once. So BLOCK_M may be smaller than the 128-row segment
 alignment (decode) and padding blocks cost nothing. Program order: N tiles fastest (GROUP_M = 1, the
 default), or GROUP_M > 1 consecutive M blocks sweep the N tiles together (an L2 swizzle for many rows).
@@ -26,14 +26,16 @@ scales; each BLOCK_K (<= 128, dividing 128) k-step multiplies the fp32 partial p
 `x_scale[row, k // 128] * w_scale[col // 128, k // 128]` before accumulating.
 
 W4A16 (weight-only 4-bit, picked by the weights' dtype; formats in `moe_ref.quant`): int32 weights are
-compressed-tensors INT4 (`[e, N, K/8]`, 8 offset-binary nibbles per word, low nibble first) with
-bf16/fp16/fp32 group-32 scales `[e, N, K/32]`; uint8 weights are MXFP4 (`[e, N, K/2]`, E2M1 pairs, low
-nibble first) with E8M0 scale bytes `[e, N, K/32]` (`2**(byte - 125)`). Each k-step (BLOCK_K a multiple
+compressed-tensors INT4 (`[e, O, I/8]`, 8 offset-binary nibbles per word, low nibble first) with
+bf16/fp16/fp32 group-32 scales `[e, O, I/32]`; uint8 weights are MXFP4 (`[e, O, I/2]`, E2M1 pairs, low
+nibble first) with E8M0 scale bytes `[e, O, I/32]` (`2**(byte - 125)`). Each k-step (BLOCK_K a multiple
 of 32) loads the packed tile, unpacks the nibbles, applies the group scales in fp32 and casts the tile to
 x's dtype for the dot (bf16/fp16 tensor cores; fp32 accumulation), so h and y round as on the dense path.
 
-Shape suffixes: R pool rows, D hidden, F expert intermediate, e local experts, Db = ceil(D/128),
-Fb = ceil(F/128), 2Fb = ceil(2F/128).
+Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
+weight matrix's output and input features (the kernel's GEMM sizes N and K), Db = ceil(Dx / 128),
+Fb = ceil(F / 128), 2Fb = ceil(2F / 128). The arguments keep the names of ``moe_ref.experts``' backends
+(``x_RD``, ``x_scale_RDb``, ``gate_up_weight_e2FD``, ``down_weight_eDF``): read R as P and D as Dx in them.
 """
 
 from __future__ import annotations
@@ -532,7 +534,7 @@ def grouped_mlp(
     """Run every local expert's gated MLP on its rows of the receive pool (two Triton launches).
 
     Args:
-        x_RD: `[R, D]` bf16/fp16/fp32, or `torch.float8_e4m3fn` with `x_scale_RDb`; expert i owns rows
+        x_RD: `[P, Dx]` bf16/fp16/fp32, or `torch.float8_e4m3fn` with `x_scale_RDb`; expert i owns rows
             `row_start_e[i] : row_start_e[i] + num_rows_e[i]` (segments must not overlap).
         gate_up_weight_e2FD: `[e, 2F, D]`, rows 0..F-1 gate, F..2F-1 up; x's dtype (fp8 for fp8 x), or packed
             4-bit for bf16/fp16/fp32 x: int32 `[e, 2F, D/8]` (INT4) or uint8 `[e, 2F, D/2]` (MXFP4).
@@ -543,16 +545,16 @@ def grouped_mlp(
         activation: "silu" (h = silu(gate) * up) or "situ"
             (h = beta * tanh(gate / beta) * sigmoid(gate) * (lb * tanh(up / lb), or up if lb == 0)), fp32.
         situ_beta, situ_linear_beta: SiTU's beta and lb (Kimi-K3: 4.0, 25.0).
-        x_scale_RDb: `[R, ceil(D/128)]` fp32 per-row per-128 scales of an fp8 x.
+        x_scale_RDb: `[P, Db]` fp32 per-row per-128 scales of an fp8 x.
         gate_up_scale: `[e, ceil(2F/128), ceil(D/128)]` fp32 128x128 block scales of fp8 gate_up.
         down_scale: `[e, ceil(D/128), ceil(F/128)]` fp32 128x128 block scales of fp8 down.
             4-bit weights: group-32 scales `[e, 2F, D/32]` / `[e, D, F/32]`, bf16/fp16/fp32 (INT4) or uint8 E8M0
             bytes (MXFP4), see `moe_ref.quant`.
         num_rows_hint: optional, about `sum(num_rows_e)` (known to the host without a sync, e.g. T * K);
-            only picks GPU tile sizes (autotune key, bucketed to a power of 2). Default R.
+            only picks GPU tile sizes (autotune key, bucketed to a power of 2). Default P.
 
     Returns:
-        y_RD: `[R, D]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0.
+        y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0.
         The intermediate h is kept in x's dtype (fp8 + per-128 scales on the fp8 path). No host sync.
     """
     fp8, w4 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
@@ -562,9 +564,9 @@ def grouped_mlp(
     inter = two_f // 2
     out_dtype = torch.bfloat16 if fp8 else x_RD.dtype
     device = x_RD.device
-    y_RD = torch.zeros(num_rows, hidden, dtype=out_dtype, device=device)
+    y_PDx = torch.zeros(num_rows, hidden, dtype=out_dtype, device=device)
     if num_rows == 0 or num_experts == 0 or hidden == 0 or inter == 0:
-        return y_RD
+        return y_PDx
     check_device("x_RD", x_RD)
     tensors = {"x_RD": x_RD, "gate_up_weight_e2FD": gate_up_weight_e2FD, "down_weight_eDF": down_weight_eDF,
                "x_scale_RDb": x_scale_RDb, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
@@ -576,16 +578,16 @@ def grouped_mlp(
     rows_hint = num_rows if num_rows_hint is None else num_rows_hint
 
     # GEMM1: h = act(x @ gate.T, x @ up.T)
-    h_RF = torch.empty(num_rows, inter, dtype=FP8_DTYPE if fp8 else x_RD.dtype, device=device)
-    h_scale_RFb = torch.empty(num_rows, num_fp8_groups(inter), dtype=torch.float32, device=device) if fp8 else None
-    _launch_gemm(x_RD, x_scale_RDb, gate_up_weight_e2FD, gate_up_scale, h_RF, h_scale_RFb, row_start_e, num_rows_e,
+    h_PF = torch.empty(num_rows, inter, dtype=FP8_DTYPE if fp8 else x_RD.dtype, device=device)
+    h_scale_PFb = torch.empty(num_rows, num_fp8_groups(inter), dtype=torch.float32, device=device) if fp8 else None
+    _launch_gemm(x_RD, x_scale_RDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
                  n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                  fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4)
     # GEMM2: y = h @ down.T
-    _launch_gemm(h_RF, h_scale_RFb, down_weight_eDF, down_scale, y_RD, None, row_start_e, num_rows_e,
+    _launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
                  n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                  fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4)
-    return y_RD
+    return y_PDx
 
 
 # --------------------------------------------------------------------------------------------------
@@ -633,32 +635,32 @@ def grouped_mlp_ref(
     num_rows, hidden = x_RD.shape
     inter = gate_up_weight_e2FD.shape[1] // 2
     out_dtype = torch.bfloat16 if fp8 else x_RD.dtype
-    y_RD = torch.zeros(num_rows, hidden, dtype=out_dtype, device=x_RD.device)
+    y_PDx = torch.zeros(num_rows, hidden, dtype=out_dtype, device=x_RD.device)
     for i, (start, count) in enumerate(zip(row_start_e.tolist(), num_rows_e.tolist())):
         if count == 0:
             continue
         rows = slice(start, start + count)
         if fp8:
-            x_SD = dequantize_fp8_per_128(x_RD[rows], x_scale_RDb[rows])
-            gate_up_2FD = _dequantize_block_128(gate_up_weight_e2FD[i], gate_up_scale[i])
-            down_DF = _dequantize_block_128(down_weight_eDF[i], down_scale[i])
+            seg_x_PDx = dequantize_fp8_per_128(x_RD[rows], x_scale_RDb[rows])
+            gate_up_2FDx = _dequantize_block_128(gate_up_weight_e2FD[i], gate_up_scale[i])
+            down_DxF = _dequantize_block_128(down_weight_eDF[i], down_scale[i])
         elif w4:
             from moe_ref.quant import QuantFormat, dequantize_weight
 
             fmt = QuantFormat.INT4_GROUP if w4 == 1 else QuantFormat.MXFP4
-            x_SD = x_RD[rows].float()
-            gate_up_2FD = dequantize_weight(gate_up_weight_e2FD[i], gate_up_scale[i], fmt, x_RD.dtype).float()
-            down_DF = dequantize_weight(down_weight_eDF[i], down_scale[i], fmt, x_RD.dtype).float()
+            seg_x_PDx = x_RD[rows].float()
+            gate_up_2FDx = dequantize_weight(gate_up_weight_e2FD[i], gate_up_scale[i], fmt, x_RD.dtype).float()
+            down_DxF = dequantize_weight(down_weight_eDF[i], down_scale[i], fmt, x_RD.dtype).float()
         else:
-            x_SD = x_RD[rows].float()
-            gate_up_2FD = gate_up_weight_e2FD[i].float()
-            down_DF = down_weight_eDF[i].float()
-        gate_up_S2F = x_SD @ gate_up_2FD.T
-        h_SF = _activation_ref(gate_up_S2F[:, :inter], gate_up_S2F[:, inter:], activation, situ_beta,
-                               situ_linear_beta)
+            seg_x_PDx = x_RD[rows].float()
+            gate_up_2FDx = gate_up_weight_e2FD[i].float()
+            down_DxF = down_weight_eDF[i].float()
+        seg_gate_up_P2F = seg_x_PDx @ gate_up_2FDx.T
+        seg_h_PF = _activation_ref(seg_gate_up_P2F[:, :inter], seg_gate_up_P2F[:, inter:], activation, situ_beta,
+                                   situ_linear_beta)
         if fp8:
-            h_SF = dequantize_fp8_per_128(*quantize_fp8_per_128(h_SF))
+            seg_h_PF = dequantize_fp8_per_128(*quantize_fp8_per_128(seg_h_PF))
         else:
-            h_SF = h_SF.to(x_RD.dtype).float()
-        y_RD[rows] = (h_SF @ down_DF.T).to(out_dtype)
-    return y_RD
+            seg_h_PF = seg_h_PF.to(x_RD.dtype).float()
+        y_PDx[rows] = (seg_h_PF @ down_DxF.T).to(out_dtype)
+    return y_PDx

@@ -10,8 +10,8 @@ One launch writes, for tokens 0..T-1 of this rank:
 - `num_rows_per_expert_E += ` the number of non-masked slots per global expert (int32 atomics; the caller
   zeroes the counter, so several chunks can accumulate into one).
 
-Shape suffixes: T tokens of this rank, D hidden, K top-k, E experts (global), C capacity (rows per rank),
-Db = ceil(D / 128) scale groups per row.
+Shape legend: T tokens of this rank, Dx expert input width (the ``D`` of the argument names), K top-k,
+E experts (global), C cap (rows one rank feeds per call), N routed entries, Db = ceil(Dx / 128) scale groups per row.
 
 The torch quantizers `quantize_fp8_per_128` / `dequantize_fp8_per_128` live in `moe_ref.kernels.fp8` (also
 importable from here, where the twin uses them).

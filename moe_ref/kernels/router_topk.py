@@ -13,7 +13,7 @@ Semantics (HF transformers DeepseekV3TopkRouter, with deterministic slot order):
     topk_weights_TK = scores_TE gathered (UNBIASED); if renormalize: w / (sum_k w + 1e-20) with the sum
         taken slot by slot in order; then * routed_scaling_factor
 
-Shape suffixes: T tokens, E experts (global), K top-k, G expert groups.
+Shape legend: T tokens, E experts (global), K top-k, G expert groups.
 """
 
 from __future__ import annotations
