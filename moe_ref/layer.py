@@ -20,6 +20,11 @@ Parameters (this rank's experts only; e = E / ep_size): ``gate_weight [E, D]``,
 ``down_weight [e, Dx, F]``, shared ``shared_gate_up_weight [2S, D]``, ``shared_down_weight [D, S]``,
 Kimi-K3 ``latent_down_weight [L, D]``, ``latent_up_weight [D, L]``, ``latent_norm_weight [L]``.
 
+The routed experts are allocated when they are loaded, in the form they are loaded in: plain weights become
+``gate_up_weight``/``down_weight`` in the layer's dtype; a quantized checkpoint (FP8 blocks, INT4, MXFP4; see
+``load_hf_weights``) is kept as stored in ``quantized_experts`` and the two parameters stay None. So the device
+holds the checkpoint's bytes of the local experts and never a bf16 copy of them (``expert_nbytes()``).
+
 Inference mode and autograd: the step's buffers are built outside inference mode, so calls in and out of
 ``torch.inference_mode()`` mix in any order. The layer has no backward: with grad mode on and an input or
 parameter requiring grad, every rank raises ``GradientNotSupportedError`` (INP007).
@@ -38,14 +43,18 @@ from torch import nn
 from moe_ref.block import expert_input, finish, route_unchecked
 from moe_ref.config import MoEConfig, ParallelConfig, preset
 from moe_ref.distributed import check_fields_agree, gather_objects, group_size_and_rank
-from moe_ref.errors import (DeviceError, DTypeError, GradientNotSupportedError, InputError, InvalidConfigError,
-                            ShapeError, ShapeUnsupportedError, TensorShapeMismatchError, WeightsNotLoadedError)
+from moe_ref.errors import (BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
+                            InvalidConfigError, ShapeError, ShapeUnsupportedError, TensorShapeMismatchError,
+                            WeightsNotLoadedError)
 from moe_ref.experts import Experts, experts_class, make_experts
+from moe_ref.experts_quant import make_quantized_experts
 from moe_ref.options import EPOptions
+from moe_ref.quant import QuantizedExpertWeights, QuantSpec
 from moe_ref.routed_step import RoutedStep, make_modular_step
 from moe_ref.weights import MoEWeights
 
 logger = logging.getLogger(__name__)
+_EXPERT_FIELDS = ("gate_up_weight_E2FD", "down_weight_EDF")
 
 
 def as_config(cfg: MoEConfig | str | os.PathLike | Mapping[str, Any]) -> MoEConfig:
@@ -59,6 +68,21 @@ def as_config(cfg: MoEConfig | str | os.PathLike | Mapping[str, Any]) -> MoEConf
     if isinstance(cfg, str) and not os.path.exists(cfg) and not cfg.endswith(".json"):
         return preset(cfg)
     return MoEConfig.from_hf_config(cfg)
+
+
+def _check_shapes(expected: list[tuple[str, tuple[int, ...], torch.Tensor | None]]) -> None:
+    """``TensorShapeMismatchError`` (LOAD002) unless each ``(name, shape, tensor)`` has that shape."""
+    for name, shape, tensor in expected:
+        if tensor is None or tuple(tensor.shape) != tuple(shape):
+            raise TensorShapeMismatchError(f"{name}: expected shape {tuple(shape)} for this config, got "
+                                           f"{None if tensor is None else tuple(tensor.shape)}")
+
+
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each pair (casting and moving), outside inference mode and autograd."""
+    with torch.inference_mode(False), torch.no_grad():
+        for dst, src in pairs:
+            dst.copy_(src)
 
 
 class MegaMoE(nn.Module):
@@ -155,27 +179,54 @@ class MegaMoE(nn.Module):
 
     # --- parameters ----------------------------------------------------------------------------------
     def _register_parameters(self, dtype: torch.dtype, device: torch.device) -> None:
-        cfg, e = self.cfg, self.num_local_experts
-        D, F, Dx, S, L = (cfg.hidden_size, cfg.intermediate_size, cfg.expert_hidden_size,
-                          cfg.shared_intermediate_size, cfg.latent_dim)
-
-        def param(*shape):
-            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        cfg = self.cfg
+        D, S, L = cfg.hidden_size, cfg.shared_intermediate_size, cfg.latent_dim
 
         with torch.inference_mode(False):  # normal tensors even when built inside inference mode
-            self.gate_weight = param(cfg.num_experts, D)
+            self.gate_weight = self._new_parameter(cfg.num_experts, D)
             bias = torch.zeros(cfg.num_experts, dtype=torch.float32, device=device) if cfg.use_selection_bias else None
             self.register_buffer("e_score_correction_bias", bias)
-            self.gate_up_weight = param(e, 2 * F, Dx)
-            self.down_weight = param(e, Dx, F)
-            self.shared_gate_up_weight = param(2 * S, D) if cfg.has_shared_experts else None
-            self.shared_down_weight = param(D, S) if cfg.has_shared_experts else None
-            self.latent_down_weight = param(L, D) if L else None
-            self.latent_up_weight = param(D, L) if L else None
-            self.latent_norm_weight = param(L) if L and cfg.latent_norm else None
+            # allocated when loaded, and only for plain weights (see the module docstring)
+            self.register_parameter("gate_up_weight", None)
+            self.register_parameter("down_weight", None)
+            self.shared_gate_up_weight = self._new_parameter(2 * S, D) if cfg.has_shared_experts else None
+            self.shared_down_weight = self._new_parameter(D, S) if cfg.has_shared_experts else None
+            self.latent_down_weight = self._new_parameter(L, D) if L else None
+            self.latent_up_weight = self._new_parameter(D, L) if L else None
+            self.latent_norm_weight = self._new_parameter(L) if L and cfg.latent_norm else None
+        self.quantized_experts: QuantizedExpertWeights | None = None
+
+    def _new_parameter(self, *shape: int) -> nn.Parameter:
+        """An uninitialised parameter in the layer's dtype, on its device."""
+        empty = torch.empty(*shape, dtype=self.options.dtype, device=self.options.device)
+        return nn.Parameter(empty, requires_grad=False)
+
+    def _expert_shapes(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """``([e, 2F, Dx], [e, Dx, F])``: this rank's plain expert weights."""
+        e, F, Dx = self.num_local_experts, self.cfg.intermediate_size, self.cfg.expert_hidden_size
+        return (e, 2 * F, Dx), (e, Dx, F)
+
+    def _expert_parameters(self) -> tuple[nn.Parameter, nn.Parameter]:
+        """``gate_up_weight [e, 2F, Dx]`` and ``down_weight [e, Dx, F]``, allocated (uninitialised) on first
+        need: by a plain load, or by a call before any load (which then fails with INP006 on every rank)."""
+        if self.gate_up_weight is None:
+            gate_up_shape, down_shape = self._expert_shapes()
+            with torch.inference_mode(False):
+                self.gate_up_weight = self._new_parameter(*gate_up_shape)
+                self.down_weight = self._new_parameter(*down_shape)
+        return self.gate_up_weight, self.down_weight
+
+    def expert_nbytes(self) -> int:
+        """Bytes this rank's routed expert weights occupy on the device: the plain parameters, or a quantized
+        checkpoint's tensors as stored (then equal to the checkpoint's bytes of these experts); 0 before loading."""
+        if self.quantized_experts is not None:
+            return self.quantized_experts.nbytes()
+        plain = (self.gate_up_weight, self.down_weight)
+        return sum(t.numel() * t.element_size() for t in plain if t is not None)
 
     def weights(self) -> MoEWeights:
-        """This rank's parameters as ``MoEWeights`` (views, no copy)."""
+        """This rank's parameters as ``MoEWeights`` (views, no copy). The expert tensors are None unless the
+        experts are held as plain parameters (not loaded yet, or kept quantized in ``quantized_experts``)."""
         return MoEWeights(
             gate_weight_ED=self.gate_weight, gate_up_weight_E2FD=self.gate_up_weight,
             down_weight_EDF=self.down_weight, bias_E=self.e_score_correction_bias,
@@ -184,50 +235,121 @@ class MegaMoE(nn.Module):
             latent_norm_weight_L=self.latent_norm_weight, first_expert=self.first_local_expert)
 
     def load_weights(self, weights: MoEWeights) -> "MegaMoE":
-        """Copy ``weights`` (all experts, or a block holding at least this rank's experts) into the parameters.
+        """Copy ``weights`` (all experts, or a block holding at least this rank's experts) into the parameters
+        (the experts' are allocated here on the first plain load; quantized experts held before are dropped).
 
-        With ``mega`` in use this is collective (the fused engine is rebuilt from the new weights on the next call).
+        Every shape is checked before anything is copied (``TensorShapeMismatchError``, LOAD002). With ``mega``
+        in use this is collective (the fused engine is rebuilt from the new weights on the next call).
         """
         source = weights.expert_slice(self.first_local_expert, self.num_local_experts)
+        gate_up_shape, down_shape = self._expert_shapes()
+        _check_shapes([("gate_up_weight_E2FD", gate_up_shape, source.gate_up_weight_E2FD),
+                       ("down_weight_EDF", down_shape, source.down_weight_EDF)] + self._dense_targets(source))
+        self.quantized_experts = None
+        gate_up, down = self._expert_parameters()
+        _copy([(gate_up, source.gate_up_weight_E2FD), (down, source.down_weight_EDF)]
+              + [(dst, src) for _, dst, src in self._dense_pairs(source)])
+        return self._weights_changed()
+
+    def load_hf_weights(self, path: str | os.PathLike, layer_idx: int, prefix: str | None = None, *,
+                        progress: bool | None = None) -> "MegaMoE":
+        """Load layer ``layer_idx`` from an HF safetensors checkpoint (file or folder), reading only this
+        rank's experts (see ``moe_ref.loading.load_moe_weights`` for each family's names).
+
+        When the config.json beside the checkpoint has a ``quantization_config`` (FP8 128x128 blocks,
+        compressed-tensors INT4 or MXFP4: ``moe_ref.quant``), the routed experts are read as stored straight into
+        device tensors (``quantized_experts``; ``expert_nbytes()`` == the checkpoint's bytes of these experts;
+        no plain copy is ever allocated) and run by the quantized backend matching ``experts_backend``
+        (``moe_ref.experts_quant``: triton -> FP8 block / W4A16 kernels, torch -> the dequantizing loop). The
+        router, shared experts and latent projections are read into the layer's dtype either way.
+
+        Args:
+            path: a ``.safetensors`` file or a checkpoint folder.
+            layer_idx: the decoder layer.
+            prefix: the text before the layer number; None tries ``moe_ref.loading.KNOWN_PREFIXES``.
+            progress: a progress bar over this rank's experts on stderr; None: on rank 0 only.
+
+        Raises:
+            The loaders' LOAD* errors; ``BackendUnavailableError`` (ENV001) for a quantized checkpoint with
+            ``mega='deep_gemm'`` or an experts backend without quantized kernels (grouped_mm, deep_gemm).
+        """
+        from moe_ref.loading import load_moe_weights
+        from moe_ref.quant_loading import checkpoint_quant_spec, load_quantized_experts
+
+        spec = checkpoint_quant_spec(path)
+        progress = self.rank == 0 if progress is None else progress
+        expert_range = (self.first_local_expert, self.num_local_experts)
+        dense_args = dict(prefix=prefix, dtype=self.options.dtype, device=self.options.device, progress=progress)
+        if spec is None:
+            return self.load_weights(load_moe_weights(path, self.cfg, layer_idx, expert_range=expert_range,
+                                                      **dense_args))
+        self._quantized_backend(spec)  # refuse before reading anything
+        dense = load_moe_weights(path, self.cfg, layer_idx, experts=False, **dense_args)
+        quantized = load_quantized_experts(path, self.cfg, layer_idx, expert_range, self.options.device, spec=spec,
+                                           prefix=prefix, progress=progress)
+        _check_shapes(self._dense_targets(dense))
+        if self.uses_mega:  # mega='auto' here ('deep_gemm' was refused): every rank reads the same config.json
+            logger.warning("moe_ref: mega='auto' uses moe_ref's own EP path: the checkpoint's routed experts are "
+                           "%s and DeepGEMM's mega-MoE takes plain weights", spec.format.value)
+            self.uses_mega = False
+            self.destroy()
+        _copy([(dst, src) for _, dst, src in self._dense_pairs(dense)])
+        self.gate_up_weight = self.down_weight = None  # a plain block loaded before is freed
+        self.quantized_experts = quantized
+        return self._weights_changed()
+
+    def _quantized_backend(self, spec: QuantSpec) -> str:
+        """The ``moe_ref.experts_quant`` backend that runs ``spec``'s experts for this layer's options."""
+        fmt = spec.format.value
+        if self.uses_mega and self.options.mega == "deep_gemm":
+            raise BackendUnavailableError(
+                f"mega='deep_gemm' quantizes plain (bf16) expert weights itself; this checkpoint stores its routed "
+                f"experts as {fmt}. Use mega='auto' or 'off' to run them as stored on moe_ref's own path")
+        backend = self.options.experts_backend
+        if backend not in ("torch", "triton"):
+            raise BackendUnavailableError(
+                f"experts_backend={backend!r} has no kernel for {fmt} experts kept as stored; use "
+                f"experts_backend='auto' (triton on CUDA, torch elsewhere), 'triton' or 'torch'",
+                field="experts_backend")
+        return backend
+
+    def _dense_pairs(self, source: MoEWeights) -> list[tuple[str, torch.Tensor, torch.Tensor | None]]:
+        """``(field, this layer's tensor, source tensor)`` for every non-expert tensor the config has."""
         target = self.weights()
-        with torch.inference_mode(False), torch.no_grad():
-            for field in dataclasses.fields(MoEWeights):
-                dst, src = getattr(target, field.name), getattr(source, field.name)
-                if not isinstance(dst, torch.Tensor):
-                    continue
-                if src is None or tuple(src.shape) != tuple(dst.shape):
-                    raise TensorShapeMismatchError(
-                        f"{field.name}: expected shape {tuple(dst.shape)} for this config, got "
-                        f"{None if src is None else tuple(src.shape)}")
-                dst.copy_(src)
+        return [(field.name, getattr(target, field.name), getattr(source, field.name))
+                for field in dataclasses.fields(MoEWeights)
+                if field.name not in _EXPERT_FIELDS and isinstance(getattr(target, field.name), torch.Tensor)]
+
+    def _dense_targets(self, source: MoEWeights) -> list[tuple[str, tuple[int, ...], torch.Tensor | None]]:
+        return [(name, tuple(dst.shape), src) for name, dst, src in self._dense_pairs(source)]
+
+    def _weights_changed(self) -> "MegaMoE":
+        """After a load: the experts are rebuilt from the new weights on first use; a built modular step gets
+        them swapped in (its plan and buffers stay), a fused engine (holding fp8 copies) is rebuilt."""
         self._weights_loaded = True
-        self._experts = None  # fp8 copies of the old weights
-        if self.uses_mega and self._routed_step is not None:  # the fused engine holds fp8 copies too
+        self._experts = None
+        if self.uses_mega and self._routed_step is not None:
             self._routed_step.destroy()
             self._routed_step = None
         elif self._routed_step is not None:
             self._routed_step.experts = self.experts
         return self
 
-    def load_hf_weights(self, path: str | os.PathLike, layer_idx: int, prefix: str | None = None) -> "MegaMoE":
-        """Load layer ``layer_idx`` from an HF safetensors checkpoint (file or folder), reading only this
-        rank's experts. See ``moe_ref.loading.load_moe_weights`` for the names of each family."""
-        from moe_ref.loading import load_moe_weights
-
-        weights = load_moe_weights(path, self.cfg, layer_idx, prefix=prefix,
-                                   expert_range=(self.first_local_expert, self.num_local_experts),
-                                   dtype=self.gate_weight.dtype, device=self.gate_weight.device)
-        return self.load_weights(weights)
-
     # --- the routed step ------------------------------------------------------------------------------
     @property
     def experts(self) -> Experts:
-        """This rank's experts backend (modular step), built on first use from the loaded weights."""
+        """This rank's experts backend (modular step), built on first use from the loaded weights: the
+        quantized backend for ``quantized_experts``, else ``experts_backend`` over the plain parameters."""
         if self._experts is None:
+            cfg = self.cfg
+            activation = (cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
             with torch.inference_mode(False):
-                self._experts = make_experts(self.options.experts_backend, self.gate_up_weight, self.down_weight,
-                                             self.cfg.activation, self.cfg.situ_beta, self.cfg.situ_linear_beta,
-                                             fp8=self.fp8_experts)
+                if self.quantized_experts is not None:
+                    backend = self._quantized_backend(self.quantized_experts.spec)
+                    self._experts = make_quantized_experts(self.quantized_experts, *activation, backend=backend)
+                else:
+                    self._experts = make_experts(self.options.experts_backend, *self._expert_parameters(),
+                                                 *activation, fp8=self.fp8_experts)
         return self._experts
 
     @property
@@ -243,8 +365,8 @@ class MegaMoE(nn.Module):
                 if self.uses_mega:
                     from moe_ref.mega_deep_gemm import make_mega_step
 
-                    self._routed_step = make_mega_step(self.cfg, self.group, self.options, self.gate_up_weight,
-                                                       self.down_weight)
+                    self._routed_step = make_mega_step(self.cfg, self.group, self.options,
+                                                       *self._expert_parameters())
                 else:
                     self._routed_step = make_modular_step(self.cfg, self.group, self.experts, self.options)
         return self._routed_step
@@ -309,11 +431,16 @@ class MegaMoE(nn.Module):
             self._routed_step.destroy()
             self._routed_step = None
 
+    def _experts_precision(self) -> str:
+        if self.quantized_experts is not None:
+            return f" ({self.quantized_experts.spec.format.value} as stored)"
+        return " (fp8)" if self.fp8_experts else ""
+
     def extra_repr(self) -> str:
         o = self.options
         return (f"{self.cfg.name}: E={self.cfg.num_experts} (local {self.num_local_experts} on rank "
                 f"{self.rank}/{self.world_size}), K={self.cfg.num_topk}, D={self.cfg.hidden_size}, "
                 f"cap={o.num_max_tokens_per_rank}, overflow={o.overflow}, transport={o.transport}, "
-                f"experts={o.experts_backend}{' (fp8)' if self.fp8_experts else ''}, "
+                f"experts={o.experts_backend}{self._experts_precision()}, "
                 f"dispatch={'fp8' if o.dispatch_fp8 else 'activation dtype'}, alignment={o.alignment}, "
                 f"mega={o.mega}{' (in use)' if self.uses_mega else ''}")

@@ -46,6 +46,7 @@ import difflib
 import json
 import os
 import re
+import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,6 +282,7 @@ def _index_weight_map(folder: Path, index: Path) -> dict[str, Path]:
 def load_moe_weights(
     path: str | os.PathLike, cfg: MoEConfig, layer_idx: int, *, expert_range: tuple[int, int] | None = None,
     prefix: str | None = None, dtype: torch.dtype | None = None, device="cpu", experts: bool = True,
+    progress: bool = False,
 ) -> MoEWeights:
     """Read MoE layer ``layer_idx`` of a checkpoint into ``MoEWeights``, reading only the experts asked for.
 
@@ -298,6 +300,7 @@ def load_moe_weights(
         device: where the returned tensors live.
         experts: False skips the routed experts (quantized checkpoints: ``load_quantized_experts`` reads them as
             stored); the returned expert tensors are then empty, ``[0, 2F, Dx]`` and ``[0, Dx, F]``.
+        progress: a tqdm progress bar over the experts read, on stderr.
 
     Returns:
         ``MoEWeights`` with ``gate_up_weight_E2FD [count, 2F, Dx]``, ``down_weight_EDF [count, Dx, F]``,
@@ -319,7 +322,7 @@ def load_moe_weights(
         gate_weight_ED = reader.tensor(names.router, (cfg.num_experts, cfg.hidden_size))
         bias_E = reader.tensor(names.bias, (cfg.num_experts,), torch.float32) if cfg.use_selection_bias else None
         if experts:
-            gate_up_E2FD, down_EDF = reader.experts(first, count)
+            gate_up_E2FD, down_EDF = reader.experts(first, count, progress)
         else:
             empty_dtype = dtype or gate_weight_ED.dtype
             F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
@@ -442,20 +445,30 @@ class _LayerReader:
             name=name, layer=self.layer_idx, files=[str(f) for f in self.ckpt.files])
 
     # --- groups of tensors ---
-    def experts(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def experts(self, first: int, count: int, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``gate_up [count, 2F, Dx]`` and ``down [count, Dx, F]`` of experts ``[first, first + count)``."""
+        from tqdm import tqdm
+
         n, E, F, Dx = self.names, self.cfg.num_experts, self.cfg.intermediate_size, self.cfg.expert_hidden_size
         rows = (first, count)
-        if n.expert_form == "stacked_gate_up":
-            return self.tensor(n.gate_up, (E, 2 * F, Dx), rows=rows), self.tensor(n.down, (E, Dx, F), rows=rows)
-        if n.expert_form == "stacked":
-            gate, up = self.tensor(n.gate, (E, F, Dx), rows=rows), self.tensor(n.up, (E, F, Dx), rows=rows)
-            return torch.cat([gate, up], dim=1), self.tensor(n.down, (E, Dx, F), rows=rows)
-        experts = range(first, first + count)
-        gate = torch.stack([self.tensor(n.gate.format(expert=e), (F, Dx)) for e in experts])
-        up = torch.stack([self.tensor(n.up.format(expert=e), (F, Dx)) for e in experts])
-        down = torch.stack([self.tensor(n.down.format(expert=e), (Dx, F)) for e in experts])
-        return torch.cat([gate, up], dim=1), down
+        with tqdm(total=count, desc=f"layer {self.layer_idx} experts", unit="expert", file=sys.stderr,
+                  disable=not progress, leave=False) as bar:
+            if n.expert_form == "stacked_gate_up":
+                gate_up, down = self.tensor(n.gate_up, (E, 2 * F, Dx), rows=rows), self.tensor(n.down, (E, Dx, F), rows=rows)
+                bar.update(count)
+                return gate_up, down
+            if n.expert_form == "stacked":
+                gate, up = self.tensor(n.gate, (E, F, Dx), rows=rows), self.tensor(n.up, (E, F, Dx), rows=rows)
+                down = self.tensor(n.down, (E, Dx, F), rows=rows)
+                bar.update(count)
+                return torch.cat([gate, up], dim=1), down
+            gate_up, down = [], []
+            for e in range(first, first + count):
+                gate_up.append(torch.cat([self.tensor(n.gate.format(expert=e), (F, Dx)),
+                                          self.tensor(n.up.format(expert=e), (F, Dx))]))
+                down.append(self.tensor(n.down.format(expert=e), (Dx, F)))
+                bar.update(1)
+            return torch.stack(gate_up), torch.stack(down)
 
     def shared(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``shared_gate_up [2S, D]`` (gate rows, then up rows) and ``shared_down [D, S]``."""

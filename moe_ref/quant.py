@@ -79,6 +79,12 @@ class QuantSpec:
     group_size: int
     ignore: tuple[str, ...] = ()
 
+    @staticmethod
+    def published(fmt: "QuantFormat | str") -> "QuantSpec":
+        """The published scheme of ``fmt``: 128x128 FP8 blocks, or groups of 32 (INT4, MXFP4)."""
+        fmt = QuantFormat(fmt)
+        return QuantSpec(fmt, FP8_BLOCK if fmt == QuantFormat.FP8_BLOCK else GROUP_SIZE)
+
     @property
     def weight_suffix(self) -> str:
         """Suffix of the stored weight: ``weight`` (FP8) or ``weight_packed`` (INT4, MXFP4)."""
@@ -155,7 +161,7 @@ def quant_spec_from_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) 
             raise UnsupportedQuantizationError(
                 f"quant_method 'fp8' with weight_block_size={block!r}, fmt={qc.get('fmt')!r}: moe_ref reads "
                 f"e4m3 weights with [128, 128] block scales (weight_scale_inv); supported: {SUPPORTED_FORMATS}")
-        return QuantSpec(QuantFormat.FP8_BLOCK, FP8_BLOCK, ignore)
+        return dataclasses.replace(QuantSpec.published(QuantFormat.FP8_BLOCK), ignore=ignore)
     if method == "compressed-tensors":
         return QuantSpec(*_compressed_tensors_format(qc), ignore)
     raise UnsupportedQuantizationError(f"quantization_config.quant_method={method!r} is not supported; supported: "
@@ -379,6 +385,21 @@ class QuantizedExpertWeights:
         fmt = self.spec.format
         return (dequantize_weight(self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, fmt, dtype),
                 dequantize_weight(self.down_qweight_eDFq, self.down_scale_eDFs, fmt, dtype))
+
+
+def shape_problem(fmt: QuantFormat | str, hidden_size: int, intermediate_size: int) -> str | None:
+    """Why ``fmt`` cannot store routed experts of width ``hidden_size`` (Dx) and ``intermediate_size`` (F) as
+    moe_ref stacks them; None when it can. Groups of 32 run along both weights' inputs (D and F); FP8 gate and
+    up 128x128 blocks are stacked into one grid, so F % 128 == 0 (D's edge blocks are padded).
+
+    Example: mxfp4, D 32, F 24 -> "D=32 and F=24 must be multiples of 32".
+    """
+    fmt = QuantFormat(fmt)
+    if fmt == QuantFormat.FP8_BLOCK:
+        return None if intermediate_size % FP8_BLOCK == 0 else f"F={intermediate_size} must be a multiple of 128"
+    if hidden_size % GROUP_SIZE or intermediate_size % GROUP_SIZE:
+        return f"D={hidden_size} and F={intermediate_size} must be multiples of {GROUP_SIZE}"
+    return None
 
 
 def expert_weight_bytes(spec: QuantSpec | None, hidden_size: int, intermediate_size: int, num_experts: int,

@@ -18,6 +18,7 @@ Shape legend as in ``moe_ref.quant``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ from moe_ref.errors import (
 )
 from moe_ref.loading import CheckpointReader, LayerNames, _check_expert_range, _detect_prefix, layer_names
 from moe_ref.quant import FP8_BLOCK, QuantFormat, QuantizedExpertWeights, QuantSpec, quant_spec_from_config
+from moe_ref.weights import MoEWeights
 
 # safetensors dtype strings of the stored tensors
 _SAFETENSORS_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.uint8: "U8", torch.float32: "F32",
@@ -90,13 +92,37 @@ def load_quantized_experts(
     return QuantizedExpertWeights(spec, *out, hidden_size=Dx, intermediate_size=F, first_expert=first)
 
 
-def _spec_beside(path: Path) -> QuantSpec:
+def checkpoint_quant_spec(path: str | os.PathLike) -> QuantSpec | None:
+    """The expert quantization of the checkpoint at ``path`` (a ``.safetensors`` file or its folder), from the
+    ``quantization_config`` of the config.json beside it; None when there is no config.json or it has no
+    ``quantization_config`` (plain weights). LOAD008 for an unsupported one (``quant_spec_from_config``)."""
+    path = Path(path)
     config = (path if path.is_dir() else path.parent) / "config.json"
-    spec = quant_spec_from_config(config)
+    return quant_spec_from_config(config) if config.is_file() else None
+
+
+def _spec_beside(path: Path) -> QuantSpec:
+    spec = checkpoint_quant_spec(path)
     if spec is None:
-        raise UnsupportedQuantizationError(f"{str(config)!r} has no quantization_config: the checkpoint stores plain "
-                                           f"weights; read them with moe_ref.loading.load_moe_weights")
+        config = (path if path.is_dir() else path.parent) / "config.json"
+        raise UnsupportedQuantizationError(f"{str(config)!r} has no quantization_config (or is absent): the "
+                                           f"checkpoint stores plain weights; read them with "
+                                           f"moe_ref.loading.load_moe_weights")
     return spec
+
+
+def load_dequantized_weights(path: str | os.PathLike, cfg: MoEConfig, layer_idx: int, *,
+                             dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                             prefix: str | None = None) -> MoEWeights:
+    """The whole block of a quantized checkpoint with EVERY expert dequantized (``[E, 2F, Dx]``, ``[E, Dx, F]``
+    in ``dtype``): the reference a quantized layer is compared with (tests, ``moe_ref.dist_check --quant``).
+    Not for serving: it holds the plain experts the quantized path avoids."""
+    from moe_ref.loading import load_moe_weights
+
+    dense = load_moe_weights(path, cfg, layer_idx, prefix=prefix, dtype=dtype, device=device, experts=False)
+    gate_up, down = load_quantized_experts(path, cfg, layer_idx, device=device, prefix=prefix,
+                                           progress=False).dequantize(dtype)
+    return dataclasses.replace(dense, gate_up_weight_E2FD=gate_up, down_weight_EDF=down)
 
 
 def _allocate(spec: QuantSpec, count: int, F: int, Dx: int, device, scale_dtype: torch.dtype) -> list[torch.Tensor]:

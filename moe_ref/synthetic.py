@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from moe_ref.config import MoEConfig, hf_config_dict
 from moe_ref.errors import InvalidConfigError
 from moe_ref.loading import INDEX_FILE, SINGLE_FILE, LayerNames, layer_names
-from moe_ref.quant import GROUP_SIZE, QuantFormat, QuantSpec, dequantize_weight, quantize_weight
+from moe_ref.quant import (FP8_BLOCK, GROUP_SIZE, QuantFormat, QuantSpec, dequantize_weight, quantize_weight,
+                           shape_problem)
 from moe_ref.weights import MoEWeights
 
 # the prefix each family's published checkpoints use before the layer number
@@ -50,6 +51,22 @@ QUANTIZATION_CONFIGS = {
                                                   "observer": "minmax"}}},
         "ignore": _CT_IGNORE + ["re:.*lm_head.*", "re:.*vision_tower.*", "re:.*mm_projector.*"], "kv_cache_scheme": None},
 }
+
+
+def quantizable_config(cfg: MoEConfig, quant: str | QuantFormat) -> MoEConfig:
+    """``cfg`` with the expert sizes rounded up to what ``quant`` stores (``moe_ref.quant.shape_problem``):
+    F (and for groups of 32 the experts' input width Dx: the latent for Kimi-K3, else D) to multiples of 32,
+    or F to a multiple of 128 for FP8 blocks. The tiny presets' odd sizes need it; real models already fit.
+
+    Example: tiny-kimi-k3 (F 24, L 32) with mxfp4 -> F 32, L 32.
+    """
+    fmt = QuantFormat(quant)
+    multiple = FP8_BLOCK if fmt == QuantFormat.FP8_BLOCK else GROUP_SIZE
+    changes = {"intermediate_size": -(-cfg.intermediate_size // multiple) * multiple}
+    if fmt != QuantFormat.FP8_BLOCK:
+        width = "latent_dim" if cfg.latent_dim else "hidden_size"
+        changes[width] = -(-getattr(cfg, width) // GROUP_SIZE) * GROUP_SIZE
+    return dataclasses.replace(cfg, **changes)
 
 
 def write_synthetic_checkpoint(
@@ -104,12 +121,12 @@ def _quantize_experts(tensors: dict[str, torch.Tensor], weights: MoEWeights, cfg
                       fmt: QuantFormat) -> MoEWeights:
     """Replace the expert weights in ``tensors`` (in place) by their stored quantized form; return ``weights``
     with the experts dequantized (fp32) from what was stored."""
-    spec = QuantSpec(fmt, 128 if fmt == QuantFormat.FP8_BLOCK else GROUP_SIZE)
+    spec = QuantSpec.published(fmt)
     F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
-    if names.expert_form == "stacked_gate_up" or (fmt != QuantFormat.FP8_BLOCK and (F % GROUP_SIZE or Dx % GROUP_SIZE)) \
-            or (fmt == QuantFormat.FP8_BLOCK and F % 128):
-        raise InvalidConfigError(f"quant={fmt.value!r} needs the hub layout, and F={F}, D={Dx} multiples of "
-                                 f"{GROUP_SIZE} (int4/mxfp4) or F a multiple of 128 (fp8 blocks)", field="quant")
+    problem = "it needs the hub layout" if names.expert_form == "stacked_gate_up" else shape_problem(fmt, Dx, F)
+    if problem:
+        raise InvalidConfigError(f"quant={fmt.value!r}: {problem}; quantizable_config(cfg, {fmt.value!r}) rounds the "
+                                 f"sizes up", field="quant")
     dense = {}
     templates = (names.gate, names.up, names.down)
     experts = [None] if names.expert_form == "stacked" else range(cfg.num_experts)

@@ -235,6 +235,17 @@ def test_expert_range_needs_no_other_experts_in_the_checkpoint(tmp_path):
         load_moe_weights(tmp_path, cfg, 0)
 
 
+@pytest.mark.parametrize("name,layout", [("tiny-kimi-k2", "hub"), ("tiny-kimi-k2", "fused"), ("tiny-step3", "hub")])
+def test_progress_bar_over_the_experts_read(tmp_path, capsys, name, layout):
+    cfg = preset(name)
+    write_synthetic_checkpoint(tmp_path, cfg, layer_idx=1, layout=layout)
+    load_moe_weights(tmp_path, cfg, 1, expert_range=(0, cfg.num_experts // 2), progress=True)
+    err = capsys.readouterr().err
+    assert "layer 1 experts" in err and f"/{cfg.num_experts // 2} " in err, err
+    load_moe_weights(tmp_path, cfg, 1)  # off by default for the plain loader (MegaMoE turns it on for rank 0)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("expert_range", [(-1, 4), (0, 0), (14, 4)])
 def test_expert_range_outside_the_experts_is_a_config_error(tmp_path, expert_range):
     cfg = preset("tiny-kimi-k2")
