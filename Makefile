@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU test environment is pinned; setup.py keeps ranges so the GPU image (torch 2.11, triton 3.6) works too.
 PINNED := torch==2.13.0 triton==3.9.0 pytest==9.2.0 pytest-timeout==2.4.0 safetensors==0.8.0 tqdm==4.70.1 transformers==5.24.0
 
-.PHONY: install test test-fast test-gpu demo bench clean
+.PHONY: install test test-fast test-gpu demo demo-quant bench clean
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test-gpu:
 
 demo:
 	$(PY) -m moe_ref demo
+
+# The same from a Kimi-K3 MXFP4 checkpoint, loaded and run as stored (compared with the dequantized weights).
+demo-quant:
+	$(PY) -m moe_ref demo --preset tiny-kimi-k3 --quant mxfp4
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache results

@@ -4,6 +4,7 @@
     moe-ref check --config config.json --tp 8 --ep 8 --dp 8
     moe-ref explain CAP001
     moe-ref demo                      # EP over 2 processes (CPU, or GPUs when present)
+    moe-ref demo --preset tiny-kimi-k3 --quant mxfp4   # the same from a quantized checkpoint, kept as stored
     moe-ref bench                     # expert backends on this machine
     moe-ref info                      # versions, devices, backends and why not
 
@@ -33,11 +34,12 @@ from moe_ref.errors import (
     DeviceUnavailableError,
     FP8AlignmentError,
     InsufficientMemoryError,
-    InvalidConfigError,
     MoERefError,
     PathNotWritableError,
     explain,
 )
+from moe_ref.options import EPOptions
+from moe_ref.quant import QuantFormat, QuantSpec, expert_weight_bytes, quant_spec_from_config, shape_problem
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEMO_CAP = 64  # below the demo's 150 tokens on rank 0, so the chunk policy shows
@@ -79,15 +81,11 @@ def positive_float(text: str) -> float:
 
 
 def resolve_cap(cap: int | None, default: int) -> int:
-    """The cap a command uses: its flag, else ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``, else ``default``.
-    A set but non-positive env value is refused (CFG007) instead of silently replaced."""
-    if cap is not None:
-        return cap
-    env_cap = envs.num_max_tokens_per_rank()  # CFG007 when not an integer
-    if env_cap is not None and env_cap < 1:
-        raise InvalidConfigError(f"MOE_REF_NUM_MAX_TOKENS_PER_RANK={env_cap} must be >= 1 (rows one rank feeds "
-                                 f"per call); unset it or export a positive cap, e.g. 4096")
-    return env_cap if env_cap is not None else default
+    """The cap a command uses, resolved as the layer resolves it (``EPOptions.resolve``: the flag, else
+    ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``, checked there: CFG007 naming where a bad value came from), with the
+    command's own ``default`` when neither is given."""
+    options = EPOptions.resolve(num_max_tokens_per_rank=cap)
+    return default if options.source["num_max_tokens_per_rank"] == "the default" else options.num_max_tokens_per_rank
 
 
 def require_devices(device: str, num_devices: int) -> None:
@@ -169,9 +167,9 @@ def writable_folder(path: str) -> str:
     return path
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, default: str | None = "kimi-k2") -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=PRESETS, help="a built-in model (default: kimi-k2)")
+    src.add_argument("--preset", choices=PRESETS, help=f"a built-in model{f' (default: {default})' if default else ''}")
     src.add_argument("--config", help="an HF config.json (or its folder)")
 
 
@@ -181,6 +179,32 @@ def _load_cfg(args, validate: bool = True) -> MoEConfig:
     if args.config:
         return MoEConfig.from_hf_config(args.config, validate=validate)
     return preset(args.preset or "kimi-k2")
+
+
+def expert_memory_lines(cfg: MoEConfig, ep_size: int, spec: QuantSpec | None, plain_dtype: str) -> list[str]:
+    """The bytes of ONE EP rank's routed experts (gate, up, down and their scales) in each precision, one line
+    each: ``plain_dtype`` and the three checkpoint formats; the config's own (``spec``, from its
+    ``quantization_config``; else the plain dtype) is marked. What ``MegaMoE.load_hf_weights`` holds on the
+    device for that checkpoint (``expert_nbytes()``)."""
+    count, F, Dx = cfg.num_experts // ep_size, cfg.intermediate_size, cfg.expert_hidden_size
+    own = spec.format.value if spec is not None else plain_dtype
+    mark = ("  <- the checkpoint (its quantization_config)" if spec is not None else
+            "  <- this config (no quantization_config: plain weights)")
+    lines = [f"routed experts per rank ({count} of {cfg.num_experts}, Dx={Dx}, F={F}; weights + scales):"]
+    for name in (plain_dtype, *(f.value for f in QuantFormat)):
+        problem = None if name == plain_dtype else shape_problem(name, Dx, F)
+        if problem:
+            lines.append(f"  {name:<11} {'n/a':>11}: {problem}")
+            continue
+        fmt_spec = None if name == plain_dtype else QuantSpec.published(name)
+        nbytes = expert_weight_bytes(fmt_spec, Dx, F, count, DTYPES[plain_dtype])
+        lines.append(f"  {name:<11} {format_bytes(nbytes):>11}{mark if name == own else ''}")
+    return lines
+
+
+def _quant_spec(args) -> QuantSpec | None:
+    """The ``quantization_config`` of ``--config`` (presets have none)."""
+    return quant_spec_from_config(args.config) if args.config else None
 
 
 # --- plan ------------------------------------------------------------------------------------------------
@@ -200,6 +224,7 @@ def cmd_plan(args) -> int:
     plan = CapacityPlan.build(cfg, args.ep, cap, dtype, dispatch_fp8=args.dispatch_fp8,
                               alignment=args.alignment)
     print(plan.report())
+    print("\n" + "\n".join(expert_memory_lines(cfg, args.ep, _quant_spec(args), args.dtype)))
     if args.budget_gib is not None:
         best = max_tokens_for_budget(cfg, args.ep, int(args.budget_gib * 2**30), dtype,
                                      dispatch_fp8=args.dispatch_fp8, alignment=args.alignment)
@@ -255,6 +280,10 @@ def cmd_demo(args) -> int:
     step("checking flags, device and memory")
     cap = resolve_cap(args.cap, default=DEMO_CAP)
     cfg = preset(args.preset)
+    if args.quant:  # dist_check writes the checkpoint at these sizes
+        from moe_ref.synthetic import quantizable_config
+
+        cfg = quantizable_config(cfg, args.quant)
     for problem in ParallelConfig(ep_size=args.nproc).problems(cfg):  # e.g. CFG002: --nproc must divide E
         raise problem
     require_devices(args.device, args.nproc)
@@ -269,10 +298,13 @@ def cmd_demo(args) -> int:
                    "--tokens-per-rank", str(args.tokens_per_rank), "--cap", str(cap), "--overflow", "chunk",
                    "--runs", str(args.runs), "--device", device, "--dtype", dtype]
         command += ["--skip-memory-check"] * args.skip_memory_check + ["--debug"] * args.debug
+        command += ["--quant", args.quant] if args.quant else []
         chunked = (f"{args.tokens_per_rank} tokens on rank 0 > cap {cap} -> chunk policy"
                    if args.tokens_per_rank > cap else f"{args.tokens_per_rank} tokens on rank 0 <= cap {cap}")
+        quantized = (f", routed experts stored as {args.quant} and run as stored (F={cfg.intermediate_size}, "
+                     f"Dx={cfg.expert_hidden_size})" if args.quant else "")
         print(f"demo: {args.preset} over {args.nproc} processes on {'GPU (NCCL)' if on_gpu else 'CPU (gloo)'}, "
-              f"checkpoint {checkpoint}{' (private, removed at the end)' if private else ''}, {chunked}")
+              f"checkpoint {checkpoint}{' (private, removed at the end)' if private else ''}, {chunked}{quantized}")
         step(f"running {args.nproc} processes (torchrun); rank 0 reports its steps")
         print("$ " + " ".join(command), flush=True)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -359,7 +391,7 @@ def cmd_info(args) -> int:
         print("CUDA: not available (CPU: experts backend 'torch', Triton kernels run only under TRITON_INTERPRET=1)")
     print(f"torch.nn.functional.grouped_mm: {'yes' if hasattr(torch.nn.functional, 'grouped_mm') else 'no'}")
     try:
-        from moe_ref.deep_gemm_backend import deep_gemm_status
+        from moe_ref.deep_gemm_probe import deep_gemm_status
 
         status = deep_gemm_status()
         print(f"deep_gemm: {'usable' if status.available else 'not usable'}"
@@ -368,6 +400,11 @@ def cmd_info(args) -> int:
         print(f"deep_gemm: backend module not importable: {err}")
     print("transports: local; symm (CPU shared memory"
           f"{', CUDA symmetric memory' if torch.cuda.is_available() else ''}); a2a (all_to_all_single)")
+    if args.config or args.preset:
+        cfg = _load_cfg(args)
+        for problem in ParallelConfig(ep_size=args.ep).problems(cfg):
+            raise problem
+        print(f"{cfg.name} at ep={args.ep}: " + "\n".join(expert_memory_lines(cfg, args.ep, _quant_spec(args), "bf16")))
     return 0
 
 
@@ -419,6 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None,
                    help="checkpoint folder (written if it holds no config.json); default: a private temporary "
                         "folder, removed at the end")
+    p.add_argument("--quant", default=None, choices=tuple(f.value for f in QuantFormat),
+                   help="write the checkpoint's routed experts in this published format (sizes rounded up to it) and "
+                        "load them as stored; the reference uses the dequantized weights")
     p.add_argument("--skip-memory-check", action="store_true", help="run even when the memory estimate does not fit")
     p.set_defaults(fn=cmd_demo)
 
@@ -431,7 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-memory-check", action="store_true", help="run even when the memory estimate does not fit")
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser("info", parents=[debug], help="versions, devices and which backends load (and why not)")
+    p = sub.add_parser("info", parents=[debug], help="versions, devices and which backends load (and why not); "
+                                                     "with a model: its routed experts' bytes per rank")
+    _add_model_args(p, default=None)
+    p.add_argument("--ep", type=positive, default=8, help="expert-parallel size of the per-rank expert bytes")
     p.set_defaults(fn=cmd_info)
     return parser
 

@@ -59,13 +59,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--checkpoint", default=None, help="folder of a safetensors checkpoint (written if absent)")
+    p.add_argument("--quant", default=None, choices=("fp8_block", "int4_group", "mxfp4"),
+                   help="with --checkpoint: its routed experts in this published format (the preset's sizes rounded "
+                        "up to it), loaded as stored; the reference runs the dequantized weights")
     p.add_argument("--runs", type=int_at_least(1), default=3,
                    help="timed forward calls after the checked one (the last is compared bitwise with it)")
     p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--json", default=None, help="write rank 0's summary here")
     p.add_argument("--skip-memory-check", action="store_true", help="run even when the memory estimate does not fit")
     p.add_argument("--debug", action="store_true", help="show the traceback of moe_ref errors (or MOE_REF_DEBUG=1)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quant and args.checkpoint is None:
+        p.error("--quant needs --checkpoint (the folder the quantized checkpoint is written to)")
+    return args
 
 
 def _init(device: str) -> torch.device:
@@ -119,15 +125,22 @@ def _weights(args, cfg, dtype, device, rank):
     def write():
         if os.path.exists(os.path.join(args.checkpoint, "config.json")):
             return
-        _step(rank, 2, f"writing a synthetic {cfg.name} checkpoint to {args.checkpoint}")
+        _step(rank, 2, f"writing a synthetic {cfg.name} checkpoint to {args.checkpoint}"
+                       f"{f' (routed experts in {args.quant})' if args.quant else ''}")
         try:
-            write_synthetic_checkpoint(args.checkpoint, cfg, layer_idx=0, seed=args.seed, dtype=torch.bfloat16)
+            write_synthetic_checkpoint(args.checkpoint, cfg, layer_idx=0, seed=args.seed, dtype=torch.bfloat16,
+                                       quant=args.quant)
         except OSError as err:
             raise PathNotWritableError(f"--checkpoint {args.checkpoint!r}: cannot write the synthetic checkpoint "
                                        f"({err.strerror or err}: {err.filename or args.checkpoint}); pass a folder "
                                        f"you can write") from None
 
     _agreed(write, rank)
+    if args.quant:
+        from moe_ref.quant_loading import load_dequantized_weights
+
+        _step(rank, 2, f"loading the weights from {args.checkpoint} (all experts dequantized, for the reference)")
+        return load_dequantized_weights(args.checkpoint, cfg, 0, dtype=dtype, device=device), args.checkpoint
     _step(rank, 2, f"loading the weights from {args.checkpoint} (all experts, for the reference)")
     return load_moe_weights(args.checkpoint, cfg, 0, dtype=dtype, device=device), args.checkpoint
 
@@ -142,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
     device = _init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg, dtype = preset(args.preset), DTYPES[args.dtype]
+    if args.quant:
+        from moe_ref.synthetic import quantizable_config
+
+        cfg = quantizable_config(cfg, args.quant)
     _step(rank, 1, f"checking memory for {cfg.name} on {world} ranks ({args.device}, {args.dtype})")
     if not args.skip_memory_check:
         gpu_index = device.index if device.type == "cuda" else None
@@ -179,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         _step(rank, 5, "comparing with the single-process reference (all experts on each rank)")
         ref_TD = reference_moe(x_TD, full_weights, cfg)
     # fp32: elementwise; lower precision: calc_diff (the reference rounds differently, not wrongly).
-    fp8 = args.dispatch_fp8 or moe.uses_mega  # the mega kernel is FP8 inside
+    fp8 = _fp8_path(args, moe)
     tolerance_dtype = torch.float8_e4m3fn if fp8 else dtype
     err = (y_TD.float() - ref_TD.float()).abs()
     if tolerance_dtype == torch.float32:
@@ -221,6 +238,12 @@ def _engine(moe) -> str:
     return f"transport={moe.routed_step.transport_name}, experts={moe.experts.name}"
 
 
+def _fp8_path(args, moe) -> bool:
+    """Whether FP8 roundings are part of the path (judged with the FP8 tolerance): FP8 dispatch, the mega
+    kernel (FP8 inside), or FP8 expert weights (a triton backend's, or an FP8 checkpoint's on triton)."""
+    return args.dispatch_fp8 or moe.uses_mega or moe.experts.fp8
+
+
 def _print_summary(args, cfg, moe, ranks, passed, world) -> None:
     max_tokens = max(r["num_tokens"] for r in ranks)
     num_chunks = -(-max_tokens // args.cap) if max_tokens else 1
@@ -228,6 +251,13 @@ def _print_summary(args, cfg, moe, ranks, passed, world) -> None:
           f"cap={args.cap}, overflow={args.overflow}")
     if not moe.uses_mega:
         print(moe.routed_step.plan.report())
+    if moe.quantized_experts is not None:
+        from moe_ref.quant import expert_weight_bytes
+
+        q = moe.quantized_experts
+        plain = expert_weight_bytes(None, q.hidden_size, q.intermediate_size, q.num_experts, DTYPES[args.dtype])
+        print(f"routed experts of rank 0: {q.spec.format.value} as stored in the checkpoint, {moe.expert_nbytes()} "
+              f"bytes on the device ({plain} in {args.dtype}), run by {moe.experts.name}")
     if num_chunks > 1:
         print(f"largest batch {max_tokens} > cap {args.cap}: every rank ran {num_chunks} chunks")
     print(f"\n{'rank':>4} {'tokens':>7} {'recv rows':>10} {'max|err|':>10} {'calc_diff':>10} {'ms/call':>8}  result")
@@ -237,7 +267,7 @@ def _print_summary(args, cfg, moe, ranks, passed, world) -> None:
     loads = [sum(r["recv_rows_per_expert"]) for r in ranks]
     print(f"\nper-rank expert load (rows received over {args.runs + 1} calls): {loads}")
     print(f"per-expert load, rank 0: {ranks[0]['recv_rows_per_expert']}")
-    fp8 = args.dispatch_fp8 or moe.uses_mega
+    fp8 = _fp8_path(args, moe)
     rule = ("elementwise fp32 tolerance" if args.dtype == "fp32" and not fp8 else
             f"calc_diff <= {CALC_DIFF_TOLERANCES[torch.float8_e4m3fn if fp8 else DTYPES[args.dtype]]:g}")
     print(f"\nRESULT: {'PASS' if passed else 'FAIL'} (EP output vs single-process reference: {rule}; "

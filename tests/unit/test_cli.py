@@ -203,9 +203,21 @@ def test_env_cap_not_positive_is_cfg007_naming_the_variable(capsys, no_spawn, mo
     monkeypatch.setenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK", value)
     for argv in (["demo", "--nproc", "1"], ["plan", "--preset", "tiny-kimi-k2", "--ep", "2"]):
         status, _, err = _run(capsys, argv)
-        line = _one_coded_line(err, "CFG007")
-        assert status == 2 and f"MOE_REF_NUM_MAX_TOKENS_PER_RANK={value} must be >= 1" in line, argv
+        line = _one_coded_line(err, "CFG007")  # resolved and checked by EPOptions, as the layer does
+        assert status == 2 and f"num_max_tokens_per_rank={value} (from MOE_REF_NUM_MAX_TOKENS_PER_RANK)" in line, argv
+        assert "must be an integer in [1, " in line, line
     assert not no_spawn
+
+
+def test_the_cli_cap_is_the_layers_cap(monkeypatch):
+    from moe_ref.options import EPOptions
+
+    monkeypatch.delenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK", raising=False)
+    assert cli.resolve_cap(None, default=64) == 64 and cli.resolve_cap(8, default=64) == 8
+    for value in ("32", "4096"):
+        monkeypatch.setenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK", value)
+        assert cli.resolve_cap(None, default=64) == EPOptions.resolve().num_max_tokens_per_rank == int(value)
+        assert cli.resolve_cap(7, default=64) == 7
 
 
 def test_env_cap_is_the_default_and_the_flag_wins(capsys, no_spawn, monkeypatch):
@@ -216,6 +228,102 @@ def test_env_cap_is_the_default_and_the_flag_wins(capsys, no_spawn, monkeypatch)
     assert status == 0 and "cap = 8 rows" in out
     assert _run(capsys, ["demo", "--nproc", "1"])[0] == 0
     assert no_spawn[0]["command"][no_spawn[0]["command"].index("--cap") + 1] == "32"
+
+
+# --- expert memory per rank in the checkpoint's precision (plan, info) ------------------------------------
+def _expert_line(out: str, name: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(f"  {name} "))
+
+
+def test_plan_prints_the_experts_bytes_per_rank_in_each_precision(capsys):
+    from moe_ref.capacity import format_bytes
+    from moe_ref.quant import QuantSpec, expert_weight_bytes
+
+    status, out, _ = _run(capsys, ["plan", "--preset", "kimi-k2", "--ep", "8"])
+    assert status == 0 and "routed experts per rank (48 of 384, Dx=7168, F=2048" in out
+    assert format_bytes(48 * 3 * 7168 * 2048 * 2) in _expert_line(out, "bf16")
+    assert "<- this config (no quantization_config" in _expert_line(out, "bf16")
+    for fmt, gib in (("fp8_block", "1.97 GiB"), ("int4_group", "1.11 GiB"), ("mxfp4", "1.05 GiB")):
+        line = _expert_line(out, fmt)
+        assert gib in line and format_bytes(expert_weight_bytes(QuantSpec.published(fmt), 7168, 2048, 48)) in line
+        assert "<-" not in line
+    status, out, _ = _run(capsys, ["plan", "--preset", "tiny-kimi-k3", "--ep", "2", "--dtype", "fp32"])
+    assert status == 0 and format_bytes(8 * 3 * 32 * 24 * 4) in _expert_line(out, "fp32")
+    assert "n/a: D=32 and F=24 must be multiples of 32" in _expert_line(out, "mxfp4")
+    assert "n/a: F=24 must be a multiple of 128" in _expert_line(out, "fp8_block")
+
+
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(tmp_path_factory):
+    from moe_ref.synthetic import quantizable_config, write_synthetic_checkpoint
+
+    folder = tmp_path_factory.mktemp("mxfp4")
+    cfg = quantizable_config(preset("tiny-kimi-k3"), "mxfp4")
+    write_synthetic_checkpoint(folder, cfg, quant="mxfp4")
+    return cfg, folder
+
+
+def test_plan_and_info_mark_the_checkpoints_precision_with_the_bytes_the_layer_holds(capsys, mxfp4_checkpoint):
+    from moe_ref.capacity import format_bytes
+    from moe_ref.layer import MegaMoE
+
+    cfg, folder = mxfp4_checkpoint
+    held = MegaMoE(cfg).load_hf_weights(folder, layer_idx=0, progress=False).expert_nbytes()  # one rank: all experts
+    status, out, _ = _run(capsys, ["plan", "--config", str(folder), "--ep", "1"])
+    line = _expert_line(out, "mxfp4")
+    assert status == 0 and format_bytes(held) in line and "<- the checkpoint (its quantization_config)" in line
+    assert "<-" not in _expert_line(out, "bf16")
+    status, out, _ = _run(capsys, ["info", "--config", str(folder), "--ep", "2"])
+    assert status == 0 and "at ep=2: routed experts per rank (8 of 16" in out
+    assert format_bytes(held // 2) in _expert_line(out, "mxfp4") and "<- the checkpoint" in _expert_line(out, "mxfp4")
+    status, out, _ = _run(capsys, ["info"])
+    assert status == 0 and "routed experts" not in out and "transports:" in out
+    status, _, err = _run(capsys, ["info", "--preset", "tiny-kimi-k2", "--ep", "3"])
+    assert status == 2 and "ep_size" in _one_coded_line(err, "CFG002")
+
+
+# --- the quantized demo: MXFP4 checkpoint -> MegaMoE.load_hf_weights -> run -> dequantized reference --------
+def test_demo_quant_passes_the_format_and_sizes_to_the_ranks(capsys, no_spawn):
+    status, out, err = _run(capsys, ["demo", "--preset", "tiny-kimi-k3", "--quant", "mxfp4", "--nproc", "1"])
+    assert status == 0, err
+    command = no_spawn[0]["command"]
+    assert command[command.index("--quant") + 1] == "mxfp4"
+    assert "routed experts stored as mxfp4 and run as stored (F=32, Dx=32)" in out
+
+
+def _mxfp4_bytes(cfg, num_experts: int) -> int:
+    from moe_ref.quant import QuantSpec, expert_weight_bytes
+    from moe_ref.synthetic import quantizable_config
+
+    cfg = quantizable_config(cfg, "mxfp4")
+    return expert_weight_bytes(QuantSpec.published("mxfp4"), cfg.expert_hidden_size, cfg.intermediate_size, num_experts)
+
+
+def test_dist_check_quant_needs_a_checkpoint_folder(capsys):
+    status, _, err = _run(capsys, ["--quant", "mxfp4"], dist_check.main)
+    assert status == 2 and "--quant needs --checkpoint" in _one_coded_line(err, "CFG015", "moe_ref.dist_check")
+
+
+def test_dist_check_quant_mxfp4_in_one_process(capsys, one_rank, tmp_path):
+    status, out, err = _run(capsys, ["--preset", "tiny-kimi-k3", "--quant", "mxfp4", "--checkpoint", str(tmp_path),
+                                     "--tokens-per-rank", "40", "--runs", "1"], dist_check.main)
+    assert status == 0, err
+    assert "routed experts in mxfp4" in err and "experts=torch_quant" in out
+    held = _mxfp4_bytes(preset("tiny-kimi-k3"), num_experts=16)
+    assert f"routed experts of rank 0: mxfp4 as stored in the checkpoint, {held} bytes on the device" in out
+    assert "RESULT: PASS" in out
+
+
+@pytest.mark.dist
+def test_make_demo_quant_mxfp4_on_two_processes():
+    """The whole demo: two ranks each load their half of an MXFP4 checkpoint through MegaMoE.load_hf_weights."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MOE_REF_DEBUG", "MOE_REF_NUM_MAX_TOKENS_PER_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "moe_ref", "demo", "--preset", "tiny-kimi-k3", "--quant", "mxfp4",
+                           "--runs", "1", "--tokens-per-rank", "80"], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    held = _mxfp4_bytes(preset("tiny-kimi-k3"), num_experts=8)  # half of the 16 experts on each rank
+    assert "on 2 ranks (cpu, fp32)" in proc.stdout and f"{held} bytes on the device" in proc.stdout
+    assert proc.stdout.count("PASS") == 3 and "RESULT: PASS" in proc.stdout  # each rank, and the result
 
 
 # --- one line, or the traceback with --debug / MOE_REF_DEBUG ---------------------------------------------
