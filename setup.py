@@ -29,8 +29,9 @@ def _native_build():
     here = os.path.dirname(os.path.abspath(__file__))
     ext = CppExtension(
         "moe_ref._C", [os.path.join("csrc", "ep_ops.cpp")], include_dirs=[os.path.join(here, "csrc")],
-        # -ffp-contract=off: separate multiply and add roundings, as the torch twins compute them
-        extra_compile_args={"cxx": ["-O3", "-ffp-contract=off", "-fopenmp"]}, extra_link_args=["-fopenmp"])
+        # -ffp-contract=off: separate multiply and add roundings, as the torch twins compute them; -g0: no debug info
+        # for the torch headers (halves the compile time)
+        extra_compile_args={"cxx": ["-O3", "-g0", "-ffp-contract=off", "-fopenmp"]}, extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": TolerantBuildExtension.with_options(use_ninja=True)}
 
 

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace moe_ref {
 
