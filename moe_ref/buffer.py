@@ -36,6 +36,7 @@ import torch.distributed as dist
 from moe_ref import envs
 from moe_ref.capacity import CapacityPlan, format_bytes
 from moe_ref.distributed import comm_device, group_size_and_rank
+from moe_ref.kernels.ep_regions import PeerBuffers
 from moe_ref.errors import (BufferTooSmallError, CapacityMismatchError, DistributedError, MemoryBudgetError,
                             UnknownNameError)
 
@@ -308,6 +309,20 @@ class SymmetricBuffer:
             raise DistributedError(f"rank {peer}'s buffer is not mapped here (kind={self.kind!r}); only symmetric "
                                    f"kinds (shm, cuda) map peers")
         return self._region_view(raw, name)
+
+    def view_bytes(self) -> torch.Tensor:
+        """My whole buffer, ``[nbytes]`` uint8 (what ``EPRegions.view`` slices)."""
+        self._check_alive()
+        return self._local_bytes
+
+    def peer_buffers(self) -> PeerBuffers:
+        """Every rank's bytes as mapped here, with their base addresses (what the device-side kernels and their
+        twins take; ``kernels.ep_regions.PeerBuffers``). Symmetric kinds only."""
+        self._check_alive()
+        if not self.is_symmetric:
+            raise DistributedError(f"peers' buffers are not mapped here (kind={self.kind!r}); only symmetric kinds "
+                                   f"(shm, cuda) map peers")
+        return PeerBuffers.from_tensors(self.rank, self._peer_bytes)
 
     def barrier(self) -> None:
         """Order my writes before my peers' reads: ``dist.barrier`` (shm), ``handle.barrier`` (cuda)."""

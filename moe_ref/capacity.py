@@ -4,25 +4,15 @@
       --dispatch--> peers' receive pools --experts--> combine slots of the SOURCE rank --> reduce
 
 ``CapacityPlan`` is the single source of truth for the buffer (``SymmetricBuffer`` allocates exactly
-``plan.total_bytes``). Every region has an offset (aligned to ``REGION_ALIGN_BYTES``), shape, dtype and
-bytes. Regions, in order:
+``plan.total_bytes``). Its regions are the device-side data path's contract, ``kernels.ep_regions.EPRegions``
+(signals, send regions, receive pool and its layout, the combine partials: see the table there), followed by
+one counter of this layer, ``num_recv_tokens_per_expert`` ``[e]`` int64 (rows my experts received, all calls).
+Both transports use this one layout: ``symm`` reads peers' regions in place, ``a2a`` fills the same regions
+of a private buffer with collectives.
 
-| region                        | shape                  | dtype                 | what                               |
-|-------------------------------|------------------------|-----------------------|------------------------------------|
-| ``x``                         | ``[C, Dx]``            | activation or fp8     | my token rows (pre-dispatch)       |
-| ``x_scale``  (FP8 only)       | ``[C, ceil(Dx/128)]``  | fp32                  | per-row, per-128-column scales     |
-| ``topk_ids``                  | ``[C, K]``             | int64                 | global expert ids, -1 = masked     |
-| ``topk_weights``              | ``[C, K]``             | fp32                  | routing weights                    |
-| ``recv_x``                    | ``[P, Dx]``            | activation or fp8     | receive pool, expert-major         |
-| ``recv_x_scale`` (FP8 only)   | ``[P, ceil(Dx/128)]``  | fp32                  | scales of the pool rows            |
-| ``recv_src``                  | ``[P, 3]``             | int32                 | (source rank, token, slot), -1 pad |
-| ``combine``                   | ``[K, C, Dx]``         | activation            | expert outputs back at the source  |
-| ``num_tokens``                | ``[1]``                | int64                 | rows I wrote this call             |
-| ``num_rows_per_expert``       | ``[E]``                | int32                 | my non-masked slots per expert     |
-| ``num_recv_tokens_per_expert``| ``[e]``                | int64                 | rows my experts received, all calls|
-
-with ``P = align(R * C * min(K, e) + e * (alignment - 1), alignment)``: every token of every rank may pick up
-to ``min(K, e)`` of my experts, and each expert segment starts on a multiple of ``alignment`` rows.
+The receive pool has ``P = align(R * C * min(K, e) + e * (alignment - 1), alignment)`` rows: every token of
+every rank may pick up to ``min(K, e)`` of my experts, and each expert segment starts on a multiple of
+``alignment`` rows.
 
 Shape legend: C = cap = ``num_max_tokens_per_rank`` (rows ONE rank feeds per call), Dx expert input width
 (hidden, or latent for Kimi-K3), K top-k, E experts, e local experts, R EP ranks, P receive-pool rows.
@@ -40,11 +30,8 @@ import torch
 
 from moe_ref.config import MoEConfig, ParallelConfig
 from moe_ref.errors import ExpertsNotDivisibleError, InvalidConfigError, MemoryBudgetError
-from moe_ref.kernels._triton_utils import FP8_DTYPE, FP8_GROUP
+from moe_ref.kernels.ep_regions import REGION_ALIGN_BYTES, EPRegions, default_pool_rows
 from moe_ref.options import ACTIVATION_DTYPES
-
-REGION_ALIGN_BYTES = 128  # every region starts on a multiple of this (TMA and vector loads want >= 16)
-RECV_SRC_FIELDS = 3  # recv_src columns: source rank, token index, slot index
 
 
 def _align(value: int, multiple: int) -> int:
@@ -91,6 +78,7 @@ class CapacityPlan:
     alignment: int
     regions: tuple[Region, ...]
     total_bytes: int
+    ep_regions: EPRegions
 
     @staticmethod
     def build(cfg: MoEConfig, ep_size: int, num_max_tokens_per_rank: int,
@@ -111,29 +99,17 @@ class CapacityPlan:
             unsupported dtype, ``ExpertsNotDivisibleError`` (CFG002) when R does not divide E.
         """
         _check_plan_args(cfg, ep_size, num_max_tokens_per_rank, activation_dtype, alignment)
-        cap, dim, topk = num_max_tokens_per_rank, cfg.expert_hidden_size, cfg.num_topk
-        num_local = cfg.num_experts // ep_size
-        pool = num_recv_pool_rows(cfg, ep_size, cap, alignment)
-        wire_dtype = FP8_DTYPE if dispatch_fp8 else activation_dtype
-        num_scale_cols = math.ceil(dim / FP8_GROUP)
-        specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [("x", (cap, dim), wire_dtype)]
-        if dispatch_fp8:
-            specs.append(("x_scale", (cap, num_scale_cols), torch.float32))
-        specs += [("topk_ids", (cap, topk), torch.int64), ("topk_weights", (cap, topk), torch.float32),
-                  ("recv_x", (pool, dim), wire_dtype)]
-        if dispatch_fp8:
-            specs.append(("recv_x_scale", (pool, num_scale_cols), torch.float32))
-        specs += [("recv_src", (pool, RECV_SRC_FIELDS), torch.int32),
-                  ("combine", (topk, cap, dim), activation_dtype),
-                  ("num_tokens", (1,), torch.int64),
-                  ("num_rows_per_expert", (cfg.num_experts,), torch.int32),
-                  ("num_recv_tokens_per_expert", (num_local,), torch.int64)]
-        regions, offset = [], 0
-        for name, shape, dtype in specs:
-            nbytes = math.prod(shape) * dtype.itemsize
-            regions.append(Region(name, offset, shape, dtype, nbytes))
-            offset = _align(offset + nbytes, REGION_ALIGN_BYTES)
-        return CapacityPlan(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment, tuple(regions), offset)
+        cap, num_local = num_max_tokens_per_rank, cfg.num_experts // ep_size
+        ep_regions = EPRegions.build(ep_size, num_local, cfg.num_topk, cap, cfg.expert_hidden_size,
+                                     activation_dtype=activation_dtype, fp8=dispatch_fp8, alignment=alignment,
+                                     num_pool_rows=num_recv_pool_rows(cfg, ep_size, cap, alignment))
+        regions = [Region(name, ep_regions.offsets[name], *ep_regions.spec(name), ep_regions.nbytes(name))
+                   for name in ep_regions.offsets]
+        counter = Region("num_recv_tokens_per_expert", ep_regions.end, (num_local,), torch.int64, num_local * 8)
+        regions.append(counter)
+        offset = _align(counter.end, REGION_ALIGN_BYTES)
+        return CapacityPlan(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment, tuple(regions), offset,
+                            ep_regions)
 
     # --- queries ---------------------------------------------------------------------------------------
     @property
@@ -160,10 +136,13 @@ class CapacityPlan:
                                   self.dispatch_fp8, self.alignment)
 
     def group_bytes(self) -> dict[str, int]:
-        """Bytes per part: send, receive, combine, counters (region bytes plus the alignment gaps after them)."""
-        parts = {"send": ("x", "x_scale", "topk_ids", "topk_weights"),
-                 "receive": ("recv_x", "recv_x_scale", "recv_src"), "combine": ("combine",),
-                 "counters": ("num_tokens", "num_rows_per_expert", "num_recv_tokens_per_expert")}
+        """Bytes per part: signals, send, receive, combine, counters (region bytes plus the alignment gaps after
+        them)."""
+        parts = {"signals": ("signal", "epoch", "status", "counter"),
+                 "send": ("num_tokens", "send_count", "topk_ids", "topk_weights", "slot_rank", "x", "x_scale"),
+                 "receive": ("recv_num_tokens", "num_rows", "row_start", "recv_base", "pool_end", "recv_pos",
+                             "recv_weight", "recv_src", "recv_x", "recv_x_scale"),
+                 "combine": ("combine_partial",), "counters": ("num_recv_tokens_per_expert",)}
         ends = [r.offset for r in self.regions[1:]] + [self.total_bytes]
         out = {part: 0 for part in parts}
         for region, end in zip(self.regions, ends):
@@ -226,9 +205,7 @@ def num_recv_pool_rows(cfg: MoEConfig, ep_size: int, num_max_tokens_per_rank: in
 
     Example: R=2, C=16, K=4, e=8, alignment=128 -> 2*16*4 + 8*127 = 1144 -> 1152.
     """
-    num_local = cfg.num_experts // ep_size
-    rows = ep_size * num_max_tokens_per_rank * min(cfg.num_topk, num_local) + num_local * (alignment - 1)
-    return _align(rows, alignment)
+    return default_pool_rows(ep_size, num_max_tokens_per_rank, cfg.num_topk, cfg.num_experts // ep_size, alignment)
 
 
 # --- topology and budget ----------------------------------------------------------------------------------

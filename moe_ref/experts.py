@@ -50,12 +50,24 @@ class ExpertLayout:
         num_pool_rows: P, rows of the pool tensor the experts get (>= the last segment's aligned end; the
             dispatcher passes exactly that prefix of its receive pool).
         alignment: segment alignment in rows (the backend's ``segment_alignment`` by default).
+        num_rows_hint: about how many rows are valid, known on the host without a sync (the device-side
+            dispatch passes its static estimate, so a call can be captured in a CUDA graph); None: backends
+            that need it read ``num_rows_e.sum()`` (a host sync).
+        zero_unused_rows: False lets a backend leave output rows outside every segment unwritten (the device-side
+            dispatch hands over its whole pool and never reads them; zeroing them would cost more than the GEMMs
+            at decode). True: they come out as zeros.
     """
 
     row_start_e: torch.Tensor
     num_rows_e: torch.Tensor
     num_pool_rows: int
     alignment: int
+    num_rows_hint: int | None = None
+    zero_unused_rows: bool = True
+
+    def rows_hint(self) -> int:
+        """``num_rows_hint``, or the exact count of valid rows (NOTE: then a host sync)."""
+        return int(self.num_rows_e.sum()) if self.num_rows_hint is None else self.num_rows_hint
 
     @staticmethod
     def from_counts(num_rows_e: torch.Tensor, alignment: int, num_pool_rows: int | None = None) -> "ExpertLayout":
@@ -237,7 +249,8 @@ class TritonExperts(Experts):
         from moe_ref.kernels.grouped_mlp import grouped_mlp
 
         options = dict(activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
-                       num_rows_hint=int(layout.num_rows_e.sum()))  # NOTE: host sync; picks GPU tiles
+                       num_rows_hint=layout.rows_hint(),  # picks GPU tiles
+                       zero_unused_rows=layout.zero_unused_rows)
         if not self.fp8:
             return grouped_mlp(x_RD, self.gate_up_weight_e2FD, self.down_weight_eDF, layout.row_start_e,
                                layout.num_rows_e, **options)

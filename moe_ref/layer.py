@@ -385,6 +385,9 @@ class MegaMoE(nn.Module):
             max_num_tokens: a bound on T promised for every rank (checked in the per-call collective; give it
                 on every rank or on none).
 
+        At decode on CUDA, a call can be captured in a CUDA graph (``torch.cuda.graph``) and replayed with new
+        inputs of the same shape (the ``symm`` transport; see ``moe_ref.routed_step`` for what capture skips).
+
         Raises, on every rank alike: this or any rank's input problem (INP001-INP007), CAP001 under
         ``overflow='error'``, ENV004/ENV005/CFG008 (see ``moe_ref.routed_step``).
         """
@@ -392,8 +395,9 @@ class MegaMoE(nn.Module):
         step = self.routed_step
         weights = self.weights()
         if problem is None:
-            (topk_ids_TK, topk_weights_TK), problem = route_unchecked(hidden_states, self.gate_weight, self.cfg,
-                                                                      self.e_score_correction_bias)
+            (topk_ids_TK, topk_weights_TK), problem = route_unchecked(
+                hidden_states, self.gate_weight, self.cfg, self.e_score_correction_bias,
+                check_values=not step.capturing())
         if problem is not None:  # no rows move: the step's collective raises it on every rank
             empty = torch.empty(0, self.cfg.num_topk, device=self.options.device)
             step(torch.empty(0, self.cfg.expert_hidden_size, dtype=self.options.dtype, device=self.options.device),

@@ -4,12 +4,18 @@
 |------------------|---------------------------------------|--------------------------------------|
 | select_experts   | ``kernels.router_topk`` (Triton)      | ``router.select_experts`` (torch)     |
 | pre_dispatch     | ``kernels.pre_dispatch`` (Triton)     | ``kernels.pre_dispatch_ref`` (torch)  |
-| combine_reduce   | ``kernels.combine_reduce`` (Triton)   | ``kernels.combine_reduce_ref`` (torch)|
+| ep_ops           | ``kernels.ep_*`` (Triton, no host sync)| ``kernels.ep_*_ref`` (torch)         |
+
+``ep_ops`` are the device-side EP phases (pre-dispatch, dispatch, combine push, reduce) the ``symm`` transport
+runs over peers' mapped buffers (``kernels.ep_chunk`` shows the order).
 
 Each Triton kernel and its torch twin take the same arguments and are tested against each other
 (tests/interpreter, tests/gpu). A compiled ``csrc`` op for the CPU would be chosen here too.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -32,7 +38,21 @@ def pre_dispatch(x_TD: torch.Tensor, *args, **kwargs):
     return (kernels.pre_dispatch if uses_triton(x_TD.device) else kernels.pre_dispatch_ref)(x_TD, *args, **kwargs)
 
 
-def combine_reduce(combine_KCD: torch.Tensor, *args, **kwargs):
-    """``kernels.combine_reduce`` on CUDA, its twin elsewhere (same arguments)."""
-    return (kernels.combine_reduce if uses_triton(combine_KCD.device) else kernels.combine_reduce_ref)(
-        combine_KCD, *args, **kwargs)
+@dataclass(frozen=True)
+class EPOps:
+    """The device-side EP phases of one implementation (each with the Triton kernel's signature)."""
+
+    pre_dispatch: Callable
+    dispatch: Callable
+    combine_push: Callable
+    combine_reduce: Callable
+    on_device: bool  # True: Triton kernels (no host sync); False: the torch twins (host syncs in the waits)
+
+
+def ep_ops(device: torch.device | str) -> EPOps:
+    """The Triton EP kernels on CUDA, their torch twins elsewhere."""
+    if uses_triton(device):
+        return EPOps(kernels.ep_pre_dispatch, kernels.ep_dispatch, kernels.ep_combine_push, kernels.ep_combine_reduce,
+                     on_device=True)
+    return EPOps(kernels.ep_pre_dispatch_ref, kernels.ep_dispatch_ref, kernels.ep_combine_push_ref,
+                 kernels.ep_combine_reduce_ref, on_device=False)

@@ -2,6 +2,7 @@
 
     RoutedStep.__call__(x_TD, topk_ids_TK, topk_weights_TK, problem=None)        collective over the EP group
       1. input check (routed_input_problem) + the caller's own problem (NaN logits, weights not loaded, ...)
+         + what the device recorded in an earlier call (a silent peer, a pool overflow)
       2. OverflowPolicy.agree: ONE small collective -> a coded error on every rank, or n chunks
       3. for each of the n chunks (every rank runs all n; empty ones where it has no rows left):
            run_chunk(x, ids, w) -> routed rows                                   (the kind's own work)
@@ -15,6 +16,11 @@
 The layer holds exactly one ``RoutedStep``; a new transport goes into moe_ref.transport, a new experts
 backend into moe_ref.experts' registry, a new fused engine behind ``MonolithicRoutedStep``.
 
+CUDA-graph capture (decode): while the current CUDA stream is capturing, steps 1-2 keep only what needs no
+host sync (shapes, dtypes, devices; T <= cap, one chunk) and the modular step's failure agreement is skipped:
+the ``symm`` data path then runs entirely on the device, and a failure its waits record is reported by the
+next eager call, on every rank (step 1). Replays run with the inputs copied into the captured tensors.
+
 Shape legend: T tokens of this rank, K top-k, Dx expert input width, C cap, e local experts.
 """
 from __future__ import annotations
@@ -26,12 +32,13 @@ import torch
 
 from moe_ref.capacity import CapacityPlan
 from moe_ref.config import MoEConfig
-from moe_ref.dispatch import Dispatcher, make_dispatcher, routed_input_problem
+from moe_ref.dispatch import Dispatcher, routed_input_problem
 from moe_ref.distributed import agree_on_failure, comm_device, gather_ints, group_size_and_rank, peer_errors
-from moe_ref.errors import ConservationError, MoERefError
+from moe_ref.errors import CapacityExceededError, ConservationError, MoERefError
 from moe_ref.experts import Experts
 from moe_ref.options import EPOptions
 from moe_ref.overflow import OverflowPolicy
+from moe_ref.transport import make_dispatcher
 
 
 class RoutedStep(ABC):
@@ -74,9 +81,13 @@ class RoutedStep(ABC):
         fails inside a chunk, its own error there and ``PeerFailedError`` (ENV005) on the others.
         NOTE: syncs the host (the per-call agreement, and the data path's own syncs).
         """
+        if self.capturing():
+            return self._captured_call(x_TD, topk_ids_TK, topk_weights_TK, problem)
         if problem is None:
             problem = routed_input_problem(x_TD, topk_ids_TK, topk_weights_TK, self.cfg, self.activation_dtype,
                                            self.device)
+        if problem is None:
+            problem = self.pending_problem()
         num_tokens = x_TD.shape[0] if problem is None else 0
         call_index, self.calls = self.calls, self.calls + 1
         num_chunks = self.policy.agree(num_tokens, problem, call_index=call_index, group=self.group,
@@ -88,6 +99,28 @@ class RoutedStep(ABC):
         routed = [self.run_chunk(x_TD[lo:hi], topk_ids_TK[lo:hi], topk_weights_TK[lo:hi])
                   for lo, hi in self.policy.chunk_bounds(num_tokens, num_chunks)]
         return routed[0] if len(routed) == 1 else torch.cat(routed)
+
+    def capturing(self) -> bool:
+        """Whether this call is being captured into a CUDA graph (no host sync allowed)."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _captured_call(self, x_TD, topk_ids_TK, topk_weights_TK, problem) -> torch.Tensor:
+        """One chunk with the checks that need no host sync (see the module doc)."""
+        problem = problem or routed_input_problem(x_TD, topk_ids_TK, topk_weights_TK, self.cfg, self.activation_dtype,
+                                                  self.device, check_values=False)
+        if problem is None and x_TD.shape[0] > self.policy.num_max_tokens_per_rank:
+            problem = CapacityExceededError(
+                f"a captured call has num_tokens={x_TD.shape[0]} > num_max_tokens_per_rank="
+                f"{self.policy.num_max_tokens_per_rank}; a CUDA graph runs one chunk: capture with at most the cap",
+                rank=self.rank, num_tokens=x_TD.shape[0], cap=self.policy.num_max_tokens_per_rank)
+        if problem is not None:
+            raise problem
+        self.calls += 1
+        return self.run_chunk(x_TD, topk_ids_TK.to(torch.int64), topk_weights_TK.to(torch.float32))
+
+    def pending_problem(self) -> MoERefError | None:
+        """A failure an earlier call recorded on the device and has not reported yet, or None."""
+        return None
 
     @abstractmethod
     def run_chunk(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
@@ -136,9 +169,14 @@ class ModularRoutedStep(RoutedStep):
     def num_recv_tokens_per_expert(self) -> torch.Tensor:
         return self.dispatcher.num_recv_tokens_per_expert
 
+    def pending_problem(self) -> MoERefError | None:
+        return self.dispatcher.pending_problem()
+
     def run_chunk(self, x_TD, topk_ids_TK, topk_weights_TK):
+        capturing = self.capturing()
         with peer_errors(f"dispatch over the {self.transport_name} transport"):
-            handle = self.dispatcher.dispatch(x_TD, topk_ids_TK, topk_weights_TK)
+            # NOTE: the values were checked (and agreed) by __call__; only the public dispatch() checks them itself
+            handle = self.dispatcher.dispatch(x_TD, topk_ids_TK, topk_weights_TK, check_values=False)
         if self.debug_checks:
             self._check_dispatch_conserved(handle)
         failure, y_RD = None, None
@@ -148,10 +186,14 @@ class ModularRoutedStep(RoutedStep):
             x_RD, x_scale_RDb = self.dispatcher.expert_input(handle, experts)
             y_RD = experts(x_RD, layout, x_scale_RDb)
         except Exception as err:  # noqa: BLE001 - every failure is agreed with the peers, then re-raised
+            if capturing:
+                raise
             failure = err
         # NOTE: one tiny collective per chunk, so a rank whose experts failed never leaves its peers waiting
-        # in combine: every rank raises (the failing one its own error, the others PeerFailedError).
-        agree_on_failure(failure, self.group, self.comm_device)
+        # in combine: every rank raises (the failing one its own error, the others PeerFailedError). Skipped in
+        # CUDA-graph capture (it syncs the host), where a failure aborts the capture on that rank instead.
+        if not capturing:
+            agree_on_failure(failure, self.group, self.comm_device)
         with peer_errors(f"combine over the {self.transport_name} transport"):
             routed_TD = self.dispatcher.combine(y_RD, handle)
         if self.debug_checks:
@@ -161,21 +203,21 @@ class ModularRoutedStep(RoutedStep):
     # --- debug checks (debug_checks=True): nothing lost, nothing duplicated ------------------------------
     def _check_dispatch_conserved(self, handle) -> None:
         """Rows each source sent == rows the group received from it (count and float64 checksum of the wire
-        rows), then poison my combine slots so that ``_check_every_slot_returned`` sees any slot not written.
+        rows), then poison my combine partials so that ``_check_every_slot_returned`` sees any not written.
 
         NOTE: one extra all_gather per chunk and host syncs; for debugging only. The poisoning happens before
         the failure agreement, a collective no peer leaves before this rank entered it, so no peer's combine
         write can precede it."""
-        buffer, world = self.dispatcher.buffer, self.world_size
-        ids_TK = handle.topk_ids_TK
-        sent_x = buffer.view("x")[:handle.num_tokens].double().sum(dim=1)  # per token, the wire rows as stored
+        view, world = self.dispatcher.buffer.view, self.world_size
+        ids_TK = view("topk_ids")[:handle.num_tokens]
+        sent_x = view("x")[:handle.num_tokens].double().sum(dim=1)  # per token, the wire row as stored
         live_TK = ids_TK >= 0
         sent_count = int(live_TK.sum())
         sent_sum = float((sent_x[:, None] * live_TK).sum())
-        rows = handle.layout.num_pool_rows
+        rows = int(view("pool_end")[0])
         src_P = handle.recv_src_P3[:rows, 0].long()
         received = src_P >= 0
-        recv_x = buffer.view("recv_x")[:rows].double().sum(dim=1)
+        recv_x = handle.recv_x_PD[:rows].double().sum(dim=1)
         counts = [int(((src_P == s) & received).sum()) for s in range(world)]
         sums = [float(recv_x[(src_P == s) & received].sum()) for s in range(world)]
         # checksums travel as integers: float64 sums scaled, then rounded (a difference far above rounding shows)
@@ -192,18 +234,23 @@ class ModularRoutedStep(RoutedStep):
         if problems:
             raise ConservationError(f"rank {self.rank}: dispatch did not conserve rows: {'; '.join(problems)}",
                                     problems=problems)
-        combine_KCD = buffer.view("combine")
-        combine_KCD[:, :handle.num_tokens].fill_(float("nan"))
+        view("combine_partial")[:, :handle.num_tokens].fill_(float("nan"))
+
+    def _owners_RT(self, num_tokens: int) -> torch.Tensor:
+        """``[R, T]`` bool: rank r owns >= 1 of token t's slots (so r must have sent its partial)."""
+        ids_TK = self.dispatcher.buffer.view("topk_ids")[:num_tokens]
+        owner_TK = torch.where(ids_TK >= 0, ids_TK // self.dispatcher.num_local_experts, -1)
+        return (owner_TK[None] == torch.arange(self.world_size, device=ids_TK.device)[:, None, None]).any(dim=2)
 
     def _check_every_slot_returned(self, handle) -> None:
-        """Every non-masked slot of mine was written back by combine (no NaN poison left). Local check."""
-        combine_KTD = self.dispatcher.buffer.view("combine")[:, :handle.num_tokens]
-        live_KT = (handle.topk_ids_TK >= 0).t()
-        missing_KT = live_KT & torch.isnan(combine_KTD).any(dim=-1)
-        if bool(missing_KT.any()):
-            slot, token = missing_KT.nonzero()[0].tolist()
-            raise ConservationError(f"rank {self.rank}: combine left {int(missing_KT.sum())} of {int(live_KT.sum())} "
-                                    f"non-masked slots unwritten (first: token {token}, slot {slot})")
+        """Every owner of a slot of mine wrote its partial back (no NaN poison left). Local check."""
+        partial_RTD = self.dispatcher.buffer.view("combine_partial")[:, :handle.num_tokens]
+        owners_RT = self._owners_RT(handle.num_tokens)
+        missing_RT = owners_RT & torch.isnan(partial_RTD).any(dim=-1)
+        if bool(missing_RT.any()):
+            owner, token = missing_RT.nonzero()[0].tolist()
+            raise ConservationError(f"rank {self.rank}: combine left {int(missing_RT.sum())} of {int(owners_RT.sum())} "
+                                    f"(token, owner) partials unwritten (first: token {token} from rank {owner})")
 
     def destroy(self) -> None:
         self.dispatcher.destroy()

@@ -17,6 +17,13 @@ Paths (each built per token count with cap = that count, so no path pays for an 
                      e4m3 + per-128 scales and the Triton FP8 grouped MLP takes that pool as is (MegaMoE's
                      dispatch_fp8=True on CUDA)
     deep_gemm_mega   moe_ref.mega_deep_gemm.make_mega_step (DeepGEMM SM90 fused fp8 mega-kernel)
+    *_graph          the moe_ref path captured ONCE in a torch.cuda.CUDAGraph (the routed step under capture:
+                     the symm transport's device-side kernels, no host sync), each call = copy the inputs into the
+                     captured tensors + replay
+    a2a_identity     a2a_grouped_mm with the expert GEMMs replaced by identity: plain NCCL dispatch + combine
+                     (the anchor for dispatch + combine alone)
+    moe_ref_identity the moe_ref routed step with identity experts (dispatch + combine alone, through the public
+                     make_modular_step API); *_graph as above
 A path that cannot be built or fails reports 'not available' with its error; the others still run.
 
 Timing: after warmup, per iteration a cross-rank barrier + synchronize, then CUDA events around one call;
@@ -46,7 +53,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from moe_ref.config import MoEConfig  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
 
-PATHS = ("a2a_grouped_mm", "moe_ref_triton", "moe_ref_triton_fp8", "deep_gemm_mega")
+PATHS = ("a2a_grouped_mm", "moe_ref_triton", "moe_ref_triton_graph", "moe_ref_triton_fp8", "moe_ref_triton_fp8_graph",
+         "deep_gemm_mega", "a2a_identity", "moe_ref_identity", "moe_ref_identity_graph")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,7 +99,7 @@ def make_inputs(args, rank: int, num_tokens: int, device):
 # ------------------------------------------------------------------------------------------------
 # paths: each builder returns (fn, cleanup)
 # ------------------------------------------------------------------------------------------------
-def build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device):
+def build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device, *, identity: bool = False):
     grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     if grouped_mm is None:
         raise RuntimeError(f"torch {torch.__version__} has no grouped_mm")
@@ -118,8 +126,8 @@ def build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device):
         dist.all_to_all_single(recv_expert, expert_N - dst_N * num_local, recv_splits, send_splits, group=group)
         perm = torch.argsort(recv_expert, stable=True)
         offs = torch.bincount(recv_expert, minlength=num_local).cumsum(0).to(torch.int32)
-        y_recv = x_TD.new_empty(num_recv, dim)
-        if num_recv:
+        y_recv = recv_x if identity else x_TD.new_empty(num_recv, dim)
+        if num_recv and not identity:
             gate_up_rows = grouped_mm(recv_x[perm], gate_up_t, offs=offs)
             h = (F.silu(gate_up_rows[:, :Fi].float()) * gate_up_rows[:, Fi:].float()).bfloat16()
             y_recv[perm] = grouped_mm(h, down_t, offs=offs)
@@ -132,12 +140,18 @@ def build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device):
     return step, lambda: None
 
 
-def build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, *, fp8: bool = False):
+def build_a2a_identity(args, cfg, group, num_tokens, local_weights, device):
+    return build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device, identity=True)
+
+
+def build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, *, fp8: bool = False,
+                         identity: bool = False):
     from moe_ref.experts import make_experts
     from moe_ref.options import EPOptions
     from moe_ref.routed_step import make_modular_step
 
-    experts = make_experts("triton", *local_weights, cfg.activation, fp8=fp8)
+    experts = IdentityExperts(*local_weights) if identity else make_experts("triton", *local_weights, cfg.activation,
+                                                                            fp8=fp8)
     options = EPOptions.resolve(num_max_tokens_per_rank=num_tokens, overflow="error", dtype=torch.bfloat16,
                                 device=device, dispatch_fp8=fp8, experts_backend="triton")
     step = make_modular_step(cfg, group, experts, options)
@@ -149,6 +163,55 @@ def build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, *,
 
 def build_moe_ref_triton_fp8(args, cfg, group, num_tokens, local_weights, device):
     return build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, fp8=True)
+
+
+def build_moe_ref_identity(args, cfg, group, num_tokens, local_weights, device):
+    return build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, identity=True)
+
+
+def _identity_experts_class():
+    from moe_ref.experts import Experts
+
+    class Identity(Experts):
+        """y = x: the routed step's dispatch + combine alone (bf16 pool rows returned as they are)."""
+
+        name = "identity"
+        segment_alignment = 1
+
+        def forward(self, x_MD, layout, x_scale_MDb=None):
+            return x_MD
+
+    return Identity
+
+
+def IdentityExperts(gate_up, down):  # noqa: N802 - a class built lazily (moe_ref imports after sys.path)
+    return _identity_experts_class()(gate_up, down)
+
+
+def graphed(builder):
+    """``builder`` captured once in a CUDA graph; each call copies its inputs in and replays."""
+    def build(args, cfg, group, num_tokens, local_weights, device):
+        step, cleanup = builder(args, cfg, group, num_tokens, local_weights, device)
+        static = [t.clone() for t in make_inputs(args, dist.get_rank(), num_tokens, device)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile every kernel outside the capture
+                step(*static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(*static)
+
+        def replay(x_TD, ids_TK, weights_TK):
+            for dst, src in zip(static, (x_TD, ids_TK, weights_TK)):
+                dst.copy_(src)
+            graph.replay()
+            return out
+
+        return replay, cleanup
+
+    return build
 
 
 def build_deep_gemm_mega(args, cfg, group, num_tokens, local_weights, device):
@@ -163,7 +226,10 @@ def build_deep_gemm_mega(args, cfg, group, num_tokens, local_weights, device):
 
 
 BUILDERS = {"a2a_grouped_mm": build_a2a_grouped_mm, "moe_ref_triton": build_moe_ref_triton,
-            "moe_ref_triton_fp8": build_moe_ref_triton_fp8, "deep_gemm_mega": build_deep_gemm_mega}
+            "moe_ref_triton_graph": graphed(build_moe_ref_triton),
+            "moe_ref_triton_fp8": build_moe_ref_triton_fp8, "moe_ref_triton_fp8_graph": graphed(build_moe_ref_triton_fp8),
+            "deep_gemm_mega": build_deep_gemm_mega, "a2a_identity": build_a2a_identity,
+            "moe_ref_identity": build_moe_ref_identity, "moe_ref_identity_graph": graphed(build_moe_ref_identity)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,9 +304,11 @@ def write_results(out_dir: str, meta: dict, rows: list[dict]) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_layer.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    base = {r["tokens_per_rank"]: r["us"] for r in rows if r["path"] == "a2a_grouped_mm" and r.get("status") == "ok"}
+    # identity paths are compared with the NCCL identity anchor, the others with a2a_grouped_mm
+    base = {(r["tokens_per_rank"], "identity" in r["path"]): r["us"] for r in rows
+            if r["path"] in ("a2a_grouped_mm", "a2a_identity") and r.get("status") == "ok"}
     lines = [f"# EP layer routed step, {meta['ranks']} ranks: {meta['shape']}", "",
-             "| tokens/rank | path | us (max over ranks) | us per rank | TFLOP/s per rank | x vs a2a | calc_diff vs a2a "
+             "| tokens/rank | path | us (max over ranks) | us per rank | TFLOP/s per rank | x vs its a2a anchor | calc_diff vs anchor "
              "| first call s | status |",
              "|---:|---|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -248,7 +316,7 @@ def write_results(out_dir: str, meta: dict, rows: list[dict]) -> None:
             lines.append(f"| {r['tokens_per_rank']} | {r['path']} | - | - | - | - | - | - | not available: "
                          f"{str(r.get('error', ''))[:160].replace('|', '/')} |")
             continue
-        speedup = base.get(r["tokens_per_rank"], float("nan")) / r["us"]
+        speedup = base.get((r["tokens_per_rank"], "identity" in r["path"]), float("nan")) / r["us"]
         lines.append(f"| {r['tokens_per_rank']} | {r['path']} | {r['us']:.1f} | "
                      f"{' / '.join(f'{u:.1f}' for u in r['us_per_rank'])} | {r['tflops_per_rank']:.1f} | "
                      f"{speedup:.2f} | {r['calc_diff_vs_a2a']:.2e} | {r.get('first_call_s', '-')} | ok |")
@@ -286,12 +354,15 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for num_tokens in args.tokens:
         inputs = make_inputs(args, rank, num_tokens, device)
-        reference = None
+        reference = identity_reference = None
         for name in args.paths:
             t0 = time.perf_counter()
-            row, output = run_path(name, args, cfg, group, num_tokens, local_weights, inputs, reference, device)
+            expected = identity_reference if "identity" in name else reference
+            row, output = run_path(name, args, cfg, group, num_tokens, local_weights, inputs, expected, device)
             if name == "a2a_grouped_mm" and output is not None:
                 reference = output
+            if name == "a2a_identity" and output is not None:
+                identity_reference = output
             rows.append(row)
             if rank == 0:
                 print(f"RESULT {json.dumps(row)} ({time.perf_counter() - t0:.1f} s)", flush=True)

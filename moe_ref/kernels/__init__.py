@@ -1,6 +1,6 @@
 """Triton kernels of moe_ref, each beside its plain-torch twin `<op>_ref` (same signature).
 
-    router_topk -> pre_dispatch -> (dispatch) -> grouped_mlp -> (combine) -> combine_reduce
+    router_topk -> pre_dispatch -> (dispatch) -> grouped_mlp -> (combine)
     EP over symmetric memory: ep_pre_dispatch -> symm_barrier -> ep_dispatch -> experts -> ep_combine_push
         -> symm_barrier -> ep_combine_reduce   (ep_chunk runs them in order)
 
@@ -10,7 +10,6 @@ Under `TRITON_INTERPRET=1` (set before triton is imported) the kernels run on CP
 """
 
 from moe_ref.kernels._triton_utils import is_interpreter
-from moe_ref.kernels.combine_reduce import combine_reduce, combine_reduce_ref
 from moe_ref.kernels.ep_chunk import ep_chunk
 from moe_ref.kernels.ep_combine import (
     ep_combine_push,
@@ -44,8 +43,6 @@ __all__ = [
     "dequantize_fp8_per_block_128",
     "grouped_mlp",
     "grouped_mlp_ref",
-    "combine_reduce",
-    "combine_reduce_ref",
     # device-side EP data path over symmetric memory (see ep_regions for the buffer contract)
     "EPRegions",
     "PeerBuffers",

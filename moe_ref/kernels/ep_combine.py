@@ -194,26 +194,38 @@ def ep_combine_push_ref(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegio
     """Torch twin of `ep_combine_push` (same arguments, same writes, bitwise; no host sync)."""
     _check_push_args(y_PD, peers, regions)
     my, rank = peers.local, peers.rank
-    view = regions.view
-    K, C, D = regions.num_topk, regions.cap, regions.hidden
-    device = my.device
-    num_tokens_R = view(my, "recv_num_tokens")
-    pos_RCK = view(my, "recv_pos").to(torch.int64)
-    weight_RCK = view(my, "recv_weight")
-    y_pad = torch.cat([y_PD.float(), y_PD.new_zeros(1, D, dtype=torch.float32)])  # row -1 -> a zero row
+    C = regions.cap
+    num_tokens_R = regions.view(my, "recv_num_tokens")
     for s, dst in enumerate(peers.buffers):
-        live_C = torch.arange(C, device=device) < num_tokens_R[s]
-        valid_CK = live_C[:, None] & (pos_RCK[s] >= 0)  # rows t >= T_s of recv_pos are stale
-        pos_CK = torch.where(valid_CK, pos_RCK[s], -1)
-        acc_CD = torch.zeros(C, D, dtype=torch.float32, device=device)
-        for j in range(K):
-            row_CD = y_pad[pos_CK[:, j]]
-            acc_CD = torch.where(valid_CK[:, j:j + 1], acc_CD + weight_RCK[s, :, j:j + 1] * row_CD, acc_CD)
-        send_C = valid_CK.any(dim=1)[:, None]
-        part_CD = view(dst, "combine_partial")[rank]
-        part_CD.copy_(torch.where(send_C, acc_CD.to(regions.activation_dtype).to(part_CD.device), part_CD))
+        live_C = torch.arange(C, device=my.device) < num_tokens_R[s]
+        part_CD, send_C = weighted_partials_ref(y_PD, regions.view(my, "recv_pos")[s], regions.view(my, "recv_weight")[s],
+                                                live_C, regions.activation_dtype)
+        part_dst = regions.view(dst, "combine_partial")[rank]
+        part_dst.copy_(torch.where(send_C[:, None], part_CD.to(part_dst.device), part_dst))
     if post:
         symm_barrier_ref(peers, regions, post=True, wait=False)
+
+
+def weighted_partials_ref(y_PD: torch.Tensor, pos_NK: torch.Tensor, weight_NK: torch.Tensor, live_N: torch.Tensor,
+                          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One partial row per token: `sum_j w[n, j] * y[pos[n, j]]` over the slots with `pos >= 0`, j in order, fp32
+    with separate multiply and add roundings (as the push kernel), then cast to `out_dtype`.
+
+    Args:
+        y_PD: `[<= P, Dx]` expert outputs. pos_NK: `[N, K]` pool rows (-1: not mine). weight_NK: `[N, K]` fp32.
+        live_N: `[N]` bool, rows to compute (the others count as having no slot here).
+
+    Returns:
+        part_ND `[N, Dx]` out_dtype, and has_slot_N `[N]` bool (live rows with >= 1 slot here: the ones sent).
+    """
+    D = y_PD.shape[1]
+    y_pad = torch.cat([y_PD.float(), y_PD.new_zeros(1, D, dtype=torch.float32)])  # row -1 -> a zero row
+    valid_NK = live_N[:, None] & (pos_NK >= 0)  # rows t >= T_s of recv_pos are stale
+    pos_NK = torch.where(valid_NK, pos_NK.to(torch.int64), -1)
+    acc_ND = torch.zeros(pos_NK.shape[0], D, dtype=torch.float32, device=y_PD.device)
+    for j in range(pos_NK.shape[1]):
+        acc_ND = torch.where(valid_NK[:, j:j + 1], acc_ND + weight_NK[:, j:j + 1] * y_pad[pos_NK[:, j]], acc_ND)
+    return acc_ND.to(out_dtype), valid_NK.any(dim=1)
 
 
 def _check_reduce_args(num_tokens: int, peers: PeerBuffers, regions: EPRegions, out_dtype) -> torch.dtype:
@@ -277,11 +289,20 @@ def ep_combine_reduce_ref(num_tokens: int, peers: PeerBuffers, regions: EPRegion
     if wait:
         symm_barrier_ref(peers, regions, post=False, wait=True, timeout_us=timeout_us, max_polls=max_polls)
     my = peers.local
-    ids_TK = regions.view(my, "topk_ids")[:num_tokens]
-    owner_TK = torch.where(ids_TK >= 0, ids_TK // regions.num_local_experts, -1)
-    part_RCD = regions.view(my, "combine_partial")
-    acc_TD = torch.zeros(num_tokens, regions.hidden, dtype=torch.float32, device=my.device)
-    for src in range(regions.num_ranks):
+    return sum_partials_ref(regions.view(my, "topk_ids")[:num_tokens], regions.view(my, "combine_partial"),
+                            regions.num_local_experts, out_dtype)
+
+
+def sum_partials_ref(topk_ids_TK: torch.Tensor, part_RCD: torch.Tensor, num_local_experts: int,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """`out[t] = sum over ranks r in order, r owning >= 1 of t's slots, of part[r, t]` in fp32 -> out_dtype.
+
+    Shared by the reduce twin and the `a2a` transport. topk_ids_TK `[T, K]` int64; part_RCD `[R, >= T, Dx]`.
+    """
+    num_tokens = topk_ids_TK.shape[0]
+    owner_TK = torch.where(topk_ids_TK >= 0, topk_ids_TK // num_local_experts, -1)
+    acc_TD = torch.zeros(num_tokens, part_RCD.shape[2], dtype=torch.float32, device=part_RCD.device)
+    for src in range(part_RCD.shape[0]):
         owns_T1 = (owner_TK == src).any(dim=1, keepdim=True)
         acc_TD = torch.where(owns_T1, acc_TD + part_RCD[src, :num_tokens].float(), acc_TD)
     return acc_TD.to(out_dtype)

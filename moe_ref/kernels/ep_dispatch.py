@@ -250,14 +250,34 @@ def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions, *, wait: bool = Fals
     check_peers(peers, regions)
     if wait:
         symm_barrier_ref(peers, regions, post=False, wait=True, timeout_us=timeout_us, max_polls=max_polls)
-    my, rank = peers.local, peers.rank
+    my = peers.local
+    live = regions.view(my, "status")[0] != STATUS_PEER_TIMEOUT
+    num_tokens_R = torch.stack([regions.view(b, "num_tokens")[0] for b in peers.buffers]) * live
+    counts_Re = torch.stack([regions.view(b, "send_count")[peers.rank] for b in peers.buffers]).to(torch.int64) * live
+    recv_base_Re = receive_layout_ref(my, regions, num_tokens_R, counts_Re)
+    C = regions.cap
+    token_C = torch.arange(C, device=my.device)
+    for s, src in enumerate(peers.buffers):
+        live_C = token_C < regions.view(src, "num_tokens")[0].to(my.device)  # t < T_s, no host sync
+        rows = [regions.view(src, name).to(my.device) for name in ("topk_ids", "slot_rank", "topk_weights", "x")]
+        scale_CDb = regions.view(src, "x_scale").to(my.device) if regions.fp8 else None
+        receive_rows_ref(my, regions, peers.rank, s, recv_base_Re, token_C, live_C, *rows, scale_CDb)
+
+
+def receive_layout_ref(my: torch.Tensor, regions: EPRegions, num_tokens_R: torch.Tensor,
+                       counts_Re: torch.Tensor) -> torch.Tensor:
+    """The receive layout from every source's T and counts (what `_recv_layout_kernel` computes); shared by the
+    twin and the `a2a` transport, which learns the counts by a collective instead of reading peers.
+
+    Args:
+        my: my buffer. num_tokens_R: `[R]` T of every source. counts_Re: `[R, e]` int64 slots of source s routed
+            to my expert i.
+
+    Writes MY `recv_num_tokens`, `num_rows`, `row_start`, `recv_base`, `pool_end` (+ the overflow status) and -1
+    into `recv_src` of every padding row. Returns `recv_base_Re` `[R, e]` int64.
+    """
     view = regions.view
-    R, e, K, C, P = (regions.num_ranks, regions.num_local_experts, regions.num_topk, regions.cap,
-                     regions.num_pool_rows)
-    device = my.device
-    live = view(my, "status")[0] != STATUS_PEER_TIMEOUT
-    num_tokens_R = torch.stack([view(b, "num_tokens")[0] for b in peers.buffers]) * live
-    counts_Re = torch.stack([view(b, "send_count")[rank] for b in peers.buffers]).to(torch.int64) * live
+    P, device = regions.num_pool_rows, my.device
     num_rows_e = counts_Re.sum(0)
     aligned_e = (num_rows_e + regions.alignment - 1) // regions.alignment * regions.alignment
     row_start_e = torch.cumsum(aligned_e, 0) - aligned_e
@@ -272,39 +292,48 @@ def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions, *, wait: bool = Fals
     overflow = pool_end > P
     status[1] = torch.where(overflow, pool_end.to(torch.int32), status[1])
     status[0] = torch.where(overflow, STATUS_POOL_OVERFLOW, status[0])
-
-    recv_src_P3 = view(my, "recv_src")
     # padding rows: [row_start + num_rows, row_start + aligned) of each segment, below P
     pad_e = aligned_e - num_rows_e
     pad_rows = (row_start_e + num_rows_e)[:, None] + torch.arange(max(regions.alignment - 1, 0), device=device)
     pad_mask = (torch.arange(pad_rows.shape[1], device=device)[None, :] < pad_e[:, None]) & (pad_rows >= 0) & (pad_rows < P)
     pad_target_N = torch.where(pad_mask, pad_rows, P).reshape(-1)
-    _scatter_rows(recv_src_P3, pad_target_N, torch.full((pad_target_N.numel(), 3), -1, dtype=torch.int32,
-                                                        device=device))
+    _scatter_rows(view(my, "recv_src"), pad_target_N, torch.full((pad_target_N.numel(), 3), -1, dtype=torch.int32,
+                                                                   device=device))
+    return recv_base_Re
 
-    recv_pos_RCK, recv_weight_RCK = view(my, "recv_pos"), view(my, "recv_weight")
-    recv_x_PD = view(my, "recv_x")
-    recv_scale_PDb = view(my, "recv_x_scale") if regions.fp8 else None
-    arange_K = torch.arange(K, device=device)
-    for s, src in enumerate(peers.buffers):
-        num_tokens = view(src, "num_tokens")[0].to(device)
-        live_C = torch.arange(C, device=device) < num_tokens                     # t < T_s, no host sync
-        ids_CK = view(src, "topk_ids").to(device)
-        local_CK = ids_CK - rank * e
-        mine_CK = live_C[:, None] & (ids_CK >= 0) & (local_CK >= 0) & (local_CK < e)
-        pos_CK = recv_base_Re[s, local_CK.clamp(0, e - 1)] + view(src, "slot_rank").to(device)
-        mine_CK &= (pos_CK >= 0) & (pos_CK < P)
-        pos_CK = torch.where(mine_CK, pos_CK, -1)
-        recv_pos_RCK[s] = torch.where(live_C[:, None], pos_CK.to(torch.int32), recv_pos_RCK[s])
-        recv_weight_RCK[s] = torch.where(live_C[:, None], view(src, "topk_weights").to(device), recv_weight_RCK[s])
-        # scatter the mine slots: send non-mine ones to a dummy row P (dropped by slicing)
-        target_N = torch.where(mine_CK, pos_CK, P).reshape(-1)
-        token_N = torch.arange(C, device=device).repeat_interleave(K)
-        src_rows = torch.stack([torch.full_like(token_N, s), token_N, arange_K.repeat(C)], dim=1).to(torch.int32)
-        _scatter_rows(recv_src_P3, target_N, src_rows)
-        _scatter_rows(recv_x_PD, target_N, view(src, "x").to(device).index_select(0, token_N))
-        if recv_scale_PDb is not None:
-            _scatter_rows(recv_scale_PDb, target_N, view(src, "x_scale").to(device).index_select(0, token_N))
+
+def receive_rows_ref(my: torch.Tensor, regions: EPRegions, rank: int, src: int, recv_base_Re: torch.Tensor,
+                     token_N: torch.Tensor, live_N: torch.Tensor, ids_NK: torch.Tensor, slot_rank_NK: torch.Tensor,
+                     weights_NK: torch.Tensor, x_ND: torch.Tensor, x_scale_NDb: torch.Tensor | None) -> None:
+    """Place rows of source `src` into MY pool (what `_dispatch_rows_kernel` does for one source).
+
+    Args:
+        token_N: `[N]` int64 token index at the source of each row given; live_N: `[N]` bool, rows to place
+            (the twin passes all C rows with t < T_s live; `a2a` passes the tokens it received).
+        ids_NK, slot_rank_NK, weights_NK: the source's routing rows of those tokens; x_ND (+ x_scale_NDb): the rows.
+
+    Writes, for live rows: `recv_pos[src, t]` (pool row of each slot, -1 if not mine), `recv_weight[src, t]`, and
+    for each of my slots `recv_src[pos] = (src, t, j)`, `recv_x[pos]` (+ scales).
+    """
+    view = regions.view
+    e, K, P = regions.num_local_experts, regions.num_topk, regions.num_pool_rows
+    local_NK = ids_NK - rank * e
+    mine_NK = live_N[:, None] & (ids_NK >= 0) & (local_NK >= 0) & (local_NK < e)
+    pos_NK = recv_base_Re[src, local_NK.clamp(0, e - 1)] + slot_rank_NK
+    mine_NK &= (pos_NK >= 0) & (pos_NK < P)
+    pos_NK = torch.where(mine_NK, pos_NK, -1)
+    recv_pos_CK, recv_weight_CK = view(my, "recv_pos")[src], view(my, "recv_weight")[src]
+    recv_pos_CK[token_N] = torch.where(live_N[:, None], pos_NK.to(torch.int32), recv_pos_CK[token_N])
+    recv_weight_CK[token_N] = torch.where(live_N[:, None], weights_NK, recv_weight_CK[token_N])
+    # scatter the slots that are mine; the others go to a dummy row P (dropped)
+    target_of_slot = torch.where(mine_NK, pos_NK, P).reshape(-1)
+    row_of_slot = torch.arange(token_N.numel(), device=my.device).repeat_interleave(K)
+    src_rows = torch.stack([torch.full_like(row_of_slot, src), token_N[row_of_slot],
+                            torch.arange(K, device=my.device).repeat(token_N.numel())], dim=1).to(torch.int32)
+    _scatter_rows(view(my, "recv_src"), target_of_slot, src_rows)
+    _scatter_rows(view(my, "recv_x"), target_of_slot, x_ND.index_select(0, row_of_slot))
+    if x_scale_NDb is not None:
+        _scatter_rows(view(my, "recv_x_scale"), target_of_slot, x_scale_NDb.index_select(0, row_of_slot))
 
 
 def _scatter_rows(dst_PW: torch.Tensor, target_N: torch.Tensor, rows_NW: torch.Tensor) -> None:

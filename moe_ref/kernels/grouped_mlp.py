@@ -530,6 +530,7 @@ def grouped_mlp(
     down_scale: torch.Tensor | None = None,
     *,
     num_rows_hint: int | None = None,
+    zero_unused_rows: bool = True,
 ) -> torch.Tensor:
     """Run every local expert's gated MLP on its rows of the receive pool (two Triton launches).
 
@@ -552,9 +553,11 @@ def grouped_mlp(
             bytes (MXFP4), see `moe_ref.quant`.
         num_rows_hint: optional, about `sum(num_rows_e)` (known to the host without a sync, e.g. T * K);
             only picks GPU tile sizes (autotune key, bucketed to a power of 2). Default P.
+        zero_unused_rows: rows outside every segment come out as 0 (True) or are left unwritten (False: the
+            device-side dispatch passes its whole pool and reads only rows inside segments).
 
     Returns:
-        y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0.
+        y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0 (or unwritten).
         The intermediate h is kept in x's dtype (fp8 + per-128 scales on the fp8 path). No host sync.
     """
     fp8, w4 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
@@ -623,11 +626,12 @@ def grouped_mlp_ref(
     down_scale: torch.Tensor | None = None,
     *,
     num_rows_hint: int | None = None,
+    zero_unused_rows: bool = True,
 ) -> torch.Tensor:
     """Plain-torch twin of `grouped_mlp` (same arguments and return): a loop over experts in fp32.
 
     Matches the kernel's roundings: h is rounded to x's dtype (non-fp8) or re-quantized to fp8 per row
-    per 128 columns (fp8) before GEMM2; 4-bit weights are dequantized (``moe_ref.quant``) and rounded to x's
+    per 128 columns (fp8) before GEMM2 (unused rows always come out as 0); 4-bit weights are dequantized (``moe_ref.quant``) and rounded to x's
     dtype, as the kernel's tiles are. NOTE: `.tolist()` on the row counts syncs the host.
     """
     fp8, w4 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,

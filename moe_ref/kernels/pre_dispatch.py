@@ -1,6 +1,6 @@
 """Fused pre-dispatch: copy (or FP8-quantize) this rank's tokens and routing into its own send buffer.
 
-    router -> [pre_dispatch] -> dispatch (peers pull rows) -> grouped_mlp -> combine -> combine_reduce
+    router -> [pre_dispatch] -> dispatch (peers pull rows) -> grouped_mlp -> combine (partials) -> reduce
 
 One launch writes, for tokens 0..T-1 of this rank:
 - `buf_x_CD[:T]`: the token rows, same dtype as `x_TD`, or fp8 e4m3 with one fp32 scale per row per 128

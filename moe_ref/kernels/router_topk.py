@@ -1,6 +1,6 @@
 """Fused router top-k (DeepSeek-V3 / Kimi "noaux_tc" sigmoid routing, and Step3 softmax routing).
 
-    [router_topk] -> pre_dispatch -> dispatch -> grouped_mlp -> combine -> combine_reduce
+    [router_topk] -> pre_dispatch -> dispatch -> grouped_mlp -> combine (partials) -> reduce
 
 Semantics (HF transformers DeepseekV3TopkRouter, with deterministic slot order):
     scores_TE = sigmoid(logits) | softmax(logits over all E)            (fp32)

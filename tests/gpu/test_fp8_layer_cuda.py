@@ -41,11 +41,13 @@ def test_layer_matches_bf16_reference(weights, num_tokens, dispatch_fp8, monkeyp
     experts = layer.experts
     assert isinstance(experts, TritonExperts) and experts.fp8 == dispatch_fp8 == experts.accepts_fp8_input
     assert layer.routed_step.plan.alignment == TritonExperts.segment_alignment == 1
-    pool_rows = []
+    pool_rows, hints = [], []
     forward = experts.forward
+    plan_pool_rows = layer.routed_step.plan.num_pool_rows
 
     def recording_forward(x_RD, layout, x_scale_RDb=None):
         pool_rows.append(x_RD.shape[0])
+        hints.append((layout.num_rows_hint, layout.zero_unused_rows))
         assert x_RD.dtype == (torch.float8_e4m3fn if dispatch_fp8 else torch.bfloat16)
         return forward(x_RD, layout, x_scale_RDb)
 
@@ -62,4 +64,7 @@ def test_layer_matches_bf16_reference(weights, num_tokens, dispatch_fp8, monkeyp
     print(f"MegaMoE on CUDA: {case}")
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all(), case
     assert diff <= limit, case
-    assert pool_rows == [num_tokens * CFG.num_topk], case  # the used prefix: every routed row, no padding
+    # the device-side dispatch hands the whole pool (its used end stays on the device: no host sync), with the rows
+    # this rank sent as the tile hint, and lets the experts leave rows past the segments unwritten
+    assert pool_rows == [plan_pool_rows], case
+    assert hints == [(num_tokens * CFG.num_topk, False)], case

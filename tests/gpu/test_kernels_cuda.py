@@ -145,24 +145,3 @@ def test_pre_dispatch(buf_dtype):
         if a.dtype == FP8:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(a, b), f"{name} differs ({buf_dtype=}); mismatches={(a != b).sum().item()}"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_combine_reduce(dtype):
-    from moe_ref.kernels.combine_reduce import combine_reduce, combine_reduce_ref
-
-    num_tokens, capacity, num_topk, hidden = 4000, 4096, 8, 7168
-    combine_KCD = torch.randn(num_topk, capacity, hidden, device="cuda").to(dtype)
-    ids_TK = torch.randint(0, 384, (num_tokens, num_topk), device="cuda")
-    masked = torch.rand(num_tokens, num_topk, device="cuda") < 0.2
-    ids_TK[masked] = -1
-    combine_KCD[:, :num_tokens][masked.T] = float("nan")
-    w_TK = torch.rand(num_tokens, num_topk, device="cuda")
-    shared_TD = torch.randn(num_tokens, hidden, device="cuda").to(dtype)
-    y = combine_reduce(combine_KCD, ids_TK, w_TK, shared_TD)
-    y_ref = combine_reduce_ref(combine_KCD, ids_TK, w_TK, shared_TD)
-    assert not y.isnan().any()
-    if dtype == torch.float32:  # same order, no FMA contraction: bitwise
-        assert torch.equal(y, y_ref), f"max_err={(y - y_ref).abs().max().item()}"
-    else:
-        torch.testing.assert_close(y, y_ref, atol=0, rtol=0)

@@ -74,14 +74,19 @@ def test_plan_regions_are_disjoint_aligned_and_sized(name, ep_size, cap, dtype, 
     dim, topk, num_local = cfg.expert_hidden_size, cfg.num_topk, cfg.num_experts // ep_size
     pool = plan.num_pool_rows
     wire = torch.float8_e4m3fn if fp8 else dtype
-    expected = {"x": ((cap, dim), wire), "topk_ids": ((cap, topk), torch.int64),
-                "topk_weights": ((cap, topk), torch.float32), "recv_x": ((pool, dim), wire),
-                "recv_src": ((pool, 3), torch.int32), "combine": ((topk, cap, dim), dtype),
-                "num_tokens": ((1,), torch.int64), "num_rows_per_expert": ((cfg.num_experts,), torch.int32),
-                "num_recv_tokens_per_expert": ((num_local,), torch.int64)}
+    R, e, K, C, P, Db = ep_size, num_local, topk, cap, pool, -(-dim // 128)
+    expected = {"signal": ((R,), torch.int32), "epoch": ((1,), torch.int32), "status": ((2 + R,), torch.int32),
+                "counter": ((1,), torch.int32), "num_tokens": ((1,), torch.int32),
+                "send_count": ((R, e), torch.int32), "topk_ids": ((C, K), torch.int64),
+                "topk_weights": ((C, K), torch.float32), "slot_rank": ((C, K), torch.int32), "x": ((C, dim), wire),
+                "recv_num_tokens": ((R,), torch.int32), "num_rows": ((e,), torch.int64),
+                "row_start": ((e,), torch.int64), "recv_base": ((R, e), torch.int64), "pool_end": ((1,), torch.int64),
+                "recv_pos": ((R, C, K), torch.int32), "recv_weight": ((R, C, K), torch.float32),
+                "recv_src": ((P, 3), torch.int32), "recv_x": ((P, dim), wire),
+                "combine_partial": ((R, C, dim), dtype), "num_recv_tokens_per_expert": ((e,), torch.int64)}
     if fp8:
-        expected["x_scale"] = ((cap, -(-dim // 128)), torch.float32)
-        expected["recv_x_scale"] = ((pool, -(-dim // 128)), torch.float32)
+        expected["x_scale"] = ((C, Db), torch.float32)
+        expected["recv_x_scale"] = ((P, Db), torch.float32)
     assert {r.name for r in plan.regions} == set(expected), case
     for name_, (shape, region_dtype) in expected.items():
         assert (plan.region(name_).shape, plan.region(name_).dtype) == (shape, region_dtype), (name_, case)

@@ -9,7 +9,7 @@ import torch
 
 from moe_ref.config import preset
 from moe_ref.block import moe_block
-from moe_ref.dispatch import make_dispatcher, place_entries, select_entries
+from moe_ref.transport import make_dispatcher
 from moe_ref.errors import (CapacityExceededError, ConservationError, DTypeError, ExpertIdError, NonFiniteError,
                             UnknownNameError)
 from moe_ref.experts import make_experts
@@ -129,16 +129,6 @@ def test_dispatch_handle_pool_layout_and_metadata():
     assert_close(routed, expected, torch.float32)
 
 
-def test_select_and_place_entries_order_by_source_token_slot():
-    ids = torch.tensor([[2, 0], [3, 2]])
-    entries = select_entries(ids, 2, 2)  # experts 2 and 3 -> local 0 and 1
-    assert entries.tolist() == [[0, 0, 0], [1, 1, 0], [1, 0, 1]]
-    from_rank1 = select_entries(torch.tensor([[3, 1]]), 2, 2)
-    layout, pos = place_entries((entries, from_rank1), 2, 4, 16)
-    assert layout.num_rows_e.tolist() == [2, 2] and layout.row_start_e.tolist() == [0, 4]
-    assert pos[0].tolist() == [0, 1, 4] and pos[1].tolist() == [5]  # rank 0's rows first in each segment
-
-
 def test_fp8_dispatch_dequantizes_before_the_experts():
     from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
 
@@ -193,25 +183,26 @@ def test_debug_checks_pass_on_a_good_call_and_catch_lost_or_corrupted_rows():
     w = torch.rand(9, 4, generator=gen)
     with _step(cfg, 16, experts, debug_checks=True) as step:
         plain = step(x, ids, w)
-        transport = step.dispatcher.transport
-        gather_rows, return_rows = transport.gather_rows, transport.return_rows
+        dispatcher = step.dispatcher
+        exchange, return_partials = dispatcher._pre_dispatch_and_exchange, dispatcher._return_partials
 
-        def corrupt(exchange, recv_pos):
-            gather_rows(exchange, recv_pos)
-            step.dispatcher.buffer.view("recv_x")[int(recv_pos[0][3])] += 1.0
-        transport.gather_rows = corrupt
+        def corrupt(*args):
+            routes = exchange(*args)
+            dispatcher.buffer.view("recv_x")[3] += 1.0  # a received row changes on the way
+            return routes
+        dispatcher._pre_dispatch_and_exchange = corrupt
         with pytest.raises(ConservationError, match=r"\[ENV007\].*rank 0 sent 33 rows .* received 33"):
             step(x, ids, w)
-        transport.gather_rows = gather_rows
+        dispatcher._pre_dispatch_and_exchange = exchange
 
-        def lose_one(exchange, recv_pos, y_PD):  # what return_rows does, less the first entry
-            entries = exchange.recv_entries[0][1:]
-            combine = step.dispatcher.buffer.view("combine")
-            combine[entries[:, 1], entries[:, 0]] = y_PD.index_select(0, recv_pos[0][1:]).to(combine.dtype)
-        transport.return_rows = lose_one
-        with pytest.raises(ConservationError, match=r"combine left 1 of 33 non-masked slots unwritten"):
+        def lose_one(y_MD, handle):  # what the transport does, less the partial of token 4
+            return_partials(y_MD, handle)
+            dispatcher.buffer.view("combine_partial")[0, 4] = float("nan")
+        dispatcher._return_partials = lose_one
+        with pytest.raises(ConservationError, match=r"combine left 1 of 9 \(token, owner\) partials unwritten "
+                                                    r"\(first: token 4 from rank 0\)"):
             step(x, ids, w)
-        transport.return_rows = return_rows
+        dispatcher._return_partials = return_partials
         assert_bitwise_equal(step(x, ids, w), plain)  # the checks change nothing when all is well
 
 
