@@ -35,10 +35,10 @@ import torch.distributed as dist
 
 from moe_ref import envs
 from moe_ref.capacity import CapacityPlan, format_bytes
-from moe_ref.distributed import comm_device, group_size_and_rank
+from moe_ref.distributed import comm_device, gather_ints, group_size_and_rank
 from moe_ref.kernels.ep_regions import PeerBuffers
-from moe_ref.errors import (BufferTooSmallError, CapacityMismatchError, DistributedError, MemoryBudgetError,
-                            UnknownNameError)
+from moe_ref.errors import (BufferTooSmallError, CapacityMismatchError, DistributedError, GroupDisagreementError,
+                            MemoryBudgetError, UnknownNameError)
 
 BUFFER_KINDS = ("private", "shm", "cuda")
 CUDA_BARRIER_TIMEOUT_MS = 30_000  # the longest a rank waits for its peers at a CUDA symmetric-memory barrier
@@ -359,3 +359,61 @@ class SymmetricBuffer:
 
     def __exit__(self, *exc) -> None:
         self.destroy()
+
+
+# --- one buffer per EP group, shared by every layer with the same plan -------------------------------------------
+
+# NOTE: process-wide state: (group, kind, device, plan layout) -> [buffer, users]. Layers of one model run one at a
+# time and nothing in the buffer outlives a call, so they can share it (Kimi-K2 at EP 8, cap 4096: ~4 GiB per rank
+# instead of ~4 GiB per rank per layer).
+_SHARED: dict[tuple, list] = {}
+
+
+def _buffer_key(plan: CapacityPlan, group, kind: str, device: torch.device) -> tuple:
+    group_key = None if group is None else getattr(group, "group_name", None) or id(group)
+    layout = tuple((r.name, r.offset, r.shape, str(r.dtype)) for r in plan.regions)
+    return group_key, kind, str(device), plan.total_bytes, layout
+
+
+def acquire_buffer(plan: CapacityPlan, group=None, *, kind: str = "private",
+                   device: torch.device | str = "cpu") -> SymmetricBuffer:
+    """The group's shared buffer for ``plan`` (allocated on first use; collective over ``group``).
+
+    Every rank must agree whether it already holds one: a rank that destroyed its layers while the others did not
+    would skip the allocation its peers enter, so a mixed answer raises ``GroupDisagreementError`` (CFG008) on
+    every rank. Pair each call with ``release_buffer``.
+    """
+    device = torch.device(device)
+    key = _buffer_key(plan, group, kind, device)
+    entry = _SHARED.get(key)
+    world, rank = group_size_and_rank(group)
+    if world > 1:
+        held = [row[0] for row in gather_ints([int(entry is not None and not entry[0].destroyed)], group,
+                                              comm_device(group, device))]
+        if len(set(held)) > 1:
+            raise GroupDisagreementError(
+                f"rank {rank}: the ranks disagree whether this EP group's shared {kind} buffer exists (held on ranks "
+                f"{[r for r, h in enumerate(held) if h]}, not on {[r for r, h in enumerate(held) if not h]}): layers "
+                f"were destroyed on some ranks only; build and destroy MoE layers on every rank alike", held=held)
+    if entry is None or entry[0].destroyed:
+        entry = _SHARED[key] = [SymmetricBuffer(plan, group, kind=kind, device=device), 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def release_buffer(buffer: SymmetricBuffer) -> None:
+    """One user fewer; the last one frees the buffer (not collective)."""
+    for key, entry in list(_SHARED.items()):
+        if entry[0] is buffer:
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del _SHARED[key]
+            break
+    buffer.destroy()
+
+
+def live_shared_buffers() -> int:
+    """How many shared buffers this process holds (for tests and ``moe-ref`` reports)."""
+    return sum(1 for buffer, _ in _SHARED.values() if not buffer.destroyed)
+

@@ -5,10 +5,10 @@
 
 ``CapacityPlan`` is the single source of truth for the buffer (``SymmetricBuffer`` allocates exactly
 ``plan.total_bytes``). Its regions are the device-side data path's contract, ``kernels.ep_regions.EPRegions``
-(signals, send regions, receive pool and its layout, the combine partials: see the table there), followed by
-one counter of this layer, ``num_recv_tokens_per_expert`` ``[e]`` int64 (rows my experts received, all calls).
-Both transports use this one layout: ``symm`` reads peers' regions in place, ``a2a`` fills the same regions
-of a private buffer with collectives.
+(signals, send regions, receive pool and its layout, the combine partials: see the table there). Both
+transports use this one layout: ``symm`` reads peers' regions in place, ``a2a`` fills the same regions of a
+private buffer with collectives. Nothing in it outlives a call, so every MoE layer of a model with the same
+plan shares ONE buffer per EP group (``buffer.acquire_buffer``), as DeepEP keeps one buffer per process.
 
 The receive pool has ``P = align(R * C * min(K, e) + e * (alignment - 1), alignment)`` rows: every token of
 every rank may pick up to ``min(K, e)`` of my experts, and each expert segment starts on a multiple of
@@ -105,9 +105,7 @@ class CapacityPlan:
                                      num_pool_rows=num_recv_pool_rows(cfg, ep_size, cap, alignment))
         regions = [Region(name, ep_regions.offsets[name], *ep_regions.spec(name), ep_regions.nbytes(name))
                    for name in ep_regions.offsets]
-        counter = Region("num_recv_tokens_per_expert", ep_regions.end, (num_local,), torch.int64, num_local * 8)
-        regions.append(counter)
-        offset = _align(counter.end, REGION_ALIGN_BYTES)
+        offset = _align(regions[-1].end, REGION_ALIGN_BYTES)
         return CapacityPlan(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment, tuple(regions), offset,
                             ep_regions)
 
@@ -136,13 +134,12 @@ class CapacityPlan:
                                   self.dispatch_fp8, self.alignment)
 
     def group_bytes(self) -> dict[str, int]:
-        """Bytes per part: signals, send, receive, combine, counters (region bytes plus the alignment gaps after
-        them)."""
+        """Bytes per part: signals, send, receive, combine (region bytes plus the alignment gaps after them)."""
         parts = {"signals": ("signal", "epoch", "status", "counter"),
                  "send": ("num_tokens", "send_count", "topk_ids", "topk_weights", "slot_rank", "x", "x_scale"),
                  "receive": ("recv_num_tokens", "num_rows", "row_start", "recv_base", "pool_end", "recv_pos",
                              "recv_weight", "recv_src", "recv_x", "recv_x_scale"),
-                 "combine": ("combine_partial",), "counters": ("num_recv_tokens_per_expert",)}
+                 "combine": ("combine_partial",)}
         ends = [r.offset for r in self.regions[1:]] + [self.total_bytes]
         out = {part: 0 for part in parts}
         for region, end in zip(self.regions, ends):
@@ -174,6 +171,7 @@ class CapacityPlan:
                      f"{format_bytes(self.total_bytes):>11}")
         lines.append(f"{'TOTAL over the EP group':<28} {'':>14} {'':<22} {'':<14} "
                      f"{self.total_bytes * self.ep_size:>16} {format_bytes(self.total_bytes * self.ep_size):>11}")
+        lines.append(_model_total_line(self.cfg, self))
         return "\n".join(lines)
 
 
@@ -223,6 +221,16 @@ def plan_for_topology(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: 
     """
     parallel.num_local_experts(cfg)  # raises CFG001/CFG002 for an impossible topology
     return CapacityPlan.build(cfg, parallel.ep_size, max_num_tokens, activation_dtype, dispatch_fp8, alignment)
+
+
+def _model_total_line(cfg: MoEConfig, plan: CapacityPlan) -> str:
+    """One buffer per EP group, shared by every MoE layer of the model (what that saves)."""
+    num_layers = len(cfg.moe_layers)
+    if num_layers <= 1:
+        return (f"Every MoE layer with this plan shares this one buffer per rank ({format_bytes(plan.total_bytes)}); "
+                f"the config does not say how many MoE layers the model has")
+    return (f"Model total: {num_layers} MoE layers share ONE buffer per rank: {format_bytes(plan.total_bytes)} "
+            f"(one buffer per layer would take {format_bytes(plan.total_bytes * num_layers)})")
 
 
 def max_tokens_for_budget(cfg: MoEConfig, ep_size: int, budget_bytes: int,

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from moe_ref.buffer import SymmetricBuffer
+from moe_ref.buffer import SymmetricBuffer, release_buffer
 from moe_ref.capacity import CapacityPlan
 from moe_ref.config import MoEConfig
 from moe_ref.distributed import comm_device
@@ -171,8 +171,8 @@ class Dispatcher(ABC):
     Attributes:
         plan: the buffer plan; regions: its ``EPRegions``. rank, world_size: in the EP group.
         num_local_experts: e. transport_name: local, symm or a2a.
-        num_recv_tokens_per_expert: ``[e]`` int64 (a view of the buffer's counter), rows my experts received
-            over all calls (non-masked slots; what expert load balancers read).
+        num_recv_tokens_per_expert: ``[e]`` int64, rows my experts received over all calls of this dispatcher
+            (non-masked slots; what expert load balancers read). Not in the buffer, which layers share.
     """
 
     transport_name = "abstract"
@@ -184,10 +184,7 @@ class Dispatcher(ABC):
         self.num_local_experts = plan.num_local_experts
         self.device = buffer.device
         self._comm_device = comm_device(group, buffer.device)
-
-    @property
-    def num_recv_tokens_per_expert(self) -> torch.Tensor:
-        return self.buffer.view("num_recv_tokens_per_expert")
+        self.num_recv_tokens_per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64, device=self.device)
 
     # --- what a transport implements ------------------------------------------------------------------
     @abstractmethod
@@ -309,8 +306,8 @@ class Dispatcher(ABC):
         return self._reduce(handle.num_tokens)
 
     def destroy(self) -> None:
-        """Release the buffer (and peer mappings). Not collective."""
-        self.buffer.destroy()
+        """Release my use of the shared buffer (freed with its last user; not collective)."""
+        release_buffer(self.buffer)
 
     def __enter__(self) -> "Dispatcher":
         return self

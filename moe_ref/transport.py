@@ -16,7 +16,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from moe_ref.buffer import SymmetricBuffer
+from moe_ref.buffer import acquire_buffer
 from moe_ref.capacity import CapacityPlan
 from moe_ref.config import MoEConfig
 from moe_ref.dispatch import Dispatcher
@@ -53,7 +53,8 @@ def make_dispatcher(cfg: MoEConfig, group, options: EPOptions) -> Dispatcher:
             (which must be set: ``EPOptions.resolve`` sets it from the experts backend).
 
     Returns:
-        A ``Dispatcher`` owning its buffer. Raises ``CapacityMismatchError`` (CAP002) on every rank if the caps
+        A ``Dispatcher`` using the EP group's shared buffer for this plan (``buffer.acquire_buffer``: every MoE
+        layer of a model with the same plan uses one). Raises ``CapacityMismatchError`` (CAP002) on every rank if the caps
         differ, ``MemoryBudgetError`` (CAP004) on every rank if a rank cannot hold the buffer; ``symm`` raises
         ``DistributedError`` (ENV003) on every rank when peers cannot be mapped, where ``auto`` falls back to
         ``a2a`` on every rank.
@@ -65,15 +66,15 @@ def make_dispatcher(cfg: MoEConfig, group, options: EPOptions) -> Dispatcher:
     plan = CapacityPlan.build(cfg, world, options.num_max_tokens_per_rank, options.dtype, options.dispatch_fp8,
                               options.alignment)
     if world == 1:
-        return SymmDispatcher(plan, SymmetricBuffer(plan, group, kind="private", device=device), group)
+        return SymmDispatcher(plan, acquire_buffer(plan, group, kind="private", device=device), group)
     if name == "local":
         raise DistributedError(f"transport='local' runs one process, but the group has {world} ranks; use "
                                f"'auto', 'symm' or 'a2a'")
     kind = "cuda" if device.type == "cuda" else "shm"
     if name == "symm" or (name == "auto" and _same_host(group) and (kind == "shm" or _symm_cuda_importable())):
         try:
-            return SymmDispatcher(plan, SymmetricBuffer(plan, group, kind=kind, device=device), group)
+            return SymmDispatcher(plan, acquire_buffer(plan, group, kind=kind, device=device), group)
         except DistributedError:
             if name == "symm":
                 raise
-    return AllToAllDispatcher(plan, SymmetricBuffer(plan, group, kind="private", device=device), group)
+    return AllToAllDispatcher(plan, acquire_buffer(plan, group, kind="private", device=device), group)

@@ -140,6 +140,33 @@ def call_grad(layer, rank, world):
     layer(x)
 
 
+_HELD: dict = {}
+
+
+def build_after_uneven_destroy(rank, world):
+    """Two layers share the group's buffer; rank 0 destroys both, the others one: the buffer is gone on rank 0 only."""
+    first, second = _layer(rank), _layer(rank)
+    with torch.no_grad():
+        first(_tokens(rank))
+        second(_tokens(rank))
+    first.destroy()
+    if rank == 0:
+        second.destroy()
+    else:
+        _HELD["second"] = second
+    return _layer(rank), None
+
+
+def call_then_release(layer, rank, world):
+    try:
+        with torch.no_grad():
+            layer(_tokens(rank))
+    finally:  # the ranks agree again: the next call allocates the buffer on every rank
+        held = _HELD.pop("second", None)
+        if held is not None:
+            held.destroy()
+
+
 def build_unloaded(rank, world):
     return _layer(rank, seed=_on(rank, 0, None, 3)), None
 
@@ -161,6 +188,7 @@ CASES = [
     ("exception_in_experts", None, call_experts_raise, 0, "MemoryError", "ENV005"),
     ("gradient_requested_on_one_rank", None, call_grad, 0, "INP007", "INP007"),
     ("weights_not_loaded_on_one_rank", build_unloaded, _call_with(lambda r, w: (_tokens(r),)), 0, "INP006", "INP006"),
+    ("shared_buffer_destroyed_on_one_rank", build_after_uneven_destroy, call_then_release, 0, "CFG008", "CFG008"),
 ]
 
 

@@ -104,7 +104,7 @@ def main() -> int:
     group = None
     if world > 1:
         rank = int(os.environ["RANK"])
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank)  # one GPU per rank: torch symmetric memory refuses ranks sharing a device
         dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
         group = dist.group.WORLD
     else:

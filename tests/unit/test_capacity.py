@@ -83,7 +83,7 @@ def test_plan_regions_are_disjoint_aligned_and_sized(name, ep_size, cap, dtype, 
                 "row_start": ((e,), torch.int64), "recv_base": ((R, e), torch.int64), "pool_end": ((1,), torch.int64),
                 "recv_pos": ((R, C, K), torch.int32), "recv_weight": ((R, C, K), torch.float32),
                 "recv_src": ((P, 3), torch.int32), "recv_x": ((P, dim), wire),
-                "combine_partial": ((R, C, dim), dtype), "num_recv_tokens_per_expert": ((e,), torch.int64)}
+                "combine_partial": ((R, C, dim), dtype)}
     if fp8:
         expected["x_scale"] = ((C, Db), torch.float32)
         expected["recv_x_scale"] = ((P, Db), torch.float32)
