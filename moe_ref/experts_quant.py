@@ -57,7 +57,8 @@ class W4A16Experts(Experts):
         return grouped_mlp(x_RD, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e,
                            self.activation, self.situ_beta, self.situ_linear_beta,
                            gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs,
-                           num_rows_hint=int(layout.num_rows_e.sum()))  # NOTE: host sync; picks GPU tiles
+                           num_rows_hint=layout.rows_hint(),  # picks GPU tiles (no host sync when the layout has it)
+                           zero_unused_rows=layout.zero_unused_rows)
 
 
 class FP8BlockExperts(TritonExperts):

@@ -142,7 +142,7 @@ class MegaMoE(nn.Module):
         self._routed_step: RoutedStep | None = None
         self._experts: Experts | None = None
         self._weights_loaded = False
-        self._register_parameters(self.options.dtype, self.options.device)
+        self._register_parameters()
         if seed is not None:
             self.load_weights(MoEWeights.random(cfg, seed=seed, dtype=self.options.dtype))
 
@@ -178,8 +178,8 @@ class MegaMoE(nn.Module):
         return ok, reason
 
     # --- parameters ----------------------------------------------------------------------------------
-    def _register_parameters(self, dtype: torch.dtype, device: torch.device) -> None:
-        cfg = self.cfg
+    def _register_parameters(self) -> None:
+        cfg, device = self.cfg, self.options.device
         D, S, L = cfg.hidden_size, cfg.shared_intermediate_size, cfg.latent_dim
 
         with torch.inference_mode(False):  # normal tensors even when built inside inference mode

@@ -100,3 +100,34 @@ def test_w4_argument_errors(device):
         gm._launch_gemm(x_RD, None, q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, torch.empty(5, 32, device=device),
                         None, layout.row_start_e, layout.num_rows_e, n=32, k=64, activation="silu", situ_beta=4.0,
                         situ_linear_beta=25.0, fp8=False, quant_out=False, rows_hint=5, w4=2, config=config)
+
+
+@pytest.mark.parametrize("name, fmt, overrides", [
+    ("tiny-kimi-k3", "mxfp4", dict(intermediate_size=32)),
+    ("tiny-kimi-k2", "int4_group", dict(hidden_size=64, intermediate_size=32)),
+    ("tiny-deepseek-v3", "fp8_block", dict(intermediate_size=128)),
+])
+def test_layer_loads_a_quantized_checkpoint_into_the_triton_quantized_experts(tmp_path, device, name, fmt, overrides):
+    """MegaMoE.load_hf_weights with experts_backend='triton': W4A16 (INT4, MXFP4) or the FP8 block kernel run the
+    stored tensors inside the routed step; compared with the layer's reference on the dequantized weights."""
+    import dataclasses
+
+    from moe_ref.config import preset
+    from moe_ref.layer import MegaMoE
+    from moe_ref.reference import reference_moe
+    from moe_ref.synthetic import write_synthetic_checkpoint
+
+    cfg = dataclasses.replace(preset(name), **overrides)
+    written = write_synthetic_checkpoint(tmp_path, cfg, layer_idx=0, quant=fmt, seed=6, dtype=torch.float32)
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=32, experts_backend="triton", device=device)
+    layer.load_hf_weights(tmp_path, layer_idx=0, progress=False)
+    assert isinstance(layer.experts, FP8BlockExperts if fmt == "fp8_block" else W4A16Experts)
+    assert layer.gate_up_weight is None and layer.quantized_experts.device.type == torch.device(device).type
+    x = torch.randn(30, cfg.hidden_size, generator=torch.Generator().manual_seed(7)).to(device)
+    with torch.inference_mode():
+        y = layer(x)
+        y_ref = reference_moe(x, written.to(device), cfg)
+    layer.destroy()
+    limit = CALC_DIFF_TOLERANCES[torch.float8_e4m3fn] if fmt == "fp8_block" else 1e-5
+    assert calc_diff(y, y_ref) <= limit, (fmt, calc_diff(y, y_ref))
+    assert calc_diff(y_ref, torch.zeros_like(y_ref)) == 1.0
