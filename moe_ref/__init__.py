@@ -16,7 +16,8 @@ then up rows). This legend is the package's only one: a module's ``Shape legend:
 uses with these meanings and no others (``tests/unit/test_docstrings.py`` checks it).
 
 Shape legend: T tokens of this rank (the rows it feeds one call), C cap (``num_max_tokens_per_rank``: the most
-rows one rank feeds per call), K top-k (routed slots per token), N routed entries (T * K slots), E experts (all of
+rows one rank feeds per call), K top-k (routed slots per token), N routed entries (T * K slots), U tokens one
+rank exchanges with another (each token once per destination rank, the rows given to a receive helper), E experts (all of
 the model's), e local experts (one rank's, or those one call holds or reads), G expert groups (grouped top-k),
 Eg experts per group (E / G), R EP ranks (processes of the expert-parallel group), P receive-pool rows (the
 expert-major rows the experts get, alignment padding included), M rows reserved per expert in DeepGEMM's masked

@@ -16,7 +16,7 @@ so both transports give bitwise-identical pools and outputs:
 Rows travel as raw bytes (``uint8`` views), so any dtype (bf16, fp8) crosses gloo and NCCL alike.
 
 Shape legend: T tokens of this rank, K top-k, Dx expert input width, Db = ceil(Dx/128), e local experts,
-R EP ranks, N tokens exchanged with one rank.
+R EP ranks, U tokens exchanged with one rank.
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ class Routes:
     """Who exchanged which tokens in one chunk (the a2a handle's ``routes``).
 
     Attributes:
-        sent: per destination rank r, ``[N_r]`` int64 my tokens with >= 1 slot on r (ascending).
-        received: per source rank s, ``[N_s]`` int64 tokens of s with >= 1 slot on my experts (ascending).
+        sent: per destination rank r, ``[U_r]`` int64 my tokens with >= 1 slot on r (ascending).
+        received: per source rank s, ``[U_s]`` int64 tokens of s with >= 1 slot on my experts (ascending).
     """
 
     sent: tuple[torch.Tensor, ...]
@@ -94,29 +94,29 @@ class AllToAllDispatcher(Dispatcher):
         sent = tuple(to_rank_TR[:, r].nonzero().flatten() for r in range(R))
         header_R = torch.cat([view("send_count").to(torch.int64),
                               torch.tensor([[num_tokens, t.numel()] for t in sent], device=self.device)], dim=1)
-        header_R = self._all_to_all(header_R, [1] * R, [1] * R)  # row s: source s's counts for me, T_s, N_s
+        header_R = self._all_to_all(header_R, [1] * R, [1] * R)  # row s: source s's counts for me, T_s, U_s
         recv_counts = header_R[:, e + 1].tolist()  # NOTE: host sync
         routes = Routes(sent, ())
         # routing of each token sent, one row per (token, destination): token, ids, slot ranks, weight bits
-        send_token_N = torch.cat(sent)
-        meta_N = torch.cat([send_token_N[:, None], topk_ids_TK[send_token_N], view("slot_rank")[send_token_N].long(),
-                            topk_weights_TK[send_token_N].view(torch.int32).long()], dim=1)
-        meta_N = self._all_to_all(meta_N, routes.send_counts, recv_counts)
-        rows = [self._all_to_all(view(name)[send_token_N], routes.send_counts, recv_counts)
+        send_token_U = torch.cat(sent)
+        meta_U = torch.cat([send_token_U[:, None], topk_ids_TK[send_token_U], view("slot_rank")[send_token_U].long(),
+                            topk_weights_TK[send_token_U].view(torch.int32).long()], dim=1)
+        meta_U = self._all_to_all(meta_U, routes.send_counts, recv_counts)
+        rows = [self._all_to_all(view(name)[send_token_U], routes.send_counts, recv_counts)
                 for name in (("x", "x_scale") if regions.fp8 else ("x",))]
         my = self.buffer.view_bytes()
         recv_base_Re = receive_layout_ref(my, regions, header_R[:, e].to(torch.int32), header_R[:, :e])
         received, start = [], 0
         for src, count in enumerate(recv_counts):
             part = slice(start, start + count)
-            token_N = meta_N[part, 0]
+            token_U = meta_U[part, 0]
             num_src_tokens = int(header_R[src, e])
             view("recv_pos")[src, :num_src_tokens] = -1  # tokens of src not sent here have no slot here
-            receive_rows_ref(my, regions, self.rank, src, recv_base_Re, token_N,
-                             torch.ones(count, dtype=torch.bool, device=self.device), meta_N[part, 1:1 + K],
-                             meta_N[part, 1 + K:1 + 2 * K], meta_N[part, 1 + 2 * K:].to(torch.int32).view(torch.float32),
+            receive_rows_ref(my, regions, self.rank, src, recv_base_Re, token_U,
+                             torch.ones(count, dtype=torch.bool, device=self.device), meta_U[part, 1:1 + K],
+                             meta_U[part, 1 + K:1 + 2 * K], meta_U[part, 1 + 2 * K:].to(torch.int32).view(torch.float32),
                              rows[0][part], rows[1][part] if regions.fp8 else None)
-            received.append(token_N)
+            received.append(token_U)
             start += count
         check_ep_status(self._mine_only, regions)  # a pool overflow (INP005) recorded by the layout
         return Routes(sent, tuple(received))
@@ -127,16 +127,16 @@ class AllToAllDispatcher(Dispatcher):
     def _return_partials(self, y_PD, handle: DispatchHandle) -> None:
         view, routes = self.buffer.view, handle.routes
         parts = []
-        for src, token_N in enumerate(routes.received):
-            live_N = torch.ones(token_N.numel(), dtype=torch.bool, device=self.device)
-            part_ND, _ = weighted_partials_ref(y_PD, view("recv_pos")[src][token_N], view("recv_weight")[src][token_N],
-                                               live_N, self.plan.activation_dtype)
-            parts.append(part_ND)
+        for src, token_U in enumerate(routes.received):
+            live_U = torch.ones(token_U.numel(), dtype=torch.bool, device=self.device)
+            part_UD, _ = weighted_partials_ref(y_PD, view("recv_pos")[src][token_U], view("recv_weight")[src][token_U],
+                                               live_U, self.plan.activation_dtype)
+            parts.append(part_UD)
         back = self._all_to_all(torch.cat(parts), routes.recv_counts, routes.send_counts)
         partial_RCD, start = view("combine_partial"), 0
-        for owner, token_N in enumerate(routes.sent):
-            partial_RCD[owner, token_N] = back[start:start + token_N.numel()]
-            start += token_N.numel()
+        for owner, token_U in enumerate(routes.sent):
+            partial_RCD[owner, token_U] = back[start:start + token_U.numel()]
+            start += token_U.numel()
 
     def _reduce(self, num_tokens):
         return sum_partials_ref(self.buffer.view("topk_ids")[:num_tokens], self.buffer.view("combine_partial"),

@@ -13,7 +13,8 @@ A rank that owns none of t's slots wrote nothing at [r', t] and is never read (n
 Both sums add in a fixed order with separate multiply and add roundings (GPU launches disable FMA
 contraction), so the kernels and their twins agree bitwise and every run repeats bitwise.
 
-Shape legend: R ranks, e local experts, K top-k, C cap, T tokens of this rank, Dx row width, P pool rows.
+Shape legend: R ranks, e local experts, K top-k, C cap, T tokens of this rank, Dx row width, P pool rows,
+U tokens exchanged with one rank (the rows given to `weighted_partials_ref`).
 """
 
 from __future__ import annotations
@@ -206,26 +207,26 @@ def ep_combine_push_ref(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegio
         symm_barrier_ref(peers, regions, post=True, wait=False)
 
 
-def weighted_partials_ref(y_PD: torch.Tensor, pos_NK: torch.Tensor, weight_NK: torch.Tensor, live_N: torch.Tensor,
+def weighted_partials_ref(y_PD: torch.Tensor, pos_UK: torch.Tensor, weight_UK: torch.Tensor, live_U: torch.Tensor,
                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """One partial row per token: `sum_j w[n, j] * y[pos[n, j]]` over the slots with `pos >= 0`, j in order, fp32
+    """One partial row per token: `sum_j w[u, j] * y[pos[u, j]]` over the slots with `pos >= 0`, j in order, fp32
     with separate multiply and add roundings (as the push kernel), then cast to `out_dtype`.
 
     Args:
-        y_PD: `[<= P, Dx]` expert outputs. pos_NK: `[N, K]` pool rows (-1: not mine). weight_NK: `[N, K]` fp32.
-        live_N: `[N]` bool, rows to compute (the others count as having no slot here).
+        y_PD: `[<= P, Dx]` expert outputs. pos_UK: `[U, K]` pool rows (-1: not mine). weight_UK: `[U, K]` fp32.
+        live_U: `[U]` bool, rows to compute (the others count as having no slot here).
 
     Returns:
-        part_ND `[N, Dx]` out_dtype, and has_slot_N `[N]` bool (live rows with >= 1 slot here: the ones sent).
+        part_UD `[U, Dx]` out_dtype, and has_slot_U `[U]` bool (live rows with >= 1 slot here: the ones sent).
     """
     D = y_PD.shape[1]
     y_pad = torch.cat([y_PD.float(), y_PD.new_zeros(1, D, dtype=torch.float32)])  # row -1 -> a zero row
-    valid_NK = live_N[:, None] & (pos_NK >= 0)  # rows t >= T_s of recv_pos are stale
-    pos_NK = torch.where(valid_NK, pos_NK.to(torch.int64), -1)
-    acc_ND = torch.zeros(pos_NK.shape[0], D, dtype=torch.float32, device=y_PD.device)
-    for j in range(pos_NK.shape[1]):
-        acc_ND = torch.where(valid_NK[:, j:j + 1], acc_ND + weight_NK[:, j:j + 1] * y_pad[pos_NK[:, j]], acc_ND)
-    return acc_ND.to(out_dtype), valid_NK.any(dim=1)
+    valid_UK = live_U[:, None] & (pos_UK >= 0)  # rows t >= T_s of recv_pos are stale
+    pos_UK = torch.where(valid_UK, pos_UK.to(torch.int64), -1)
+    acc_UD = torch.zeros(pos_UK.shape[0], D, dtype=torch.float32, device=y_PD.device)
+    for j in range(pos_UK.shape[1]):
+        acc_UD = torch.where(valid_UK[:, j:j + 1], acc_UD + weight_UK[:, j:j + 1] * y_pad[pos_UK[:, j]], acc_UD)
+    return acc_UD.to(out_dtype), valid_UK.any(dim=1)
 
 
 def _check_reduce_args(num_tokens: int, peers: PeerBuffers, regions: EPRegions, out_dtype) -> torch.dtype:

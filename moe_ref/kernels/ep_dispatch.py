@@ -19,7 +19,8 @@ Two launches, no host sync:
    then read the row `x_s[t]` ONCE (and its fp8 scales) and store it into each of its k' <= K pool rows.
    Rows are moved as raw words (8, 4, 2 or 1 bytes), so any wire dtype is copied bit for bit.
 
-Shape legend: R ranks, e local experts, K top-k, C cap, Dx row width, Db = ceil(Dx/128), P pool rows.
+Shape legend: R ranks, e local experts, K top-k, C cap, Dx row width, Db = ceil(Dx/128), P pool rows,
+U tokens exchanged with one rank (the rows given to `receive_rows_ref`).
 """
 
 from __future__ import annotations
@@ -303,37 +304,37 @@ def receive_layout_ref(my: torch.Tensor, regions: EPRegions, num_tokens_R: torch
 
 
 def receive_rows_ref(my: torch.Tensor, regions: EPRegions, rank: int, src: int, recv_base_Re: torch.Tensor,
-                     token_N: torch.Tensor, live_N: torch.Tensor, ids_NK: torch.Tensor, slot_rank_NK: torch.Tensor,
-                     weights_NK: torch.Tensor, x_ND: torch.Tensor, x_scale_NDb: torch.Tensor | None) -> None:
+                     token_U: torch.Tensor, live_U: torch.Tensor, ids_UK: torch.Tensor, slot_rank_UK: torch.Tensor,
+                     weights_UK: torch.Tensor, x_UD: torch.Tensor, x_scale_UDb: torch.Tensor | None) -> None:
     """Place rows of source `src` into MY pool (what `_dispatch_rows_kernel` does for one source).
 
     Args:
-        token_N: `[N]` int64 token index at the source of each row given; live_N: `[N]` bool, rows to place
+        token_U: `[U]` int64 token index at the source of each row given; live_U: `[U]` bool, rows to place
             (the twin passes all C rows with t < T_s live; `a2a` passes the tokens it received).
-        ids_NK, slot_rank_NK, weights_NK: the source's routing rows of those tokens; x_ND (+ x_scale_NDb): the rows.
+        ids_UK, slot_rank_UK, weights_UK: the source's routing rows of those tokens; x_UD (+ x_scale_UDb): the rows.
 
     Writes, for live rows: `recv_pos[src, t]` (pool row of each slot, -1 if not mine), `recv_weight[src, t]`, and
     for each of my slots `recv_src[pos] = (src, t, j)`, `recv_x[pos]` (+ scales).
     """
     view = regions.view
     e, K, P = regions.num_local_experts, regions.num_topk, regions.num_pool_rows
-    local_NK = ids_NK - rank * e
-    mine_NK = live_N[:, None] & (ids_NK >= 0) & (local_NK >= 0) & (local_NK < e)
-    pos_NK = recv_base_Re[src, local_NK.clamp(0, e - 1)] + slot_rank_NK
-    mine_NK &= (pos_NK >= 0) & (pos_NK < P)
-    pos_NK = torch.where(mine_NK, pos_NK, -1)
+    local_UK = ids_UK - rank * e
+    mine_UK = live_U[:, None] & (ids_UK >= 0) & (local_UK >= 0) & (local_UK < e)
+    pos_UK = recv_base_Re[src, local_UK.clamp(0, e - 1)] + slot_rank_UK
+    mine_UK &= (pos_UK >= 0) & (pos_UK < P)
+    pos_UK = torch.where(mine_UK, pos_UK, -1)
     recv_pos_CK, recv_weight_CK = view(my, "recv_pos")[src], view(my, "recv_weight")[src]
-    recv_pos_CK[token_N] = torch.where(live_N[:, None], pos_NK.to(torch.int32), recv_pos_CK[token_N])
-    recv_weight_CK[token_N] = torch.where(live_N[:, None], weights_NK, recv_weight_CK[token_N])
+    recv_pos_CK[token_U] = torch.where(live_U[:, None], pos_UK.to(torch.int32), recv_pos_CK[token_U])
+    recv_weight_CK[token_U] = torch.where(live_U[:, None], weights_UK, recv_weight_CK[token_U])
     # scatter the slots that are mine; the others go to a dummy row P (dropped)
-    target_of_slot = torch.where(mine_NK, pos_NK, P).reshape(-1)
-    row_of_slot = torch.arange(token_N.numel(), device=my.device).repeat_interleave(K)
-    src_rows = torch.stack([torch.full_like(row_of_slot, src), token_N[row_of_slot],
-                            torch.arange(K, device=my.device).repeat(token_N.numel())], dim=1).to(torch.int32)
+    target_of_slot = torch.where(mine_UK, pos_UK, P).reshape(-1)
+    row_of_slot = torch.arange(token_U.numel(), device=my.device).repeat_interleave(K)
+    src_rows = torch.stack([torch.full_like(row_of_slot, src), token_U[row_of_slot],
+                            torch.arange(K, device=my.device).repeat(token_U.numel())], dim=1).to(torch.int32)
     _scatter_rows(view(my, "recv_src"), target_of_slot, src_rows)
-    _scatter_rows(view(my, "recv_x"), target_of_slot, x_ND.index_select(0, row_of_slot))
-    if x_scale_NDb is not None:
-        _scatter_rows(view(my, "recv_x_scale"), target_of_slot, x_scale_NDb.index_select(0, row_of_slot))
+    _scatter_rows(view(my, "recv_x"), target_of_slot, x_UD.index_select(0, row_of_slot))
+    if x_scale_UDb is not None:
+        _scatter_rows(view(my, "recv_x_scale"), target_of_slot, x_scale_UDb.index_select(0, row_of_slot))
 
 
 def _scatter_rows(dst_PW: torch.Tensor, target_N: torch.Tensor, rows_NW: torch.Tensor) -> None:

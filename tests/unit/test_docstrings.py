@@ -66,7 +66,6 @@ def test_documented_args_exist():
 # letters). The test fails when one of them agrees, so the entry is removed with the fix.
 PENDING = {
     "moe_ref.quant",  # N and K name a weight matrix's [out, in] (the legend: O, I); Nb, Kb (Ob, Ib)
-    "moe_ref.dispatch_a2a",  # (being written) N = tokens exchanged with one rank (the legend: routed entries)
 }
 _LETTER = re.compile(r"^(?:[A-Z][a-z]?|e)$")
 _STOP = {"the", "and", "for", "its", "one", "this", "per", "all", "with", "that", "are", "not", "then", "else",
