@@ -56,19 +56,28 @@ from moe_ref.kernels.ep_regions import EPRegions
 
 # --- input checks ---------------------------------------------------------------------------------------------
 
-def check_topk_ids(topk_ids_TK: torch.Tensor, num_experts: int) -> str | None:
-    """A description of what is wrong with ``topk_ids_TK`` (ids outside ``[-1, E)``, or one token picking an
-    expert twice), or None. NOTE: syncs the host."""
+def _value_problem(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int) -> InputError | None:
+    """NaN/inf weights, ids outside ``[-1, E)``, or a token picking an expert twice, as a coded error, or None.
+
+    NOTE: ONE host sync on a good input (the four statistics travel together); the details of a problem cost more.
+    """
     if topk_ids_TK.numel() == 0:
         return None
-    low, high = int(topk_ids_TK.min()), int(topk_ids_TK.max())
-    if low < -1 or high >= num_experts:
-        return f"topk ids span [{low}, {high}], outside [-1, {num_experts}) (-1 = masked slot)"
-    sorted_TK = topk_ids_TK.sort(dim=1).values
+    ids_TK = topk_ids_TK.to(torch.int64)
+    sorted_TK = ids_TK.sort(dim=1).values
     dup_T = ((sorted_TK[:, 1:] == sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).any(dim=1)
-    if bool(dup_T.any()):
+    bad_weight_T = (~torch.isfinite(topk_weights_TK)).any(dim=1)
+    num_bad_weights, low, high, num_dups = torch.stack(
+        [bad_weight_T.sum(), ids_TK.min(), ids_TK.max(), dup_T.sum()]).tolist()  # NOTE: the one host sync
+    if num_bad_weights:
+        bad = bad_weight_T.nonzero().flatten()
+        return NonFiniteError(f"topk weights are NaN/inf for {num_bad_weights} of {ids_TK.shape[0]} tokens (first: "
+                              f"{bad[:8].tolist()})")
+    if low < -1 or high >= num_experts:
+        return ExpertIdError(f"topk ids span [{low}, {high}], outside [-1, {num_experts}) (-1 = masked slot)")
+    if num_dups:
         token = int(dup_T.nonzero()[0, 0])
-        return f"token {token} picks an expert twice: ids {topk_ids_TK[token].tolist()}"
+        return ExpertIdError(f"token {token} picks an expert twice: ids {topk_ids_TK[token].tolist()}")
     return None
 
 
@@ -101,14 +110,7 @@ def routed_input_problem(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_wei
     if topk_ids_TK.dtype not in (torch.int64, torch.int32) or not topk_weights_TK.dtype.is_floating_point:
         return DTypeError(f"topk ids must be int64 (or int32) and weights floating, got {topk_ids_TK.dtype} and "
                           f"{topk_weights_TK.dtype}")
-    if not check_values:
-        return None
-    if num_tokens and not bool(torch.isfinite(topk_weights_TK).all()):
-        bad = (~torch.isfinite(topk_weights_TK)).any(dim=1).nonzero().flatten()
-        return NonFiniteError(f"topk weights are NaN/inf for {bad.numel()} of {num_tokens} tokens (first: "
-                              f"{bad[:8].tolist()})")
-    ids_problem = check_topk_ids(topk_ids_TK, cfg.num_experts)
-    return None if ids_problem is None else ExpertIdError(ids_problem)
+    return _value_problem(topk_ids_TK, topk_weights_TK, cfg.num_experts) if check_values else None
 
 
 # --- pool helpers -------------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def gather_ints(values: Sequence[int], group=None, device: torch.device | str = 
     gathered = [torch.empty_like(mine) for _ in range(world)]
     with peer_errors("the per-call agreement (all_gather)"):
         dist.all_gather(gathered, mine, group=group)
-        return [t.tolist() for t in gathered]
+        return torch.stack(gathered).tolist()
 
 
 def gather_objects(obj, group=None) -> list:
