@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_ref import custom_ops
 from moe_ref.block import expert_input, finish, route_unchecked
 from moe_ref.config import MoEConfig, ParallelConfig, preset
 from moe_ref.distributed import check_fields_agree, gather_objects, group_size_and_rank
@@ -135,6 +136,7 @@ class MegaMoE(nn.Module):
             experts_backend=experts_backend, dispatch_fp8=dispatch_fp8, alignment=alignment, mega=mega, dtype=dtype,
             device=device, debug_checks=debug_checks)
         self.group = group
+        self._op_id = custom_ops.register(self)  # how torch.compile's graph names this layer
         self.world_size, self.rank = group_size_and_rank(group)
         self.num_local_experts = ParallelConfig(ep_size=self.world_size).num_local_experts(cfg)
         self.first_local_expert = self.rank * self.num_local_experts
@@ -378,7 +380,15 @@ class MegaMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *, max_num_tokens: int | None = None) -> torch.Tensor:
         """``hidden_states [T, D]`` -> ``[T, D]`` in the same dtype (collective: every rank of the group calls it,
-        with T = 0 if it has no tokens).
+        with T = 0 if it has no tokens). Under ``torch.compile`` the whole layer is one custom op
+        (``moe_ref.custom_ops``: no graph break); otherwise ``eager_forward``.
+        """
+        if torch.compiler.is_compiling():
+            return torch.ops.moe_ref.mega_moe(hidden_states, self._op_id, -1 if max_num_tokens is None else max_num_tokens)
+        return self.eager_forward(hidden_states, max_num_tokens=max_num_tokens)
+
+    def eager_forward(self, hidden_states: torch.Tensor, *, max_num_tokens: int | None = None) -> torch.Tensor:
+        """The layer's work (see ``forward``).
 
         Args:
             hidden_states: ``[T, D]`` in the layer's dtype, on its device.
