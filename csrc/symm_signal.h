@@ -8,7 +8,8 @@
 //         least `epoch` (int32 difference, so a wrapped epoch still compares right), or until `max_polls`
 //         polls or `timeout_us` of steady-clock time ran out: then status = [1, epoch, missing[R]]
 //         (status[0] written last, release).
-// Waiting spins briefly, then yields, then sleeps a few microseconds per poll (processes may outnumber cores).
+// Waiting spins briefly, then yields, then sleeps a few microseconds per poll (processes may outnumber cores);
+// the GIL is not held meanwhile (torch.ops releases it around every op call).
 #pragma once
 
 #include <atomic>

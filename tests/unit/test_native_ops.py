@@ -285,6 +285,35 @@ def test_timeout_by_time_bound():
 
 
 @compiled_only
+def test_wait_releases_the_gil():
+    """Another Python thread of the process runs while a rank waits: torch.ops releases the GIL around the op
+    and the compiled wait never takes it back (a wait holding it would stall a watchdog thread for the bound)."""
+    import threading
+
+    regions = EPRegions.build(2, 1, 1, 2, 8, activation_dtype=torch.float32)
+    world = make_world(regions, garbage_seed=None)
+    native.symm_barrier(world[0], regions, post=True, wait=False)  # rank 1 stays silent
+    ticks, stop = [], threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    time.sleep(0.02)
+    start = time.monotonic()
+    native.symm_barrier(world[0], regions, post=False, wait=True, timeout_us=300_000)
+    end = time.monotonic()
+    stop.set()
+    thread.join()
+    during = [t for t in ticks if start < t < end]
+    assert len(during) >= 5, f"{len(during)} ticks of the other thread during a {end - start:.2f} s wait"
+    assert regions.view(world[0].local, "status").tolist() == [1, 1, 0, 1]
+
+
+@compiled_only
 def test_epoch_wrap_and_peer_one_epoch_ahead():
     regions = EPRegions.build(2, 1, 1, 2, 8, activation_dtype=torch.float32)
     world_n = make_world(regions, garbage_seed=None)
