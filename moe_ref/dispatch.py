@@ -39,6 +39,7 @@ Db = ceil(Dx/128), E experts, e local experts, R EP ranks, C cap, P receive-pool
 """
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -187,6 +188,9 @@ class Dispatcher(ABC):
         self.device = buffer.device
         self._comm_device = comm_device(group, buffer.device)
         self.num_recv_tokens_per_expert = torch.zeros(self.num_local_experts, dtype=torch.int64, device=self.device)
+        # NOTE: my use of the shared buffer ends with destroy() or, for a dispatcher dropped without it, when it is
+        # garbage-collected (the buffer registry must not keep a dropped layer's buffer alive)
+        self._release = weakref.finalize(self, release_buffer, buffer)
 
     # --- what a transport implements ------------------------------------------------------------------
     @abstractmethod
@@ -308,8 +312,8 @@ class Dispatcher(ABC):
         return self._reduce(handle.num_tokens)
 
     def destroy(self) -> None:
-        """Release my use of the shared buffer (freed with its last user; not collective)."""
-        release_buffer(self.buffer)
+        """Release my use of the shared buffer (freed with its last user; not collective; idempotent)."""
+        self._release()
 
     def __enter__(self) -> "Dispatcher":
         return self

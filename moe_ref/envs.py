@@ -9,6 +9,7 @@
 | MOE_REF_SHM_DIR                    | folder for the CPU symmetric heap's files            | /dev/shm |
 | MOE_REF_DEBUG                      | ``moe-ref`` shows tracebacks of coded errors (1/0)   | off     |
 | MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
+| MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
 """
 from __future__ import annotations
 
@@ -53,6 +54,12 @@ def debug_checks() -> bool | None:
     if value is None:
         return None
     return value.lower() not in ("0", "false", "no", "off")
+
+
+def native_ops() -> tuple[bool, str | None]:
+    """(whether the compiled CPU ops may be used, the raw value): ``MOE_REF_NATIVE=0`` forces the torch twins."""
+    value = _get("MOE_REF_NATIVE")
+    return value is None or value.strip().lower() not in ("0", "false", "no", "off"), value
 
 
 def debug() -> bool:

@@ -22,10 +22,10 @@ Shape legend: T tokens of this rank, K top-k, Dx row width, P pool rows.
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 
+from moe_ref import envs
 from moe_ref.errors import DTypeError
 from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, check_peers
 from moe_ref.kernels.pre_dispatch import _check_args as _check_pre_dispatch_args
@@ -52,8 +52,9 @@ _ACT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _load() -> tuple[bool, str]:
-    if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False, f"fallback: {ENV_VAR}={os.environ[ENV_VAR]} (torch twins forced)"
+    allowed, value = envs.native_ops()
+    if not allowed:
+        return False, f"fallback: {ENV_VAR}={value} (torch twins forced)"
     try:
         import moe_ref._C  # noqa: F401  (loading the library registers torch.ops.moe_ref.*_cpu)
     except ImportError as err:

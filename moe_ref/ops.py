@@ -4,13 +4,14 @@
 |------------------|---------------------------------------|--------------------------------------|
 | select_experts   | ``kernels.router_topk`` (Triton)      | ``router.select_experts`` (torch)     |
 | pre_dispatch     | ``kernels.pre_dispatch`` (Triton)     | ``kernels.pre_dispatch_ref`` (torch)  |
-| ep_ops           | ``kernels.ep_*`` (Triton, no host sync)| ``kernels.ep_*_ref`` (torch)         |
+| ep_ops           | ``kernels.ep_*`` (Triton, no host sync)| ``moe_ref.native``: the compiled ``csrc`` ops (``torch.ops.moe_ref.*_cpu``), or the torch twins ``kernels.ep_*_ref`` when the library is not built or ``MOE_REF_NATIVE=0`` |
 
 ``ep_ops`` are the device-side EP phases (pre-dispatch, dispatch, combine push, reduce) the ``symm`` transport
-runs over peers' mapped buffers (``kernels.ep_chunk`` shows the order).
+runs over peers' mapped buffers (``kernels.ep_chunk`` shows the order); all three implementations write the
+same bytes (tests/interpreter, tests/unit/test_native_ops.py, tests/gpu).
 
 Each Triton kernel and its torch twin take the same arguments and are tested against each other
-(tests/interpreter, tests/gpu). A compiled ``csrc`` op for the CPU would be chosen here too.
+(tests/interpreter, tests/gpu).
 """
 from __future__ import annotations
 
@@ -50,9 +51,11 @@ class EPOps:
 
 
 def ep_ops(device: torch.device | str) -> EPOps:
-    """The Triton EP kernels on CUDA, their torch twins elsewhere."""
+    """The Triton EP kernels on CUDA; on CPU the compiled ops, or the torch twins without them."""
     if uses_triton(device):
         return EPOps(kernels.ep_pre_dispatch, kernels.ep_dispatch, kernels.ep_combine_push, kernels.ep_combine_reduce,
                      on_device=True)
-    return EPOps(kernels.ep_pre_dispatch_ref, kernels.ep_dispatch_ref, kernels.ep_combine_push_ref,
-                 kernels.ep_combine_reduce_ref, on_device=False)
+    from moe_ref import native  # the compiled CPU ops when built (it decides once, at import), else the twins
+
+    return EPOps(native.ep_pre_dispatch, native.ep_dispatch, native.ep_combine_push, native.ep_combine_reduce,
+                 on_device=False)

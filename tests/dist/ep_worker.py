@@ -289,6 +289,9 @@ def main() -> int:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
                             **({"device_id": DEVICE} if DEVICE.type == "cuda" else {}))
     rank, world = dist.get_rank(), dist.get_world_size()
+    from moe_ref.native import native_status
+
+    print(f"[rank {rank}] CPU EP ops: {native_status()}", flush=True)
     if args.fault != "none":
         run_fault(args.fault, rank, world)
         dist.destroy_process_group()

@@ -32,12 +32,13 @@ def _private_shm_dir() -> str:
     return tempfile.mkdtemp(prefix="moe_ref_test_", dir=base)
 
 
-def torchrun(nproc: int, worker_args: list[str], out_dir: Path, timeout_s: float, worker: Path = EP_WORKER) -> Launch:
+def torchrun(nproc: int, worker_args: list[str], out_dir: Path, timeout_s: float, worker: Path = EP_WORKER,
+             env_overrides: dict[str, str] | None = None) -> Launch:
     """Run ``worker`` under torchrun with a private shm folder; kill the whole job at the limit.
     Each rank writes ``out_dir/rank{r}.json``; ``Launch.results`` holds them."""
     shm_dir = _private_shm_dir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_REF_SHM_DIR": shm_dir,
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env_overrides or {})}
     for name in ("MOE_REF_NUM_MAX_TOKENS_PER_RANK", "MOE_REF_OVERFLOW_POLICY", "MOE_REF_TRANSPORT"):
         env.pop(name, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(worker),

@@ -52,6 +52,10 @@ def test_launch_finishes_and_leaves_no_shared_memory(launches, world_size):
     assert launch.returncode == 0, f"{world_size=}: rc={launch.returncode}\n{_tail(launch.log)}"
     assert sorted(launch.results) == list(range(world_size)), f"{world_size=}: missing rank results"
     assert launch.leftovers == [], f"{world_size=}: files left in MOE_REF_SHM_DIR: {launch.leftovers}"
+    from moe_ref.native import is_active
+
+    if is_active():  # built here (make install): the ranks ran the compiled ops, not the twins
+        assert launch.log.count("CPU EP ops: compiled ops: active") == world_size, _tail(launch.log)
     print(f"\n{world_size} ranks: {len(ep_cases.enumerate_cases(world_size))} cases in {launch.seconds:.1f} s")
 
 
@@ -70,6 +74,28 @@ def test_case(launches, world_size, case):
         assert result["checks"], f"{world_size=} {rank=} case={case['id']}: no checks ran"
         failed = [name for name, ok in result["checks"].items() if not ok]
         assert not failed, f"{world_size=} {rank=} case={case['id']}: failed {failed}; info={result['info']}"
+
+
+def test_every_case_with_the_torch_twins(tmp_path):
+    """CI runs the compiled CPU ops (``make install`` builds them); this launch forces their torch twins
+    (``MOE_REF_NATIVE=0``), so both CPU implementations of the symm data path pass every case at 2 ranks."""
+    case_file = tmp_path / "cases.json"
+    cases = ep_cases.enumerate_cases(2)
+    case_file.write_text(json.dumps(cases))
+    launch = torchrun(2, ["--case-file", str(case_file)], tmp_path / "out", LAUNCH_TIMEOUT_S,
+                      env_overrides={"MOE_REF_NATIVE": "0"})
+    assert launch.returncode == 0, f"rc={launch.returncode}\n{_tail(launch.log)}"
+    assert sorted(launch.results) == [0, 1]
+    assert launch.log.count("CPU EP ops: fallback: MOE_REF_NATIVE=0") == 2, _tail(launch.log)
+    failures = []
+    for rank, results in sorted(launch.results.items()):
+        assert len(results) == len(cases), f"rank {rank}: {len(results)} of {len(cases)} cases reported"
+        for case_id, result in results.items():
+            if "error" in result:
+                failures.append(f"rank {rank} {case_id}: {result['error'].strip().splitlines()[-1]}")
+            else:
+                failures += [f"rank {rank} {case_id}: {name}" for name, ok in result["checks"].items() if not ok]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.cuda2
