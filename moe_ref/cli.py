@@ -399,7 +399,10 @@ def cmd_info(args) -> int:
     except ImportError as err:
         print(f"deep_gemm: backend module not importable: {err}")
     print("transports: local; symm (CPU shared memory"
-          f"{', CUDA symmetric memory' if torch.cuda.is_available() else ''}); a2a (all_to_all_single)")
+          f"{', CUDA symmetric memory: Triton EP kernels' if torch.cuda.is_available() else ''}); a2a (all_to_all_single)")
+    from moe_ref.native import native_status
+
+    print(f"CPU EP data path: {native_status()}")
     if args.config or args.preset:
         cfg = _load_cfg(args)
         for problem in ParallelConfig(ep_size=args.ep).problems(cfg):

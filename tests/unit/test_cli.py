@@ -391,3 +391,11 @@ def test_python_dash_m_prints_one_line_and_exits_2():
                           text=True, timeout=120, env=env)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("moe-ref: [CFG015] ")
+
+
+def test_info_says_which_cpu_ep_path_runs(capsys, monkeypatch):
+    from moe_ref import native
+
+    status, out, _ = _run(capsys, ["info"])
+    assert status == 0 and f"CPU EP data path: {native.native_status()}" in out
+    assert ("compiled ops: active" in out) == native.is_active()
