@@ -9,6 +9,10 @@ experts; our pool puts each expert segment at a 128-aligned row, the torch basel
 packed (their best layout).
 
 Paths per case:
+    api_triton_bf16 the public API the layer uses: make_experts("triton") called on the pool with the layout the
+                    device-side dispatch gives (row starts and counts on the device, a static rows hint)
+    api_triton_bf16_nohint  the same without the hint (the backend reads the row count: a host sync per call)
+    api_triton_fp8  make_experts("triton", fp8=True) on the FP8 pool as dispatched (fp8 rows + per-128 scales)
     triton_bf16     moe_ref.kernels.grouped_mlp (fused gate/up + SiLU epilogue, then down)
     triton_fp8      same kernel, fp8 e4m3 x (per-row per-128 scales) and weights (128x128 block scales)
     grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
@@ -118,10 +122,36 @@ def _grouped_mm_fn():
     return lambda a, b, offs: fn(a, b, offs=offs)
 
 
+_API_EXPERTS: dict = {}  # (id of the bf16 weights, fp8) -> the Experts object (built once per model)
+
+
+def _api_paths(case: Case) -> list[tuple[str, Callable[[], object]]]:
+    """The public ``Experts`` path, as ``ModularRoutedStep`` calls it after the device-side dispatch."""
+    from moe_ref.experts import make_experts
+
+    def experts(fp8: bool):
+        key = (id(case.gate_up), fp8)
+        if key not in _API_EXPERTS:
+            _API_EXPERTS[key] = make_experts("triton", case.gate_up, case.down, "silu", fp8=fp8)
+        return _API_EXPERTS[key]
+
+    pool_rows = case.x_RD.shape[0]
+    hinted = ExpertLayout(case.row_start_e, case.num_rows_e, pool_rows, ALIGN, num_rows_hint=case.num_rows,
+                          zero_unused_rows=False)
+    plain = ExpertLayout(case.row_start_e, case.num_rows_e, pool_rows, ALIGN)
+    bf16, paths = experts(False), []
+    paths.append(("api_triton_bf16", lambda: bf16(case.x_RD, hinted)))
+    paths.append(("api_triton_bf16_nohint", lambda: bf16(case.x_RD, plain)))
+    if case.fp8 is not None:
+        fp8, q = experts(True), case.fp8
+        paths.append(("api_triton_fp8", lambda: fp8(q["x"], hinted, q["x_scale"])))
+    return paths
+
+
 def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], object]]]:
     from moe_ref.kernels.grouped_mlp import grouped_mlp
 
-    paths = [("triton_bf16", lambda: grouped_mlp(case.x_RD, case.gate_up, case.down, case.row_start_e,
+    paths = _api_paths(case) + [("triton_bf16", lambda: grouped_mlp(case.x_RD, case.gate_up, case.down, case.row_start_e,
                                                  case.num_rows_e, num_rows_hint=case.num_rows))]
     if case.fp8 is not None:
         q = case.fp8
