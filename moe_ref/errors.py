@@ -314,9 +314,12 @@ class BackendUnavailableError(EnvironmentError_):
         "ENV001", "the requested backend is not usable here",
         "The backend's package is missing, fails to load, or needs hardware this machine lacks "
         "(Triton and DeepGEMM need a CUDA GPU for real runs; DeepGEMM's mega-MoE needs SM90 and symmetric "
-        "memory).",
-        "backend='deep_gemm' on a CPU machine, or a deep_gemm wheel built for another torch.",
-        ["Use backend='auto' to pick the best available one.", "Run `moe-ref info` to see what loads and why not."],
+        "memory), or it cannot run the experts as a quantized checkpoint stores them (FP8 blocks, INT4, MXFP4 "
+        "run on 'triton' or 'torch'; 'grouped_mm', 'deep_gemm' and mega='deep_gemm' take plain weights).",
+        "backend='deep_gemm' on a CPU machine, a deep_gemm wheel built for another torch, or load_hf_weights of "
+        "an MXFP4 checkpoint with experts_backend='grouped_mm'.",
+        ["Use backend='auto' to pick the best available one.", "Run `moe-ref info` to see what loads and why not.",
+         "For a quantized checkpoint use experts_backend='auto' (triton on CUDA, torch on CPU) and mega='auto'."],
         "MegaMoE(cfg, experts_backend='auto')")
 
 

@@ -34,9 +34,10 @@ The MXFP4 scale bias (125, not E8M0's usual 127), decided from compressed-tensor
 reach standard E8M0 for Marlin, "a bias of 125"). ``tests/unit/test_quant.py`` pins it with a group of 6.0s,
 stored as byte 125, which decodes to 6.0 (a 127 bias would give 1.5).
 
-Shape legend: e local experts, D hidden (latent for Kimi-K3), F expert intermediate, N x K one weight matrix
-``[out, in]``; packed widths ``K/8`` (int4 words), ``K/2`` (fp4 bytes); ``K/32`` group scales;
-``Nb, Kb = ceil(./128)`` FP8 block scales.
+Shape legend: e local experts, Dx expert input width (hidden, or latent for Kimi-K3), F expert intermediate,
+O output features and I input features of one weight matrix ``[O, I]``; Ob = ceil(O/128), Ib = ceil(I/128)
+FP8 block scales. Packed widths: ``I/8`` int4 words (suffix ``w``), ``I/2`` fp4 byte pairs (suffix ``p``),
+``I/32`` group scales (suffix ``g``).
 """
 from __future__ import annotations
 
@@ -201,60 +202,60 @@ def _compressed_tensors_format(qc: Mapping[str, Any]) -> tuple[QuantFormat, int]
 # --------------------------------------------------------------------------------------------------
 # INT4 (compressed-tensors pack-quantized): 8 offset-binary nibbles per int32, low nibble first
 # --------------------------------------------------------------------------------------------------
-def pack_int4(q_NK: torch.Tensor) -> torch.Tensor:
-    """Pack int4 values ``q_NK [..., N, K]`` (int8 in [-8, 7], K % 8 == 0) into int32 ``[..., N, K/8]``.
+def pack_int4(q_OI: torch.Tensor) -> torch.Tensor:
+    """Pack int4 values ``q_OI [..., O, I]`` (int8 in [-8, 7], I % 8 == 0) into int32 ``[..., O, I/8]``.
 
     Example: row [1, -8, 0, 0, 0, 0, 0, 7] -> nibbles [9, 0, 8, 8, 8, 8, 8, 15] -> one word 0xF8888809
         (as int32: -125269999).
     """
-    *lead, k = q_NK.shape
-    nibbles = (q_NK.to(torch.int64) + 8).reshape(*lead, k // INT4_PER_WORD, INT4_PER_WORD)
-    shifts = torch.arange(INT4_PER_WORD, device=q_NK.device, dtype=torch.int64) * 4
+    *lead, k = q_OI.shape
+    nibbles = (q_OI.to(torch.int64) + 8).reshape(*lead, k // INT4_PER_WORD, INT4_PER_WORD)
+    shifts = torch.arange(INT4_PER_WORD, device=q_OI.device, dtype=torch.int64) * 4
     words = (nibbles << shifts).sum(dim=-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement wrap
 
 
-def unpack_int4(packed_NKw: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``pack_int4``: int32 ``[..., N, K/8]`` -> int8 ``[..., N, K]`` in [-8, 7]."""
-    shifts = torch.arange(INT4_PER_WORD, device=packed_NKw.device, dtype=torch.int32) * 4
-    nibbles = (packed_NKw.unsqueeze(-1) >> shifts) & 0xF
+def unpack_int4(packed_OIw: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_int4``: int32 ``[..., O, I/8]`` -> int8 ``[..., O, I]`` in [-8, 7]."""
+    shifts = torch.arange(INT4_PER_WORD, device=packed_OIw.device, dtype=torch.int32) * 4
+    nibbles = (packed_OIw.unsqueeze(-1) >> shifts) & 0xF
     return (nibbles - 8).to(torch.int8).flatten(-2)
 
 
-def quantize_int4(weight_NK: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``[..., N, K]`` as compressed-tensors' symmetric int4 group-32 scheme does.
+def quantize_int4(weight_OI: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``[..., O, I]`` as compressed-tensors' symmetric int4 group-32 scheme does.
 
     ``scale = amax(group) / 8`` rounded to ``scale_dtype`` (a zero scale becomes that dtype's eps),
     ``q = clamp(round(w / scale), -8, 7)``.
 
     Returns:
-        packed ``[..., N, K/8]`` int32, scale ``[..., N, K/32]`` ``scale_dtype``.
+        packed ``[..., O, I/8]`` int32, scale ``[..., O, I/32]`` ``scale_dtype``.
     """
-    groups = weight_NK.float().unflatten(-1, (-1, GROUP_SIZE))
+    groups = weight_OI.float().unflatten(-1, (-1, GROUP_SIZE))
     scale = (groups.abs().amax(dim=-1) / 8).to(scale_dtype)
     scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
     q = torch.clamp(torch.round(groups / scale.float().unsqueeze(-1)), -8, 7).to(torch.int8).flatten(-2)
     return pack_int4(q), scale
 
 
-def dequantize_int4(packed_NKw: torch.Tensor, scale_NKg: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``w = q * scale``: int32 ``[..., N, K/8]`` and ``[..., N, K/32]`` scales -> ``[..., N, K]`` ``dtype``."""
-    q = unpack_int4(packed_NKw).float().unflatten(-1, (-1, GROUP_SIZE))
-    return (q * scale_NKg.float().unsqueeze(-1)).flatten(-2).to(dtype)
+def dequantize_int4(packed_OIw: torch.Tensor, scale_OIg: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``w = q * scale``: int32 ``[..., O, I/8]`` and ``[..., O, I/32]`` scales -> ``[..., O, I]`` ``dtype``."""
+    q = unpack_int4(packed_OIw).float().unflatten(-1, (-1, GROUP_SIZE))
+    return (q * scale_OIg.float().unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------
 # MXFP4 (compressed-tensors mxfp4-pack-quantized): E2M1 pairs per byte, E8M0 scales with bias 125
 # --------------------------------------------------------------------------------------------------
-def pack_fp4(codes_NK: torch.Tensor) -> torch.Tensor:
-    """Pack E2M1 codes ``[..., N, K]`` (uint8 in [0, 15]) two per byte: element 2j low nibble, 2j+1 high."""
-    pairs = codes_NK.to(torch.uint8).unflatten(-1, (-1, FP4_PER_BYTE))
+def pack_fp4(codes_OI: torch.Tensor) -> torch.Tensor:
+    """Pack E2M1 codes ``[..., O, I]`` (uint8 in [0, 15]) two per byte: element 2j low nibble, 2j+1 high."""
+    pairs = codes_OI.to(torch.uint8).unflatten(-1, (-1, FP4_PER_BYTE))
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def unpack_fp4(packed_NKb: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``pack_fp4``: uint8 ``[..., N, K/2]`` -> codes ``[..., N, K]`` uint8."""
-    return torch.stack([packed_NKb & 0xF, packed_NKb >> 4], dim=-1).flatten(-2)
+def unpack_fp4(packed_OIp: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_fp4``: uint8 ``[..., O, I/2]`` -> codes ``[..., O, I]`` uint8."""
+    return torch.stack([packed_OIp & 0xF, packed_OIp >> 4], dim=-1).flatten(-2)
 
 
 def e2m1_to_float(codes: torch.Tensor) -> torch.Tensor:
@@ -279,8 +280,8 @@ def _power_of_two_floor_exponent(amax: torch.Tensor) -> torch.Tensor:
     return exponent_bits.to(torch.int32) - 127
 
 
-def quantize_mxfp4(weight_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``[..., N, K]`` as compressed-tensors' mxfp4 scheme does, and store it as its compressor does.
+def quantize_mxfp4(weight_OI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``[..., O, I]`` as compressed-tensors' mxfp4 scheme does, and store it as its compressor does.
 
     Per group of 32: ``E = floor(log2(round_to_power_2(amax)))``, dense scale ``s = 2**(E - 2)``,
     ``q = e2m1(w / s)``, stored scale byte ``127 + log2(s) - 2 = E + 123`` (decodes as ``2**(byte - 125)``).
@@ -288,9 +289,9 @@ def quantize_mxfp4(weight_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     Example: a group of 6.0s -> E = 2, s = 1, q = 6.0 (code 7), byte 125.
 
     Returns:
-        packed ``[..., N, K/2]`` uint8, scale ``[..., N, K/32]`` uint8.
+        packed ``[..., O, I/2]`` uint8, scale ``[..., O, I/32]`` uint8.
     """
-    groups = weight_NK.float().unflatten(-1, (-1, GROUP_SIZE))
+    groups = weight_OI.float().unflatten(-1, (-1, GROUP_SIZE))
     exponent = _power_of_two_floor_exponent(groups.abs().amax(dim=-1)).clamp(-E8M0_BIAS + 2, 255 - E8M0_BIAS + 2)
     scale = torch.exp2((exponent - 2).float())
     codes = float_to_e2m1(groups / scale.unsqueeze(-1)).flatten(-2)
@@ -302,27 +303,27 @@ def e8m0_to_float(scale_u8: torch.Tensor) -> torch.Tensor:
     return torch.exp2(scale_u8.float() - E8M0_BIAS)
 
 
-def dequantize_mxfp4(packed_NKb: torch.Tensor, scale_NKg: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``w = e2m1 * 2**(byte - 125)``: uint8 ``[..., N, K/2]`` and ``[..., N, K/32]`` -> ``[..., N, K]`` ``dtype``."""
-    values = e2m1_to_float(unpack_fp4(packed_NKb)).unflatten(-1, (-1, GROUP_SIZE))
-    return (values * e8m0_to_float(scale_NKg).unsqueeze(-1)).flatten(-2).to(dtype)
+def dequantize_mxfp4(packed_OIp: torch.Tensor, scale_OIg: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``w = e2m1 * 2**(byte - 125)``: uint8 ``[..., O, I/2]`` and ``[..., O, I/32]`` -> ``[..., O, I]`` ``dtype``."""
+    values = e2m1_to_float(unpack_fp4(packed_OIp)).unflatten(-1, (-1, GROUP_SIZE))
+    return (values * e8m0_to_float(scale_OIg).unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------
 # one format-agnostic pair: quantize (synthetic checkpoints, tests) and dequantize (references)
 # --------------------------------------------------------------------------------------------------
-def quantize_weight(weight_NK: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., N, K]`` -> (stored weight, stored scale) in ``fmt``, as the published checkpoints hold them."""
+def quantize_weight(weight_OI: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., O, I]`` -> (stored weight, stored scale) in ``fmt``, as the published checkpoints hold them."""
     if fmt == QuantFormat.FP8_BLOCK:
         from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
 
-        return quantize_fp8_per_block_128(weight_NK)
-    return quantize_int4(weight_NK) if fmt == QuantFormat.INT4_GROUP else quantize_mxfp4(weight_NK)
+        return quantize_fp8_per_block_128(weight_OI)
+    return quantize_int4(weight_OI) if fmt == QuantFormat.INT4_GROUP else quantize_mxfp4(weight_OI)
 
 
 def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Stored weight + scale in ``fmt`` -> the dense ``[..., N, K]`` weight in ``dtype``."""
+    """Stored weight + scale in ``fmt`` -> the dense ``[..., O, I]`` weight in ``dtype``."""
     if fmt == QuantFormat.FP8_BLOCK:
         return dequantize_fp8_per_block_128(qweight, scale, dtype)
     if fmt == QuantFormat.INT4_GROUP:
