@@ -20,7 +20,6 @@ _KERNEL_MODULES = (  # dependency order
     "moe_ref.kernels._triton_utils",
     "moe_ref.kernels.pre_dispatch",
     "moe_ref.kernels.router_topk",
-    "moe_ref.kernels.combine_reduce",
     "moe_ref.kernels.grouped_mlp",
     "moe_ref.kernels",
 )
