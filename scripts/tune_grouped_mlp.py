@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Sweep grouped_mlp tiles per GEMM for the prefill regime on one H200 (needs CUDA; --dry-run runs anywhere).
+"""Sweep grouped_mlp tiles per GEMM for the mid and prefill regimes on one H200 (needs CUDA; --dry-run runs anywhere).
 
-    python3 scripts/tune_grouped_mlp.py [--out results/tune_grouped_mlp.json] [--max-seconds 170] [--dry-run]
+    python3 scripts/tune_grouped_mlp.py [--fp8] [--out results/tune_grouped_mlp.json] [--max-seconds 170] [--dry-run]
 
 Cases: Kimi-K2 (48 experts, D 7168, F 2048) and Step3 (48 experts, D 7168, F 5120) per-rank shapes, 4096
 and 32768 routed rows spread evenly over the experts, each expert segment at a 128-aligned pool row
@@ -19,7 +19,7 @@ Check: every (config, case) result once against grouped_mlp_ref (on 5 of the 48 
 Candidates (Hopper wgmma, bf16): BLOCK_M {64, 128} x effective N tile {128, 256} (gate_up: BLOCK_N is per
 half, so {64, 128}) x BLOCK_K 64 x num_warps {4, 8} x num_stages {3, 4, 5}, pruned at 227 KB of shared
 memory, > 128 fp32 accumulator registers per thread, and the library's legality rules; plus the tiles
-of the current autotune lists (`_MID_TILES`, `_PREFILL_TILES`) that are legal for the GEMM (marked * in
+of the current autotune lists (`_MID_TILES`, `_PREFILL_TILES`) that the library's rules keep (marked * in
 a case's table when autotune would consider them for that launch). Phase 2: the best `--swizzle-top`
 tiles per GEMM (ranked on the 32768-row cases) again with GROUP_M in `--group-m` (L2 swizzle).
 
@@ -28,9 +28,26 @@ the compiled kernel is reused across shapes and rows). Before timing, a pool of 
 configs of a phase in parallel into Triton's on-disk cache with tiny launches of identical
 specialisation (--jobs 0: compile in this process, serially). Nothing is timed while they compile.
 
+--fp8 (default --out results/tune_grouped_mlp_fp8.json): the FP8 path as `grouped_mlp` runs it for e4m3 x:
+x quantized per row per 128 columns (fp32 scales), weights e4m3 with fp32 128x128 block scales
+(`moe_ref.kernels.fp8`), GEMM1 re-quantizing h per row per 128 columns, GEMM2 writing bf16 y.
+  Check: calc_diff < 1e-3 against grouped_mlp_ref on the same FP8 operands (the FP8 twin).
+  Anchor: the bf16 kernel (same launcher) with the bf16 sweep's best tile of the same case (`BF16_BEST`, from
+  docs/results/tune_grouped_mlp.txt), timed in the same run: "x bf16" = bf16 us / FP8 us.
+  Candidates: the library's FP8 rules (gate_up BLOCK_N 128, BLOCK_K dividing 128, <= 128x128 fp32
+  accumulator elements per program) over BLOCK_K {128, 64} x num_warps {4, 8} x num_stages {3, 4, 5}, gate_up
+  BLOCK_M {64, 32}, down (BLOCK_M, BLOCK_N) {(128, 128), (64, 256), (64, 128)}, and at most 64 accumulator
+  registers per thread (the scaled partial product of each k-step needs as many again); plus the current FP8
+  autotune tiles (`_MID_TILES_FP8`, `_PREFILL_TILES_FP8`) the library's rules keep, spilling or not. Kimi-K2
+  and Step3 differ in Triton's specialisation of the FP8 scale strides (F/128 = 16 vs 40), so each config
+  compiles once per shape; the workers compile both.
+  Output as below, with the replacement `_MID_TILES_FP8` / `_PREFILL_TILES_FP8` blocks (the current entries +
+  the winners) to paste into moe_ref/kernels/grouped_mlp.py; bf16's lists are not touched.
+
 Output: a progress line per config (flushed), then per (shape, rows, GEMM) a table config | us |
-TFLOP/s | x vs grouped_mm | calc_diff | registers per thread | spilled bytes, the best config per case, and per (regime, GEMM) the tiles to
-put into `_MID_TILES` / `_PREFILL_TILES` of moe_ref/kernels/grouped_mlp.py (also written to <out>.txt).
+TFLOP/s | x vs the anchor | calc_diff | registers per thread | spilled bytes, the best config per case, and per (regime, GEMM) the tiles to
+put into `_MID_TILES` / `_PREFILL_TILES` (--fp8: `*_FP8`) of moe_ref/kernels/grouped_mlp.py, then those lists
+with the winners appended, ready to paste (also written to <out>.txt).
 JSON goes to --out after every config, so a time-out keeps what was measured; --max-seconds stops the
 sweep cleanly (default 170 s, counted from process start, including setup and compilation).
 """
@@ -68,6 +85,7 @@ GEMMS = ("gate_up", "down")
 SMEM_LIMIT = 227 * 1024          # H100/H200 opt-in shared memory per block
 MAX_ACC_REGS = 128               # fp32 accumulator registers per thread (BLOCK_M x effective N / threads)
 CALC_DIFF_LIMIT = 1e-4
+CALC_DIFF_LIMIT_FP8 = 1e-3       # FP8 kernel vs the FP8 twin (the same e4m3 operands and scales)
 CHECK_EXPERTS = (0, 1, 24, -2, -1)  # experts whose rows are checked (mod e)
 GRID_BLOCK_M = (64, 128)
 GRID_EFFECTIVE_N = (128, 256)
@@ -75,6 +93,20 @@ GRID_BLOCK_K = (64,)
 GRID_WARPS = (4, 8)
 GRID_STAGES = (3, 4, 5)
 FIXED_TILE = (64, 128, 64, 4, 3)  # the library's fallback: computes h for the down sweep, y for gate_up checks
+# --fp8: BLOCK_K 128 first (one e4m3 k-step = one 128-wide scale group); gate_up's BLOCK_N is 128 (its epilogue
+# quantizes one 128-column group of h per tile); (BLOCK_M, effective N) pairs per GEMM
+FP8_GRID_TILES_MN = {"gate_up": ((64, 256), (32, 256)), "down": ((128, 128), (64, 256), (64, 128))}
+FP8_GRID_BLOCK_K = (128, 64)
+FP8_MAX_ACC_REGS = 64            # fp32 accumulator registers per thread; the scaled partial product doubles them
+FIXED_TILE_FP8 = (64, 128, 128, 8, 3)  # legal for both FP8 GEMMs; in the current FP8 lists and the FP8 grid
+# --fp8 anchor: the bf16 kernel's best tile per (shape, regime, GEMM), the winners of the bf16 sweep on an H200
+# (2026-11-30, docs/results/tune_grouped_mlp.txt; all in the current bf16 autotune lists)
+BF16_BEST = {
+    ("kimi-k2", "mid", "gate_up"): (128, 128, 64, 8, 4, 8), ("kimi-k2", "mid", "down"): (128, 256, 64, 8, 4),
+    ("kimi-k2", "prefill", "gate_up"): (128, 128, 64, 8, 3, 8), ("kimi-k2", "prefill", "down"): (128, 256, 64, 8, 3, 8),
+    ("step3", "mid", "gate_up"): (128, 128, 64, 8, 4, 8), ("step3", "mid", "down"): (128, 256, 64, 8, 4),
+    ("step3", "prefill", "gate_up"): (128, 64, 64, 4, 3, 8), ("step3", "prefill", "down"): (128, 256, 64, 8, 3, 8),
+}
 SITU_BETA, SITU_LINEAR_BETA = 4.0, 25.0  # grouped_mlp's defaults (same constexpr flags as the library)
 DEVICE = "cuda"  # a CPU smoke test of the whole flow sets "cpu" (with TRITON_INTERPRET=1 and tiny SHAPES)
 
@@ -117,96 +149,200 @@ def _label(gemm: str, tile: tuple, group_m: int) -> str:
     return f"M{block_m} N{n} K{block_k} w{warps} s{stages} g{group_m}"
 
 
-def _skip_reason(gemm: str, tile: tuple) -> str | None:
-    """Why the sweep leaves this tile out for this GEMM (None: keep). Uses the library's rules with the
-    H200's 227 KB, plus an accumulator-register bound."""
+def _skip_reason(gemm: str, tile: tuple, fp8: bool = False, heuristics: bool = True) -> str | None:
+    """Why the sweep leaves this tile out for this GEMM (None: keep). Uses the library's rules (FP8's with
+    `fp8`) with the H200's 227 KB, plus (`heuristics`) an accumulator-register bound."""
     gm = _gm()
     gated = gemm == "gate_up"
     config = _make_config(tile, 1)
-    _, hidden, inter = SHAPES["kimi-k2"]
+    _, hidden, inter = SHAPES["kimi-k2"] if "kimi-k2" in SHAPES else next(iter(SHAPES.values()))
     n, k = (inter, hidden) if gated else (hidden, inter)
-    problem = gm._config_problem(config, n=n, k=k, gated=gated, fp8=False, quant_out=False, ieee_fp32=False,
+    problem = gm._config_problem(config, n=n, k=k, gated=gated, fp8=fp8, quant_out=fp8 and gated, ieee_fp32=False,
                                  smem_limit=SMEM_LIMIT)
-    if problem:
+    if problem or not heuristics:
         return problem
     block_m, block_n, _, warps, _ = tile
     acc_regs = block_m * block_n * (2 if gated else 1) // (32 * warps)
-    if acc_regs > MAX_ACC_REGS:
-        return f"{acc_regs} fp32 accumulator registers per thread > {MAX_ACC_REGS}"
+    limit = FP8_MAX_ACC_REGS if fp8 else MAX_ACC_REGS
+    if acc_regs > limit:
+        return f"{acc_regs} fp32 accumulator registers per thread > {limit}"
     return None
 
 
-def _current_tiles() -> list[tuple]:
-    """(tile, GROUP_M) of the current mid and prefill autotune lists."""
+def _current_tiles(fp8: bool = False) -> list[tuple]:
+    """(tile, GROUP_M) of the current mid and prefill autotune lists (the FP8 lists with `fp8`)."""
     gm = _gm()
-    entries = dict.fromkeys(gm._normalize_tile(t) for t in gm._MID_TILES + gm._PREFILL_TILES)
+    lists = gm._MID_TILES_FP8 + gm._PREFILL_TILES_FP8 if fp8 else gm._MID_TILES + gm._PREFILL_TILES
+    entries = dict.fromkeys(gm._normalize_tile(t) for t in lists)
     return [(tuple(t[:5]), t[5] if len(t) > 5 else 1) for t in entries]
 
 
-def enumerate_candidates(gemm: str, include_current: bool = True) -> tuple[list[dict], list[dict]]:
-    """(kept, skipped) phase-1 candidates for one GEMM: current autotune tiles first, then the grid
-    (largest tiles first, so a truncated sweep has the likely winners)."""
+def _grid(gemm: str, fp8: bool) -> list[tuple]:
+    """(tile, GROUP_M 1) of the phase-1 grid, largest tiles first."""
     gated = gemm == "gate_up"
-    grid = []
-    for block_m, n_eff, block_k, warps, stages in itertools.product(
-            sorted(GRID_BLOCK_M, reverse=True), sorted(GRID_EFFECTIVE_N, reverse=True), GRID_BLOCK_K,
-            sorted(GRID_WARPS, reverse=True), GRID_STAGES):
-        grid.append(((block_m, n_eff // 2 if gated else n_eff, block_k, warps, stages), 1))
-    current = _current_tiles() if include_current else []
+    if fp8:
+        shapes = [(m, n_eff, k) for (m, n_eff), k in itertools.product(FP8_GRID_TILES_MN[gemm], FP8_GRID_BLOCK_K)]
+    else:
+        shapes = list(itertools.product(sorted(GRID_BLOCK_M, reverse=True), sorted(GRID_EFFECTIVE_N, reverse=True),
+                                        GRID_BLOCK_K))
+    return [((block_m, n_eff // 2 if gated else n_eff, block_k, warps, stages), 1)
+            for (block_m, n_eff, block_k), warps, stages in itertools.product(
+                shapes, sorted(GRID_WARPS, reverse=True), GRID_STAGES)]
+
+
+def fixed_tile(fp8: bool) -> tuple:
+    return FIXED_TILE_FP8 if fp8 else FIXED_TILE
+
+
+def enumerate_candidates(gemm: str, include_current: bool = True, fp8: bool = False) -> tuple[list[dict], list[dict]]:
+    """(kept, skipped) phase-1 candidates for one GEMM (FP8 operands with `fp8`): current autotune tiles
+    first (kept whenever the library's rules keep them), then the grid (largest tiles first, so a
+    truncated sweep has the likely winners)."""
+    gated = gemm == "gate_up"
+    grid = _grid(gemm, fp8)
+    current = _current_tiles(fp8) if include_current else []
     kept, skipped = [], []
     for tile, group_m in dict.fromkeys(current + grid):
         source = "+".join(name for name, pool in (("current", current), ("grid", grid)) if (tile, group_m) in pool)
-        entry = {"gemm": gemm, "tile": tile, "group_m": group_m, "label": _label(gemm, tile, group_m),
-                 "source": source,
-                 "smem_kb": _gm()._smem_bytes(_make_config(tile, 1), gated=gated, bytes_per_element=2) / 1024}
-        reason = _skip_reason(gemm, tile)
+        entry = {"gemm": gemm, "fp8": fp8, "tile": tile, "group_m": group_m, "label": _label(gemm, tile, group_m),
+                 "source": source, "smem_kb": _gm()._smem_bytes(_make_config(tile, 1), gated=gated,
+                                                                bytes_per_element=1 if fp8 else 2) / 1024}
+        reason = _skip_reason(gemm, tile, fp8, heuristics="current" not in source)
         if reason:
             skipped.append({**entry, "reason": reason})
         else:
             kept.append(entry)
-    if FIXED_TILE not in [c["tile"] for c in kept]:
-        raise AssertionError(f"the fixed check tile {FIXED_TILE} must be a candidate of {gemm}")
+    if fixed_tile(fp8) not in [c["tile"] for c in kept]:
+        raise AssertionError(f"the fixed check tile {fixed_tile(fp8)} must be a candidate of {gemm}")
     return kept, skipped
 
 
+def bf16_anchor_tile(shape: str, rows: int, gemm: str) -> tuple | None:
+    """--fp8 anchor: the bf16 sweep's best list entry for this case's (shape, regime, GEMM), None if unknown."""
+    num_experts = SHAPES[shape][0]
+    regime = _gm()._regime(triton.next_power_of_2(rows), num_experts)[0]
+    return BF16_BEST.get((shape, regime, gemm))
+
+
+def anchor_candidates(shapes, rows_list) -> list[dict]:
+    """The bf16 anchor configs of --fp8 as compile jobs (one per distinct GEMM and tile)."""
+    out = {}
+    for shape, rows, gemm in itertools.product(shapes, rows_list, GEMMS):  # both GEMMs: down's h comes from gate_up
+        entry = bf16_anchor_tile(shape, rows, gemm)
+        if entry is not None:
+            tile, group_m = tuple(entry[:5]), entry[5] if len(entry) > 5 else 1
+            out[(gemm, tile, group_m)] = {"gemm": gemm, "fp8": False, "tile": tile, "group_m": group_m,
+                                          "label": "bf16 " + _label(gemm, tile, group_m), "source": "anchor"}
+    return list(out.values())
+
+
 # ------------------------------------------------------------------------------------------------
-# launches (the library launcher, as grouped_mlp calls it for bf16 + silu)
+# launches (the library launcher, as grouped_mlp calls it for silu: bf16, or FP8 when w is e4m3)
 # ------------------------------------------------------------------------------------------------
-def launch(gemm: str, a, w, out, row_start_e, num_rows_e, rows_hint: int, config: triton.Config):
-    """One GEMM through the library launcher; returns the compiled kernel (GPU) or None."""
+def launch(gemm: str, a, w, out, row_start_e, num_rows_e, rows_hint: int, config: triton.Config, *,
+           a_scale=None, w_scale=None, out_scale=None):
+    """One GEMM through the library launcher; returns the compiled kernel (GPU) or None. FP8 (e4m3 `w`):
+    `a_scale` per row per 128 columns, `w_scale` 128x128 blocks; gate_up writes e4m3 h + `out_scale`."""
     gm = _gm()
+    fp8 = w.dtype == gm.FP8_DTYPE
     if gemm == "gate_up":
         n, k, activation = w.shape[1] // 2, w.shape[2], "silu"
     else:
         n, k, activation = w.shape[1], w.shape[2], "none"
-    return gm._launch_gemm(a, None, w, None, out, None, row_start_e, num_rows_e, n=n, k=k, activation=activation,
-                    situ_beta=SITU_BETA, situ_linear_beta=SITU_LINEAR_BETA, fp8=False, quant_out=False,
-                    rows_hint=rows_hint, config=config)
+    return gm._launch_gemm(a, a_scale, w, w_scale, out, out_scale, row_start_e, num_rows_e, n=n, k=k,
+                           activation=activation, situ_beta=SITU_BETA, situ_linear_beta=SITU_LINEAR_BETA, fp8=fp8,
+                           quant_out=fp8 and gemm == "gate_up", rows_hint=rows_hint, config=config)
+
+
+def quantize_weights(weights: dict) -> dict:
+    """`weights` (bf16 "gate_up", "down") + "fp8": e4m3 weights with fp32 128x128 block scales, as an FP8
+    checkpoint stores them (`moe_ref.kernels.fp8.quantize_fp8_per_block_128`, one expert matrix at a time)."""
+    from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+
+    fp8 = {}
+    for name in ("gate_up", "down"):
+        fp8[name], fp8[name + "_scale"] = quantize_fp8_per_block_128(weights[name])
+    return {**weights, "fp8": fp8}
+
+
+def make_ops(x, weights: dict, pool_rows: int, fp8: bool, device: str) -> dict:
+    """The operands and buffers of both GEMMs in one precision: bf16 as given, or (`fp8`) x quantized to e4m3
+    per row per 128 columns and the e4m3 weights of `quantize_weights` (done here if `weights` lacks them).
+    `h_RF` is the swept gate_up's output, `h_fixed` the fixed config's (down's input); `*_scale` are None
+    for bf16."""
+    hidden, inter = x.shape[1], weights["down"].shape[2]
+    if not fp8:
+        return {"x": x, "x_scale": None, "gate_up": weights["gate_up"], "gate_up_scale": None,
+                "down": weights["down"], "down_scale": None,
+                "h_RF": torch.zeros(pool_rows, inter, dtype=x.dtype, device=device), "h_RF_scale": None,
+                "h_fixed": torch.zeros(pool_rows, inter, dtype=x.dtype, device=device), "h_fixed_scale": None,
+                "y": torch.zeros(pool_rows, hidden, dtype=x.dtype, device=device)}
+    from moe_ref.kernels.fp8 import quantize_fp8_per_128
+
+    gm = _gm()
+    if "fp8" not in weights:
+        weights = quantize_weights(weights)
+    ops = {"y": torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=device), **weights["fp8"]}
+    ops["x"], ops["x_scale"] = quantize_fp8_per_128(x)
+    for h in ("h_RF", "h_fixed"):
+        ops[h] = torch.zeros(pool_rows, inter, dtype=gm.FP8_DTYPE, device=device)
+        ops[h + "_scale"] = torch.ones(pool_rows, gm.num_fp8_groups(inter), dtype=torch.float32, device=device)
+    return ops
+
+
+def run_gemm(ops: dict, case: dict, gemm: str, config: triton.Config, h: str = "h_RF"):
+    """One GEMM of `case` on `ops` (see `make_ops`): gate_up x -> ops[h], down ops[h] -> y."""
+    if gemm == "gate_up":
+        a, a_scale, out, out_scale = ops["x"], ops["x_scale"], ops[h], ops[h + "_scale"]
+    else:
+        a, a_scale, out, out_scale = ops[h], ops[h + "_scale"], ops["y"], None
+    return launch(gemm, a, ops[gemm], out, case["row_start_e"], case["num_rows_e"], case["rows"], config,
+                  a_scale=a_scale, w_scale=ops[gemm + "_scale"], out_scale=out_scale)
+
+
+def _like_dim(dim: int) -> int:
+    """A small dimension that Triton specialises like `dim` in the FP8 launches: a multiple of 128 whose
+    128-column group count has the same factors of 2 up to 16 (the scale strides and their products are
+    then multiples of 16 exactly when the real ones are), e.g. 7168 (56 groups) -> 1024 (8), 2048 (16)
+    -> 2048, 5120 (40) -> 1024. Dimensions that are not multiples of 128 are kept."""
+    groups, rest = divmod(dim, 128)
+    if rest or groups <= 1:
+        return dim
+    power = 1
+    while groups % (power * 2) == 0 and power < 16:
+        power *= 2
+    return 128 * (power if power > 1 else 3)
+
+
+def compile_dims(shape: str, fp8: bool) -> tuple[int, int]:
+    """(D, F) of a worker's compile launch for this shape: bf16 launches do not depend on them (every int
+    a multiple of 16, no scales), FP8 launches do through the scale strides (`_like_dim`)."""
+    _, hidden, inter = SHAPES[shape]
+    return (_like_dim(hidden), _like_dim(inter)) if fp8 else (256, 128)
 
 
 _WORKER_TENSORS: dict = {}
 
 
-def _compile_job(gemm: str, tile: tuple, group_m: int, num_experts: int) -> tuple[float, str | None]:
+def _compile_job(gemm: str, tile: tuple, group_m: int, num_experts: int, fp8: bool = False,
+                 dims: tuple[int, int] = (256, 128)) -> tuple[float, str | None]:
     """Pool worker: compile one config into Triton's on-disk cache with a tiny launch whose
-    specialisation equals the real cases' (same expert count, every int a multiple of 16, same
-    dtypes and flags), so the main process's first launch of it only loads the cubin."""
+    specialisation equals the real cases' (same expert count, dtypes and flags, ints and strides that
+    are multiples of 16 where the real ones are: `compile_dims`), so the main process's first launch of
+    it only loads the cubin."""
     start = time.perf_counter()
     try:
-        if not _WORKER_TENSORS:
-            e, d, f, r = num_experts, 256, 128, 256
-            _WORKER_TENSORS.update(
-                x=torch.zeros(r, d, dtype=torch.bfloat16, device="cuda"),
-                gate_up=torch.zeros(e, 2 * f, d, dtype=torch.bfloat16, device="cuda"),
-                h=torch.zeros(r, f, dtype=torch.bfloat16, device="cuda"),
-                down=torch.zeros(e, d, f, dtype=torch.bfloat16, device="cuda"),
-                y=torch.zeros(r, d, dtype=torch.bfloat16, device="cuda"),
-                row_start_e=torch.zeros(e, dtype=torch.int64, device="cuda"),
-                num_rows_e=torch.tensor([64] + [0] * (e - 1), dtype=torch.int32, device="cuda"),
-            )
-        t = _WORKER_TENSORS
-        a, w, out = (t["x"], t["gate_up"], t["h"]) if gemm == "gate_up" else (t["h"], t["down"], t["y"])
-        launch(gemm, a, w, out, t["row_start_e"], t["num_rows_e"], 4096, _make_config(tuple(tile), group_m))
+        key = (fp8, tuple(dims))
+        if key not in _WORKER_TENSORS:
+            (d, f), e, r = dims, num_experts, 256
+            weights = {"gate_up": torch.zeros(e, 2 * f, d, dtype=torch.bfloat16, device="cuda"),
+                       "down": torch.zeros(e, d, f, dtype=torch.bfloat16, device="cuda")}
+            ops = make_ops(torch.zeros(r, d, dtype=torch.bfloat16, device="cuda"), weights, r, fp8, "cuda")
+            layout_e = {"rows": 4096, "row_start_e": torch.zeros(e, dtype=torch.int64, device="cuda"),
+                        "num_rows_e": torch.tensor([64] + [0] * (e - 1), dtype=torch.int32, device="cuda")}
+            _WORKER_TENSORS[key] = (ops, layout_e)
+        ops, layout_e = _WORKER_TENSORS[key]
+        run_gemm(ops, layout_e, gemm, _make_config(tuple(tile), group_m))
         torch.cuda.synchronize()
         return time.perf_counter() - start, None
     except Exception as exc:  # reported; the main process retries (and records) it
@@ -214,10 +350,12 @@ def _compile_job(gemm: str, tile: tuple, group_m: int, num_experts: int) -> tupl
 
 
 class Precompiler:
-    """Compiles configs in worker processes (spawned once, reused by both phases)."""
+    """Compiles configs in worker processes (spawned once, reused by both phases); each config once per
+    entry of `dims[fp8]` (the distinct `compile_dims` of the swept shapes)."""
 
-    def __init__(self, jobs: int, num_experts: int):
+    def __init__(self, jobs: int, num_experts: int, dims: dict | None = None):
         self.jobs, self.num_experts = jobs, num_experts
+        self.dims = dims or {False: [(256, 128)], True: []}
         self.pool = None
         if jobs > 0:
             try:
@@ -230,7 +368,9 @@ class Precompiler:
         if self.pool is None:
             return []
         try:
-            return [(c, self.pool.submit(_compile_job, c["gemm"], c["tile"], c["group_m"], self.num_experts)) for c in candidates]
+            return [(c, self.pool.submit(_compile_job, c["gemm"], c["tile"], c["group_m"], self.num_experts,
+                                         c.get("fp8", False), dims))
+                    for c in candidates for dims in self.dims[c.get("fp8", False)]]
         except Exception as exc:
             _log(f"precompile submit failed ({exc!r}): compiling serially")
             return []
@@ -252,7 +392,7 @@ class Precompiler:
                 break
             except Exception as exc:
                 errors.append(f"{candidate['gemm']} {candidate['label']}: worker {exc!r}")
-        _log(f"precompiled {done}/{len(futures)} configs with {self.jobs} processes in {_elapsed() - start:.1f} s "
+        _log(f"precompiled {done}/{len(futures)} (config, specialisation) pairs with {self.jobs} processes in {_elapsed() - start:.1f} s "
              f"(sum of per-config times {total:.0f} s)")
         for error in errors[:8]:
             _log(f"  precompile error (retried here): {error}")
@@ -292,8 +432,9 @@ def make_weights(shape: str) -> dict:
     return {"gate_up": gate_up.mul_(hidden**-0.5), "down": down.mul_(inter**-0.5)}
 
 
-def make_case(shape: str, num_rows: int, weights: dict) -> dict:
-    """Pool inputs, output buffers, the fixed-config h, the reference y on CHECK_EXPERTS, and grouped_mm inputs."""
+def make_case(shape: str, num_rows: int, weights: dict, fp8: bool = False) -> dict:
+    """Pool inputs, output buffers (`ops`: the swept precision; `bf16_ops`), the fixed-config h, the reference
+    y on CHECK_EXPERTS (the FP8 twin with `fp8`), and grouped_mm inputs (bf16)."""
     gm = _gm()
     num_experts, hidden, inter = SHAPES[shape]
     counts = even_counts(num_rows, num_experts)
@@ -306,26 +447,28 @@ def make_case(shape: str, num_rows: int, weights: dict) -> dict:
     x_RD = torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=DEVICE)
     x_RD[valid] = x_packed
     case = dict(shape=shape, rows=num_rows, counts=counts, pool_rows=pool_rows, row_start_e=row_start_e,
-                num_rows_e=num_rows_e, x_RD=x_RD, x_packed=x_packed,
-                h_RF=torch.zeros(pool_rows, inter, dtype=torch.bfloat16, device=DEVICE),
-                h_fixed=torch.zeros(pool_rows, inter, dtype=torch.bfloat16, device=DEVICE),
-                y_RD=torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=DEVICE), **weights)
-    # reference y on a few experts (fp32 torch twin; the other experts get 0 rows there)
+                num_rows_e=num_rows_e, x_packed=x_packed, fp8=fp8)
+    case["bf16_ops"] = make_ops(x_RD, weights, pool_rows, False, DEVICE)
+    case["ops"] = ops = make_ops(x_RD, weights, pool_rows, True, DEVICE) if fp8 else case["bf16_ops"]
+    # reference y on a few experts (fp32 torch twin on the same operands; the other experts get 0 rows there)
     check_experts = sorted({i % num_experts for i in CHECK_EXPERTS})
     check_counts = [c if i in check_experts else 0 for i, c in enumerate(counts)]
     check_rows = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in check_experts]).to(DEVICE)
-    y_ref = gm.grouped_mlp_ref(x_RD, weights["gate_up"], weights["down"], row_start_e,
-                               torch.tensor(check_counts, dtype=torch.int32, device=DEVICE))
+    y_ref = gm.grouped_mlp_ref(ops["x"], ops["gate_up"], ops["down"], row_start_e,
+                               torch.tensor(check_counts, dtype=torch.int32, device=DEVICE),
+                               x_scale_RDb=ops["x_scale"], gate_up_scale=ops["gate_up_scale"],
+                               down_scale=ops["down_scale"])
     case.update(check_rows=check_rows, y_ref_check=y_ref[check_rows].float())
     del y_ref
     # fixed-config h (input of every down config) and its own check
-    fixed = _make_config(FIXED_TILE, 1)
-    launch("gate_up", x_RD, weights["gate_up"], case["h_fixed"], row_start_e, num_rows_e, num_rows, fixed)
-    case["y_RD"].fill_(float("nan"))
-    launch("down", case["h_fixed"], weights["down"], case["y_RD"], row_start_e, num_rows_e, num_rows, fixed)
+    fixed = _make_config(fixed_tile(fp8), 1)
+    run_gemm(ops, case, "gate_up", fixed, h="h_fixed")
+    ops["y"].fill_(float("nan"))
+    run_gemm(ops, case, "down", fixed, h="h_fixed")
     case["fixed_calc_diff"] = _check_diff(case)
-    case["h_packed"] = case["h_fixed"][valid].contiguous()
-    case["offs"] = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+    if not fp8:  # grouped_mm anchor inputs
+        case["h_packed"] = ops["h_fixed"][valid].contiguous()
+        case["offs"] = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
     return case
 
 
@@ -341,7 +484,7 @@ def flops(case: dict, gemm: str) -> float:
 def _check_diff(case: dict) -> float:
     from moe_ref.testing import calc_diff
 
-    return calc_diff(case["y_RD"][case["check_rows"]].float(), case["y_ref_check"])
+    return calc_diff(case["ops"]["y"][case["check_rows"]].float(), case["y_ref_check"])
 
 
 def current_autotune_tiles(case: dict, gemm: str) -> tuple[str, list[tuple]]:
@@ -351,8 +494,10 @@ def current_autotune_tiles(case: dict, gemm: str) -> tuple[str, list[tuple]]:
     n, k = (inter, hidden) if gemm == "gate_up" else (hidden, inter)
     rows_hint = triton.next_power_of_2(case["rows"])
     named = {"rows_hint": rows_hint, "num_experts": num_experts, "N": n, "K": k}
-    flags = {"ACTIVATION": 1 if gemm == "gate_up" else 0, "FP8": False, "QUANT_OUT": False, "IEEE_FP32": False}
-    regime, _ = gm._regime(rows_hint, num_experts)
+    fp8 = case.get("fp8", False)
+    flags = {"ACTIVATION": 1 if gemm == "gate_up" else 0, "FP8": fp8, "QUANT_OUT": fp8 and gemm == "gate_up",
+             "IEEE_FP32": False}
+    regime, _ = gm._regime(rows_hint, num_experts, fp8=fp8)
     return regime, [gm._tile(c) for c in gm._prune_configs(gm._gpu_configs(), named, **flags)]
 
 
@@ -392,27 +537,28 @@ class Timer:
 
 def run_candidate(candidate: dict, case: dict, timer: Timer) -> dict:
     """Check once, then time one config on one case."""
-    gemm = candidate["gemm"]
+    gemm, ops = candidate["gemm"], case["ops"]
     config = _make_config(candidate["tile"], candidate["group_m"])
-    args = (case["row_start_e"], case["num_rows_e"], case["rows"])
-    if gemm == "gate_up":
-        case["h_RF"].fill_(float("nan"))
-        launch("gate_up", case["x_RD"], case["gate_up"], case["h_RF"], *args, config)
-        case["y_RD"].fill_(float("nan"))
-        launch("down", case["h_RF"], case["down"], case["y_RD"], *args, _make_config(FIXED_TILE, 1))
+    if gemm == "gate_up":  # NaN-filled outputs: a tile that no program writes fails the check
+        for name in ("h_RF", "h_RF_scale"):
+            if ops[name] is not None:
+                ops[name].fill_(float("nan"))
+        run_gemm(ops, case, "gate_up", config)
+        ops["y"].fill_(float("nan"))
+        run_gemm(ops, case, "down", _make_config(fixed_tile(case["fp8"]), 1))
 
         def fn():
-            launch("gate_up", case["x_RD"], case["gate_up"], case["h_RF"], *args, config)
+            run_gemm(ops, case, "gate_up", config)
     else:
-        case["y_RD"].fill_(float("nan"))
-        launch("down", case["h_fixed"], case["down"], case["y_RD"], *args, config)
+        ops["y"].fill_(float("nan"))
+        run_gemm(ops, case, "down", config, h="h_fixed")
 
         def fn():
-            launch("down", case["h_fixed"], case["down"], case["y_RD"], *args, config)
+            run_gemm(ops, case, "down", config, h="h_fixed")
     diff = _check_diff(case)
     us = timer(fn)
-    return {"us": us, "tflops": flops(case, gemm) / (us * 1e-6) / 1e12, "calc_diff": diff,
-            "ok": bool(diff < CALC_DIFF_LIMIT)}
+    limit = CALC_DIFF_LIMIT_FP8 if case["fp8"] else CALC_DIFF_LIMIT
+    return {"us": us, "tflops": flops(case, gemm) / (us * 1e-6) / 1e12, "calc_diff": diff, "ok": bool(diff < limit)}
 
 
 def _resources(kernel) -> dict:
@@ -429,19 +575,47 @@ def _resources(kernel) -> dict:
 
 
 def run_anchor(case: dict, gemm: str, timer: Timer) -> dict | None:
+    """The case's anchor: torch grouped_mm (bf16 sweep) or the bf16 kernel's best tile (--fp8)."""
+    if case["fp8"]:
+        return run_bf16_anchor(case, gemm, timer)
     grouped_mm = _grouped_mm_fn()
     if grouped_mm is None:
         return None
+    ops = case["ops"]
     if gemm == "gate_up":
-        a, w = case["x_packed"], case["gate_up"].transpose(-2, -1)
+        a, w = case["x_packed"], ops["gate_up"].transpose(-2, -1)
     else:
-        a, w = case["h_packed"], case["down"].transpose(-2, -1)
+        a, w = case["h_packed"], ops["down"].transpose(-2, -1)
     try:
         us = timer(lambda: grouped_mm(a, w, case["offs"]))
     except Exception as exc:
         _log(f"grouped_mm {gemm} on {case_key(case)} failed: {exc!r}")
         return None
-    return {"us": us, "tflops": flops(case, gemm) / (us * 1e-6) / 1e12}
+    return {"name": "grouped_mm", "short": "gmm", "label": "torch grouped_mm", "us": us,
+            "tflops": flops(case, gemm) / (us * 1e-6) / 1e12}
+
+
+def run_bf16_anchor(case: dict, gemm: str, timer: Timer) -> dict | None:
+    """--fp8 anchor: the bf16 kernel through the same launcher with `BF16_BEST`'s tile for the case, on the
+    bf16 x and weights the FP8 operands were quantized from (down reads the bf16 anchor gate_up's h)."""
+    entry = bf16_anchor_tile(case["shape"], case["rows"], gemm)
+    if entry is None:
+        _log(f"no bf16 anchor tile for {case_key(case)} {gemm} (BF16_BEST has the mid and prefill regimes)")
+        return None
+    ops = case["bf16_ops"]
+    if gemm == "down" and not case.get("bf16_h_ready"):
+        gate_up_entry = bf16_anchor_tile(case["shape"], case["rows"], "gate_up")
+        run_gemm(ops, case, "gate_up", _make_config(tuple(gate_up_entry[:5]), *gate_up_entry[5:]))
+    case["bf16_h_ready"] = True
+    tile, group_m = tuple(entry[:5]), entry[5] if len(entry) > 5 else 1
+    config = _make_config(tile, group_m)
+    try:
+        us = timer(lambda: run_gemm(ops, case, gemm, config))
+    except Exception as exc:
+        _log(f"bf16 anchor {gemm} on {case_key(case)} failed: {exc!r}")
+        return None
+    return {"name": "bf16", "short": "bf16", "label": "bf16 kernel " + _label(gemm, tile, group_m), "us": us,
+            "tflops": flops(case, gemm) / (us * 1e-6) / 1e12}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -456,49 +630,117 @@ def _best(runs: list[dict], current_only: bool = False) -> dict | None:
     return min(good, key=lambda r: r["us"]) if good else None
 
 
+LIST_COMMENTS = {"_DECODE_TILES": "<= 32 rows per expert: weight-bandwidth bound, many N tiles in flight",
+                 "_MID_TILES": "32..256 rows per expert", "_PREFILL_TILES": "> 256 rows per expert: compute bound, big tiles",
+                 "_MID_TILES_FP8": "32..256 rows per expert", "_PREFILL_TILES_FP8": "> 256 rows per expert"}
+
+
+def autotune_problem(shape: str, gemm: str, tile, group_m: int, fp8: bool) -> str | None:
+    """Why the library's autotune would drop this tile for the GEMM (its rules, 200 KB shared memory), or None."""
+    _, hidden, inter = SHAPES[shape]
+    gated = gemm == "gate_up"
+    n, k = (inter, hidden) if gated else (hidden, inter)
+    return _gm()._config_problem(_make_config(tuple(tile), group_m), n=n, k=k, gated=gated, fp8=fp8,
+                                 quant_out=fp8 and gated, ieee_fp32=False)
+
+
+def tile_list_name(regime: str, fp8: bool) -> str:
+    """The grouped_mlp.py list that autotune reads for this regime (FP8 has its own mid and prefill lists)."""
+    return f"_{regime.upper()}_TILES" + ("_FP8" if fp8 and regime != "decode" else "")
+
+
 def summarize(results: dict) -> dict:
     """Best config per (shape, rows, GEMM) and the tiles to add per (regime, GEMM)."""
     best, suggestions = [], {}
+    fp8 = results.get("fp8", False)
     for meta in results["cases"]:
         runs = _rows_of(results, meta["shape"], meta["rows"], meta["gemm"])
         top, top_current = _best(runs), _best(runs, current_only=True)
         if top is None:
             continue
-        anchor = meta.get("grouped_mm_us")
+        anchor = meta.get("anchor_us")
         entry = {"shape": meta["shape"], "rows": meta["rows"], "gemm": meta["gemm"], "regime": meta["regime"],
                  "label": top["label"], "tile": top["tile"], "group_m": top["group_m"], "us": top["us"],
-                 "tflops": top["tflops"], "x_vs_grouped_mm": anchor / top["us"] if anchor else None,
+                 "tflops": top["tflops"], "anchor": meta.get("anchor"), "anchor_us": anchor,
+                 "x_vs_anchor": anchor / top["us"] if anchor else None,
                  "current_best_label": top_current["label"] if top_current else None,
                  "current_best_us": top_current["us"] if top_current else None,
                  "speedup_vs_current": top_current["us"] / top["us"] if top_current else None}
+        entry["autotune_drops"] = autotune_problem(meta["shape"], meta["gemm"], top["tile"], top["group_m"], fp8)
         best.append(entry)
         key = f"{meta['regime']}/{meta['gemm']}"
-        suggestions.setdefault(key, {"list": f"_{meta['regime'].upper()}_TILES", "tiles": []})
+        suggestions.setdefault(key, {"list": tile_list_name(meta["regime"], fp8), "tiles": [], "cases": {}})
         tiles = suggestions[key]["tiles"]
         entry = list(_list_entry(top["tile"], top["group_m"]))
         if entry not in tiles:
             tiles.append(entry)
+        suggestions[key]["cases"].setdefault(str(tuple(entry)), []).append(f"{meta['shape']}/{meta['rows']}")
+        if best[-1]["autotune_drops"]:
+            suggestions[key].setdefault("autotune_drops", {})[str(tuple(entry))] = best[-1]["autotune_drops"]
     return {"best": best, "suggestions": suggestions}
 
 
+def paste_blocks(results: dict, summary: dict) -> list[str]:
+    """Per tile list with winners: the list as it stands in grouped_mlp.py with the winners it lacks appended
+    (one line each, commented with the GEMM and cases they won), to paste over the list."""
+    gm = _gm()
+    fp8 = results.get("fp8", False)
+    env = results.get("env", {})
+    source = f"tune_grouped_mlp.py{' --fp8' if fp8 else ''}, {env.get('gpu', DEVICE)}, {time.strftime('%Y-%m-%d')}"
+    winners: dict[str, list] = {}
+    for key, suggestion in summary["suggestions"].items():
+        gemm = key.split("/")[1]
+        for tile in suggestion["tiles"]:
+            cases = ", ".join(suggestion["cases"].get(str(tuple(tile)), []))
+            drops = suggestion.get("autotune_drops", {}).get(str(tuple(tile)))
+            note = f" (NOTE: autotune drops it: {drops})" if drops else ""
+            winners.setdefault(suggestion["list"], []).append((tuple(tile), f"{gemm} {cases}{note}"))
+    lines = []
+    for name, entries in winners.items():
+        current = [tuple(t) for t in getattr(gm, name)]
+        known = {gm._normalize_tile(t) for t in current}
+        added: dict[tuple, list[str]] = {}
+        for tile, why in entries:
+            if gm._normalize_tile(tile) not in known:
+                added.setdefault(tile, []).append(why)
+        lines.append(f"{name} = [  # {LIST_COMMENTS.get(name, '')}".rstrip())
+        row = "   "
+        for tile in current:
+            text = f" {tile},"
+            if len(row) + len(text) > 116:
+                lines.append(row)
+                row = "   "
+            row += text
+        if row.strip():
+            lines.append(row)
+        for tile, why in added.items():
+            lines.append(f"    {tile},  # {source}: {'; '.join(why)}")
+        lines.append("]" + ("" if added else "  # unchanged: the winners are already in the list"))
+    return lines
+
+
 def format_tables(results: dict) -> str:
-    """The per-case tables, the best config per case and the tile-list entries, as text."""
+    """The per-case tables, the best config per case, the tile-list entries and the lists to paste, as text."""
     lines = []
     emit = lines.append
+    fp8 = results.get("fp8", False)
     for meta in results["cases"]:
         runs = sorted(_rows_of(results, meta["shape"], meta["rows"], meta["gemm"]),
                       key=lambda r: (not r.get("ok", False), r.get("us", float("inf"))))
         if not runs:
             continue
-        anchor = meta.get("grouped_mm_us")
+        anchor = meta.get("anchor_us")
+        short = meta.get("anchor_short", "gmm")
         _, hidden, inter = SHAPES[meta["shape"]]
         what = (f"x[R,{hidden}] @ w[e,{2 * inter},{hidden}]^T + SiLU" if meta["gemm"] == "gate_up"
                 else f"h[R,{inter}] @ w[e,{hidden},{inter}]^T")
-        anchor_text = f"grouped_mm {anchor:.1f} us ({meta['grouped_mm_tflops']:.0f} TFLOP/s)" if anchor else \
-            "grouped_mm n/a"
-        emit(f"\n== {meta['shape']} rows={meta['rows']} {meta['gemm']} ({what}), regime {meta['regime']}, "
-              f"{anchor_text}; * = in the current autotune set")
-        emit(f"   {'config':30s} {'us':>9s} {'TFLOP/s':>8s} {'x gmm':>6s} {'calc_diff':>9s} {'regs':>5s} {'spill':>5s}")
+        precision = "FP8 e4m3 (128x128 block weight scales, per-row per-128 x scales)" if fp8 else "bf16"
+        anchor_text = (f"anchor {meta['anchor']} {anchor:.1f} us ({meta['anchor_tflops']:.0f} TFLOP/s)" if anchor
+                       else f"anchor {meta.get('anchor') or short} n/a")
+        emit(f"\n== {meta['shape']} rows={meta['rows']} {meta['gemm']} ({what}), {precision}, regime "
+             f"{meta['regime']}, {anchor_text}; * = in the current autotune set")
+        emit(f"   {'config':30s} {'us':>9s} {'TFLOP/s':>8s} {'x ' + short:>6s} {'calc_diff':>9s} {'regs':>5s} "
+             f"{'spill':>5s}")
         for r in runs:
             mark = "*" if r["in_current_autotune"] else " "
             if "us" not in r:
@@ -511,15 +753,22 @@ def format_tables(results: dict) -> str:
     summary = summarize(results)
     emit("\n== best per (shape, rows, GEMM)")
     for b in summary["best"]:
-        vs = f"{b['x_vs_grouped_mm']:.2f}x gmm" if b["x_vs_grouped_mm"] else "gmm n/a"
+        short = "bf16" if fp8 else "gmm"
+        vs = f"{b['x_vs_anchor']:.2f}x {short}" if b["x_vs_anchor"] else f"{short} n/a"
         current = (f"; current autotune set best {b['current_best_label']} {b['current_best_us']:.1f} us "
                    f"-> {b['speedup_vs_current']:.2f}x" if b["current_best_us"] else "")
+        if b.get("autotune_drops"):
+            current += f"; NOTE autotune drops this tile: {b['autotune_drops']}"
         emit(f"  {b['shape']:8s} {b['rows']:6d} {b['gemm']:8s} [{b['regime']}] {b['label']:30s} {b['us']:9.1f} us "
               f"{b['tflops']:6.1f} TFLOP/s {vs}{current}")
     emit("\n== winners as entries of the tile lists in moe_ref/kernels/grouped_mlp.py: (BLOCK_M, BLOCK_N "
           "[per half for gate_up], BLOCK_K, num_warps, num_stages[, GROUP_M])")
     for key, s in summary["suggestions"].items():
         emit(f"  {key:16s} -> {s['list']}: {', '.join(str(tuple(t)) for t in s['tiles'])}")
+    if summary["suggestions"]:
+        emit("\n== paste into moe_ref/kernels/grouped_mlp.py over the list of the same name (current entries kept, "
+             "winners appended)" + ("; bf16's lists stay as they are" if fp8 else ""))
+        lines += paste_blocks(results, summary)
     return "\n".join(lines) + "\n"
 
 
@@ -538,7 +787,11 @@ def write_json(results: dict, path: str) -> None:
 # ------------------------------------------------------------------------------------------------
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/tune_grouped_mlp.json")
+    parser.add_argument("--fp8", action="store_true",
+                        help="sweep the FP8 path (e4m3 x and weights; `_MID_TILES_FP8`, `_PREFILL_TILES_FP8`), "
+                             "anchored on the bf16 kernel's best tile")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default results/tune_grouped_mlp.json, --fp8: results/tune_grouped_mlp_fp8.json)")
     parser.add_argument("--max-seconds", type=float, default=170.0,
                         help="stop the sweep cleanly after this many seconds from process start (default 170)")
     parser.add_argument("--dry-run", action="store_true", help="list cases and candidates, then exit (no GPU)")
@@ -553,6 +806,8 @@ def _parse(argv):
     parser.add_argument("--no-current", action="store_true", help="leave out the current autotune tiles")
     parser.add_argument("--limit", type=int, default=0, help="at most this many phase-1 candidates per GEMM (0: all)")
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = "results/tune_grouped_mlp_fp8.json" if args.fp8 else "results/tune_grouped_mlp.json"
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.rows = [int(r) for r in args.rows.split(",") if r]
     args.gemms = [g for g in args.gemms.split(",") if g]
@@ -572,13 +827,19 @@ def dry_run(args, candidates: dict, skipped: dict) -> int:
         for rows in args.rows:
             counts = even_counts(rows, num_experts)
             _, pool_rows = layout(counts)
-            fake = {"shape": shape, "rows": rows}
+            fake = {"shape": shape, "rows": rows, "fp8": args.fp8}
             regime = gm._regime(triton.next_power_of_2(rows), num_experts)[0]
             print(f"  {shape:8s} e={num_experts} D={hidden} F={inter} rows={rows:6d} per expert {min(counts)}-"
-                  f"{max(counts)} pool R={pool_rows} regime={regime}")
+                  f"{max(counts)} pool R={pool_rows} regime={regime}"
+                  + (f" (list {tile_list_name(regime, True)}; compile as D={compile_dims(shape, True)[0]} "
+                     f"F={compile_dims(shape, True)[1]})" if args.fp8 else ""))
             for gemm in args.gemms:
                 tiles = current_autotune_tiles(fake, gemm)[1]
                 print(f"      current autotune set {gemm:8s}: {[_label(gemm, t, 1) for t in tiles]}")
+                if args.fp8:
+                    entry = bf16_anchor_tile(shape, rows, gemm)
+                    anchor = _label(gemm, entry, 1) if entry else "n/a (not in BF16_BEST)"
+                    print(f"      bf16 anchor          {gemm:8s}: {anchor}")
     for gemm in args.gemms:
         print(f"\n{gemm}: {len(candidates[gemm])} phase-1 candidates (+ phase 2: GROUP_M {args.group_m} on the "
               f"best {args.swizzle_top}):")
@@ -587,7 +848,13 @@ def dry_run(args, candidates: dict, skipped: dict) -> int:
         for c in skipped[gemm]:
             print(f"  skip {c['label']:25s} {c['reason']}")
     total = sum(len(candidates[g]) for g in args.gemms) + len(args.gemms) * args.swizzle_top * len(args.group_m)
-    print(f"\ncompiles: at most {total} (each config once per GEMM, reused across shapes and rows)")
+    if args.fp8:
+        variants = len({compile_dims(shape, True) for shape in args.shapes})
+        anchors = len(anchor_candidates(args.shapes, args.rows))
+        print(f"\ncompiles: at most {total} FP8 configs x {variants} specialisation(s) (the shapes' FP8 scale "
+              f"strides) = {total * variants}, + {anchors} bf16 anchor configs")
+    else:
+        print(f"\ncompiles: at most {total} (each config once per GEMM, reused across shapes and rows)")
     return 0
 
 
@@ -595,9 +862,10 @@ def main(argv=None) -> int:
     args = _parse(argv)
     candidates, skipped = {}, {}
     for gemm in args.gemms:
-        candidates[gemm], skipped[gemm] = enumerate_candidates(gemm, include_current=not args.no_current)
+        candidates[gemm], skipped[gemm] = enumerate_candidates(gemm, include_current=not args.no_current,
+                                                               fp8=args.fp8)
         if args.limit:
-            fixed = [c for c in candidates[gemm] if c["tile"] == FIXED_TILE]
+            fixed = [c for c in candidates[gemm] if c["tile"] == fixed_tile(args.fp8)]
             candidates[gemm] = candidates[gemm][:args.limit]
             candidates[gemm] += [c for c in fixed if c not in candidates[gemm]]
     if args.dry_run:
@@ -609,26 +877,36 @@ def main(argv=None) -> int:
     env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
     if DEVICE == "cuda":
         env.update(gpu=torch.cuda.get_device_name(), sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
-    results = {"env": env,
-               "args": {k: v for k, v in vars(args).items()}, "calc_diff_limit": CALC_DIFF_LIMIT,
+    results = {"env": env, "fp8": args.fp8,
+               "args": {k: v for k, v in vars(args).items()},
+               "calc_diff_limit": CALC_DIFF_LIMIT_FP8 if args.fp8 else CALC_DIFF_LIMIT,
                "candidates": candidates, "skipped": skipped, "cases": [], "runs": [], "stopped_early": False}
 
     # phase-1 compiles run in workers while this process builds the cases (no timing meanwhile)
     experts = {SHAPES[shape][0] for shape in args.shapes}
-    precompiler = Precompiler(args.jobs if len(experts) == 1 and DEVICE == "cuda" else 0, experts.pop())
-    # interleave the GEMMs so that a sweep cut short by --max-seconds still covers both
+    dims = {False: [compile_dims(args.shapes[0], False)],
+            True: list(dict.fromkeys(compile_dims(shape, True) for shape in args.shapes))}
+    precompiler = Precompiler(args.jobs if len(experts) == 1 and DEVICE == "cuda" else 0, experts.pop(), dims)
+    # --fp8: the bf16 anchors first (timed before the sweep); then the GEMMs interleaved so that a sweep cut
+    # short by --max-seconds still covers both
+    anchors = anchor_candidates(args.shapes, args.rows) if args.fp8 else []
     phase1 = [c for group in itertools.zip_longest(*(candidates[g] for g in args.gemms)) for c in group if c]
-    futures = precompiler.submit(phase1)
-    _log(f"{len(phase1)} phase-1 configs; precompiling with {precompiler.jobs if futures else 0} processes")
+    futures = precompiler.submit(anchors + phase1)
+    compiles = len(anchors) + len(phase1) * len(dims[args.fp8])
+    _log(f"{len(phase1)} phase-1 configs, {compiles} compiles (x {len(dims[args.fp8])} specialisation(s)"
+         f"{f', + {len(anchors)} bf16 anchors' if anchors else ''}); precompiling with "
+         f"{precompiler.jobs if futures else 0} processes")
 
     cases = []
     timer = Timer(args.rep_ms)
     try:
         for shape in args.shapes:
             weights = make_weights(shape)
+            if args.fp8:
+                weights = quantize_weights(weights)
             for rows in args.rows:
                 start = _elapsed()
-                case = make_case(shape, rows, weights)
+                case = make_case(shape, rows, weights, fp8=args.fp8)
                 cases.append(case)
                 _log(f"case {case_key(case)}: pool R={case['pool_rows']}, fixed-config check calc_diff "
                      f"{case['fixed_calc_diff']:.1e} (setup {_elapsed() - start:.1f} s)")
@@ -641,12 +919,14 @@ def main(argv=None) -> int:
                 meta = {"shape": case["shape"], "rows": case["rows"], "gemm": gemm, "regime": regime,
                         "pool_rows": case["pool_rows"], "rows_per_expert": [min(case["counts"]), max(case["counts"])],
                         "flops": flops(case, gemm), "current_autotune_tiles": tiles,
-                        "grouped_mm_us": anchor["us"] if anchor else None,
-                        "grouped_mm_tflops": anchor["tflops"] if anchor else None}
+                        "anchor": anchor["label"] if anchor else None,
+                        "anchor_short": "bf16" if case["fp8"] else "gmm",
+                        "anchor_us": anchor["us"] if anchor else None,
+                        "anchor_tflops": anchor["tflops"] if anchor else None}
                 case.setdefault("current", {})[gemm] = tiles
                 results["cases"].append(meta)
-                _log(f"anchor {case_key(case)} {gemm}: grouped_mm "
-                     + (f"{anchor['us']:.1f} us {anchor['tflops']:.0f} TFLOP/s" if anchor else "n/a"))
+                _log(f"anchor {case_key(case)} {gemm}: {meta['anchor'] or 'n/a'} "
+                     + (f"{anchor['us']:.1f} us {anchor['tflops']:.0f} TFLOP/s" if anchor else ""))
         write_json(results, args.out)
         cost = [0.0]  # the most one config has taken so far (compile + checks + timing on every case)
 
@@ -658,7 +938,7 @@ def main(argv=None) -> int:
                     results["stopped_early"] = True
                     return False
                 begin = _elapsed()
-                parts, compile_s, failed, resources = [], None, None, {}
+                parts, compile_s, failed, resources = [], {}, None, {}
                 for case in cases:
                     run = {"shape": case["shape"], "rows": case["rows"], "gemm": candidate["gemm"],
                            "label": candidate["label"], "tile": list(candidate["tile"]),
@@ -669,18 +949,18 @@ def main(argv=None) -> int:
                         run["error"] = failed
                     else:
                         try:
-                            if compile_s is None:  # first launch compiles (or loads the precompiled cubin)
+                            if case["shape"] not in compile_s:
+                                # first launch per shape (FP8: its own specialisation) compiles or loads the
+                                # precompiled cubin
                                 t = time.perf_counter()
-                                kernel = launch(candidate["gemm"], *(
-                                    (case["x_RD"], case["gate_up"], case["h_RF"]) if candidate["gemm"] == "gate_up"
-                                    else (case["h_fixed"], case["down"], case["y_RD"])),
-                                    case["row_start_e"], case["num_rows_e"], case["rows"],
-                                    _make_config(candidate["tile"], candidate["group_m"]))
+                                kernel = run_gemm(case["ops"], case, candidate["gemm"],
+                                                  _make_config(candidate["tile"], candidate["group_m"]),
+                                                  h="h_RF" if candidate["gemm"] == "gate_up" else "h_fixed")
                                 _sync()
-                                compile_s = time.perf_counter() - t
+                                compile_s[case["shape"]] = time.perf_counter() - t
                                 resources = _resources(kernel)
                             run.update(run_candidate(candidate, case, timer))
-                            run.update(compile_s=compile_s, **resources)
+                            run.update(compile_s=compile_s[case["shape"]], **resources)
                         except Exception as exc:
                             failed = f"{type(exc).__name__}: {str(exc)[:300]}"
                             run["error"] = failed
@@ -688,7 +968,7 @@ def main(argv=None) -> int:
                                 raise  # the CUDA context is gone; nothing more can be measured
                     results["runs"].append(run)
                     if "us" in run:
-                        anchor = next(m["grouped_mm_us"] for m in results["cases"] if m["shape"] == run["shape"]
+                        anchor = next(m["anchor_us"] for m in results["cases"] if m["shape"] == run["shape"]
                                       and m["rows"] == run["rows"] and m["gemm"] == run["gemm"])
                         vs = f" {anchor / run['us']:.2f}x" if anchor else ""
                         bad = "" if run["ok"] else f" FAIL({run['calc_diff']:.1e})"
@@ -696,7 +976,7 @@ def main(argv=None) -> int:
                     else:
                         parts.append(f"{case_key(case)} error")
                 cost[0] = max(cost[0], _elapsed() - begin)
-                compile_text = f"{compile_s:.1f}s" if compile_s is not None else "-"
+                compile_text = "+".join(f"{v:.1f}s" for v in compile_s.values()) or "-"
                 regs = f" regs {resources.get('regs')} spills {resources.get('spills')}" if resources else ""
                 _log(f"{candidate['gemm']:7s} {candidate['label']:28s} compile {compile_text}{regs} | " + " | ".join(parts)
                      + (f" | {failed}" if failed else ""))
@@ -731,7 +1011,8 @@ def swizzle_candidates(results: dict, gemm: str, args, cases: list[dict]) -> lis
     """The best `--swizzle-top` tiles of a GEMM (mean time relative to each case's best, on the cases with
     the most rows) again with each GROUP_M."""
     big = max(case["rows"] for case in cases)
-    runs = [r for r in results["runs"] if r["gemm"] == gemm and r["rows"] == big and r.get("ok")]
+    runs = [r for r in results["runs"] if r["gemm"] == gemm and r["rows"] == big and r.get("ok") and r["group_m"] == 1]
+    done = {(tuple(r["tile"]), r["group_m"]) for r in results["runs"] if r["gemm"] == gemm}
     best_us = {}
     for r in runs:
         best_us[r["shape"]] = min(best_us.get(r["shape"], float("inf")), r["us"])
@@ -744,11 +1025,12 @@ def swizzle_candidates(results: dict, gemm: str, args, cases: list[dict]) -> lis
     out = []
     for tile in ranked:
         for group_m in args.group_m:
-            if group_m == 1:
+            if group_m == 1 or (tile, group_m) in done:
                 continue
-            out.append({"gemm": gemm, "tile": tile, "group_m": group_m, "label": _label(gemm, tile, group_m),
-                        "source": "swizzle", "smem_kb": _gm()._smem_bytes(_make_config(tile, 1), gated=gated,
-                                                                          bytes_per_element=2) / 1024})
+            out.append({"gemm": gemm, "fp8": args.fp8, "tile": tile, "group_m": group_m,
+                        "label": _label(gemm, tile, group_m), "source": "swizzle",
+                        "smem_kb": _gm()._smem_bytes(_make_config(tile, 1), gated=gated,
+                                                     bytes_per_element=1 if args.fp8 else 2) / 1024})
     return out
 
 

@@ -263,6 +263,18 @@ _PREFILL_TILES = [  # > 256 rows per expert: compute bound, big tiles
     (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
     (128, 256, 64, 8, 3), (128, 128, 64, 8, 3, 8), (128, 64, 64, 4, 3, 8), (128, 256, 64, 8, 3, 8),
 ]
+# FP8 (e4m3 x and weights) launches of the mid and prefill regimes autotune over these lists instead, so that
+# `scripts/tune_grouped_mlp.py --fp8` results change FP8's choices only (decode shares _DECODE_TILES). They
+# hold the bf16 lists' tiles until an FP8 sweep is measured; `_config_problem` drops the ones FP8 cannot run
+# (GEMM1 needs BLOCK_N 128, BLOCK_K divides 128, <= 128x128 fp32 accumulator elements per program).
+_MID_TILES_FP8 = [  # 32..256 rows per expert
+    (32, 128, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
+    (128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 4),
+]
+_PREFILL_TILES_FP8 = [  # > 256 rows per expert
+    (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3), (128, 128, 64, 8, 3, 8), (128, 64, 64, 4, 3, 8), (128, 256, 64, 8, 3, 8),
+]
 # Autotune keeps configs whose estimated pipeline buffers stay under this (the H200 allows 227 KB per
 # block; the estimate ignores epilogue scratch, hence the headroom).
 _AUTOTUNE_SMEM_LIMIT = 200 * 1024
@@ -284,7 +296,8 @@ def _config_of_tile(tile: tuple) -> triton.Config:
 
 def _gpu_configs() -> list[triton.Config]:
     """H200 candidates (union of the regimes; `_prune_configs` keeps the ones for this launch)."""
-    tiles = dict.fromkeys(_normalize_tile(t) for t in _DECODE_TILES + _MID_TILES + _PREFILL_TILES)
+    every = _DECODE_TILES + _MID_TILES + _PREFILL_TILES + _MID_TILES_FP8 + _PREFILL_TILES_FP8
+    tiles = dict.fromkeys(_normalize_tile(t) for t in every)
     return [_config_of_tile(tile) for tile in tiles]
 
 
@@ -294,17 +307,19 @@ def _tile(config: triton.Config) -> tuple:
                             config.kwargs.get("GROUP_M", 1)))
 
 
-def _regime(rows_hint: int, num_experts: int) -> tuple[str, list]:
-    """(name, tile list) of the rows-per-expert regime for a launch's `rows_hint` bucket (a power of 2).
+def _regime(rows_hint: int, num_experts: int, fp8: bool = False) -> tuple[str, list]:
+    """(name, tile list) of the rows-per-expert regime for a launch's `rows_hint` bucket (a power of 2);
+    `fp8` launches take the `*_FP8` lists of the mid and prefill regimes.
 
-    Example: 4096 routed rows over 48 experts -> 85 per expert -> ("mid", _MID_TILES); 32768 -> 683 -> prefill.
+    Example: 4096 routed rows over 48 experts -> 85 per expert -> ("mid", _MID_TILES), with fp8
+    ("mid", _MID_TILES_FP8); 32768 -> 683 -> prefill.
     """
     rows_per_expert = rows_hint / max(num_experts, 1)
     if rows_per_expert <= 32:
         return "decode", _DECODE_TILES
     if rows_per_expert <= 256:
-        return "mid", _MID_TILES
-    return "prefill", _PREFILL_TILES
+        return "mid", _MID_TILES_FP8 if fp8 else _MID_TILES
+    return "prefill", _PREFILL_TILES_FP8 if fp8 else _PREFILL_TILES
 
 
 def _smem_bytes(config: triton.Config, *, gated: bool, bytes_per_element: int) -> int:
@@ -346,8 +361,9 @@ def _config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: 
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Keep the configs of this launch's regime that are legal (fp8 groups) and fit shared memory."""
-    _, regime = _regime(named_args["rows_hint"], named_args["num_experts"])
+    """Keep the configs of this launch's regime (its FP8 list for FP8) that are legal (fp8 groups) and fit
+    shared memory."""
+    _, regime = _regime(named_args["rows_hint"], named_args["num_experts"], fp8=kwargs.get("FP8", False))
     regime = {_normalize_tile(tile) for tile in regime}
     ieee_fp32 = kwargs.get("IEEE_FP32", False)
     facts = dict(n=named_args["N"], k=named_args["K"], gated=kwargs.get("ACTIVATION", 0) != 0,

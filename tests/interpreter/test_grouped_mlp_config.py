@@ -1,5 +1,6 @@
 """grouped_mlp's forced-config launcher path (`_launch_gemm(..., config=...)`, used by
-scripts/tune_grouped_mlp.py) and the GROUP_M program order, vs the torch twin."""
+scripts/tune_grouped_mlp.py) and the GROUP_M program order, vs the torch twin; bf16 and FP8 launches
+autotune over their own mid/prefill tile lists; the tuner's FP8 candidates and dry run."""
 
 import importlib
 
@@ -114,3 +115,117 @@ def test_tile_lists_take_an_optional_group_m(monkeypatch):
     named = {"rows_hint": 32768, "num_experts": 48, "N": 7168, "K": 2048}
     kept = [gm._tile(c) for c in gm._prune_configs(configs, named, ACTIVATION=0, FP8=False, QUANT_OUT=False)]
     assert kept == [(128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4)]
+
+
+# --- FP8: its own mid/prefill tile lists, the forced-config launches the tuner makes -----------------------------
+
+_KIMI_GATE_UP = {"N": 2048, "K": 7168}  # Kimi-K2 per-rank GEMM1: N = F, K = D
+_FP8_GATE_UP = dict(ACTIVATION=1, FP8=True, QUANT_OUT=True)
+_BF16_GATE_UP = dict(ACTIVATION=1, FP8=False, QUANT_OUT=False)
+
+
+def _kept(rows_hint, sizes, **flags):
+    named = {"rows_hint": rows_hint, "num_experts": 48, **sizes}
+    return [gm._tile(c) for c in gm._prune_configs(gm._gpu_configs(), named, **flags)]
+
+
+def test_regime_picks_the_fp8_lists():
+    assert gm._regime(4096, 48, fp8=True) == ("mid", gm._MID_TILES_FP8)
+    assert gm._regime(32768, 48, fp8=True) == ("prefill", gm._PREFILL_TILES_FP8)
+    assert gm._regime(64, 48, fp8=True) == ("decode", gm._DECODE_TILES)  # decode is shared
+    assert gm._regime(4096, 48)[1] is gm._MID_TILES and gm._regime(32768, 48)[1] is gm._PREFILL_TILES
+
+
+def test_fp8_launches_autotune_over_the_fp8_lists_only(monkeypatch):
+    """A tile put into an FP8 list reaches FP8 launches of its regime and no bf16 launch (and the reverse)."""
+    fp8_mid, fp8_prefill, bf16_mid = (32, 128, 64, 4, 5), (64, 128, 128, 8, 5, 4), (64, 128, 64, 8, 5)
+    monkeypatch.setattr(gm, "_MID_TILES_FP8", [fp8_mid])
+    monkeypatch.setattr(gm, "_PREFILL_TILES_FP8", [fp8_prefill])
+    monkeypatch.setattr(gm, "_MID_TILES", [bf16_mid])
+    assert _kept(4096, _KIMI_GATE_UP, **_FP8_GATE_UP) == [fp8_mid]
+    assert _kept(32768, _KIMI_GATE_UP, **_FP8_GATE_UP) == [fp8_prefill]
+    assert _kept(4096, _KIMI_GATE_UP, **_BF16_GATE_UP) == [bf16_mid]
+    assert fp8_prefill not in _kept(32768, _KIMI_GATE_UP, **_BF16_GATE_UP)
+    down = {"N": 7168, "K": 2048}
+    assert _kept(32768, down, ACTIVATION=0, FP8=True, QUANT_OUT=False) == [fp8_prefill]
+    decode = {gm._normalize_tile(t) for t in gm._DECODE_TILES}
+    assert _kept(64, down, ACTIVATION=0, FP8=True, QUANT_OUT=False) == _kept(64, down, ACTIVATION=0, FP8=False,
+                                                                           QUANT_OUT=False)
+    assert set(_kept(64, down, ACTIVATION=0, FP8=True, QUANT_OUT=False)) <= decode
+
+
+def test_fp8_list_tiles_illegal_for_fp8_are_pruned(monkeypatch):
+    """The library's FP8 rules still apply to the FP8 lists: GEMM1 keeps BLOCK_N 128 tiles only."""
+    monkeypatch.setattr(gm, "_MID_TILES_FP8", [(64, 64, 64, 4, 4), (64, 128, 96, 4, 4), (64, 128, 128, 8, 3)])
+    assert _kept(4096, _KIMI_GATE_UP, **_FP8_GATE_UP) == [(64, 128, 128, 8, 3)]
+
+
+def _fp8_case(counts, hidden, inter, device, seed=0):
+    from moe_ref.kernels.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128
+
+    x_RD, gate_up, down, row_start_e, num_rows_e = _case(counts, hidden, inter, device, seed=seed)
+    x_fp8, x_scale = quantize_fp8_per_128(x_RD)
+    gate_up_fp8, gate_up_scale = quantize_fp8_per_block_128(gate_up)
+    down_fp8, down_scale = quantize_fp8_per_block_128(down)
+    return x_fp8, x_scale, gate_up_fp8, gate_up_scale, down_fp8, down_scale, row_start_e, num_rows_e
+
+
+@pytest.mark.parametrize("config1,config2", [
+    (_config(16, 128, 128), _config(32, 64, 64)),                   # BLOCK_K = one whole scale group
+    (_config(32, 128, 64, group_m=2), _config(16, 128, 128, group_m=3)),  # two k-steps per group, swizzled
+])
+def test_forced_fp8_configs_match_twin(config1, config2, device):
+    """The tuner's FP8 launches (e4m3 x + per-row per-128 scales, e4m3 weights + 128x128 block scales, h
+    re-quantized by GEMM1's epilogue) with forced tiles vs grouped_mlp_ref on the same operands."""
+    counts = [5, 0, 40, 17]
+    hidden, inter = 256, 256  # 2 scale groups along D and F: group boundaries inside the tiles' loops
+    x, x_scale, gate_up, gate_up_scale, down, down_scale, row_start_e, num_rows_e = _fp8_case(
+        counts, hidden, inter, device)
+    num_rows = x.shape[0]
+    h = torch.full((num_rows, inter), float("nan"), device=device).to(x.dtype)
+    h_scale = torch.full((num_rows, inter // 128), float("nan"), device=device)
+    y = torch.full((num_rows, hidden), float("nan"), dtype=torch.bfloat16, device=device)
+    common = dict(situ_beta=4.0, situ_linear_beta=25.0, fp8=True, rows_hint=num_rows)
+    gm._launch_gemm(x, x_scale, gate_up, gate_up_scale, h, h_scale, row_start_e, num_rows_e, n=inter, k=hidden,
+                    activation="silu", quant_out=True, config=config1, **common)
+    gm._launch_gemm(h, h_scale, down, down_scale, y, None, row_start_e, num_rows_e, n=hidden, k=inter,
+                    activation="none", quant_out=False, config=config2, **common)
+    y_ref = grouped_mlp_ref(x, gate_up, down, row_start_e, num_rows_e, x_scale_RDb=x_scale,
+                            gate_up_scale=gate_up_scale, down_scale=down_scale)
+    valid = _valid_rows(row_start_e, num_rows_e, num_rows)
+    got, want = y.cpu()[valid].float(), y_ref.cpu()[valid].float()
+    assert not got.isnan().any(), f"rows left unwritten: {config1=} {config2=}"
+    from moe_ref.testing import calc_diff
+
+    assert calc_diff(got, want) < 1e-5, (config1, config2)
+
+
+def _tuner():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "tune_grouped_mlp.py"
+    spec = importlib.util.spec_from_file_location("tune_grouped_mlp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tuner_fp8_candidates_are_legal_and_dry_run_works(capsys):
+    tune = _tuner()
+    for gemm in tune.GEMMS:
+        kept, skipped = tune.enumerate_candidates(gemm, fp8=True)
+        gated = gemm == "gate_up"
+        for c in kept:
+            config = tune._make_config(c["tile"], c["group_m"])
+            assert gm._config_error(config, fp8=True, quant_out=gated) is None, c["label"]
+        assert tune.FIXED_TILE_FP8 in [c["tile"] for c in kept]
+        current = {gm._normalize_tile((*t, g)) for t, g in tune._current_tiles(fp8=True)}
+        legal = {gm._normalize_tile((*c["tile"], c["group_m"])) for c in kept}
+        assert current - legal == {gm._normalize_tile((*c["tile"], c["group_m"])) for c in skipped
+                                   if "current" in c["source"]}
+    # Triton specialises the FP8 scale strides (multiples of 16 or not): the compile launches copy that
+    assert [tune._like_dim(d) for d in (7168, 2048, 5120, 128, 100)] == [1024, 2048, 1024, 128, 100]
+    assert tune.main(["--dry-run", "--fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "_MID_TILES_FP8" in out and "bf16 anchor" in out and "x 2 specialisation(s)" in out
