@@ -265,15 +265,24 @@ _PREFILL_TILES = [  # > 256 rows per expert: compute bound, big tiles
 ]
 # FP8 (e4m3 x and weights) launches of the mid and prefill regimes autotune over these lists instead, so that
 # `scripts/tune_grouped_mlp.py --fp8` results change FP8's choices only (decode shares _DECODE_TILES). They
-# hold the bf16 lists' tiles until an FP8 sweep is measured; `_config_problem` drops the ones FP8 cannot run
+# hold the bf16 lists' tiles plus the FP8 sweep's winners (docs/results/tune_grouped_mlp_fp8.txt, one H200);
+# `_config_problem` drops the ones FP8 cannot run
 # (GEMM1 needs BLOCK_N 128, BLOCK_K divides 128, <= 128x128 fp32 accumulator elements per program).
 _MID_TILES_FP8 = [  # 32..256 rows per expert
-    (32, 128, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
-    (128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 4),
+    (32, 128, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 128, 64, 8, 4, 8),
+    (128, 256, 64, 8, 4),
+    (64, 128, 128, 8, 4, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: gate_up kimi-k2/4096
+    (64, 128, 128, 8, 3, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: gate_up step3/4096
+    (128, 128, 128, 8, 4),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down kimi-k2/4096
+    (128, 128, 128, 8, 5),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down step3/4096
 ]
 _PREFILL_TILES_FP8 = [  # > 256 rows per expert
     (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
     (128, 256, 64, 8, 3), (128, 128, 64, 8, 3, 8), (128, 64, 64, 4, 3, 8), (128, 256, 64, 8, 3, 8),
+    (64, 128, 128, 8, 5, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: gate_up kimi-k2/32768
+    (64, 128, 128, 8, 4, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: gate_up step3/32768
+    (64, 128, 128, 4, 3),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down kimi-k2/32768
+    (64, 256, 128, 8, 4, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down step3/32768
 ]
 # Autotune keeps configs whose estimated pipeline buffers stay under this (the H200 allows 227 KB per
 # block; the estimate ignores epilogue scratch, hence the headroom).
