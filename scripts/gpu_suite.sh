@@ -2,13 +2,13 @@
 # The whole GPU job in one call (device time is scarce): CUDA tests on 1 GPU, NCCL torchrun checks on 2,
 # then the benchmarks. Everything lands in $OUT (default results/gpu): suite.log + JSON/markdown/PNG.
 #   OUT=results/gpu bash scripts/gpu_suite.sh [quick|full] [steps...]
-# Steps: info tests dist graph mega bench_experts bench_layer (default: all). One device command runs 10 min at
+# Steps: info tests tests2 dist graph mega bench_experts bench_layer (default: all; tests2 = the 2-GPU pytest cases). One device command runs 10 min at
 # most, so split them over calls, e.g. `bash scripts/gpu_suite.sh quick info tests dist`.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 MODE=${1:-quick}; shift || true
-STEPS=${*:-info tests dist graph mega bench_experts bench_layer}
+STEPS=${*:-info tests tests2 dist graph mega bench_experts bench_layer}
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
 # Keep NVLink multicast off (it can take a shared host's GPUs out of service).
@@ -47,6 +47,8 @@ for s in $STEPS; do case $s in
       done
       step dist_k3 300 $TORCHRUN -m moe_ref.dist_check --device cuda --dtype bf16 --preset tiny-kimi-k3 --cap 64
     else echo "=== dist skipped: $NGPU GPU(s)" | tee -a "$LOG"; fi ;;
+  tests2)
+    if [ "$NGPU" -ge 2 ]; then step tests2 420 python3 -m pytest -q -rs --timeout=400 -m cuda2 tests/dist tests/gpu; fi ;;
   graph)
     step graph1 300 python3 tests/gpu/graph_worker.py --out "$OUT/graph1"
     if [ "$NGPU" -ge 2 ]; then step graph2 300 $TORCHRUN tests/gpu/graph_worker.py --out "$OUT/graph2"; fi ;;
