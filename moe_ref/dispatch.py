@@ -200,9 +200,10 @@ class Dispatcher(ABC):
         ``num_rows``, ``row_start``, ``recv_base``, ``pool_end``, ``recv_pos``, ``recv_weight``, ``recv_src``,
         ``recv_x`` (+ scales)). Returns the handle's ``routes``."""
 
-    @abstractmethod
     def _num_pool_rows(self, num_tokens: int) -> tuple[int, int | None]:
-        """(rows of the pool handed to the experts, a host-side estimate of the valid rows or None)."""
+        """(rows of the pool handed to the experts, a host-side estimate of the valid rows or None). Here: the
+        used end of the pool, read from the buffer (NOTE: a host sync; the device-side path overrides it)."""
+        return int(self.buffer.view("pool_end")[0]), None
 
     @abstractmethod
     def _return_partials(self, y_PD: torch.Tensor, handle: DispatchHandle) -> None:

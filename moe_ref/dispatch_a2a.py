@@ -30,7 +30,7 @@ from moe_ref import ops
 from moe_ref.buffer import SymmetricBuffer
 from moe_ref.capacity import CapacityPlan
 from moe_ref.dispatch import DispatchHandle, Dispatcher
-from moe_ref.kernels.ep_combine import sum_partials_ref, weighted_partials_ref
+from moe_ref.kernels.ep_combine import slot_owners_TR, sum_partials_ref, weighted_partials_ref
 from moe_ref.kernels.ep_dispatch import receive_layout_ref, receive_rows_ref
 from moe_ref.kernels.ep_regions import PeerBuffers
 from moe_ref.kernels.symm_signal import check_ep_status
@@ -89,28 +89,26 @@ class AllToAllDispatcher(Dispatcher):
         R, e, K = self.world_size, self.num_local_experts, regions.num_topk
         self._pre_dispatch(x_TD, topk_ids_TK, topk_weights_TK, self._mine_only, regions)
         num_tokens = x_TD.shape[0]
-        owner_TK = torch.where(topk_ids_TK >= 0, topk_ids_TK // e, -1)
-        to_rank_TR = (owner_TK[:, :, None] == torch.arange(R, device=self.device)).any(dim=1)
+        to_rank_TR = slot_owners_TR(topk_ids_TK, e, R)
         sent = tuple(to_rank_TR[:, r].nonzero().flatten() for r in range(R))
+        send_counts = [t.numel() for t in sent]
         header_R = torch.cat([view("send_count").to(torch.int64),
-                              torch.tensor([[num_tokens, t.numel()] for t in sent], device=self.device)], dim=1)
+                              torch.tensor([[num_tokens, n] for n in send_counts], device=self.device)], dim=1)
         header_R = self._all_to_all(header_R, [1] * R, [1] * R)  # row s: source s's counts for me, T_s, U_s
-        recv_counts = header_R[:, e + 1].tolist()  # NOTE: host sync
-        routes = Routes(sent, ())
+        src_num_tokens, recv_counts = header_R[:, e:].t().tolist()  # NOTE: host sync
         # routing of each token sent, one row per (token, destination): token, ids, slot ranks, weight bits
         send_token_U = torch.cat(sent)
         meta_U = torch.cat([send_token_U[:, None], topk_ids_TK[send_token_U], view("slot_rank")[send_token_U].long(),
                             topk_weights_TK[send_token_U].view(torch.int32).long()], dim=1)
-        meta_U = self._all_to_all(meta_U, routes.send_counts, recv_counts)
-        rows = [self._all_to_all(view(name)[send_token_U], routes.send_counts, recv_counts)
+        meta_U = self._all_to_all(meta_U, send_counts, recv_counts)
+        rows = [self._all_to_all(view(name)[send_token_U], send_counts, recv_counts)
                 for name in (("x", "x_scale") if regions.fp8 else ("x",))]
         my = self.buffer.view_bytes()
         recv_base_Re = receive_layout_ref(my, regions, header_R[:, e].to(torch.int32), header_R[:, :e])
         received, start = [], 0
-        for src, count in enumerate(recv_counts):
+        for src, (count, num_src_tokens) in enumerate(zip(recv_counts, src_num_tokens)):
             part = slice(start, start + count)
             token_U = meta_U[part, 0]
-            num_src_tokens = int(header_R[src, e])
             view("recv_pos")[src, :num_src_tokens] = -1  # tokens of src not sent here have no slot here
             receive_rows_ref(my, regions, self.rank, src, recv_base_Re, token_U,
                              torch.ones(count, dtype=torch.bool, device=self.device), meta_U[part, 1:1 + K],
@@ -120,9 +118,6 @@ class AllToAllDispatcher(Dispatcher):
             start += count
         check_ep_status(self._mine_only, regions)  # a pool overflow (INP005) recorded by the layout
         return Routes(sent, tuple(received))
-
-    def _num_pool_rows(self, num_tokens):
-        return int(self.buffer.view("pool_end")[0]), None
 
     def _return_partials(self, y_PD, handle: DispatchHandle) -> None:
         view, routes = self.buffer.view, handle.routes

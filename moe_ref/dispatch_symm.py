@@ -57,7 +57,7 @@ class SymmDispatcher(Dispatcher):
             # pool_end are masked by the segments) and a static estimate of the valid rows for their tile choice:
             # what this rank sends, about what it receives when ranks are balanced.
             return self.regions.num_pool_rows, num_tokens * self.regions.num_topk
-        return int(self.buffer.view("pool_end")[0]), None
+        return super()._num_pool_rows(num_tokens)
 
     def _return_partials(self, y_PD, handle: DispatchHandle) -> None:
         self.ops.combine_push(y_PD, self.peers, self.regions, post=True)

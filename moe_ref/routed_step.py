@@ -36,6 +36,7 @@ from moe_ref.dispatch import Dispatcher, routed_input_problem
 from moe_ref.distributed import agree_on_failure, comm_device, gather_ints, group_size_and_rank, peer_errors
 from moe_ref.errors import CapacityExceededError, ConservationError, MoERefError
 from moe_ref.experts import Experts
+from moe_ref.kernels.ep_combine import slot_owners_TR
 from moe_ref.options import EPOptions
 from moe_ref.overflow import OverflowPolicy
 from moe_ref.transport import make_dispatcher
@@ -236,16 +237,11 @@ class ModularRoutedStep(RoutedStep):
                                     problems=problems)
         view("combine_partial")[:, :handle.num_tokens].fill_(float("nan"))
 
-    def _owners_RT(self, num_tokens: int) -> torch.Tensor:
-        """``[R, T]`` bool: rank r owns >= 1 of token t's slots (so r must have sent its partial)."""
-        ids_TK = self.dispatcher.buffer.view("topk_ids")[:num_tokens]
-        owner_TK = torch.where(ids_TK >= 0, ids_TK // self.dispatcher.num_local_experts, -1)
-        return (owner_TK[None] == torch.arange(self.world_size, device=ids_TK.device)[:, None, None]).any(dim=2)
-
     def _check_every_slot_returned(self, handle) -> None:
         """Every owner of a slot of mine wrote its partial back (no NaN poison left). Local check."""
         partial_RTD = self.dispatcher.buffer.view("combine_partial")[:, :handle.num_tokens]
-        owners_RT = self._owners_RT(handle.num_tokens)
+        ids_TK = self.dispatcher.buffer.view("topk_ids")[:handle.num_tokens]
+        owners_RT = slot_owners_TR(ids_TK, self.dispatcher.num_local_experts, self.world_size).t()
         missing_RT = owners_RT & torch.isnan(partial_RTD).any(dim=-1)
         if bool(missing_RT.any()):
             owner, token = missing_RT.nonzero()[0].tolist()

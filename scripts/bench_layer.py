@@ -51,6 +51,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from moe_ref.config import MoEConfig  # noqa: E402
+from moe_ref.experts import Experts  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
 
 PATHS = ("a2a_grouped_mm", "moe_ref_triton", "moe_ref_triton_graph", "moe_ref_triton_fp8", "moe_ref_triton_fp8_graph",
@@ -169,23 +170,14 @@ def build_moe_ref_identity(args, cfg, group, num_tokens, local_weights, device):
     return build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, identity=True)
 
 
-def _identity_experts_class():
-    from moe_ref.experts import Experts
+class IdentityExperts(Experts):
+    """y = x: the routed step's dispatch + combine alone (bf16 pool rows returned as they are)."""
 
-    class Identity(Experts):
-        """y = x: the routed step's dispatch + combine alone (bf16 pool rows returned as they are)."""
+    name = "identity"
+    segment_alignment = 1
 
-        name = "identity"
-        segment_alignment = 1
-
-        def forward(self, x_MD, layout, x_scale_MDb=None):
-            return x_MD
-
-    return Identity
-
-
-def IdentityExperts(gate_up, down):  # noqa: N802 - a class built lazily (moe_ref imports after sys.path)
-    return _identity_experts_class()(gate_up, down)
+    def forward(self, x_PD, layout, x_scale_PDb=None):
+        return x_PD
 
 
 def graphed(builder):

@@ -294,6 +294,13 @@ def ep_combine_reduce_ref(num_tokens: int, peers: PeerBuffers, regions: EPRegion
                             regions.num_local_experts, out_dtype)
 
 
+def slot_owners_TR(topk_ids_TK: torch.Tensor, num_local_experts: int, num_ranks: int) -> torch.Tensor:
+    """``[T, R]`` bool: rank r owns >= 1 of token t's slots (global expert e lives on rank e // e_local; -1 =
+    masked, owned by nobody). Who sends a token in dispatch, and whose partial comes back for it in combine."""
+    owner_TK = torch.where(topk_ids_TK >= 0, topk_ids_TK // num_local_experts, -1)
+    return (owner_TK[:, :, None] == torch.arange(num_ranks, device=topk_ids_TK.device)).any(dim=1)
+
+
 def sum_partials_ref(topk_ids_TK: torch.Tensor, part_RCD: torch.Tensor, num_local_experts: int,
                      out_dtype: torch.dtype) -> torch.Tensor:
     """`out[t] = sum over ranks r in order, r owning >= 1 of t's slots, of part[r, t]` in fp32 -> out_dtype.
@@ -301,9 +308,8 @@ def sum_partials_ref(topk_ids_TK: torch.Tensor, part_RCD: torch.Tensor, num_loca
     Shared by the reduce twin and the `a2a` transport. topk_ids_TK `[T, K]` int64; part_RCD `[R, >= T, Dx]`.
     """
     num_tokens = topk_ids_TK.shape[0]
-    owner_TK = torch.where(topk_ids_TK >= 0, topk_ids_TK // num_local_experts, -1)
+    owns_TR = slot_owners_TR(topk_ids_TK, num_local_experts, part_RCD.shape[0])
     acc_TD = torch.zeros(num_tokens, part_RCD.shape[2], dtype=torch.float32, device=part_RCD.device)
     for src in range(part_RCD.shape[0]):
-        owns_T1 = (owner_TK == src).any(dim=1, keepdim=True)
-        acc_TD = torch.where(owns_T1, acc_TD + part_RCD[src, :num_tokens].float(), acc_TD)
+        acc_TD = torch.where(owns_TR[:, src:src + 1], acc_TD + part_RCD[src, :num_tokens].float(), acc_TD)
     return acc_TD.to(out_dtype)
