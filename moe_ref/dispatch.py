@@ -168,8 +168,8 @@ class Dispatcher(ABC):
     """Dispatch/combine of one EP group over one transport, one chunk at a time (the transport half of the
     modular routed step, ``moe_ref.routed_step.ModularRoutedStep``). Build with ``transport.make_dispatcher``.
 
-    Subclasses implement the transport: ``_exchange`` (step 2, after pre-dispatch filled my send regions) and
-    ``_return_partials`` (step 3, leaving every partial of my tokens in MY ``combine_partial``).
+    Subclasses implement the transport: ``_pre_dispatch_and_exchange`` (steps 1-2), ``_return_partials`` (step 3,
+    leaving every partial of my tokens in MY ``combine_partial``) and ``_reduce`` (step 4).
 
     Attributes:
         plan: the buffer plan; regions: its ``EPRegions``. rank, world_size: in the EP group.
