@@ -10,6 +10,7 @@
 | MOE_REF_DEBUG                      | ``moe-ref`` shows tracebacks of coded errors (1/0)   | off     |
 | MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
 | MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
+| MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
 """
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ def native_ops() -> tuple[bool, str | None]:
     """(whether the compiled CPU ops may be used, the raw value): ``MOE_REF_NATIVE=0`` forces the torch twins."""
     value = _get("MOE_REF_NATIVE")
     return value is None or value.strip().lower() not in ("0", "false", "no", "off"), value
+
+
+def tma() -> bool:
+    """``MOE_REF_TMA=0`` keeps the grouped MLP kernel on pointer loads (TMA descriptors otherwise, where possible)."""
+    value = _get("MOE_REF_TMA")
+    return value is None or value.strip().lower() not in ("0", "false", "no", "off")
 
 
 def debug() -> bool:

@@ -96,6 +96,15 @@ FIXED_TILE = (64, 128, 64, 4, 3)  # the library's fallback: computes h for the d
 # --fp8: BLOCK_K 128 first (one e4m3 k-step = one 128-wide scale group); gate_up's BLOCK_N is 128 (its epilogue
 # quantizes one 128-column group of h per tile); (BLOCK_M, effective N) pairs per GEMM
 FP8_GRID_TILES_MN = {"gate_up": ((64, 256), (32, 256)), "down": ((128, 128), (64, 256), (64, 128))}
+# --explore (FP8): instead of the grid, these larger tiles (8 warps), past the library's register rules; the
+# compiler's register and spill counts show which fit (the per-tile scalar weight scale and TMA loads free
+# registers the rules were measured without)
+EXPLORE_TILES = {
+    "gate_up": ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5)),
+    "down": ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (256, 128, 128, 8, 3), (256, 128, 64, 8, 4),
+             (128, 256, 64, 8, 4)),
+}
+EXPLORE = False  # set by --explore
 FP8_GRID_BLOCK_K = (128, 64)
 FP8_MAX_ACC_REGS = 64            # fp32 accumulator registers per thread; the scaled partial product doubles them
 FIXED_TILE_FP8 = (64, 128, 128, 8, 3)  # legal for both FP8 GEMMs; in the current FP8 lists and the FP8 grid
@@ -158,8 +167,8 @@ def _skip_reason(gemm: str, tile: tuple, fp8: bool = False, heuristics: bool = T
     _, hidden, inter = SHAPES["kimi-k2"] if "kimi-k2" in SHAPES else next(iter(SHAPES.values()))
     n, k = (inter, hidden) if gated else (hidden, inter)
     problem = gm._config_problem(config, n=n, k=k, gated=gated, fp8=fp8, quant_out=fp8 and gated, ieee_fp32=False,
-                                 smem_limit=SMEM_LIMIT)
-    if problem or not heuristics:
+                                 smem_limit=SMEM_LIMIT, register_rules=not EXPLORE)
+    if problem or not heuristics or EXPLORE:
         return problem
     block_m, block_n, _, warps, _ = tile
     acc_regs = block_m * block_n * (2 if gated else 1) // (32 * warps)
@@ -181,6 +190,8 @@ def _grid(gemm: str, fp8: bool) -> list[tuple]:
     """(tile, GROUP_M 1) of the phase-1 grid, largest tiles first."""
     gated = gemm == "gate_up"
     if fp8:
+        if EXPLORE:
+            return [(tile, 1) for tile in EXPLORE_TILES[gemm]]
         shapes = [(m, n_eff, k) for (m, n_eff), k in itertools.product(FP8_GRID_TILES_MN[gemm], FP8_GRID_BLOCK_K)]
     else:
         shapes = list(itertools.product(sorted(GRID_BLOCK_M, reverse=True), sorted(GRID_EFFECTIVE_N, reverse=True),
@@ -632,7 +643,8 @@ def _best(runs: list[dict], current_only: bool = False) -> dict | None:
 
 LIST_COMMENTS = {"_DECODE_TILES": "<= 32 rows per expert: weight-bandwidth bound, many N tiles in flight",
                  "_MID_TILES": "32..256 rows per expert", "_PREFILL_TILES": "> 256 rows per expert: compute bound, big tiles",
-                 "_MID_TILES_FP8": "32..256 rows per expert", "_PREFILL_TILES_FP8": "> 256 rows per expert"}
+                 "_DECODE_TILES_FP8": "<= 32 rows per expert", "_MID_TILES_FP8": "32..256 rows per expert",
+                 "_PREFILL_TILES_FP8": "> 256 rows per expert"}
 
 
 def autotune_problem(shape: str, gemm: str, tile, group_m: int, fp8: bool) -> str | None:
@@ -646,7 +658,7 @@ def autotune_problem(shape: str, gemm: str, tile, group_m: int, fp8: bool) -> st
 
 def tile_list_name(regime: str, fp8: bool) -> str:
     """The grouped_mlp.py list that autotune reads for this regime (FP8 has its own mid and prefill lists)."""
-    return f"_{regime.upper()}_TILES" + ("_FP8" if fp8 and regime != "decode" else "")
+    return f"_{regime.upper()}_TILES" + ("_FP8" if fp8 else "")
 
 
 def summarize(results: dict) -> dict:
@@ -805,6 +817,9 @@ def _parse(argv):
     parser.add_argument("--swizzle-top", type=int, default=3, help="tiles per GEMM that phase 2 re-runs with GROUP_M")
     parser.add_argument("--no-current", action="store_true", help="leave out the current autotune tiles")
     parser.add_argument("--limit", type=int, default=0, help="at most this many phase-1 candidates per GEMM (0: all)")
+    parser.add_argument("--explore", action="store_true",
+                        help="--fp8: sweep the current tiles and EXPLORE_TILES (larger, 8 warps) instead of the grid, "
+                             "without the register rules; the compiler's spill counts show which fit")
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = "results/tune_grouped_mlp_fp8.json" if args.fp8 else "results/tune_grouped_mlp.json"
@@ -859,7 +874,9 @@ def dry_run(args, candidates: dict, skipped: dict) -> int:
 
 
 def main(argv=None) -> int:
+    global EXPLORE
     args = _parse(argv)
+    EXPLORE = args.explore
     candidates, skipped = {}, {}
     for gemm in args.gemms:
         candidates[gemm], skipped[gemm] = enumerate_candidates(gemm, include_current=not args.no_current,

@@ -21,9 +21,17 @@ default), or GROUP_M > 1 consecutive M blocks sweep the N tiles together (an L2 
 Tiles: autotuned per rows-per-expert regime (`_regime`, `_prune_configs`), or forced with
 `_launch_gemm(..., config=triton.Config(...))` (`scripts/tune_grouped_mlp.py` sweeps them that way).
 
+Loads: on Hopper and newer GPUs (and under the interpreter) the a and b tiles come through host-side TMA
+descriptors (`TensorDescriptor`: a over the pool `[P, K]`, b over the weights viewed as `[e * rows, K]`); a
+tile may read rows past its expert's segment (the next expert's, or padding), which only feed output rows
+the store masks. Pointer loads remain for 4-bit weights, row strides that are not 16-byte multiples and
+`MOE_REF_TMA=0`. On an H200 the descriptors cut the FP8 kernel's registers from ~249 to ~173 per thread and
+sped both GEMMs up (docs/results/tune_grouped_mlp_fp8_tma.txt).
+
 FP8 (e4m3): x with per-row per-128-column fp32 scales `x_scale_RDb`, weights with fp32 128x128 block
 scales; each BLOCK_K (<= 128, dividing 128) k-step multiplies the fp32 partial product by
-`x_scale[row, k // 128] * w_scale[col // 128, k // 128]` before accumulating.
+`x_scale[row, k // 128] * w_scale[col // 128, k // 128]` before accumulating. When BLOCK_N divides 128 the
+tile's columns share one weight scale, folded into the row scales first: one FMA per element.
 
 W4A16 (weight-only 4-bit, picked by the weights' dtype; formats in `moe_ref.quant`): int32 weights are
 compressed-tensors INT4 (`[e, O, I/8]`, 8 offset-binary nibbles per word, low nibble first) with
@@ -47,6 +55,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moe_ref import envs
 from moe_ref.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
 
 from moe_ref.kernels._triton_utils import (
@@ -60,6 +69,11 @@ from moe_ref.kernels._triton_utils import (
     to_e4m3,
 )
 from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads only
+    TensorDescriptor = None
 
 __all__ = ["grouped_mlp", "grouped_mlp_ref"]
 
@@ -109,6 +123,7 @@ def _w4_tile(b_base, scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_scale
 def _grouped_gemm_kernel(
     # pointers
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, num_rows_ptr,
+    a_desc, b_desc,                # TMA descriptors of a [R, K] and b [e * rows of b, K] (USE_TMA), else None
     # sizes
     R, N, K, num_experts, situ_beta, situ_linear_beta,
     rows_hint,                     # autotune key only: ~total routed rows, power of 2 (unused in the body)
@@ -122,6 +137,8 @@ def _grouped_gemm_kernel(
     W4: tl.constexpr,              # b is packed 4-bit with group-32 scales: 1 int4 (int32 words), 2 mxfp4 (uint8)
     W4_PER: tl.constexpr,          # 4-bit values per stored element: 8 (int4), 2 (mxfp4); 1 otherwise
     QUANT_OUT: tl.constexpr,       # write c as fp8 e4m3 + per-row per-128 scales (needs BLOCK_N == 128)
+    USE_TMA: tl.constexpr,         # load the a and b tiles through a_desc/b_desc (Hopper TMA), not pointers
+    N_ALIGNED: tl.constexpr,       # N % 128 == 0: the up half of a gate||up tile starts a scale group too
     UPCAST: tl.constexpr,          # interpreter: dot in fp32 (its bf16 dot is wrong)
     IEEE_FP32: tl.constexpr,       # fp32 inputs: ieee dot instead of tf32
     BLOCK_M: tl.constexpr,
@@ -174,6 +191,10 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + rows[:, None] * stride_a_r + offs_k[None, :]
+    # TMA coordinates: the tile's first pool row, and its first row of b viewed as [e * rows of b, K]
+    # (rows the tile reads past its segment belong to the next expert or the padding: masked at the store)
+    row0_tma = row0.to(tl.int32)
+    b_row_tma = (expert * (stride_b_e // stride_b_n) + pid_n * BLOCK_N).to(tl.int32)
     b_base = b_ptr + expert * stride_b_e
     b_scale_base = b_scale_ptr + expert * stride_b_scale_e
     b_ptrs = b_base + offs_n[None, :] * stride_b_n + offs_k[:, None]          # [BLOCK_K, BLOCK_N] view of b.T
@@ -184,10 +205,15 @@ def _grouped_gemm_kernel(
     # --- main loop over K ------------------------------------------------------------------------------
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if USE_TMA:  # out-of-bounds rows and columns come back as 0
+            a = a_desc.load([row0_tma, k0])
+        else:
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if W4 != 0:  # the dequantized tile takes x's dtype (as the twin's weights), before any upcast
             b = _w4_tile(b_base, b_scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_b_scale_n, W4, W4_PER,
                          BLOCK_K, BLOCK_N).to(a_ptr.dtype.element_ty)
+        elif USE_TMA:
+            b = b_desc.load([b_row_tma, k0]).T
         else:
             b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:
@@ -195,9 +221,15 @@ def _grouped_gemm_kernel(
             b = b.to(tl.float32)
         if FP8:
             scale_a = tl.load(a_scale_ptr + rows * stride_a_scale_r + k0 // 128, mask=mask_m, other=0.0)
-            scale_b = tl.load(b_scale_ptr + expert * stride_b_scale_e + (offs_n // 128) * stride_b_scale_n + k0 // 128,
-                              mask=mask_n, other=0.0)
-            acc += tl.dot(a, b) * scale_a[:, None] * scale_b[None, :]
+            if 128 % BLOCK_N == 0:
+                # the tile's columns share one weight scale: fold it into the row scales, so promoting the
+                # partial product costs one FMA per element (DeepGEMM's SM90 promotion does the same)
+                scale_b = tl.load(b_scale_base + (pid_n * BLOCK_N // 128) * stride_b_scale_n + k0 // 128)
+                acc += tl.dot(a, b) * (scale_a * scale_b)[:, None]
+            else:
+                scale_b = tl.load(b_scale_base + (offs_n // 128) * stride_b_scale_n + k0 // 128, mask=mask_n,
+                                  other=0.0)
+                acc += tl.dot(a, b) * scale_a[:, None] * scale_b[None, :]
         elif IEEE_FP32:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -206,14 +238,20 @@ def _grouped_gemm_kernel(
             if W4 != 0:
                 b_up = _w4_tile(b_base + N * stride_b_n, b_scale_base + N * stride_b_scale_n, offs_n, mask_n, k0, K,
                                 stride_b_n, stride_b_scale_n, W4, W4_PER, BLOCK_K, BLOCK_N).to(a_ptr.dtype.element_ty)
+            elif USE_TMA:
+                b_up = b_desc.load([b_row_tma + N, k0]).T
             else:
                 b_up = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             if FP8:
-                scale_up = tl.load(b_scale_ptr + expert * stride_b_scale_e + ((offs_n + N) // 128) * stride_b_scale_n
-                                   + k0 // 128, mask=mask_n, other=0.0)
-                acc_up += tl.dot(a, b_up) * scale_a[:, None] * scale_up[None, :]
+                if 128 % BLOCK_N == 0 and N_ALIGNED:
+                    scale_up = tl.load(b_scale_base + ((pid_n * BLOCK_N + N) // 128) * stride_b_scale_n + k0 // 128)
+                    acc_up += tl.dot(a, b_up) * (scale_a * scale_up)[:, None]
+                else:
+                    scale_up = tl.load(b_scale_base + ((offs_n + N) // 128) * stride_b_scale_n + k0 // 128,
+                                       mask=mask_n, other=0.0)
+                    acc_up += tl.dot(a, b_up) * scale_a[:, None] * scale_up[None, :]
             elif IEEE_FP32:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
             else:
@@ -258,16 +296,23 @@ _DECODE_TILES = [  # <= 32 rows per expert: weight-bandwidth bound, many N tiles
 _MID_TILES = [  # 32..256 rows per expert
     (32, 128, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
     (128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 4),
+    (128, 128, 64, 8, 4),  # tune_grouped_mlp.py with TMA loads, H200, 2026-12-01: gate_up kimi-k2/4096, step3/4096
 ]
 _PREFILL_TILES = [  # > 256 rows per expert: compute bound, big tiles
     (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
     (128, 256, 64, 8, 3), (128, 128, 64, 8, 3, 8), (128, 64, 64, 4, 3, 8), (128, 256, 64, 8, 3, 8),
+    (128, 128, 64, 8, 4, 8),  # tune_grouped_mlp.py with TMA loads, H200, 2026-12-01: gate_up kimi-k2/32768
+    (128, 256, 64, 8, 4, 8),  # tune_grouped_mlp.py with TMA loads, H200, 2026-12-01: down kimi-k2/32768
 ]
-# FP8 (e4m3 x and weights) launches of the mid and prefill regimes autotune over these lists instead, so that
-# `scripts/tune_grouped_mlp.py --fp8` results change FP8's choices only (decode shares _DECODE_TILES). They
+# FP8 (e4m3 x and weights) launches autotune over these lists instead, so that
+# `scripts/tune_grouped_mlp.py --fp8` results change FP8's choices only. They
 # hold the bf16 lists' tiles plus the FP8 sweep's winners (docs/results/tune_grouped_mlp_fp8.txt, one H200);
 # `_config_problem` drops the ones FP8 cannot run
 # (GEMM1 needs BLOCK_N 128, BLOCK_K divides 128, <= 128x128 fp32 accumulator elements per program).
+_DECODE_TILES_FP8 = [  # <= 32 rows per expert: _DECODE_TILES plus deeper pipelines (e4m3 tiles are half the bytes)
+    (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+    (16, 128, 128, 4, 5), (32, 128, 128, 4, 5), (16, 64, 128, 4, 8), (32, 64, 128, 4, 6),
+]
 _MID_TILES_FP8 = [  # 32..256 rows per expert
     (32, 128, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 128, 64, 8, 4, 8),
     (128, 256, 64, 8, 4),
@@ -275,6 +320,9 @@ _MID_TILES_FP8 = [  # 32..256 rows per expert
     (64, 128, 128, 8, 3, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: gate_up step3/4096
     (128, 128, 128, 8, 4),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down kimi-k2/4096
     (128, 128, 128, 8, 5),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down step3/4096
+    # tune_grouped_mlp.py --fp8 --explore after the TMA loads and one-scale-per-tile promotion (NVIDIA H200,
+    # 2026-12-01, docs/results/tune_grouped_mlp_fp8_tma.txt): kimi-k2/4096 gate_up 580 us, down 252 us
+    (64, 128, 128, 8, 5, 8), (64, 128, 128, 4, 3),
 ]
 _PREFILL_TILES_FP8 = [  # > 256 rows per expert
     (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
@@ -295,17 +343,24 @@ def _normalize_tile(tile: tuple) -> tuple:
     return tuple(tile[:5]) if len(tile) == 5 or tile[5] == 1 else tuple(tile)
 
 
+def _set_tma_block_shapes(nargs: dict) -> None:
+    """Autotune pre-hook: a TMA launch's descriptors take the block shapes of the config being run."""
+    if nargs.get("a_desc") is not None:
+        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
 def _config_of_tile(tile: tuple) -> triton.Config:
     block_m, block_n, block_k, warps, stages = tile[:5]
     meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
     if len(tile) > 5 and tile[5] != 1:
         meta["GROUP_M"] = tile[5]
-    return triton.Config(meta, num_warps=warps, num_stages=stages)
+    return triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=_set_tma_block_shapes)
 
 
 def _gpu_configs() -> list[triton.Config]:
     """H200 candidates (union of the regimes; `_prune_configs` keeps the ones for this launch)."""
-    every = _DECODE_TILES + _MID_TILES + _PREFILL_TILES + _MID_TILES_FP8 + _PREFILL_TILES_FP8
+    every = _DECODE_TILES + _MID_TILES + _PREFILL_TILES + _DECODE_TILES_FP8 + _MID_TILES_FP8 + _PREFILL_TILES_FP8
     tiles = dict.fromkeys(_normalize_tile(t) for t in every)
     return [_config_of_tile(tile) for tile in tiles]
 
@@ -325,7 +380,7 @@ def _regime(rows_hint: int, num_experts: int, fp8: bool = False) -> tuple[str, l
     """
     rows_per_expert = rows_hint / max(num_experts, 1)
     if rows_per_expert <= 32:
-        return "decode", _DECODE_TILES
+        return "decode", _DECODE_TILES_FP8 if fp8 else _DECODE_TILES
     if rows_per_expert <= 256:
         return "mid", _MID_TILES_FP8 if fp8 else _MID_TILES
     return "prefill", _PREFILL_TILES_FP8 if fp8 else _PREFILL_TILES
@@ -350,18 +405,20 @@ def _config_error(config: triton.Config, *, fp8: bool, quant_out: bool, w4: int 
 
 
 def _config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: bool, quant_out: bool,
-                    ieee_fp32: bool, w4: int = 0, smem_limit: int = _AUTOTUNE_SMEM_LIMIT) -> str | None:
+                    ieee_fp32: bool, w4: int = 0, smem_limit: int = _AUTOTUNE_SMEM_LIMIT,
+                    register_rules: bool = True) -> str | None:
     """Why autotune should not try this config for the launch (None if it should): wrong results,
-    tiles larger than the problem, register spills, shared memory above `smem_limit` bytes."""
+    tiles larger than the problem, register spills (`register_rules`; a tuner exploring past them turns
+    them off and reads the compiler's spill count instead), shared memory above `smem_limit` bytes."""
     error = _config_error(config, fp8=fp8, quant_out=quant_out, w4=w4)
     if error:
         return error
     block_m, block_n, block_k = (config.kwargs[key] for key in _META_KEYS)
     if block_n > max(64, triton.next_power_of_2(n)) or block_k > max(64, triton.next_power_of_2(k)):
         return "tile larger than the problem"
-    if gated and (block_m * block_n > 128 * 128 or block_n > 128):
+    if register_rules and gated and (block_m * block_n > 128 * 128 or block_n > 128):
         return "two fp32 accumulators (gate, up): register pressure"
-    if fp8 and block_m * block_n * (2 if gated else 1) > 128 * 128:
+    if register_rules and fp8 and block_m * block_n * (2 if gated else 1) > 128 * 128:
         return "fp8 keeps a scaled partial product beside each accumulator: spills (ptxas, sm_90a)"
     smem = _smem_bytes(config, gated=gated, bytes_per_element=1 if fp8 else 4 if ieee_fp32 else 2)
     if smem > smem_limit:
@@ -390,7 +447,7 @@ def _prune_configs(configs, named_args, **kwargs):
 def _autotuned_kernel():
     return triton.autotune(
         configs=_gpu_configs(),
-        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "FP8", "QUANT_OUT", "W4"],
+        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "FP8", "QUANT_OUT", "W4", "USE_TMA"],
         prune_configs_by={"early_config_prune": _prune_configs},
     )(_grouped_gemm_kernel)
 
@@ -419,9 +476,19 @@ def _forced_options(config: triton.Config) -> dict:
 # --------------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------------
+def _tma_possible(a: torch.Tensor, b: torch.Tensor, w4: int) -> bool:
+    """Whether the a and b tiles can be loaded with TMA descriptors: dense (not 4-bit) weights on a Hopper
+    or newer GPU (or the interpreter), 16-byte aligned bases and row strides (TMA's rules)."""
+    if w4 or TensorDescriptor is None or not envs.tma():
+        return False
+    if not is_interpreter() and (a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] < 9):
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in (a, b))
+
+
 def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
                  situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, w4: int = 0,
-                 config: triton.Config | None = None):
+                 config: triton.Config | None = None, tma: bool | None = None):
     """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up) or GEMM2 (`activation` "none").
 
     `config=None` (what `grouped_mlp` does): on a GPU, autotune over `_gpu_configs()` pruned to this
@@ -430,17 +497,30 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
     heuristic pruning; one compile per distinct config and kernel flags): used by
     `scripts/tune_grouped_mlp.py` and the tests. A config that would compute a wrong result (fp8 group
     rules) raises ValueError; one that does not fit the GPU fails in Triton (OutOfResources).
+    `tma=None` loads the a and b tiles through TMA descriptors where `_tma_possible` (else pointers);
+    True forces TMA (ValueError-like InvalidConfigError if impossible), False forces pointers.
     Returns what the Triton launch returns (on a GPU the compiled kernel: `n_regs`, `n_spills`,
     `metadata.shared`; `grouped_mlp` ignores it).
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
+    possible = _tma_possible(a, b, w4)
+    if tma and not possible:
+        raise InvalidConfigError("tma=True, but these tensors cannot use TMA descriptors (4-bit weights, a GPU "
+                                 "older than Hopper, MOE_REF_TMA=0, or bases/row strides not 16-byte aligned)")
+    use_tma = possible if tma is None else tma
+    if use_tma:  # block shapes are placeholders until the config is known (forced below, or the pre-hook)
+        a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [16, 16])
+        b_2d = b.view(-1, b.shape[-1])
+        b_desc = TensorDescriptor(b_2d, list(b_2d.shape), list(b_2d.stride()), [16, 16])
+    else:
+        a_desc = b_desc = None
     dummy = c
     a_scale = dummy if a_scale is None else a_scale
     b_scale = dummy if b_scale is None else b_scale
     c_scale = dummy if c_scale is None else c_scale
     b_scale_strides = (b_scale.stride(0), b_scale.stride(1)) if fp8 or w4 else (0, 0)
     args = (
-        a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e,
+        a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, a_desc, b_desc,
         num_rows, n, k, num_experts, float(situ_beta), float(situ_linear_beta) if situ_linear_beta else 1.0,
         triton.next_power_of_2(max(1, rows_hint)),
         a.stride(0), a_scale.stride(0) if fp8 else 0, b.stride(0), b.stride(1), *b_scale_strides,
@@ -448,7 +528,7 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
     )
     flags = dict(
         ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), FP8=fp8, QUANT_OUT=quant_out, W4=w4,
-        W4_PER={0: 1, 1: 8, 2: 2}[w4],
+        W4_PER={0: 1, 1: 8, 2: 2}[w4], USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=triton.next_power_of_2(num_experts),
     )
 
@@ -461,9 +541,11 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
         if error:
             raise InvalidConfigError(f"forced config {config}: {error}")
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
+        _set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **config.kwargs})
         return _grouped_gemm_kernel[grid(options)](*args, **flags, **options, **extra)
     if is_interpreter():
         meta = _interpreter_meta(quant_out)
+        _set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **meta})
         return _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
     return _autotuned_kernel()[grid](*args, **flags, **launch_options(fp_fusion=True))
 

@@ -1,5 +1,7 @@
 """grouped_mlp (Triton) vs grouped_mlp_ref (torch) over expert-major pools with padding rows."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -7,7 +9,13 @@ from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
 from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
 from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
 
-pytestmark = pytest.mark.interpreter
+# the module (the package's attribute of that name is the function)
+grouped_mlp_module = importlib.import_module("moe_ref.kernels.grouped_mlp")
+
+pytestmark = [pytest.mark.interpreter,
+              # padding rows hold NaN or garbage that TMA tiles read (and the store masks)
+              pytest.mark.filterwarnings("ignore:invalid value encountered in matmul"),
+              pytest.mark.filterwarnings("ignore:overflow encountered in add")]
 
 FP8 = torch.float8_e4m3fn
 
@@ -42,7 +50,8 @@ def _inputs(counts, hidden, inter, dtype, device, seed=0):
     row_start_e, num_rows_e, num_rows = _layout(counts, device)
     num_experts = len(counts)
     x_RD = torch.randn(num_rows, hidden, generator=gen)
-    x_RD[~_valid_rows(row_start_e, num_rows_e, num_rows)] = float("nan")  # padding garbage is never read
+    # padding garbage never reaches a valid row (TMA tiles read it; the rows are masked at the store)
+    x_RD[~_valid_rows(row_start_e, num_rows_e, num_rows)] = float("nan")
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
     down = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
     return (x_RD.to(dtype).to(device), gate_up.to(dtype).to(device), down.to(dtype).to(device),
@@ -87,6 +96,42 @@ def test_fp8_matches_twin(activation, hidden, inter, device, assert_close):
     y_fp32 = grouped_mlp_ref(x_RD, gate_up, down, row_start_e, num_rows_e, activation)
     rel = (y_RD.float() - y_fp32).norm() / y_fp32.norm()
     assert rel < 0.1, f"{rel=} {activation=} {hidden=}"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tma_and_pointer_loads_agree(fp8, device, monkeypatch, assert_close):
+    """The TMA-descriptor loads (the default where possible) and the pointer loads (MOE_REF_TMA=0) give the
+    same MLP; inter = 128 also takes the fp8 path's one-scale-per-tile promotion for both gate and up."""
+    hidden, inter = 128, 128
+    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
+                                                           torch.float32 if fp8 else torch.bfloat16, device, seed=2)
+    kwargs = {}
+    if fp8:
+        x_RD, kwargs["x_scale_RDb"] = quantize_fp8_per_128(x_RD.nan_to_num(0.0))
+        gate_up, kwargs["gate_up_scale"] = quantize_fp8_per_block_128(gate_up)
+        down, kwargs["down_scale"] = quantize_fp8_per_block_128(down)
+    assert grouped_mlp_module._tma_possible(x_RD, gate_up, w4=0)
+    y_tma = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    monkeypatch.setenv("MOE_REF_TMA", "0")
+    assert not grouped_mlp_module._tma_possible(x_RD, gate_up, w4=0)
+    y_pointers = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    y_ref = grouped_mlp_ref(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    for y in (y_tma, y_pointers):
+        _check_padding_zero(y, row_start_e, num_rows_e, fp8=fp8)
+        assert_close(y, y_ref, "fp8" if fp8 else torch.bfloat16, fp8=fp8)
+    assert torch.equal(y_tma, y_pointers)  # same tiles, same dots: only the loads differ
+
+
+def test_tma_needs_16_byte_rows(device):
+    """Row strides that are not a multiple of 16 bytes fall back to pointer loads (TMA's alignment rule);
+    forcing TMA then is refused with a clear error."""
+    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs([3], 36, 8, torch.bfloat16, device)  # 72-byte rows
+    assert not grouped_mlp_module._tma_possible(x_RD, gate_up, w4=0)
+    h = torch.empty(x_RD.shape[0], 8, dtype=x_RD.dtype, device=device)
+    with pytest.raises(ValueError, match="TMA"):
+        grouped_mlp_module._launch_gemm(x_RD, None, gate_up, None, h, None, row_start_e, num_rows_e, n=8, k=36,
+                                        activation="silu", situ_beta=4.0, situ_linear_beta=0.0, fp8=False,
+                                        quant_out=False, rows_hint=3, tma=True)
 
 
 def test_no_rows_at_all_gives_zeros(device):
