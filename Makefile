@@ -32,3 +32,9 @@ demo-quant:
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache results
+
+# The peer anchor of scripts/bench_experts.py: SGLang's wheel (only read with zipfile by scripts/peer_moe.py, never
+# installed); .whl/ is git-ignored and travels to the GPU machine with the tree.
+.PHONY: peers
+peers:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl sglang==0.5.23

@@ -2,6 +2,7 @@
 """Benchmark the expert MLP backends on one GPU at per-rank EP8 shapes (needs CUDA).
 
     python scripts/bench_experts.py [--quick] [--out results/bench_experts.json] [--include-deep-gemm]
+                                    [--peer-wheel .whl/sglang-0.5.23-....whl]
 
 Shapes (per rank at EP8): Kimi-K2 48 local experts, D 7168, F 2048 (top-8); Step3 48 experts, D 7168,
 F 5120 (top-3). Routed rows 64 / 512 / 4096 / 32768 spread randomly (multinomial, uniform) over the
@@ -18,6 +19,13 @@ Paths per case:
     grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
     loop_bf16       torch per-expert loop (host-side counts, no sync inside the timed region)
     deep_gemm_*     optional, from `_deep_gemm_cases` (empty unless `deep_gemm` imports)
+    peer_sglang_bf16 / peer_sglang_fp8  the Triton fused-MoE kernel SGLang ships (`scripts/peer_moe.py`: read out
+                    of the wheel given by --peer-wheel, default the first .whl/sglang-*.whl, `make peers`; rows
+                    left out with a note when there is none) on our pool, with the engine's tuned H200 config for
+                    (E, F) or, where the wheel has none, its default rule. Its routing inputs (sorted_token_ids,
+                    expert_ids) are built once outside the timed region: the peer's timing excludes its align
+                    step, as ours excludes the dispatch. Checked once per case against our twin (calc_diff, the
+                    limits of the small check) before timing; a row that fails is left out with the reason.
 
 Also measured in the same run: HBM bandwidth (a 2 GiB device-to-device copy, read + write bytes) and the
 bf16 GEMM peak (torch.matmul 8192^3). Per case: us | TFLOP/s | weight GB/s | x vs grouped_mm |
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -197,6 +206,98 @@ def _deep_gemm_cases(case: Case) -> list[tuple[str, Callable[[], object]]]:
     return deep_gemm_grouped_cases(case.x_RD, case.gate_up, case.down, case.row_start_e, case.num_rows_e)
 
 
+def _load_peer(path: str | None):
+    """(PeerKernel or None, note): the engine's kernel from its wheel (`scripts/peer_moe.py`)."""
+    import peer_moe
+
+    path = path or peer_moe.default_peer_wheel()
+    if path is None:
+        return None, "no peer wheel (.whl/sglang-*.whl; `make peers` downloads it): peer rows left out"
+    try:
+        peer = peer_moe.load_peer_kernel(path)
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the peer rows out, with the reason
+        return None, f"peer rows left out: {exc}"
+    return peer, f"peer {peer.label} from {os.path.basename(path)} (kernels imported from {peer.module_file})"
+
+
+def _peer_paths(case: Case, peer) -> list[tuple[str, Callable[[], object], object]]:
+    """(name, fn, PeerConfig) per dtype: the engine's expert MLP on our pool; its routing inputs are built here,
+    once, outside the timed region (the engine's align step is not timed, as our dispatch is not)."""
+    from peer_moe import peer_config, peer_routing, run_peer_mlp
+
+    num_experts, hidden, inter = case.gate_up.shape[0], case.gate_up.shape[2], case.down.shape[2]
+    layout = (case.row_start_e, case.num_rows_e)
+    paths = []
+    for dtype in ("bf16", "fp8") if case.fp8 is not None else ("bf16",):
+        config = peer_config(peer.wheel, num_experts, inter, dtype, torch.cuda.get_device_name(), case.num_rows,
+                             hidden=hidden)
+        routing = peer_routing(*layout, case.x_RD.shape[0], config.block_m)
+        if dtype == "bf16":
+            operands, scales = (case.x_RD, case.gate_up, case.down), {}
+        else:
+            q = case.fp8
+            operands = (q["x"], q["gate_up"], q["down"])
+            scales = dict(x_scale=q["x_scale"], gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"])
+        paths.append((f"peer_{peer.engine}_{dtype}", functools.partial(
+            run_peer_mlp, peer, *operands, *layout, **scales, config=config, routing=routing), config))
+    return paths
+
+
+def _peer_paths_logged(case: Case, peer, log: dict) -> list[tuple[str, Callable[[], object], object]]:
+    """`_peer_paths`, with each config (and, where the engine falls back to its default rule, the nearest tuned
+    files) recorded in `log` (results["peer"]); [] with a note when building them fails."""
+    from peer_moe import nearest_tuned
+
+    try:
+        paths = _peer_paths(case, peer)
+    except Exception as exc:  # noqa: BLE001 - the peer rows of this case are left out, with the reason
+        log["notes"].append(f"{case.model} rows {case.num_rows}: peer rows left out: {exc}")
+        print(f"  peer rows left out: {exc}", flush=True)
+        return []
+    for name, _, config in paths:
+        log["configs"].append({"model": case.model, "num_rows": case.num_rows, "path": name, "source": config.source,
+                               "up": config.up, "down": config.down})
+        if config.source.startswith("default rule"):
+            tuned = nearest_tuned(peer.wheel, case.gate_up.shape[0], case.down.shape[2],
+                                  torch.cuda.get_device_name(), name.rsplit("_", 1)[1])
+            if tuned not in log["notes"]:
+                print(f"  peer: {tuned}: the engine runs its default tile rule here", flush=True)
+                log["notes"].append(tuned)
+    return paths
+
+
+def _peer_first_call(case: Case, name: str, fn: Callable[[], object], twins: dict):
+    """(output, problem): the peer's first call (compiles, outside the timed region) and its check."""
+    try:
+        out = fn()
+    except Exception as exc:  # noqa: BLE001 - e.g. a compile error on this Triton
+        return None, f"{type(exc).__name__}: {str(exc)[:300]}"
+    return out, _peer_check(case, name, out, twins)
+
+
+def _peer_check(case: Case, name: str, out: torch.Tensor, twins: dict) -> str | None:
+    """Why the peer's output `out` is wrong vs our twin on the rows inside segments (None if it is right)."""
+    from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+
+    fp8 = name.endswith("fp8")
+    if fp8 not in twins:  # one twin per case and dtype
+        args = (case.row_start_e, case.num_rows_e)
+        if fp8:
+            q = case.fp8
+            twins[fp8] = grouped_mlp_ref(q["x"], q["gate_up"], q["down"], *args, x_scale_RDb=q["x_scale"],
+                                         gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"])
+        else:
+            twins[fp8] = grouped_mlp_ref(case.x_RD, case.gate_up, case.down, *args)
+    valid = torch.zeros(case.x_RD.shape[0], dtype=torch.bool, device=case.x_RD.device)
+    for start, count in zip(case.row_start_e.tolist(), case.counts):
+        valid[start:start + count] = True
+    got = out[valid].float()
+    if got.isnan().any():
+        return "NaN in the rows inside segments"
+    diff, limit = calc_diff(got, twins[fp8][valid].float()), 1e-3 if fp8 else 1e-4
+    return None if diff < limit else f"calc_diff {diff:.2e} vs our twin (limit {limit:.0e})"
+
+
 # ------------------------------------------------------------------------------------------------
 # measurement
 # ------------------------------------------------------------------------------------------------
@@ -288,6 +389,19 @@ def _markdown(results: dict) -> str:
         speedup = f"{row['x_vs_grouped_mm']:.2f}" if row.get("x_vs_grouped_mm") else "-"
         lines.append(f"| {row['model']} | {row['num_rows']} | {row['path']} | {row['us']:.1f} | {row['tflops']:.1f} "
                      f"| {row['weight_gbps']:.0f} | {speedup} | {row['roofline_fraction']:.2f} | {row['bound']} |")
+    peer = results.get("peer")
+    if peer:
+        lines += ["", f"{peer['note']}."]
+        if peer.get("configs"):
+            lines.append("The peer's timing excludes its align step (routing inputs built once outside the timed "
+                         "region), as ours excludes the dispatch. Its tile configs:")
+            rows_of = {}  # one line per (model, path, config) with the row counts that use it
+            for c in peer["configs"]:
+                key = (c["model"], c["path"], c["source"], str(c["up"]), str(c["down"]))
+                rows_of.setdefault(key, []).append(str(c["num_rows"]))
+            lines += [f"- {model} {path} rows {'/'.join(rows)}: {source}: up {up}, down {down}"
+                      for (model, path, source, up, down), rows in rows_of.items()]
+        lines += [f"- {note}" for note in peer.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -329,6 +443,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default=None, help="comma list of routed row counts")
     parser.add_argument("--no-fp8", action="store_true")
     parser.add_argument("--include-deep-gemm", action="store_true")
+    parser.add_argument("--peer-wheel", default=None,
+                        help="SGLang wheel to read the peer kernel from (default: the first .whl/sglang-*.whl)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -345,6 +461,9 @@ def main(argv=None) -> int:
     print("correctness check (small case) ...", flush=True)
     failures = check_correctness(args.include_deep_gemm)
     results["correctness_failures"] = failures
+    peer, note = _load_peer(args.peer_wheel)
+    print(note, flush=True)
+    results["peer"] = {"note": note, "configs": [], "notes": []}
     print("measuring anchors ...", flush=True)
     anchors = measure_anchors(args.quick)
     results["anchors"] = anchors
@@ -357,11 +476,19 @@ def main(argv=None) -> int:
         weights = _make_weights(num_experts, hidden, inter, with_fp8)
         for num_rows in row_counts:
             case = _make_case(model, num_rows, weights, args.seed, with_fp8)
-            timings = {}
-            for name, fn in _paths(case, args.include_deep_gemm):
+            timings, twins = {}, {}
+            peer_paths = _peer_paths_logged(case, peer, results["peer"]) if peer is not None else []
+            for name, fn in _paths(case, args.include_deep_gemm) + [(name, fn) for name, fn, _ in peer_paths]:
                 start = time.time()
-                fn()  # compile + autotune outside the timed region
+                if name.startswith("peer_"):  # a failing anchor leaves its row out, not the run
+                    out, problem = _peer_first_call(case, name, fn, twins)
+                else:
+                    out, problem = fn(), None  # compile + autotune outside the timed region
                 torch.cuda.synchronize()
+                if problem:
+                    print(f"  {model:8s} rows={num_rows:6d} {name:16s} left out: {problem}", flush=True)
+                    results["peer"]["notes"].append(f"{model} rows {num_rows} {name} left out: {problem}")
+                    continue
                 us = _bench_us(fn, args.quick)
                 timings[name] = us
                 row = {"model": model, "num_rows": num_rows, "path": name, **_case_metrics(case, name, us, anchors)}
@@ -373,7 +500,7 @@ def main(argv=None) -> int:
                 if row["model"] == model and row["num_rows"] == num_rows and "grouped_mm_bf16" in timings:
                     row["x_vs_grouped_mm"] = timings["grouped_mm_bf16"] / row["us"]
             _write(results, args.out)
-            del case
+            del case, twins, peer_paths, out
             torch.cuda.empty_cache()
         del weights
         torch.cuda.empty_cache()

@@ -1,0 +1,714 @@
+#!/usr/bin/env python
+"""The Triton fused-MoE kernel that SGLang ships, read out of its published wheel at run time: a peer anchor
+for our grouped expert MLP (`moe_ref.kernels.grouped_mlp`).
+
+    python3 scripts/peer_moe.py --check [--wheel .whl/sglang-0.5.23-....whl]    # PASS/FAIL per case
+    make peers                                                                  # downloads the wheel into .whl/
+
+Engine: SGLang (tested with the 0.5.23 wheel, `pip download --no-deps --only-binary=:all: --python-version 3.12
+sglang==0.5.23`). vLLM ships the ancestor of the same kernel (same routing inputs, same block-FP8 math); SGLang's
+wheel is small and its kernel file is self-contained in Triton terms, so it is the one read here (a vLLM wheel
+is refused with a clear error). Nothing of the engine's code is stored in this repository: `load_peer_kernel`
+opens the wheel with zipfile, takes the `@triton.jit` functions it needs with `ast` (and every jitted helper or
+module-level constant they use), writes them into a generated module in a temporary folder (Triton reads a
+kernel's source from its file) and imports that. The engine's Python modules themselves cannot be imported
+(they import most of sglang and its CUDA extensions).
+
+What runs, as SGLang's `fused_experts` runs it on an H200 (`_fused_moe_kernel_sequence`, `invoke_fused_moe_kernel`):
+    GEMM1  `fused_moe_kernel`: x [P, D] @ gate_up[e].T -> gate||up [P, 2F] in the compute dtype (bf16 for FP8)
+    act    `act_and_mul_kernel` (SGLang's Triton act kernel, silu, rows filtered by their expert as the CUDA
+           path filters them): h = silu(gate) * up [P, F]. On CUDA SGLang calls its JIT-compiled CUDA
+           `silu_and_mul` here (same math; not a Triton function, so not usable from the wheel).
+    quant  FP8 only: h re-quantized per token per 128 columns with SGLang's Triton `_per_token_group_quant_8bit`
+           (eps 1e-10, scale = amax / 448). On CUDA SGLang calls its JIT CUDA `per_token_group_quant` (same math).
+    GEMM2  `fused_moe_kernel`: h @ down[e].T -> y [P, D] (bf16)
+    Launch arguments as `invoke_fused_moe_kernel` passes them (top_k 1, no bias, no TMA descriptors, c unsorted),
+    including its SM90 choices: PDL (`USE_GDC`, `launch_pdl`, `GDC_EARLY` for <= 512 rows) on compute
+    capability >= 9 (`is_arch_support_pdl`, reimplemented: a two-line capability test), and for block-FP8 the
+    wheel's own `should_enable_swap_ab` rule (read from the wheel, run with SGLang's CUDA/SM90 facts).
+    MUL_ROUTED_WEIGHT is off (our grouped MLP does not apply routing weights either; the combine does).
+
+Routing inputs: the kernel walks `sorted_token_ids` (token ids grouped by expert, each expert padded to a
+multiple of BLOCK_SIZE_M with a sentinel >= num_valid_tokens), `expert_ids` (the expert of each M block) and
+`num_tokens_post_padded`. `peer_routing` builds them in torch from OUR expert-major pool (expert i owns pool rows
+row_start_e[i] : row_start_e[i] + num_rows_e[i]; with top_k 1 a token id is a pool row), as SGLang's
+`moe_align_block_size` CUDA op would lay them out (buffer sizes by its formula). It runs once, outside any timed
+region: the peer's timing excludes its align step, as ours excludes the dispatch. Pool rows outside every
+segment (alignment padding) are not routed: the peer leaves them unwritten in y (its output is `torch.empty`,
+as the engine allocates it); compare the rows inside segments.
+
+Tile configs (`peer_config`): the engine's tuned file for (E, N=F, device, dtype) from the wheel's
+`configs/triton_<version>/` folders (the running Triton's version first, then newest first, as
+`get_moe_configs` searches), the entry whose batch key is nearest to M (SGLang's M is its token count; with top_k 1
+here M = routed rows), a `_down` file for GEMM2 when one exists (its BLOCK_SIZE_M forced to GEMM1's); else the
+engine's default rule, `get_default_config` read from the wheel and run with SGLang's defaults (no deterministic
+mode, not ROCm). `USE_TMA` entries of tuned files are dropped (the TMA variants are not reproduced). At our
+per-rank shapes the 0.5.23 wheel has no tuned H200 file: Kimi-K2 (E=48, N=2048) and Step3 (E=48, N=5120) both take
+the default rule (nearest tuned H200 files: block-FP8 E=72,N=2048 in triton_3_8_0; bf16 E=8,N=2048 in triton_3_1_0
+and E=16/32,N=4096 in triton_3_7_1; `nearest_tuned` names them, bench_experts prints it).
+
+--check: `run_peer_mlp` vs `moe_ref.kernels.grouped_mlp.grouped_mlp_ref` on tiny uneven layouts (ragged rows with an
+empty expert, an expert of BLOCK_SIZE_M rows beside one of BLOCK_SIZE_M + 1, a decode batch that takes the default
+rule's small tile, a forced BLOCK_SIZE_M 16 FP8 tile). Without a GPU it runs under TRITON_INTERPRET=1 (D = F = 256)
+in fp32, fp16 and FP8, not bf16: the interpreter's bf16 `tl.dot` and bf16 arithmetic are wrong (see `UPCAST` in
+moe_ref/kernels/grouped_mlp.py; the peer kernel has no upcast switch), so there the FP8 run keeps its activations
+(gate||up, h, y) in fp16, and h is re-quantized by moe_ref's `quantize_fp8_per_128` (the interpreter's fp8 cast
+drops the mantissa carry, `_triton_utils.to_e4m3`). On CUDA it runs the compiled kernels (D 1024, F 512, 8
+experts at our 128-row alignment) in bf16, fp16 and FP8 with the engine's own quantizer; the BLOCK_SIZE_M 16 FP8
+case takes the swap_ab path on SM90. Limits: elementwise (atol, rtol) of tests/interpreter for fp32/fp16/bf16
+plus calc_diff < 1e-4; FP8 calc_diff < 1e-3 vs the FP8 twin. Exit status 1 when a case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import copy
+import dataclasses
+import functools
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+import textwrap
+import zipfile
+
+import torch
+
+_REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+# where SGLang keeps what we read (0.5.23 layout)
+SGLANG_KERNELS = "sglang/kernels/ops/moe/fused_moe_triton_kernels.py"
+SGLANG_QUANT = "sglang/kernels/ops/quantization/fp8_kernel.py"
+SGLANG_TRITON_UTILS = "sglang/srt/layers/moe/moe_runner/triton_utils"
+SGLANG_CONFIG_MODULE = SGLANG_TRITON_UTILS + "/fused_moe_triton_config.py"
+SGLANG_CONFIGS = SGLANG_TRITON_UTILS + "/configs"
+GEMM_KERNEL, ACT_KERNEL, QUANT_KERNEL = "fused_moe_kernel", "act_and_mul_kernel", "_per_token_group_quant_8bit"
+FP8_BLOCK = [128, 128]  # block-FP8 w8a8: weights 128x128 blocks, activations per token per 128
+_DTYPE_KEYS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+def _errors():
+    from moe_ref import errors  # lazy: moe_ref imports triton, which must see TRITON_INTERPRET first
+
+    return errors
+
+
+def default_peer_wheel(root: str = _REPO) -> str | None:
+    """The first `.whl/sglang-*.whl`, else `.whl/vllm-*.whl`, under `root` (None if neither is there)."""
+    for pattern in ("sglang-*.whl", "vllm-*.whl"):
+        found = sorted(glob.glob(os.path.join(root, ".whl", pattern)))
+        if found:
+            return found[0]
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# reading the wheel
+# ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _wheel_files(wheel: str) -> tuple[str, ...]:
+    errors = _errors()
+    if not os.path.isfile(wheel):
+        raise errors.BackendUnavailableError(f"peer wheel {wheel!r} not found; download it with `make peers`")
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            return tuple(archive.namelist())
+    except zipfile.BadZipFile as exc:
+        raise errors.BackendUnavailableError(f"peer wheel {wheel!r} is not a zip archive ({exc}); download it "
+                                             "again with `make peers`") from exc
+
+
+def _read(wheel: str, path: str) -> str:
+    if path not in _wheel_files(wheel):
+        raise _errors().BackendUnavailableError(
+            f"{os.path.basename(wheel)} has no {path} (another SGLang layout?); this reader knows sglang 0.5.23")
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.read(path).decode()
+
+
+def _engine(wheel: str) -> tuple[str, str]:
+    """(engine, version) from the wheel's file name, e.g. ('sglang', '0.5.23')."""
+    match = re.match(r"([A-Za-z0-9_]+)-([^-]+)-", os.path.basename(wheel))
+    if not match:
+        raise _errors().BackendUnavailableError(f"{wheel!r} is not named like a wheel (name-version-...whl)")
+    engine, version = match.group(1).lower(), match.group(2)
+    if engine != "sglang":
+        raise _errors().BackendUnavailableError(
+            f"{os.path.basename(wheel)}: only SGLang wheels are read (vLLM's kernel has another signature); "
+            "download one with `make peers`")
+    return engine, version
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    """Names a function reads that it does not bind itself (params, assignments, loop targets) or get from
+    builtins; annotations do not count (plain functions run with postponed annotations)."""
+    node = copy.deepcopy(node)
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.arg):
+            sub.annotation = None
+        elif isinstance(sub, ast.FunctionDef):
+            sub.returns = None
+    bound = {arg.arg for arg in ast.walk(node) if isinstance(arg, ast.arg)}
+    loaded = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            (loaded if isinstance(sub.ctx, ast.Load) else bound).add(sub.id)
+    return loaded - bound - set(dir(builtins))
+
+
+def _module_defs(tree: ast.Module) -> dict[str, ast.AST]:
+    """Module-level functions and single-name assignments by name."""
+    defs: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            defs[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    defs[target.id] = node
+    return defs
+
+
+def _closure(source: str, names: list[str], given: set[str], where: str) -> list[ast.AST]:
+    """`names` and every module-level function or constant they use (transitively), in source order; names in
+    `given` come from the namespace the code runs in."""
+    tree = ast.parse(source)
+    defs = _module_defs(tree)
+    errors = _errors()
+    needed, pending = set(), list(names)
+    while pending:
+        name = pending.pop()
+        if name in needed or name in given:
+            continue
+        if name not in defs:
+            raise errors.BackendUnavailableError(f"{where} has no module-level {name!r} (another version?)")
+        needed.add(name)
+        pending.extend(_free_names(defs[name]))
+    return [node for node in tree.body if node in {defs[n] for n in needed}]
+
+
+def _exec_plain(source: str, name: str, namespace: dict, where: str):
+    """A plain (not jitted) function of the wheel, run in `namespace` (which must supply its free names)."""
+    nodes = _closure(source, [name], set(namespace), where)
+    code = "\n\n".join(ast.get_source_segment(source, node, padded=True) for node in nodes)
+    import __future__
+
+    exec(compile(code, f"<{where}>", "exec", flags=__future__.annotations.compiler_flag), namespace)
+    return namespace[name]
+
+
+_JIT_HEADER = '''"""Generated by moe_ref scripts/peer_moe.py from {wheel}: {what}. Not part of moe_ref."""
+from __future__ import annotations  # as in the engine's modules
+import torch
+import triton
+import triton.language as tl
+'''
+
+
+def _jit_module(wheel: str, parts: list[tuple[str, list[str]]], tag: str):
+    """Import the `@triton.jit` functions `parts` = [(path in the wheel, [names])] (with what they use) as one
+    generated module written to a temporary folder (Triton reads kernel source from the function's file)."""
+    blocks = []
+    for path, names in parts:
+        source = _read(wheel, path)
+        for node in _closure(source, names, {"torch", "triton", "tl"}, f"{os.path.basename(wheel)}:{path}"):
+            text = textwrap.dedent(ast.get_source_segment(source, node, padded=True))
+            if isinstance(node, ast.FunctionDef):  # the segment starts at `def`: put the decorator back
+                decorators = [ast.unparse(d) for d in node.decorator_list]
+                if not decorators or not all(d.startswith("triton.jit") for d in decorators):
+                    raise _errors().BackendUnavailableError(f"{path}: {node.name} is not a triton.jit function")
+                text = "".join(f"@{d}\n" for d in decorators) + text
+            blocks.append(text)
+    what = ", ".join(f"{path} ({', '.join(names)})" for path, names in parts)
+    text = _JIT_HEADER.format(wheel=os.path.basename(wheel), what=what) + "\n\n" + "\n\n\n".join(blocks) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    folder = os.path.join(tempfile.gettempdir(), "moe_ref_peer")
+    os.makedirs(folder, exist_ok=True)
+    module_name = f"_peer_{tag}_{digest}"
+    path = os.path.join(folder, module_name + ".py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+def _params(source: str, name: str) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(parameter names, the ones without a default) of module-level function `name`."""
+    node = _module_defs(ast.parse(source))[name]
+    args = node.args.args
+    required = args[:len(args) - len(node.args.defaults)]
+    return tuple(a.arg for a in args), frozenset(a.arg for a in required)
+
+
+@dataclasses.dataclass
+class PeerKernel:
+    """The engine's kernels, imported from its wheel (see the module docstring)."""
+
+    engine: str
+    version: str
+    wheel: str
+    gemm: object                 # fused_moe_kernel (triton.jit)
+    act: object                  # act_and_mul_kernel (triton.jit)
+    quant: object                # _per_token_group_quant_8bit (triton.jit)
+    gemm_params: tuple[str, ...]
+    gemm_required: frozenset[str]
+    module_file: str             # the generated module (outside the repository)
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} {self.version}"
+
+
+def load_peer_kernel(wheel_path: str) -> PeerKernel:
+    """Read SGLang's fused-MoE Triton kernels out of `wheel_path` (raises BackendUnavailableError, ENV001, when
+    the wheel is missing, is not SGLang's, or lacks a function)."""
+    wheel = os.path.abspath(wheel_path)
+    engine, version = _engine(wheel)
+    module = _jit_module(wheel, [(SGLANG_KERNELS, [GEMM_KERNEL, ACT_KERNEL]), (SGLANG_QUANT, [QUANT_KERNEL])],
+                         f"{engine}_{version.replace('.', '_')}")
+    params, required = _params(_read(wheel, SGLANG_KERNELS), GEMM_KERNEL)
+    return PeerKernel(engine, version, wheel, getattr(module, GEMM_KERNEL), getattr(module, ACT_KERNEL),
+                      getattr(module, QUANT_KERNEL), params, required, module.__file__)
+
+
+# ------------------------------------------------------------------------------------------------
+# tile configs
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PeerConfig:
+    """The engine's tile configs for one launch: GEMM1 (`up`) and GEMM2 (`down`), and where they came from."""
+
+    up: dict
+    down: dict
+    source: str      # the config file in the wheel, or "default rule (get_default_config)"
+    num_rows: int    # M used for the lookup
+
+    @property
+    def block_m(self) -> int:
+        return self.up["BLOCK_SIZE_M"]
+
+
+def config_file_name(num_experts: int, inter: int, device_name: str, dtype: str, down: bool = False) -> str:
+    """SGLang's `get_config_file_name` (E, N = intermediate size per expert, the device name with '_' for ' ')."""
+    dtype_str, block = _config_dtype(dtype)
+    return (f"E={num_experts},N={inter},device_name={device_name.replace(' ', '_')}"
+            f"{f',dtype={dtype_str}' if dtype_str else ''}{f',block_shape={block}' if block else ''}"
+            f"{'_down' if down else ''}.json")
+
+
+def _config_dtype(dtype: str) -> tuple[str | None, list[int] | None]:
+    """SGLang's config dtype string and block shape (`get_config_dtype_str`)."""
+    if dtype not in _DTYPE_KEYS:
+        raise _errors().UnknownNameError(f"peer dtype {dtype!r}; known: {sorted(_DTYPE_KEYS)}")
+    return {"fp8": ("fp8_w8a8", FP8_BLOCK), "fp32": ("float32", None)}.get(dtype, (None, None))
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
+
+
+def find_config_file(wheel: str, name: str, triton_version: str) -> str | None:
+    """The wheel path of config file `name`, searched as `get_moe_configs` searches: the running Triton's
+    folder (configs/triton_3_6_0 for 3.6.0), then the other triton_* folders, newest first."""
+    prefix = SGLANG_CONFIGS + "/"
+    folders = {p[len(prefix):].split("/")[0] for p in _wheel_files(wheel)
+               if p.startswith(prefix + "triton_") and p.count("/") == prefix.count("/") + 1}
+    versions = sorted((f.removeprefix("triton_").replace("_", ".") for f in folders), key=_version_key, reverse=True)
+    own = triton_version.split("+")[0]
+    for version in [own] + [v for v in versions if v != own]:
+        path = f"{prefix}triton_{version.replace('.', '_')}/{name}"
+        if path in _wheel_files(wheel):
+            return path
+    return None
+
+
+def tuned_shapes(wheel: str, device_name: str, dtype: str) -> list[tuple[int, int, str]]:
+    """(E, N, Triton folder) of every tuned GEMM1 file the wheel has for this device and dtype, sorted.
+
+    Example: an H200 block-FP8 lookup in the 0.5.23 wheel lists (72, 2048, 'triton_3_8_0') among others."""
+    rest = config_file_name(0, 0, device_name, dtype).split(",", 2)[2]
+    found = set()
+    for path in _wheel_files(wheel):
+        folder, _, name = path.removeprefix(SGLANG_CONFIGS + "/").partition("/")
+        match = re.fullmatch(r"E=(\d+),N=(\d+),(.*)", name)
+        if path.startswith(SGLANG_CONFIGS + "/triton_") and match and match.group(3) == rest:
+            found.add((int(match.group(1)), int(match.group(2)), folder))
+    return sorted(found)
+
+
+def nearest_tuned(wheel: str, num_experts: int, inter: int, device_name: str, dtype: str) -> str:
+    """A note naming the tuned files nearest to (E, N) for this device and dtype (same N first), for reports."""
+    shapes = tuned_shapes(wheel, device_name, dtype)
+    if not shapes:
+        return f"the wheel has no tuned {device_name} {dtype} file at all"
+    best = min(shapes, key=lambda s: (s[1] != inter, abs(s[1] - inter), abs(s[0] - num_experts)))
+    same = [s for s in shapes if s[1] == best[1]]
+    return (f"no tuned file for E={num_experts},N={inter} on {device_name} ({dtype}); nearest: "
+            + ", ".join(f"E={e},N={n} ({folder})" for e, n, folder in same))
+
+
+def _nearest(configs: dict, num_rows: int) -> dict:
+    """The entry whose batch-size key is nearest to `num_rows` (ties: the first in file order, as `min` picks)."""
+    table = {int(key): value for key, value in configs.items()}
+    return dict(table[min(table, key=lambda key: abs(key - num_rows))])
+
+
+class _Exec:  # what get_default_config asks of SGLang's runtime context: no deterministic-inference mode
+    deterministic = dataclasses.make_dataclass("Deterministic", [("enable_deterministic_inference", bool, False)])()
+
+
+def default_config(wheel: str, num_rows: int, num_experts: int, inter: int, hidden: int, dtype: str) -> dict:
+    """SGLang's `get_default_config`, read from the wheel and run with its defaults (CUDA, not ROCm, no
+    deterministic mode; the low-shared-memory FP8 rule is off: H200's 227 KB opt-in is above its 128 KB cutoff
+    and only per-tensor FP8 reads it)."""
+    namespace = {"get_exec": _Exec, "_is_hip": False, "_use_low_smem_fp8_default": lambda: False}
+    rule = _exec_plain(_read(wheel, SGLANG_CONFIG_MODULE), "get_default_config", namespace,
+                       f"{os.path.basename(wheel)}:{SGLANG_CONFIG_MODULE}")
+    dtype_str, block = _config_dtype(dtype)
+    return dict(rule(num_rows, num_experts, inter, hidden, 1, dtype_str, False, block))
+
+
+def peer_config(wheel: str, num_experts: int, inter: int, dtype: str, device_name: str, rows: int, *,
+                hidden: int | None = None, triton_version: str | None = None) -> PeerConfig:
+    """The engine's configs for `rows` routed rows of `num_experts` local experts of intermediate size `inter`
+    on `device_name` (e.g. torch.cuda.get_device_name(): "NVIDIA H200"), `dtype` "bf16"/"fp16"/"fp32"/"fp8"
+    (block-FP8 w8a8): the tuned file if the wheel has one, else the default rule (`hidden` = D, only the default
+    rule's signature takes it). `triton_version` defaults to the installed Triton's."""
+    if triton_version is None:
+        import triton
+
+        triton_version = triton.__version__
+    up_file = find_config_file(wheel, config_file_name(num_experts, inter, device_name, dtype), triton_version)
+    if up_file is None:
+        config = default_config(wheel, rows, num_experts, inter, hidden or 0, dtype)
+        return PeerConfig(config, dict(config), "default rule (get_default_config)", rows)
+    up = _nearest(json.loads(_read(wheel, up_file)), rows)
+    down_file = find_config_file(wheel, config_file_name(num_experts, inter, device_name, dtype, down=True),
+                                 triton_version)
+    down = _nearest(json.loads(_read(wheel, down_file)), rows) if down_file else dict(up)
+    up.pop("USE_TMA", None)  # the TMA variants are not reproduced
+    down.pop("USE_TMA", None)
+    down["BLOCK_SIZE_M"] = up["BLOCK_SIZE_M"]  # one align for both GEMMs (as try_get_optimal_moe_config forces)
+    source = up_file.rsplit("/configs/", 1)[1] + (f" + {down_file.rsplit('/', 1)[1]}" if down_file else "")
+    return PeerConfig(up, down, source, rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# routing inputs from our layout
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PeerRouting:
+    """The peer kernel's routing inputs for one layout and BLOCK_SIZE_M (top_k 1: a token id is a pool row)."""
+
+    sorted_token_ids: torch.Tensor        # [max_padded] int32: pool rows grouped by expert, sentinel padding
+    expert_ids: torch.Tensor              # [max_padded / BLOCK_M] int32: the expert of each M block (-1 unused)
+    num_tokens_post_padded: torch.Tensor  # [1] int32
+    row_expert_P: torch.Tensor            # [P] int32: each pool row's expert, -1 outside every segment (topk_ids)
+    topk_weights: torch.Tensor            # [P] fp32 ones (read only with MUL_ROUTED_WEIGHT)
+    block_m: int
+    num_valid_tokens: int                 # P: ids >= P are padding (the sentinel is P)
+
+
+def peer_routing(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, num_pool_rows: int,
+                 block_m: int) -> PeerRouting:
+    """`moe_align_block_size`'s output for our expert-major pool (syncs the host; build it outside timing).
+
+    Example: counts [3, 0, 5] at rows [0, 4, 4] of a 12-row pool, block_m 4 -> sorted_token_ids
+        [0, 1, 2, 12, 4, 5, 6, 7, 8, 12, 12, 12, 12, ...] (sentinel 12), expert_ids [0, 2, 2, -1, ...],
+        num_tokens_post_padded [12]; buffers sized as the engine sizes them (8 routed rows over 3 experts:
+        8 + 4 * 3 = 20 ids, 5 blocks).
+    """
+    device = num_rows_e.device
+    counts, starts = num_rows_e.tolist(), row_start_e.tolist()
+    num_experts, routed = len(counts), sum(counts)
+    if routed < num_experts + 1:
+        max_padded = routed * block_m
+    else:
+        max_padded = routed + (num_experts + 1) * (block_m - 1)
+    max_padded = (max_padded + 3) // 4 * 4  # the align kernel pads with int4 stores
+    sentinel = num_pool_rows
+    sorted_ids = torch.full((max_padded,), sentinel, dtype=torch.int32)
+    expert_ids = torch.full((_cdiv(max_padded, block_m),), -1, dtype=torch.int32)
+    row_expert = torch.full((num_pool_rows,), -1, dtype=torch.int32)
+    cursor = 0
+    for expert, (start, count) in enumerate(zip(starts, counts)):
+        if count == 0:
+            continue
+        sorted_ids[cursor:cursor + count] = torch.arange(start, start + count, dtype=torch.int32)
+        blocks = _cdiv(count, block_m)
+        expert_ids[cursor // block_m:cursor // block_m + blocks] = expert
+        row_expert[start:start + count] = expert
+        cursor += blocks * block_m
+    return PeerRouting(sorted_ids.to(device), expert_ids.to(device),
+                       torch.tensor([cursor], dtype=torch.int32, device=device), row_expert.to(device),
+                       torch.ones(max(num_pool_rows, 1), dtype=torch.float32, device=device), block_m, num_pool_rows)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------------------
+# running it
+# ------------------------------------------------------------------------------------------------
+def _is_interpreter() -> bool:
+    from moe_ref.kernels._triton_utils import is_interpreter
+
+    return is_interpreter()
+
+
+@functools.lru_cache(maxsize=None)
+def _swap_ab_rule(wheel: str):
+    """The wheel's `should_enable_swap_ab(BLOCK_SIZE_M, BLOCK_SIZE_N)`, with SGLang's CUDA facts: CUDA, no
+    batch-invariant mode, SM90 supported = capability 9.x with CUDA >= 12.3 (`is_sm90_supported`)."""
+
+    def is_sm90_supported() -> bool:
+        cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and cuda >= (12, 3)
+
+    namespace = {"functools": functools, "_is_cuda": torch.cuda.is_available(),
+                 "is_batch_invariant_mode_enabled": lambda: False, "is_sm90_supported": is_sm90_supported}
+    return _exec_plain(_read(wheel, SGLANG_KERNELS), "should_enable_swap_ab", namespace,
+                       f"{os.path.basename(wheel)}:{SGLANG_KERNELS}")
+
+
+def _launch_gemm(peer: PeerKernel, a, a_scale, b, b_scale, c, routing: PeerRouting, config: dict, fp8: bool):
+    """One `fused_moe_kernel` launch with the arguments `invoke_fused_moe_kernel` passes (top_k 1, see the
+    module docstring)."""
+    import triton
+    import triton.language as tl
+
+    compute_type = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[c.dtype]
+    interpreter = _is_interpreter()
+    meta = {key: value for key, value in config.items() if key.startswith(("BLOCK_SIZE_", "GROUP_SIZE_"))}
+    options = {} if interpreter else {key: config[key] for key in ("num_warps", "num_stages") if key in config}
+    if _PDL["ok"] and not interpreter and torch.cuda.get_device_capability(a.device)[0] >= 9:  # is_arch_support_pdl
+        options.update(USE_GDC=True, launch_pdl=True, GDC_EARLY=a.shape[0] <= 512)
+    num_n, num_k = b.shape[1], b.shape[2]
+    scale_2d = a_scale is not None and a_scale.ndim == 2
+    args = dict(
+        a_ptr=a, a_desc=None, b_ptr=b, b_desc=None, bias_ptr=None, c_ptr=c, a_scale_ptr=a_scale,
+        b_scale_ptr=b_scale, topk_weights_ptr=routing.topk_weights, sorted_token_ids_ptr=routing.sorted_token_ids,
+        expert_ids_ptr=routing.expert_ids, num_tokens_post_padded_ptr=routing.num_tokens_post_padded,
+        add_mask_ptr=None, N=num_n, K=num_k, EM=routing.sorted_token_ids.shape[0],
+        num_valid_tokens=routing.num_valid_tokens, stride_am=a.stride(0), stride_ak=a.stride(1),
+        stride_be=b.stride(0), stride_bk=b.stride(2), stride_bn=b.stride(1), stride_bias_e=0, stride_bias_n=0,
+        stride_cm=c.stride(-2), stride_cn=c.stride(-1),
+        stride_asm=a_scale.stride(0) if scale_2d else 0, stride_ask=a_scale.stride(1) if scale_2d else 0,
+        stride_bse=b_scale.stride(0) if fp8 else 0, stride_bsk=b_scale.stride(2) if fp8 else 0,
+        stride_bsn=b_scale.stride(1) if fp8 else 0,
+        group_n=FP8_BLOCK[0] if fp8 else 0, group_k=FP8_BLOCK[1] if fp8 else 0,
+        MUL_ROUTED_WEIGHT=False, top_k=1, compute_type=compute_type, use_fp8_w8a8=fp8, use_int8_w8a8=False,
+        use_int8_w8a16=False, per_channel_quant=False, even_Ks=num_k % config["BLOCK_SIZE_K"] == 0, c_sorted=False,
+        swap_ab=fp8 and not interpreter and _swap_ab_rule(peer.wheel)(meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]),
+        FUSE_ADD_TO_OUTPUT=False, MASK_OUTPUT=False, FUSE_SUM_ALL_REDUCE=False, ROUTER_TOPK=1, **meta,
+    )
+    missing = peer.gemm_required - set(args)
+    if missing:
+        raise _errors().BackendUnavailableError(
+            f"{peer.label}: {GEMM_KERNEL} takes arguments this reader does not know: {sorted(missing)}")
+    args = {key: value for key, value in args.items() if key in peer.gemm_params}
+    grid = (triton.cdiv(routing.sorted_token_ids.shape[0], meta["BLOCK_SIZE_M"]) * triton.cdiv(num_n,
+            meta["BLOCK_SIZE_N"]),)
+    try:
+        peer.gemm[grid](**args, **options)
+    except Exception as exc:  # noqa: BLE001 - a Triton without PDL (launch_pdl, gdc_wait): run without, say so once
+        if "launch_pdl" not in options:
+            raise
+        for key in ("USE_GDC", "launch_pdl", "GDC_EARLY"):
+            options.pop(key)
+        peer.gemm[grid](**args, **options)  # raises what is wrong besides PDL
+        _PDL["ok"] = False
+        print(f"peer_moe: the PDL launch failed on Triton {triton.__version__} ({type(exc).__name__}: "
+              f"{str(exc)[:200]}); the peer runs without PDL", file=sys.stderr)
+
+
+_PDL = {"ok": True}  # False once Triton refused a launch_pdl launch
+
+
+def run_peer_mlp(peer: PeerKernel, x_PD: torch.Tensor, gate_up_e2FD: torch.Tensor, down_eDF: torch.Tensor,
+                 row_start_e: torch.Tensor, num_rows_e: torch.Tensor, *, x_scale: torch.Tensor | None = None,
+                 gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
+                 config: PeerConfig, routing: PeerRouting | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The engine's expert MLP on our expert-major pool (`grouped_mlp`'s operands and layout; FP8: e4m3 x with
+    per-row per-128 fp32 scales `[P, D/128]`, e4m3 weights with 128x128 block scales).
+
+    `routing`: `peer_routing(row_start_e, num_rows_e, P, config.block_m)`, built once outside the timed region
+    (built here, with a host sync, when None). Returns y `[P, D]` in `out_dtype` (default: bf16 for FP8, else x's
+    dtype; FP8 runs keep gate||up and h in it too, as the engine keeps them in its activations' dtype); pool rows
+    outside every segment are left unwritten.
+    """
+    num_pool_rows, hidden = x_PD.shape
+    inter = down_eDF.shape[2]
+    fp8 = x_PD.dtype == torch.float8_e4m3fn
+    if routing is None:
+        routing = peer_routing(row_start_e, num_rows_e, num_pool_rows, config.block_m)
+    if routing.block_m != config.block_m:
+        raise _errors().InvalidConfigError(f"routing built for BLOCK_SIZE_M {routing.block_m}, config has "
+                                           f"{config.block_m}")
+    out_dtype = out_dtype or (torch.bfloat16 if fp8 else x_PD.dtype)
+    y_PD = torch.empty(num_pool_rows, hidden, dtype=out_dtype, device=x_PD.device)
+    if routing.sorted_token_ids.numel() == 0:
+        return y_PD
+    gate_up_P2F = torch.empty(num_pool_rows, 2 * inter, dtype=out_dtype, device=x_PD.device)
+    _launch_gemm(peer, x_PD, x_scale, gate_up_e2FD, gate_up_scale, gate_up_P2F, routing, config.up, fp8)
+    h_PF = torch.empty(num_pool_rows, inter, dtype=out_dtype, device=x_PD.device)
+    peer.act[(num_pool_rows,)](gateup_output=gate_up_P2F, down_input=h_PF, hidden_size=2 * inter,
+                               expert_ids_ptr=routing.row_expert_P, expert_step=1, BLOCK_SIZE=512,
+                               ACTIVATION_TYPE="silu", SWIGLU_LIMIT=0.0, HAS_SWIGLU_LIMIT=False,
+                               HAS_EXPERT_FILTER=True)
+    h_scale = None
+    if fp8:
+        h_PF, h_scale = _quantize_per_token_group(peer, h_PF)
+    _launch_gemm(peer, h_PF, h_scale, down_eDF, down_scale, y_PD, routing, config.down, fp8)
+    return y_PD
+
+
+def _quantize_per_token_group(peer: PeerKernel, h_PF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's per-token-group (128) FP8 quantization of h, launched as `_per_token_group_quant_8bit_raw`
+    launches it (row-major scales, eps 1e-10, e4m3 range +-448); moe_ref's `quantize_fp8_per_128` under the
+    interpreter."""
+    import triton
+
+    if _is_interpreter():  # its fp8 cast drops the mantissa carry (120 -> 64, not 128): see _triton_utils.to_e4m3
+        from moe_ref.kernels.fp8 import quantize_fp8_per_128
+
+        return quantize_fp8_per_128(h_PF)
+    group = FP8_BLOCK[1]
+    rows, inter = h_PF.shape
+    h_fp8 = torch.empty_like(h_PF, dtype=torch.float8_e4m3fn)
+    h_scale = torch.empty(rows, inter // group, dtype=torch.float32, device=h_PF.device)
+    block = triton.next_power_of_2(group)
+    options = {} if _is_interpreter() else dict(num_warps=min(max(block // 256, 1), 8), num_stages=1)
+    info = torch.finfo(torch.float8_e4m3fn)
+    peer.quant[(h_PF.numel() // group,)](h_PF, h_fp8, h_scale, group, group, 1e-10, bit8_min=info.min,
+                                         bit8_max=info.max, BLOCK=block, **options)
+    return h_fp8, h_scale
+
+
+# ------------------------------------------------------------------------------------------------
+# --check
+# ------------------------------------------------------------------------------------------------
+# (atol, rtol) per output dtype: tests/interpreter/conftest.py's TOLERANCE
+_TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (3e-2, 2e-2)}
+
+
+def _check_case(peer, name: str, counts: list[int], hidden: int, inter: int, dtype: str, device: str,
+                align: int, wheel: str, config: PeerConfig | None = None, seed: int = 0) -> tuple[bool, str]:
+    from moe_ref.experts import ExpertLayout
+    from moe_ref.kernels.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128
+    from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+    from moe_ref.testing import calc_diff
+
+    gen = torch.Generator().manual_seed(seed)
+    layout = ExpertLayout.from_counts(torch.tensor(counts), align)
+    num_pool_rows = layout.num_pool_rows + align  # a trailing padding block too
+    valid = torch.zeros(num_pool_rows, dtype=torch.bool)
+    valid[:layout.num_pool_rows] = layout.row_expert_R() >= 0
+    x = torch.randn(num_pool_rows, hidden, generator=gen)
+    gate_up = torch.randn(len(counts), 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(len(counts), hidden, inter, generator=gen) / inter**0.5
+    row_start_e, num_rows_e = layout.row_start_e.to(device), layout.num_rows_e.to(device=device, dtype=torch.int32)
+    if config is None:
+        config = peer_config(wheel, len(counts), inter, dtype, "NVIDIA H200" if device == "cpu" else
+                             torch.cuda.get_device_name(), sum(counts), hidden=hidden)
+    if dtype == "fp8":
+        x = torch.where(valid[:, None], x, 0.0)
+        x_q, x_scale = quantize_fp8_per_128(x.to(device))
+        (gate_up, gate_up_scale), (down, down_scale) = (quantize_fp8_per_block_128(gate_up.to(device)),
+                                                        quantize_fp8_per_block_128(down.to(device)))
+        scales = dict(x_scale=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
+        args = (x_q, gate_up, down, row_start_e, num_rows_e)
+        # the interpreter's bf16 arithmetic is wrong too: there the FP8 run keeps its activations in fp16
+        y = run_peer_mlp(peer, *args, **scales, config=config, out_dtype=torch.float16 if device == "cpu" else None)
+        want = grouped_mlp_ref(*args, x_scale_RDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    else:
+        torch_dtype = _DTYPE_KEYS[dtype]
+        x = torch.where(valid[:, None], x, float("nan"))  # padding rows are never read
+        args = (x.to(device, torch_dtype), gate_up.to(device, torch_dtype), down.to(device, torch_dtype),
+                row_start_e, num_rows_e)
+        y = run_peer_mlp(peer, *args, config=config)
+        want = grouped_mlp_ref(*args)
+    got, want = y.cpu()[valid].float(), want.cpu()[valid].float()
+    diff = calc_diff(got, want) if not got.isnan().any() else float("nan")
+    ok = diff < (1e-3 if dtype == "fp8" else 1e-4)
+    detail = f"calc_diff={diff:.2e}"
+    if dtype != "fp8":
+        atol, rtol = _TOLERANCE[_DTYPE_KEYS[dtype]]
+        bad = int(((got - want).abs() > atol + rtol * want.abs()).sum() + got.isnan().sum())
+        ok = ok and bad == 0
+        detail += f" elementwise(atol={atol:g}, rtol={rtol:g}) mismatches={bad}"
+    tiles = f"BM={config.up['BLOCK_SIZE_M']} BN={config.up['BLOCK_SIZE_N']} BK={config.up['BLOCK_SIZE_K']}"
+    return ok, f"{'PASS' if ok else 'FAIL'} {name:40s} {dtype:4s} {detail} [{tiles}, {config.source}]"
+
+
+def check(wheel: str) -> int:
+    """Every check case; prints PASS/FAIL per case, returns the number of failures."""
+    peer = load_peer_kernel(wheel)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mode = "compiled kernels on " + torch.cuda.get_device_name() if device == "cuda" else \
+        "TRITON_INTERPRET=1 on CPU; bf16 not checked here: the interpreter's bf16 tl.dot and arithmetic are " \
+        "wrong, so FP8 keeps its activations (gate||up, h, y) in fp16 here, and h is re-quantized by moe_ref's " \
+        "quantize_fp8_per_128 (the interpreter's fp8 cast drops the mantissa carry)"
+    print(f"peer {peer.label} from {os.path.basename(wheel)} ({mode}); kernels imported from {peer.module_file}")
+    small_m = PeerConfig(*[{"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                            "num_warps": 4, "num_stages": 3}] * 2, "forced BLOCK_SIZE_M 16 (swap_ab on SM90)", 0)
+    if device == "cpu":  # tiny: the interpreter is slow
+        hidden, inter, align = 256, 256, 16
+        dtypes, ragged = ("fp32", "fp16", "fp8"), [5, 0, 19]
+    else:
+        hidden, inter, align = 1024, 512, 128
+        dtypes, ragged = ("bf16", "fp16", "fp8"), [3, 0, 130, 64, 1, 257, 0, 40]
+    cases = [("ragged + empty expert", ragged, dtype, None) for dtype in dtypes]
+    cases += [("rows == BLOCK_M, BLOCK_M + 1 (64, 65)", [64, 65, 0, 1], dtype, None) for dtype in dtypes[1:]]
+    cases += [("decode (M <= E: small default tile)", [1, 0, 2, 0], dtype, None) for dtype in dtypes[:2]]
+    cases += [("ragged + empty expert, BLOCK_SIZE_M 16", ragged, "fp8", small_m)]
+    failures = 0
+    for name, case_counts, dtype, config in cases:
+        ok, line = _check_case(peer, name, case_counts, hidden, inter, dtype, device, align, wheel, config)
+        print(line, flush=True)
+        failures += not ok
+    print(f"{len(cases) - failures}/{len(cases)} passed")
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare run_peer_mlp with grouped_mlp_ref")
+    parser.add_argument("--wheel", default=None, help="SGLang wheel (default: the first .whl/sglang-*.whl)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+    wheel = args.wheel or default_peer_wheel()
+    if wheel is None:
+        print("no peer wheel: pass --wheel or run `make peers` (downloads .whl/sglang-*.whl)", file=sys.stderr)
+        return 2
+    if not args.check:
+        parser.print_help()
+        return 0
+    try:
+        return 1 if check(wheel) else 0
+    except _errors().MoERefError as exc:
+        print(f"FAIL {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

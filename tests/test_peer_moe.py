@@ -1,0 +1,285 @@
+"""scripts/peer_moe.py without the engine's wheel: the routing inputs it builds from our layout, the tuned-config
+file names and lookup, the default rule and the kernel extraction, on fake wheels written to tmp_path."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from moe_ref.errors import BackendUnavailableError
+from moe_ref.experts import ExpertLayout
+
+pytestmark = pytest.mark.unit
+
+
+def _peer_moe():
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "peer_moe.py"
+    if "peer_moe_under_test" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("peer_moe_under_test", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["peer_moe_under_test"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["peer_moe_under_test"]
+
+
+pm = _peer_moe()
+
+
+# ------------------------------------------------------------------------------------------------
+# routing inputs
+# ------------------------------------------------------------------------------------------------
+def test_routing_worked_example():
+    routing = pm.peer_routing(torch.tensor([0, 4, 4]), torch.tensor([3, 0, 5], dtype=torch.int32), 12, 4)
+    assert routing.sorted_token_ids.tolist() == [0, 1, 2, 12, 4, 5, 6, 7, 8, 12, 12, 12] + [12] * 8
+    assert routing.expert_ids.tolist() == [0, 2, 2, -1, -1]
+    assert routing.num_tokens_post_padded.tolist() == [12]
+    assert routing.row_expert_P.tolist() == [0, 0, 0, -1, 2, 2, 2, 2, 2, -1, -1, -1]
+    assert routing.num_valid_tokens == 12 and routing.block_m == 4
+    assert routing.sorted_token_ids.dtype == routing.expert_ids.dtype == torch.int32
+
+
+def _check_routing(counts, block_m, alignment):
+    layout = ExpertLayout.from_counts(torch.tensor(counts), alignment)
+    num_pool_rows = layout.num_pool_rows + alignment
+    routing = pm.peer_routing(layout.row_start_e, layout.num_rows_e, num_pool_rows, block_m)
+    ids, experts = routing.sorted_token_ids.tolist(), routing.expert_ids.tolist()
+    routed, num_experts = sum(counts), len(counts)
+    engine_size = routed * block_m if routed < num_experts + 1 else routed + (num_experts + 1) * (block_m - 1)
+    assert len(ids) == (engine_size + 3) // 4 * 4, counts  # moe_align_block_size's buffer
+    assert len(experts) == -(-len(ids) // block_m)
+    padded = sum(-(-c // block_m) * block_m for c in counts)
+    assert routing.num_tokens_post_padded.tolist() == [padded], counts
+    assert len(ids) >= padded
+    seen = []
+    for block in range(padded // block_m):  # every used block: one expert, its rows in order, then sentinels
+        expert = experts[block]
+        start, count = layout.row_start_e[expert].item(), counts[expert]
+        rows = [r for r in ids[block * block_m:(block + 1) * block_m] if r != num_pool_rows]
+        assert rows and all(start <= r < start + count for r in rows), (counts, block)
+        seen += rows
+    assert seen == [r for s, c in zip(layout.row_start_e.tolist(), counts) for r in range(s, s + c)]
+    assert all(r == num_pool_rows for r in ids[padded:])
+    assert all(e == -1 for e in experts[padded // block_m:])
+    blocks_of = [experts[:padded // block_m].count(i) for i in range(num_experts)]
+    assert blocks_of == [-(-c // block_m) for c in counts], counts
+    expected_row_expert = layout.row_expert_R().tolist() + [-1] * alignment
+    assert routing.row_expert_P.tolist() == expected_row_expert
+
+
+@pytest.mark.parametrize("counts", [
+    [5, 0, 19],            # uneven, an empty expert
+    [16, 17, 0, 1],        # rows == BLOCK_M, BLOCK_M + 1, one row
+    [0, 0, 0, 33],         # all rows in the last expert
+    [1, 2],                # fewer routed rows than experts + 1: the small-batch buffer size
+    [0, 0],                # nothing routed
+])
+def test_routing_matches_align_block_size_layout(counts):
+    _check_routing(counts, block_m=16, alignment=16)
+    _check_routing(counts, block_m=16, alignment=128)  # our real alignment: padding rows between segments
+
+
+def test_routing_of_a_bigger_random_layout():
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.randint(0, 12, (300,), generator=gen), minlength=12).tolist()
+    counts[3] = 0
+    _check_routing(counts, block_m=64, alignment=128)
+
+
+# ------------------------------------------------------------------------------------------------
+# config files and the default rule, on a fake wheel
+# ------------------------------------------------------------------------------------------------
+_DEFAULT_RULE = '''
+from sglang.srt.runtime_context import get_exec   # not importable here: the reader runs the function alone
+
+_is_hip = True
+
+
+def get_default_config(M: int, E: int, N: int, K: int, topk: int, dtype: Optional[str], is_marlin: bool,
+                       block_shape: Optional[List[int]] = None) -> Dict[str, int]:
+    if get_exec().deterministic.enable_deterministic_inference or _is_hip or _use_low_smem_fp8_default():
+        return {"BLOCK_SIZE_M": -1}
+    return {"BLOCK_SIZE_M": 16 if M <= E else 64, "BLOCK_SIZE_N": N, "BLOCK_SIZE_K": K, "dtype": dtype,
+            "block": block_shape, "topk": topk}
+'''
+
+
+def _tile(block_m, marker):
+    return {"BLOCK_SIZE_M": block_m, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1, "marker": marker}
+
+
+def _fake_wheel(tmp_path, files: dict, name="sglang-9.9.9-py3-none-any.whl") -> str:
+    path = tmp_path / name
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, content in files.items():
+            archive.writestr(member, content if isinstance(content, str) else json.dumps(content))
+    return str(path)
+
+
+def _config_wheel(tmp_path) -> str:
+    cfg = pm.SGLANG_CONFIGS
+    bf16 = "E=4,N=256,device_name=NVIDIA_H200"
+    fp8 = "E=4,N=256,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128, 128]"
+    return _fake_wheel(tmp_path, {
+        pm.SGLANG_CONFIG_MODULE: _DEFAULT_RULE,
+        f"{cfg}/triton_3_1_0/{bf16}.json": {"1": _tile(16, "3.1 small"), "64": _tile(64, "3.1 big")},
+        f"{cfg}/triton_3_6_0/{bf16}.json": {"1": _tile(16, "3.6 small"), "64": _tile(64, "3.6 big")},
+        f"{cfg}/triton_3_10_0/{bf16}.json": {"1": _tile(16, "3.10 small"), "256": _tile(128, "3.10 big")},
+        f"{cfg}/triton_3_10_0/{bf16}_down.json": {"1": {**_tile(32, "3.10 down"), "USE_TMA": True}},
+        f"{cfg}/triton_3_1_0/{fp8}.json": {"8": {**_tile(16, "fp8"), "USE_TMA": True}},
+        f"{cfg}/triton_3_1_0/E=9,N=256,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128, 128].json": {},
+        f"{cfg}/triton_3_1_0/E=4,N=256,device_name=NVIDIA_H100.json": {},
+        f"{cfg}/README.md": "not a folder",
+    })
+
+
+def test_config_file_names_follow_the_engine():
+    assert pm.config_file_name(48, 2048, "NVIDIA H200", "bf16") == "E=48,N=2048,device_name=NVIDIA_H200.json"
+    assert pm.config_file_name(48, 2048, "NVIDIA H200", "fp8") == \
+        "E=48,N=2048,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128, 128].json"
+    assert pm.config_file_name(48, 5120, "NVIDIA H200", "fp8", down=True) == \
+        "E=48,N=5120,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128, 128]_down.json"
+    assert pm.config_file_name(8, 512, "NVIDIA H200", "fp32") == "E=8,N=512,device_name=NVIDIA_H200,dtype=float32.json"
+    with pytest.raises(ValueError, match="peer dtype"):
+        pm.config_file_name(8, 512, "NVIDIA H200", "int4")
+
+
+def test_config_folder_search_order(tmp_path):
+    wheel = _config_wheel(tmp_path)
+    name = pm.config_file_name(4, 256, "NVIDIA H200", "bf16")
+    assert pm.find_config_file(wheel, name, "3.6.0").split("/")[-2] == "triton_3_6_0"  # the running Triton's
+    assert pm.find_config_file(wheel, name, "3.6.0+git1234").split("/")[-2] == "triton_3_6_0"
+    assert pm.find_config_file(wheel, name, "3.7.0").split("/")[-2] == "triton_3_10_0"  # else newest (not '3_1')
+    assert pm.find_config_file(wheel, pm.config_file_name(5, 256, "NVIDIA H200", "bf16"), "3.6.0") is None
+
+
+def test_tuned_config_nearest_batch_key_and_down_file(tmp_path):
+    wheel = _config_wheel(tmp_path)
+    small = pm.peer_config(wheel, 4, 256, "bf16", "NVIDIA H200", 20, triton_version="3.6.0")
+    assert small.up["marker"] == "3.6 small" and small.block_m == 16  # |20 - 1| < |20 - 64|
+    # the _down file is searched like the up file (every folder): 3.10's, its BLOCK_SIZE_M forced to GEMM1's
+    assert small.down["marker"] == "3.10 down" and small.down["BLOCK_SIZE_M"] == 16
+    assert small.source == "triton_3_6_0/E=4,N=256,device_name=NVIDIA_H200.json + " \
+                           "E=4,N=256,device_name=NVIDIA_H200_down.json"
+    assert pm.peer_config(wheel, 4, 256, "bf16", "NVIDIA H200", 40, triton_version="3.6.0").up["marker"] == "3.6 big"
+    # 3.7 takes the 3.10 folder, with its _down file: USE_TMA dropped, BLOCK_SIZE_M forced to GEMM1's
+    config = pm.peer_config(wheel, 4, 256, "bf16", "NVIDIA H200", 1000, triton_version="3.7.0")
+    assert config.up["marker"] == "3.10 big" and config.down["marker"] == "3.10 down"
+    assert config.down["BLOCK_SIZE_M"] == config.up["BLOCK_SIZE_M"] == 128
+    assert "USE_TMA" not in config.down and config.source.endswith("_down.json")
+    fp8 = pm.peer_config(wheel, 4, 256, "fp8", "NVIDIA H200", 1, triton_version="3.6.0")
+    assert fp8.up["marker"] == "fp8" and "USE_TMA" not in fp8.up and fp8.source.startswith("triton_3_1_0/")
+    assert fp8.down == fp8.up  # no _down file anywhere: GEMM2 takes GEMM1's config
+
+
+def test_default_rule_is_read_from_the_wheel(tmp_path):
+    wheel = _config_wheel(tmp_path)
+    config = pm.peer_config(wheel, 6, 512, "fp8", "NVIDIA H200", 6, hidden=7168, triton_version="3.6.0")
+    assert config.source.startswith("default rule")
+    # run as SGLang runs it on CUDA: not ROCm (the module's `_is_hip = True` is replaced), no deterministic mode
+    assert config.up == {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 512, "BLOCK_SIZE_K": 7168, "dtype": "fp8_w8a8",
+                         "block": [128, 128], "topk": 1}
+    assert config.down == config.up
+    assert pm.peer_config(wheel, 6, 512, "bf16", "NVIDIA H200", 7, triton_version="3.6.0").up["BLOCK_SIZE_M"] == 64
+
+
+def test_tuned_shapes_and_note(tmp_path):
+    wheel = _config_wheel(tmp_path)
+    assert pm.tuned_shapes(wheel, "NVIDIA H200", "fp8") == [(4, 256, "triton_3_1_0"), (9, 256, "triton_3_1_0")]
+    assert pm.tuned_shapes(wheel, "NVIDIA H200", "bf16") == [(4, 256, "triton_3_10_0"), (4, 256, "triton_3_1_0"),
+                                                               (4, 256, "triton_3_6_0")]
+    note = pm.nearest_tuned(wheel, 48, 256, "NVIDIA H200", "fp8")
+    assert "E=48,N=256" in note and "E=4,N=256 (triton_3_1_0), E=9,N=256 (triton_3_1_0)" in note
+    assert "no tuned NVIDIA B200" in pm.nearest_tuned(wheel, 48, 256, "NVIDIA B200", "fp8")
+
+
+# ------------------------------------------------------------------------------------------------
+# reading the kernels
+# ------------------------------------------------------------------------------------------------
+_KERNELS = '''
+from sglang.kernels.jit.utils import is_arch_support_pdl   # unimportable here: must not be copied
+
+import triton
+import triton.language as tl
+
+SCALE = 3.0
+_UNUSED = object()
+
+
+@triton.jit
+def helper(x):
+    return x * SCALE
+
+
+@triton.jit
+def fused_moe_kernel(a_ptr, c_ptr, N, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    offs = tl.arange(0, BLOCK)
+    tl.store(c_ptr + offs, helper(tl.load(a_ptr + offs, mask=offs < N, other=0.0)), mask=offs < N)
+
+
+@triton.jit
+def act_and_mul_kernel(x_ptr):
+    pass
+
+
+def not_a_kernel():
+    return is_arch_support_pdl()
+'''
+_QUANT = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _per_token_group_quant_8bit(y_ptr):
+    pass
+'''
+
+
+def test_kernels_are_read_out_of_the_wheel(tmp_path):
+    wheel = _fake_wheel(tmp_path, {pm.SGLANG_KERNELS: _KERNELS, pm.SGLANG_QUANT: _QUANT})
+    peer = pm.load_peer_kernel(wheel)
+    assert (peer.engine, peer.version, peer.label) == ("sglang", "9.9.9", "sglang 9.9.9")
+    assert peer.gemm_params == ("a_ptr", "c_ptr", "N", "BLOCK", "FLAG")
+    assert peer.gemm_required == {"a_ptr", "c_ptr", "N", "BLOCK"}
+    source = pathlib.Path(peer.module_file).read_text()
+    assert not peer.module_file.startswith(str(pathlib.Path(__file__).resolve().parents[1]))  # not in the repo
+    assert "SCALE = 3.0" in source and "def helper" in source and "@triton.jit\ndef fused_moe_kernel" in source
+    assert "sglang" not in source.split('"""')[2] and "_UNUSED" not in source and "not_a_kernel" not in source
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU (tests/conftest.py)
+    a = torch.arange(5, dtype=torch.float32, device=device)
+    c = torch.zeros(5, device=device)
+    peer.gemm[(1,)](a, c, 5, BLOCK=8)
+    assert c.tolist() == [0.0, 3.0, 6.0, 9.0, 12.0]
+
+
+def test_missing_wheel_or_function_raises_coded_error(tmp_path):
+    with pytest.raises(BackendUnavailableError, match="ENV001.*not found.*make peers"):
+        pm.load_peer_kernel(str(tmp_path / "sglang-1.0-py3-none-any.whl"))
+    with pytest.raises(BackendUnavailableError, match="only SGLang wheels"):
+        pm.load_peer_kernel(_fake_wheel(tmp_path, {}, name="vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl"))
+    with pytest.raises(BackendUnavailableError, match="has no sglang/kernels/ops/moe"):
+        pm.load_peer_kernel(_fake_wheel(tmp_path, {pm.SGLANG_QUANT: _QUANT}))
+    no_act = _KERNELS.replace("act_and_mul_kernel", "other_kernel")
+    with pytest.raises(BackendUnavailableError, match="no module-level 'act_and_mul_kernel'"):
+        pm.load_peer_kernel(_fake_wheel(tmp_path, {pm.SGLANG_KERNELS: no_act, pm.SGLANG_QUANT: _QUANT},
+                                        name="sglang-9.9.8-py3-none-any.whl"))
+    not_jit = _KERNELS.replace("@triton.jit\ndef act_and_mul_kernel", "def act_and_mul_kernel")
+    with pytest.raises(BackendUnavailableError, match="not a triton.jit function"):
+        pm.load_peer_kernel(_fake_wheel(tmp_path, {pm.SGLANG_KERNELS: not_jit, pm.SGLANG_QUANT: _QUANT},
+                                        name="sglang-9.9.7-py3-none-any.whl"))
+    (tmp_path / "broken-1.0-py3-none-any.whl").write_text("not a zip")
+    with pytest.raises(BackendUnavailableError, match="not a zip"):
+        pm.find_config_file(str(tmp_path / "broken-1.0-py3-none-any.whl"), "x.json", "3.6.0")
+
+
+def test_default_wheel_discovery(tmp_path):
+    assert pm.default_peer_wheel(str(tmp_path)) is None
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl").write_text("")
+    assert pm.default_peer_wheel(str(tmp_path)).endswith("vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl")
+    (tmp_path / ".whl" / "sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl").write_text("")
+    assert pm.default_peer_wheel(str(tmp_path)).endswith("sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl")
