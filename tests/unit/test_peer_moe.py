@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 
 
 def _peer_moe():
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "peer_moe.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "peer_moe.py"
     if "peer_moe_under_test" not in sys.modules:
         spec = importlib.util.spec_from_file_location("peer_moe_under_test", path)
         module = importlib.util.module_from_spec(spec)
