@@ -3,6 +3,7 @@ scripts/tune_grouped_mlp.py) and the GROUP_M program order, vs the torch twin; b
 autotune over their own mid/prefill tile lists; the tuner's FP8 candidates and dry run."""
 
 import importlib
+import types
 
 import pytest
 import torch
@@ -103,6 +104,24 @@ def test_config_problem_smem_and_registers():
     assert gm._config_problem(big, gated=False, smem_limit=227 * 1024, **facts) is None  # 160 KB
     wide = triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3)
     assert "register" in gm._config_problem(wide, gated=True, **facts)
+
+
+@pytest.mark.parametrize("sizes", [{"N": 2048, "K": 7168}, {"N": 8, "K": 16}])  # the second keeps only the fallback
+@pytest.mark.parametrize("ieee_fp32", [False, True])
+def test_every_autotune_config_sets_the_tma_block_shapes(sizes, ieee_fp32):
+    """A TMA launch's descriptors get their block shapes from the config's pre-hook: every config autotune may
+    run (list tiles and the fallback) must carry it, or the kernel compiles against the placeholder shape."""
+    named = {"rows_hint": 4096, "num_experts": 48, **sizes}
+    configs = gm._prune_configs(gm._gpu_configs(), named, ACTIVATION=1, FP8=False, QUANT_OUT=False,
+                                IEEE_FP32=ieee_fp32)
+    assert configs
+    for config in configs:
+        assert config.pre_hook is gm._set_tma_block_shapes, config
+        nargs = {"a_desc": types.SimpleNamespace(block_shape=None), "b_desc": types.SimpleNamespace(block_shape=None),
+                 **config.kwargs}
+        config.pre_hook(nargs)
+        assert nargs["a_desc"].block_shape == [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_K"]]
+        assert nargs["b_desc"].block_shape == [config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]]
 
 
 def test_tile_lists_take_an_optional_group_m(monkeypatch):
