@@ -673,7 +673,10 @@ def grouped_mlp(
     inter = two_f // 2
     out_dtype = torch.bfloat16 if fp8 else x_RD.dtype
     device = x_RD.device
-    y_PDx = torch.zeros(num_rows, hidden, dtype=out_dtype, device=device)
+    # the kernels write every row inside a segment; the rest is zeroed only when asked (a memset of the whole
+    # pool: ~0.5 GB at 32768 routed rows of Kimi-K2, which the device-side dispatch never reads)
+    allocate = torch.zeros if zero_unused_rows or num_experts == 0 or inter == 0 else torch.empty
+    y_PDx = allocate(num_rows, hidden, dtype=out_dtype, device=device)
     if num_rows == 0 or num_experts == 0 or hidden == 0 or inter == 0:
         return y_PDx
     check_device("x_RD", x_RD)

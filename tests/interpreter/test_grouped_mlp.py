@@ -134,6 +134,24 @@ def test_tma_needs_16_byte_rows(device):
                                         quant_out=False, rows_hint=3, tma=True)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_unused_rows_left_unwritten_on_request(fp8, device):
+    """zero_unused_rows=False (the device-side dispatch's whole pool) skips zeroing the pool: rows inside the
+    segments are the same bits, the others are whatever the allocator held."""
+    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], 48, 40,
+                                                           torch.float32, device, seed=3)
+    kwargs = {}
+    if fp8:
+        x_RD, kwargs["x_scale_RDb"] = quantize_fp8_per_128(x_RD.nan_to_num(0.0))
+        gate_up, kwargs["gate_up_scale"] = quantize_fp8_per_block_128(gate_up)
+        down, kwargs["down_scale"] = quantize_fp8_per_block_128(down)
+    y_zeroed = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    y_left = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, zero_unused_rows=False, **kwargs)
+    valid = _valid_rows(row_start_e, num_rows_e, x_RD.shape[0])
+    assert torch.equal(y_left.cpu()[valid], y_zeroed.cpu()[valid])
+    _check_padding_zero(y_zeroed, row_start_e, num_rows_e, fp8=fp8)
+
+
 def test_no_rows_at_all_gives_zeros(device):
     x_RD, gate_up, down, row_start_e, num_rows_e = _inputs([0, 0], 16, 8, torch.float32, device)
     y_RD = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e)
