@@ -1,5 +1,8 @@
 """Cases of the multi-process EP tests (enumerators) and their inputs (generators), shared by the pytest
-side (which parametrizes over the case ids) and the torchrun worker (which runs them).
+side (which parametrizes over the case ids) and the torchrun worker (which runs them). The 2- and 4-rank
+launches run every case; the 8-rank launch runs the named selection ``LAUNCH_SUBSETS[8]`` (8 processes on
+2 cores: start-up alone takes ~20 s), chosen to cover what changes with R=8. Token counts are written for
+up to 8 ranks (no rank over the cap unless the scenario means it).
 
 A case is a JSON-able dict with a unique ``id`` and a ``kind``:
 - ``routed``: one preset x one routing scenario, run over both transports (symm and a2a), twice each;
@@ -29,8 +32,29 @@ CAP = 16
 FP8_EXPERTS_LIMIT = CALC_DIFF_TOLERANCES[torch.float8_e4m3fn]
 
 
-def enumerate_cases(world_size: int, device: str = "cpu") -> list[dict]:
-    """Every case of one launch at ``world_size`` ranks on ``device`` (``cpu``: gloo; ``cuda``: NCCL)."""
+# The 8-rank launch: what changes with R=8, both transports in every routed case (each also asserts symm and
+# a2a bitwise equal). all_to_one on tiny-step3 (8 experts: one per rank) sends every row to one expert of the
+# last rank (hot rank); zero_tokens and chunk have a rank with no rows (chunk: rank 0 at cap+1, two chunks,
+# bitwise equal to one unchunked call), uneven/bf16 eight different counts, masked/fp8-dispatch -1 slots (and
+# FP8 dispatch), router the whole block; the error cases: one rank over the cap (CAP001), eight different caps
+# (CAP002 naming every rank's), one rank's bad id (INP005): a coded error on all 8 ranks within 10 s, over
+# both transports, and the group usable afterwards.
+LAUNCH_SUBSETS = {8: (
+    "tiny-kimi-k2-zero_tokens", "tiny-kimi-k2-chunk", "tiny-kimi-k2-bf16", "tiny-kimi-k3-masked",
+    "tiny-kimi-k3-router", "tiny-deepseek-v3-uneven", "tiny-deepseek-v3-fp8-dispatch", "tiny-step3-all_to_one",
+    "tiny-step3-alignment-8-chunk",
+    *(f"{kind}-{transport}" for kind in ("overflow-error", "cap-mismatch", "bad-ids") for transport in TRANSPORTS),
+)}
+
+
+def launch_cases(world_size: int, device: str = "cpu") -> list[dict]:
+    """The cases of the launch at ``world_size`` ranks: every case, or the selection ``LAUNCH_SUBSETS`` names."""
+    return enumerate_cases(world_size, device, subset=LAUNCH_SUBSETS.get(world_size))
+
+
+def enumerate_cases(world_size: int, device: str = "cpu", subset=None) -> list[dict]:
+    """Every case at ``world_size`` ranks on ``device`` (``cpu``: gloo; ``cuda``: NCCL), or only those whose
+    ids ``subset`` lists (an unknown id raises: a renamed case must not silently leave a selection)."""
     cases = [dict(id=f"{preset}-{scenario}", kind="routed", preset=preset, scenario=scenario, cap=CAP,
                   dtype="float32", dispatch_fp8=False, alignment=128)
              for preset in PRESETS for scenario in SCENARIOS]
@@ -56,7 +80,12 @@ def enumerate_cases(world_size: int, device: str = "cpu") -> list[dict]:
             dict(id=f"bad-ids-{transport}", kind="bad_ids", preset="tiny-step3", transport=transport, cap=CAP),
         ]
     cases.append(dict(id="env-a2a-chunk", kind="env", preset="tiny-kimi-k3", cap=CAP))
-    return cases
+    if subset is None:
+        return cases
+    unknown = set(subset) - {case["id"] for case in cases}
+    if unknown:
+        raise KeyError(f"no such case at {world_size} ranks on {device}: {sorted(unknown)}")
+    return [case for case in cases if case["id"] in subset]
 
 
 def _generator(case_id: str, rank: int, salt: str = "") -> torch.Generator:
@@ -66,10 +95,13 @@ def _generator(case_id: str, rank: int, salt: str = "") -> torch.Generator:
 def num_tokens_for(scenario: str, rank: int, world_size: int, cap: int) -> int:
     """Rows rank ``rank`` feeds in ``scenario``."""
     return {
-        "balanced": cap, "all_to_one": cap, "t_eq_cap": cap, "masked": cap - 2, "router": 10 + rank,
+        "balanced": cap, "all_to_one": cap, "t_eq_cap": cap, "masked": cap - 2, "router": min(10 + rank, cap),
         "zero_tokens": 0 if rank == 0 else cap // 2 + rank,
         "uneven": (3, cap, 7, 11, 1, 9, 5, 13)[rank % 8],
-        "chunk": cap + 1 if rank == 0 else max(cap - 2 * rank, 0),
+        # rank 0 one row over the cap (two chunks); from 4 ranks on, the last rank feeds none (it still joins
+        # every chunk's collectives)
+        "chunk": (cap + 1 if rank == 0 else 0 if world_size >= 4 and rank == world_size - 1
+                  else max(cap - 2 * rank, 0)),
     }[scenario]
 
 

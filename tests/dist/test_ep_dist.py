@@ -1,7 +1,9 @@
-"""Expert parallelism across processes (torchrun, gloo, CPU): both transports, 2 and 4 ranks.
+"""Expert parallelism across processes (torchrun, gloo, CPU): both transports, 2, 4 and 8 ranks.
 
-One torchrun launch per world size runs every case of ``ep_cases.enumerate_cases`` (process start-up is
-the expensive part on 2 cores); each parametrized test then asserts one case on every rank. Fault
+One torchrun launch per world size runs the cases of ``ep_cases.launch_cases`` (process start-up is the
+expensive part on 2 cores): every case at 2 and 4 ranks, the selection ``ep_cases.LAUNCH_SUBSETS[8]`` at 8
+(what changes with R=8; start-up alone is ~20 s there); each parametrized test then asserts one case on
+every rank. The 8-rank tests' ids contain ``8ranks`` (``pytest -k 8ranks`` runs that launch alone). Fault
 launches check that a failing or killed rank ends the job quickly and leaves nothing in the shared-memory
 folder. Every launch has a wall-clock limit, so a hang fails the test instead of stalling the suite.
 """
@@ -21,21 +23,21 @@ from launch import Launch, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
-WORLD_SIZES = (2, 4)
-LAUNCH_TIMEOUT_S = 240  # all cases of one world size (about 10-20 s when the machine is idle)
+WORLD_SIZES = (2, 4, 8)
+LAUNCH_TIMEOUT_S = 240  # the cases of one world size (about 15-35 s when the machine is idle)
 FAULT_TIMEOUT_S = 90  # a failing job must end well within this (the worker's group timeout is 60 s)
 
 
 @pytest.fixture(scope="session")
 def launches(tmp_path_factory):
-    """``launches(world_size)``: the (cached) launch running every case at that world size."""
+    """``launches(world_size)``: the (cached) launch running the cases of that world size."""
     cache: dict[int, Launch] = {}
 
     def get(world_size: int) -> Launch:
         if world_size not in cache:
             folder = tmp_path_factory.mktemp(f"ep{world_size}")
             case_file = folder / "cases.json"
-            case_file.write_text(json.dumps(ep_cases.enumerate_cases(world_size)))
+            case_file.write_text(json.dumps(ep_cases.launch_cases(world_size)))
             cache[world_size] = torchrun(world_size, ["--case-file", str(case_file)], folder / "out", LAUNCH_TIMEOUT_S)
         return cache[world_size]
     return get
@@ -45,7 +47,7 @@ def _tail(log: str, lines: int = 40) -> str:
     return "\n".join(log.splitlines()[-lines:])
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", WORLD_SIZES, ids=lambda world_size: f"{world_size}ranks")
 def test_launch_finishes_and_leaves_no_shared_memory(launches, world_size):
     launch = launches(world_size)
     assert launch.returncode is not None, f"{world_size=}: the job hung past {LAUNCH_TIMEOUT_S} s\n{_tail(launch.log)}"
@@ -56,11 +58,11 @@ def test_launch_finishes_and_leaves_no_shared_memory(launches, world_size):
 
     if is_active():  # built here (make install): the ranks ran the compiled ops, not the twins
         assert launch.log.count("CPU EP ops: compiled ops: active") == world_size, _tail(launch.log)
-    print(f"\n{world_size} ranks: {len(ep_cases.enumerate_cases(world_size))} cases in {launch.seconds:.1f} s")
+    print(f"\n{world_size} ranks: {len(ep_cases.launch_cases(world_size))} cases in {launch.seconds:.1f} s")
 
 
 _CASES = [pytest.param(world_size, case, id=f"{world_size}ranks-{case['id']}")
-          for world_size in WORLD_SIZES for case in ep_cases.enumerate_cases(world_size)]
+          for world_size in WORLD_SIZES for case in ep_cases.launch_cases(world_size)]
 
 
 @pytest.mark.parametrize("world_size, case", _CASES)
