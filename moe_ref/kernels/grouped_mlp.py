@@ -497,7 +497,7 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
     `scripts/tune_grouped_mlp.py` and the tests. A config that would compute a wrong result (fp8 group
     rules) raises ValueError; one that does not fit the GPU fails in Triton (OutOfResources).
     `tma=None` loads the a and b tiles through TMA descriptors where `_tma_possible` (else pointers);
-    True forces TMA (ValueError-like InvalidConfigError if impossible), False forces pointers.
+    True forces TMA (InvalidConfigError, a ValueError, where it is impossible), False forces pointers.
     Returns what the Triton launch returns (on a GPU the compiled kernel: `n_regs`, `n_spills`,
     `metadata.shared`; `grouped_mlp` ignores it).
     """
