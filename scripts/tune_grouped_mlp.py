@@ -19,7 +19,7 @@ Check: every (config, case) result once against grouped_mlp_ref (on 5 of the 48 
 Candidates (Hopper wgmma, bf16): BLOCK_M {64, 128} x effective N tile {128, 256} (gate_up: BLOCK_N is per
 half, so {64, 128}) x BLOCK_K 64 x num_warps {4, 8} x num_stages {3, 4, 5}, pruned at 227 KB of shared
 memory, > 128 fp32 accumulator registers per thread, and the library's legality rules; plus the tiles
-of the current autotune lists (`_MID_TILES`, `_PREFILL_TILES`) that the library's rules keep (marked * in
+of the current autotune lists (`MID_TILES`, `PREFILL_TILES`) that the library's rules keep (marked * in
 a case's table when autotune would consider them for that launch). Phase 2: the best `--swizzle-top`
 tiles per GEMM (ranked on the 32768-row cases) again with GROUP_M in `--group-m` (L2 swizzle).
 
@@ -38,15 +38,15 @@ x quantized per row per 128 columns (fp32 scales), weights e4m3 with fp32 128x12
   accumulator elements per program) over BLOCK_K {128, 64} x num_warps {4, 8} x num_stages {3, 4, 5}, gate_up
   BLOCK_M {64, 32}, down (BLOCK_M, BLOCK_N) {(128, 128), (64, 256), (64, 128)}, and at most 64 accumulator
   registers per thread (the scaled partial product of each k-step needs as many again); plus the current FP8
-  autotune tiles (`_MID_TILES_FP8`, `_PREFILL_TILES_FP8`) the library's rules keep, spilling or not. Kimi-K2
+  autotune tiles (`MID_TILES_FP8`, `PREFILL_TILES_FP8`) the library's rules keep, spilling or not. Kimi-K2
   and Step3 differ in Triton's specialisation of the FP8 scale strides (F/128 = 16 vs 40), so each config
   compiles once per shape; the workers compile both.
-  Output as below, with the replacement `_MID_TILES_FP8` / `_PREFILL_TILES_FP8` blocks (the current entries +
-  the winners) to paste into moe_ref/kernels/grouped_mlp.py; bf16's lists are not touched.
+  Output as below, with the replacement `MID_TILES_FP8` / `PREFILL_TILES_FP8` blocks (the current entries +
+  the winners) to paste into moe_ref/kernels/grouped_mlp_tiles.py; bf16's lists are not touched.
 
 Output: a progress line per config (flushed), then per (shape, rows, GEMM) a table config | us |
 TFLOP/s | x vs the anchor | calc_diff | registers per thread | spilled bytes, the best config per case, and per (regime, GEMM) the tiles to
-put into `_MID_TILES` / `_PREFILL_TILES` (--fp8: `*_FP8`) of moe_ref/kernels/grouped_mlp.py, then those lists
+put into `MID_TILES` / `PREFILL_TILES` (--fp8: `*_FP8`) of moe_ref/kernels/grouped_mlp_tiles.py, then those lists
 with the winners appended, ready to paste (also written to <out>.txt).
 JSON goes to --out after every config, so a time-out keeps what was measured; --max-seconds stops the
 sweep cleanly (default 170 s, counted from process start, including setup and compilation).
@@ -125,6 +125,10 @@ def _gm():
     return importlib.import_module("moe_ref.kernels.grouped_mlp")
 
 
+def _tiles():
+    return importlib.import_module("moe_ref.kernels.grouped_mlp_tiles")
+
+
 def _elapsed() -> float:
     return time.monotonic() - _T0
 
@@ -142,11 +146,11 @@ def _log(message: str) -> None:
 # candidates
 # ------------------------------------------------------------------------------------------------
 def _make_config(tile: tuple, group_m: int) -> triton.Config:
-    return _gm()._config_of_tile((*tile, group_m))
+    return _tiles().config_of_tile((*tile, group_m))
 
 
 def _list_entry(tile: tuple, group_m: int) -> tuple:
-    """The form of an entry of `_MID_TILES` / `_PREFILL_TILES`: GROUP_M as a 6th element when != 1."""
+    """The form of an entry of `MID_TILES` / `PREFILL_TILES`: GROUP_M as a 6th element when != 1."""
     return tuple(tile) if group_m == 1 else (*tile, group_m)
 
 
@@ -161,12 +165,11 @@ def _label(gemm: str, tile: tuple, group_m: int) -> str:
 def _skip_reason(gemm: str, tile: tuple, fp8: bool = False, heuristics: bool = True) -> str | None:
     """Why the sweep leaves this tile out for this GEMM (None: keep). Uses the library's rules (FP8's with
     `fp8`) with the H200's 227 KB, plus (`heuristics`) an accumulator-register bound."""
-    gm = _gm()
     gated = gemm == "gate_up"
     config = _make_config(tile, 1)
     _, hidden, inter = SHAPES["kimi-k2"] if "kimi-k2" in SHAPES else next(iter(SHAPES.values()))
     n, k = (inter, hidden) if gated else (hidden, inter)
-    problem = gm._config_problem(config, n=n, k=k, gated=gated, fp8=fp8, quant_out=fp8 and gated, ieee_fp32=False,
+    problem = _tiles().config_problem(config, n=n, k=k, gated=gated, fp8=fp8, quant_out=fp8 and gated, ieee_fp32=False,
                                  smem_limit=SMEM_LIMIT, register_rules=not EXPLORE)
     if problem or not heuristics or EXPLORE:
         return problem
@@ -180,9 +183,8 @@ def _skip_reason(gemm: str, tile: tuple, fp8: bool = False, heuristics: bool = T
 
 def _current_tiles(fp8: bool = False) -> list[tuple]:
     """(tile, GROUP_M) of the current mid and prefill autotune lists (the FP8 lists with `fp8`)."""
-    gm = _gm()
-    lists = gm._MID_TILES_FP8 + gm._PREFILL_TILES_FP8 if fp8 else gm._MID_TILES + gm._PREFILL_TILES
-    entries = dict.fromkeys(gm._normalize_tile(t) for t in lists)
+    lists = _tiles().MID_TILES_FP8 + _tiles().PREFILL_TILES_FP8 if fp8 else _tiles().MID_TILES + _tiles().PREFILL_TILES
+    entries = dict.fromkeys(_tiles().normalize_tile(t) for t in lists)
     return [(tuple(t[:5]), t[5] if len(t) > 5 else 1) for t in entries]
 
 
@@ -216,7 +218,7 @@ def enumerate_candidates(gemm: str, include_current: bool = True, fp8: bool = Fa
     for tile, group_m in dict.fromkeys(current + grid):
         source = "+".join(name for name, pool in (("current", current), ("grid", grid)) if (tile, group_m) in pool)
         entry = {"gemm": gemm, "fp8": fp8, "tile": tile, "group_m": group_m, "label": _label(gemm, tile, group_m),
-                 "source": source, "smem_kb": _gm()._smem_bytes(_make_config(tile, 1), gated=gated,
+                 "source": source, "smem_kb": _tiles().smem_bytes(_make_config(tile, 1), gated=gated,
                                                                 bytes_per_element=1 if fp8 else 2) / 1024}
         reason = _skip_reason(gemm, tile, fp8, heuristics="current" not in source)
         if reason:
@@ -231,7 +233,7 @@ def enumerate_candidates(gemm: str, include_current: bool = True, fp8: bool = Fa
 def bf16_anchor_tile(shape: str, rows: int, gemm: str) -> tuple | None:
     """--fp8 anchor: the bf16 sweep's best list entry for this case's (shape, regime, GEMM), None if unknown."""
     num_experts = SHAPES[shape][0]
-    regime = _gm()._regime(triton.next_power_of_2(rows), num_experts)[0]
+    regime = _tiles().regime(triton.next_power_of_2(rows), num_experts)[0]
     return BF16_BEST.get((shape, regime, gemm))
 
 
@@ -500,7 +502,6 @@ def _check_diff(case: dict) -> float:
 
 def current_autotune_tiles(case: dict, gemm: str) -> tuple[str, list[tuple]]:
     """(regime, tiles) that the library's autotune would consider for this launch."""
-    gm = _gm()
     num_experts, hidden, inter = SHAPES[case["shape"]]
     n, k = (inter, hidden) if gemm == "gate_up" else (hidden, inter)
     rows_hint = triton.next_power_of_2(case["rows"])
@@ -508,8 +509,8 @@ def current_autotune_tiles(case: dict, gemm: str) -> tuple[str, list[tuple]]:
     fp8 = case.get("fp8", False)
     flags = {"ACTIVATION": 1 if gemm == "gate_up" else 0, "FP8": fp8, "QUANT_OUT": fp8 and gemm == "gate_up",
              "IEEE_FP32": False}
-    regime, _ = gm._regime(rows_hint, num_experts, fp8=fp8)
-    return regime, [gm._tile(c) for c in gm._prune_configs(gm._gpu_configs(), named, **flags)]
+    regime, _ = _tiles().regime(rows_hint, num_experts, fp8=fp8)
+    return regime, [_tiles().tile_of(c) for c in _tiles().prune_configs(_tiles().gpu_configs(), named, **flags)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -641,10 +642,10 @@ def _best(runs: list[dict], current_only: bool = False) -> dict | None:
     return min(good, key=lambda r: r["us"]) if good else None
 
 
-LIST_COMMENTS = {"_DECODE_TILES": "<= 32 rows per expert: weight-bandwidth bound, many N tiles in flight",
-                 "_MID_TILES": "32..256 rows per expert", "_PREFILL_TILES": "> 256 rows per expert: compute bound, big tiles",
-                 "_DECODE_TILES_FP8": "<= 32 rows per expert", "_MID_TILES_FP8": "32..256 rows per expert",
-                 "_PREFILL_TILES_FP8": "> 256 rows per expert"}
+LIST_COMMENTS = {"DECODE_TILES": "<= 32 rows per expert: weight-bandwidth bound, many N tiles in flight",
+                 "MID_TILES": "32..256 rows per expert", "PREFILL_TILES": "> 256 rows per expert: compute bound, big tiles",
+                 "DECODE_TILES_FP8": "<= 32 rows per expert", "MID_TILES_FP8": "32..256 rows per expert",
+                 "PREFILL_TILES_FP8": "> 256 rows per expert"}
 
 
 def autotune_problem(shape: str, gemm: str, tile, group_m: int, fp8: bool) -> str | None:
@@ -652,13 +653,13 @@ def autotune_problem(shape: str, gemm: str, tile, group_m: int, fp8: bool) -> st
     _, hidden, inter = SHAPES[shape]
     gated = gemm == "gate_up"
     n, k = (inter, hidden) if gated else (hidden, inter)
-    return _gm()._config_problem(_make_config(tuple(tile), group_m), n=n, k=k, gated=gated, fp8=fp8,
+    return _tiles().config_problem(_make_config(tuple(tile), group_m), n=n, k=k, gated=gated, fp8=fp8,
                                  quant_out=fp8 and gated, ieee_fp32=False)
 
 
 def tile_list_name(regime: str, fp8: bool) -> str:
-    """The grouped_mlp.py list that autotune reads for this regime (FP8 has its own mid and prefill lists)."""
-    return f"_{regime.upper()}_TILES" + ("_FP8" if fp8 else "")
+    """The grouped_mlp_tiles.py list that autotune reads for this regime (FP8 has its own mid and prefill lists)."""
+    return f"{regime.upper()}_TILES" + ("_FP8" if fp8 else "")
 
 
 def summarize(results: dict) -> dict:
@@ -693,9 +694,8 @@ def summarize(results: dict) -> dict:
 
 
 def paste_blocks(results: dict, summary: dict) -> list[str]:
-    """Per tile list with winners: the list as it stands in grouped_mlp.py with the winners it lacks appended
+    """Per tile list with winners: the list as it stands in grouped_mlp_tiles.py with the winners it lacks appended
     (one line each, commented with the GEMM and cases they won), to paste over the list."""
-    gm = _gm()
     fp8 = results.get("fp8", False)
     env = results.get("env", {})
     source = f"tune_grouped_mlp.py{' --fp8' if fp8 else ''}, {env.get('gpu', DEVICE)}, {time.strftime('%Y-%m-%d')}"
@@ -709,11 +709,11 @@ def paste_blocks(results: dict, summary: dict) -> list[str]:
             winners.setdefault(suggestion["list"], []).append((tuple(tile), f"{gemm} {cases}{note}"))
     lines = []
     for name, entries in winners.items():
-        current = [tuple(t) for t in getattr(gm, name)]
-        known = {gm._normalize_tile(t) for t in current}
+        current = [tuple(t) for t in getattr(_tiles(), name)]
+        known = {_tiles().normalize_tile(t) for t in current}
         added: dict[tuple, list[str]] = {}
         for tile, why in entries:
-            if gm._normalize_tile(tile) not in known:
+            if _tiles().normalize_tile(tile) not in known:
                 added.setdefault(tile, []).append(why)
         lines.append(f"{name} = [  # {LIST_COMMENTS.get(name, '')}".rstrip())
         row = "   "
@@ -773,12 +773,12 @@ def format_tables(results: dict) -> str:
             current += f"; NOTE autotune drops this tile: {b['autotune_drops']}"
         emit(f"  {b['shape']:8s} {b['rows']:6d} {b['gemm']:8s} [{b['regime']}] {b['label']:30s} {b['us']:9.1f} us "
               f"{b['tflops']:6.1f} TFLOP/s {vs}{current}")
-    emit("\n== winners as entries of the tile lists in moe_ref/kernels/grouped_mlp.py: (BLOCK_M, BLOCK_N "
+    emit("\n== winners as entries of the tile lists in moe_ref/kernels/grouped_mlp_tiles.py: (BLOCK_M, BLOCK_N "
           "[per half for gate_up], BLOCK_K, num_warps, num_stages[, GROUP_M])")
     for key, s in summary["suggestions"].items():
         emit(f"  {key:16s} -> {s['list']}: {', '.join(str(tuple(t)) for t in s['tiles'])}")
     if summary["suggestions"]:
-        emit("\n== paste into moe_ref/kernels/grouped_mlp.py over the list of the same name (current entries kept, "
+        emit("\n== paste into moe_ref/kernels/grouped_mlp_tiles.py over the list of the same name (current entries kept, "
              "winners appended)" + ("; bf16's lists stay as they are" if fp8 else ""))
         lines += paste_blocks(results, summary)
     return "\n".join(lines) + "\n"
@@ -800,7 +800,7 @@ def write_json(results: dict, path: str) -> None:
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fp8", action="store_true",
-                        help="sweep the FP8 path (e4m3 x and weights; `_MID_TILES_FP8`, `_PREFILL_TILES_FP8`), "
+                        help="sweep the FP8 path (e4m3 x and weights; `MID_TILES_FP8`, `PREFILL_TILES_FP8`), "
                              "anchored on the bf16 kernel's best tile")
     parser.add_argument("--out", default=None,
                         help="JSON path (default results/tune_grouped_mlp.json, --fp8: results/tune_grouped_mlp_fp8.json)")
@@ -835,7 +835,6 @@ def _parse(argv):
 
 
 def dry_run(args, candidates: dict, skipped: dict) -> int:
-    gm = _gm()
     print("cases (rows spread evenly, 128-aligned segments):")
     for shape in args.shapes:
         num_experts, hidden, inter = SHAPES[shape]
@@ -843,7 +842,7 @@ def dry_run(args, candidates: dict, skipped: dict) -> int:
             counts = even_counts(rows, num_experts)
             _, pool_rows = layout(counts)
             fake = {"shape": shape, "rows": rows, "fp8": args.fp8}
-            regime = gm._regime(triton.next_power_of_2(rows), num_experts)[0]
+            regime = _tiles().regime(triton.next_power_of_2(rows), num_experts)[0]
             print(f"  {shape:8s} e={num_experts} D={hidden} F={inter} rows={rows:6d} per expert {min(counts)}-"
                   f"{max(counts)} pool R={pool_rows} regime={regime}"
                   + (f" (list {tile_list_name(regime, True)}; compile as D={compile_dims(shape, True)[0]} "
@@ -1046,7 +1045,7 @@ def swizzle_candidates(results: dict, gemm: str, args, cases: list[dict]) -> lis
                 continue
             out.append({"gemm": gemm, "fp8": args.fp8, "tile": tile, "group_m": group_m,
                         "label": _label(gemm, tile, group_m), "source": "swizzle",
-                        "smem_kb": _gm()._smem_bytes(_make_config(tile, 1), gated=gated,
+                        "smem_kb": _tiles().smem_bytes(_make_config(tile, 1), gated=gated,
                                                      bytes_per_element=1 if args.fp8 else 2) / 1024})
     return out
 

@@ -4,7 +4,8 @@
     EP over symmetric memory: ep_pre_dispatch -> symm_barrier -> ep_dispatch -> experts -> ep_combine_push
         -> symm_barrier -> ep_combine_reduce   (ep_chunk runs them in order)
 
-`fp8` holds the torch FP8 quantizers (activations per 128 columns, weights per 128x128 block).
+`fp8` holds the torch FP8 quantizers (activations per 128 columns, weights per 128x128 block);
+`grouped_mlp_tiles` the grouped MLP's autotune tile lists and their pruning.
 
 Under `TRITON_INTERPRET=1` (set before triton is imported) the kernels run on CPU tensors (slow; tests).
 """

@@ -18,7 +18,7 @@ M blocks and the surplus programs exit at once. So BLOCK_M may be smaller than t
 alignment (decode) and padding blocks cost nothing. Program order: N tiles fastest (GROUP_M = 1, the
 default), or GROUP_M > 1 consecutive M blocks sweep the N tiles together (an L2 swizzle for many rows).
 
-Tiles: autotuned per rows-per-expert regime (`_regime`, `_prune_configs`), or forced with
+Tiles: autotuned per rows-per-expert regime (`grouped_mlp_tiles`: lists, `regime`, `prune_configs`), or forced with
 `_launch_gemm(..., config=triton.Config(...))` (`scripts/tune_grouped_mlp.py` sweeps them that way).
 
 Loads: on Hopper and newer GPUs (and under the interpreter) the a and b tiles come through host-side TMA
@@ -68,6 +68,7 @@ from moe_ref.kernels._triton_utils import (
     num_fp8_groups,
     to_e4m3,
 )
+from moe_ref.kernels import grouped_mlp_tiles as tiles
 from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -280,196 +281,15 @@ def _grouped_gemm_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
-# configs (GPU autotune; one fixed small config under the interpreter)
+# autotune (the tile lists and their pruning live in moe_ref.kernels.grouped_mlp_tiles)
 # --------------------------------------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, GROUP_M]), grouped by the rows-per-expert regime
-# they serve (see `_regime`); GROUP_M (program-order swizzle) is 1 when left out. For GEMM1 BLOCK_N
-# counts one half: a program computes a BLOCK_M x 2*BLOCK_N gate||up tile. Both GEMMs share these
-# lists; `_config_problem` drops what does not fit one of them.
-# `scripts/tune_grouped_mlp.py` sweeps tiles per GEMM on a GPU (with `_launch_gemm(..., config=...)`).
-_DECODE_TILES = [  # <= 32 rows per expert: weight-bandwidth bound, many N tiles in flight
-    (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
-]
-# The last entries of _MID_TILES and _PREFILL_TILES are the winners of scripts/tune_grouped_mlp.py on an H200
-# (2026-11-30, docs/results/tune_grouped_mlp.txt): 1.29-1.44x over this list's previous best at 4096 rows,
-# 1.04-1.17x at 32768 rows; GROUP_M=8 (L2 swizzle) won at 32768 rows.
-_MID_TILES = [  # 32..256 rows per expert
-    (32, 128, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
-    (128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 4),
-    (128, 128, 64, 8, 4),  # tune_grouped_mlp.py with TMA loads, H200, 2026-12-01: gate_up kimi-k2/4096, step3/4096
-]
-_PREFILL_TILES = [  # > 256 rows per expert: compute bound, big tiles
-    (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
-    (128, 256, 64, 8, 3), (128, 128, 64, 8, 3, 8), (128, 64, 64, 4, 3, 8), (128, 256, 64, 8, 3, 8),
-    (128, 128, 64, 8, 4, 8),  # tune_grouped_mlp.py with TMA loads, H200, 2026-12-01: gate_up kimi-k2/32768
-    (128, 256, 64, 8, 4, 8),  # tune_grouped_mlp.py with TMA loads, H200, 2026-12-01: down kimi-k2/32768
-]
-# FP8 (e4m3 x and weights) launches autotune over these lists instead, so that
-# `scripts/tune_grouped_mlp.py --fp8` results change FP8's choices only. They
-# hold the bf16 lists' tiles plus the FP8 sweep's winners (docs/results/tune_grouped_mlp_fp8.txt, one H200);
-# `_config_problem` drops the ones FP8 cannot run
-# (GEMM1 needs BLOCK_N 128, BLOCK_K divides 128, <= 128x128 fp32 accumulator elements per program).
-_DECODE_TILES_FP8 = [  # <= 32 rows per expert: _DECODE_TILES plus deeper pipelines (e4m3 tiles are half the bytes)
-    (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
-    (16, 128, 128, 4, 5), (32, 128, 128, 4, 5), (16, 64, 128, 4, 8), (32, 64, 128, 4, 6),
-]
-_MID_TILES_FP8 = [  # 32..256 rows per expert
-    (32, 128, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 128, 64, 8, 4, 8),
-    (128, 256, 64, 8, 4),
-    (64, 128, 128, 8, 4, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: gate_up kimi-k2/4096
-    (64, 128, 128, 8, 3, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: gate_up step3/4096
-    (128, 128, 128, 8, 4),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down kimi-k2/4096
-    (128, 128, 128, 8, 5),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down step3/4096
-    # tune_grouped_mlp.py --fp8 --explore after the TMA loads and one-scale-per-tile promotion (NVIDIA H200,
-    # 2026-12-01, docs/results/tune_grouped_mlp_fp8_tma.txt): kimi-k2/4096 gate_up 580 us, down 252 us
-    (64, 128, 128, 8, 5, 8), (64, 128, 128, 4, 3),
-]
-_PREFILL_TILES_FP8 = [  # > 256 rows per expert
-    (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
-    (128, 256, 64, 8, 3), (128, 128, 64, 8, 3, 8), (128, 64, 64, 4, 3, 8), (128, 256, 64, 8, 3, 8),
-    (64, 128, 128, 8, 5, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: gate_up kimi-k2/32768
-    (64, 128, 128, 8, 4, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: gate_up step3/32768
-    (64, 128, 128, 4, 3),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down kimi-k2/32768
-    (64, 256, 128, 8, 4, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down step3/32768
-    # wider L2 swizzle groups, as SGLang's default FP8 tile (GROUP_SIZE_M 32) beat us by 3% at 32768 rows
-    (64, 128, 128, 8, 4, 32), (64, 128, 128, 4, 3, 32),
-]
-# Autotune keeps configs whose estimated pipeline buffers stay under this (the H200 allows 227 KB per
-# block; the estimate ignores epilogue scratch, hence the headroom).
-_AUTOTUNE_SMEM_LIMIT = 200 * 1024
-_META_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")  # required in a forced config; GROUP_M is optional (default 1)
-
-
-def _normalize_tile(tile: tuple) -> tuple:
-    """A tile-list entry without a trailing GROUP_M of 1 (so 5- and 6-element forms compare equal)."""
-    return tuple(tile[:5]) if len(tile) == 5 or tile[5] == 1 else tuple(tile)
-
-
-def _set_tma_block_shapes(nargs: dict) -> None:
-    """Autotune pre-hook: a TMA launch's descriptors take the block shapes of the config being run."""
-    if nargs.get("a_desc") is not None:
-        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
-
-
-def _config_of_tile(tile: tuple) -> triton.Config:
-    block_m, block_n, block_k, warps, stages = tile[:5]
-    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
-    if len(tile) > 5 and tile[5] != 1:
-        meta["GROUP_M"] = tile[5]
-    return triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=_set_tma_block_shapes)
-
-
-def _gpu_configs() -> list[triton.Config]:
-    """H200 candidates (union of the regimes; `_prune_configs` keeps the ones for this launch)."""
-    every = _DECODE_TILES + _MID_TILES + _PREFILL_TILES + _DECODE_TILES_FP8 + _MID_TILES_FP8 + _PREFILL_TILES_FP8
-    tiles = dict.fromkeys(_normalize_tile(t) for t in every)
-    return [_config_of_tile(tile) for tile in tiles]
-
-
-def _tile(config: triton.Config) -> tuple:
-    """The tile-list form of a config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, GROUP_M if != 1])."""
-    return _normalize_tile((*(config.kwargs[key] for key in _META_KEYS), config.num_warps, config.num_stages,
-                            config.kwargs.get("GROUP_M", 1)))
-
-
-def _regime(rows_hint: int, num_experts: int, fp8: bool = False) -> tuple[str, list]:
-    """(name, tile list) of the rows-per-expert regime for a launch's `rows_hint` bucket (a power of 2);
-    `fp8` launches take the `*_FP8` lists of the mid and prefill regimes.
-
-    Example: 4096 routed rows over 48 experts -> 85 per expert -> ("mid", _MID_TILES), with fp8
-    ("mid", _MID_TILES_FP8); 32768 -> 683 -> prefill.
-    """
-    rows_per_expert = rows_hint / max(num_experts, 1)
-    if rows_per_expert <= 32:
-        return "decode", _DECODE_TILES_FP8 if fp8 else _DECODE_TILES
-    if rows_per_expert <= 256:
-        return "mid", _MID_TILES_FP8 if fp8 else _MID_TILES
-    return "prefill", _PREFILL_TILES_FP8 if fp8 else _PREFILL_TILES
-
-
-def _smem_bytes(config: triton.Config, *, gated: bool, bytes_per_element: int) -> int:
-    """Estimated pipeline buffers: num_stages x (a tile + b tile(s)); GEMM1 loads gate and up tiles."""
-    block_m, block_n, block_k = (config.kwargs[key] for key in _META_KEYS)
-    return config.num_stages * (block_m + block_n * (2 if gated else 1)) * block_k * bytes_per_element
-
-
-def _config_error(config: triton.Config, *, fp8: bool, quant_out: bool, w4: int = 0) -> str | None:
-    """Why this config would compute a wrong result for the launch (None if it is correct)."""
-    block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
-    if w4 and block_k % 32:
-        return "a 4-bit k-step covers whole 32-wide scale groups (BLOCK_K must be a multiple of 32)"
-    if quant_out and block_n != 128:
-        return "the fp8 epilogue quantizes exactly one 128-column group per tile (BLOCK_N must be 128)"
-    if fp8 and 128 % block_k != 0:
-        return "a k-step must stay inside one 128-wide scale group (BLOCK_K must divide 128)"
-    return None
-
-
-def _config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: bool, quant_out: bool,
-                    ieee_fp32: bool, w4: int = 0, smem_limit: int = _AUTOTUNE_SMEM_LIMIT,
-                    register_rules: bool = True) -> str | None:
-    """Why autotune should not try this config for the launch (None if it should): wrong results,
-    tiles larger than the problem, register spills (`register_rules`; a tuner exploring past them turns
-    them off and reads the compiler's spill count instead), shared memory above `smem_limit` bytes."""
-    error = _config_error(config, fp8=fp8, quant_out=quant_out, w4=w4)
-    if error:
-        return error
-    block_m, block_n, block_k = (config.kwargs[key] for key in _META_KEYS)
-    if block_n > max(64, triton.next_power_of_2(n)) or block_k > max(64, triton.next_power_of_2(k)):
-        return "tile larger than the problem"
-    if register_rules and gated and (block_m * block_n > 128 * 128 or block_n > 128):
-        return "two fp32 accumulators (gate, up): register pressure"
-    if register_rules and fp8 and block_m * block_n * (2 if gated else 1) > 128 * 128:
-        return "fp8 keeps a scaled partial product beside each accumulator: spills (ptxas, sm_90a)"
-    smem = _smem_bytes(config, gated=gated, bytes_per_element=1 if fp8 else 4 if ieee_fp32 else 2)
-    if smem > smem_limit:
-        return f"shared memory ~{smem // 1024} KB > {smem_limit // 1024} KB"
-    return None
-
-
-def _prune_configs(configs, named_args, **kwargs):
-    """Keep the configs of this launch's regime (its FP8 list for FP8) that are legal (fp8 groups) and fit
-    shared memory."""
-    _, regime = _regime(named_args["rows_hint"], named_args["num_experts"], fp8=kwargs.get("FP8", False))
-    regime = {_normalize_tile(tile) for tile in regime}
-    ieee_fp32 = kwargs.get("IEEE_FP32", False)
-    facts = dict(n=named_args["N"], k=named_args["K"], gated=kwargs.get("ACTIVATION", 0) != 0,
-                 fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32,
-                 w4=kwargs.get("W4", 0))
-    kept = [config for config in configs if _tile(config) in regime and _config_problem(config, **facts) is None]
-    fallback = _config_of_tile((32, 64, 32, 4, 2) if ieee_fp32 else (64, 128, 64, 4, 3))
-    return kept or [fallback]
-
-
 @functools.lru_cache(maxsize=None)
 def _autotuned_kernel():
     return triton.autotune(
-        configs=_gpu_configs(),
+        configs=tiles.gpu_configs(),
         key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "FP8", "QUANT_OUT", "W4", "USE_TMA"],
-        prune_configs_by={"early_config_prune": _prune_configs},
+        prune_configs_by={"early_config_prune": tiles.prune_configs},
     )(_grouped_gemm_kernel)
-
-
-def _interpreter_meta(quant_out: bool) -> dict:
-    return {"BLOCK_M": 16, "BLOCK_N": 128 if quant_out else 32, "BLOCK_K": 32}
-
-
-def _forced_options(config: triton.Config) -> dict:
-    """Launch keywords for a forced config: its meta-parameters and compile options."""
-    unknown = set(config.kwargs) - set(_META_KEYS) - {"GROUP_M"}
-    missing = set(_META_KEYS) - set(config.kwargs)
-    if unknown or missing:
-        raise InvalidConfigError(f"config needs {_META_KEYS} (+ optional GROUP_M); {missing=} {unknown=}")
-    options = dict(config.kwargs)
-    if is_interpreter():
-        return options  # the interpreter has no compile options
-    options.update(num_warps=config.num_warps, num_stages=config.num_stages)
-    if getattr(config, "num_ctas", 1) != 1:  # only what a config sets: the launch keywords autotune passes
-        options["num_ctas"] = config.num_ctas
-    if getattr(config, "maxnreg", None) is not None:
-        options["maxnreg"] = config.maxnreg
-    return options
 
 
 # --------------------------------------------------------------------------------------------------
@@ -490,7 +310,7 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
                  config: triton.Config | None = None, tma: bool | None = None):
     """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up) or GEMM2 (`activation` "none").
 
-    `config=None` (what `grouped_mlp` does): on a GPU, autotune over `_gpu_configs()` pruned to this
+    `config=None` (what `grouped_mlp` does): on a GPU, autotune over `tiles.gpu_configs()` pruned to this
     launch's regime; under the interpreter, a fixed small tile. `config=triton.Config({"BLOCK_M", "BLOCK_N",
     "BLOCK_K"[, "GROUP_M"]}, num_warps=, num_stages=)` forces that tile (no autotune, no regime or
     heuristic pruning; one compile per distinct config and kernel flags): used by
@@ -535,16 +355,16 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
         return ((triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     if config is not None:
-        options = _forced_options(config)  # checks the meta keys first
-        error = _config_error(config, fp8=fp8, quant_out=quant_out, w4=w4)
+        options = tiles.forced_options(config)  # checks the meta keys first
+        error = tiles.config_error(config, fp8=fp8, quant_out=quant_out, w4=w4)
         if error:
             raise InvalidConfigError(f"forced config {config}: {error}")
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
-        _set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **config.kwargs})
+        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **config.kwargs})
         return _grouped_gemm_kernel[grid(options)](*args, **flags, **options, **extra)
     if is_interpreter():
-        meta = _interpreter_meta(quant_out)
-        _set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **meta})
+        meta = tiles.interpreter_meta(quant_out)
+        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **meta})
         return _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
     return _autotuned_kernel()[grid](*args, **flags, **launch_options(fp_fusion=True))
 

@@ -14,6 +14,7 @@ from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
 pytestmark = pytest.mark.interpreter
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
+tiles = importlib.import_module("moe_ref.kernels.grouped_mlp_tiles")
 
 
 def _case(counts, hidden, inter, device, align=16, seed=0):
@@ -90,20 +91,20 @@ def test_forced_config_errors(device):
 
 
 def test_regime_buckets():
-    assert gm._regime(64, 48)[0] == "decode"
-    assert gm._regime(4096, 48)[0] == "mid"  # 85 rows per expert
-    assert gm._regime(32768, 48)[0] == "prefill"  # 683 rows per expert
-    assert gm._regime(16, 0)[0] == "decode"
+    assert tiles.regime(64, 48)[0] == "decode"
+    assert tiles.regime(4096, 48)[0] == "mid"  # 85 rows per expert
+    assert tiles.regime(32768, 48)[0] == "prefill"  # 683 rows per expert
+    assert tiles.regime(16, 0)[0] == "decode"
 
 
 def test_config_problem_smem_and_registers():
     big = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=5)
     facts = dict(n=2048, k=7168, fp8=False, quant_out=False, ieee_fp32=False)
     # GEMM1: 5 x (128 + 2 x 128) x 64 x 2 B = 240 KB
-    assert "shared memory" in gm._config_problem(big, gated=True, smem_limit=227 * 1024, **facts)
-    assert gm._config_problem(big, gated=False, smem_limit=227 * 1024, **facts) is None  # 160 KB
+    assert "shared memory" in tiles.config_problem(big, gated=True, smem_limit=227 * 1024, **facts)
+    assert tiles.config_problem(big, gated=False, smem_limit=227 * 1024, **facts) is None  # 160 KB
     wide = triton.Config({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3)
-    assert "register" in gm._config_problem(wide, gated=True, **facts)
+    assert "register" in tiles.config_problem(wide, gated=True, **facts)
 
 
 @pytest.mark.parametrize("sizes", [{"N": 2048, "K": 7168}, {"N": 8, "K": 16}])  # the second keeps only the fallback
@@ -112,11 +113,11 @@ def test_every_autotune_config_sets_the_tma_block_shapes(sizes, ieee_fp32):
     """A TMA launch's descriptors get their block shapes from the config's pre-hook: every config autotune may
     run (list tiles and the fallback) must carry it, or the kernel compiles against the placeholder shape."""
     named = {"rows_hint": 4096, "num_experts": 48, **sizes}
-    configs = gm._prune_configs(gm._gpu_configs(), named, ACTIVATION=1, FP8=False, QUANT_OUT=False,
+    configs = tiles.prune_configs(tiles.gpu_configs(), named, ACTIVATION=1, FP8=False, QUANT_OUT=False,
                                 IEEE_FP32=ieee_fp32)
     assert configs
     for config in configs:
-        assert config.pre_hook is gm._set_tma_block_shapes, config
+        assert config.pre_hook is tiles.set_tma_block_shapes, config
         nargs = {"a_desc": types.SimpleNamespace(block_shape=None), "b_desc": types.SimpleNamespace(block_shape=None),
                  **config.kwargs}
         config.pre_hook(nargs)
@@ -125,14 +126,14 @@ def test_every_autotune_config_sets_the_tma_block_shapes(sizes, ieee_fp32):
 
 
 def test_tile_lists_take_an_optional_group_m(monkeypatch):
-    monkeypatch.setattr(gm, "_PREFILL_TILES", [(128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 1)])
-    configs = gm._gpu_configs()
-    tiles = [gm._tile(c) for c in configs]
-    assert (128, 256, 64, 8, 3, 8) in tiles and (128, 128, 64, 8, 4) in tiles  # GROUP_M 1 drops out
-    swizzled = configs[tiles.index((128, 256, 64, 8, 3, 8))]
+    monkeypatch.setattr(tiles, "PREFILL_TILES", [(128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 1)])
+    configs = tiles.gpu_configs()
+    listed = [tiles.tile_of(c) for c in configs]
+    assert (128, 256, 64, 8, 3, 8) in listed and (128, 128, 64, 8, 4) in listed  # GROUP_M 1 drops out
+    swizzled = configs[listed.index((128, 256, 64, 8, 3, 8))]
     assert swizzled.kwargs["GROUP_M"] == 8 and swizzled.num_stages == 3
     named = {"rows_hint": 32768, "num_experts": 48, "N": 7168, "K": 2048}
-    kept = [gm._tile(c) for c in gm._prune_configs(configs, named, ACTIVATION=0, FP8=False, QUANT_OUT=False)]
+    kept = [tiles.tile_of(c) for c in tiles.prune_configs(configs, named, ACTIVATION=0, FP8=False, QUANT_OUT=False)]
     assert sorted(kept) == sorted([(128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4)])
 
 
@@ -145,23 +146,23 @@ _BF16_GATE_UP = dict(ACTIVATION=1, FP8=False, QUANT_OUT=False)
 
 def _kept(rows_hint, sizes, **flags):
     named = {"rows_hint": rows_hint, "num_experts": 48, **sizes}
-    return [gm._tile(c) for c in gm._prune_configs(gm._gpu_configs(), named, **flags)]
+    return [tiles.tile_of(c) for c in tiles.prune_configs(tiles.gpu_configs(), named, **flags)]
 
 
 def test_regime_picks_the_fp8_lists():
-    assert gm._regime(4096, 48, fp8=True) == ("mid", gm._MID_TILES_FP8)
-    assert gm._regime(32768, 48, fp8=True) == ("prefill", gm._PREFILL_TILES_FP8)
-    assert gm._regime(64, 48, fp8=True) == ("decode", gm._DECODE_TILES_FP8)
-    assert gm._regime(64, 48) == ("decode", gm._DECODE_TILES)
-    assert gm._regime(4096, 48)[1] is gm._MID_TILES and gm._regime(32768, 48)[1] is gm._PREFILL_TILES
+    assert tiles.regime(4096, 48, fp8=True) == ("mid", tiles.MID_TILES_FP8)
+    assert tiles.regime(32768, 48, fp8=True) == ("prefill", tiles.PREFILL_TILES_FP8)
+    assert tiles.regime(64, 48, fp8=True) == ("decode", tiles.DECODE_TILES_FP8)
+    assert tiles.regime(64, 48) == ("decode", tiles.DECODE_TILES)
+    assert tiles.regime(4096, 48)[1] is tiles.MID_TILES and tiles.regime(32768, 48)[1] is tiles.PREFILL_TILES
 
 
 def test_fp8_launches_autotune_over_the_fp8_lists_only(monkeypatch):
     """A tile put into an FP8 list reaches FP8 launches of its regime and no bf16 launch (and the reverse)."""
     fp8_mid, fp8_prefill, bf16_mid = (32, 128, 64, 4, 5), (64, 128, 128, 8, 5, 4), (64, 128, 64, 8, 5)
-    monkeypatch.setattr(gm, "_MID_TILES_FP8", [fp8_mid])
-    monkeypatch.setattr(gm, "_PREFILL_TILES_FP8", [fp8_prefill])
-    monkeypatch.setattr(gm, "_MID_TILES", [bf16_mid])
+    monkeypatch.setattr(tiles, "MID_TILES_FP8", [fp8_mid])
+    monkeypatch.setattr(tiles, "PREFILL_TILES_FP8", [fp8_prefill])
+    monkeypatch.setattr(tiles, "MID_TILES", [bf16_mid])
     assert _kept(4096, _KIMI_GATE_UP, **_FP8_GATE_UP) == [fp8_mid]
     assert _kept(32768, _KIMI_GATE_UP, **_FP8_GATE_UP) == [fp8_prefill]
     assert _kept(4096, _KIMI_GATE_UP, **_BF16_GATE_UP) == [bf16_mid]
@@ -169,14 +170,14 @@ def test_fp8_launches_autotune_over_the_fp8_lists_only(monkeypatch):
     down = {"N": 7168, "K": 2048}
     assert _kept(32768, down, ACTIVATION=0, FP8=True, QUANT_OUT=False) == [fp8_prefill]
     fp8_decode = (16, 128, 128, 4, 7)
-    monkeypatch.setattr(gm, "_DECODE_TILES_FP8", [fp8_decode])
+    monkeypatch.setattr(tiles, "DECODE_TILES_FP8", [fp8_decode])
     assert _kept(64, down, ACTIVATION=0, FP8=True, QUANT_OUT=False) == [fp8_decode]
     assert fp8_decode not in _kept(64, down, ACTIVATION=0, FP8=False, QUANT_OUT=False)
 
 
 def test_fp8_list_tiles_illegal_for_fp8_are_pruned(monkeypatch):
     """The library's FP8 rules still apply to the FP8 lists: GEMM1 keeps BLOCK_N 128 tiles only."""
-    monkeypatch.setattr(gm, "_MID_TILES_FP8", [(64, 64, 64, 4, 4), (64, 128, 96, 4, 4), (64, 128, 128, 8, 3)])
+    monkeypatch.setattr(tiles, "MID_TILES_FP8", [(64, 64, 64, 4, 4), (64, 128, 96, 4, 4), (64, 128, 128, 8, 3)])
     assert _kept(4096, _KIMI_GATE_UP, **_FP8_GATE_UP) == [(64, 128, 128, 8, 3)]
 
 
@@ -238,14 +239,14 @@ def test_tuner_fp8_candidates_are_legal_and_dry_run_works(capsys):
         gated = gemm == "gate_up"
         for c in kept:
             config = tune._make_config(c["tile"], c["group_m"])
-            assert gm._config_error(config, fp8=True, quant_out=gated) is None, c["label"]
+            assert tiles.config_error(config, fp8=True, quant_out=gated) is None, c["label"]
         assert tune.FIXED_TILE_FP8 in [c["tile"] for c in kept]
-        current = {gm._normalize_tile((*t, g)) for t, g in tune._current_tiles(fp8=True)}
-        legal = {gm._normalize_tile((*c["tile"], c["group_m"])) for c in kept}
-        assert current - legal == {gm._normalize_tile((*c["tile"], c["group_m"])) for c in skipped
+        current = {tiles.normalize_tile((*t, g)) for t, g in tune._current_tiles(fp8=True)}
+        legal = {tiles.normalize_tile((*c["tile"], c["group_m"])) for c in kept}
+        assert current - legal == {tiles.normalize_tile((*c["tile"], c["group_m"])) for c in skipped
                                    if "current" in c["source"]}
     # Triton specialises the FP8 scale strides (multiples of 16 or not): the compile launches copy that
     assert [tune._like_dim(d) for d in (7168, 2048, 5120, 128, 100)] == [1024, 2048, 1024, 128, 100]
     assert tune.main(["--dry-run", "--fp8"]) == 0
     out = capsys.readouterr().out
-    assert "_MID_TILES_FP8" in out and "bf16 anchor" in out and "x 2 specialisation(s)" in out
+    assert "MID_TILES_FP8" in out and "bf16 anchor" in out and "x 2 specialisation(s)" in out
