@@ -16,6 +16,7 @@ unless ``--skip-memory-check``. Progress goes to stderr, results to stdout.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shutil
 import subprocess
@@ -403,6 +404,8 @@ def cmd_info(args) -> int:
     from moe_ref.native import native_status
 
     print(f"CPU EP data path: {native_status()}")
+    reason = importlib.import_module("moe_ref.kernels.grouped_mlp").tma_unavailable_reason()
+    print(f"grouped MLP tile loads: {'TMA descriptors' if reason is None else f'pointers ({reason})'}")
     if args.config or args.preset:
         cfg = _load_cfg(args)
         for problem in ParallelConfig(ep_size=args.ep).problems(cfg):

@@ -295,12 +295,26 @@ def _autotuned_kernel():
 # --------------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------------
+def tma_unavailable_reason(device: torch.device | str | None = None) -> str | None:
+    """Why launches on `device` (default: the current CUDA device) use pointer loads, or None when they use
+    TMA descriptors (4-bit weights and rows that are not 16-byte aligned still use pointers). `moe-ref info`
+    prints it."""
+    if TensorDescriptor is None:
+        return f"triton {triton.__version__} has no host-side TensorDescriptor"
+    if not envs.tma():
+        return "MOE_REF_TMA=0"
+    if is_interpreter():
+        return None
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"compute capability {major}.{minor} < 9.0 (TMA needs Hopper or newer)" if major < 9 else None
+
+
 def _tma_possible(a: torch.Tensor, b: torch.Tensor, w4: int) -> bool:
-    """Whether the a and b tiles can be loaded with TMA descriptors: dense (not 4-bit) weights on a Hopper
-    or newer GPU (or the interpreter), 16-byte aligned bases and row strides (TMA's rules)."""
-    if w4 or TensorDescriptor is None or not envs.tma():
-        return False
-    if not is_interpreter() and (a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] < 9):
+    """Whether the a and b tiles can be loaded with TMA descriptors: dense (not 4-bit) weights where
+    `tma_unavailable_reason` is None, 16-byte aligned bases and row strides (TMA's rules)."""
+    if w4 or tma_unavailable_reason(None if is_interpreter() else a.device) is not None:
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in (a, b))
 

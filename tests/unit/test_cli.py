@@ -393,6 +393,20 @@ def test_python_dash_m_prints_one_line_and_exits_2():
     assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("moe-ref: [CFG015] ")
 
 
+def test_info_says_how_the_grouped_mlp_loads_its_tiles(capsys, monkeypatch):
+    monkeypatch.setenv("MOE_REF_TMA", "0")
+    status, out, _ = _run(capsys, ["info"])
+    assert status == 0 and "grouped MLP tile loads: pointers (MOE_REF_TMA=0)" in out
+    monkeypatch.delenv("MOE_REF_TMA")
+    status, out, _ = _run(capsys, ["info"])
+    from moe_ref.kernels._triton_utils import is_interpreter
+
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    expected = "TMA descriptors" if is_interpreter() or hopper else \
+        "pointers (no CUDA device)" if not torch.cuda.is_available() else "pointers (compute capability"
+    assert status == 0 and f"grouped MLP tile loads: {expected}" in out, out
+
+
 def test_info_says_which_cpu_ep_path_runs(capsys, monkeypatch):
     from moe_ref import native
 
