@@ -22,6 +22,11 @@ def _get(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
+def _switched_off(value: str) -> bool:
+    """Whether a set switch reads as off: ``0``, ``false``, ``no`` or ``off`` (any case, spaces ignored)."""
+    return value.strip().lower() in ("0", "false", "no", "off")
+
+
 def num_max_tokens_per_rank() -> int | None:
     value = _get("MOE_REF_NUM_MAX_TOKENS_PER_RANK")
     if value is None:
@@ -60,19 +65,19 @@ def debug_checks() -> bool | None:
 def native_ops() -> tuple[bool, str | None]:
     """(whether the compiled CPU ops may be used, the raw value): ``MOE_REF_NATIVE=0`` forces the torch twins."""
     value = _get("MOE_REF_NATIVE")
-    return value is None or value.strip().lower() not in ("0", "false", "no", "off"), value
+    return value is None or not _switched_off(value), value
 
 
 def tma() -> bool:
     """``MOE_REF_TMA=0`` keeps the grouped MLP kernel on pointer loads (TMA descriptors otherwise, where possible)."""
     value = _get("MOE_REF_TMA")
-    return value is None or value.strip().lower() not in ("0", "false", "no", "off")
+    return value is None or not _switched_off(value)
 
 
 def debug() -> bool:
     """``MOE_REF_DEBUG`` set to anything but ``0``/``false``/``no``/``off``: the CLI shows tracebacks."""
     value = _get("MOE_REF_DEBUG")
-    return value is not None and value.strip().lower() not in ("0", "false", "no", "off")
+    return value is not None and not _switched_off(value)
 
 
 def launcher_rank() -> int:
