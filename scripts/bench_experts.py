@@ -90,6 +90,11 @@ def _layout(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]
             max(layout.num_pool_rows, ALIGN))
 
 
+def _segment_rows(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, pool_rows: int) -> torch.Tensor:
+    """``[P]`` bool: True on the pool rows inside an expert's segment."""
+    return ExpertLayout(row_start_e, num_rows_e, pool_rows, ALIGN).row_expert_R() >= 0
+
+
 def _make_case(model: str, num_rows: int, weights: tuple, seed: int, with_fp8: bool) -> Case:
     num_experts, hidden, _, _ = MODELS[model]
     gen = torch.Generator().manual_seed(seed + num_rows)
@@ -288,9 +293,7 @@ def _peer_check(case: Case, name: str, out: torch.Tensor, twins: dict) -> str | 
                                          gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"])
         else:
             twins[fp8] = grouped_mlp_ref(case.x_RD, case.gate_up, case.down, *args)
-    valid = torch.zeros(case.x_RD.shape[0], dtype=torch.bool, device=case.x_RD.device)
-    for start, count in zip(case.row_start_e.tolist(), case.counts):
-        valid[start:start + count] = True
+    valid = _segment_rows(case.row_start_e, case.num_rows_e, case.x_RD.shape[0])
     got = out[valid].float()
     if got.isnan().any():
         return "NaN in the rows inside segments"
@@ -348,9 +351,7 @@ def check_correctness(include_deep_gemm: bool, device="cuda") -> list[str]:
     row_start_e, num_rows_e, pool_rows = _layout(counts, device)
     x_packed = torch.randn(sum(counts), 512, device=device).bfloat16()
     x_RD = torch.zeros(pool_rows, 512, dtype=torch.bfloat16, device=device)
-    valid = torch.zeros(pool_rows, dtype=torch.bool, device=device)
-    for start, count in zip(row_start_e.tolist(), counts):
-        valid[start:start + count] = True
+    valid = _segment_rows(row_start_e, num_rows_e, pool_rows)
     x_RD[valid] = x_packed
     case = Case("small", sum(counts), counts, x_RD, row_start_e, num_rows_e, x_packed, *weights[:2])
     from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
