@@ -104,7 +104,6 @@ EXPLORE_TILES = {
     "down": ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (256, 128, 128, 8, 3), (256, 128, 64, 8, 4),
              (128, 256, 64, 8, 4)),
 }
-EXPLORE = False  # set by --explore
 FP8_GRID_BLOCK_K = (128, 64)
 FP8_MAX_ACC_REGS = 64            # fp32 accumulator registers per thread; the scaled partial product doubles them
 FIXED_TILE_FP8 = (64, 128, 128, 8, 3)  # legal for both FP8 GEMMs; in the current FP8 lists and the FP8 grid
@@ -162,16 +161,18 @@ def _label(gemm: str, tile: tuple, group_m: int) -> str:
     return f"M{block_m} N{n} K{block_k} w{warps} s{stages} g{group_m}"
 
 
-def _skip_reason(gemm: str, tile: tuple, fp8: bool = False, heuristics: bool = True) -> str | None:
+def _skip_reason(gemm: str, tile: tuple, fp8: bool = False, heuristics: bool = True,
+                 explore: bool = False) -> str | None:
     """Why the sweep leaves this tile out for this GEMM (None: keep). Uses the library's rules (FP8's with
-    `fp8`) with the H200's 227 KB, plus (`heuristics`) an accumulator-register bound."""
+    `fp8`) with the H200's 227 KB, plus (`heuristics`) an accumulator-register bound; `explore` (--explore)
+    drops the register rules and that bound."""
     gated = gemm == "gate_up"
     config = _make_config(tile, 1)
     _, hidden, inter = SHAPES["kimi-k2"] if "kimi-k2" in SHAPES else next(iter(SHAPES.values()))
     n, k = (inter, hidden) if gated else (hidden, inter)
     problem = _tiles().config_problem(config, n=n, k=k, gated=gated, fp8=fp8, quant_out=fp8 and gated, ieee_fp32=False,
-                                 smem_limit=SMEM_LIMIT, register_rules=not EXPLORE)
-    if problem or not heuristics or EXPLORE:
+                                 smem_limit=SMEM_LIMIT, register_rules=not explore)
+    if problem or not heuristics or explore:
         return problem
     block_m, block_n, _, warps, _ = tile
     acc_regs = block_m * block_n * (2 if gated else 1) // (32 * warps)
@@ -188,11 +189,11 @@ def _current_tiles(fp8: bool = False) -> list[tuple]:
     return [(tuple(t[:5]), t[5] if len(t) > 5 else 1) for t in entries]
 
 
-def _grid(gemm: str, fp8: bool) -> list[tuple]:
-    """(tile, GROUP_M 1) of the phase-1 grid, largest tiles first."""
+def _grid(gemm: str, fp8: bool, explore: bool = False) -> list[tuple]:
+    """(tile, GROUP_M 1) of the phase-1 grid, largest tiles first (--fp8 --explore: EXPLORE_TILES instead)."""
     gated = gemm == "gate_up"
     if fp8:
-        if EXPLORE:
+        if explore:
             return [(tile, 1) for tile in EXPLORE_TILES[gemm]]
         shapes = [(m, n_eff, k) for (m, n_eff), k in itertools.product(FP8_GRID_TILES_MN[gemm], FP8_GRID_BLOCK_K)]
     else:
@@ -207,12 +208,13 @@ def fixed_tile(fp8: bool) -> tuple:
     return FIXED_TILE_FP8 if fp8 else FIXED_TILE
 
 
-def enumerate_candidates(gemm: str, include_current: bool = True, fp8: bool = False) -> tuple[list[dict], list[dict]]:
+def enumerate_candidates(gemm: str, include_current: bool = True, fp8: bool = False,
+                         explore: bool = False) -> tuple[list[dict], list[dict]]:
     """(kept, skipped) phase-1 candidates for one GEMM (FP8 operands with `fp8`): current autotune tiles
     first (kept whenever the library's rules keep them), then the grid (largest tiles first, so a
-    truncated sweep has the likely winners)."""
+    truncated sweep has the likely winners); `explore`: see --explore."""
     gated = gemm == "gate_up"
-    grid = _grid(gemm, fp8)
+    grid = _grid(gemm, fp8, explore)
     current = _current_tiles(fp8) if include_current else []
     kept, skipped = [], []
     for tile, group_m in dict.fromkeys(current + grid):
@@ -220,7 +222,7 @@ def enumerate_candidates(gemm: str, include_current: bool = True, fp8: bool = Fa
         entry = {"gemm": gemm, "fp8": fp8, "tile": tile, "group_m": group_m, "label": _label(gemm, tile, group_m),
                  "source": source, "smem_kb": _tiles().smem_bytes(_make_config(tile, 1), gated=gated,
                                                                 bytes_per_element=1 if fp8 else 2) / 1024}
-        reason = _skip_reason(gemm, tile, fp8, heuristics="current" not in source)
+        reason = _skip_reason(gemm, tile, fp8, heuristics="current" not in source, explore=explore)
         if reason:
             skipped.append({**entry, "reason": reason})
         else:
@@ -873,13 +875,11 @@ def dry_run(args, candidates: dict, skipped: dict) -> int:
 
 
 def main(argv=None) -> int:
-    global EXPLORE
     args = _parse(argv)
-    EXPLORE = args.explore
     candidates, skipped = {}, {}
     for gemm in args.gemms:
         candidates[gemm], skipped[gemm] = enumerate_candidates(gemm, include_current=not args.no_current,
-                                                               fp8=args.fp8)
+                                                               fp8=args.fp8, explore=args.explore)
         if args.limit:
             fixed = [c for c in candidates[gemm] if c["tile"] == fixed_tile(args.fp8)]
             candidates[gemm] = candidates[gemm][:args.limit]

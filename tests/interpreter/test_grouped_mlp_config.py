@@ -232,6 +232,20 @@ def _tuner():
     return module
 
 
+def test_tuner_explore_adds_the_large_fp8_tiles_past_the_register_rules():
+    tune = _tuner()
+    for gemm in tune.GEMMS:
+        kept, skipped = tune.enumerate_candidates(gemm, fp8=True, explore=True)
+        tiles_kept = [c["tile"] for c in kept]
+        assert set(tune.EXPLORE_TILES[gemm]) <= set(tiles_kept), gemm  # kept although they exceed the rules
+        assert not any("register" in c["reason"] for c in skipped), skipped
+        gated = gemm == "gate_up"
+        for c in kept:  # the correctness rules still hold
+            assert tiles.config_error(tune._make_config(c["tile"], c["group_m"]), fp8=True, quant_out=gated) is None
+        plain, _ = tune.enumerate_candidates(gemm, fp8=True)
+        assert not set(tune.EXPLORE_TILES[gemm]) & {c["tile"] for c in plain if c["source"] == "grid"}
+
+
 def test_tuner_fp8_candidates_are_legal_and_dry_run_works(capsys):
     tune = _tuner()
     for gemm in tune.GEMMS:
