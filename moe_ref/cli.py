@@ -16,7 +16,6 @@ unless ``--skip-memory-check``. Progress goes to stderr, results to stdout.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import shutil
 import subprocess
@@ -404,7 +403,9 @@ def cmd_info(args) -> int:
     from moe_ref.native import native_status
 
     print(f"CPU EP data path: {native_status()}")
-    reason = importlib.import_module("moe_ref.kernels.grouped_mlp").tma_unavailable_reason()
+    from moe_ref.kernels.grouped_mlp import tma_unavailable_reason
+
+    reason = tma_unavailable_reason()
     print(f"grouped MLP tile loads: {'TMA descriptors' if reason is None else f'pointers ({reason})'}")
     if args.config or args.preset:
         cfg = _load_cfg(args)

@@ -314,7 +314,7 @@ def tma_unavailable_reason(device: torch.device | str | None = None) -> str | No
 def _tma_possible(a: torch.Tensor, b: torch.Tensor, w4: int) -> bool:
     """Whether the a and b tiles can be loaded with TMA descriptors: dense (not 4-bit) weights where
     `tma_unavailable_reason` is None, 16-byte aligned bases and row strides (TMA's rules)."""
-    if w4 or tma_unavailable_reason(None if is_interpreter() else a.device) is not None:
+    if w4 or tma_unavailable_reason(a.device) is not None:
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in (a, b))
 
