@@ -255,9 +255,10 @@ def anchor_candidates(shapes, rows_list) -> list[dict]:
 # launches (the library launcher, as grouped_mlp calls it for silu: bf16, or FP8 when w is e4m3)
 # ------------------------------------------------------------------------------------------------
 def launch(gemm: str, a, w, out, row_start_e, num_rows_e, rows_hint: int, config: triton.Config, *,
-           a_scale=None, w_scale=None, out_scale=None):
+           a_scale=None, w_scale=None, out_scale=None, interleaved: bool = False):
     """One GEMM through the library launcher; returns the compiled kernel (GPU) or None. FP8 (e4m3 `w`):
-    `a_scale` per row per 128 columns, `w_scale` 128x128 blocks; gate_up writes e4m3 h + `out_scale`."""
+    `a_scale` per row per 128 columns, `w_scale` 128x128 blocks; gate_up writes e4m3 h + `out_scale`.
+    `interleaved`: gate_up's rows alternate gate j, up j (`grouped_mlp(..., gate_up_interleaved=True)`)."""
     gm = _gm()
     fp8 = w.dtype == gm.FP8_DTYPE
     if gemm == "gate_up":
@@ -266,7 +267,8 @@ def launch(gemm: str, a, w, out, row_start_e, num_rows_e, rows_hint: int, config
         n, k, activation = w.shape[1], w.shape[2], "none"
     return gm._launch_gemm(a, a_scale, w, w_scale, out, out_scale, row_start_e, num_rows_e, n=n, k=k,
                            activation=activation, situ_beta=SITU_BETA, situ_linear_beta=SITU_LINEAR_BETA, fp8=fp8,
-                           quant_out=fp8 and gemm == "gate_up", rows_hint=rows_hint, config=config)
+                           quant_out=fp8 and gemm == "gate_up", rows_hint=rows_hint, interleaved=interleaved,
+                           config=config)
 
 
 def quantize_weights(weights: dict) -> dict:
@@ -280,28 +282,33 @@ def quantize_weights(weights: dict) -> dict:
     return {**weights, "fp8": fp8}
 
 
-def make_ops(x, weights: dict, pool_rows: int, fp8: bool, device: str) -> dict:
+def make_ops(x, weights: dict, pool_rows: int, fp8: bool, device: str, interleaved: bool = False) -> dict:
     """The operands and buffers of both GEMMs in one precision: bf16 as given, or (`fp8`) x quantized to e4m3
     per row per 128 columns and the e4m3 weights of `quantize_weights` (done here if `weights` lacks them).
     `h_RF` is the swept gate_up's output, `h_fixed` the fixed config's (down's input); `*_scale` are None
-    for bf16."""
+    for bf16. `interleaved`: gate_up's rows re-laid out as gate j, up j (its FP8 block scales stay stacked),
+    recorded as `ops["gate_up_interleaved"]`."""
+    gm = _gm()
     hidden, inter = x.shape[1], weights["down"].shape[2]
     if not fp8:
-        return {"x": x, "x_scale": None, "gate_up": weights["gate_up"], "gate_up_scale": None,
-                "down": weights["down"], "down_scale": None,
-                "h_RF": torch.zeros(pool_rows, inter, dtype=x.dtype, device=device), "h_RF_scale": None,
-                "h_fixed": torch.zeros(pool_rows, inter, dtype=x.dtype, device=device), "h_fixed_scale": None,
-                "y": torch.zeros(pool_rows, hidden, dtype=x.dtype, device=device)}
-    from moe_ref.kernels.fp8 import quantize_fp8_per_128
+        ops = {"x": x, "x_scale": None, "gate_up": weights["gate_up"], "gate_up_scale": None,
+               "down": weights["down"], "down_scale": None,
+               "h_RF": torch.zeros(pool_rows, inter, dtype=x.dtype, device=device), "h_RF_scale": None,
+               "h_fixed": torch.zeros(pool_rows, inter, dtype=x.dtype, device=device), "h_fixed_scale": None,
+               "y": torch.zeros(pool_rows, hidden, dtype=x.dtype, device=device)}
+    else:
+        from moe_ref.kernels.fp8 import quantize_fp8_per_128
 
-    gm = _gm()
-    if "fp8" not in weights:
-        weights = quantize_weights(weights)
-    ops = {"y": torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=device), **weights["fp8"]}
-    ops["x"], ops["x_scale"] = quantize_fp8_per_128(x)
-    for h in ("h_RF", "h_fixed"):
-        ops[h] = torch.zeros(pool_rows, inter, dtype=gm.FP8_DTYPE, device=device)
-        ops[h + "_scale"] = torch.ones(pool_rows, gm.num_fp8_groups(inter), dtype=torch.float32, device=device)
+        if "fp8" not in weights:
+            weights = quantize_weights(weights)
+        ops = {"y": torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=device), **weights["fp8"]}
+        ops["x"], ops["x_scale"] = quantize_fp8_per_128(x)
+        for h in ("h_RF", "h_fixed"):
+            ops[h] = torch.zeros(pool_rows, inter, dtype=gm.FP8_DTYPE, device=device)
+            ops[h + "_scale"] = torch.ones(pool_rows, gm.num_fp8_groups(inter), dtype=torch.float32, device=device)
+    if interleaved:
+        ops["gate_up"] = gm.interleave_gate_up(ops["gate_up"])
+    ops["gate_up_interleaved"] = interleaved
     return ops
 
 
@@ -312,7 +319,8 @@ def run_gemm(ops: dict, case: dict, gemm: str, config: triton.Config, h: str = "
     else:
         a, a_scale, out, out_scale = ops[h], ops[h + "_scale"], ops["y"], None
     return launch(gemm, a, ops[gemm], out, case["row_start_e"], case["num_rows_e"], case["rows"], config,
-                  a_scale=a_scale, w_scale=ops[gemm + "_scale"], out_scale=out_scale)
+                  a_scale=a_scale, w_scale=ops[gemm + "_scale"], out_scale=out_scale,
+                  interleaved=gemm == "gate_up" and ops["gate_up_interleaved"])
 
 
 def _like_dim(dim: int) -> int:
@@ -340,19 +348,20 @@ _WORKER_TENSORS: dict = {}
 
 
 def _compile_job(gemm: str, tile: tuple, group_m: int, num_experts: int, fp8: bool = False,
-                 dims: tuple[int, int] = (256, 128)) -> tuple[float, str | None]:
+                 dims: tuple[int, int] = (256, 128), interleaved: bool = False) -> tuple[float, str | None]:
     """Pool worker: compile one config into Triton's on-disk cache with a tiny launch whose
     specialisation equals the real cases' (same expert count, dtypes and flags, ints and strides that
     are multiples of 16 where the real ones are: `compile_dims`), so the main process's first launch of
     it only loads the cubin."""
     start = time.perf_counter()
     try:
-        key = (fp8, tuple(dims))
+        key = (fp8, tuple(dims), interleaved)
         if key not in _WORKER_TENSORS:
             (d, f), e, r = dims, num_experts, 256
             weights = {"gate_up": torch.zeros(e, 2 * f, d, dtype=torch.bfloat16, device="cuda"),
                        "down": torch.zeros(e, d, f, dtype=torch.bfloat16, device="cuda")}
-            ops = make_ops(torch.zeros(r, d, dtype=torch.bfloat16, device="cuda"), weights, r, fp8, "cuda")
+            ops = make_ops(torch.zeros(r, d, dtype=torch.bfloat16, device="cuda"), weights, r, fp8, "cuda",
+                           interleaved)
             layout_e = {"rows": 4096, "row_start_e": torch.zeros(e, dtype=torch.int64, device="cuda"),
                         "num_rows_e": torch.tensor([64] + [0] * (e - 1), dtype=torch.int32, device="cuda")}
             _WORKER_TENSORS[key] = (ops, layout_e)
@@ -368,8 +377,8 @@ class Precompiler:
     """Compiles configs in worker processes (spawned once, reused by both phases); each config once per
     entry of `dims[fp8]` (the distinct `compile_dims` of the swept shapes)."""
 
-    def __init__(self, jobs: int, num_experts: int, dims: dict | None = None):
-        self.jobs, self.num_experts = jobs, num_experts
+    def __init__(self, jobs: int, num_experts: int, dims: dict | None = None, interleaved: bool = False):
+        self.jobs, self.num_experts, self.interleaved = jobs, num_experts, interleaved
         self.dims = dims or {False: [(256, 128)], True: []}
         self.pool = None
         if jobs > 0:
@@ -384,7 +393,7 @@ class Precompiler:
             return []
         try:
             return [(c, self.pool.submit(_compile_job, c["gemm"], c["tile"], c["group_m"], self.num_experts,
-                                         c.get("fp8", False), dims))
+                                         c.get("fp8", False), dims, self.interleaved and c["gemm"] == "gate_up"))
                     for c in candidates for dims in self.dims[c.get("fp8", False)]]
         except Exception as exc:
             _log(f"precompile submit failed ({exc!r}): compiling serially")
@@ -447,9 +456,10 @@ def make_weights(shape: str) -> dict:
     return {"gate_up": gate_up.mul_(hidden**-0.5), "down": down.mul_(inter**-0.5)}
 
 
-def make_case(shape: str, num_rows: int, weights: dict, fp8: bool = False) -> dict:
-    """Pool inputs, output buffers (`ops`: the swept precision; `bf16_ops`), the fixed-config h, the reference
-    y on CHECK_EXPERTS (the FP8 twin with `fp8`), and grouped_mm inputs (bf16)."""
+def make_case(shape: str, num_rows: int, weights: dict, fp8: bool = False, interleaved: bool = False) -> dict:
+    """Pool inputs, output buffers (`ops`: the swept precision, gate_up rows `interleaved` or stacked;
+    `bf16_ops`), the fixed-config h, the reference y on CHECK_EXPERTS (the FP8 twin with `fp8`), and grouped_mm
+    inputs (bf16)."""
     gm = _gm()
     num_experts, hidden, inter = SHAPES[shape]
     counts = even_counts(num_rows, num_experts)
@@ -463,8 +473,8 @@ def make_case(shape: str, num_rows: int, weights: dict, fp8: bool = False) -> di
     x_RD[valid] = x_packed
     case = dict(shape=shape, rows=num_rows, counts=counts, pool_rows=pool_rows, row_start_e=row_start_e,
                 num_rows_e=num_rows_e, x_packed=x_packed, fp8=fp8)
-    case["bf16_ops"] = make_ops(x_RD, weights, pool_rows, False, DEVICE)
-    case["ops"] = ops = make_ops(x_RD, weights, pool_rows, True, DEVICE) if fp8 else case["bf16_ops"]
+    case["bf16_ops"] = make_ops(x_RD, weights, pool_rows, False, DEVICE, interleaved=interleaved and not fp8)
+    case["ops"] = ops = make_ops(x_RD, weights, pool_rows, True, DEVICE, interleaved) if fp8 else case["bf16_ops"]
     # reference y on a few experts (fp32 torch twin on the same operands; the other experts get 0 rows there)
     check_experts = sorted({i % num_experts for i in CHECK_EXPERTS})
     check_counts = [c if i in check_experts else 0 for i, c in enumerate(counts)]
@@ -472,7 +482,7 @@ def make_case(shape: str, num_rows: int, weights: dict, fp8: bool = False) -> di
     y_ref = gm.grouped_mlp_ref(ops["x"], ops["gate_up"], ops["down"], row_start_e,
                                torch.tensor(check_counts, dtype=torch.int32, device=DEVICE),
                                x_scale_RDb=ops["x_scale"], gate_up_scale=ops["gate_up_scale"],
-                               down_scale=ops["down_scale"])
+                               down_scale=ops["down_scale"], gate_up_interleaved=ops["gate_up_interleaved"])
     case.update(check_rows=check_rows, y_ref_check=y_ref[check_rows].float())
     del y_ref
     # fixed-config h (input of every down config) and its own check
@@ -822,6 +832,9 @@ def _parse(argv):
     parser.add_argument("--explore", action="store_true",
                         help="--fp8: sweep the current tiles and EXPLORE_TILES (larger, 8 warps) instead of the grid, "
                              "without the register rules; the compiler's spill counts show which fit")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="gate_up weights re-laid out as gate j, up j rows (one dot per k-step, "
+                             "grouped_mlp(..., gate_up_interleaved=True)); down is unchanged")
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = "results/tune_grouped_mlp_fp8.json" if args.fp8 else "results/tune_grouped_mlp.json"
@@ -902,7 +915,8 @@ def main(argv=None) -> int:
     experts = {SHAPES[shape][0] for shape in args.shapes}
     dims = {False: [compile_dims(args.shapes[0], False)],
             True: list(dict.fromkeys(compile_dims(shape, True) for shape in args.shapes))}
-    precompiler = Precompiler(args.jobs if len(experts) == 1 and DEVICE == "cuda" else 0, experts.pop(), dims)
+    precompiler = Precompiler(args.jobs if len(experts) == 1 and DEVICE == "cuda" else 0, experts.pop(), dims,
+                              interleaved=args.interleaved)
     # --fp8: the bf16 anchors first (timed before the sweep); then the GEMMs interleaved so that a sweep cut
     # short by --max-seconds still covers both
     anchors = anchor_candidates(args.shapes, args.rows) if args.fp8 else []
@@ -922,7 +936,7 @@ def main(argv=None) -> int:
                 weights = quantize_weights(weights)
             for rows in args.rows:
                 start = _elapsed()
-                case = make_case(shape, rows, weights, fp8=args.fp8)
+                case = make_case(shape, rows, weights, fp8=args.fp8, interleaved=args.interleaved)
                 cases.append(case)
                 _log(f"case {case_key(case)}: pool R={case['pool_rows']}, fixed-config check calc_diff "
                      f"{case['fixed_calc_diff']:.1e} (setup {_elapsed() - start:.1f} s)")

@@ -76,7 +76,7 @@ try:  # host-side TMA descriptors (triton >= 3.4)
 except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["grouped_mlp", "grouped_mlp_ref"]
+__all__ = ["deinterleave_gate_up", "grouped_mlp", "grouped_mlp_ref", "interleave_gate_up"]
 
 _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 
@@ -121,6 +121,58 @@ def _w4_tile(b_base, scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_scale
 
 
 @triton.jit
+def _split_pairs(pairs):
+    """`[M, 2W]` with column 2j = gate j, 2j+1 = up j -> (gate `[M, W]`, up `[M, W]`). Free on tensor-core
+    accumulators: a thread holds each pair of neighbouring columns."""
+    return tl.split(tl.reshape(pairs, (pairs.shape[0], pairs.shape[1] // 2, 2)))
+
+
+@triton.jit
+def _load_b_tile(b_desc, b_base, b_scale_base, expert_row0, first_row, num_b_rows, k0, K, stride_b_n, stride_b_scale_n,
+                 a_ptr, W4: tl.constexpr, W4_PER: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_K: tl.constexpr,
+                 WIDTH: tl.constexpr):
+    """`[BLOCK_K, WIDTH]` tile of b.T: b rows first_row.. (of this expert's num_b_rows), columns k0.. .
+    Rows and columns past the ends read as 0. `expert_row0`: this expert's first row in b viewed as 2D (TMA).
+    4-bit weights come back dequantized in a's dtype (`a_ptr` only gives the dtype)."""
+    offs_b = first_row + tl.arange(0, WIDTH)
+    mask_b = offs_b < num_b_rows
+    # one return: Triton types every return statement, also those of branches a constexpr leaves out
+    if W4 != 0:  # dequantized in fp32, then x's dtype (as the twin's weights)
+        tile = _w4_tile(b_base, b_scale_base, offs_b, mask_b, k0, K, stride_b_n, stride_b_scale_n, W4, W4_PER,
+                        BLOCK_K, WIDTH).to(a_ptr.dtype.element_ty)
+    elif USE_TMA:
+        tile = b_desc.load([(expert_row0 + first_row).to(tl.int32), k0]).T
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(b_base + offs_b[None, :] * stride_b_n + offs_k[:, None],
+                       mask=(offs_k < K)[:, None] & mask_b[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _promote(acc, partial, scale_a, b_scale_base, first_col, stride_b_scale_n, k0, num_cols,
+             ONE_SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """FP8: acc + partial * x scale (per row) * weight scale (per 128 columns of b, from b's column first_col).
+    ONE_SCALE: the tile's BLOCK_N columns share one 128x128 weight block, folded into the row scales (one FMA
+    per element, as DeepGEMM's SM90 promotion)."""
+    if ONE_SCALE:
+        scale_b = tl.load(b_scale_base + (first_col // 128) * stride_b_scale_n + k0 // 128)
+        return acc + partial * (scale_a * scale_b)[:, None]
+    offs_col = first_col + tl.arange(0, BLOCK_N)
+    scale_b = tl.load(b_scale_base + (offs_col // 128) * stride_b_scale_n + k0 // 128, mask=offs_col < num_cols,
+                      other=0.0)
+    return acc + partial * scale_a[:, None] * scale_b[None, :]
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE_FP32: tl.constexpr):
+    """acc + a @ b on the tensor cores (fp32 inputs: ieee, not tf32)."""
+    if IEEE_FP32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     # pointers
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, num_rows_ptr,
@@ -132,7 +184,8 @@ def _grouped_gemm_kernel(
     stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
     stride_c_r, stride_c_scale_r,
     # meta
-    ACTIVATION: tl.constexpr,      # 0: c = a @ b.T; 1 silu, 2 situ: b has 2N rows (gate, then up), c = act(gate, up)
+    ACTIVATION: tl.constexpr,      # 0: c = a @ b.T; 1 silu, 2 situ: b has 2N rows (gate and up), c = act(gate, up)
+    INTERLEAVED: tl.constexpr,     # gated: b's rows alternate gate j, up j (one dot); else N gate rows, then N up rows
     SITU_LINEAR: tl.constexpr,     # situ only: apply lb * tanh(up / lb) (situ_linear_beta != 0)
     FP8: tl.constexpr,             # a, b are fp8 e4m3 with per-128 scales
     W4: tl.constexpr,              # b is packed 4-bit with group-32 scales: 1 int4 (int32 words), 2 mxfp4 (uint8)
@@ -148,11 +201,11 @@ def _grouped_gemm_kernel(
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
     GROUP_M: tl.constexpr = 1,     # program order: 1 = N fastest (pid_m = pid // num_pid_n); G > 1 = L2 swizzle
 ):
-    """One program = BLOCK_M rows of one expert x BLOCK_N output columns (x2 for gate||up).
+    """One program = BLOCK_M rows of one expert x BLOCK_N output columns (x2 for gate and up).
 
     Example: e=2, num_rows_e=[3, 0], row_start_e=[0, 128], BLOCK_M=2 -> blocks per expert [2, 0];
         pid_m 0 -> expert 0 rows 0..1, pid_m 1 -> expert 0 row 2 (row 3 masked), pid_m >= 2 -> exit.
-        With silu, N=F=1, K=D=1, a[0]=[2.0], b[0]=[[1.0], [3.0]] (gate row, up row):
+        With silu, N=F=1, K=D=1, a[0]=[2.0], b[0]=[[1.0], [3.0]] (gate row, up row; the same when interleaved):
         gate=2, up=6, c[0] = silu(2) * 6 = 1.7616 * 6 = 10.569.
     """
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -192,74 +245,68 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + rows[:, None] * stride_a_r + offs_k[None, :]
-    # TMA coordinates: the tile's first pool row, and its first row of b viewed as [e * rows of b, K]
+    # TMA coordinates: the tile's first pool row, and this expert's first row of b viewed as [e * rows of b, K]
     # (rows the tile reads past its segment belong to the next expert or the padding: masked at the store)
     row0_tma = row0.to(tl.int32)
-    b_row_tma = (expert * (stride_b_e // stride_b_n) + pid_n * BLOCK_N).to(tl.int32)
+    num_b_rows = N
+    if ACTIVATION != 0:
+        num_b_rows = 2 * N
+    expert_b_row0 = expert * (stride_b_e // stride_b_n)
     b_base = b_ptr + expert * stride_b_e
     b_scale_base = b_scale_ptr + expert * stride_b_scale_e
-    b_ptrs = b_base + offs_n[None, :] * stride_b_n + offs_k[:, None]          # [BLOCK_K, BLOCK_N] view of b.T
-    up_ptrs = b_ptrs + N * stride_b_n                                         # up rows follow the N gate rows
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_pairs = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)  # interleaved, not FP8: gate/up column pairs
 
     # --- main loop over K ------------------------------------------------------------------------------
     for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
         if USE_TMA:  # out-of-bounds rows and columns come back as 0
             a = a_desc.load([row0_tma, k0])
         else:
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if W4 != 0:  # the dequantized tile takes x's dtype (as the twin's weights), before any upcast
-            b = _w4_tile(b_base, b_scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_b_scale_n, W4, W4_PER,
-                         BLOCK_K, BLOCK_N).to(a_ptr.dtype.element_ty)
-        elif USE_TMA:
-            b = b_desc.load([b_row_tma, k0]).T
-        else:
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k < K - k0)[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
-            b = b.to(tl.float32)
         if FP8:
             scale_a = tl.load(a_scale_ptr + rows * stride_a_scale_r + k0 // 128, mask=mask_m, other=0.0)
-            if 128 % BLOCK_N == 0:
-                # the tile's columns share one weight scale: fold it into the row scales, so promoting the
-                # partial product costs one FMA per element (DeepGEMM's SM90 promotion does the same)
-                scale_b = tl.load(b_scale_base + (pid_n * BLOCK_N // 128) * stride_b_scale_n + k0 // 128)
-                acc += tl.dot(a, b) * (scale_a * scale_b)[:, None]
-            else:
-                scale_b = tl.load(b_scale_base + (offs_n // 128) * stride_b_scale_n + k0 // 128, mask=mask_n,
-                                  other=0.0)
-                acc += tl.dot(a, b) * scale_a[:, None] * scale_b[None, :]
-        elif IEEE_FP32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        if ACTIVATION != 0:
-            if W4 != 0:
-                b_up = _w4_tile(b_base + N * stride_b_n, b_scale_base + N * stride_b_scale_n, offs_n, mask_n, k0, K,
-                                stride_b_n, stride_b_scale_n, W4, W4_PER, BLOCK_K, BLOCK_N).to(a_ptr.dtype.element_ty)
-            elif USE_TMA:
-                b_up = b_desc.load([b_row_tma + N, k0]).T
-            else:
-                b_up = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if ACTIVATION != 0 and INTERLEAVED:
+            # one dot over 2 * BLOCK_N b rows: gate and up of output columns offs_n, in alternation
+            b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * 2 * BLOCK_N, num_b_rows, k0, K,
+                             stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, BLOCK_K,
+                             2 * BLOCK_N)
             if UPCAST:
-                b_up = b_up.to(tl.float32)
-            if FP8:
-                if 128 % BLOCK_N == 0 and N_ALIGNED:
-                    scale_up = tl.load(b_scale_base + ((pid_n * BLOCK_N + N) // 128) * stride_b_scale_n + k0 // 128)
-                    acc_up += tl.dot(a, b_up) * (scale_a * scale_up)[:, None]
-                else:
-                    scale_up = tl.load(b_scale_base + ((offs_n + N) // 128) * stride_b_scale_n + k0 // 128,
-                                       mask=mask_n, other=0.0)
-                    acc_up += tl.dot(a, b_up) * scale_a[:, None] * scale_up[None, :]
-            elif IEEE_FP32:
-                acc_up = tl.dot(a, b_up, acc_up, input_precision="ieee")
+                b = b.to(tl.float32)
+            if FP8:  # the 128x128 block scales stay indexed by the stacked rows: gate j -> j, up j -> N + j
+                gate, up = _split_pairs(tl.dot(a, b))
+                acc = _promote(acc, gate, scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
+                               128 % BLOCK_N == 0, BLOCK_N)
+                acc_up = _promote(acc_up, up, scale_a, b_scale_base, N + pid_n * BLOCK_N, stride_b_scale_n, k0,
+                                  2 * N, 128 % BLOCK_N == 0 and N_ALIGNED, BLOCK_N)
             else:
-                acc_up = tl.dot(a, b_up, acc_up)
-            up_ptrs += BLOCK_K
+                acc_pairs = _mma(a, b, acc_pairs, IEEE_FP32)
+        else:
+            b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * BLOCK_N, N, k0, K, stride_b_n,
+                             stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, BLOCK_K, BLOCK_N)
+            if UPCAST:
+                b = b.to(tl.float32)
+            if FP8:
+                acc = _promote(acc, tl.dot(a, b), scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
+                               128 % BLOCK_N == 0, BLOCK_N)
+            else:
+                acc = _mma(a, b, acc, IEEE_FP32)
+            if ACTIVATION != 0:  # the up rows follow the N gate rows
+                b_up = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, N + pid_n * BLOCK_N, num_b_rows, k0,
+                                    K, stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, BLOCK_K,
+                                    BLOCK_N)
+                if UPCAST:
+                    b_up = b_up.to(tl.float32)
+                if FP8:
+                    acc_up = _promote(acc_up, tl.dot(a, b_up), scale_a, b_scale_base, N + pid_n * BLOCK_N,
+                                      stride_b_scale_n, k0, 2 * N, 128 % BLOCK_N == 0 and N_ALIGNED, BLOCK_N)
+                else:
+                    acc_up = _mma(a, b_up, acc_up, IEEE_FP32)
         a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if ACTIVATION != 0 and INTERLEAVED and not FP8:
+        acc, acc_up = _split_pairs(acc_pairs)
 
     # --- epilogue: activation (fp32), optional fp8 re-quantization, store ----------------------------
     if ACTIVATION == 1:
@@ -287,7 +334,7 @@ def _grouped_gemm_kernel(
 def _autotuned_kernel():
     return triton.autotune(
         configs=tiles.gpu_configs(),
-        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "FP8", "QUANT_OUT", "W4", "USE_TMA"],
+        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4", "USE_TMA"],
         prune_configs_by={"early_config_prune": tiles.prune_configs},
     )(_grouped_gemm_kernel)
 
@@ -320,9 +367,10 @@ def _tma_possible(a: torch.Tensor, b: torch.Tensor, w4: int) -> bool:
 
 
 def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
-                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, w4: int = 0,
+                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, w4: int = 0, interleaved: bool = False,
                  config: triton.Config | None = None, tma: bool | None = None):
-    """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up) or GEMM2 (`activation` "none").
+    """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up, its rows stacked or `interleaved`)
+    or GEMM2 (`activation` "none").
 
     `config=None` (what `grouped_mlp` does): on a GPU, autotune over `tiles.gpu_configs()` pruned to this
     launch's regime; under the interpreter, a fixed small tile. `config=triton.Config({"BLOCK_M", "BLOCK_N",
@@ -360,7 +408,7 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
         c.stride(0), c_scale.stride(0) if quant_out else 0,
     )
     flags = dict(
-        ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), FP8=fp8, QUANT_OUT=quant_out, W4=w4,
+        ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8, QUANT_OUT=quant_out, W4=w4,
         W4_PER={0: 1, 1: 8, 2: 2}[w4], USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=triton.next_power_of_2(num_experts),
     )
@@ -374,11 +422,11 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
         if error:
             raise InvalidConfigError(f"forced config {config}: {error}")
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
-        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **config.kwargs})
+        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **config.kwargs})
         return _grouped_gemm_kernel[grid(options)](*args, **flags, **options, **extra)
     if is_interpreter():
         meta = tiles.interpreter_meta(quant_out)
-        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **meta})
+        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **meta})
         return _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
     return _autotuned_kernel()[grid](*args, **flags, **launch_options(fp_fusion=True))
 
@@ -471,6 +519,7 @@ def grouped_mlp(
     *,
     num_rows_hint: int | None = None,
     zero_unused_rows: bool = True,
+    gate_up_interleaved: bool = False,
 ) -> torch.Tensor:
     """Run every local expert's gated MLP on its rows of the receive pool (two Triton launches).
 
@@ -495,6 +544,9 @@ def grouped_mlp(
             only picks GPU tile sizes (autotune key, bucketed to a power of 2). Default P.
         zero_unused_rows: rows outside every segment come out as 0 (True) or are left unwritten (False: the
             device-side dispatch passes its whole pool and reads only rows inside segments).
+        gate_up_interleaved: gate_up's rows (and 4-bit row scales) alternate gate j, up j
+            (`interleave_gate_up`, done once at load): GEMM1 then runs one dot over 2 * BLOCK_N weight rows
+            per k-step instead of two. FP8 block scales keep the stacked layout.
 
     Returns:
         y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0 (or unwritten).
@@ -528,12 +580,30 @@ def grouped_mlp(
     h_scale_PFb = torch.empty(num_rows, num_fp8_groups(inter), dtype=torch.float32, device=device) if fp8 else None
     _launch_gemm(x_RD, x_scale_RDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
                  n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4)
+                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4, interleaved=gate_up_interleaved)
     # GEMM2: y = h @ down.T
     _launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
                  n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                  fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4)
     return y_PDx
+
+
+def interleave_gate_up(stacked_e2F_: torch.Tensor) -> torch.Tensor:
+    """`[e, 2F, ...]` rows gate 0..F-1 then up 0..F-1 -> a contiguous copy whose rows alternate gate j, up j
+    (`grouped_mlp(..., gate_up_interleaved=True)`): for weights and 4-bit per-row scales, not FP8 block scales.
+
+    Example: rows [g0, g1, u0, u1] -> [g0, u0, g1, u1].
+    """
+    num_experts, two_f = stacked_e2F_.shape[:2]
+    halves = stacked_e2F_.reshape(num_experts, 2, two_f // 2, *stacked_e2F_.shape[2:])
+    return halves.transpose(1, 2).reshape(stacked_e2F_.shape).contiguous()
+
+
+def deinterleave_gate_up(interleaved_e2F_: torch.Tensor) -> torch.Tensor:
+    """Inverse of `interleave_gate_up`: rows [g0, u0, g1, u1] -> [g0, g1, u0, u1] (a contiguous copy)."""
+    num_experts, two_f = interleaved_e2F_.shape[:2]
+    pairs = interleaved_e2F_.reshape(num_experts, two_f // 2, 2, *interleaved_e2F_.shape[2:])
+    return pairs.transpose(1, 2).reshape(interleaved_e2F_.shape).contiguous()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -570,6 +640,7 @@ def grouped_mlp_ref(
     *,
     num_rows_hint: int | None = None,
     zero_unused_rows: bool = True,
+    gate_up_interleaved: bool = False,
 ) -> torch.Tensor:
     """Plain-torch twin of `grouped_mlp` (same arguments and return): a loop over experts in fp32.
 
@@ -579,6 +650,9 @@ def grouped_mlp_ref(
     """
     fp8, w4 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
                           x_scale_RDb, gate_up_scale, down_scale)
+    if gate_up_interleaved:
+        gate_up_weight_e2FD = deinterleave_gate_up(gate_up_weight_e2FD)
+        gate_up_scale = deinterleave_gate_up(gate_up_scale) if w4 else gate_up_scale
     num_rows, hidden = x_RD.shape
     inter = gate_up_weight_e2FD.shape[1] // 2
     out_dtype = torch.bfloat16 if fp8 else x_RD.dtype

@@ -84,10 +84,12 @@ def normalize_tile(tile: tuple) -> tuple:
 
 
 def set_tma_block_shapes(nargs: dict) -> None:
-    """Autotune pre-hook: a TMA launch's descriptors take the block shapes of the config being run."""
+    """Autotune pre-hook: a TMA launch's descriptors take the block shapes of the config being run (a gated
+    launch over interleaved gate/up rows loads 2 * BLOCK_N b rows at once)."""
     if nargs.get("a_desc") is not None:
+        b_rows = nargs["BLOCK_N"] * (2 if nargs.get("ACTIVATION") and nargs.get("INTERLEAVED") else 1)
         nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["b_desc"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+        nargs["b_desc"].block_shape = [b_rows, nargs["BLOCK_K"]]
 
 
 def config_of_tile(tile: tuple) -> triton.Config:

@@ -41,7 +41,8 @@ def _twin_forward(experts: TritonExperts):
         assert x_RD.dtype == FP8, "the dispatcher must hand fp8 experts the fp8 pool"
         return grouped_mlp_ref(x_RD, experts.gate_up_fp8_e2FD, experts.down_fp8_eDF, layout.row_start_e,
                                layout.num_rows_e, experts.activation, x_scale_RDb=x_scale_RDb,
-                               gate_up_scale=experts.gate_up_scale_e2FbDb, down_scale=experts.down_scale_eDbFb)
+                               gate_up_scale=experts.gate_up_scale_e2FbDb, down_scale=experts.down_scale_eDbFb,
+                               gate_up_interleaved=experts.gate_up_interleaved)
     return forward
 
 

@@ -122,6 +122,35 @@ def test_tma_and_pointer_loads_agree(fp8, device, monkeypatch, assert_close):
     assert torch.equal(y_tma, y_pointers)  # same tiles, same dots: only the loads differ
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8"])
+@pytest.mark.parametrize("tma", ["1", "0"])
+@pytest.mark.parametrize("hidden,inter", [(48, 40), (160, 136), (128, 128)])  # odd; 2 scale groups; one per tile
+def test_interleaved_gate_up_gives_the_stacked_mlp(dtype, tma, hidden, inter, device, monkeypatch, assert_close):
+    """gate_up rows re-laid out as gate j, up j (one dot over both halves per k-step) compute the MLP of the
+    stacked rows: vs the twin (on the stacked weights: the same function) and vs the kernel on stacked rows.
+    FP8 keeps its block scales stacked, which the (128, 128) case reads one per tile for both halves."""
+    monkeypatch.setenv("MOE_REF_TMA", tma)
+    fp8 = dtype == "fp8"
+    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
+                                                           torch.float32 if fp8 else dtype, device, seed=3)
+    kwargs = {}
+    if fp8:
+        x_RD, kwargs["x_scale_RDb"] = quantize_fp8_per_128(x_RD.nan_to_num(0.0))
+        gate_up, kwargs["gate_up_scale"] = quantize_fp8_per_block_128(gate_up)
+        down, kwargs["down_scale"] = quantize_fp8_per_block_128(down)
+    interleaved = grouped_mlp_module.interleave_gate_up(gate_up)
+    assert torch.equal(interleaved[:, 0::2], gate_up[:, :inter]) and torch.equal(interleaved[:, 1::2], gate_up[:, inter:])
+    assert torch.equal(grouped_mlp_module.deinterleave_gate_up(interleaved), gate_up)
+    y_RD = grouped_mlp(x_RD, interleaved, down, row_start_e, num_rows_e, gate_up_interleaved=True, **kwargs)
+    y_twin = grouped_mlp_ref(x_RD, interleaved, down, row_start_e, num_rows_e, gate_up_interleaved=True, **kwargs)
+    y_stacked = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    assert torch.equal(y_twin, grouped_mlp_ref(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs))
+    case = dict(dtype=dtype, tma=tma, hidden=hidden, inter=inter)
+    _check_padding_zero(y_RD, row_start_e, num_rows_e, **case)
+    assert_close(y_RD, y_twin, "fp8" if fp8 else dtype, **case)
+    assert_close(y_RD, y_stacked, "fp8" if fp8 else dtype, **case)
+
+
 def test_tma_needs_16_byte_rows(device):
     """Row strides that are not a multiple of 16 bytes fall back to pointer loads (TMA's alignment rule);
     forcing TMA then is refused with a clear error."""

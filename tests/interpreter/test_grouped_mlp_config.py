@@ -123,6 +123,10 @@ def test_every_autotune_config_sets_the_tma_block_shapes(sizes, ieee_fp32):
         config.pre_hook(nargs)
         assert nargs["a_desc"].block_shape == [config.kwargs["BLOCK_M"], config.kwargs["BLOCK_K"]]
         assert nargs["b_desc"].block_shape == [config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]]
+        # interleaved gate/up rows: one b tile holds both halves
+        nargs.update(ACTIVATION=1, INTERLEAVED=True)
+        config.pre_hook(nargs)
+        assert nargs["b_desc"].block_shape == [2 * config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]]
 
 
 def test_tile_lists_take_an_optional_group_m(monkeypatch):

@@ -56,6 +56,24 @@ def test_w4_kernel_matches_twin(fmt, dtype, activation, device, assert_close):
 
 
 @pytest.mark.parametrize("fmt", W4)
+def test_w4_interleaved_gate_up_matches_twin(fmt, device, assert_close):
+    """Packed 4-bit gate_up rows and their per-row group scales interleaved together (gate j, up j)."""
+    hidden, inter = 64, 32
+    q = _qweights(fmt, len(COUNTS), hidden, inter, device)
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=64)
+    x_RD, valid = _pool(layout, hidden, torch.float16, device)
+    gate_up, gate_up_scale = (gm.interleave_gate_up(t) for t in (q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs))
+    args = (x_RD, gate_up, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, "silu")
+    kwargs = dict(gate_up_scale=gate_up_scale, down_scale=q.down_scale_eDFs, gate_up_interleaved=True)
+    y_RD, y_ref = gm.grouped_mlp(*args, **kwargs), gm.grouped_mlp_ref(*args, **kwargs)
+    stacked = (x_RD, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, "silu")
+    assert torch.equal(y_ref, gm.grouped_mlp_ref(*stacked, gate_up_scale=q.gate_up_scale_e2FDs,
+                                                 down_scale=q.down_scale_eDFs))
+    assert (y_RD.cpu()[~valid] == 0).all()
+    assert_close(y_RD, y_ref, torch.float16, fmt=fmt.value)
+
+
+@pytest.mark.parametrize("fmt", W4)
 def test_w4a16_experts_equal_the_dequantized_fp32_torch_loop(fmt, device):
     hidden, inter = 96, 64  # 3 scale groups along D, 2 along F; several K steps
     q = _qweights(fmt, 3, hidden, inter, device, seed=2)

@@ -10,6 +10,7 @@ from moe_ref.experts import (ExpertLayout, Experts, GroupedMMExperts, TorchLoopE
                              make_experts)
 from moe_ref.kernels.fp8 import (dequantize_fp8_per_128, dequantize_fp8_per_block_128, quantize_fp8_per_128,
                                  quantize_fp8_per_block_128)
+from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
 from moe_ref.layer import MegaMoE
 from moe_ref.options import EPOptions
 from moe_ref.reference import routed_experts_reference
@@ -70,7 +71,9 @@ def test_triton_fp8_quantizes_weights_once_and_takes_fp8_rows():
     assert isinstance(experts, TritonExperts) and experts.fp8 and experts.accepts_fp8_input
     assert experts.gate_up_fp8_e2FD.dtype == FP8 and experts.gate_up_scale_e2FbDb.shape == (3, 2, 2)
     assert experts.down_fp8_eDF.dtype == FP8 and experts.down_scale_eDbFb.shape == (3, 2, 1)
-    assert torch.equal(experts.gate_up_fp8_e2FD.view(torch.uint8),
+    # the fp8 gate_up rows are stored interleaved (gate j, up j), quantized from the stacked rows' 128x128 blocks
+    assert experts.gate_up_interleaved
+    assert torch.equal(deinterleave_gate_up(experts.gate_up_fp8_e2FD).view(torch.uint8),
                        quantize_fp8_per_block_128(gate_up)[0].view(torch.uint8))
     bf16_experts = make_experts("triton", gate_up, down)
     assert not bf16_experts.fp8 and not bf16_experts.accepts_fp8_input

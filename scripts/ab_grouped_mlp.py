@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""A/B of the grouped MLP's gate/up weight layout on one GPU, through `grouped_mlp` as the Triton experts call it.
+
+    python3 scripts/ab_grouped_mlp.py [--models kimi-k2,step3] [--rows 64,512,4096,32768] [--out results/ab.json]
+
+A: gate_up rows stacked (gate 0..F-1, then up 0..F-1): GEMM1 runs two dots per k-step.
+B: gate_up rows interleaved (gate j, up j; `interleave_gate_up`, done once): one dot over 2 * BLOCK_N rows.
+Both autotune over the same tile lists; down (GEMM2) is the same launch in both. Per-rank EP8 shapes (as
+scripts/bench_experts.py): Kimi-K2 48 experts, D 7168, F 2048; Step3 48 experts, D 7168, F 5120; routed rows
+spread randomly over the experts, 128-aligned segments, `num_rows_hint` given and unused rows left unwritten
+(what the layer passes). bf16 and FP8 (e4m3, per-128 activation scales, 128x128 weight blocks).
+
+Timing: `triton.testing.do_bench` (L2 flushed before each run), A and B alternated over `--rounds` rounds, the
+median of the rounds kept. Check: B's output vs A's on the rows inside segments (calc_diff < 1e-4 bf16,
+1e-3 FP8). JSON and a markdown table go to --out (and its .md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from moe_ref.kernels.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128  # noqa: E402
+from moe_ref.kernels.grouped_mlp import grouped_mlp, interleave_gate_up  # noqa: E402
+from moe_ref.testing import calc_diff  # noqa: E402
+
+MODELS = {"kimi-k2": (48, 7168, 2048), "step3": (48, 7168, 5120)}  # local experts e, D, F
+ALIGN = 128
+
+
+def make_case(model: str, num_rows: int, seed: int) -> dict:
+    """Pool (bf16 and FP8), layout and both weight layouts of one (model, rows) case."""
+    num_experts, hidden, inter = MODELS[model]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    counts = torch.bincount(torch.randint(0, num_experts, (num_rows,), device="cuda", generator=gen),
+                            minlength=num_experts)
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    row_start_e = torch.cumsum(padded, 0) - padded
+    pool_rows = int(padded.sum())
+    x_RD = torch.randn(pool_rows, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+    down = torch.randn(num_experts, hidden, inter, device="cuda", generator=gen, dtype=torch.bfloat16)
+    gate_up, down = gate_up * hidden**-0.5, down * inter**-0.5
+    valid = torch.zeros(pool_rows, dtype=torch.bool, device="cuda")
+    for start, count in zip(row_start_e.tolist(), counts.tolist()):
+        valid[start:start + count] = True
+    case = {"layout": (row_start_e, counts.to(torch.int32)), "rows": num_rows, "valid": valid,
+            "bf16": {"x": (x_RD,), "gate_up": gate_up, "down": down, "scales": {}}}
+    x_fp8, x_scale = quantize_fp8_per_128(x_RD)
+    gate_up_fp8, gate_up_scale = quantize_fp8_per_block_128(gate_up)
+    down_fp8, down_scale = quantize_fp8_per_block_128(down)
+    case["fp8"] = {"x": (x_fp8,), "gate_up": gate_up_fp8, "down": down_fp8,
+                   "scales": {"x_scale_RDb": x_scale, "gate_up_scale": gate_up_scale, "down_scale": down_scale}}
+    return case
+
+
+def run(case: dict, precision: str, interleaved: bool, weights: torch.Tensor):
+    ops = case[precision]
+    return grouped_mlp(*ops["x"], weights, ops["down"], *case["layout"], **ops["scales"],
+                       num_rows_hint=case["rows"], zero_unused_rows=False, gate_up_interleaved=interleaved)
+
+
+def main(argv=None) -> int:
+    import triton
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="kimi-k2")
+    parser.add_argument("--rows", default="64,512,4096,32768")
+    parser.add_argument("--precisions", default="bf16,fp8")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="results/ab_grouped_mlp.json")
+    args = parser.parse_args(argv)
+    results = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__}, "cases": []}
+    for model in args.models.split(","):
+        for num_rows in map(int, args.rows.split(",")):
+            case = make_case(model, num_rows, seed=num_rows)
+            for precision in args.precisions.split(","):
+                stacked = case[precision]["gate_up"]
+                layouts = {"stacked": (False, stacked), "interleaved": (True, interleave_gate_up(stacked))}
+                outs = {name: run(case, precision, *spec)[case["valid"]].float() for name, spec in layouts.items()}
+                diff = calc_diff(outs["interleaved"], outs["stacked"])
+                times = {name: [] for name in layouts}
+                for _ in range(args.rounds):
+                    for name, spec in layouts.items():
+                        times[name].append(triton.testing.do_bench(lambda spec=spec: run(case, precision, *spec)))
+                row = {"model": model, "rows": num_rows, "precision": precision, "calc_diff": diff,
+                       "ok": diff < (1e-3 if precision == "fp8" else 1e-4),
+                       **{f"{name}_us": statistics.median(t) * 1e3 for name, t in times.items()},
+                       "rounds_us": {name: [t * 1e3 for t in ts] for name, ts in times.items()}}
+                row["speedup"] = row["stacked_us"] / row["interleaved_us"]
+                results["cases"].append(row)
+                print(f"{model:8s} {num_rows:6d} {precision:5s} stacked {row['stacked_us']:8.1f} us  interleaved "
+                      f"{row['interleaved_us']:8.1f} us  x{row['speedup']:.3f}  calc_diff {diff:.1e}", flush=True)
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
+    lines = ["| model | rows | precision | stacked us | interleaved us | stacked / interleaved | calc_diff |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['rows']} | {r['precision']} | {r['stacked_us']:.1f} | {r['interleaved_us']:.1f} | "
+              f"{r['speedup']:.3f} | {r['calc_diff']:.1e} |" for r in results["cases"]]
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(f"{results['env']}\n\n" + "\n".join(lines) + "\n")
+    return 0 if all(r["ok"] for r in results["cases"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
