@@ -71,6 +71,9 @@ PREFILL_TILES_FP8 = [  # > 256 rows per expert
     (64, 256, 128, 8, 4, 8),  # tune_grouped_mlp.py --fp8, NVIDIA H200, 2026-12-01: down step3/32768
     # wider L2 swizzle groups, as SGLang's default FP8 tile (GROUP_SIZE_M 32) beat us by 3% at 32768 rows
     (64, 128, 128, 8, 4, 32), (64, 128, 128, 4, 3, 32),
+    # tune_grouped_mlp.py --fp8 --interleaved --explore (interleaved gate/up rows, as TritonExperts runs FP8; H200,
+    # 2026-12-01, docs/results/tune_grouped_mlp_fp8_interleaved.txt): gate_up kimi-k2/32768 2623 us, 734 TFLOP/s
+    (64, 128, 128, 8, 3, 8),
 ]
 # Autotune keeps configs whose estimated pipeline buffers stay under this (the H200 allows 227 KB per
 # block; the estimate ignores epilogue scratch, hence the headroom).
