@@ -1,0 +1,131 @@
+"""Compile the grouped MLP kernel for Hopper (sm_90a) on a machine without a GPU, as the launcher would launch it.
+
+    python tests/unit/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
+
+Run by tests/unit/test_sm90_compile.py in a subprocess (the kernels must be decorated WITHOUT
+TRITON_INTERPRET, which the interpreter tests set). Why: the interpreter runs a kernel's Python, not Triton's
+compiler, so a kernel that only fails to compile on a GPU (a type mismatch between branches, a TMA block
+shape, a constexpr misuse) passes every CPU test. Here each case calls `_launch_gemm` with a forced config on
+small CPU tensors of the real dtypes; a recorder stands in for the kernel and keeps the launch's arguments;
+their Triton types (`mangle_type`) and constexprs then go through `triton.compile` for CUDA capability 9.0
+(TTIR -> TTGIR -> LLVM -> PTX -> ptxas, all on the CPU). Compile errors are reported per case; nothing runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
+HOPPER = GPUTarget("cuda", 90, 32)
+OPTION_KEYS = ("num_warps", "num_stages", "enable_fp_fusion")
+FP8 = torch.float8_e4m3fn
+
+# name -> (weights "bf16" | "fp8" | "int4" | "mxfp4", GEMM "gate_up" | "down", interleaved, TMA, tile)
+CASES = {
+    "bf16 gate_up decode tile, TMA": ("bf16", "gate_up", False, True, (16, 64, 128, 4, 4)),
+    "bf16 gate_up interleaved prefill tile, TMA": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8)),
+    "bf16 down prefill tile, TMA": ("bf16", "down", False, True, (128, 256, 64, 8, 4, 8)),
+    "bf16 gate_up, pointer loads": ("bf16", "gate_up", False, False, (64, 128, 64, 4, 3)),
+    "fp8 gate_up interleaved, TMA": ("fp8", "gate_up", True, True, (64, 128, 128, 8, 3, 8)),
+    "fp8 gate_up stacked, TMA": ("fp8", "gate_up", False, True, (32, 128, 128, 4, 5)),
+    "fp8 down, TMA": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8)),
+    "int4 gate_up interleaved": ("int4", "gate_up", True, False, (16, 64, 128, 4, 4)),
+    "mxfp4 down": ("mxfp4", "down", False, False, (64, 128, 64, 4, 3)),
+}
+
+
+class _Recorder:
+    """Stands in for the kernel: `kernel[grid](*args, **kwargs)` keeps the arguments."""
+
+    def __getitem__(self, grid):
+        return self
+
+    def __call__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+
+def _operands(weights: str, gemm: str, interleaved: bool) -> dict:
+    """`_launch_gemm`'s tensors for one GEMM at a small shape (D 256, F 256, 4 experts, 64 pool rows)."""
+    experts, hidden, inter, rows = 4, 256, 256, 64
+    n, k = (inter, hidden) if gemm == "gate_up" else (hidden, inter)
+    b_rows = 2 * n if gemm == "gate_up" else n
+    blocks = lambda size: triton.cdiv(size, 128)  # noqa: E731
+    if weights in ("bf16", "int4", "mxfp4"):
+        a, a_scale = torch.zeros(rows, k, dtype=torch.bfloat16), None
+    else:
+        a, a_scale = torch.zeros(rows, k, dtype=FP8), torch.ones(rows, blocks(k))
+    if weights == "bf16":
+        b, b_scale = torch.zeros(experts, b_rows, k, dtype=torch.bfloat16), None
+    elif weights == "fp8":
+        b, b_scale = torch.zeros(experts, b_rows, k, dtype=FP8), torch.ones(experts, blocks(b_rows), blocks(k))
+    elif weights == "int4":
+        b, b_scale = torch.zeros(experts, b_rows, k // 8, dtype=torch.int32), torch.ones(experts, b_rows, k // 32,
+                                                                                         dtype=torch.bfloat16)
+    else:
+        b, b_scale = (torch.zeros(experts, b_rows, k // 2, dtype=torch.uint8),
+                      torch.zeros(experts, b_rows, k // 32, dtype=torch.uint8))
+    quant_out = weights == "fp8" and gemm == "gate_up"
+    c = torch.zeros(rows, n, dtype=FP8 if quant_out else torch.bfloat16)
+    c_scale = torch.ones(rows, blocks(n)) if quant_out else None
+    return dict(a=a, a_scale=a_scale, b=b, b_scale=b_scale, c=c, c_scale=c_scale, n=n, k=k, quant_out=quant_out,
+                fp8=weights == "fp8", w4={"int4": 1, "mxfp4": 2}.get(weights, 0), interleaved=interleaved,
+                activation="silu" if gemm == "gate_up" else "none")
+
+
+def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple):
+    """Launch one case into the recorder, then compile the recorded launch for sm_90; returns the kernel."""
+    ops = _operands(weights, gemm, interleaved)
+    experts = ops["b"].shape[0]
+    row_start_e = torch.arange(experts, dtype=torch.int64) * 16
+    num_rows_e = torch.full((experts,), 16, dtype=torch.int32)
+    kernel, recorder = gm._grouped_gemm_kernel, _Recorder()
+    gm._grouped_gemm_kernel, tma_possible = recorder, gm._tma_possible
+    gm._tma_possible = lambda a, b, w4: tma  # no CUDA device here: TMA is what the case says
+    try:
+        gm._launch_gemm(ops["a"], ops["a_scale"], ops["b"], ops["b_scale"], ops["c"], ops["c_scale"], row_start_e,
+                        num_rows_e, n=ops["n"], k=ops["k"], activation=ops["activation"], situ_beta=4.0,
+                        situ_linear_beta=25.0, fp8=ops["fp8"], quant_out=ops["quant_out"], rows_hint=64,
+                        w4=ops["w4"], interleaved=ops["interleaved"], config=gm.tiles.config_of_tile(tile))
+    finally:
+        gm._grouped_gemm_kernel, gm._tma_possible = kernel, tma_possible
+    bound = dict(zip(kernel.arg_names, recorder.args))
+    bound.update({key: value for key, value in recorder.kwargs.items() if key not in OPTION_KEYS})
+    signature, constexprs = {}, {}
+    for index, param in enumerate(kernel.params):
+        value = bound[param.name] if param.name in bound else param.default
+        if param.is_constexpr or value is None:
+            signature[param.name], constexprs[(index,)] = "constexpr", value
+        else:
+            signature[param.name] = mangle_type(value)
+    options = {key: recorder.kwargs[key] for key in OPTION_KEYS if key in recorder.kwargs}
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options=options)
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: this compiles the kernels", file=sys.stderr)
+        return 2
+    print(json.dumps({"cases": list(CASES)}), flush=True)
+    for name, case in CASES.items():
+        try:
+            compiled = compile_case(*case)
+            report = {"case": name, "error": None, "shared_bytes": compiled.metadata.shared}
+        except Exception as exc:  # reported per case; the test fails on any
+            report = {"case": name, "error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
+        print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
