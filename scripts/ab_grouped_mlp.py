@@ -18,6 +18,7 @@ median of the rounds kept. Check: B's output vs A's on the rows inside segments 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -30,6 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from moe_ref.kernels.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128  # noqa: E402
 from moe_ref.kernels.grouped_mlp import grouped_mlp, interleave_gate_up  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
+
+gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the module (the package re-exports the function)
 
 MODELS = {"kimi-k2": (48, 7168, 2048), "step3": (48, 7168, 5120)}  # local experts e, D, F
 ALIGN = 128
@@ -102,6 +105,12 @@ def main(argv=None) -> int:
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
+    # the tiles autotune chose, per launch key (rows_hint, N, K, experts, flags...): compare with tune_grouped_mlp's
+    results["autotune_choices"] = {str(key): str(config) for key, config in gm._autotuned_kernel().cache.items()}
+    for key, config in results["autotune_choices"].items():
+        print(f"autotune {key}: {config}")
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
     lines = ["| model | rows | precision | stacked us | interleaved us | stacked / interleaved | calc_diff |",
              "|---|---:|---|---:|---:|---:|---:|"]
     lines += [f"| {r['model']} | {r['rows']} | {r['precision']} | {r['stacked_us']:.1f} | {r['interleaved_us']:.1f} | "
