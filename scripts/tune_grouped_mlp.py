@@ -28,6 +28,10 @@ the compiled kernel is reused across shapes and rows). Before timing, a pool of 
 configs of a phase in parallel into Triton's on-disk cache with tiny launches of identical
 specialisation (--jobs 0: compile in this process, serially). Nothing is timed while they compile.
 
+--decode: the decode regime instead (64 and 512 rows; the DECODE lists and `DECODE_GRID_*`: 16/32-row tiles, 4
+warps, 4-8 stages), for bf16 or --fp8. --interleaved: gate_up's rows interleaved (gate j, up j), as the FP8
+Triton experts store them (`grouped_mlp(..., gate_up_interleaved=True)`).
+
 --fp8 (default --out results/tune_grouped_mlp_fp8.json): the FP8 path as `grouped_mlp` runs it for e4m3 x:
 x quantized per row per 128 columns (fp32 scales), weights e4m3 with fp32 128x128 block scales
 (`moe_ref.kernels.fp8`), GEMM1 re-quantizing h per row per 128 columns, GEMM2 writing bf16 y.
@@ -81,6 +85,7 @@ SHAPES = {  # name -> (local experts e, hidden D, intermediate F): per rank at E
     "step3": (48, 7168, 5120),
 }
 ROWS = (4096, 32768)
+DECODE_ROWS = (64, 512)  # 1.3 and 10.7 rows per expert of 48
 GEMMS = ("gate_up", "down")
 SMEM_LIMIT = 227 * 1024          # H100/H200 opt-in shared memory per block
 MAX_ACC_REGS = 128               # fp32 accumulator registers per thread (BLOCK_M x effective N / threads)
@@ -105,6 +110,11 @@ EXPLORE_TILES = {
              (128, 256, 64, 8, 4)),
 }
 FP8_GRID_BLOCK_K = (128, 64)
+# --decode (<= 32 rows per expert: weight-bandwidth bound): instead of the grid above, few-row tiles with deep
+# pipelines (more weight bytes in flight per SM); (BLOCK_M, effective N) pairs per GEMM, 4 warps
+DECODE_GRID_TILES_MN = {"gate_up": ((16, 256), (32, 256), (16, 128)), "down": ((16, 128), (16, 256), (32, 128))}
+DECODE_GRID_BLOCK_K = (128, 64)
+DECODE_GRID_STAGES = (4, 5, 6, 8)
 FP8_MAX_ACC_REGS = 64            # fp32 accumulator registers per thread; the scaled partial product doubles them
 FIXED_TILE_FP8 = (64, 128, 128, 8, 3)  # legal for both FP8 GEMMs; in the current FP8 lists and the FP8 grid
 # --fp8 anchor: the bf16 kernel's best tile per (shape, regime, GEMM), the winners of the bf16 sweep on an H200
@@ -182,16 +192,26 @@ def _skip_reason(gemm: str, tile: tuple, fp8: bool = False, heuristics: bool = T
     return None
 
 
-def _current_tiles(fp8: bool = False) -> list[tuple]:
-    """(tile, GROUP_M) of the current mid and prefill autotune lists (the FP8 lists with `fp8`)."""
-    lists = _tiles().MID_TILES_FP8 + _tiles().PREFILL_TILES_FP8 if fp8 else _tiles().MID_TILES + _tiles().PREFILL_TILES
+def _current_tiles(fp8: bool = False, decode: bool = False) -> list[tuple]:
+    """(tile, GROUP_M) of the current mid and prefill autotune lists, or (`decode`) the decode list (the FP8
+    lists with `fp8`)."""
+    t = _tiles()
+    if decode:
+        lists = t.DECODE_TILES_FP8 if fp8 else t.DECODE_TILES
+    else:
+        lists = t.MID_TILES_FP8 + t.PREFILL_TILES_FP8 if fp8 else t.MID_TILES + t.PREFILL_TILES
     entries = dict.fromkeys(_tiles().normalize_tile(t) for t in lists)
     return [(tuple(t[:5]), t[5] if len(t) > 5 else 1) for t in entries]
 
 
-def _grid(gemm: str, fp8: bool, explore: bool = False) -> list[tuple]:
-    """(tile, GROUP_M 1) of the phase-1 grid, largest tiles first (--fp8 --explore: EXPLORE_TILES instead)."""
+def _grid(gemm: str, fp8: bool, explore: bool = False, decode: bool = False) -> list[tuple]:
+    """(tile, GROUP_M 1) of the phase-1 grid, largest tiles first (--fp8 --explore: EXPLORE_TILES instead;
+    --decode: the decode grid)."""
     gated = gemm == "gate_up"
+    if decode:
+        return [((block_m, n_eff // 2 if gated else n_eff, block_k, 4, stages), 1)
+                for (block_m, n_eff), block_k, stages in itertools.product(
+                    DECODE_GRID_TILES_MN[gemm], DECODE_GRID_BLOCK_K, DECODE_GRID_STAGES)]
     if fp8:
         if explore:
             return [(tile, 1) for tile in EXPLORE_TILES[gemm]]
@@ -209,13 +229,13 @@ def fixed_tile(fp8: bool) -> tuple:
 
 
 def enumerate_candidates(gemm: str, include_current: bool = True, fp8: bool = False,
-                         explore: bool = False) -> tuple[list[dict], list[dict]]:
+                         explore: bool = False, decode: bool = False) -> tuple[list[dict], list[dict]]:
     """(kept, skipped) phase-1 candidates for one GEMM (FP8 operands with `fp8`): current autotune tiles
     first (kept whenever the library's rules keep them), then the grid (largest tiles first, so a
     truncated sweep has the likely winners); `explore`: see --explore."""
     gated = gemm == "gate_up"
-    grid = _grid(gemm, fp8, explore)
-    current = _current_tiles(fp8) if include_current else []
+    grid = _grid(gemm, fp8, explore, decode) + ([(fixed_tile(fp8), 1)] if decode else [])  # the check tile
+    current = _current_tiles(fp8, decode) if include_current else []
     kept, skipped = [], []
     for tile, group_m in dict.fromkeys(current + grid):
         source = "+".join(name for name, pool in (("current", current), ("grid", grid)) if (tile, group_m) in pool)
@@ -820,7 +840,8 @@ def _parse(argv):
                         help="stop the sweep cleanly after this many seconds from process start (default 170)")
     parser.add_argument("--dry-run", action="store_true", help="list cases and candidates, then exit (no GPU)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma list of routed rows")
+    parser.add_argument("--rows", default=None,
+                        help=f"comma list of routed rows (default {ROWS}; --decode: {DECODE_ROWS})")
     parser.add_argument("--gemms", default=",".join(GEMMS), help=f"comma list of {list(GEMMS)}")
     parser.add_argument("--rep-ms", type=float, default=50.0, help="timed milliseconds per (config, case)")
     parser.add_argument("--jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
@@ -832,6 +853,9 @@ def _parse(argv):
     parser.add_argument("--explore", action="store_true",
                         help="--fp8: sweep the current tiles and EXPLORE_TILES (larger, 8 warps) instead of the grid, "
                              "without the register rules; the compiler's spill counts show which fit")
+    parser.add_argument("--decode", action="store_true",
+                        help="sweep the decode regime (<= 32 rows per expert; --rows default 64,512): the DECODE "
+                             "lists and few-row tiles with deep pipelines (DECODE_GRID_*)")
     parser.add_argument("--interleaved", action="store_true",
                         help="gate_up weights re-laid out as gate j, up j rows (one dot per k-step, "
                              "grouped_mlp(..., gate_up_interleaved=True)); down is unchanged")
@@ -839,7 +863,7 @@ def _parse(argv):
     if args.out is None:
         args.out = "results/tune_grouped_mlp_fp8.json" if args.fp8 else "results/tune_grouped_mlp.json"
     args.shapes = [s for s in args.shapes.split(",") if s]
-    args.rows = [int(r) for r in args.rows.split(",") if r]
+    args.rows = [int(r) for r in args.rows.split(",") if r] if args.rows else list(DECODE_ROWS if args.decode else ROWS)
     args.gemms = [g for g in args.gemms.split(",") if g]
     args.group_m = [int(g) for g in args.group_m.split(",") if g]
     for name, values, allowed in (("shape", args.shapes, SHAPES), ("gemm", args.gemms, GEMMS)):
@@ -892,7 +916,8 @@ def main(argv=None) -> int:
     candidates, skipped = {}, {}
     for gemm in args.gemms:
         candidates[gemm], skipped[gemm] = enumerate_candidates(gemm, include_current=not args.no_current,
-                                                               fp8=args.fp8, explore=args.explore)
+                                                               fp8=args.fp8, explore=args.explore,
+                                                               decode=args.decode)
         if args.limit:
             fixed = [c for c in candidates[gemm] if c["tile"] == fixed_tile(args.fp8)]
             candidates[gemm] = candidates[gemm][:args.limit]

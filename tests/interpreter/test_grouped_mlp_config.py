@@ -268,3 +268,17 @@ def test_tuner_fp8_candidates_are_legal_and_dry_run_works(capsys):
     assert tune.main(["--dry-run", "--fp8"]) == 0
     out = capsys.readouterr().out
     assert "MID_TILES_FP8" in out and "bf16 anchor" in out and "x 2 specialisation(s)" in out
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tuner_decode_sweeps_the_decode_list_and_few_row_tiles(fp8):
+    tune = _tuner()
+    decode_list = tiles.DECODE_TILES_FP8 if fp8 else tiles.DECODE_TILES
+    for gemm in tune.GEMMS:
+        kept, _ = tune.enumerate_candidates(gemm, fp8=fp8, decode=True)
+        found = {tiles.normalize_tile((*c["tile"], c["group_m"])) for c in kept}
+        fitting = {tiles.normalize_tile(t) for t in decode_list
+                   if tune._skip_reason(gemm, tuple(t[:5]), fp8, heuristics=False) is None}
+        assert fitting and fitting <= found, gemm
+        # besides the fixed check tile, only few-row tiles: the decode regime's
+        assert {c["tile"][0] for c in kept if c["tile"] != tune.fixed_tile(fp8)} <= {16, 32}, gemm
