@@ -33,8 +33,16 @@ demo-quant:
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache results
 
-# The peer anchor of scripts/bench_experts.py: SGLang's wheel (only read with zipfile by scripts/peer_moe.py, never
-# installed); .whl/ is git-ignored and travels to the GPU machine with the tree.
+# The peer anchors of scripts/bench_experts.py, only read with zipfile by scripts/peer_moe.py, never installed:
+# SGLang's wheel, and from vLLM's wheel (336 MB, downloaded to a temporary folder and deleted) the fused-moe zip of
+# the members the reader opens (0.2 MB). .whl/ is git-ignored and travels to the GPU machine with the tree.
+VLLM_VERSION ?= 0.33.0
 .PHONY: peers
 peers:
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl sglang==0.5.23
+	@if [ ! -f .whl/vllm-$(VLLM_VERSION)-fused-moe.zip ]; then \
+		tmp=$$(mktemp -d) && \
+		$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d $$tmp vllm==$(VLLM_VERSION) && \
+		$(PY) scripts/peer_moe.py --extract $$tmp/vllm-$(VLLM_VERSION)-*.whl --out-dir .whl; \
+		status=$$?; rm -rf $$tmp; exit $$status; \
+	fi

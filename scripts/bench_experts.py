@@ -2,7 +2,7 @@
 """Benchmark the expert MLP backends on one GPU at per-rank EP8 shapes (needs CUDA).
 
     python scripts/bench_experts.py [--quick] [--out results/bench_experts.json] [--include-deep-gemm]
-                                    [--peer-wheel .whl/sglang-0.5.23-....whl]
+                                    [--peer-wheel .whl/sglang-0.5.23-....whl --peer-wheel ...]
 
 Shapes (per rank at EP8): Kimi-K2 48 local experts, D 7168, F 2048 (top-8); Step3 48 experts, D 7168,
 F 5120 (top-3). Routed rows 64 / 512 / 4096 / 32768 spread randomly (multinomial, uniform) over the
@@ -18,14 +18,21 @@ Paths per case:
     triton_fp8      same kernel, fp8 e4m3 x (per-row per-128 scales) and weights (128x128 block scales)
     grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
     loop_bf16       torch per-expert loop (host-side counts, no sync inside the timed region)
-    deep_gemm_*     optional, from `_deep_gemm_cases` (empty unless `deep_gemm` imports)
-    peer_sglang_bf16 / peer_sglang_fp8  the Triton fused-MoE kernel SGLang ships (`scripts/peer_moe.py`: read out
-                    of the wheel given by --peer-wheel, default the first .whl/sglang-*.whl, `make peers`; rows
-                    left out with a note when there is none) on our pool, with the engine's tuned H200 config for
-                    (E, F) or, where the wheel has none, its default rule. Its routing inputs (sorted_token_ids,
-                    expert_ids) are built once outside the timed region: the peer's timing excludes its align
-                    step, as ours excludes the dispatch. Checked once per case against our twin (calc_diff, the
-                    limits of the small check) before timing; a row that fails is left out with the reason.
+    deep_gemm_bf16 / deep_gemm_fp8  optional (--include-deep-gemm; none unless `deep_gemm` runs here): DeepGEMM's
+                    contiguous grouped GEMMs on the pool (`moe_ref.deep_gemm_bench`)
+    deep_gemm_masked_bf16 / deep_gemm_masked_fp8  the same experts in DeepGEMM's masked (decode) layout: the pool's
+                    segments copied once, outside the timed region, into [e, M, D] with per-expert row counts on
+                    the device; timed: GEMM1 + act + GEMM2 on that layout (left out, with a note, when the masked
+                    API is missing)
+    peer_sglang_bf16 / peer_sglang_fp8, peer_vllm_bf16 / peer_vllm_fp8  the Triton fused-MoE kernels SGLang and vLLM
+                    ship (`scripts/peer_moe.py`: read out of the files given by --peer-wheel, repeatable, default
+                    every peer file in .whl/: the SGLang wheel and the vLLM fused-moe zip, `make peers`; rows left out
+                    with a note when there is none) on our pool, with the engine's tuned H200 config for (E, F) or,
+                    where the wheel has none, its default rule. Their routing inputs (sorted_token_ids, expert_ids)
+                    are built once outside the timed region: a peer's timing excludes its align step, as ours
+                    excludes the dispatch.
+    Every peer_* and deep_gemm_* row is checked once per case against our twin (calc_diff, the limits of the small
+    check) on its first call, before timing; a row that fails is left out with the reason.
 
 Also measured in the same run: HBM bandwidth (a 2 GiB device-to-device copy, read + write bytes) and the
 bf16 GEMM peak (torch.matmul 8192^3). Per case: us | TFLOP/s | weight GB/s | x vs grouped_mm |
@@ -205,24 +212,33 @@ def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], 
 
 
 def _deep_gemm_cases(case: Case) -> list[tuple[str, Callable[[], object]]]:
-    """DeepGEMM grouped-GEMM paths for `case` as (name, fn) pairs; [] when deep_gemm is not usable here."""
+    """DeepGEMM grouped-GEMM paths for `case` (contiguous and masked layouts) as (name, fn) pairs; [] when
+    deep_gemm is not usable here."""
     from moe_ref.deep_gemm_bench import deep_gemm_grouped_cases
 
-    return deep_gemm_grouped_cases(case.x_RD, case.gate_up, case.down, case.row_start_e, case.num_rows_e)
+    return deep_gemm_grouped_cases(case.x_RD, case.gate_up, case.down, case.row_start_e, case.num_rows_e,
+                                   layouts=("contiguous", "masked"))
 
 
-def _load_peer(path: str | None):
-    """(PeerKernel or None, note): the engine's kernel from its wheel (`scripts/peer_moe.py`)."""
+def _load_peers(paths: list[str] | None) -> tuple[list, list[str]]:
+    """(PeerKernels, one note per file): the engines' kernels from their wheels or fused-moe zips
+    (`scripts/peer_moe.py`); `paths` None: every peer file in .whl/."""
     import peer_moe
 
-    path = path or peer_moe.default_peer_wheel()
-    if path is None:
-        return None, "no peer wheel (.whl/sglang-*.whl; `make peers` downloads it): peer rows left out"
-    try:
-        peer = peer_moe.load_peer_kernel(path)
-    except Exception as exc:  # noqa: BLE001 - any failure leaves the peer rows out, with the reason
-        return None, f"peer rows left out: {exc}"
-    return peer, f"peer {peer.label} from {os.path.basename(path)} (kernels imported from {peer.module_file})"
+    paths = paths or peer_moe.default_peer_files()
+    if not paths:
+        return [], ["no peer file (.whl/sglang-*.whl, .whl/vllm-*-fused-moe.zip; `make peers` makes them): peer rows "
+                    "left out"]
+    peers, notes = [], []
+    for path in paths:
+        try:
+            peer = peer_moe.load_peer_kernel(path)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves this engine's rows out, with the reason
+            notes.append(f"peer rows of {os.path.basename(path)} left out: {exc}")
+            continue
+        peers.append(peer)
+        notes.append(f"peer {peer.label} from {os.path.basename(path)} (kernels imported from {peer.module_file})")
+    return peers, notes
 
 
 def _peer_paths(case: Case, peer) -> list[tuple[str, Callable[[], object], object]]:
@@ -236,14 +252,14 @@ def _peer_paths(case: Case, peer) -> list[tuple[str, Callable[[], object], objec
     for dtype in ("bf16", "fp8") if case.fp8 is not None else ("bf16",):
         config = peer_config(peer.wheel, num_experts, inter, dtype, torch.cuda.get_device_name(), case.num_rows,
                              hidden=hidden)
-        routing = peer_routing(*layout, case.x_RD.shape[0], config.block_m)
+        routing = peer_routing(*layout, case.x_RD.shape[0], config.block_m, peer.engine)
         if dtype == "bf16":
             operands, scales = (case.x_RD, case.gate_up, case.down), {}
         else:
             q = case.fp8
             operands = (q["x"], q["gate_up"], q["down"])
             scales = dict(x_scale=q["x_scale"], gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"])
-        paths.append((f"peer_{peer.engine}_{dtype}", functools.partial(
+        paths.append((f"peer_{peer.engine.name}_{dtype}", functools.partial(
             run_peer_mlp, peer, *operands, *layout, **scales, config=config, routing=routing), config))
     return paths
 
@@ -256,32 +272,44 @@ def _peer_paths_logged(case: Case, peer, log: dict) -> list[tuple[str, Callable[
     try:
         paths = _peer_paths(case, peer)
     except Exception as exc:  # noqa: BLE001 - the peer rows of this case are left out, with the reason
-        log["notes"].append(f"{case.model} rows {case.num_rows}: peer rows left out: {exc}")
-        print(f"  peer rows left out: {exc}", flush=True)
+        log["notes"].append(f"{case.model} rows {case.num_rows}: {peer.label} rows left out: {exc}")
+        print(f"  {peer.label} rows left out: {exc}", flush=True)
         return []
     for name, _, config in paths:
         log["configs"].append({"model": case.model, "num_rows": case.num_rows, "path": name, "source": config.source,
                                "up": config.up, "down": config.down})
         if config.source.startswith("default rule"):
-            tuned = nearest_tuned(peer.wheel, case.gate_up.shape[0], case.down.shape[2],
-                                  torch.cuda.get_device_name(), name.rsplit("_", 1)[1])
+            tuned = f"{peer.label}: " + nearest_tuned(peer.wheel, case.gate_up.shape[0], case.down.shape[2],
+                                                      torch.cuda.get_device_name(), name.rsplit("_", 1)[1])
             if tuned not in log["notes"]:
-                print(f"  peer: {tuned}: the engine runs its default tile rule here", flush=True)
+                print(f"  {tuned}: the engine runs its default tile rule here", flush=True)
                 log["notes"].append(tuned)
     return paths
 
 
-def _peer_first_call(case: Case, name: str, fn: Callable[[], object], twins: dict):
-    """(output, problem): the peer's first call (compiles, outside the timed region) and its check."""
+def _routed_rows(case: Case, out: torch.Tensor) -> torch.Tensor:
+    """``[num_rows, D]``: the rows of a path's output that hold routed rows, expert-major (the order of the rows
+    inside segments in the pool): a pool-shaped ``[P, D]`` output keeps its rows inside segments, a masked
+    ``[e, M, D]`` one the first ``counts[i]`` rows of expert i, a packed ``[num_rows, D]`` one is that already."""
+    if out.dim() == 3:
+        counts = torch.tensor(case.counts, device=out.device)
+        return out[torch.arange(out.shape[1], device=out.device)[None, :] < counts[:, None]]
+    if out.shape[0] == case.x_RD.shape[0]:
+        return out[_segment_rows(case.row_start_e, case.num_rows_e, case.x_RD.shape[0])]
+    return out
+
+
+def _checked_first_call(case: Case, name: str, fn: Callable[[], object], twins: dict):
+    """(output, problem): an anchor's first call (compiles, outside the timed region) and its check."""
     try:
         out = fn()
     except Exception as exc:  # noqa: BLE001 - e.g. a compile error on this Triton
         return None, f"{type(exc).__name__}: {str(exc)[:300]}"
-    return out, _peer_check(case, name, out, twins)
+    return out, _twin_check(case, name, out, twins)
 
 
-def _peer_check(case: Case, name: str, out: torch.Tensor, twins: dict) -> str | None:
-    """Why the peer's output `out` is wrong vs our twin on the rows inside segments (None if it is right)."""
+def _twin_check(case: Case, name: str, out: torch.Tensor, twins: dict) -> str | None:
+    """Why the output `out` of path `name` is wrong vs our twin on the routed rows (None if it is right)."""
     from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
 
     fp8 = name.endswith("fp8")
@@ -293,11 +321,10 @@ def _peer_check(case: Case, name: str, out: torch.Tensor, twins: dict) -> str | 
                                          gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"])
         else:
             twins[fp8] = grouped_mlp_ref(case.x_RD, case.gate_up, case.down, *args)
-    valid = _segment_rows(case.row_start_e, case.num_rows_e, case.x_RD.shape[0])
-    got = out[valid].float()
+    got = _routed_rows(case, out).float()
     if got.isnan().any():
-        return "NaN in the rows inside segments"
-    diff, limit = calc_diff(got, twins[fp8][valid].float()), 1e-3 if fp8 else 1e-4
+        return "NaN in the routed rows"
+    diff, limit = calc_diff(got, _routed_rows(case, twins[fp8]).float()), 1e-3 if fp8 else 1e-4
     return None if diff < limit else f"calc_diff {diff:.2e} vs our twin (limit {limit:.0e})"
 
 
@@ -364,12 +391,10 @@ def check_correctness(include_deep_gemm: bool, device="cuda") -> list[str]:
                               gate_up_scale=weights[3], down_scale=weights[5])[valid]
     failures = []
     for name, fn in _paths(case, include_deep_gemm):
-        out = fn()
-        out = out[valid] if out.shape[0] == pool_rows else out
-        diff = calc_diff(out, ref_fp8 if "fp8" in name else ref)  # fp8 paths vs the fp8 twin
+        diff = calc_diff(_routed_rows(case, fn()), ref_fp8 if "fp8" in name else ref)  # fp8 paths vs the fp8 twin
         limit = 1e-3 if "fp8" in name else 1e-4
         status = "ok" if diff < limit else "FAIL"
-        print(f"  check {name:18s} calc_diff={diff:.2e} (limit {limit:.0e}) {status}", flush=True)
+        print(f"  check {name:22s} calc_diff={diff:.2e} (limit {limit:.0e}) {status}", flush=True)
         if status != "ok":
             failures.append(name)
     return failures
@@ -392,10 +417,10 @@ def _markdown(results: dict) -> str:
                      f"| {row['weight_gbps']:.0f} | {speedup} | {row['roofline_fraction']:.2f} | {row['bound']} |")
     peer = results.get("peer")
     if peer:
-        lines += ["", f"{peer['note']}."]
+        lines += [""] + [f"{note}." for note in peer["loaded"]]
         if peer.get("configs"):
-            lines.append("The peer's timing excludes its align step (routing inputs built once outside the timed "
-                         "region), as ours excludes the dispatch. Its tile configs:")
+            lines.append("A peer's timing excludes its align step (routing inputs built once outside the timed "
+                         "region), as ours excludes the dispatch. Their tile configs:")
             rows_of = {}  # one line per (model, path, config) with the row counts that use it
             for c in peer["configs"]:
                 key = (c["model"], c["path"], c["source"], str(c["up"]), str(c["down"]))
@@ -444,8 +469,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default=None, help="comma list of routed row counts")
     parser.add_argument("--no-fp8", action="store_true")
     parser.add_argument("--include-deep-gemm", action="store_true")
-    parser.add_argument("--peer-wheel", default=None,
-                        help="SGLang wheel to read the peer kernel from (default: the first .whl/sglang-*.whl)")
+    parser.add_argument("--peer-wheel", action="append", default=None,
+                        help="an engine's wheel or fused-moe zip to read a peer kernel from, repeatable (default: "
+                             "every peer file in .whl/, one per engine)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -462,9 +488,9 @@ def main(argv=None) -> int:
     print("correctness check (small case) ...", flush=True)
     failures = check_correctness(args.include_deep_gemm)
     results["correctness_failures"] = failures
-    peer, note = _load_peer(args.peer_wheel)
-    print(note, flush=True)
-    results["peer"] = {"note": note, "configs": [], "notes": []}
+    peers, loaded = _load_peers(args.peer_wheel)
+    print("\n".join(loaded), flush=True)
+    results["peer"] = {"loaded": loaded, "configs": [], "notes": []}
     print("measuring anchors ...", flush=True)
     anchors = measure_anchors(args.quick)
     results["anchors"] = anchors
@@ -478,23 +504,23 @@ def main(argv=None) -> int:
         for num_rows in row_counts:
             case = _make_case(model, num_rows, weights, args.seed, with_fp8)
             timings, twins = {}, {}
-            peer_paths = _peer_paths_logged(case, peer, results["peer"]) if peer is not None else []
+            peer_paths = [path for peer in peers for path in _peer_paths_logged(case, peer, results["peer"])]
             for name, fn in _paths(case, args.include_deep_gemm) + [(name, fn) for name, fn, _ in peer_paths]:
                 start = time.time()
-                if name.startswith("peer_"):  # a failing anchor leaves its row out, not the run
-                    out, problem = _peer_first_call(case, name, fn, twins)
+                if name.startswith(("peer_", "deep_gemm_")):  # a failing anchor leaves its row out, not the run
+                    out, problem = _checked_first_call(case, name, fn, twins)
                 else:
                     out, problem = fn(), None  # compile + autotune outside the timed region
                 torch.cuda.synchronize()
                 if problem:
-                    print(f"  {model:8s} rows={num_rows:6d} {name:16s} left out: {problem}", flush=True)
+                    print(f"  {model:8s} rows={num_rows:6d} {name:22s} left out: {problem}", flush=True)
                     results["peer"]["notes"].append(f"{model} rows {num_rows} {name} left out: {problem}")
                     continue
                 us = _bench_us(fn, args.quick)
                 timings[name] = us
                 row = {"model": model, "num_rows": num_rows, "path": name, **_case_metrics(case, name, us, anchors)}
                 results["cases"].append(row)
-                print(f"  {model:8s} rows={num_rows:6d} {name:16s} {us:10.1f} us {row['tflops']:7.1f} TFLOP/s "
+                print(f"  {model:8s} rows={num_rows:6d} {name:22s} {us:10.1f} us {row['tflops']:7.1f} TFLOP/s "
                       f"{row['weight_gbps']:7.0f} GB/s roofline {row['roofline_fraction']:.2f} "
                       f"(setup+bench {time.time() - start:.0f} s)", flush=True)
             for row in results["cases"]:

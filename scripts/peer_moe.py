@@ -1,66 +1,89 @@
 #!/usr/bin/env python
-"""The Triton fused-MoE kernel that SGLang ships, read out of its published wheel at run time: a peer anchor
-for our grouped expert MLP (`moe_ref.kernels.grouped_mlp`).
+"""The Triton fused-MoE kernels that SGLang and vLLM ship, read out of their published wheels at run time: peer
+anchors for our grouped expert MLP (`moe_ref.kernels.grouped_mlp`).
 
-    python3 scripts/peer_moe.py --check [--wheel .whl/sglang-0.5.23-....whl]    # PASS/FAIL per case
-    make peers                                                                  # downloads the wheel into .whl/
+    python3 scripts/peer_moe.py --check [--wheel FILE ...]        # PASS/FAIL per case (default: every peer file)
+    python3 scripts/peer_moe.py --extract WHEEL --out-dir .whl    # the members this reader opens, as a small zip
+    make peers            # .whl/sglang-0.5.23-*.whl and .whl/vllm-0.33.0-fused-moe.zip (the vLLM wheel is not kept)
 
-Engine: SGLang (tested with the 0.5.23 wheel, `pip download --no-deps --only-binary=:all: --python-version 3.12
-sglang==0.5.23`). vLLM ships the ancestor of the same kernel (same routing inputs, same block-FP8 math); SGLang's
-wheel is small and its kernel file is self-contained in Triton terms, so it is the one read here (a vLLM wheel
-is refused with a clear error). Nothing of the engine's code is stored in this repository: `load_peer_kernel`
-opens the wheel with zipfile, takes the `@triton.jit` functions it needs with `ast` (and every jitted helper or
-module-level constant they use), writes them into a generated module in a temporary folder (Triton reads a
-kernel's source from its file) and imports that. The engine's Python modules themselves cannot be imported
-(they import most of sglang and its CUDA extensions).
+Peer files (`default_peer_files`; the engine is told by the file name, `<engine>-<version>-...`):
+    sglang-<version>-*.whl        SGLang's wheel (tested: 0.5.23, 39 MB; `pip download --no-deps
+                                  --only-binary=:all: --python-version 3.12 sglang==0.5.23`)
+    vllm-<version>-*.whl          vLLM's wheel (tested: 0.33.0, 336 MB: too large to travel with the tree)
+    <engine>-<version>-fused-moe.zip  `extract_members`: only the wheel members this reader opens (the Python files
+                                  named in the engine's `PeerEngine` and its tuned-config JSON files), byte for byte
+                                  as in the wheel (vLLM 0.33.0: 0.2 MB). Read exactly as the wheel is.
+Nothing of the engines' code is stored in this repository: `load_peer_kernel` opens the file with zipfile, takes the
+`@triton.jit` functions it needs with `ast` (and every jitted helper or module-level constant they use), writes
+them into a generated module in a temporary folder (Triton reads a kernel's source from its file) and imports that.
+The plain rules it needs (default tile config, swap-AB) are taken the same way and run in a namespace holding the
+engine's CUDA facts. The engines' Python modules themselves cannot be imported (they import most of the engine
+and its CUDA extensions).
 
-What runs, as SGLang's `fused_experts` runs it on an H200 (`_fused_moe_kernel_sequence`, `invoke_fused_moe_kernel`):
+What runs, as each engine's `fused_experts` runs it on an H200 (SGLang `_fused_moe_kernel_sequence`,
+`invoke_fused_moe_kernel`; vLLM `fused_experts_impl`, `invoke_fused_moe_triton_kernel`), with top_k 1:
     GEMM1  `fused_moe_kernel`: x [P, D] @ gate_up[e].T -> gate||up [P, 2F] in the compute dtype (bf16 for FP8)
-    act    `act_and_mul_kernel` (SGLang's Triton act kernel, silu, rows filtered by their expert as the CUDA
-           path filters them): h = silu(gate) * up [P, F]. On CUDA SGLang calls its JIT-compiled CUDA
-           `silu_and_mul` here (same math; not a Triton function, so not usable from the wheel).
-    quant  FP8 only: h re-quantized per token per 128 columns with SGLang's Triton `_per_token_group_quant_8bit`
-           (eps 1e-10, scale = amax / 448). On CUDA SGLang calls its JIT CUDA `per_token_group_quant` (same math).
+    act    h = silu(gate) * up [P, F].
+           SGLang: its Triton `act_and_mul_kernel` (rows filtered by their expert, as its CUDA path filters them);
+             on CUDA SGLang calls its JIT-compiled CUDA `silu_and_mul` here (same math).
+           vLLM: torch `F.silu(gate) * up` (vLLM's own `SiluAndMul.forward_native`); on CUDA vLLM calls its compiled
+             `torch.ops._C.silu_and_mul` (the same math; not compared bit for bit here), which the wheel holds only
+             as a binary: one fused kernel there, two torch kernels here (the vLLM rows pay that).
+    quant  FP8 only: h re-quantized per token per 128 columns (eps 1e-10, scale = amax / 448, fp32 scales, row-major)
+           with the engine's Triton kernel: SGLang `_per_token_group_quant_8bit`, vLLM `_per_token_group_quant_fp8`
+           (use_ue8m0 off: vLLM takes its Triton block-FP8 path without DeepGEMM, whose E8M0 scales it would use
+           otherwise). On CUDA both engines call a compiled CUDA op here (same math).
     GEMM2  `fused_moe_kernel`: h @ down[e].T -> y [P, D] (bf16)
-    Launch arguments as `invoke_fused_moe_kernel` passes them (top_k 1, no bias, no TMA descriptors, c unsorted),
-    including its SM90 choices: PDL (`USE_GDC`, `launch_pdl`, `GDC_EARLY` for <= 512 rows) on compute
-    capability >= 9 (`is_arch_support_pdl`, reimplemented: a two-line capability test), and for block-FP8 the
-    wheel's own `should_enable_swap_ab` rule (read from the wheel, run with SGLang's CUDA/SM90 facts).
-    MUL_ROUTED_WEIGHT is off (our grouped MLP does not apply routing weights either; the combine does).
+    Launch arguments as the engine's launcher passes them (no bias, c unsorted, MUL_ROUTED_WEIGHT off: our grouped
+    MLP does not apply routing weights and with top_k 1 there is no top-k sum (vLLM's `moe_sum`); the combine does
+    both):
+      SGLang: no TMA descriptors; PDL (`USE_GDC`, `launch_pdl`, `GDC_EARLY` for <= 512 rows) on compute capability
+        >= 9 (`is_arch_support_pdl`, reimplemented: a two-line capability test); for block-FP8 the wheel's
+        `should_enable_swap_ab` (run with SGLang's CUDA/SM90 facts).
+      vLLM: SPLIT_K 1, BLOCK_SIZE_K capped at the 128 of the FP8 block, EM cut to P * BLOCK_SIZE_M when the pool has
+        fewer rows than BLOCK_SIZE_M, USE_TD off (its CUDA default), no PDL; for block-FP8 the wheel's
+        `enable_swap_ab` (capability exactly 9.0, BLOCK_SIZE_M < 64, BLOCK_SIZE_N >= 64). Its
+        `naive_block_assignment` path (tokens * top_k * 4 <= E) is never taken here: a token is a pool row, and
+        P * 4 > E in every layout here.
 
 Routing inputs: the kernel walks `sorted_token_ids` (token ids grouped by expert, each expert padded to a
 multiple of BLOCK_SIZE_M with a sentinel >= num_valid_tokens), `expert_ids` (the expert of each M block) and
 `num_tokens_post_padded`. `peer_routing` builds them in torch from OUR expert-major pool (expert i owns pool rows
-row_start_e[i] : row_start_e[i] + num_rows_e[i]; with top_k 1 a token id is a pool row), as SGLang's
-`moe_align_block_size` CUDA op would lay them out (buffer sizes by its formula). It runs once, outside any timed
-region: the peer's timing excludes its align step, as ours excludes the dispatch. Pool rows outside every
+row_start_e[i] : row_start_e[i] + num_rows_e[i]; with top_k 1 a token id is a pool row), as the engines'
+`moe_align_block_size` CUDA op would lay them out (buffer sizes by each engine's formula). It runs once, outside any
+timed region: the peer's timing excludes its align step, as ours excludes the dispatch. Pool rows outside every
 segment (alignment padding) are not routed: the peer leaves them unwritten in y (its output is `torch.empty`,
 as the engine allocates it); compare the rows inside segments.
 
-Tile configs (`peer_config`): the engine's tuned file for (E, N=F, device, dtype) from the wheel's
-`configs/triton_<version>/` folders (the running Triton's version first, then newest first, as
-`get_moe_configs` searches), the entry whose batch key is nearest to M (SGLang's M is its token count; with top_k 1
-here M = routed rows), a `_down` file for GEMM2 when one exists (its BLOCK_SIZE_M forced to GEMM1's); else the
-engine's default rule, `get_default_config` read from the wheel and run with SGLang's defaults (no deterministic
-mode, not ROCm). `USE_TMA` entries of tuned files are dropped (the TMA variants are not reproduced). At our
-per-rank shapes the 0.5.23 wheel has no tuned H200 file: Kimi-K2 (E=48, N=2048) and Step3 (E=48, N=5120) both take
-the default rule (nearest tuned H200 files: block-FP8 E=72,N=2048 in triton_3_8_0; bf16 E=8,N=2048 in triton_3_1_0
-and E=16/32,N=4096 in triton_3_7_1; `nearest_tuned` names them, bench_experts prints it).
+Tile configs (`peer_config`): the engine's tuned file for (E, N=F, device, dtype), the entry whose batch key is
+nearest to M (the engine's M is its token count; with top_k 1 here M = routed rows); else the engine's default rule,
+`get_default_config` read from the wheel and run with the engine's CUDA defaults.
+    SGLang: `configs/triton_<version>/` folders (the running Triton's version first, then newest first, as
+      `get_moe_configs` searches); a `_down` file for GEMM2 when one exists (its BLOCK_SIZE_M forced to GEMM1's);
+      `USE_TMA` entries dropped (the TMA variants are not reproduced); rule: no deterministic mode, not ROCm.
+    vLLM: the one `configs/` folder (no VLLM_TUNED_CONFIG_FOLDER); one config for both GEMMs; file names spell the
+      block `[128,128]` and name any H200-family device NVIDIA_H200; rule: CUDA, not batch invariant.
+At our per-rank shapes neither wheel has a tuned H200 file: Kimi-K2 (E=48, N=2048) and Step3 (E=48, N=5120) take the
+default rule (`nearest_tuned` names the nearest tuned files, bench_experts prints it; SGLang 0.5.23: block-FP8
+E=72,N=2048 in triton_3_8_0, bf16 E=8,N=2048 in triton_3_1_0; vLLM 0.33.0: block-FP8 E=8/32,N=2048, bf16
+E=8/16,N=2048).
 
 --check: `run_peer_mlp` vs `moe_ref.kernels.grouped_mlp.grouped_mlp_ref` on tiny uneven layouts (ragged rows with an
 empty expert, an expert of BLOCK_SIZE_M rows beside one of BLOCK_SIZE_M + 1, a decode batch that takes the default
-rule's small tile, a forced BLOCK_SIZE_M 16 FP8 tile). Without a GPU it runs under TRITON_INTERPRET=1 (D = F = 256)
-in fp32, fp16 and FP8, not bf16: the interpreter's bf16 `tl.dot` and bf16 arithmetic are wrong (see `UPCAST` in
-moe_ref/kernels/grouped_mlp.py; the peer kernel has no upcast switch), so there the FP8 run keeps its activations
-(gate||up, h, y) in fp16, and h is re-quantized by moe_ref's `quantize_fp8_per_128` (the interpreter's fp8 cast
-drops the mantissa carry, `_triton_utils.to_e4m3`). On CUDA it runs the compiled kernels (D 1024, F 512, 8
-experts at our 128-row alignment) in bf16, fp16 and FP8 with the engine's own quantizer; the BLOCK_SIZE_M 16 FP8
-case takes the swap_ab path on SM90. Limits: elementwise (atol, rtol) of tests/interpreter for fp32/fp16/bf16
-plus calc_diff < 1e-4; FP8 calc_diff < 1e-3 vs the FP8 twin. Exit status 1 when a case fails.
+rule's small tile, a forced BLOCK_SIZE_M 16 FP8 tile), for every peer file given. Without a GPU it runs under
+TRITON_INTERPRET=1 (D = F = 256) in fp32, fp16 and FP8, not bf16: the interpreter's bf16 `tl.dot` and bf16
+arithmetic are wrong (see `UPCAST` in moe_ref/kernels/grouped_mlp.py; the peer kernels have no upcast switch), so
+there the FP8 run keeps its activations (gate||up, h, y) in fp16, and h is re-quantized by moe_ref's
+`quantize_fp8_per_128` (the interpreter's fp8 cast drops the mantissa carry, `_triton_utils.to_e4m3`). On CUDA it
+runs the compiled kernels (D 1024, F 512, 8 experts at our 128-row alignment) in bf16, fp16 and FP8 with the
+engine's own quantizer; the BLOCK_SIZE_M 16 FP8 case takes the swap-AB path on SM90. Limits: elementwise
+(atol, rtol) of tests/interpreter for fp32/fp16/bf16 plus calc_diff < 1e-4; FP8 calc_diff < 1e-3 vs the FP8 twin.
+Exit status 1 when a case fails.
 """
 
 from __future__ import annotations
 
+import abc
 import argparse
 import ast
 import builtins
@@ -76,6 +99,7 @@ import re
 import sys
 import tempfile
 import textwrap
+import types
 import zipfile
 
 import torch
@@ -84,15 +108,10 @@ _REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-# where SGLang keeps what we read (0.5.23 layout)
-SGLANG_KERNELS = "sglang/kernels/ops/moe/fused_moe_triton_kernels.py"
-SGLANG_QUANT = "sglang/kernels/ops/quantization/fp8_kernel.py"
-SGLANG_TRITON_UTILS = "sglang/srt/layers/moe/moe_runner/triton_utils"
-SGLANG_CONFIG_MODULE = SGLANG_TRITON_UTILS + "/fused_moe_triton_config.py"
-SGLANG_CONFIGS = SGLANG_TRITON_UTILS + "/configs"
-GEMM_KERNEL, ACT_KERNEL, QUANT_KERNEL = "fused_moe_kernel", "act_and_mul_kernel", "_per_token_group_quant_8bit"
+GEMM_KERNEL = "fused_moe_kernel"  # the same name in both engines
 FP8_BLOCK = [128, 128]  # block-FP8 w8a8: weights 128x128 blocks, activations per token per 128
 _DTYPE_KEYS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+_ZIP_SUFFIX = "-fused-moe.zip"
 
 
 def _errors():
@@ -101,17 +120,8 @@ def _errors():
     return errors
 
 
-def default_peer_wheel(root: str = _REPO) -> str | None:
-    """The first `.whl/sglang-*.whl`, else `.whl/vllm-*.whl`, under `root` (None if neither is there)."""
-    for pattern in ("sglang-*.whl", "vllm-*.whl"):
-        found = sorted(glob.glob(os.path.join(root, ".whl", pattern)))
-        if found:
-            return found[0]
-    return None
-
-
 # ------------------------------------------------------------------------------------------------
-# reading the wheel
+# reading the wheel (or the fused-moe zip cut from it)
 # ------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _wheel_files(wheel: str) -> tuple[str, ...]:
@@ -128,34 +138,43 @@ def _wheel_files(wheel: str) -> tuple[str, ...]:
 
 def _read(wheel: str, path: str) -> str:
     if path not in _wheel_files(wheel):
-        raise _errors().BackendUnavailableError(
-            f"{os.path.basename(wheel)} has no {path} (another SGLang layout?); this reader knows sglang 0.5.23")
+        raise _layout_error(wheel, [path])
     with zipfile.ZipFile(wheel) as archive:
         return archive.read(path).decode()
 
 
-def _engine(wheel: str) -> tuple[str, str]:
-    """(engine, version) from the wheel's file name, e.g. ('sglang', '0.5.23')."""
-    match = re.match(r"([A-Za-z0-9_]+)-([^-]+)-", os.path.basename(wheel))
+def _layout_error(wheel: str, missing: list[str]) -> Exception:
+    engine, _ = _engine_of(wheel)
+    return _errors().BackendUnavailableError(f"{os.path.basename(wheel)} has no {', '.join(missing)} (another "
+                                             f"{engine.name} layout?); this reader knows {engine.name} "
+                                             f"{engine.tested_version}")
+
+
+def _engine_of(wheel: str) -> tuple[PeerEngine, str]:
+    """(engine, version) from the file name: `sglang-0.5.23-....whl`, `vllm-0.33.0-fused-moe.zip`."""
+    match = re.match(r"([A-Za-z0-9_]+)-([^-]+)-.*\.(whl|zip)$", os.path.basename(wheel))
     if not match:
-        raise _errors().BackendUnavailableError(f"{wheel!r} is not named like a wheel (name-version-...whl)")
-    engine, version = match.group(1).lower(), match.group(2)
-    if engine != "sglang":
         raise _errors().BackendUnavailableError(
-            f"{os.path.basename(wheel)}: only SGLang wheels are read (vLLM's kernel has another signature); "
-            "download one with `make peers`")
-    return engine, version
+            f"{wheel!r} is not named like a wheel (name-version-...whl) or a cut of one (name-version{_ZIP_SUFFIX})")
+    name, version = match.group(1).lower(), match.group(2)
+    if name not in ENGINES:
+        raise _errors().BackendUnavailableError(
+            f"{os.path.basename(wheel)}: not a known engine's wheel (known: {', '.join(sorted(ENGINES))}); "
+            "download them with `make peers`")
+    return ENGINES[name], version
 
 
 def _free_names(node: ast.AST) -> set[str]:
     """Names a function reads that it does not bind itself (params, assignments, loop targets) or get from
-    builtins; annotations do not count (plain functions run with postponed annotations)."""
+    builtins; annotations do not count (plain functions run with postponed annotations), nor do decorators
+    (`_exec_plain` runs a rule undecorated: the engines' rules carry only caches; `_jit_module` puts back only
+    `triton.jit`)."""
     node = copy.deepcopy(node)
     for sub in ast.walk(node):
         if isinstance(sub, ast.arg):
             sub.annotation = None
         elif isinstance(sub, ast.FunctionDef):
-            sub.returns = None
+            sub.returns, sub.decorator_list = None, []
     bound = {arg.arg for arg in ast.walk(node) if isinstance(arg, ast.arg)}
     loaded = set()
     for sub in ast.walk(node):
@@ -196,8 +215,10 @@ def _closure(source: str, names: list[str], given: set[str], where: str) -> list
     return [node for node in tree.body if node in {defs[n] for n in needed}]
 
 
-def _exec_plain(source: str, name: str, namespace: dict, where: str):
-    """A plain (not jitted) function of the wheel, run in `namespace` (which must supply its free names)."""
+def _exec_plain(wheel: str, path: str, name: str, namespace: dict):
+    """A plain (not jitted) function `name` of the wheel's `path`, run in `namespace` (which must supply its free
+    names that are not module-level functions or constants of `path`)."""
+    source, where = _read(wheel, path), f"{os.path.basename(wheel)}:{path}"
     nodes = _closure(source, [name], set(namespace), where)
     code = "\n\n".join(ast.get_source_segment(source, node, padded=True) for node in nodes)
     import __future__
@@ -256,35 +277,327 @@ def _params(source: str, name: str) -> tuple[tuple[str, ...], frozenset[str]]:
     return tuple(a.arg for a in args), frozenset(a.arg for a in required)
 
 
+def extract_members(wheel: str, out_dir: str) -> str:
+    """Write `<engine>-<version>-fused-moe.zip` into `out_dir`: the members of `wheel` this reader opens (the
+    engine's `sources` and the JSON files under its `configs` folder), each byte for byte (same name, same
+    timestamp). Returns the zip's path. Raises BackendUnavailableError when the wheel lacks a source file."""
+    engine, version = _engine_of(wheel)
+    files = _wheel_files(wheel)
+    missing = [path for path in engine.sources if path not in files]
+    if missing:
+        raise _layout_error(wheel, missing)
+    members = list(engine.sources) + sorted(p for p in files if p.startswith(engine.configs + "/") and
+                                            p.endswith(".json"))
+    out = os.path.join(out_dir, f"{engine.name}-{version}{_ZIP_SUFFIX}")
+    if os.path.abspath(out) == os.path.abspath(wheel):
+        raise _errors().InvalidConfigError(f"{wheel} is already the cut zip")
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as target:
+        for member in members:
+            target.writestr(source.getinfo(member), source.read(member), compress_type=zipfile.ZIP_DEFLATED)
+    os.replace(tmp, out)
+    return out
+
+
+def default_peer_files(root: str = _REPO) -> list[str]:
+    """One peer file per engine under `root`/.whl: its wheel or its fused-moe zip, the newest version (by the
+    version in the name; a wheel before a zip of the same version). Empty when there is none."""
+    found = []
+    for name in sorted(ENGINES):
+        paths = glob.glob(os.path.join(root, ".whl", f"{name}-*.whl"))
+        paths += glob.glob(os.path.join(root, ".whl", f"{name}-*{_ZIP_SUFFIX}"))
+        if paths:
+            newest = max(_version_key(_engine_of(p)[1]) for p in paths)
+            found.append(min(p for p in paths if _version_key(_engine_of(p)[1]) == newest))
+    return found
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
+
+
+# ------------------------------------------------------------------------------------------------
+# the engines: what differs between their fused-MoE Triton paths
+# ------------------------------------------------------------------------------------------------
+class PeerEngine(abc.ABC):
+    """One engine's fused-MoE Triton path as its wheel holds it: where each piece is, how its tuned configs are
+    named and found, how its default rule and swap-AB rule run, and the launch arguments, act and quant step that
+    differ between engines (see the module docstring). One instance per engine, in ENGINES."""
+
+    name: str                  # the wheel's distribution name
+    tested_version: str
+    kernels: str               # wheel path of the file holding fused_moe_kernel
+    act_kernel: str | None     # a Triton act kernel in `kernels`; None: torch silu-and-mul (`act`)
+    quant: str                 # wheel path of the file holding the per-token-group FP8 quant kernel
+    quant_kernel: str
+    rule: str                  # wheel path of the file holding get_default_config
+    swap_rule: tuple[str, str]  # (wheel path, function) of the block-FP8 swap-AB rule
+    configs: str               # the tuned-config folder
+    has_down_configs: bool     # GEMM2 may have its own `_down` config file
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The Python files of the wheel this reader opens (without repeats)."""
+        return tuple(dict.fromkeys((self.kernels, self.quant, self.rule, self.swap_rule[0])))
+
+    def jit_parts(self) -> list[tuple[str, list[str]]]:
+        """[(wheel path, [jitted function names])] to import."""
+        return [(self.kernels, [GEMM_KERNEL] + ([self.act_kernel] if self.act_kernel else [])),
+                (self.quant, [self.quant_kernel])]
+
+    @abc.abstractmethod
+    def align_buffer_size(self, num_routed: int, num_experts: int, block_m: int) -> int:
+        """The length of `moe_align_block_size`'s sorted_token_ids buffer (the kernel's EM)."""
+
+    @abc.abstractmethod
+    def config_file_name(self, num_experts: int, inter: int, device_name: str, dtype: str, down: bool = False) -> str:
+        """The engine's `get_config_file_name` for (E, N = intermediate size per expert, device, dtype)."""
+
+    @abc.abstractmethod
+    def config_folders(self, wheel: str, triton_version: str) -> list[str]:
+        """The wheel folders holding tuned config files, in the engine's search order."""
+
+    @abc.abstractmethod
+    def default_config(self, wheel: str, num_rows: int, num_experts: int, inter: int, hidden: int,
+                       dtype: str) -> dict:
+        """The engine's `get_default_config`, read from the wheel and run with its CUDA defaults."""
+
+    @abc.abstractmethod
+    def swap_rule_namespace(self) -> dict:
+        """What the swap-AB rule reads besides its own module's functions and constants."""
+
+    @abc.abstractmethod
+    def gemm_args(self, common: dict, swap_ab: bool) -> dict:
+        """`fused_moe_kernel`'s keyword arguments: `common` (the arguments both engines pass, under the same names)
+        plus or overridden by what only this engine's launcher passes."""
+
+    def launch_options(self, a: torch.Tensor) -> dict:
+        """Launch options besides num_warps/num_stages (none by default)."""
+        return {}
+
+    @abc.abstractmethod
+    def act(self, peer: PeerKernel, gate_up_P2F: torch.Tensor, h_PF: torch.Tensor, routing: PeerRouting) -> None:
+        """h = silu(gate) * up, written into `h_PF` [P, F] (rows outside every segment: anything)."""
+
+    @abc.abstractmethod
+    def quantize(self, peer: PeerKernel, h_PF: torch.Tensor, h_fp8: torch.Tensor, h_scale: torch.Tensor,
+                 group: int, launch: dict) -> None:
+        """The engine's quant kernel over `h_PF` [P, F] into `h_fp8` and row-major `h_scale` [P, F / group];
+        `launch` holds the grid, BLOCK, fp8 range and launch options."""
+
+
+def _config_dtype(dtype: str) -> tuple[str | None, list[int] | None]:
+    """The config dtype string and block shape of both engines (`get_config_dtype_str` for these dtypes)."""
+    if dtype not in _DTYPE_KEYS:
+        raise _errors().UnknownNameError(f"peer dtype {dtype!r}; known: {sorted(_DTYPE_KEYS)}")
+    return {"fp8": ("fp8_w8a8", FP8_BLOCK), "fp32": ("float32", None)}.get(dtype, (None, None))
+
+
+def _not_reproduced(*_args, **_kwargs):
+    raise _errors().InvalidConfigError("this branch of the engine's rule (int4/int8 weights) is not reproduced")
+
+
+class SGLangEngine(PeerEngine):
+    """SGLang (0.5.23 layout)."""
+
+    name, tested_version = "sglang", "0.5.23"
+    kernels = "sglang/kernels/ops/moe/fused_moe_triton_kernels.py"
+    act_kernel = "act_and_mul_kernel"
+    quant = "sglang/kernels/ops/quantization/fp8_kernel.py"
+    quant_kernel = "_per_token_group_quant_8bit"
+    rule = "sglang/srt/layers/moe/moe_runner/triton_utils/fused_moe_triton_config.py"
+    swap_rule = (kernels, "should_enable_swap_ab")
+    configs = "sglang/srt/layers/moe/moe_runner/triton_utils/configs"
+    has_down_configs = True
+
+    def align_buffer_size(self, num_routed, num_experts, block_m):
+        """Its formula, padded to 4 (the align kernel stores int4s)."""
+        if num_routed < num_experts + 1:
+            size = num_routed * block_m
+        else:
+            size = num_routed + (num_experts + 1) * (block_m - 1)
+        return (size + 3) // 4 * 4
+
+    def config_file_name(self, num_experts, inter, device_name, dtype, down=False):
+        dtype_str, block = _config_dtype(dtype)
+        return (f"E={num_experts},N={inter},device_name={device_name.replace(' ', '_')}"
+                f"{f',dtype={dtype_str}' if dtype_str else ''}{f',block_shape={block}' if block else ''}"
+                f"{'_down' if down else ''}.json")
+
+    def config_folders(self, wheel, triton_version):
+        """configs/triton_<version>: the running Triton's first (3.6.0 -> triton_3_6_0), then newest first."""
+        prefix = self.configs + "/"
+        folders = {p[len(prefix):].split("/")[0] for p in _wheel_files(wheel)
+                   if p.startswith(prefix + "triton_") and p.count("/") == prefix.count("/") + 1}
+        versions = sorted((f.removeprefix("triton_").replace("_", ".") for f in folders), key=_version_key,
+                          reverse=True)
+        own = triton_version.split("+")[0]
+        ordered = ([own] if own in versions else []) + [v for v in versions if v != own]
+        return [f"{prefix}triton_{version.replace('.', '_')}" for version in ordered]
+
+    def default_config(self, wheel, num_rows, num_experts, inter, hidden, dtype):
+        """No deterministic-inference mode, not ROCm; the low-shared-memory FP8 rule is off (H200's 227 KB
+        opt-in is above its 128 KB cutoff and only per-tensor FP8 reads it)."""
+        deterministic = types.SimpleNamespace(enable_deterministic_inference=False)
+        namespace = {"get_exec": lambda: types.SimpleNamespace(deterministic=deterministic), "_is_hip": False,
+                     "_use_low_smem_fp8_default": lambda: False}
+        rule = _exec_plain(wheel, self.rule, "get_default_config", namespace)
+        dtype_str, block = _config_dtype(dtype)
+        return dict(rule(num_rows, num_experts, inter, hidden, 1, dtype_str, False, block))
+
+    def swap_rule_namespace(self):
+        """CUDA, no batch-invariant mode, SM90 supported = capability 9.x with CUDA >= 12.3 (`is_sm90_supported`)."""
+
+        def is_sm90_supported() -> bool:
+            cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+            return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and cuda >= (12, 3)
+
+        return {"_is_cuda": torch.cuda.is_available(),
+                "is_batch_invariant_mode_enabled": lambda: False, "is_sm90_supported": is_sm90_supported}
+
+    def gemm_args(self, common, swap_ab):
+        return dict(common, a_desc=None, b_desc=None, bias_ptr=None, add_mask_ptr=None, stride_bias_e=0,
+                    stride_bias_n=0, even_Ks=common["K"] % common["BLOCK_SIZE_K"] == 0, c_sorted=False,
+                    swap_ab=swap_ab, FUSE_ADD_TO_OUTPUT=False, MASK_OUTPUT=False, FUSE_SUM_ALL_REDUCE=False,
+                    ROUTER_TOPK=1)
+
+    def launch_options(self, a):
+        """PDL on compute capability >= 9 (`is_arch_support_pdl`), as `invoke_fused_moe_kernel` launches."""
+        if not _PDL["ok"] or _is_interpreter() or torch.cuda.get_device_capability(a.device)[0] < 9:
+            return {}
+        return dict(USE_GDC=True, launch_pdl=True, GDC_EARLY=a.shape[0] <= 512)
+
+    def act(self, peer, gate_up_P2F, h_PF, routing):
+        """SGLang's Triton act kernel, rows filtered by their expert (padding rows skipped)."""
+        peer.act[(gate_up_P2F.shape[0],)](gateup_output=gate_up_P2F, down_input=h_PF,
+                                          hidden_size=gate_up_P2F.shape[1], expert_ids_ptr=routing.row_expert_P,
+                                          expert_step=1, BLOCK_SIZE=512, ACTIVATION_TYPE="silu", SWIGLU_LIMIT=0.0,
+                                          HAS_SWIGLU_LIMIT=False, HAS_EXPERT_FILTER=True)
+
+    def quantize(self, peer, h_PF, h_fp8, h_scale, group, launch):
+        """As `_per_token_group_quant_8bit_raw` launches it (eps 1e-10)."""
+        peer.quant[launch["grid"]](h_PF, h_fp8, h_scale, group, group, 1e-10, bit8_min=launch["fp8_min"],
+                                   bit8_max=launch["fp8_max"], BLOCK=launch["BLOCK"], **launch["options"])
+
+
+class _VLLMCudaPlatform:
+    """What vLLM's rules ask of `current_platform` on an NVIDIA GPU (not ROCm)."""
+
+    @staticmethod
+    def is_rocm() -> bool:
+        return False
+
+    @staticmethod
+    def is_device_capability(capability: tuple[int, int] | int, device_id: int = 0) -> bool:
+        if not torch.cuda.is_available():
+            return False
+        major, minor = torch.cuda.get_device_capability(device_id)
+        return (major, minor) == capability if isinstance(capability, tuple) else major * 10 + minor == capability
+
+
+class VLLMEngine(PeerEngine):
+    """vLLM (0.33.0 layout)."""
+
+    name, tested_version = "vllm", "0.33.0"
+    kernels = "vllm/model_executor/layers/fused_moe/fused_moe.py"
+    act_kernel = None
+    quant = "vllm/model_executor/layers/quantization/utils/fp8_utils.py"
+    quant_kernel = "_per_token_group_quant_fp8"
+    rule = kernels
+    swap_rule = ("vllm/model_executor/layers/fused_moe/utils.py", "enable_swap_ab")
+    configs = "vllm/model_executor/layers/fused_moe/configs"
+    has_down_configs = False
+
+    def align_buffer_size(self, num_routed, num_experts, block_m):
+        """Its formula (no pad_sorted_ids in `fused_experts`)."""
+        size = num_routed + num_experts * (block_m - 1)
+        return min(num_routed * block_m, size) if num_routed < num_experts else size
+
+    def config_file_name(self, num_experts, inter, device_name, dtype, down=False):
+        """`get_config_file_name`: device name with '_' for runs of spaces and '/', any H200-family name as
+        NVIDIA_H200, the block shape without spaces. vLLM has no `_down` files."""
+        if down:
+            raise _errors().InvalidConfigError("vLLM has no _down config files (one config serves both GEMMs)")
+        device = re.sub(r"[\s/]+", "_", device_name)
+        if "H200" in device.split("_"):
+            device = "NVIDIA_H200"
+        dtype_str, block = _config_dtype(dtype)
+        block_str = f",block_shape={block}".replace(" ", "") if block and all(block) else ""
+        dtype_part = f",dtype={dtype_str}" if dtype_str else ""
+        return f"E={num_experts},N={inter},device_name={device}{dtype_part}{block_str}.json"
+
+    def config_folders(self, wheel, triton_version):
+        return [self.configs]
+
+    def default_config(self, wheel, num_rows, num_experts, inter, hidden, dtype):
+        """Not batch invariant, CUDA (not ROCm); the int4/int8 branches are not reproduced."""
+        namespace = {"envs": types.SimpleNamespace(VLLM_BATCH_INVARIANT=False), "current_platform": _VLLMCudaPlatform,
+                     "should_moe_wna16_use_cuda": _not_reproduced, "next_power_of_2": _not_reproduced}
+        rule = _exec_plain(wheel, self.rule, "get_default_config", namespace)
+        dtype_str, block = _config_dtype(dtype)
+        return dict(rule(num_rows, num_experts, inter, hidden, 1, dtype_str, block))
+
+    def swap_rule_namespace(self):
+        return {"current_platform": _VLLMCudaPlatform}
+
+    def gemm_args(self, common, swap_ab):
+        """As `invoke_fused_moe_triton_kernel` passes them (vLLM passes stride_bsn 0 where the scales have a single
+        N block: the same loads)."""
+        args = dict(common, b_bias_ptr=None, stride_bbe=0, stride_bbn=0, naive_block_assignment=False, SPLIT_K=1,
+                    HAS_BIAS=False, SWAP_AB=swap_ab, USE_TD=False)
+        if common["use_fp8_w8a8"]:
+            args["BLOCK_SIZE_K"] = min(args["BLOCK_SIZE_K"], *FP8_BLOCK)
+        if common["num_valid_tokens"] < common["BLOCK_SIZE_M"]:  # its small-batch cut (A.size(0) < BLOCK_SIZE_M)
+            args["EM"] = min(common["EM"], common["num_valid_tokens"] * common["BLOCK_SIZE_M"])
+        return args
+
+    def act(self, peer, gate_up_P2F, h_PF, routing):
+        """`SiluAndMul.forward_native`: the math of the CUDA `silu_and_mul` vLLM calls (see the module docstring)."""
+        inter = h_PF.shape[1]
+        torch.mul(torch.nn.functional.silu(gate_up_P2F[:, :inter]), gate_up_P2F[:, inter:], out=h_PF)
+
+    def quantize(self, peer, h_PF, h_fp8, h_scale, group, launch):
+        """As `per_token_group_quant_fp8`'s Triton branch launches it (eps 1e-10, row-major scales, no UE8M0)."""
+        peer.quant[launch["grid"]](h_PF, h_fp8, h_scale, group, h_PF.shape[1], h_PF.stride(0), 1e-10,
+                                   fp8_min=launch["fp8_min"], fp8_max=launch["fp8_max"], use_ue8m0=False,
+                                   BLOCK=launch["BLOCK"], **launch["options"])
+
+
+SGLANG, VLLM = SGLangEngine(), VLLMEngine()
+ENGINES: dict[str, PeerEngine] = {engine.name: engine for engine in (SGLANG, VLLM)}
+
+
 @dataclasses.dataclass
 class PeerKernel:
-    """The engine's kernels, imported from its wheel (see the module docstring)."""
+    """An engine's kernels, imported from its wheel (see the module docstring)."""
 
-    engine: str
+    engine: PeerEngine
     version: str
     wheel: str
     gemm: object                 # fused_moe_kernel (triton.jit)
-    act: object                  # act_and_mul_kernel (triton.jit)
-    quant: object                # _per_token_group_quant_8bit (triton.jit)
+    act: object | None           # the engine's Triton act kernel (None: the engine's act runs in torch)
+    quant: object                # the engine's per-token-group FP8 quant kernel (triton.jit)
     gemm_params: tuple[str, ...]
     gemm_required: frozenset[str]
     module_file: str             # the generated module (outside the repository)
 
     @property
     def label(self) -> str:
-        return f"{self.engine} {self.version}"
+        return f"{self.engine.name} {self.version}"
 
 
 def load_peer_kernel(wheel_path: str) -> PeerKernel:
-    """Read SGLang's fused-MoE Triton kernels out of `wheel_path` (raises BackendUnavailableError, ENV001, when
-    the wheel is missing, is not SGLang's, or lacks a function)."""
+    """Read an engine's fused-MoE Triton kernels out of `wheel_path` (its wheel or its fused-moe zip; the engine
+    is told by the file name). Raises BackendUnavailableError (ENV001) when the file is missing, is no known
+    engine's, or lacks a function."""
     wheel = os.path.abspath(wheel_path)
-    engine, version = _engine(wheel)
-    module = _jit_module(wheel, [(SGLANG_KERNELS, [GEMM_KERNEL, ACT_KERNEL]), (SGLANG_QUANT, [QUANT_KERNEL])],
-                         f"{engine}_{version.replace('.', '_')}")
-    params, required = _params(_read(wheel, SGLANG_KERNELS), GEMM_KERNEL)
-    return PeerKernel(engine, version, wheel, getattr(module, GEMM_KERNEL), getattr(module, ACT_KERNEL),
-                      getattr(module, QUANT_KERNEL), params, required, module.__file__)
+    engine, version = _engine_of(wheel)
+    module = _jit_module(wheel, engine.jit_parts(), f"{engine.name}_{version.replace('.', '_')}")
+    params, required = _params(_read(wheel, engine.kernels), GEMM_KERNEL)
+    act = getattr(module, engine.act_kernel) if engine.act_kernel else None
+    return PeerKernel(engine, version, wheel, getattr(module, GEMM_KERNEL), act, getattr(module, engine.quant_kernel),
+                      params, required, module.__file__)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -304,51 +617,30 @@ class PeerConfig:
         return self.up["BLOCK_SIZE_M"]
 
 
-def config_file_name(num_experts: int, inter: int, device_name: str, dtype: str, down: bool = False) -> str:
-    """SGLang's `get_config_file_name` (E, N = intermediate size per expert, the device name with '_' for ' ')."""
-    dtype_str, block = _config_dtype(dtype)
-    return (f"E={num_experts},N={inter},device_name={device_name.replace(' ', '_')}"
-            f"{f',dtype={dtype_str}' if dtype_str else ''}{f',block_shape={block}' if block else ''}"
-            f"{'_down' if down else ''}.json")
-
-
-def _config_dtype(dtype: str) -> tuple[str | None, list[int] | None]:
-    """SGLang's config dtype string and block shape (`get_config_dtype_str`)."""
-    if dtype not in _DTYPE_KEYS:
-        raise _errors().UnknownNameError(f"peer dtype {dtype!r}; known: {sorted(_DTYPE_KEYS)}")
-    return {"fp8": ("fp8_w8a8", FP8_BLOCK), "fp32": ("float32", None)}.get(dtype, (None, None))
-
-
-def _version_key(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".") if part.isdigit())
-
-
 def find_config_file(wheel: str, name: str, triton_version: str) -> str | None:
-    """The wheel path of config file `name`, searched as `get_moe_configs` searches: the running Triton's
-    folder (configs/triton_3_6_0 for 3.6.0), then the other triton_* folders, newest first."""
-    prefix = SGLANG_CONFIGS + "/"
-    folders = {p[len(prefix):].split("/")[0] for p in _wheel_files(wheel)
-               if p.startswith(prefix + "triton_") and p.count("/") == prefix.count("/") + 1}
-    versions = sorted((f.removeprefix("triton_").replace("_", ".") for f in folders), key=_version_key, reverse=True)
-    own = triton_version.split("+")[0]
-    for version in [own] + [v for v in versions if v != own]:
-        path = f"{prefix}triton_{version.replace('.', '_')}/{name}"
-        if path in _wheel_files(wheel):
-            return path
+    """The wheel path of config file `name`, searched as the engine's `get_moe_configs` searches
+    (`PeerEngine.config_folders`); None when no folder has it."""
+    files = set(_wheel_files(wheel))
+    for folder in _engine_of(wheel)[0].config_folders(wheel, triton_version):
+        if f"{folder}/{name}" in files:
+            return f"{folder}/{name}"
     return None
 
 
 def tuned_shapes(wheel: str, device_name: str, dtype: str) -> list[tuple[int, int, str]]:
-    """(E, N, Triton folder) of every tuned GEMM1 file the wheel has for this device and dtype, sorted.
+    """(E, N, folder) of every tuned GEMM1 file the wheel has for this device and dtype, sorted.
 
-    Example: an H200 block-FP8 lookup in the 0.5.23 wheel lists (72, 2048, 'triton_3_8_0') among others."""
-    rest = config_file_name(0, 0, device_name, dtype).split(",", 2)[2]
+    Example: an H200 block-FP8 lookup in the SGLang 0.5.23 wheel lists (72, 2048, 'triton_3_8_0') among others;
+    in the vLLM 0.33.0 wheel (32, 2048, 'configs')."""
+    engine = _engine_of(wheel)[0]
+    rest = engine.config_file_name(0, 0, device_name, dtype).split(",", 2)[2]
     found = set()
-    for path in _wheel_files(wheel):
-        folder, _, name = path.removeprefix(SGLANG_CONFIGS + "/").partition("/")
-        match = re.fullmatch(r"E=(\d+),N=(\d+),(.*)", name)
-        if path.startswith(SGLANG_CONFIGS + "/triton_") and match and match.group(3) == rest:
-            found.add((int(match.group(1)), int(match.group(2)), folder))
+    for folder in engine.config_folders(wheel, "0"):
+        for path in _wheel_files(wheel):
+            name = path.removeprefix(folder + "/")
+            match = re.fullmatch(r"E=(\d+),N=(\d+),(.*)", name)
+            if name != path and "/" not in name and match and match.group(3) == rest:
+                found.add((int(match.group(1)), int(match.group(2)), folder.rsplit("/", 1)[-1]))
     return sorted(found)
 
 
@@ -364,24 +656,10 @@ def nearest_tuned(wheel: str, num_experts: int, inter: int, device_name: str, dt
 
 
 def _nearest(configs: dict, num_rows: int) -> dict:
-    """The entry whose batch-size key is nearest to `num_rows` (ties: the first in file order, as `min` picks)."""
-    table = {int(key): value for key, value in configs.items()}
+    """The entry whose batch-size key is nearest to `num_rows` (ties: the first in file order, as `min` picks);
+    other keys (vLLM's "triton_version") are not entries."""
+    table = {int(key): value for key, value in configs.items() if key.isdigit()}
     return dict(table[min(table, key=lambda key: abs(key - num_rows))])
-
-
-class _Exec:  # what get_default_config asks of SGLang's runtime context: no deterministic-inference mode
-    deterministic = dataclasses.make_dataclass("Deterministic", [("enable_deterministic_inference", bool, False)])()
-
-
-def default_config(wheel: str, num_rows: int, num_experts: int, inter: int, hidden: int, dtype: str) -> dict:
-    """SGLang's `get_default_config`, read from the wheel and run with its defaults (CUDA, not ROCm, no
-    deterministic mode; the low-shared-memory FP8 rule is off: H200's 227 KB opt-in is above its 128 KB cutoff
-    and only per-tensor FP8 reads it)."""
-    namespace = {"get_exec": _Exec, "_is_hip": False, "_use_low_smem_fp8_default": lambda: False}
-    rule = _exec_plain(_read(wheel, SGLANG_CONFIG_MODULE), "get_default_config", namespace,
-                       f"{os.path.basename(wheel)}:{SGLANG_CONFIG_MODULE}")
-    dtype_str, block = _config_dtype(dtype)
-    return dict(rule(num_rows, num_experts, inter, hidden, 1, dtype_str, False, block))
 
 
 def peer_config(wheel: str, num_experts: int, inter: int, dtype: str, device_name: str, rows: int, *,
@@ -394,19 +672,21 @@ def peer_config(wheel: str, num_experts: int, inter: int, dtype: str, device_nam
         import triton
 
         triton_version = triton.__version__
-    up_file = find_config_file(wheel, config_file_name(num_experts, inter, device_name, dtype), triton_version)
+    engine = _engine_of(wheel)[0]
+    up_file = find_config_file(wheel, engine.config_file_name(num_experts, inter, device_name, dtype), triton_version)
     if up_file is None:
-        config = default_config(wheel, rows, num_experts, inter, hidden or 0, dtype)
+        config = engine.default_config(wheel, rows, num_experts, inter, hidden or 0, dtype)
         return PeerConfig(config, dict(config), "default rule (get_default_config)", rows)
     up = _nearest(json.loads(_read(wheel, up_file)), rows)
-    down_file = find_config_file(wheel, config_file_name(num_experts, inter, device_name, dtype, down=True),
-                                 triton_version)
+    down_file = find_config_file(wheel, engine.config_file_name(num_experts, inter, device_name, dtype, down=True),
+                                 triton_version) if engine.has_down_configs else None
     down = _nearest(json.loads(_read(wheel, down_file)), rows) if down_file else dict(up)
     up.pop("USE_TMA", None)  # the TMA variants are not reproduced
     down.pop("USE_TMA", None)
     down["BLOCK_SIZE_M"] = up["BLOCK_SIZE_M"]  # one align for both GEMMs (as try_get_optimal_moe_config forces)
     source = up_file.rsplit("/configs/", 1)[1] + (f" + {down_file.rsplit('/', 1)[1]}" if down_file else "")
     return PeerConfig(up, down, source, rows)
+
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,23 +705,19 @@ class PeerRouting:
     num_valid_tokens: int                 # P: ids >= P are padding (the sentinel is P)
 
 
-def peer_routing(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, num_pool_rows: int,
-                 block_m: int) -> PeerRouting:
-    """`moe_align_block_size`'s output for our expert-major pool (syncs the host; build it outside timing).
+def peer_routing(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, num_pool_rows: int, block_m: int,
+                 engine: PeerEngine) -> PeerRouting:
+    """`moe_align_block_size`'s output for our expert-major pool (syncs the host; build it outside timing), its
+    buffers sized by `engine.align_buffer_size`.
 
     Example: counts [3, 0, 5] at rows [0, 4, 4] of a 12-row pool, block_m 4 -> sorted_token_ids
         [0, 1, 2, 12, 4, 5, 6, 7, 8, 12, 12, 12, 12, ...] (sentinel 12), expert_ids [0, 2, 2, -1, ...],
-        num_tokens_post_padded [12]; buffers sized as the engine sizes them (8 routed rows over 3 experts:
-        8 + 4 * 3 = 20 ids, 5 blocks).
+        num_tokens_post_padded [12]; 8 routed rows over 3 experts: SGLang 8 + 4 * 3 = 20 ids (5 blocks),
+        vLLM 8 + 3 * 3 = 17 ids (5 blocks).
     """
     device = num_rows_e.device
     counts, starts = num_rows_e.tolist(), row_start_e.tolist()
-    num_experts, routed = len(counts), sum(counts)
-    if routed < num_experts + 1:
-        max_padded = routed * block_m
-    else:
-        max_padded = routed + (num_experts + 1) * (block_m - 1)
-    max_padded = (max_padded + 3) // 4 * 4  # the align kernel pads with int4 stores
+    max_padded = engine.align_buffer_size(sum(counts), len(counts), block_m)
     sentinel = num_pool_rows
     sorted_ids = torch.full((max_padded,), sentinel, dtype=torch.int32)
     expert_ids = torch.full((_cdiv(max_padded, block_m),), -1, dtype=torch.int32)
@@ -464,6 +740,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+
 # ------------------------------------------------------------------------------------------------
 # running it
 # ------------------------------------------------------------------------------------------------
@@ -475,57 +752,48 @@ def _is_interpreter() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _swap_ab_rule(wheel: str):
-    """The wheel's `should_enable_swap_ab(BLOCK_SIZE_M, BLOCK_SIZE_N)`, with SGLang's CUDA facts: CUDA, no
-    batch-invariant mode, SM90 supported = capability 9.x with CUDA >= 12.3 (`is_sm90_supported`)."""
-
-    def is_sm90_supported() -> bool:
-        cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
-        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and cuda >= (12, 3)
-
-    namespace = {"functools": functools, "_is_cuda": torch.cuda.is_available(),
-                 "is_batch_invariant_mode_enabled": lambda: False, "is_sm90_supported": is_sm90_supported}
-    return _exec_plain(_read(wheel, SGLANG_KERNELS), "should_enable_swap_ab", namespace,
-                       f"{os.path.basename(wheel)}:{SGLANG_KERNELS}")
+    """The wheel's block-FP8 swap-AB rule `(BLOCK_SIZE_M, BLOCK_SIZE_N) -> bool`, run with the engine's CUDA facts
+    (`PeerEngine.swap_rule_namespace`)."""
+    engine = _engine_of(wheel)[0]
+    path, name = engine.swap_rule
+    return _exec_plain(wheel, path, name, engine.swap_rule_namespace())
 
 
 def _launch_gemm(peer: PeerKernel, a, a_scale, b, b_scale, c, routing: PeerRouting, config: dict, fp8: bool):
-    """One `fused_moe_kernel` launch with the arguments `invoke_fused_moe_kernel` passes (top_k 1, see the
-    module docstring)."""
+    """One `fused_moe_kernel` launch with the arguments the engine's launcher passes (top_k 1, see the module
+    docstring): the arguments both engines pass here, the rest in `PeerEngine.gemm_args`."""
     import triton
     import triton.language as tl
 
     compute_type = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[c.dtype]
     interpreter = _is_interpreter()
-    meta = {key: value for key, value in config.items() if key.startswith(("BLOCK_SIZE_", "GROUP_SIZE_"))}
-    options = {} if interpreter else {key: config[key] for key in ("num_warps", "num_stages") if key in config}
-    if _PDL["ok"] and not interpreter and torch.cuda.get_device_capability(a.device)[0] >= 9:  # is_arch_support_pdl
-        options.update(USE_GDC=True, launch_pdl=True, GDC_EARLY=a.shape[0] <= 512)
     num_n, num_k = b.shape[1], b.shape[2]
     scale_2d = a_scale is not None and a_scale.ndim == 2
-    args = dict(
-        a_ptr=a, a_desc=None, b_ptr=b, b_desc=None, bias_ptr=None, c_ptr=c, a_scale_ptr=a_scale,
-        b_scale_ptr=b_scale, topk_weights_ptr=routing.topk_weights, sorted_token_ids_ptr=routing.sorted_token_ids,
-        expert_ids_ptr=routing.expert_ids, num_tokens_post_padded_ptr=routing.num_tokens_post_padded,
-        add_mask_ptr=None, N=num_n, K=num_k, EM=routing.sorted_token_ids.shape[0],
-        num_valid_tokens=routing.num_valid_tokens, stride_am=a.stride(0), stride_ak=a.stride(1),
-        stride_be=b.stride(0), stride_bk=b.stride(2), stride_bn=b.stride(1), stride_bias_e=0, stride_bias_n=0,
+    common = dict(
+        a_ptr=a, b_ptr=b, c_ptr=c, a_scale_ptr=a_scale, b_scale_ptr=b_scale, topk_weights_ptr=routing.topk_weights,
+        sorted_token_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,
+        num_tokens_post_padded_ptr=routing.num_tokens_post_padded, N=num_n, K=num_k,
+        EM=routing.sorted_token_ids.shape[0], num_valid_tokens=routing.num_valid_tokens, stride_am=a.stride(0),
+        stride_ak=a.stride(1), stride_be=b.stride(0), stride_bk=b.stride(2), stride_bn=b.stride(1),
         stride_cm=c.stride(-2), stride_cn=c.stride(-1),
         stride_asm=a_scale.stride(0) if scale_2d else 0, stride_ask=a_scale.stride(1) if scale_2d else 0,
         stride_bse=b_scale.stride(0) if fp8 else 0, stride_bsk=b_scale.stride(2) if fp8 else 0,
         stride_bsn=b_scale.stride(1) if fp8 else 0,
         group_n=FP8_BLOCK[0] if fp8 else 0, group_k=FP8_BLOCK[1] if fp8 else 0,
         MUL_ROUTED_WEIGHT=False, top_k=1, compute_type=compute_type, use_fp8_w8a8=fp8, use_int8_w8a8=False,
-        use_int8_w8a16=False, per_channel_quant=False, even_Ks=num_k % config["BLOCK_SIZE_K"] == 0, c_sorted=False,
-        swap_ab=fp8 and not interpreter and _swap_ab_rule(peer.wheel)(meta["BLOCK_SIZE_M"], meta["BLOCK_SIZE_N"]),
-        FUSE_ADD_TO_OUTPUT=False, MASK_OUTPUT=False, FUSE_SUM_ALL_REDUCE=False, ROUTER_TOPK=1, **meta,
+        use_int8_w8a16=False, per_channel_quant=False,
+        **{key: value for key, value in config.items() if key.startswith(("BLOCK_SIZE_", "GROUP_SIZE_"))},
     )
-    missing = peer.gemm_required - set(args)
-    if missing:
+    swap_ab = fp8 and not interpreter and _swap_ab_rule(peer.wheel)(config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"])
+    args = peer.engine.gemm_args(common, swap_ab)
+    missing, unknown = peer.gemm_required - set(args), set(args) - set(peer.gemm_params)
+    if missing or unknown:
         raise _errors().BackendUnavailableError(
-            f"{peer.label}: {GEMM_KERNEL} takes arguments this reader does not know: {sorted(missing)}")
-    args = {key: value for key, value in args.items() if key in peer.gemm_params}
-    grid = (triton.cdiv(routing.sorted_token_ids.shape[0], meta["BLOCK_SIZE_M"]) * triton.cdiv(num_n,
-            meta["BLOCK_SIZE_N"]),)
+            f"{peer.label}: {GEMM_KERNEL}'s signature is not the one this reader knows ({peer.engine.name} "
+            f"{peer.engine.tested_version}): it also takes {sorted(missing)}, it lacks {sorted(unknown)}")
+    options = {} if interpreter else {key: config[key] for key in ("num_warps", "num_stages") if key in config}
+    options.update(peer.engine.launch_options(a))
+    grid = (triton.cdiv(args["EM"], args["BLOCK_SIZE_M"]) * triton.cdiv(num_n, args["BLOCK_SIZE_N"]),)
     try:
         peer.gemm[grid](**args, **options)
     except Exception as exc:  # noqa: BLE001 - a Triton without PDL (launch_pdl, gdc_wait): run without, say so once
@@ -550,16 +818,16 @@ def run_peer_mlp(peer: PeerKernel, x_PD: torch.Tensor, gate_up_e2FD: torch.Tenso
     """The engine's expert MLP on our expert-major pool (`grouped_mlp`'s operands and layout; FP8: e4m3 x with
     per-row per-128 fp32 scales `[P, D/128]`, e4m3 weights with 128x128 block scales).
 
-    `routing`: `peer_routing(row_start_e, num_rows_e, P, config.block_m)`, built once outside the timed region
-    (built here, with a host sync, when None). Returns y `[P, D]` in `out_dtype` (default: bf16 for FP8, else x's
-    dtype; FP8 runs keep gate||up and h in it too, as the engine keeps them in its activations' dtype); pool rows
-    outside every segment are left unwritten.
+    `routing`: `peer_routing(row_start_e, num_rows_e, P, config.block_m, peer.engine)`, built once outside the
+    timed region (built here, with a host sync, when None). Returns y `[P, D]` in `out_dtype` (default: bf16 for
+    FP8, else x's dtype; FP8 runs keep gate||up and h in it too, as the engines keep them in their activations'
+    dtype); pool rows outside every segment are left unwritten.
     """
     num_pool_rows, hidden = x_PD.shape
     inter = down_eDF.shape[2]
     fp8 = x_PD.dtype == torch.float8_e4m3fn
     if routing is None:
-        routing = peer_routing(row_start_e, num_rows_e, num_pool_rows, config.block_m)
+        routing = peer_routing(row_start_e, num_rows_e, num_pool_rows, config.block_m, peer.engine)
     if routing.block_m != config.block_m:
         raise _errors().InvalidConfigError(f"routing built for BLOCK_SIZE_M {routing.block_m}, config has "
                                            f"{config.block_m}")
@@ -570,10 +838,7 @@ def run_peer_mlp(peer: PeerKernel, x_PD: torch.Tensor, gate_up_e2FD: torch.Tenso
     gate_up_P2F = torch.empty(num_pool_rows, 2 * inter, dtype=out_dtype, device=x_PD.device)
     _launch_gemm(peer, x_PD, x_scale, gate_up_e2FD, gate_up_scale, gate_up_P2F, routing, config.up, fp8)
     h_PF = torch.empty(num_pool_rows, inter, dtype=out_dtype, device=x_PD.device)
-    peer.act[(num_pool_rows,)](gateup_output=gate_up_P2F, down_input=h_PF, hidden_size=2 * inter,
-                               expert_ids_ptr=routing.row_expert_P, expert_step=1, BLOCK_SIZE=512,
-                               ACTIVATION_TYPE="silu", SWIGLU_LIMIT=0.0, HAS_SWIGLU_LIMIT=False,
-                               HAS_EXPERT_FILTER=True)
+    peer.engine.act(peer, gate_up_P2F, h_PF, routing)
     h_scale = None
     if fp8:
         h_PF, h_scale = _quantize_per_token_group(peer, h_PF)
@@ -582,9 +847,9 @@ def run_peer_mlp(peer: PeerKernel, x_PD: torch.Tensor, gate_up_e2FD: torch.Tenso
 
 
 def _quantize_per_token_group(peer: PeerKernel, h_PF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's per-token-group (128) FP8 quantization of h, launched as `_per_token_group_quant_8bit_raw`
-    launches it (row-major scales, eps 1e-10, e4m3 range +-448); moe_ref's `quantize_fp8_per_128` under the
-    interpreter."""
+    """The engine's per-token-group (128) FP8 quantization of h (`PeerEngine.quantize`: row-major scales, eps
+    1e-10, e4m3 range +-448, one program per group, warps as both engines pick them); moe_ref's
+    `quantize_fp8_per_128` under the interpreter."""
     import triton
 
     if _is_interpreter():  # its fp8 cast drops the mantissa carry (120 -> 64, not 128): see _triton_utils.to_e4m3
@@ -596,10 +861,10 @@ def _quantize_per_token_group(peer: PeerKernel, h_PF: torch.Tensor) -> tuple[tor
     h_fp8 = torch.empty_like(h_PF, dtype=torch.float8_e4m3fn)
     h_scale = torch.empty(rows, inter // group, dtype=torch.float32, device=h_PF.device)
     block = triton.next_power_of_2(group)
-    options = {} if _is_interpreter() else dict(num_warps=min(max(block // 256, 1), 8), num_stages=1)
     info = torch.finfo(torch.float8_e4m3fn)
-    peer.quant[(h_PF.numel() // group,)](h_PF, h_fp8, h_scale, group, group, 1e-10, bit8_min=info.min,
-                                         bit8_max=info.max, BLOCK=block, **options)
+    launch = dict(grid=(h_PF.numel() // group,), BLOCK=block, fp8_min=info.min, fp8_max=info.max,
+                  options=dict(num_warps=min(max(block // 256, 1), 8), num_stages=1))
+    peer.engine.quantize(peer, h_PF, h_fp8, h_scale, group, launch)
     return h_fp8, h_scale
 
 
@@ -610,8 +875,11 @@ def _quantize_per_token_group(peer: PeerKernel, h_PF: torch.Tensor) -> tuple[tor
 _TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (3e-2, 2e-2)}
 
 
-def _check_case(peer, name: str, counts: list[int], hidden: int, inter: int, dtype: str, device: str,
-                align: int, wheel: str, config: PeerConfig | None = None, seed: int = 0) -> tuple[bool, str]:
+def check_case(peer: PeerKernel, name: str, counts: list[int], hidden: int, inter: int, dtype: str, device: str,
+               align: int, config: PeerConfig | None = None, seed: int = 0) -> tuple[bool, str]:
+    """`run_peer_mlp` vs `grouped_mlp_ref` on one layout (`counts` rows per expert, segments `align`-aligned, plus
+    a trailing padding block): (passed, one PASS/FAIL line with the diff and the tile config). `config` None: the
+    engine's config for an H200 (on CPU) or this GPU. Limits in the module docstring."""
     from moe_ref.experts import ExpertLayout
     from moe_ref.kernels.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128
     from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
@@ -627,7 +895,7 @@ def _check_case(peer, name: str, counts: list[int], hidden: int, inter: int, dty
     down = torch.randn(len(counts), hidden, inter, generator=gen) / inter**0.5
     row_start_e, num_rows_e = layout.row_start_e.to(device), layout.num_rows_e.to(device=device, dtype=torch.int32)
     if config is None:
-        config = peer_config(wheel, len(counts), inter, dtype, "NVIDIA H200" if device == "cpu" else
+        config = peer_config(peer.wheel, len(counts), inter, dtype, "NVIDIA H200" if device == "cpu" else
                              torch.cuda.get_device_name(), sum(counts), hidden=hidden)
     if dtype == "fp8":
         x = torch.where(valid[:, None], x, 0.0)
@@ -656,20 +924,14 @@ def _check_case(peer, name: str, counts: list[int], hidden: int, inter: int, dty
         ok = ok and bad == 0
         detail += f" elementwise(atol={atol:g}, rtol={rtol:g}) mismatches={bad}"
     tiles = f"BM={config.up['BLOCK_SIZE_M']} BN={config.up['BLOCK_SIZE_N']} BK={config.up['BLOCK_SIZE_K']}"
-    return ok, f"{'PASS' if ok else 'FAIL'} {name:40s} {dtype:4s} {detail} [{tiles}, {config.source}]"
+    verdict = "PASS" if ok else "FAIL"
+    return ok, f"{verdict} {peer.engine.name:6s} {name:40s} {dtype:4s} {detail} [{tiles}, {config.source}]"
 
 
-def check(wheel: str) -> int:
-    """Every check case; prints PASS/FAIL per case, returns the number of failures."""
-    peer = load_peer_kernel(wheel)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mode = "compiled kernels on " + torch.cuda.get_device_name() if device == "cuda" else \
-        "TRITON_INTERPRET=1 on CPU; bf16 not checked here: the interpreter's bf16 tl.dot and arithmetic are " \
-        "wrong, so FP8 keeps its activations (gate||up, h, y) in fp16 here, and h is re-quantized by moe_ref's " \
-        "quantize_fp8_per_128 (the interpreter's fp8 cast drops the mantissa carry)"
-    print(f"peer {peer.label} from {os.path.basename(wheel)} ({mode}); kernels imported from {peer.module_file}")
+def check_cases(device: str) -> tuple[int, int, int, list[tuple[str, list[int], str, PeerConfig | None]]]:
+    """(hidden, inter, align, [(name, counts, dtype, forced config or None)]) of --check on `device`."""
     small_m = PeerConfig(*[{"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
-                            "num_warps": 4, "num_stages": 3}] * 2, "forced BLOCK_SIZE_M 16 (swap_ab on SM90)", 0)
+                            "num_warps": 4, "num_stages": 3}] * 2, "forced BLOCK_SIZE_M 16 (swap-AB on SM90)", 0)
     if device == "cpu":  # tiny: the interpreter is slow
         hidden, inter, align = 256, 256, 16
         dtypes, ragged = ("fp32", "fp16", "fp8"), [5, 0, 19]
@@ -680,31 +942,55 @@ def check(wheel: str) -> int:
     cases += [("rows == BLOCK_M, BLOCK_M + 1 (64, 65)", [64, 65, 0, 1], dtype, None) for dtype in dtypes[1:]]
     cases += [("decode (M <= E: small default tile)", [1, 0, 2, 0], dtype, None) for dtype in dtypes[:2]]
     cases += [("ragged + empty expert, BLOCK_SIZE_M 16", ragged, "fp8", small_m)]
-    failures = 0
-    for name, case_counts, dtype, config in cases:
-        ok, line = _check_case(peer, name, case_counts, hidden, inter, dtype, device, align, wheel, config)
-        print(line, flush=True)
-        failures += not ok
-    print(f"{len(cases) - failures}/{len(cases)} passed")
+    return hidden, inter, align, cases
+
+
+def check(wheels: list[str]) -> int:
+    """Every check case for every peer file; prints PASS/FAIL per case, returns the number of failures."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mode = "compiled kernels on " + torch.cuda.get_device_name() if device == "cuda" else \
+        "TRITON_INTERPRET=1 on CPU; bf16 not checked here: the interpreter's bf16 tl.dot and arithmetic are " \
+        "wrong, so FP8 keeps its activations (gate||up, h, y) in fp16 here, and h is re-quantized by moe_ref's " \
+        "quantize_fp8_per_128 (the interpreter's fp8 cast drops the mantissa carry)"
+    hidden, inter, align, cases = check_cases(device)
+    failures = total = 0
+    for wheel in wheels:
+        peer = load_peer_kernel(wheel)
+        print(f"peer {peer.label} from {os.path.basename(wheel)} ({mode}); kernels imported from {peer.module_file}")
+        for name, counts, dtype, config in cases:
+            ok, line = check_case(peer, name, counts, hidden, inter, dtype, device, align, config)
+            print(line, flush=True)
+            failures += not ok
+            total += 1
+    print(f"{total - failures}/{total} passed")
     return failures
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="compare run_peer_mlp with grouped_mlp_ref")
-    parser.add_argument("--wheel", default=None, help="SGLang wheel (default: the first .whl/sglang-*.whl)")
+    parser.add_argument("--wheel", action="append", default=None,
+                        help="peer file (an engine's wheel or its fused-moe zip), repeatable (default: every peer "
+                             "file in .whl/, one per engine)")
+    parser.add_argument("--extract", metavar="WHEEL", default=None,
+                        help=f"write <engine>-<version>{_ZIP_SUFFIX} with the members of WHEEL this reader opens")
+    parser.add_argument("--out-dir", default=os.path.join(_REPO, ".whl"), help="where --extract writes (.whl/)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
-    wheel = args.wheel or default_peer_wheel()
-    if wheel is None:
-        print("no peer wheel: pass --wheel or run `make peers` (downloads .whl/sglang-*.whl)", file=sys.stderr)
-        return 2
+    if args.extract:
+        print(extract_members(args.extract, args.out_dir))
+        return 0
     if not args.check:
         parser.print_help()
         return 0
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+    wheels = args.wheel or default_peer_files()
+    if not wheels:
+        print("no peer file: pass --wheel or run `make peers` (.whl/sglang-*.whl, .whl/vllm-*-fused-moe.zip)",
+              file=sys.stderr)
+        return 2
     try:
-        return 1 if check(wheel) else 0
+        return 1 if check(wheels) else 0
     except _errors().MoERefError as exc:
         print(f"FAIL {exc}", file=sys.stderr)
         return 1

@@ -200,11 +200,22 @@ def test_masked_layout_replays_in_a_cuda_graph(weights, fp8):
 
 
 def test_bench_hook_paths_match_the_reference(weights, pool):
-    x_RD, layout, _, _ = pool
-    cases = deep_gemm_grouped_cases(x_RD, *weights, layout.row_start_e, layout.num_rows_e)
-    assert [name for name, _ in cases] == ["deep_gemm_bf16", "deep_gemm_fp8"]
+    x_RD, layout, reference, valid_R = pool
+    cases = deep_gemm_grouped_cases(x_RD, *weights, layout.row_start_e, layout.num_rows_e,
+                                    layouts=("contiguous", "masked"))
+    assert [name for name, _ in cases] == ["deep_gemm_bf16", "deep_gemm_fp8", "deep_gemm_masked_bf16",
+                                           "deep_gemm_masked_fp8"]
     for name, fn in cases:
-        _check_pool_output(fn(), pool, LIMIT["fp8" if name.endswith("fp8") else "bf16"], f"bench hook {name}")
+        limit = LIMIT["fp8" if name.endswith("fp8") else "bf16"]
+        if "masked" not in name:
+            _check_pool_output(fn(), pool, limit, f"bench hook {name}")
+            continue
+        y_eMD = fn()  # [e, M, D]: expert i's rows first, zero past its count
+        valid_eM = torch.arange(y_eMD.shape[1], device="cuda")[None, :] < layout.num_rows_e.to("cuda")[:, None]
+        assert y_eMD.shape == (NUM_EXPERTS, 384, HIDDEN) and bool((y_eMD[~valid_eM] == 0).all()), name
+        diff = calc_diff(y_eMD[valid_eM], reference[valid_R])
+        print(f"bench hook {name}: calc_diff vs TorchLoopExperts = {diff:.3e} (limit {limit:.0e}); counts={COUNTS}")
+        assert diff < limit, f"bench hook {name}: calc_diff={diff:.3e} >= {limit:.0e}; counts={COUNTS}"
 
 
 # --- 2 GPUs: the mega path ------------------------------------------------------------------------------

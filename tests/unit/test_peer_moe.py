@@ -1,5 +1,7 @@
-"""scripts/peer_moe.py without the engine's wheel: the routing inputs it builds from our layout, the tuned-config
-file names and lookup, the default rule and the kernel extraction, on fake wheels written to tmp_path."""
+"""scripts/peer_moe.py: the routing inputs it builds from our layout, the tuned-config file names and lookup, the
+default rule, the kernel extraction and the fused-moe zip, on fake wheels written to tmp_path; then the real
+engines' kernels under TRITON_INTERPRET=1 vs our twin, and vLLM's rules as read from its file in .whl/ (skipped, with
+the reason, when `make peers` has not put the file there)."""
 
 import importlib.util
 import json
@@ -33,23 +35,34 @@ pm = _peer_moe()
 # routing inputs
 # ------------------------------------------------------------------------------------------------
 def test_routing_worked_example():
-    routing = pm.peer_routing(torch.tensor([0, 4, 4]), torch.tensor([3, 0, 5], dtype=torch.int32), 12, 4)
+    routing = pm.peer_routing(torch.tensor([0, 4, 4]), torch.tensor([3, 0, 5], dtype=torch.int32), 12, 4, pm.SGLANG)
     assert routing.sorted_token_ids.tolist() == [0, 1, 2, 12, 4, 5, 6, 7, 8, 12, 12, 12] + [12] * 8
     assert routing.expert_ids.tolist() == [0, 2, 2, -1, -1]
+    vllm = pm.peer_routing(torch.tensor([0, 4, 4]), torch.tensor([3, 0, 5], dtype=torch.int32), 12, 4, pm.VLLM)
+    assert vllm.sorted_token_ids.tolist() == [0, 1, 2, 12, 4, 5, 6, 7, 8, 12, 12, 12] + [12] * 5  # 8 + 3 * 3 ids
+    assert vllm.expert_ids.tolist() == [0, 2, 2, -1, -1]
     assert routing.num_tokens_post_padded.tolist() == [12]
     assert routing.row_expert_P.tolist() == [0, 0, 0, -1, 2, 2, 2, 2, 2, -1, -1, -1]
     assert routing.num_valid_tokens == 12 and routing.block_m == 4
     assert routing.sorted_token_ids.dtype == routing.expert_ids.dtype == torch.int32
 
 
-def _check_routing(counts, block_m, alignment):
+def _engine_buffer_size(engine, routed, num_experts, block_m):
+    """The sorted_token_ids length of each engine's moe_align_block_size (read from their sources)."""
+    if engine is pm.SGLANG:  # int4-padded
+        size = routed * block_m if routed < num_experts + 1 else routed + (num_experts + 1) * (block_m - 1)
+        return (size + 3) // 4 * 4
+    size = routed + num_experts * (block_m - 1)
+    return min(routed * block_m, size) if routed < num_experts else size
+
+
+def _check_routing(counts, block_m, alignment, engine):
     layout = ExpertLayout.from_counts(torch.tensor(counts), alignment)
     num_pool_rows = layout.num_pool_rows + alignment
-    routing = pm.peer_routing(layout.row_start_e, layout.num_rows_e, num_pool_rows, block_m)
+    routing = pm.peer_routing(layout.row_start_e, layout.num_rows_e, num_pool_rows, block_m, engine)
     ids, experts = routing.sorted_token_ids.tolist(), routing.expert_ids.tolist()
     routed, num_experts = sum(counts), len(counts)
-    engine_size = routed * block_m if routed < num_experts + 1 else routed + (num_experts + 1) * (block_m - 1)
-    assert len(ids) == (engine_size + 3) // 4 * 4, counts  # moe_align_block_size's buffer
+    assert len(ids) == _engine_buffer_size(engine, routed, num_experts, block_m), counts
     assert len(experts) == -(-len(ids) // block_m)
     padded = sum(-(-c // block_m) * block_m for c in counts)
     assert routing.num_tokens_post_padded.tolist() == [padded], counts
@@ -77,16 +90,18 @@ def _check_routing(counts, block_m, alignment):
     [1, 2],                # fewer routed rows than experts + 1: the small-batch buffer size
     [0, 0],                # nothing routed
 ])
-def test_routing_matches_align_block_size_layout(counts):
-    _check_routing(counts, block_m=16, alignment=16)
-    _check_routing(counts, block_m=16, alignment=128)  # our real alignment: padding rows between segments
+@pytest.mark.parametrize("engine", [pm.SGLANG, pm.VLLM], ids=lambda engine: engine.name)
+def test_routing_matches_align_block_size_layout(counts, engine):
+    _check_routing(counts, block_m=16, alignment=16, engine=engine)
+    _check_routing(counts, block_m=16, alignment=128, engine=engine)  # our alignment: padding rows between segments
 
 
-def test_routing_of_a_bigger_random_layout():
+@pytest.mark.parametrize("engine", [pm.SGLANG, pm.VLLM], ids=lambda engine: engine.name)
+def test_routing_of_a_bigger_random_layout(engine):
     gen = torch.Generator().manual_seed(0)
     counts = torch.bincount(torch.randint(0, 12, (300,), generator=gen), minlength=12).tolist()
     counts[3] = 0
-    _check_routing(counts, block_m=64, alignment=128)
+    _check_routing(counts, block_m=64, alignment=128, engine=engine)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,11 +135,11 @@ def _fake_wheel(tmp_path, files: dict, name="sglang-9.9.9-py3-none-any.whl") -> 
 
 
 def _config_wheel(tmp_path) -> str:
-    cfg = pm.SGLANG_CONFIGS
+    cfg = pm.SGLANG.configs
     bf16 = "E=4,N=256,device_name=NVIDIA_H200"
     fp8 = "E=4,N=256,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128, 128]"
     return _fake_wheel(tmp_path, {
-        pm.SGLANG_CONFIG_MODULE: _DEFAULT_RULE,
+        pm.SGLANG.rule: _DEFAULT_RULE,
         f"{cfg}/triton_3_1_0/{bf16}.json": {"1": _tile(16, "3.1 small"), "64": _tile(64, "3.1 big")},
         f"{cfg}/triton_3_6_0/{bf16}.json": {"1": _tile(16, "3.6 small"), "64": _tile(64, "3.6 big")},
         f"{cfg}/triton_3_10_0/{bf16}.json": {"1": _tile(16, "3.10 small"), "256": _tile(128, "3.10 big")},
@@ -137,23 +152,36 @@ def _config_wheel(tmp_path) -> str:
 
 
 def test_config_file_names_follow_the_engine():
-    assert pm.config_file_name(48, 2048, "NVIDIA H200", "bf16") == "E=48,N=2048,device_name=NVIDIA_H200.json"
-    assert pm.config_file_name(48, 2048, "NVIDIA H200", "fp8") == \
+    name = pm.SGLANG.config_file_name
+    assert name(48, 2048, "NVIDIA H200", "bf16") == "E=48,N=2048,device_name=NVIDIA_H200.json"
+    assert name(48, 2048, "NVIDIA H200", "fp8") == \
         "E=48,N=2048,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128, 128].json"
-    assert pm.config_file_name(48, 5120, "NVIDIA H200", "fp8", down=True) == \
+    assert name(48, 5120, "NVIDIA H200", "fp8", down=True) == \
         "E=48,N=5120,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128, 128]_down.json"
-    assert pm.config_file_name(8, 512, "NVIDIA H200", "fp32") == "E=8,N=512,device_name=NVIDIA_H200,dtype=float32.json"
+    assert name(8, 512, "NVIDIA H200", "fp32") == "E=8,N=512,device_name=NVIDIA_H200,dtype=float32.json"
     with pytest.raises(ValueError, match="peer dtype"):
-        pm.config_file_name(8, 512, "NVIDIA H200", "int4")
+        name(8, 512, "NVIDIA H200", "int4")
+
+
+def test_vllm_config_file_names():
+    name = pm.VLLM.config_file_name
+    assert name(48, 2048, "NVIDIA H200", "bf16") == "E=48,N=2048,device_name=NVIDIA_H200.json"
+    assert name(32, 2048, "NVIDIA H200", "fp8") == \
+        "E=32,N=2048,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"  # no space in the block
+    assert name(8, 512, "NVIDIA H200 NVL", "fp32") == "E=8,N=512,device_name=NVIDIA_H200,dtype=float32.json"
+    assert name(8, 512, "NVIDIA H100 80GB HBM3", "fp16") == "E=8,N=512,device_name=NVIDIA_H100_80GB_HBM3.json"
+    assert name(8, 512, "AMD Instinct MI300X / OAM", "bf16") == "E=8,N=512,device_name=AMD_Instinct_MI300X_OAM.json"
+    with pytest.raises(ValueError, match="no _down"):
+        name(8, 512, "NVIDIA H200", "bf16", down=True)
 
 
 def test_config_folder_search_order(tmp_path):
     wheel = _config_wheel(tmp_path)
-    name = pm.config_file_name(4, 256, "NVIDIA H200", "bf16")
+    name = pm.SGLANG.config_file_name(4, 256, "NVIDIA H200", "bf16")
     assert pm.find_config_file(wheel, name, "3.6.0").split("/")[-2] == "triton_3_6_0"  # the running Triton's
     assert pm.find_config_file(wheel, name, "3.6.0+git1234").split("/")[-2] == "triton_3_6_0"
     assert pm.find_config_file(wheel, name, "3.7.0").split("/")[-2] == "triton_3_10_0"  # else newest (not '3_1')
-    assert pm.find_config_file(wheel, pm.config_file_name(5, 256, "NVIDIA H200", "bf16"), "3.6.0") is None
+    assert pm.find_config_file(wheel, pm.SGLANG.config_file_name(5, 256, "NVIDIA H200", "bf16"), "3.6.0") is None
 
 
 def test_tuned_config_nearest_batch_key_and_down_file(tmp_path):
@@ -240,9 +268,9 @@ def _per_token_group_quant_8bit(y_ptr):
 
 
 def test_kernels_are_read_out_of_the_wheel(tmp_path):
-    wheel = _fake_wheel(tmp_path, {pm.SGLANG_KERNELS: _KERNELS, pm.SGLANG_QUANT: _QUANT})
+    wheel = _fake_wheel(tmp_path, {pm.SGLANG.kernels: _KERNELS, pm.SGLANG.quant: _QUANT})
     peer = pm.load_peer_kernel(wheel)
-    assert (peer.engine, peer.version, peer.label) == ("sglang", "9.9.9", "sglang 9.9.9")
+    assert (peer.engine, peer.version, peer.label) == (pm.SGLANG, "9.9.9", "sglang 9.9.9")
     assert peer.gemm_params == ("a_ptr", "c_ptr", "N", "BLOCK", "FLAG")
     assert peer.gemm_required == {"a_ptr", "c_ptr", "N", "BLOCK"}
     source = pathlib.Path(peer.module_file).read_text()
@@ -259,27 +287,173 @@ def test_kernels_are_read_out_of_the_wheel(tmp_path):
 def test_missing_wheel_or_function_raises_coded_error(tmp_path):
     with pytest.raises(BackendUnavailableError, match="ENV001.*not found.*make peers"):
         pm.load_peer_kernel(str(tmp_path / "sglang-1.0-py3-none-any.whl"))
-    with pytest.raises(BackendUnavailableError, match="only SGLang wheels"):
+    with pytest.raises(BackendUnavailableError, match="not a known engine's wheel"):
+        pm.load_peer_kernel(_fake_wheel(tmp_path, {}, name="flashinfer-0.3.0-py3-none-any.whl"))
+    with pytest.raises(BackendUnavailableError, match="not named like a wheel"):
+        pm.load_peer_kernel(_fake_wheel(tmp_path, {}, name="vllm.zip"))
+    with pytest.raises(BackendUnavailableError, match="has no vllm/model_executor/layers/fused_moe/fused_moe.py"):
         pm.load_peer_kernel(_fake_wheel(tmp_path, {}, name="vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl"))
     with pytest.raises(BackendUnavailableError, match="has no sglang/kernels/ops/moe"):
-        pm.load_peer_kernel(_fake_wheel(tmp_path, {pm.SGLANG_QUANT: _QUANT}))
+        pm.load_peer_kernel(_fake_wheel(tmp_path, {pm.SGLANG.quant: _QUANT}))
     no_act = _KERNELS.replace("act_and_mul_kernel", "other_kernel")
     with pytest.raises(BackendUnavailableError, match="no module-level 'act_and_mul_kernel'"):
-        pm.load_peer_kernel(_fake_wheel(tmp_path, {pm.SGLANG_KERNELS: no_act, pm.SGLANG_QUANT: _QUANT},
+        pm.load_peer_kernel(_fake_wheel(tmp_path, {pm.SGLANG.kernels: no_act, pm.SGLANG.quant: _QUANT},
                                         name="sglang-9.9.8-py3-none-any.whl"))
     not_jit = _KERNELS.replace("@triton.jit\ndef act_and_mul_kernel", "def act_and_mul_kernel")
     with pytest.raises(BackendUnavailableError, match="not a triton.jit function"):
-        pm.load_peer_kernel(_fake_wheel(tmp_path, {pm.SGLANG_KERNELS: not_jit, pm.SGLANG_QUANT: _QUANT},
+        pm.load_peer_kernel(_fake_wheel(tmp_path, {pm.SGLANG.kernels: not_jit, pm.SGLANG.quant: _QUANT},
                                         name="sglang-9.9.7-py3-none-any.whl"))
     (tmp_path / "broken-1.0-py3-none-any.whl").write_text("not a zip")
     with pytest.raises(BackendUnavailableError, match="not a zip"):
         pm.find_config_file(str(tmp_path / "broken-1.0-py3-none-any.whl"), "x.json", "3.6.0")
 
 
-def test_default_wheel_discovery(tmp_path):
-    assert pm.default_peer_wheel(str(tmp_path)) is None
-    (tmp_path / ".whl").mkdir()
-    (tmp_path / ".whl" / "vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl").write_text("")
-    assert pm.default_peer_wheel(str(tmp_path)).endswith("vllm-0.11.0-cp38-abi3-manylinux1_x86_64.whl")
-    (tmp_path / ".whl" / "sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl").write_text("")
-    assert pm.default_peer_wheel(str(tmp_path)).endswith("sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl")
+def test_default_peer_files_one_per_engine_newest_first(tmp_path):
+    assert pm.default_peer_files(str(tmp_path)) == []
+    folder = tmp_path / ".whl"
+    folder.mkdir()
+    for name in ("vllm-0.9.2-fused-moe.zip", "vllm-0.10.0-fused-moe.zip", "sgl_deep_gemm-0.1.4-py3-none-any.whl"):
+        (folder / name).write_text("")
+    assert [pathlib.Path(p).name for p in pm.default_peer_files(str(tmp_path))] == ["vllm-0.10.0-fused-moe.zip"]
+    (folder / "sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl").write_text("")
+    (folder / "vllm-0.10.0-cp38-abi3-manylinux1_x86_64.whl").write_text("")  # the same version: the wheel first
+    assert [pathlib.Path(p).name for p in pm.default_peer_files(str(tmp_path))] == [
+        "sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl", "vllm-0.10.0-cp38-abi3-manylinux1_x86_64.whl"]
+
+
+# ------------------------------------------------------------------------------------------------
+# vLLM's config layout and the fused-moe zip, on fake wheels
+# ------------------------------------------------------------------------------------------------
+_VLLM_RULE = '''
+import vllm.envs as envs   # not importable here: the reader runs the function alone
+
+
+def should_moe_wna16_use_cuda(num_valid_tokens, group_size, num_experts, bit):
+    return ops.unknown()
+
+
+def get_default_config(M, E, N, K, topk, dtype, block_shape=None):
+    if envs.VLLM_BATCH_INVARIANT or current_platform.is_rocm():
+        return {"BLOCK_SIZE_M": -1}
+    if dtype == "int8_w8a16":
+        return {"BLOCK_SIZE_M": should_moe_wna16_use_cuda(M, 128, E, 8)}
+    return {"BLOCK_SIZE_M": 16 if M <= E else 64, "BLOCK_SIZE_N": N, "BLOCK_SIZE_K": K, "dtype": dtype,
+            "block": block_shape, "topk": topk}
+'''
+
+
+def _vllm_wheel(tmp_path) -> str:
+    cfg = pm.VLLM.configs
+    return _fake_wheel(tmp_path, {
+        pm.VLLM.kernels: _VLLM_RULE,
+        pm.VLLM.quant: "# the quant kernel",
+        pm.VLLM.swap_rule[0]: "def enable_swap_ab(BLOCK_SIZE_M, BLOCK_SIZE_N):\n    return BLOCK_SIZE_M < 64\n",
+        f"{cfg}/E=4,N=256,device_name=NVIDIA_H200.json": {"triton_version": "3.4.0", "1": _tile(16, "small"),
+                                                           "64": _tile(64, "big")},
+        f"{cfg}/E=4,N=256,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json": {"8": _tile(16, "fp8")},
+        f"{cfg}/README": "not a config",
+        "vllm/_C.abi3.so": "a binary the zip leaves out",
+    }, name="vllm-9.9.9-cp38-abi3-manylinux1_x86_64.whl")
+
+
+def test_vllm_tuned_config_is_one_flat_folder_and_serves_both_gemms(tmp_path):
+    wheel = _vllm_wheel(tmp_path)
+    config = pm.peer_config(wheel, 4, 256, "bf16", "NVIDIA H200 NVL", 40, triton_version="3.6.0")
+    assert config.up["marker"] == "big" and config.down == config.up  # "triton_version" is not a batch key
+    assert config.source == "E=4,N=256,device_name=NVIDIA_H200.json"
+    assert pm.peer_config(wheel, 4, 256, "fp8", "NVIDIA H200", 1, triton_version="3.6.0").up["marker"] == "fp8"
+    assert pm.tuned_shapes(wheel, "NVIDIA H200", "fp8") == [(4, 256, "configs")]
+    # run on CUDA, not batch invariant; its int4/int8 helper is a stub (the wheel's would need `ops`: unreadable)
+    rule = pm.peer_config(wheel, 6, 512, "fp8", "NVIDIA H200", 6, hidden=7168, triton_version="3.6.0")
+    assert rule.source.startswith("default rule") and rule.down == rule.up
+    assert rule.up == {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 512, "BLOCK_SIZE_K": 7168, "dtype": "fp8_w8a8",
+                       "block": [128, 128], "topk": 1}
+
+
+def test_extract_members_copies_only_what_the_reader_opens_byte_for_byte(tmp_path):
+    wheel = _vllm_wheel(tmp_path)
+    out = pm.extract_members(wheel, str(tmp_path / "out"))
+    assert pathlib.Path(out).name == "vllm-9.9.9-fused-moe.zip"
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(out) as cut:
+        assert sorted(cut.namelist()) == sorted(
+            [pm.VLLM.kernels, pm.VLLM.quant, pm.VLLM.swap_rule[0]]
+            + [n for n in source.namelist() if n.startswith(pm.VLLM.configs) and n.endswith(".json")])
+        for member in cut.namelist():
+            assert cut.read(member) == source.read(member), member
+            assert cut.getinfo(member).date_time == source.getinfo(member).date_time, member
+    # the cut reads as the wheel does
+    assert pm.peer_config(out, 4, 256, "bf16", "NVIDIA H200", 40, triton_version="3.6.0").up["marker"] == "big"
+    with pytest.raises(BackendUnavailableError, match="has no"):
+        pm.extract_members(_fake_wheel(tmp_path, {}, name="vllm-9.9.8-cp38-abi3-manylinux1_x86_64.whl"),
+                           str(tmp_path / "out"))
+
+
+# ------------------------------------------------------------------------------------------------
+# the real engines, from the files `make peers` puts in .whl/ (the interpreter on CPU, compiled on CUDA)
+# ------------------------------------------------------------------------------------------------
+def _peer_file(engine_name: str) -> str:
+    for path in pm.default_peer_files():
+        if pathlib.Path(path).name.startswith(engine_name + "-"):
+            return path
+    pytest.skip(f"no {engine_name} peer file in .whl/ (`make peers` downloads .whl/sglang-*.whl and builds "
+                ".whl/vllm-<version>-fused-moe.zip)")
+
+
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_HIDDEN, _INTER, _ALIGN, _CASES = pm.check_cases(_DEVICE)
+
+
+@pytest.mark.parametrize("engine_name", ["vllm", "sglang"])
+@pytest.mark.parametrize("case", _CASES, ids=[f"{name} {dtype}" for name, _, dtype, _ in _CASES])
+def test_real_peer_matches_our_twin(engine_name, case):
+    name, counts, dtype, config = case
+    peer = pm.load_peer_kernel(_peer_file(engine_name))
+    ok, line = pm.check_case(peer, name, counts, _HIDDEN, _INTER, dtype, _DEVICE, _ALIGN, config)
+    assert ok, line
+
+
+def test_vllm_default_rule_from_its_file():
+    wheel = _peer_file("vllm")
+
+    def rule(rows, dtype, num_experts=48, inter=2048):
+        return pm.peer_config(wheel, num_experts, inter, dtype, "NVIDIA H200", rows, hidden=7168).up
+
+    # block FP8: BLOCK_SIZE_N 64 and 4 stages up to 4 rows, 3 stages up to 8, then N = the 128 block; M 16 up to 64
+    assert rule(3, "fp8") == {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                              "SPLIT_K": 1, "num_warps": 4, "num_stages": 4}
+    assert (rule(6, "fp8")["BLOCK_SIZE_N"], rule(6, "fp8")["num_stages"]) == (64, 3)
+    assert rule(512, "fp8") == {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 32,
+                                "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    # bf16: tiles grow with the rows; GROUP_SIZE_M 16 only past 128 rows per expert
+    assert rule(64, "bf16") == {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                                "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    assert rule(32768, "bf16") == {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 16,
+                                   "SPLIT_K": 1, "num_warps": 8, "num_stages": 3}
+    assert pm.nearest_tuned(wheel, 48, 2048, "NVIDIA H200", "fp8").endswith(
+        "nearest: E=8,N=2048 (configs), E=32,N=2048 (configs)")
+
+
+def test_vllm_tuned_file_from_its_file():
+    wheel = _peer_file("vllm")
+    name = "E=32,N=2048,device_name=NVIDIA_H200,dtype=fp8_w8a8,block_shape=[128,128].json"
+    table = json.loads(zipfile.ZipFile(wheel).read(f"{pm.VLLM.configs}/{name}"))
+    for rows in (1, 100, 5000):
+        config = pm.peer_config(wheel, 32, 2048, "fp8", "NVIDIA H200", rows)
+        nearest = min((int(k) for k in table if k.isdigit()), key=lambda k: abs(k - rows))
+        assert config.source == name and config.up == table[str(nearest)] == config.down, rows
+
+
+@pytest.mark.parametrize("engine_name", ["vllm", "sglang"])
+@pytest.mark.parametrize("capability, block_m, block_n, swap", [
+    ((9, 0), 16, 128, True), ((9, 0), 32, 64, True), ((9, 0), 64, 128, False), ((9, 0), 16, 32, False),
+    ((10, 0), 16, 128, False), ((8, 9), 16, 128, False)])
+def test_swap_ab_rule_from_the_engines_file(monkeypatch, engine_name, capability, block_m, block_n, swap):
+    wheel = str(pathlib.Path(_peer_file(engine_name)).resolve())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")  # SGLang's is_sm90_supported also asks for CUDA >= 12.3
+    pm._swap_ab_rule.cache_clear()  # its namespace holds facts read when it was built
+    try:
+        assert pm._swap_ab_rule(wheel)(block_m, block_n) is swap
+    finally:
+        pm._swap_ab_rule.cache_clear()
