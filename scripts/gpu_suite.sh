@@ -3,7 +3,7 @@
 # then the benchmarks. Everything lands in $OUT (default results/gpu): suite.log + JSON/markdown/PNG.
 #   OUT=results/gpu bash scripts/gpu_suite.sh [quick|full] [steps...]
 # Steps: info tests tests2 dist graph mega peer_check bench_experts bench_layer (default: all; tests2 = the 2-GPU pytest cases;
-# peer_check = SGLang's fused-MoE kernel, read from .whl/sglang-*.whl (`make peers`), vs our twin). One device command runs 10 min at
+# peer_check = SGLang's and vLLM's fused-MoE kernels, read from the peer files in .whl/ (`make peers`), vs our twin). One device command runs 10 min at
 # most, so split them over calls, e.g. `bash scripts/gpu_suite.sh quick info tests dist`.
 set -u
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ LOG="$OUT/suite.log"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 # The engine wheels (sglang/vllm) are only read with zipfile by scripts/peer_moe.py: never installed.
-PEER_WHEEL=$(ls .whl/sglang-*.whl 2>/dev/null | head -n 1)
+PEER_FILES=$(ls .whl/sglang-*.whl .whl/*-fused-moe.zip 2>/dev/null)  # the peer scripts read every one of them
 INSTALL_WHEELS=$(ls .whl/*.whl 2>/dev/null | grep -v -E '/(sglang|vllm)-')
 if [ -n "$INSTALL_WHEELS" ]; then  # optional DeepGEMM wheels carried from a CPU machine
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $INSTALL_WHEELS \
@@ -57,10 +57,10 @@ for s in $STEPS; do case $s in
     step graph1 300 python3 tests/gpu/graph_worker.py --out "$OUT/graph1"
     if [ "$NGPU" -ge 2 ]; then step graph2 300 $TORCHRUN tests/gpu/graph_worker.py --out "$OUT/graph2"; fi ;;
   peer_check)
-    if [ -n "$PEER_WHEEL" ]; then step peer_check 300 python3 scripts/peer_moe.py --check --wheel "$PEER_WHEEL"
-    else echo "=== peer_check skipped: no .whl/sglang-*.whl (make peers)" | tee -a "$LOG"; fi ;;
+    if [ -n "$PEER_FILES" ]; then step peer_check 300 python3 scripts/peer_moe.py --check
+    else echo "=== peer_check skipped: no peer files in .whl/ (make peers)" | tee -a "$LOG"; fi ;;
   bench_experts) step bench_experts 600 python3 scripts/bench_experts.py $([ "$MODE" = quick ] && echo --quick) \
-      --include-deep-gemm ${PEER_WHEEL:+--peer-wheel "$PEER_WHEEL"} --out "$OUT/bench_experts.json" ;;
+      --include-deep-gemm --out "$OUT/bench_experts.json" ;;
   bench_layer)
     if [ "$NGPU" -ge 2 ]; then step bench_layer 540 $TORCHRUN scripts/bench_layer.py --out "$OUT/layer"; fi ;;
   *) echo "unknown step $s" ;;
