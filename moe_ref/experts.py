@@ -236,6 +236,7 @@ class TritonExperts(Experts):
     name = "triton"
     segment_alignment = 1
     supports_fp8 = True
+    gate_up_interleaved = False  # the fp8 gate_up rows alternate gate j, up j (True for fp8=True instances)
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False):

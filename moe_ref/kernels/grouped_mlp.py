@@ -129,11 +129,11 @@ def _split_pairs(pairs):
 
 @triton.jit
 def _load_b_tile(b_desc, b_base, b_scale_base, expert_row0, first_row, num_b_rows, k0, K, stride_b_n, stride_b_scale_n,
-                 a_ptr, W4: tl.constexpr, W4_PER: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_K: tl.constexpr,
-                 WIDTH: tl.constexpr):
+                 a_ptr, W4: tl.constexpr, W4_PER: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
     """`[BLOCK_K, WIDTH]` tile of b.T: b rows first_row.. (of this expert's num_b_rows), columns k0.. .
     Rows and columns past the ends read as 0. `expert_row0`: this expert's first row in b viewed as 2D (TMA).
-    4-bit weights come back dequantized in a's dtype (`a_ptr` only gives the dtype)."""
+    4-bit weights come back dequantized in a's dtype (`a_ptr` only gives the dtype); UPCAST: then in fp32."""
     offs_b = first_row + tl.arange(0, WIDTH)
     mask_b = offs_b < num_b_rows
     # one return: Triton types every return statement, also those of branches a constexpr leaves out
@@ -146,6 +146,8 @@ def _load_b_tile(b_desc, b_base, b_scale_base, expert_row0, first_row, num_b_row
         offs_k = k0 + tl.arange(0, BLOCK_K)
         tile = tl.load(b_base + offs_b[None, :] * stride_b_n + offs_k[:, None],
                        mask=(offs_k < K)[:, None] & mask_b[None, :], other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
     return tile
 
 
@@ -271,10 +273,7 @@ def _grouped_gemm_kernel(
         if ACTIVATION != 0 and INTERLEAVED:
             # one dot over 2 * BLOCK_N b rows: gate and up of output columns offs_n, in alternation
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * 2 * BLOCK_N, num_b_rows, k0, K,
-                             stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, BLOCK_K,
-                             2 * BLOCK_N)
-            if UPCAST:
-                b = b.to(tl.float32)
+                             stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, UPCAST, BLOCK_K, 2 * BLOCK_N)
             if FP8:  # the 128x128 block scales stay indexed by the stacked rows: gate j -> j, up j -> N + j
                 gate, up = _split_pairs(tl.dot(a, b))
                 acc = _promote(acc, gate, scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
@@ -285,9 +284,7 @@ def _grouped_gemm_kernel(
                 acc_pairs = _mma(a, b, acc_pairs, IEEE_FP32)
         else:
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * BLOCK_N, N, k0, K, stride_b_n,
-                             stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, BLOCK_K, BLOCK_N)
-            if UPCAST:
-                b = b.to(tl.float32)
+                             stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, UPCAST, BLOCK_K, BLOCK_N)
             if FP8:
                 acc = _promote(acc, tl.dot(a, b), scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
                                128 % BLOCK_N == 0, BLOCK_N)
@@ -295,10 +292,8 @@ def _grouped_gemm_kernel(
                 acc = _mma(a, b, acc, IEEE_FP32)
             if ACTIVATION != 0:  # the up rows follow the N gate rows
                 b_up = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, N + pid_n * BLOCK_N, num_b_rows, k0,
-                                    K, stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, BLOCK_K,
+                                    K, stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, UPCAST, BLOCK_K,
                                     BLOCK_N)
-                if UPCAST:
-                    b_up = b_up.to(tl.float32)
                 if FP8:
                     acc_up = _promote(acc_up, tl.dot(a, b_up), scale_a, b_scale_base, N + pid_n * BLOCK_N,
                                       stride_b_scale_n, k0, 2 * N, 128 % BLOCK_N == 0 and N_ALIGNED, BLOCK_N)
@@ -408,8 +403,8 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
         c.stride(0), c_scale.stride(0) if quant_out else 0,
     )
     flags = dict(
-        ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8, QUANT_OUT=quant_out, W4=w4,
-        W4_PER={0: 1, 1: 8, 2: 2}[w4], USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
+        ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
+        QUANT_OUT=quant_out, W4=w4, W4_PER={0: 1, 1: 8, 2: 2}[w4], USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=triton.next_power_of_2(num_experts),
     )
 
