@@ -5,10 +5,11 @@
 
 A: gate_up rows stacked (gate 0..F-1, then up 0..F-1): GEMM1 runs two dots per k-step.
 B: gate_up rows interleaved (gate j, up j; `interleave_gate_up`, done once): one dot over 2 * BLOCK_N rows.
-Both autotune over the same tile lists; down (GEMM2) is the same launch in both. Per-rank EP8 shapes (as
-scripts/bench_experts.py): Kimi-K2 48 experts, D 7168, F 2048; Step3 48 experts, D 7168, F 5120; routed rows
-spread randomly over the experts, 128-aligned segments, `num_rows_hint` given and unused rows left unwritten
-(what the layer passes). bf16 and FP8 (e4m3, per-128 activation scales, 128x128 weight blocks).
+Both autotune over the same tile lists; down (GEMM2) is the same launch in both. The cases are
+scripts/bench_experts.py's (`_make_case`: its per-rank EP8 shapes, routed rows spread randomly over the experts,
+128-aligned segments), with `num_rows_hint` given and unused rows left unwritten (what the layer passes). bf16
+and FP8 (e4m3, per-128 activation scales, 128x128 weight blocks). (The first recorded run,
+docs/results/ab_gate_up_layout_kimi_2026-12-01.*, built its cases in this script, the same way.)
 
 Timing: `triton.testing.do_bench` (L2 flushed before each run), A and B alternated over `--rounds` rounds, the
 median of the rounds kept. Check: B's output vs A's on the rows inside segments (calc_diff < 1e-4 bf16,
@@ -28,46 +29,23 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moe_ref.kernels.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128  # noqa: E402
+from bench_experts import MODELS, _make_case, _make_weights, _segment_rows  # noqa: E402  (same folder)
 from moe_ref.kernels.grouped_mlp import grouped_mlp, interleave_gate_up  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the module (the package re-exports the function)
 
-MODELS = {"kimi-k2": (48, 7168, 2048), "step3": (48, 7168, 5120)}  # local experts e, D, F
-ALIGN = 128
 
-
-def make_case(model: str, num_rows: int, seed: int) -> dict:
-    """Pool (bf16 and FP8), layout and both weight layouts of one (model, rows) case."""
-    num_experts, hidden, inter = MODELS[model]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    counts = torch.bincount(torch.randint(0, num_experts, (num_rows,), device="cuda", generator=gen),
-                            minlength=num_experts)
-    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
-    row_start_e = torch.cumsum(padded, 0) - padded
-    pool_rows = int(padded.sum())
-    x_RD = torch.randn(pool_rows, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
-    gate_up = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
-    down = torch.randn(num_experts, hidden, inter, device="cuda", generator=gen, dtype=torch.bfloat16)
-    gate_up, down = gate_up * hidden**-0.5, down * inter**-0.5
-    valid = torch.zeros(pool_rows, dtype=torch.bool, device="cuda")
-    for start, count in zip(row_start_e.tolist(), counts.tolist()):
-        valid[start:start + count] = True
-    case = {"layout": (row_start_e, counts.to(torch.int32)), "rows": num_rows, "valid": valid,
-            "bf16": {"x": (x_RD,), "gate_up": gate_up, "down": down, "scales": {}}}
-    x_fp8, x_scale = quantize_fp8_per_128(x_RD)
-    gate_up_fp8, gate_up_scale = quantize_fp8_per_block_128(gate_up)
-    down_fp8, down_scale = quantize_fp8_per_block_128(down)
-    case["fp8"] = {"x": (x_fp8,), "gate_up": gate_up_fp8, "down": down_fp8,
-                   "scales": {"x_scale_RDb": x_scale, "gate_up_scale": gate_up_scale, "down_scale": down_scale}}
-    return case
-
-
-def run(case: dict, precision: str, interleaved: bool, weights: torch.Tensor):
-    ops = case[precision]
-    return grouped_mlp(*ops["x"], weights, ops["down"], *case["layout"], **ops["scales"],
-                       num_rows_hint=case["rows"], zero_unused_rows=False, gate_up_interleaved=interleaved)
+def run(case, precision: str, interleaved: bool, gate_up: torch.Tensor):
+    """`grouped_mlp` on a bench_experts case as the Triton experts call it, with `gate_up` in the given layout."""
+    if precision == "fp8":
+        ops = case.fp8
+        inputs, down = (ops["x"],), ops["down"]
+        scales = {"x_scale_RDb": ops["x_scale"], "gate_up_scale": ops["gate_up_scale"], "down_scale": ops["down_scale"]}
+    else:
+        inputs, down, scales = (case.x_RD,), case.down, {}
+    return grouped_mlp(*inputs, gate_up, down, case.row_start_e, case.num_rows_e, **scales,
+                       num_rows_hint=case.num_rows, zero_unused_rows=False, gate_up_interleaved=interleaved)
 
 
 def main(argv=None) -> int:
@@ -83,12 +61,15 @@ def main(argv=None) -> int:
     results = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__}, "cases": []}
     for model in args.models.split(","):
+        num_experts, hidden, inter, _ = MODELS[model]
+        weights = _make_weights(num_experts, hidden, inter, with_fp8=True)
         for num_rows in map(int, args.rows.split(",")):
-            case = make_case(model, num_rows, seed=num_rows)
+            case = _make_case(model, num_rows, weights, seed=0, with_fp8=True)
+            valid = _segment_rows(case.row_start_e, case.num_rows_e, case.x_RD.shape[0])
             for precision in args.precisions.split(","):
-                stacked = case[precision]["gate_up"]
+                stacked = case.fp8["gate_up"] if precision == "fp8" else case.gate_up
                 layouts = {"stacked": (False, stacked), "interleaved": (True, interleave_gate_up(stacked))}
-                outs = {name: run(case, precision, *spec)[case["valid"]].float() for name, spec in layouts.items()}
+                outs = {name: run(case, precision, *spec)[valid].float() for name, spec in layouts.items()}
                 diff = calc_diff(outs["interleaved"], outs["stacked"])
                 times = {name: [] for name in layouts}
                 for _ in range(args.rounds):
