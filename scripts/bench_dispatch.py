@@ -9,6 +9,9 @@ Rows (per tokens/rank T, H 7168, top-8 over 384 experts = 192 per rank at EP 2, 
 - `kernels graph`: the same chunk captured in one torch.cuda.CUDAGraph, replayed.
 - `nccl plain` (anchor): argsort by destination + counts `all_to_all_single` + `.tolist()` + rows
   `all_to_all_single` out (one row per slot) + identity + rows back + weighted `index_add_`.
+- `peer copy_` (anchor): each rank pulls, all at once, as many bytes as a bf16 call moves each way from the next
+  rank's symmetric buffer with one `copy_` (a cudaMemcpyAsync of peer-mapped memory over NVLink): the link's bandwidth
+  without any kernel of ours.
 - `all_to_all_vdev` (anchor, a separate launch with `--vdev-only`): torch's NVSHMEM `all_to_all_vdev`, one way,
   T*K/R rows to each rank (one row per slot, one direction).
 Identity experts: bf16 -> y is the pool itself (no copy); FP8 -> y is a preallocated bf16 pool-sized tensor
@@ -217,6 +220,22 @@ def bench_nccl_plain(num_tokens: int, rank: int, world: int, device, iters: int,
     return timed(run, iters, repeats)
 
 
+def bench_peer_copy(num_bytes: int, rank: int, world: int, device, iters: int, repeats: int) -> float:
+    """Copy anchor: every rank at once pulls ``num_bytes`` from the next rank's symmetric buffer into local memory
+    with one ``copy_`` (cudaMemcpyAsync of a peer-mapped address, over NVLink); us per copy, max over ranks."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    local = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(local, dist.group.WORLD.group_name)
+    peer = handle.get_buffer((rank + 1) % world, (num_bytes,), torch.uint8)
+    dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        dst.copy_(peer)
+    us = timed(lambda: dst.copy_(peer), iters, repeats)
+    dist.barrier()
+    return us
+
+
 def bench_vdev(num_tokens: int, rank: int, world: int, device, iters: int, repeats: int) -> float | None:
     """torch all_to_all_vdev one way: the rows of one direction (T * K / world per peer on average)."""
     try:
@@ -332,6 +351,14 @@ def main() -> int:
                 print(f"T={num_tokens} {dtype}: { {k: v for k, v in res.items() if k != 'profile'} }", flush=True)
                 for prow in res.get("profile") or []:
                     print(f"   profile T={num_tokens} {dtype}: {prow}", flush=True)
+        # the bytes one rank moves each way in a bf16 call (rows out + partials back), as one plain copy
+        copy_bytes = next(int(r["link_bytes_per_direction"]) for r in rows
+                          if r["tokens"] == num_tokens and r["dtype"] == "bf16" and "link_bytes_per_direction" in r)
+        copy_us = bench_peer_copy(copy_bytes, rank, world, device, args.iters, args.repeats)
+        rows.append(dict(tokens=num_tokens, path="peer copy_ (cudaMemcpyAsync pull, same bytes as bf16)", dtype="bf16",
+                         mode="eager", total_us=copy_us, gbps=copy_bytes / (copy_us * 1e-6) / 1e9))
+        if rank == 0:
+            print(f"T={num_tokens} peer copy of {copy_bytes} bytes: {copy_us:.1f} us", flush=True)
         nccl = bench_nccl_plain(num_tokens, rank, world, device, max(5, args.iters // 2), args.repeats)
         rows.append(dict(tokens=num_tokens, path="nccl plain (argsort+a2a+tolist+index_add)", dtype="bf16",
                          mode="eager", total_us=nccl))

@@ -316,15 +316,21 @@ def write_results(out_dir: str, meta: dict, rows: list[dict]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def init_ranks(args, name: str, timeout: timedelta):
+    """This process's GPU, the NCCL group (torchrun) and the benchmark's MoE block:
+    ``(device, group, rank, world, cfg)``."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=10))
-    group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    dist.init_process_group("nccl", device_id=device, timeout=timeout)
     cfg = MoEConfig(num_experts=args.num_experts, num_topk=args.num_topk, hidden_size=args.hidden,
-                    intermediate_size=args.intermediate, name="bench-layer")
+                    intermediate_size=args.intermediate, name=name)
+    return device, dist.group.WORLD, dist.get_rank(), dist.get_world_size(), cfg
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device, group, rank, world, cfg = init_ranks(args, "bench-layer", timedelta(minutes=10))
     num_local = args.num_experts // world
     meta = {"ranks": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "python": platform.python_version(),

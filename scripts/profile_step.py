@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Where one call of the EP routed step spends its time, through the public API (2 GPUs, torchrun, NCCL).
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. \
+        python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/profile_step.py --out results/prof
+
+The paths are bench_layer's (its builders, shapes and inputs). For each path and tokens/rank, on rank 0 (rank 1 runs
+the same calls, unprofiled, since every call is collective):
+- ``host_us``: wall time per eager call until Python returns, over ``--calls`` back-to-back calls, and
+  ``wall_us`` until the GPU is done too: when the two are close the call is host bound.
+- runtime calls per eager call (torch profiler): kernel launches, stream/device synchronizations, device-to-host
+  copies, NCCL kernels; and the GPU kernels of one eager call, summed.
+- a cProfile of the eager calls (``cprofile_<path>_<T>.txt``, cumulative time): which Python functions the host time
+  goes to, with their callers; and the torch operators of 5 eager calls by CPU time (``torch_ops_<path>_<T>.txt``).
+- the CUDA-graph replay: GPU time of each kernel and the span from the first kernel's start to the last one's end
+  (the gaps between them are launch latency inside the graph and waits on the peer).
+Writes ``profile_step.json`` and ``profile_step.md`` under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_layer  # noqa: E402
+
+# runtime API names (CUDA runtime and driver) counted per eager call
+RUNTIME_KINDS = {
+    "kernel launches": ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"),
+    "synchronizations": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
+    "copies (memcpy)": ("cudaMemcpyAsync", "cudaMemcpy"),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/prof")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128])
+    parser.add_argument("--paths", nargs="+", default=["moe_ref_identity", "moe_ref_triton", "moe_ref_triton_fp8"],
+                        choices=[p for p in bench_layer.PATHS if p.startswith("moe_ref") and not p.endswith("_graph")])
+    parser.add_argument("--calls", type=int, default=20)
+    args = parser.parse_args(argv)
+    # bench_layer's shape and seed
+    defaults = bench_layer.parse_args([])
+    for name in ("num_experts", "num_topk", "hidden", "intermediate", "seed"):
+        setattr(args, name, getattr(defaults, name))
+    return args
+
+
+def host_and_wall_us(fn, inputs, calls: int) -> tuple[float, float]:
+    """(host us per call until the calls return, wall us per call until the GPU is done)."""
+    dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(*inputs)
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return host / calls * 1e6, wall / calls * 1e6
+
+
+def cprofile_text(fn, inputs, calls: int, rank: int) -> str:
+    """cProfile of ``calls`` eager calls on rank 0 (the others run them unprofiled)."""
+    profiler = cProfile.Profile() if rank == 0 else None
+    dist.barrier()
+    if profiler:
+        profiler.enable()
+    for _ in range(calls):
+        fn(*inputs)
+    torch.cuda.synchronize()
+    if not profiler:
+        return ""
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
+    stats.print_stats(45)
+    stats.print_callers("synchronize|tolist|item|all_reduce|all_gather|_run|run\\b")
+    return text.getvalue()
+
+
+def torch_profile(fn, inputs, calls: int, rank: int):
+    """Torch profiler (CPU + CUDA) over ``calls`` calls on rank 0; None on the others."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    if rank != 0:
+        for _ in range(calls):
+            fn(*inputs)
+        torch.cuda.synchronize()
+        return None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(*inputs)
+        torch.cuda.synchronize()
+    return prof
+
+
+def runtime_counts(prof, calls: int) -> dict:
+    counts = {kind: 0 for kind in RUNTIME_KINDS}
+    nccl = 0
+    for event in prof.events():
+        for kind, names in RUNTIME_KINDS.items():
+            if event.name in names:
+                counts[kind] += 1
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name.startswith("nccl"):
+            nccl += 1
+    counts["nccl kernels"] = nccl
+    return {kind: round(n / calls, 1) for kind, n in counts.items()}
+
+
+def kernel_table(prof, calls: int) -> list[dict]:
+    """GPU kernels, summed per name, per call (us), longest first."""
+    per_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_name.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    rows = [dict(kernel=name[:90], count_per_call=len(t) / calls, us_per_call=sum(t) / calls)
+            for name, t in per_name.items()]
+    return sorted(rows, key=lambda r: -r["us_per_call"])
+
+
+def gpu_span_us(prof, calls: int) -> float:
+    """First kernel start to last kernel end, per call (the calls run back to back)."""
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    return (max(end for _, end in spans) - min(start for start, _ in spans)) / calls if spans else 0.0
+
+
+def profile_path(name: str, args, cfg, group, num_tokens: int, weights, device) -> dict:
+    rank = dist.get_rank()
+    inputs = bench_layer.make_inputs(args, rank, num_tokens, device)
+    fn, cleanup = bench_layer.BUILDERS[name](args, cfg, group, num_tokens, weights, device)
+    for _ in range(3):  # compile and autotune outside the measurements
+        fn(*inputs)
+    torch.cuda.synchronize()
+    row: dict = {"path": name, "tokens_per_rank": num_tokens}
+    row["host_us"], row["wall_us"] = host_and_wall_us(fn, inputs, args.calls)
+    text = cprofile_text(fn, inputs, args.calls, rank)
+    if rank == 0:
+        with open(os.path.join(args.out, f"cprofile_{name}_{num_tokens}.txt"), "w") as f:
+            f.write(text)
+    prof = torch_profile(fn, inputs, 5, rank)
+    if prof is not None:
+        with open(os.path.join(args.out, f"torch_ops_{name}_{num_tokens}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=60))
+        row["per_eager_call"] = runtime_counts(prof, 5)
+        row["eager_kernels"] = kernel_table(prof, 5)
+        row["eager_gpu_busy_us"] = sum(r["us_per_call"] for r in row["eager_kernels"])
+    cleanup()
+    torch.cuda.synchronize()
+    replay, cleanup = bench_layer.graphed(bench_layer.BUILDERS[name])(args, cfg, group, num_tokens, weights, device)
+    for _ in range(3):
+        replay(*inputs)
+    row["graph_host_us"], row["graph_wall_us"] = host_and_wall_us(replay, inputs, args.calls)
+    prof = torch_profile(replay, inputs, 5, rank)
+    if prof is not None:
+        row["graph_kernels"] = kernel_table(prof, 5)
+        row["graph_span_us"] = gpu_span_us(prof, 5)
+        row["graph_gpu_busy_us"] = sum(r["us_per_call"] for r in row["graph_kernels"])
+    cleanup()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return row
+
+
+def write_markdown(rows: list[dict], meta: dict, path: str) -> None:
+    lines = [f"# Routed step profile, {meta['ranks']} ranks, rank 0 ({meta['device']}, torch {meta['torch']})", "",
+             "| path | tokens/rank | eager host us/call | eager wall us/call | eager GPU busy us | launches | syncs | "
+             "copies | NCCL kernels | graph wall us/call | graph GPU span us | graph GPU busy us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c = r.get("per_eager_call", {})
+        lines.append(f"| {r['path']} | {r['tokens_per_rank']} | {r['host_us']:.0f} | {r['wall_us']:.0f} | "
+                     f"{r.get('eager_gpu_busy_us', 0):.0f} | {c.get('kernel launches', '-')} | "
+                     f"{c.get('synchronizations', '-')} | {c.get('copies (memcpy)', '-')} | {c.get('nccl kernels', '-')} | "
+                     f"{r['graph_wall_us']:.0f} | {r.get('graph_span_us', 0):.1f} | {r.get('graph_gpu_busy_us', 0):.1f} |")
+    for r in rows:
+        for kind in ("eager_kernels", "graph_kernels"):
+            lines += ["", f"## {r['path']}, {r['tokens_per_rank']} tokens/rank: {kind.replace('_', ' ')} (per call)", "",
+                      "| kernel | count | us |", "|---|---:|---:|"]
+            lines += [f"| `{k['kernel']}` | {k['count_per_call']:.1f} | {k['us_per_call']:.1f} |"
+                      for k in r.get(kind, [])[:14]]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device, group, rank, world, cfg = bench_layer.init_ranks(args, "profile-step", timedelta(minutes=5))
+    os.makedirs(args.out, exist_ok=True)
+    weights = bench_layer.make_weights(args, rank, args.num_experts // world, device)
+    meta = {"ranks": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "calls": args.calls}
+    rows = []
+    for num_tokens in args.tokens:
+        for name in args.paths:
+            row = profile_path(name, args, cfg, group, num_tokens, weights, device)
+            rows.append(row)
+            if rank == 0:
+                brief = {k: v for k, v in row.items() if not k.endswith("kernels")}
+                print(f"PROFILE {json.dumps(brief)}", flush=True)
+                with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                write_markdown(rows, meta, os.path.join(args.out, "profile_step.md"))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
