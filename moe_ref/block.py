@@ -20,6 +20,7 @@ import torch
 from moe_ref import ops
 from moe_ref.activations import dense_mlp
 from moe_ref.config import MoEConfig
+from moe_ref.device_checks import DeviceChecks
 from moe_ref.errors import DTypeError, NonFiniteError, ShapeError
 from moe_ref.router import RouterOutput, non_finite_logits_error, router_logits
 from moe_ref.weights import MoEWeights
@@ -29,8 +30,8 @@ RoutedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoEConfig,
-                    bias_E: torch.Tensor | None = None, *,
-                    check_values: bool = True) -> tuple[RouterOutput, NonFiniteError | None]:
+                    bias_E: torch.Tensor | None = None, *, check_values: bool = True,
+                    device_checks: DeviceChecks | None = None) -> tuple[RouterOutput, NonFiniteError | None]:
     """Route with ``cfg``'s family semantics, returning (not raising) the NaN/inf-logits problem.
 
     Args:
@@ -40,8 +41,9 @@ def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoECo
 
     Returns:
         ``RouterOutput(topk_ids_TK [T, K] int64, topk_weights_TK [T, K] fp32)`` and ``NonFiniteError`` (INP004)
-        or None. The EP layer folds that problem into its per-call collective. NOTE: syncs the host once, unless
-        ``check_values=False`` (CUDA-graph capture), which skips the NaN/inf check.
+        or None. NOTE: syncs the host once, unless ``check_values=False`` (CUDA-graph capture), which skips the
+        NaN/inf check, or ``device_checks`` is given: the check is then added there (no sync; the EP layer reads it
+        in its per-call collective) and the problem returned is None.
     """
     if x_TD.dim() != 2 or x_TD.shape[1] != gate_weight_ED.shape[1]:
         raise ShapeError(f"hidden states {tuple(x_TD.shape)} do not match the gate weight "
@@ -49,7 +51,11 @@ def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoECo
     if not x_TD.is_floating_point():
         raise DTypeError(f"hidden states have dtype {x_TD.dtype}; expected a floating dtype")
     logits_TE = router_logits(x_TD, gate_weight_ED)
-    problem = non_finite_logits_error(logits_TE) if check_values else None
+    problem = None
+    if check_values and device_checks is not None:
+        device_checks.add(torch.isfinite(logits_TE).all().logical_not(), lambda: non_finite_logits_error(logits_TE))
+    elif check_values:
+        problem = non_finite_logits_error(logits_TE)
     topk_ids_TK, topk_weights_TK = ops.select_experts(
         logits_TE, cfg.num_topk, cfg.scoring, bias_E if cfg.use_selection_bias else None, cfg.num_groups,
         cfg.num_topk_groups, cfg.renormalize, cfg.routed_scaling_factor)

@@ -46,9 +46,11 @@ from typing import Any
 
 import torch
 
+from moe_ref import ops
 from moe_ref.buffer import SymmetricBuffer, release_buffer
 from moe_ref.capacity import CapacityPlan
 from moe_ref.config import MoEConfig
+from moe_ref.device_checks import DeviceChecks
 from moe_ref.distributed import comm_device
 from moe_ref.errors import (CapacityExceededError, DeviceError, DTypeError, ExpertIdError, InputError, MoERefError,
                             NonFiniteError, ShapeError)
@@ -57,7 +59,8 @@ from moe_ref.kernels.ep_regions import EPRegions
 
 # --- input checks ---------------------------------------------------------------------------------------------
 
-def _value_problem(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int) -> InputError | None:
+def routing_value_problem(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                          num_experts: int) -> InputError | None:
     """NaN/inf weights, ids outside ``[-1, E)``, or a token picking an expert twice, as a coded error, or None.
 
     NOTE: ONE host sync on a good input (the four statistics travel together); the details of a problem cost more.
@@ -80,6 +83,17 @@ def _value_problem(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num
         token = int(dup_T.nonzero()[0, 0])
         return ExpertIdError(f"token {token} picks an expert twice: ids {topk_ids_TK[token].tolist()}")
     return None
+
+
+def add_routing_value_check(checks: DeviceChecks, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                            num_experts: int) -> None:
+    """Add to ``checks`` the device-side check of ``routing_value_problem`` (``ops.routing_check``, no host sync)."""
+    def describe() -> InputError:
+        return routing_value_problem(topk_ids_TK, topk_weights_TK, num_experts) or ExpertIdError(
+            "the device-side routing check failed but the host re-check found no bad value; please report this "
+            "with the inputs")
+
+    checks.add(ops.routing_check(topk_ids_TK, topk_weights_TK, num_experts), describe)
 
 
 def routed_input_problem(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
@@ -111,7 +125,7 @@ def routed_input_problem(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_wei
     if topk_ids_TK.dtype not in (torch.int64, torch.int32) or not topk_weights_TK.dtype.is_floating_point:
         return DTypeError(f"topk ids must be int64 (or int32) and weights floating, got {topk_ids_TK.dtype} and "
                           f"{topk_weights_TK.dtype}")
-    return _value_problem(topk_ids_TK, topk_weights_TK, cfg.num_experts) if check_values else None
+    return routing_value_problem(topk_ids_TK, topk_weights_TK, cfg.num_experts) if check_values else None
 
 
 # --- pool helpers -------------------------------------------------------------------------------------------
@@ -214,10 +228,9 @@ class Dispatcher(ABC):
     def _reduce(self, num_tokens: int) -> torch.Tensor:
         """Step 4: ``[T, Dx]`` activation dtype from MY ``topk_ids`` and ``combine_partial``."""
 
-    def pending_problem(self) -> MoERefError | None:
-        """A failure the device recorded in an earlier call and has not reported (a peer that never signalled,
-        a pool overflow), as a coded error, or None. NOTE: a host sync (outside CUDA-graph capture only)."""
-        return None
+    def add_device_checks(self, checks: DeviceChecks) -> None:
+        """Add the check of a failure the device recorded in an earlier call and has not reported yet (a peer
+        that never signalled, a pool overflow); read with the per-call agreement (no host sync here)."""
 
     # --- one chunk -------------------------------------------------------------------------------------
     def dispatch(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *,

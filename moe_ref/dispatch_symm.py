@@ -17,8 +17,9 @@ from moe_ref import ops
 from moe_ref.buffer import SymmetricBuffer
 from moe_ref.capacity import CapacityPlan
 from moe_ref.dispatch import DispatchHandle, Dispatcher
-from moe_ref.errors import DistributedError, MoERefError
-from moe_ref.kernels.symm_signal import DEFAULT_TIMEOUT_US, check_ep_status
+from moe_ref.device_checks import DeviceChecks
+from moe_ref.errors import DistributedError
+from moe_ref.kernels.symm_signal import DEFAULT_TIMEOUT_US, check_ep_status, ep_status_problem
 
 
 class SymmDispatcher(Dispatcher):
@@ -68,9 +69,6 @@ class SymmDispatcher(Dispatcher):
         self._raise_recorded()
         return routed_TD
 
-    def pending_problem(self) -> MoERefError | None:
-        try:
-            check_ep_status(self.peers, self.regions)  # NOTE: host sync
-        except MoERefError as err:
-            return err
-        return None
+    def add_device_checks(self, checks: DeviceChecks) -> None:
+        status_code = self.regions.view(self.peers.local, "status")[:1]  # STATUS_OK = 0
+        checks.add(status_code, lambda: ep_status_problem(self.peers, self.regions))

@@ -62,19 +62,36 @@ def group_max(values: Sequence[int], group=None, device: torch.device | str = "c
     return tensor.tolist()
 
 
-def gather_ints(values: Sequence[int], group=None, device: torch.device | str = "cpu") -> list[list[int]]:
+def gather_ints(values: Sequence[int], group=None, device: torch.device | str = "cpu",
+                device_values: torch.Tensor | None = None) -> list[list[int]]:
     """Every rank's ``values`` (same length on every rank): one ``all_gather`` of an int64 vector.
 
-    Returns ``[world][len(values)]``, rank order. NOTE: syncs the host.
+    Args:
+        device_values: ``[n]`` integers computed on the device (same n on every rank), appended to ``values``
+            without a read of their own.
+
+    Returns ``[world][len(values) + n]``, rank order. NOTE: syncs the host (once).
     """
     world, _ = group_size_and_rank(group)
     if world == 1:
-        return [list(values)]
-    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+        return [list(values) + ([] if device_values is None else device_values.reshape(-1).tolist())]
+    mine = host_ints_to(values, torch.device(device))
+    if device_values is not None:
+        mine = torch.cat([mine, device_values.to(device=device, dtype=torch.int64).reshape(-1)])
     gathered = [torch.empty_like(mine) for _ in range(world)]
     with peer_errors("the per-call agreement (all_gather)"):
         dist.all_gather(gathered, mine, group=group)
         return torch.stack(gathered).tolist()
+
+
+def host_ints_to(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``[n]`` int64 on ``device`` without a host sync: a plain ``torch.tensor(values, device=cuda)`` copies from
+    pageable memory and waits for the stream, i.e. for every kernel queued before it; from pinned memory the copy
+    is queued like a kernel."""
+    host = torch.tensor(list(values), dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def gather_objects(obj, group=None) -> list:

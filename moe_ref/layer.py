@@ -8,10 +8,10 @@
     forward(x [T, D]):
       1. check x (shape, dtype, device), weights loaded, no gradient requested  -> a problem, not raised yet
       2. route: gate GEMM in fp32, family top-k (block.route_unchecked)           -> topk_ids [T, K], topk_weights [T, K]
-         (NaN/inf logits are a problem too)
+         (NaN/inf logits are a problem too: a device-side check, read in step 4's collective)
       3. (Kimi-K3) latent down-projection (block.expert_input)                    -> z [T, Dx]
-      4. the routed step (moe_ref.routed_step): ONE small collective agrees on every rank's problem and row count
-         (a coded error on every rank, or n chunks), then per chunk dispatch -> experts -> combine -> reduce
+      4. the routed step (moe_ref.routed_step): ONE small collective agrees on every rank's problem, device-side
+         checks and row count (a coded error on every rank, or n chunks), then per chunk dispatch -> experts -> combine -> reduce
                                                                                    -> routed [T, Dx]
       5. (Kimi-K3) RMSNorm over the full cross-rank sum, latent up; + shared experts (block.finish) -> y [T, D]
 
@@ -42,6 +42,7 @@ from torch import nn
 
 from moe_ref import custom_ops
 from moe_ref.block import expert_input, finish, route_unchecked
+from moe_ref.device_checks import DeviceChecks
 from moe_ref.config import MoEConfig, ParallelConfig, preset
 from moe_ref.distributed import check_fields_agree, gather_objects, group_size_and_rank
 from moe_ref.errors import (BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
@@ -404,17 +405,18 @@ class MegaMoE(nn.Module):
         problem = self._input_problem(hidden_states)
         step = self.routed_step
         weights = self.weights()
+        checks = DeviceChecks()  # read in the routed step's one collective (no host sync of their own)
         if problem is None:
             (topk_ids_TK, topk_weights_TK), problem = route_unchecked(
                 hidden_states, self.gate_weight, self.cfg, self.e_score_correction_bias,
-                check_values=not step.capturing())
+                check_values=not step.capturing(), device_checks=checks)
         if problem is not None:  # no rows move: the step's collective raises it on every rank
             empty = torch.empty(0, self.cfg.num_topk, device=self.options.device)
             step(torch.empty(0, self.cfg.expert_hidden_size, dtype=self.options.dtype, device=self.options.device),
                  empty.long(), empty, problem=problem, max_num_tokens=max_num_tokens)
             raise AssertionError("unreachable: the routed step raises the agreed problem")
         routed = step(expert_input(hidden_states, weights, self.cfg), topk_ids_TK, topk_weights_TK,
-                      max_num_tokens=max_num_tokens)
+                      max_num_tokens=max_num_tokens, device_checks=checks)
         return finish(routed, hidden_states, weights, self.cfg)
 
     def _input_problem(self, x: torch.Tensor) -> InputError | None:

@@ -3,6 +3,7 @@
 | op               | CUDA                                  | CPU (and anything else)              |
 |------------------|---------------------------------------|--------------------------------------|
 | select_experts   | ``kernels.router_topk`` (Triton)      | ``router.select_experts`` (torch)     |
+| routing_check    | ``kernels.routing_check`` (Triton)    | ``kernels.routing_check_ref`` (torch) |
 | pre_dispatch     | ``kernels.pre_dispatch`` (Triton)     | ``kernels.pre_dispatch_ref`` (torch)  |
 | ep_ops           | ``kernels.ep_*`` (Triton, no host sync)| ``moe_ref.native``: the compiled ``csrc`` ops (``torch.ops.moe_ref.*_cpu``), or the torch twins ``kernels.ep_*_ref`` when the library is not built or ``MOE_REF_NATIVE=0`` |
 
@@ -32,6 +33,12 @@ def uses_triton(device: torch.device | str) -> bool:
 def select_experts(logits_TE: torch.Tensor, *args, **kwargs):
     """``router.select_experts`` semantics; the fused Triton kernel on CUDA."""
     return (kernels.router_topk if uses_triton(logits_TE.device) else _select_experts_ref)(logits_TE, *args, **kwargs)
+
+
+def routing_check(topk_ids_TK: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``kernels.routing_check`` on CUDA, its twin elsewhere (same arguments): a flag, no host sync."""
+    return (kernels.routing_check if uses_triton(topk_ids_TK.device) else kernels.routing_check_ref)(
+        topk_ids_TK, *args, **kwargs)
 
 
 def pre_dispatch(x_TD: torch.Tensor, *args, **kwargs):

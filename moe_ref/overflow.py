@@ -1,10 +1,12 @@
 """The overflow policy: one small collective per call decides, for every rank alike, how the call runs.
 
-    per call, on every rank:  [call counter, T, max_num_tokens or -1, problem?]  --gather_ints-->
+    per call, on every rank:  [call counter, T, max_num_tokens or -1, problem?, device checks' flags]
+                              --gather_ints (the call's one host sync)-->
       counters differ            -> StepOutOfSyncError (ENV004) on every rank
       max_num_tokens differs     -> GroupDisagreementError (CFG008) on every rank
       some rank has a problem    -> that problem's coded error on every rank (bad shape/dtype/device, NaN,
-                                    ids out of range, weights not loaded, a gradient requested, ...)
+        or a failed device check    ids out of range, weights not loaded, a gradient requested, a peer that
+                                    timed out in an earlier call, ...)
       max_r T_r > cap, 'error'   -> CapacityExceededError (CAP001) on every rank, before any row moves
       else                       -> n = ceil(max_r T_r / cap) chunks (0 when nobody has rows); every rank
                                     runs all n, with zero rows where it has none left
@@ -24,6 +26,7 @@ from typing import Callable
 import torch
 
 from moe_ref.capacity import format_bytes
+from moe_ref.device_checks import DeviceChecks
 from moe_ref.distributed import gather_ints, gather_objects, group_size_and_rank, problem_of, raise_agreed_problem
 from moe_ref.errors import (CapacityExceededError, GroupDisagreementError, MoERefError, ShapeError,
                             StepOutOfSyncError)
@@ -57,7 +60,8 @@ class OverflowPolicy:
             raise ValueError(f"mode={self.mode!r}; supported: {', '.join(OVERFLOW_POLICIES)}")
 
     def agree(self, num_tokens: int, problem: MoERefError | None, *, call_index: int, group=None,
-              device: torch.device | str = "cpu", max_num_tokens: int | None = None) -> int:
+              device: torch.device | str = "cpu", max_num_tokens: int | None = None,
+              device_checks: DeviceChecks | None = None) -> int:
         """The per-call collective: returns the number of chunks every rank runs, or raises on every rank.
 
         Args:
@@ -67,9 +71,11 @@ class OverflowPolicy:
             group, device: the EP group and where its small collectives run.
             max_num_tokens: a bound on T the caller promises for every rank (checked, and it must be given
                 on every rank or none).
+            device_checks: value checks computed on the device (``moe_ref.device_checks``), read here with the
+                rest; a failed one is this rank's problem when ``problem`` is None.
 
         Returns:
-            ``ceil(max_r T_r / C)`` (0 when no rank has rows). NOTE: syncs the host (one ``all_gather`` of 4
+            ``ceil(max_r T_r / C)`` (0 when no rank has rows). NOTE: syncs the host (one ``all_gather`` of 8
             int64 per rank; a second, object collective only when some rank reported a problem).
         """
         world, rank = group_size_and_rank(group)
@@ -77,7 +83,9 @@ class OverflowPolicy:
             problem = ShapeError(f"rank {rank} has num_tokens={num_tokens} > the max_num_tokens={max_num_tokens} "
                                  f"promised for every rank; pass a true bound or None")
         bound = -1 if max_num_tokens is None else int(max_num_tokens)
-        rows = gather_ints([call_index, num_tokens, bound, int(problem is not None)], group, device)
+        checks = device_checks or DeviceChecks()
+        rows = gather_ints([call_index, num_tokens, bound, int(problem is not None)], group, device,
+                           device_values=checks.flags(torch.device(device)))
         calls = [r[0] for r in rows]
         if len(set(calls)) > 1:
             raise StepOutOfSyncError(
@@ -90,7 +98,9 @@ class OverflowPolicy:
             raise GroupDisagreementError(
                 f"max_num_tokens differs across the EP group ({', '.join(f'rank {r}: {b if b >= 0 else None}' for r, b in enumerate(bounds))}); "
                 f"pass the same bound on every rank or None on every rank", bounds=bounds)
-        if any(r[3] for r in rows):
+        if any(any(r[3:]) for r in rows):
+            if problem is None:
+                problem = checks.problem(rows[rank][4:])
             raise_agreed_problem(gather_objects(problem_of(problem), group), rank)
         group_max_tokens = max(r[1] for r in rows)
         return self.num_chunks(num_tokens, group_max_tokens, rank=rank)

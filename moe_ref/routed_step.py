@@ -1,9 +1,12 @@
 """The routed step: one contract, two kinds (as vLLM's modular and monolithic fused-MoE kernels).
 
     RoutedStep.__call__(x_TD, topk_ids_TK, topk_weights_TK, problem=None)        collective over the EP group
-      1. input check (routed_input_problem) + the caller's own problem (NaN logits, weights not loaded, ...)
-         + what the device recorded in an earlier call (a silent peer, a pool overflow)
-      2. OverflowPolicy.agree: ONE small collective -> a coded error on every rank, or n chunks
+      1. input check (routed_input_problem: shapes, dtypes, devices) + the caller's own problem (weights not
+         loaded, ...); on the device, without a host sync (moe_ref.device_checks): the routing values
+         (dispatch.add_routing_value_check), the caller's device checks (NaN logits) and what the device recorded in an earlier
+         call (a silent peer, a pool overflow)
+      2. OverflowPolicy.agree: ONE small collective, which also reads the device checks (the call's one host
+         sync) -> a coded error on every rank, or n chunks
       3. for each of the n chunks (every rank runs all n; empty ones where it has no rows left):
            run_chunk(x, ids, w) -> routed rows                                   (the kind's own work)
       -> routed_TD [T, Dx]
@@ -32,7 +35,8 @@ import torch
 
 from moe_ref.capacity import CapacityPlan
 from moe_ref.config import MoEConfig
-from moe_ref.dispatch import Dispatcher, routed_input_problem
+from moe_ref.device_checks import DeviceChecks
+from moe_ref.dispatch import Dispatcher, add_routing_value_check, routed_input_problem
 from moe_ref.distributed import agree_on_failure, comm_device, gather_ints, group_size_and_rank, peer_errors
 from moe_ref.errors import CapacityExceededError, ConservationError, MoERefError
 from moe_ref.experts import Experts
@@ -64,7 +68,8 @@ class RoutedStep(ABC):
         self.calls = 0
 
     def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *,
-                 problem: MoERefError | None = None, max_num_tokens: int | None = None) -> torch.Tensor:
+                 problem: MoERefError | None = None, max_num_tokens: int | None = None,
+                 device_checks: DeviceChecks | None = None) -> torch.Tensor:
         """Run the routed step (collective: every rank of the group calls it, T may be 0).
 
         Args:
@@ -73,6 +78,8 @@ class RoutedStep(ABC):
             topk_weights_TK: ``[T, K]`` fp32 routing weights (``routed_scaling_factor`` folded in).
             problem: a coded error the caller found on this rank and has not raised (it is raised on every rank).
             max_num_tokens: a bound on T promised for every rank (checked; must be given on all ranks or none).
+            device_checks: the caller's checks computed on the device (NaN logits, ...); this step adds its own
+                (routing values, a failure recorded in an earlier call) and reads them all in its agreement.
 
         Returns:
             ``routed_TD`` ``[T, Dx]`` in the activation dtype.
@@ -80,19 +87,21 @@ class RoutedStep(ABC):
         Raises, on EVERY rank alike: any rank's input problem (its code), ``CapacityExceededError`` (CAP001)
         under ``error``, ``StepOutOfSyncError`` (ENV004), ``GroupDisagreementError`` (CFG008), and, when a rank
         fails inside a chunk, its own error there and ``PeerFailedError`` (ENV005) on the others.
-        NOTE: syncs the host (the per-call agreement, and the data path's own syncs).
+        NOTE: syncs the host once, in the per-call agreement (plus the data path's own syncs off CUDA).
         """
         if self.capturing():
             return self._captured_call(x_TD, topk_ids_TK, topk_weights_TK, problem)
         if problem is None:
             problem = routed_input_problem(x_TD, topk_ids_TK, topk_weights_TK, self.cfg, self.activation_dtype,
-                                           self.device)
+                                           self.device, check_values=False)
+        checks = device_checks or DeviceChecks()
         if problem is None:
-            problem = self.pending_problem()
+            add_routing_value_check(checks, topk_ids_TK, topk_weights_TK, self.cfg.num_experts)
+        self.add_device_checks(checks)
         num_tokens = x_TD.shape[0] if problem is None else 0
         call_index, self.calls = self.calls, self.calls + 1
         num_chunks = self.policy.agree(num_tokens, problem, call_index=call_index, group=self.group,
-                                       device=self.comm_device, max_num_tokens=max_num_tokens)
+                                       device=self.comm_device, max_num_tokens=max_num_tokens, device_checks=checks)
         if num_chunks == 0:
             return x_TD.new_empty(0, self.cfg.expert_hidden_size)
         topk_ids_TK = topk_ids_TK.to(torch.int64)
@@ -119,9 +128,8 @@ class RoutedStep(ABC):
         self.calls += 1
         return self.run_chunk(x_TD, topk_ids_TK.to(torch.int64), topk_weights_TK.to(torch.float32))
 
-    def pending_problem(self) -> MoERefError | None:
-        """A failure an earlier call recorded on the device and has not reported yet, or None."""
-        return None
+    def add_device_checks(self, checks: DeviceChecks) -> None:
+        """Add the check of a failure an earlier call recorded on the device and has not reported yet."""
 
     @abstractmethod
     def run_chunk(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
@@ -170,8 +178,8 @@ class ModularRoutedStep(RoutedStep):
     def num_recv_tokens_per_expert(self) -> torch.Tensor:
         return self.dispatcher.num_recv_tokens_per_expert
 
-    def pending_problem(self) -> MoERefError | None:
-        return self.dispatcher.pending_problem()
+    def add_device_checks(self, checks: DeviceChecks) -> None:
+        self.dispatcher.add_device_checks(checks)
 
     def run_chunk(self, x_TD, topk_ids_TK, topk_weights_TK):
         capturing = self.capturing()

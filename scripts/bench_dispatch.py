@@ -32,6 +32,7 @@ Writes bench_dispatch.json and .md (and .png when matplotlib imports) under --ou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -46,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from moe_ref.kernels.ep_chunk import ep_chunk  # noqa: E402
 from moe_ref.kernels.ep_combine import ep_combine_push, ep_combine_reduce  # noqa: E402
 from moe_ref.kernels.ep_dispatch import ep_dispatch  # noqa: E402
+from moe_ref.kernels.ep_launch import EP_LAUNCH  # noqa: E402
 from moe_ref.kernels.ep_layout import ep_pre_dispatch  # noqa: E402
 from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, zero_signal_regions  # noqa: E402
 from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier  # noqa: E402
@@ -132,40 +134,50 @@ def profile_kernels(fn, rank: int, calls: int = 10) -> list[dict]:
     return rows[:14]
 
 
+class ChunkCase:
+    """One (T, dtype) case over a fresh symmetric buffer: the whole chunk and its two halves as callables."""
+
+    def __init__(self, num_tokens: int, fp8: bool, rank: int, world: int, device):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.e = NUM_EXPERTS // world
+        self.regions = regions = EPRegions.build(world, self.e, TOPK, num_tokens, HIDDEN,
+                                                 activation_dtype=torch.bfloat16, fp8=fp8, alignment=1)
+        self.local = symm_mem.empty(regions.end, dtype=torch.uint8, device=device)
+        self.local.zero_()
+        handle = symm_mem.rendezvous(self.local, dist.group.WORLD.group_name)
+        self.peers = peers = PeerBuffers.from_symm_handle(self.local, handle)
+        zero_signal_regions(peers, regions)
+        torch.cuda.synchronize()
+        dist.barrier()
+        self.x, self.ids, self.w = routing(num_tokens, 1000 + rank, device)
+        self.pool = regions.view(self.local, "recv_x")
+        self.y_fp8 = torch.zeros(self.pool.shape, dtype=torch.bfloat16, device=device) if fp8 else None
+        self.num_tokens, self.fp8 = num_tokens, fp8
+
+    def experts(self, recv_x, recv_x_scale):
+        return self.y_fp8 if self.fp8 else recv_x
+
+    def chunk(self, fused_signals: bool = True):
+        return ep_chunk(self.x, self.ids, self.w, self.experts, self.peers, self.regions, fused_signals=fused_signals)
+
+    def dispatch_half(self):
+        ep_pre_dispatch(self.x, self.ids, self.w, self.peers, self.regions, post=True)
+        ep_dispatch(self.peers, self.regions, wait=True)
+
+    def combine_half(self):
+        ep_combine_push(self.experts(self.pool, None), self.peers, self.regions, post=True)
+        return ep_combine_reduce(self.num_tokens, self.peers, self.regions, wait=True)
+
+
 def bench_kernels(num_tokens: int, fp8: bool, rank: int, world: int, device, iters: int, repeats: int,
                   profile: bool = False) -> dict:
-    import torch.distributed._symmetric_memory as symm_mem
-
-    e = NUM_EXPERTS // world
-    regions = EPRegions.build(world, e, TOPK, num_tokens, HIDDEN, activation_dtype=torch.bfloat16, fp8=fp8,
-                              alignment=1)
-    local = symm_mem.empty(regions.end, dtype=torch.uint8, device=device)
-    local.zero_()
-    handle = symm_mem.rendezvous(local, dist.group.WORLD.group_name)
-    peers = PeerBuffers.from_symm_handle(local, handle)
-    zero_signal_regions(peers, regions)
-    torch.cuda.synchronize()
-    dist.barrier()
-    x, ids, w = routing(num_tokens, 1000 + rank, device)
-    pool = regions.view(local, "recv_x")
-    y_fp8 = torch.zeros(pool.shape, dtype=torch.bfloat16, device=device) if fp8 else None
-
-    def experts(recv_x, recv_x_scale):
-        return y_fp8 if fp8 else recv_x
-
-    def chunk():
-        return ep_chunk(x, ids, w, experts, peers, regions)
+    case = ChunkCase(num_tokens, fp8, rank, world, device)
+    regions, peers, local, ids, e = case.regions, case.peers, case.local, case.ids, case.e
+    chunk, dispatch_half, combine_half = case.chunk, case.dispatch_half, case.combine_half
 
     def chunk_unfused():
-        return ep_chunk(x, ids, w, experts, peers, regions, fused_signals=False)
-
-    def dispatch_half():
-        ep_pre_dispatch(x, ids, w, peers, regions, post=True)
-        ep_dispatch(peers, regions, wait=True)
-
-    def combine_half():
-        ep_combine_push(experts(pool, None), peers, regions, post=True)
-        return ep_combine_reduce(num_tokens, peers, regions, wait=True)
+        return case.chunk(fused_signals=False)
 
     for _ in range(3):
         chunk()
@@ -218,6 +230,30 @@ def bench_nccl_plain(num_tokens: int, rank: int, world: int, device, iters: int,
     for _ in range(3):
         run()
     return timed(run, iters, repeats)
+
+
+def sweep_launch(num_tokens: int, fp8: bool, rank: int, world: int, device, iters: int, repeats: int) -> list[dict]:
+    """Each half of the chunk, in a CUDA graph, under each EP launch shape (``kernels.ep_launch``)."""
+    case = ChunkCase(num_tokens, fp8, rank, world, device)
+    default = dataclasses.replace(EP_LAUNCH)
+    shapes = [("dispatch", dict(dispatch_block_bytes=b, dispatch_warps=w)) for b in (4096, 8192, 16384) for w in (4, 8, 16)]
+    shapes += [("combine", dict(combine_block_cols=c, combine_warps=w)) for c in (512, 1024, 2048) for w in (4, 8, 16)]
+    rows = []
+    for half, fields in shapes:
+        for name, value in fields.items():
+            setattr(EP_LAUNCH, name, value)
+        fn = case.dispatch_half if half == "dispatch" else case.combine_half
+        for _ in range(2):
+            fn()
+        graph = capture(fn)
+        rows.append(dict(tokens=num_tokens, dtype="fp8" if fp8 else "bf16", half=half, **fields,
+                         us=timed(graph.replay, iters, repeats)))
+        del graph
+        for name in fields:
+            setattr(EP_LAUNCH, name, getattr(default, name))
+    check_ep_status(case.peers, case.regions)
+    dist.barrier()
+    return rows
 
 
 def bench_peer_copy(num_bytes: int, rank: int, world: int, device, iters: int, repeats: int) -> float:
@@ -308,6 +344,9 @@ def main() -> int:
     parser.add_argument("--tokens", default="128,512,4096")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sweep", action="store_true",
+                        help="only time each half in a CUDA graph under each EP launch shape (kernels.ep_launch) and "
+                             "write bench_dispatch_sweep.json")
     parser.add_argument("--vdev-only", action="store_true",
                         help="time only torch all_to_all_vdev (NVSHMEM backend, set before any allocation; run it "
                              "as its own launch) and write bench_dispatch_vdev.json")
@@ -329,6 +368,18 @@ def main() -> int:
                              dtype="bf16", mode="eager", total_us=vdev))
             if rank == 0:
                 print(f"T={num_tokens} all_to_all_vdev: {vdev}", flush=True)
+    if args.sweep:
+        sweep = [row for num_tokens in token_counts for fp8 in (False, True)
+                 for row in sweep_launch(num_tokens, fp8, rank, world, device, args.iters, args.repeats)]
+        if rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "bench_dispatch_sweep.json"), "w") as f:
+                json.dump({"default": dataclasses.asdict(EP_LAUNCH), "rows": sweep}, f, indent=1)
+            for row in sweep:
+                print(f"SWEEP {json.dumps(row)}", flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
     for num_tokens in [] if args.vdev_only else token_counts:
         for fp8 in (False, True):
             res = bench_kernels(num_tokens, fp8, rank, world, device, args.iters, args.repeats,

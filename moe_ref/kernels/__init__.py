@@ -30,9 +30,12 @@ from moe_ref.kernels.fp8 import (
 from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
 from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
 from moe_ref.kernels.router_topk import router_topk, router_topk_ref
+from moe_ref.kernels.routing_check import routing_check, routing_check_ref
 from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier, symm_barrier_ref
 
 __all__ = [
+    "routing_check",
+    "routing_check_ref",
     "is_interpreter",
     "router_topk",
     "router_topk_ref",

@@ -29,6 +29,7 @@ from moe_ref.errors import DTypeError, ShapeError
 
 from moe_ref.kernels._triton_utils import check_device, is_interpreter, launch_options
 from moe_ref.kernels.ep_dispatch import source_token
+from moe_ref.kernels.ep_launch import EP_LAUNCH
 from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, check_peers
 from moe_ref.kernels.symm_signal import (
     DEFAULT_MAX_POLLS,
@@ -179,7 +180,7 @@ def ep_combine_push(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions, 
     _check_push_args(y_PD, peers, regions)
     check_device("y_PD", y_PD)
     R, K, C, D = regions.num_ranks, regions.num_topk, regions.cap, regions.hidden
-    block_d = min(triton.next_power_of_2(D), 64 if is_interpreter() else 1024)
+    block_d = min(triton.next_power_of_2(D), 64 if is_interpreter() else EP_LAUNCH.combine_block_cols)
     off = regions.offsets
     _combine_push_kernel[(R * C,)](
         y_PD, peers.ptrs_R,
@@ -187,7 +188,7 @@ def ep_combine_push(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions, 
         R, off["signal"], off["epoch"], off["counter"],
         y_PD.stride(0) if y_PD.numel() else D,
         PART_DTYPE=_TL_DTYPES[regions.activation_dtype], POST=post, BLOCK_K=triton.next_power_of_2(K),
-        BLOCK_D=block_d, BLOCK_R=triton.next_power_of_2(R), num_warps=4, **launch_options(fp_fusion=False),
+        BLOCK_D=block_d, BLOCK_R=triton.next_power_of_2(R), num_warps=EP_LAUNCH.combine_warps, **launch_options(fp_fusion=False),
     )
 
 
@@ -266,7 +267,7 @@ def ep_combine_reduce(num_tokens: int, peers: PeerBuffers, regions: EPRegions,
         if wait:  # nothing to reduce, but the wait is part of the barrier every rank counts on
             symm_barrier(peers, regions, post=False, wait=True, timeout_us=timeout_us, max_polls=max_polls)
         return out_TD
-    block_d = min(triton.next_power_of_2(D), 64 if is_interpreter() else 1024)
+    block_d = min(triton.next_power_of_2(D), 64 if is_interpreter() else EP_LAUNCH.combine_block_cols)
     off = regions.offsets
     num_programs = min(num_tokens, 8 if is_interpreter() else 4 * _num_sms(out_TD.device.index))
     _combine_reduce_kernel[(num_programs,)](
@@ -277,7 +278,7 @@ def ep_combine_reduce(num_tokens: int, peers: PeerBuffers, regions: EPRegions,
         out_TD.stride(0),
         PART_DTYPE=_TL_DTYPES[regions.activation_dtype], WAIT=wait, BOUND=bound_mode(),
         BLOCK_K=triton.next_power_of_2(regions.num_topk), BLOCK_D=block_d,
-        BLOCK_R=triton.next_power_of_2(regions.num_ranks), num_warps=4, **launch_options(fp_fusion=False),
+        BLOCK_R=triton.next_power_of_2(regions.num_ranks), num_warps=EP_LAUNCH.combine_warps, **launch_options(fp_fusion=False),
     )
     return out_TD
 

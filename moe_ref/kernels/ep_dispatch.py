@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from moe_ref.kernels._triton_utils import check_device, is_interpreter
+from moe_ref.kernels.ep_launch import EP_LAUNCH
 from moe_ref.kernels.ep_regions import STATUS_PEER_TIMEOUT, STATUS_POOL_OVERFLOW, EPRegions, PeerBuffers, check_peers
 from moe_ref.kernels.symm_signal import (
     DEFAULT_MAX_POLLS,
@@ -232,7 +233,7 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
     row_bytes = regions.hidden * regions.wire_dtype.itemsize
     word = _word_bytes(row_bytes)
     row_words = row_bytes // word
-    block_w = min(triton.next_power_of_2(row_words), 64 if is_interpreter() else 1024 // word * 8)
+    block_w = min(triton.next_power_of_2(row_words), 64 if is_interpreter() else EP_LAUNCH.dispatch_block_bytes // word)
     _dispatch_rows_kernel[(R * C,)](
         peers.ptrs_R,
         peers.rank, C, K, e, regions.num_pool_rows, row_words, regions.num_scale_cols,
@@ -241,7 +242,7 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
         off["recv_x"], off.get("recv_x_scale", 0),
         WORD=_WORD_DTYPES[word], HAS_SCALE=regions.fp8, BLOCK_K=triton.next_power_of_2(K), BLOCK_W=block_w,
         BLOCK_S=triton.next_power_of_2(regions.num_scale_cols),
-        num_warps=4,
+        num_warps=EP_LAUNCH.dispatch_warps,
     )
 
 

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.errors import ExpertIdError, PeerTimeoutError
+from moe_ref.errors import ExpertIdError, MoERefError, PeerTimeoutError
 
 from moe_ref.kernels._triton_utils import check_device, is_interpreter
 from moe_ref.kernels.ep_regions import (
@@ -50,7 +50,7 @@ from moe_ref.kernels.ep_regions import (
     check_peers,
 )
 
-__all__ = ["symm_barrier", "symm_barrier_ref", "check_ep_status", "DEFAULT_TIMEOUT_US", "DEFAULT_MAX_POLLS"]
+__all__ = ["symm_barrier", "symm_barrier_ref", "check_ep_status", "ep_status_problem", "DEFAULT_TIMEOUT_US", "DEFAULT_MAX_POLLS"]
 
 DEFAULT_TIMEOUT_US = 30_000_000.0  # 30 s: above a first call's JIT compilation on a slow peer; reports a dead peer
 DEFAULT_MAX_POLLS = 2**31 - 1     # GPU: the time bound decides; the interpreter passes a small count
@@ -231,9 +231,17 @@ def symm_barrier_ref(peers: PeerBuffers, regions: EPRegions, *, timeout_us: floa
 
 
 def check_ep_status(peers: PeerBuffers, regions: EPRegions) -> None:
-    """Raise the coded error a device-side wait or dispatch recorded in MY `status` (host sync).
+    """Raise the coded error a device-side wait or dispatch recorded in MY `status` (host sync); see
+    `ep_status_problem`."""
+    problem = ep_status_problem(peers, regions)
+    if problem is not None:
+        raise problem
 
-    Raises:
+
+def ep_status_problem(peers: PeerBuffers, regions: EPRegions) -> MoERefError | None:
+    """The coded error a device-side wait or dispatch recorded in MY `status` (not raised), or None. Host sync.
+
+    Returns:
         PeerTimeoutError (ENV010): a barrier timed out; names the peers that never signalled and the epoch.
         ExpertIdError (INP005): `ep_dispatch` found more received rows than the pool holds (a token picked one
             expert twice, or ids outside the layout); names the rows needed and the pool rows.
@@ -241,16 +249,16 @@ def check_ep_status(peers: PeerBuffers, regions: EPRegions) -> None:
     status = regions.view(peers.local, "status").tolist()  # NOTE: host sync
     code, detail, missing = status[0], status[1], status[2:]
     if code == STATUS_OK:
-        return
+        return None
     if code == STATUS_PEER_TIMEOUT:
         silent = [s for s, flag in enumerate(missing) if flag]
-        raise PeerTimeoutError(
+        return PeerTimeoutError(
             f"rank {peers.rank}: peer(s) {silent} never signalled barrier epoch {detail} within the bound; the "
             f"data of this call is invalid (did a rank crash, or do ranks run different numbers of calls/chunks?)",
             rank=peers.rank, peers=silent, epoch=detail)
     if code == STATUS_POOL_OVERFLOW:
-        raise ExpertIdError(
+        return ExpertIdError(
             f"rank {peers.rank}: the received rows need {detail} pool rows but the pool has {regions.num_pool_rows}: "
             f"a token picked the same expert twice, or ids are outside [-1, E) (rows past the pool were dropped)",
             rank=peers.rank, rows_needed=detail, pool_rows=regions.num_pool_rows)
-    raise PeerTimeoutError(f"rank {peers.rank}: unknown EP status code {code} (status={status})")
+    return PeerTimeoutError(f"rank {peers.rank}: unknown EP status code {code} (status={status})")

@@ -1,4 +1,5 @@
-"""Compile the grouped MLP kernel for Hopper (sm_90a) on a machine without a GPU, as the launcher would launch it.
+"""Compile the grouped MLP kernel and the routing check for Hopper (sm_90a) on a machine without a GPU, as their
+launchers would launch them.
 
     python tests/unit/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
 
@@ -27,6 +28,7 @@ from triton.runtime.jit import mangle_type
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
+rc = importlib.import_module("moe_ref.kernels.routing_check")
 HOPPER = GPUTarget("cuda", 90, 32)
 OPTION_KEYS = ("num_warps", "num_stages", "enable_fp_fusion")
 FP8 = torch.float8_e4m3fn
@@ -42,6 +44,12 @@ CASES = {
     "fp8 down, TMA": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8)),
     "int4 gate_up interleaved": ("int4", "gate_up", True, False, (16, 64, 128, 4, 4)),
     "mxfp4 down": ("mxfp4", "down", False, False, (64, 128, 64, 4, 3)),
+}
+
+# name -> (ids dtype, weights dtype)
+ROUTING_CHECK_CASES = {
+    "routing_check int64 ids, fp32 weights": (torch.int64, torch.float32),
+    "routing_check int32 ids, bf16 weights": (torch.int32, torch.bfloat16),
 }
 
 
@@ -84,21 +92,42 @@ def _operands(weights: str, gemm: str, interleaved: bool) -> dict:
 
 
 def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple):
-    """Launch one case into the recorder, then compile the recorded launch for sm_90; returns the kernel."""
+    """Launch one grouped-MLP case into the recorder, then compile the recorded launch for sm_90."""
     ops = _operands(weights, gemm, interleaved)
     experts = ops["b"].shape[0]
     row_start_e = torch.arange(experts, dtype=torch.int64) * 16
     num_rows_e = torch.full((experts,), 16, dtype=torch.int32)
-    kernel, recorder = gm._grouped_gemm_kernel, _Recorder()
-    gm._grouped_gemm_kernel, tma_possible = recorder, gm._tma_possible
+    tma_possible = gm._tma_possible
     gm._tma_possible = lambda a, b, w4: tma  # no CUDA device here: TMA is what the case says
     try:
-        gm._launch_gemm(ops["a"], ops["a_scale"], ops["b"], ops["b_scale"], ops["c"], ops["c_scale"], row_start_e,
-                        num_rows_e, n=ops["n"], k=ops["k"], activation=ops["activation"], situ_beta=4.0,
-                        situ_linear_beta=25.0, fp8=ops["fp8"], quant_out=ops["quant_out"], rows_hint=64,
-                        w4=ops["w4"], interleaved=ops["interleaved"], config=gm.tiles.config_of_tile(tile))
+        return compile_launch(gm, "_grouped_gemm_kernel", lambda: gm._launch_gemm(
+            ops["a"], ops["a_scale"], ops["b"], ops["b_scale"], ops["c"], ops["c_scale"], row_start_e, num_rows_e,
+            n=ops["n"], k=ops["k"], activation=ops["activation"], situ_beta=4.0, situ_linear_beta=25.0,
+            fp8=ops["fp8"], quant_out=ops["quant_out"], rows_hint=64, w4=ops["w4"], interleaved=ops["interleaved"],
+            config=gm.tiles.config_of_tile(tile)))
     finally:
-        gm._grouped_gemm_kernel, gm._tma_possible = kernel, tma_possible
+        gm._tma_possible = tma_possible
+
+
+def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):
+    """The routing check's launch at 70 tokens, top-8, compiled for sm_90 (its device check skipped: CPU tensors)."""
+    check_device = rc.check_device
+    rc.check_device = lambda name, tensor: None
+    try:
+        return compile_launch(rc, "_routing_check_kernel", lambda: rc.routing_check(
+            torch.zeros(70, 8, dtype=ids_dtype), torch.zeros(70, 8, dtype=weights_dtype), 16))
+    finally:
+        rc.check_device = check_device
+
+
+def compile_launch(module, kernel_name: str, launch):
+    """Run ``launch()`` with ``module.<kernel_name>`` replaced by a recorder; compile what it launched for sm_90."""
+    kernel, recorder = getattr(module, kernel_name), _Recorder()
+    setattr(module, kernel_name, recorder)
+    try:
+        launch()
+    finally:
+        setattr(module, kernel_name, kernel)
     bound = dict(zip(kernel.arg_names, recorder.args))
     bound.update({key: value for key, value in recorder.kwargs.items() if key not in OPTION_KEYS})
     signature, constexprs = {}, {}
@@ -116,11 +145,14 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles the kernels", file=sys.stderr)
         return 2
-    print(json.dumps({"cases": list(CASES)}), flush=True)
-    for name, case in CASES.items():
+    builders = {name: (lambda case=case: compile_case(*case)) for name, case in CASES.items()}
+    builders.update({name: (lambda case=case: compile_routing_check(*case)) for name, case in ROUTING_CHECK_CASES.items()})
+    print(json.dumps({"cases": list(builders)}), flush=True)
+    for name, build in builders.items():
         try:
-            compiled = compile_case(*case)
-            report = {"case": name, "error": None, "shared_bytes": compiled.metadata.shared}
+            compiled = build()
+            report = {"case": name, "error": None, "shared_bytes": compiled.metadata.shared,
+                      "cubin_bytes": len(compiled.asm["cubin"])}
         except Exception as exc:  # reported per case; the test fails on any
             report = {"case": name, "error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
         print(json.dumps(report), flush=True)

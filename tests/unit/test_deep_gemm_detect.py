@@ -417,8 +417,11 @@ def _stub_mega(cap: int, overflow: str) -> MonolithicRoutedStep:
 
 def _peer_reports(monkeypatch, num_tokens: int, problem: tuple[str, str] | None = None) -> None:
     """Pretend a second rank reported ``num_tokens`` rows (and ``problem``) in the per-call collective."""
-    monkeypatch.setattr(overflow, "gather_ints", lambda values, group, device: [list(values), [values[0], num_tokens,
-                                                                                       values[2], int(bool(problem))]])
+    def gather_ints(values, group, device, device_values=None):  # this rank's device checks all passed
+        no_flags = [0] * len(device_values)
+        return [list(values) + no_flags, [values[0], num_tokens, values[2], int(bool(problem)), *no_flags]]
+
+    monkeypatch.setattr(overflow, "gather_ints", gather_ints)
     monkeypatch.setattr(overflow, "gather_objects", lambda obj, group: [obj, problem])
 
 

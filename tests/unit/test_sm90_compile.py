@@ -1,5 +1,6 @@
 """The grouped MLP kernel compiles for Hopper (sm_90a), checked on a CPU: each weight format, gate/up layout, TMA or
-pointer loads and GEMM, at representative tiles of the autotune lists.
+pointer loads and GEMM, at representative tiles of the autotune lists; so does the routing check (its first H200
+run found a global that Triton's compiler refuses and the interpreter accepts).
 
 The interpreter tests run the kernel's Python, so a kernel that Triton's compiler rejects (for instance two
 returns of different types in branches a constexpr removes, found on an H200 in session 3 of 2026-12-01) passes
@@ -14,7 +15,7 @@ import sys
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_compile_worker.py")
 
 
-def test_grouped_mlp_compiles_for_sm90_in_every_variant():
+def test_kernels_compile_for_sm90_in_every_variant():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, WORKER], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -22,5 +23,6 @@ def test_grouped_mlp_compiles_for_sm90_in_every_variant():
     assert [r["case"] for r in reports] == planned["cases"] and len(reports) >= 9, done.stdout[-2000:]
     failed = {r["case"]: r["error"] for r in reports if r["error"]}
     assert not failed, "\n\n".join(f"{case}: {error}" for case, error in failed.items())
-    # the kernels really went through the backend (shared memory is what the compiled pipeline holds)
-    assert all(r["shared_bytes"] > 0 for r in reports), reports
+    # the kernels really went through the backend (a cubin; the GEMMs' pipelines hold shared memory)
+    assert all(r["cubin_bytes"] > 0 for r in reports), reports
+    assert all(r["shared_bytes"] > 0 for r in reports if not r["case"].startswith("routing_check")), reports

@@ -1,0 +1,80 @@
+"""Device-side checks read with the per-call agreement: their flags, their order, and the routed step raising what
+they found (a bad routing value, NaN logits in the layer, a failure recorded on the device in an earlier call)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ref.config import preset
+from moe_ref.device_checks import MAX_CHECKS, DeviceChecks
+from moe_ref.errors import ExpertIdError, NonFiniteError, PeerTimeoutError, ShapeError
+from moe_ref.experts import make_experts
+from moe_ref.kernels.ep_regions import STATUS_PEER_TIMEOUT
+from moe_ref.layer import MegaMoE
+from moe_ref.options import EPOptions
+from moe_ref.routed_step import make_modular_step
+from moe_ref.weights import MoEWeights
+
+pytestmark = pytest.mark.unit
+
+
+def test_flags_are_padded_in_order_and_the_first_failure_is_described():
+    checks = DeviceChecks()
+    assert torch.equal(checks.flags(torch.device("cpu")), torch.zeros(MAX_CHECKS, dtype=torch.int64))
+    checks.add(torch.tensor(False), lambda: ShapeError("first"))
+    checks.add(torch.tensor([3], dtype=torch.int32), lambda: ExpertIdError("second"))
+    checks.add(torch.tensor(1), lambda: NonFiniteError("third"))
+    flags = checks.flags(torch.device("cpu"))
+    assert flags.tolist() == [0, 3, 1] + [0] * (MAX_CHECKS - 3)
+    assert isinstance(checks.problem(flags.tolist()), ExpertIdError)  # the first failed one, not the last
+    assert checks.problem([0] * MAX_CHECKS) is None
+    checks.add(torch.tensor(0), lambda: ShapeError("fourth"))
+    with pytest.raises(ValueError, match=f"at most {MAX_CHECKS}"):
+        checks.add(torch.tensor(0), lambda: ShapeError("fifth"))
+
+
+def _step(cfg, weights):
+    experts = make_experts("torch", weights.gate_up_weight_E2FD, weights.down_weight_EDF, cfg.activation,
+                           cfg.situ_beta, cfg.situ_linear_beta)
+    return make_modular_step(cfg, None, experts, EPOptions.resolve(num_max_tokens_per_rank=8, transport="symm"))
+
+
+def test_a_failure_recorded_on_the_device_is_raised_by_the_next_call():
+    cfg = preset("tiny-kimi-k2")
+    weights = MoEWeights.random(cfg, seed=1)
+    x = torch.randn(4, cfg.hidden_size)
+    ids = torch.tensor([[0, 1, 2, 3]] * 4)
+    w = torch.rand(4, 4)
+    with _step(cfg, weights) as step:
+        good = step(x, ids, w)
+        status = step.dispatcher.buffer.view("status")
+        status[0], status[1] = STATUS_PEER_TIMEOUT, 7  # what a wait that timed out writes (epoch 7)
+        exchange = step.dispatcher._pre_dispatch_and_exchange
+
+        def must_not_run(*args):
+            raise AssertionError("rows moved: the recorded failure was not raised by the agreement")
+
+        step.dispatcher._pre_dispatch_and_exchange = must_not_run
+        with pytest.raises(PeerTimeoutError, match=r"\[ENV010\].*epoch 7"):
+            step(x, ids, w)
+        step.dispatcher._pre_dispatch_and_exchange = exchange
+        status.zero_()
+        assert torch.equal(step(x, ids, w), good)
+
+
+def test_the_caller_device_checks_come_first_and_the_layer_reports_nan_logits():
+    cfg = preset("tiny-kimi-k2")
+    weights = MoEWeights.random(cfg, seed=2)
+    x = torch.randn(4, cfg.hidden_size)
+    with _step(cfg, weights) as step:
+        checks = DeviceChecks()
+        checks.add(torch.tensor(True), lambda: NonFiniteError("the caller's problem"))
+        with pytest.raises(NonFiniteError, match="the caller's problem"):  # before the bad id, which comes later
+            step(x, torch.tensor([[0, 1, 2, 99]] * 4), torch.rand(4, 4), device_checks=checks)
+    layer = MegaMoE(cfg, None, num_max_tokens_per_rank=8, seed=3)
+    bad = x.clone()
+    bad[2, 0] = float("nan")
+    with torch.no_grad(), pytest.raises(NonFiniteError, match=r"router logits are NaN/inf for 1 of 4 tokens.*\[2\]"):
+        layer(bad)
+    with torch.no_grad():
+        assert layer(x).shape == x.shape  # the layer goes on after the refused call
