@@ -18,6 +18,12 @@ M blocks and the surplus programs exit at once. So BLOCK_M may be smaller than t
 alignment (decode) and padding blocks cost nothing. Program order: N tiles fastest (GROUP_M = 1, the
 default), or GROUP_M > 1 consecutive M blocks sweep the N tiles together (an L2 swizzle for many rows).
 
+Schedule: one program per tile of that upper-bound grid (the default), or `persistent=True`: about two programs per
+SM walk the live tiles (`_tile_coords` orders both). Same bytes out; on an H200 persistent was no faster (bf16
+within 2%, FP8 up to 6% slower at Kimi-K2's shape, docs/results/ab_schedule_persistent_kimi_2026-12-01.md), so
+the grid stays the default: without warp specialization (which does not compile here on triton 3.6) a program
+cannot overlap its epilogue with its next tile's loads, and the grid's surplus programs already exit at once.
+
 Tiles: autotuned per rows-per-expert regime (`grouped_mlp_tiles`: lists, `regime`, `prune_configs`), or forced with
 `_launch_gemm(..., config=triton.Config(...))` (`scripts/tune_grouped_mlp.py` sweeps them that way).
 
@@ -202,6 +208,7 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
     GROUP_M: tl.constexpr = 1,     # program order: 1 = N fastest (pid_m = pid // num_pid_n); G > 1 = L2 swizzle
+    PERSISTENT: tl.constexpr = False,  # a fixed grid walks the live tiles (else one program per upper-bound tile)
 ):
     """One program = BLOCK_M rows of one expert x BLOCK_N output columns (x2 for gate and up).
 
@@ -211,28 +218,59 @@ def _grouped_gemm_kernel(
         gate=2, up=6, c[0] = silu(2) * 6 = 1.7616 * 6 = 10.569.
     """
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    if GROUP_M == 1:
-        pid_m = pid // num_pid_n
-        pid_n = pid % num_pid_n
-    else:
-        # GROUP_M consecutive M blocks (any experts) sweep the N tiles together, M fastest: programs that
-        # run at the same time share weight tiles (and a few x row blocks) in L2. The grid is exactly
-        # num_pid_m * num_pid_n; the last group may be short.
-        num_pid_m = tl.num_programs(0) // num_pid_n
-        num_pid_in_group = GROUP_M * num_pid_n
-        first_pid_m = (pid // num_pid_in_group) * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-        pid_n = (pid % num_pid_in_group) // group_size_m
-
-    # --- find this block's expert (vectorised over the e experts) -----------------------------------
+    # the expert table: M blocks per expert and their running end (vectorised over the e experts)
     offs_e = tl.arange(0, BLOCK_E)
     num_rows_e = tl.load(num_rows_ptr + offs_e, mask=offs_e < num_experts, other=0).to(tl.int32)
     num_blocks_e = tl.cdiv(num_rows_e, BLOCK_M)
     block_end_e = tl.cumsum(num_blocks_e, axis=0)
-    if pid_m >= tl.sum(num_blocks_e):
-        return
+    num_pid_m = tl.sum(num_blocks_e)
+    if PERSISTENT:  # a grid of about two programs per SM walks every live tile
+        for tile in range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
+            pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            _gemm_tile(pid_m, pid_n, offs_e, num_rows_e, num_blocks_e, block_end_e, a_ptr, a_scale_ptr, b_ptr,
+                       b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc, R, N, K, situ_beta,
+                       situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
+                       stride_b_scale_n, stride_c_r, stride_c_scale_r, ACTIVATION, INTERLEAVED, SITU_LINEAR, FP8,
+                       W4, W4_PER, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:  # one program per tile of the upper-bound grid; the surplus programs exit at once
+        pid_m, pid_n = _tile_coords(tl.program_id(0), tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
+        if pid_m < num_pid_m:
+            _gemm_tile(pid_m, pid_n, offs_e, num_rows_e, num_blocks_e, block_end_e, a_ptr, a_scale_ptr, b_ptr,
+                       b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc, R, N, K, situ_beta,
+                       situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
+                       stride_b_scale_n, stride_c_r, stride_c_scale_r, ACTIVATION, INTERLEAVED, SITU_LINEAR, FP8,
+                       W4, W4_PER, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile number `tile`. GROUP_M == 1: N tiles fastest. GROUP_M > 1: GROUP_M consecutive M
+    blocks (any experts) sweep the N tiles together, M fastest, so tiles that run at the same time share weight
+    tiles (and a few x row blocks) in L2; the last group may be short."""
+    if GROUP_M == 1:
+        return tile // num_pid_n, tile % num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    return first_pid_m + (tile % num_pid_in_group) % group_size_m, (tile % num_pid_in_group) // group_size_m
+
+
+@triton.jit
+def _gemm_tile(
+    pid_m, pid_n, offs_e, num_rows_e, num_blocks_e, block_end_e,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc,
+    R, N, K, situ_beta, situ_linear_beta,
+    stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
+    stride_c_r, stride_c_scale_r,
+    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, SITU_LINEAR: tl.constexpr, FP8: tl.constexpr,
+    W4: tl.constexpr, W4_PER: tl.constexpr, QUANT_OUT: tl.constexpr, USE_TMA: tl.constexpr, N_ALIGNED: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """M block `pid_m` (of all experts' blocks, `pid_m < sum(num_blocks_e)`) x N tile `pid_n` of one grouped GEMM;
+    arguments as `_grouped_gemm_kernel`'s, plus the expert table (`num_rows_e`, their BLOCK_M blocks and the
+    blocks' running end, over `offs_e`)."""
+    # --- this block's expert (vectorised over the e experts) ----------------------------------------
     expert = tl.sum((block_end_e <= pid_m).to(tl.int32))
     block_in_expert = pid_m - tl.sum(tl.where(offs_e < expert, num_blocks_e, 0))
     rows_left = tl.sum(tl.where(offs_e == expert, num_rows_e, 0)) - block_in_expert * BLOCK_M
@@ -322,6 +360,12 @@ def _grouped_gemm_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
+
+
+# the persistent schedule's grid: programs per SM (two, so one program's epilogue overlaps another's main loop)
+PERSISTENT_PROGRAMS_PER_SM = 2
+
+
 # --------------------------------------------------------------------------------------------------
 # autotune (the tile lists and their pruning live in moe_ref.kernels.grouped_mlp_tiles)
 # --------------------------------------------------------------------------------------------------
@@ -329,7 +373,8 @@ def _grouped_gemm_kernel(
 def _autotuned_kernel():
     return triton.autotune(
         configs=tiles.gpu_configs(),
-        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4", "USE_TMA"],
+        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4", "USE_TMA",
+             "PERSISTENT"],
         prune_configs_by={"early_config_prune": tiles.prune_configs},
     )(_grouped_gemm_kernel)
 
@@ -353,6 +398,11 @@ def tma_unavailable_reason(device: torch.device | str | None = None) -> str | No
     return f"compute capability {major}.{minor} < 9.0 (TMA needs Hopper or newer)" if major < 9 else None
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _tma_possible(a: torch.Tensor, b: torch.Tensor, w4: int) -> bool:
     """Whether the a and b tiles can be loaded with TMA descriptors: dense (not 4-bit) weights where
     `tma_unavailable_reason` is None, 16-byte aligned bases and row strides (TMA's rules)."""
@@ -363,7 +413,7 @@ def _tma_possible(a: torch.Tensor, b: torch.Tensor, w4: int) -> bool:
 
 def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
                  situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, w4: int = 0, interleaved: bool = False,
-                 config: triton.Config | None = None, tma: bool | None = None):
+                 config: triton.Config | None = None, tma: bool | None = None, persistent: bool = False):
     """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up, its rows stacked or `interleaved`)
     or GEMM2 (`activation` "none").
 
@@ -375,6 +425,8 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
     rules) raises ValueError; one that does not fit the GPU fails in Triton (OutOfResources).
     `tma=None` loads the a and b tiles through TMA descriptors where `_tma_possible` (else pointers);
     True forces TMA (InvalidConfigError, a ValueError, where it is impossible), False forces pointers.
+    `persistent`: a grid of `PERSISTENT_PROGRAMS_PER_SM` programs per SM walks the live tiles, instead of one
+    program per tile of the upper-bound grid.
     Returns what the Triton launch returns (on a GPU the compiled kernel: `n_regs`, `n_spills`,
     `metadata.shared`; `grouped_mlp` ignores it).
     """
@@ -406,10 +458,15 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
         QUANT_OUT=quant_out, W4=w4, W4_PER={0: 1, 1: 8, 2: 2}[w4], USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=triton.next_power_of_2(num_experts),
+        PERSISTENT=persistent,
     )
+    max_programs = None
+    if persistent:
+        max_programs = 4 if is_interpreter() else PERSISTENT_PROGRAMS_PER_SM * _num_sms(a.device)
 
     def grid(meta):
-        return ((triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"]),)
+        upper = (triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"])
+        return (upper if max_programs is None else min(upper, max_programs),)
 
     if config is not None:
         options = tiles.forced_options(config)  # checks the meta keys first
@@ -515,6 +572,7 @@ def grouped_mlp(
     num_rows_hint: int | None = None,
     zero_unused_rows: bool = True,
     gate_up_interleaved: bool = False,
+    persistent: bool = False,
 ) -> torch.Tensor:
     """Run every local expert's gated MLP on its rows of the receive pool (two Triton launches).
 
@@ -542,6 +600,8 @@ def grouped_mlp(
         gate_up_interleaved: gate_up's rows (and 4-bit row scales) alternate gate j, up j
             (`interleave_gate_up`, done once at load): GEMM1 then runs one dot over 2 * BLOCK_N weight rows
             per k-step instead of two. FP8 block scales keep the stacked layout.
+        persistent: both GEMMs run a fixed grid (about two programs per SM) that walks the live tiles (same
+            bytes; not faster on an H200, see the module doc).
 
     Returns:
         y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0 (or unwritten).
@@ -575,11 +635,12 @@ def grouped_mlp(
     h_scale_PFb = torch.empty(num_rows, num_fp8_groups(inter), dtype=torch.float32, device=device) if fp8 else None
     _launch_gemm(x_RD, x_scale_RDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
                  n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4, interleaved=gate_up_interleaved)
+                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4, interleaved=gate_up_interleaved,
+                 persistent=persistent)
     # GEMM2: y = h @ down.T
     _launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
                  n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                 fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4)
+                 fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4, persistent=persistent)
     return y_PDx
 
 

@@ -58,6 +58,17 @@ def _inputs(counts, hidden, inter, dtype, device, seed=0):
             row_start_e, num_rows_e)
 
 
+def _maybe_fp8(fp8: bool, x_RD, gate_up, down):
+    """(x, gate_up, down, the scale keywords of grouped_mlp): quantized to e4m3 per 128 (x, NaN padding as 0) and
+    per 128x128 block (weights) when `fp8`, else as given with no keywords."""
+    if not fp8:
+        return x_RD, gate_up, down, {}
+    x_RD, x_scale = quantize_fp8_per_128(x_RD.nan_to_num(0.0))
+    gate_up, gate_up_scale = quantize_fp8_per_block_128(gate_up)
+    down, down_scale = quantize_fp8_per_block_128(down)
+    return x_RD, gate_up, down, dict(x_scale_RDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
+
+
 def _check_padding_zero(y_RD, row_start_e, num_rows_e, **case):
     pad = ~_valid_rows(row_start_e, num_rows_e, y_RD.shape[0])
     assert (y_RD.cpu()[pad] == 0).all(), f"padding rows must be zero: {case=}"
@@ -105,11 +116,7 @@ def test_tma_and_pointer_loads_agree(fp8, device, monkeypatch, assert_close):
     hidden, inter = 128, 128
     x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
                                                            torch.float32 if fp8 else torch.bfloat16, device, seed=2)
-    kwargs = {}
-    if fp8:
-        x_RD, kwargs["x_scale_RDb"] = quantize_fp8_per_128(x_RD.nan_to_num(0.0))
-        gate_up, kwargs["gate_up_scale"] = quantize_fp8_per_block_128(gate_up)
-        down, kwargs["down_scale"] = quantize_fp8_per_block_128(down)
+    x_RD, gate_up, down, kwargs = _maybe_fp8(fp8, x_RD, gate_up, down)
     assert grouped_mlp_module._tma_possible(x_RD, gate_up, w4=0)
     y_tma = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
     monkeypatch.setenv("MOE_REF_TMA", "0")
@@ -133,11 +140,7 @@ def test_interleaved_gate_up_gives_the_stacked_mlp(dtype, tma, hidden, inter, de
     fp8 = dtype == "fp8"
     x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
                                                            torch.float32 if fp8 else dtype, device, seed=3)
-    kwargs = {}
-    if fp8:
-        x_RD, kwargs["x_scale_RDb"] = quantize_fp8_per_128(x_RD.nan_to_num(0.0))
-        gate_up, kwargs["gate_up_scale"] = quantize_fp8_per_block_128(gate_up)
-        down, kwargs["down_scale"] = quantize_fp8_per_block_128(down)
+    x_RD, gate_up, down, kwargs = _maybe_fp8(fp8, x_RD, gate_up, down)
     interleaved = grouped_mlp_module.interleave_gate_up(gate_up)
     assert torch.equal(interleaved[:, 0::2], gate_up[:, :inter])
     assert torch.equal(interleaved[:, 1::2], gate_up[:, inter:])
@@ -150,6 +153,24 @@ def test_interleaved_gate_up_gives_the_stacked_mlp(dtype, tma, hidden, inter, de
     _check_padding_zero(y_RD, row_start_e, num_rows_e, **case)
     assert_close(y_RD, y_twin, "fp8" if fp8 else dtype, **case)
     assert_close(y_RD, y_stacked, "fp8" if fp8 else dtype, **case)
+
+
+@pytest.mark.parametrize("layout,fp8,interleaved,group_m", [(layout, False, False, 1) for layout in LAYOUTS] + [
+    ("empty_expert_and_ragged", True, True, 1), ("all_rows_in_one_expert", False, True, 2)])
+def test_persistent_schedule_gives_the_same_bytes(layout, fp8, interleaved, group_m, device, monkeypatch):
+    """A fixed grid walking the live tiles (the interpreter's: 4 programs, so each walks several tiles, L2
+    swizzle or not) computes every tile exactly as one program per tile does: bitwise equal outputs."""
+    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS[layout], 160, 136, torch.float32 if fp8 else
+                                                           torch.bfloat16, device, seed=5)
+    x_RD, gate_up, down, kwargs = _maybe_fp8(fp8, x_RD, gate_up, down)
+    if interleaved:
+        gate_up = grouped_mlp_module.interleave_gate_up(gate_up)
+    meta = dict(grouped_mlp_module.tiles.interpreter_meta(fp8), GROUP_M=group_m)
+    monkeypatch.setattr(grouped_mlp_module.tiles, "interpreter_meta", lambda quant_out: meta)
+    grid_y, persistent_y = (grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, gate_up_interleaved=interleaved,
+                                        persistent=persistent, **kwargs) for persistent in (False, True))
+    assert torch.equal(grid_y, persistent_y), (layout, fp8, interleaved, group_m)
+    _check_padding_zero(persistent_y, row_start_e, num_rows_e, layout=layout)
 
 
 def test_tma_needs_16_byte_rows(device):
@@ -170,11 +191,7 @@ def test_unused_rows_left_unwritten_on_request(fp8, device):
     segments are the same bits, the others are whatever the allocator held."""
     x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], 48, 40,
                                                            torch.float32, device, seed=3)
-    kwargs = {}
-    if fp8:
-        x_RD, kwargs["x_scale_RDb"] = quantize_fp8_per_128(x_RD.nan_to_num(0.0))
-        gate_up, kwargs["gate_up_scale"] = quantize_fp8_per_block_128(gate_up)
-        down, kwargs["down_scale"] = quantize_fp8_per_block_128(down)
+    x_RD, gate_up, down, kwargs = _maybe_fp8(fp8, x_RD, gate_up, down)
     y_zeroed = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
     y_left = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, zero_unused_rows=False, **kwargs)
     valid = _valid_rows(row_start_e, num_rows_e, x_RD.shape[0])

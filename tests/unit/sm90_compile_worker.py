@@ -33,7 +33,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 OPTION_KEYS = ("num_warps", "num_stages", "enable_fp_fusion")
 FP8 = torch.float8_e4m3fn
 
-# name -> (weights "bf16" | "fp8" | "int4" | "mxfp4", GEMM "gate_up" | "down", interleaved, TMA, tile)
+# name -> (weights "bf16" | "fp8" | "int4" | "mxfp4", GEMM "gate_up" | "down", interleaved, TMA, tile[, persistent])
 CASES = {
     "bf16 gate_up decode tile, TMA": ("bf16", "gate_up", False, True, (16, 64, 128, 4, 4)),
     "bf16 gate_up interleaved prefill tile, TMA": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8)),
@@ -44,6 +44,9 @@ CASES = {
     "fp8 down, TMA": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8)),
     "int4 gate_up interleaved": ("int4", "gate_up", True, False, (16, 64, 128, 4, 4)),
     "mxfp4 down": ("mxfp4", "down", False, False, (64, 128, 64, 4, 3)),
+    "bf16 gate_up interleaved prefill tile, TMA, persistent": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8),
+                                                              True),
+    "fp8 down, TMA, persistent": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8), True),
 }
 
 # name -> (ids dtype, weights dtype)
@@ -91,22 +94,23 @@ def _operands(weights: str, gemm: str, interleaved: bool) -> dict:
                 activation="silu" if gemm == "gate_up" else "none")
 
 
-def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple):
+def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple, persistent: bool = False):
     """Launch one grouped-MLP case into the recorder, then compile the recorded launch for sm_90."""
     ops = _operands(weights, gemm, interleaved)
     experts = ops["b"].shape[0]
     row_start_e = torch.arange(experts, dtype=torch.int64) * 16
     num_rows_e = torch.full((experts,), 16, dtype=torch.int32)
-    tma_possible = gm._tma_possible
+    tma_possible, num_sms = gm._tma_possible, gm._num_sms
     gm._tma_possible = lambda a, b, w4: tma  # no CUDA device here: TMA is what the case says
+    gm._num_sms = lambda device: 132  # an H200's
     try:
         return compile_launch(gm, "_grouped_gemm_kernel", lambda: gm._launch_gemm(
             ops["a"], ops["a_scale"], ops["b"], ops["b_scale"], ops["c"], ops["c_scale"], row_start_e, num_rows_e,
             n=ops["n"], k=ops["k"], activation=ops["activation"], situ_beta=4.0, situ_linear_beta=25.0,
             fp8=ops["fp8"], quant_out=ops["quant_out"], rows_hint=64, w4=ops["w4"], interleaved=ops["interleaved"],
-            config=gm.tiles.config_of_tile(tile)))
+            config=gm.tiles.config_of_tile(tile), persistent=persistent))
     finally:
-        gm._tma_possible = tma_possible
+        gm._tma_possible, gm._num_sms = tma_possible, num_sms
 
 
 def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):
