@@ -1,5 +1,5 @@
-"""Compile the grouped MLP kernel and the routing check for Hopper (sm_90a) on a machine without a GPU, as their
-launchers would launch them.
+"""Compile the grouped MLP kernel, the routing check and the EP data-path kernels for Hopper (sm_90a) on a machine
+without a GPU, as their launchers would launch them.
 
     python tests/unit/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
 
@@ -27,8 +27,12 @@ from triton.runtime.jit import mangle_type
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers  # noqa: E402
+
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
 rc = importlib.import_module("moe_ref.kernels.routing_check")
+EP_MODULES = {name: importlib.import_module(f"moe_ref.kernels.{name}")
+              for name in ("pre_dispatch", "ep_layout", "ep_dispatch", "ep_combine", "symm_signal")}
 HOPPER = GPUTarget("cuda", 90, 32)
 OPTION_KEYS = ("num_warps", "num_stages", "enable_fp_fusion")
 FP8 = torch.float8_e4m3fn
@@ -53,6 +57,17 @@ CASES = {
 ROUTING_CHECK_CASES = {
     "routing_check int64 ids, fp32 weights": (torch.int64, torch.float32),
     "routing_check int32 ids, bf16 weights": (torch.int32, torch.bfloat16),
+}
+
+# name -> (phase of the EP chunk, fp8 rows)
+EP_CASES = {
+    "ep pre_dispatch + layout (post), bf16": ("pre_dispatch", False),
+    "ep pre_dispatch + layout (post), fp8": ("pre_dispatch", True),
+    "ep dispatch (wait), bf16": ("dispatch", False),
+    "ep dispatch (wait), fp8": ("dispatch", True),
+    "ep combine push (post)": ("combine_push", False),
+    "ep combine reduce (wait)": ("combine_reduce", False),
+    "ep barrier": ("barrier", False),
 }
 
 
@@ -126,12 +141,27 @@ def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):
 
 def compile_launch(module, kernel_name: str, launch):
     """Run ``launch()`` with ``module.<kernel_name>`` replaced by a recorder; compile what it launched for sm_90."""
-    kernel, recorder = getattr(module, kernel_name), _Recorder()
-    setattr(module, kernel_name, recorder)
+    (compiled,) = compile_launches([(module, kernel_name)], launch)
+    return compiled
+
+
+def compile_launches(kernels: list, launch) -> list:
+    """``compile_launch`` for a launcher that launches several kernels: ``kernels`` = [(module, name)], each
+    replaced by its recorder; returns the compiled kernels in that order."""
+    originals = [(module, name, getattr(module, name)) for module, name in kernels]
+    recorders = [_Recorder() for _ in kernels]
+    for (module, name, _), recorder in zip(originals, recorders):
+        setattr(module, name, recorder)
     try:
         launch()
     finally:
-        setattr(module, kernel_name, kernel)
+        for module, name, kernel in originals:
+            setattr(module, name, kernel)
+    return [_compile_recorded(kernel, recorder) for (_, _, kernel), recorder in zip(originals, recorders)]
+
+
+def _compile_recorded(kernel, recorder: "_Recorder"):
+    """Compile for sm_90 the launch ``recorder`` kept (its arguments' Triton types and constexprs)."""
     bound = dict(zip(kernel.arg_names, recorder.args))
     bound.update({key: value for key, value in recorder.kwargs.items() if key not in OPTION_KEYS})
     signature, constexprs = {}, {}
@@ -145,20 +175,63 @@ def compile_launch(module, kernel_name: str, launch):
     return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options=options)
 
 
+def _ep_world(fp8: bool):
+    """Two ranks' buffers on the CPU (nothing runs: only the launches' argument types matter), R 2, e 4, K 4,
+    C 16, Dx 256."""
+    regions = EPRegions.build(2, 4, 4, 16, 256, activation_dtype=torch.bfloat16, fp8=fp8, alignment=1)
+    buffers = tuple(torch.zeros(regions.end, dtype=torch.uint8) for _ in range(2))
+    peers = PeerBuffers(0, buffers, torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64))
+    ids = torch.stack([torch.randperm(8)[:4] for _ in range(8)])
+    return regions, peers, torch.zeros(8, 256, dtype=torch.bfloat16), ids, torch.rand(8, 4)
+
+
+def compile_ep(phase: str, fp8: bool):
+    """One phase of the device-side EP data path (kernels.ep_chunk's order), its launches compiled for sm_90."""
+    regions, peers, x, ids, weights = _ep_world(fp8)
+    saved = [(module, getattr(module, "check_device")) for module in EP_MODULES.values()]
+    for module, _ in saved:
+        module.check_device = lambda name, tensor: None
+    num_sms = EP_MODULES["ep_combine"]._num_sms
+    EP_MODULES["ep_combine"]._num_sms = lambda index: 132
+    launches = {
+        "pre_dispatch": ([("pre_dispatch", "_pre_dispatch_kernel"), ("ep_layout", "_ep_layout_kernel")],
+                         lambda: EP_MODULES["ep_layout"].ep_pre_dispatch(x, ids, weights, peers, regions, post=True)),
+        "dispatch": ([("ep_dispatch", "_recv_layout_kernel"), ("ep_dispatch", "_dispatch_rows_kernel")],
+                     lambda: EP_MODULES["ep_dispatch"].ep_dispatch(peers, regions, wait=True)),
+        "combine_push": ([("ep_combine", "_combine_push_kernel")], lambda: EP_MODULES["ep_combine"].ep_combine_push(
+            torch.zeros(regions.num_pool_rows, 256, dtype=torch.bfloat16), peers, regions, post=True)),
+        "combine_reduce": ([("ep_combine", "_combine_reduce_kernel")],
+                           lambda: EP_MODULES["ep_combine"].ep_combine_reduce(8, peers, regions, wait=True)),
+        "barrier": ([("symm_signal", "_symm_barrier_kernel")],
+                    lambda: EP_MODULES["symm_signal"].symm_barrier(peers, regions)),
+    }
+    kernels, launch = launches[phase]
+    try:
+        return compile_launches([(EP_MODULES[module], name) for module, name in kernels], launch)
+    finally:
+        for module, check in saved:
+            module.check_device = check
+        EP_MODULES["ep_combine"]._num_sms = num_sms
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles the kernels", file=sys.stderr)
         return 2
-    builders = {name: (lambda case=case: compile_case(*case)) for name, case in CASES.items()}
-    builders.update({name: (lambda case=case: compile_routing_check(*case)) for name, case in ROUTING_CHECK_CASES.items()})
+    # name -> (kind, build: returns the compiled kernels)
+    builders = {name: ("grouped_mlp", lambda case=case: [compile_case(*case)]) for name, case in CASES.items()}
+    builders.update({name: ("routing_check", lambda case=case: [compile_routing_check(*case)])
+                     for name, case in ROUTING_CHECK_CASES.items()})
+    builders.update({name: ("ep", lambda case=case: compile_ep(*case)) for name, case in EP_CASES.items()})
     print(json.dumps({"cases": list(builders)}), flush=True)
-    for name, build in builders.items():
+    for name, (kind, build) in builders.items():
         try:
             compiled = build()
-            report = {"case": name, "error": None, "shared_bytes": compiled.metadata.shared,
-                      "cubin_bytes": len(compiled.asm["cubin"])}
+            report = {"case": name, "kind": kind, "error": None, "kernels": len(compiled),
+                      "shared_bytes": min(k.metadata.shared for k in compiled),
+                      "cubin_bytes": min(len(k.asm["cubin"]) for k in compiled)}
         except Exception as exc:  # reported per case; the test fails on any
-            report = {"case": name, "error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
+            report = {"case": name, "kind": kind, "error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
         print(json.dumps(report), flush=True)
     return 0
 
