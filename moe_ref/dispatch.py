@@ -52,10 +52,11 @@ from moe_ref.capacity import CapacityPlan
 from moe_ref.config import MoEConfig
 from moe_ref.device_checks import DeviceChecks
 from moe_ref.distributed import comm_device
-from moe_ref.errors import (CapacityExceededError, DeviceError, DTypeError, ExpertIdError, InputError, MoERefError,
-                            NonFiniteError, ShapeError)
+from moe_ref.errors import (CapacityExceededError, DeviceError, DTypeError, ExpertIdError, InputError, NonFiniteError,
+                            ShapeError)
 from moe_ref.experts import ExpertLayout, Experts
 from moe_ref.kernels.ep_regions import EPRegions
+from moe_ref.kernels.routing_check import routing_faults_T
 
 # --- input checks ---------------------------------------------------------------------------------------------
 
@@ -68,9 +69,7 @@ def routing_value_problem(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tens
     if topk_ids_TK.numel() == 0:
         return None
     ids_TK = topk_ids_TK.to(torch.int64)
-    sorted_TK = ids_TK.sort(dim=1).values
-    dup_T = ((sorted_TK[:, 1:] == sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).any(dim=1)
-    bad_weight_T = (~torch.isfinite(topk_weights_TK)).any(dim=1)
+    bad_weight_T, dup_T = routing_faults_T(ids_TK, topk_weights_TK)
     num_bad_weights, low, high, num_dups = torch.stack(
         [bad_weight_T.sum(), ids_TK.min(), ids_TK.max(), dup_T.sum()]).tolist()  # NOTE: the one host sync
     if num_bad_weights:
@@ -90,8 +89,9 @@ def add_routing_value_check(checks: DeviceChecks, topk_ids_TK: torch.Tensor, top
     """Add to ``checks`` the device-side check of ``routing_value_problem`` (``ops.routing_check``, no host sync)."""
     def describe() -> InputError:
         return routing_value_problem(topk_ids_TK, topk_weights_TK, num_experts) or ExpertIdError(
-            "the device-side routing check failed but the host re-check found no bad value; please report this "
-            "with the inputs")
+            f"the device-side routing check failed on topk ids {tuple(topk_ids_TK.shape)} ({topk_ids_TK.dtype}, "
+            f"E={num_experts}) and weights ({topk_weights_TK.dtype}), but the host re-check found no bad value; "
+            f"please report this with the inputs")
 
     checks.add(ops.routing_check(topk_ids_TK, topk_weights_TK, num_experts), describe)
 

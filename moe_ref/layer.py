@@ -11,7 +11,8 @@
          (NaN/inf logits are a problem too: a device-side check, read in step 4's collective)
       3. (Kimi-K3) latent down-projection (block.expert_input)                    -> z [T, Dx]
       4. the routed step (moe_ref.routed_step): ONE small collective agrees on every rank's problem, device-side
-         checks and row count (a coded error on every rank, or n chunks), then per chunk dispatch -> experts -> combine -> reduce
+         checks and row count (a coded error on every rank, or n chunks), then per chunk
+         dispatch -> experts -> combine -> reduce
                                                                                    -> routed [T, Dx]
       5. (Kimi-K3) RMSNorm over the full cross-rank sum, latent up; + shared experts (block.finish) -> y [T, D]
 
@@ -42,8 +43,8 @@ from torch import nn
 
 from moe_ref import custom_ops
 from moe_ref.block import expert_input, finish, route_unchecked
-from moe_ref.device_checks import DeviceChecks
 from moe_ref.config import MoEConfig, ParallelConfig, preset
+from moe_ref.device_checks import DeviceChecks
 from moe_ref.distributed import check_fields_agree, gather_objects, group_size_and_rank
 from moe_ref.errors import (BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
                             InvalidConfigError, ShapeError, ShapeUnsupportedError, TensorShapeMismatchError,

@@ -3,8 +3,8 @@
     RoutedStep.__call__(x_TD, topk_ids_TK, topk_weights_TK, problem=None)        collective over the EP group
       1. input check (routed_input_problem: shapes, dtypes, devices) + the caller's own problem (weights not
          loaded, ...); on the device, without a host sync (moe_ref.device_checks): the routing values
-         (dispatch.add_routing_value_check), the caller's device checks (NaN logits) and what the device recorded in an earlier
-         call (a silent peer, a pool overflow)
+         (dispatch.add_routing_value_check), the caller's device checks (NaN logits) and what the device
+         recorded in an earlier call (a silent peer, a pool overflow)
       2. OverflowPolicy.agree: ONE small collective, which also reads the device checks (the call's one host
          sync) -> a coded error on every rank, or n chunks
       3. for each of the n chunks (every rank runs all n; empty ones where it has no rows left):

@@ -50,7 +50,7 @@ from moe_ref.kernels.ep_dispatch import ep_dispatch  # noqa: E402
 from moe_ref.kernels.ep_launch import EP_LAUNCH  # noqa: E402
 from moe_ref.kernels.ep_layout import ep_pre_dispatch  # noqa: E402
 from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, zero_signal_regions  # noqa: E402
-from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier  # noqa: E402
+from moe_ref.kernels.symm_signal import check_ep_status  # noqa: E402
 
 HIDDEN, TOPK, NUM_EXPERTS = 7168, 8, 384
 
@@ -134,18 +134,23 @@ def profile_kernels(fn, rank: int, calls: int = 10) -> list[dict]:
     return rows[:14]
 
 
+def symmetric_bytes(num_bytes: int, device):
+    """``num_bytes`` of torch symmetric memory on every rank (collective): (my uint8 buffer, its rendezvous)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    local = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
+    return local, symm_mem.rendezvous(local, dist.group.WORLD.group_name)
+
+
 class ChunkCase:
     """One (T, dtype) case over a fresh symmetric buffer: the whole chunk and its two halves as callables."""
 
     def __init__(self, num_tokens: int, fp8: bool, rank: int, world: int, device):
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.e = NUM_EXPERTS // world
         self.regions = regions = EPRegions.build(world, self.e, TOPK, num_tokens, HIDDEN,
                                                  activation_dtype=torch.bfloat16, fp8=fp8, alignment=1)
-        self.local = symm_mem.empty(regions.end, dtype=torch.uint8, device=device)
+        self.local, handle = symmetric_bytes(regions.end, device)
         self.local.zero_()
-        handle = symm_mem.rendezvous(self.local, dist.group.WORLD.group_name)
         self.peers = peers = PeerBuffers.from_symm_handle(self.local, handle)
         zero_signal_regions(peers, regions)
         torch.cuda.synchronize()
@@ -236,8 +241,10 @@ def sweep_launch(num_tokens: int, fp8: bool, rank: int, world: int, device, iter
     """Each half of the chunk, in a CUDA graph, under each EP launch shape (``kernels.ep_launch``)."""
     case = ChunkCase(num_tokens, fp8, rank, world, device)
     default = dataclasses.replace(EP_LAUNCH)
-    shapes = [("dispatch", dict(dispatch_block_bytes=b, dispatch_warps=w)) for b in (4096, 8192, 16384) for w in (4, 8, 16)]
-    shapes += [("combine", dict(combine_block_cols=c, combine_warps=w)) for c in (512, 1024, 2048) for w in (4, 8, 16)]
+    shapes = [("dispatch", dict(dispatch_block_bytes=b, dispatch_warps=w))
+              for b in (4096, 8192, 16384) for w in (4, 8, 16)]
+    shapes += [("combine", dict(combine_block_cols=c, combine_warps=w))
+               for c in (512, 1024, 2048) for w in (4, 8, 16)]
     rows = []
     for half, fields in shapes:
         for name, value in fields.items():
@@ -259,10 +266,7 @@ def sweep_launch(num_tokens: int, fp8: bool, rank: int, world: int, device, iter
 def bench_peer_copy(num_bytes: int, rank: int, world: int, device, iters: int, repeats: int) -> float:
     """Copy anchor: every rank at once pulls ``num_bytes`` from the next rank's symmetric buffer into local memory
     with one ``copy_`` (cudaMemcpyAsync of a peer-mapped address, over NVLink); us per copy, max over ranks."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    local = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(local, dist.group.WORLD.group_name)
+    _, handle = symmetric_bytes(num_bytes, device)
     peer = handle.get_buffer((rank + 1) % world, (num_bytes,), torch.uint8)
     dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     for _ in range(3):

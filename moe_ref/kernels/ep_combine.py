@@ -188,7 +188,8 @@ def ep_combine_push(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions, 
         R, off["signal"], off["epoch"], off["counter"],
         y_PD.stride(0) if y_PD.numel() else D,
         PART_DTYPE=_TL_DTYPES[regions.activation_dtype], POST=post, BLOCK_K=triton.next_power_of_2(K),
-        BLOCK_D=block_d, BLOCK_R=triton.next_power_of_2(R), num_warps=EP_LAUNCH.combine_warps, **launch_options(fp_fusion=False),
+        BLOCK_D=block_d, BLOCK_R=triton.next_power_of_2(R),
+        num_warps=EP_LAUNCH.combine_warps, **launch_options(fp_fusion=False),
     )
 
 
@@ -278,7 +279,8 @@ def ep_combine_reduce(num_tokens: int, peers: PeerBuffers, regions: EPRegions,
         out_TD.stride(0),
         PART_DTYPE=_TL_DTYPES[regions.activation_dtype], WAIT=wait, BOUND=bound_mode(),
         BLOCK_K=triton.next_power_of_2(regions.num_topk), BLOCK_D=block_d,
-        BLOCK_R=triton.next_power_of_2(regions.num_ranks), num_warps=EP_LAUNCH.combine_warps, **launch_options(fp_fusion=False),
+        BLOCK_R=triton.next_power_of_2(regions.num_ranks),
+        num_warps=EP_LAUNCH.combine_warps, **launch_options(fp_fusion=False),
     )
     return out_TD
 

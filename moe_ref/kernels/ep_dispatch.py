@@ -233,7 +233,8 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
     row_bytes = regions.hidden * regions.wire_dtype.itemsize
     word = _word_bytes(row_bytes)
     row_words = row_bytes // word
-    block_w = min(triton.next_power_of_2(row_words), 64 if is_interpreter() else EP_LAUNCH.dispatch_block_bytes // word)
+    block_w = min(triton.next_power_of_2(row_words),
+                  64 if is_interpreter() else EP_LAUNCH.dispatch_block_bytes // word)
     _dispatch_rows_kernel[(R * C,)](
         peers.ptrs_R,
         peers.rank, C, K, e, regions.num_pool_rows, row_words, regions.num_scale_cols,

@@ -360,8 +360,6 @@ def _gemm_tile(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
-
-
 # the persistent schedule's grid: programs per SM (two, so one program's epilogue overlaps another's main loop)
 PERSISTENT_PROGRAMS_PER_SM = 2
 

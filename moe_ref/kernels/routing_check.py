@@ -16,7 +16,7 @@ import triton.language as tl
 
 from moe_ref.kernels._triton_utils import check_device
 
-__all__ = ["routing_check", "routing_check_ref"]
+__all__ = ["routing_check", "routing_check_ref", "routing_faults_T"]
 
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 BLOCK_T = 64
@@ -67,8 +67,15 @@ def routing_check_ref(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, 
     flag = torch.zeros(1, dtype=torch.int32, device=topk_ids_TK.device)
     if topk_ids_TK.numel() == 0:
         return flag
-    ids_TK = topk_ids_TK.to(torch.int64)
-    sorted_TK = ids_TK.sort(dim=1).values
-    dup = ((sorted_TK[:, 1:] == sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).any()
-    bad = (~torch.isfinite(topk_weights_TK)).any() | (ids_TK < -1).any() | (ids_TK >= num_experts).any() | dup
+    bad_weight_T, dup_T = routing_faults_T(topk_ids_TK, topk_weights_TK)
+    bad = bad_weight_T.any() | (topk_ids_TK < -1).any() | (topk_ids_TK >= num_experts).any() | dup_T.any()
     return flag + bad.to(torch.int32)
+
+
+def routing_faults_T(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, on the ids' device (no host sync): ``bad_weight_T`` [T] bool, a weight is NaN/inf, and ``dup_T``
+    [T] bool, an expert id >= 0 appears twice. The twin's flag and ``dispatch.routing_value_problem``'s message
+    both come from these."""
+    sorted_TK = topk_ids_TK.to(torch.int64).sort(dim=1).values
+    dup_T = ((sorted_TK[:, 1:] == sorted_TK[:, :-1]) & (sorted_TK[:, 1:] >= 0)).any(dim=1)
+    return (~torch.isfinite(topk_weights_TK)).any(dim=1), dup_T

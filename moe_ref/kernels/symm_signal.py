@@ -50,7 +50,8 @@ from moe_ref.kernels.ep_regions import (
     check_peers,
 )
 
-__all__ = ["symm_barrier", "symm_barrier_ref", "check_ep_status", "ep_status_problem", "DEFAULT_TIMEOUT_US", "DEFAULT_MAX_POLLS"]
+__all__ = ["symm_barrier", "symm_barrier_ref", "check_ep_status", "ep_status_problem", "DEFAULT_TIMEOUT_US",
+           "DEFAULT_MAX_POLLS"]
 
 DEFAULT_TIMEOUT_US = 30_000_000.0  # 30 s: above a first call's JIT compilation on a slow peer; reports a dead peer
 DEFAULT_MAX_POLLS = 2**31 - 1     # GPU: the time bound decides; the interpreter passes a small count
