@@ -15,8 +15,8 @@
 namespace moe_ref {
 
 #define MOE_REF_LAYOUT_FIELDS(X)                                                                          \
-  X(num_ranks) X(num_local_experts) X(num_topk) X(cap) X(hidden) X(num_pool_rows) X(alignment) X(fp8)    \
-  X(activation_dtype) X(end) X(signal) X(epoch) X(status) X(counter) X(num_tokens) X(send_count)         \
+  X(num_ranks) X(num_local_experts) X(num_topk) X(cap) X(hidden) X(num_pool_rows) X(alignment) X(masked_rows) \
+  X(fp8) X(activation_dtype) X(end) X(signal) X(epoch) X(status) X(counter) X(num_tokens) X(send_count)  \
   X(topk_ids) X(topk_weights) X(slot_rank) X(x) X(x_scale) X(recv_num_tokens) X(num_rows) X(row_start)   \
   X(recv_base) X(pool_end) X(recv_pos) X(recv_weight) X(recv_src) X(recv_x) X(recv_x_scale)              \
   X(combine_partial)
@@ -50,6 +50,7 @@ constexpr int64_t kFp8Group = 128;
 
 struct Layout {
   int64_t R, e, K, C, D, P, A;  // ranks, local experts, top-k, cap, row width, pool rows, alignment
+  int64_t M;                     // rows of each expert segment of a masked pool; 0: contiguous pool
   bool fp8;
   int64_t act;  // activation dtype code
   int64_t end;  // bytes each buffer must hold
@@ -66,10 +67,12 @@ struct Layout {
     D = v[kField_hidden];
     P = v[kField_num_pool_rows];
     A = v[kField_alignment];
+    M = v[kField_masked_rows];
     fp8 = v[kField_fp8] != 0;
     act = v[kField_activation_dtype];
     end = v[kField_end];
     TORCH_CHECK(R > 0 && e > 0 && K > 0 && C > 0 && D > 0 && P > 0 && A > 0, "moe_ref native ops: sizes must be positive");
+    TORCH_CHECK(M >= 0 && M % A == 0 && (M == 0 || P == e * M), "moe_ref native ops: bad masked pool (M=", M, ")");
     TORCH_CHECK(act == kActFloat32 || act == kActFloat16 || act == kActBFloat16, "moe_ref native ops: bad activation dtype code ", act);
     TORCH_CHECK(!fp8 || (off[kField_x_scale] >= 0 && off[kField_recv_x_scale] >= 0), "moe_ref native ops: fp8 layout without scale regions");
   }

@@ -229,11 +229,15 @@ void ep_dispatch_cpu(at::TensorList buffers, int64_t rank, at::IntArrayRef layou
     for (int64_t i = 0; i < e; ++i) counts[s * e + i] = sc[i];
   }
   int64_t pool_end = 0;
+  int64_t most_rows = 0;
+  std::vector<int64_t> segment(e, 0);  // aligned rows (contiguous pool) or M (masked pool)
   for (int64_t i = 0; i < e; ++i) {
     for (int64_t s = 0; s < R; ++s) num_rows[i] += counts[s * e + i];
     aligned[i] = (num_rows[i] + A - 1) / A * A;
+    segment[i] = L.M > 0 ? L.M : aligned[i];
+    most_rows = std::max(most_rows, num_rows[i]);
     row_start[i] = pool_end;
-    pool_end += aligned[i];
+    pool_end += segment[i];
     int64_t below = 0;
     for (int64_t s = 0; s < R; ++s) {
       recv_base[s * e + i] = row_start[i] + below;
@@ -249,9 +253,13 @@ void ep_dispatch_cpu(at::TensorList buffers, int64_t rank, at::IntArrayRef layou
     status[1] = static_cast<int32_t>(pool_end);
     status[0] = kStatusPoolOverflow;
   }
+  if (L.M > 0 && most_rows > L.M) {
+    status[1] = static_cast<int32_t>(most_rows);
+    status[0] = kStatusPoolOverflow;
+  }
   int32_t* recv_src = region<int32_t>(my, L, kField_recv_src);
   for (int64_t i = 0; i < e; ++i) {  // padding rows of each segment, below P
-    for (int64_t p = row_start[i] + num_rows[i]; p < row_start[i] + aligned[i]; ++p) {
+    for (int64_t p = row_start[i] + num_rows[i]; p < row_start[i] + std::min(aligned[i], segment[i]); ++p) {
       if (p >= 0 && p < P) recv_src[p * 3] = recv_src[p * 3 + 1] = recv_src[p * 3 + 2] = -1;
     }
   }
@@ -278,7 +286,8 @@ void ep_dispatch_cpu(at::TensorList buffers, int64_t rank, at::IntArrayRef layou
         int64_t pos = -1;
         if (id >= 0 && local >= 0 && local < e) {
           const int64_t p = recv_base[s * e + local] + static_cast<int64_t>(srank[j]);
-          if (p >= 0 && p < P) pos = p;
+          const int64_t segment_end = L.M > 0 ? (local + 1) * L.M : P;
+          if (p >= 0 && p < P && p < segment_end) pos = p;
         }
         pos_out[j] = static_cast<int32_t>(pos);
         if (pos < 0) continue;

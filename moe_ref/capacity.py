@@ -10,9 +10,12 @@ transports use this one layout: ``symm`` reads peers' regions in place, ``a2a`` 
 private buffer with collectives. Nothing in it outlives a call, so every MoE layer of a model with the same
 plan shares ONE buffer per EP group (``buffer.acquire_buffer``), as DeepEP keeps one buffer per process.
 
-The receive pool has ``P = align(R * C * min(K, e) + e * (alignment - 1), alignment)`` rows: every token of
-every rank may pick up to ``min(K, e)`` of my experts, and each expert segment starts on a multiple of
-``alignment`` rows.
+The receive pool is laid out in one of two formats (``POOL_FORMATS``, chosen with ``pool_format``):
+- ``contiguous`` (default, prefill): ``P = align(R * C * min(K, e) + e * (alignment - 1), alignment)`` rows:
+  every token of every rank may pick up to ``min(K, e)`` of my experts, and each expert segment starts on a
+  multiple of ``alignment`` rows (the starts are prefix sums computed on the device).
+- ``masked`` (decode): ``P = e * M`` with ``M = align(R * C, alignment)`` rows per local expert at fixed starts
+  ``i * M`` (DeepGEMM's masked layout ``[e, M, Dx]``); no expert can receive more than M rows.
 
 Shape legend: C = cap = ``num_max_tokens_per_rank`` (rows ONE rank feeds per call), Dx expert input width
 (hidden, or latent for Kimi-K3), K top-k, E experts, e local experts, R EP ranks, P receive-pool rows.
@@ -30,7 +33,7 @@ import torch
 
 from moe_ref.config import MoEConfig, ParallelConfig
 from moe_ref.errors import ExpertsNotDivisibleError, InvalidConfigError, MemoryBudgetError
-from moe_ref.kernels.ep_regions import REGION_ALIGN_BYTES, EPRegions, default_pool_rows
+from moe_ref.kernels.ep_regions import POOL_FORMATS, REGION_ALIGN_BYTES, EPRegions, default_pool_rows, masked_segment_rows
 from moe_ref.options import ACTIVATION_DTYPES
 
 
@@ -79,11 +82,12 @@ class CapacityPlan:
     regions: tuple[Region, ...]
     total_bytes: int
     ep_regions: EPRegions
+    pool_format: str = "contiguous"
 
     @staticmethod
     def build(cfg: MoEConfig, ep_size: int, num_max_tokens_per_rank: int,
               activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
-              alignment: int = 128) -> "CapacityPlan":
+              alignment: int = 128, pool_format: str = "contiguous") -> "CapacityPlan":
         """Lay out one rank's buffer.
 
         Args:
@@ -93,21 +97,24 @@ class CapacityPlan:
             activation_dtype: dtype of the expert input/output rows (bf16, fp16 or fp32).
             dispatch_fp8: ship rows as fp8 e4m3 + fp32 per-128-column scales (``x``/``recv_x`` become fp8).
             alignment: rows each expert segment of the pool starts on (128 for the grouped GEMMs).
+            pool_format: ``"contiguous"`` or ``"masked"`` (module doc).
 
         Returns:
-            The plan. Raises ``InvalidConfigError`` (CFG007) for a non-positive cap/alignment or an
-            unsupported dtype, ``ExpertsNotDivisibleError`` (CFG002) when R does not divide E.
+            The plan. Raises ``InvalidConfigError`` (CFG007) for a non-positive cap/alignment, an
+            unsupported dtype or pool format, ``ExpertsNotDivisibleError`` (CFG002) when R does not divide E.
         """
-        _check_plan_args(cfg, ep_size, num_max_tokens_per_rank, activation_dtype, alignment)
+        _check_plan_args(cfg, ep_size, num_max_tokens_per_rank, activation_dtype, alignment, pool_format)
         cap, num_local = num_max_tokens_per_rank, cfg.num_experts // ep_size
         ep_regions = EPRegions.build(ep_size, num_local, cfg.num_topk, cap, cfg.expert_hidden_size,
                                      activation_dtype=activation_dtype, fp8=dispatch_fp8, alignment=alignment,
-                                     num_pool_rows=num_recv_pool_rows(cfg, ep_size, cap, alignment))
+                                     num_pool_rows=num_recv_pool_rows(cfg, ep_size, cap, alignment, pool_format),
+                                     masked_rows=masked_segment_rows(ep_size, cap, alignment)
+                                     if pool_format == "masked" else 0)
         regions = [Region(name, ep_regions.offsets[name], *ep_regions.spec(name), ep_regions.nbytes(name))
                    for name in ep_regions.offsets]
         offset = _align(regions[-1].end, REGION_ALIGN_BYTES)
         return CapacityPlan(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment, tuple(regions), offset,
-                            ep_regions)
+                            ep_regions, pool_format)
 
     # --- queries ---------------------------------------------------------------------------------------
     @property
@@ -131,7 +138,7 @@ class CapacityPlan:
     def with_cap(self, num_max_tokens_per_rank: int) -> "CapacityPlan":
         """The same plan for another cap (used to price the cap an overflow error asks for)."""
         return CapacityPlan.build(self.cfg, self.ep_size, num_max_tokens_per_rank, self.activation_dtype,
-                                  self.dispatch_fp8, self.alignment)
+                                  self.dispatch_fp8, self.alignment, self.pool_format)
 
     def group_bytes(self) -> dict[str, int]:
         """Bytes per part: signals, send, receive, combine (region bytes plus the alignment gaps after them)."""
@@ -154,10 +161,8 @@ class CapacityPlan:
         lines = [
             f"Symmetric buffer of ONE rank: {cfg.name}, EP {self.ep_size} (local experts {self.num_local_experts} of "
             f"{cfg.num_experts}, top-{cfg.num_topk}), cap {self.num_max_tokens_per_rank} rows/rank, "
-            f"width {cfg.expert_hidden_size}, dispatch {wire}, alignment {self.alignment}",
-            f"receive pool rows P = R*C*min(K,e) + e*(alignment-1), aligned = {self.ep_size}*"
-            f"{self.num_max_tokens_per_rank}*{min(cfg.num_topk, self.num_local_experts)} + "
-            f"{self.num_local_experts}*{self.alignment - 1} -> {self.num_pool_rows}",
+            f"width {cfg.expert_hidden_size}, dispatch {wire}, alignment {self.alignment}, pool {self.pool_format}",
+            self._pool_rows_line(),
             "",
             f"{'region':<28} {'offset':>14} {'shape':<22} {'dtype':<14} {'bytes':>16} {'':>11}",
         ]
@@ -175,11 +180,21 @@ class CapacityPlan:
         return "\n".join(lines)
 
 
+    def _pool_rows_line(self) -> str:
+        R, C, e, A = self.ep_size, self.num_max_tokens_per_rank, self.num_local_experts, self.alignment
+        if self.pool_format == "masked":
+            M = self.ep_regions.masked_rows
+            return (f"receive pool rows P = e*M, M = align(R*C, alignment) = align({R}*{C}, {A}) = {M} rows per "
+                    f"local expert -> {e}*{M} = {self.num_pool_rows}")
+        return (f"receive pool rows P = R*C*min(K,e) + e*(alignment-1), aligned = {R}*{C}*"
+                f"{min(self.cfg.num_topk, e)} + {e}*{A - 1} -> {self.num_pool_rows}")
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_plan_args(cfg, ep_size, cap, activation_dtype, alignment) -> None:
+def _check_plan_args(cfg, ep_size, cap, activation_dtype, alignment, pool_format) -> None:
     if not isinstance(ep_size, int) or ep_size <= 0:
         raise InvalidConfigError(f"ep_size={ep_size!r} must be a positive integer")
     if cfg.num_experts % ep_size != 0:
@@ -192,25 +207,34 @@ def _check_plan_args(cfg, ep_size, cap, activation_dtype, alignment) -> None:
                                  f"feeds per call)", field="num_max_tokens_per_rank")
     if not isinstance(alignment, int) or alignment <= 0:
         raise InvalidConfigError(f"alignment={alignment!r} must be a positive integer (rows)", field="alignment")
+    if pool_format not in POOL_FORMATS:
+        raise InvalidConfigError(f"pool_format={pool_format!r}; use one of {', '.join(POOL_FORMATS)}",
+                                 field="pool_format")
     if activation_dtype not in ACTIVATION_DTYPES:
         raise InvalidConfigError(f"activation_dtype={activation_dtype} is not supported; use one of "
                                  f"{', '.join(_dtype_name(d) for d in ACTIVATION_DTYPES)} (FP8 dispatch: "
                                  f"dispatch_fp8=True)", field="activation_dtype")
 
 
-def num_recv_pool_rows(cfg: MoEConfig, ep_size: int, num_max_tokens_per_rank: int, alignment: int = 128) -> int:
-    """P: rows of one rank's receive pool, ``align(R*C*min(K, e) + e*(alignment-1), alignment)``.
+def num_recv_pool_rows(cfg: MoEConfig, ep_size: int, num_max_tokens_per_rank: int, alignment: int = 128,
+                       pool_format: str = "contiguous") -> int:
+    """P: rows of one rank's receive pool: ``align(R*C*min(K, e) + e*(alignment-1), alignment)`` (contiguous),
+    ``e * align(R*C, alignment)`` (masked).
 
-    Example: R=2, C=16, K=4, e=8, alignment=128 -> 2*16*4 + 8*127 = 1144 -> 1152.
+    Example: R=2, C=16, K=4, e=8, alignment=128 -> 2*16*4 + 8*127 = 1144 -> 1152 (contiguous), 8*128 = 1024
+    (masked).
     """
-    return default_pool_rows(ep_size, num_max_tokens_per_rank, cfg.num_topk, cfg.num_experts // ep_size, alignment)
+    num_local = cfg.num_experts // ep_size
+    if pool_format == "masked":
+        return num_local * masked_segment_rows(ep_size, num_max_tokens_per_rank, alignment)
+    return default_pool_rows(ep_size, num_max_tokens_per_rank, cfg.num_topk, num_local, alignment)
 
 
 # --- topology and budget ----------------------------------------------------------------------------------
 
 def plan_for_topology(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: int, *,
                       activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
-                      alignment: int = 128) -> CapacityPlan:
+                      alignment: int = 128, pool_format: str = "contiguous") -> CapacityPlan:
     """The plan of one rank for a deployment.
 
     Args:
@@ -220,7 +244,8 @@ def plan_for_topology(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: 
             never multiplied by ``dp_size`` or ``ep_size`` here.
     """
     parallel.num_local_experts(cfg)  # raises CFG001/CFG002 for an impossible topology
-    return CapacityPlan.build(cfg, parallel.ep_size, max_num_tokens, activation_dtype, dispatch_fp8, alignment)
+    return CapacityPlan.build(cfg, parallel.ep_size, max_num_tokens, activation_dtype, dispatch_fp8, alignment,
+                              pool_format)
 
 
 def _model_total_line(cfg: MoEConfig, plan: CapacityPlan) -> str:
@@ -235,13 +260,13 @@ def _model_total_line(cfg: MoEConfig, plan: CapacityPlan) -> str:
 
 def max_tokens_for_budget(cfg: MoEConfig, ep_size: int, budget_bytes: int,
                           activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
-                          alignment: int = 128) -> int:
+                          alignment: int = 128, pool_format: str = "contiguous") -> int:
     """The largest cap whose per-rank plan fits ``budget_bytes`` (binary search; bytes grow with the cap).
 
     Raises ``MemoryBudgetError`` (CAP004) when even a cap of 1 does not fit, naming both byte counts.
     """
     def cost(cap: int) -> int:
-        return CapacityPlan.build(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment).total_bytes
+        return CapacityPlan.build(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment, pool_format).total_bytes
 
     smallest = cost(1)
     if smallest > budget_bytes:
@@ -260,11 +285,11 @@ def max_tokens_for_budget(cfg: MoEConfig, ep_size: int, budget_bytes: int,
 
 def plan_report(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: int, *,
                 activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
-                alignment: int = 128, budget_bytes: int | None = None) -> str:
+                alignment: int = 128, pool_format: str = "contiguous", budget_bytes: int | None = None) -> str:
     """The text ``moe-ref plan`` prints: topology, the per-rank region table with totals, and (with a
     budget) the largest cap that fits it."""
     plan = plan_for_topology(cfg, parallel, max_num_tokens, activation_dtype=activation_dtype,
-                             dispatch_fp8=dispatch_fp8, alignment=alignment)
+                             dispatch_fp8=dispatch_fp8, alignment=alignment, pool_format=pool_format)
     feeders = "each attention-DP rank feeds its own batch" if parallel.attention_dp else "rows each rank feeds"
     lines = [
         f"Topology: tp {parallel.tp_size}, ep {parallel.ep_size}, dp {parallel.dp_size}, attention-dp "
@@ -277,7 +302,8 @@ def plan_report(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: int, *
     if budget_bytes is not None:
         lines.append("")
         try:
-            best = max_tokens_for_budget(cfg, parallel.ep_size, budget_bytes, activation_dtype, dispatch_fp8, alignment)
+            best = max_tokens_for_budget(cfg, parallel.ep_size, budget_bytes, activation_dtype, dispatch_fp8, alignment,
+                                         pool_format)
             best_bytes = plan.with_cap(best).total_bytes
             lines.append(f"Largest cap within {format_bytes(budget_bytes)} per rank: {best} rows/rank "
                          f"({format_bytes(best_bytes)}); set num_max_tokens_per_rank={best} or "

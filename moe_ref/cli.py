@@ -38,7 +38,7 @@ from moe_ref.errors import (
     PathNotWritableError,
     explain,
 )
-from moe_ref.options import EPOptions
+from moe_ref.options import POOL_FORMATS, EPOptions
 from moe_ref.quant import QuantFormat, QuantSpec, expert_weight_bytes, quant_spec_from_config, shape_problem
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -222,14 +222,14 @@ def cmd_plan(args) -> int:
     cap = resolve_cap(args.max_num_tokens, default=4096)
     print(f"cap = {cap} rows fed by ONE rank per call (never multiplied by dp or ep size)")
     plan = CapacityPlan.build(cfg, args.ep, cap, dtype, dispatch_fp8=args.dispatch_fp8,
-                              alignment=args.alignment)
+                              alignment=args.alignment, pool_format=args.pool_format)
     print(plan.report())
     print("\n" + "\n".join(expert_memory_lines(cfg, args.ep, _quant_spec(args), args.dtype)))
     if args.budget_gib is not None:
         best = max_tokens_for_budget(cfg, args.ep, int(args.budget_gib * 2**30), dtype,
-                                     dispatch_fp8=args.dispatch_fp8, alignment=args.alignment)
-        best_plan = CapacityPlan.build(cfg, args.ep, best, dtype, dispatch_fp8=args.dispatch_fp8,
-                                       alignment=args.alignment)
+                                     dispatch_fp8=args.dispatch_fp8, alignment=args.alignment,
+                                     pool_format=args.pool_format)
+        best_plan = plan.with_cap(best)
         print(f"\nlargest cap within {args.budget_gib} GiB per rank: {best} tokens "
               f"({best_plan.total_bytes / 2**30:.3f} GiB)")
     return 0
@@ -435,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     p.add_argument("--dispatch-fp8", action="store_true")
     p.add_argument("--alignment", type=positive, default=128)
+    p.add_argument("--pool-format", choices=POOL_FORMATS, default="contiguous",
+                   help="receive pool: contiguous (prefill) or masked (decode: M rows per local expert)")
     p.add_argument("--budget-gib", type=positive_float, default=None,
                    help="also print the largest cap within this budget")
     p.set_defaults(fn=cmd_plan)

@@ -10,6 +10,7 @@ One job: the ``deep_gemm`` entry of the experts registry. Whether DeepGEMM can r
 
 ``DeepGemmExperts.forward_masked`` does the same over DeepGEMM's masked layout (``[e, M, Dx]`` plus the
 valid row count per expert), which needs no host sync and can be captured in a CUDA graph for decode.
+``forward`` runs it on a masked receive pool (``pool_format="masked"``: the pool IS ``[e, M, Dx]``, no copy).
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, M rows reserved
 per expert in DeepGEMM's masked layout, O and I one weight matrix's output and input features (DeepGEMM's n and
@@ -124,7 +125,7 @@ class DeepGemmExperts(Experts):
 
     # --- contiguous layout ---------------------------------------------------------------------------
     def forward(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
-        """Run every local expert over its segment of the pool.
+        """Run every local expert over its segment of the pool (DeepGEMM's masked GEMMs when the pool is masked).
 
         Args:
             x_RD: ``[P, Dx]`` CUDA bf16/fp16/fp32 pool rows, expert-major; the rows of local expert i are
@@ -137,6 +138,8 @@ class DeepGemmExperts(Experts):
             (the layout's tensors are moved to the device if needed).
         """
         self._check_input(x_RD, 2)
+        if layout.masked_rows:
+            return self._forward_masked_pool(x_RD, layout)
         if layout.alignment % self.mk_alignment:
             raise ShapeError(f"layout.alignment={layout.alignment} is not a multiple of deep_gemm's contiguous-layout "
                              f"alignment {self.mk_alignment}; build the pool with alignment={self.mk_alignment}")
@@ -178,6 +181,17 @@ class DeepGemmExperts(Experts):
         return h.contiguous() if self.fp8 else h.to(torch.bfloat16).contiguous()
 
     # --- masked layout (decode, CUDA graphs) ---------------------------------------------------------
+    def _forward_masked_pool(self, x_RD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        """A masked pool (``layout.masked_rows`` = M) is ``[e, M, Dx]`` as it lies: run the masked GEMMs on that
+        view, with the layout's counts as ``masked_m`` and the host's estimate of rows per expert as the hint."""
+        num_experts, max_rows = self.num_local_experts, layout.masked_rows
+        if layout.num_local_experts != num_experts or x_RD.shape[0] != num_experts * max_rows:
+            raise ShapeError(f"a masked pool of {layout.num_local_experts} experts x {max_rows} rows must be "
+                             f"[{num_experts * max_rows}, D] for {num_experts} local experts, got {tuple(x_RD.shape)}")
+        expected_m = max(1, -(-layout.rows_hint() // num_experts))
+        y_eMDx = self.forward_masked(x_RD.view(num_experts, max_rows, -1), layout.num_rows_e, expected_m)
+        return y_eMDx.view(x_RD.shape)
+
     def forward_masked(self, x_eMDx: torch.Tensor, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
         """Run expert i over rows ``x_eMDx[i, :masked_m_e[i]]`` (DeepGEMM's masked layout).
 

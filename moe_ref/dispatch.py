@@ -269,7 +269,7 @@ class Dispatcher(ABC):
         # the whole pool goes to the experts exactly when the host does not know its used end (hint given):
         # then rows past it need not be zeroed (combine reads rows inside segments only)
         layout = ExpertLayout(self.buffer.view("row_start"), num_rows_e, num_pool_rows, self.plan.alignment, hint,
-                              zero_unused_rows=hint is None)
+                              zero_unused_rows=hint is None, masked_rows=self.regions.masked_rows)
         return DispatchHandle(num_tokens=num_tokens, recv_x_PD=self.buffer.view("recv_x"),
                               recv_x_scale_PDb=self.buffer.view("recv_x_scale") if self.plan.dispatch_fp8 else None,
                               recv_src_P3=self.buffer.view("recv_src"), layout=layout, routes=routes)

@@ -6,6 +6,7 @@
 | MOE_REF_OVERFLOW_POLICY            | ``error`` or ``chunk`` when the caller passes none   | error   |
 | MOE_REF_TRANSPORT                  | ``auto``, ``symm``, ``a2a`` or ``local``             | auto    |
 | MOE_REF_EXPERTS_BACKEND            | ``auto``, ``torch``, ``grouped_mm``, ``triton``, ``deep_gemm`` | auto |
+| MOE_REF_POOL_FORMAT                | ``contiguous`` or ``masked`` receive pool            | contiguous |
 | MOE_REF_SHM_DIR                    | folder for the CPU symmetric heap's files            | /dev/shm |
 | MOE_REF_DEBUG                      | ``moe-ref`` shows tracebacks of coded errors (1/0)   | off     |
 | MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
@@ -49,6 +50,10 @@ def transport() -> str | None:
 
 def experts_backend() -> str | None:
     return _get("MOE_REF_EXPERTS_BACKEND")
+
+
+def pool_format() -> str | None:
+    return _get("MOE_REF_POOL_FORMAT")
 
 
 def shm_dir() -> str:

@@ -56,6 +56,9 @@ class ExpertLayout:
         zero_unused_rows: False lets a backend leave output rows outside every segment unwritten (the device-side
             dispatch hands over its whole pool and never reads them; zeroing them would cost more than the GEMMs
             at decode). True: they come out as zeros.
+        masked_rows: M > 0 when the pool is masked (``moe_ref.capacity``): expert i's segment starts at i * M and
+            ``num_pool_rows == e * M``, so the pool viewed as ``[e, M, Dx]`` is DeepGEMM's masked layout with
+            ``num_rows_e`` as its ``masked_m``. 0: contiguous segments.
     """
 
     row_start_e: torch.Tensor
@@ -64,6 +67,7 @@ class ExpertLayout:
     alignment: int
     num_rows_hint: int | None = None
     zero_unused_rows: bool = True
+    masked_rows: int = 0
 
     def rows_hint(self) -> int:
         """``num_rows_hint``, or the exact count of valid rows (NOTE: then a host sync)."""
@@ -109,6 +113,10 @@ class Experts(ABC):
     # Rows each expert segment of the receive pool should start on: what MegaMoE plans its pool with
     # unless told otherwise. Smaller = fewer padding rows the experts are handed.
     segment_alignment = 128
+    # The receive-pool formats (``moe_ref.capacity``) this backend runs; the layer refuses the others (CFG007).
+    # Reading segments through ``row_start_e``/``num_rows_e`` runs both; deep_gemm runs DeepGEMM's masked GEMMs on
+    # a masked pool.
+    pool_formats = ("contiguous", "masked")
     # True: the constructor takes keyword-only ``fp8`` (weights quantized once to fp8 128x128 blocks).
     supports_fp8 = False
     # Whether this instance runs fp8 weights, and whether its forward takes the FP8 pool (fp8 ``x_RD`` +

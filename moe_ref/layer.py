@@ -112,6 +112,10 @@ class MegaMoE(nn.Module):
         dtype, device: of the parameters; inputs must match them.
         alignment: rows each expert segment of the receive pool is aligned to; None (default): the
             backend's ``segment_alignment`` (torch 128, grouped_mm 16, triton 1, deep_gemm 128).
+        pool_format: ``"contiguous"`` (default: ``MOE_REF_POOL_FORMAT``, else contiguous; segments back to back,
+            the fewest rows) or ``"masked"`` (decode with a small cap: each local expert owns ``align(R * cap,
+            alignment)`` rows at a fixed start, DeepGEMM's masked layout, so ``deep_gemm`` experts run its masked
+            GEMMs; ``moe-ref plan --pool-format masked`` prints the bytes).
         seed: if given, initialise with ``MoEWeights.random(cfg, seed)`` (same on every rank); else the
             parameters are uninitialised and a call raises ``WeightsNotLoadedError`` (INP006) until
             ``load_hf_weights``/``load_weights``.
@@ -130,13 +134,14 @@ class MegaMoE(nn.Module):
                  *, num_max_tokens_per_rank: int | None = None, overflow: str | None = None,
                  transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", alignment: int | None = None,
-                 seed: int | None = None, mega: str | None = None, debug_checks: bool | None = None):
+                 seed: int | None = None, mega: str | None = None, debug_checks: bool | None = None,
+                 pool_format: str | None = None):
         super().__init__()
         self.cfg = cfg = as_config(cfg)
         self.options = EPOptions.resolve(
             num_max_tokens_per_rank=num_max_tokens_per_rank, overflow=overflow, transport=transport,
-            experts_backend=experts_backend, dispatch_fp8=dispatch_fp8, alignment=alignment, mega=mega, dtype=dtype,
-            device=device, debug_checks=debug_checks)
+            experts_backend=experts_backend, dispatch_fp8=dispatch_fp8, alignment=alignment, pool_format=pool_format,
+            mega=mega, dtype=dtype, device=device, debug_checks=debug_checks)
         self.group = group
         self._op_id = custom_ops.register(self)  # how torch.compile's graph names this layer
         self.world_size, self.rank = group_size_and_rank(group)
@@ -460,4 +465,4 @@ class MegaMoE(nn.Module):
                 f"cap={o.num_max_tokens_per_rank}, overflow={o.overflow}, transport={o.transport}, "
                 f"experts={o.experts_backend}{self._experts_precision()}, "
                 f"dispatch={'fp8' if o.dispatch_fp8 else 'activation dtype'}, alignment={o.alignment}, "
-                f"mega={o.mega}{' (in use)' if self.uses_mega else ''}")
+                f"pool={o.pool_format}, mega={o.mega}{' (in use)' if self.uses_mega else ''}")

@@ -43,7 +43,8 @@ __all__ = ["ep_pre_dispatch", "ep_layout", "symm_barrier", "ep_dispatch", "ep_co
 ENV_VAR = "MOE_REF_NATIVE"  # "0": use the torch twins even when the library is built
 
 # the order of the compiled ops' `int[] layout` argument (csrc/ep_layout.h, checked against the library)
-_SIZE_FIELDS = ("num_ranks", "num_local_experts", "num_topk", "cap", "hidden", "num_pool_rows", "alignment")
+_SIZE_FIELDS = ("num_ranks", "num_local_experts", "num_topk", "cap", "hidden", "num_pool_rows", "alignment",
+                "masked_rows")
 _REGION_FIELDS = ("signal", "epoch", "status", "counter", "num_tokens", "send_count", "topk_ids", "topk_weights",
                   "slot_rank", "x", "x_scale", "recv_num_tokens", "num_rows", "row_start", "recv_base", "pool_end",
                   "recv_pos", "recv_weight", "recv_src", "recv_x", "recv_x_scale", "combine_partial")

@@ -19,6 +19,7 @@ import torch
 from moe_ref import envs
 from moe_ref.errors import DeviceUnavailableError, DTypeError, InvalidConfigError, UnknownNameError
 from moe_ref.experts import experts_class, registered_backends
+from moe_ref.kernels.ep_regions import POOL_FORMATS
 
 OVERFLOW_POLICIES = ("error", "chunk")
 TRANSPORTS = ("auto", "local", "symm", "a2a")
@@ -43,6 +44,8 @@ class EPOptions:
         dispatch_fp8: rows move as fp8 e4m3 + per-128 scales; FP8 expert weights where the backend has them.
         alignment: rows each expert segment of the receive pool starts on (``resolve`` fills in the backend's
             ``segment_alignment``: torch 128, grouped_mm 16, triton 1, deep_gemm 128).
+        pool_format: ``"contiguous"`` (segments back to back: prefill) or ``"masked"`` (M rows per local expert
+            at fixed starts, DeepGEMM's masked layout: decode with a small cap); see ``moe_ref.capacity``.
         mega: ``"off"``, ``"deep_gemm"`` or ``"auto"``.
         dtype: of the parameters and the activations (fp32, fp16, bf16).
         device: of the parameters.
@@ -56,6 +59,7 @@ class EPOptions:
     experts_backend: str = "torch"
     dispatch_fp8: bool = False
     alignment: int | None = None
+    pool_format: str = "contiguous"
     mega: str = "off"
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
@@ -72,7 +76,8 @@ class EPOptions:
                 f"{MAX_NUM_MAX_TOKENS_PER_RANK}]: the most rows ONE rank feeds per call; `moe-ref plan --budget-gib G` "
                 f"prints the largest that fits G GiB", field="num_max_tokens_per_rank")
         for name, choices in (("overflow", OVERFLOW_POLICIES), ("transport", TRANSPORTS),
-                              ("experts_backend", registered_backends()), ("mega", MEGA_CHOICES)):
+                              ("experts_backend", registered_backends()), ("mega", MEGA_CHOICES),
+                              ("pool_format", POOL_FORMATS)):
             value = getattr(self, name)
             if value not in choices:
                 raise UnknownNameError(f"{name}={value!r} (from {self.source.get(name, 'the argument')}); supported: "
@@ -96,8 +101,9 @@ class EPOptions:
     @staticmethod
     def resolve(*, num_max_tokens_per_rank: int | None = None, overflow: str | None = None,
                 transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
-                alignment: int | None = None, mega: str | None = None, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu", debug_checks: bool | None = None) -> "EPOptions":
+                alignment: int | None = None, pool_format: str | None = None, mega: str | None = None,
+                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                debug_checks: bool | None = None) -> "EPOptions":
         """Each option from the argument if given (not None; ``"auto"`` counts as given except for the
         transport, where an operator's ``MOE_REF_TRANSPORT`` still decides), else its environment variable,
         else the default. ``experts_backend="auto"`` becomes triton on CUDA, torch on CPU; ``alignment=None``
@@ -125,10 +131,16 @@ class EPOptions:
             backend = "triton" if device.type == "cuda" else "torch"
         if alignment is None and backend in registered_backends():
             alignment = experts_class(backend, device).segment_alignment  # the pool layout the backend wants
+        pool = pick("pool_format", pool_format, "MOE_REF_POOL_FORMAT", envs.pool_format(), "contiguous")
+        if backend in registered_backends() and pool in POOL_FORMATS:
+            runs = experts_class(backend, device).pool_formats
+            if pool not in runs:
+                raise InvalidConfigError(f"pool_format={pool!r} (from {source['pool_format']}): the {backend} experts "
+                                         f"run {', '.join(runs)} pools only", field="pool_format")
         debug = pick("debug_checks", debug_checks, "MOE_REF_DEBUG_CHECKS", envs.debug_checks(), False)
         return EPOptions(num_max_tokens_per_rank=cap, overflow=policy, transport=transport_name,
                          experts_backend=backend, dispatch_fp8=bool(dispatch_fp8), alignment=alignment,
-                         mega=mega if mega is not None else "off", dtype=dtype, device=device,
+                         pool_format=pool, mega=mega if mega is not None else "off", dtype=dtype, device=device,
                          debug_checks=bool(debug), source=source)
 
     def replace(self, **changes) -> "EPOptions":
@@ -139,5 +151,6 @@ class EPOptions:
         """What must be equal on every rank of the group (the device index may differ: one GPU per rank)."""
         return {"num_max_tokens_per_rank": str(self.num_max_tokens_per_rank), "overflow": self.overflow,
                 "transport": self.transport, "experts_backend": self.experts_backend,
-                "dispatch_fp8": str(self.dispatch_fp8), "alignment": str(self.alignment), "mega": self.mega,
+                "dispatch_fp8": str(self.dispatch_fp8), "alignment": str(self.alignment), "pool_format": self.pool_format,
+                "mega": self.mega,
                 "dtype": str(self.dtype), "device_type": self.device.type, "debug_checks": str(self.debug_checks)}

@@ -223,9 +223,9 @@ class ModularRoutedStep(RoutedStep):
         live_TK = ids_TK >= 0
         sent_count = int(live_TK.sum())
         sent_sum = float((sent_x[:, None] * live_TK).sum())
-        rows = int(view("pool_end")[0])
+        received = handle.layout.row_expert_R() >= 0  # rows inside a segment (either pool format)
+        rows = received.numel()
         src_P = handle.recv_src_P3[:rows, 0].long()
-        received = src_P >= 0
         recv_x = handle.recv_x_PD[:rows].double().sum(dim=1)
         counts = [int(((src_P == s) & received).sum()) for s in range(world)]
         sums = [float(recv_x[(src_P == s) & received].sum()) for s in range(world)]
@@ -300,7 +300,8 @@ class MonolithicRoutedStep(RoutedStep):
 def overflow_policy(cfg: MoEConfig, ep_size: int, options: EPOptions) -> OverflowPolicy:
     """The overflow policy of ``options``, pricing caps with moe_ref's own buffer plan."""
     def buffer_bytes_for_cap(cap: int) -> int:
-        return CapacityPlan.build(cfg, ep_size, cap, options.dtype, options.dispatch_fp8, options.alignment).total_bytes
+        return CapacityPlan.build(cfg, ep_size, cap, options.dtype, options.dispatch_fp8, options.alignment,
+                                  options.pool_format).total_bytes
 
     return OverflowPolicy(options.num_max_tokens_per_rank, options.overflow, buffer_bytes_for_cap)
 

@@ -49,8 +49,8 @@ def make_dispatcher(cfg: MoEConfig, group, options: EPOptions) -> Dispatcher:
     Args:
         cfg: the MoE block (``E`` must divide by the group size: CFG002).
         group: the EP process group, or None for one process.
-        options: resolved options; uses the cap, transport, dtype, device, ``dispatch_fp8`` and ``alignment``
-            (which must be set: ``EPOptions.resolve`` sets it from the experts backend).
+        options: resolved options; uses the cap, transport, dtype, device, ``dispatch_fp8``, ``pool_format`` and
+            ``alignment`` (which must be set: ``EPOptions.resolve`` sets it from the experts backend).
 
     Returns:
         A ``Dispatcher`` using the EP group's shared buffer for this plan (``buffer.acquire_buffer``: every MoE
@@ -64,7 +64,7 @@ def make_dispatcher(cfg: MoEConfig, group, options: EPOptions) -> Dispatcher:
         raise UnknownNameError(f"transport={name!r}; supported: {', '.join(TRANSPORTS)}")
     world, _ = group_size_and_rank(group)
     plan = CapacityPlan.build(cfg, world, options.num_max_tokens_per_rank, options.dtype, options.dispatch_fp8,
-                              options.alignment)
+                              options.alignment, options.pool_format)
     if world == 1:
         return SymmDispatcher(plan, acquire_buffer(plan, group, kind="private", device=device), group)
     if name == "local":

@@ -4,14 +4,15 @@
 
 Two launches, no host sync:
 1. `_recv_layout_kernel` (one program): read every source's `num_tokens` and `send_count[:, r]` (my column),
-   then on the device
+   then on the device, with seg[i] = align(num_rows[i], alignment) (contiguous pool) or M (masked pool)
        num_rows[i]     = sum_s send_count_s[r, i]
-       row_start[i]    = sum_{i' < i} align(num_rows[i'], alignment)        (segment starts, aligned)
+       row_start[i]    = sum_{i' < i} seg[i']                               (contiguous: aligned; masked: i * M)
        recv_base[s, i] = row_start[i] + sum_{s' < s} send_count_{s'}[r, i]
-       pool_end        = sum_i align(num_rows[i], alignment)
-   and write -1 into `recv_src` of every padding row below `pool_end`. `pool_end > P` sets
-   `status = [2, pool_end]` (rows past P are then dropped, never written out of bounds). After a peer
-   timeout (`status[0] == 1`) it receives nothing (every T_s = 0): the peers' regions may hold anything.
+       pool_end        = sum_i seg[i]
+   and write -1 into `recv_src` of every padding row (from a segment's last row to its next multiple of
+   `alignment`). `pool_end > P`, or a masked segment given more than M rows, sets `status = [2, rows needed]`
+   (rows past their segment are then dropped, never written elsewhere). After a peer timeout
+   (`status[0] == 1`) it receives nothing (every T_s = 0): the peers' regions may hold anything.
 2. `_dispatch_rows_kernel` (one program per (source s, token t < C)): for t < T_s read the token's K ids,
    slot ranks and weights from s, and for the slots j routed to my local expert i:
        pos = recv_base[s, i] + slot_rank_s[t, j]
@@ -50,7 +51,7 @@ def _recv_layout_kernel(
     # pointers
     ptrs_R,
     # sizes / scalars
-    rank, R, e, alignment, P,
+    rank, R, e, alignment, P, masked_rows,
     off_num_tokens, off_send_count, off_recv_num_tokens, off_num_rows, off_row_start, off_recv_base, off_pool_end,
     off_recv_src, off_status, off_signal, off_epoch, max_polls, timeout_ns,
     # meta
@@ -63,7 +64,8 @@ def _recv_layout_kernel(
     """One program: the receive layout of rank `rank` from every source's counts.
 
     Example: R=2, e=2, alignment 4, send_count column of rank 0: source 0 -> [1, 2], source 1 -> [3, 0]
-        -> num_rows [4, 2], row_start [0, 4], recv_base [[0, 4], [1, 6]], pool_end 8, recv_src[6:8] = -1.
+        -> num_rows [4, 2], row_start [0, 4], recv_base [[0, 4], [1, 6]], pool_end 8, recv_src[6:8] = -1;
+        masked with M = 8: row_start [0, 8], recv_base [[0, 8], [1, 10]], pool_end 16, recv_src[10:12] = -1.
     """
     my_base = tl.load(ptrs_R + rank)
     if WAIT:
@@ -84,9 +86,11 @@ def _recv_layout_kernel(
     counts = tl.where(live, counts, 0)
     num_rows = tl.sum(counts, axis=0)
     aligned = (num_rows + alignment - 1) // alignment * alignment
-    row_start = tl.cumsum(aligned, axis=0) - aligned
+    segment = tl.where(masked_rows > 0, tl.where(mask_e, masked_rows, 0).to(tl.int64), aligned)
+    row_start = tl.cumsum(segment, axis=0) - segment
     recv_base = row_start[None, :] + tl.cumsum(counts, axis=0) - counts
-    pool_end = tl.sum(aligned, axis=0)
+    pool_end = tl.sum(segment, axis=0)
+    most_rows = tl.max(num_rows, axis=0)
 
     tl.store((my_base + off_recv_num_tokens).to(tl.pointer_type(tl.int32)) + offs_r, num_tokens_r, mask=mask_r)
     tl.store((my_base + off_num_rows).to(tl.pointer_type(tl.int64)) + offs_e, num_rows, mask=mask_e)
@@ -97,6 +101,9 @@ def _recv_layout_kernel(
     if pool_end > P:
         tl.store(status_ptr + 1, pool_end.to(tl.int32))
         tl.store(status_ptr, 2)
+    if (masked_rows > 0) & (most_rows > masked_rows):
+        tl.store(status_ptr + 1, most_rows.to(tl.int32))
+        tl.store(status_ptr, 2)
 
     # padding rows of each segment: recv_src = -1
     recv_src_ptr = (my_base + off_recv_src).to(tl.pointer_type(tl.int32))
@@ -105,7 +112,8 @@ def _recv_layout_kernel(
     for a0 in range(0, alignment - 1, BLOCK_A):
         offs_a = a0 + tl.arange(0, BLOCK_A)
         rows = pad_first[:, None] + offs_a[None, :]                             # [BLOCK_E, BLOCK_A]
-        mask_pad = mask_e[:, None] & (offs_a[None, :] < num_pad[:, None]) & (rows >= 0) & (rows < P)
+        mask_pad = (mask_e[:, None] & (offs_a[None, :] < num_pad[:, None]) & (rows >= 0) & (rows < P)
+                    & (rows < (row_start + segment)[:, None]))
         minus_one = tl.full([BLOCK_E, BLOCK_A], -1, tl.int32)
         for c in tl.static_range(3):
             tl.store(recv_src_ptr + rows * 3 + c, minus_one, mask=mask_pad)
@@ -133,7 +141,7 @@ def _dispatch_rows_kernel(
     # pointers
     ptrs_R,
     # sizes / scalars
-    rank, C, K, e, P, row_words, scale_words,
+    rank, C, K, e, P, masked_rows, row_words, scale_words,
     off_topk_ids, off_topk_weights, off_slot_rank, off_x, off_x_scale,
     off_recv_num_tokens, off_recv_base, off_recv_pos, off_recv_weight, off_recv_src, off_recv_x, off_recv_x_scale,
     # meta
@@ -162,7 +170,9 @@ def _dispatch_rows_kernel(
         mine = mask_k & (ids >= 0) & (local >= 0) & (local < e)
         base = tl.load((my_base + off_recv_base).to(tl.pointer_type(tl.int64)) + s * e + local, mask=mine, other=0)
         pos = base + srank
-        mine = mine & (pos >= 0) & (pos < P)  # an overflowing pool (status 2) drops rows, never writes past it
+        # an overflowing pool (status 2) drops rows, never writes past it (or past a masked segment)
+        segment_end = tl.where(masked_rows > 0, (local + 1) * masked_rows, P)
+        mine = mine & (pos >= 0) & (pos < P) & (pos < segment_end)
         pos = tl.where(mine, pos, -1)
         my_slot = (s * C + t).to(tl.int64) * K + offs_k
         tl.store((my_base + off_recv_pos).to(tl.pointer_type(tl.int32)) + my_slot, pos.to(tl.int32), mask=mask_k)
@@ -222,7 +232,7 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
     R, e, K, C = regions.num_ranks, regions.num_local_experts, regions.num_topk, regions.cap
     _recv_layout_kernel[(1,)](
         peers.ptrs_R,
-        peers.rank, R, e, regions.alignment, regions.num_pool_rows,
+        peers.rank, R, e, regions.alignment, regions.num_pool_rows, regions.masked_rows,
         off["num_tokens"], off["send_count"], off["recv_num_tokens"], off["num_rows"], off["row_start"],
         off["recv_base"], off["pool_end"], off["recv_src"], off["status"], off["signal"], off["epoch"],
         int(max_polls), int(timeout_us * 1000),
@@ -237,7 +247,7 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
                   64 if is_interpreter() else EP_LAUNCH.dispatch_block_bytes // word)
     _dispatch_rows_kernel[(R * C,)](
         peers.ptrs_R,
-        peers.rank, C, K, e, regions.num_pool_rows, row_words, regions.num_scale_cols,
+        peers.rank, C, K, e, regions.num_pool_rows, regions.masked_rows, row_words, regions.num_scale_cols,
         off["topk_ids"], off["topk_weights"], off["slot_rank"], off["x"], off.get("x_scale", 0),
         off["recv_num_tokens"], off["recv_base"], off["recv_pos"], off["recv_weight"], off["recv_src"],
         off["recv_x"], off.get("recv_x_scale", 0),
@@ -283,22 +293,25 @@ def receive_layout_ref(my: torch.Tensor, regions: EPRegions, num_tokens_R: torch
     P, device = regions.num_pool_rows, my.device
     num_rows_e = counts_Re.sum(0)
     aligned_e = (num_rows_e + regions.alignment - 1) // regions.alignment * regions.alignment
-    row_start_e = torch.cumsum(aligned_e, 0) - aligned_e
+    segment_e = torch.full_like(aligned_e, regions.masked_rows) if regions.masked_rows else aligned_e
+    row_start_e = torch.cumsum(segment_e, 0) - segment_e
     recv_base_Re = row_start_e[None, :] + torch.cumsum(counts_Re, 0) - counts_Re
-    pool_end = aligned_e.sum()
+    pool_end = segment_e.sum()
     view(my, "recv_num_tokens").copy_(num_tokens_R)
     view(my, "num_rows").copy_(num_rows_e)
     view(my, "row_start").copy_(row_start_e)
     view(my, "recv_base").copy_(recv_base_Re)
     view(my, "pool_end").fill_(pool_end)
     status = view(my, "status")
-    overflow = pool_end > P
-    status[1] = torch.where(overflow, pool_end.to(torch.int32), status[1])
-    status[0] = torch.where(overflow, STATUS_POOL_OVERFLOW, status[0])
-    # padding rows: [row_start + num_rows, row_start + aligned) of each segment, below P
+    for overflow, needed in ((pool_end > P, pool_end),
+                             ((num_rows_e > regions.masked_rows).any() & (regions.masked_rows > 0), num_rows_e.max())):
+        status[1] = torch.where(overflow, needed.to(torch.int32), status[1])
+        status[0] = torch.where(overflow, STATUS_POOL_OVERFLOW, status[0])
+    # padding rows: [row_start + num_rows, row_start + aligned) of each segment, below P and the segment's end
     pad_e = aligned_e - num_rows_e
     pad_rows = (row_start_e + num_rows_e)[:, None] + torch.arange(max(regions.alignment - 1, 0), device=device)
-    pad_mask = (torch.arange(pad_rows.shape[1], device=device)[None, :] < pad_e[:, None]) & (pad_rows >= 0) & (pad_rows < P)
+    pad_mask = ((torch.arange(pad_rows.shape[1], device=device)[None, :] < pad_e[:, None]) & (pad_rows >= 0)
+                & (pad_rows < P) & (pad_rows < (row_start_e + segment_e)[:, None]))
     pad_target_N = torch.where(pad_mask, pad_rows, P).reshape(-1)
     _scatter_rows(view(my, "recv_src"), pad_target_N, torch.full((pad_target_N.numel(), 3), -1, dtype=torch.int32,
                                                                    device=device))
@@ -323,7 +336,8 @@ def receive_rows_ref(my: torch.Tensor, regions: EPRegions, rank: int, src: int, 
     local_UK = ids_UK - rank * e
     mine_UK = live_U[:, None] & (ids_UK >= 0) & (local_UK >= 0) & (local_UK < e)
     pos_UK = recv_base_Re[src, local_UK.clamp(0, e - 1)] + slot_rank_UK
-    mine_UK &= (pos_UK >= 0) & (pos_UK < P)
+    segment_end_UK = (local_UK + 1) * regions.masked_rows if regions.masked_rows else P
+    mine_UK &= (pos_UK >= 0) & (pos_UK < P) & (pos_UK < segment_end_UK)
     pos_UK = torch.where(mine_UK, pos_UK, -1)
     recv_pos_CK, recv_weight_CK = view(my, "recv_pos")[src], view(my, "recv_weight")[src]
     recv_pos_CK[token_U] = torch.where(live_U[:, None], pos_UK.to(torch.int32), recv_pos_CK[token_U])

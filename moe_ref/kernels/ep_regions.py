@@ -26,9 +26,9 @@ process that simulates R ranks with R separately allocated buffers (the interpre
 | `x_scale` (fp8)   | `[C, Db]`      | fp32             | per-row per-128-column scales                                |
 | `recv_num_tokens` | `[R]`          | int32            | T of every source (ep_dispatch, local)                       |
 | `num_rows`        | `[e]`          | int64            | rows my experts received                                     |
-| `row_start`       | `[e]`          | int64            | first pool row of each expert segment (multiple of alignment)|
+| `row_start`       | `[e]`          | int64            | first pool row of each expert segment (masked: i * M)        |
 | `recv_base`       | `[R, e]`       | int64            | first pool row of source s inside segment i                  |
-| `pool_end`        | `[1]`          | int64            | aligned end of the last segment (rows the experts need)      |
+| `pool_end`        | `[1]`          | int64            | end of the last segment (rows the experts need; masked: P)   |
 | `recv_pos`        | `[R, C, K]`    | int32            | pool row of slot (s, t, j), -1 if not mine (t < T_s only)    |
 | `recv_weight`     | `[R, C, K]`    | fp32             | w[t, j] of source s (t < T_s only)                           |
 | `recv_src`        | `[P, 3]`       | int32            | (source, token, slot) of a pool row; -1 on padding rows      |
@@ -36,7 +36,10 @@ process that simulates R ranks with R separately allocated buffers (the interpre
 | `recv_x_scale`    | `[P, Db]`      | fp32             | its scales (fp8)                                             |
 | `combine_partial` | `[R, C, Dx]`   | activation       | partial[s, t] = sum of token t's slots on rank s (s writes)  |
 
-Rows of `recv_src`/`recv_x` at or past `pool_end` and padding rows of `recv_x` hold stale data.
+The pool is `contiguous` (segments back to back, each start aligned) or `masked` (`masked_rows` = M > 0: expert i
+owns rows [i * M, (i + 1) * M), P = e * M); see `POOL_FORMATS`. In both, a segment's padding rows are those from
+its last received row up to the next multiple of `alignment`. Rows of `recv_src`/`recv_x` at or past `pool_end`,
+rows of a masked segment past its padding, and padding rows of `recv_x` hold stale data.
 `signal`, `epoch`, `status` and `counter` must be zero on every rank before the first barrier
 (`zero_signal_regions` + a host barrier).
 
@@ -53,7 +56,8 @@ import torch
 
 from moe_ref.errors import ShapeError
 
-__all__ = ["EPRegions", "PeerBuffers", "region_names", "zero_signal_regions", "check_peers", "default_pool_rows", "STATUS_OK", "STATUS_PEER_TIMEOUT", "STATUS_POOL_OVERFLOW"]
+__all__ = ["EPRegions", "PeerBuffers", "region_names", "zero_signal_regions", "check_peers", "default_pool_rows",
+           "masked_segment_rows", "POOL_FORMATS", "STATUS_OK", "STATUS_PEER_TIMEOUT", "STATUS_POOL_OVERFLOW"]
 
 REGION_ALIGN_BYTES = 128
 FP8_GROUP = 128
@@ -68,6 +72,24 @@ STATUS_POOL_OVERFLOW = 2
 
 def _align(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
+
+
+# How the receive pool is laid out (EPRegions.masked_rows):
+#   contiguous: segments back to back, each start a multiple of `alignment` (prefix sums on the device): the
+#               fewest rows; what prefill wants.
+#   masked:     local expert i owns the fixed rows [i * M, (i + 1) * M), M = masked_segment_rows(...): the pool
+#               is DeepGEMM's masked layout `[e, M, Dx]` with the row counts `num_rows [e]` on the device, so
+#               decode GEMMs need no per-row group table (e * M rows: meant for small caps).
+POOL_FORMATS = ("contiguous", "masked")
+
+
+def masked_segment_rows(num_ranks: int, cap: int, alignment: int) -> int:
+    """M = align(R * C, alignment): the most rows one local expert can receive (every token of every rank picks
+    it; a token never picks an expert twice), so a masked pool never overflows.
+
+    Example: R=2, C=128, alignment=128 -> 256.
+    """
+    return _align(num_ranks * cap, alignment)
 
 
 def default_pool_rows(num_ranks: int, cap: int, num_topk: int, num_local_experts: int, alignment: int) -> int:
@@ -95,6 +117,7 @@ class EPRegions:
     Attributes:
         num_ranks, num_local_experts, num_topk, cap, hidden, num_pool_rows, alignment: R, e, K, C, Dx, P, rows
             each expert segment starts on.
+        masked_rows: M, rows of each expert segment in the masked pool format (P = e * M); 0 = contiguous.
         activation_dtype: dtype of expert rows and `combine_partial` (fp32, fp16, bf16).
         fp8: rows travel as fp8 e4m3 + fp32 per-128 scales.
         offsets: region name -> byte offset. end: first byte after the last region.
@@ -112,11 +135,12 @@ class EPRegions:
     offsets: dict
     end: int
     specs: dict = None  # name -> (shape, dtype, nbytes), filled by build (views are made on every call)
+    masked_rows: int = 0
 
     @staticmethod
     def build(num_ranks: int, num_local_experts: int, num_topk: int, cap: int, hidden: int, *,
               activation_dtype: torch.dtype = torch.bfloat16, fp8: bool = False, alignment: int = 1,
-              num_pool_rows: int | None = None, base_offset: int = 0) -> "EPRegions":
+              num_pool_rows: int | None = None, masked_rows: int = 0, base_offset: int = 0) -> "EPRegions":
         """Lay the regions out back to back from `base_offset` (a multiple of 128).
 
         Args:
@@ -124,7 +148,9 @@ class EPRegions:
             activation_dtype: fp32 / fp16 / bf16.
             fp8: ship rows as fp8 e4m3 + scales.
             alignment: rows each expert segment of the pool starts on.
-            num_pool_rows: P; default `default_pool_rows(...)`.
+            num_pool_rows: P; default `default_pool_rows(...)` (contiguous), e * M (masked).
+            masked_rows: M > 0 lays the pool out masked (module doc; `masked_segment_rows` gives the M that never
+                overflows), a multiple of `alignment`; 0: contiguous.
             base_offset: byte offset of the first region (lets a larger plan embed this block).
 
         Returns:
@@ -135,10 +161,15 @@ class EPRegions:
         if min(num_ranks, num_local_experts, num_topk, cap, hidden, alignment) <= 0:
             raise ShapeError(f"sizes must be positive: {num_ranks=} {num_local_experts=} {num_topk=} {cap=} "
                              f"{hidden=} {alignment=}")
-        pool = num_pool_rows or default_pool_rows(num_ranks, cap, num_topk, num_local_experts, alignment)
+        if masked_rows < 0 or masked_rows % alignment:
+            raise ShapeError(f"{masked_rows=} must be 0 (contiguous pool) or a positive multiple of {alignment=}")
+        if masked_rows and num_pool_rows not in (None, num_local_experts * masked_rows):
+            raise ShapeError(f"a masked pool has e * M = {num_local_experts * masked_rows} rows, not {num_pool_rows=}")
+        pool = (num_local_experts * masked_rows if masked_rows else
+                num_pool_rows or default_pool_rows(num_ranks, cap, num_topk, num_local_experts, alignment))
         offsets, offset, specs = {}, base_offset, {}
         regions = EPRegions(num_ranks, num_local_experts, num_topk, cap, hidden, pool, alignment, activation_dtype,
-                            fp8, offsets, 0, specs)
+                            fp8, offsets, 0, specs, masked_rows)
         for name in region_names(fp8):
             shape, dtype = regions._spec(name)
             specs[name] = (shape, dtype, math.prod(shape) * dtype.itemsize)
@@ -148,6 +179,11 @@ class EPRegions:
         return regions
 
     # --- queries ----------------------------------------------------------------------------------------
+    @property
+    def pool_format(self) -> str:
+        """``"masked"`` or ``"contiguous"`` (``POOL_FORMATS``)."""
+        return "masked" if self.masked_rows else "contiguous"
+
     @property
     def num_scale_cols(self) -> int:
         """Db = ceil(Dx / 128)."""

@@ -245,7 +245,8 @@ def ep_status_problem(peers: PeerBuffers, regions: EPRegions) -> MoERefError | N
     Returns:
         PeerTimeoutError (ENV010): a barrier timed out; names the peers that never signalled and the epoch.
         ExpertIdError (INP005): `ep_dispatch` found more received rows than the pool holds (a token picked one
-            expert twice, or ids outside the layout); names the rows needed and the pool rows.
+            expert twice, or ids outside the layout); names the rows needed and the pool rows (masked pool: the
+            rows one expert received and the rows of its segment).
     """
     status = regions.view(peers.local, "status").tolist()  # NOTE: host sync
     code, detail, missing = status[0], status[1], status[2:]
@@ -257,6 +258,11 @@ def ep_status_problem(peers: PeerBuffers, regions: EPRegions) -> MoERefError | N
             f"rank {peers.rank}: peer(s) {silent} never signalled barrier epoch {detail} within the bound; the "
             f"data of this call is invalid (did a rank crash, or do ranks run different numbers of calls/chunks?)",
             rank=peers.rank, peers=silent, epoch=detail)
+    if code == STATUS_POOL_OVERFLOW and regions.masked_rows:
+        return ExpertIdError(
+            f"rank {peers.rank}: a local expert received {detail} rows but each segment of the masked pool has "
+            f"{regions.masked_rows}: a token picked the same expert twice, or ids are outside [-1, E) (rows past the "
+            f"segment were dropped)", rank=peers.rank, rows_needed=detail, pool_rows=regions.masked_rows)
     if code == STATUS_POOL_OVERFLOW:
         return ExpertIdError(
             f"rank {peers.rank}: the received rows need {detail} pool rows but the pool has {regions.num_pool_rows}: "

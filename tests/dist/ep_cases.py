@@ -7,7 +7,8 @@ up to 8 ranks (no rank over the cap unless the scenario means it).
 A case is a JSON-able dict with a unique ``id`` and a ``kind``:
 - ``routed``: one preset x one routing scenario, run over both transports (symm and a2a), twice each;
   checked against the single-process reference, bitwise across repeats and transports, and (scenario
-  ``chunk``) bitwise against an unchunked run with a big enough cap. ``experts`` names the backend
+  ``chunk``) bitwise against an unchunked run with a big enough cap. ``pool_format="masked"`` also checks
+  the masked pool's segment starts and the output bitwise against a contiguous pool. ``experts`` names the backend
   (default torch); ``triton`` with ``dispatch_fp8`` runs FP8 experts on the FP8 pool (the Triton kernel:
   interpreted on CPU), judged by calc_diff against the exact reference (``FP8_EXPERTS_LIMIT``).
 - ``overflow_error``: one rank over the cap with policy ``error``: every rank raises CAP001 quickly.
@@ -36,13 +37,14 @@ FP8_EXPERTS_LIMIT = CALC_DIFF_TOLERANCES[torch.float8_e4m3fn]
 # a2a bitwise equal). all_to_one on tiny-step3 (8 experts: one per rank) sends every row to one expert of the
 # last rank (hot rank); zero_tokens and chunk have a rank with no rows (chunk: rank 0 at cap+1, two chunks,
 # bitwise equal to one unchunked call), uneven/bf16 eight different counts, masked/fp8-dispatch -1 slots (and
-# FP8 dispatch), router the whole block; the error cases: one rank over the cap (CAP001), eight different caps
+# FP8 dispatch), router the whole block, masked-pool all_to_one the masked pool format with a hot rank; the
+# error cases: one rank over the cap (CAP001), eight different caps
 # (CAP002 naming every rank's), one rank's bad id (INP005): a coded error on all 8 ranks within 10 s, over
 # both transports, and the group usable afterwards.
 LAUNCH_SUBSETS = {8: (
     "tiny-kimi-k2-zero_tokens", "tiny-kimi-k2-chunk", "tiny-kimi-k2-bf16", "tiny-kimi-k3-masked",
     "tiny-kimi-k3-router", "tiny-deepseek-v3-uneven", "tiny-deepseek-v3-fp8-dispatch", "tiny-step3-all_to_one",
-    "tiny-step3-alignment-8-chunk",
+    "tiny-step3-alignment-8-chunk", "tiny-kimi-k2-masked-pool-all_to_one",
     *(f"{kind}-{transport}" for kind in ("overflow-error", "cap-mismatch", "bad-ids") for transport in TRANSPORTS),
 )}
 
@@ -65,6 +67,11 @@ def enumerate_cases(world_size: int, device: str = "cpu", subset=None) -> list[d
              dtype="float32", dispatch_fp8=True, alignment=128),
         dict(id="tiny-step3-alignment-8-chunk", kind="routed", preset="tiny-step3", scenario="chunk", cap=CAP,
              dtype="float32", dispatch_fp8=False, alignment=8),
+        # the masked pool format: every row to the last rank's experts (all_to_one), and FP8 rows over two chunks
+        dict(id="tiny-kimi-k2-masked-pool-all_to_one", kind="routed", preset="tiny-kimi-k2", scenario="all_to_one",
+             cap=CAP, dtype="bfloat16", dispatch_fp8=False, alignment=16, pool_format="masked"),
+        dict(id="tiny-deepseek-v3-masked-pool-fp8-chunk", kind="routed", preset="tiny-deepseek-v3", scenario="chunk",
+             cap=CAP, dtype="float32", dispatch_fp8=True, alignment=128, pool_format="masked"),
     ]
     # Triton experts run where Triton can: on the GPU, or interpreted on a machine without one (~1 s a call,
     # so at one world size); a GPU machine's CPU launch leaves them to its cuda launch.

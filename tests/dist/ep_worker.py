@@ -76,6 +76,7 @@ def run_routed(case: dict, group, rank: int, world: int) -> dict:
     fp8_experts = backend == "triton" and case["dispatch_fp8"]  # FP8 experts iff FP8 dispatch, as in MegaMoE
     experts = local_experts(weights, cfg, rank, world, backend, fp8=fp8_experts)
     scenario, cap = case["scenario"], case["cap"]
+    pool_format = case.get("pool_format", "contiguous")
     policy = "chunk" if scenario == "chunk" else "error"
     num_local = cfg.num_experts // world
     routing = [ep_cases.routing_for(case, cfg, r, world) for r in range(world)]
@@ -104,11 +105,15 @@ def run_routed(case: dict, group, rank: int, world: int) -> dict:
         # debug_checks: every chunk also checks that rows are conserved across the group (ENV007 otherwise)
         with make_step(cfg, group, experts, num_max_tokens_per_rank=cap, overflow=policy, transport=transport,
                        dtype=dtype, dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"],
-                       debug_checks=True) as step:
+                       pool_format=pool_format, debug_checks=True) as step:
             checks[f"{transport}: transport_name"] = step.transport_name == transport
             first = compute(step)
             second = compute(step)
             counted = step.num_recv_tokens_per_expert.cpu()
+            if pool_format == "masked":  # expert i's rows start at i * M, M = align(R * cap, alignment)
+                rows = -(-world * cap // case["alignment"]) * case["alignment"]
+                checks[f"{transport}: masked pool layout"] = (
+                    step.dispatcher.buffer.view("row_start").tolist() == [i * rows for i in range(num_local)])
         outputs[transport] = first
         info[f"{transport}: max_abs_diff_vs_reference"] = max_abs_diff(first, expected)
         if fp8_experts:  # fp8 weights: judged by calc_diff against the exact reference
@@ -126,6 +131,10 @@ def run_routed(case: dict, group, rank: int, world: int) -> dict:
             checks[f"{transport}: received-row counters"] = torch.equal(counted, 2 * expected_counts)
             info[f"{transport}: counters"] = counted.tolist()
     checks["symm and a2a bitwise equal"] = bitwise(outputs["symm"], outputs["a2a"])
+    if pool_format == "masked":  # the same rows reach the same per-expert GEMMs as in a contiguous pool
+        with make_step(cfg, group, experts, num_max_tokens_per_rank=cap, overflow=policy, transport="symm",
+                       dtype=dtype, dispatch_fp8=case["dispatch_fp8"], alignment=case["alignment"]) as step:
+            checks["masked pool == contiguous pool bitwise"] = bitwise(outputs["symm"], compute(step))
     if scenario == "chunk":
         big_cap = max(ep_cases.num_tokens_for(scenario, r, world, cap) for r in range(world))
         with make_step(cfg, group, experts, num_max_tokens_per_rank=big_cap, overflow="error", transport="symm",

@@ -11,7 +11,7 @@ import torch
 
 from moe_ref.errors import ExpertIdError, PeerTimeoutError
 from moe_ref.kernels.ep_layout import ep_layout, ep_layout_ref
-from moe_ref.kernels.ep_regions import EPRegions
+from moe_ref.kernels.ep_regions import EPRegions, masked_segment_rows
 from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier, symm_barrier_ref
 from moe_ref.testing import assert_bitwise_equal
 
@@ -33,11 +33,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# the masked pool format (expert i owns rows [i * M, (i + 1) * M), M = masked_segment_rows): same fields
+MASKED_CASES = {
+    "masked_two_ranks_uneven_zero_align4": ([4, 0], 2, 3, 4, 72, torch.float16, False, 4, None),
+    "masked_four_ranks_one_expert_fp8": ([3, 5, 0, 2], 2, 3, 5, 72, torch.bfloat16, True, 2, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES) + list(MASKED_CASES))
 def test_chunk_kernels_match_twins_and_oracle(name):
-    counts, e, K, C, D, dtype, fp8, alignment, one_expert = CASES[name]
+    counts, e, K, C, D, dtype, fp8, alignment, one_expert = {**CASES, **MASKED_CASES}[name]
     R = len(counts)
-    regions = EPRegions.build(R, e, K, C, D, activation_dtype=dtype, fp8=fp8, alignment=alignment)
+    masked_rows = masked_segment_rows(R, C, alignment) if name in MASKED_CASES else 0
+    regions = EPRegions.build(R, e, K, C, D, activation_dtype=dtype, fp8=fp8, alignment=alignment,
+                              masked_rows=masked_rows)
     inputs = [make_inputs(T, K, R * e, D, dtype, seed=10 * s + 1, one_expert=one_expert) for s, T in enumerate(counts)]
     world_k = make_world(regions, garbage_seed=3)
     world_t = clone_world(world_k)
@@ -137,6 +146,21 @@ def test_pool_overflow_is_reported_not_written_past_the_pool():
     with pytest.raises(ExpertIdError, match="need 6 pool rows but the pool has 4"):
         check_ep_status(world[0], regions)
     assert torch.equal(world[0].local[regions.end:], tail_before)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "twin"])
+def test_masked_segment_overflow_is_reported_and_stays_in_its_segment(kernels):
+    # M = 2 rows per expert (smaller than the worst case, so it can overflow): 3 tokens all pick local expert 0
+    regions = EPRegions.build(1, 2, 1, 3, 8, activation_dtype=torch.float32, alignment=2, masked_rows=2)
+    world = make_world(regions, garbage_seed=5)
+    inputs = [make_inputs(3, 1, 2, 8, torch.float32, seed=0, masked=0.0, one_expert=0)]
+    segment_1 = regions.view(world[0].local, "recv_x")[2:].clone()
+    simulate_chunk(world, regions, inputs, kernels=kernels)
+    with pytest.raises(ExpertIdError, match="a local expert received 3 rows but each segment of the masked pool has 2"):
+        check_ep_status(world[0], regions)
+    assert torch.equal(regions.view(world[0].local, "recv_x")[2:], segment_1), "expert 1's segment was written"
+    assert regions.view(world[0].local, "row_start").tolist() == [0, 2]
+    assert regions.view(world[0].local, "recv_pos")[0, :3, 0].tolist() == [0, 1, -1]
 
 
 def test_fused_wait_in_dispatch_reports_a_silent_peer():

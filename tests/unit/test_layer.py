@@ -4,7 +4,7 @@ import torch
 
 from moe_ref.config import preset
 from moe_ref.errors import (DTypeError, GradientNotSupportedError, InvalidConfigError, ShapeError,
-                            TensorShapeMismatchError, WeightsNotLoadedError)
+                            TensorShapeMismatchError, UnknownNameError, WeightsNotLoadedError)
 from moe_ref.layer import MegaMoE
 from moe_ref.reference import reference_moe
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_close, calc_diff
@@ -44,6 +44,37 @@ def test_chunked_equals_big_cap_bitwise_and_counts_rows(monkeypatch):
     assert torch.equal(y_small, y_big)
     assert int(small.num_recv_tokens_per_expert.sum()) == 100 * cfg.num_topk  # no masked slots from the router
     small.destroy(), big.destroy()
+
+
+@pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
+def test_masked_pool_equals_contiguous_pool(backend, monkeypatch):
+    from moe_ref import overflow
+
+    monkeypatch.setattr(overflow, "_ANNOUNCED", set())
+    cfg = preset("tiny-kimi-k2")
+    x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    out = {}
+    for pool in ("contiguous", "masked"):  # cap 16 < 37 rows: three chunks, the last one partial
+        layer = MegaMoE(cfg, num_max_tokens_per_rank=16, overflow="chunk", experts_backend=backend, seed=5,
+                        pool_format=pool, debug_checks=True)
+        out[pool] = layer(x)
+        assert layer.routed_step.plan.pool_format == pool
+        if pool == "masked":  # M = align(R * C, alignment) rows per expert (torch 128, grouped_mm 16) at i * M
+            rows = layer.options.alignment
+            assert layer.routed_step.plan.num_pool_rows == cfg.num_experts * rows
+            row_start = layer.routed_step.dispatcher.buffer.view("row_start")
+            assert row_start.tolist() == [i * rows for i in range(cfg.num_experts)]
+        layer.destroy()
+    if backend == "torch":  # the same per-expert GEMMs on the same rows
+        assert torch.equal(out["masked"], out["contiguous"])
+    else:
+        assert_close(out["masked"], out["contiguous"], torch.float32, name=backend)
+
+
+def test_pool_format_errors_name_the_choices():
+    cfg = preset("tiny-step3")
+    with pytest.raises(UnknownNameError, match=r"CFG\d+.*pool_format='strided'.*contiguous, masked"):
+        MegaMoE(cfg, num_max_tokens_per_rank=8, seed=0, pool_format="strided")
 
 
 def test_overflow_error_names_numbers_and_fix():

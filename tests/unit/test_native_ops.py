@@ -30,7 +30,7 @@ from moe_ref.errors import ExpertIdError, PeerTimeoutError  # noqa: E402
 from moe_ref.kernels.ep_combine import ep_combine_push_ref, ep_combine_reduce_ref  # noqa: E402
 from moe_ref.kernels.ep_dispatch import ep_dispatch_ref  # noqa: E402
 from moe_ref.kernels.ep_layout import ep_layout_ref, ep_pre_dispatch_ref  # noqa: E402
-from moe_ref.kernels.ep_regions import EPRegions  # noqa: E402
+from moe_ref.kernels.ep_regions import EPRegions, masked_segment_rows  # noqa: E402
 from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier_ref  # noqa: E402
 from moe_ref.testing import assert_bitwise_equal  # noqa: E402
 
@@ -168,6 +168,31 @@ def test_chunk_compiled_matches_twins_bitwise(name):
     for r, inp in enumerate(inputs):
         want = expected_output(inp, e, fp8)
         assert ((outs_n[r].double() - want).abs() <= tol * (1 + want.abs())).all(), f"{name} rank {r} vs oracle"
+
+
+@compiled_only
+@pytest.mark.parametrize("name", ["two_ranks_zero_tokens_fp16_align4", "four_ranks_uneven_one_expert",
+                                  "two_ranks_all_to_one_expert_k1"])
+def test_masked_pool_compiled_matches_twins_bitwise(name):
+    counts, e, K, C, D, dtype, fp8, alignment, one_expert, masked = CASES[name]
+    R = len(counts)
+    regions = EPRegions.build(R, e, K, C, D, activation_dtype=dtype, fp8=fp8, alignment=alignment,
+                              masked_rows=masked_segment_rows(R, C, alignment))
+    inputs = [make_inputs(T, K, R * e, D, dtype, seed=10 * s + 1, one_expert=one_expert, masked=masked)
+              for s, T in enumerate(counts)]
+    world = run_phases_compared(regions, inputs, case=name)
+    for r in range(R):
+        check_ep_status(world[r], regions)
+        assert regions.view(world[r].local, "row_start").tolist() == [i * regions.masked_rows for i in range(e)]
+
+
+@compiled_only
+def test_masked_segment_overflow_compiled_like_the_twin():
+    regions = EPRegions.build(1, 2, 1, 3, 8, activation_dtype=torch.float32, alignment=2, masked_rows=2)
+    inputs = [make_inputs(3, 1, 2, 8, torch.float32, seed=0, masked=0.0, one_expert=0)]
+    world = run_phases_compared(regions, inputs, case="masked overflow")
+    with pytest.raises(ExpertIdError, match="a local expert received 3 rows"):
+        check_ep_status(world[0], regions)
 
 
 @compiled_only
