@@ -24,6 +24,10 @@ Paths (each built per token count with cap = that count, so no path pays for an 
                      (the anchor for dispatch + combine alone)
     moe_ref_identity the moe_ref routed step with identity experts (dispatch + combine alone, through the public
                      make_modular_step API); *_graph as above
+    *_masked         the same over the masked receive pool (pool_format="masked": M = R * cap rows per local expert)
+    moe_ref_deep_gemm_fp8[_masked]  the modular step with DeepGEMM experts (fp8 weights; bf16 rows, quantized by
+                     the backend): its contiguous grouped GEMMs, or its masked GEMMs on the masked pool
+DEFAULT_PATHS run by default; --paths names any of PATHS.
 A path that cannot be built or fails reports 'not available' with its error; the others still run.
 
 Timing: after warmup, per iteration a cross-rank barrier + synchronize, then CUDA events around one call;
@@ -54,8 +58,9 @@ from moe_ref.config import MoEConfig  # noqa: E402
 from moe_ref.experts import Experts  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
 
-PATHS = ("a2a_grouped_mm", "moe_ref_triton", "moe_ref_triton_graph", "moe_ref_triton_fp8", "moe_ref_triton_fp8_graph",
-         "deep_gemm_mega", "a2a_identity", "moe_ref_identity", "moe_ref_identity_graph")
+DEFAULT_PATHS = ("a2a_grouped_mm", "moe_ref_triton", "moe_ref_triton_graph", "moe_ref_triton_fp8",
+                 "moe_ref_triton_fp8_graph", "deep_gemm_mega", "a2a_identity", "moe_ref_identity",
+                 "moe_ref_identity_graph")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-topk", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--paths", nargs="+", default=list(DEFAULT_PATHS), choices=PATHS)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -145,29 +150,29 @@ def build_a2a_identity(args, cfg, group, num_tokens, local_weights, device):
     return build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device, identity=True)
 
 
-def build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, *, fp8: bool = False,
-                         identity: bool = False):
+def build_moe_ref(args, cfg, group, num_tokens, local_weights, device, *, backend: str = "triton", fp8: bool = False,
+                  pool_format: str = "contiguous", identity: bool = False):
+    """The public modular step: ``backend`` experts (fp8 weights with ``fp8``; the triton ones then also take FP8
+    dispatch, the deep_gemm ones get bf16 rows and quantize them themselves) over a ``pool_format`` pool."""
     from moe_ref.experts import make_experts
     from moe_ref.options import EPOptions
     from moe_ref.routed_step import make_modular_step
 
-    experts = IdentityExperts(*local_weights) if identity else make_experts("triton", *local_weights, cfg.activation,
+    experts = IdentityExperts(*local_weights) if identity else make_experts(backend, *local_weights, cfg.activation,
                                                                             fp8=fp8)
     options = EPOptions.resolve(num_max_tokens_per_rank=num_tokens, overflow="error", dtype=torch.bfloat16,
-                                device=device, dispatch_fp8=fp8, experts_backend="triton")
+                                device=device, dispatch_fp8=fp8 and backend == "triton", experts_backend=backend,
+                                pool_format=pool_format)
     step = make_modular_step(cfg, group, experts, options)
-    print(f"[rank {dist.get_rank()}] moe_ref routed step: transport={step.transport_name}, fp8={fp8}, "
-          f"alignment={step.plan.alignment}, pool {step.plan.num_pool_rows} rows, "
+    print(f"[rank {dist.get_rank()}] moe_ref routed step: transport={step.transport_name}, experts={experts.name}, "
+          f"fp8={fp8}, alignment={step.plan.alignment}, pool {pool_format} {step.plan.num_pool_rows} rows, "
           f"buffer {step.plan.total_bytes} bytes", flush=True)
     return step, step.destroy
 
 
-def build_moe_ref_triton_fp8(args, cfg, group, num_tokens, local_weights, device):
-    return build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, fp8=True)
-
-
-def build_moe_ref_identity(args, cfg, group, num_tokens, local_weights, device):
-    return build_moe_ref_triton(args, cfg, group, num_tokens, local_weights, device, identity=True)
+def modular(**kwargs):
+    """A builder of ``build_moe_ref`` with these options."""
+    return lambda *args: build_moe_ref(*args, **kwargs)
 
 
 class IdentityExperts(Experts):
@@ -217,11 +222,19 @@ def build_deep_gemm_mega(args, cfg, group, num_tokens, local_weights, device):
     return mega, mega.destroy
 
 
-BUILDERS = {"a2a_grouped_mm": build_a2a_grouped_mm, "moe_ref_triton": build_moe_ref_triton,
-            "moe_ref_triton_graph": graphed(build_moe_ref_triton),
-            "moe_ref_triton_fp8": build_moe_ref_triton_fp8, "moe_ref_triton_fp8_graph": graphed(build_moe_ref_triton_fp8),
-            "deep_gemm_mega": build_deep_gemm_mega, "a2a_identity": build_a2a_identity,
-            "moe_ref_identity": build_moe_ref_identity, "moe_ref_identity_graph": graphed(build_moe_ref_identity)}
+MODULAR = {  # path -> the options of its modular step
+    "moe_ref_triton": {}, "moe_ref_triton_fp8": dict(fp8=True),
+    "moe_ref_triton_masked": dict(pool_format="masked"), "moe_ref_triton_fp8_masked": dict(fp8=True, pool_format="masked"),
+    "moe_ref_deep_gemm_fp8": dict(backend="deep_gemm", fp8=True),
+    "moe_ref_deep_gemm_fp8_masked": dict(backend="deep_gemm", fp8=True, pool_format="masked"),
+    "moe_ref_identity": dict(identity=True),
+}
+BUILDERS = {"a2a_grouped_mm": build_a2a_grouped_mm, "deep_gemm_mega": build_deep_gemm_mega,
+            "a2a_identity": build_a2a_identity}
+for _name, _options in MODULAR.items():
+    BUILDERS[_name] = modular(**_options)
+    BUILDERS[f"{_name}_graph"] = graphed(modular(**_options))
+PATHS = tuple(BUILDERS)  # every path --paths can name
 
 
 # ------------------------------------------------------------------------------------------------

@@ -51,11 +51,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--paths", nargs="+", default=["moe_ref_identity", "moe_ref_triton", "moe_ref_triton_fp8"],
                         choices=[p for p in bench_layer.PATHS if p.startswith("moe_ref") and not p.endswith("_graph")])
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--num-experts", type=int, default=None,
+                        help="bench_layer's by default (384); e.g. 192 on one GPU for EP 2's experts per rank")
     args = parser.parse_args(argv)
     # bench_layer's shape and seed
     defaults = bench_layer.parse_args([])
     for name in ("num_experts", "num_topk", "hidden", "intermediate", "seed"):
-        setattr(args, name, getattr(defaults, name))
+        if getattr(args, name, None) is None:
+            setattr(args, name, getattr(defaults, name))
     return args
 
 

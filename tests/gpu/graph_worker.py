@@ -3,7 +3,8 @@
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 tests/gpu/graph_worker.py --out DIR
     python3 tests/gpu/graph_worker.py --out DIR                      (one process, the local transport)
 
-Per case (bf16 rows, or FP8 dispatch into FP8 Triton experts), on every rank with its own T (uneven):
+Per case (bf16 rows, or FP8 dispatch into FP8 Triton experts; the contiguous or the masked receive pool; DeepGEMM's
+masked GEMMs on a masked pool where deep_gemm is usable), on every rank with its own T (uneven):
 - eager symm outputs for 3 inputs; the same inputs through a2a (the host-driven transport): bitwise equal;
 - eager vs the single-process reference (the whole block on the full weights) within the dtype tolerance;
 - one call captured in a CUDA graph, replayed with each input copied in: bitwise equal to eager, and the
@@ -41,7 +42,12 @@ def config():
                                num_experts=64, num_topk=8, num_groups=1, num_topk_groups=1)
 
 
-def run_case(cfg, group, rank, world, device, fp8: bool) -> dict:
+# (dispatch_fp8, pool_format, experts backend)
+CASES = [(False, "contiguous", "triton"), (True, "contiguous", "triton"), (False, "masked", "triton"),
+         (True, "masked", "deep_gemm")]
+
+
+def run_case(cfg, group, rank, world, device, fp8: bool, pool_format: str, backend: str) -> dict:
     checks, info = {}, {}
     num_tokens = 24 + 8 * rank  # uneven on purpose
     cap = 64
@@ -50,8 +56,8 @@ def run_case(cfg, group, rank, world, device, fp8: bool) -> dict:
     layers = {}
     outputs = {}
     for transport in (["symm", "a2a"] if world > 1 else ["local"]):
-        layer = MegaMoE(cfg, group, num_max_tokens_per_rank=cap, transport=transport, experts_backend="triton",
-                        dispatch_fp8=fp8, dtype=torch.bfloat16, device=device, seed=SEED)
+        layer = MegaMoE(cfg, group, num_max_tokens_per_rank=cap, transport=transport, experts_backend=backend,
+                        dispatch_fp8=fp8, dtype=torch.bfloat16, device=device, seed=SEED, pool_format=pool_format)
         with torch.inference_mode():
             outputs[transport] = [layer(x).clone() for x in inputs]
         layers[transport] = layer
@@ -112,10 +118,15 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = config()
     results = {}
-    for fp8 in (False, True):
-        name = f"fp8={fp8}"
+    from moe_ref.deep_gemm_probe import deep_gemm_status
+
+    for fp8, pool_format, backend in CASES:
+        name = f"fp8={fp8} pool={pool_format} experts={backend}"
+        if backend == "deep_gemm" and not deep_gemm_status().available:
+            print(f"[rank {rank}] {name}: not run, deep_gemm is not usable here ({deep_gemm_status().reason})")
+            continue
         try:
-            results[name] = run_case(cfg, group, rank, world, device, fp8)
+            results[name] = run_case(cfg, group, rank, world, device, fp8, pool_format, backend)
         except Exception:  # noqa: BLE001 - reported per case
             results[name] = {"error": traceback.format_exc()}
         print(f"[rank {rank}] {name}: {json.dumps(results[name], default=str)[:2000]}", flush=True)

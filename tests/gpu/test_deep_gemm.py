@@ -175,6 +175,25 @@ def test_masked_layout_matches_dense_mlp(weights, fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_masked_receive_pool_runs_the_masked_gemms_in_place(weights, fp8):
+    """A masked receive pool (ExpertLayout.masked_rows = M: expert i at rows [i*M, i*M + count)) through forward,
+    the rows past each count holding noise: valid rows match the torch loop, the others come out zero."""
+    max_rows = 384
+    counts = torch.tensor(COUNTS, device="cuda")
+    layout = ExpertLayout(torch.arange(NUM_EXPERTS, device="cuda") * max_rows, counts, NUM_EXPERTS * max_rows, 128,
+                          num_rows_hint=int(counts.sum()), masked_rows=max_rows)
+    x_RD = torch.randn(NUM_EXPERTS * max_rows, HIDDEN, device="cuda").bfloat16()
+    y_RD = DeepGemmExperts(*weights, fp8=fp8)(x_RD, layout)
+    reference = TorchLoopExperts(*weights).forward(x_RD, layout)
+    valid_R = layout.row_expert_R() >= 0
+    assert y_RD.shape == x_RD.shape and bool((y_RD[~valid_R] == 0).all())
+    diff = calc_diff(y_RD[valid_R], reference[valid_R])
+    limit = LIMIT["fp8" if fp8 else "bf16"]
+    print(f"deep_gemm {'fp8' if fp8 else 'bf16'} masked pool: calc_diff vs TorchLoopExperts = {diff:.3e}")
+    assert diff < limit, diff
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_masked_layout_replays_in_a_cuda_graph(weights, fp8):
     experts = DeepGemmExperts(weights[0][:4], weights[1][:4], fp8=fp8)
     static_x = torch.randn(4, 128, HIDDEN, device="cuda").bfloat16()

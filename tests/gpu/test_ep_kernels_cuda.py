@@ -22,6 +22,7 @@ CASES = {
     "r2_bf16_kimi_width": ([32, 17], 8, 8, 32, 7168, torch.bfloat16, False, 1),
     "r2_fp8_kimi_width_a128": ([32, 0], 8, 8, 32, 7168, torch.bfloat16, True, 128),
     "r4_fp16_odd_width": ([9, 0, 16, 3], 3, 4, 16, 200, torch.float16, False, 4),
+    "r2_fp8_kimi_width_masked_a128": ([32, 5], 8, 8, 32, 7168, torch.bfloat16, True, 128),
 }
 
 
@@ -30,13 +31,15 @@ CASES = {
 def test_simulated_ranks_on_one_gpu_match_twins(name):
     from ep_sim import clone_world, expected_output, make_inputs, make_world, simulate_chunk
 
-    from moe_ref.kernels.ep_regions import EPRegions
+    from moe_ref.kernels.ep_regions import EPRegions, masked_segment_rows
     from moe_ref.kernels.symm_signal import check_ep_status
     from moe_ref.testing import assert_bitwise_equal
 
     counts, e, K, C, D, dtype, fp8, alignment = CASES[name]
     R = len(counts)
-    regions = EPRegions.build(R, e, K, C, D, activation_dtype=dtype, fp8=fp8, alignment=alignment)
+    masked_rows = masked_segment_rows(R, C, alignment) if "masked" in name else 0
+    regions = EPRegions.build(R, e, K, C, D, activation_dtype=dtype, fp8=fp8, alignment=alignment,
+                              masked_rows=masked_rows)
     inputs = [make_inputs(T, K, R * e, D, dtype, seed=s, device="cuda") for s, T in enumerate(counts)]
     world_k = make_world(regions, garbage_seed=11, device="cuda")
     world_t = clone_world(world_k)
