@@ -3,10 +3,11 @@
 One job: the ``deep_gemm`` entry of the experts registry. Whether DeepGEMM can run here is
 ``moe_ref.deep_gemm_probe``; the benchmark paths are ``moe_ref.deep_gemm_bench``.
 
-    recv pool x_PDx --grouped_layout_P (local expert of each row, -1 on padding rows)-->
+    recv pool x_PDx (bf16, or the FP8 pool as dispatched) --grouped_layout_P (local expert of each row, -1 on
+    padding rows)-->
       m_grouped_{bf16,fp8}_gemm_nt_contiguous(x, gate_up)   -> gate_up_P2F (bf16)
-      --torch, fp32: SiLU-gated / SiTU activation, padding rows zeroed-->  h_PF
-      m_grouped_{bf16,fp8}_gemm_nt_contiguous(h, down)      -> y_PDx (padding rows zeroed)
+      --kernels.gated_act, fp32, valid rows only: SiLU-gated / SiTU activation (+ fp8 per 128)-->  h_PF
+      m_grouped_{bf16,fp8}_gemm_nt_contiguous(h, down)      -> y_PDx (padding rows zeroed when asked)
 
 ``DeepGemmExperts.forward_masked`` does the same over DeepGEMM's masked layout (``[e, M, Dx]`` plus the
 valid row count per expert), which needs no host sync and can be captured in a CUDA graph for decode.
@@ -47,13 +48,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_ref.activations import gated_activation
 # call_deep_gemm/import_deep_gemm: detection lives in deep_gemm_probe; DeepGemmStatus and deep_gemm_status are
 # re-exported here only for callers that still import them from this module (moe_ref/cli.py's `info`).
 from moe_ref.deep_gemm_probe import DeepGemmStatus, call_deep_gemm, deep_gemm_status, import_deep_gemm  # noqa: F401
 from moe_ref.errors import (DeviceError, DTypeError, FP8AlignmentError, ShapeError, ShapeUnsupportedError,
                             UnknownNameError)
 from moe_ref.experts import Experts, ExpertLayout
+from moe_ref.kernels._triton_utils import FP8_DTYPE
 
 __all__ = ["DeepGemmExperts", "grouped_layout_from_expert_layout"]
 
@@ -89,9 +90,11 @@ class DeepGemmExperts(Experts):
     Args:
         gate_up_weight_e2FD: ``[e, 2F, D]`` CUDA, gate rows then up rows of each local expert.
         down_weight_eDF: ``[e, D, F]`` CUDA.
-        activation, situ_beta, situ_linear_beta: see ``moe_ref.activations`` (applied in torch, fp32).
-        fp8: quantize the weights once here (128x128 block scales) and the activations per call
-            (per row per 128 columns); else the weights are used as bf16 (a bf16 copy when they are not).
+        activation, situ_beta, situ_linear_beta: see ``moe_ref.activations`` (applied between the GEMMs by
+            ``kernels.gated_act``, fp32, on the valid rows only).
+        fp8: quantize the weights once here (128x128 block scales); the rows come as the FP8 pool (fp8 +
+            per-row per-128 scales, ``accepts_fp8_input``) or are quantized per call. Else the weights are used
+            as bf16 (a bf16 copy when they are not).
 
     Raises:
         BackendUnavailableError (ENV001): deep_gemm is not usable here; the message carries
@@ -102,7 +105,7 @@ class DeepGemmExperts(Experts):
 
     name = "deep_gemm"
     segment_alignment = 128  # get_mk_alignment_for_contiguous_layout() of 0.1.x (checked per call)
-    supports_fp8 = True  # fp8=True: fp8 weights; the activations are quantized here, so accepts_fp8_input stays False
+    supports_fp8 = True  # fp8=True: fp8 weights, and the FP8 pool is taken as dispatched (accepts_fp8_input)
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False):
@@ -111,7 +114,7 @@ class DeepGemmExperts(Experts):
         if activation not in ("silu", "situ"):
             raise UnknownNameError(f"activation={activation!r}; supported: silu, situ")
         self._deep_gemm = deep_gemm
-        self.fp8 = fp8
+        self.fp8 = self.accepts_fp8_input = fp8
         self.mk_alignment = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
         self.num_local_experts, self.hidden_size, self.intermediate_size = _check_weights(
             gate_up_weight_e2FD, down_weight_eDF, fp8)
@@ -128,85 +131,108 @@ class DeepGemmExperts(Experts):
         """Run every local expert over its segment of the pool (DeepGEMM's masked GEMMs when the pool is masked).
 
         Args:
-            x_RD: ``[P, Dx]`` CUDA bf16/fp16/fp32 pool rows, expert-major; the rows of local expert i are
-                ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``.
-            layout: ``ExpertLayout``; ``layout.alignment`` must be a multiple of DeepGEMM's M alignment (128).
-            x_scale_RDb: always None (this backend takes activation-dtype rows; ``accepts_fp8_input`` is False).
+            x_RD: ``[P, Dx]`` CUDA pool rows, expert-major: bf16/fp16/fp32, or fp8 e4m3 (with ``fp8=True``); the rows
+                of local expert i are ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``.
+            layout: ``ExpertLayout``; ``layout.alignment`` must be a multiple of DeepGEMM's M alignment (128),
+                or the layout masked (``masked_rows``: the pool is ``[e, M, Dx]`` as it lies).
+            x_scale_RDb: ``[P, Db]`` fp32 per-128 scales of fp8 ``x_RD``, else None.
 
         Returns:
-            y_PDx: ``[P, Dx]`` in ``x_RD``'s dtype; rows outside every segment are zero. No host sync
-            (the layout's tensors are moved to the device if needed).
+            y_PDx: ``[P, Dx]`` in ``x_RD``'s dtype (bf16 for fp8 rows); rows outside every segment are zero unless
+            ``layout.zero_unused_rows`` is False. No host sync.
         """
-        self._check_input(x_RD, 2)
+        self._check_input(x_RD, x_scale_RDb, 2)
+        if layout.num_local_experts != self.num_local_experts:
+            raise ShapeError(f"layout has {layout.num_local_experts} experts, the weights {self.num_local_experts}")
         if layout.masked_rows:
-            return self._forward_masked_pool(x_RD, layout)
+            return self._forward_masked_pool(x_RD, x_scale_RDb, layout)
         if layout.alignment % self.mk_alignment:
             raise ShapeError(f"layout.alignment={layout.alignment} is not a multiple of deep_gemm's contiguous-layout "
                              f"alignment {self.mk_alignment}; build the pool with alignment={self.mk_alignment}")
-        if layout.num_local_experts != self.num_local_experts:
-            raise ShapeError(f"layout has {layout.num_local_experts} experts, the weights {self.num_local_experts}")
-        num_rows = x_RD.shape[0]
+        num_rows, out_dtype = x_RD.shape[0], _out_dtype(x_RD)
         if num_rows == 0:
-            return torch.zeros_like(x_RD)
+            return torch.zeros_like(x_RD, dtype=out_dtype)
+        a_PD = self._gemm_input(x_RD, x_scale_RDb)
         # Pad the pool to whole GEMM M blocks (only when P is not already a multiple of the alignment).
         num_padded_rows = -(-num_rows // self.mk_alignment) * self.mk_alignment
-        x_bf16 = x_RD.to(torch.bfloat16)
         if num_padded_rows != num_rows:
-            x_bf16 = F.pad(x_bf16, (0, 0, 0, num_padded_rows - num_rows))
+            a_PD = tuple(_pad_rows(part, num_padded_rows) for part in a_PD) if self.fp8 else \
+                _pad_rows(a_PD, num_padded_rows)
         grouped_layout_P, valid_P = grouped_layout_from_expert_layout(layout, num_padded_rows, x_RD.device)
 
-        gate_up_P2F = self._grouped_gemm(x_bf16.contiguous(), self._gate_up_weight, grouped_layout_P)
-        h_PF = self._activation(gate_up_P2F, valid_P[:, None])
-        y_PDx = self._grouped_gemm(h_PF, self._down_weight, grouped_layout_P)
-        return torch.where(valid_P[:, None], y_PDx, 0)[:num_rows].to(x_RD.dtype)
+        gate_up_P2F = self._grouped_gemm(a_PD, self._gate_up_weight, grouped_layout_P)
+        h_PF = self._activation(gate_up_P2F, group_P=grouped_layout_P)
+        y_PDx = self._grouped_gemm(h_PF, self._down_weight, grouped_layout_P)[:num_rows]
+        if layout.zero_unused_rows:
+            y_PDx = torch.where(valid_P[:num_rows, None], y_PDx, 0)
+        return y_PDx.to(out_dtype)
 
-    def _grouped_gemm(self, a_PI: torch.Tensor, weight, grouped_layout_P: torch.Tensor) -> torch.Tensor:
-        """``[P, I] x [e, O, I] -> [P, O]`` bf16 on DeepGEMM's contiguous layout."""
+    def _grouped_gemm(self, a_PI, weight, grouped_layout_P: torch.Tensor) -> torch.Tensor:
+        """``[P, I] x [e, O, I] -> [P, O]`` bf16 on DeepGEMM's contiguous layout (``a_PI``: fp8 + scales, or bf16)."""
         num_out = (weight[0] if self.fp8 else weight).shape[1]
-        out_PO = torch.empty(a_PI.shape[0], num_out, dtype=torch.bfloat16, device=a_PI.device)
+        num_rows = (a_PI[0] if self.fp8 else a_PI).shape[0]
+        out_PO = torch.empty(num_rows, num_out, dtype=torch.bfloat16, device=grouped_layout_P.device)
         if self.fp8:
-            call_deep_gemm(self._deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", _quantize_rows_fp8(a_PI), weight,
-                           out_PO, grouped_layout_P, disable_ue8m0_cast=True)
+            call_deep_gemm(self._deep_gemm, "m_grouped_fp8_gemm_nt_contiguous", a_PI, weight, out_PO, grouped_layout_P,
+                           disable_ue8m0_cast=True)
         else:
-            call_deep_gemm(self._deep_gemm, "m_grouped_bf16_gemm_nt_contiguous", a_PI.to(torch.bfloat16).contiguous(),
-                           weight, out_PO, grouped_layout_P)
+            call_deep_gemm(self._deep_gemm, "m_grouped_bf16_gemm_nt_contiguous", a_PI, weight, out_PO,
+                           grouped_layout_P)
         return out_PO
 
-    def _activation(self, gate_up_2F: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """fp32 activation of ``[..., 2F]``; rows where ``valid`` is False become 0 (their GEMM output is
-        unwritten memory). bf16 result for the bf16 GEMM, fp32 for the fp8 path (quantized from fp32)."""
-        gate, up = gate_up_2F.chunk(2, dim=-1)
-        h = gated_activation(gate, up, self.activation, self.situ_beta, self.situ_linear_beta)
-        h = torch.where(valid, h, 0.0)
-        return h.contiguous() if self.fp8 else h.to(torch.bfloat16).contiguous()
+    def _gemm_input(self, x: torch.Tensor, x_scale: torch.Tensor | None):
+        """What the first GEMM takes: ``(fp8 rows, fp32 scales)`` with fp8 weights (quantized here unless the rows
+        came as fp8), else contiguous bf16 rows."""
+        if not self.fp8:
+            return x.to(torch.bfloat16).contiguous()
+        if x_scale is not None:
+            return x.contiguous(), x_scale.contiguous()
+        return _quantize_rows_fp8(x)
+
+    def _activation(self, gate_up_P2F: torch.Tensor, **valid_rows):
+        """The gated activation of the valid rows (``kernels.gated_act``): fp8 + per-128 scales for the fp8 GEMM,
+        bf16 rows for the bf16 one. Rows that are not valid are left unwritten: the next GEMM skips them."""
+        from moe_ref.kernels.gated_act import gated_activation_rows
+
+        h_PF, h_scale_PFb = gated_activation_rows(
+            gate_up_P2F, activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
+            quant=self.fp8, out_dtype=torch.bfloat16, **valid_rows)
+        return (h_PF, h_scale_PFb) if self.fp8 else h_PF
 
     # --- masked layout (decode, CUDA graphs) ---------------------------------------------------------
-    def _forward_masked_pool(self, x_RD: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    def _forward_masked_pool(self, x_RD: torch.Tensor, x_scale_RDb: torch.Tensor | None,
+                             layout: ExpertLayout) -> torch.Tensor:
         """A masked pool (``layout.masked_rows`` = M) is ``[e, M, Dx]`` as it lies: run the masked GEMMs on that
         view, with the layout's counts as ``masked_m`` and the host's estimate of rows per expert as the hint."""
         num_experts, max_rows = self.num_local_experts, layout.masked_rows
-        if layout.num_local_experts != num_experts or x_RD.shape[0] != num_experts * max_rows:
-            raise ShapeError(f"a masked pool of {layout.num_local_experts} experts x {max_rows} rows must be "
-                             f"[{num_experts * max_rows}, D] for {num_experts} local experts, got {tuple(x_RD.shape)}")
+        if x_RD.shape[0] != num_experts * max_rows:
+            raise ShapeError(f"a masked pool of {num_experts} experts x {max_rows} rows must be "
+                             f"[{num_experts * max_rows}, D], got {tuple(x_RD.shape)}")
         expected_m = max(1, -(-layout.rows_hint() // num_experts))
-        y_eMDx = self.forward_masked(x_RD.view(num_experts, max_rows, -1), layout.num_rows_e, expected_m)
+        y_eMDx = self.forward_masked(
+            x_RD.view(num_experts, max_rows, -1), layout.num_rows_e, expected_m,
+            None if x_scale_RDb is None else x_scale_RDb.view(num_experts, max_rows, -1),
+            zero_unused_rows=layout.zero_unused_rows)
         return y_eMDx.view(x_RD.shape)
 
-    def forward_masked(self, x_eMDx: torch.Tensor, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
+    def forward_masked(self, x_eMDx: torch.Tensor, masked_m_e: torch.Tensor, expected_m: int,
+                       x_scale_eMDb: torch.Tensor | None = None, *, zero_unused_rows: bool = True) -> torch.Tensor:
         """Run expert i over rows ``x_eMDx[i, :masked_m_e[i]]`` (DeepGEMM's masked layout).
 
         No host sync, fixed shapes: after one warm-up call (JIT compile) it can be captured in a
         ``torch.cuda.CUDAGraph``.
 
         Args:
-            x_eMDx: ``[e, M, Dx]`` CUDA bf16/fp16/fp32; M = rows reserved per expert.
+            x_eMDx: ``[e, M, Dx]`` CUDA bf16/fp16/fp32, or fp8 e4m3 (``fp8=True``); M = rows reserved per expert.
             masked_m_e: ``[e]`` int32 CUDA (int64 is converted), valid rows per expert, each in ``[0, M]``.
             expected_m: a host int > 0, the typical rows per expert (DeepGEMM's tiling hint only).
+            x_scale_eMDb: ``[e, M, Db]`` fp32 scales of fp8 ``x_eMDx``, else None.
+            zero_unused_rows: rows ``>= masked_m_e[i]`` come out as zeros (False: left unwritten).
 
         Returns:
-            y_eMDx: ``[e, M, Dx]`` in ``x_eMDx``'s dtype; rows ``>= masked_m_e[i]`` of expert i are zero.
+            y_eMDx: ``[e, M, Dx]`` in ``x_eMDx``'s dtype (bf16 for fp8 rows).
         """
-        self._check_input(x_eMDx, 3)
+        self._check_input(x_eMDx, x_scale_eMDb, 3)
         num_experts, max_rows, _ = x_eMDx.shape
         if num_experts != self.num_local_experts:
             raise ShapeError(f"x_eMDx has {num_experts} experts, the weights {self.num_local_experts}")
@@ -215,34 +241,58 @@ class DeepGemmExperts(Experts):
                              f"on {masked_m_e.device}")
         if not isinstance(expected_m, int) or expected_m <= 0:
             raise ShapeError(f"expected_m={expected_m!r} must be a positive int (deep_gemm asserts expected_m > 0)")
+        out_dtype = _out_dtype(x_eMDx)
         if max_rows == 0:
-            return torch.zeros_like(x_eMDx)
+            return torch.zeros_like(x_eMDx, dtype=out_dtype)
         masked_m_e = masked_m_e.to(torch.int32).contiguous()
-        valid_eM = torch.arange(max_rows, device=x_eMDx.device)[None, :] < masked_m_e[:, None]
-
-        gate_up_eM2F = self._masked_gemm(x_eMDx.to(torch.bfloat16).contiguous(), self._gate_up_weight, masked_m_e,
+        gate_up_eM2F = self._masked_gemm(self._gemm_input(x_eMDx, x_scale_eMDb), self._gate_up_weight, masked_m_e,
                                          expected_m)
-        h_eMF = self._activation(gate_up_eM2F, valid_eM[..., None])
+        h_PF = self._activation(gate_up_eM2F.view(num_experts * max_rows, -1), num_rows_e=masked_m_e,
+                                masked_rows=max_rows)
+        h_eMF = tuple(part.view(num_experts, max_rows, -1) for part in h_PF) if self.fp8 else \
+            h_PF.view(num_experts, max_rows, -1)
         y_eMDx = self._masked_gemm(h_eMF, self._down_weight, masked_m_e, expected_m)
-        return torch.where(valid_eM[..., None], y_eMDx, 0).to(x_eMDx.dtype)
+        if zero_unused_rows:
+            valid_eM = torch.arange(max_rows, device=x_eMDx.device)[None, :] < masked_m_e[:, None]
+            y_eMDx = torch.where(valid_eM[..., None], y_eMDx, 0)
+        return y_eMDx.to(out_dtype)
 
-    def _masked_gemm(self, a_eMI: torch.Tensor, weight, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
+    def _masked_gemm(self, a_eMI, weight, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
+        """``[e, M, I] x [e, O, I] -> [e, M, O]`` bf16 (``a_eMI``: fp8 + scales, or bf16)."""
         num_out = (weight[0] if self.fp8 else weight).shape[1]
-        out_eMO = torch.empty(*a_eMI.shape[:2], num_out, dtype=torch.bfloat16, device=a_eMI.device)
+        lead = (a_eMI[0] if self.fp8 else a_eMI).shape[:2]
+        out_eMO = torch.empty(*lead, num_out, dtype=torch.bfloat16, device=masked_m_e.device)
         if self.fp8:
-            call_deep_gemm(self._deep_gemm, "m_grouped_fp8_fp4_gemm_nt_masked", _quantize_rows_fp8(a_eMI), weight,
-                           out_eMO, masked_m_e, expected_m, disable_ue8m0_cast=True)
+            call_deep_gemm(self._deep_gemm, "m_grouped_fp8_fp4_gemm_nt_masked", a_eMI, weight, out_eMO, masked_m_e,
+                           expected_m, disable_ue8m0_cast=True)
         else:
-            call_deep_gemm(self._deep_gemm, "m_grouped_bf16_gemm_nt_masked", a_eMI.to(torch.bfloat16).contiguous(),
-                           weight, out_eMO, masked_m_e, expected_m)
+            call_deep_gemm(self._deep_gemm, "m_grouped_bf16_gemm_nt_masked", a_eMI, weight, out_eMO, masked_m_e,
+                           expected_m)
         return out_eMO
 
-    def _check_input(self, x: torch.Tensor, ndim: int) -> None:
+    def _check_input(self, x: torch.Tensor, x_scale: torch.Tensor | None, ndim: int) -> None:
         _require_cuda("the input", x)
         if x.dim() != ndim or x.shape[-1] != self.hidden_size:
             raise ShapeError(f"expected a {ndim}-D input with last dim D={self.hidden_size}, got {tuple(x.shape)}")
-        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise DTypeError(f"input dtype {x.dtype}; deep_gemm experts take bf16/fp16/fp32 (computed in bf16/fp8)")
+        if x.dtype == FP8_DTYPE:
+            if not self.fp8:
+                raise DTypeError("fp8 rows need fp8 deep_gemm experts (fp8=True); dequantize them for bf16 weights")
+            if x_scale is None or tuple(x_scale.shape) != (*x.shape[:-1], -(-self.hidden_size // 128)):
+                raise ShapeError(f"fp8 rows {tuple(x.shape)} need fp32 scales [..., {-(-self.hidden_size // 128)}], "
+                                 f"got {None if x_scale is None else tuple(x_scale.shape)}")
+        elif x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise DTypeError(f"input dtype {x.dtype}; deep_gemm experts take bf16/fp16/fp32/fp8 (computed in bf16/fp8)")
+
+
+def _pad_rows(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``rows`` ``[n, c]`` with zero rows appended up to ``num_rows`` (moved as bytes: fp8 has no pad kernel)."""
+    raw = rows.view(torch.uint8) if rows.dtype == FP8_DTYPE else rows
+    return F.pad(raw, (0, 0, 0, num_rows - rows.shape[0])).view(rows.dtype)
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The experts' output dtype: the rows' own, bf16 for fp8 rows."""
+    return torch.bfloat16 if x.dtype == FP8_DTYPE else x.dtype
 
 
 def _require_cuda(name: str, tensor: torch.Tensor) -> None:

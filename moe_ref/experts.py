@@ -19,12 +19,12 @@ local expert i are ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``; ro
 - ``accepts_fp8_input``: ``x_RD`` may be the FP8 pool (e4m3 + per-row per-128 ``x_scale_RDb``) as
   dispatched; the others get activation-dtype rows (``Dispatcher.expert_input`` decides).
 
-| name           | what                                          | where                 | alignment | fp8 weights / fp8 input |
-|----------------|-----------------------------------------------|-----------------------|-----------|-------------------------|
-| ``torch``      | per-expert loop of plain matmuls (the oracle) | anywhere              | 128       | no / no                 |
-| ``grouped_mm`` | ``torch.nn.functional.grouped_mm``            | torch >= 2.9          | 16        | no / no                 |
-| ``triton``     | ``kernels.grouped_mlp``, activation fused     | CUDA (or interpreter) | 1         | ``fp8=True`` / with fp8 |
-| ``deep_gemm``  | DeepGEMM grouped GEMMs                        | SM90 + deep_gemm      | 128       | ``fp8=True`` / no       |
+| name           | what                                             | where                 | alignment | fp8 weights / fp8 input |
+|----------------|--------------------------------------------------|-----------------------|-----------|-------------------------|
+| ``torch``      | per-expert loop of plain matmuls (the oracle)    | anywhere              | 128       | no / no                 |
+| ``grouped_mm`` | ``torch.nn.functional.grouped_mm``               | torch >= 2.9          | 16        | no / no                 |
+| ``triton``     | ``kernels.grouped_mlp``, activation fused        | CUDA (or interpreter) | 1         | ``fp8=True`` / with fp8 |
+| ``deep_gemm``  | DeepGEMM grouped GEMMs (masked on a masked pool) | SM90 + deep_gemm      | 128       | ``fp8=True`` / with fp8 |
 """
 from __future__ import annotations
 

@@ -107,7 +107,7 @@ class MegaMoE(nn.Module):
             ``MOE_REF_EXPERTS_BACKEND``, else auto = triton on CUDA, torch on CPU).
         dispatch_fp8: FP8 end to end where the backend allows: tokens move as FP8 e4m3 with per-128 scales
             (halves dispatch bytes; lossy), and a backend with fp8 weights (``supports_fp8``: triton,
-            deep_gemm) runs them, quantized once to 128x128 blocks; triton takes the FP8 pool as is. The
+            deep_gemm) runs them, quantized once to 128x128 blocks, and takes the FP8 pool as is. The
             torch and grouped_mm backends run the dequantized pool with the layer's weights.
         dtype, device: of the parameters; inputs must match them.
         alignment: rows each expert segment of the receive pool is aligned to; None (default): the

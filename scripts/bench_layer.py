@@ -25,8 +25,8 @@ Paths (each built per token count with cap = that count, so no path pays for an 
     moe_ref_identity the moe_ref routed step with identity experts (dispatch + combine alone, through the public
                      make_modular_step API); *_graph as above
     *_masked         the same over the masked receive pool (pool_format="masked": M = R * cap rows per local expert)
-    moe_ref_deep_gemm_fp8[_masked]  the modular step with DeepGEMM experts (fp8 weights; bf16 rows, quantized by
-                     the backend): its contiguous grouped GEMMs, or its masked GEMMs on the masked pool
+    moe_ref_deep_gemm_fp8[_masked]  the modular step with DeepGEMM experts (fp8 weights, FP8 dispatch, the pool
+                     taken as is): its contiguous grouped GEMMs, or its masked GEMMs on the masked pool
 DEFAULT_PATHS run by default; --paths names any of PATHS.
 A path that cannot be built or fails reports 'not available' with its error; the others still run.
 
@@ -152,8 +152,8 @@ def build_a2a_identity(args, cfg, group, num_tokens, local_weights, device):
 
 def build_moe_ref(args, cfg, group, num_tokens, local_weights, device, *, backend: str = "triton", fp8: bool = False,
                   pool_format: str = "contiguous", identity: bool = False):
-    """The public modular step: ``backend`` experts (fp8 weights with ``fp8``; the triton ones then also take FP8
-    dispatch, the deep_gemm ones get bf16 rows and quantize them themselves) over a ``pool_format`` pool."""
+    """The public modular step: ``backend`` experts (with ``fp8``: fp8 weights, and FP8 dispatch, whose pool they take
+    as is) over a ``pool_format`` pool."""
     from moe_ref.experts import make_experts
     from moe_ref.options import EPOptions
     from moe_ref.routed_step import make_modular_step
@@ -161,7 +161,7 @@ def build_moe_ref(args, cfg, group, num_tokens, local_weights, device, *, backen
     experts = IdentityExperts(*local_weights) if identity else make_experts(backend, *local_weights, cfg.activation,
                                                                             fp8=fp8)
     options = EPOptions.resolve(num_max_tokens_per_rank=num_tokens, overflow="error", dtype=torch.bfloat16,
-                                device=device, dispatch_fp8=fp8 and backend == "triton", experts_backend=backend,
+                                device=device, dispatch_fp8=fp8, experts_backend=backend,
                                 pool_format=pool_format)
     step = make_modular_step(cfg, group, experts, options)
     print(f"[rank {dist.get_rank()}] moe_ref routed step: transport={step.transport_name}, experts={experts.name}, "

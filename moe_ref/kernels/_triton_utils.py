@@ -71,6 +71,12 @@ def num_fp8_groups(n: int) -> int:
 
 
 @triton.jit
+def tanh(x):
+    """tanh(x) = 1 - 2 / (exp(2x) + 1): portable (no libdevice), exact limits at +-inf."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def div_rn(x, y):
     """IEEE round-to-nearest fp32 division with broadcasting (plain `/` is `div.full.f32` on NVIDIA,
     which can differ from torch by an ulp)."""

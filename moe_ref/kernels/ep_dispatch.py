@@ -9,15 +9,16 @@ Two launches, no host sync:
        row_start[i]    = sum_{i' < i} seg[i']                               (contiguous: aligned; masked: i * M)
        recv_base[s, i] = row_start[i] + sum_{s' < s} send_count_{s'}[r, i]
        pool_end        = sum_i seg[i]
-   and write -1 into `recv_src` of every padding row (from a segment's last row to its next multiple of
-   `alignment`). `pool_end > P`, or a masked segment given more than M rows, sets `status = [2, rows needed]`
+   `pool_end > P`, or a masked segment given more than M rows, sets `status = [2, rows needed]`
    (rows past their segment are then dropped, never written elsewhere). After a peer timeout
    (`status[0] == 1`) it receives nothing (every T_s = 0): the peers' regions may hold anything.
 2. `_dispatch_rows_kernel` (one program per (source s, token t < C)): for t < T_s read the token's K ids,
    slot ranks and weights from s, and for the slots j routed to my local expert i:
        pos = recv_base[s, i] + slot_rank_s[t, j]
    write `recv_src[pos] = (s, t, j)`, `recv_pos[s, t, j] = pos` (-1 for slots not mine), `recv_weight[s, t, j]`,
-   then read the row `x_s[t]` ONCE (and its fp8 scales) and store it into each of its k' <= K pool rows.
+   then read the row `x_s[t]` ONCE (and its fp8 scales) and store it into each of its k' <= K pool rows. The
+   programs also write -1 into `recv_src` of every padding row (from a segment's last row to its next multiple of
+   `alignment`), local expert i by program i mod #programs: one program alone took ~75 us at e=192, alignment 128.
    Rows are moved as raw words (8, 4, 2 or 1 bytes), so any wire dtype is copied bit for bit.
 
 Shape legend: R ranks, e local experts, K top-k, C cap, Dx row width, Db = ceil(Dx/128), P pool rows,
@@ -53,19 +54,18 @@ def _recv_layout_kernel(
     # sizes / scalars
     rank, R, e, alignment, P, masked_rows,
     off_num_tokens, off_send_count, off_recv_num_tokens, off_num_rows, off_row_start, off_recv_base, off_pool_end,
-    off_recv_src, off_status, off_signal, off_epoch, max_polls, timeout_ns,
+    off_status, off_signal, off_epoch, max_polls, timeout_ns,
     # meta
     WAIT: tl.constexpr,            # first wait (bounded) until every rank posted my current epoch
     BOUND: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_A: tl.constexpr,
 ):
     """One program: the receive layout of rank `rank` from every source's counts.
 
     Example: R=2, e=2, alignment 4, send_count column of rank 0: source 0 -> [1, 2], source 1 -> [3, 0]
-        -> num_rows [4, 2], row_start [0, 4], recv_base [[0, 4], [1, 6]], pool_end 8, recv_src[6:8] = -1;
-        masked with M = 8: row_start [0, 8], recv_base [[0, 8], [1, 10]], pool_end 16, recv_src[10:12] = -1.
+        -> num_rows [4, 2], row_start [0, 4], recv_base [[0, 4], [1, 6]], pool_end 8 (padding rows 6, 7);
+        masked with M = 8: row_start [0, 8], recv_base [[0, 8], [1, 10]], pool_end 16 (padding rows 10, 11).
     """
     my_base = tl.load(ptrs_R + rank)
     if WAIT:
@@ -105,18 +105,25 @@ def _recv_layout_kernel(
         tl.store(status_ptr + 1, most_rows.to(tl.int32))
         tl.store(status_ptr, 2)
 
-    # padding rows of each segment: recv_src = -1
+
+@triton.jit
+def _write_padding_rows(my_base, e, P, alignment, masked_rows, off_num_rows, off_row_start, off_recv_src,
+                        BLOCK_A: tl.constexpr):
+    """recv_src = -1 on the padding rows of my segments [row_start + num_rows, row_start + align(num_rows)) (below P
+    and the segment's end), spread over the programs: expert i by program i, i + #programs, ... ."""
     recv_src_ptr = (my_base + off_recv_src).to(tl.pointer_type(tl.int32))
-    pad_first = row_start + num_rows
-    num_pad = aligned - num_rows
-    for a0 in range(0, alignment - 1, BLOCK_A):
-        offs_a = a0 + tl.arange(0, BLOCK_A)
-        rows = pad_first[:, None] + offs_a[None, :]                             # [BLOCK_E, BLOCK_A]
-        mask_pad = (mask_e[:, None] & (offs_a[None, :] < num_pad[:, None]) & (rows >= 0) & (rows < P)
-                    & (rows < (row_start + segment)[:, None]))
-        minus_one = tl.full([BLOCK_E, BLOCK_A], -1, tl.int32)
-        for c in tl.static_range(3):
-            tl.store(recv_src_ptr + rows * 3 + c, minus_one, mask=mask_pad)
+    minus_one = tl.full([BLOCK_A], -1, tl.int32)
+    for i in range(tl.program_id(0), e, tl.num_programs(0)):
+        count = tl.load((my_base + off_num_rows).to(tl.pointer_type(tl.int64)) + i)
+        start = tl.load((my_base + off_row_start).to(tl.pointer_type(tl.int64)) + i)
+        end = start + (count + alignment - 1) // alignment * alignment
+        if masked_rows > 0:
+            end = tl.minimum(end, start + masked_rows)
+        end = tl.minimum(end, P)
+        for a0 in range(0, alignment - 1, BLOCK_A):
+            rows = start + count + a0 + tl.arange(0, BLOCK_A)
+            for c in tl.static_range(3):
+                tl.store(recv_src_ptr + rows * 3 + c, minus_one, mask=(rows >= 0) & (rows < end))
 
 
 @triton.jit
@@ -141,8 +148,8 @@ def _dispatch_rows_kernel(
     # pointers
     ptrs_R,
     # sizes / scalars
-    rank, C, K, e, P, masked_rows, row_words, scale_words,
-    off_topk_ids, off_topk_weights, off_slot_rank, off_x, off_x_scale,
+    rank, C, K, e, P, alignment, masked_rows, row_words, scale_words,
+    off_topk_ids, off_topk_weights, off_slot_rank, off_x, off_x_scale, off_num_rows, off_row_start,
     off_recv_num_tokens, off_recv_base, off_recv_pos, off_recv_weight, off_recv_src, off_recv_x, off_recv_x_scale,
     # meta
     WORD: tl.constexpr,            # integer type the rows are copied as
@@ -150,14 +157,18 @@ def _dispatch_rows_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_A: tl.constexpr,
 ):
-    """One program = one (source s, token t): move the row once, expand it to its pool rows here.
+    """One program = one (source s, token t): move the row once, expand it to its pool rows here. Program p also
+    writes the padding rows of local experts p, p + #programs, ... .
 
     Example: rank 1, e=2, K=2, source 0 token 3 with ids [3, 0], slot_rank [5, 9], recv_base[0] = [8, 20]
         -> slot 0 goes to local expert 1: pos 20 + 5 = 25; slot 1 is not mine. recv_pos[0, 3] = [25, -1],
         recv_src[25] = (0, 3, 0), recv_x[25] = x_0[3].
     """
     s, t, my_base, live = source_token(ptrs_R, rank, C, off_recv_num_tokens)
+    if alignment > 1:
+        _write_padding_rows(my_base, e, P, alignment, masked_rows, off_num_rows, off_row_start, off_recv_src, BLOCK_A)
     if live:
         src_base = tl.load(ptrs_R + s)
         offs_k = tl.arange(0, BLOCK_K)
@@ -234,10 +245,9 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
         peers.ptrs_R,
         peers.rank, R, e, regions.alignment, regions.num_pool_rows, regions.masked_rows,
         off["num_tokens"], off["send_count"], off["recv_num_tokens"], off["num_rows"], off["row_start"],
-        off["recv_base"], off["pool_end"], off["recv_src"], off["status"], off["signal"], off["epoch"],
+        off["recv_base"], off["pool_end"], off["status"], off["signal"], off["epoch"],
         int(max_polls), int(timeout_us * 1000),
         WAIT=wait, BOUND=bound_mode(), BLOCK_R=triton.next_power_of_2(R), BLOCK_E=triton.next_power_of_2(e),
-        BLOCK_A=min(triton.next_power_of_2(max(regions.alignment - 1, 1)), 8 if is_interpreter() else 32),
         num_warps=4,
     )
     row_bytes = regions.hidden * regions.wire_dtype.itemsize
@@ -247,12 +257,15 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
                   64 if is_interpreter() else EP_LAUNCH.dispatch_block_bytes // word)
     _dispatch_rows_kernel[(R * C,)](
         peers.ptrs_R,
-        peers.rank, C, K, e, regions.num_pool_rows, regions.masked_rows, row_words, regions.num_scale_cols,
-        off["topk_ids"], off["topk_weights"], off["slot_rank"], off["x"], off.get("x_scale", 0),
+        peers.rank, C, K, e, regions.num_pool_rows, regions.alignment, regions.masked_rows, row_words,
+        regions.num_scale_cols,
+        off["topk_ids"], off["topk_weights"], off["slot_rank"], off["x"], off.get("x_scale", 0), off["num_rows"],
+        off["row_start"],
         off["recv_num_tokens"], off["recv_base"], off["recv_pos"], off["recv_weight"], off["recv_src"],
         off["recv_x"], off.get("recv_x_scale", 0),
         WORD=_WORD_DTYPES[word], HAS_SCALE=regions.fp8, BLOCK_K=triton.next_power_of_2(K), BLOCK_W=block_w,
         BLOCK_S=triton.next_power_of_2(regions.num_scale_cols),
+        BLOCK_A=min(triton.next_power_of_2(max(regions.alignment - 1, 1)), 8 if is_interpreter() else 128),
         num_warps=EP_LAUNCH.dispatch_warps,
     )
 

@@ -72,6 +72,7 @@ from moe_ref.kernels._triton_utils import (
     is_interpreter,
     launch_options,
     num_fp8_groups,
+    tanh,
     to_e4m3,
 )
 from moe_ref.kernels import grouped_mlp_tiles as tiles
@@ -90,12 +91,6 @@ _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 # --------------------------------------------------------------------------------------------------
 # Triton kernel
 # --------------------------------------------------------------------------------------------------
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1): portable (no libdevice), exact limits at +-inf
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
 @triton.jit
 def _w4_tile(b_base, scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_scale_n,
              W4: tl.constexpr, PER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -346,8 +341,8 @@ def _gemm_tile(
         acc = acc * tl.sigmoid(acc) * acc_up
     elif ACTIVATION == 2:
         if SITU_LINEAR:
-            acc_up = situ_linear_beta * _tanh(acc_up / situ_linear_beta)
-        acc = situ_beta * _tanh(acc / situ_beta) * tl.sigmoid(acc) * acc_up
+            acc_up = situ_linear_beta * tanh(acc_up / situ_linear_beta)
+        acc = situ_beta * tanh(acc / situ_beta) * tl.sigmoid(acc) * acc_up
     c_ptrs = c_ptr + rows[:, None] * stride_c_r + offs_n[None, :]
     mask_c = mask_m[:, None] & mask_n[None, :]
     if QUANT_OUT:

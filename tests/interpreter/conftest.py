@@ -21,6 +21,7 @@ _KERNEL_MODULES = (  # dependency order
     "moe_ref.kernels.pre_dispatch",
     "moe_ref.kernels.router_topk",
     "moe_ref.kernels.routing_check",
+    "moe_ref.kernels.gated_act",
     "moe_ref.kernels.grouped_mlp",
     "moe_ref.kernels",
 )

@@ -6,6 +6,9 @@ order (every rank's pre-dispatch, then every rank's barrier post, then every wai
 device-side barrier guarantees on real ranks. Also imported by tests/gpu/ep_kernels_worker.py.
 
 Shape legend: R ranks, T tokens of a rank, K top-k, E experts, e local experts, Dx row width, P pool rows.
+
+On a machine with a GPU the buffers and inputs are CUDA tensors by default (Triton is not interpreted there, so
+the kernels need CUDA tensors); without one, CPU tensors for the interpreter.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 from moe_ref.kernels.ep_regions import SIGNAL_REGIONS, EPRegions, PeerBuffers
 from moe_ref.kernels.fp8 import dequantize_fp8_per_128
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @dataclass(frozen=True)
 class RankInputs:
@@ -26,7 +31,7 @@ class RankInputs:
 
 
 def make_inputs(num_tokens: int, num_topk: int, num_experts: int, hidden: int, dtype: torch.dtype, *, seed: int,
-                masked: float = 0.2, one_expert: int | None = None, device: str = "cpu") -> RankInputs:
+                masked: float = 0.2, one_expert: int | None = None, device: str = DEVICE) -> RankInputs:
     """Random tokens with distinct experts per token, some slots masked (-1); `one_expert` routes every token's
     slot 0 to that expert (the rest stay random)."""
     gen = torch.Generator().manual_seed(seed)
@@ -75,7 +80,7 @@ def expected_output(inputs: RankInputs, num_local_experts: int, fp8: bool) -> to
     return ((inputs.topk_weights_TK.double() * scale_TK).sum(1, keepdim=True) * x.double())
 
 
-def make_world(regions: EPRegions, *, garbage_seed: int | None = 0, device: str = "cpu") -> list[PeerBuffers]:
+def make_world(regions: EPRegions, *, garbage_seed: int | None = 0, device: str = DEVICE) -> list[PeerBuffers]:
     """R buffers (random bytes, so unwritten regions show; signal/epoch/status zeroed) and each rank's view."""
     gen = torch.Generator().manual_seed(garbage_seed or 0)
     buffers = []

@@ -15,7 +15,7 @@ from moe_ref.kernels.ep_regions import EPRegions, masked_segment_rows
 from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier, symm_barrier_ref
 from moe_ref.testing import assert_bitwise_equal
 
-from ep_sim import check_pool_semantics, clone_world, expected_output, make_inputs, make_world, simulate_chunk
+from ep_sim import DEVICE, check_pool_semantics, clone_world, expected_output, make_inputs, make_world, simulate_chunk
 
 pytestmark = pytest.mark.interpreter
 
@@ -30,6 +30,8 @@ CASES = {
     "four_ranks_one_expert": ([3, 5, 0, 2], 2, 3, 5, 72, torch.float32, False, 2, 3),
     "four_ranks_bf16_fp8": ([2, 4, 1, 3], 1, 2, 4, 130, torch.bfloat16, True, 4, None),
     "two_ranks_bf16": ([3, 2], 3, 4, 4, 64, torch.bfloat16, False, 1, None),
+    # 2 dispatch programs (R * C) write the padding rows of 5 experts: each loops over several
+    "one_rank_more_experts_than_programs": ([2], 5, 3, 2, 16, torch.float32, False, 4, None),
 }
 
 
@@ -89,7 +91,7 @@ def test_chunk_repeats_bitwise_and_second_chunk_reuses_buffers(fused_signals):
 
 def test_layout_counts_and_slot_ranks_example():
     regions = EPRegions.build(2, 2, 2, 4, 8, activation_dtype=torch.float32)
-    ids_TK = torch.tensor([[2, 0], [2, -1], [0, 2]])
+    ids_TK = torch.tensor([[2, 0], [2, -1], [0, 2]], device=DEVICE)
     for layout in (ep_layout, ep_layout_ref):
         world = make_world(regions, garbage_seed=1)
         layout(ids_TK, world[0], regions)
@@ -103,7 +105,7 @@ def test_layout_many_slots_several_blocks():
     """More slots than one BLOCK_N and ids outside [0, E): kernel == twin, and ranks count per expert."""
     regions = EPRegions.build(2, 3, 4, 40, 8, activation_dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
-    ids_TK = torch.randint(-1, 7, (40, 4), generator=gen)  # 6 = E is out of range: never counted
+    ids_TK = torch.randint(-1, 7, (40, 4), generator=gen).to(DEVICE)  # 6 = E is out of range: never counted
     world_k, world_t = make_world(regions, garbage_seed=2), make_world(regions, garbage_seed=2)
     ep_layout(ids_TK, world_k[1], regions)
     ep_layout_ref(ids_TK, world_t[1], regions)

@@ -1,4 +1,4 @@
-"""Compile the grouped MLP kernel, the routing check and the EP data-path kernels for Hopper (sm_90a) on a machine
+"""Compile the grouped MLP kernel, the routing check, the gated activation and the EP data-path kernels for Hopper (sm_90a) on a machine
 without a GPU, as their launchers would launch them.
 
     python tests/unit/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
@@ -31,6 +31,7 @@ from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers  # noqa: E402
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
 rc = importlib.import_module("moe_ref.kernels.routing_check")
+ga = importlib.import_module("moe_ref.kernels.gated_act")
 EP_MODULES = {name: importlib.import_module(f"moe_ref.kernels.{name}")
               for name in ("pre_dispatch", "ep_layout", "ep_dispatch", "ep_combine", "symm_signal")}
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -57,6 +58,12 @@ CASES = {
 ROUTING_CHECK_CASES = {
     "routing_check int64 ids, fp32 weights": (torch.int64, torch.float32),
     "routing_check int32 ids, bf16 weights": (torch.int32, torch.bfloat16),
+}
+
+# name -> (pool format, fp8 output, activation)
+GATED_ACT_CASES = {
+    "gated_act masked pool, fp8 out, silu": ("masked", True, "silu"),
+    "gated_act contiguous pool, bf16 out, situ": ("contiguous", False, "situ"),
 }
 
 # name -> (phase of the EP chunk, fp8 rows)
@@ -214,6 +221,19 @@ def compile_ep(phase: str, fp8: bool):
         EP_MODULES["ep_combine"]._num_sms = num_sms
 
 
+def compile_gated_act(pool: str, quant: bool, activation: str):
+    """The DeepGEMM experts' activation launch over 4 experts x 64 rows, F 256, compiled for sm_90."""
+    check_device = ga.check_device
+    ga.check_device = lambda name, tensor: None
+    index = (dict(num_rows_e=torch.full((4,), 9, dtype=torch.int32), masked_rows=64) if pool == "masked" else
+             dict(group_P=torch.zeros(256, dtype=torch.int32)))
+    try:
+        return compile_launch(ga, "_gated_act_kernel", lambda: ga.gated_activation_rows(
+            torch.zeros(256, 512, dtype=torch.bfloat16), activation=activation, quant=quant, **index))
+    finally:
+        ga.check_device = check_device
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles the kernels", file=sys.stderr)
@@ -222,6 +242,8 @@ def main() -> int:
     builders = {name: ("grouped_mlp", lambda case=case: [compile_case(*case)]) for name, case in CASES.items()}
     builders.update({name: ("routing_check", lambda case=case: [compile_routing_check(*case)])
                      for name, case in ROUTING_CHECK_CASES.items()})
+    builders.update({name: ("gated_act", lambda case=case: [compile_gated_act(*case)])
+                     for name, case in GATED_ACT_CASES.items()})
     builders.update({name: ("ep", lambda case=case: compile_ep(*case)) for name, case in EP_CASES.items()})
     print(json.dumps({"cases": list(builders)}), flush=True)
     for name, (kind, build) in builders.items():

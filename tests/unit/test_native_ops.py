@@ -11,6 +11,7 @@ MOE_REF_NATIVE=0 is set deliberately (then only the fallback checks run).
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -23,7 +24,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "interpreter"))
 sys.path.insert(0, str(HERE.parent / "dist"))
 
-from ep_sim import RankInputs, clone_world, expected_output, make_inputs, make_world, scaled_identity_experts  # noqa: E402
+import ep_sim  # noqa: E402
+from ep_sim import RankInputs, clone_world, expected_output, scaled_identity_experts  # noqa: E402
 
 from moe_ref import native  # noqa: E402
 from moe_ref.errors import ExpertIdError, PeerTimeoutError  # noqa: E402
@@ -33,6 +35,10 @@ from moe_ref.kernels.ep_layout import ep_layout_ref, ep_pre_dispatch_ref  # noqa
 from moe_ref.kernels.ep_regions import EPRegions, masked_segment_rows  # noqa: E402
 from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier_ref  # noqa: E402
 from moe_ref.testing import assert_bitwise_equal  # noqa: E402
+
+# the compiled ops are CPU ops: CPU buffers and inputs also on a machine with a GPU
+make_world = functools.partial(ep_sim.make_world, device="cpu")
+make_inputs = functools.partial(ep_sim.make_inputs, device="cpu")
 
 FORCED_FALLBACK = os.environ.get(native.ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
 compiled_only = pytest.mark.skipif(FORCED_FALLBACK, reason=f"{native.ENV_VAR}=0 set deliberately: compiled ops off")

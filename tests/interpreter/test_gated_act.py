@@ -1,0 +1,57 @@
+"""gated_activation_rows (Triton) vs its torch twin over the valid rows of a masked and a contiguous pool."""
+
+import pytest
+import torch
+
+from moe_ref.kernels.fp8 import dequantize_fp8_per_128
+from moe_ref.kernels.gated_act import gated_activation_rows, gated_activation_rows_ref, valid_rows_P
+
+pytestmark = pytest.mark.interpreter
+
+POOLS = {
+    # masked: M = 4 rows per expert, counts [1, 0, 4]: rows 0, 8, 9, 10, 11 valid (an empty and a full expert)
+    "masked": dict(num_rows_e=torch.tensor([1, 0, 4]), masked_rows=4),
+    # contiguous: DeepGEMM's grouped layout, -1 on padding rows (17 rows: a partial last block of 16)
+    "contiguous": dict(group_P=torch.tensor([0, 0, -1, -1, 2, 2, 2, -1, -1, -1, -1, -1, -1, -1, -1, -1, 1],
+                                            dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("pool", list(POOLS))
+@pytest.mark.parametrize("width,activation,situ_linear_beta", [(128, "silu", 25.0), (200, "situ", 25.0),
+                                                               (64, "situ", 0.0)])
+@pytest.mark.parametrize("quant", [False, True], ids=["bf16_out", "fp8_out"])
+def test_gated_activation_rows_matches_twin_on_valid_rows(pool, width, activation, situ_linear_beta, quant, device):
+    index = {name: value.to(device) for name, value in POOLS[pool].items() if torch.is_tensor(value)}
+    kwargs = dict(POOLS[pool], **index, activation=activation, situ_beta=4.0, situ_linear_beta=situ_linear_beta,
+                  quant=quant)
+    num_rows = 12 if pool == "masked" else 17
+    gen = torch.Generator().manual_seed(width)
+    gate_up = (torch.randn(num_rows, 2 * width, generator=gen) * 3).to(torch.bfloat16).to(device)
+    valid = valid_rows_P(num_rows, **{k: v for k, v in kwargs.items() if k in ("group_P", "num_rows_e", "masked_rows")})
+    gate_up[~valid] = float("nan")  # rows that are not valid must not reach a valid row's output
+    h, h_scale = gated_activation_rows(gate_up, **kwargs)
+    h_ref, h_scale_ref = gated_activation_rows_ref(gate_up, **kwargs)
+    assert h.shape == (num_rows, width) and h.dtype == h_ref.dtype
+    if quant:
+        assert h_scale.shape == (num_rows, -(-width // 128))
+        torch.testing.assert_close(h_scale[valid], h_scale_ref[valid], rtol=1e-5, atol=0)
+        got, want = dequantize_fp8_per_128(h[valid], h_scale[valid]), dequantize_fp8_per_128(h_ref[valid],
+                                                                                            h_scale_ref[valid])
+        # one e4m3 step apart at most (the fp32 activations may differ in the last bits)
+        torch.testing.assert_close(got, want, rtol=0.07, atol=h_scale[valid].max().item() * 2 ** -9)
+    else:
+        torch.testing.assert_close(h[valid].float(), h_ref[valid].float(), rtol=1e-2, atol=1e-5)
+    assert torch.isfinite(h[valid].float()).all()
+
+
+def test_bad_arguments_are_shape_errors():
+    from moe_ref.errors import ShapeError
+
+    gate_up = torch.zeros(8, 6)
+    with pytest.raises(ShapeError, match="e \\* M rows"):
+        gated_activation_rows_ref(gate_up, num_rows_e=torch.tensor([1, 2, 3]), masked_rows=4)
+    with pytest.raises(ShapeError, match="group_P"):
+        gated_activation_rows_ref(gate_up)
+    with pytest.raises(ShapeError, match="\\[P, 2F\\]"):
+        gated_activation_rows_ref(torch.zeros(8, 5), group_P=torch.zeros(8, dtype=torch.int32))
