@@ -291,6 +291,14 @@ _REGISTRY: dict[str, str] = {
 }
 
 
+def check_pool_format(experts: "Experts | type[Experts]", pool_format: str, where: str = "the argument") -> None:
+    """Raise ``InvalidConfigError`` (CFG007) when ``experts`` (a backend or its class) does not run ``pool_format``
+    pools (its ``pool_formats``); ``where`` names the option's source."""
+    if pool_format not in experts.pool_formats:
+        raise InvalidConfigError(f"pool_format={pool_format!r} (from {where}): the {experts.name} experts run "
+                                 f"{', '.join(experts.pool_formats)} pools only", field="pool_format")
+
+
 def register_experts(name: str, target: str) -> None:
     """Make ``make_experts(name, ...)`` build ``target`` (``"package.module:ClassName"``, an ``Experts``)."""
     _REGISTRY[name] = target

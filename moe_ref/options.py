@@ -18,7 +18,7 @@ import torch
 
 from moe_ref import envs
 from moe_ref.errors import DeviceUnavailableError, DTypeError, InvalidConfigError, UnknownNameError
-from moe_ref.experts import experts_class, registered_backends
+from moe_ref.experts import check_pool_format, experts_class, registered_backends
 from moe_ref.kernels.ep_regions import POOL_FORMATS
 
 OVERFLOW_POLICIES = ("error", "chunk")
@@ -133,10 +133,7 @@ class EPOptions:
             alignment = experts_class(backend, device).segment_alignment  # the pool layout the backend wants
         pool = pick("pool_format", pool_format, "MOE_REF_POOL_FORMAT", envs.pool_format(), "contiguous")
         if backend in registered_backends() and pool in POOL_FORMATS:
-            runs = experts_class(backend, device).pool_formats
-            if pool not in runs:
-                raise InvalidConfigError(f"pool_format={pool!r} (from {source['pool_format']}): the {backend} experts "
-                                         f"run {', '.join(runs)} pools only", field="pool_format")
+            check_pool_format(experts_class(backend, device), pool, source["pool_format"])
         debug = pick("debug_checks", debug_checks, "MOE_REF_DEBUG_CHECKS", envs.debug_checks(), False)
         return EPOptions(num_max_tokens_per_rank=cap, overflow=policy, transport=transport_name,
                          experts_backend=backend, dispatch_fp8=bool(dispatch_fp8), alignment=alignment,

@@ -39,7 +39,7 @@ from moe_ref.device_checks import DeviceChecks
 from moe_ref.dispatch import Dispatcher, add_routing_value_check, routed_input_problem
 from moe_ref.distributed import agree_on_failure, comm_device, gather_ints, group_size_and_rank, peer_errors
 from moe_ref.errors import CapacityExceededError, ConservationError, MoERefError
-from moe_ref.experts import Experts
+from moe_ref.experts import Experts, check_pool_format
 from moe_ref.kernels.ep_combine import slot_owners_TR
 from moe_ref.options import EPOptions
 from moe_ref.overflow import OverflowPolicy
@@ -163,6 +163,7 @@ class ModularRoutedStep(RoutedStep):
     def __init__(self, dispatcher: Dispatcher, experts: Experts, policy: OverflowPolicy, *,
                  debug_checks: bool = False):
         plan = dispatcher.plan
+        check_pool_format(experts, plan.pool_format)
         super().__init__(plan.cfg, dispatcher.group, policy, plan.activation_dtype, dispatcher.buffer.device)
         self.dispatcher, self.experts, self.debug_checks = dispatcher, experts, debug_checks
 

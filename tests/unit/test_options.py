@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moe_ref.errors import DeviceUnavailableError, DTypeError, InvalidConfigError, UnknownNameError
+from moe_ref.experts import TorchLoopExperts
 from moe_ref.options import DEFAULT_NUM_MAX_TOKENS_PER_RANK, MAX_NUM_MAX_TOKENS_PER_RANK, EPOptions
 
 pytestmark = pytest.mark.unit
@@ -93,3 +94,36 @@ def test_debug_checks_from_env(monkeypatch):
     assert not EPOptions.resolve().debug_checks
     monkeypatch.setenv("MOE_REF_DEBUG_CHECKS", "1")
     assert EPOptions.resolve().debug_checks and not EPOptions.resolve(debug_checks=False).debug_checks
+
+
+
+class NarrowExperts(TorchLoopExperts):
+    """A backend that declares it runs contiguous pools only (what a registered custom backend may do)."""
+
+    name = "narrow"
+    pool_formats = ("contiguous",)
+
+
+def test_pool_format_from_env_and_a_backend_that_refuses_it(monkeypatch):
+    from moe_ref import experts
+    from moe_ref.config import preset
+    from moe_ref.routed_step import make_modular_step
+    from moe_ref.weights import MoEWeights
+
+    monkeypatch.setenv("MOE_REF_POOL_FORMAT", "masked")
+    options = EPOptions.resolve()
+    assert options.pool_format == "masked" and options.source["pool_format"] == "MOE_REF_POOL_FORMAT"
+    assert options.fingerprint()["pool_format"] == "masked"
+
+    monkeypatch.setitem(experts._REGISTRY, "narrow", f"{__name__}:NarrowExperts")
+    with pytest.raises(InvalidConfigError, match="pool_format='masked' .from MOE_REF_POOL_FORMAT.: the narrow "
+                                                 "experts run contiguous pools only"):
+        EPOptions.resolve(experts_backend="narrow")
+    assert EPOptions.resolve(experts_backend="narrow", pool_format="contiguous").pool_format == "contiguous"
+    # an instance handed to the modular step directly is checked where it meets the plan
+    cfg = preset("tiny-step3")
+    weights = MoEWeights.random(cfg, seed=0)
+    narrow = NarrowExperts(weights.gate_up_weight_E2FD, weights.down_weight_EDF)
+    with pytest.raises(InvalidConfigError, match="the narrow experts run contiguous pools only"):
+        make_modular_step(cfg, None, narrow, EPOptions.resolve(num_max_tokens_per_rank=4, pool_format="masked",
+                                                               experts_backend="torch"))
