@@ -30,6 +30,9 @@ Paths (each built per token count with cap = that count, so no path pays for an 
 DEFAULT_PATHS run by default; --paths names any of PATHS.
 A path that cannot be built or fails reports 'not available' with its error; the others still run.
 
+``--replot saved.json --out DIR`` rewrites the markdown and the plot (``bench_layer.png``, with matplotlib) of a
+saved run on any machine.
+
 Timing: after warmup, per iteration a cross-rank barrier + synchronize, then CUDA events around one call;
 per rank the median, reported as the max over ranks (the layer is as slow as its slowest rank). Every
 path's first output is compared with a2a_grouped_mm's (calc_diff). Rank 0 writes
@@ -44,6 +47,7 @@ import json
 import os
 import platform
 import sys
+import textwrap
 import time
 import traceback
 from datetime import timedelta
@@ -75,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replot", metavar="JSON", help="rewrite the markdown and PNG of a saved bench_layer.json "
+                        "into --out, on any machine (no GPU, no torchrun)")
     return parser.parse_args(argv)
 
 
@@ -327,6 +333,37 @@ def write_results(out_dir: str, meta: dict, rows: list[dict]) -> None:
                      f"{speedup:.2f} | {r['calc_diff_vs_a2a']:.2e} | {r.get('first_call_s', '-')} | ok |")
     with open(os.path.join(out_dir, "bench_layer.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    plot_results(out_dir, meta, rows)
+
+
+def plot_results(out_dir: str, meta: dict, rows: list[dict]) -> None:
+    """``bench_layer.png``: us per call of every path that ran, one group of bars per token count (log scale);
+    skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    done = [r for r in rows if r.get("status") == "ok"]
+    tokens = sorted({r["tokens_per_rank"] for r in done})
+    paths = list(dict.fromkeys(r["path"] for r in done))
+    if not done:
+        return
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(tokens) * len(paths) / 3), 5))
+    width = 0.8 / len(paths)
+    for i, path in enumerate(paths):
+        us = {r["tokens_per_rank"]: r["us"] for r in done if r["path"] == path}
+        ax.bar([t + i * width for t in range(len(tokens))], [us.get(t, 0) for t in tokens], width, label=path)
+    ax.set_xticks([t + 0.4 - width / 2 for t in range(len(tokens))], [str(t) for t in tokens])
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("us per routed step (max over ranks)")
+    ax.set_title(textwrap.fill(f"EP routed step, {meta['ranks']} rank(s): {meta['shape']}", 90), fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(os.path.join(out_dir, "bench_layer.png"), dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def init_ranks(args, name: str, timeout: timedelta):
@@ -343,6 +380,10 @@ def init_ranks(args, name: str, timeout: timedelta):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        saved = json.load(open(args.replot))
+        write_results(args.out, saved["meta"], saved["rows"])
+        return 0
     device, group, rank, world, cfg = init_ranks(args, "bench-layer", timedelta(minutes=10))
     num_local = args.num_experts // world
     meta = {"ranks": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
