@@ -33,7 +33,8 @@ import torch
 
 from moe_ref.config import MoEConfig, ParallelConfig
 from moe_ref.errors import ExpertsNotDivisibleError, InvalidConfigError, MemoryBudgetError
-from moe_ref.kernels.ep_regions import POOL_FORMATS, REGION_ALIGN_BYTES, EPRegions, default_pool_rows, masked_segment_rows
+from moe_ref.kernels.ep_regions import (POOL_FORMATS, REGION_ALIGN_BYTES, EPRegions, default_pool_rows,
+                                        masked_segment_rows)
 from moe_ref.options import ACTIVATION_DTYPES
 
 
@@ -82,7 +83,6 @@ class CapacityPlan:
     regions: tuple[Region, ...]
     total_bytes: int
     ep_regions: EPRegions
-    pool_format: str = "contiguous"
 
     @staticmethod
     def build(cfg: MoEConfig, ep_size: int, num_max_tokens_per_rank: int,
@@ -105,21 +105,26 @@ class CapacityPlan:
         """
         _check_plan_args(cfg, ep_size, num_max_tokens_per_rank, activation_dtype, alignment, pool_format)
         cap, num_local = num_max_tokens_per_rank, cfg.num_experts // ep_size
+        # P: EPRegions' own default for the contiguous pool (num_recv_pool_rows), e * M for the masked one
         ep_regions = EPRegions.build(ep_size, num_local, cfg.num_topk, cap, cfg.expert_hidden_size,
                                      activation_dtype=activation_dtype, fp8=dispatch_fp8, alignment=alignment,
-                                     num_pool_rows=num_recv_pool_rows(cfg, ep_size, cap, alignment, pool_format),
                                      masked_rows=masked_segment_rows(ep_size, cap, alignment)
                                      if pool_format == "masked" else 0)
         regions = [Region(name, ep_regions.offsets[name], *ep_regions.spec(name), ep_regions.nbytes(name))
                    for name in ep_regions.offsets]
         offset = _align(regions[-1].end, REGION_ALIGN_BYTES)
         return CapacityPlan(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment, tuple(regions), offset,
-                            ep_regions, pool_format)
+                            ep_regions)
 
     # --- queries ---------------------------------------------------------------------------------------
     @property
     def num_local_experts(self) -> int:
         return self.cfg.num_experts // self.ep_size
+
+    @property
+    def pool_format(self) -> str:
+        """``"contiguous"`` or ``"masked"`` (the regions' layout)."""
+        return self.ep_regions.pool_format
 
     @property
     def num_pool_rows(self) -> int:

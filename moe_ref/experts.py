@@ -296,7 +296,8 @@ def check_pool_format(experts: "Experts | type[Experts]", pool_format: str, wher
     pools (its ``pool_formats``); ``where`` names the option's source."""
     if pool_format not in experts.pool_formats:
         raise InvalidConfigError(f"pool_format={pool_format!r} (from {where}): the {experts.name} experts run "
-                                 f"{', '.join(experts.pool_formats)} pools only", field="pool_format")
+                                 f"{', '.join(experts.pool_formats)} pools only; pick one of those, or another "
+                                 f"experts backend", field="pool_format")
 
 
 def register_experts(name: str, target: str) -> None:

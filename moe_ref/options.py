@@ -148,6 +148,6 @@ class EPOptions:
         """What must be equal on every rank of the group (the device index may differ: one GPU per rank)."""
         return {"num_max_tokens_per_rank": str(self.num_max_tokens_per_rank), "overflow": self.overflow,
                 "transport": self.transport, "experts_backend": self.experts_backend,
-                "dispatch_fp8": str(self.dispatch_fp8), "alignment": str(self.alignment), "pool_format": self.pool_format,
-                "mega": self.mega,
-                "dtype": str(self.dtype), "device_type": self.device.type, "debug_checks": str(self.debug_checks)}
+                "dispatch_fp8": str(self.dispatch_fp8), "alignment": str(self.alignment),
+                "pool_format": self.pool_format, "mega": self.mega, "dtype": str(self.dtype),
+                "device_type": self.device.type, "debug_checks": str(self.debug_checks)}

@@ -29,6 +29,7 @@ import ep_cases  # noqa: E402
 from moe_ref.config import preset  # noqa: E402
 from moe_ref.errors import CapacityExceededError, CapacityMismatchError, ExpertIdError  # noqa: E402
 from moe_ref.experts import make_experts  # noqa: E402
+from moe_ref.kernels.ep_regions import masked_segment_rows  # noqa: E402
 from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128  # noqa: E402
 from moe_ref.block import moe_block  # noqa: E402
 from moe_ref.options import EPOptions  # noqa: E402
@@ -111,7 +112,7 @@ def run_routed(case: dict, group, rank: int, world: int) -> dict:
             second = compute(step)
             counted = step.num_recv_tokens_per_expert.cpu()
             if pool_format == "masked":  # expert i's rows start at i * M, M = align(R * cap, alignment)
-                rows = -(-world * cap // case["alignment"]) * case["alignment"]
+                rows = masked_segment_rows(world, cap, case["alignment"])
                 checks[f"{transport}: masked pool layout"] = (
                     step.dispatcher.buffer.view("row_start").tolist() == [i * rows for i in range(num_local)])
         outputs[transport] = first
