@@ -4,12 +4,16 @@
       -> dispatch (peers pull their experts' rows) -> expert GEMMs -> combine (rows back to the source)
       -> deterministic fp32 weighted reduce (+ shared experts) -> y [T, D]
 
-Modules, in data-flow order: ``config``, ``options`` (every option resolved once), ``errors``, ``router`` and
-``ops`` (kernel or twin), ``block`` (the composition around the routed step), ``routed_step`` (modular or
-monolithic; its per-call ``overflow`` policy; ``distributed`` agreements), ``capacity`` (the buffer plan),
-``buffer``/``transport``, ``dispatch``, ``experts`` (backends: ``deep_gemm_backend``, with ``deep_gemm_probe`` for
-detection and ``deep_gemm_bench`` for the benchmarks; ``experts_quant``) and ``kernels/``, ``mega_deep_gemm``,
-``layer``, ``loading``, ``cli``.
+The package is laid out by stage; a module imports only from its own stage or lower ones
+(``tests/unit/test_layout.py`` checks it):
+
+    0 core/        config, errors, envs, weights, activations, router      (and testing.py: helpers for users' tests)
+    1 kernels/     Triton kernels, each beside its torch twin; ops (kernel or twin, decided once), native (csrc ops)
+    2 checkpoint/  loading, formats (FP8 / INT4 / MXFP4 as published), quantized, synthetic
+    3 experts/     the Experts contract, registry, built-in backends, quantized experts, deep_gemm/
+    4 ep/          options, capacity, buffer, transport, dispatch (symm, a2a), routed_step, overflow, mega_deep_gemm
+    5 block.py, layer.py (MegaMoE), custom_ops.py, reference.py (the single-process oracle)
+    6 tools/       cli (moe-ref), dist_check (the torchrun harness)
 
 Tensor names end in their shape, one legend letter per dim (``topk_ids_TK`` is ``[T, K]``; ``2F`` is gate rows
 then up rows). This legend is the package's only one: a module's ``Shape legend:`` line repeats the letters it
@@ -27,17 +31,22 @@ intermediate (all shared experts fused), O output features of one weight matrix 
 order), I input features of one weight matrix, Db = ceil(Dx / 128) FP8 scale blocks of an expert input row,
 Fb = ceil(F / 128), Ob = ceil(O / 128), Ib = ceil(I / 128) FP8 scale blocks.
 """
-from moe_ref.config import MoEConfig, ParallelConfig, preset
-from moe_ref.errors import MoERefError
-from moe_ref.weights import MoEWeights
+from moe_ref.core.config import MoEConfig, ParallelConfig, preset
+from moe_ref.core.errors import MoERefError
+from moe_ref.core.weights import MoEWeights
 
 __version__ = "0.1.0"
-__all__ = ["MoEConfig", "ParallelConfig", "preset", "MoERefError", "MoEWeights", "MegaMoE", "__version__"]
+__all__ = ["MoEConfig", "ParallelConfig", "preset", "MoERefError", "MoEWeights", "MegaMoE", "Experts",
+           "ExpertLayout", "make_experts", "register_experts", "__version__"]
+
+# Loaded on first use: the layer pulls in torch.distributed machinery, the experts Triton.
+_LAZY = {"MegaMoE": "moe_ref.layer", "Experts": "moe_ref.experts", "ExpertLayout": "moe_ref.experts",
+         "make_experts": "moe_ref.experts", "register_experts": "moe_ref.experts"}
 
 
-def __getattr__(name):  # the layer imports torch.distributed machinery; load it on first use
-    if name == "MegaMoE":
-        from moe_ref.layer import MegaMoE
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
 
-        return MegaMoE
-    raise AttributeError(name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'moe_ref' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from moe_ref.cli import main
+from moe_ref.tools.cli import main
 
 raise SystemExit(main())

@@ -2,7 +2,7 @@
 
     x [T, D] --route (gate GEMM fp32, family top-k)--> topk_ids [T, K] int64, topk_weights [T, K] fp32
       --expert_input: (Kimi-K3) latent_down--> z [T, Dx]
-      --routed step (EP layer: moe_ref.routed_step; oracle: reference.routed_experts_reference)--> routed [T, Dx]
+      --routed step (EP layer: moe_ref.ep.routed_step; oracle: reference.routed_experts_reference)--> routed [T, Dx]
       --finish: (Kimi-K3) RMSNorm over the FULL cross-rank sum, latent_up; + shared experts (fp32 add)--> y [T, D]
 
 Both the EP layer (``MegaMoE``) and the single-process oracle (``reference.reference_moe``) are this
@@ -17,13 +17,13 @@ from typing import Callable
 
 import torch
 
-from moe_ref import ops
-from moe_ref.activations import dense_mlp
-from moe_ref.config import MoEConfig
-from moe_ref.device_checks import DeviceChecks
-from moe_ref.errors import DTypeError, NonFiniteError, ShapeError
-from moe_ref.router import RouterOutput, non_finite_logits_error, router_logits
-from moe_ref.weights import MoEWeights
+from moe_ref.kernels import ops
+from moe_ref.core.activations import dense_mlp
+from moe_ref.core.config import MoEConfig
+from moe_ref.ep.device_checks import DeviceChecks
+from moe_ref.core.errors import DTypeError, NonFiniteError, ShapeError
+from moe_ref.core.router import RouterOutput, non_finite_logits_error, router_logits
+from moe_ref.core.weights import MoEWeights
 
 # (expert input [T, Dx], topk_ids [T, K] int64, topk_weights [T, K] fp32) -> routed sum [T, Dx] in input dtype
 RoutedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

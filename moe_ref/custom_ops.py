@@ -8,7 +8,7 @@
 The layer moves rows between processes through buffers, syncs the host for its per-call agreement and raises
 coded errors: none of that can be traced, and none of it needs to be, so the whole layer is one node (as serving
 engines wrap their fused MoE). Under ``mode="reduce-overhead"`` on CUDA the node runs inside the captured CUDA
-graph, where the routed step takes its capture path (``moe_ref.routed_step``: no host sync).
+graph, where the routed step takes its capture path (``moe_ref.ep.routed_step``: no host sync).
 
 Layers are found by an integer id (a custom op takes tensors and numbers, not modules); ``register`` hands it
 out and holds the layer weakly.

@@ -10,7 +10,7 @@
       2. route: gate GEMM in fp32, family top-k (block.route_unchecked)           -> topk_ids [T, K], topk_weights [T, K]
          (NaN/inf logits are a problem too: a device-side check, read in step 4's collective)
       3. (Kimi-K3) latent down-projection (block.expert_input)                    -> z [T, Dx]
-      4. the routed step (moe_ref.routed_step): ONE small collective agrees on every rank's problem, device-side
+      4. the routed step (moe_ref.ep.routed_step): ONE small collective agrees on every rank's problem, device-side
          checks and row count (a coded error on every rank, or n chunks), then per chunk
          dispatch -> experts -> combine -> reduce
                                                                                    -> routed [T, Dx]
@@ -43,18 +43,18 @@ from torch import nn
 
 from moe_ref import custom_ops
 from moe_ref.block import expert_input, finish, route_unchecked
-from moe_ref.config import MoEConfig, ParallelConfig, preset
-from moe_ref.device_checks import DeviceChecks
-from moe_ref.distributed import check_fields_agree, gather_objects, group_size_and_rank
-from moe_ref.errors import (BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
+from moe_ref.core.config import MoEConfig, ParallelConfig, preset
+from moe_ref.ep.device_checks import DeviceChecks
+from moe_ref.ep.distributed import check_fields_agree, gather_objects, group_size_and_rank
+from moe_ref.core.errors import (BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
                             InvalidConfigError, ShapeError, ShapeUnsupportedError, TensorShapeMismatchError,
                             WeightsNotLoadedError)
 from moe_ref.experts import Experts, experts_class, make_experts
-from moe_ref.experts_quant import make_quantized_experts
-from moe_ref.options import EPOptions
-from moe_ref.quant import QuantizedExpertWeights, QuantSpec
-from moe_ref.routed_step import RoutedStep, make_modular_step
-from moe_ref.weights import MoEWeights
+from moe_ref.experts.quantized import make_quantized_experts
+from moe_ref.ep.options import EPOptions
+from moe_ref.checkpoint.formats import QuantizedExpertWeights, QuantSpec
+from moe_ref.ep.routed_step import RoutedStep, make_modular_step
+from moe_ref.core.weights import MoEWeights
 
 logger = logging.getLogger(__name__)
 _EXPERT_FIELDS = ("gate_up_weight_E2FD", "down_weight_EDF")
@@ -178,7 +178,7 @@ class MegaMoE(nn.Module):
     def _mega_supported_here(self) -> tuple[bool, str]:
         if self.options.mega == "off":
             return False, "mega='off'"
-        from moe_ref.mega_deep_gemm import supports
+        from moe_ref.ep.mega_deep_gemm import supports
 
         on_cuda = self.options.device.type == "cuda"
         ok, reason = supports(self.cfg, self.world_size, check_runtime=on_cuda)
@@ -263,27 +263,27 @@ class MegaMoE(nn.Module):
     def load_hf_weights(self, path: str | os.PathLike, layer_idx: int, prefix: str | None = None, *,
                         progress: bool | None = None) -> "MegaMoE":
         """Load layer ``layer_idx`` from an HF safetensors checkpoint (file or folder), reading only this
-        rank's experts (see ``moe_ref.loading.load_moe_weights`` for each family's names).
+        rank's experts (see ``moe_ref.checkpoint.loading.load_moe_weights`` for each family's names).
 
         When the config.json beside the checkpoint has a ``quantization_config`` (FP8 128x128 blocks,
-        compressed-tensors INT4 or MXFP4: ``moe_ref.quant``), the routed experts are read as stored straight into
+        compressed-tensors INT4 or MXFP4: ``moe_ref.checkpoint.formats``), the routed experts are read as stored straight into
         device tensors (``quantized_experts``; ``expert_nbytes()`` == the checkpoint's bytes of these experts;
         no plain copy is ever allocated) and run by the quantized backend matching ``experts_backend``
-        (``moe_ref.experts_quant``: triton -> FP8 block / W4A16 kernels, torch -> the dequantizing loop). The
+        (``moe_ref.experts.quantized``: triton -> FP8 block / W4A16 kernels, torch -> the dequantizing loop). The
         router, shared experts and latent projections are read into the layer's dtype either way.
 
         Args:
             path: a ``.safetensors`` file or a checkpoint folder.
             layer_idx: the decoder layer.
-            prefix: the text before the layer number; None tries ``moe_ref.loading.KNOWN_PREFIXES``.
+            prefix: the text before the layer number; None tries ``moe_ref.checkpoint.loading.KNOWN_PREFIXES``.
             progress: a progress bar over this rank's experts on stderr; None: on rank 0 only.
 
         Raises:
             The loaders' LOAD* errors; ``BackendUnavailableError`` (ENV001) for a quantized checkpoint with
             ``mega='deep_gemm'`` or an experts backend without quantized kernels (grouped_mm, deep_gemm).
         """
-        from moe_ref.loading import load_moe_weights
-        from moe_ref.quant_loading import checkpoint_quant_spec, load_quantized_experts
+        from moe_ref.checkpoint.loading import load_moe_weights
+        from moe_ref.checkpoint.quantized import checkpoint_quant_spec, load_quantized_experts
 
         spec = checkpoint_quant_spec(path)
         progress = self.rank == 0 if progress is None else progress
@@ -308,7 +308,7 @@ class MegaMoE(nn.Module):
         return self._weights_changed()
 
     def _quantized_backend(self, spec: QuantSpec) -> str:
-        """The ``moe_ref.experts_quant`` backend that runs ``spec``'s experts for this layer's options."""
+        """The ``moe_ref.experts.quantized`` backend that runs ``spec``'s experts for this layer's options."""
         fmt = spec.format.value
         if self.uses_mega and self.options.mega == "deep_gemm":
             raise BackendUnavailableError(
@@ -372,7 +372,7 @@ class MegaMoE(nn.Module):
         if self._routed_step is None:
             with torch.inference_mode(False):  # buffers must stay usable outside inference mode
                 if self.uses_mega:
-                    from moe_ref.mega_deep_gemm import make_mega_step
+                    from moe_ref.ep.mega_deep_gemm import make_mega_step
 
                     self._routed_step = make_mega_step(self.cfg, self.group, self.options,
                                                        *self._expert_parameters())
@@ -403,10 +403,10 @@ class MegaMoE(nn.Module):
                 on every rank or on none).
 
         At decode on CUDA, a call can be captured in a CUDA graph (``torch.cuda.graph``) and replayed with new
-        inputs of the same shape (the ``symm`` transport; see ``moe_ref.routed_step`` for what capture skips).
+        inputs of the same shape (the ``symm`` transport; see ``moe_ref.ep.routed_step`` for what capture skips).
 
         Raises, on every rank alike: this or any rank's input problem (INP001-INP007), CAP001 under
-        ``overflow='error'``, ENV004/ENV005/CFG008 (see ``moe_ref.routed_step``).
+        ``overflow='error'``, ENV004/ENV005/CFG008 (see ``moe_ref.ep.routed_step``).
         """
         problem = self._input_problem(hidden_states)
         step = self.routed_step

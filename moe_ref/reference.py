@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from moe_ref.activations import dense_mlp
+from moe_ref.core.activations import dense_mlp
 from moe_ref.block import moe_block
-from moe_ref.config import MoEConfig
-from moe_ref.weights import MoEWeights
+from moe_ref.core.config import MoEConfig
+from moe_ref.core.weights import MoEWeights
 
 
 def routed_experts_reference(

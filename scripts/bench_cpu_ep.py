@@ -1,4 +1,4 @@
-"""CPU EP chunk over the /dev/shm symmetric heap: the torch twins vs the compiled ops (moe_ref.native), at 2 and
+"""CPU EP chunk over the /dev/shm symmetric heap: the torch twins vs the compiled ops (moe_ref.kernels.native), at 2 and
 4 processes, 128..16384 tokens per rank, a tiny and a mid-size shape. Writes JSON + markdown.
 
     python scripts/bench_cpu_ep.py [--world-sizes 2,4] [--tokens 128,512,2048,4096,16384] [--configs tiny,mid]
@@ -44,7 +44,7 @@ def _worker(args) -> int:
 
     from ep_kernels_cpu_worker import map_shm_buffers  # tests/dist: the /dev/shm mapping of the CPU heap
 
-    from moe_ref import native
+    from moe_ref.kernels import native
     from moe_ref.kernels.ep_combine import ep_combine_push_ref, ep_combine_reduce_ref
     from moe_ref.kernels.ep_dispatch import ep_dispatch_ref
     from moe_ref.kernels.ep_layout import ep_pre_dispatch_ref

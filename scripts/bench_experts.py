@@ -19,7 +19,7 @@ Paths per case:
     grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
     loop_bf16       torch per-expert loop (host-side counts, no sync inside the timed region)
     deep_gemm_bf16 / deep_gemm_fp8  optional (--include-deep-gemm; none unless `deep_gemm` runs here): DeepGEMM's
-                    contiguous grouped GEMMs on the pool (`moe_ref.deep_gemm_bench`)
+                    contiguous grouped GEMMs on the pool (`moe_ref.experts.deep_gemm.bench`)
     deep_gemm_masked_bf16 / deep_gemm_masked_fp8  the same experts in DeepGEMM's masked (decode) layout: the pool's
                     segments copied once, outside the timed region, into [e, M, D] with per-expert row counts on
                     the device; timed: GEMM1 + act + GEMM2 on that layout (left out, with a note, when the masked
@@ -214,7 +214,7 @@ def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], 
 def _deep_gemm_cases(case: Case) -> list[tuple[str, Callable[[], object]]]:
     """DeepGEMM grouped-GEMM paths for `case` (contiguous and masked layouts) as (name, fn) pairs; [] when
     deep_gemm is not usable here."""
-    from moe_ref.deep_gemm_bench import deep_gemm_grouped_cases
+    from moe_ref.experts.deep_gemm.bench import deep_gemm_grouped_cases
 
     return deep_gemm_grouped_cases(case.x_RD, case.gate_up, case.down, case.row_start_e, case.num_rows_e,
                                    layouts=("contiguous", "masked"))

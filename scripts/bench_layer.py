@@ -11,12 +11,12 @@ Paths (each built per token count with cap = that count, so no path pays for an 
     a2a_grouped_mm   NCCL all_to_all_single of counts, rows and local expert ids -> sort by expert ->
                      torch grouped_mm (gate||up) -> SiLU-and-mul (fp32) -> grouped_mm (down) ->
                      all_to_all_single back -> fp32 weighted index_add at the source (bf16, one row per slot)
-    moe_ref_triton   moe_ref.routed_step.make_modular_step (auto transport) + make_experts("triton"), bf16 end to end,
+    moe_ref_triton   moe_ref.ep.routed_step.make_modular_step (auto transport) + make_experts("triton"), bf16 end to end,
                      pool planned with the backend's segment alignment (TritonExperts: 1, no padding rows)
     moe_ref_triton_fp8  the same with dispatch_fp8=True + make_experts("triton", fp8=True): tokens move as fp8
                      e4m3 + per-128 scales and the Triton FP8 grouped MLP takes that pool as is (MegaMoE's
                      dispatch_fp8=True on CUDA)
-    deep_gemm_mega   moe_ref.mega_deep_gemm.make_mega_step (DeepGEMM SM90 fused fp8 mega-kernel)
+    deep_gemm_mega   moe_ref.ep.mega_deep_gemm.make_mega_step (DeepGEMM SM90 fused fp8 mega-kernel)
     *_graph          the moe_ref path captured ONCE in a torch.cuda.CUDAGraph (the routed step under capture:
                      the symm transport's device-side kernels, no host sync), each call = copy the inputs into the
                      captured tensors + replay
@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moe_ref.config import MoEConfig  # noqa: E402
+from moe_ref.core.config import MoEConfig  # noqa: E402
 from moe_ref.experts import Experts  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
 
@@ -161,8 +161,8 @@ def build_moe_ref(args, cfg, group, num_tokens, local_weights, device, *, backen
     """The public modular step: ``backend`` experts (with ``fp8``: fp8 weights, and FP8 dispatch, whose pool they take
     as is) over a ``pool_format`` pool."""
     from moe_ref.experts import make_experts
-    from moe_ref.options import EPOptions
-    from moe_ref.routed_step import make_modular_step
+    from moe_ref.ep.options import EPOptions
+    from moe_ref.ep.routed_step import make_modular_step
 
     experts = IdentityExperts(*local_weights) if identity else make_experts(backend, *local_weights, cfg.activation,
                                                                             fp8=fp8)
@@ -218,8 +218,8 @@ def graphed(builder):
 
 
 def build_deep_gemm_mega(args, cfg, group, num_tokens, local_weights, device):
-    from moe_ref.mega_deep_gemm import make_mega_step
-    from moe_ref.options import EPOptions
+    from moe_ref.ep.mega_deep_gemm import make_mega_step
+    from moe_ref.ep.options import EPOptions
 
     options = EPOptions.resolve(num_max_tokens_per_rank=num_tokens, overflow="error", dtype=torch.bfloat16,
                                 device=device, experts_backend="deep_gemm")
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
                      f"intermediate {args.intermediate}, bf16 (moe_ref_triton_fp8, deep_gemm_mega: fp8)",
             "timing": f"median of {args.iters} after {args.warmup} warmup, barrier before each, max over ranks"}
     try:
-        from moe_ref.deep_gemm_probe import deep_gemm_status
+        from moe_ref.experts.deep_gemm.probe import deep_gemm_status
 
         meta["deep_gemm"] = deep_gemm_status().__dict__
     except Exception as err:  # noqa: BLE001

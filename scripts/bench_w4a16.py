@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
-from moe_ref.experts_quant import make_quantized_experts  # noqa: E402
-from moe_ref.quant import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
+from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
+from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
 from moe_ref.testing import bench, calc_diff  # noqa: E402
 
 NUM_EXPERTS, HIDDEN, INTER = 48, 7168, 2048

@@ -46,10 +46,10 @@ for s in $STEPS; do case $s in
   dist)
     if [ "$NGPU" -ge 2 ]; then
       for t in symm a2a; do
-        step "dist_$t" 300 $TORCHRUN -m moe_ref.dist_check --device cuda --dtype bf16 --preset tiny-kimi-k2 \
+        step "dist_$t" 300 $TORCHRUN -m moe_ref.tools.dist_check --device cuda --dtype bf16 --preset tiny-kimi-k2 \
           --transport $t --tokens-per-rank 300 --cap 128 --overflow chunk --json "$OUT/dist_$t.json"
       done
-      step dist_k3 300 $TORCHRUN -m moe_ref.dist_check --device cuda --dtype bf16 --preset tiny-kimi-k3 --cap 64
+      step dist_k3 300 $TORCHRUN -m moe_ref.tools.dist_check --device cuda --dtype bf16 --preset tiny-kimi-k3 --cap 64
     else echo "=== dist skipped: $NGPU GPU(s)" | tee -a "$LOG"; fi ;;
   tests2)
     if [ "$NGPU" -ge 2 ]; then step tests2 420 python3 -m pytest -q -rs --timeout=400 -m cuda2 tests/dist tests/gpu; fi ;;

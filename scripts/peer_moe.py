@@ -115,7 +115,7 @@ _ZIP_SUFFIX = "-fused-moe.zip"
 
 
 def _errors():
-    from moe_ref import errors  # lazy: moe_ref imports triton, which must see TRITON_INTERPRET first
+    from moe_ref.core import errors
 
     return errors
 

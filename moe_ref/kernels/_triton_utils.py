@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.errors import DeviceError, ShapeError
+from moe_ref.core.errors import DeviceError, ShapeError
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.errors import DTypeError, ShapeError
+from moe_ref.core.errors import DTypeError, ShapeError
 
 from moe_ref.kernels._triton_utils import check_device, is_interpreter
 from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, check_peers

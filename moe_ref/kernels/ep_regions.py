@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ref.errors import ShapeError
+from moe_ref.core.errors import ShapeError
 
 __all__ = ["EPRegions", "PeerBuffers", "region_names", "zero_signal_regions", "check_peers", "default_pool_rows",
            "masked_segment_rows", "POOL_FORMATS", "STATUS_OK", "STATUS_PEER_TIMEOUT", "STATUS_POOL_OVERFLOW"]

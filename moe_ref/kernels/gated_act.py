@@ -11,7 +11,7 @@ A row is valid when the pool holds a received row there:
 Other rows are neither read nor written (the next grouped GEMM skips them, combine never reads them): a masked
 pool at decode is mostly such rows, and torch's elementwise ops would cost more than the GEMMs over them.
 
-Activations (``moe_ref.activations.gated_activation``): silu(g) * u; situ: b * tanh(g / b) * sigmoid(g) times
+Activations (``moe_ref.core.activations.gated_activation``): silu(g) * u; situ: b * tanh(g / b) * sigmoid(g) times
 lb * tanh(u / lb) (u when lb = 0). FP8 scales follow ``kernels.fp8.quantize_fp8_per_128``:
 max(amax, 1e-4) / 448 with IEEE division, values rounded to nearest even.
 
@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.activations import gated_activation
-from moe_ref.errors import ShapeError
+from moe_ref.core.activations import gated_activation
+from moe_ref.core.errors import ShapeError
 from moe_ref.kernels._triton_utils import FP8_DTYPE, check_device, div_rn, fp8_scale, num_fp8_groups, tanh, to_e4m3
 
 __all__ = ["gated_activation_rows", "gated_activation_rows_ref", "valid_rows_P"]
@@ -116,7 +116,7 @@ def gated_activation_rows(gate_up_P2F: torch.Tensor, *, group_P: torch.Tensor | 
         gate_up_P2F: ``[P, 2F]`` bf16/fp16/fp32, last dim contiguous: GEMM1's output, gate columns then up columns.
         group_P: ``[P]`` int32/int64, the expert of each row, -1 = no row (contiguous pool).
         num_rows_e, masked_rows: ``[e]`` int rows per expert and M > 0 (masked pool; P = e * M).
-        activation, situ_beta, situ_linear_beta: as ``moe_ref.activations.gated_activation``.
+        activation, situ_beta, situ_linear_beta: as ``moe_ref.core.activations.gated_activation``.
         quant: return fp8 e4m3 + per-128 scales (the next GEMM's FP8 input), else ``out_dtype`` rows.
 
     Returns:

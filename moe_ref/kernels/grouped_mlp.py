@@ -39,7 +39,7 @@ scales; each BLOCK_K (<= 128, dividing 128) k-step multiplies the fp32 partial p
 `x_scale[row, k // 128] * w_scale[col // 128, k // 128]` before accumulating. When BLOCK_N divides 128 the
 tile's columns share one weight scale, folded into the row scales first: one FMA per element.
 
-W4A16 (weight-only 4-bit, picked by the weights' dtype; formats in `moe_ref.quant`): int32 weights are
+W4A16 (weight-only 4-bit, picked by the weights' dtype; formats in `moe_ref.checkpoint.formats`): int32 weights are
 compressed-tensors INT4 (`[e, O, I/8]`, 8 offset-binary nibbles per word, low nibble first) with
 bf16/fp16/fp32 group-32 scales `[e, O, I/32]`; uint8 weights are MXFP4 (`[e, O, I/2]`, E2M1 pairs, low
 nibble first) with E8M0 scale bytes `[e, O, I/32]` (`2**(byte - 125)`). Each k-step (BLOCK_K a multiple
@@ -61,8 +61,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moe_ref import envs
-from moe_ref.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
+from moe_ref.core import envs
+from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
 
 from moe_ref.kernels._triton_utils import (
     FP8_DTYPE,
@@ -77,6 +77,7 @@ from moe_ref.kernels._triton_utils import (
 )
 from moe_ref.kernels import grouped_mlp_tiles as tiles
 from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
+from moe_ref.kernels.w4 import dequantize_int4, dequantize_mxfp4
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -585,7 +586,7 @@ def grouped_mlp(
         gate_up_scale: `[e, ceil(2F/128), ceil(D/128)]` fp32 128x128 block scales of fp8 gate_up.
         down_scale: `[e, ceil(D/128), ceil(F/128)]` fp32 128x128 block scales of fp8 down.
             4-bit weights: group-32 scales `[e, 2F, D/32]` / `[e, D, F/32]`, bf16/fp16/fp32 (INT4) or uint8 E8M0
-            bytes (MXFP4), see `moe_ref.quant`.
+            bytes (MXFP4), see `moe_ref.checkpoint.formats`.
         num_rows_hint: optional, about `sum(num_rows_e)` (known to the host without a sync, e.g. T * K);
             only picks GPU tile sizes (autotune key, bucketed to a power of 2). Default P.
         zero_unused_rows: rows outside every segment come out as 0 (True) or are left unwritten (False: the
@@ -694,7 +695,7 @@ def grouped_mlp_ref(
     """Plain-torch twin of `grouped_mlp` (same arguments and return): a loop over experts in fp32.
 
     Matches the kernel's roundings: h is rounded to x's dtype (non-fp8) or re-quantized to fp8 per row
-    per 128 columns (fp8) before GEMM2 (unused rows always come out as 0); 4-bit weights are dequantized (``moe_ref.quant``) and rounded to x's
+    per 128 columns (fp8) before GEMM2 (unused rows always come out as 0); 4-bit weights are dequantized (``moe_ref.checkpoint.formats``) and rounded to x's
     dtype, as the kernel's tiles are. NOTE: `.tolist()` on the row counts syncs the host.
     """
     fp8, w4 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
@@ -715,12 +716,10 @@ def grouped_mlp_ref(
             gate_up_2FDx = _dequantize_block_128(gate_up_weight_e2FD[i], gate_up_scale[i])
             down_DxF = _dequantize_block_128(down_weight_eDF[i], down_scale[i])
         elif w4:
-            from moe_ref.quant import QuantFormat, dequantize_weight
-
-            fmt = QuantFormat.INT4_GROUP if w4 == 1 else QuantFormat.MXFP4
+            dequantize = dequantize_int4 if w4 == 1 else dequantize_mxfp4
             seg_x_PDx = x_RD[rows].float()
-            gate_up_2FDx = dequantize_weight(gate_up_weight_e2FD[i], gate_up_scale[i], fmt, x_RD.dtype).float()
-            down_DxF = dequantize_weight(down_weight_eDF[i], down_scale[i], fmt, x_RD.dtype).float()
+            gate_up_2FDx = dequantize(gate_up_weight_e2FD[i], gate_up_scale[i], x_RD.dtype).float()
+            down_DxF = dequantize(down_weight_eDF[i], down_scale[i], x_RD.dtype).float()
         else:
             seg_x_PDx = x_RD[rows].float()
             gate_up_2FDx = gate_up_weight_e2FD[i].float()

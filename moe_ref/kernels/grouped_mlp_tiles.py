@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import triton
 
-from moe_ref.errors import InvalidConfigError
+from moe_ref.core.errors import InvalidConfigError
 from moe_ref.kernels._triton_utils import is_interpreter
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, GROUP_M]), grouped by the rows-per-expert regime

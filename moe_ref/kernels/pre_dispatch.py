@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.errors import DTypeError, ShapeError
+from moe_ref.core.errors import DTypeError, ShapeError
 
 from moe_ref.kernels._triton_utils import (
     FP8_DTYPE,

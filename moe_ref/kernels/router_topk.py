@@ -22,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.errors import DTypeError, GroupConfigError, ShapeError, TopKError, UnknownNameError
+from moe_ref.core.errors import DTypeError, GroupConfigError, ShapeError, TopKError, UnknownNameError
 
 from moe_ref.kernels._triton_utils import check_device, div_rn, is_interpreter, launch_options
-from moe_ref.router import select_experts
+from moe_ref.core.router import select_experts
 
 __all__ = ["router_topk", "router_topk_ref"]
 
@@ -212,7 +212,7 @@ def router_topk_ref(
     routed_scaling_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch twin of `router_topk` (same arguments, checks and returns): the package's reference
-    router, ``moe_ref.router.select_experts``."""
+    router, ``moe_ref.core.router.select_experts``."""
     _check_args(logits_TE, num_topk, scoring, bias_E, num_groups, num_topk_groups)
     topk_ids_TK, topk_weights_TK = select_experts(logits_TE, num_topk, scoring, bias_E, num_groups, num_topk_groups,
                                                   renormalize, routed_scaling_factor)

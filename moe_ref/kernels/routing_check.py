@@ -3,7 +3,7 @@
     routing_check(topk_ids_TK, topk_weights_TK, num_experts) -> flag [1] int32: 1 when some token has a NaN/inf
         weight, an id outside [-1, E), or picks one expert twice (-1, the masked slot, may repeat); else 0
 
-The routed step folds the flag into its per-call agreement (``moe_ref.device_checks``): read with the group's
+The routed step folds the flag into its per-call agreement (``moe_ref.ep.device_checks``): read with the group's
 other numbers, it costs no host sync of its own. ``routing_check_ref`` is the torch twin (and the CPU path).
 
 Shape legend: T tokens, K top-k, E experts.

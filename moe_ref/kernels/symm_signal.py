@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.errors import ExpertIdError, MoERefError, PeerTimeoutError
+from moe_ref.core.errors import ExpertIdError, MoERefError, PeerTimeoutError
 
 from moe_ref.kernels._triton_utils import check_device, is_interpreter
 from moe_ref.kernels.ep_regions import (

@@ -26,17 +26,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ep_cases  # noqa: E402
 
-from moe_ref.config import preset  # noqa: E402
-from moe_ref.errors import CapacityExceededError, CapacityMismatchError, ExpertIdError  # noqa: E402
+from moe_ref.core.config import preset  # noqa: E402
+from moe_ref.core.errors import CapacityExceededError, CapacityMismatchError, ExpertIdError  # noqa: E402
 from moe_ref.experts import make_experts  # noqa: E402
 from moe_ref.kernels.ep_regions import masked_segment_rows  # noqa: E402
 from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128  # noqa: E402
 from moe_ref.block import moe_block  # noqa: E402
-from moe_ref.options import EPOptions  # noqa: E402
+from moe_ref.ep.options import EPOptions  # noqa: E402
 from moe_ref.reference import reference_moe, routed_experts_reference  # noqa: E402
-from moe_ref.routed_step import make_modular_step  # noqa: E402
+from moe_ref.ep.routed_step import make_modular_step  # noqa: E402
 from moe_ref.testing import TOLERANCES, calc_diff  # noqa: E402
-from moe_ref.weights import MoEWeights  # noqa: E402
+from moe_ref.core.weights import MoEWeights  # noqa: E402
 
 GROUP_TIMEOUT_S = 60  # a desynchronised collective fails after this instead of hanging
 DEVICE = torch.device("cpu")  # --device cuda: NCCL, CUDA symmetric memory, Triton kernels (one GPU per rank)
@@ -256,7 +256,7 @@ RUNNERS = {"routed": run_routed, "overflow_error": run_overflow_error, "cap_mism
 
 def run_fault(fault: str, rank: int, world: int) -> None:
     """Fail on purpose; the launch must end quickly and leave nothing in MOE_REF_SHM_DIR."""
-    import moe_ref.buffer as buffer_module
+    import moe_ref.ep.buffer as buffer_module
 
     cfg = preset("tiny-kimi-k2")
     if fault == "kill-in-setup" and rank == world - 1:
@@ -299,7 +299,7 @@ def main() -> int:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
                             **({"device_id": DEVICE} if DEVICE.type == "cuda" else {}))
     rank, world = dist.get_rank(), dist.get_world_size()
-    from moe_ref.native import native_status
+    from moe_ref.kernels.native import native_status
 
     print(f"[rank {rank}] CPU EP ops: {native_status()}", flush=True)
     if args.fault != "none":

@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from moe_ref import MegaMoE
-from moe_ref.config import preset
-from moe_ref.errors import MoERefError
+from moe_ref.core.config import preset
+from moe_ref.core.errors import MoERefError
 from moe_ref.reference import reference_moe
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 GROUP_TIMEOUT_S = 120
 PRESET = "tiny-kimi-k2"

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_ref.buffer import sweep_stale_shm_files
+from moe_ref.ep.buffer import sweep_stale_shm_files
 
 REPO = Path(__file__).resolve().parents[2]
 EP_WORKER = Path(__file__).resolve().parent / "ep_worker.py"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from moe_ref import MegaMoE
 from moe_ref.reference import reference_moe
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 PRESET = "tiny-kimi-k2"
 CAP = 8

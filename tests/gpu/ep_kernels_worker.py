@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "interpreter"))
 
 from ep_sim import RankInputs, expected_output, make_inputs, scaled_identity_experts  # noqa: E402
 
-from moe_ref.errors import PeerTimeoutError  # noqa: E402
+from moe_ref.core.errors import PeerTimeoutError  # noqa: E402
 from moe_ref.kernels.ep_chunk import ep_chunk  # noqa: E402
 from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, zero_signal_regions  # noqa: E402
 from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier  # noqa: E402

@@ -29,14 +29,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from moe_ref.layer import MegaMoE  # noqa: E402
 from moe_ref.reference import reference_moe  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
-from moe_ref.weights import MoEWeights  # noqa: E402
+from moe_ref.core.weights import MoEWeights  # noqa: E402
 
 SEED = 11
 
 
 def config():
     """A Kimi-K2-style block, small enough to build fast: sigmoid + bias + groups, 64 experts, top-8, 1 shared."""
-    from moe_ref.config import preset
+    from moe_ref.core.config import preset
 
     return dataclasses.replace(preset("tiny-kimi-k2"), name="graph-kimi-k2", hidden_size=1024, intermediate_size=256,
                                num_experts=64, num_topk=8, num_groups=1, num_topk_groups=1)
@@ -118,7 +118,7 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     cfg = config()
     results = {}
-    from moe_ref.deep_gemm_probe import deep_gemm_status
+    from moe_ref.experts.deep_gemm.probe import deep_gemm_status
 
     for fp8, pool_format, backend in CASES:
         name = f"fp8={fp8} pool={pool_format} experts={backend}"

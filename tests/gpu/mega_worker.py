@@ -1,4 +1,4 @@
-"""2-GPU check of ``moe_ref.mega_deep_gemm.make_mega_step`` (DeepGEMM SM90 mega-MoE + moe_ref's overflow policy).
+"""2-GPU check of ``moe_ref.ep.mega_deep_gemm.make_mega_step`` (DeepGEMM SM90 mega-MoE + moe_ref's overflow policy).
 
     torchrun --standalone --nproc-per-node 2 tests/gpu/mega_worker.py [--json results/mega_worker.json]
 
@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from moe_ref.config import MoEConfig  # noqa: E402
-from moe_ref.errors import CapacityExceededError  # noqa: E402
+from moe_ref.core.config import MoEConfig  # noqa: E402
+from moe_ref.core.errors import CapacityExceededError  # noqa: E402
 from moe_ref.reference import routed_experts_reference  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
 
@@ -151,9 +151,9 @@ def main() -> int:
     group, rank, world = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank)
 
-    from moe_ref.deep_gemm_probe import deep_gemm_status
-    from moe_ref.mega_deep_gemm import make_mega_step
-    from moe_ref.options import EPOptions
+    from moe_ref.experts.deep_gemm.probe import deep_gemm_status
+    from moe_ref.ep.mega_deep_gemm import make_mega_step
+    from moe_ref.ep.options import EPOptions
 
     status = deep_gemm_status()
     print(f"[rank {rank}] deep_gemm_status: {status}", flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ref.config import preset
+from moe_ref.core.config import preset
 from moe_ref.layer import MegaMoE
 
 

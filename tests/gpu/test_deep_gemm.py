@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_ref.activations import dense_mlp
-from moe_ref.deep_gemm_backend import DeepGemmExperts
-from moe_ref.deep_gemm_bench import deep_gemm_grouped_cases
-from moe_ref.deep_gemm_probe import deep_gemm_status
-from moe_ref.errors import ShapeError
+from moe_ref.core.activations import dense_mlp
+from moe_ref.experts.deep_gemm.backend import DeepGemmExperts
+from moe_ref.experts.deep_gemm.bench import deep_gemm_grouped_cases
+from moe_ref.experts.deep_gemm.probe import deep_gemm_status
+from moe_ref.core.errors import ShapeError
 from moe_ref.experts import ExpertLayout, TorchLoopExperts, make_experts
 from moe_ref.testing import CALC_DIFF_TOLERANCES, calc_diff
 

@@ -11,10 +11,10 @@ e4m3: ~2e-3 measured on CPU; tests/gpu/test_deep_gemm.py's limit for the same fp
 import pytest
 import torch
 
-from moe_ref.config import MoEConfig
+from moe_ref.core.config import MoEConfig
 from moe_ref.reference import reference_moe
 from moe_ref.testing import CALC_DIFF_TOLERANCES, calc_diff
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = [
     pytest.mark.cuda,

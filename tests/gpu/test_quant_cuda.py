@@ -26,7 +26,7 @@ CASES = {
 
 
 def _qweights(fmt, num_experts, hidden, inter, seed=0):
-    from moe_ref.quant import QuantizedExpertWeights, QuantSpec, quantize_weight
+    from moe_ref.checkpoint.formats import QuantizedExpertWeights, QuantSpec, quantize_weight
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     stored = []
@@ -41,8 +41,8 @@ def _qweights(fmt, num_experts, hidden, inter, seed=0):
 @pytest.mark.parametrize("fmt_name", ["int4_group", "mxfp4", "fp8_block"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_quantized_experts_vs_dequantized_fp32_reference(case, fmt_name):
-    from moe_ref.experts_quant import make_quantized_experts
-    from moe_ref.quant import QuantFormat
+    from moe_ref.experts.quantized import make_quantized_experts
+    from moe_ref.checkpoint.formats import QuantFormat
 
     counts, hidden, inter, activation = CASES[case]
     fmt = QuantFormat(fmt_name)
@@ -63,7 +63,7 @@ def test_quantized_experts_vs_dequantized_fp32_reference(case, fmt_name):
 def test_w4_kernel_vs_twin_bf16():
     import importlib
 
-    from moe_ref.quant import QuantFormat
+    from moe_ref.checkpoint.formats import QuantFormat
 
     gm = importlib.import_module("moe_ref.kernels.grouped_mlp")
     for fmt in (QuantFormat.INT4_GROUP, QuantFormat.MXFP4):
@@ -77,9 +77,9 @@ def test_w4_kernel_vs_twin_bf16():
 
 
 def test_load_to_cuda_allocates_the_checkpoint_bytes(tmp_path):
-    from moe_ref.config import preset
-    from moe_ref.quant_loading import load_quantized_experts
-    from moe_ref.synthetic import write_synthetic_checkpoint
+    from moe_ref.core.config import preset
+    from moe_ref.checkpoint.quantized import load_quantized_experts
+    from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
 
     cfg = dataclasses.replace(preset("tiny-kimi-k3"), intermediate_size=32)
     written = write_synthetic_checkpoint(tmp_path, cfg, layer_idx=1, quant="mxfp4")

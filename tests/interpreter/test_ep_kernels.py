@@ -9,7 +9,7 @@ be bitwise equal; it also checks the pool and the outputs against an independent
 import pytest
 import torch
 
-from moe_ref.errors import ExpertIdError, PeerTimeoutError
+from moe_ref.core.errors import ExpertIdError, PeerTimeoutError
 from moe_ref.kernels.ep_layout import ep_layout, ep_layout_ref
 from moe_ref.kernels.ep_regions import EPRegions, masked_segment_rows
 from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier, symm_barrier_ref

@@ -16,16 +16,16 @@ import warnings
 import pytest
 import torch
 
-from moe_ref.config import MoEConfig
+from moe_ref.core.config import MoEConfig
 from moe_ref.experts import ExpertLayout, TritonExperts
 from moe_ref.kernels.fp8 import quantize_fp8_per_128
 from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
 from moe_ref.layer import MegaMoE
-from moe_ref.options import EPOptions
+from moe_ref.ep.options import EPOptions
 from moe_ref.reference import reference_moe, routed_experts_reference
-from moe_ref.routed_step import make_modular_step
+from moe_ref.ep.routed_step import make_modular_step
 from moe_ref.testing import CALC_DIFF_TOLERANCES, calc_diff
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.interpreter
 

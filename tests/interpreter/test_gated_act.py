@@ -46,7 +46,7 @@ def test_gated_activation_rows_matches_twin_on_valid_rows(pool, width, activatio
 
 
 def test_bad_arguments_are_shape_errors():
-    from moe_ref.errors import ShapeError
+    from moe_ref.core.errors import ShapeError
 
     gate_up = torch.zeros(8, 6)
     with pytest.raises(ShapeError, match="e \\* M rows"):

@@ -7,10 +7,10 @@ import pytest
 import torch
 import triton
 
-from moe_ref.errors import DTypeError, InvalidConfigError
+from moe_ref.core.errors import DTypeError, InvalidConfigError
 from moe_ref.experts import ExpertLayout, make_experts
-from moe_ref.experts_quant import FP8BlockExperts, W4A16Experts, make_quantized_experts
-from moe_ref.quant import QuantFormat, QuantizedExpertWeights, QuantSpec, dequantize_weight, quantize_weight
+from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
+from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, dequantize_weight, quantize_weight
 from moe_ref.testing import CALC_DIFF_TOLERANCES, calc_diff
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
@@ -130,10 +130,10 @@ def test_layer_loads_a_quantized_checkpoint_into_the_triton_quantized_experts(tm
     stored tensors inside the routed step; compared with the layer's reference on the dequantized weights."""
     import dataclasses
 
-    from moe_ref.config import preset
+    from moe_ref.core.config import preset
     from moe_ref.layer import MegaMoE
     from moe_ref.reference import reference_moe
-    from moe_ref.synthetic import write_synthetic_checkpoint
+    from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
 
     cfg = dataclasses.replace(preset(name), **overrides)
     written = write_synthetic_checkpoint(tmp_path, cfg, layer_idx=0, quant=fmt, seed=6, dtype=torch.float32)

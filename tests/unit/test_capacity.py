@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from moe_ref.buffer import SymmetricBuffer, sweep_stale_shm_files
-from moe_ref.capacity import (
+from moe_ref.ep.buffer import SymmetricBuffer, sweep_stale_shm_files
+from moe_ref.ep.capacity import (
     REGION_ALIGN_BYTES,
     CapacityPlan,
     max_tokens_for_budget,
@@ -20,8 +20,8 @@ from moe_ref.capacity import (
     plan_for_topology,
     plan_report,
 )
-from moe_ref.config import ParallelConfig, preset
-from moe_ref.errors import (
+from moe_ref.core.config import ParallelConfig, preset
+from moe_ref.core.errors import (
     CapacityExceededError,
     DTypeError,
     ExpertIdError,
@@ -30,7 +30,7 @@ from moe_ref.errors import (
     MemoryBudgetError,
     UnknownNameError,
 )
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 

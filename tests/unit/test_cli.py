@@ -1,4 +1,4 @@
-"""``moe-ref`` and ``moe_ref.dist_check`` refuse bad flags, devices, paths and memory with one coded line.
+"""``moe-ref`` and ``moe_ref.tools.dist_check`` refuse bad flags, devices, paths and memory with one coded line.
 
 Every test calls ``main([...])`` in-process and checks the exit status, the code and the numbers; the demo's
 torchrun is replaced by a recorder (``subprocess.call``) so nothing is spawned, except in the one subprocess
@@ -13,10 +13,12 @@ import sys
 import pytest
 import torch
 
-from moe_ref import cli, dist_check
-from moe_ref.config import preset
+from moe_ref.tools import cli
+
+from moe_ref.tools import dist_check
+from moe_ref.core.config import preset
 from moe_ref.testing import count_bytes
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 GiB = 2**30
@@ -145,7 +147,7 @@ def test_demo_memory_estimate_matches_what_dist_check_allocates():
         parts = cli.demo_memory_bytes(cfg, 2, 64, torch.float32)
         assert parts["all experts"] == held(weights), name
         assert parts["this rank's experts"] == held(weights.expert_slice(0, cfg.num_experts // 2)), name
-        from moe_ref.capacity import CapacityPlan
+        from moe_ref.ep.capacity import CapacityPlan
         assert parts["buffer"] == CapacityPlan.build(cfg, 2, 64, torch.float32, alignment=128).total_bytes
 
 
@@ -210,7 +212,7 @@ def test_env_cap_not_positive_is_cfg007_naming_the_variable(capsys, no_spawn, mo
 
 
 def test_the_cli_cap_is_the_layers_cap(monkeypatch):
-    from moe_ref.options import EPOptions
+    from moe_ref.ep.options import EPOptions
 
     monkeypatch.delenv("MOE_REF_NUM_MAX_TOKENS_PER_RANK", raising=False)
     assert cli.resolve_cap(None, default=64) == 64 and cli.resolve_cap(8, default=64) == 8
@@ -236,8 +238,8 @@ def _expert_line(out: str, name: str) -> str:
 
 
 def test_plan_prints_the_experts_bytes_per_rank_in_each_precision(capsys):
-    from moe_ref.capacity import format_bytes
-    from moe_ref.quant import QuantSpec, expert_weight_bytes
+    from moe_ref.ep.capacity import format_bytes
+    from moe_ref.checkpoint.formats import QuantSpec, expert_weight_bytes
 
     status, out, _ = _run(capsys, ["plan", "--preset", "kimi-k2", "--ep", "8"])
     assert status == 0 and "routed experts per rank (48 of 384, Dx=7168, F=2048" in out
@@ -255,7 +257,7 @@ def test_plan_prints_the_experts_bytes_per_rank_in_each_precision(capsys):
 
 @pytest.fixture(scope="module")
 def mxfp4_checkpoint(tmp_path_factory):
-    from moe_ref.synthetic import quantizable_config, write_synthetic_checkpoint
+    from moe_ref.checkpoint.synthetic import quantizable_config, write_synthetic_checkpoint
 
     folder = tmp_path_factory.mktemp("mxfp4")
     cfg = quantizable_config(preset("tiny-kimi-k3"), "mxfp4")
@@ -264,7 +266,7 @@ def mxfp4_checkpoint(tmp_path_factory):
 
 
 def test_plan_and_info_mark_the_checkpoints_precision_with_the_bytes_the_layer_holds(capsys, mxfp4_checkpoint):
-    from moe_ref.capacity import format_bytes
+    from moe_ref.ep.capacity import format_bytes
     from moe_ref.layer import MegaMoE
 
     cfg, folder = mxfp4_checkpoint
@@ -292,8 +294,8 @@ def test_demo_quant_passes_the_format_and_sizes_to_the_ranks(capsys, no_spawn):
 
 
 def _mxfp4_bytes(cfg, num_experts: int) -> int:
-    from moe_ref.quant import QuantSpec, expert_weight_bytes
-    from moe_ref.synthetic import quantizable_config
+    from moe_ref.checkpoint.formats import QuantSpec, expert_weight_bytes
+    from moe_ref.checkpoint.synthetic import quantizable_config
 
     cfg = quantizable_config(cfg, "mxfp4")
     return expert_weight_bytes(QuantSpec.published("mxfp4"), cfg.expert_hidden_size, cfg.intermediate_size, num_experts)
@@ -301,7 +303,7 @@ def _mxfp4_bytes(cfg, num_experts: int) -> int:
 
 def test_dist_check_quant_needs_a_checkpoint_folder(capsys):
     status, _, err = _run(capsys, ["--quant", "mxfp4"], dist_check.main)
-    assert status == 2 and "--quant needs --checkpoint" in _one_coded_line(err, "CFG015", "moe_ref.dist_check")
+    assert status == 2 and "--quant needs --checkpoint" in _one_coded_line(err, "CFG015", "moe_ref.tools.dist_check")
 
 
 def test_dist_check_quant_mxfp4_in_one_process(capsys, one_rank, tmp_path):
@@ -343,17 +345,17 @@ def test_debug_shows_the_traceback(capsys, monkeypatch, how):
     assert status == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("moe-ref: [CFG002] ")
 
 
-# --- moe_ref.dist_check: the same checks, agreed by every rank -----------------------------------------
+# --- moe_ref.tools.dist_check: the same checks, agreed by every rank -----------------------------------------
 def test_dist_check_flags_are_checked_before_any_work(capsys):
     status, _, err = _run(capsys, ["--runs", "0"], dist_check.main)
-    assert status == 2 and "argument --runs: 0" in _one_coded_line(err, "CFG015", "moe_ref.dist_check")
+    assert status == 2 and "argument --runs: 0" in _one_coded_line(err, "CFG015", "moe_ref.tools.dist_check")
 
 
 def test_dist_check_device_cuda_without_cuda_before_the_process_group(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     status, _, err = _run(capsys, ["--device", "cuda"], dist_check.main)
-    assert status == 2 and "sees 0" in _one_coded_line(err, "ENV006", "moe_ref.dist_check")
+    assert status == 2 and "sees 0" in _one_coded_line(err, "ENV006", "moe_ref.tools.dist_check")
     assert not torch.distributed.is_initialized()
 
 
@@ -374,14 +376,14 @@ def test_dist_check_memory_refusal_on_every_rank_before_allocating(capsys, monke
     allocations = []
     monkeypatch.setattr(MoEWeights, "random", staticmethod(lambda *a, **k: allocations.append(a)))
     status, _, err = _run(capsys, ["--preset", "kimi-k2", "--cap", "64"], dist_check.main)
-    line = _one_coded_line(err, "ENV016", "moe_ref.dist_check")
+    line = _one_coded_line(err, "ENV016", "moe_ref.tools.dist_check")
     assert status == 2 and "rank 0: kimi-k2 over 1 process(es)" in line and f"({8 * GiB} bytes)" in line
     assert not allocations
 
 
 def test_dist_check_unwritable_checkpoint_is_env015(capsys, one_rank):
     status, _, err = _run(capsys, ["--checkpoint", "/proc/nope/x"], dist_check.main)
-    assert status == 2 and "'/proc/nope/x'" in _one_coded_line(err, "ENV015", "moe_ref.dist_check")
+    assert status == 2 and "'/proc/nope/x'" in _one_coded_line(err, "ENV015", "moe_ref.tools.dist_check")
 
 
 # --- the console entry point (the one subprocess test) ----------------------------------------------------
@@ -408,7 +410,7 @@ def test_info_says_how_the_grouped_mlp_loads_its_tiles(capsys, monkeypatch):
 
 
 def test_info_says_which_cpu_ep_path_runs(capsys, monkeypatch):
-    from moe_ref import native
+    from moe_ref.kernels import native
 
     status, out, _ = _run(capsys, ["info"])
     assert status == 0 and f"CPU EP data path: {native.native_status()}" in out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_ref.config import preset
+from moe_ref.core.config import preset
 from moe_ref.layer import MegaMoE
 
 

@@ -3,12 +3,12 @@ from pathlib import Path
 
 import pytest
 
-from moe_ref.config import PRESETS, MoEConfig, ParallelConfig, hf_config_dict, preset
-from moe_ref.errors import (ExpertsNotDivisibleError, GroupConfigError, InvalidConfigError, TopKError,
+from moe_ref.core.config import PRESETS, MoEConfig, ParallelConfig, hf_config_dict, preset
+from moe_ref.core.errors import (ExpertsNotDivisibleError, GroupConfigError, InvalidConfigError, TopKError,
                             TPExceedsExpertsError, UnknownNameError)
 
 pytestmark = pytest.mark.unit
-MODELS = Path(__file__).resolve().parents[2] / "moe_ref" / "presets"
+MODELS = Path(__file__).resolve().parents[2] / "moe_ref" / "core" / "presets"
 
 
 def test_kimi_k2_fields_from_real_config():

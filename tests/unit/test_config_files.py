@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from moe_ref.config import MoEConfig, preset
-from moe_ref.errors import ConfigFieldError, ConfigFileError, InvalidConfigError
+from moe_ref.core.config import MoEConfig, preset
+from moe_ref.core.errors import ConfigFieldError, ConfigFileError, InvalidConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -12,19 +12,25 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moe_ref import deep_gemm_backend, deep_gemm_probe, mega_deep_gemm, overflow
-from moe_ref.capacity import CapacityPlan
-from moe_ref.config import MoEConfig, preset
-from moe_ref.deep_gemm_backend import DeepGemmExperts, grouped_layout_from_expert_layout
-from moe_ref.deep_gemm_bench import deep_gemm_grouped_cases
-from moe_ref.deep_gemm_probe import DeepGemmStatus, deep_gemm_status
-from moe_ref.errors import (BackendUnavailableError, CapacityExceededError, ExpertIdError, ShapeError,
+from moe_ref.experts.deep_gemm import backend as deep_gemm_backend
+
+from moe_ref.experts.deep_gemm import probe as deep_gemm_probe
+
+from moe_ref.ep import mega_deep_gemm
+
+from moe_ref.ep import overflow
+from moe_ref.ep.capacity import CapacityPlan
+from moe_ref.core.config import MoEConfig, preset
+from moe_ref.experts.deep_gemm.backend import DeepGemmExperts, grouped_layout_from_expert_layout
+from moe_ref.experts.deep_gemm.bench import deep_gemm_grouped_cases
+from moe_ref.experts.deep_gemm.probe import DeepGemmStatus, deep_gemm_status
+from moe_ref.core.errors import (BackendUnavailableError, CapacityExceededError, ExpertIdError, ShapeError,
                             ShapeUnsupportedError)
-from moe_ref.activations import dense_mlp
+from moe_ref.core.activations import dense_mlp
 from moe_ref.experts import Experts, ExpertLayout, TorchLoopExperts, make_experts
-from moe_ref.mega_deep_gemm import DeepGemmMegaMoE, supports
-from moe_ref.overflow import OverflowPolicy
-from moe_ref.routed_step import MonolithicRoutedStep
+from moe_ref.ep.mega_deep_gemm import DeepGemmMegaMoE, supports
+from moe_ref.ep.overflow import OverflowPolicy
+from moe_ref.ep.routed_step import MonolithicRoutedStep
 from moe_ref.testing import calc_diff
 
 pytestmark = pytest.mark.unit
@@ -451,7 +457,7 @@ def test_mega_error_policy_raises_cap001_before_any_launch():
     assert mega.engine._deep_gemm.launches == []
 
 
-@pytest.mark.filterwarnings("ignore::moe_ref.overflow.ChunkingWarning")
+@pytest.mark.filterwarnings("ignore::moe_ref.ep.overflow.ChunkingWarning")
 def test_mega_chunk_policy_launches_every_chunk_and_concatenates():
     mega = _stub_mega(8, "chunk")
     x, ids, weights = _tokens(17)
@@ -461,7 +467,7 @@ def test_mega_chunk_policy_launches_every_chunk_and_concatenates():
     assert y.shape == (17, 256) and calc_diff(y, x) < 1e-3
 
 
-@pytest.mark.filterwarnings("ignore::moe_ref.overflow.ChunkingWarning")
+@pytest.mark.filterwarnings("ignore::moe_ref.ep.overflow.ChunkingWarning")
 def test_mega_rank_with_fewer_rows_still_launches_every_chunk_with_masked_dummies(monkeypatch):
     _peer_reports(monkeypatch, 17)  # a peer has 17 rows
     mega = _stub_mega(8, "chunk")

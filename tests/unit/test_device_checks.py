@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ref.config import preset
-from moe_ref.device_checks import MAX_CHECKS, DeviceChecks
-from moe_ref.errors import ExpertIdError, NonFiniteError, PeerTimeoutError, ShapeError
+from moe_ref.core.config import preset
+from moe_ref.ep.device_checks import MAX_CHECKS, DeviceChecks
+from moe_ref.core.errors import ExpertIdError, NonFiniteError, PeerTimeoutError, ShapeError
 from moe_ref.experts import make_experts
 from moe_ref.kernels.ep_regions import STATUS_PEER_TIMEOUT
 from moe_ref.layer import MegaMoE
-from moe_ref.options import EPOptions
-from moe_ref.routed_step import make_modular_step
-from moe_ref.weights import MoEWeights
+from moe_ref.ep.options import EPOptions
+from moe_ref.ep.routed_step import make_modular_step
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 

@@ -2,8 +2,8 @@ import inspect
 
 import pytest
 
-from moe_ref import errors
-from moe_ref.cli import main
+from moe_ref.core import errors
+from moe_ref.tools.cli import main
 
 pytestmark = pytest.mark.unit
 

@@ -4,19 +4,19 @@ alignment each backend asks for. The kernels themselves run in tests/interpreter
 import pytest
 import torch
 
-from moe_ref.config import preset
-from moe_ref.errors import DTypeError, InvalidConfigError
+from moe_ref.core.config import preset
+from moe_ref.core.errors import DTypeError, InvalidConfigError
 from moe_ref.experts import (ExpertLayout, Experts, GroupedMMExperts, TorchLoopExperts, TritonExperts, experts_class,
                              make_experts)
 from moe_ref.kernels.fp8 import (dequantize_fp8_per_128, dequantize_fp8_per_block_128, quantize_fp8_per_128,
                                  quantize_fp8_per_block_128)
 from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
 from moe_ref.layer import MegaMoE
-from moe_ref.options import EPOptions
+from moe_ref.ep.options import EPOptions
 from moe_ref.reference import routed_experts_reference
-from moe_ref.routed_step import make_modular_step
+from moe_ref.ep.routed_step import make_modular_step
 from moe_ref.testing import assert_close
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 

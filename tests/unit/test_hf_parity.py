@@ -4,7 +4,7 @@ Checked: (a) the router (ids as sets per token, weights matched by id), (b) the 
 ``reference_moe``, (c) the same after writing the HF module's state dict to safetensors in the transformers
 5.x fused form and in the Hub's per-expert naming and reading it back with ``load_moe_weights`` (whole and
 as two EP ranks' expert ranges), (d) transformers' own ``from_pretrained`` reading checkpoints written by
-``moe_ref.synthetic`` (so our names, orientation and config.json are what transformers expects), (e) the
+``moe_ref.checkpoint.synthetic`` (so our names, orientation and config.json are what transformers expects), (e) the
 one-process ``MegaMoE`` loaded with ``load_hf_weights`` from the HF module's checkpoint.
 """
 from __future__ import annotations
@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moe_ref.config import MoEConfig, preset
+from moe_ref.core.config import MoEConfig, preset
 from moe_ref.layer import MegaMoE
-from moe_ref.loading import load_moe_weights
+from moe_ref.checkpoint.loading import load_moe_weights
 from moe_ref.reference import reference_moe
 from moe_ref.block import route
-from moe_ref.synthetic import write_synthetic_checkpoint
+from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
 from moe_ref.testing import assert_close
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 # transformers is a test dependency: imported plainly so that a missing install fails instead of skipping
 from transformers import DeepseekV3Config
@@ -197,7 +197,7 @@ def test_hf_state_dict_through_safetensors_matches_hf(tmp_path, layout, n_group,
     assert_block_like_hf(moe, joined, cfg, x_TD, ranks=2, **case)
 
 
-# --- (d) transformers reads what moe_ref.synthetic writes ------------------------------------------------------
+# --- (d) transformers reads what moe_ref.checkpoint.synthetic writes ------------------------------------------------------
 
 TINY_ATTENTION = dict(num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,
                       qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=64, intermediate_size=64)

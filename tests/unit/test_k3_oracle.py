@@ -25,10 +25,10 @@ import pytest
 import torch
 
 from moe_ref import MegaMoE
-from moe_ref.config import preset
+from moe_ref.core.config import preset
 from moe_ref.reference import reference_moe
 from moe_ref.testing import CALC_DIFF_TOLERANCES, calc_diff
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 

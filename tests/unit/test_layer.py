@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from moe_ref.config import preset
-from moe_ref.errors import (DTypeError, GradientNotSupportedError, InvalidConfigError, ShapeError,
+from moe_ref.core.config import preset
+from moe_ref.core.errors import (DTypeError, GradientNotSupportedError, InvalidConfigError, ShapeError,
                             TensorShapeMismatchError, UnknownNameError, WeightsNotLoadedError)
 from moe_ref.layer import MegaMoE
 from moe_ref.reference import reference_moe
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_close, calc_diff
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 PRESETS = ["tiny-kimi-k2", "tiny-kimi-k3", "tiny-deepseek-v3", "tiny-step3"]
@@ -32,7 +32,7 @@ def test_layer_matches_reference(name, dtype):
 
 
 def test_chunked_equals_big_cap_bitwise_and_counts_rows(monkeypatch):
-    from moe_ref import overflow
+    from moe_ref.ep import overflow
 
     monkeypatch.setattr(overflow, "_ANNOUNCED", set())  # chunking is announced once per process
     cfg = preset("tiny-kimi-k2")
@@ -48,7 +48,7 @@ def test_chunked_equals_big_cap_bitwise_and_counts_rows(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
 def test_masked_pool_equals_contiguous_pool(backend, monkeypatch):
-    from moe_ref import overflow
+    from moe_ref.ep import overflow
 
     monkeypatch.setattr(overflow, "_ANNOUNCED", set())
     cfg = preset("tiny-kimi-k2")
@@ -108,7 +108,7 @@ def test_input_errors_are_coded():
 
 
 def test_built_from_hf_config_dict_and_preset_name():
-    from moe_ref.config import hf_config_dict
+    from moe_ref.core.config import hf_config_dict
 
     cfg = preset("tiny-kimi-k3")
     assert MegaMoE(hf_config_dict(cfg)).cfg.latent_dim == cfg.latent_dim

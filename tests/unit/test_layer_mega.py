@@ -6,13 +6,13 @@ same interface checks that the layer hands it the routed step and uses its outpu
 import pytest
 import torch
 
-from moe_ref import mega_deep_gemm
-from moe_ref.config import preset
-from moe_ref.errors import ShapeUnsupportedError, UnknownNameError
+from moe_ref.ep import mega_deep_gemm
+from moe_ref.core.config import preset
+from moe_ref.core.errors import ShapeUnsupportedError, UnknownNameError
 from moe_ref.layer import MegaMoE
 from moe_ref.reference import reference_moe, routed_experts_reference
 from moe_ref.testing import assert_close
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 

@@ -9,22 +9,22 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import moe_ref.loading as loading
-from moe_ref.config import MoEConfig, preset
-from moe_ref.errors import (
+import moe_ref.checkpoint.loading as loading
+from moe_ref.core.config import MoEConfig, preset
+from moe_ref.core.errors import (
     CheckpointError,
     InvalidConfigError,
     MissingTensorError,
     TensorShapeMismatchError,
     explain,
 )
-from moe_ref.loading import (
+from moe_ref.checkpoint.loading import (
     CheckpointNotFoundError,
     UnsupportedCheckpointError,
     load_moe_weights,
 )
-from moe_ref.synthetic import write_synthetic_checkpoint
-from moe_ref.weights import MoEWeights
+from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The compiled CPU EP ops (csrc/ -> torch.ops.moe_ref.*_cpu, through moe_ref.native) vs their torch twins.
+"""The compiled CPU EP ops (csrc/ -> torch.ops.moe_ref.*_cpu, through moe_ref.kernels.native) vs their torch twins.
 
 R fake ranks in one process (tests/interpreter/ep_sim.py: separate buffers, real base pointers). Each case runs
 the chunk phase by phase on two copies of the same random buffer bytes, the twins on one and the compiled ops
@@ -27,8 +27,8 @@ sys.path.insert(0, str(HERE.parent / "dist"))
 import ep_sim  # noqa: E402
 from ep_sim import RankInputs, clone_world, expected_output, scaled_identity_experts  # noqa: E402
 
-from moe_ref import native  # noqa: E402
-from moe_ref.errors import ExpertIdError, PeerTimeoutError  # noqa: E402
+from moe_ref.kernels import native
+from moe_ref.core.errors import ExpertIdError, PeerTimeoutError  # noqa: E402
 from moe_ref.kernels.ep_combine import ep_combine_push_ref, ep_combine_reduce_ref  # noqa: E402
 from moe_ref.kernels.ep_dispatch import ep_dispatch_ref  # noqa: E402
 from moe_ref.kernels.ep_layout import ep_layout_ref, ep_pre_dispatch_ref  # noqa: E402
@@ -261,7 +261,7 @@ def test_fp8_quantization_extremes_bitwise():
 
 @compiled_only
 def test_same_errors_as_twins():
-    from moe_ref.errors import DTypeError, ShapeError
+    from moe_ref.core.errors import DTypeError, ShapeError
 
     regions = EPRegions.build(2, 2, 2, 4, 8, activation_dtype=torch.bfloat16)
     world = make_world(regions)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_ref.errors import DeviceUnavailableError, DTypeError, InvalidConfigError, UnknownNameError
+from moe_ref.core.errors import DeviceUnavailableError, DTypeError, InvalidConfigError, UnknownNameError
 from moe_ref.experts import TorchLoopExperts
-from moe_ref.options import DEFAULT_NUM_MAX_TOKENS_PER_RANK, MAX_NUM_MAX_TOKENS_PER_RANK, EPOptions
+from moe_ref.ep.options import DEFAULT_NUM_MAX_TOKENS_PER_RANK, MAX_NUM_MAX_TOKENS_PER_RANK, EPOptions
 
 pytestmark = pytest.mark.unit
 
@@ -105,17 +105,18 @@ class NarrowExperts(TorchLoopExperts):
 
 
 def test_pool_format_from_env_and_a_backend_that_refuses_it(monkeypatch):
-    from moe_ref import experts
-    from moe_ref.config import preset
-    from moe_ref.routed_step import make_modular_step
-    from moe_ref.weights import MoEWeights
+    from moe_ref.experts import register_experts, registry
+    from moe_ref.core.config import preset
+    from moe_ref.ep.routed_step import make_modular_step
+    from moe_ref.core.weights import MoEWeights
 
     monkeypatch.setenv("MOE_REF_POOL_FORMAT", "masked")
     options = EPOptions.resolve()
     assert options.pool_format == "masked" and options.source["pool_format"] == "MOE_REF_POOL_FORMAT"
     assert options.fingerprint()["pool_format"] == "masked"
 
-    monkeypatch.setitem(experts._REGISTRY, "narrow", f"{__name__}:NarrowExperts")
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # the registration ends with the test
+    register_experts("narrow", NarrowExperts)  # the public extension point, as a user's backend calls it
     with pytest.raises(InvalidConfigError, match="pool_format='masked' .from MOE_REF_POOL_FORMAT.: the narrow "
                                                  "experts run contiguous pools only"):
         EPOptions.resolve(experts_backend="narrow")

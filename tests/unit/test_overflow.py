@@ -6,11 +6,11 @@ import warnings
 import pytest
 import torch
 
-from moe_ref import overflow
-from moe_ref.capacity import CapacityPlan
-from moe_ref.config import preset
-from moe_ref.errors import CapacityExceededError, NonFiniteError, ShapeError
-from moe_ref.overflow import ChunkingWarning, OverflowPolicy
+from moe_ref.ep import overflow
+from moe_ref.ep.capacity import CapacityPlan
+from moe_ref.core.config import preset
+from moe_ref.core.errors import CapacityExceededError, NonFiniteError, ShapeError
+from moe_ref.ep.overflow import ChunkingWarning, OverflowPolicy
 
 pytestmark = pytest.mark.unit
 

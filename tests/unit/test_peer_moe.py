@@ -12,7 +12,7 @@ import zipfile
 import pytest
 import torch
 
-from moe_ref.errors import BackendUnavailableError
+from moe_ref.core.errors import BackendUnavailableError
 from moe_ref.experts import ExpertLayout
 
 pytestmark = pytest.mark.unit

@@ -1,12 +1,12 @@
-"""moe_ref.quant: the published packing rules (pinned with hand-computed values), round trips, config parsing."""
+"""moe_ref.checkpoint.formats: the published packing rules (pinned with hand-computed values), round trips, config parsing."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_ref.errors import UnsupportedQuantizationError
+from moe_ref.core.errors import UnsupportedQuantizationError
 from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
-from moe_ref.quant import (
+from moe_ref.checkpoint.formats import (
     E8M0_BIAS,
     QuantFormat,
     QuantSpec,
@@ -24,7 +24,7 @@ from moe_ref.quant import (
     unpack_fp4,
     unpack_int4,
 )
-from moe_ref.synthetic import QUANTIZATION_CONFIGS
+from moe_ref.checkpoint.synthetic import QUANTIZATION_CONFIGS
 
 pytestmark = pytest.mark.unit
 

@@ -9,16 +9,16 @@ import logging
 import pytest
 import torch
 
-from moe_ref.config import preset
-from moe_ref.errors import BackendUnavailableError, TensorShapeMismatchError
-from moe_ref.experts_quant import QuantTorchExperts
+from moe_ref.core.config import preset
+from moe_ref.core.errors import BackendUnavailableError, TensorShapeMismatchError
+from moe_ref.experts.quantized import QuantTorchExperts
 from moe_ref.layer import MegaMoE
-from moe_ref.quant import expert_weight_bytes, quant_spec_from_config
-from moe_ref.quant_loading import load_dequantized_weights
+from moe_ref.checkpoint.formats import expert_weight_bytes, quant_spec_from_config
+from moe_ref.checkpoint.quantized import load_dequantized_weights
 from moe_ref.reference import reference_moe
-from moe_ref.synthetic import write_synthetic_checkpoint
+from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_close, calc_diff
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from moe_ref.config import preset
-from moe_ref.errors import (
+from moe_ref.core.config import preset
+from moe_ref.core.errors import (
     CorruptIndexError,
     CorruptSafetensorsError,
     FP8AlignmentError,
@@ -24,11 +24,11 @@ from moe_ref.errors import (
     UnsupportedQuantizationError,
 )
 from moe_ref.experts import ExpertLayout, make_experts
-from moe_ref.experts_quant import QuantTorchExperts, make_quantized_experts
-from moe_ref.loading import load_moe_weights
-from moe_ref.quant import QuantFormat, expert_weight_bytes, quant_spec_from_config
-from moe_ref.quant_loading import load_quantized_experts
-from moe_ref.synthetic import write_synthetic_checkpoint
+from moe_ref.experts.quantized import QuantTorchExperts, make_quantized_experts
+from moe_ref.checkpoint.loading import load_moe_weights
+from moe_ref.checkpoint.formats import QuantFormat, expert_weight_bytes, quant_spec_from_config
+from moe_ref.checkpoint.quantized import load_quantized_experts
+from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
 from moe_ref.testing import calc_diff
 
 pytestmark = pytest.mark.unit
@@ -312,8 +312,8 @@ def test_whole_block_from_a_quantized_checkpoint_on_two_ranks(tmp_path, case):
 
 
 def test_backend_choice_and_names():
-    from moe_ref.errors import UnknownNameError
-    from moe_ref.experts_quant import FP8BlockExperts, W4A16Experts, quantized_experts_class
+    from moe_ref.core.errors import UnknownNameError
+    from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, quantized_experts_class
 
     assert quantized_experts_class("mxfp4") is QuantTorchExperts  # auto on CPU
     assert quantized_experts_class("mxfp4", device="cuda") is W4A16Experts

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from moe_ref.activations import gated_activation
-from moe_ref.config import preset
+from moe_ref.core.activations import gated_activation
+from moe_ref.core.config import preset
 from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.reference import reference_moe, routed_experts_reference
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 

@@ -7,18 +7,18 @@ import warnings
 import pytest
 import torch
 
-from moe_ref.config import preset
+from moe_ref.core.config import preset
 from moe_ref.block import moe_block
-from moe_ref.transport import make_dispatcher
-from moe_ref.errors import (CapacityExceededError, ConservationError, DTypeError, ExpertIdError, NonFiniteError,
+from moe_ref.ep.transport import make_dispatcher
+from moe_ref.core.errors import (CapacityExceededError, ConservationError, DTypeError, ExpertIdError, NonFiniteError,
                             UnknownNameError)
 from moe_ref.experts import make_experts
-from moe_ref.options import EPOptions
-from moe_ref.overflow import ChunkingWarning
+from moe_ref.ep.options import EPOptions
+from moe_ref.ep.overflow import ChunkingWarning
 from moe_ref.reference import reference_moe, routed_experts_reference
-from moe_ref.routed_step import make_modular_step
+from moe_ref.ep.routed_step import make_modular_step
 from moe_ref.testing import assert_bitwise_equal, assert_close
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 

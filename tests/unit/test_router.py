@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from moe_ref.config import preset
-from moe_ref.errors import NonFiniteError, ShapeError
+from moe_ref.core.config import preset
+from moe_ref.core.errors import NonFiniteError, ShapeError
 from moe_ref.block import route
-from moe_ref.router import select_experts
+from moe_ref.core.router import select_experts
 
 pytestmark = pytest.mark.unit
 

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from moe_ref.buffer import live_shared_buffers
-from moe_ref.capacity import plan_report
-from moe_ref.config import ParallelConfig, preset
+from moe_ref.ep.buffer import live_shared_buffers
+from moe_ref.ep.capacity import plan_report
+from moe_ref.core.config import ParallelConfig, preset
 from moe_ref.layer import MegaMoE
 from moe_ref.reference import reference_moe
 from moe_ref.testing import assert_close
-from moe_ref.weights import MoEWeights
+from moe_ref.core.weights import MoEWeights
 
 
 def test_many_layers_share_one_buffer_and_keep_their_own_counters():

@@ -1,0 +1,321 @@
+"""Quantized expert weights as published: the formats, their packing rules and their dequantizing twins.
+
+    config.json quantization_config --quant_spec_from_config--> QuantSpec (format, group size, tensor names)
+    checkpoint tensors (per expert) --moe_ref.checkpoint.quantized--> QuantizedExpertWeights (this rank's experts, as stored)
+      --> W4A16 / FP8 expert kernels (moe_ref.experts.quantized); ``dequantize()`` is the fp32 reference
+
+Formats (each weight is an ``nn.Linear`` weight ``[out, in]``; names relative to the weight's module):
+
+==============  ===============================================================================================
+format          stored tensors                                       and what they mean
+==============  ===============================================================================================
+``fp8_block``   ``weight`` float8_e4m3fn ``[out, in]``,               ``w = q * s`` per 128x128 block (edge blocks
+                ``weight_scale_inv`` fp32 ``[ceil(out/128),          padded); ``quant_method: fp8``,
+                ceil(in/128)]``                                      ``weight_block_size: [128, 128]`` (DeepSeek-V3/R1,
+                                                                     Kimi-K2-Instruct, Step3 FP8)
+``int4_group``  ``weight_packed`` int32 ``[out, in/8]``,              compressed-tensors ``pack-quantized``, int, 4 bits,
+                ``weight_scale`` bf16 ``[out, in/32]``,               symmetric, group 32: element k of a row is nibble
+                ``weight_shape`` int32 ``[2]`` = (out, in)            ``k % 8`` (bits ``4*(k%8)``) of word ``k // 8``,
+                                                                     stored offset-binary ``q + 8``; ``w = q * s``
+                                                                     (Kimi-K2-Thinking, K2.5)
+``mxfp4``       ``weight_packed`` uint8 ``[out, in/2]``,              compressed-tensors ``mxfp4-pack-quantized``, float,
+                ``weight_scale`` uint8 ``[out, in/32]``               4 bits (E2M1), group 32: element 2j is the low
+                                                                     nibble of byte j, 2j+1 the high one (bit 3 = sign,
+                                                                     magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6);
+                                                                     ``w = e2m1 * 2**(byte - 125)`` (Kimi-K3)
+==============  ===============================================================================================
+
+The MXFP4 scale bias (125, not E8M0's usual 127), decided from compressed-tensors' own code
+(vllm-project/compressed-tensors, ``quantization/utils/mxfp4_utils.py`` and
+``compressors/quantized_compressors/fp4_quantized.py``): quantization uses the dense power-of-two scale
+``s = 2**(floor(log2(round_to_power_2(amax))) - 2)`` (``generate_mxfp4_scales`` then
+``maybe_convert_from_mxfp4_exp``), and ``MXFP4PackedCompressor.compress_scale`` stores that ``s`` as
+``127 + floor(log2(s)) - 2``: the stored byte is ``log2(s) + 125``. vLLM's loader agrees (it adds 2 to
+reach standard E8M0 for Marlin, "a bias of 125"). ``tests/unit/test_quant.py`` pins it with a group of 6.0s,
+stored as byte 125, which decodes to 6.0 (a 127 bias would give 1.5).
+
+Shape legend: e local experts, Dx expert input width (hidden, or latent for Kimi-K3), F expert intermediate,
+O output features and I input features of one weight matrix ``[O, I]``; Ob = ceil(O/128), Ib = ceil(I/128)
+FP8 block scales. Packed widths: ``I/8`` int4 words (suffix ``w``), ``I/2`` fp4 byte pairs (suffix ``p``),
+``I/32`` group scales (suffix ``g``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from moe_ref.core.errors import UnsupportedQuantizationError
+from moe_ref.kernels.fp8 import dequantize_fp8_per_block_128
+from moe_ref.kernels.w4 import (  # noqa: F401  (the 4-bit numerics, re-exported with their formats)
+    GROUP_SIZE,
+    INT4_PER_WORD,
+    FP4_PER_BYTE,
+    E8M0_BIAS,
+    E2M1_MAGNITUDES,
+    pack_int4,
+    unpack_int4,
+    quantize_int4,
+    dequantize_int4,
+    pack_fp4,
+    unpack_fp4,
+    e2m1_to_float,
+    float_to_e2m1,
+    quantize_mxfp4,
+    e8m0_to_float,
+    dequantize_mxfp4,
+)
+
+FP8_BLOCK = 128
+
+
+class QuantFormat(str, enum.Enum):
+    FP8_BLOCK = "fp8_block"
+    INT4_GROUP = "int4_group"
+    MXFP4 = "mxfp4"
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a checkpoint stores its quantized linear weights (parsed from ``quantization_config``).
+
+    Attributes:
+        format: one of ``QuantFormat``.
+        group_size: 128 (FP8 128x128 blocks) or 32 (INT4 / MXFP4 groups along ``in``).
+        ignore: the config's ``ignore`` / ``modules_to_not_convert`` list (modules stored unquantized).
+    """
+
+    format: QuantFormat
+    group_size: int
+    ignore: tuple[str, ...] = ()
+
+    @staticmethod
+    def published(fmt: "QuantFormat | str") -> "QuantSpec":
+        """The published scheme of ``fmt``: 128x128 FP8 blocks, or groups of 32 (INT4, MXFP4)."""
+        fmt = QuantFormat(fmt)
+        return QuantSpec(fmt, FP8_BLOCK if fmt == QuantFormat.FP8_BLOCK else GROUP_SIZE)
+
+    @property
+    def weight_suffix(self) -> str:
+        """Suffix of the stored weight: ``weight`` (FP8) or ``weight_packed`` (INT4, MXFP4)."""
+        return "weight" if self.format == QuantFormat.FP8_BLOCK else "weight_packed"
+
+    @property
+    def scale_suffix(self) -> str:
+        return "weight_scale_inv" if self.format == QuantFormat.FP8_BLOCK else "weight_scale"
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return {QuantFormat.FP8_BLOCK: torch.float8_e4m3fn, QuantFormat.INT4_GROUP: torch.int32,
+                QuantFormat.MXFP4: torch.uint8}[self.format]
+
+    @property
+    def scale_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Accepted scale dtypes (compressed-tensors writes INT4 scales in the model dtype)."""
+        return {QuantFormat.FP8_BLOCK: (torch.float32,),
+                QuantFormat.INT4_GROUP: (torch.bfloat16, torch.float16, torch.float32),
+                QuantFormat.MXFP4: (torch.uint8,)}[self.format]
+
+    def stored_shapes(self, out_features: int, in_features: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(weight shape, scale shape)`` as stored for an ``[out, in]`` weight.
+
+        Example: int4_group, [2048, 7168] -> ((2048, 896), (2048, 224)); fp8_block -> ((2048, 7168), (16, 56)).
+        """
+        if self.format == QuantFormat.FP8_BLOCK:
+            return (out_features, in_features), (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+        per_element = INT4_PER_WORD if self.format == QuantFormat.INT4_GROUP else FP4_PER_BYTE
+        return (out_features, in_features // per_element), (out_features, in_features // GROUP_SIZE)
+
+    def weight_bytes(self, out_features: int, in_features: int) -> int:
+        """Bytes of one stored ``[out, in]`` weight plus its scale (``weight_shape`` metadata excluded)."""
+        (w_rows, w_cols), (s_rows, s_cols) = self.stored_shapes(out_features, in_features)
+        scale_size = torch.empty(0, dtype=self.scale_dtypes[0]).element_size()
+        return w_rows * w_cols * torch.empty(0, dtype=self.weight_dtype).element_size() + s_rows * s_cols * scale_size
+
+
+SUPPORTED_FORMATS = ("quant_method 'fp8' with weight_block_size [128, 128]; compressed-tensors 'pack-quantized' "
+                     "(int, 4 bits, symmetric, group 32); compressed-tensors 'mxfp4-pack-quantized' (float, "
+                     "4 bits, group 32)")
+
+
+def quant_spec_from_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> QuantSpec | None:
+    """The expert quantization of a checkpoint, from ``quantization_config`` in its config.json.
+
+    Args:
+        path_or_dict: config.json path, the checkpoint folder holding it, or the parsed dict. The
+            ``quantization_config`` may sit at the top level or in ``text_config`` (multimodal wrappers; that one
+            wins, the routed experts are the text model's). Scheme keys left out take compressed-tensors'
+            defaults (e.g. a weights scheme of only ``num_bits`` and ``group_size`` under an mxfp4 format).
+
+    Returns:
+        ``QuantSpec``, or None when the config has no ``quantization_config`` (plain weights). Raises
+        ``UnsupportedQuantizationError`` (LOAD008) for another method, scheme, bit width or group size, and
+        the CFG010 config-file errors of ``MoEConfig.from_hf_config`` for an unreadable file.
+    """
+    from moe_ref.core.config import read_hf_config_json
+
+    raw = read_hf_config_json(path_or_dict)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), Mapping) else {}
+    # the routed experts live in the text model: its quantization_config wins over a wrapper's
+    qc = text.get("quantization_config") or raw.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping):
+        raise UnsupportedQuantizationError(f"quantization_config is {type(qc).__name__} {qc!r}, not an object; "
+                                           f"supported: {SUPPORTED_FORMATS}")
+    ignore = tuple(str(name) for name in (qc.get("ignore") or qc.get("modules_to_not_convert") or ()))
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block is None or list(block) != [FP8_BLOCK, FP8_BLOCK] or qc.get("fmt", "e4m3") != "e4m3":
+            raise UnsupportedQuantizationError(
+                f"quant_method 'fp8' with weight_block_size={block!r}, fmt={qc.get('fmt')!r}: moe_ref reads "
+                f"e4m3 weights with [128, 128] block scales (weight_scale_inv); supported: {SUPPORTED_FORMATS}")
+        return dataclasses.replace(QuantSpec.published(QuantFormat.FP8_BLOCK), ignore=ignore)
+    if method == "compressed-tensors":
+        return QuantSpec(*_compressed_tensors_format(qc), ignore)
+    raise UnsupportedQuantizationError(f"quantization_config.quant_method={method!r} is not supported; supported: "
+                                       f"{SUPPORTED_FORMATS}", quant_method=method)
+
+
+def _compressed_tensors_format(qc: Mapping[str, Any]) -> tuple[QuantFormat, int]:
+    """(format, group size) of a compressed-tensors config: its one weight scheme must be a supported one."""
+    groups = qc.get("config_groups") or {}
+    schemes = [group for group in groups.values() if isinstance(group, Mapping) and group.get("weights")]
+    if len(schemes) != 1:
+        raise UnsupportedQuantizationError(
+            f"compressed-tensors config_groups hold {len(schemes)} weight schemes ({sorted(groups)}); moe_ref reads "
+            f"checkpoints with exactly one (the routed experts'); supported: {SUPPORTED_FORMATS}")
+    scheme = schemes[0]
+    weights = scheme["weights"]
+    fmt = scheme.get("format") or qc.get("format")
+    settings = {key: weights.get(key) for key in ("num_bits", "type", "symmetric", "strategy", "group_size")}
+    expected = {"pack-quantized": (QuantFormat.INT4_GROUP, dict(num_bits=4, type="int", symmetric=True,
+                                                                strategy="group", group_size=GROUP_SIZE)),
+                "mxfp4-pack-quantized": (QuantFormat.MXFP4, dict(num_bits=4, type="float", strategy="group",
+                                                                 group_size=GROUP_SIZE))}
+    if fmt not in expected:
+        raise UnsupportedQuantizationError(f"compressed-tensors format={fmt!r} is not supported; supported: "
+                                           f"{SUPPORTED_FORMATS}", format=fmt)
+    quant_format, wanted = expected[fmt]
+    required = ("num_bits", "group_size")  # the others may be left to the defaults the format implies
+    wrong = {key: settings[key] for key, value in wanted.items()
+             if settings[key] != value and (settings[key] is not None or key in required)}
+    if wrong:
+        raise UnsupportedQuantizationError(
+            f"compressed-tensors {fmt!r} with weights {wrong} (want {wanted}): moe_ref reads the published "
+            f"scheme only (e.g. group_size 32); supported: {SUPPORTED_FORMATS}", format=fmt, **{"wrong": wrong})
+    return quant_format, GROUP_SIZE
+
+
+# --------------------------------------------------------------------------------------------------
+# one format-agnostic pair: quantize (synthetic checkpoints, tests) and dequantize (references)
+# --------------------------------------------------------------------------------------------------
+def quantize_weight(weight_OI: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., O, I]`` -> (stored weight, stored scale) in ``fmt``, as the published checkpoints hold them."""
+    if fmt == QuantFormat.FP8_BLOCK:
+        from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+
+        return quantize_fp8_per_block_128(weight_OI)
+    return quantize_int4(weight_OI) if fmt == QuantFormat.INT4_GROUP else quantize_mxfp4(weight_OI)
+
+
+def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored weight + scale in ``fmt`` -> the dense ``[..., O, I]`` weight in ``dtype``."""
+    if fmt == QuantFormat.FP8_BLOCK:
+        return dequantize_fp8_per_block_128(qweight, scale, dtype)
+    if fmt == QuantFormat.INT4_GROUP:
+        return dequantize_int4(qweight, scale, dtype)
+    return dequantize_mxfp4(qweight, scale, dtype)
+
+
+@dataclass(frozen=True)
+class QuantizedExpertWeights:
+    """One rank's routed experts, exactly as the checkpoint stores them (no dequantization).
+
+    Gate rows then up rows, as in ``MoEWeights.gate_up_weight_E2FD``. Stored widths ``Dq``/``Fq`` and scale
+    widths ``Ds``/``Fs`` follow the format: fp8_block ``Dq = D`` (float8_e4m3fn), scales fp32 ``[e, 2F/128,
+    ceil(D/128)]`` / ``[e, ceil(D/128), F/128]`` (needs F % 128 == 0, so the gate and up blocks stack);
+    int4_group ``Dq = D/8`` (int32), scales ``[e, 2F, D/32]`` bf16/fp16/fp32; mxfp4 ``Dq = D/2`` (uint8),
+    scales ``[e, 2F, D/32]`` uint8.
+
+    Attributes:
+        spec: the format.
+        gate_up_qweight_e2FDq: ``[e, 2F, Dq]``.
+        gate_up_scale_e2FDs: see above.
+        down_qweight_eDFq: ``[e, D, Fq]``.
+        down_scale_eDFs: see above.
+        hidden_size: D (the latent width for Kimi-K3).
+        intermediate_size: F.
+        first_expert: global id of local expert 0.
+    """
+
+    spec: QuantSpec
+    gate_up_qweight_e2FDq: torch.Tensor
+    gate_up_scale_e2FDs: torch.Tensor
+    down_qweight_eDFq: torch.Tensor
+    down_scale_eDFs: torch.Tensor
+    hidden_size: int
+    intermediate_size: int
+    first_expert: int = 0
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_qweight_e2FDq.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_up_qweight_e2FDq.device
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, self.down_qweight_eDFq, self.down_scale_eDFs)
+
+    def nbytes(self) -> int:
+        """Bytes these tensors occupy: equal to the checkpoint's bytes of these experts' weights and scales."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def to(self, device) -> "QuantizedExpertWeights":
+        moved = [t.to(device) for t in self.tensors()]
+        return dataclasses.replace(self, gate_up_qweight_e2FDq=moved[0], gate_up_scale_e2FDs=moved[1],
+                                   down_qweight_eDFq=moved[2], down_scale_eDFs=moved[3])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense weights: ``gate_up [e, 2F, D]`` and ``down [e, D, F]`` in ``dtype`` (the reference)."""
+        fmt = self.spec.format
+        return (dequantize_weight(self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, fmt, dtype),
+                dequantize_weight(self.down_qweight_eDFq, self.down_scale_eDFs, fmt, dtype))
+
+
+def shape_problem(fmt: QuantFormat | str, hidden_size: int, intermediate_size: int) -> str | None:
+    """Why ``fmt`` cannot store routed experts of width ``hidden_size`` (Dx) and ``intermediate_size`` (F) as
+    moe_ref stacks them; None when it can. Groups of 32 run along both weights' inputs (D and F); FP8 gate and
+    up 128x128 blocks are stacked into one grid, so F % 128 == 0 (D's edge blocks are padded).
+
+    Example: mxfp4, D 32, F 24 -> "D=32 and F=24 must be multiples of 32".
+    """
+    fmt = QuantFormat(fmt)
+    if fmt == QuantFormat.FP8_BLOCK:
+        return None if intermediate_size % FP8_BLOCK == 0 else f"F={intermediate_size} must be a multiple of 128"
+    if hidden_size % GROUP_SIZE or intermediate_size % GROUP_SIZE:
+        return f"D={hidden_size} and F={intermediate_size} must be multiples of {GROUP_SIZE}"
+    return None
+
+
+def expert_weight_bytes(spec: QuantSpec | None, hidden_size: int, intermediate_size: int, num_experts: int,
+                        plain_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Device bytes of ``num_experts`` routed experts (gate, up, down + scales) stored in ``spec``
+    (``plain_dtype`` weights when ``spec`` is None), without reading a checkpoint: what ``moe-ref plan``
+    reports.
+
+    Example: kimi-k2 int4_group, D 7168, F 2048, 192 experts -> 192 * 3 * (2048*896*4 + 2048*224*2) = 4.93e9.
+    """
+    if spec is None:
+        return num_experts * 3 * hidden_size * intermediate_size * torch.empty(0, dtype=plain_dtype).element_size()
+    per_expert = 2 * spec.weight_bytes(intermediate_size, hidden_size) + spec.weight_bytes(hidden_size, intermediate_size)
+    return num_experts * per_expert
+

@@ -1,0 +1,568 @@
+"""Read one MoE layer from a safetensors checkpoint, with each family's real tensor names, into ``MoEWeights``.
+
+    checkpoint (file | folder | sharded folder + index json)
+      --CheckpointReader: name -> file, shapes and dtypes from the headers (no data read)-->
+      --find the layer prefix and the expert layout (auto-detected)-->
+      --read router, bias, shared, latent tensors whole; read ONLY experts [first, first + count)-->
+      MoEWeights (canonical layout, see ``moe_ref.core.weights``)
+
+Shape legend: E experts (all), e experts read (``count``), D hidden, F expert intermediate,
+S shared-MLP intermediate, L latent width (Kimi-K3), Dx = L for a latent MoE, else D.
+
+Names below are relative to ``{prefix}{layer_idx}.``; ``prefix`` is auto-detected among
+``KNOWN_PREFIXES`` (``model.layers.``, ``language_model.layers.``, ``model.language_model.layers.``,
+``language_model.model.layers.``) or given by the caller.
+
+=============  ==========================================================================================
+family         tensors
+=============  ==========================================================================================
+DeepSeek-V3,   router ``mlp.gate.weight [E, D]``, bias ``mlp.gate.e_score_correction_bias [E]``;
+Kimi-K2        layout "hub" (as published): ``mlp.experts.{e}.{gate_proj,up_proj}.weight [F, D]``,
+(and custom)   ``mlp.experts.{e}.down_proj.weight [D, F]``;
+               layout "fused" (transformers 5.x ``DeepseekV3Experts``, how it saves):
+               ``mlp.experts.gate_up_proj [E, 2F, D]`` (gate rows, then up rows), ``mlp.experts.down_proj
+               [E, D, F]``; shared ``mlp.shared_experts.{gate_proj,up_proj}.weight [S, D]``,
+               ``mlp.shared_experts.down_proj.weight [D, S]``.
+Kimi-K3        module ``block_sparse_moe.``: router ``gate.weight [E, D]``, ``gate.e_score_correction_bias
+               [E]``; experts ``experts.{e}.w1.weight`` (gate) and ``w3`` (up) ``[F, L]``, ``w2`` (down)
+               ``[L, F]``; shared ``shared_experts.{gate,up,down}_proj.weight``; latent
+               ``routed_expert_down_proj.weight [L, D]``, ``routed_expert_up_proj.weight [D, L]``,
+               ``routed_expert_norm.weight [L]``. The latent tensors sit under ``block_sparse_moe.``:
+               SGLang's ``KimiK3MoE`` owns them and its loader only renames ``block_sparse_moe`` to
+               ``mlp``. Real K3 checkpoints store the routed experts as MXFP4 ``weight_packed`` + scales:
+               this loader refuses them (LOAD003); ``moe_ref.checkpoint.quantized.load_quantized_experts`` reads them.
+Step3          router ``moe.gate.weight [E, D]`` (no bias); stacked experts ``moe.{gate_proj,up_proj}.weight
+               [E, F, D]``, ``moe.down_proj.weight [E, D, F]``; shared ``share_expert.{gate,up,down}_proj.weight``.
+=============  ==========================================================================================
+
+Quantized tensors (FP8/INT/packed dtypes, or ``*_scale_inv`` / ``weight_packed`` siblings) are refused with
+LOAD003 rather than read as if they were plain weights; ``moe_ref.checkpoint.quantized.load_quantized_experts`` reads
+the routed experts of the published FP8-block, INT4 and MXFP4 checkpoints as stored (this loader still reads
+their bf16 router, shared and latent tensors).
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import sys
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from moe_ref.core.config import MoEConfig
+from moe_ref.core.errors import (
+    CheckpointNotFoundError,
+    CorruptIndexError,
+    CorruptSafetensorsError,
+    DTypeError,
+    InvalidConfigError,
+    MissingShardError,
+    MissingTensorError,
+    TensorShapeMismatchError,
+    UnsafeShardPathError,
+    UnsupportedCheckpointError,
+)
+from moe_ref.core.weights import MoEWeights
+
+KNOWN_PREFIXES = ("model.layers.", "language_model.layers.", "model.language_model.layers.",
+                  "language_model.model.layers.")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# safetensors dtype strings that hold plain (unquantized) weights
+_PLAIN_DTYPES = ("F64", "F32", "F16", "BF16")
+_QUANT_SUFFIXES = ("_scale_inv", "_scale", "_packed", "_shape", "_zero_point", "_global_scale")
+
+
+# --- names -----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerNames:
+    """Checkpoint names of one MoE layer in one layout.
+
+    ``expert_form``: ``"per_expert"`` (``gate``/``up``/``down`` hold ``{expert}``: one 2-D tensor each),
+    ``"stacked"`` (``gate [E, F, Dx]``, ``up [E, F, Dx]``, ``down [E, Dx, F]``; Step3) or
+    ``"stacked_gate_up"`` (``gate_up [E, 2F, Dx]``, ``down [E, Dx, F]``; transformers 5.x).
+    Optional tensors are None when the family has no such tensor.
+    """
+
+    layout: str
+    expert_form: str
+    router: str
+    bias: str | None
+    gate: str | None
+    up: str | None
+    down: str
+    gate_up: str | None
+    shared_gate: str
+    shared_up: str
+    shared_down: str
+    latent_down: str | None = None
+    latent_up: str | None = None
+    latent_norm: str | None = None
+
+
+FAMILY_LAYOUTS = {"deepseek_v3": ("hub", "fused"), "kimi_k2": ("hub", "fused"), "custom": ("hub", "fused"),
+                  "kimi_k3": ("hub",), "step3": ("hub",)}
+
+
+def layer_names(family: str, layout: str, layer_prefix: str) -> LayerNames:
+    """The names of one MoE layer's tensors for ``family`` in ``layout``.
+
+    Args:
+        family: ``MoEConfig.family`` (``deepseek_v3``, ``kimi_k2``, ``kimi_k3``, ``step3``, ``custom``).
+        layout: ``"hub"`` (as published on the Hugging Face Hub) or ``"fused"`` (transformers 5.x fused
+            experts; DeepSeek-V3/Kimi-K2 only).
+        layer_prefix: e.g. ``"model.layers.3."``.
+
+    Returns:
+        ``LayerNames``; raises ``UnsupportedCheckpointError`` for a layout the family does not have.
+    """
+    layouts = FAMILY_LAYOUTS.get(family, FAMILY_LAYOUTS["custom"])
+    if layout not in layouts:
+        raise UnsupportedCheckpointError(
+            f"layout={layout!r} does not exist for family {family!r}; its layouts: {', '.join(layouts)}",
+            layout=layout, family=family)
+    if family == "step3":
+        m, shared = f"{layer_prefix}moe.", f"{layer_prefix}share_expert."
+        return LayerNames("hub", "stacked", router=f"{m}gate.weight", bias=None, gate=f"{m}gate_proj.weight",
+                          up=f"{m}up_proj.weight", down=f"{m}down_proj.weight", gate_up=None,
+                          shared_gate=f"{shared}gate_proj.weight", shared_up=f"{shared}up_proj.weight",
+                          shared_down=f"{shared}down_proj.weight")
+    if family == "kimi_k3":
+        m = f"{layer_prefix}block_sparse_moe."
+        return LayerNames("hub", "per_expert", router=f"{m}gate.weight", bias=f"{m}gate.e_score_correction_bias",
+                          gate=f"{m}experts.{{expert}}.w1.weight", up=f"{m}experts.{{expert}}.w3.weight",
+                          down=f"{m}experts.{{expert}}.w2.weight", gate_up=None,
+                          shared_gate=f"{m}shared_experts.gate_proj.weight",
+                          shared_up=f"{m}shared_experts.up_proj.weight",
+                          shared_down=f"{m}shared_experts.down_proj.weight",
+                          latent_down=f"{m}routed_expert_down_proj.weight",
+                          latent_up=f"{m}routed_expert_up_proj.weight", latent_norm=f"{m}routed_expert_norm.weight")
+    m = f"{layer_prefix}mlp."
+    common = dict(router=f"{m}gate.weight", bias=f"{m}gate.e_score_correction_bias",
+                  shared_gate=f"{m}shared_experts.gate_proj.weight", shared_up=f"{m}shared_experts.up_proj.weight",
+                  shared_down=f"{m}shared_experts.down_proj.weight")
+    if layout == "fused":
+        return LayerNames("fused", "stacked_gate_up", gate=None, up=None, down=f"{m}experts.down_proj",
+                          gate_up=f"{m}experts.gate_up_proj", **common)
+    return LayerNames("hub", "per_expert", gate=f"{m}experts.{{expert}}.gate_proj.weight",
+                      up=f"{m}experts.{{expert}}.up_proj.weight", down=f"{m}experts.{{expert}}.down_proj.weight",
+                      gate_up=None, **common)
+
+
+# --- the checkpoint --------------------------------------------------------------------------------------
+
+class CheckpointReader:
+    """Lazy access to the tensors of a safetensors checkpoint (one file or shards). Use as a context manager.
+
+    Only headers are read on open; ``read``/``read_rows`` read one tensor (or a row block of it).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.file_of: dict[str, Path] = self._weight_map(self.path)
+        self.files: list[Path] = sorted(set(self.file_of.values()))
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    @staticmethod
+    def _weight_map(path: Path) -> dict[str, Path]:
+        if path.is_file():
+            return {name: path for name in _keys(path)}
+        if not path.is_dir():
+            raise CheckpointNotFoundError(f"checkpoint path {str(path)!r} does not exist", path=str(path))
+        index = path / INDEX_FILE
+        if index.exists():
+            return _index_weight_map(path, index)
+        files = [path / SINGLE_FILE] if (path / SINGLE_FILE).exists() else sorted(path.glob("*.safetensors"))
+        if not files:
+            found = sorted(p.name for p in path.iterdir())[:8]
+            raise CheckpointNotFoundError(
+                f"folder {str(path)!r} holds no *.safetensors file and no {INDEX_FILE} (it holds: {found})",
+                path=str(path))
+        return {name: f for f in files for name in _keys(f)}
+
+    def _handle(self, name: str):
+        file = self.file_of[name]
+        if file not in self._handles:
+            with _corrupt_file_errors(file):
+                self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+        return self._handles[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """safetensors dtype string, e.g. ``"BF16"``, ``"F8_E4M3"``."""
+        return self._handle(name).get_slice(name).get_dtype()
+
+    def read(self, name: str) -> torch.Tensor:
+        handle = self._handle(name)
+        with _corrupt_file_errors(self.file_of[name]):
+            return handle.get_tensor(name)
+
+    def read_rows(self, name: str, first: int, count: int) -> torch.Tensor:
+        """Rows ``[first, first + count)`` of dim 0, reading only those bytes."""
+        handle = self._handle(name)
+        with _corrupt_file_errors(self.file_of[name]):
+            return handle.get_slice(name)[first:first + count]
+
+    def describe_files(self, limit: int = 3) -> str:
+        names = [str(f) for f in self.files[:limit]]
+        more = f" and {len(self.files) - limit} more" if len(self.files) > limit else ""
+        return ", ".join(names) + more
+
+
+def _keys(file: Path) -> list[str]:
+    with _corrupt_file_errors(file), safe_open(str(file), framework="pt", device="cpu") as handle:
+        return list(handle.keys())
+
+
+@contextmanager
+def _corrupt_file_errors(file: Path):
+    """Turn safetensors' header/data errors on ``file`` into ``CorruptSafetensorsError`` (LOAD010) naming it."""
+    try:
+        yield
+    except (SafetensorError, OSError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        size = file.stat().st_size if file.exists() else 0
+        raise CorruptSafetensorsError(
+            f"{str(file)!r} ({size} bytes) is truncated or not a safetensors file ({type(err).__name__}: {err}); "
+            f"download it again", path=str(file)) from None
+
+
+def _index_weight_map(folder: Path, index: Path) -> dict[str, Path]:
+    """``{tensor name: shard path}`` of ``index``, every shard a file inside ``folder``.
+
+    Raises CorruptIndexError (LOAD012), UnsafeShardPathError (LOAD013), MissingShardError (LOAD011).
+    """
+    try:
+        weight_map = json.loads(index.read_bytes()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise CorruptIndexError(f"{str(index)!r} is not a JSON object with a 'weight_map' ({err}); download it "
+                                f"again, or delete it to read every *.safetensors file of the folder",
+                                path=str(index)) from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CorruptIndexError(f"{str(index)!r}: 'weight_map' must map tensor names to shard file names, got "
+                                f"{str(weight_map)[:120]}; download it again", path=str(index))
+    root = folder.resolve()
+    outside = sorted({f for f in weight_map.values() if not (root / f).resolve().is_relative_to(root)})
+    if outside:
+        raise UnsafeShardPathError(f"{str(index)!r} names shard files outside the checkpoint folder {str(root)!r}: "
+                                   f"{outside[:4]}; shards must be file names inside the folder", path=str(index))
+    missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+    if missing:
+        raise MissingShardError(
+            f"{str(index)!r} names shard files that are missing: {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''}; download/copy every shard", path=str(folder))
+    return {name: folder / f for name, f in weight_map.items()}
+
+
+# --- the loader ------------------------------------------------------------------------------------------
+
+def load_moe_weights(
+    path: str | os.PathLike, cfg: MoEConfig, layer_idx: int, *, expert_range: tuple[int, int] | None = None,
+    prefix: str | None = None, dtype: torch.dtype | None = None, device="cpu", experts: bool = True,
+    progress: bool = False,
+) -> MoEWeights:
+    """Read MoE layer ``layer_idx`` of a checkpoint into ``MoEWeights``, reading only the experts asked for.
+
+    Args:
+        path: a ``.safetensors`` file, or a folder with ``model.safetensors``, or sharded files plus
+            ``model.safetensors.index.json`` (its ``weight_map``), or any ``*.safetensors`` files.
+        cfg: the model's config (``MoEConfig.from_hf_config(<checkpoint dir>)``); its ``family`` picks the
+            names and its sizes give the expected shapes.
+        layer_idx: the decoder layer (must be an MoE layer).
+        expert_range: ``(first, count)``: read only experts ``[first, first + count)`` (one EP rank's block);
+            None = all ``cfg.num_experts``. Router, bias, shared and latent tensors are always read whole.
+        prefix: the text before the layer number (e.g. ``"model.language_model.layers."``); None tries
+            ``KNOWN_PREFIXES``.
+        dtype: cast every tensor except the bias to this dtype; None keeps the checkpoint's dtypes.
+        device: where the returned tensors live.
+        experts: False skips the routed experts (quantized checkpoints: ``load_quantized_experts`` reads them as
+            stored); the returned expert tensors are then empty, ``[0, 2F, Dx]`` and ``[0, Dx, F]``.
+        progress: a tqdm progress bar over the experts read, on stderr.
+
+    Returns:
+        ``MoEWeights`` with ``gate_up_weight_E2FD [count, 2F, Dx]``, ``down_weight_EDF [count, Dx, F]``,
+        ``first_expert = first``, ``bias_E`` in float32 (None when ``cfg.use_selection_bias`` is False), and
+        the shared / latent tensors when ``cfg`` has them.
+
+    Raises:
+        MissingTensorError (LOAD001), TensorShapeMismatchError (LOAD002), UnsupportedCheckpointError (LOAD003),
+        CheckpointNotFoundError (LOAD004), InvalidConfigError (CFG007) for a bad ``expert_range``.
+    """
+    if dtype is not None and not dtype.is_floating_point:
+        raise DTypeError(f"dtype={dtype} is not a floating dtype; pass torch.bfloat16, torch.float32, ... or None")
+    first, count = _check_expert_range(expert_range, cfg)
+    with CheckpointReader(path) as ckpt:
+        layer_prefix = f"{prefix if prefix is not None else _detect_prefix(ckpt, cfg, layer_idx)}{layer_idx}."
+        names = _detect_layout(ckpt, cfg, layer_prefix, first)
+        reader = _LayerReader(ckpt, cfg, layer_idx, names, dtype, device)
+        # the router first: when it is missing, the layer is most likely dense, which the error says
+        gate_weight_ED = reader.tensor(names.router, (cfg.num_experts, cfg.hidden_size))
+        bias_E = reader.tensor(names.bias, (cfg.num_experts,), torch.float32) if cfg.use_selection_bias else None
+        if experts:
+            gate_up_E2FD, down_EDF = reader.experts(first, count, progress)
+        else:
+            empty_dtype = dtype or gate_weight_ED.dtype
+            F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
+            gate_up_E2FD = torch.empty(0, 2 * F, Dx, dtype=empty_dtype, device=device)
+            down_EDF = torch.empty(0, Dx, F, dtype=empty_dtype, device=device)
+        shared = reader.shared() if cfg.has_shared_experts else (None, None)
+        return MoEWeights(
+            gate_weight_ED=gate_weight_ED,
+            gate_up_weight_E2FD=gate_up_E2FD,
+            down_weight_EDF=down_EDF,
+            bias_E=bias_E,
+            shared_gate_up_weight_2SD=shared[0],
+            shared_down_weight_DS=shared[1],
+            latent_down_weight_LD=reader.tensor(names.latent_down, (cfg.latent_dim, cfg.hidden_size))
+            if cfg.latent_dim else None,
+            latent_up_weight_DL=reader.tensor(names.latent_up, (cfg.hidden_size, cfg.latent_dim))
+            if cfg.latent_dim else None,
+            latent_norm_weight_L=reader.tensor(names.latent_norm, (cfg.latent_dim,))
+            if cfg.latent_dim and cfg.latent_norm else None,
+            first_expert=first,
+        )
+
+
+def _check_expert_range(expert_range, cfg: MoEConfig) -> tuple[int, int]:
+    if expert_range is None:
+        return 0, cfg.num_experts
+    first, count = (int(v) for v in expert_range)
+    if first < 0 or count <= 0 or first + count > cfg.num_experts:
+        raise InvalidConfigError(
+            f"expert_range=(first={first}, count={count}) is not inside the {cfg.num_experts} experts: need "
+            f"first >= 0, count >= 1 and first + count <= {cfg.num_experts} (EP rank r of R reads "
+            f"(r * E // R, E // R))", field="expert_range")
+    return first, count
+
+
+def _detect_prefix(ckpt: CheckpointReader, cfg: MoEConfig, layer_idx: int) -> str:
+    """The first known prefix under which this layer's router exists; else the first one any key uses."""
+    for candidate in KNOWN_PREFIXES:
+        if layer_names(cfg.family, "hub", f"{candidate}{layer_idx}.").router in ckpt:
+            return candidate
+    for candidate in KNOWN_PREFIXES:
+        if any(name.startswith(candidate) for name in ckpt.names()):
+            return candidate
+    return KNOWN_PREFIXES[0]
+
+
+def _detect_layout(ckpt: CheckpointReader, cfg: MoEConfig, layer_prefix: str, first: int) -> LayerNames:
+    """The family's layout whose expert tensors exist for this layer (``hub`` when none does: its names
+    then appear in the missing-tensor error)."""
+    layouts = FAMILY_LAYOUTS.get(cfg.family, FAMILY_LAYOUTS["custom"])
+    for layout in layouts:
+        names = layer_names(cfg.family, layout, layer_prefix)
+        probe = names.gate_up or names.gate.format(expert=first)
+        if probe in ckpt:
+            return names
+    return layer_names(cfg.family, layouts[0], layer_prefix)
+
+
+class _LayerReader:
+    """Reads and checks the tensors of one layer: presence, plain dtype, shape; then casts and moves."""
+
+    def __init__(self, ckpt: CheckpointReader, cfg: MoEConfig, layer_idx: int, names: LayerNames,
+                 dtype: torch.dtype | None, device):
+        self.ckpt, self.cfg, self.layer_idx, self.names = ckpt, cfg, layer_idx, names
+        self.dtype, self.device = dtype, device
+
+    # --- one tensor ---
+    def tensor(self, name: str, expected: tuple[int, ...], dtype: torch.dtype | None = None,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Check ``name`` exists, is plain floating point and has shape ``expected``; read it (or ``rows``)."""
+        self._check(name, expected)
+        value = self.ckpt.read(name) if rows is None else self.ckpt.read_rows(name, *rows)
+        return value.to(device=self.device, dtype=dtype or self.dtype or value.dtype)
+
+    def _check(self, name: str, expected: tuple[int, ...]) -> None:
+        if name not in self.ckpt:
+            self._raise_missing(name)
+        found_dtype = self.ckpt.dtype(name)
+        if found_dtype not in _PLAIN_DTYPES:
+            raise UnsupportedCheckpointError(
+                f"tensor {name!r} has dtype {found_dtype} (quantized); moe_ref reads fp32/fp16/bf16 weights only. "
+                f"{self._quant_siblings(name)}Read quantized routed experts as stored with "
+                f"moe_ref.checkpoint.quantized.load_quantized_experts, or dequantize the checkpoint to bf16 first",
+                name=name, dtype=found_dtype)
+        found = self.ckpt.shape(name)
+        if found != tuple(expected):
+            raise TensorShapeMismatchError(
+                f"tensor {name!r} (layer {self.layer_idx}) has shape {list(found)}, but the config expects "
+                f"{list(expected)} ({self._shape_legend()}). {_shape_hint(found, tuple(expected))}Use the "
+                f"config.json that came with the checkpoint: MoEConfig.from_hf_config('<checkpoint dir>')",
+                name=name, expected=tuple(expected), found=found)
+
+    def _shape_legend(self) -> str:
+        c = self.cfg
+        parts = [f"E={c.num_experts}", f"D={c.hidden_size}", f"F={c.intermediate_size}"]
+        if c.has_shared_experts:
+            parts.append(f"S={c.shared_intermediate_size}")
+        if c.latent_dim:
+            parts.append(f"L={c.latent_dim}")
+        return f"{c.name}: " + ", ".join(parts)
+
+    def _quant_siblings(self, name: str) -> str:
+        stem = name[:-len(".weight")] if name.endswith(".weight") else name
+        found = [n for n in self.ckpt.names() if n.startswith(stem) and n != name
+                 and any(n.endswith(s) for s in _QUANT_SUFFIXES)]
+        return f"It has quantization tensors beside it ({', '.join(sorted(found)[:3])}). " if found else ""
+
+    def _raise_missing(self, name: str) -> None:
+        stem = name[:-len(".weight")] if name.endswith(".weight") else name
+        packed = [n for n in (f"{stem}.weight_packed", f"{name}_packed") if n in self.ckpt]
+        if packed:
+            raise UnsupportedCheckpointError(
+                f"tensor {name!r} is stored packed/quantized as {packed[0]!r} (e.g. Kimi-K3's MXFP4 "
+                f"compressed-tensors experts); moe_ref reads plain fp32/fp16/bf16 weights only. Dequantize the "
+                f"checkpoint to bf16 first", name=name, found=packed[0])
+        raise MissingTensorError(
+            f"tensor {name!r} (layer {self.layer_idx}, family {self.cfg.family}, layout {self.names.layout}) "
+            f"is not in the checkpoint (searched {len(self.ckpt.files)} file(s): {self.ckpt.describe_files()}). "
+            f"{_missing_hint(self.ckpt, self.cfg, self.layer_idx, name)}",
+            name=name, layer=self.layer_idx, files=[str(f) for f in self.ckpt.files])
+
+    # --- groups of tensors ---
+    def experts(self, first: int, count: int, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gate_up [count, 2F, Dx]`` and ``down [count, Dx, F]`` of experts ``[first, first + count)``."""
+        from tqdm import tqdm
+
+        n, E, F, Dx = self.names, self.cfg.num_experts, self.cfg.intermediate_size, self.cfg.expert_hidden_size
+        rows = (first, count)
+        with tqdm(total=count, desc=f"layer {self.layer_idx} experts", unit="expert", file=sys.stderr,
+                  disable=not progress, leave=False) as bar:
+            if n.expert_form == "stacked_gate_up":
+                gate_up, down = self.tensor(n.gate_up, (E, 2 * F, Dx), rows=rows), self.tensor(n.down, (E, Dx, F), rows=rows)
+                bar.update(count)
+                return gate_up, down
+            if n.expert_form == "stacked":
+                gate, up = self.tensor(n.gate, (E, F, Dx), rows=rows), self.tensor(n.up, (E, F, Dx), rows=rows)
+                down = self.tensor(n.down, (E, Dx, F), rows=rows)
+                bar.update(count)
+                return torch.cat([gate, up], dim=1), down
+            gate_up, down = [], []
+            for e in range(first, first + count):
+                gate_up.append(torch.cat([self.tensor(n.gate.format(expert=e), (F, Dx)),
+                                          self.tensor(n.up.format(expert=e), (F, Dx))]))
+                down.append(self.tensor(n.down.format(expert=e), (Dx, F)))
+                bar.update(1)
+            return torch.stack(gate_up), torch.stack(down)
+
+    def shared(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``shared_gate_up [2S, D]`` (gate rows, then up rows) and ``shared_down [D, S]``."""
+        S, D = self.cfg.shared_intermediate_size, self.cfg.hidden_size
+        gate, up = self.tensor(self.names.shared_gate, (S, D)), self.tensor(self.names.shared_up, (S, D))
+        return torch.cat([gate, up], dim=0), self.tensor(self.names.shared_down, (D, S))
+
+
+# --- error hints -----------------------------------------------------------------------------------------
+
+def _ranges(values) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    values, out, start = sorted(set(values)), [], None
+    for i, v in enumerate(values):
+        start = v if start is None else start
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}-{v}" if v != start else f"{v}")
+            start = None
+    return ", ".join(out)
+
+
+def _missing_hint(ckpt: CheckpointReader, cfg: MoEConfig, layer_idx: int, name: str) -> str:
+    """Why a tensor may be missing: a dense layer, another prefix or layout, or similar names."""
+    hints = []
+    if not cfg.is_moe_layer(layer_idx):
+        hints.append(f"Layer {layer_idx} is a dense layer in this config; its MoE layers are "
+                     f"{_ranges(cfg.moe_layers)}.")
+    match = re.match(r"^(.*?)(\d+)\.(.*)$", name)
+    if match:
+        prefix, _, suffix = match.groups()
+        pattern = re.compile(r"^(.*?)(\d+)\." + re.escape(suffix) + "$")
+        elsewhere = [(m.group(1), int(m.group(2))) for m in map(pattern.match, ckpt.names()) if m]
+        here = sorted(layer for p, layer in elsewhere if p == prefix)
+        if here:
+            hints.append(f"The checkpoint has '{prefix}<L>.{suffix}' for layers {_ranges(here)}.")
+        other_prefixes = sorted({p for p, layer in elsewhere if p != prefix and layer == layer_idx})
+        if other_prefixes:
+            hints.append(f"It exists under another prefix: pass prefix={other_prefixes[0]!r}.")
+        if "experts." in suffix and len(elsewhere) == 0:
+            hints.append("Looked for the layouts " + " and ".join(
+                f"{layout!r} ({_expert_probe(cfg.family, layout, prefix + str(layer_idx) + '.')})"
+                for layout in FAMILY_LAYOUTS.get(cfg.family, FAMILY_LAYOUTS["custom"])) + ".")
+    other_family = _other_family_router(ckpt, cfg.family, layer_idx)
+    if other_family:
+        hints.append(f"The checkpoint has {other_family[1]!r} ({other_family[0]} naming): is the config's family "
+                     f"({cfg.family}) right? Build it with MoEConfig.from_hf_config('<checkpoint dir>').")
+    similar = _similar_names(ckpt, name, layer_idx)
+    if similar:
+        hints.append(f"Similar names in the checkpoint: {', '.join(similar)}.")
+    if not hints:
+        hints.append("Check layer_idx, the config's family, and prefix= (the text before the layer number).")
+    return " ".join(hints)
+
+
+_NAMING_OF = {"DeepSeek-V3/Kimi-K2": "deepseek_v3", "Kimi-K3": "kimi_k3", "Step3": "step3"}
+
+
+def _other_family_router(ckpt: CheckpointReader, family: str, layer_idx: int) -> tuple[str, str] | None:
+    """``(naming, router name)`` of another family's router found for this layer, else None."""
+    own = layer_names(family, "hub", "").router
+    for naming, other in _NAMING_OF.items():
+        router_suffix = layer_names(other, "hub", "").router
+        if router_suffix == own:
+            continue
+        for prefix in KNOWN_PREFIXES:
+            if f"{prefix}{layer_idx}.{router_suffix}" in ckpt:
+                return naming, f"{prefix}{layer_idx}.{router_suffix}"
+    return None
+
+
+def _expert_probe(family: str, layout: str, layer_prefix: str) -> str:
+    names = layer_names(family, layout, layer_prefix)
+    return names.gate_up or names.gate
+
+
+def _similar_names(ckpt: CheckpointReader, name: str, layer_idx: int, limit: int = 3) -> list[str]:
+    """Names of the same layer (any prefix) closest to ``name``, else names with the same last two parts."""
+    same_layer = [n for n in ckpt.names() if _layer_of(n) == layer_idx]
+    close = difflib.get_close_matches(name, same_layer, n=limit, cutoff=0.75)
+    if close:
+        return close
+    tail = ".".join(name.split(".")[-2:])
+    return sorted(n for n in ckpt.names() if n.endswith(tail))[:limit]
+
+
+def _layer_of(name: str) -> int | None:
+    """The first integer component of a dotted name (the layer number in every family's naming)."""
+    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
+    return int(match.group(1)) if match else None
+
+
+def _shape_hint(found: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    if len(found) == len(expected) == 2 and found == expected[::-1]:
+        return "It looks transposed (stored [in, out] instead of nn.Linear's [out, in]). "
+    if len(found) == len(expected) == 3 and found[0] == expected[0] and found[1:] == expected[:0:-1]:
+        return "Its last two dims look swapped. "
+    return ""

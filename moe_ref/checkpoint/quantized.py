@@ -1,0 +1,230 @@
+"""Read one rank's quantized routed experts from a published checkpoint, as stored (no bf16 round trip).
+
+    config.json quantization_config --quant_spec_from_config--> QuantSpec
+    checkpoint (file | folder | shards + index) --CheckpointReader (headers only)-->
+      for each expert in [first, first + count)  (a progress bar on stderr):
+        {gate, up, down} stored weight + scale --check dtype/shape--> copied into this rank's stacked tensors
+      --> QuantizedExpertWeights (device bytes == the checkpoint's bytes of these experts' weights and scales)
+
+Names: the family's hub names (``moe_ref.checkpoint.loading.layer_names``) with the weight's ``.weight`` replaced by the
+format's suffixes: ``mlp.experts.{e}.gate_proj.weight`` + ``.weight_scale_inv`` (FP8 blocks),
+``mlp.experts.{e}.gate_proj.weight_packed`` + ``.weight_scale`` + ``.weight_shape`` (INT4),
+``block_sparse_moe.experts.{e}.w1.weight_packed`` + ``.weight_scale`` (Kimi-K3 MXFP4); Step3's stacked
+``moe.gate_proj.weight [E, F, D]`` + ``.weight_scale_inv [E, F/128, D/128]`` (FP8) are read by rows.
+The router, shared experts and latent projections stay in ``moe_ref.checkpoint.loading.load_moe_weights``'s hands
+(they are bf16 in every published quantized checkpoint).
+
+Shape legend as in ``moe_ref.checkpoint.formats``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from moe_ref.core.config import MoEConfig
+from moe_ref.core.errors import (
+    FP8AlignmentError,
+    MissingScaleError,
+    MissingTensorError,
+    QuantTensorDTypeError,
+    QuantTensorShapeError,
+    UnsupportedQuantizationError,
+)
+from moe_ref.checkpoint.loading import CheckpointReader, LayerNames, _check_expert_range, _detect_prefix, layer_names
+from moe_ref.checkpoint.formats import FP8_BLOCK, QuantFormat, QuantizedExpertWeights, QuantSpec, quant_spec_from_config
+from moe_ref.core.weights import MoEWeights
+
+# safetensors dtype strings of the stored tensors
+_SAFETENSORS_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.uint8: "U8", torch.float32: "F32",
+                       torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def load_quantized_experts(
+    path: str | os.PathLike, cfg: MoEConfig, layer_idx: int, expert_range: tuple[int, int] | None = None,
+    device: torch.device | str = "cpu", *, spec: QuantSpec | None = None, prefix: str | None = None,
+    progress: bool = True,
+) -> QuantizedExpertWeights:
+    """Read routed experts ``[first, first + count)`` of MoE layer ``layer_idx`` as the checkpoint stores them.
+
+    Args:
+        path: a ``.safetensors`` file or a checkpoint folder (see ``moe_ref.checkpoint.loading.CheckpointReader``).
+        cfg: the model's config (its family gives the names, its sizes the shapes; the experts' input width is
+            ``cfg.expert_hidden_size``, the latent width for Kimi-K3).
+        layer_idx: the decoder layer.
+        expert_range: ``(first, count)``, one EP rank's block; None = all experts. Only these experts are read.
+        device: where the returned tensors live (each expert is copied straight into them).
+        spec: the format; None reads ``quantization_config`` from the config.json beside the checkpoint.
+        prefix: the text before the layer number; None tries ``moe_ref.checkpoint.loading.KNOWN_PREFIXES``.
+        progress: show a tqdm progress bar on stderr.
+
+    Returns:
+        ``QuantizedExpertWeights`` on ``device``; ``nbytes()`` equals the checkpoint's bytes of these tensors.
+
+    Raises:
+        UnsupportedQuantizationError (LOAD008): no or an unsupported ``quantization_config``.
+        MissingTensorError (LOAD001), MissingScaleError (LOAD007), QuantTensorDTypeError (LOAD005),
+        QuantTensorShapeError (LOAD006), FP8AlignmentError (CFG005: FP8 blocks with F % 128 != 0), and the
+        checkpoint-file errors of ``CheckpointReader`` (LOAD004, LOAD010-LOAD013).
+    """
+    first, count = _check_expert_range(expert_range, cfg)
+    if spec is None:
+        spec = _spec_beside(Path(path))
+    F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
+    if spec.format == QuantFormat.FP8_BLOCK and F % FP8_BLOCK:
+        raise FP8AlignmentError(f"FP8 block experts need moe_intermediate_size % 128 == 0 (got {F}): the gate and up "
+                                f"128x128 scale blocks are stacked into one [2F/128, D/128] grid")
+    with CheckpointReader(path) as ckpt:
+        layer_prefix = f"{prefix if prefix is not None else _detect_prefix(ckpt, cfg, layer_idx)}{layer_idx}."
+        reader = _QuantReader(ckpt, spec, layer_names(cfg.family, "hub", layer_prefix), layer_idx, cfg.num_experts)
+        out = _allocate(spec, count, F, Dx, device, reader.scale_dtype(first))
+        from tqdm import tqdm
+
+        bar = tqdm(total=count, desc=f"layer {layer_idx} experts", unit="expert", file=sys.stderr,
+                   disable=not progress, leave=False)
+        with bar:
+            for i in range(count):
+                reader.copy_expert(first + i, i, out, F, Dx)
+                bar.update(1)
+    return QuantizedExpertWeights(spec, *out, hidden_size=Dx, intermediate_size=F, first_expert=first)
+
+
+def checkpoint_quant_spec(path: str | os.PathLike) -> QuantSpec | None:
+    """The expert quantization of the checkpoint at ``path`` (a ``.safetensors`` file or its folder), from the
+    ``quantization_config`` of the config.json beside it; None when there is no config.json or it has no
+    ``quantization_config`` (plain weights). LOAD008 for an unsupported one (``quant_spec_from_config``)."""
+    path = Path(path)
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    return quant_spec_from_config(config) if config.is_file() else None
+
+
+def _spec_beside(path: Path) -> QuantSpec:
+    spec = checkpoint_quant_spec(path)
+    if spec is None:
+        config = (path if path.is_dir() else path.parent) / "config.json"
+        raise UnsupportedQuantizationError(f"{str(config)!r} has no quantization_config (or is absent): the "
+                                           f"checkpoint stores plain weights; read them with "
+                                           f"moe_ref.checkpoint.loading.load_moe_weights")
+    return spec
+
+
+def load_dequantized_weights(path: str | os.PathLike, cfg: MoEConfig, layer_idx: int, *,
+                             dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                             prefix: str | None = None) -> MoEWeights:
+    """The whole block of a quantized checkpoint with EVERY expert dequantized (``[E, 2F, Dx]``, ``[E, Dx, F]``
+    in ``dtype``): the reference a quantized layer is compared with (tests, ``moe_ref.tools.dist_check --quant``).
+    Not for serving: it holds the plain experts the quantized path avoids."""
+    from moe_ref.checkpoint.loading import load_moe_weights
+
+    dense = load_moe_weights(path, cfg, layer_idx, prefix=prefix, dtype=dtype, device=device, experts=False)
+    gate_up, down = load_quantized_experts(path, cfg, layer_idx, device=device, prefix=prefix,
+                                           progress=False).dequantize(dtype)
+    return dataclasses.replace(dense, gate_up_weight_E2FD=gate_up, down_weight_EDF=down)
+
+
+def _allocate(spec: QuantSpec, count: int, F: int, Dx: int, device, scale_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Empty ``[gate_up weight, gate_up scale, down weight, down scale]`` for ``count`` experts on ``device``."""
+    (gw, gs), (dw, ds) = spec.stored_shapes(F, Dx), spec.stored_shapes(Dx, F)
+    gate_up_scale_rows = 2 * gs[0]  # FP8: 2 * F/128 block rows (F % 128 == 0); groups: 2F rows
+    return [torch.empty(count, 2 * gw[0], gw[1], dtype=spec.weight_dtype, device=device),
+            torch.empty(count, gate_up_scale_rows, gs[1], dtype=scale_dtype, device=device),
+            torch.empty(count, *dw, dtype=spec.weight_dtype, device=device),
+            torch.empty(count, *ds, dtype=scale_dtype, device=device)]
+
+
+class _QuantReader:
+    """Finds, checks and copies one expert's stored tensors."""
+
+    def __init__(self, ckpt: CheckpointReader, spec: QuantSpec, names: LayerNames, layer_idx: int, num_experts: int):
+        self.ckpt, self.spec, self.names, self.layer_idx = ckpt, spec, names, layer_idx
+        self.num_experts = num_experts
+        self.stacked = names.expert_form == "stacked"
+
+    def _stem(self, template: str, expert: int) -> str:
+        name = template if self.stacked else template.format(expert=expert)
+        return name[:-len(".weight")]
+
+    def scale_dtype(self, expert: int) -> torch.dtype:
+        """The stored scale dtype (INT4 scales may be bf16, fp16 or fp32; checked against the spec)."""
+        stem = self._stem(self.names.gate, expert)
+        name, weight_name = f"{stem}.{self.spec.scale_suffix}", f"{stem}.{self.spec.weight_suffix}"
+        if weight_name not in self.ckpt:
+            self._raise_missing_weight(weight_name, stem)
+        if name not in self.ckpt:
+            self._raise_missing_scale(name, weight_name)
+        found = self.ckpt.dtype(name)
+        for dtype in self.spec.scale_dtypes:
+            if _SAFETENSORS_DTYPES[dtype] == found:
+                return dtype
+        raise self._dtype_error(name, found, self.spec.scale_dtypes)
+
+    def copy_expert(self, expert: int, slot: int, out: list[torch.Tensor], F: int, Dx: int) -> None:
+        """Read expert ``expert``'s gate, up and down (weights + scales) into slot ``slot`` of ``out``."""
+        gate_up_w, gate_up_s, down_w, down_s = out
+        half_w, half_s = gate_up_w.shape[1] // 2, gate_up_s.shape[1] // 2
+        for template, rows_w, rows_s, (out_f, in_f) in (
+                (self.names.gate, slice(0, half_w), slice(0, half_s), (F, Dx)),
+                (self.names.up, slice(half_w, None), slice(half_s, None), (F, Dx))):
+            weight, scale = self._read(template, expert, out_f, in_f, gate_up_s.dtype)
+            gate_up_w[slot, rows_w].copy_(weight)
+            gate_up_s[slot, rows_s].copy_(scale)
+        weight, scale = self._read(self.names.down, expert, Dx, F, down_s.dtype)
+        down_w[slot].copy_(weight)
+        down_s[slot].copy_(scale)
+
+    def _read(self, template: str, expert: int, out_f: int, in_f: int, scale_dtype: torch.dtype):
+        """(stored weight, stored scale) of one ``[out_f, in_f]`` weight, checked."""
+        stem = self._stem(template, expert)
+        weight_name, scale_name = f"{stem}.{self.spec.weight_suffix}", f"{stem}.{self.spec.scale_suffix}"
+        if weight_name not in self.ckpt:
+            self._raise_missing_weight(weight_name, stem)
+        if scale_name not in self.ckpt:
+            self._raise_missing_scale(scale_name, weight_name)
+        weight_shape, scale_shape = self.spec.stored_shapes(out_f, in_f)
+        weight = self._checked(weight_name, (self.spec.weight_dtype,), weight_shape, expert)
+        scale = self._checked(scale_name, (scale_dtype,), scale_shape, expert)
+        shape_name = f"{stem}.weight_shape"
+        if self.spec.format == QuantFormat.INT4_GROUP and shape_name in self.ckpt:
+            recorded = [int(v) for v in self.ckpt.read(shape_name).flatten().tolist()]
+            if recorded != [out_f, in_f]:
+                raise QuantTensorShapeError(
+                    f"{shape_name!r} records the weight as {recorded}, but the config expects [{out_f}, {in_f}] "
+                    f"(layer {self.layer_idx}); use the config.json that came with the checkpoint", name=shape_name)
+        return weight, scale
+
+    def _checked(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, int], expert: int) -> torch.Tensor:
+        found_dtype = self.ckpt.dtype(name)
+        if found_dtype not in {_SAFETENSORS_DTYPES[d] for d in dtypes}:
+            raise self._dtype_error(name, found_dtype, dtypes)
+        found = self.ckpt.shape(name)
+        expected = (self.num_experts, *shape) if self.stacked else shape
+        if found != expected:
+            raise QuantTensorShapeError(
+                f"{name!r} (layer {self.layer_idx}, {self.spec.format.value}) has shape {list(found)}, expected "
+                f"{list(expected)} for this config and format (group size {self.spec.group_size}); use the "
+                f"config.json that came with the checkpoint", name=name, expected=expected, found=found)
+        return self.ckpt.read_rows(name, expert, 1)[0] if self.stacked else self.ckpt.read(name)
+
+    def _dtype_error(self, name: str, found: str, dtypes: tuple[torch.dtype, ...]) -> QuantTensorDTypeError:
+        want = " or ".join(_SAFETENSORS_DTYPES[d] for d in dtypes)
+        return QuantTensorDTypeError(
+            f"{name!r} (layer {self.layer_idx}) is stored as {found}, but the checkpoint's quantization_config says "
+            f"{self.spec.format.value}, which stores it as {want}; use the checkpoint as published, with its "
+            f"config.json", name=name, found=found)
+
+    def _raise_missing_weight(self, weight_name: str, stem: str) -> None:
+        plain = f"{stem}.weight"
+        hint = (f"The checkpoint has {plain!r} ({self.ckpt.dtype(plain)}) instead: its config's quantization_config "
+                f"({self.spec.format.value}) does not match its tensors. " if plain in self.ckpt else "")
+        raise MissingTensorError(
+            f"quantized weight {weight_name!r} (layer {self.layer_idx}) is not in the checkpoint "
+            f"({self.ckpt.describe_files()}). {hint}Check layer_idx, prefix= and the config.json", name=weight_name)
+
+    def _raise_missing_scale(self, scale_name: str, weight_name: str) -> None:
+        raise MissingScaleError(
+            f"{weight_name!r} (layer {self.layer_idx}) has no scale {scale_name!r} in the checkpoint "
+            f"({self.ckpt.describe_files()}): its values cannot be used without it; download every shard",
+            name=scale_name)

@@ -1,0 +1,91 @@
+"""Every environment variable moe_ref reads, in one place (read only, never written).
+
+| variable                           | meaning                                              | default |
+|------------------------------------|------------------------------------------------------|---------|
+| MOE_REF_NUM_MAX_TOKENS_PER_RANK    | per-rank cap when the caller passes none             | unset   |
+| MOE_REF_OVERFLOW_POLICY            | ``error`` or ``chunk`` when the caller passes none   | error   |
+| MOE_REF_TRANSPORT                  | ``auto``, ``symm``, ``a2a`` or ``local``             | auto    |
+| MOE_REF_EXPERTS_BACKEND            | ``auto``, ``torch``, ``grouped_mm``, ``triton``, ``deep_gemm`` | auto |
+| MOE_REF_POOL_FORMAT                | ``contiguous`` or ``masked`` receive pool            | contiguous |
+| MOE_REF_SHM_DIR                    | folder for the CPU symmetric heap's files            | /dev/shm |
+| MOE_REF_DEBUG                      | ``moe-ref`` shows tracebacks of coded errors (1/0)   | off     |
+| MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
+| MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
+| MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
+"""
+from __future__ import annotations
+
+import os
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _switched_off(value: str) -> bool:
+    """Whether a set switch reads as off: ``0``, ``false``, ``no`` or ``off`` (any case, spaces ignored)."""
+    return value.strip().lower() in ("0", "false", "no", "off")
+
+
+def num_max_tokens_per_rank() -> int | None:
+    value = _get("MOE_REF_NUM_MAX_TOKENS_PER_RANK")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        from moe_ref.core.errors import InvalidConfigError
+
+        raise InvalidConfigError(f"MOE_REF_NUM_MAX_TOKENS_PER_RANK={value!r} is not an integer") from None
+
+
+def overflow_policy() -> str | None:
+    return _get("MOE_REF_OVERFLOW_POLICY")
+
+
+def transport() -> str | None:
+    return _get("MOE_REF_TRANSPORT")
+
+
+def experts_backend() -> str | None:
+    return _get("MOE_REF_EXPERTS_BACKEND")
+
+
+def pool_format() -> str | None:
+    return _get("MOE_REF_POOL_FORMAT")
+
+
+def shm_dir() -> str:
+    return _get("MOE_REF_SHM_DIR") or "/dev/shm"
+
+
+def debug_checks() -> bool | None:
+    value = _get("MOE_REF_DEBUG_CHECKS")
+    if value is None:
+        return None
+    return value.lower() not in ("0", "false", "no", "off")
+
+
+def native_ops() -> tuple[bool, str | None]:
+    """(whether the compiled CPU ops may be used, the raw value): ``MOE_REF_NATIVE=0`` forces the torch twins."""
+    value = _get("MOE_REF_NATIVE")
+    return value is None or not _switched_off(value), value
+
+
+def tma() -> bool:
+    """``MOE_REF_TMA=0`` keeps the grouped MLP kernel on pointer loads (TMA descriptors otherwise, where possible)."""
+    value = _get("MOE_REF_TMA")
+    return value is None or not _switched_off(value)
+
+
+def debug() -> bool:
+    """``MOE_REF_DEBUG`` set to anything but ``0``/``false``/``no``/``off``: the CLI shows tracebacks."""
+    value = _get("MOE_REF_DEBUG")
+    return value is not None and not _switched_off(value)
+
+
+def launcher_rank() -> int:
+    """``RANK`` as set by torchrun (0 when unset), for output before the process group exists."""
+    value = _get("RANK")
+    return int(value) if value is not None and value.isdigit() else 0

@@ -1,0 +1,606 @@
+"""Errors a user can cause, each with a stable code, the offending numbers, the fix, and an explain entry.
+
+Every error raised for bad configuration, capacity, input or environment is a subclass of
+:class:`MoERefError` *and* of the builtin a caller would expect (``ValueError``, ``TypeError``,
+``RuntimeError``), so ``except ValueError`` keeps working. ``moe-ref explain CODE`` prints the
+catalogue entry: cause, typical trigger, solutions and an example fix.
+
+Families (code prefixes): ``CFG`` configuration, ``CAP`` capacity, ``INP`` inputs, ``ENV`` environment,
+``LOAD`` checkpoints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """One catalogue entry, printed by ``moe-ref explain CODE``."""
+
+    code: str
+    title: str
+    cause: str
+    trigger: str
+    solutions: tuple[str, ...]
+    example: str
+
+    def render(self) -> str:
+        lines = [f"{self.code}: {self.title}", "", f"Cause:    {self.cause}", f"Trigger:  {self.trigger}", "Solutions:"]
+        lines += [f"  - {s}" for s in self.solutions]
+        lines += ["Example fix:", *("  " + line for line in self.example.splitlines())]
+        return "\n".join(lines)
+
+
+CATALOGUE: dict[str, Explanation] = {}
+
+
+def _entry(code, title, cause, trigger, solutions, example) -> str:
+    CATALOGUE[code] = Explanation(code, title, cause, trigger, tuple(solutions), example)
+    return code
+
+
+class MoERefError(Exception):
+    """Base of every coded moe_ref error. ``str(err)`` = ``[CODE] message (see: moe-ref explain CODE)``."""
+
+    code: str = "MOE000"
+
+    def __init__(self, message: str, **details):
+        self.message = message
+        self.details = details
+        super().__init__(f"[{self.code}] {message} (see: moe-ref explain {self.code})")
+
+    @classmethod
+    def explanation(cls) -> Explanation:
+        return CATALOGUE[cls.code]
+
+
+# --- configuration -------------------------------------------------------------------------------------
+
+class ConfigError(MoERefError, ValueError):
+    """Base of configuration errors (``CFG*``)."""
+
+
+class TPExceedsExpertsError(ConfigError):
+    code = _entry(
+        "CFG001", "tensor-parallel size larger than the number of routed experts",
+        "Each expert would be split over more TP ranks than there are experts to place; MoE weights cannot "
+        "be sharded that way.",
+        "Serving Step3 (48 experts) with --tp 64, or any tp_size > num_experts.",
+        ["Lower tp_size to at most num_experts.",
+         "Use expert parallelism (ep_size) or attention data parallelism (dp_size) for the extra GPUs."],
+        "moe-ref check --preset step3 --tp 8 --ep 8 --dp 8   # instead of --tp 64")
+
+
+class ExpertsNotDivisibleError(ConfigError):
+    code = _entry(
+        "CFG002", "number of experts not divisible by the expert-parallel size",
+        "Experts are placed in equal contiguous blocks: global expert e lives on rank e // (E / ep_size).",
+        "384 experts on ep_size 5.",
+        ["Pick an ep_size that divides num_experts (e.g. 2, 4, 8 for 384).",
+         "Or pad the expert count with never-routed experts."],
+        "moe-ref check --preset kimi-k2 --ep 8")
+
+
+class TopKError(ConfigError):
+    code = _entry(
+        "CFG003", "top-k larger than the number of experts (or not positive)",
+        "Each token selects num_topk distinct experts, so num_topk must lie in [1, num_experts].",
+        "num_experts_per_tok: 16 in a config with 8 experts.",
+        ["Lower num_topk, or raise num_experts."],
+        "MoEConfig(num_experts=64, num_topk=8, ...)")
+
+
+class GroupConfigError(ConfigError):
+    code = _entry(
+        "CFG004", "invalid expert-group routing settings",
+        "Grouped top-k splits experts into n_group equal groups, keeps topk_group of them, then picks top-k "
+        "experts among the kept ones; each step needs consistent numbers.",
+        "n_group that does not divide the experts, topk_group > n_group, or kept groups holding fewer "
+        "than top_k experts.",
+        ["Make num_groups divide num_experts.", "Keep 1 <= num_topk_groups <= num_groups.",
+         "Ensure num_topk_groups * (num_experts / num_groups) >= num_topk."],
+        "MoEConfig(num_experts=256, num_groups=8, num_topk_groups=4, num_topk=8, ...)")
+
+
+class FP8AlignmentError(ConfigError):
+    code = _entry(
+        "CFG005", "FP8 path needs dimensions that are multiples of 128",
+        "FP8 activations carry one fp32 scale per 128 columns and weights one per 128x128 block.",
+        "hidden_size=7000 or an expert intermediate size of 1000 with dtype fp8.",
+        ["Use the bf16 path for this shape.", "Pad hidden/intermediate sizes to multiples of 128."],
+        "MegaMoE(cfg, dispatch_dtype='bf16')")
+
+
+class UnknownNameError(ConfigError):
+    code = _entry(
+        "CFG006", "unknown scoring function, activation, backend, policy or preset name",
+        "A string option did not match any supported value.",
+        "scoring='tanh', activation='gelu', overflow='drop', backend='cutlass'.",
+        ["Use one of the values listed in the message."],
+        "MoEConfig(..., scoring='sigmoid', activation='silu')")
+
+
+class InvalidConfigError(ConfigError):
+    code = _entry(
+        "CFG007", "a configuration value is out of range or missing",
+        "A size is zero or negative, a required HF config field is absent, or fields contradict each other.",
+        "hidden_size=0, a config.json without an expert count, latent_dim on a non-latent model.",
+        ["Fix the field named in the message."],
+        "MoEConfig.from_hf_config('config.json')  # with n_routed_experts / num_experts set")
+
+
+
+class GroupDisagreementError(ConfigError):
+    code = _entry(
+        "CFG008", "the ranks of the EP group were built or called with different options",
+        "Every rank of an EP group must build MegaMoE with the same config, cap, overflow policy, transport, dtype, "
+        "FP8 setting, experts backend, alignment and mega choice, and pass max_num_tokens alike on every call; "
+        "construction compares them all in one collective and every rank raises this naming each rank's value.",
+        "overflow='chunk' on rank 0 and 'error' on rank 1; MOE_REF_TRANSPORT set in one rank's environment only; "
+        "max_num_tokens=... passed on one rank only.",
+        ["Build the layer from the same arguments and environment on every rank (launch every rank from one "
+         "command line).", "Pass max_num_tokens on every rank or on none."],
+        "MegaMoE(cfg, group, num_max_tokens_per_rank=256, overflow='chunk')  # identical on every rank")
+
+
+class ConfigFileError(InvalidConfigError):
+    code = _entry(
+        "CFG010", "a model config file cannot be read as a JSON object",
+        "MoEConfig.from_hf_config (and MegaMoE(cfg)) read an HF config.json: a file or folder path, or a dict. "
+        "The file is missing, is not JSON, holds something other than a JSON object (a list, a number), or the "
+        "argument is None.",
+        "A truncated config.json, a tokenizer file passed by mistake, config.json holding '[...]', MegaMoE(None).",
+        ["Pass the config.json that came with the checkpoint (or its folder).",
+         "Check the file with: python -m json.tool config.json"],
+        "cfg = MoEConfig.from_hf_config('/models/kimi-k2/config.json')")
+
+
+class ConfigFieldError(InvalidConfigError):
+    code = _entry(
+        "CFG011", "a config.json field is missing, null or of the wrong type",
+        "Each family's config.json names its sizes with fixed keys (hidden_size, moe_intermediate_size, expert "
+        "count, top-k, ...); a required key is absent or null, or a value has the wrong JSON type (a string or a "
+        "float where an integer count belongs, a bool given as a string).",
+        "\"hidden_size\": null, \"hidden_size\": \"7168\", a config without moe_intermediate_size.",
+        ["Restore the field named in the message from the model's published config.json.",
+         "Write numbers as JSON numbers (7168, not \"7168\") and booleans as true/false."],
+        "{\"hidden_size\": 7168, \"moe_intermediate_size\": 2048, \"n_routed_experts\": 384, ...}")
+
+
+
+class CommandLineError(ConfigError):
+    code = _entry(
+        "CFG015", "a command-line flag is missing, unknown or out of range",
+        "moe-ref and moe_ref.tools.dist_check check every flag before doing any work: counts and sizes must be "
+        "positive integers (token counts may be 0), and flags that depend on each other must agree.",
+        "moe-ref bench --experts 0, moe-ref demo --runs 0, moe-ref demo --cap -5, bench --rows 4 --experts 8, "
+        "or a misspelled flag.",
+        ["Use a value in the range the message gives.", "Run `moe-ref <command> --help` to list the flags."],
+        "moe-ref bench --experts 8 --iters 10\nmoe-ref demo --cap 64 --runs 5")
+
+
+# --- capacity --------------------------------------------------------------------------------------------
+
+class CapacityError(MoERefError, RuntimeError):
+    """Base of capacity errors (``CAP*``)."""
+
+
+class CapacityExceededError(CapacityError):
+    code = _entry(
+        "CAP001", "a rank fed more tokens than the per-rank cap (overflow policy 'error')",
+        "The symmetric buffer holds num_max_tokens_per_rank rows per rank; the batch of at least one rank "
+        "is larger. The check runs on every rank from the max over the EP group before any kernel, so "
+        "every rank raises the same error and none hangs.",
+        "A prefill batch of 5000 tokens with num_max_tokens_per_rank=4096.",
+        ["Raise the cap: num_max_tokens_per_rank=N or MOE_REF_NUM_MAX_TOKENS_PER_RANK=N (the message "
+         "gives N and its memory cost).",
+         "Or let moe_ref split the batch: overflow='chunk' or MOE_REF_OVERFLOW_POLICY=chunk.",
+         "Or cap the scheduler's batch (e.g. max-num-batched-tokens) at the cap."],
+        "MegaMoE(cfg, group=group, num_max_tokens_per_rank=8192, overflow='error')\n"
+        "# or: MOE_REF_OVERFLOW_POLICY=chunk torchrun ...")
+
+
+class CapacityMismatchError(CapacityError):
+    code = _entry(
+        "CAP002", "ranks disagree on the per-rank cap",
+        "The symmetric buffer layout is derived from the cap and must be identical on every rank, or peers "
+        "would read the wrong offsets.",
+        "MOE_REF_NUM_MAX_TOKENS_PER_RANK set differently in the environment of some ranks.",
+        ["Pass the same num_max_tokens_per_rank on every rank (the message lists each rank's value)."],
+        "export MOE_REF_NUM_MAX_TOKENS_PER_RANK=4096  # in the launcher, for all ranks")
+
+
+class BufferTooSmallError(CapacityError):
+    code = _entry(
+        "CAP003", "the buffer is smaller than its capacity plan",
+        "A buffer passed in (or reused) has fewer bytes than the plan for this config and cap.",
+        "Reusing a buffer built for a smaller cap or hidden size.",
+        ["Build a new buffer from the plan (SymmetricBuffer.from_plan) or lower the cap."],
+        "buf = SymmetricBuffer(plan, group)")
+
+
+class MemoryBudgetError(CapacityError):
+    code = _entry(
+        "CAP004", "no cap fits the memory budget",
+        "Even a cap of one token per rank needs more bytes than the budget.",
+        "moe-ref plan --preset kimi-k3 --budget-gib 0.001",
+        ["Raise the budget or use more EP ranks."],
+        "moe-ref plan --preset kimi-k2 --ep 8 --budget-gib 4")
+
+
+# --- inputs ----------------------------------------------------------------------------------------------
+
+class InputError(MoERefError, ValueError):
+    """Base of input errors (``INP*``)."""
+
+
+class ShapeError(InputError):
+    code = _entry(
+        "INP001", "a tensor has the wrong rank or shape",
+        "Hidden states are [num_tokens, hidden_size]; weights follow the shapes in the docstrings.",
+        "Passing [batch, seq, hidden] without flattening, or weights of another model.",
+        ["Flatten to [T, H] (x.view(-1, H)) and check hidden_size.", "Check the weights' config."],
+        "y = moe(x.view(-1, x.shape[-1])).view_as(x)")
+
+
+class DTypeError(InputError, TypeError):
+    code = _entry(
+        "INP002", "a tensor has an unsupported dtype",
+        "Hidden states must be float32, float16 or bfloat16 (FP8 is produced internally); ids are int64.",
+        "Passing int8 activations or float64 on the Triton path.",
+        ["Cast the input (x.to(torch.bfloat16))."],
+        "y = moe(x.to(torch.bfloat16))")
+
+
+class DeviceError(InputError):
+    code = _entry(
+        "INP003", "tensors on different devices",
+        "Hidden states, weights and buffers must live on the layer's device.",
+        "A CUDA layer fed a CPU tensor.",
+        ["Move the input: x.to(moe.device)."],
+        "y = moe(x.to(next(moe.parameters()).device))")
+
+
+class NonFiniteError(InputError):
+    code = _entry(
+        "INP004", "router logits contain NaN or inf",
+        "Top-k over NaN scores is undefined; moe_ref refuses instead of routing silently wrong.",
+        "An overflow upstream (fp16 activations), or uninitialised weights.",
+        ["Find the producer of the NaN (torch.autograd.detect_anomaly, or check the previous layer).",
+         "Run the router in fp32 (moe_ref does; check the hidden states themselves)."],
+        "assert torch.isfinite(x).all()")
+
+
+class ExpertIdError(InputError):
+    code = _entry(
+        "INP005", "expert ids out of range",
+        "topk ids must be -1 (masked slot) or in [0, num_experts).",
+        "Ids from a router with another expert count, or int32 overflow.",
+        ["Check the router's num_experts and the ids' dtype (int64)."],
+        "topk_ids_TK.clamp_(-1, cfg.num_experts - 1)  # only after finding why")
+
+
+
+class WeightsNotLoadedError(InputError):
+    code = _entry(
+        "INP006", "the layer's weights were never loaded",
+        "MegaMoE(seed=None) allocates its parameters uninitialised; running it before load_hf_weights/load_weights "
+        "would return garbage (NaN), so every rank refuses.",
+        "MegaMoE(cfg, group) followed by moe(x) with no load call.",
+        ["Call moe.load_hf_weights(path, layer_idx) or moe.load_weights(weights) on every rank first.",
+         "Pass seed=N for random test weights."],
+        "moe = MegaMoE(cfg, group); moe.load_hf_weights('/models/kimi-k2', layer_idx=5); y = moe(x)")
+
+
+class GradientNotSupportedError(InputError):
+    code = _entry(
+        "INP007", "a gradient through the EP layer was requested, but it has no backward",
+        "The routed step moves rows between ranks through buffers that autograd cannot follow, so a backward "
+        "would return wrong gradients; every rank refuses while grad mode is on and the input or a parameter "
+        "requires grad.",
+        "Calling moe(x) in training mode with x.requires_grad=True, or after setting a parameter's requires_grad.",
+        ["Run the layer under torch.no_grad() or torch.inference_mode() (inference).",
+         "Detach the input: moe(x.detach()).", "Train with a single-process reference MoE instead."],
+        "with torch.inference_mode():\n    y = moe(x)")
+
+# --- environment -----------------------------------------------------------------------------------------
+
+class EnvironmentError_(MoERefError, RuntimeError):
+    """Base of environment errors (``ENV*``); the trailing underscore avoids the builtin's name."""
+
+
+class BackendUnavailableError(EnvironmentError_):
+    code = _entry(
+        "ENV001", "the requested backend is not usable here",
+        "The backend's package is missing, fails to load, or needs hardware this machine lacks "
+        "(Triton and DeepGEMM need a CUDA GPU for real runs; DeepGEMM's mega-MoE needs SM90 and symmetric "
+        "memory), or it cannot run the experts as a quantized checkpoint stores them (FP8 blocks, INT4, MXFP4 "
+        "run on 'triton' or 'torch'; 'grouped_mm', 'deep_gemm' and mega='deep_gemm' take plain weights).",
+        "backend='deep_gemm' on a CPU machine, a deep_gemm wheel built for another torch, or load_hf_weights of "
+        "an MXFP4 checkpoint with experts_backend='grouped_mm'.",
+        ["Use backend='auto' to pick the best available one.", "Run `moe-ref info` to see what loads and why not.",
+         "For a quantized checkpoint use experts_backend='auto' (triton on CUDA, torch on CPU) and mega='auto'."],
+        "MegaMoE(cfg, experts_backend='auto')")
+
+
+class ShapeUnsupportedError(EnvironmentError_):
+    code = _entry(
+        "ENV002", "the backend refuses this shape",
+        "A kernel has a hard limit (e.g. DeepGEMM's SM90 mega-MoE needs intermediate_size <= 4096).",
+        "Step3 (intermediate 5120) with the deep_gemm mega path.",
+        ["Use backend='auto' to fall back to moe_ref's own path for this shape.", "Use another backend."],
+        "MegaMoE(step3_cfg, experts_backend='auto')")
+
+
+class DistributedError(EnvironmentError_):
+    code = _entry(
+        "ENV003", "torch.distributed is not set up as the layer needs",
+        "An EP layer needs an initialised process group; the symm transport needs all ranks on one host.",
+        "Passing a group before dist.init_process_group, or transport='symm' across hosts.",
+        ["Call torch.distributed.init_process_group first (torchrun sets the env).",
+         "Use transport='a2a' across hosts (the default picks it)."],
+        "torchrun --nproc-per-node 2 -m moe_ref.tools.dist_check")
+
+
+
+class StepOutOfSyncError(EnvironmentError_):
+    code = _entry(
+        "ENV004", "the ranks of the EP group are at different calls of the layer",
+        "Each call of an EP layer is collective; the per-call agreement carries a call counter, and the counters "
+        "differ: some rank skipped a call (it raised before reaching the layer's collective and its caller went on).",
+        "A rank that catches an exception raised by its own code before moe(x) and then calls moe(x) again while "
+        "its peers are still in the previous call.",
+        ["Make every rank call the layer the same number of times; errors the layer raises are raised on every "
+         "rank alike, so catch them on every rank or on none.", "Rebuild the layer on every rank to start over."],
+        "for batch in batches:  # every rank runs the same loop\n    y = moe(batch)")
+
+
+class PeerFailedError(EnvironmentError_):
+    code = _entry(
+        "ENV005", "another rank of the EP group failed inside the routed step",
+        "A rank raised inside a collective step (an exception in its experts, a failed kernel, a lost peer); the "
+        "layer agrees on the failure with its peers, so every rank raises this instead of waiting for rows that "
+        "will not come.",
+        "An out-of-memory error in one rank's expert GEMM, or a killed peer process.",
+        ["Read the failing rank's own error (named in the message) and fix its cause.",
+         "The layer stays usable after an agreed failure; after a lost peer, rebuild the process group and layer."],
+        "torchrun ... (look for the first rank that printed an error other than ENV005)")
+
+
+class ConservationError(EnvironmentError_):
+    code = _entry(
+        "ENV007", "debug checks found rows lost, duplicated or corrupted in the routed step",
+        "With debug_checks on, every call compares the rows each rank sent with the rows the group received (count "
+        "and float64 checksum per source rank) and checks that every non-masked slot came back from combine; a "
+        "difference means the transport lost, duplicated or corrupted rows.",
+        "A transport bug, a peer writing into a buffer it does not own, or memory corruption.",
+        ["Report it with the message (it names the source ranks and the counts).",
+         "Compare transports: transport='a2a' and 'symm' must give the same pool bitwise."],
+        "MegaMoE(cfg, group, debug_checks=True)  # or MOE_REF_DEBUG_CHECKS=1")
+
+
+class DeviceUnavailableError(EnvironmentError_):
+    code = _entry(
+        "ENV006", "the requested device is not available here",
+        "device='cuda' (or cuda:N) was asked for, but torch sees no such CUDA device on this machine.",
+        "MegaMoE(cfg, device='cuda') on a laptop, or cuda:3 on a 2-GPU machine.",
+        ["Use device='cpu' (the default), or run on a machine with the GPU.",
+         "Check torch.cuda.is_available() and torch.cuda.device_count()."],
+        "MegaMoE(cfg, device='cuda' if torch.cuda.is_available() else 'cpu')")
+
+
+class PathNotWritableError(EnvironmentError_):
+    code = _entry(
+        "ENV015", "a folder the command must write into cannot be created or written",
+        "The demo writes its synthetic checkpoint into --checkpoint when that folder holds no config.json yet; "
+        "the folder (or a parent) does not exist and cannot be created, is a file, or is read-only.",
+        "moe-ref demo --checkpoint /proc/nope/x, or a path under a read-only mount.",
+        ["Pass a folder you can write (it is created if absent), e.g. --checkpoint ~/moe_ref_ckpt.",
+         "Or leave --checkpoint out: the demo then uses a fresh private temporary folder and removes it."],
+        "moe-ref demo --checkpoint ./demo_ckpt")
+
+
+class InsufficientMemoryError(EnvironmentError_):
+    code = _entry(
+        "ENV016", "the run needs more memory than this machine has available",
+        "Before allocating anything, the CLI estimates the bytes the run would hold (weights and the symmetric "
+        "buffer of every process, from the config and the capacity plan) and compares them with the memory "
+        "available now (MemAvailable on the host, free memory of each GPU); allocating anyway would die in the "
+        "allocator or the OOM killer.",
+        "moe-ref demo --preset kimi-k2 on a laptop (hundreds of GB of expert weights), or moe-ref bench "
+        "--experts 100000.",
+        ["Use a tiny preset (--preset tiny-kimi-k2: the same routing at test sizes), or fewer/smaller experts.",
+         "Run on GPUs (--device cuda, bf16 weights, one GPU per process).",
+         "Pass --skip-memory-check to try anyway (the estimate is a lower bound)."],
+        "moe-ref demo --preset tiny-kimi-k2\nmoe-ref demo --preset kimi-k2 --skip-memory-check  # at your own risk")
+
+
+class PeerTimeoutError(EnvironmentError_):
+    code = _entry(
+        "ENV010", "a peer rank never signalled within the bound of a device-side wait",
+        "A device-side barrier over the symmetric buffer polls the flags its peers write; it gives up after its "
+        "bound (time or polls) and records which peers never signalled, instead of spinning forever. Later "
+        "barriers of the call skip their wait, so the data of that call is invalid.",
+        "A rank crashed, hung, skipped a chunk or ran a different number of chunks (ranks disagree on the call "
+        "sequence), or the bound is shorter than a slow peer's work (first call, compilation, a debugger).",
+        ["Check that every rank of the EP group runs the same calls (same chunk count, same layers).",
+         "Look at the named peers' logs: a crash there is the root cause.",
+         "Raise the bound (timeout_us) when peers are legitimately slow (e.g. JIT compilation on the first call)."],
+        "symm_barrier(peers, regions, timeout_us=10_000_000)  # 10 s while debugging")
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------
+
+class CheckpointError(MoERefError, ValueError):
+    """Base of checkpoint errors (``LOAD*``)."""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    code = _entry(
+        "LOAD001", "a tensor is missing from the checkpoint",
+        "The loader looks tensors up by the model family's real names; one was not found.",
+        "Wrong layer_idx, a dense layer, or another family's naming (prefix differs).",
+        ["Check layer_idx (MoE layers: see first_k_dense_replace / moe_layers_enum).",
+         "Pass prefix=... if the checkpoint nests the model (e.g. 'model.language_model.')."],
+        "moe.load_hf_weights('model.safetensors', layer_idx=5, prefix='model.layers.')")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return Exception.__str__(self)
+
+
+class TensorShapeMismatchError(CheckpointError):
+    code = _entry(
+        "LOAD002", "a checkpoint tensor has the wrong shape",
+        "The tensor's shape does not match the config (hidden, intermediate or expert count).",
+        "Loading DeepSeek-V3 weights into a Kimi-K2 config.",
+        ["Use the config.json that came with the checkpoint."],
+        "cfg = MoEConfig.from_hf_config('<checkpoint dir>/config.json')")
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """A checkpoint stores the MoE weights in a form this loader does not read (quantized/packed)."""
+
+    code = _entry(
+        "LOAD003", "the checkpoint stores MoE weights quantized or packed (not supported)",
+        "moe_ref reads plain floating-point weights (fp32/fp16/bf16). Reading FP8, INT4 or MXFP4 packed "
+        "values without their scales would give silently wrong weights, so the loader refuses.",
+        "A real Kimi-K3 checkpoint (MXFP4 experts.{e}.w1.weight_packed + scales), DeepSeek-V3/Kimi-K2-Instruct "
+        "block-FP8 weights with weight_scale_inv, or Kimi-K2-Thinking INT4 compressed-tensors.",
+        ["Read the routed experts as stored: moe_ref.checkpoint.quantized.load_quantized_experts (FP8 128x128 blocks, "
+         "compressed-tensors INT4 group 32, MXFP4) and moe_ref.experts.quantized.make_quantized_experts.",
+         "Or dequantize the checkpoint to bf16 first (e.g. the model vendor's fp8_cast_bf16 script, or load it "
+         "with its quantization library and save the dequantized state dict).",
+         "For tests and demos, write a bf16 synthetic checkpoint: moe_ref.checkpoint.synthetic.write_synthetic_checkpoint."],
+        "write_synthetic_checkpoint('ckpt/', preset('tiny-kimi-k3'))\n"
+        "load_moe_weights('ckpt/', preset('tiny-kimi-k3'), layer_idx=0)")
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    code = _entry(
+        "LOAD004", "no safetensors checkpoint at the given path",
+        "The loader takes a .safetensors file, or a folder holding model.safetensors, sharded *.safetensors "
+        "files with model.safetensors.index.json, or any *.safetensors files.",
+        "A typo in the path, a folder of .bin (pickle) files, or an index json whose shard files are missing.",
+        ["Pass the file or the folder that holds the .safetensors files.",
+         "Convert .bin checkpoints to safetensors first."],
+        "load_moe_weights('/models/kimi-k2/', cfg, layer_idx=1)")
+
+    def __str__(self) -> str:  # OSError would format its own args
+        return Exception.__str__(self)
+
+
+
+class QuantTensorDTypeError(CheckpointError):
+    code = _entry(
+        "LOAD005", "a quantized weight or its scale has the wrong dtype",
+        "Each quantization format fixes the stored dtypes: FP8 blocks float8_e4m3fn + fp32 weight_scale_inv; "
+        "compressed-tensors INT4 weight_packed int32 + bf16/fp16/fp32 weight_scale; MXFP4 weight_packed uint8 + "
+        "uint8 (E8M0) weight_scale. Another dtype means another format or a broken conversion.",
+        "An INT4 checkpoint whose weight_packed was re-saved as uint8, or MXFP4 scales stored as bf16.",
+        ["Use the checkpoint as published, with the config.json (quantization_config) that came with it.",
+         "If you converted it yourself, keep the dtypes listed in the message."],
+        "load_quantized_experts('/models/kimi-k3', cfg, layer_idx=1, expert_range=(0, 448))")
+
+
+class QuantTensorShapeError(CheckpointError):
+    code = _entry(
+        "LOAD006", "a quantized weight or its scale has the wrong shape",
+        "Packed weights and scales have shapes fixed by the weight's [out, in] and the format: INT4 [out, in/8] "
+        "int32 + [out, in/32] scales; MXFP4 [out, in/2] + [out, in/32]; FP8 [out, in] + [ceil(out/128), "
+        "ceil(in/128)]. A mismatch means another model's config or a different group size.",
+        "A checkpoint quantized with group_size 128 read with a config that says 32, or the config of another model.",
+        ["Use the config.json that came with the checkpoint.",
+         "Check quantization_config's group_size / weight_block_size against the tensors."],
+        "cfg = MoEConfig.from_hf_config('<checkpoint dir>'); spec = quant_spec_from_config('<checkpoint dir>')")
+
+
+class MissingScaleError(CheckpointError, KeyError):
+    code = _entry(
+        "LOAD007", "a quantized weight has no scale tensor",
+        "Quantized weights are meaningless without their scales (weight_scale_inv for FP8 blocks, weight_scale for "
+        "INT4/MXFP4); reading them alone would give silently wrong weights.",
+        "A shard with the scales missing from the download, or a checkpoint saved without them.",
+        ["Download every shard of the checkpoint (the index lists where each scale lives).",
+         "Re-export the checkpoint with its scales."],
+        "huggingface-cli download moonshotai/Kimi-K2-Thinking --local-dir /models/k2-thinking")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return Exception.__str__(self)
+
+
+class UnsupportedQuantizationError(CheckpointError):
+    code = _entry(
+        "LOAD008", "unknown or unsupported quantization method, scheme or group size",
+        "moe_ref loads three published expert formats: quant_method 'fp8' with weight_block_size [128, 128] "
+        "(DeepSeek-V3/R1, Kimi-K2-Instruct, Step3 FP8), compressed-tensors 'pack-quantized' INT4 symmetric group 32 "
+        "(Kimi-K2-Thinking/K2.5) and compressed-tensors 'mxfp4-pack-quantized' FP4 E2M1 group 32 (Kimi-K3). "
+        "Another method, bit width, asymmetric scheme, block or group size is refused rather than misread.",
+        "quantization_config with quant_method 'awq' or 'gptq', group_size 128, symmetric false, or "
+        "weight_block_size [64, 64].",
+        ["Dequantize the checkpoint to bf16 and load it with load_moe_weights.",
+         "Use one of the supported published formats."],
+        "spec = quant_spec_from_config('/models/kimi-k2-thinking/config.json')  # prints the supported formats")
+
+
+class CorruptSafetensorsError(CheckpointError):
+    code = _entry(
+        "LOAD010", "a safetensors file is truncated or not a safetensors file",
+        "A safetensors file starts with an 8-byte header length, a JSON header, then the data; the header or the "
+        "data is cut short (an interrupted download) or the file holds something else.",
+        "A partial download, a Git LFS pointer file saved as .safetensors, a disk that filled up while writing.",
+        ["Download the file named in the message again (compare its size with the published one).",
+         "Run `git lfs pull` if the file is an LFS pointer."],
+        "huggingface-cli download <repo> model-00003-of-00062.safetensors --local-dir /models/<name>")
+
+
+class MissingShardError(CheckpointNotFoundError):
+    code = _entry(
+        "LOAD011", "shard files named in the checkpoint index are missing",
+        "model.safetensors.index.json maps every tensor to a shard file; some of those files are not in the "
+        "checkpoint folder, so tensors that live there cannot be read.",
+        "An interrupted or partial download (e.g. --include of a few shards only).",
+        ["Download/copy every shard the index names (the message lists the missing ones)."],
+        "huggingface-cli download <repo> --local-dir /models/<name>  # all shards")
+
+
+class CorruptIndexError(CheckpointError):
+    code = _entry(
+        "LOAD012", "the checkpoint index json is corrupt",
+        "model.safetensors.index.json must be a JSON object with a 'weight_map' object of "
+        "{tensor name: shard file name}; the file is not JSON, or has no such map, or maps names to non-strings.",
+        "A truncated index download, an index edited by hand, an HTML error page saved under the index's name.",
+        ["Download model.safetensors.index.json again.",
+         "Or delete it: without an index every *.safetensors file of the folder is read."],
+        "huggingface-cli download <repo> model.safetensors.index.json --local-dir /models/<name>")
+
+
+class UnsafeShardPathError(CheckpointError):
+    code = _entry(
+        "LOAD013", "the checkpoint index names a shard outside the checkpoint folder",
+        "Shard names in model.safetensors.index.json are file names inside the checkpoint folder; an absolute path "
+        "or one with '..' (or a symlink) leading out of the folder would make the loader read arbitrary files, so "
+        "it refuses.",
+        "An index with \"../other-model/model-00001.safetensors\" or \"/etc/passwd\" as a shard name.",
+        ["Fix the index so every shard is a plain file name in the folder (as published).",
+         "Copy the shards into the checkpoint folder."],
+        "{\"weight_map\": {\"model.layers.1.mlp.gate.weight\": \"model-00001-of-00002.safetensors\"}}")
+
+
+def explain(code: str) -> str:
+    """Return the rendered catalogue entry for ``code`` (case-insensitive); raises KeyError listing codes."""
+    entry = CATALOGUE.get(code.upper())
+    if entry is None:
+        raise KeyError(f"unknown error code {code!r}; known: {', '.join(sorted(CATALOGUE))}")
+    return entry.render()
+
+
+def error_class(code: str) -> type[MoERefError]:
+    """The error class of ``code`` (e.g. ``"CAP001"`` -> ``CapacityExceededError``), so that every rank of a
+    group can raise the same class as the rank that found the problem. Unknown codes give ``MoERefError``."""
+    pending = [MoERefError]
+    while pending:
+        cls = pending.pop()
+        if cls.__dict__.get("code") == code:
+            return cls
+        pending.extend(cls.__subclasses__())
+    return MoERefError

@@ -1,0 +1,187 @@
+"""Small collectives of an EP group: where they run, gathering a few integers, and agreeing on a failure.
+
+Every function here is collective over ``group`` (all ranks call it, in the same order) and is the
+identity for one process (``group`` None or of size 1). They carry the group's agreements:
+
+    construction  agree_on_fields   every option that must match, one all_gather_object
+    each call     gather_ints       call counter, row count, bound, problem code (moe_ref.ep.overflow)
+    each chunk    agree_on_failure  did any rank fail inside the step (moe_ref.ep.routed_step)
+
+so one rank's bad input, option or exception becomes a coded error on EVERY rank, and none waits for a
+peer that has already left.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from moe_ref.core.errors import (CapacityMismatchError, GroupDisagreementError, MoERefError, PeerFailedError,
+                            error_class)
+
+
+@contextlib.contextmanager
+def peer_errors(what: str):
+    """Turn a failed collective (a peer died, left or timed out: gloo and NCCL raise ``RuntimeError``) into
+    ``PeerFailedError`` (ENV005) naming ``what`` was running. The package's own coded errors pass through."""
+    try:
+        yield
+    except MoERefError:
+        raise
+    except RuntimeError as err:
+        raise PeerFailedError(f"{what} failed: a peer of the EP group died, left or timed out ({type(err).__name__}: "
+                              f"{str(err)[:300]}); rebuild the process group and the layer") from err
+
+
+def comm_device(group, device: torch.device | str = "cpu") -> torch.device:
+    """Where small collectives of ``group`` run: the CUDA device for NCCL, else the CPU (gloo)."""
+    if group is not None and "nccl" in str(dist.get_backend(group)).lower():
+        device = torch.device(device)
+        return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def group_size_and_rank(group) -> tuple[int, int]:
+    """``(world size, rank)`` of ``group``; ``(1, 0)`` for None."""
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def group_max(values: Sequence[int], group=None, device: torch.device | str = "cpu") -> list[int]:
+    """Element-wise max of small integers over the group (one tiny ``all_reduce``).
+
+    Returns the maxima, the same on every rank. NOTE: syncs the host (``.tolist()``).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def gather_ints(values: Sequence[int], group=None, device: torch.device | str = "cpu",
+                device_values: torch.Tensor | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (same length on every rank): one ``all_gather`` of an int64 vector.
+
+    Args:
+        device_values: ``[n]`` integers computed on the device (same n on every rank), appended to ``values``
+            without a read of their own.
+
+    Returns ``[world][len(values) + n]``, rank order. NOTE: syncs the host (once).
+    """
+    world, _ = group_size_and_rank(group)
+    if world == 1:
+        return [list(values) + ([] if device_values is None else device_values.reshape(-1).tolist())]
+    mine = host_ints_to(values, torch.device(device))
+    if device_values is not None:
+        mine = torch.cat([mine, device_values.to(device=device, dtype=torch.int64).reshape(-1)])
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    with peer_errors("the per-call agreement (all_gather)"):
+        dist.all_gather(gathered, mine, group=group)
+        return torch.stack(gathered).tolist()
+
+
+def host_ints_to(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``[n]`` int64 on ``device`` without a host sync: a plain ``torch.tensor(values, device=cuda)`` copies from
+    pageable memory and waits for the stream, i.e. for every kernel queued before it; from pinned memory the copy
+    is queued like a kernel."""
+    host = torch.tensor(list(values), dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def gather_objects(obj, group=None) -> list:
+    """Every rank's picklable ``obj``, rank order (``all_gather_object``)."""
+    world, _ = group_size_and_rank(group)
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    with peer_errors("an agreement of the EP group (all_gather_object)"):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def agree_on_fields(fields: Mapping[str, str], group=None, *, what: str = "the layer") -> None:
+    """Collective: raise on EVERY rank unless all ranks hold the same ``fields`` (see ``check_fields_agree``)."""
+    world, rank = group_size_and_rank(group)
+    if world > 1:
+        check_fields_agree(gather_objects(dict(fields), group), rank, what=what)
+
+
+def check_fields_agree(everyone: Sequence[Mapping[str, str]], rank: int, *, what: str = "the layer") -> None:
+    """Raise unless every rank's ``fields`` (name -> value as text; gathered, rank order) are the same.
+
+    Raises ``CapacityMismatchError`` (CAP002) when the cap ``num_max_tokens_per_rank`` differs, else
+    ``GroupDisagreementError`` (CFG008); the message lists every differing field with each rank's value.
+    """
+    names = sorted(set().union(*everyone)) if everyone else []
+    differing = {name: [str(d.get(name)) for d in everyone] for name in names
+                 if len({str(d.get(name)) for d in everyone}) > 1}
+    if not differing:
+        return
+    lines = "; ".join(f"{name}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(values))
+                      for name, values in differing.items())
+    message = (f"the ranks of the EP group built {what} with different options ({lines}); this is rank {rank}. "
+               f"Build it from the same arguments and environment on every rank")
+    if "num_max_tokens_per_rank" in differing:
+        raise CapacityMismatchError(message + " (the cap: pass the same num_max_tokens_per_rank or set "
+                                    "MOE_REF_NUM_MAX_TOKENS_PER_RANK for all ranks)",
+                                    caps=differing["num_max_tokens_per_rank"], differing=differing)
+    raise GroupDisagreementError(message, differing=differing, rank=rank)
+
+
+def raise_agreed_problem(problems: Sequence[tuple[str, str] | None], rank: int) -> None:
+    """Raise on this rank the error that the group agreed on (nothing when every entry is None).
+
+    Args:
+        problems: per rank, ``(code, message)`` of its problem or None (the result of ``gather_objects``).
+        rank: this rank.
+
+    The rank with the problem raises its own error's class with its message; the others raise the same
+    class, naming the rank(s) and their messages, so every rank raises a coded error of one kind.
+    """
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if not bad:
+        return
+    first_rank, (code, _) = bad[0]
+    mine = problems[rank]
+    if mine is not None:
+        raise error_class(mine[0])(mine[1], rank=rank)
+    summary = "; ".join(f"rank {r}: [{c}] {m}" for r, (c, m) in bad)
+    raise error_class(code)(f"rank {rank}: another rank of the EP group cannot run this call, so no rank does "
+                            f"({summary})", rank=rank, failed_ranks=[r for r, _ in bad])
+
+
+def agree_on_failure(failure: BaseException | None, group=None, device: torch.device | str = "cpu") -> None:
+    """Collective: if any rank failed inside a step, raise on every rank (the failing rank re-raises its own).
+
+    Args:
+        failure: the exception this rank caught inside the step, or None.
+
+    Raises ``PeerFailedError`` (ENV005) on the ranks that did not fail, naming the failed ranks and their
+    errors; the failing rank raises its own exception. NOTE: syncs the host.
+    """
+    world, rank = group_size_and_rank(group)
+    if world == 1:
+        if failure is not None:
+            raise failure
+        return
+    flags = gather_ints([int(failure is not None)], group, device)
+    if not any(f[0] for f in flags):
+        return
+    described = None if failure is None else f"{type(failure).__name__}: {failure}"
+    messages = gather_objects(described, group)
+    if failure is not None:
+        raise failure
+    summary = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+    raise PeerFailedError(f"rank {rank}: the routed step failed on another rank ({summary}); no rank returns a "
+                          f"partial result", failed_ranks=[r for r, m in enumerate(messages) if m is not None])
+
+
+def problem_of(err: MoERefError | None) -> tuple[str, str] | None:
+    """``(code, message)`` of a coded error (what ``raise_agreed_problem`` rebuilds on other ranks)."""
+    return None if err is None else (err.code, err.message)

@@ -1,0 +1,153 @@
+"""``EPOptions``: every option of the EP layer, resolved ONCE (argument, then environment, then default).
+
+    MegaMoE(cfg, group, num_max_tokens_per_rank=..., overflow=..., ...)
+      --EPOptions.resolve (reads moe_ref.core.envs once, validates)--> EPOptions (frozen)
+      --agree_on_fields(options.fingerprint(...)) over the EP group--> the same options on every rank
+      --passed down--> overflow policy, capacity plan, transport, experts, mega engine
+
+Nothing below the layer reads the environment or re-validates an option: it gets this object (or the
+fields it needs). ``source`` records where each value came from, so an error names the argument or the
+environment variable the user actually set.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_ref.core import envs
+from moe_ref.core.errors import DeviceUnavailableError, DTypeError, InvalidConfigError, UnknownNameError
+from moe_ref.experts import check_pool_format, experts_class, registered_backends
+from moe_ref.kernels.ep_regions import POOL_FORMATS
+
+OVERFLOW_POLICIES = ("error", "chunk")
+TRANSPORTS = ("auto", "local", "symm", "a2a")
+MEGA_CHOICES = ("off", "deep_gemm", "auto")
+ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Used when neither the argument nor MOE_REF_NUM_MAX_TOKENS_PER_RANK gives a cap.
+DEFAULT_NUM_MAX_TOKENS_PER_RANK = 4096
+# Receive-pool rows are addressed with int32 (recv_src); R * cap * K stays far below 2**31 with this bound.
+MAX_NUM_MAX_TOKENS_PER_RANK = 1 << 20
+
+
+@dataclass(frozen=True)
+class EPOptions:
+    """The EP layer's options, resolved and checked (``__post_init__`` raises coded errors).
+
+    Attributes:
+        num_max_tokens_per_rank: the cap C, rows ONE rank feeds per call (1 .. 2**20).
+        overflow: ``"error"`` or ``"chunk"`` when a rank's batch exceeds C.
+        transport: ``"auto"``, ``"local"``, ``"symm"`` or ``"a2a"`` (auto is decided collectively later).
+        experts_backend: ``"torch"``, ``"grouped_mm"``, ``"triton"`` or ``"deep_gemm"`` (``auto`` resolved: triton
+            on CUDA, torch on CPU).
+        dispatch_fp8: rows move as fp8 e4m3 + per-128 scales; FP8 expert weights where the backend has them.
+        alignment: rows each expert segment of the receive pool starts on (``resolve`` fills in the backend's
+            ``segment_alignment``: torch 128, grouped_mm 16, triton 1, deep_gemm 128).
+        pool_format: ``"contiguous"`` (segments back to back: prefill) or ``"masked"`` (M rows per local expert
+            at fixed starts, DeepGEMM's masked layout: decode with a small cap); see ``moe_ref.ep.capacity``.
+        mega: ``"off"``, ``"deep_gemm"`` or ``"auto"``.
+        dtype: of the parameters and the activations (fp32, fp16, bf16).
+        device: of the parameters.
+        debug_checks: per-call conservation checks (rows sent == rows received, each slot returned once).
+        source: option name -> ``"the argument"``, the environment variable's name, or ``"the default"``.
+    """
+
+    num_max_tokens_per_rank: int = DEFAULT_NUM_MAX_TOKENS_PER_RANK
+    overflow: str = "error"
+    transport: str = "auto"
+    experts_backend: str = "torch"
+    dispatch_fp8: bool = False
+    alignment: int | None = None
+    pool_format: str = "contiguous"
+    mega: str = "off"
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    debug_checks: bool = False
+    source: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "device", torch.device(self.device))
+        cap = self.num_max_tokens_per_rank
+        where = self.source.get("num_max_tokens_per_rank", "the argument")
+        if not isinstance(cap, int) or isinstance(cap, bool) or not 1 <= cap <= MAX_NUM_MAX_TOKENS_PER_RANK:
+            raise InvalidConfigError(
+                f"num_max_tokens_per_rank={cap!r} (from {where}) must be an integer in [1, "
+                f"{MAX_NUM_MAX_TOKENS_PER_RANK}]: the most rows ONE rank feeds per call; `moe-ref plan --budget-gib G` "
+                f"prints the largest that fits G GiB", field="num_max_tokens_per_rank")
+        for name, choices in (("overflow", OVERFLOW_POLICIES), ("transport", TRANSPORTS),
+                              ("experts_backend", registered_backends()), ("mega", MEGA_CHOICES),
+                              ("pool_format", POOL_FORMATS)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise UnknownNameError(f"{name}={value!r} (from {self.source.get(name, 'the argument')}); supported: "
+                                       f"{', '.join(choices)}", field=name)
+        if self.alignment is not None and (not isinstance(self.alignment, int) or self.alignment <= 0):
+            raise InvalidConfigError(f"alignment={self.alignment!r} must be a positive integer (rows)", field="alignment")
+        if self.dtype not in ACTIVATION_DTYPES:
+            raise DTypeError(f"dtype={self.dtype}; MegaMoE parameters must be one of "
+                             f"{', '.join(str(d) for d in ACTIVATION_DTYPES)}", field="dtype")
+        if self.device.type == "cuda":
+            available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = self.device.index if self.device.index is not None else 0
+            if index >= available:
+                raise DeviceUnavailableError(f"device={str(self.device)!r} but torch sees {available} CUDA device(s) "
+                                             f"here; use device='cpu' or run on a machine with that GPU")
+            if self.device.index is None:  # 'cuda' means the current device: name it, so tensors compare equal
+                object.__setattr__(self, "device", torch.device("cuda", torch.cuda.current_device()))
+        elif self.device.type != "cpu":
+            raise DeviceUnavailableError(f"device={str(self.device)!r}: moe_ref runs on 'cpu' and 'cuda' devices")
+
+    @staticmethod
+    def resolve(*, num_max_tokens_per_rank: int | None = None, overflow: str | None = None,
+                transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
+                alignment: int | None = None, pool_format: str | None = None, mega: str | None = None,
+                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                debug_checks: bool | None = None) -> "EPOptions":
+        """Each option from the argument if given (not None; ``"auto"`` counts as given except for the
+        transport, where an operator's ``MOE_REF_TRANSPORT`` still decides), else its environment variable,
+        else the default. ``experts_backend="auto"`` becomes triton on CUDA, torch on CPU; ``alignment=None``
+        becomes that backend's ``segment_alignment``."""
+        source: dict[str, str] = {}
+
+        def pick(name, argument, env_name, env_value, default, argument_wins=lambda v: v is not None):
+            if argument_wins(argument):
+                source[name] = "the argument"
+                return argument
+            if env_value is not None:
+                source[name] = env_name
+                return env_value
+            source[name] = "the default"
+            return default
+
+        cap = pick("num_max_tokens_per_rank", num_max_tokens_per_rank, "MOE_REF_NUM_MAX_TOKENS_PER_RANK",
+                   envs.num_max_tokens_per_rank(), DEFAULT_NUM_MAX_TOKENS_PER_RANK)
+        policy = pick("overflow", overflow, "MOE_REF_OVERFLOW_POLICY", envs.overflow_policy(), "error")
+        transport_name = pick("transport", transport, "MOE_REF_TRANSPORT", envs.transport(), "auto",
+                              argument_wins=lambda v: v not in (None, "auto"))
+        backend = pick("experts_backend", experts_backend, "MOE_REF_EXPERTS_BACKEND", envs.experts_backend(), "auto")
+        device = torch.device(device)
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        if alignment is None and backend in registered_backends():
+            alignment = experts_class(backend, device).segment_alignment  # the pool layout the backend wants
+        pool = pick("pool_format", pool_format, "MOE_REF_POOL_FORMAT", envs.pool_format(), "contiguous")
+        if backend in registered_backends() and pool in POOL_FORMATS:
+            check_pool_format(experts_class(backend, device), pool, source["pool_format"])
+        debug = pick("debug_checks", debug_checks, "MOE_REF_DEBUG_CHECKS", envs.debug_checks(), False)
+        return EPOptions(num_max_tokens_per_rank=cap, overflow=policy, transport=transport_name,
+                         experts_backend=backend, dispatch_fp8=bool(dispatch_fp8), alignment=alignment,
+                         pool_format=pool, mega=mega if mega is not None else "off", dtype=dtype, device=device,
+                         debug_checks=bool(debug), source=source)
+
+    def replace(self, **changes) -> "EPOptions":
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    def fingerprint(self) -> dict[str, str]:
+        """What must be equal on every rank of the group (the device index may differ: one GPU per rank)."""
+        return {"num_max_tokens_per_rank": str(self.num_max_tokens_per_rank), "overflow": self.overflow,
+                "transport": self.transport, "experts_backend": self.experts_backend,
+                "dispatch_fp8": str(self.dispatch_fp8), "alignment": str(self.alignment),
+                "pool_format": self.pool_format, "mega": self.mega, "dtype": str(self.dtype),
+                "device_type": self.device.type, "debug_checks": str(self.debug_checks)}

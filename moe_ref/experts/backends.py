@@ -1,0 +1,142 @@
+"""The built-in expert backends: the torch loop (the oracle), torch ``grouped_mm`` and the Triton grouped MLP.
+Each registers itself (``register_experts``) under the name ``make_experts`` takes.
+
+Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts,
+Db = ceil(Dx / 128), Fb = ceil(F / 128)."""
+from __future__ import annotations
+
+import torch
+
+from moe_ref.core.activations import dense_mlp, gated_activation
+from moe_ref.core.errors import BackendUnavailableError
+from moe_ref.experts.base import ExpertLayout, Experts
+from moe_ref.experts.registry import register_experts
+from moe_ref.kernels._triton_utils import FP8_DTYPE
+
+
+class TorchLoopExperts(Experts):
+    """One plain matmul pair per expert: slow and obviously right. Each row's result does not depend on
+    which other rows share its expert, so chunked and unchunked runs agree bitwise on CPU."""
+
+    name = "torch"
+    computes_whole_segments = True
+    segment_alignment = 128  # whole 128-row segments keep chunked == unchunked bitwise (moe_ref.ep.dispatch NOTE)
+
+    def forward(self, x_RD, layout, x_scale_RDb=None):
+        y_PDx = torch.zeros_like(x_RD)
+        for i, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
+            if count:
+                y_PDx[start:start + count] = dense_mlp(
+                    x_RD[start:start + count], self.gate_up_weight_e2FD[i], self.down_weight_eDF[i],
+                    self.activation, self.situ_beta, self.situ_linear_beta)
+        return y_PDx
+
+
+class GroupedMMExperts(Experts):
+    """``torch.nn.functional.grouped_mm`` (CUTLASS on SM90 for bf16; a composite elsewhere).
+
+    Segments are passed with their aligned ends as ``offs``, so padding rows are computed and then
+    zeroed; no host sync on CUDA. Segments start on multiples of 16 rows: any start works for torch's
+    2-D x 3-D grouped_mm (its TMA stride rule concerns K), and 16 rows also meet the older per-group
+    16-byte check of torch < 2.8 for every dtype.
+    """
+
+    name = "grouped_mm"
+    segment_alignment = 16
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+        if self._grouped_mm is None:
+            raise BackendUnavailableError(f"torch {torch.__version__} has no grouped_mm; use backend='torch'")
+
+    def forward(self, x_RD, layout, x_scale_RDb=None):
+        num_rows = x_RD.shape[0]
+        if num_rows == 0:
+            return torch.zeros_like(x_RD)
+        aligned_e = (layout.num_rows_e + layout.alignment - 1) // layout.alignment * layout.alignment
+        offs_e = (layout.row_start_e + aligned_e).clamp(max=num_rows).to(torch.int32)
+        x_in = x_RD.to(self.gate_up_weight_e2FD.dtype)
+        gate_up_P2F = self._grouped_mm(x_in, self.gate_up_weight_e2FD.transpose(-2, -1), offs=offs_e)
+        gate_PF, up_PF = gate_up_P2F.chunk(2, dim=-1)
+        h_PF = gated_activation(gate_PF, up_PF, self.activation, self.situ_beta, self.situ_linear_beta)
+        y_PDx = self._grouped_mm(h_PF.to(self.down_weight_eDF.dtype).contiguous(),
+                                 self.down_weight_eDF.transpose(-2, -1), offs=offs_e)
+        valid_P = _valid_rows(layout, num_rows, x_RD.device)
+        return torch.where(valid_P[:, None], y_PDx, 0).to(x_RD.dtype)
+
+
+def _valid_rows(layout: ExpertLayout, num_rows: int, device) -> torch.Tensor:
+    """``[P]`` bool, True on rows inside a segment (computed on device, no host sync)."""
+    rows_P = torch.arange(num_rows, device=device)
+    ends_e = layout.row_start_e + layout.num_rows_e
+    seg_P = torch.searchsorted(layout.row_start_e, rows_P, right=True) - 1
+    seg_P = seg_P.clamp(min=0)
+    return (rows_P >= layout.row_start_e[seg_P]) & (rows_P < ends_e[seg_P])
+
+
+class TritonExperts(Experts):
+    """moe_ref's Triton grouped MLP (``kernels.grouped_mlp``): gate/up GEMM with the activation fused in
+    its epilogue, then the down GEMM.
+
+    The kernel maps its M blocks to experts itself and masks every row outside a segment, so segments
+    may start anywhere (``segment_alignment = 1``: the pool holds no padding rows at all). FP8 scales are
+    per row, so they line up with any segment start too.
+
+    Args:
+        gate_up_weight_e2FD: ``[e, 2F, Dx]``, gate rows then up rows (bf16/fp16/fp32; CUDA, or CPU under the
+            interpreter).
+        down_weight_eDF: ``[e, Dx, F]``.
+        activation, situ_beta, situ_linear_beta: see ``moe_ref.core.activations`` (fused in the kernel, fp32).
+        fp8: quantize the weights ONCE here to fp8 e4m3 with fp32 128x128 block scales
+            (``quantize_fp8_per_block_128``) and run the FP8 kernel. ``forward`` then takes the FP8 pool with
+            its per-row per-128 scales as dispatched (``accepts_fp8_input``) and returns bf16; given
+            activation-dtype rows it quantizes them per 128 columns itself and returns their dtype. The fp8
+            gate_up rows are kept interleaved (gate j, up j; ``gate_up_interleaved``), so GEMM1 runs one dot per
+            k-step: 1.03-1.09x faster on an H200 than stacked rows (docs/results/ab_gate_up_layout_*); the bf16
+            kernel gains nothing from it (within 1%), so bf16 runs the caller's weights as given.
+    """
+
+    name = "triton"
+    segment_alignment = 1
+    supports_fp8 = True
+    gate_up_interleaved = False  # the fp8 gate_up rows alternate gate j, up j (True for fp8=True instances)
+
+    def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
+                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False):
+        super().__init__(gate_up_weight_e2FD, down_weight_eDF, activation, situ_beta, situ_linear_beta)
+        self.fp8 = self.accepts_fp8_input = fp8
+        if fp8:
+            from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+            from moe_ref.kernels.grouped_mlp import interleave_gate_up
+
+            # NOTE: the originals stay referenced by the base class (the caller's tensors, no copy).
+            gate_up_fp8_e2FD, self.gate_up_scale_e2FbDb = quantize_fp8_per_block_128(gate_up_weight_e2FD)
+            self.gate_up_fp8_e2FD = interleave_gate_up(gate_up_fp8_e2FD)  # the block scales stay stacked
+            self.gate_up_interleaved = True
+            self.down_fp8_eDF, self.down_scale_eDbFb = quantize_fp8_per_block_128(down_weight_eDF)
+
+    def forward(self, x_RD, layout, x_scale_RDb=None):
+        from moe_ref.kernels.grouped_mlp import grouped_mlp
+
+        options = dict(activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
+                       num_rows_hint=layout.rows_hint(),  # picks GPU tiles
+                       zero_unused_rows=layout.zero_unused_rows)
+        if not self.fp8:
+            return grouped_mlp(x_RD, self.gate_up_weight_e2FD, self.down_weight_eDF, layout.row_start_e,
+                               layout.num_rows_e, **options)
+        out_dtype = torch.bfloat16
+        if x_RD.dtype != FP8_DTYPE:  # activation-dtype rows (used outside the dispatcher): quantize them here
+            from moe_ref.kernels.fp8 import quantize_fp8_per_128
+
+            out_dtype = x_RD.dtype
+            x_RD, x_scale_RDb = quantize_fp8_per_128(x_RD)
+        y_PDx = grouped_mlp(x_RD, self.gate_up_fp8_e2FD, self.down_fp8_eDF, layout.row_start_e,
+                            layout.num_rows_e, x_scale_RDb=x_scale_RDb, gate_up_scale=self.gate_up_scale_e2FbDb,
+                            down_scale=self.down_scale_eDbFb, gate_up_interleaved=self.gate_up_interleaved, **options)
+        return y_PDx.to(out_dtype)
+
+
+register_experts("torch", TorchLoopExperts)
+register_experts("grouped_mm", GroupedMMExperts)
+register_experts("triton", TritonExperts)

@@ -1,0 +1,141 @@
+"""The experts contract: ``ExpertLayout`` (where each local expert's rows lie in the receive pool) and the
+``Experts`` ABC every backend implements (see the package docstring for the backends).
+
+Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts,
+Db = ceil(Dx / 128), Fb = ceil(F / 128)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from moe_ref.core.errors import DTypeError, InvalidConfigError
+from moe_ref.kernels._triton_utils import FP8_DTYPE
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where each local expert's rows sit in the receive pool.
+
+    Attributes:
+        row_start_e: ``[e]`` int64, first pool row of each expert (a multiple of ``alignment``).
+        num_rows_e: ``[e]`` int64, valid rows of each expert (may be 0).
+        num_pool_rows: P, rows of the pool tensor the experts get (>= the last segment's aligned end; the
+            dispatcher passes exactly that prefix of its receive pool).
+        alignment: segment alignment in rows (the backend's ``segment_alignment`` by default).
+        num_rows_hint: about how many rows are valid, known on the host without a sync (the device-side
+            dispatch passes its static estimate, so a call can be captured in a CUDA graph); None: backends
+            that need it read ``num_rows_e.sum()`` (a host sync).
+        zero_unused_rows: False lets a backend leave output rows outside every segment unwritten (the device-side
+            dispatch hands over its whole pool and never reads them; zeroing them would cost more than the GEMMs
+            at decode). True: they come out as zeros.
+        masked_rows: M > 0 when the pool is masked (``moe_ref.ep.capacity``): expert i's segment starts at i * M and
+            ``num_pool_rows == e * M``, so the pool viewed as ``[e, M, Dx]`` is DeepGEMM's masked layout with
+            ``num_rows_e`` as its ``masked_m``. 0: contiguous segments.
+    """
+
+    row_start_e: torch.Tensor
+    num_rows_e: torch.Tensor
+    num_pool_rows: int
+    alignment: int
+    num_rows_hint: int | None = None
+    zero_unused_rows: bool = True
+    masked_rows: int = 0
+
+    def rows_hint(self) -> int:
+        """``num_rows_hint``, or the exact count of valid rows (NOTE: then a host sync)."""
+        return int(self.num_rows_e.sum()) if self.num_rows_hint is None else self.num_rows_hint
+
+    @staticmethod
+    def from_counts(num_rows_e: torch.Tensor, alignment: int, num_pool_rows: int | None = None) -> "ExpertLayout":
+        """Pack segments back to back, each starting on a multiple of ``alignment``.
+
+        Example: counts [3, 0, 5], alignment 4 -> starts [0, 4, 4], ends 3, 4, 9; P = 12 unless given.
+        """
+        num_rows_e = num_rows_e.to(torch.int64)
+        aligned_e = (num_rows_e + alignment - 1) // alignment * alignment
+        row_start_e = torch.cumsum(aligned_e, 0) - aligned_e
+        needed = int(aligned_e.sum()) if num_pool_rows is None else num_pool_rows
+        return ExpertLayout(row_start_e, num_rows_e, needed, alignment)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_rows_e.numel()
+
+    def row_expert_R(self) -> torch.Tensor:
+        """``[P]`` int64: the local expert of each pool row, -1 for padding rows (R in the name predates the legend)."""
+        expert_P = torch.full((self.num_pool_rows,), -1, dtype=torch.int64, device=self.num_rows_e.device)
+        for i, (start, count) in enumerate(zip(self.row_start_e.tolist(), self.num_rows_e.tolist())):
+            expert_P[start:start + count] = i
+        return expert_P
+
+
+class Experts(ABC):
+    """The local experts' weights and one way to run them.
+
+    Args:
+        gate_up_weight_e2FD: ``[e, 2F, Dx]`` gate rows then up rows of each local expert.
+        down_weight_eDF: ``[e, Dx, F]``.
+        activation, situ_beta, situ_linear_beta: see ``moe_ref.core.activations``.
+    """
+
+    name = "abstract"
+    # True: give me whole aligned segments with zeroed padding (see moe_ref.ep.dispatch's NOTE); False: I skip
+    # padding rows myself and leave them zero in my output.
+    computes_whole_segments = False
+    # Rows each expert segment of the receive pool should start on: what MegaMoE plans its pool with
+    # unless told otherwise. Smaller = fewer padding rows the experts are handed.
+    segment_alignment = 128
+    # The receive-pool formats (``moe_ref.ep.capacity``) this backend runs; the layer refuses the others (CFG007).
+    # Reading segments through ``row_start_e``/``num_rows_e`` runs both; deep_gemm runs DeepGEMM's masked GEMMs on
+    # a masked pool.
+    pool_formats = ("contiguous", "masked")
+    # True: the constructor takes keyword-only ``fp8`` (weights quantized once to fp8 128x128 blocks).
+    supports_fp8 = False
+    # Whether this instance runs fp8 weights, and whether its forward takes the FP8 pool (fp8 ``x_RD`` +
+    # ``x_scale_RDb``) as dispatched. Backends set them per instance (they follow ``fp8``).
+    fp8 = False
+    accepts_fp8_input = False
+
+    def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
+                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+        self.gate_up_weight_e2FD = gate_up_weight_e2FD
+        self.down_weight_eDF = down_weight_eDF
+        self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
+
+    @abstractmethod
+    def forward(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_RD [P, Dx]`` pool rows -> ``y_PDx [P, Dx]`` (padding rows zero): in ``x_RD``'s dtype, bf16 for
+        an fp8 ``x_RD`` (which comes with its ``x_scale_RDb [P, Db]`` fp32, only where
+        ``accepts_fp8_input``)."""
+
+    def __call__(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
+        """Check the input format against ``accepts_fp8_input``, then ``forward``.
+
+        Args:
+            x_RD: ``[P, Dx]`` pool rows: the activation dtype, or fp8 e4m3 for a backend that accepts it.
+            layout: the segments of the local experts in ``x_RD``.
+            x_scale_RDb: ``[P, Db]`` fp32 per-row per-128-column scales, given iff ``x_RD`` is fp8.
+
+        Returns:
+            ``y_PDx [P, Dx]``; raises ``DTypeError`` (INP002) for fp8 rows this backend cannot take, or a
+            missing/unexpected scale.
+        """
+        is_fp8 = x_RD.dtype == FP8_DTYPE
+        if is_fp8 and not self.accepts_fp8_input:
+            raise DTypeError(f"experts backend {self.name!r} (fp8={self.fp8}) takes {self.gate_up_weight_e2FD.dtype} "
+                             f"rows, got {x_RD.dtype}: dequantize first (Dispatcher.expert_input does)")
+        if is_fp8 != (x_scale_RDb is not None):
+            raise DTypeError(f"x_scale_RDb must be given exactly for fp8 rows: x_RD is {x_RD.dtype}, x_scale_RDb is "
+                             f"{'None' if x_scale_RDb is None else tuple(x_scale_RDb.shape)}")
+        return self.forward(x_RD, layout, x_scale_RDb)
+
+
+def check_pool_format(experts: "Experts | type[Experts]", pool_format: str, where: str = "the argument") -> None:
+    """Raise ``InvalidConfigError`` (CFG007) when ``experts`` (a backend or its class) does not run ``pool_format``
+    pools (its ``pool_formats``); ``where`` names the option's source."""
+    if pool_format not in experts.pool_formats:
+        raise InvalidConfigError(f"pool_format={pool_format!r} (from {where}): the {experts.name} experts run "
+                                 f"{', '.join(experts.pool_formats)} pools only; pick one of those, or another "
+                                 f"experts backend", field="pool_format")

@@ -1,0 +1,160 @@
+"""Expert backends for checkpoint-quantized weights (``moe_ref.checkpoint.formats.QuantizedExpertWeights``), kept as stored.
+
+    load_quantized_experts(...) --> QuantizedExpertWeights --make_quantized_experts--> Experts
+      int4_group / mxfp4, "triton": W4A16Experts   (kernels.grouped_mlp's 4-bit path: nibbles unpacked and
+                                                    group-32 scales applied in the K loop, x's dtype dots)
+      fp8_block,          "triton": FP8BlockExperts (TritonExperts' FP8 kernel fed the checkpoint's own e4m3
+                                                    weights and 128x128 scales: no bf16 round trip, no re-quant)
+      any format,         "torch":  QuantTorchExperts (the per-expert torch loop on each expert's weights
+                                                    dequantized to fp32 when its rows run: the reference)
+
+Every backend holds only the stored tensors (device bytes == ``qweights.nbytes()``) and is called like any
+``moe_ref.experts.Experts``: ``experts(x_RD, layout, x_scale_RDb=None) -> y_RD``. Shape legend as in
+``moe_ref.experts`` and ``moe_ref.checkpoint.formats``.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_ref.core.errors import UnknownNameError
+from moe_ref.experts import Experts, TorchLoopExperts, TritonExperts
+from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, dequantize_weight
+
+QUANT_BACKENDS = ("auto", "triton", "torch")
+
+
+class W4A16Experts(Experts):
+    """INT4 (compressed-tensors pack-quantized) or MXFP4 experts on ``kernels.grouped_mlp``'s weight-only path.
+
+    Activations stay bf16/fp16/fp32 (``x_RD``'s dtype), accumulation is fp32, h and y are rounded to x's
+    dtype. Segments may start anywhere (the kernel masks rows itself), as for ``TritonExperts``.
+
+    NOTE: correct but not yet fast. One H200 run (docs/results/bench_w4a16.json; 48 experts, D 7168, F 2048,
+    bf16 x): 1567 / 1752 us (INT4) and 1928 / 2400 us (MXFP4) at 64 / 512 routed rows, against 905 / 1141 us
+    for bf16 experts: 0.47-0.65x, not the 3x that 4x fewer weight bytes allow. The tiles are the bf16 lists.
+
+    Args:
+        qweights: int4_group or mxfp4 ``QuantizedExpertWeights`` on CUDA (or CPU under the interpreter).
+        activation, situ_beta, situ_linear_beta: see ``moe_ref.core.activations``.
+    """
+
+    name = "w4a16"
+    segment_alignment = 1
+
+    def __init__(self, qweights: QuantizedExpertWeights, activation: str = "silu", situ_beta: float = 4.0,
+                 situ_linear_beta: float = 25.0):
+        if qweights.spec.format == QuantFormat.FP8_BLOCK:
+            raise UnknownNameError("W4A16Experts takes int4_group or mxfp4 weights; fp8_block goes to FP8BlockExperts "
+                                   "(make_quantized_experts picks it)")
+        super().__init__(qweights.gate_up_qweight_e2FDq, qweights.down_qweight_eDFq, activation, situ_beta,
+                         situ_linear_beta)
+        self.qweights = qweights
+
+    def forward(self, x_RD, layout, x_scale_RDb=None):
+        from moe_ref.kernels.grouped_mlp import grouped_mlp
+
+        q = self.qweights
+        return grouped_mlp(x_RD, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e,
+                           self.activation, self.situ_beta, self.situ_linear_beta,
+                           gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs,
+                           num_rows_hint=layout.rows_hint(),  # picks GPU tiles (no host sync when the layout has it)
+                           zero_unused_rows=layout.zero_unused_rows)
+
+
+class FP8BlockExperts(TritonExperts):
+    """``TritonExperts`` with ``fp8=True``, built from a checkpoint's e4m3 weights and fp32 128x128 block scales
+    (DeepSeek-V3/R1, Kimi-K2-Instruct, Step3 FP8) instead of quantizing bf16 weights: the forward pass is
+    TritonExperts' (FP8 pool as dispatched, or activation-dtype rows quantized per 128 columns here).
+
+    Args:
+        qweights: fp8_block ``QuantizedExpertWeights`` (F % 128 == 0, checked at load).
+        activation, situ_beta, situ_linear_beta: see ``moe_ref.core.activations``.
+    """
+
+    def __init__(self, qweights: QuantizedExpertWeights, activation: str = "silu", situ_beta: float = 4.0,
+                 situ_linear_beta: float = 25.0):
+        if qweights.spec.format != QuantFormat.FP8_BLOCK:
+            raise UnknownNameError(f"FP8BlockExperts takes fp8_block weights, got {qweights.spec.format.value}")
+        # NOTE: skips TritonExperts.__init__, which would quantize: the checkpoint's tensors are used as stored.
+        Experts.__init__(self, qweights.gate_up_qweight_e2FDq, qweights.down_qweight_eDFq, activation, situ_beta,
+                         situ_linear_beta)
+        self.fp8 = self.accepts_fp8_input = True
+        # NOTE: stacked gate/up rows, as loaded: interleaving them here would hold a second copy beside the layer's
+        # ``quantized_experts`` (the loader could write them interleaved; not done yet), at 3-9% of GEMM time
+        self.gate_up_interleaved = False
+        self.gate_up_fp8_e2FD, self.gate_up_scale_e2FbDb = qweights.gate_up_qweight_e2FDq, qweights.gate_up_scale_e2FDs
+        self.down_fp8_eDF, self.down_scale_eDbFb = qweights.down_qweight_eDFq, qweights.down_scale_eDFs
+        self.qweights = qweights
+
+
+class _DequantizingStack:
+    """``[e, N, K]``-like view of stored expert weights: ``stack[i]`` dequantizes expert i to fp32 on access."""
+
+    dtype = torch.float32
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat):
+        self.qweight, self.scale, self.fmt = qweight, scale, fmt
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return dequantize_weight(self.qweight[i], self.scale[i], self.fmt, torch.float32)
+
+
+class QuantTorchExperts(TorchLoopExperts):
+    """The per-expert torch loop (``TorchLoopExperts``) on the stored weights, each expert dequantized to fp32
+    when its rows run: runs anywhere, keeps only the stored bytes, and is the reference of the quantized
+    kernels (fp32 GEMMs, output in x's dtype).
+
+    Args:
+        qweights: ``QuantizedExpertWeights`` of any format.
+        activation, situ_beta, situ_linear_beta: see ``moe_ref.core.activations``.
+    """
+
+    name = "torch_quant"
+
+    def __init__(self, qweights: QuantizedExpertWeights, activation: str = "silu", situ_beta: float = 4.0,
+                 situ_linear_beta: float = 25.0):
+        fmt = qweights.spec.format
+        super().__init__(_DequantizingStack(qweights.gate_up_qweight_e2FDq, qweights.gate_up_scale_e2FDs, fmt),
+                         _DequantizingStack(qweights.down_qweight_eDFq, qweights.down_scale_eDFs, fmt),
+                         activation, situ_beta, situ_linear_beta)
+        self.qweights = qweights
+
+
+def quantized_experts_class(fmt: QuantFormat | str, backend: str = "auto",
+                            device: torch.device | str = "cpu") -> type[Experts]:
+    """The class ``make_quantized_experts`` builds, without weights (its ``segment_alignment`` is what a layer
+    plans its pool with).
+
+    Args:
+        fmt: the checkpoint's ``QuantFormat`` (or its value).
+        backend: ``"auto"`` (triton on CUDA, else torch), ``"triton"`` or ``"torch"``.
+        device: where the weights live (decides ``auto``).
+
+    Returns:
+        ``W4A16Experts``, ``FP8BlockExperts`` or ``QuantTorchExperts``; ``UnknownNameError`` (CFG006) otherwise.
+    """
+    if backend not in QUANT_BACKENDS:
+        raise UnknownNameError(f"quantized experts backend={backend!r}; supported: {', '.join(QUANT_BACKENDS)}")
+    if backend == "auto":
+        backend = "triton" if torch.device(device).type == "cuda" else "torch"
+    if backend == "torch":
+        return QuantTorchExperts
+    return FP8BlockExperts if QuantFormat(fmt) == QuantFormat.FP8_BLOCK else W4A16Experts
+
+
+def make_quantized_experts(qweights: QuantizedExpertWeights, activation: str = "silu", situ_beta: float = 4.0,
+                           situ_linear_beta: float = 25.0, *, backend: str = "auto") -> Experts:
+    """This rank's experts backend for checkpoint-quantized weights (kept as stored, no bf16 copy).
+
+    Args:
+        qweights: from ``moe_ref.checkpoint.quantized.load_quantized_experts``.
+        activation, situ_beta, situ_linear_beta: the model's (``cfg.activation``, ``cfg.situ_beta``, ...).
+        backend: ``"auto"`` (triton on CUDA, else torch), ``"triton"`` (W4A16 kernel for int4/mxfp4, the FP8
+            block kernel for fp8_block; CUDA or the interpreter) or ``"torch"`` (dequantize-per-expert loop).
+
+    Returns:
+        An ``Experts``: ``experts(x_RD, layout, x_scale_RDb=None) -> y_RD``. Only ``FP8BlockExperts`` takes the
+        FP8 pool (``accepts_fp8_input``); the others take activation-dtype rows.
+    """
+    cls = quantized_experts_class(qweights.spec.format, backend, qweights.device)
+    return cls(qweights, activation, situ_beta, situ_linear_beta)

@@ -1,0 +1,509 @@
+"""``moe-ref`` (also ``python -m moe_ref``): plan | check | explain | demo | bench | info.
+
+    moe-ref plan --preset kimi-k2 --ep 8 --max-num-tokens 1024 [--budget-gib 4]
+    moe-ref check --config config.json --tp 8 --ep 8 --dp 8
+    moe-ref explain CAP001
+    moe-ref demo                      # EP over 2 processes (CPU, or GPUs when present)
+    moe-ref demo --preset tiny-kimi-k3 --quant mxfp4   # the same from a quantized checkpoint, kept as stored
+    moe-ref bench                     # expert backends on this machine
+    moe-ref info                      # versions, devices, backends and why not
+
+Every moe_ref error ends the command with one line on stderr, ``moe-ref: [CODE] message (see: moe-ref
+explain CODE)``, and exit status 2; ``--debug`` (or ``MOE_REF_DEBUG=1``) adds the traceback. Flags are
+checked before any work (CFG015); commands that allocate estimate their bytes first and refuse (ENV016)
+unless ``--skip-memory-check``. Progress goes to stderr, results to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import torch
+
+from moe_ref.core import envs
+from moe_ref.ep.capacity import CapacityPlan, format_bytes
+from moe_ref.core.config import PRESETS, MoEConfig, ParallelConfig
+from moe_ref.core.errors import (
+    CATALOGUE,
+    CommandLineError,
+    DeviceUnavailableError,
+    FP8AlignmentError,
+    InsufficientMemoryError,
+    MoERefError,
+    PathNotWritableError,
+    explain,
+)
+from moe_ref.ep.options import POOL_FORMATS, EPOptions
+from moe_ref.checkpoint.formats import QuantFormat, QuantSpec, expert_weight_bytes, quant_spec_from_config, shape_problem
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEMO_CAP = 64  # below the demo's 150 tokens on rank 0, so the chunk policy shows
+
+
+# --- flags, environment and preflight checks (shared with moe_ref.tools.dist_check) --------------------------
+class CommandLineParser(argparse.ArgumentParser):
+    """argparse whose errors are the coded ``CommandLineError`` (CFG015) instead of usage + ``exit(2)``."""
+
+    def error(self, message: str):
+        raise CommandLineError(f"{self.prog}: {message}; `{self.prog} --help` lists the flags")
+
+
+def int_at_least(minimum: int):
+    """argparse ``type=``: an integer >= ``minimum`` (argparse names the flag in the message)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer (needs an integer >= {minimum})") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: needs an integer >= {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (needs a number > 0)") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is out of range: needs a finite number > 0")
+    return value
+
+
+def resolve_cap(cap: int | None, default: int) -> int:
+    """The cap a command uses, resolved as the layer resolves it (``EPOptions.resolve``: the flag, else
+    ``MOE_REF_NUM_MAX_TOKENS_PER_RANK``, checked there: CFG007 naming where a bad value came from), with the
+    command's own ``default`` when neither is given."""
+    options = EPOptions.resolve(num_max_tokens_per_rank=cap)
+    return default if options.source["num_max_tokens_per_rank"] == "the default" else options.num_max_tokens_per_rank
+
+
+def require_devices(device: str, num_devices: int) -> None:
+    """``device='cuda'`` needs ``num_devices`` visible CUDA GPUs (one per process); else ENV006."""
+    if device != "cuda":
+        return
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < num_devices:
+        fix = f"fewer processes (--nproc {found})" if found else "a machine with GPUs and a CUDA build of torch"
+        raise DeviceUnavailableError(
+            f"--device cuda needs {num_devices} CUDA GPU(s) (one per process) and torch sees {found} "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu "
+            f"(or auto), or {fix}")
+
+
+def available_memory_bytes(gpu_index: int | None = None) -> tuple[int, str]:
+    """``(bytes available now, where)``: host ``MemAvailable``, or the free memory of GPU ``gpu_index``."""
+    if gpu_index is not None:
+        return torch.cuda.mem_get_info(gpu_index)[0], f"GPU {gpu_index}"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "host memory (MemAvailable)"
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host memory"
+
+
+def demo_memory_bytes(cfg: MoEConfig, num_ranks: int, cap: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes ONE rank of ``moe_ref.tools.dist_check`` holds at least: every expert (the single-process reference
+    runs them all), this rank's experts (the layer's parameters) and its symmetric buffer (the plan)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    D, F, Dx, S, L = (cfg.hidden_size, cfg.intermediate_size, cfg.expert_hidden_size,
+                      cfg.shared_intermediate_size, cfg.latent_dim or 0)
+    per_expert = 3 * F * Dx  # gate||up [2F, Dx] + down [Dx, F]
+    dense = cfg.num_experts * D + (3 * S * D if cfg.has_shared_experts else 0) + 2 * L * D + L  # router, shared, latent
+    bias = 4 * cfg.num_experts if cfg.use_selection_bias else 0  # fp32
+    plan = CapacityPlan.build(cfg, num_ranks, cap, dtype, alignment=128)  # CFG002 if num_ranks does not divide E
+    return {"all experts": (cfg.num_experts * per_expert + dense) * itemsize + bias,
+            "this rank's experts": (cfg.num_experts // num_ranks * per_expert + dense) * itemsize + bias,
+            "buffer": plan.total_bytes}
+
+
+def require_memory(need: int, what: str, fixes: str, gpu_index: int | None = None) -> None:
+    """Refuse (ENV016) when ``need`` bytes exceed the memory available now (host, or GPU ``gpu_index``)."""
+    available, where = available_memory_bytes(gpu_index)
+    if need > available:
+        raise InsufficientMemoryError(
+            f"{what} needs at least {format_bytes(need)} ({need} bytes) and {where} has {format_bytes(available)} "
+            f"({available} bytes) available; {fixes}, or pass --skip-memory-check to try anyway")
+
+
+def check_demo_memory(cfg: MoEConfig, num_ranks: int, cap: int, dtype: torch.dtype,
+                      gpu_index: int | None = None) -> None:
+    """ENV016 unless the demo's weights and buffers fit: every rank's bytes in host memory (CPU: all
+    processes on this host), or one rank's bytes on GPU ``gpu_index``."""
+    parts = demo_memory_bytes(cfg, num_ranks, cap, dtype)
+    num_copies = num_ranks if gpu_index is None else 1
+    what = (f"{cfg.name} over {num_ranks} process(es) on {'cpu' if gpu_index is None else 'cuda'} "
+            f"({', '.join(f'{name} {format_bytes(num)}' for name, num in parts.items())} per process"
+            f"{f', x {num_copies} processes' if num_copies > 1 else ''})")
+    tiny = cfg.name if cfg.name.startswith("tiny-") else f"tiny-{cfg.name}"
+    fixes = (f"use --preset {tiny} (the same routing at test sizes) or a model with fewer experts, a smaller "
+             f"--cap, or GPUs (--device cuda: bf16, one GPU per process)")
+    require_memory(sum(parts.values()) * num_copies, what, fixes, gpu_index)
+
+
+def writable_folder(path: str) -> str:
+    """``path`` as a folder this process can write (created if absent), else ENV015."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise PathNotWritableError(f"--checkpoint {path!r} cannot be created or written ({err.strerror or err}: "
+                                   f"{err.filename or path}); pass a folder you can write, or leave "
+                                   f"--checkpoint out to use a private temporary folder") from None
+    return path
+
+
+def _add_model_args(p: argparse.ArgumentParser, default: str | None = "kimi-k2") -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=PRESETS, help=f"a built-in model{f' (default: {default})' if default else ''}")
+    src.add_argument("--config", help="an HF config.json (or its folder)")
+
+
+def _load_cfg(args, validate: bool = True) -> MoEConfig:
+    from moe_ref.core.config import preset
+
+    if args.config:
+        return MoEConfig.from_hf_config(args.config, validate=validate)
+    return preset(args.preset or "kimi-k2")
+
+
+def expert_memory_lines(cfg: MoEConfig, ep_size: int, spec: QuantSpec | None, plain_dtype: str) -> list[str]:
+    """The bytes of ONE EP rank's routed experts (gate, up, down and their scales) in each precision, one line
+    each: ``plain_dtype`` and the three checkpoint formats; the config's own (``spec``, from its
+    ``quantization_config``; else the plain dtype) is marked. What ``MegaMoE.load_hf_weights`` holds on the
+    device for that checkpoint (``expert_nbytes()``)."""
+    count, F, Dx = cfg.num_experts // ep_size, cfg.intermediate_size, cfg.expert_hidden_size
+    own = spec.format.value if spec is not None else plain_dtype
+    mark = ("  <- the checkpoint (its quantization_config)" if spec is not None else
+            "  <- this config (no quantization_config: plain weights)")
+    lines = [f"routed experts per rank ({count} of {cfg.num_experts}, Dx={Dx}, F={F}; weights + scales):"]
+    for name in (plain_dtype, *(f.value for f in QuantFormat)):
+        problem = None if name == plain_dtype else shape_problem(name, Dx, F)
+        if problem:
+            lines.append(f"  {name:<11} {'n/a':>11}: {problem}")
+            continue
+        fmt_spec = None if name == plain_dtype else QuantSpec.published(name)
+        nbytes = expert_weight_bytes(fmt_spec, Dx, F, count, DTYPES[plain_dtype])
+        lines.append(f"  {name:<11} {format_bytes(nbytes):>11}{mark if name == own else ''}")
+    return lines
+
+
+def _quant_spec(args) -> QuantSpec | None:
+    """The ``quantization_config`` of ``--config`` (presets have none)."""
+    return quant_spec_from_config(args.config) if args.config else None
+
+
+# --- plan ------------------------------------------------------------------------------------------------
+def cmd_plan(args) -> int:
+    from moe_ref.ep.capacity import max_tokens_for_budget
+
+    cfg = _load_cfg(args)
+    parallel = ParallelConfig(ep_size=args.ep, dp_size=args.dp, attention_dp=args.attention_dp)
+    for problem in parallel.problems(cfg):
+        raise problem
+    dtype = DTYPES[args.dtype]
+    print(f"{cfg.name}: E={cfg.num_experts}, K={cfg.num_topk}, D={cfg.hidden_size}, F={cfg.intermediate_size}"
+          f"{f', latent L={cfg.latent_dim}' if cfg.latent_dim else ''}; ep={args.ep}, dp={args.dp}, "
+          f"attention-dp={'on' if args.attention_dp else 'off'}")
+    cap = resolve_cap(args.max_num_tokens, default=4096)
+    print(f"cap = {cap} rows fed by ONE rank per call (never multiplied by dp or ep size)")
+    plan = CapacityPlan.build(cfg, args.ep, cap, dtype, dispatch_fp8=args.dispatch_fp8,
+                              alignment=args.alignment, pool_format=args.pool_format)
+    print(plan.report())
+    print("\n" + "\n".join(expert_memory_lines(cfg, args.ep, _quant_spec(args), args.dtype)))
+    if args.budget_gib is not None:
+        best = max_tokens_for_budget(cfg, args.ep, int(args.budget_gib * 2**30), dtype,
+                                     dispatch_fp8=args.dispatch_fp8, alignment=args.alignment,
+                                     pool_format=args.pool_format)
+        best_plan = plan.with_cap(best)
+        print(f"\nlargest cap within {args.budget_gib} GiB per rank: {best} tokens "
+              f"({best_plan.total_bytes / 2**30:.3f} GiB)")
+    return 0
+
+
+# --- check -----------------------------------------------------------------------------------------------
+def cmd_check(args) -> int:
+    cfg = _load_cfg(args, validate=False)
+    problems = list(cfg.problems())
+    if not problems:
+        problems += ParallelConfig(tp_size=args.tp, ep_size=args.ep, dp_size=args.dp).problems(cfg)
+        if args.dispatch_fp8:
+            bad = {n: v for n, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
+                                     ("expert_hidden_size", cfg.expert_hidden_size)) if v % 128}
+            if bad:
+                problems.append(FP8AlignmentError(f"FP8 needs multiples of 128; not: {bad}"))
+    where = args.config or args.preset or "kimi-k2"
+    if not problems:
+        print(f"OK: {where} with tp={args.tp} ep={args.ep} dp={args.dp} "
+              f"({cfg.num_experts // args.ep} experts per EP rank)")
+        return 0
+    print(f"{len(problems)} problem(s) with {where} at tp={args.tp} ep={args.ep} dp={args.dp}:")
+    for problem in problems:
+        print(f"  - {problem}")
+    return 1
+
+
+# --- explain ---------------------------------------------------------------------------------------------
+def cmd_explain(args) -> int:
+    if args.code is None or args.list:
+        for code, entry in sorted(CATALOGUE.items()):
+            print(f"{code}  {entry.title}")
+        return 0
+    try:
+        print(explain(args.code))
+    except KeyError as err:
+        print(err.args[0], file=sys.stderr)
+        return 2
+    return 0
+
+
+# --- demo ------------------------------------------------------------------------------------------------
+def cmd_demo(args) -> int:
+    from moe_ref.core.config import preset
+
+    private = args.checkpoint is None
+    step = _Steps("demo", 3 if private else 2)
+    step("checking flags, device and memory")
+    cap = resolve_cap(args.cap, default=DEMO_CAP)
+    cfg = preset(args.preset)
+    if args.quant:  # dist_check writes the checkpoint at these sizes
+        from moe_ref.checkpoint.synthetic import quantizable_config
+
+        cfg = quantizable_config(cfg, args.quant)
+    for problem in ParallelConfig(ep_size=args.nproc).problems(cfg):  # e.g. CFG002: --nproc must divide E
+        raise problem
+    require_devices(args.device, args.nproc)
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.device_count() >= args.nproc)
+    device, dtype = ("cuda", "bf16") if on_gpu else ("cpu", "fp32")
+    if not args.skip_memory_check and not on_gpu:  # on GPUs each rank checks its own (no CUDA context here)
+        check_demo_memory(cfg, args.nproc, cap, DTYPES[dtype])
+    checkpoint = tempfile.mkdtemp(prefix="moe_ref_demo_") if private else writable_folder(args.checkpoint)
+    try:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+                   "-m", "moe_ref.tools.dist_check", "--preset", args.preset, "--checkpoint", checkpoint,
+                   "--tokens-per-rank", str(args.tokens_per_rank), "--cap", str(cap), "--overflow", "chunk",
+                   "--runs", str(args.runs), "--device", device, "--dtype", dtype]
+        command += ["--skip-memory-check"] * args.skip_memory_check + ["--debug"] * args.debug
+        command += ["--quant", args.quant] if args.quant else []
+        chunked = (f"{args.tokens_per_rank} tokens on rank 0 > cap {cap} -> chunk policy"
+                   if args.tokens_per_rank > cap else f"{args.tokens_per_rank} tokens on rank 0 <= cap {cap}")
+        quantized = (f", routed experts stored as {args.quant} and run as stored (F={cfg.intermediate_size}, "
+                     f"Dx={cfg.expert_hidden_size})" if args.quant else "")
+        print(f"demo: {args.preset} over {args.nproc} processes on {'GPU (NCCL)' if on_gpu else 'CPU (gloo)'}, "
+              f"checkpoint {checkpoint}{' (private, removed at the end)' if private else ''}, {chunked}{quantized}")
+        step(f"running {args.nproc} processes (torchrun); rank 0 reports its steps")
+        print("$ " + " ".join(command), flush=True)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        status = subprocess.call(command, env=env)
+    finally:
+        if private:
+            step("removing the private checkpoint folder")
+            shutil.rmtree(checkpoint, ignore_errors=True)
+    if status != 0:
+        print(f"moe-ref: demo failed: torchrun exited with status {status} (see the output above)", file=sys.stderr)
+    return status
+
+
+class _Steps:
+    """Prints ``<name> [i/n] what`` on stderr as a long command moves on."""
+
+    def __init__(self, name: str, total: int):
+        self.name, self.total, self.done = name, total, 0
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        print(f"{self.name} [{self.done}/{self.total}] {what}", file=sys.stderr, flush=True)
+
+
+# --- bench -----------------------------------------------------------------------------------------------
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from moe_ref.experts import ExpertLayout, make_experts
+    from moe_ref.testing import bench, calc_diff
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    e, D, F = args.experts, args.hidden, args.intermediate
+    if args.rows < e:
+        raise CommandLineError(f"moe-ref bench: --rows {args.rows} < --experts {e}: every expert needs at least "
+                               f"one row (rows are split evenly); pass --rows >= {e}")
+    if not args.skip_memory_check:  # fp32 weights as generated (+ a copy in dtype), the pool, 2F-wide and 2 outputs
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        weights = 3 * e * F * D * (4 + (itemsize if dtype != torch.float32 else 0))
+        need = weights + (args.rows + e * 127) * (3 * D + 2 * F) * itemsize
+        require_memory(need, f"bench at --experts {e} --hidden {D} --intermediate {F} --rows {args.rows}",
+                       "pass fewer --experts or smaller --hidden/--intermediate/--rows",
+                       0 if device == "cuda" else None)
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(e, 2 * F, D, generator=gen) / D**0.5).to(device, dtype)
+    down = (torch.randn(e, D, F, generator=gen) / F**0.5).to(device, dtype)
+    counts = torch.full((e,), args.rows // e, dtype=torch.int64)
+    layout = ExpertLayout.from_counts(counts.to(device), 128)
+    x = torch.randn(layout.num_pool_rows, D, generator=gen).to(device, dtype)
+    backends = ["torch", "grouped_mm"] + (["triton"] if device == "cuda" else [])
+    ref = make_experts("torch", gate_up, down)(x, layout)
+    flops = 2 * 3 * int(counts.sum()) * D * F
+    print(f"experts e={e} D={D} F={F} rows={int(counts.sum())} on {device} ({dtype})")
+    print(f"{'backend':>12} {'us':>10} {'TFLOP/s':>8} {'x torch':>8} {'calc_diff':>10}")
+    base = None
+    for name in tqdm(backends, desc="backends", file=sys.stderr, ncols=80, leave=False):
+        try:
+            experts = make_experts(name, gate_up, down)
+            out = experts(x, layout)
+            t_us = bench(lambda: experts(x, layout), iters=args.iters)
+        except MoERefError as err:
+            tqdm.write(f"{name:>12}  unavailable: {err}", file=sys.stdout)
+            continue
+        base = base or t_us
+        tqdm.write(f"{name:>12} {t_us:>10.1f} {flops / t_us / 1e6:>8.2f} {base / t_us:>8.2f} {calc_diff(out, ref):>10.2e}",
+                   file=sys.stdout)
+    print("(full GPU benchmarks: scripts/bench_experts.py, scripts/bench_layer.py)")
+    return 0
+
+
+# --- info ------------------------------------------------------------------------------------------------
+def cmd_info(args) -> int:
+    import triton
+
+    import moe_ref
+
+    print(f"moe_ref {moe_ref.__version__}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"python {sys.version.split()[0]}")
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        print(f"CUDA: {len(names)} device(s): {', '.join(names)}")
+    else:
+        print("CUDA: not available (CPU: experts backend 'torch', Triton kernels run only under TRITON_INTERPRET=1)")
+    print(f"torch.nn.functional.grouped_mm: {'yes' if hasattr(torch.nn.functional, 'grouped_mm') else 'no'}")
+    try:
+        from moe_ref.experts.deep_gemm.probe import deep_gemm_status
+
+        status = deep_gemm_status()
+        print(f"deep_gemm: {'usable' if status.available else 'not usable'}"
+              f"{f' (version {status.version})' if status.version else ''}: {status.reason}")
+    except ImportError as err:
+        print(f"deep_gemm: backend module not importable: {err}")
+    print("transports: local; symm (CPU shared memory"
+          f"{', CUDA symmetric memory: Triton EP kernels' if torch.cuda.is_available() else ''}); a2a (all_to_all_single)")
+    from moe_ref.kernels.native import native_status
+
+    print(f"CPU EP data path: {native_status()}")
+    from moe_ref.kernels.grouped_mlp import tma_unavailable_reason
+
+    reason = tma_unavailable_reason()
+    print(f"grouped MLP tile loads: {'TMA descriptors' if reason is None else f'pointers ({reason})'}")
+    if args.config or args.preset:
+        cfg = _load_cfg(args)
+        for problem in ParallelConfig(ep_size=args.ep).problems(cfg):
+            raise problem
+        print(f"{cfg.name} at ep={args.ep}: " + "\n".join(expert_memory_lines(cfg, args.ep, _quant_spec(args), "bf16")))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of moe_ref errors (or MOE_REF_DEBUG=1)")
+    parser = CommandLineParser(prog="moe-ref", description="moe_ref: reference expert-parallel MoE layer",
+                               parents=[debug])
+    parser.set_defaults(debug=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    positive = int_at_least(1)
+
+    p = sub.add_parser("plan", parents=[debug], help="print the per-rank symmetric buffer layout for a model and topology")
+    _add_model_args(p)
+    p.add_argument("--ep", type=positive, default=8, help="expert-parallel size")
+    p.add_argument("--dp", type=positive, default=1, help="data-parallel size (does not change the per-rank cap)")
+    p.add_argument("--attention-dp", action="store_true", help="attention data parallel")
+    p.add_argument("--max-num-tokens", type=positive, default=None,
+                   help="cap: rows one rank feeds per call (default: MOE_REF_NUM_MAX_TOKENS_PER_RANK, else 4096)")
+    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    p.add_argument("--dispatch-fp8", action="store_true")
+    p.add_argument("--alignment", type=positive, default=128)
+    p.add_argument("--pool-format", choices=POOL_FORMATS, default="contiguous",
+                   help="receive pool: contiguous (prefill) or masked (decode: M rows per local expert)")
+    p.add_argument("--budget-gib", type=positive_float, default=None,
+                   help="also print the largest cap within this budget")
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("check", parents=[debug], help="validate a deployment; prints every problem at once")
+    _add_model_args(p)
+    p.add_argument("--tp", type=positive, default=1)
+    p.add_argument("--ep", type=positive, default=1)
+    p.add_argument("--dp", type=positive, default=1)
+    p.add_argument("--dispatch-fp8", action="store_true")
+    p.set_defaults(fn=cmd_check)
+
+    p = sub.add_parser("explain", parents=[debug], help="explain an error code (no code: list them)")
+    p.add_argument("code", nargs="?")
+    p.add_argument("--list", action="store_true")
+    p.set_defaults(fn=cmd_explain)
+
+    p = sub.add_parser("demo", parents=[debug], help="run the EP layer over several processes against the reference")
+    p.add_argument("--nproc", type=positive, default=2)
+    p.add_argument("--preset", default="tiny-kimi-k2", choices=PRESETS)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--tokens-per-rank", type=int_at_least(0), default=150)
+    p.add_argument("--cap", type=positive, default=None,
+                   help=f"rows one rank feeds per call (default: MOE_REF_NUM_MAX_TOKENS_PER_RANK, else {DEMO_CAP})")
+    p.add_argument("--runs", type=positive, default=5, help="timed forward calls after the checked one")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint folder (written if it holds no config.json); default: a private temporary "
+                        "folder, removed at the end")
+    p.add_argument("--quant", default=None, choices=tuple(f.value for f in QuantFormat),
+                   help="write the checkpoint's routed experts in this published format (sizes rounded up to it) and "
+                        "load them as stored; the reference uses the dequantized weights")
+    p.add_argument("--skip-memory-check", action="store_true", help="run even when the memory estimate does not fit")
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("bench", parents=[debug], help="time the expert backends on this machine")
+    p.add_argument("--experts", type=positive, default=8)
+    p.add_argument("--hidden", type=positive, default=256)
+    p.add_argument("--intermediate", type=positive, default=128)
+    p.add_argument("--rows", type=positive, default=512, help="rows over all experts (at least one per expert)")
+    p.add_argument("--iters", type=positive, default=10)
+    p.add_argument("--skip-memory-check", action="store_true", help="run even when the memory estimate does not fit")
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("info", parents=[debug], help="versions, devices and which backends load (and why not); "
+                                                     "with a model: its routed experts' bytes per rank")
+    _add_model_args(p, default=None)
+    p.add_argument("--ep", type=positive, default=8, help="expert-parallel size of the per-rank expert bytes")
+    p.set_defaults(fn=cmd_info)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run one ``moe-ref`` command; returns the exit status (moe_ref errors: one line on stderr, status 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or envs.debug()  # known before parsing, so flag errors obey it too
+    try:
+        args = build_parser().parse_args(argv)
+        return args.fn(args)
+    except MoERefError as err:
+        if debug:
+            traceback.print_exc(file=sys.stderr)
+        print(f"moe-ref: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moe-ref: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
