@@ -447,6 +447,13 @@ class MegaMoE(nn.Module):
                 "torch.no_grad() or torch.inference_mode(), or pass x.detach()")
         return None
 
+    def check(self) -> None:
+        """Wait for the calls made so far and raise the first device check they failed (routing values, NaN
+        logits). Needed only on one rank on CUDA, where a call does not wait for its checks and a failed one is
+        raised by the next call; elsewhere each call raises its own. NOTE: syncs the host."""
+        if self._routed_step is not None:
+            self._routed_step.check()
+
     def destroy(self) -> None:
         """Release the symmetric buffers (also released at exit)."""
         if self._routed_step is not None:

@@ -11,16 +11,23 @@ A flag is a one-element integer tensor, nonzero when its check fails, computed w
 flags separately would cost one host sync each; folded into the agreement's all_gather they cost none more. Only a
 rank whose flag is set calls its check's ``describe`` (which may sync to name the bad tokens), and the group then
 raises that coded error on every rank, as for a problem found on the host.
+
+One rank on CUDA needs no agreement, so nothing would read the flags but a host sync. There ``DeferredChecks`` keeps
+them: each call's flags are copied to pinned memory behind an event, and a later call (or ``MegaMoE.check()``) reads
+those that have arrived and raises the first failed check's error. The call whose values were bad has already
+returned (its output holds NaN or the rows of ignored slots); the next one raises. The data-path kernels treat ids
+outside [0, E) as masked slots, so bad values never write out of bounds.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import torch
 
 from moe_ref.core.errors import MoERefError
 
-__all__ = ["DeviceChecks"]
+__all__ = ["DeviceChecks", "DeferredChecks"]
 
 # slots of the flags vector every rank sends (a fixed length, so ranks that ran fewer checks still gather alike)
 MAX_CHECKS = 4
@@ -58,3 +65,46 @@ class DeviceChecks:
             if flag:
                 return describe()
         return None
+
+
+class DeferredChecks:
+    """Device checks of earlier calls, read once their flags have reached the host (no host sync in a call).
+
+    Args:
+        max_pending: calls whose flags may stay unread; beyond that the oldest is waited for (the GPU still has
+            the newer calls queued, so it does not drain).
+    """
+
+    def __init__(self, max_pending: int = 4) -> None:
+        self.max_pending = max_pending
+        self._pending: deque[tuple[torch.Tensor, torch.cuda.Event | None, DeviceChecks]] = deque()
+
+    def record(self, checks: DeviceChecks, device: torch.device) -> None:
+        """Queue ``checks``' flags for a later read: one copy to pinned memory behind an event (CUDA)."""
+        flags = checks.flags(device)
+        event = None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flags = host
+        self._pending.append((flags, event, checks))
+
+    def raise_pending(self, wait: bool = False) -> None:
+        """Raise the first failed check among the calls whose flags have arrived (all of them with ``wait``,
+        which syncs the host); forget the rest. No host sync without ``wait`` (except past ``max_pending``)."""
+        while self._pending:
+            flags, event, checks = self._pending[0]
+            if event is not None and not (wait or len(self._pending) > self.max_pending or event.query()):
+                return
+            if event is not None:
+                event.synchronize()
+            self._pending.popleft()
+            problem = checks.problem(flags.tolist())
+            if problem is not None:
+                self._pending.clear()
+                raise problem
+
+    def __len__(self) -> int:
+        return len(self._pending)

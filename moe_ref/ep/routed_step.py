@@ -6,7 +6,8 @@
          (dispatch.add_routing_value_check), the caller's device checks (NaN logits) and what the device
          recorded in an earlier call (a silent peer, a pool overflow)
       2. OverflowPolicy.agree: ONE small collective, which also reads the device checks (the call's one host
-         sync) -> a coded error on every rank, or n chunks
+         sync) -> a coded error on every rank, or n chunks. One rank on CUDA has no one to agree with: the
+         chunks follow from T, and the device checks are read by a later call (DeferredChecks: no host sync)
       3. for each of the n chunks (every rank runs all n; empty ones where it has no rows left):
            run_chunk(x, ids, w) -> routed rows                                   (the kind's own work)
       -> routed_TD [T, Dx]
@@ -35,7 +36,7 @@ import torch
 
 from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.core.config import MoEConfig
-from moe_ref.ep.device_checks import DeviceChecks
+from moe_ref.ep.device_checks import DeferredChecks, DeviceChecks
 from moe_ref.ep.dispatch import Dispatcher, add_routing_value_check, routed_input_problem
 from moe_ref.ep.distributed import agree_on_failure, comm_device, gather_ints, group_size_and_rank, peer_errors
 from moe_ref.core.errors import CapacityExceededError, ConservationError, MoERefError
@@ -57,15 +58,28 @@ class RoutedStep(ABC):
 
     Attributes:
         rank, world_size: in the group. calls: how many calls this rank has made (agreed every call).
+        deferred_checks: ``DeferredChecks`` when the device checks are read by a later call (one rank on CUDA,
+            without ``debug_checks``), else None (they are read in the call's agreement).
     """
 
+    debug_checks = False
+
     def __init__(self, cfg: MoEConfig, group, policy: OverflowPolicy, activation_dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, *, debug_checks: bool = False):
         self.cfg, self.group, self.policy = cfg, group, policy
         self.activation_dtype, self.device = activation_dtype, torch.device(device)
         self.world_size, self.rank = group_size_and_rank(group)
         self.comm_device = comm_device(group, self.device)
         self.calls = 0
+        self.debug_checks = debug_checks
+        defer = self.world_size == 1 and self.device.type == "cuda" and not debug_checks
+        self.deferred_checks = DeferredChecks() if defer else None
+
+    def check(self) -> None:
+        """Wait for the calls made so far and raise the first device check they failed (one rank on CUDA, where
+        calls do not wait for their checks). NOTE: syncs the host."""
+        if self.deferred_checks is not None:
+            self.deferred_checks.raise_pending(wait=True)
 
     def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *,
                  problem: MoERefError | None = None, max_num_tokens: int | None = None,
@@ -87,10 +101,15 @@ class RoutedStep(ABC):
         Raises, on EVERY rank alike: any rank's input problem (its code), ``CapacityExceededError`` (CAP001)
         under ``error``, ``StepOutOfSyncError`` (ENV004), ``GroupDisagreementError`` (CFG008), and, when a rank
         fails inside a chunk, its own error there and ``PeerFailedError`` (ENV005) on the others.
-        NOTE: syncs the host once, in the per-call agreement (plus the data path's own syncs off CUDA).
+        NOTE: syncs the host once, in the per-call agreement (plus the data path's own syncs off CUDA); one rank
+        on CUDA does not sync: a failed device check (routing values, NaN logits) is raised by a later call or
+        ``check()``.
         """
         if self.capturing():
             return self._captured_call(x_TD, topk_ids_TK, topk_weights_TK, problem)
+        deferred = self.deferred_checks
+        if deferred is not None:
+            deferred.raise_pending()  # an earlier call's failed device check (no wait)
         if problem is None:
             problem = routed_input_problem(x_TD, topk_ids_TK, topk_weights_TK, self.cfg, self.activation_dtype,
                                            self.device, check_values=False)
@@ -101,7 +120,10 @@ class RoutedStep(ABC):
         num_tokens = x_TD.shape[0] if problem is None else 0
         call_index, self.calls = self.calls, self.calls + 1
         num_chunks = self.policy.agree(num_tokens, problem, call_index=call_index, group=self.group,
-                                       device=self.comm_device, max_num_tokens=max_num_tokens, device_checks=checks)
+                                       device=self.comm_device, max_num_tokens=max_num_tokens,
+                                       device_checks=None if deferred is not None else checks)
+        if deferred is not None:
+            deferred.record(checks, self.device)
         if num_chunks == 0:
             return x_TD.new_empty(0, self.cfg.expert_hidden_size)
         topk_ids_TK = topk_ids_TK.to(torch.int64)
@@ -164,8 +186,9 @@ class ModularRoutedStep(RoutedStep):
                  debug_checks: bool = False):
         plan = dispatcher.plan
         check_pool_format(experts, plan.pool_format)
-        super().__init__(plan.cfg, dispatcher.group, policy, plan.activation_dtype, dispatcher.buffer.device)
-        self.dispatcher, self.experts, self.debug_checks = dispatcher, experts, debug_checks
+        super().__init__(plan.cfg, dispatcher.group, policy, plan.activation_dtype, dispatcher.buffer.device,
+                         debug_checks=debug_checks)
+        self.dispatcher, self.experts = dispatcher, experts
 
     @property
     def plan(self) -> CapacityPlan:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_ref.core.config import preset
-from moe_ref.ep.device_checks import MAX_CHECKS, DeviceChecks
+from moe_ref.ep.device_checks import MAX_CHECKS, DeferredChecks, DeviceChecks
 from moe_ref.core.errors import ExpertIdError, NonFiniteError, PeerTimeoutError, ShapeError
 from moe_ref.experts import make_experts
 from moe_ref.kernels.ep_regions import STATUS_PEER_TIMEOUT
@@ -78,3 +78,57 @@ def test_the_caller_device_checks_come_first_and_the_layer_reports_nan_logits():
         layer(bad)
     with torch.no_grad():
         assert layer(x).shape == x.shape  # the layer goes on after the refused call
+
+
+def test_deferred_checks_raise_the_first_failure_later_and_forget_the_rest():
+    deferred = DeferredChecks()
+    passed, failed = DeviceChecks(), DeviceChecks()
+    passed.add(torch.tensor(False), lambda: ShapeError("never"))
+    failed.add(torch.tensor(True), lambda: NonFiniteError("call 2's NaN"))
+    deferred.record(passed, torch.device("cpu"))
+    deferred.raise_pending()  # the first call passed: nothing raised, nothing left
+    assert len(deferred) == 0
+    deferred.record(failed, torch.device("cpu"))
+    deferred.record(passed, torch.device("cpu"))
+    with pytest.raises(NonFiniteError, match="call 2's NaN"):
+        deferred.raise_pending()
+    assert len(deferred) == 0  # raised once, not again by the next call
+    deferred.raise_pending(wait=True)
+
+
+def test_one_rank_with_deferred_checks_raises_a_bad_routing_value_in_the_next_call():
+    """What one rank on CUDA does (no host sync per call), forced on the CPU: the bad call returns, rows of
+    out-of-range ids are treated as masked, and the next call (or check()) raises the coded error."""
+    cfg = preset("tiny-kimi-k2")
+    weights = MoEWeights.random(cfg, seed=4)
+    x = torch.randn(4, cfg.hidden_size)
+    ids, bad_ids = torch.tensor([[0, 1, 2, 3]] * 4), torch.tensor([[0, 1, 2, 99]] * 4)
+    w = torch.rand(4, 4)
+    with _step(cfg, weights) as step:
+        good = step(x, ids, w)
+        step.deferred_checks = DeferredChecks()
+        masked = step(x, bad_ids, w)  # no error yet
+        assert masked.shape == good.shape and torch.isfinite(masked).all()
+        with pytest.raises(ExpertIdError):
+            step(x, ids, w)
+        assert torch.equal(step(x, ids, w), good)  # raised once; the step goes on
+        step(x, bad_ids, w)
+        with pytest.raises(ExpertIdError):
+            step.check()
+        step.check()  # nothing left
+
+
+def test_the_layer_check_raises_nan_logits_of_an_earlier_call_when_checks_are_deferred():
+    cfg = preset("tiny-kimi-k2")
+    layer = MegaMoE(cfg, None, num_max_tokens_per_rank=8, seed=3)
+    x = torch.randn(4, cfg.hidden_size)
+    bad = x.clone()
+    bad[1, 0] = float("nan")
+    with torch.no_grad():
+        layer.check()  # no call yet: nothing to raise
+        layer(x)
+        layer.routed_step.deferred_checks = DeferredChecks()
+        layer(bad)
+        with pytest.raises(NonFiniteError, match=r"router logits are NaN/inf for 1 of 4 tokens"):
+            layer.check()
+        assert layer(x).shape == x.shape

@@ -1,0 +1,237 @@
+#!/usr/bin/env python
+"""The public layer on one GPU: eager calls against the CUDA-graph routes, and where an eager call's host time goes.
+
+    PYTHONPATH=. python3 scripts/bench_eager.py --out results/eager [--tokens 16 128 1024] [--profile]
+
+``MegaMoE`` (one process, ``group=None``: the ``local`` transport) at a per-rank share of Kimi-K2 (48 experts,
+top-8, H 7168, F 2048, one shared expert, bf16, Triton experts), bf16 and FP8 dispatch. Per T (cap = the largest T):
+- ``eager_wall_us``: back-to-back eager calls, until the GPU is done; ``eager_host_us``: until Python returns
+  (equal when the host is the bottleneck);
+- ``graph_us``: the same call captured once in a ``torch.cuda.CUDAGraph`` (inputs copied in, replay);
+- ``compile_us``: ``torch.compile(moe, mode="reduce-overhead", fullgraph=True)`` (its own CUDA graph);
+- with ``--profile``: kernel launches, host synchronizations and device-to-host copies per eager call (torch
+  profiler runtime events), the Python lines that synchronized (``torch.cuda.set_sync_debug_mode``), and the
+  functions the host time goes to (cProfile, ``cprofile_<dispatch>_<T>.txt``).
+Every route's output is compared with the eager call's (bitwise). Writes ``bench_eager.json`` and ``bench_eager.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import json
+import os
+import platform
+import pstats
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from moe_ref import MegaMoE  # noqa: E402
+from moe_ref.core.config import preset  # noqa: E402
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/eager")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 1024])
+    parser.add_argument("--num-experts", type=int, default=48)
+    parser.add_argument("--dispatch", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    parser.add_argument("--routes", nargs="+", default=["eager", "graph", "compile"],
+                        choices=["eager", "graph", "compile"])
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--profile", action="store_true", help="launches, syncs, sync sites and a cProfile")
+    return parser.parse_args(argv)
+
+
+def build_layer(args, dispatch: str, cap: int) -> MegaMoE:
+    cfg = dataclasses.replace(preset("kimi-k2"), num_experts=args.num_experts, name=f"kimi-k2/{args.num_experts}")
+    return MegaMoE(cfg, None, num_max_tokens_per_rank=cap, dtype=torch.bfloat16, device="cuda", seed=0,
+                   experts_backend="triton", dispatch_fp8=dispatch == "fp8")
+
+
+def host_and_wall_us(fn, x, calls: int) -> tuple[float, float]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(x)
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
+
+
+def graphed(moe: MegaMoE, x: torch.Tensor):
+    """``moe`` captured once; each call copies its input into the captured one and replays."""
+    static_x = x.clone()
+    for _ in range(2):  # warm up on a side stream, as torch.cuda.graphs recommends
+        moe(static_x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = moe(static_x)
+
+    def replay(x_TD):
+        static_x.copy_(x_TD)
+        graph.replay()
+        return static_y
+
+    return replay
+
+
+def sync_sites(fn, x) -> list[str]:
+    """The Python lines (innermost moe_ref frame, and its caller) that synchronized during one call."""
+    sites: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "moe_ref" in f.filename or "scripts" in f.filename]
+        where = " <- ".join(f"{os.path.relpath(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
+        sites.append(f"{str(message).splitlines()[0][:60]} at {where}")
+
+    torch.cuda.synchronize()
+    saved = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            fn(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = saved
+    torch.cuda.synchronize()
+    return sites
+
+
+def runtime_counts(fn, x, calls: int = 5) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(x)
+        torch.cuda.synchronize()
+    counts = {"launches": 0, "syncs": 0, "d2h_pageable": 0, "gpu_busy_us": 0.0}
+    for event in prof.events():
+        if event.name in LAUNCHES:
+            counts["launches"] += 1
+        elif event.name in SYNCS:
+            counts["syncs"] += 1
+        elif "Device -> Pageable" in event.name:
+            counts["d2h_pageable"] += 1
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            counts["gpu_busy_us"] += event.time_range.elapsed_us()
+    return {k: round(v / calls, 1) for k, v in counts.items()}
+
+
+def cprofile_text(fn, x, calls: int) -> str:
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(calls):
+        fn(x)
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
+def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
+    moe = build_layer(args, dispatch, cap)
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, moe.cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    row: dict = {"dispatch": dispatch, "tokens": num_tokens, "cap": cap}
+    with torch.inference_mode():
+        eager = lambda x_TD: moe(x_TD)  # noqa: E731
+        first = time.perf_counter()
+        reference = eager(x).clone()
+        torch.cuda.synchronize()
+        row["first_call_s"] = round(time.perf_counter() - first, 2)
+        for _ in range(3):
+            eager(x)
+        row["eager_host_us"], row["eager_wall_us"] = host_and_wall_us(eager, x, args.calls)
+        if args.profile:
+            row.update(runtime_counts(eager, x))
+            row["sync_sites"] = sync_sites(eager, x)
+            with open(os.path.join(args.out, f"cprofile_{dispatch}_{num_tokens}.txt"), "w") as f:
+                f.write(cprofile_text(eager, x, args.calls))
+        for route in args.routes:
+            if route == "eager":
+                continue
+            try:
+                fn = graphed(moe, x) if route == "graph" else torch.compile(moe, mode="reduce-overhead",
+                                                                            fullgraph=True)
+                for _ in range(3):
+                    out = fn(x)
+                row[f"{route}_bitwise_eq_eager"] = bool(torch.equal(out, reference))
+                row[f"{route}_host_us"], row[f"{route}_us"] = host_and_wall_us(fn, x, args.calls)
+            except Exception as err:  # noqa: BLE001 - a route that fails is reported, the others still run
+                row[f"{route}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            torch._dynamo.reset()
+    moe.destroy()
+    for route in ("graph", "compile"):
+        if f"{route}_us" in row:
+            row[f"eager_over_{route}"] = round(row["eager_wall_us"] / row[f"{route}_us"], 2)
+    return row
+
+
+def write_markdown(out: str, meta: dict, rows: list[dict]) -> None:
+    lines = [f"# MegaMoE eager vs graph, one GPU ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
+             f"{meta['date']})", "", f"`{meta['command']}`", "",
+             "| dispatch | T | eager wall us | eager host us | graph us | compile r-o us | eager/graph | "
+             "compile/graph | launches | syncs | D2H pageable | GPU busy us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = (f"{r['compile_us'] / r['graph_us']:.2f}" if "compile_us" in r and "graph_us" in r else "-")
+        lines.append(f"| {r['dispatch']} | {r['tokens']} | {r['eager_wall_us']:.0f} | {r['eager_host_us']:.0f} | "
+                     f"{r.get('graph_us', float('nan')):.0f} | {r.get('compile_us', float('nan')):.0f} | "
+                     f"{r.get('eager_over_graph', '-')} | {ratio} | {r.get('launches', '-')} | {r.get('syncs', '-')} | "
+                     f"{r.get('d2h_pageable', '-')} | {r.get('gpu_busy_us', '-')} |")
+    for r in rows:
+        if r.get("sync_sites"):
+            lines += ["", f"Syncs of one eager call, {r['dispatch']} T={r['tokens']}:", ""]
+            lines += [f"- {s}" for s in r["sync_sites"]]
+        for key in ("graph_error", "compile_error"):
+            if key in r:
+                lines += ["", f"{key}, {r['dispatch']} T={r['tokens']}: {r[key]}"]
+    with open(os.path.join(out, "bench_eager.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_eager: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    import triton
+
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+            "command": "python3 scripts/bench_eager.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    rows = []
+    cap = max(args.tokens)
+    for dispatch in args.dispatch:
+        for num_tokens in args.tokens:
+            row = run_case(args, dispatch, cap, num_tokens)
+            rows.append(row)
+            print("EAGER " + json.dumps({k: v for k, v in row.items() if k != "sync_sites"}), flush=True)
+            with open(os.path.join(args.out, "bench_eager.json"), "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            write_markdown(args.out, meta, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""One rank on CUDA: an eager MegaMoE call never waits for its GPU work (no host synchronization), and a failed
+device check (NaN logits) is raised by the next call or by ``check()`` instead."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ref.core.config import preset
+from moe_ref.core.errors import NonFiniteError
+from moe_ref.layer import MegaMoE
+
+pytestmark = pytest.mark.cuda
+
+
+def _layer(dispatch_fp8: bool) -> MegaMoE:
+    return MegaMoE(preset("tiny-kimi-k2"), None, num_max_tokens_per_rank=64, dispatch_fp8=dispatch_fp8,
+                   dtype=torch.bfloat16, device="cuda", seed=1)
+
+
+@pytest.mark.parametrize("dispatch_fp8", [False, True])
+@pytest.mark.parametrize("num_tokens", [0, 5, 64, 100])  # 100 > the cap: two chunks
+def test_an_eager_call_on_one_gpu_does_not_synchronize(dispatch_fp8, num_tokens):
+    moe = _layer(dispatch_fp8)
+    x = torch.randn(num_tokens, moe.cfg.hidden_size, device="cuda").bfloat16()
+    with torch.no_grad():
+        for _ in range(2):  # the first calls compile and autotune the kernels (which synchronizes)
+            expected = moe(x).clone()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+        try:
+            got = moe(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(got, expected), f"{dispatch_fp8=} {num_tokens=}"
+    moe.destroy()
+
+
+def test_nan_logits_are_raised_by_the_next_call_and_by_check():
+    moe = _layer(False)
+    x = torch.randn(8, moe.cfg.hidden_size, device="cuda").bfloat16()
+    bad = x.clone()
+    bad[3, 0] = float("nan")
+    with torch.no_grad():
+        moe(x)
+        moe(bad)  # returns: the check's flag is read later
+        torch.cuda.synchronize()  # the flags have arrived: the next call raises
+        with pytest.raises(NonFiniteError, match=r"router logits are NaN/inf for 1 of 8 tokens"):
+            moe(x)
+        assert moe(x).shape == x.shape  # raised once; the layer goes on
+        moe(bad)
+        with pytest.raises(NonFiniteError):
+            moe.check()
+        moe.check()
+    moe.destroy()
