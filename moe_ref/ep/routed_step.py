@@ -24,7 +24,8 @@ host sync (shapes, dtypes, devices; T <= cap, one chunk) and the modular step's 
 the ``symm`` data path then runs entirely on the device, and a failure its waits record is reported by the
 next eager call, on every rank (step 1). Replays run with the inputs copied into the captured tensors.
 
-Shape legend: T tokens of this rank, K top-k, Dx expert input width, C cap, e local experts.
+Shape legend: T tokens of this rank, K top-k, Dx expert input width, Db = ceil(Dx/128), C cap, e local experts,
+P receive-pool rows, R EP ranks.
 """
 from __future__ import annotations
 
