@@ -48,9 +48,9 @@ def run(case, precision: str, gate_up: torch.Tensor, interleaved: bool, persiste
     if precision == "fp8":
         ops = case.fp8
         inputs, down = (ops["x"],), ops["down"]
-        scales = {"x_scale_RDb": ops["x_scale"], "gate_up_scale": ops["gate_up_scale"], "down_scale": ops["down_scale"]}
+        scales = {"x_scale_PDb": ops["x_scale"], "gate_up_scale": ops["gate_up_scale"], "down_scale": ops["down_scale"]}
     else:
-        inputs, down, scales = (case.x_RD,), case.down, {}
+        inputs, down, scales = (case.x_PDx,), case.down, {}
     return grouped_mlp(*inputs, gate_up, down, case.row_start_e, case.num_rows_e, **scales,
                        num_rows_hint=case.num_rows, zero_unused_rows=False, gate_up_interleaved=interleaved,
                        persistent=persistent)
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         weights = _make_weights(num_experts, hidden, inter, with_fp8=True)
         for num_rows in map(int, args.rows.split(",")):
             case = _make_case(model, num_rows, weights, seed=0, with_fp8=True)
-            valid = _segment_rows(case.row_start_e, case.num_rows_e, case.x_RD.shape[0])
+            valid = _segment_rows(case.row_start_e, case.num_rows_e, case.x_PDx.shape[0])
             for precision in args.precisions.split(","):
                 stacked = case.fp8["gate_up"] if precision == "fp8" else case.gate_up
                 specs = variants(args.ab, precision, stacked)

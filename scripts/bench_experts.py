@@ -78,7 +78,7 @@ class Case:
     model: str
     num_rows: int                # routed rows (sum over experts)
     counts: list[int]            # rows per local expert
-    x_RD: torch.Tensor           # [R, D] bf16 aligned pool (padding rows zero)
+    x_PDx: torch.Tensor           # [R, D] bf16 aligned pool (padding rows zero)
     row_start_e: torch.Tensor    # [e] int64
     num_rows_e: torch.Tensor     # [e] int32
     x_packed: torch.Tensor       # [num_rows, D] bf16, the same rows without padding
@@ -99,7 +99,7 @@ def _layout(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]
 
 def _segment_rows(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, pool_rows: int) -> torch.Tensor:
     """``[P]`` bool: True on the pool rows inside an expert's segment."""
-    return ExpertLayout(row_start_e, num_rows_e, pool_rows, ALIGN).row_expert_R() >= 0
+    return ExpertLayout(row_start_e, num_rows_e, pool_rows, ALIGN).row_expert_P() >= 0
 
 
 def _make_case(model: str, num_rows: int, weights: tuple, seed: int, with_fp8: bool) -> Case:
@@ -109,16 +109,16 @@ def _make_case(model: str, num_rows: int, weights: tuple, seed: int, with_fp8: b
     counts = torch.bincount(picks, minlength=num_experts).tolist()
     row_start_e, num_rows_e, pool_rows = _layout(counts, "cuda")
     x_packed = torch.randn(num_rows, hidden, device="cuda").bfloat16()
-    x_RD = torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device="cuda")
+    x_PDx = torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device="cuda")
     offset = 0
     for start, count in zip(row_start_e.tolist(), counts):
-        x_RD[start:start + count] = x_packed[offset:offset + count]
+        x_PDx[start:start + count] = x_packed[offset:offset + count]
         offset += count
-    case = Case(model, num_rows, counts, x_RD, row_start_e, num_rows_e, x_packed, *weights[:2])
+    case = Case(model, num_rows, counts, x_PDx, row_start_e, num_rows_e, x_packed, *weights[:2])
     if with_fp8:
         from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
 
-        x_fp8, x_scale = quantize_fp8_per_128(x_RD)
+        x_fp8, x_scale = quantize_fp8_per_128(x_PDx)
         case.fp8 = dict(x=x_fp8, x_scale=x_scale, gate_up=weights[2], gate_up_scale=weights[3],
                         down=weights[4], down_scale=weights[5])
     return case
@@ -156,13 +156,13 @@ def _api_paths(case: Case) -> list[tuple[str, Callable[[], object]]]:
             _API_EXPERTS[key] = make_experts("triton", case.gate_up, case.down, "silu", fp8=fp8)
         return _API_EXPERTS[key]
 
-    pool_rows = case.x_RD.shape[0]
+    pool_rows = case.x_PDx.shape[0]
     hinted = ExpertLayout(case.row_start_e, case.num_rows_e, pool_rows, ALIGN, num_rows_hint=case.num_rows,
                           zero_unused_rows=False)
     plain = ExpertLayout(case.row_start_e, case.num_rows_e, pool_rows, ALIGN)
     bf16, paths = experts(False), []
-    paths.append(("api_triton_bf16", lambda: bf16(case.x_RD, hinted)))
-    paths.append(("api_triton_bf16_nohint", lambda: bf16(case.x_RD, plain)))
+    paths.append(("api_triton_bf16", lambda: bf16(case.x_PDx, hinted)))
+    paths.append(("api_triton_bf16_nohint", lambda: bf16(case.x_PDx, plain)))
     if case.fp8 is not None:
         fp8, q = experts(True), case.fp8
         paths.append(("api_triton_fp8", lambda: fp8(q["x"], hinted, q["x_scale"])))
@@ -172,17 +172,17 @@ def _api_paths(case: Case) -> list[tuple[str, Callable[[], object]]]:
 def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], object]]]:
     from moe_ref.kernels.grouped_mlp import grouped_mlp
 
-    paths = _api_paths(case) + [("triton_bf16", lambda: grouped_mlp(case.x_RD, case.gate_up, case.down, case.row_start_e,
+    paths = _api_paths(case) + [("triton_bf16", lambda: grouped_mlp(case.x_PDx, case.gate_up, case.down, case.row_start_e,
                                                  case.num_rows_e, num_rows_hint=case.num_rows))]
     if case.fp8 is not None:
         q = case.fp8
         paths.append(("triton_fp8", lambda: grouped_mlp(
-            q["x"], q["gate_up"], q["down"], case.row_start_e, case.num_rows_e, x_scale_RDb=q["x_scale"],
+            q["x"], q["gate_up"], q["down"], case.row_start_e, case.num_rows_e, x_scale_PDb=q["x_scale"],
             gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"], num_rows_hint=case.num_rows)))
     grouped_mm = _grouped_mm_fn()
     inter = case.down.shape[2]
     if grouped_mm is not None:
-        offs = torch.tensor(case.counts, device=case.x_RD.device).cumsum(0).to(torch.int32)
+        offs = torch.tensor(case.counts, device=case.x_PDx.device).cumsum(0).to(torch.int32)
         gate_up_t, down_t = case.gate_up.transpose(-2, -1), case.down.transpose(-2, -1)
 
         def run_grouped_mm():
@@ -216,7 +216,7 @@ def _deep_gemm_cases(case: Case) -> list[tuple[str, Callable[[], object]]]:
     deep_gemm is not usable here."""
     from moe_ref.experts.deep_gemm.bench import deep_gemm_grouped_cases
 
-    return deep_gemm_grouped_cases(case.x_RD, case.gate_up, case.down, case.row_start_e, case.num_rows_e,
+    return deep_gemm_grouped_cases(case.x_PDx, case.gate_up, case.down, case.row_start_e, case.num_rows_e,
                                    layouts=("contiguous", "masked"))
 
 
@@ -252,9 +252,9 @@ def _peer_paths(case: Case, peer) -> list[tuple[str, Callable[[], object], objec
     for dtype in ("bf16", "fp8") if case.fp8 is not None else ("bf16",):
         config = peer_config(peer.wheel, num_experts, inter, dtype, torch.cuda.get_device_name(), case.num_rows,
                              hidden=hidden)
-        routing = peer_routing(*layout, case.x_RD.shape[0], config.block_m, peer.engine)
+        routing = peer_routing(*layout, case.x_PDx.shape[0], config.block_m, peer.engine)
         if dtype == "bf16":
-            operands, scales = (case.x_RD, case.gate_up, case.down), {}
+            operands, scales = (case.x_PDx, case.gate_up, case.down), {}
         else:
             q = case.fp8
             operands = (q["x"], q["gate_up"], q["down"])
@@ -294,8 +294,8 @@ def _routed_rows(case: Case, out: torch.Tensor) -> torch.Tensor:
     if out.dim() == 3:
         counts = torch.tensor(case.counts, device=out.device)
         return out[torch.arange(out.shape[1], device=out.device)[None, :] < counts[:, None]]
-    if out.shape[0] == case.x_RD.shape[0]:
-        return out[_segment_rows(case.row_start_e, case.num_rows_e, case.x_RD.shape[0])]
+    if out.shape[0] == case.x_PDx.shape[0]:
+        return out[_segment_rows(case.row_start_e, case.num_rows_e, case.x_PDx.shape[0])]
     return out
 
 
@@ -317,10 +317,10 @@ def _twin_check(case: Case, name: str, out: torch.Tensor, twins: dict) -> str | 
         args = (case.row_start_e, case.num_rows_e)
         if fp8:
             q = case.fp8
-            twins[fp8] = grouped_mlp_ref(q["x"], q["gate_up"], q["down"], *args, x_scale_RDb=q["x_scale"],
+            twins[fp8] = grouped_mlp_ref(q["x"], q["gate_up"], q["down"], *args, x_scale_PDb=q["x_scale"],
                                          gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"])
         else:
-            twins[fp8] = grouped_mlp_ref(case.x_RD, case.gate_up, case.down, *args)
+            twins[fp8] = grouped_mlp_ref(case.x_PDx, case.gate_up, case.down, *args)
     got = _routed_rows(case, out).float()
     if got.isnan().any():
         return "NaN in the routed rows"
@@ -377,17 +377,17 @@ def check_correctness(include_deep_gemm: bool, device="cuda") -> list[str]:
     weights = _make_weights(4, 512, 256, True, device)
     row_start_e, num_rows_e, pool_rows = _layout(counts, device)
     x_packed = torch.randn(sum(counts), 512, device=device).bfloat16()
-    x_RD = torch.zeros(pool_rows, 512, dtype=torch.bfloat16, device=device)
+    x_PDx = torch.zeros(pool_rows, 512, dtype=torch.bfloat16, device=device)
     valid = _segment_rows(row_start_e, num_rows_e, pool_rows)
-    x_RD[valid] = x_packed
-    case = Case("small", sum(counts), counts, x_RD, row_start_e, num_rows_e, x_packed, *weights[:2])
+    x_PDx[valid] = x_packed
+    case = Case("small", sum(counts), counts, x_PDx, row_start_e, num_rows_e, x_packed, *weights[:2])
     from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
 
-    x_fp8, x_scale = quantize_fp8_per_128(x_RD)
+    x_fp8, x_scale = quantize_fp8_per_128(x_PDx)
     case.fp8 = dict(x=x_fp8, x_scale=x_scale, gate_up=weights[2], gate_up_scale=weights[3], down=weights[4],
                     down_scale=weights[5])
-    ref = grouped_mlp_ref(x_RD, case.gate_up, case.down, row_start_e, num_rows_e)[valid]
-    ref_fp8 = grouped_mlp_ref(x_fp8, weights[2], weights[4], row_start_e, num_rows_e, x_scale_RDb=x_scale,
+    ref = grouped_mlp_ref(x_PDx, case.gate_up, case.down, row_start_e, num_rows_e)[valid]
+    ref_fp8 = grouped_mlp_ref(x_fp8, weights[2], weights[4], row_start_e, num_rows_e, x_scale_PDb=x_scale,
                               gate_up_scale=weights[3], down_scale=weights[5])[valid]
     failures = []
     for name, fn in _paths(case, include_deep_gemm):

@@ -59,17 +59,17 @@ def main(argv=None) -> int:
                                                   generator=torch.Generator().manual_seed(num_rows)),
                                 minlength=NUM_EXPERTS)
         layout = ExpertLayout.from_counts(counts.cuda(), alignment=1)
-        x_RD = torch.randn(layout.num_pool_rows, HIDDEN, device="cuda", generator=gen).bfloat16()
+        x_PDx = torch.randn(layout.num_pool_rows, HIDDEN, device="cuda", generator=gen).bfloat16()
         touched = int((counts > 0).sum()) / NUM_EXPERTS
         base_us = None
         for name, (experts, weight_bytes, *reference) in paths.items():
-            us = bench(lambda: experts(x_RD, layout))
+            us = bench(lambda: experts(x_PDx, layout))
             base_us = base_us or us
             row = dict(rows=num_rows, path=name, us=round(us, 1), speedup_vs_bf16=round(base_us / us, 2),
                        weight_gb_per_s=round(weight_bytes * touched / us / 1e3, 1))
             if reference:
-                row["calc_diff_vs_dequantized_fp32"] = calc_diff(experts(x_RD, layout).float(),
-                                                                 reference[0](x_RD.float(), layout))
+                row["calc_diff_vs_dequantized_fp32"] = calc_diff(experts(x_PDx, layout).float(),
+                                                                 reference[0](x_PDx.float(), layout))
             results.append(row)
             print(json.dumps(row), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

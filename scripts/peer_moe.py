@@ -889,7 +889,7 @@ def check_case(peer: PeerKernel, name: str, counts: list[int], hidden: int, inte
     layout = ExpertLayout.from_counts(torch.tensor(counts), align)
     num_pool_rows = layout.num_pool_rows + align  # a trailing padding block too
     valid = torch.zeros(num_pool_rows, dtype=torch.bool)
-    valid[:layout.num_pool_rows] = layout.row_expert_R() >= 0
+    valid[:layout.num_pool_rows] = layout.row_expert_P() >= 0
     x = torch.randn(num_pool_rows, hidden, generator=gen)
     gate_up = torch.randn(len(counts), 2 * inter, hidden, generator=gen) / hidden**0.5
     down = torch.randn(len(counts), hidden, inter, generator=gen) / inter**0.5
@@ -906,7 +906,7 @@ def check_case(peer: PeerKernel, name: str, counts: list[int], hidden: int, inte
         args = (x_q, gate_up, down, row_start_e, num_rows_e)
         # the interpreter's bf16 arithmetic is wrong too: there the FP8 run keeps its activations in fp16
         y = run_peer_mlp(peer, *args, **scales, config=config, out_dtype=torch.float16 if device == "cpu" else None)
-        want = grouped_mlp_ref(*args, x_scale_RDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
+        want = grouped_mlp_ref(*args, x_scale_PDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
     else:
         torch_dtype = _DTYPE_KEYS[dtype]
         x = torch.where(valid[:, None], x, float("nan"))  # padding rows are never read

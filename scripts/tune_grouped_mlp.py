@@ -305,7 +305,7 @@ def quantize_weights(weights: dict) -> dict:
 def make_ops(x, weights: dict, pool_rows: int, fp8: bool, device: str, interleaved: bool = False) -> dict:
     """The operands and buffers of both GEMMs in one precision: bf16 as given, or (`fp8`) x quantized to e4m3
     per row per 128 columns and the e4m3 weights of `quantize_weights` (done here if `weights` lacks them).
-    `h_RF` is the swept gate_up's output, `h_fixed` the fixed config's (down's input); `*_scale` are None
+    `h_PF` is the swept gate_up's output, `h_fixed` the fixed config's (down's input); `*_scale` are None
     for bf16. `interleaved`: gate_up's rows re-laid out as gate j, up j (its FP8 block scales stay stacked),
     recorded as `ops["gate_up_interleaved"]`."""
     gm = _gm()
@@ -313,7 +313,7 @@ def make_ops(x, weights: dict, pool_rows: int, fp8: bool, device: str, interleav
     if not fp8:
         ops = {"x": x, "x_scale": None, "gate_up": weights["gate_up"], "gate_up_scale": None,
                "down": weights["down"], "down_scale": None,
-               "h_RF": torch.zeros(pool_rows, inter, dtype=x.dtype, device=device), "h_RF_scale": None,
+               "h_PF": torch.zeros(pool_rows, inter, dtype=x.dtype, device=device), "h_PF_scale": None,
                "h_fixed": torch.zeros(pool_rows, inter, dtype=x.dtype, device=device), "h_fixed_scale": None,
                "y": torch.zeros(pool_rows, hidden, dtype=x.dtype, device=device)}
     else:
@@ -323,7 +323,7 @@ def make_ops(x, weights: dict, pool_rows: int, fp8: bool, device: str, interleav
             weights = quantize_weights(weights)
         ops = {"y": torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=device), **weights["fp8"]}
         ops["x"], ops["x_scale"] = quantize_fp8_per_128(x)
-        for h in ("h_RF", "h_fixed"):
+        for h in ("h_PF", "h_fixed"):
             ops[h] = torch.zeros(pool_rows, inter, dtype=gm.FP8_DTYPE, device=device)
             ops[h + "_scale"] = torch.ones(pool_rows, gm.num_fp8_groups(inter), dtype=torch.float32, device=device)
     if interleaved:
@@ -332,7 +332,7 @@ def make_ops(x, weights: dict, pool_rows: int, fp8: bool, device: str, interleav
     return ops
 
 
-def run_gemm(ops: dict, case: dict, gemm: str, config: triton.Config, h: str = "h_RF"):
+def run_gemm(ops: dict, case: dict, gemm: str, config: triton.Config, h: str = "h_PF"):
     """One GEMM of `case` on `ops` (see `make_ops`): gate_up x -> ops[h], down ops[h] -> y."""
     if gemm == "gate_up":
         a, a_scale, out, out_scale = ops["x"], ops["x_scale"], ops[h], ops[h + "_scale"]
@@ -489,19 +489,19 @@ def make_case(shape: str, num_rows: int, weights: dict, fp8: bool = False, inter
     valid = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)]).to(DEVICE)
     gen = torch.Generator(device=DEVICE).manual_seed(num_rows)
     x_packed = torch.randn(num_rows, hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen)
-    x_RD = torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=DEVICE)
-    x_RD[valid] = x_packed
+    x_PDx = torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=DEVICE)
+    x_PDx[valid] = x_packed
     case = dict(shape=shape, rows=num_rows, counts=counts, pool_rows=pool_rows, row_start_e=row_start_e,
                 num_rows_e=num_rows_e, x_packed=x_packed, fp8=fp8)
-    case["bf16_ops"] = make_ops(x_RD, weights, pool_rows, False, DEVICE, interleaved=interleaved and not fp8)
-    case["ops"] = ops = make_ops(x_RD, weights, pool_rows, True, DEVICE, interleaved) if fp8 else case["bf16_ops"]
+    case["bf16_ops"] = make_ops(x_PDx, weights, pool_rows, False, DEVICE, interleaved=interleaved and not fp8)
+    case["ops"] = ops = make_ops(x_PDx, weights, pool_rows, True, DEVICE, interleaved) if fp8 else case["bf16_ops"]
     # reference y on a few experts (fp32 torch twin on the same operands; the other experts get 0 rows there)
     check_experts = sorted({i % num_experts for i in CHECK_EXPERTS})
     check_counts = [c if i in check_experts else 0 for i, c in enumerate(counts)]
     check_rows = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in check_experts]).to(DEVICE)
     y_ref = gm.grouped_mlp_ref(ops["x"], ops["gate_up"], ops["down"], row_start_e,
                                torch.tensor(check_counts, dtype=torch.int32, device=DEVICE),
-                               x_scale_RDb=ops["x_scale"], gate_up_scale=ops["gate_up_scale"],
+                               x_scale_PDb=ops["x_scale"], gate_up_scale=ops["gate_up_scale"],
                                down_scale=ops["down_scale"], gate_up_interleaved=ops["gate_up_interleaved"])
     case.update(check_rows=check_rows, y_ref_check=y_ref[check_rows].float())
     del y_ref
@@ -584,7 +584,7 @@ def run_candidate(candidate: dict, case: dict, timer: Timer) -> dict:
     gemm, ops = candidate["gemm"], case["ops"]
     config = _make_config(candidate["tile"], candidate["group_m"])
     if gemm == "gate_up":  # NaN-filled outputs: a tile that no program writes fails the check
-        for name in ("h_RF", "h_RF_scale"):
+        for name in ("h_PF", "h_PF_scale"):
             if ops[name] is not None:
                 ops[name].fill_(float("nan"))
         run_gemm(ops, case, "gate_up", config)
@@ -1010,7 +1010,7 @@ def main(argv=None) -> int:
                                 t = time.perf_counter()
                                 kernel = run_gemm(case["ops"], case, candidate["gemm"],
                                                   _make_config(candidate["tile"], candidate["group_m"]),
-                                                  h="h_RF" if candidate["gemm"] == "gate_up" else "h_fixed")
+                                                  h="h_PF" if candidate["gemm"] == "gate_up" else "h_fixed")
                                 _sync()
                                 compile_s[case["shape"]] = time.perf_counter() - t
                                 resources = _resources(kernel)

@@ -25,7 +25,8 @@ host sync (shapes, dtypes, devices; T <= cap, one chunk) and the modular step's 
 the ``symm`` data path then runs entirely on the device, and a failure its waits record is reported by the
 next eager call, on every rank (step 1). Replays run with the inputs copied into the captured tensors.
 
-Shape legend: T tokens of this rank, K top-k, Dx expert input width, C cap, e local experts.
+Shape legend: T tokens of this rank, K top-k, Dx expert input width, Db = ceil(Dx/128), C cap, e local experts,
+P receive-pool rows, R EP ranks.
 """
 from __future__ import annotations
 
@@ -212,12 +213,12 @@ class ModularRoutedStep(RoutedStep):
             handle = self.dispatcher.dispatch(x_TD, topk_ids_TK, topk_weights_TK, check_values=False)
         if self.debug_checks:
             self._check_dispatch_conserved(handle)
-        failure, y_RD = None, None
+        failure, y_PDx = None, None
         try:
             experts = self.experts
             layout = self.dispatcher.whole_segment_layout(handle) if experts.computes_whole_segments else handle.layout
-            x_RD, x_scale_RDb = self.dispatcher.expert_input(handle, experts)
-            y_RD = experts(x_RD, layout, x_scale_RDb)
+            x_PDx, x_scale_PDb = self.dispatcher.expert_input(handle, experts)
+            y_PDx = experts(x_PDx, layout, x_scale_PDb)
         except Exception as err:  # noqa: BLE001 - every failure is agreed with the peers, then re-raised
             if capturing:
                 raise
@@ -228,7 +229,7 @@ class ModularRoutedStep(RoutedStep):
         if not capturing:
             agree_on_failure(failure, self.group, self.comm_device)
         with peer_errors(f"combine over the {self.transport_name} transport"):
-            routed_TD = self.dispatcher.combine(y_RD, handle)
+            routed_TD = self.dispatcher.combine(y_PDx, handle)
         if self.debug_checks:
             self._check_every_slot_returned(handle)
         return routed_TD
@@ -247,7 +248,7 @@ class ModularRoutedStep(RoutedStep):
         live_TK = ids_TK >= 0
         sent_count = int(live_TK.sum())
         sent_sum = float((sent_x[:, None] * live_TK).sum())
-        received = handle.layout.row_expert_R() >= 0  # rows inside a segment (either pool format)
+        received = handle.layout.row_expert_P() >= 0  # rows inside a segment (either pool format)
         rows = received.numel()
         src_P = handle.recv_src_P3[:rows, 0].long()
         recv_x = handle.recv_x_PD[:rows].double().sum(dim=1)

@@ -4,19 +4,18 @@
 
 Shape legend: P receive-pool rows, Dx expert input width (hidden, or latent for Kimi-K3), F expert
 intermediate, e local experts, Db = ceil(Dx / 128), Fb = ceil(F / 128). The argument names all backends share
-(``x_RD``, ``x_scale_RDb``, ``gate_up_weight_e2FD``, ``down_weight_eDF``) predate the package legend: read R as P
-and D as Dx in them.
+are ``x_PDx``, ``x_scale_PDb``, ``gate_up_weight_e2FD`` and ``down_weight_eDF``; the weights' D is Dx.
 
-Every backend is called as ``experts(x_RD, layout, x_scale_RDb=None) -> y_PDx`` (``Experts.__call__``
+Every backend is called as ``experts(x_PDx, layout, x_scale_PDb=None) -> y_PDx`` (``Experts.__call__``
 checks the input format, then runs ``forward``) over the same layout (``ExpertLayout``): the rows of
-local expert i are ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``; rows outside every segment
+local expert i are ``x_PDx[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``; rows outside every segment
 (alignment padding) come out as zeros. Each backend declares what it wants from the dispatcher:
 
 - ``segment_alignment``: rows each segment of the pool should start on (the dispatcher's pool layout).
 - ``computes_whole_segments``: give me whole aligned segments with zeroed padding (the torch loop).
 - ``supports_fp8``: ``fp8=True`` is accepted: weights quantized once to fp8 e4m3 with fp32 128x128
   block scales (``kernels.fp8.quantize_fp8_per_block_128``).
-- ``accepts_fp8_input``: ``x_RD`` may be the FP8 pool (e4m3 + per-row per-128 ``x_scale_RDb``) as
+- ``accepts_fp8_input``: ``x_PDx`` may be the FP8 pool (e4m3 + per-row per-128 ``x_scale_PDb``) as
   dispatched; the others get activation-dtype rows (``Dispatcher.expert_input`` decides).
 
 | name           | what                                             | where                 | alignment | fp8 weights / fp8 input |

@@ -22,12 +22,12 @@ class TorchLoopExperts(Experts):
     computes_whole_segments = True
     segment_alignment = 128  # whole 128-row segments keep chunked == unchunked bitwise (moe_ref.ep.dispatch NOTE)
 
-    def forward(self, x_RD, layout, x_scale_RDb=None):
-        y_PDx = torch.zeros_like(x_RD)
+    def forward(self, x_PDx, layout, x_scale_PDb=None):
+        y_PDx = torch.zeros_like(x_PDx)
         for i, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
             if count:
                 y_PDx[start:start + count] = dense_mlp(
-                    x_RD[start:start + count], self.gate_up_weight_e2FD[i], self.down_weight_eDF[i],
+                    x_PDx[start:start + count], self.gate_up_weight_e2FD[i], self.down_weight_eDF[i],
                     self.activation, self.situ_beta, self.situ_linear_beta)
         return y_PDx
 
@@ -50,20 +50,20 @@ class GroupedMMExperts(Experts):
         if self._grouped_mm is None:
             raise BackendUnavailableError(f"torch {torch.__version__} has no grouped_mm; use backend='torch'")
 
-    def forward(self, x_RD, layout, x_scale_RDb=None):
-        num_rows = x_RD.shape[0]
+    def forward(self, x_PDx, layout, x_scale_PDb=None):
+        num_rows = x_PDx.shape[0]
         if num_rows == 0:
-            return torch.zeros_like(x_RD)
+            return torch.zeros_like(x_PDx)
         aligned_e = (layout.num_rows_e + layout.alignment - 1) // layout.alignment * layout.alignment
         offs_e = (layout.row_start_e + aligned_e).clamp(max=num_rows).to(torch.int32)
-        x_in = x_RD.to(self.gate_up_weight_e2FD.dtype)
+        x_in = x_PDx.to(self.gate_up_weight_e2FD.dtype)
         gate_up_P2F = self._grouped_mm(x_in, self.gate_up_weight_e2FD.transpose(-2, -1), offs=offs_e)
         gate_PF, up_PF = gate_up_P2F.chunk(2, dim=-1)
         h_PF = gated_activation(gate_PF, up_PF, self.activation, self.situ_beta, self.situ_linear_beta)
         y_PDx = self._grouped_mm(h_PF.to(self.down_weight_eDF.dtype).contiguous(),
                                  self.down_weight_eDF.transpose(-2, -1), offs=offs_e)
-        valid_P = _valid_rows(layout, num_rows, x_RD.device)
-        return torch.where(valid_P[:, None], y_PDx, 0).to(x_RD.dtype)
+        valid_P = _valid_rows(layout, num_rows, x_PDx.device)
+        return torch.where(valid_P[:, None], y_PDx, 0).to(x_PDx.dtype)
 
 
 def _valid_rows(layout: ExpertLayout, num_rows: int, device) -> torch.Tensor:
@@ -116,23 +116,23 @@ class TritonExperts(Experts):
             self.gate_up_interleaved = True
             self.down_fp8_eDF, self.down_scale_eDbFb = quantize_fp8_per_block_128(down_weight_eDF)
 
-    def forward(self, x_RD, layout, x_scale_RDb=None):
+    def forward(self, x_PDx, layout, x_scale_PDb=None):
         from moe_ref.kernels.grouped_mlp import grouped_mlp
 
         options = dict(activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
                        num_rows_hint=layout.rows_hint(),  # picks GPU tiles
                        zero_unused_rows=layout.zero_unused_rows)
         if not self.fp8:
-            return grouped_mlp(x_RD, self.gate_up_weight_e2FD, self.down_weight_eDF, layout.row_start_e,
+            return grouped_mlp(x_PDx, self.gate_up_weight_e2FD, self.down_weight_eDF, layout.row_start_e,
                                layout.num_rows_e, **options)
         out_dtype = torch.bfloat16
-        if x_RD.dtype != FP8_DTYPE:  # activation-dtype rows (used outside the dispatcher): quantize them here
+        if x_PDx.dtype != FP8_DTYPE:  # activation-dtype rows (used outside the dispatcher): quantize them here
             from moe_ref.kernels.fp8 import quantize_fp8_per_128
 
-            out_dtype = x_RD.dtype
-            x_RD, x_scale_RDb = quantize_fp8_per_128(x_RD)
-        y_PDx = grouped_mlp(x_RD, self.gate_up_fp8_e2FD, self.down_fp8_eDF, layout.row_start_e,
-                            layout.num_rows_e, x_scale_RDb=x_scale_RDb, gate_up_scale=self.gate_up_scale_e2FbDb,
+            out_dtype = x_PDx.dtype
+            x_PDx, x_scale_PDb = quantize_fp8_per_128(x_PDx)
+        y_PDx = grouped_mlp(x_PDx, self.gate_up_fp8_e2FD, self.down_fp8_eDF, layout.row_start_e,
+                            layout.num_rows_e, x_scale_PDb=x_scale_PDb, gate_up_scale=self.gate_up_scale_e2FbDb,
                             down_scale=self.down_scale_eDbFb, gate_up_interleaved=self.gate_up_interleaved, **options)
         return y_PDx.to(out_dtype)
 

@@ -63,8 +63,8 @@ class ExpertLayout:
     def num_local_experts(self) -> int:
         return self.num_rows_e.numel()
 
-    def row_expert_R(self) -> torch.Tensor:
-        """``[P]`` int64: the local expert of each pool row, -1 for padding rows (R in the name predates the legend)."""
+    def row_expert_P(self) -> torch.Tensor:
+        """``[P]`` int64: the local expert of each pool row, -1 for padding rows."""
         expert_P = torch.full((self.num_pool_rows,), -1, dtype=torch.int64, device=self.num_rows_e.device)
         for i, (start, count) in enumerate(zip(self.row_start_e.tolist(), self.num_rows_e.tolist())):
             expert_P[start:start + count] = i
@@ -93,8 +93,8 @@ class Experts(ABC):
     pool_formats = ("contiguous", "masked")
     # True: the constructor takes keyword-only ``fp8`` (weights quantized once to fp8 128x128 blocks).
     supports_fp8 = False
-    # Whether this instance runs fp8 weights, and whether its forward takes the FP8 pool (fp8 ``x_RD`` +
-    # ``x_scale_RDb``) as dispatched. Backends set them per instance (they follow ``fp8``).
+    # Whether this instance runs fp8 weights, and whether its forward takes the FP8 pool (fp8 ``x_PDx`` +
+    # ``x_scale_PDb``) as dispatched. Backends set them per instance (they follow ``fp8``).
     fp8 = False
     accepts_fp8_input = False
 
@@ -105,31 +105,31 @@ class Experts(ABC):
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
 
     @abstractmethod
-    def forward(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
-        """``x_RD [P, Dx]`` pool rows -> ``y_PDx [P, Dx]`` (padding rows zero): in ``x_RD``'s dtype, bf16 for
-        an fp8 ``x_RD`` (which comes with its ``x_scale_RDb [P, Db]`` fp32, only where
+    def forward(self, x_PDx: torch.Tensor, layout: ExpertLayout, x_scale_PDb: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_PDx [P, Dx]`` pool rows -> ``y_PDx [P, Dx]`` (padding rows zero): in ``x_PDx``'s dtype, bf16 for
+        an fp8 ``x_PDx`` (which comes with its ``x_scale_PDb [P, Db]`` fp32, only where
         ``accepts_fp8_input``)."""
 
-    def __call__(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x_PDx: torch.Tensor, layout: ExpertLayout, x_scale_PDb: torch.Tensor | None = None) -> torch.Tensor:
         """Check the input format against ``accepts_fp8_input``, then ``forward``.
 
         Args:
-            x_RD: ``[P, Dx]`` pool rows: the activation dtype, or fp8 e4m3 for a backend that accepts it.
-            layout: the segments of the local experts in ``x_RD``.
-            x_scale_RDb: ``[P, Db]`` fp32 per-row per-128-column scales, given iff ``x_RD`` is fp8.
+            x_PDx: ``[P, Dx]`` pool rows: the activation dtype, or fp8 e4m3 for a backend that accepts it.
+            layout: the segments of the local experts in ``x_PDx``.
+            x_scale_PDb: ``[P, Db]`` fp32 per-row per-128-column scales, given iff ``x_PDx`` is fp8.
 
         Returns:
             ``y_PDx [P, Dx]``; raises ``DTypeError`` (INP002) for fp8 rows this backend cannot take, or a
             missing/unexpected scale.
         """
-        is_fp8 = x_RD.dtype == FP8_DTYPE
+        is_fp8 = x_PDx.dtype == FP8_DTYPE
         if is_fp8 and not self.accepts_fp8_input:
             raise DTypeError(f"experts backend {self.name!r} (fp8={self.fp8}) takes {self.gate_up_weight_e2FD.dtype} "
-                             f"rows, got {x_RD.dtype}: dequantize first (Dispatcher.expert_input does)")
-        if is_fp8 != (x_scale_RDb is not None):
-            raise DTypeError(f"x_scale_RDb must be given exactly for fp8 rows: x_RD is {x_RD.dtype}, x_scale_RDb is "
-                             f"{'None' if x_scale_RDb is None else tuple(x_scale_RDb.shape)}")
-        return self.forward(x_RD, layout, x_scale_RDb)
+                             f"rows, got {x_PDx.dtype}: dequantize first (Dispatcher.expert_input does)")
+        if is_fp8 != (x_scale_PDb is not None):
+            raise DTypeError(f"x_scale_PDb must be given exactly for fp8 rows: x_PDx is {x_PDx.dtype}, x_scale_PDb is "
+                             f"{'None' if x_scale_PDb is None else tuple(x_scale_PDb.shape)}")
+        return self.forward(x_PDx, layout, x_scale_PDb)
 
 
 def check_pool_format(experts: "Experts | type[Experts]", pool_format: str, where: str = "the argument") -> None:

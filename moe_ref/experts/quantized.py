@@ -9,7 +9,7 @@
                                                     dequantized to fp32 when its rows run: the reference)
 
 Every backend holds only the stored tensors (device bytes == ``qweights.nbytes()``) and is called like any
-``moe_ref.experts.Experts``: ``experts(x_RD, layout, x_scale_RDb=None) -> y_RD``. Shape legend as in
+``moe_ref.experts.Experts``: ``experts(x_PDx, layout, x_scale_PDb=None) -> y_PDx``. Shape legend as in
 ``moe_ref.experts`` and ``moe_ref.checkpoint.formats``.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ QUANT_BACKENDS = ("auto", "triton", "torch")
 class W4A16Experts(Experts):
     """INT4 (compressed-tensors pack-quantized) or MXFP4 experts on ``kernels.grouped_mlp``'s weight-only path.
 
-    Activations stay bf16/fp16/fp32 (``x_RD``'s dtype), accumulation is fp32, h and y are rounded to x's
+    Activations stay bf16/fp16/fp32 (``x_PDx``'s dtype), accumulation is fp32, h and y are rounded to x's
     dtype. Segments may start anywhere (the kernel masks rows itself), as for ``TritonExperts``.
 
     NOTE: correct but not yet fast. One H200 run (docs/results/bench_w4a16.json; 48 experts, D 7168, F 2048,
@@ -50,11 +50,11 @@ class W4A16Experts(Experts):
                          situ_linear_beta)
         self.qweights = qweights
 
-    def forward(self, x_RD, layout, x_scale_RDb=None):
+    def forward(self, x_PDx, layout, x_scale_PDb=None):
         from moe_ref.kernels.grouped_mlp import grouped_mlp
 
         q = self.qweights
-        return grouped_mlp(x_RD, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e,
+        return grouped_mlp(x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e,
                            self.activation, self.situ_beta, self.situ_linear_beta,
                            gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs,
                            num_rows_hint=layout.rows_hint(),  # picks GPU tiles (no host sync when the layout has it)
@@ -153,7 +153,7 @@ def make_quantized_experts(qweights: QuantizedExpertWeights, activation: str = "
             block kernel for fp8_block; CUDA or the interpreter) or ``"torch"`` (dequantize-per-expert loop).
 
     Returns:
-        An ``Experts``: ``experts(x_RD, layout, x_scale_RDb=None) -> y_RD``. Only ``FP8BlockExperts`` takes the
+        An ``Experts``: ``experts(x_PDx, layout, x_scale_PDb=None) -> y_PDx``. Only ``FP8BlockExperts`` takes the
         FP8 pool (``accepts_fp8_input``); the others take activation-dtype rows.
     """
     cls = quantized_experts_class(qweights.spec.format, backend, qweights.device)

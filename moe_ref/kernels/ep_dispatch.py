@@ -366,13 +366,14 @@ def receive_rows_ref(my: torch.Tensor, regions: EPRegions, rank: int, src: int, 
         _scatter_rows(view(my, "recv_x_scale"), target_of_slot, x_scale_UDb.index_select(0, row_of_slot))
 
 
-def _scatter_rows(dst_PW: torch.Tensor, target_N: torch.Tensor, rows_NW: torch.Tensor) -> None:
-    """dst[target[n]] = rows[n] for target < P (rows aimed at P are dropped); no host sync."""
-    num_rows = dst_PW.shape[0]
-    padded = torch.cat([dst_PW, dst_PW.new_empty(1, *dst_PW.shape[1:])])
-    if dst_PW.dtype == torch.float8_e4m3fn:  # index_copy has no fp8 kernel: move the bytes
+def _scatter_rows(dst_P_: torch.Tensor, target_N: torch.Tensor, rows_N_: torch.Tensor) -> None:
+    """dst[target[n]] = rows[n] for target < P (rows aimed at P are dropped); no host sync. ``dst_P_`` is ``[P, ...]``
+    and ``rows_N_`` ``[N, ...]`` with the same trailing dims (the pool's row width, scale blocks or source triples)."""
+    num_rows = dst_P_.shape[0]
+    padded = torch.cat([dst_P_, dst_P_.new_empty(1, *dst_P_.shape[1:])])
+    if dst_P_.dtype == torch.float8_e4m3fn:  # index_copy has no fp8 kernel: move the bytes
         padded_u8 = padded.view(torch.uint8)
-        padded_u8.index_copy_(0, target_N, rows_NW.view(torch.uint8))
+        padded_u8.index_copy_(0, target_N, rows_N_.view(torch.uint8))
     else:
-        padded.index_copy_(0, target_N, rows_NW)
-    dst_PW.copy_(padded[:num_rows])
+        padded.index_copy_(0, target_N, rows_N_)
+    dst_P_.copy_(padded[:num_rows])

@@ -43,13 +43,13 @@ def _gated_act_kernel(
     SITU_LINEAR: tl.constexpr,     # situ: squash up too (situ_linear_beta != 0)
     MASKED: tl.constexpr,          # validity from masked_rows / num_rows_ptr, else from group_ptr
     QUANT: tl.constexpr,           # fp8 e4m3 + per-128 scales, else h in h_ptr's dtype
-    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
-    """One program = BLOCK_R rows x one group of 128 columns; a block without a valid row returns at once.
+    """One program = BLOCK_P rows x one group of 128 columns; a block without a valid row returns at once.
 
     Example (masked, M=4, num_rows [1, 3], silu): rows 0, 4, 5, 6 are computed, rows 1-3 and 7 untouched.
     """
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_r = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     f0 = tl.program_id(1) * 128
     in_pool = offs_r < P
     if MASKED:
@@ -132,13 +132,13 @@ def gated_activation_rows(gate_up_P2F: torch.Tensor, *, group_P: torch.Tensor | 
     if num_rows == 0:
         return h_PF, h_scale_PFb
     index = num_rows_e if masked_rows else group_P
-    block_r = 16
-    _gated_act_kernel[(triton.cdiv(num_rows, block_r), num_fp8_groups(width))](
+    block_p = 16
+    _gated_act_kernel[(triton.cdiv(num_rows, block_p), num_fp8_groups(width))](
         gate_up_P2F, index, index, h_PF, h_scale_PFb if quant else h_PF,
         num_rows, width, max(masked_rows, 1), float(situ_beta), float(situ_linear_beta or 1.0),
         gate_up_P2F.stride(0), h_PF.stride(0), h_scale_PFb.stride(0) if quant else 0,
         ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), MASKED=bool(masked_rows),
-        QUANT=quant, BLOCK_R=block_r, num_warps=4,
+        QUANT=quant, BLOCK_P=block_p, num_warps=4,
     )
     return h_PF, h_scale_PFb
 

@@ -34,7 +34,7 @@ the store masks. Pointer loads remain for 4-bit weights, row strides that are no
 `MOE_REF_TMA=0`. On an H200 the descriptors cut the FP8 kernel's registers from ~249 to ~173 per thread and
 sped both GEMMs up (docs/results/tune_grouped_mlp_fp8_tma.txt).
 
-FP8 (e4m3): x with per-row per-128-column fp32 scales `x_scale_RDb`, weights with fp32 128x128 block
+FP8 (e4m3): x with per-row per-128-column fp32 scales `x_scale_PDb`, weights with fp32 128x128 block
 scales; each BLOCK_K (<= 128, dividing 128) k-step multiplies the fp32 partial product by
 `x_scale[row, k // 128] * w_scale[col // 128, k // 128]` before accumulating. When BLOCK_N divides 128 the
 tile's columns share one weight scale, folded into the row scales first: one FMA per element.
@@ -49,7 +49,7 @@ x's dtype for the dot (bf16/fp16 tensor cores; fp32 accumulation), so h and y ro
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features (the kernel's GEMM sizes N and K), Db = ceil(Dx / 128),
 Fb = ceil(F / 128), 2Fb = ceil(2F / 128). The arguments keep the names of ``moe_ref.experts``' backends
-(``x_RD``, ``x_scale_RDb``, ``gate_up_weight_e2FD``, ``down_weight_eDF``): read R as P and D as Dx in them.
+(``x_PDx``, ``x_scale_PDb``, ``gate_up_weight_e2FD``, ``down_weight_eDF``); the weights' D is Dx.
 """
 
 from __future__ import annotations
@@ -482,27 +482,27 @@ _W4_FORMATS = {torch.int32: (1, 8, (torch.bfloat16, torch.float16, torch.float32
                torch.uint8: (2, 2, (torch.uint8,))}
 
 
-def _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
-                x_scale_RDb, gate_up_scale, down_scale) -> tuple[bool, int]:
+def _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
+                x_scale_PDb, gate_up_scale, down_scale) -> tuple[bool, int]:
     """Validate shapes/dtypes; returns (fp8 path, W4 flag: 0 dense, 1 int4, 2 mxfp4)."""
     if activation not in ("silu", "situ"):
         raise UnknownNameError(f"{activation=} must be 'silu' or 'situ'")
-    if x_RD.dim() != 2 or gate_up_weight_e2FD.dim() != 3 or down_weight_eDF.dim() != 3:
-        raise ShapeError(f"expected x_RD [R, D], gate_up [e, 2F, D], down [e, D, F]; got {tuple(x_RD.shape)}, "
+    if x_PDx.dim() != 2 or gate_up_weight_e2FD.dim() != 3 or down_weight_eDF.dim() != 3:
+        raise ShapeError(f"expected x_PDx [R, D], gate_up [e, 2F, D], down [e, D, F]; got {tuple(x_PDx.shape)}, "
                          f"{tuple(gate_up_weight_e2FD.shape)}, {tuple(down_weight_eDF.shape)}")
     _check_layout_args(row_start_e, num_rows_e, gate_up_weight_e2FD.shape[0])
     if gate_up_weight_e2FD.dtype in _W4_FORMATS:
-        return False, _check_w4_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, gate_up_scale, down_scale)
-    _, hidden = x_RD.shape
+        return False, _check_w4_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, gate_up_scale, down_scale)
+    _, hidden = x_PDx.shape
     num_experts, two_f, hidden_w = gate_up_weight_e2FD.shape
     inter = two_f // 2
     if two_f % 2 or hidden_w != hidden or tuple(down_weight_eDF.shape) != (num_experts, hidden, inter):
-        raise ShapeError(f"weight shapes disagree: {tuple(x_RD.shape)=}, {tuple(gate_up_weight_e2FD.shape)=}, "
+        raise ShapeError(f"weight shapes disagree: {tuple(x_PDx.shape)=}, {tuple(gate_up_weight_e2FD.shape)=}, "
                          f"{tuple(down_weight_eDF.shape)=} (want gate_up [e, 2F, D], down [e, D, F])")
-    fp8 = x_RD.dtype == FP8_DTYPE
+    fp8 = x_PDx.dtype == FP8_DTYPE
     if fp8:
         expected = {
-            "x_scale_RDb": (x_scale_RDb, (x_RD.shape[0], num_fp8_groups(hidden))),
+            "x_scale_PDb": (x_scale_PDb, (x_PDx.shape[0], num_fp8_groups(hidden))),
             "gate_up_scale": (gate_up_scale, (num_experts, num_fp8_groups(two_f), num_fp8_groups(hidden))),
             "down_scale": (down_scale, (num_experts, num_fp8_groups(hidden), num_fp8_groups(inter))),
         }
@@ -511,12 +511,12 @@ def _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_row
                 got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
                 raise DTypeError(f"fp8 grouped_mlp needs {name} fp32 {shape}, got {got}")
         if gate_up_weight_e2FD.dtype != FP8_DTYPE or down_weight_eDF.dtype != FP8_DTYPE:
-            raise DTypeError(f"fp8 x_RD needs fp8 weights, got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
+            raise DTypeError(f"fp8 x_PDx needs fp8 weights, got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
     else:
-        if x_RD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise DTypeError(f"x_RD must be bf16/fp16/fp32 or {FP8_DTYPE}, got {x_RD.dtype}")
-        if gate_up_weight_e2FD.dtype != x_RD.dtype or down_weight_eDF.dtype != x_RD.dtype:
-            raise DTypeError(f"weights must match {x_RD.dtype=}: got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
+        if x_PDx.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise DTypeError(f"x_PDx must be bf16/fp16/fp32 or {FP8_DTYPE}, got {x_PDx.dtype}")
+        if gate_up_weight_e2FD.dtype != x_PDx.dtype or down_weight_eDF.dtype != x_PDx.dtype:
+            raise DTypeError(f"weights must match {x_PDx.dtype=}: got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
     return fp8, 0
 
 
@@ -526,13 +526,13 @@ def _check_layout_args(row_start_e, num_rows_e, num_experts: int) -> None:
             raise DTypeError(f"{name} must be int32/int64 [{num_experts}], got {tuple(tensor.shape)} {tensor.dtype}")
 
 
-def _check_w4_args(x_RD, gate_up_packed, down_packed, gate_up_scale, down_scale) -> int:
+def _check_w4_args(x_PDx, gate_up_packed, down_packed, gate_up_scale, down_scale) -> int:
     """Shapes/dtypes of the W4A16 path (packed int32 int4 or uint8 mxfp4 weights + group-32 scales);
     returns the kernel's W4 flag."""
     w4, per, scale_dtypes = _W4_FORMATS[gate_up_packed.dtype]
-    if x_RD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise DTypeError(f"4-bit weights take bf16/fp16/fp32 x_RD, got {x_RD.dtype}")
-    hidden = x_RD.shape[1]
+    if x_PDx.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise DTypeError(f"4-bit weights take bf16/fp16/fp32 x_PDx, got {x_PDx.dtype}")
+    hidden = x_PDx.shape[1]
     num_experts, two_f, _ = gate_up_packed.shape
     inter = two_f // 2
     expected = {
@@ -551,7 +551,7 @@ def _check_w4_args(x_RD, gate_up_packed, down_packed, gate_up_scale, down_scale)
 
 
 def grouped_mlp(
-    x_RD: torch.Tensor,
+    x_PDx: torch.Tensor,
     gate_up_weight_e2FD: torch.Tensor,
     down_weight_eDF: torch.Tensor,
     row_start_e: torch.Tensor,
@@ -559,7 +559,7 @@ def grouped_mlp(
     activation: str = "silu",
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
-    x_scale_RDb: torch.Tensor | None = None,
+    x_scale_PDb: torch.Tensor | None = None,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     *,
@@ -571,7 +571,7 @@ def grouped_mlp(
     """Run every local expert's gated MLP on its rows of the receive pool (two Triton launches).
 
     Args:
-        x_RD: `[P, Dx]` bf16/fp16/fp32, or `torch.float8_e4m3fn` with `x_scale_RDb`; expert i owns rows
+        x_PDx: `[P, Dx]` bf16/fp16/fp32, or `torch.float8_e4m3fn` with `x_scale_PDb`; expert i owns rows
             `row_start_e[i] : row_start_e[i] + num_rows_e[i]` (segments must not overlap).
         gate_up_weight_e2FD: `[e, 2F, D]`, rows 0..F-1 gate, F..2F-1 up; x's dtype (fp8 for fp8 x), or packed
             4-bit for bf16/fp16/fp32 x: int32 `[e, 2F, D/8]` (INT4) or uint8 `[e, 2F, D/2]` (MXFP4).
@@ -582,7 +582,7 @@ def grouped_mlp(
         activation: "silu" (h = silu(gate) * up) or "situ"
             (h = beta * tanh(gate / beta) * sigmoid(gate) * (lb * tanh(up / lb), or up if lb == 0)), fp32.
         situ_beta, situ_linear_beta: SiTU's beta and lb (Kimi-K3: 4.0, 25.0).
-        x_scale_RDb: `[P, Db]` fp32 per-row per-128 scales of an fp8 x.
+        x_scale_PDb: `[P, Db]` fp32 per-row per-128 scales of an fp8 x.
         gate_up_scale: `[e, ceil(2F/128), ceil(D/128)]` fp32 128x128 block scales of fp8 gate_up.
         down_scale: `[e, ceil(D/128), ceil(F/128)]` fp32 128x128 block scales of fp8 down.
             4-bit weights: group-32 scales `[e, 2F, D/32]` / `[e, D, F/32]`, bf16/fp16/fp32 (INT4) or uint8 E8M0
@@ -601,22 +601,22 @@ def grouped_mlp(
         y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0 (or unwritten).
         The intermediate h is kept in x's dtype (fp8 + per-128 scales on the fp8 path). No host sync.
     """
-    fp8, w4 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
-                          x_scale_RDb, gate_up_scale, down_scale)
-    num_rows, hidden = x_RD.shape
+    fp8, w4 = _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
+                          x_scale_PDb, gate_up_scale, down_scale)
+    num_rows, hidden = x_PDx.shape
     num_experts, two_f, _ = gate_up_weight_e2FD.shape
     inter = two_f // 2
-    out_dtype = torch.bfloat16 if fp8 else x_RD.dtype
-    device = x_RD.device
+    out_dtype = torch.bfloat16 if fp8 else x_PDx.dtype
+    device = x_PDx.device
     # the kernels write every row inside a segment; the rest is zeroed only when asked (a memset of the whole
     # pool: ~0.5 GB at 32768 routed rows of Kimi-K2, which the device-side dispatch never reads)
     allocate = torch.zeros if zero_unused_rows or num_experts == 0 or inter == 0 else torch.empty
     y_PDx = allocate(num_rows, hidden, dtype=out_dtype, device=device)
     if num_rows == 0 or num_experts == 0 or hidden == 0 or inter == 0:
         return y_PDx
-    check_device("x_RD", x_RD)
-    tensors = {"x_RD": x_RD, "gate_up_weight_e2FD": gate_up_weight_e2FD, "down_weight_eDF": down_weight_eDF,
-               "x_scale_RDb": x_scale_RDb, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
+    check_device("x_PDx", x_PDx)
+    tensors = {"x_PDx": x_PDx, "gate_up_weight_e2FD": gate_up_weight_e2FD, "down_weight_eDF": down_weight_eDF,
+               "x_scale_PDb": x_scale_PDb, "gate_up_scale": gate_up_scale, "down_scale": down_scale}
     for name, tensor in tensors.items():
         if tensor is not None and not tensor.is_contiguous():
             raise ShapeError(f"{name} must be contiguous (strides {tensor.stride()})")
@@ -625,9 +625,9 @@ def grouped_mlp(
     rows_hint = num_rows if num_rows_hint is None else num_rows_hint
 
     # GEMM1: h = act(x @ gate.T, x @ up.T)
-    h_PF = torch.empty(num_rows, inter, dtype=FP8_DTYPE if fp8 else x_RD.dtype, device=device)
+    h_PF = torch.empty(num_rows, inter, dtype=FP8_DTYPE if fp8 else x_PDx.dtype, device=device)
     h_scale_PFb = torch.empty(num_rows, num_fp8_groups(inter), dtype=torch.float32, device=device) if fp8 else None
-    _launch_gemm(x_RD, x_scale_RDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
+    _launch_gemm(x_PDx, x_scale_PDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
                  n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                  fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4, interleaved=gate_up_interleaved,
                  persistent=persistent)
@@ -676,7 +676,7 @@ def _activation_ref(gate: torch.Tensor, up: torch.Tensor, activation: str, situ_
 
 
 def grouped_mlp_ref(
-    x_RD: torch.Tensor,
+    x_PDx: torch.Tensor,
     gate_up_weight_e2FD: torch.Tensor,
     down_weight_eDF: torch.Tensor,
     row_start_e: torch.Tensor,
@@ -684,7 +684,7 @@ def grouped_mlp_ref(
     activation: str = "silu",
     situ_beta: float = 4.0,
     situ_linear_beta: float = 25.0,
-    x_scale_RDb: torch.Tensor | None = None,
+    x_scale_PDb: torch.Tensor | None = None,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     *,
@@ -698,30 +698,30 @@ def grouped_mlp_ref(
     per 128 columns (fp8) before GEMM2 (unused rows always come out as 0); 4-bit weights are dequantized (``moe_ref.checkpoint.formats``) and rounded to x's
     dtype, as the kernel's tiles are. NOTE: `.tolist()` on the row counts syncs the host.
     """
-    fp8, w4 = _check_args(x_RD, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
-                          x_scale_RDb, gate_up_scale, down_scale)
+    fp8, w4 = _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
+                          x_scale_PDb, gate_up_scale, down_scale)
     if gate_up_interleaved:
         gate_up_weight_e2FD = deinterleave_gate_up(gate_up_weight_e2FD)
         gate_up_scale = deinterleave_gate_up(gate_up_scale) if w4 else gate_up_scale
-    num_rows, hidden = x_RD.shape
+    num_rows, hidden = x_PDx.shape
     inter = gate_up_weight_e2FD.shape[1] // 2
-    out_dtype = torch.bfloat16 if fp8 else x_RD.dtype
-    y_PDx = torch.zeros(num_rows, hidden, dtype=out_dtype, device=x_RD.device)
+    out_dtype = torch.bfloat16 if fp8 else x_PDx.dtype
+    y_PDx = torch.zeros(num_rows, hidden, dtype=out_dtype, device=x_PDx.device)
     for i, (start, count) in enumerate(zip(row_start_e.tolist(), num_rows_e.tolist())):
         if count == 0:
             continue
         rows = slice(start, start + count)
         if fp8:
-            seg_x_PDx = dequantize_fp8_per_128(x_RD[rows], x_scale_RDb[rows])
+            seg_x_PDx = dequantize_fp8_per_128(x_PDx[rows], x_scale_PDb[rows])
             gate_up_2FDx = _dequantize_block_128(gate_up_weight_e2FD[i], gate_up_scale[i])
             down_DxF = _dequantize_block_128(down_weight_eDF[i], down_scale[i])
         elif w4:
             dequantize = dequantize_int4 if w4 == 1 else dequantize_mxfp4
-            seg_x_PDx = x_RD[rows].float()
-            gate_up_2FDx = dequantize(gate_up_weight_e2FD[i], gate_up_scale[i], x_RD.dtype).float()
-            down_DxF = dequantize(down_weight_eDF[i], down_scale[i], x_RD.dtype).float()
+            seg_x_PDx = x_PDx[rows].float()
+            gate_up_2FDx = dequantize(gate_up_weight_e2FD[i], gate_up_scale[i], x_PDx.dtype).float()
+            down_DxF = dequantize(down_weight_eDF[i], down_scale[i], x_PDx.dtype).float()
         else:
-            seg_x_PDx = x_RD[rows].float()
+            seg_x_PDx = x_PDx[rows].float()
             gate_up_2FDx = gate_up_weight_e2FD[i].float()
             down_DxF = down_weight_eDF[i].float()
         seg_gate_up_P2F = seg_x_PDx @ gate_up_2FDx.T
@@ -730,6 +730,6 @@ def grouped_mlp_ref(
         if fp8:
             seg_h_PF = dequantize_fp8_per_128(*quantize_fp8_per_128(seg_h_PF))
         else:
-            seg_h_PF = seg_h_PF.to(x_RD.dtype).float()
+            seg_h_PF = seg_h_PF.to(x_PDx.dtype).float()
         y_PDx[rows] = (seg_h_PF @ down_DxF.T).to(out_dtype)
     return y_PDx

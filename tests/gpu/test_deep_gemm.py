@@ -66,18 +66,18 @@ def pool(weights):
     """Pool rows (padding rows hold noise too: they must come out zero), layout, reference, valid mask."""
     layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device="cuda"), 128)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    x_RD = torch.randn(layout.num_pool_rows, HIDDEN, device="cuda", generator=gen).bfloat16()
-    reference = TorchLoopExperts(*weights).forward(x_RD, layout)
-    valid_R = layout.row_expert_R() >= 0
-    return x_RD, layout, reference, valid_R
+    x_PDx = torch.randn(layout.num_pool_rows, HIDDEN, device="cuda", generator=gen).bfloat16()
+    reference = TorchLoopExperts(*weights).forward(x_PDx, layout)
+    valid_P = layout.row_expert_P() >= 0
+    return x_PDx, layout, reference, valid_P
 
 
-def _check_pool_output(y_RD, pool, limit, label):
-    x_RD, layout, reference, valid_R = pool
-    assert y_RD.shape == x_RD.shape and y_RD.dtype == x_RD.dtype, (label, y_RD.shape, y_RD.dtype)
-    assert torch.isfinite(y_RD).all(), f"{label}: non-finite output"
-    assert bool((y_RD[~valid_R] == 0).all()), f"{label}: padding rows are not zero"
-    diff = calc_diff(y_RD[valid_R], reference[valid_R])
+def _check_pool_output(y_PDx, pool, limit, label):
+    x_PDx, layout, reference, valid_P = pool
+    assert y_PDx.shape == x_PDx.shape and y_PDx.dtype == x_PDx.dtype, (label, y_PDx.shape, y_PDx.dtype)
+    assert torch.isfinite(y_PDx).all(), f"{label}: non-finite output"
+    assert bool((y_PDx[~valid_P] == 0).all()), f"{label}: padding rows are not zero"
+    diff = calc_diff(y_PDx[valid_P], reference[valid_P])
     print(f"{label}: calc_diff vs TorchLoopExperts = {diff:.3e} (limit {limit:.0e}); counts={COUNTS}")
     assert diff < limit, f"{label}: calc_diff={diff:.3e} >= {limit:.0e}; counts={COUNTS}, D={HIDDEN}, F={INTERMEDIATE}"
     return diff
@@ -98,9 +98,9 @@ def test_grouped_fp8_matches_torch_loop_and_fp8_simulation(weights, pool):
     from deep_gemm.utils import per_token_cast_to_fp8
 
     experts = DeepGemmExperts(*weights, fp8=True)
-    x_RD, layout = pool[0], pool[1]
-    y_RD = experts(x_RD, layout)
-    _check_pool_output(y_RD, pool, LIMIT["fp8"], "deep_gemm fp8 grouped")
+    x_PDx, layout = pool[0], pool[1]
+    y_PDx = experts(x_PDx, layout)
+    _check_pool_output(y_PDx, pool, LIMIT["fp8"], "deep_gemm fp8 grouped")
 
     def dequant_rows(x):
         q, s = per_token_cast_to_fp8(x, use_ue8m0=False)
@@ -110,16 +110,16 @@ def test_grouped_fp8_matches_torch_loop_and_fp8_simulation(weights, pool):
         n, k = w.shape
         return (w.float().view(n // 128, 128, k // 128, 128) * s[:, None, :, None]).view(n, k)
 
-    simulated = torch.zeros_like(y_RD)
+    simulated = torch.zeros_like(y_PDx)
     (w13, s13), (w2, s2) = experts._gate_up_weight, experts._down_weight
     for i, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
         if count:
-            gate_up = (dequant_rows(x_RD[start:start + count]) @ dequant_blocks(w13[i], s13[i]).t()).bfloat16()
+            gate_up = (dequant_rows(x_PDx[start:start + count]) @ dequant_blocks(w13[i], s13[i]).t()).bfloat16()
             gate, up = gate_up.float().chunk(2, dim=-1)
             h = torch.nn.functional.silu(gate) * up
             simulated[start:start + count] = (dequant_rows(h) @ dequant_blocks(w2[i], s2[i]).t()).bfloat16()
-    valid_R = pool[3]
-    diff = calc_diff(y_RD[valid_R], simulated[valid_R])
+    valid_P = pool[3]
+    diff = calc_diff(y_PDx[valid_P], simulated[valid_P])
     print(f"deep_gemm fp8 grouped: calc_diff vs torch fp8 simulation = {diff:.3e} (limit {LIMIT['fp8_vs_sim']:.0e})")
     assert diff < LIMIT["fp8_vs_sim"], f"calc_diff vs fp8 simulation {diff:.3e}"
 
@@ -128,12 +128,12 @@ def test_pool_rows_not_a_multiple_of_128_and_all_padding(weights):
     experts = DeepGemmExperts(*weights)
     counts = torch.tensor([3, 0, 0, 0, 0, 0, 0, 5], device="cuda")
     layout = ExpertLayout.from_counts(counts, 128, num_pool_rows=300)  # 256 used + 44 trailing rows
-    x_RD = torch.randn(300, HIDDEN, device="cuda").bfloat16()
-    y_RD = experts(x_RD, layout)
-    reference = TorchLoopExperts(*weights).forward(x_RD, layout)
-    diff = calc_diff(y_RD, reference)
-    assert y_RD.shape == (300, HIDDEN) and diff < LIMIT["bf16"], diff
-    assert bool((y_RD[layout.row_expert_R() < 0] == 0).all())
+    x_PDx = torch.randn(300, HIDDEN, device="cuda").bfloat16()
+    y_PDx = experts(x_PDx, layout)
+    reference = TorchLoopExperts(*weights).forward(x_PDx, layout)
+    diff = calc_diff(y_PDx, reference)
+    assert y_PDx.shape == (300, HIDDEN) and diff < LIMIT["bf16"], diff
+    assert bool((y_PDx[layout.row_expert_P() < 0] == 0).all())
 
     empty = ExpertLayout.from_counts(torch.zeros(NUM_EXPERTS, dtype=torch.int64, device="cuda"), 128,
                                      num_pool_rows=128)
@@ -182,12 +182,12 @@ def test_masked_receive_pool_runs_the_masked_gemms_in_place(weights, fp8):
     counts = torch.tensor(COUNTS, device="cuda")
     layout = ExpertLayout(torch.arange(NUM_EXPERTS, device="cuda") * max_rows, counts, NUM_EXPERTS * max_rows, 128,
                           num_rows_hint=int(counts.sum()), masked_rows=max_rows)
-    x_RD = torch.randn(NUM_EXPERTS * max_rows, HIDDEN, device="cuda").bfloat16()
-    y_RD = DeepGemmExperts(*weights, fp8=fp8)(x_RD, layout)
-    reference = TorchLoopExperts(*weights).forward(x_RD, layout)
-    valid_R = layout.row_expert_R() >= 0
-    assert y_RD.shape == x_RD.shape and bool((y_RD[~valid_R] == 0).all())
-    diff = calc_diff(y_RD[valid_R], reference[valid_R])
+    x_PDx = torch.randn(NUM_EXPERTS * max_rows, HIDDEN, device="cuda").bfloat16()
+    y_PDx = DeepGemmExperts(*weights, fp8=fp8)(x_PDx, layout)
+    reference = TorchLoopExperts(*weights).forward(x_PDx, layout)
+    valid_P = layout.row_expert_P() >= 0
+    assert y_PDx.shape == x_PDx.shape and bool((y_PDx[~valid_P] == 0).all())
+    diff = calc_diff(y_PDx[valid_P], reference[valid_P])
     limit = LIMIT["fp8" if fp8 else "bf16"]
     print(f"deep_gemm {'fp8' if fp8 else 'bf16'} masked pool: calc_diff vs TorchLoopExperts = {diff:.3e}")
     assert diff < limit, diff
@@ -200,19 +200,19 @@ def test_fp8_pool_as_dispatched_equals_rows_quantized_by_the_backend(weights, po
     e4m3 value (calc_diff ~1.5e-4 on an H200; FP8 vs the exact MLP is ~2e-3)."""
     from moe_ref.kernels.fp8 import quantize_fp8_per_128
 
-    x_RD, layout, _, valid_R = pool
+    x_PDx, layout, _, valid_P = pool
     if masked:
         max_rows = 384
         layout = ExpertLayout(torch.arange(NUM_EXPERTS, device="cuda") * max_rows, layout.num_rows_e, NUM_EXPERTS *
                               max_rows, 128, num_rows_hint=sum(COUNTS), masked_rows=max_rows)
-        x_RD = torch.randn(NUM_EXPERTS * max_rows, HIDDEN, device="cuda").bfloat16()
-        valid_R = layout.row_expert_R() >= 0
+        x_PDx = torch.randn(NUM_EXPERTS * max_rows, HIDDEN, device="cuda").bfloat16()
+        valid_P = layout.row_expert_P() >= 0
     experts = DeepGemmExperts(*weights, fp8=True)
-    from_bf16 = experts(x_RD, layout)
-    x_fp8_RD, x_scale_RDb = quantize_fp8_per_128(x_RD)
-    from_fp8 = experts(x_fp8_RD, layout, x_scale_RDb)
-    assert from_fp8.dtype == torch.bfloat16 and bool((from_fp8[~valid_R] == 0).all())
-    diff = calc_diff(from_fp8[valid_R], from_bf16[valid_R].bfloat16())
+    from_bf16 = experts(x_PDx, layout)
+    x_fp8_PDx, x_scale_PDb = quantize_fp8_per_128(x_PDx)
+    from_fp8 = experts(x_fp8_PDx, layout, x_scale_PDb)
+    assert from_fp8.dtype == torch.bfloat16 and bool((from_fp8[~valid_P] == 0).all())
+    diff = calc_diff(from_fp8[valid_P], from_bf16[valid_P].bfloat16())
     print(f"deep_gemm fp8 {'masked' if masked else 'contiguous'}: FP8 pool vs bf16 rows calc_diff = {diff:.3e}")
     assert diff < LIMIT["fp8_vs_sim"], diff
 
@@ -243,8 +243,8 @@ def test_masked_layout_replays_in_a_cuda_graph(weights, fp8):
 
 
 def test_bench_hook_paths_match_the_reference(weights, pool):
-    x_RD, layout, reference, valid_R = pool
-    cases = deep_gemm_grouped_cases(x_RD, *weights, layout.row_start_e, layout.num_rows_e,
+    x_PDx, layout, reference, valid_P = pool
+    cases = deep_gemm_grouped_cases(x_PDx, *weights, layout.row_start_e, layout.num_rows_e,
                                     layouts=("contiguous", "masked"))
     assert [name for name, _ in cases] == ["deep_gemm_bf16", "deep_gemm_fp8", "deep_gemm_masked_bf16",
                                            "deep_gemm_masked_fp8"]
@@ -256,7 +256,7 @@ def test_bench_hook_paths_match_the_reference(weights, pool):
         y_eMD = fn()  # [e, M, D]: expert i's rows first, zero past its count
         valid_eM = torch.arange(y_eMD.shape[1], device="cuda")[None, :] < layout.num_rows_e.to("cuda")[:, None]
         assert y_eMD.shape == (NUM_EXPERTS, 384, HIDDEN) and bool((y_eMD[~valid_eM] == 0).all()), name
-        diff = calc_diff(y_eMD[valid_eM], reference[valid_R])
+        diff = calc_diff(y_eMD[valid_eM], reference[valid_P])
         print(f"bench hook {name}: calc_diff vs TorchLoopExperts = {diff:.3e} (limit {limit:.0e}); counts={COUNTS}")
         assert diff < limit, f"bench hook {name}: calc_diff={diff:.3e} >= {limit:.0e}; counts={COUNTS}"
 

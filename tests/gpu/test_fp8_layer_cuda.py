@@ -45,11 +45,11 @@ def test_layer_matches_bf16_reference(weights, num_tokens, dispatch_fp8, monkeyp
     forward = experts.forward
     plan_pool_rows = layer.routed_step.plan.num_pool_rows
 
-    def recording_forward(x_RD, layout, x_scale_RDb=None):
-        pool_rows.append(x_RD.shape[0])
+    def recording_forward(x_PDx, layout, x_scale_PDb=None):
+        pool_rows.append(x_PDx.shape[0])
         hints.append((layout.num_rows_hint, layout.zero_unused_rows))
-        assert x_RD.dtype == (torch.float8_e4m3fn if dispatch_fp8 else torch.bfloat16)
-        return forward(x_RD, layout, x_scale_RDb)
+        assert x_PDx.dtype == (torch.float8_e4m3fn if dispatch_fp8 else torch.bfloat16)
+        return forward(x_PDx, layout, x_scale_PDb)
 
     monkeypatch.setattr(experts, "forward", recording_forward)
     x = torch.randn(num_tokens, CFG.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(1))

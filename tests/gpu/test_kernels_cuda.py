@@ -44,17 +44,17 @@ def _mlp_inputs(name, dtype, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     row_start_e, num_rows_e, num_rows = _layout(counts)
     num_experts = len(counts)
-    x_RD = torch.randn(num_rows, hidden, device="cuda", generator=gen)
+    x_PDx = torch.randn(num_rows, hidden, device="cuda", generator=gen)
     gate_up = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5
     down = torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) / inter**0.5
-    return x_RD, gate_up, down, row_start_e, num_rows_e, sum(counts)
+    return x_PDx, gate_up, down, row_start_e, num_rows_e, sum(counts)
 
 
-def _padding_is_zero(y_RD, row_start_e, num_rows_e) -> bool:
-    valid = torch.zeros(y_RD.shape[0], dtype=torch.bool, device=y_RD.device)
+def _padding_is_zero(y_PDx, row_start_e, num_rows_e) -> bool:
+    valid = torch.zeros(y_PDx.shape[0], dtype=torch.bool, device=y_PDx.device)
     for start, count in zip(row_start_e.tolist(), num_rows_e.tolist()):
         valid[start:start + count] = True
-    return bool((y_RD[~valid] == 0).all())
+    return bool((y_PDx[~valid] == 0).all())
 
 
 @pytest.mark.parametrize("name", list(MLP_CASES))
@@ -62,15 +62,15 @@ def _padding_is_zero(y_RD, row_start_e, num_rows_e) -> bool:
 def test_grouped_mlp_half(name, dtype):
     from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
 
-    x_RD, gate_up, down, row_start_e, num_rows_e, total = _mlp_inputs(name, dtype)
-    args = (x_RD.to(dtype), gate_up.to(dtype), down.to(dtype), row_start_e, num_rows_e)
+    x_PDx, gate_up, down, row_start_e, num_rows_e, total = _mlp_inputs(name, dtype)
+    args = (x_PDx.to(dtype), gate_up.to(dtype), down.to(dtype), row_start_e, num_rows_e)
     activation = "situ" if "situ" in name else "silu"
     y_ref = grouped_mlp_ref(*args, activation=activation)
     for hint in (None, total):  # both the R-keyed and the hinted tile regimes
-        y_RD = grouped_mlp(*args, activation=activation, num_rows_hint=hint)
-        diff = calc_diff(y_RD, y_ref)
+        y_PDx = grouped_mlp(*args, activation=activation, num_rows_hint=hint)
+        diff = calc_diff(y_PDx, y_ref)
         assert diff < DIFF_LIMIT[dtype], f"{name=} {dtype=} {hint=} {diff=:.2e}"
-        assert _padding_is_zero(y_RD, row_start_e, num_rows_e), f"{name=} {dtype=} {hint=}"
+        assert _padding_is_zero(y_PDx, row_start_e, num_rows_e), f"{name=} {dtype=} {hint=}"
 
 
 @pytest.mark.parametrize("name", list(MLP_CASES))
@@ -78,23 +78,23 @@ def test_grouped_mlp_fp8(name):
     from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
     from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
 
-    x_RD, gate_up, down, row_start_e, num_rows_e, total = _mlp_inputs(name, torch.float32, seed=1)
-    x_fp8, x_scale = quantize_fp8_per_128(x_RD)
+    x_PDx, gate_up, down, row_start_e, num_rows_e, total = _mlp_inputs(name, torch.float32, seed=1)
+    x_fp8, x_scale = quantize_fp8_per_128(x_PDx)
     from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
 
     gate_up_fp8, gate_up_scale = quantize_fp8_per_block_128(gate_up)
     down_fp8, down_scale = quantize_fp8_per_block_128(down)
     activation = "situ" if "situ" in name else "silu"
     args = (x_fp8, gate_up_fp8, down_fp8, row_start_e, num_rows_e, activation)
-    kwargs = dict(x_scale_RDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    kwargs = dict(x_scale_PDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
     y_ref = grouped_mlp_ref(*args, **kwargs)
-    y_RD = grouped_mlp(*args, **kwargs, num_rows_hint=total)
-    assert y_RD.dtype == torch.bfloat16
-    diff = calc_diff(y_RD, y_ref)
+    y_PDx = grouped_mlp(*args, **kwargs, num_rows_hint=total)
+    assert y_PDx.dtype == torch.bfloat16
+    diff = calc_diff(y_PDx, y_ref)
     assert diff < DIFF_LIMIT["fp8"], f"{name=} {diff=:.2e}"
-    assert _padding_is_zero(y_RD, row_start_e, num_rows_e), f"{name=}"
-    y_exact = grouped_mlp_ref(x_RD, gate_up, down, row_start_e, num_rows_e, activation)
-    assert calc_diff(y_RD, y_exact) < 5e-3, f"{name=}: fp8 error vs the unquantized MLP too large"
+    assert _padding_is_zero(y_PDx, row_start_e, num_rows_e), f"{name=}"
+    y_exact = grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e, activation)
+    assert calc_diff(y_PDx, y_exact) < 5e-3, f"{name=}: fp8 error vs the unquantized MLP too large"
 
 
 @pytest.mark.parametrize("num_experts,num_topk,kwargs", [

@@ -48,12 +48,12 @@ def test_quantized_experts_vs_dequantized_fp32_reference(case, fmt_name):
     fmt = QuantFormat(fmt_name)
     q = _qweights(fmt, len(counts), hidden, inter)
     layout = ExpertLayout.from_counts(torch.tensor(counts, device="cuda"), alignment=1)
-    x_RD = torch.randn(layout.num_pool_rows, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    x_PDx = torch.randn(layout.num_pool_rows, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     experts = make_quantized_experts(q, activation)  # auto: triton on CUDA
     reference = make_quantized_experts(q, activation, backend="torch")  # fp32 GEMMs on the dequantized weights
-    y_ref = reference(x_RD, layout)
+    y_ref = reference(x_PDx, layout)
     for dtype in (torch.bfloat16, torch.float16):
-        y = experts(x_RD.to(dtype), layout)
+        y = experts(x_PDx.to(dtype), layout)
         diff = calc_diff(y.float(), y_ref)
         bound = CALC_DIFF_TOLERANCES[torch.float8_e4m3fn] if fmt == QuantFormat.FP8_BLOCK else 1e-4
         print(f"{case} {fmt_name} {dtype}: calc_diff vs dequantized fp32 = {diff:.2e}")
@@ -69,8 +69,8 @@ def test_w4_kernel_vs_twin_bf16():
     for fmt in (QuantFormat.INT4_GROUP, QuantFormat.MXFP4):
         q = _qweights(fmt, 4, 1024, 512, seed=3)
         layout = ExpertLayout.from_counts(torch.tensor([9, 0, 40, 130], device="cuda"), alignment=1)
-        x_RD = torch.randn(layout.num_pool_rows, 1024, device="cuda").to(torch.bfloat16)
-        args = (x_RD, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, "silu")
+        x_PDx = torch.randn(layout.num_pool_rows, 1024, device="cuda").to(torch.bfloat16)
+        args = (x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, "silu")
         scales = dict(gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs)
         diff = calc_diff(gm.grouped_mlp(*args, **scales).float(), gm.grouped_mlp_ref(*args, **scales).float())
         assert diff <= 1e-5, f"{fmt=} {diff=}"

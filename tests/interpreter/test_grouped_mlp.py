@@ -49,29 +49,29 @@ def _inputs(counts, hidden, inter, dtype, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     row_start_e, num_rows_e, num_rows = _layout(counts, device)
     num_experts = len(counts)
-    x_RD = torch.randn(num_rows, hidden, generator=gen)
+    x_PDx = torch.randn(num_rows, hidden, generator=gen)
     # padding garbage never reaches a valid row (TMA tiles read it; the rows are masked at the store)
-    x_RD[~_valid_rows(row_start_e, num_rows_e, num_rows)] = float("nan")
+    x_PDx[~_valid_rows(row_start_e, num_rows_e, num_rows)] = float("nan")
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
     down = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
-    return (x_RD.to(dtype).to(device), gate_up.to(dtype).to(device), down.to(dtype).to(device),
+    return (x_PDx.to(dtype).to(device), gate_up.to(dtype).to(device), down.to(dtype).to(device),
             row_start_e, num_rows_e)
 
 
-def _maybe_fp8(fp8: bool, x_RD, gate_up, down):
+def _maybe_fp8(fp8: bool, x_PDx, gate_up, down):
     """(x, gate_up, down, the scale keywords of grouped_mlp): quantized to e4m3 per 128 (x, NaN padding as 0) and
     per 128x128 block (weights) when `fp8`, else as given with no keywords."""
     if not fp8:
-        return x_RD, gate_up, down, {}
-    x_RD, x_scale = quantize_fp8_per_128(x_RD.nan_to_num(0.0))
+        return x_PDx, gate_up, down, {}
+    x_PDx, x_scale = quantize_fp8_per_128(x_PDx.nan_to_num(0.0))
     gate_up, gate_up_scale = quantize_fp8_per_block_128(gate_up)
     down, down_scale = quantize_fp8_per_block_128(down)
-    return x_RD, gate_up, down, dict(x_scale_RDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    return x_PDx, gate_up, down, dict(x_scale_PDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
 
 
-def _check_padding_zero(y_RD, row_start_e, num_rows_e, **case):
-    pad = ~_valid_rows(row_start_e, num_rows_e, y_RD.shape[0])
-    assert (y_RD.cpu()[pad] == 0).all(), f"padding rows must be zero: {case=}"
+def _check_padding_zero(y_PDx, row_start_e, num_rows_e, **case):
+    pad = ~_valid_rows(row_start_e, num_rows_e, y_PDx.shape[0])
+    assert (y_PDx.cpu()[pad] == 0).all(), f"padding rows must be zero: {case=}"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -79,33 +79,33 @@ def _check_padding_zero(y_RD, row_start_e, num_rows_e, **case):
 @pytest.mark.parametrize("activation,situ_linear_beta", [("silu", 25.0), ("situ", 25.0), ("situ", 0.0)])
 def test_matches_twin(layout, dtype, activation, situ_linear_beta, device, assert_close):
     hidden, inter = 48, 40  # not powers of two
-    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS[layout], hidden, inter, dtype, device)
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS[layout], hidden, inter, dtype, device)
     kwargs = dict(activation=activation, situ_beta=4.0, situ_linear_beta=situ_linear_beta)
-    y_RD = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
-    y_ref = grouped_mlp_ref(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    y_PDx = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    y_ref = grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
     case = dict(layout=layout, dtype=dtype, activation=activation, situ_linear_beta=situ_linear_beta)
-    _check_padding_zero(y_RD, row_start_e, num_rows_e, **case)
-    assert_close(y_RD, y_ref, dtype, **case)
+    _check_padding_zero(y_PDx, row_start_e, num_rows_e, **case)
+    assert_close(y_PDx, y_ref, dtype, **case)
 
 
 @pytest.mark.parametrize("activation", ["silu", "situ"])
 @pytest.mark.parametrize("hidden,inter", [(48, 40), (160, 136)])  # second: 2 scale groups on D and F
 def test_fp8_matches_twin(activation, hidden, inter, device, assert_close):
-    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
                                                            torch.float32, device, seed=1)
-    x_fp8, x_scale = quantize_fp8_per_128(x_RD.nan_to_num(0.0))
+    x_fp8, x_scale = quantize_fp8_per_128(x_PDx.nan_to_num(0.0))
     gate_up_fp8, gate_up_scale = quantize_fp8_per_block_128(gate_up)
     down_fp8, down_scale = quantize_fp8_per_block_128(down)
     args = (x_fp8, gate_up_fp8, down_fp8, row_start_e, num_rows_e, activation)
-    kwargs = dict(x_scale_RDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
-    y_RD = grouped_mlp(*args, **kwargs)
+    kwargs = dict(x_scale_PDb=x_scale, gate_up_scale=gate_up_scale, down_scale=down_scale)
+    y_PDx = grouped_mlp(*args, **kwargs)
     y_ref = grouped_mlp_ref(*args, **kwargs)
-    assert y_RD.dtype == torch.bfloat16
-    _check_padding_zero(y_RD, row_start_e, num_rows_e, activation=activation, hidden=hidden)
-    assert_close(y_RD, y_ref, "fp8", activation=activation, hidden=hidden, inter=inter)
+    assert y_PDx.dtype == torch.bfloat16
+    _check_padding_zero(y_PDx, row_start_e, num_rows_e, activation=activation, hidden=hidden)
+    assert_close(y_PDx, y_ref, "fp8", activation=activation, hidden=hidden, inter=inter)
     # and close to the unquantized fp32 MLP (fp8 error budget)
-    y_fp32 = grouped_mlp_ref(x_RD, gate_up, down, row_start_e, num_rows_e, activation)
-    rel = (y_RD.float() - y_fp32).norm() / y_fp32.norm()
+    y_fp32 = grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e, activation)
+    rel = (y_PDx.float() - y_fp32).norm() / y_fp32.norm()
     assert rel < 0.1, f"{rel=} {activation=} {hidden=}"
 
 
@@ -114,15 +114,15 @@ def test_tma_and_pointer_loads_agree(fp8, device, monkeypatch, assert_close):
     """The TMA-descriptor loads (the default where possible) and the pointer loads (MOE_REF_TMA=0) give the
     same MLP; inter = 128 also takes the fp8 path's one-scale-per-tile promotion for both gate and up."""
     hidden, inter = 128, 128
-    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
                                                            torch.float32 if fp8 else torch.bfloat16, device, seed=2)
-    x_RD, gate_up, down, kwargs = _maybe_fp8(fp8, x_RD, gate_up, down)
-    assert grouped_mlp_module._tma_possible(x_RD, gate_up, w4=0)
-    y_tma = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    x_PDx, gate_up, down, kwargs = _maybe_fp8(fp8, x_PDx, gate_up, down)
+    assert grouped_mlp_module._tma_possible(x_PDx, gate_up, w4=0)
+    y_tma = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
     monkeypatch.setenv("MOE_REF_TMA", "0")
-    assert not grouped_mlp_module._tma_possible(x_RD, gate_up, w4=0)
-    y_pointers = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
-    y_ref = grouped_mlp_ref(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    assert not grouped_mlp_module._tma_possible(x_PDx, gate_up, w4=0)
+    y_pointers = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    y_ref = grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
     for y in (y_tma, y_pointers):
         _check_padding_zero(y, row_start_e, num_rows_e, fp8=fp8)
         assert_close(y, y_ref, "fp8" if fp8 else torch.bfloat16, fp8=fp8)
@@ -138,21 +138,21 @@ def test_interleaved_gate_up_gives_the_stacked_mlp(dtype, tma, hidden, inter, de
     FP8 keeps its block scales stacked, which the (128, 128) case reads one per tile for both halves."""
     monkeypatch.setenv("MOE_REF_TMA", tma)
     fp8 = dtype == "fp8"
-    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
                                                            torch.float32 if fp8 else dtype, device, seed=3)
-    x_RD, gate_up, down, kwargs = _maybe_fp8(fp8, x_RD, gate_up, down)
+    x_PDx, gate_up, down, kwargs = _maybe_fp8(fp8, x_PDx, gate_up, down)
     interleaved = grouped_mlp_module.interleave_gate_up(gate_up)
     assert torch.equal(interleaved[:, 0::2], gate_up[:, :inter])
     assert torch.equal(interleaved[:, 1::2], gate_up[:, inter:])
     assert torch.equal(grouped_mlp_module.deinterleave_gate_up(interleaved), gate_up)
-    y_RD = grouped_mlp(x_RD, interleaved, down, row_start_e, num_rows_e, gate_up_interleaved=True, **kwargs)
-    y_twin = grouped_mlp_ref(x_RD, interleaved, down, row_start_e, num_rows_e, gate_up_interleaved=True, **kwargs)
-    y_stacked = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
-    assert torch.equal(y_twin, grouped_mlp_ref(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs))
+    y_PDx = grouped_mlp(x_PDx, interleaved, down, row_start_e, num_rows_e, gate_up_interleaved=True, **kwargs)
+    y_twin = grouped_mlp_ref(x_PDx, interleaved, down, row_start_e, num_rows_e, gate_up_interleaved=True, **kwargs)
+    y_stacked = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    assert torch.equal(y_twin, grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs))
     case = dict(dtype=dtype, tma=tma, hidden=hidden, inter=inter)
-    _check_padding_zero(y_RD, row_start_e, num_rows_e, **case)
-    assert_close(y_RD, y_twin, "fp8" if fp8 else dtype, **case)
-    assert_close(y_RD, y_stacked, "fp8" if fp8 else dtype, **case)
+    _check_padding_zero(y_PDx, row_start_e, num_rows_e, **case)
+    assert_close(y_PDx, y_twin, "fp8" if fp8 else dtype, **case)
+    assert_close(y_PDx, y_stacked, "fp8" if fp8 else dtype, **case)
 
 
 @pytest.mark.parametrize("layout,fp8,interleaved,group_m", [(layout, False, False, 1) for layout in LAYOUTS] + [
@@ -160,14 +160,14 @@ def test_interleaved_gate_up_gives_the_stacked_mlp(dtype, tma, hidden, inter, de
 def test_persistent_schedule_gives_the_same_bytes(layout, fp8, interleaved, group_m, device, monkeypatch):
     """A fixed grid walking the live tiles (the interpreter's: 4 programs, so each walks several tiles, L2
     swizzle or not) computes every tile exactly as one program per tile does: bitwise equal outputs."""
-    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS[layout], 160, 136, torch.float32 if fp8 else
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS[layout], 160, 136, torch.float32 if fp8 else
                                                            torch.bfloat16, device, seed=5)
-    x_RD, gate_up, down, kwargs = _maybe_fp8(fp8, x_RD, gate_up, down)
+    x_PDx, gate_up, down, kwargs = _maybe_fp8(fp8, x_PDx, gate_up, down)
     if interleaved:
         gate_up = grouped_mlp_module.interleave_gate_up(gate_up)
     meta = dict(grouped_mlp_module.tiles.interpreter_meta(fp8), GROUP_M=group_m)
     monkeypatch.setattr(grouped_mlp_module.tiles, "interpreter_meta", lambda quant_out: meta)
-    grid_y, persistent_y = (grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, gate_up_interleaved=interleaved,
+    grid_y, persistent_y = (grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, gate_up_interleaved=interleaved,
                                         persistent=persistent, **kwargs) for persistent in (False, True))
     assert torch.equal(grid_y, persistent_y), (layout, fp8, interleaved, group_m)
     _check_padding_zero(persistent_y, row_start_e, num_rows_e, layout=layout)
@@ -176,11 +176,11 @@ def test_persistent_schedule_gives_the_same_bytes(layout, fp8, interleaved, grou
 def test_tma_needs_16_byte_rows(device):
     """Row strides that are not a multiple of 16 bytes fall back to pointer loads (TMA's alignment rule);
     forcing TMA then is refused with a clear error."""
-    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs([3], 36, 8, torch.bfloat16, device)  # 72-byte rows
-    assert not grouped_mlp_module._tma_possible(x_RD, gate_up, w4=0)
-    h = torch.empty(x_RD.shape[0], 8, dtype=x_RD.dtype, device=device)
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs([3], 36, 8, torch.bfloat16, device)  # 72-byte rows
+    assert not grouped_mlp_module._tma_possible(x_PDx, gate_up, w4=0)
+    h = torch.empty(x_PDx.shape[0], 8, dtype=x_PDx.dtype, device=device)
     with pytest.raises(ValueError, match="TMA"):
-        grouped_mlp_module._launch_gemm(x_RD, None, gate_up, None, h, None, row_start_e, num_rows_e, n=8, k=36,
+        grouped_mlp_module._launch_gemm(x_PDx, None, gate_up, None, h, None, row_start_e, num_rows_e, n=8, k=36,
                                         activation="silu", situ_beta=4.0, situ_linear_beta=0.0, fp8=False,
                                         quant_out=False, rows_hint=3, tma=True)
 
@@ -189,35 +189,35 @@ def test_tma_needs_16_byte_rows(device):
 def test_unused_rows_left_unwritten_on_request(fp8, device):
     """zero_unused_rows=False (the device-side dispatch's whole pool) skips zeroing the pool: rows inside the
     segments are the same bits, the others are whatever the allocator held."""
-    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], 48, 40,
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], 48, 40,
                                                            torch.float32, device, seed=3)
-    x_RD, gate_up, down, kwargs = _maybe_fp8(fp8, x_RD, gate_up, down)
-    y_zeroed = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, **kwargs)
-    y_left = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, zero_unused_rows=False, **kwargs)
-    valid = _valid_rows(row_start_e, num_rows_e, x_RD.shape[0])
+    x_PDx, gate_up, down, kwargs = _maybe_fp8(fp8, x_PDx, gate_up, down)
+    y_zeroed = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
+    y_left = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, zero_unused_rows=False, **kwargs)
+    valid = _valid_rows(row_start_e, num_rows_e, x_PDx.shape[0])
     assert torch.equal(y_left.cpu()[valid], y_zeroed.cpu()[valid])
     _check_padding_zero(y_zeroed, row_start_e, num_rows_e, fp8=fp8)
 
 
 def test_no_rows_at_all_gives_zeros(device):
-    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs([0, 0], 16, 8, torch.float32, device)
-    y_RD = grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e)
-    assert torch.equal(y_RD, torch.zeros_like(y_RD))
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs([0, 0], 16, 8, torch.float32, device)
+    y_PDx = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e)
+    assert torch.equal(y_PDx, torch.zeros_like(y_PDx))
 
 
 def test_worked_example(device):
-    x_RD = torch.tensor([[2.0]], device=device)
+    x_PDx = torch.tensor([[2.0]], device=device)
     gate_up = torch.tensor([[[1.0], [3.0]]], device=device)
     down = torch.tensor([[[1.0]]], device=device)
-    y = grouped_mlp(x_RD, gate_up, down, torch.tensor([0], device=device), torch.tensor([1], device=device))
+    y = grouped_mlp(x_PDx, gate_up, down, torch.tensor([0], device=device), torch.tensor([1], device=device))
     assert abs(y.item() - 2.0 * torch.sigmoid(torch.tensor(2.0)).item() * 6.0) < 1e-5
 
 
 def test_bad_shapes_raise_value_error(device):
-    x_RD, gate_up, down, row_start_e, num_rows_e = _inputs([3], 16, 8, torch.float32, device)
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs([3], 16, 8, torch.float32, device)
     with pytest.raises(ValueError, match="weight shapes"):
-        grouped_mlp(x_RD, gate_up[:, :15], down, row_start_e, num_rows_e)
+        grouped_mlp(x_PDx, gate_up[:, :15], down, row_start_e, num_rows_e)
     with pytest.raises(ValueError, match="activation"):
-        grouped_mlp(x_RD, gate_up, down, row_start_e, num_rows_e, activation="gelu")
-    with pytest.raises(ValueError, match="x_scale_RDb"):
-        grouped_mlp(x_RD.to(FP8), gate_up.to(FP8), down.to(FP8), row_start_e, num_rows_e)
+        grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, activation="gelu")
+    with pytest.raises(ValueError, match="x_scale_PDb"):
+        grouped_mlp(x_PDx.to(FP8), gate_up.to(FP8), down.to(FP8), row_start_e, num_rows_e)

@@ -24,10 +24,10 @@ def _case(counts, hidden, inter, device, align=16, seed=0):
         starts.append(row)
         row += -(-count // align) * align
     num_rows = row + align
-    x_RD = torch.randn(num_rows, hidden, generator=gen)
+    x_PDx = torch.randn(num_rows, hidden, generator=gen)
     gate_up = torch.randn(len(counts), 2 * inter, hidden, generator=gen) / hidden**0.5
     down = torch.randn(len(counts), hidden, inter, generator=gen) / inter**0.5
-    return (x_RD.to(device), gate_up.to(device), down.to(device),
+    return (x_PDx.to(device), gate_up.to(device), down.to(device),
             torch.tensor(starts, dtype=torch.int64, device=device),
             torch.tensor(counts, dtype=torch.int32, device=device))
 
@@ -39,19 +39,19 @@ def _valid_rows(row_start_e, num_rows_e, num_rows):
     return valid
 
 
-def _run_forced(x_RD, gate_up, down, row_start_e, num_rows_e, config1, config2):
+def _run_forced(x_PDx, gate_up, down, row_start_e, num_rows_e, config1, config2):
     """Both GEMMs as grouped_mlp launches them (silu, non-fp8), outputs pre-filled with NaN so a tile
     that no program writes shows up."""
-    num_rows, hidden = x_RD.shape
+    num_rows, hidden = x_PDx.shape
     inter = down.shape[2]
-    h_RF = torch.full((num_rows, inter), float("nan"), dtype=x_RD.dtype, device=x_RD.device)
-    y_RD = torch.full((num_rows, hidden), float("nan"), dtype=x_RD.dtype, device=x_RD.device)
+    h_PF = torch.full((num_rows, inter), float("nan"), dtype=x_PDx.dtype, device=x_PDx.device)
+    y_PDx = torch.full((num_rows, hidden), float("nan"), dtype=x_PDx.dtype, device=x_PDx.device)
     common = dict(situ_beta=4.0, situ_linear_beta=25.0, fp8=False, quant_out=False, rows_hint=num_rows)
-    gm._launch_gemm(x_RD, None, gate_up, None, h_RF, None, row_start_e, num_rows_e, n=inter, k=hidden,
+    gm._launch_gemm(x_PDx, None, gate_up, None, h_PF, None, row_start_e, num_rows_e, n=inter, k=hidden,
                     activation="silu", config=config1, **common)
-    gm._launch_gemm(h_RF, None, down, None, y_RD, None, row_start_e, num_rows_e, n=hidden, k=inter,
+    gm._launch_gemm(h_PF, None, down, None, y_PDx, None, row_start_e, num_rows_e, n=hidden, k=inter,
                     activation="none", config=config2, **common)
-    return y_RD
+    return y_PDx
 
 
 def _config(block_m, block_n, block_k, group_m=None):
@@ -68,20 +68,20 @@ def _config(block_m, block_n, block_k, group_m=None):
 ])
 def test_forced_configs_match_twin(config1, config2, device):
     counts = [5, 0, 40, 17, 16]  # empty expert, ragged, multi-block, exact block
-    x_RD, gate_up, down, row_start_e, num_rows_e = _case(counts, hidden=48, inter=40, device=device)
-    y_RD = _run_forced(x_RD, gate_up, down, row_start_e, num_rows_e, config1, config2)
-    y_ref = grouped_mlp_ref(x_RD, gate_up, down, row_start_e, num_rows_e)
-    valid = _valid_rows(row_start_e, num_rows_e, x_RD.shape[0])
-    got, want = y_RD.cpu()[valid], y_ref.cpu()[valid]
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _case(counts, hidden=48, inter=40, device=device)
+    y_PDx = _run_forced(x_PDx, gate_up, down, row_start_e, num_rows_e, config1, config2)
+    y_ref = grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e)
+    valid = _valid_rows(row_start_e, num_rows_e, x_PDx.shape[0])
+    got, want = y_PDx.cpu()[valid], y_ref.cpu()[valid]
     assert not got.isnan().any(), f"rows left unwritten: {config1=} {config2=}"
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 def test_forced_config_errors(device):
-    x_RD, gate_up, down, row_start_e, num_rows_e = _case([3], hidden=16, inter=8, device=device)
-    h_RF = torch.empty(x_RD.shape[0], 8, device=device)
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _case([3], hidden=16, inter=8, device=device)
+    h_PF = torch.empty(x_PDx.shape[0], 8, device=device)
     common = dict(n=8, k=16, activation="silu", situ_beta=4.0, situ_linear_beta=25.0, rows_hint=16)
-    args = (x_RD, None, gate_up, None, h_RF, None, row_start_e, num_rows_e)
+    args = (x_PDx, None, gate_up, None, h_PF, None, row_start_e, num_rows_e)
     with pytest.raises(ValueError, match="BLOCK_N must be 128"):
         gm._launch_gemm(*args, fp8=True, quant_out=True, config=_config(16, 64, 64), **common)
     with pytest.raises(ValueError, match="BLOCK_K must divide 128"):
@@ -188,8 +188,8 @@ def test_fp8_list_tiles_illegal_for_fp8_are_pruned(monkeypatch):
 def _fp8_case(counts, hidden, inter, device, seed=0):
     from moe_ref.kernels.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128
 
-    x_RD, gate_up, down, row_start_e, num_rows_e = _case(counts, hidden, inter, device, seed=seed)
-    x_fp8, x_scale = quantize_fp8_per_128(x_RD)
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _case(counts, hidden, inter, device, seed=seed)
+    x_fp8, x_scale = quantize_fp8_per_128(x_PDx)
     gate_up_fp8, gate_up_scale = quantize_fp8_per_block_128(gate_up)
     down_fp8, down_scale = quantize_fp8_per_block_128(down)
     return x_fp8, x_scale, gate_up_fp8, gate_up_scale, down_fp8, down_scale, row_start_e, num_rows_e
@@ -215,7 +215,7 @@ def test_forced_fp8_configs_match_twin(config1, config2, device):
                     activation="silu", quant_out=True, config=config1, **common)
     gm._launch_gemm(h, h_scale, down, down_scale, y, None, row_start_e, num_rows_e, n=hidden, k=inter,
                     activation="none", quant_out=False, config=config2, **common)
-    y_ref = grouped_mlp_ref(x, gate_up, down, row_start_e, num_rows_e, x_scale_RDb=x_scale,
+    y_ref = grouped_mlp_ref(x, gate_up, down, row_start_e, num_rows_e, x_scale_PDb=x_scale,
                             gate_up_scale=gate_up_scale, down_scale=down_scale)
     valid = _valid_rows(row_start_e, num_rows_e, num_rows)
     got, want = y.cpu()[valid].float(), y_ref.cpu()[valid].float()

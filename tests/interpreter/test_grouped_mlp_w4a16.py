@@ -31,12 +31,12 @@ def _qweights(fmt, num_experts, hidden, inter, device, seed=0):
 
 
 def _pool(layout, hidden, dtype, device, seed=1):
-    x_RD = torch.randn(layout.num_pool_rows, hidden, generator=torch.Generator().manual_seed(seed))
+    x_PDx = torch.randn(layout.num_pool_rows, hidden, generator=torch.Generator().manual_seed(seed))
     valid = torch.zeros(layout.num_pool_rows, dtype=torch.bool)
     for start, count in zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist()):
         valid[start:start + count] = True
-    x_RD[~valid] = float("nan")  # rows outside every segment are never read
-    return x_RD.to(dtype).to(device), valid
+    x_PDx[~valid] = float("nan")  # rows outside every segment are never read
+    return x_PDx.to(dtype).to(device), valid
 
 
 @pytest.mark.parametrize("fmt", W4)
@@ -46,13 +46,13 @@ def test_w4_kernel_matches_twin(fmt, dtype, activation, device, assert_close):
     hidden, inter = 64, 32
     q = _qweights(fmt, len(COUNTS), hidden, inter, device)
     layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=64)
-    x_RD, valid = _pool(layout, hidden, dtype, device)
-    args = (x_RD, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, activation)
+    x_PDx, valid = _pool(layout, hidden, dtype, device)
+    args = (x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, activation)
     scales = dict(gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs)
-    y_RD, y_ref = gm.grouped_mlp(*args, **scales), gm.grouped_mlp_ref(*args, **scales)
+    y_PDx, y_ref = gm.grouped_mlp(*args, **scales), gm.grouped_mlp_ref(*args, **scales)
     case = dict(fmt=fmt.value, dtype=dtype, activation=activation)
-    assert (y_RD.cpu()[~valid] == 0).all(), case
-    assert_close(y_RD, y_ref, dtype, **case)
+    assert (y_PDx.cpu()[~valid] == 0).all(), case
+    assert_close(y_PDx, y_ref, dtype, **case)
 
 
 @pytest.mark.parametrize("fmt", W4)
@@ -61,16 +61,16 @@ def test_w4_interleaved_gate_up_matches_twin(fmt, device, assert_close):
     hidden, inter = 64, 32
     q = _qweights(fmt, len(COUNTS), hidden, inter, device)
     layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=64)
-    x_RD, valid = _pool(layout, hidden, torch.float16, device)
+    x_PDx, valid = _pool(layout, hidden, torch.float16, device)
     gate_up, gate_up_scale = (gm.interleave_gate_up(t) for t in (q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs))
-    args = (x_RD, gate_up, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, "silu")
+    args = (x_PDx, gate_up, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, "silu")
     kwargs = dict(gate_up_scale=gate_up_scale, down_scale=q.down_scale_eDFs, gate_up_interleaved=True)
-    y_RD, y_ref = gm.grouped_mlp(*args, **kwargs), gm.grouped_mlp_ref(*args, **kwargs)
-    stacked = (x_RD, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, "silu")
+    y_PDx, y_ref = gm.grouped_mlp(*args, **kwargs), gm.grouped_mlp_ref(*args, **kwargs)
+    stacked = (x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, "silu")
     assert torch.equal(y_ref, gm.grouped_mlp_ref(*stacked, gate_up_scale=q.gate_up_scale_e2FDs,
                                                  down_scale=q.down_scale_eDFs))
-    assert (y_RD.cpu()[~valid] == 0).all()
-    assert_close(y_RD, y_ref, torch.float16, fmt=fmt.value)
+    assert (y_PDx.cpu()[~valid] == 0).all()
+    assert_close(y_PDx, y_ref, torch.float16, fmt=fmt.value)
 
 
 @pytest.mark.parametrize("fmt", W4)
@@ -78,44 +78,44 @@ def test_w4a16_experts_equal_the_dequantized_fp32_torch_loop(fmt, device):
     hidden, inter = 96, 64  # 3 scale groups along D, 2 along F; several K steps
     q = _qweights(fmt, 3, hidden, inter, device, seed=2)
     layout = ExpertLayout.from_counts(torch.tensor([7, 0, 18], device=device), alignment=1)
-    x_RD, _ = _pool(layout, hidden, torch.float32, device, seed=3)
+    x_PDx, _ = _pool(layout, hidden, torch.float32, device, seed=3)
     experts = make_quantized_experts(q, "situ", backend="triton")
     assert isinstance(experts, W4A16Experts) and experts.segment_alignment == 1
     reference = make_experts("torch", *(w.cpu() for w in q.dequantize(torch.float32)), "situ")
-    y, y_ref = experts(x_RD, layout).cpu(), reference(x_RD.cpu(), layout)
+    y, y_ref = experts(x_PDx, layout).cpu(), reference(x_PDx.cpu(), layout)
     diff = calc_diff(y, y_ref)
     assert diff <= 1e-5, f"{fmt=} {diff=}"
     assert calc_diff(y_ref, torch.zeros_like(y_ref)) == 1.0
     # and the torch backend of the same weights (dequantized per expert as its rows run) is that reference
     torch_experts = make_quantized_experts(q.to("cpu"), "situ", backend="torch")
-    assert torch.equal(torch_experts(x_RD.cpu(), layout), y_ref)
+    assert torch.equal(torch_experts(x_PDx.cpu(), layout), y_ref)
 
 
 def test_fp8_checkpoint_experts_run_the_stored_weights(device):
     hidden, inter = 160, 128  # an edge block along D
     q = _qweights(QuantFormat.FP8_BLOCK, 3, hidden, inter, device, seed=4)
     layout = ExpertLayout.from_counts(torch.tensor([4, 9, 0], device=device), alignment=1)
-    x_RD, _ = _pool(layout, hidden, torch.float32, device, seed=5)
+    x_PDx, _ = _pool(layout, hidden, torch.float32, device, seed=5)
     experts = make_quantized_experts(q, "silu", backend="triton")
     assert isinstance(experts, FP8BlockExperts) and experts.accepts_fp8_input
     assert experts.gate_up_fp8_e2FD is q.gate_up_qweight_e2FDq  # the checkpoint's tensor, not a re-quantized copy
     reference = make_quantized_experts(q.to("cpu"), "silu", backend="torch")
-    y, y_ref = experts(x_RD, layout).cpu(), reference(x_RD.cpu(), layout)
+    y, y_ref = experts(x_PDx, layout).cpu(), reference(x_PDx.cpu(), layout)
     assert calc_diff(y.float(), y_ref) <= CALC_DIFF_TOLERANCES[torch.float8_e4m3fn]
 
 
 def test_w4_argument_errors(device):
     q = _qweights(QuantFormat.MXFP4, 2, 64, 32, device)
     layout = ExpertLayout.from_counts(torch.tensor([3, 2], device=device), alignment=1)
-    x_RD = torch.zeros(5, 64, device=device)
+    x_PDx = torch.zeros(5, 64, device=device)
     with pytest.raises(DTypeError, match="gate_up_scale"):
-        gm.grouped_mlp(x_RD, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e)
+        gm.grouped_mlp(x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e)
     with pytest.raises(DTypeError, match="down_scale"):
-        gm.grouped_mlp(x_RD, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e,
+        gm.grouped_mlp(x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e,
                        gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs.to(torch.bfloat16))
     config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=2)
     with pytest.raises(InvalidConfigError, match="multiple of 32"):
-        gm._launch_gemm(x_RD, None, q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, torch.empty(5, 32, device=device),
+        gm._launch_gemm(x_PDx, None, q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, torch.empty(5, 32, device=device),
                         None, layout.row_start_e, layout.num_rows_e, n=32, k=64, activation="silu", situ_beta=4.0,
                         situ_linear_beta=25.0, fp8=False, quant_out=False, rows_hint=5, w4=2, config=config)
 

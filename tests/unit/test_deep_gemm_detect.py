@@ -178,26 +178,26 @@ def test_experts_signature_extends_the_base_with_keyword_fp8():
 def test_bench_hook_returns_nothing_when_unusable(monkeypatch):
     _force_not_installed(monkeypatch)
     gate_up, down = _weights(2, 128, 128)
-    x_RD = torch.randn(256, 128)
-    assert deep_gemm_grouped_cases(x_RD, gate_up, down, torch.tensor([0, 128]), torch.tensor([3, 5])) == []
+    x_PDx = torch.randn(256, 128)
+    assert deep_gemm_grouped_cases(x_PDx, gate_up, down, torch.tensor([0, 128]), torch.tensor([3, 5])) == []
 
 
 def test_grouped_layout_marks_padding_and_skips_empty_experts():
     layout = ExpertLayout(torch.tensor([0, 128, 128]), torch.tensor([3, 0, 5]), 256, 128)
-    grouped_R, valid_R = grouped_layout_from_expert_layout(layout, 256, torch.device("cpu"))
+    grouped_P, valid_P = grouped_layout_from_expert_layout(layout, 256, torch.device("cpu"))
     expected = torch.full((256,), -1, dtype=torch.int32)
     expected[0:3] = 0
     expected[128:133] = 2
-    assert grouped_R.dtype == torch.int32 and torch.equal(grouped_R, expected)
-    assert torch.equal(valid_R, expected >= 0)
+    assert grouped_P.dtype == torch.int32 and torch.equal(grouped_P, expected)
+    assert torch.equal(valid_P, expected >= 0)
 
 
 def test_grouped_layout_matches_row_expert_for_packed_layouts():
     for counts in ([0, 0, 0], [5, 0, 0], [0, 0, 7], [130, 0, 128, 1], [1, 2, 3, 4]):
         layout = ExpertLayout.from_counts(torch.tensor(counts), 128)
-        grouped_R, _ = grouped_layout_from_expert_layout(layout, layout.num_pool_rows + 128, torch.device("cpu"))
-        expected = torch.cat([layout.row_expert_R(), torch.full((128,), -1, dtype=torch.int64)])
-        assert torch.equal(grouped_R.long(), expected), counts
+        grouped_P, _ = grouped_layout_from_expert_layout(layout, layout.num_pool_rows + 128, torch.device("cpu"))
+        expected = torch.cat([layout.row_expert_P(), torch.full((128,), -1, dtype=torch.int64)])
+        assert torch.equal(grouped_P.long(), expected), counts
 
 
 # --- DeepGemmExperts' wiring, against a torch fake of DeepGEMM's grouped GEMMs (CPU) ----------------------
@@ -296,12 +296,12 @@ def _small_weights(num_experts=3, hidden=256, intermediate=128, seed=0):
 def test_experts_wiring_matches_torch_loop(fake_deep_gemm, fp8, limit, counts, num_pool_rows):
     weights = _small_weights()
     layout = ExpertLayout.from_counts(torch.tensor(counts), 128, num_pool_rows)
-    x_RD = torch.randn(layout.num_pool_rows, 256).bfloat16()
-    y_RD = DeepGemmExperts(*weights, fp8=fp8)(x_RD, layout)
-    reference = TorchLoopExperts(*weights).forward(x_RD, layout)
-    assert y_RD.shape == x_RD.shape and y_RD.dtype == torch.bfloat16 and bool(torch.isfinite(y_RD).all())
-    assert bool((y_RD[layout.row_expert_R() < 0] == 0).all())
-    assert calc_diff(y_RD, reference) < limit, calc_diff(y_RD, reference)
+    x_PDx = torch.randn(layout.num_pool_rows, 256).bfloat16()
+    y_PDx = DeepGemmExperts(*weights, fp8=fp8)(x_PDx, layout)
+    reference = TorchLoopExperts(*weights).forward(x_PDx, layout)
+    assert y_PDx.shape == x_PDx.shape and y_PDx.dtype == torch.bfloat16 and bool(torch.isfinite(y_PDx).all())
+    assert bool((y_PDx[layout.row_expert_P() < 0] == 0).all())
+    assert calc_diff(y_PDx, reference) < limit, calc_diff(y_PDx, reference)
     shapes = {call[1] for call in fake_deep_gemm.calls}
     assert shapes == {(-(-layout.num_pool_rows // 128) * 128, 256), (-(-layout.num_pool_rows // 128) * 128, 128)}
 
@@ -337,10 +337,10 @@ def test_experts_refuse_bad_layouts_and_shapes(fake_deep_gemm):
 def test_bench_hook_paths_run_the_experts(fake_deep_gemm):
     weights = _small_weights()
     layout = ExpertLayout.from_counts(torch.tensor([3, 0, 130]), 128)
-    x_RD = torch.randn(layout.num_pool_rows, 256).bfloat16()
-    cases = deep_gemm_grouped_cases(x_RD, *weights, layout.row_start_e, layout.num_rows_e)
+    x_PDx = torch.randn(layout.num_pool_rows, 256).bfloat16()
+    cases = deep_gemm_grouped_cases(x_PDx, *weights, layout.row_start_e, layout.num_rows_e)
     assert [name for name, _ in cases] == ["deep_gemm_bf16", "deep_gemm_fp8"]
-    reference = TorchLoopExperts(*weights).forward(x_RD, layout)
+    reference = TorchLoopExperts(*weights).forward(x_PDx, layout)
     for name, fn in cases:
         assert calc_diff(fn(), reference) < (1e-2 if name.endswith("fp8") else 1e-4), name
 

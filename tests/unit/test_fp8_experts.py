@@ -104,9 +104,9 @@ class RecordingExperts(Experts):
         super().__init__(*args, **kwargs)
         self.calls = []
 
-    def forward(self, x_RD, layout, x_scale_RDb=None):
-        self.calls.append(dict(x_RD=x_RD, x_scale_RDb=x_scale_RDb, layout=layout))
-        x_float = x_RD if x_scale_RDb is None else dequantize_fp8_per_128(x_RD, x_scale_RDb, torch.float32)
+    def forward(self, x_PDx, layout, x_scale_PDb=None):
+        self.calls.append(dict(x_PDx=x_PDx, x_scale_PDb=x_scale_PDb, layout=layout))
+        x_float = x_PDx if x_scale_PDb is None else dequantize_fp8_per_128(x_PDx, x_scale_PDb, torch.float32)
         return TorchLoopExperts.forward(self, x_float, layout)
 
 
@@ -136,10 +136,10 @@ def test_fp8_pool_goes_as_is_only_to_backends_that_accept_it(experts_cls):
         buffer = step.dispatcher.buffer
         pool, pool_scale = buffer.view("recv_x"), buffer.view("recv_x_scale")
         if experts.accepts_fp8_input:  # the pool itself (views of the buffer), not a dequantized copy
-            assert call["x_RD"].dtype == FP8 and call["x_RD"].data_ptr() == pool.data_ptr()
-            assert call["x_scale_RDb"].data_ptr() == pool_scale.data_ptr()
+            assert call["x_PDx"].dtype == FP8 and call["x_PDx"].data_ptr() == pool.data_ptr()
+            assert call["x_scale_PDb"].data_ptr() == pool_scale.data_ptr()
         else:
-            assert call["x_RD"].dtype == torch.float32 and call["x_scale_RDb"] is None
+            assert call["x_PDx"].dtype == torch.float32 and call["x_scale_PDb"] is None
     x_seen = dequantize_fp8_per_128(*quantize_fp8_per_128(x), torch.float32)
     expected = routed_experts_reference(x_seen, ids, w, weights.gate_up_weight_E2FD, weights.down_weight_EDF,
                                         cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
@@ -161,7 +161,7 @@ def test_experts_get_only_the_used_prefix_of_the_pool(alignment, whole_segments)
     used = int(((counts_e + alignment - 1) // alignment * alignment).sum())  # the last segment's aligned end
     (call,) = experts.calls
     case = dict(alignment=alignment, whole_segments=whole_segments, used=used, num_pool_rows=num_pool_rows)
-    assert call["x_RD"].shape == (used, cfg.hidden_size) and call["layout"].num_pool_rows == used, case
+    assert call["x_PDx"].shape == (used, cfg.hidden_size) and call["layout"].num_pool_rows == used, case
     assert used < num_pool_rows, case
     if alignment == 1:
         assert used == int((ids >= 0).sum()), case  # no padding rows at all

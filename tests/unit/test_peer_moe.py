@@ -79,7 +79,7 @@ def _check_routing(counts, block_m, alignment, engine):
     assert all(e == -1 for e in experts[padded // block_m:])
     blocks_of = [experts[:padded // block_m].count(i) for i in range(num_experts)]
     assert blocks_of == [-(-c // block_m) for c in counts], counts
-    expected_row_expert = layout.row_expert_R().tolist() + [-1] * alignment
+    expected_row_expert = layout.row_expert_P().tolist() + [-1] * alignment
     assert routing.row_expert_P.tolist() == expected_row_expert
 
 

@@ -108,12 +108,12 @@ def test_experts_output_equals_the_dequantized_reference(tmp_path, case):
     q = load_quantized_experts(tmp_path, cfg, LAYER, (0, cfg.num_experts), progress=False)
     gen = torch.Generator().manual_seed(0)
     layout = ExpertLayout.from_counts(torch.tensor([3, 0, 5] + [1] * (cfg.num_experts - 3)), alignment=128)
-    x_RD = torch.randn(layout.num_pool_rows, cfg.expert_hidden_size, generator=gen)
+    x_PDx = torch.randn(layout.num_pool_rows, cfg.expert_hidden_size, generator=gen)
     reference = make_experts("torch", written.gate_up_weight_E2FD.float(), written.down_weight_EDF.float(),
                              cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
     experts = make_quantized_experts(q, cfg.activation, cfg.situ_beta, cfg.situ_linear_beta, backend="torch")
     assert isinstance(experts, QuantTorchExperts)
-    y, y_ref = experts(x_RD, layout), reference(x_RD, layout)
+    y, y_ref = experts(x_PDx, layout), reference(x_PDx, layout)
     assert torch.equal(y, y_ref), calc_diff(y, y_ref)
     assert calc_diff(y_ref, torch.zeros_like(y_ref)) == 1.0  # nonzero: the comparison can fail
 

@@ -121,9 +121,9 @@ def test_dispatch_handle_pool_layout_and_metadata():
         assert src[8:9] == [[0, 1, 1]]
         assert torch.equal(handle.recv_x_PD[[0, 1, 2]], x[[0, 1, 2]])
         assert bool((handle.recv_x_PD[[3, 6, 7, 9]] == 0).all()), "padding rows are zeroed"
-        x_RD, x_scale_RDb = dispatcher.expert_input(handle)
-        assert x_RD.shape[0] == layout.num_pool_rows == 12 and x_scale_RDb is None  # the used prefix only
-        routed = dispatcher.combine(_experts(cfg, weights)(x_RD, whole), handle)
+        x_PDx, x_scale_PDb = dispatcher.expert_input(handle)
+        assert x_PDx.shape[0] == layout.num_pool_rows == 12 and x_scale_PDb is None  # the used prefix only
+        routed = dispatcher.combine(_experts(cfg, weights)(x_PDx, whole), handle)
     expected = routed_experts_reference(x, ids, w, weights.gate_up_weight_E2FD, weights.down_weight_EDF,
                                         cfg.activation)
     assert_close(routed, expected, torch.float32)

@@ -15,8 +15,8 @@ valid row count per expert), which needs no host sync and can be captured in a C
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, M rows reserved
 per expert in DeepGEMM's masked layout, O and I one weight matrix's output and input features (DeepGEMM's n and
-k), Db = ceil(Dx / 128), Ib = ceil(I / 128). ``x_RD`` and ``x_scale_RDb`` in ``forward`` keep the names of
-``Experts.forward``'s signature (read ``[P, Dx]`` and ``[P, Db]``); the weights' ``D`` is Dx too.
+k), Db = ceil(Dx / 128), Ib = ceil(I / 128). ``x_PDx`` and ``x_scale_PDb`` in ``forward`` keep the names of
+``Experts.forward``'s signature; the weights' ``D`` is Dx.
 
 What this module relies on in ``sgl-deep-gemm`` 0.1.4 (import name ``deep_gemm``), read from its Python
 wrappers and its compiled asserts:
@@ -125,38 +125,38 @@ class DeepGemmExperts(Experts):
             self._down_weight = down_weight_eDF.to(torch.bfloat16).contiguous()
 
     # --- contiguous layout ---------------------------------------------------------------------------
-    def forward(self, x_RD: torch.Tensor, layout: ExpertLayout, x_scale_RDb: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_PDx: torch.Tensor, layout: ExpertLayout, x_scale_PDb: torch.Tensor | None = None) -> torch.Tensor:
         """Run every local expert over its segment of the pool (DeepGEMM's masked GEMMs when the pool is masked).
 
         Args:
-            x_RD: ``[P, Dx]`` CUDA pool rows, expert-major: bf16/fp16/fp32, or fp8 e4m3 (with ``fp8=True``); the rows
-                of local expert i are ``x_RD[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``.
+            x_PDx: ``[P, Dx]`` CUDA pool rows, expert-major: bf16/fp16/fp32, or fp8 e4m3 (with ``fp8=True``); the rows
+                of local expert i are ``x_PDx[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``.
             layout: ``ExpertLayout``; ``layout.alignment`` must be a multiple of DeepGEMM's M alignment (128),
                 or the layout masked (``masked_rows``: the pool is ``[e, M, Dx]`` as it lies).
-            x_scale_RDb: ``[P, Db]`` fp32 per-128 scales of fp8 ``x_RD``, else None.
+            x_scale_PDb: ``[P, Db]`` fp32 per-128 scales of fp8 ``x_PDx``, else None.
 
         Returns:
-            y_PDx: ``[P, Dx]`` in ``x_RD``'s dtype (bf16 for fp8 rows); rows outside every segment are zero unless
+            y_PDx: ``[P, Dx]`` in ``x_PDx``'s dtype (bf16 for fp8 rows); rows outside every segment are zero unless
             ``layout.zero_unused_rows`` is False. No host sync.
         """
-        self._check_input(x_RD, x_scale_RDb, 2)
+        self._check_input(x_PDx, x_scale_PDb, 2)
         if layout.num_local_experts != self.num_local_experts:
             raise ShapeError(f"layout has {layout.num_local_experts} experts, the weights {self.num_local_experts}")
         if layout.masked_rows:
-            return self._forward_masked_pool(x_RD, x_scale_RDb, layout)
+            return self._forward_masked_pool(x_PDx, x_scale_PDb, layout)
         if layout.alignment % self.mk_alignment:
             raise ShapeError(f"layout.alignment={layout.alignment} is not a multiple of deep_gemm's contiguous-layout "
                              f"alignment {self.mk_alignment}; build the pool with alignment={self.mk_alignment}")
-        num_rows, out_dtype = x_RD.shape[0], _out_dtype(x_RD)
+        num_rows, out_dtype = x_PDx.shape[0], _out_dtype(x_PDx)
         if num_rows == 0:
-            return torch.zeros_like(x_RD, dtype=out_dtype)
-        a_PD = self._gemm_input(x_RD, x_scale_RDb)
+            return torch.zeros_like(x_PDx, dtype=out_dtype)
+        a_PD = self._gemm_input(x_PDx, x_scale_PDb)
         # Pad the pool to whole GEMM M blocks (only when P is not already a multiple of the alignment).
         num_padded_rows = -(-num_rows // self.mk_alignment) * self.mk_alignment
         if num_padded_rows != num_rows:
             a_PD = tuple(_pad_rows(part, num_padded_rows) for part in a_PD) if self.fp8 else \
                 _pad_rows(a_PD, num_padded_rows)
-        grouped_layout_P, valid_P = grouped_layout_from_expert_layout(layout, num_padded_rows, x_RD.device)
+        grouped_layout_P, valid_P = grouped_layout_from_expert_layout(layout, num_padded_rows, x_PDx.device)
 
         gate_up_P2F = self._grouped_gemm(a_PD, self._gate_up_weight, grouped_layout_P)
         h_PF = self._activation(gate_up_P2F, group_P=grouped_layout_P)
@@ -198,20 +198,20 @@ class DeepGemmExperts(Experts):
         return (h_PF, h_scale_PFb) if self.fp8 else h_PF
 
     # --- masked layout (decode, CUDA graphs) ---------------------------------------------------------
-    def _forward_masked_pool(self, x_RD: torch.Tensor, x_scale_RDb: torch.Tensor | None,
+    def _forward_masked_pool(self, x_PDx: torch.Tensor, x_scale_PDb: torch.Tensor | None,
                              layout: ExpertLayout) -> torch.Tensor:
         """A masked pool (``layout.masked_rows`` = M) is ``[e, M, Dx]`` as it lies: run the masked GEMMs on that
         view, with the layout's counts as ``masked_m`` and the host's estimate of rows per expert as the hint."""
         num_experts, max_rows = self.num_local_experts, layout.masked_rows
-        if x_RD.shape[0] != num_experts * max_rows:
+        if x_PDx.shape[0] != num_experts * max_rows:
             raise ShapeError(f"a masked pool of {num_experts} experts x {max_rows} rows must be "
-                             f"[{num_experts * max_rows}, D], got {tuple(x_RD.shape)}")
+                             f"[{num_experts * max_rows}, D], got {tuple(x_PDx.shape)}")
         expected_m = max(1, -(-layout.rows_hint() // num_experts))
         y_eMDx = self.forward_masked(
-            x_RD.view(num_experts, max_rows, -1), layout.num_rows_e, expected_m,
-            None if x_scale_RDb is None else x_scale_RDb.view(num_experts, max_rows, -1),
+            x_PDx.view(num_experts, max_rows, -1), layout.num_rows_e, expected_m,
+            None if x_scale_PDb is None else x_scale_PDb.view(num_experts, max_rows, -1),
             zero_unused_rows=layout.zero_unused_rows)
-        return y_eMDx.view(x_RD.shape)
+        return y_eMDx.view(x_PDx.shape)
 
     def forward_masked(self, x_eMDx: torch.Tensor, masked_m_e: torch.Tensor, expected_m: int,
                        x_scale_eMDb: torch.Tensor | None = None, *, zero_unused_rows: bool = True) -> torch.Tensor:
