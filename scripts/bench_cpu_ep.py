@@ -165,7 +165,7 @@ def _markdown(report: dict) -> str:
         lines.append("")
     goal = [r for r in report["rows"] if r["ranks"] == 2 and r["tokens_per_rank"] == 4096]
     if goal:
-        lines.append("Issue 15 goal (EP2, 4096 tokens/rank, >= 5x): " + "; ".join(
+        lines.append("Goal (EP2, 4096 tokens/rank, >= 5x): " + "; ".join(
             f"{r['config']} {r['speedup']:.1f}x ({'met' if r['speedup'] >= 5 else 'NOT met'})" for r in goal) + ".")
     return "\n".join(lines) + "\n"
 

@@ -1,4 +1,4 @@
-"""The long soak (issue 11): N calls per transport at EP2 and EP4 on CPU, random T per rank (0 and > cap
+"""The long soak: N calls per transport at EP2 and EP4 on CPU, random T per rank (0 and > cap
 included), every output vs the oracle, RSS flat, no leaked shared memory. Writes JSON + markdown.
 
     python scripts/soak.py [--calls 5000] [--world-sizes 2,4] [--out docs/results/soak]

@@ -93,8 +93,8 @@ class TritonExperts(Experts):
             its per-row per-128 scales as dispatched (``accepts_fp8_input``) and returns bf16; given
             activation-dtype rows it quantizes them per 128 columns itself and returns their dtype. The fp8
             gate_up rows are kept interleaved (gate j, up j; ``gate_up_interleaved``), so GEMM1 runs one dot per
-            k-step: 1.03-1.09x faster on an H200 than stacked rows (docs/results/ab_gate_up_layout_*); the bf16
-            kernel gains nothing from it (within 1%), so bf16 runs the caller's weights as given.
+            k-step (faster than stacked rows, docs/RESULTS.md); bf16 gains nothing from it, so it runs the
+            caller's weights as given.
     """
 
     name = "triton"

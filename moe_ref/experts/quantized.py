@@ -29,9 +29,7 @@ class W4A16Experts(Experts):
     Activations stay bf16/fp16/fp32 (``x_PDx``'s dtype), accumulation is fp32, h and y are rounded to x's
     dtype. Segments may start anywhere (the kernel masks rows itself), as for ``TritonExperts``.
 
-    NOTE: correct but not yet fast. One H200 run (docs/results/bench_w4a16.json; 48 experts, D 7168, F 2048,
-    bf16 x): 1567 / 1752 us (INT4) and 1928 / 2400 us (MXFP4) at 64 / 512 routed rows, against 905 / 1141 us
-    for bf16 experts: 0.47-0.65x, not the 3x that 4x fewer weight bytes allow. The tiles are the bf16 lists.
+    NOTE: correct but not yet fast: slower than the bf16 experts (docs/RESULTS.md); it runs the bf16 tile lists.
 
     Args:
         qweights: int4_group or mxfp4 ``QuantizedExpertWeights`` on CUDA (or CPU under the interpreter).

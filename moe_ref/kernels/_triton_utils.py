@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.core.errors import DeviceError, ShapeError
+from moe_ref.core.errors import DeviceError
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -49,11 +49,6 @@ def check_device(name: str, tensor: torch.Tensor) -> None:
         f"{name} is on {tensor.device}, but Triton kernels need CUDA tensors; on a machine without a GPU "
         "set TRITON_INTERPRET=1 before importing triton (slow, for tests), or use the torch twin `*_ref`."
     )
-
-
-def check_contiguous(name: str, tensor: torch.Tensor) -> None:
-    if not tensor.is_contiguous():
-        raise ShapeError(f"{name} must be contiguous (got shape {tuple(tensor.shape)}, strides {tensor.stride()})")
 
 
 def launch_options(fp_fusion: bool) -> dict:

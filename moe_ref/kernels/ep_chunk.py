@@ -5,10 +5,8 @@
 With `fused_signals=True` (default) each barrier is split into its two halves and fused into the kernels
 around it, saving two launches per chunk: `ep_pre_dispatch(post=True)` (the last program of its second launch
 posts) -> `ep_dispatch(wait=True)` (its first, one-program launch waits) and `ep_combine_push(post=True)` ->
-`ep_combine_reduce(wait=True)` (every program waits, then reads). Six launches per chunk instead of eight.
-Measured on 2x H200 (docs/results/ep_kernels_2026-12-01.md): ~40 us less per eager call at 128-512 tokens/rank,
-but no faster inside a CUDA graph (51.1 vs 50.0 us at 128 tokens/rank, bf16): the posting kernels' per-program
-arrival atomics cost about what the saved launches did.
+`ep_combine_reduce(wait=True)` (every program waits, then reads). Six launches per chunk instead of eight:
+faster eager, no faster in a CUDA graph (figures in docs/RESULTS.md).
 
 Why two barriers are enough per chunk: the first makes every rank's send regions (and counts) visible before
 any rank pulls; the second makes every partial visible before any source reduces. A rank overwrites its send

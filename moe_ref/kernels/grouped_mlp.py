@@ -6,45 +6,16 @@
     y[r] = h[r] @ down[i].T                                                                        [P, Dx]
     y[r] = 0 for pool rows outside every segment (alignment padding)
 
-Both GEMMs run the same `@triton.jit` kernel (`_grouped_gemm_kernel`), specialised by constexpr flags:
-GEMM1 loads the gate and up tiles of the same output columns in one program so the epilogue applies
-the activation (and, for FP8, re-quantizes h per row per 128 columns, DeepGEMM's SM90 convention);
-GEMM2 is a plain grouped GEMM.
-
-Mapping programs to experts: no host sync and no padded work. Program `pid_m` walks the per-expert
-block counts `ceil(num_rows_e[i] / BLOCK_M)` (one vectorised cumsum over the e experts, in-kernel) to
-find its expert and its block inside that expert; the grid has the upper bound `ceil(P / BLOCK_M) + e`
-M blocks and the surplus programs exit at once. So BLOCK_M may be smaller than the 128-row segment
-alignment (decode) and padding blocks cost nothing. Program order: N tiles fastest (GROUP_M = 1, the
-default), or GROUP_M > 1 consecutive M blocks sweep the N tiles together (an L2 swizzle for many rows).
-
-Schedule: one program per tile of that upper-bound grid (the default), or `persistent=True`: about two programs per
-SM walk the live tiles (`_tile_coords` orders both). Same bytes out; on an H200 persistent was no faster (bf16
-within 2%, FP8 up to 6% slower at Kimi-K2's shape, docs/results/ab_schedule_persistent_kimi_2026-12-01.md), so
-the grid stays the default: without warp specialization (which does not compile here on triton 3.6) a program
-cannot overlap its epilogue with its next tile's loads, and the grid's surplus programs already exit at once.
-
-Tiles: autotuned per rows-per-expert regime (`grouped_mlp_tiles`: lists, `regime`, `prune_configs`), or forced with
-`_launch_gemm(..., config=triton.Config(...))` (`scripts/tune_grouped_mlp.py` sweeps them that way).
-
-Loads: on Hopper and newer GPUs (and under the interpreter) the a and b tiles come through host-side TMA
-descriptors (`TensorDescriptor`: a over the pool `[P, K]`, b over the weights viewed as `[e * rows, K]`); a
-tile may read rows past its expert's segment (the next expert's, or padding), which only feed output rows
-the store masks. Pointer loads remain for 4-bit weights, row strides that are not 16-byte multiples and
-`MOE_REF_TMA=0`. On an H200 the descriptors cut the FP8 kernel's registers from ~249 to ~173 per thread and
-sped both GEMMs up (docs/results/tune_grouped_mlp_fp8_tma.txt).
-
-FP8 (e4m3): x with per-row per-128-column fp32 scales `x_scale_PDb`, weights with fp32 128x128 block
-scales; each BLOCK_K (<= 128, dividing 128) k-step multiplies the fp32 partial product by
-`x_scale[row, k // 128] * w_scale[col // 128, k // 128]` before accumulating. When BLOCK_N divides 128 the
-tile's columns share one weight scale, folded into the row scales first: one FMA per element.
-
-W4A16 (weight-only 4-bit, picked by the weights' dtype; formats in `moe_ref.checkpoint.formats`): int32 weights are
-compressed-tensors INT4 (`[e, O, I/8]`, 8 offset-binary nibbles per word, low nibble first) with
-bf16/fp16/fp32 group-32 scales `[e, O, I/32]`; uint8 weights are MXFP4 (`[e, O, I/2]`, E2M1 pairs, low
-nibble first) with E8M0 scale bytes `[e, O, I/32]` (`2**(byte - 125)`). Each k-step (BLOCK_K a multiple
-of 32) loads the packed tile, unpacks the nibbles, applies the group scales in fp32 and casts the tile to
-x's dtype for the dot (bf16/fp16 tensor cores; fp32 accumulation), so h and y round as on the dense path.
+One `@triton.jit` kernel (`_grouped_gemm_kernel`) runs both GEMMs: GEMM1 loads gate and up tiles of the same
+columns so its epilogue applies the activation (FP8: re-quantizes h per row per 128 columns); GEMM2 is plain.
+Programs find their expert on the device (a cumsum of per-expert block counts over an upper-bound grid whose
+surplus programs exit), so there is no host sync and padding costs nothing. `persistent=True` walks the live
+tiles on ~2 programs per SM instead (kept for A/B; the grid is the default, docs/RESULTS.md says why).
+Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `_launch_gemm(..., config=...)`. Loads: TMA
+descriptors on Hopper+ (pointer loads for 4-bit weights, unaligned rows, `MOE_REF_TMA=0`).
+FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
+shares one weight scale). W4A16 (int32 = INT4, uint8 = MXFP4, formats in `moe_ref.checkpoint.formats`):
+nibbles unpacked and group-32 scales applied in fp32 in the K loop, dots in x's dtype.
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features (the kernel's GEMM sizes N and K), Db = ceil(Dx / 128),
@@ -595,7 +566,7 @@ def grouped_mlp(
             (`interleave_gate_up`, done once at load): GEMM1 then runs one dot over 2 * BLOCK_N weight rows
             per k-step instead of two. FP8 block scales keep the stacked layout.
         persistent: both GEMMs run a fixed grid (about two programs per SM) that walks the live tiles (same
-            bytes; not faster on an H200, see the module doc).
+            bytes; not the default, see docs/RESULTS.md).
 
     Returns:
         y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0 (or unwritten).

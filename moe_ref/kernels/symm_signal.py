@@ -24,9 +24,6 @@ The halves are also `@triton.jit` helpers other kernels fuse (`ep_chunk(fused_si
 `arrive_then_post` (every program of a kernel arrives on MY `counter`; the last one posts, so the post covers all
 of the kernel's writes) and `wait_epoch` (bounded, at the start of a consumer kernel).
 
-Measured on 2x H200 (docs/results/ep_kernels_2026-12-01.md): ~2.9-3.1 us per barrier inside a CUDA graph; the
-bound check costs nothing measurable; launched one at a time from Python 16-32 us (torch `handle.barrier()` 39-43).
-
 Shape legend: R ranks.
 """
 

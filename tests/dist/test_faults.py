@@ -1,4 +1,4 @@
-"""Issue 11's fault table: one rank disagrees or fails; every rank raises a coded error within 10 s, and the
+"""The fault table: one rank disagrees or fails; every rank raises a coded error within 10 s, and the
 next call is correct. 2, 4 and 8 ranks, CPU (gloo, shared-memory transport), public ``MegaMoE`` only.
 
 Each rank reports each case as soon as it ends (tests/dist/fault_worker.py); a rank that hangs never reports,
@@ -20,7 +20,7 @@ from launch import torchrun  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
-WORLD_SIZES = (2, 4, 8)  # 8: the code paths of an EP 8 group (issue 16), ~22 s of the suite on 2 cores
+WORLD_SIZES = (2, 4, 8)  # 8: the code paths of an EP 8 group, ~22 s of the suite on 2 cores
 LAUNCH_TIMEOUT_S = 300
 CASE_DEADLINE_S = 10.0
 FAULT_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_worker.py")

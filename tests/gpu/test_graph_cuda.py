@@ -1,4 +1,4 @@
-"""MegaMoE decode captured in a CUDA graph and replayed with new inputs == eager, bitwise (issue 12, deliver 2):
+"""MegaMoE decode captured in a CUDA graph and replayed with new inputs == eager, bitwise:
 one GPU (the local transport) and two GPUs (symm, beside a2a). Runs tests/gpu/graph_worker.py."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 11: bad model config files get coded errors naming the file, the key and the fix (no bare errors)."""
+"""Bad model config files get coded errors naming the file, the key and the fix (no bare errors)."""
 from __future__ import annotations
 
 import json

@@ -190,7 +190,7 @@ def test_fp8_blocks_need_f_multiple_of_128(tmp_path):
         load_quantized_experts(tmp_path, dataclasses.replace(cfg, intermediate_size=96), LAYER, progress=False)
 
 
-# --- bad files (issue 11): every loader path, plain and quantized ----------------------------------------------
+# --- bad files: every loader path, plain and quantized ----------------------------------------------
 
 @pytest.fixture
 def sharded(tmp_path):

@@ -1,4 +1,4 @@
-"""One symmetric buffer per EP group, shared by every MoE layer with the same plan (issue 12, deliver 4)."""
+"""One symmetric buffer per EP group, shared by every MoE layer with the same plan."""
 from __future__ import annotations
 
 import torch

@@ -4,7 +4,7 @@ run found a global that Triton's compiler refuses and the interpreter accepts) a
 EP data path (pre-dispatch, layout, receive layout, dispatch, combine push and reduce, barrier; bf16 and FP8 rows).
 
 The interpreter tests run the kernel's Python, so a kernel that Triton's compiler rejects (for instance two
-returns of different types in branches a constexpr removes, found on an H200 in session 3 of 2026-12-01) passes
+returns of different types in branches a constexpr removes, found on an H200 on 2026-12-01) passes
 them all. `sm90_compile_worker.py` compiles each variant down to a cubin with Triton's bundled ptxas, in a
 subprocess without TRITON_INTERPRET."""
 

@@ -22,7 +22,7 @@ from moe_ref.core.errors import BackendUnavailableError
 
 __all__ = ["DeepGemmStatus", "deep_gemm_status", "import_deep_gemm", "call_deep_gemm", "KNOWN_GOOD_VERSIONS"]
 
-# Versions that ran on the GPU image (torch 2.11+cu130); see /work/shared/FACTS.md.
+# Versions that ran on the GPU image (torch 2.11+cu130): sgl-deep-gemm 0.1.3 and 0.1.4 (docs/RESULTS.md).
 KNOWN_GOOD_VERSIONS = ("0.1.3", "0.1.4")
 _GROUPED_API = ("m_grouped_bf16_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_contiguous",
                 "m_grouped_bf16_gemm_nt_masked", "m_grouped_fp8_fp4_gemm_nt_masked",

@@ -1,0 +1,73 @@
+"""docs/results/ holds exactly the raw files the docs cite, and tracked text names no work log or machine path.
+
+Citations: docs/RESULTS.md and README.md cite a raw file as ``docs/results/<name>``; ``<name>`` may end in ``.*``
+(every extension of that stem, e.g. the ``.json``, ``.md`` and ``.png`` of one run).
+"""
+import fnmatch
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results"
+CITING = ("docs/RESULTS.md", "README.md")
+_CITE = re.compile(r"docs/results/([A-Za-z0-9_.*-]+[A-Za-z0-9*])")
+
+
+def _citations() -> set[str]:
+    return {m.group(1) for doc in CITING for m in _CITE.finditer((ROOT / doc).read_text())}
+
+
+def test_every_results_file_is_cited():
+    cited = _citations()
+    files = sorted(p.name for p in RESULTS.iterdir())
+    uncited = [f for f in files if not any(fnmatch.fnmatchcase(f, c) for c in cited)]
+    assert not uncited, f"files in docs/results/ cited by neither {CITING}: {uncited}"
+
+
+def test_every_citation_exists():
+    files = [p.name for p in RESULTS.iterdir()]
+    missing = sorted(c for c in _citations() if not fnmatch.filter(files, c))
+    assert not missing, f"cited in {CITING} but not in docs/results/: {missing}"
+
+
+# --- no work-log references and no paths of a machine -----------------------------------------------------
+# Flagged in every tracked text file:
+#   "call 3", "calls 1-3" (numbered runs of a work log; a command-line flag such as `--calls 30` is fine),
+#   "issue 12", "session 4" (an outside tracker's numbers, a work log's sessions): say what the thing is instead.
+# Flagged outside docs/results/ (raw outputs kept as the GPU machine printed them):
+#   "/work/", "/root/" and "/tmp/", except "/tmp/site", the folder the GPU suite's shell commands install optional
+#   wheels into on the GPU machine (scripts/gpu_suite.sh, tests/gpu/mega_worker.py's usage line). Write a temporary
+#   path with `tempfile` or `$TMPDIR` instead. This file itself is skipped: it spells the patterns out.
+_LOG = re.compile(r"(?<![-\w])(?:calls? \d|issue \d|session \d)", re.I)
+_PATH = re.compile(r"/work/|/root/|/tmp/(?!site\b)")
+
+
+def _tracked_text_files():
+    names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in names:
+        path = ROOT / name
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data[:8192]:
+            continue
+        yield name, data.decode("utf-8", "replace")
+
+
+def test_no_work_log_references_or_machine_paths():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    found = []
+    for name, text in _tracked_text_files():
+        if name == "tests/unit/test_results_cited.py":  # this file spells the patterns out
+            continue
+        raw_output = name.startswith("docs/results/")
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if _LOG.search(line) or (not raw_output and _PATH.search(line)):
+                found.append(f"{name}:{lineno}: {line.strip()[:120]}")
+    assert not found, "work-log references or machine paths:\n" + "\n".join(found)
