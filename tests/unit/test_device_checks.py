@@ -84,13 +84,13 @@ def test_deferred_checks_raise_the_first_failure_later_and_forget_the_rest():
     deferred = DeferredChecks()
     passed, failed = DeviceChecks(), DeviceChecks()
     passed.add(torch.tensor(False), lambda: ShapeError("never"))
-    failed.add(torch.tensor(True), lambda: NonFiniteError("call 2's NaN"))
+    failed.add(torch.tensor(True), lambda: NonFiniteError("the second call's NaN"))
     deferred.record(passed, torch.device("cpu"))
     deferred.raise_pending()  # the first call passed: nothing raised, nothing left
     assert len(deferred) == 0
     deferred.record(failed, torch.device("cpu"))
     deferred.record(passed, torch.device("cpu"))
-    with pytest.raises(NonFiniteError, match="call 2's NaN"):
+    with pytest.raises(NonFiniteError, match="the second call's NaN"):
         deferred.raise_pending()
     assert len(deferred) == 0  # raised once, not again by the next call
     deferred.raise_pending(wait=True)
