@@ -144,6 +144,8 @@ class MegaMoE(nn.Module):
             mega=mega, dtype=dtype, device=device, debug_checks=debug_checks)
         self.group = group
         self._op_id = custom_ops.register(self)  # how torch.compile's graph names this layer
+        # calls of the compiled op; the op mutates it, so no call is ever dropped from a graph (custom_ops)
+        self._op_calls = torch.zeros(1, dtype=torch.int64, device=self.options.device)
         self.world_size, self.rank = group_size_and_rank(group)
         self.num_local_experts = ParallelConfig(ep_size=self.world_size).num_local_experts(cfg)
         self.first_local_expert = self.rank * self.num_local_experts
@@ -391,10 +393,20 @@ class MegaMoE(nn.Module):
         (``moe_ref.custom_ops``: no graph break); otherwise ``eager_forward``.
         """
         if torch.compiler.is_compiling():
-            return torch.ops.moe_ref.mega_moe(hidden_states, self._op_id, -1 if max_num_tokens is None else max_num_tokens)
+            # the op has no autograd formula: whether a gradient is asked for is decided here (dynamo guards on it)
+            # and the op runs without autograd; it raises INP007 on every rank when one was (see custom_ops)
+            grad_requested = self._grad_requested(hidden_states)
+            with torch.no_grad():
+                return torch.ops.moe_ref.mega_moe(hidden_states, self._op_calls, self._op_id,
+                                                  -1 if max_num_tokens is None else max_num_tokens, grad_requested)
         return self.eager_forward(hidden_states, max_num_tokens=max_num_tokens)
 
-    def eager_forward(self, hidden_states: torch.Tensor, *, max_num_tokens: int | None = None) -> torch.Tensor:
+    def _grad_requested(self, x: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and ((isinstance(x, torch.Tensor) and x.requires_grad)
+                                            or any(p.requires_grad for p in self.parameters()))
+
+    def eager_forward(self, hidden_states: torch.Tensor, *, max_num_tokens: int | None = None,
+                      grad_requested: bool | None = None) -> torch.Tensor:
         """The layer's work (see ``forward``).
 
         Args:
@@ -407,8 +419,9 @@ class MegaMoE(nn.Module):
 
         Raises, on every rank alike: this or any rank's input problem (INP001-INP007), CAP001 under
         ``overflow='error'``, ENV004/ENV005/CFG008 (see ``moe_ref.ep.routed_step``).
+        ``grad_requested``: decided by the caller (the compiled op, which runs without autograd), else here.
         """
-        problem = self._input_problem(hidden_states)
+        problem = self._input_problem(hidden_states, grad_requested)
         step = self.routed_step
         weights = self.weights()
         checks = DeviceChecks()  # read in the routed step's one collective (no host sync of their own)
@@ -425,7 +438,7 @@ class MegaMoE(nn.Module):
                       max_num_tokens=max_num_tokens, device_checks=checks)
         return finish(routed, hidden_states, weights, self.cfg)
 
-    def _input_problem(self, x: torch.Tensor) -> InputError | None:
+    def _input_problem(self, x: torch.Tensor, grad_requested: bool | None = None) -> InputError | None:
         """What is wrong with this call on this rank (not raised: the routed step agrees on it first)."""
         width, dtype, device = self.cfg.hidden_size, self.options.dtype, self.gate_weight.device
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != width:
@@ -441,7 +454,7 @@ class MegaMoE(nn.Module):
             return WeightsNotLoadedError(f"rank {self.rank}: the layer's weights were never loaded; call "
                                          f"load_hf_weights(path, layer_idx) or load_weights(...) first, or build it "
                                          f"with seed=N for random test weights")
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if self._grad_requested(x) if grad_requested is None else grad_requested:
             return GradientNotSupportedError(
                 "MegaMoE has no backward (rows cross ranks through buffers autograd cannot follow); run it under "
                 "torch.no_grad() or torch.inference_mode(), or pass x.detach()")
