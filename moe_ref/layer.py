@@ -26,6 +26,12 @@ The routed experts are allocated when they are loaded, in the form they are load
 ``load_hf_weights``) is kept as stored in ``quantized_experts`` and the two parameters stay None. So the device
 holds the checkpoint's bytes of the local experts and never a bf16 copy of them (``expert_nbytes()``).
 
+nn.Module conventions: ``state_dict()``/``load_state_dict()`` round trip into a fresh (unseeded) layer, strict:
+plain experts are allocated by the load, quantized ones travel as ``quantized_experts.<field>`` tensors (+ their
+format) and are kept as stored. The dtype and device are fixed at construction (plan, buffers, experts, checks):
+``.to(dtype)``, ``.half()``, ``.float()``, ``.cuda()``... that would change them raise ``LayerConversionError``
+(CFG016); build a layer with the dtype/device wanted and ``load_state_dict`` this one's weights into it.
+
 Inference mode and autograd: the step's buffers are built outside inference mode, so calls in and out of
 ``torch.inference_mode()`` mix in any order. The layer has no backward: with grad mode on and an input or
 parameter requiring grad, every rank raises ``GradientNotSupportedError`` (INP007).
@@ -33,6 +39,7 @@ parameter requiring grad, every rank raises ``GradientNotSupportedError`` (INP00
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from typing import Any, Mapping
@@ -47,17 +54,20 @@ from moe_ref.core.config import MoEConfig, ParallelConfig, preset
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import check_fields_agree, gather_objects, group_size_and_rank
 from moe_ref.core.errors import (BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
-                            InvalidConfigError, ShapeError, ShapeUnsupportedError, TensorShapeMismatchError,
-                            WeightsNotLoadedError)
+                            InvalidConfigError, LayerConversionError, ShapeError, ShapeUnsupportedError,
+                            TensorShapeMismatchError, WeightsNotLoadedError)
 from moe_ref.experts import Experts, experts_class, make_experts
 from moe_ref.experts.quantized import make_quantized_experts
 from moe_ref.ep.options import EPOptions
-from moe_ref.checkpoint.formats import QuantizedExpertWeights, QuantSpec
+from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec
 from moe_ref.ep.routed_step import RoutedStep, make_modular_step
 from moe_ref.core.weights import MoEWeights
 
 logger = logging.getLogger(__name__)
 _EXPERT_FIELDS = ("gate_up_weight_E2FD", "down_weight_EDF")
+# state_dict keys of quantized experts kept as stored: "quantized_experts.<field>" (+ ".spec", the format as JSON bytes)
+_QUANT_PREFIX = "quantized_experts."
+_QUANT_FIELDS = ("gate_up_qweight_e2FDq", "gate_up_scale_e2FDs", "down_qweight_eDFq", "down_scale_eDFs")
 
 
 def as_config(cfg: MoEConfig | str | os.PathLike | Mapping[str, Any]) -> MoEConfig:
@@ -226,6 +236,67 @@ class MegaMoE(nn.Module):
                 self.gate_up_weight = self._new_parameter(*gate_up_shape)
                 self.down_weight = self._new_parameter(*down_shape)
         return self.gate_up_weight, self.down_weight
+
+    # --- nn.Module conventions: state_dict round trip, fixed dtype/device -----------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The parameters and buffers, plus quantized experts kept as stored (``quantized_experts.<field>``
+        tensors and ``quantized_experts.spec``, the format as uint8 JSON bytes), so a fresh layer loads them."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        q = self.quantized_experts
+        if q is not None:
+            for field in _QUANT_FIELDS:
+                destination[prefix + _QUANT_PREFIX + field] = getattr(q, field)
+            spec = json.dumps({"format": q.spec.format.value, "group_size": q.spec.group_size,
+                               "ignore": list(q.spec.ignore)})
+            destination[prefix + _QUANT_PREFIX + "spec"] = torch.tensor(list(spec.encode()), dtype=torch.uint8)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Loads into a fresh layer too: plain experts are allocated when the state dict has them, quantized
+        ones are taken as stored; either way the layer counts as loaded (as after ``load_weights``)."""
+        plain = prefix + "gate_up_weight" in state_dict
+        quant = prefix + _QUANT_PREFIX + "spec" in state_dict
+        if plain:
+            self._expert_parameters()  # allocated here when the layer never held plain experts
+        elif quant:
+            self.gate_up_weight = self.down_weight = None  # the plain ones are replaced by the quantized ones
+        errors_before = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        quant_keys = [k for k in state_dict if k.startswith(prefix + _QUANT_PREFIX)]
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in quant_keys]
+        if quant:
+            missing = [prefix + _QUANT_PREFIX + f for f in _QUANT_FIELDS if prefix + _QUANT_PREFIX + f not in state_dict]
+            missing_keys.extend(missing)
+            if missing:
+                return
+            info = json.loads(bytes(state_dict[prefix + _QUANT_PREFIX + "spec"].tolist()).decode())
+            spec = QuantSpec(QuantFormat(info["format"]), int(info["group_size"]), tuple(info["ignore"]))
+            self._quantized_backend(spec)  # a coded refusal (ENV001) where this layer's options cannot run them
+            device = self.options.device
+            tensors = {f: state_dict[prefix + _QUANT_PREFIX + f].detach().to(device, copy=True) for f in _QUANT_FIELDS}
+            self.quantized_experts = QuantizedExpertWeights(
+                spec=spec, **tensors, hidden_size=self.cfg.expert_hidden_size,
+                intermediate_size=self.cfg.intermediate_size, first_expert=self.first_local_expert)
+        elif plain:
+            self.quantized_experts = None
+        if (plain or quant) and len(error_msgs) == errors_before:
+            self._weights_changed()
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.half()``, ``.float()``, ``.cuda()``...: allowed when they keep the layer's dtype and
+        device; a change raises ``LayerConversionError`` (CFG016) before anything is converted (the plan,
+        buffers, experts and checks are built for one dtype and device: build a new layer instead)."""
+        dtype, device = self.options.dtype, self.options.device
+        probe = fn(torch.empty(0, dtype=dtype, device=device))
+        if probe.dtype != dtype or probe.device != device:
+            raise LayerConversionError(
+                f"MegaMoE was built for dtype={dtype} on {device}; converting it to dtype={probe.dtype} on "
+                f"{probe.device} would cast its parameters only (its plan, buffers, experts and input checks stay "
+                f"{dtype} on {device}). Build a layer of that dtype and load this one's weights into it: "
+                f"new = MegaMoE(cfg, group, dtype={probe.dtype}, device='{probe.device}', ...); "
+                f"new.load_state_dict(layer.state_dict())", dtype=str(probe.dtype), device=str(probe.device))
+        return super()._apply(fn, recurse)
 
     def expert_nbytes(self) -> int:
         """Bytes this rank's routed expert weights occupy on the device: the plain parameters, or a quantized
@@ -474,7 +545,8 @@ class MegaMoE(nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         return (f"{self.cfg.name}: E={self.cfg.num_experts} (local {self.num_local_experts} on rank "
-                f"{self.rank}/{self.world_size}), K={self.cfg.num_topk}, D={self.cfg.hidden_size}, "
+                f"{self.rank}/{self.world_size}), ep_size={self.world_size}, K={self.cfg.num_topk}, "
+                f"D={self.cfg.hidden_size}, dtype={o.dtype}, device={o.device}, "
                 f"cap={o.num_max_tokens_per_rank}, overflow={o.overflow}, transport={o.transport}, "
                 f"experts={o.experts_backend}{self._experts_precision()}, "
                 f"dispatch={'fp8' if o.dispatch_fp8 else 'activation dtype'}, alignment={o.alignment}, "

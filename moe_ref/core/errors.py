@@ -179,6 +179,19 @@ class CommandLineError(ConfigError):
         "moe-ref bench --experts 8 --iters 10\nmoe-ref demo --cap 64 --runs 5")
 
 
+class LayerConversionError(ConfigError, TypeError):
+    code = _entry(
+        "CFG016", "a MegaMoE layer's dtype or device cannot be changed after construction",
+        "MegaMoE builds its capacity plan, symmetric buffers, experts backend and input checks for the dtype and "
+        "device it was constructed with; nn.Module's .to(dtype)/.half()/.float()/.bfloat16()/.cuda() would cast "
+        "the parameters only and leave everything else on the old dtype or device.",
+        "model.to(torch.bfloat16) or model.half() on a model holding a float32 MegaMoE; layer.cuda() on a CPU layer.",
+        ["Build the layer with the dtype and device you want, then copy the weights into it with "
+         "load_state_dict (the values are cast).", "Or build the model in the target dtype from the start."],
+        "new = MegaMoE(cfg, group, dtype=torch.bfloat16, device='cuda', num_max_tokens_per_rank=256)\n"
+        "new.load_state_dict(old.state_dict())")
+
+
 # --- capacity --------------------------------------------------------------------------------------------
 
 class CapacityError(MoERefError, RuntimeError):
