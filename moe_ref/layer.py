@@ -38,10 +38,13 @@ parameter requiring grad, every rank raises ``GradientNotSupportedError`` (INP00
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
 import os
+import traceback
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -96,6 +99,23 @@ def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.inference_mode(False), torch.no_grad():
         for dst, src in pairs:
             dst.copy_(src)
+
+
+_LIVE_LAYERS: "weakref.WeakSet[MegaMoE]" = weakref.WeakSet()
+
+
+@atexit.register
+def release_all_at_exit() -> None:
+    """Before the interpreter tears down: every live layer releases its buffers and its references to the
+    process group (``MegaMoE._release_group``), so ``dist.destroy_process_group()`` followed by exit (or
+    torchrun's teardown) never destroys the group's C++ object from a module global's finalizer at exit.
+
+    NOTE: registered at import, after torch.distributed's own hooks, so it runs before them (atexit is LIFO)."""
+    for layer in list(_LIVE_LAYERS):
+        try:
+            layer._release_group()
+        except Exception:  # noqa: BLE001 - exit goes on; one layer's failure must not keep the others' groups
+            logger.debug("moe_ref: releasing a layer at exit failed", exc_info=True)
 
 
 class MegaMoE(nn.Module):
@@ -163,6 +183,7 @@ class MegaMoE(nn.Module):
         self._routed_step: RoutedStep | None = None
         self._experts: Experts | None = None
         self._weights_loaded = False
+        _LIVE_LAYERS.add(self)  # released at exit (release_all_at_exit)
         self._register_parameters()
         if seed is not None:
             self.load_weights(MoEWeights.random(cfg, seed=seed, dtype=self.options.dtype))
@@ -491,7 +512,21 @@ class MegaMoE(nn.Module):
         Raises, on every rank alike: this or any rank's input problem (INP001-INP007), CAP001 under
         ``overflow='error'``, ENV004/ENV005/CFG008 (see ``moe_ref.ep.routed_step``).
         ``grad_requested``: decided by the caller (the compiled op, which runs without autograd), else here.
+
+        On an error the locals of the finished frames below this one are cleared (``traceback.clear_frames``):
+        the routed step keeps the failure it agrees on in a local, so its frame, the exception and its traceback
+        form a reference cycle that would keep the step, its shared buffer and this layer alive until the next
+        ``gc.collect()`` (a layer dropped on every rank would stay held on the failing rank only: CFG008 at the
+        next build). The traceback's lines are kept; only the frames' variables go.
         """
+        try:
+            return self._eager_forward(hidden_states, max_num_tokens, grad_requested)
+        except BaseException as err:
+            traceback.clear_frames(err.__traceback__.tb_next)  # the finished frames below this one
+            raise
+
+    def _eager_forward(self, hidden_states: torch.Tensor, max_num_tokens: int | None,
+                       grad_requested: bool | None) -> torch.Tensor:
         problem = self._input_problem(hidden_states, grad_requested)
         step = self.routed_step
         weights = self.weights()
@@ -532,10 +567,25 @@ class MegaMoE(nn.Module):
         return None
 
     def destroy(self) -> None:
-        """Release the symmetric buffers (also released at exit)."""
+        """Release the routed step and its share of the group's symmetric buffer (not collective: call it on every
+        rank; the layer stays usable, the next call builds the step again). Done for every live layer at exit
+        anyway (``release_all_at_exit``), before the interpreter tears down, so call it only to free memory early."""
         if self._routed_step is not None:
             self._routed_step.destroy()
             self._routed_step = None
+
+    def _release_group(self) -> None:
+        """At exit: ``destroy()`` and drop every reference the layer and its step hold to the process group, so
+        the group's C++ object (gloo's threads) is freed now, while the interpreter is intact, and not during
+        its final teardown (where gloo's destructor can abort the process: "terminate called without an
+        active exception", exit status -6). The layer cannot be called afterwards."""
+        step = self._routed_step
+        self.destroy()
+        dispatcher = getattr(step, "dispatcher", None)
+        for holder in (step, dispatcher, getattr(dispatcher, "buffer", None)):
+            if holder is not None and hasattr(holder, "group"):
+                holder.group = None
+        self.group = None
 
     def _experts_precision(self) -> str:
         if self.quantized_experts is not None:

@@ -92,3 +92,35 @@ def test_repr_names_dtype_device_ep_size_cap_and_policy():
     text = repr(MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16, overflow="chunk", dtype=torch.bfloat16))
     for part in ("dtype=torch.bfloat16", "device=cpu", "ep_size=1", "cap=16", "overflow=chunk"):
         assert part in text, (part, text)
+
+
+def test_a_layer_whose_experts_raised_is_freed_without_gc():
+    """No reference cycle through the failure path (frame -> stored exception -> traceback -> frame): the layer,
+    its step and the shared buffer go as soon as the caller drops the layer and the exception."""
+    import gc
+    import weakref
+
+    from moe_ref.ep.buffer import live_shared_buffers
+
+    cfg = preset("tiny-kimi-k2")
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=13, seed=4)  # a cap no other test uses: its own shared buffer
+    experts = layer.experts
+
+    def boom(*args, **kwargs):
+        raise MemoryError("injected inside the experts")
+
+    experts.forward = boom
+    gc.collect()
+    gc.disable()
+    held_before = live_shared_buffers()
+    try:
+        with torch.no_grad():
+            with pytest.raises(MemoryError):
+                layer(_x(cfg))
+        assert live_shared_buffers() == held_before + 1
+        ref, step_ref = weakref.ref(layer), weakref.ref(layer.routed_step)
+        del layer, experts, boom
+        assert ref() is None and step_ref() is None, "the layer or its step is held by a reference cycle"
+        assert live_shared_buffers() == held_before
+    finally:
+        gc.enable()
