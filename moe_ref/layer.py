@@ -56,7 +56,7 @@ from moe_ref.block import expert_input, finish, route_unchecked
 from moe_ref.core.config import MoEConfig, ParallelConfig, preset
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import check_fields_agree, gather_objects, group_size_and_rank
-from moe_ref.core.errors import (BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
+from moe_ref.core.errors import (ArgumentTypeError, BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
                             InvalidConfigError, LayerConversionError, ShapeError, ShapeUnsupportedError,
                             TensorShapeMismatchError, WeightsNotLoadedError)
 from moe_ref.experts import Experts, experts_class, make_experts
@@ -116,6 +116,14 @@ def release_all_at_exit() -> None:
             layer._release_group()
         except Exception:  # noqa: BLE001 - exit goes on; one layer's failure must not keep the others' groups
             logger.debug("moe_ref: releasing a layer at exit failed", exc_info=True)
+
+
+def _max_num_tokens_problem(value: Any) -> ArgumentTypeError | None:
+    """``ArgumentTypeError`` (INP008) unless ``max_num_tokens`` is None or an int (not a bool)."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return None
+    return ArgumentTypeError(f"max_num_tokens={value!r} ({type(value).__name__}); pass an int bound on "
+                             f"the rows of every rank, or None, on every rank alike", field="max_num_tokens")
 
 
 class MegaMoE(nn.Module):
@@ -528,6 +536,9 @@ class MegaMoE(nn.Module):
     def _eager_forward(self, hidden_states: torch.Tensor, max_num_tokens: int | None,
                        grad_requested: bool | None) -> torch.Tensor:
         problem = self._input_problem(hidden_states, grad_requested)
+        bad_bound = _max_num_tokens_problem(max_num_tokens)
+        if bad_bound is not None:  # raised on every rank by the step's collective (no bound of this rank in it)
+            problem, max_num_tokens = bad_bound, None
         step = self.routed_step
         weights = self.weights()
         checks = DeviceChecks()  # read in the routed step's one collective (no host sync of their own)

@@ -192,6 +192,17 @@ class LayerConversionError(ConfigError, TypeError):
         "new.load_state_dict(old.state_dict())")
 
 
+class EnvVarError(InvalidConfigError):
+    code = _entry(
+        "CFG017", "a MOE_REF_* environment variable has a value moe_ref does not accept",
+        "moe_ref reads its switches strictly (moe_ref.core.envs): MOE_REF_DEBUG, MOE_REF_DEBUG_CHECKS, "
+        "MOE_REF_NATIVE and MOE_REF_TMA take 1/true/yes/on or 0/false/no/off (any case, surrounding spaces "
+        "ignored); anything else would silently pick a side, so it is refused, naming the variable and its value.",
+        "MOE_REF_DEBUG_CHECKS=maybe, MOE_REF_NATIVE=disable, MOE_REF_TMA=2.",
+        ["Set the variable to one of the values the message lists, or unset it for the default."],
+        "export MOE_REF_DEBUG_CHECKS=1   # or 0, or unset")
+
+
 # --- capacity --------------------------------------------------------------------------------------------
 
 class CapacityError(MoERefError, RuntimeError):
@@ -315,6 +326,16 @@ class GradientNotSupportedError(InputError):
         ["Run the layer under torch.no_grad() or torch.inference_mode() (inference).",
          "Detach the input: moe(x.detach()).", "Train with a single-process reference MoE instead."],
         "with torch.inference_mode():\n    y = moe(x)")
+
+class ArgumentTypeError(InputError, TypeError):
+    code = _entry(
+        "INP008", "a call argument of the wrong type",
+        "A keyword argument of MegaMoE's forward has the wrong Python type (max_num_tokens must be an int or None; "
+        "a bool or a string is not a count).",
+        "moe(x, max_num_tokens='4'), moe(x, max_num_tokens=4.0), moe(x, max_num_tokens=True).",
+        ["Pass the argument as the message says (an int, or None), on every rank alike."],
+        "moe(x, max_num_tokens=4)")
+
 
 # --- environment -----------------------------------------------------------------------------------------
 
