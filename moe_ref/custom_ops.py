@@ -35,6 +35,16 @@ _LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValue
 _NEXT_ID = itertools.count(1)
 
 
+class _TracedBadBound:
+    """What the op passes as ``max_num_tokens`` when the traced call gave one that is not an int (-2 in the graph)."""
+
+    def __repr__(self) -> str:
+        return "<not an int when torch.compile traced the call>"
+
+
+TRACED_BAD_BOUND = _TracedBadBound()
+
+
 def register(layer: torch.nn.Module) -> int:
     """A new id for ``layer`` (held weakly: the op fails with a clear message once the layer is gone)."""
     layer_id = next(_NEXT_ID)
@@ -45,14 +55,14 @@ def register(layer: torch.nn.Module) -> int:
 @torch.library.custom_op("moe_ref::mega_moe", mutates_args=("calls",))
 def mega_moe(hidden_states: torch.Tensor, calls: torch.Tensor, layer_id: int, max_num_tokens: int,
              grad_requested: bool) -> torch.Tensor:
-    """``MegaMoE.forward`` of layer ``layer_id`` (``max_num_tokens`` -1 = None): ``[T, D]`` -> contiguous
+    """``MegaMoE.forward`` of layer ``layer_id`` (``max_num_tokens`` -1 = None, -2 = not an int: INP008) ``[T, D]`` -> contiguous
     ``[T, D]``; ``calls`` (the layer's call counter) is incremented, which keeps every call in the graph."""
     layer = _LAYERS.get(layer_id)
     if layer is None:
         raise RuntimeError(f"moe_ref::mega_moe: layer {layer_id} no longer exists (it was garbage-collected)")
     calls.add_(1)
-    out = layer.eager_forward(hidden_states, max_num_tokens=None if max_num_tokens < 0 else max_num_tokens,
-                              grad_requested=grad_requested)
+    bound = None if max_num_tokens == -1 else TRACED_BAD_BOUND if max_num_tokens == -2 else max_num_tokens
+    out = layer.eager_forward(hidden_states, max_num_tokens=bound, grad_requested=grad_requested)
     return out.contiguous()
 
 

@@ -118,9 +118,13 @@ def release_all_at_exit() -> None:
             logger.debug("moe_ref: releasing a layer at exit failed", exc_info=True)
 
 
+def _bound_type_ok(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
+
+
 def _max_num_tokens_problem(value: Any) -> ArgumentTypeError | None:
     """``ArgumentTypeError`` (INP008) unless ``max_num_tokens`` is None or an int (not a bool)."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+    if _bound_type_ok(value):
         return None
     return ArgumentTypeError(f"max_num_tokens={value!r} ({type(value).__name__}); pass an int bound on "
                              f"the rows of every rank, or None, on every rank alike", field="max_num_tokens")
@@ -496,9 +500,12 @@ class MegaMoE(nn.Module):
             # the op has no autograd formula: whether a gradient is asked for is decided here (dynamo guards on it)
             # and the op runs without autograd; it raises INP007 on every rank when one was (see custom_ops)
             grad_requested = self._grad_requested(hidden_states)
+            # a bound of the wrong type cannot enter the op's int argument: -2 tells the op to raise INP008 on
+            # every rank (in the op, through the step's collective, not here at trace time on this rank only)
+            bound = (-2 if not _bound_type_ok(max_num_tokens) else
+                     -1 if max_num_tokens is None else max_num_tokens)
             with torch.no_grad():
-                return torch.ops.moe_ref.mega_moe(hidden_states, self._op_calls, self._op_id,
-                                                  -1 if max_num_tokens is None else max_num_tokens, grad_requested)
+                return torch.ops.moe_ref.mega_moe(hidden_states, self._op_calls, self._op_id, bound, grad_requested)
         return self.eager_forward(hidden_states, max_num_tokens=max_num_tokens)
 
     def _grad_requested(self, x: torch.Tensor) -> bool:

@@ -79,3 +79,11 @@ def test_4bit_shape_problem_names_only_the_dimension_at_fault():
     assert shape_problem("mxfp4", 48, 24) == "D=48 and F=24 are not multiples of 32"
     assert shape_problem("mxfp4", 64, 32) is None
     assert issubclass(EnvVarError, MoERefError)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_max_num_tokens_of_the_wrong_type_under_compile(backend):
+    moe = MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16, seed=0)
+    f = torch.compile(lambda x: moe(x, max_num_tokens="4"), fullgraph=True, backend=backend)
+    with torch.no_grad(), pytest.raises(ArgumentTypeError, match="max_num_tokens"):
+        f(torch.randn(3, moe.cfg.hidden_size))
