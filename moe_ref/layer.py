@@ -186,12 +186,15 @@ class MegaMoE(nn.Module):
             mega=mega, dtype=dtype, device=device, debug_checks=debug_checks)
         self.group = group
         self._op_id = custom_ops.register(self)  # how torch.compile's graph names this layer
-        # calls of the compiled op; the op mutates it, so no call is ever dropped from a graph (custom_ops)
-        self._op_calls = torch.zeros(1, dtype=torch.int64, device=self.options.device)
         self.world_size, self.rank = group_size_and_rank(group)
         self.num_local_experts = ParallelConfig(ep_size=self.world_size).num_local_experts(cfg)
         self.first_local_expert = self.rank * self.num_local_experts
         self.uses_mega = self._agree_on_construction()
+        # calls of the compiled op; the op mutates it, so no call is ever dropped from a graph (custom_ops). A
+        # buffer (not saved in state_dict), so torch.compile treats it as a static input, as CUDA graphs want
+        with torch.inference_mode(False):
+            self.register_buffer("_op_calls", torch.zeros(1, dtype=torch.int64, device=self.options.device),
+                                 persistent=False)
         self._routed_step: RoutedStep | None = None
         self._experts: Experts | None = None
         self._weights_loaded = False
@@ -320,8 +323,9 @@ class MegaMoE(nn.Module):
         """``.to()``, ``.half()``, ``.float()``, ``.cuda()``...: allowed when they keep the layer's dtype and
         device; a change raises ``LayerConversionError`` (CFG016) before anything is converted (the plan,
         buffers, experts and checks are built for one dtype and device: build a new layer instead)."""
-        dtype, device = self.options.dtype, self.options.device
-        probe = fn(torch.empty(0, dtype=dtype, device=device))
+        reference = torch.empty(0, dtype=self.options.dtype, device=self.options.device)
+        dtype, device = reference.dtype, reference.device  # "cuda" as "cuda:0", as fn's output says it
+        probe = fn(reference)
         if probe.dtype != dtype or probe.device != device:
             raise LayerConversionError(
                 f"MegaMoE was built for dtype={dtype} on {device}; converting it to dtype={probe.dtype} on "
