@@ -1,9 +1,20 @@
 """``MegaMoE`` as a custom op, so ``torch.compile(model, fullgraph=True)`` takes a model that uses it.
 
     torch.compile traces a model  ->  MegaMoE.forward sees torch.compiler.is_compiling()
-      ->  torch.ops.moe_ref.mega_moe(hidden_states, layer_id, max_num_tokens)        one opaque node in the graph
-          fake (meta) implementation: an empty [T, D] tensor of the input's dtype, so the graph is traced without
-          running the layer; the real one runs the layer's eager forward (its collectives, host checks, kernels)
+      ->  torch.ops.moe_ref.mega_moe(hidden_states, calls, layer_id, max_num_tokens, grad_requested)
+          one opaque node in the graph
+          fake (meta) implementation: an empty contiguous [T, D] tensor of the input's dtype (the real output's
+          layout, whatever the input's strides), so the graph is traced without running the layer; the real one
+          runs the layer's eager forward (its collectives, host checks, kernels) and returns a contiguous tensor
+
+The op is collective: EVERY call must run on every rank, also one with T = 0 whose output nobody reads (else
+that rank skips the per-call collective and its peers wait for it: ENV005). So it is declared as mutating
+``calls`` (the layer's one-element call counter, which it increments): a mutating op is never dead code, and
+neither inductor nor AOTAutograd replaces it by an empty tensor when the output has no elements.
+
+Gradients: the op has no backward. ``MegaMoE.forward`` computes ``grad_requested`` at trace time (grad mode and
+the input's / parameters' ``requires_grad``, guarded by dynamo) and calls the op under ``no_grad``; the real
+implementation then raises ``GradientNotSupportedError`` (INP007) on every rank, as the eager layer does.
 
 The layer moves rows between processes through buffers, syncs the host for its per-call agreement and raises
 coded errors: none of that can be traced, and none of it needs to be, so the whole layer is one node (as serving
@@ -24,6 +35,16 @@ _LAYERS: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValue
 _NEXT_ID = itertools.count(1)
 
 
+class _TracedBadBound:
+    """What the op passes as ``max_num_tokens`` when the traced call gave one that is not an int (-2 in the graph)."""
+
+    def __repr__(self) -> str:
+        return "<not an int when torch.compile traced the call>"
+
+
+TRACED_BAD_BOUND = _TracedBadBound()
+
+
 def register(layer: torch.nn.Module) -> int:
     """A new id for ``layer`` (held weakly: the op fails with a clear message once the layer is gone)."""
     layer_id = next(_NEXT_ID)
@@ -31,15 +52,21 @@ def register(layer: torch.nn.Module) -> int:
     return layer_id
 
 
-@torch.library.custom_op("moe_ref::mega_moe", mutates_args=())
-def mega_moe(hidden_states: torch.Tensor, layer_id: int, max_num_tokens: int) -> torch.Tensor:
-    """``MegaMoE.forward`` of layer ``layer_id`` (``max_num_tokens`` -1 = None): ``[T, D]`` -> ``[T, D]``."""
+@torch.library.custom_op("moe_ref::mega_moe", mutates_args=("calls",))
+def mega_moe(hidden_states: torch.Tensor, calls: torch.Tensor, layer_id: int, max_num_tokens: int,
+             grad_requested: bool) -> torch.Tensor:
+    """``MegaMoE.forward`` of layer ``layer_id`` (``max_num_tokens`` -1 = None, -2 = not an int: INP008) ``[T, D]`` -> contiguous
+    ``[T, D]``; ``calls`` (the layer's call counter) is incremented, which keeps every call in the graph."""
     layer = _LAYERS.get(layer_id)
     if layer is None:
         raise RuntimeError(f"moe_ref::mega_moe: layer {layer_id} no longer exists (it was garbage-collected)")
-    return layer.eager_forward(hidden_states, max_num_tokens=None if max_num_tokens < 0 else max_num_tokens)
+    calls.add_(1)
+    bound = None if max_num_tokens == -1 else TRACED_BAD_BOUND if max_num_tokens == -2 else max_num_tokens
+    out = layer.eager_forward(hidden_states, max_num_tokens=bound, grad_requested=grad_requested)
+    return out.contiguous()
 
 
 @mega_moe.register_fake
-def _mega_moe_fake(hidden_states: torch.Tensor, layer_id: int, max_num_tokens: int) -> torch.Tensor:
-    return torch.empty_like(hidden_states)
+def _mega_moe_fake(hidden_states: torch.Tensor, calls: torch.Tensor, layer_id: int, max_num_tokens: int,
+                   grad_requested: bool) -> torch.Tensor:
+    return hidden_states.new_empty(hidden_states.shape)  # contiguous, as the real output (not x's strides)

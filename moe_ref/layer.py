@@ -26,15 +26,25 @@ The routed experts are allocated when they are loaded, in the form they are load
 ``load_hf_weights``) is kept as stored in ``quantized_experts`` and the two parameters stay None. So the device
 holds the checkpoint's bytes of the local experts and never a bf16 copy of them (``expert_nbytes()``).
 
+nn.Module conventions: ``state_dict()``/``load_state_dict()`` round trip into a fresh (unseeded) layer, strict:
+plain experts are allocated by the load, quantized ones travel as ``quantized_experts.<field>`` tensors (+ their
+format) and are kept as stored. The dtype and device are fixed at construction (plan, buffers, experts, checks):
+``.to(dtype)``, ``.half()``, ``.float()``, ``.cuda()``... that would change them raise ``LayerConversionError``
+(CFG016); build a layer with the dtype/device wanted and ``load_state_dict`` this one's weights into it.
+
 Inference mode and autograd: the step's buffers are built outside inference mode, so calls in and out of
 ``torch.inference_mode()`` mix in any order. The layer has no backward: with grad mode on and an input or
 parameter requiring grad, every rank raises ``GradientNotSupportedError`` (INP007).
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import json
 import logging
 import os
+import traceback
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -46,18 +56,21 @@ from moe_ref.block import expert_input, finish, route_unchecked
 from moe_ref.core.config import MoEConfig, ParallelConfig, preset
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import check_fields_agree, gather_objects, group_size_and_rank
-from moe_ref.core.errors import (BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
-                            InvalidConfigError, ShapeError, ShapeUnsupportedError, TensorShapeMismatchError,
-                            WeightsNotLoadedError)
+from moe_ref.core.errors import (ArgumentTypeError, BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
+                            InvalidConfigError, LayerConversionError, ShapeError, ShapeUnsupportedError,
+                            TensorShapeMismatchError, WeightsNotLoadedError)
 from moe_ref.experts import Experts, experts_class, make_experts
 from moe_ref.experts.quantized import make_quantized_experts
 from moe_ref.ep.options import EPOptions
-from moe_ref.checkpoint.formats import QuantizedExpertWeights, QuantSpec
+from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec
 from moe_ref.ep.routed_step import RoutedStep, make_modular_step
 from moe_ref.core.weights import MoEWeights
 
 logger = logging.getLogger(__name__)
 _EXPERT_FIELDS = ("gate_up_weight_E2FD", "down_weight_EDF")
+# state_dict keys of quantized experts kept as stored: "quantized_experts.<field>" (+ ".spec", the format as JSON bytes)
+_QUANT_PREFIX = "quantized_experts."
+_QUANT_FIELDS = ("gate_up_qweight_e2FDq", "gate_up_scale_e2FDs", "down_qweight_eDFq", "down_scale_eDFs")
 
 
 def as_config(cfg: MoEConfig | str | os.PathLike | Mapping[str, Any]) -> MoEConfig:
@@ -86,6 +99,37 @@ def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.inference_mode(False), torch.no_grad():
         for dst, src in pairs:
             dst.copy_(src)
+
+
+_LIVE_LAYERS: "weakref.WeakSet[MegaMoE]" = weakref.WeakSet()
+
+
+@atexit.register
+def release_all_at_exit() -> None:
+    """Before the interpreter tears down: every live layer releases its buffers and its references to the
+    process group (``MegaMoE._release_group``), so ``dist.destroy_process_group()`` followed by exit (or
+    torchrun's teardown) never destroys the group's C++ object from a module global's finalizer at exit.
+
+    NOTE: registered at import, after torch.distributed's own hooks, so it runs before them (atexit is LIFO).
+    A script must still call ``dist.destroy_process_group()`` before it ends: without it gloo can abort at exit
+    with no MegaMoE at all (torch's own behaviour, seen in about one run in three on 2 CPU ranks)."""
+    for layer in list(_LIVE_LAYERS):
+        try:
+            layer._release_group()
+        except Exception:  # noqa: BLE001 - exit goes on; one layer's failure must not keep the others' groups
+            logger.debug("moe_ref: releasing a layer at exit failed", exc_info=True)
+
+
+def _bound_type_ok(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _max_num_tokens_problem(value: Any) -> ArgumentTypeError | None:
+    """``ArgumentTypeError`` (INP008) unless ``max_num_tokens`` is None or an int (not a bool)."""
+    if _bound_type_ok(value):
+        return None
+    return ArgumentTypeError(f"max_num_tokens={value!r} ({type(value).__name__}); pass an int bound on "
+                             f"the rows of every rank, or None, on every rank alike", field="max_num_tokens")
 
 
 class MegaMoE(nn.Module):
@@ -148,9 +192,15 @@ class MegaMoE(nn.Module):
         self.num_local_experts = ParallelConfig(ep_size=self.world_size).num_local_experts(cfg)
         self.first_local_expert = self.rank * self.num_local_experts
         self.uses_mega = self._agree_on_construction()
+        # calls of the compiled op; the op mutates it, so no call is ever dropped from a graph (custom_ops). A
+        # buffer (not saved in state_dict), so torch.compile treats it as a static input, as CUDA graphs want
+        with torch.inference_mode(False):
+            self.register_buffer("_op_calls", torch.zeros(1, dtype=torch.int64, device=self.options.device),
+                                 persistent=False)
         self._routed_step: RoutedStep | None = None
         self._experts: Experts | None = None
         self._weights_loaded = False
+        _LIVE_LAYERS.add(self)  # released at exit (release_all_at_exit)
         self._register_parameters()
         if seed is not None:
             self.load_weights(MoEWeights.random(cfg, seed=seed, dtype=self.options.dtype))
@@ -224,6 +274,68 @@ class MegaMoE(nn.Module):
                 self.gate_up_weight = self._new_parameter(*gate_up_shape)
                 self.down_weight = self._new_parameter(*down_shape)
         return self.gate_up_weight, self.down_weight
+
+    # --- nn.Module conventions: state_dict round trip, fixed dtype/device -----------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """The parameters and buffers, plus quantized experts kept as stored (``quantized_experts.<field>``
+        tensors and ``quantized_experts.spec``, the format as uint8 JSON bytes), so a fresh layer loads them."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        q = self.quantized_experts
+        if q is not None:
+            for field in _QUANT_FIELDS:
+                destination[prefix + _QUANT_PREFIX + field] = getattr(q, field)
+            spec = json.dumps({"format": q.spec.format.value, "group_size": q.spec.group_size,
+                               "ignore": list(q.spec.ignore)})
+            destination[prefix + _QUANT_PREFIX + "spec"] = torch.tensor(list(spec.encode()), dtype=torch.uint8)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Loads into a fresh layer too: plain experts are allocated when the state dict has them, quantized
+        ones are taken as stored; either way the layer counts as loaded (as after ``load_weights``)."""
+        plain = prefix + "gate_up_weight" in state_dict
+        quant = prefix + _QUANT_PREFIX + "spec" in state_dict
+        if plain:
+            self._expert_parameters()  # allocated here when the layer never held plain experts
+        elif quant:
+            self.gate_up_weight = self.down_weight = None  # the plain ones are replaced by the quantized ones
+        errors_before = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        quant_keys = [k for k in state_dict if k.startswith(prefix + _QUANT_PREFIX)]
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in quant_keys]
+        if quant:
+            missing = [prefix + _QUANT_PREFIX + f for f in _QUANT_FIELDS if prefix + _QUANT_PREFIX + f not in state_dict]
+            missing_keys.extend(missing)
+            if missing:
+                return
+            info = json.loads(bytes(state_dict[prefix + _QUANT_PREFIX + "spec"].tolist()).decode())
+            spec = QuantSpec(QuantFormat(info["format"]), int(info["group_size"]), tuple(info["ignore"]))
+            self._quantized_backend(spec)  # a coded refusal (ENV001) where this layer's options cannot run them
+            device = self.options.device
+            tensors = {f: state_dict[prefix + _QUANT_PREFIX + f].detach().to(device, copy=True) for f in _QUANT_FIELDS}
+            self.quantized_experts = QuantizedExpertWeights(
+                spec=spec, **tensors, hidden_size=self.cfg.expert_hidden_size,
+                intermediate_size=self.cfg.intermediate_size, first_expert=self.first_local_expert)
+        elif plain:
+            self.quantized_experts = None
+        if (plain or quant) and len(error_msgs) == errors_before:
+            self._weights_changed()
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.half()``, ``.float()``, ``.cuda()``...: allowed when they keep the layer's dtype and
+        device; a change raises ``LayerConversionError`` (CFG016) before anything is converted (the plan,
+        buffers, experts and checks are built for one dtype and device: build a new layer instead)."""
+        reference = torch.empty(0, dtype=self.options.dtype, device=self.options.device)
+        dtype, device = reference.dtype, reference.device  # "cuda" as "cuda:0", as fn's output says it
+        probe = fn(reference)
+        if probe.dtype != dtype or probe.device != device:
+            raise LayerConversionError(
+                f"MegaMoE was built for dtype={dtype} on {device}; converting it to dtype={probe.dtype} on "
+                f"{probe.device} would cast its parameters only (its plan, buffers, experts and input checks stay "
+                f"{dtype} on {device}). Build a layer of that dtype and load this one's weights into it: "
+                f"new = MegaMoE(cfg, group, dtype={probe.dtype}, device='{probe.device}', ...); "
+                f"new.load_state_dict(layer.state_dict())", dtype=str(probe.dtype), device=str(probe.device))
+        return super()._apply(fn, recurse)
 
     def expert_nbytes(self) -> int:
         """Bytes this rank's routed expert weights occupy on the device: the plain parameters, or a quantized
@@ -391,10 +503,23 @@ class MegaMoE(nn.Module):
         (``moe_ref.custom_ops``: no graph break); otherwise ``eager_forward``.
         """
         if torch.compiler.is_compiling():
-            return torch.ops.moe_ref.mega_moe(hidden_states, self._op_id, -1 if max_num_tokens is None else max_num_tokens)
+            # the op has no autograd formula: whether a gradient is asked for is decided here (dynamo guards on it)
+            # and the op runs without autograd; it raises INP007 on every rank when one was (see custom_ops)
+            grad_requested = self._grad_requested(hidden_states)
+            # a bound of the wrong type cannot enter the op's int argument: -2 tells the op to raise INP008 on
+            # every rank (in the op, through the step's collective, not here at trace time on this rank only)
+            bound = (-2 if not _bound_type_ok(max_num_tokens) else
+                     -1 if max_num_tokens is None else max_num_tokens)
+            with torch.no_grad():
+                return torch.ops.moe_ref.mega_moe(hidden_states, self._op_calls, self._op_id, bound, grad_requested)
         return self.eager_forward(hidden_states, max_num_tokens=max_num_tokens)
 
-    def eager_forward(self, hidden_states: torch.Tensor, *, max_num_tokens: int | None = None) -> torch.Tensor:
+    def _grad_requested(self, x: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and ((isinstance(x, torch.Tensor) and x.requires_grad)
+                                            or any(p.requires_grad for p in self.parameters()))
+
+    def eager_forward(self, hidden_states: torch.Tensor, *, max_num_tokens: int | None = None,
+                      grad_requested: bool | None = None) -> torch.Tensor:
         """The layer's work (see ``forward``).
 
         Args:
@@ -407,8 +532,26 @@ class MegaMoE(nn.Module):
 
         Raises, on every rank alike: this or any rank's input problem (INP001-INP007), CAP001 under
         ``overflow='error'``, ENV004/ENV005/CFG008 (see ``moe_ref.ep.routed_step``).
+        ``grad_requested``: decided by the caller (the compiled op, which runs without autograd), else here.
+
+        On an error the locals of the finished frames below this one are cleared (``traceback.clear_frames``):
+        the routed step keeps the failure it agrees on in a local, so its frame, the exception and its traceback
+        form a reference cycle that would keep the step, its shared buffer and this layer alive until the next
+        ``gc.collect()`` (a layer dropped on every rank would stay held on the failing rank only: CFG008 at the
+        next build). The traceback's lines are kept; only the frames' variables go.
         """
-        problem = self._input_problem(hidden_states)
+        try:
+            return self._eager_forward(hidden_states, max_num_tokens, grad_requested)
+        except BaseException as err:
+            traceback.clear_frames(err.__traceback__.tb_next)  # the finished frames below this one
+            raise
+
+    def _eager_forward(self, hidden_states: torch.Tensor, max_num_tokens: int | None,
+                       grad_requested: bool | None) -> torch.Tensor:
+        problem = self._input_problem(hidden_states, grad_requested)
+        bad_bound = _max_num_tokens_problem(max_num_tokens)
+        if bad_bound is not None:  # raised on every rank by the step's collective (no bound of this rank in it)
+            problem, max_num_tokens = bad_bound, None
         step = self.routed_step
         weights = self.weights()
         checks = DeviceChecks()  # read in the routed step's one collective (no host sync of their own)
@@ -425,7 +568,7 @@ class MegaMoE(nn.Module):
                       max_num_tokens=max_num_tokens, device_checks=checks)
         return finish(routed, hidden_states, weights, self.cfg)
 
-    def _input_problem(self, x: torch.Tensor) -> InputError | None:
+    def _input_problem(self, x: torch.Tensor, grad_requested: bool | None = None) -> InputError | None:
         """What is wrong with this call on this rank (not raised: the routed step agrees on it first)."""
         width, dtype, device = self.cfg.hidden_size, self.options.dtype, self.gate_weight.device
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != width:
@@ -441,7 +584,7 @@ class MegaMoE(nn.Module):
             return WeightsNotLoadedError(f"rank {self.rank}: the layer's weights were never loaded; call "
                                          f"load_hf_weights(path, layer_idx) or load_weights(...) first, or build it "
                                          f"with seed=N for random test weights")
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if self._grad_requested(x) if grad_requested is None else grad_requested:
             return GradientNotSupportedError(
                 "MegaMoE has no backward (rows cross ranks through buffers autograd cannot follow); run it under "
                 "torch.no_grad() or torch.inference_mode(), or pass x.detach()")
@@ -455,10 +598,25 @@ class MegaMoE(nn.Module):
             self._routed_step.check()
 
     def destroy(self) -> None:
-        """Release the symmetric buffers (also released at exit)."""
+        """Release the routed step and its share of the group's symmetric buffer (not collective: call it on every
+        rank; the layer stays usable, the next call builds the step again). Done for every live layer at exit
+        anyway (``release_all_at_exit``), before the interpreter tears down, so call it only to free memory early."""
         if self._routed_step is not None:
             self._routed_step.destroy()
             self._routed_step = None
+
+    def _release_group(self) -> None:
+        """At exit: ``destroy()`` and drop every reference the layer and its step hold to the process group, so
+        the group's C++ object (gloo's threads) is freed now, while the interpreter is intact, and not during
+        its final teardown (where gloo's destructor can abort the process: "terminate called without an
+        active exception", exit status -6). The layer cannot be called afterwards."""
+        step = self._routed_step
+        self.destroy()
+        dispatcher = getattr(step, "dispatcher", None)
+        for holder in (step, dispatcher, getattr(dispatcher, "buffer", None)):
+            if holder is not None and hasattr(holder, "group"):
+                holder.group = None
+        self.group = None
 
     def _experts_precision(self) -> str:
         if self.quantized_experts is not None:
@@ -468,7 +626,8 @@ class MegaMoE(nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         return (f"{self.cfg.name}: E={self.cfg.num_experts} (local {self.num_local_experts} on rank "
-                f"{self.rank}/{self.world_size}), K={self.cfg.num_topk}, D={self.cfg.hidden_size}, "
+                f"{self.rank}/{self.world_size}), ep_size={self.world_size}, K={self.cfg.num_topk}, "
+                f"D={self.cfg.hidden_size}, dtype={o.dtype}, device={o.device}, "
                 f"cap={o.num_max_tokens_per_rank}, overflow={o.overflow}, transport={o.transport}, "
                 f"experts={o.experts_backend}{self._experts_precision()}, "
                 f"dispatch={'fp8' if o.dispatch_fp8 else 'activation dtype'}, alignment={o.alignment}, "

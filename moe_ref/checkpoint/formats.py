@@ -296,14 +296,19 @@ def shape_problem(fmt: QuantFormat | str, hidden_size: int, intermediate_size: i
     moe_ref stacks them; None when it can. Groups of 32 run along both weights' inputs (D and F); FP8 gate and
     up 128x128 blocks are stacked into one grid, so F % 128 == 0 (D's edge blocks are padded).
 
-    Example: mxfp4, D 32, F 24 -> "D=32 and F=24 must be multiples of 32".
+    Only the dimensions at fault are named. Example: mxfp4, D 32, F 24 -> "F=24 is not a multiple of 32 (D=32 is)".
     """
     fmt = QuantFormat(fmt)
     if fmt == QuantFormat.FP8_BLOCK:
         return None if intermediate_size % FP8_BLOCK == 0 else f"F={intermediate_size} must be a multiple of 128"
-    if hidden_size % GROUP_SIZE or intermediate_size % GROUP_SIZE:
-        return f"D={hidden_size} and F={intermediate_size} must be multiples of {GROUP_SIZE}"
-    return None
+    dims = (("D", hidden_size), ("F", intermediate_size))
+    bad = [f"{name}={value}" for name, value in dims if value % GROUP_SIZE]
+    good = [f"{name}={value}" for name, value in dims if not value % GROUP_SIZE]
+    if not bad:
+        return None
+    if len(bad) == 2:
+        return f"{bad[0]} and {bad[1]} are not multiples of {GROUP_SIZE}"
+    return f"{bad[0]} is not a multiple of {GROUP_SIZE} ({good[0]} is)"
 
 
 def expert_weight_bytes(spec: QuantSpec | None, hidden_size: int, intermediate_size: int, num_experts: int,

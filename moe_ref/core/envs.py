@@ -12,10 +12,17 @@
 | MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
 | MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
+
+Switches (``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``) take ``1``, ``true``,
+``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case, surrounding spaces ignored); an empty value is
+unset. Anything else raises ``EnvVarError`` (CFG017) naming the variable: a typo must not silently pick a side.
 """
 from __future__ import annotations
 
 import os
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
 
 
 def _get(name: str) -> str | None:
@@ -23,9 +30,20 @@ def _get(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
-def _switched_off(value: str) -> bool:
-    """Whether a set switch reads as off: ``0``, ``false``, ``no`` or ``off`` (any case, spaces ignored)."""
-    return value.strip().lower() in ("0", "false", "no", "off")
+def _switch(name: str) -> bool | None:
+    """A switch's value: None when unset or empty, else on/off (see the module docstring); CFG017 otherwise."""
+    value = _get(name)
+    if value is None or not value.strip():
+        return None
+    word = value.strip().lower()
+    if word in _ON:
+        return True
+    if word in _OFF:
+        return False
+    from moe_ref.core.errors import EnvVarError
+
+    raise EnvVarError(f"{name}={value!r} is not a switch value; set {name} to one of {', '.join(_ON)} (on) or "
+                      f"{', '.join(_OFF)} (off), or unset it", field=name)
 
 
 def num_max_tokens_per_rank() -> int | None:
@@ -61,28 +79,22 @@ def shm_dir() -> str:
 
 
 def debug_checks() -> bool | None:
-    value = _get("MOE_REF_DEBUG_CHECKS")
-    if value is None:
-        return None
-    return value.lower() not in ("0", "false", "no", "off")
+    return _switch("MOE_REF_DEBUG_CHECKS")
 
 
 def native_ops() -> tuple[bool, str | None]:
     """(whether the compiled CPU ops may be used, the raw value): ``MOE_REF_NATIVE=0`` forces the torch twins."""
-    value = _get("MOE_REF_NATIVE")
-    return value is None or not _switched_off(value), value
+    return _switch("MOE_REF_NATIVE") is not False, _get("MOE_REF_NATIVE")
 
 
 def tma() -> bool:
     """``MOE_REF_TMA=0`` keeps the grouped MLP kernel on pointer loads (TMA descriptors otherwise, where possible)."""
-    value = _get("MOE_REF_TMA")
-    return value is None or not _switched_off(value)
+    return _switch("MOE_REF_TMA") is not False
 
 
 def debug() -> bool:
-    """``MOE_REF_DEBUG`` set to anything but ``0``/``false``/``no``/``off``: the CLI shows tracebacks."""
-    value = _get("MOE_REF_DEBUG")
-    return value is not None and not _switched_off(value)
+    """``MOE_REF_DEBUG`` on: the CLI shows tracebacks."""
+    return _switch("MOE_REF_DEBUG") is True
 
 
 def launcher_rank() -> int:

@@ -179,6 +179,30 @@ class CommandLineError(ConfigError):
         "moe-ref bench --experts 8 --iters 10\nmoe-ref demo --cap 64 --runs 5")
 
 
+class LayerConversionError(ConfigError, TypeError):
+    code = _entry(
+        "CFG016", "a MegaMoE layer's dtype or device cannot be changed after construction",
+        "MegaMoE builds its capacity plan, symmetric buffers, experts backend and input checks for the dtype and "
+        "device it was constructed with; nn.Module's .to(dtype)/.half()/.float()/.bfloat16()/.cuda() would cast "
+        "the parameters only and leave everything else on the old dtype or device.",
+        "model.to(torch.bfloat16) or model.half() on a model holding a float32 MegaMoE; layer.cuda() on a CPU layer.",
+        ["Build the layer with the dtype and device you want, then copy the weights into it with "
+         "load_state_dict (the values are cast).", "Or build the model in the target dtype from the start."],
+        "new = MegaMoE(cfg, group, dtype=torch.bfloat16, device='cuda', num_max_tokens_per_rank=256)\n"
+        "new.load_state_dict(old.state_dict())")
+
+
+class EnvVarError(InvalidConfigError):
+    code = _entry(
+        "CFG017", "a MOE_REF_* environment variable has a value moe_ref does not accept",
+        "moe_ref reads its switches strictly (moe_ref.core.envs): MOE_REF_DEBUG, MOE_REF_DEBUG_CHECKS, "
+        "MOE_REF_NATIVE and MOE_REF_TMA take 1/true/yes/on or 0/false/no/off (any case, surrounding spaces "
+        "ignored); anything else would silently pick a side, so it is refused, naming the variable and its value.",
+        "MOE_REF_DEBUG_CHECKS=maybe, MOE_REF_NATIVE=disable, MOE_REF_TMA=2.",
+        ["Set the variable to one of the values the message lists, or unset it for the default."],
+        "export MOE_REF_DEBUG_CHECKS=1   # or 0, or unset")
+
+
 # --- capacity --------------------------------------------------------------------------------------------
 
 class CapacityError(MoERefError, RuntimeError):
@@ -302,6 +326,16 @@ class GradientNotSupportedError(InputError):
         ["Run the layer under torch.no_grad() or torch.inference_mode() (inference).",
          "Detach the input: moe(x.detach()).", "Train with a single-process reference MoE instead."],
         "with torch.inference_mode():\n    y = moe(x)")
+
+class ArgumentTypeError(InputError, TypeError):
+    code = _entry(
+        "INP008", "a call argument of the wrong type",
+        "A keyword argument of MegaMoE's forward has the wrong Python type (max_num_tokens must be an int or None; "
+        "a bool or a string is not a count).",
+        "moe(x, max_num_tokens='4'), moe(x, max_num_tokens=4.0), moe(x, max_num_tokens=True).",
+        ["Pass the argument as the message says (an int, or None), on every rank alike."],
+        "moe(x, max_num_tokens=4)")
+
 
 # --- environment -----------------------------------------------------------------------------------------
 

@@ -171,6 +171,17 @@ class SymmetricBuffer:
         if short:
             need = self.plan.total_bytes
             where = ", ".join(f"rank {r} has {format_bytes(f)} free" for r, f in short)
+            budget = min(f for _, f in short)
+            plan = self.plan
+            if plan.alignment > 1 and plan.with_cap(1).total_bytes > budget and \
+                    CapacityPlan.build(plan.cfg, plan.ep_size, caps[0], plan.activation_dtype, plan.dispatch_fp8, 1,
+                                       plan.pool_format).total_bytes <= budget:
+                raise MemoryBudgetError(
+                    f"the {self.kind} buffer for num_max_tokens_per_rank={caps[0]} needs {need} bytes "
+                    f"({format_bytes(need)}) per rank, but {where}: alignment={plan.alignment} pads every expert "
+                    f"segment of the receive pool to a multiple of {plan.alignment} rows, so even a cap of 1 does "
+                    f"not fit (with alignment=1 the buffer fits). Lower alignment (None: the experts backend's own, "
+                    f"e.g. 128 for torch, 1 for triton)", needed_bytes=need, budget_bytes=budget, field="alignment")
             raise MemoryBudgetError(
                 f"the {self.kind} buffer for num_max_tokens_per_rank={caps[0]} needs {need} bytes "
                 f"({format_bytes(need)}) per rank, but {where}; lower the cap (`moe-ref plan --budget-gib G` prints "

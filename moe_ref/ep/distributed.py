@@ -168,7 +168,10 @@ def agree_on_failure(failure: BaseException | None, group=None, device: torch.de
     world, rank = group_size_and_rank(group)
     if world == 1:
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:  # NOTE: a local holding the exception its own traceback holds is a reference cycle
+                del failure  # (frame -> exception -> traceback -> frame), freed only by gc.collect()
         return
     flags = gather_ints([int(failure is not None)], group, device)
     if not any(f[0] for f in flags):
@@ -176,7 +179,10 @@ def agree_on_failure(failure: BaseException | None, group=None, device: torch.de
     described = None if failure is None else f"{type(failure).__name__}: {failure}"
     messages = gather_objects(described, group)
     if failure is not None:
-        raise failure
+        try:
+            raise failure
+        finally:
+            del failure  # no cycle through this frame (see above)
     summary = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
     raise PeerFailedError(f"rank {rank}: the routed step failed on another rank ({summary}); no rank returns a "
                           f"partial result", failed_ranks=[r for r, m in enumerate(messages) if m is not None])

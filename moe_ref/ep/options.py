@@ -82,7 +82,8 @@ class EPOptions:
             if value not in choices:
                 raise UnknownNameError(f"{name}={value!r} (from {self.source.get(name, 'the argument')}); supported: "
                                        f"{', '.join(choices)}", field=name)
-        if self.alignment is not None and (not isinstance(self.alignment, int) or self.alignment <= 0):
+        if self.alignment is not None and (isinstance(self.alignment, bool) or not isinstance(self.alignment, int)
+                                           or self.alignment <= 0):  # True is an int to Python, not a row count
             raise InvalidConfigError(f"alignment={self.alignment!r} must be a positive integer (rows)", field="alignment")
         if self.dtype not in ACTIVATION_DTYPES:
             raise DTypeError(f"dtype={self.dtype}; MegaMoE parameters must be one of "

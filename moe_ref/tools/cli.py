@@ -491,7 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Run one ``moe-ref`` command; returns the exit status (moe_ref errors: one line on stderr, status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    debug = "--debug" in argv or envs.debug()  # known before parsing, so flag errors obey it too
+    debug = "--debug" in argv  # known before parsing, so flag errors obey it too
+    try:
+        debug = debug or envs.debug()
+    except MoERefError as err:  # a bad MOE_REF_DEBUG: one coded line, as every moe_ref error
+        print(f"moe-ref: {err}", file=sys.stderr)
+        return 2
     try:
         args = build_parser().parse_args(argv)
         return args.fn(args)

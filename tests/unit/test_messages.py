@@ -1,0 +1,89 @@
+"""Messages that name the real cause: max_num_tokens of the wrong type (INP008), strict MOE_REF_* switches
+(CFG017), alignment=True refused, a huge alignment named as the cause of CAP004, 4-bit shape problems naming
+only the dimension at fault."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_ref.core import envs
+from moe_ref.core.errors import (ArgumentTypeError, EnvVarError, InvalidConfigError, MemoryBudgetError,
+                                 MoERefError)
+from moe_ref.layer import MegaMoE
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("bound", ["4", 4.0, True])
+def test_max_num_tokens_of_the_wrong_type_is_a_coded_type_error(bound):
+    moe = MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16, seed=0)
+    x = torch.randn(3, moe.cfg.hidden_size)
+    with torch.no_grad():
+        with pytest.raises(ArgumentTypeError) as err:
+            moe(x, max_num_tokens=bound)
+        assert isinstance(err.value, TypeError) and err.value.code == "INP008"
+        assert "max_num_tokens" in str(err.value) and repr(bound) in str(err.value)
+        assert moe(x, max_num_tokens=4).shape == x.shape  # the next call works
+
+
+@pytest.mark.parametrize("value, expected", [(" 0 ", False), ("0", False), ("OFF", False), ("1", True),
+                                             (" true", True), ("", None)])
+def test_switches_read_documented_values(monkeypatch, value, expected):
+    monkeypatch.setenv("MOE_REF_DEBUG_CHECKS", value)
+    assert envs.debug_checks() is expected
+
+
+@pytest.mark.parametrize("name, read", [("MOE_REF_DEBUG_CHECKS", envs.debug_checks), ("MOE_REF_TMA", envs.tma),
+                                        ("MOE_REF_NATIVE", envs.native_ops), ("MOE_REF_DEBUG", envs.debug)])
+def test_a_switch_with_another_value_is_refused_naming_the_variable(monkeypatch, name, read):
+    monkeypatch.setenv(name, "garbage")
+    with pytest.raises(EnvVarError) as err:
+        read()
+    assert err.value.code == "CFG017" and name in str(err.value) and "'garbage'" in str(err.value)
+
+
+def test_the_layer_refuses_a_bad_debug_checks_value(monkeypatch):
+    monkeypatch.setenv("MOE_REF_DEBUG_CHECKS", "maybe")
+    with pytest.raises(EnvVarError, match="MOE_REF_DEBUG_CHECKS='maybe'"):
+        MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16)
+
+
+def test_cli_reports_a_bad_moe_ref_debug_as_one_coded_line(monkeypatch, capsys):
+    from moe_ref.tools.cli import main
+
+    monkeypatch.setenv("MOE_REF_DEBUG", "garbage")
+    assert main(["explain", "CFG017"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moe-ref: [CFG017] MOE_REF_DEBUG='garbage'") and len(err.splitlines()) == 1
+
+
+def test_alignment_must_not_be_a_bool():
+    with pytest.raises(InvalidConfigError, match="alignment=True"):
+        MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16, alignment=True)
+
+
+def test_a_huge_alignment_is_named_as_the_cause():
+    moe = MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16, alignment=2 ** 40, seed=0)
+    with torch.no_grad(), pytest.raises(MemoryBudgetError) as err:
+        moe(torch.randn(3, moe.cfg.hidden_size))
+    message = str(err.value)
+    assert err.value.code == "CAP004" and f"alignment={2 ** 40}" in message and "Lower alignment" in message
+    assert "lower the cap" not in message
+
+
+def test_4bit_shape_problem_names_only_the_dimension_at_fault():
+    from moe_ref.checkpoint.formats import shape_problem
+
+    assert shape_problem("mxfp4", 48, 64) == "D=48 is not a multiple of 32 (F=64 is)"
+    assert shape_problem("int4_group", 64, 24) == "F=24 is not a multiple of 32 (D=64 is)"
+    assert shape_problem("mxfp4", 48, 24) == "D=48 and F=24 are not multiples of 32"
+    assert shape_problem("mxfp4", 64, 32) is None
+    assert issubclass(EnvVarError, MoERefError)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_max_num_tokens_of_the_wrong_type_under_compile(backend):
+    moe = MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16, seed=0)
+    f = torch.compile(lambda x: moe(x, max_num_tokens="4"), fullgraph=True, backend=backend)
+    with torch.no_grad(), pytest.raises(ArgumentTypeError, match="max_num_tokens"):
+        f(torch.randn(3, moe.cfg.hidden_size))
