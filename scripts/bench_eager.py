@@ -120,7 +120,10 @@ def runtime_counts(fn, x, calls: int = 5) -> dict:
             fn(x)
         torch.cuda.synchronize()
     counts = {"launches": 0, "syncs": 0, "d2h_pageable": 0, "gpu_busy_us": 0.0}
+    kernels: dict[str, int] = {}
     for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in event.name:
+            kernels[event.name[:70]] = kernels.get(event.name[:70], 0) + 1
         if event.name in LAUNCHES:
             counts["launches"] += 1
         elif event.name in SYNCS:
@@ -129,7 +132,9 @@ def runtime_counts(fn, x, calls: int = 5) -> dict:
             counts["d2h_pageable"] += 1
         if event.device_type == torch.autograd.DeviceType.CUDA:
             counts["gpu_busy_us"] += event.time_range.elapsed_us()
-    return {k: round(v / calls, 1) for k, v in counts.items()}
+    counts = {k: round(v / calls, 1) for k, v in counts.items()}
+    counts["kernels"] = {name: n / calls for name, n in sorted(kernels.items(), key=lambda kv: -kv[1])}
+    return counts
 
 
 def cprofile_text(fn, x, calls: int) -> str:
@@ -198,6 +203,11 @@ def write_markdown(out: str, meta: dict, rows: list[dict]) -> None:
                      f"{r.get('graph_us', float('nan')):.0f} | {r.get('compile_us', float('nan')):.0f} | "
                      f"{r.get('eager_over_graph', '-')} | {ratio} | {r.get('launches', '-')} | {r.get('syncs', '-')} | "
                      f"{r.get('d2h_pageable', '-')} | {r.get('gpu_busy_us', '-')} |")
+    for r in rows[:1] + rows[len(rows) // 2:len(rows) // 2 + 1]:
+        if r.get("kernels"):
+            lines += ["", f"GPU kernels of one eager call, {r['dispatch']} T={r['tokens']}:", "",
+                      "| kernel | per call |", "|---|---:|"]
+            lines += [f"| `{name}` | {n:g} |" for name, n in r["kernels"].items()]
     for r in rows:
         if r.get("sync_sites"):
             lines += ["", f"Syncs of one eager call, {r['dispatch']} T={r['tokens']}:", ""]
@@ -226,7 +236,8 @@ def main(argv=None) -> int:
         for num_tokens in args.tokens:
             row = run_case(args, dispatch, cap, num_tokens)
             rows.append(row)
-            print("EAGER " + json.dumps({k: v for k, v in row.items() if k != "sync_sites"}), flush=True)
+            print("EAGER " + json.dumps({k: v for k, v in row.items() if k not in ("sync_sites", "kernels")}),
+                  flush=True)
             with open(os.path.join(args.out, "bench_eager.json"), "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
             write_markdown(args.out, meta, rows)

@@ -81,7 +81,9 @@ class DeferredChecks:
 
     def record(self, checks: DeviceChecks, device: torch.device) -> None:
         """Queue ``checks``' flags for a later read: one copy to pinned memory behind an event (CUDA)."""
-        flags = checks.flags(device)
+        if not checks._flags:
+            return
+        flags = torch.cat(checks._flags)  # one launch (the promoted dtype), not zeros + a copy per flag
         event = None
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)

@@ -108,7 +108,7 @@ class OverflowPolicy:
     def num_chunks(self, num_tokens: int, group_max_tokens: int, *, rank: int = 0) -> int:
         """``ceil(group_max_tokens / C)``, the same on every rank; under ``error`` at most 1, else CAP001.
 
-        Under ``chunk`` with more than one chunk a ``ChunkingWarning`` is issued once per process.
+        Under ``chunk`` with more than one chunk rank 0 issues a ``ChunkingWarning``, once per process.
         """
         cap = self.num_max_tokens_per_rank
         num_chunks = -(-group_max_tokens // cap)
@@ -116,14 +116,15 @@ class OverflowPolicy:
             return num_chunks
         if self.mode == "error":
             raise self._exceeded_error(num_tokens, group_max_tokens, rank)
-        if "chunk" not in _ANNOUNCED:
+        if "chunk" not in _ANNOUNCED and rank == 0:  # once, from rank 0, without a source line
             _ANNOUNCED.add("chunk")
-            warnings.warn(
+            warnings.warn_explicit(
                 f"moe_ref: the EP group fed up to {group_max_tokens} rows per rank, above num_max_tokens_per_rank="
                 f"{cap}; overflow policy 'chunk' splits each call into ceil({group_max_tokens}/{cap}) = {num_chunks} "
                 f"chunks on every rank (slower, same result). Raise the cap to {group_max_tokens} (costs "
                 f"{format_bytes(self.buffer_bytes_for_cap(group_max_tokens))} per rank) to avoid it. "
-                f"This warning is shown once per process.", ChunkingWarning, stacklevel=4)
+                f"This warning is shown once per process, by rank 0.", ChunkingWarning, filename="moe_ref", lineno=0,
+                module="moe_ref.ep.overflow")
         return num_chunks
 
     def chunk_bounds(self, num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:

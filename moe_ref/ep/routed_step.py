@@ -40,7 +40,7 @@ from moe_ref.core.config import MoEConfig
 from moe_ref.ep.device_checks import DeferredChecks, DeviceChecks
 from moe_ref.ep.dispatch import Dispatcher, add_routing_value_check, routed_input_problem
 from moe_ref.ep.distributed import agree_on_failure, comm_device, gather_ints, group_size_and_rank, peer_errors
-from moe_ref.core.errors import CapacityExceededError, ConservationError, MoERefError
+from moe_ref.core.errors import CapacityExceededError, ConservationError, MoERefError, NonFiniteError
 from moe_ref.experts import Experts, check_pool_format
 from moe_ref.kernels.ep_combine import slot_owners_TR
 from moe_ref.ep.options import EPOptions
@@ -219,6 +219,8 @@ class ModularRoutedStep(RoutedStep):
             layout = self.dispatcher.whole_segment_layout(handle) if experts.computes_whole_segments else handle.layout
             x_PDx, x_scale_PDb = self.dispatcher.expert_input(handle, experts)
             y_PDx = experts(x_PDx, layout, x_scale_PDb)
+            if self.debug_checks:
+                self._check_finite_expert_output(y_PDx, handle.layout)
         except Exception as err:  # noqa: BLE001 - every failure is agreed with the peers, then re-raised
             if capturing:
                 raise
@@ -269,6 +271,17 @@ class ModularRoutedStep(RoutedStep):
             raise ConservationError(f"rank {self.rank}: dispatch did not conserve rows: {'; '.join(problems)}",
                                     problems=problems)
         view("combine_partial")[:, :handle.num_tokens].fill_(float("nan"))
+
+    def _check_finite_expert_output(self, y_PDx: torch.Tensor, layout) -> None:
+        """The experts' rows are finite (the combine check below poisons unwritten partials with NaN, so a
+        non-finite expert output would otherwise read as a lost row). Local; raised through the failure agreement."""
+        expert_P = layout.row_expert_P()
+        bad_P = (expert_P >= 0) & ~torch.isfinite(y_PDx[:expert_P.numel()].float()).all(dim=-1)
+        if bool(bad_P.any()):
+            experts = sorted(set(expert_P[bad_P].tolist()))
+            raise NonFiniteError(f"rank {self.rank}: the {self.experts.name} experts returned NaN/inf in "
+                                 f"{int(bad_P.sum())} of {int((expert_P >= 0).sum())} rows (local experts {experts}); "
+                                 f"check the expert weights and the input rows")
 
     def _check_every_slot_returned(self, handle) -> None:
         """Every owner of a slot of mine wrote its partial back (no NaN poison left). Local check."""

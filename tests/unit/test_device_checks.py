@@ -132,3 +132,17 @@ def test_the_layer_check_raises_nan_logits_of_an_earlier_call_when_checks_are_de
         with pytest.raises(NonFiniteError, match=r"router logits are NaN/inf for 1 of 4 tokens"):
             layer.check()
         assert layer(x).shape == x.shape
+
+
+def test_debug_checks_name_non_finite_expert_outputs():
+    """With debug_checks, NaN from the experts is named as such, not as partials combine left unwritten."""
+    cfg = preset("tiny-kimi-k2")
+    weights = MoEWeights.random(cfg, seed=5)
+    weights.down_weight_EDF[1].fill_(float("nan"))  # local expert 1 returns NaN rows
+    experts = make_experts("torch", weights.gate_up_weight_E2FD, weights.down_weight_EDF, cfg.activation,
+                           cfg.situ_beta, cfg.situ_linear_beta)
+    options = EPOptions.resolve(num_max_tokens_per_rank=8, transport="symm", debug_checks=True)
+    with make_modular_step(cfg, None, experts, options) as step:
+        with pytest.raises(NonFiniteError, match=r"torch experts returned NaN/inf in 2 of 16 rows \(local experts \[1\]\)"):
+            step(torch.randn(4, cfg.hidden_size), torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]] + [[2, 3, 4, 5]] * 2),
+                 torch.rand(4, 4))

@@ -47,6 +47,16 @@ def test_chunk_counts_and_boundaries(monkeypatch):
     chunk_warnings = [w for w in caught if issubclass(w.category, ChunkingWarning)]
     assert len(chunk_warnings) == 1, "chunking is announced once per process"
     assert "17 rows per rank, above num_max_tokens_per_rank=16" in str(chunk_warnings[0].message)
+    assert chunk_warnings[0].filename == "moe_ref"  # no caller's source line printed under it
+
+
+def test_only_rank_0_announces_chunking(monkeypatch):
+    monkeypatch.setattr(overflow, "_ANNOUNCED", set())
+    chunked = _policy("tiny-step3", 16, "chunk")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert chunked.num_chunks(3, 17, rank=1) == 2
+    assert not [w for w in caught if issubclass(w.category, ChunkingWarning)]
     assert chunked.chunk_bounds(3, 2) == [(0, 3), (3, 3)]  # the rank with 3 rows runs an empty second chunk
     assert chunked.chunk_bounds(40, 3) == [(0, 16), (16, 32), (32, 40)]
 
