@@ -62,7 +62,10 @@ def mega_moe(hidden_states: torch.Tensor, calls: torch.Tensor, layer_id: int, ma
         raise RuntimeError(f"moe_ref::mega_moe: layer {layer_id} no longer exists (it was garbage-collected)")
     calls.add_(1)
     bound = None if max_num_tokens == -1 else TRACED_BAD_BOUND if max_num_tokens == -2 else max_num_tokens
-    out = layer.eager_forward(hidden_states, max_num_tokens=bound, grad_requested=grad_requested)
+    # read_checks_now: a call must not keep tensors for a later one here: under mode="reduce-overhead" the calls
+    # before capture allocate from the compiled graph's memory pool, which refuses live tensors it does not track
+    out = layer.eager_forward(hidden_states, max_num_tokens=bound, grad_requested=grad_requested,
+                              read_checks_now=True)
     return out.contiguous()
 
 

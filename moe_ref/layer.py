@@ -519,7 +519,7 @@ class MegaMoE(nn.Module):
                                             or any(p.requires_grad for p in self.parameters()))
 
     def eager_forward(self, hidden_states: torch.Tensor, *, max_num_tokens: int | None = None,
-                      grad_requested: bool | None = None) -> torch.Tensor:
+                      grad_requested: bool | None = None, read_checks_now: bool = False) -> torch.Tensor:
         """The layer's work (see ``forward``).
 
         Args:
@@ -533,6 +533,8 @@ class MegaMoE(nn.Module):
         Raises, on every rank alike: this or any rank's input problem (INP001-INP007), CAP001 under
         ``overflow='error'``, ENV004/ENV005/CFG008 (see ``moe_ref.ep.routed_step``).
         ``grad_requested``: decided by the caller (the compiled op, which runs without autograd), else here.
+        ``read_checks_now``: read this call's device checks before returning, also where they are otherwise read by
+        a later call (one rank on CUDA); the compiled op asks for it (see ``moe_ref.custom_ops``).
 
         On an error the locals of the finished frames below this one are cleared (``traceback.clear_frames``):
         the routed step keeps the failure it agrees on in a local, so its frame, the exception and its traceback
@@ -541,13 +543,13 @@ class MegaMoE(nn.Module):
         next build). The traceback's lines are kept; only the frames' variables go.
         """
         try:
-            return self._eager_forward(hidden_states, max_num_tokens, grad_requested)
+            return self._eager_forward(hidden_states, max_num_tokens, grad_requested, read_checks_now)
         except BaseException as err:
             traceback.clear_frames(err.__traceback__.tb_next)  # the finished frames below this one
             raise
 
     def _eager_forward(self, hidden_states: torch.Tensor, max_num_tokens: int | None,
-                       grad_requested: bool | None) -> torch.Tensor:
+                       grad_requested: bool | None, read_checks_now: bool) -> torch.Tensor:
         problem = self._input_problem(hidden_states, grad_requested)
         bad_bound = _max_num_tokens_problem(max_num_tokens)
         if bad_bound is not None:  # raised on every rank by the step's collective (no bound of this rank in it)
@@ -565,7 +567,7 @@ class MegaMoE(nn.Module):
                  empty.long(), empty, problem=problem, max_num_tokens=max_num_tokens)
             raise AssertionError("unreachable: the routed step raises the agreed problem")
         routed = step(expert_input(hidden_states, weights, self.cfg), topk_ids_TK, topk_weights_TK,
-                      max_num_tokens=max_num_tokens, device_checks=checks)
+                      max_num_tokens=max_num_tokens, device_checks=checks, read_checks_now=read_checks_now)
         return finish(routed, hidden_states, weights, self.cfg)
 
     def _input_problem(self, x: torch.Tensor, grad_requested: bool | None = None) -> InputError | None:

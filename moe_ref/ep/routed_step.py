@@ -84,7 +84,7 @@ class RoutedStep(ABC):
 
     def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, *,
                  problem: MoERefError | None = None, max_num_tokens: int | None = None,
-                 device_checks: DeviceChecks | None = None) -> torch.Tensor:
+                 device_checks: DeviceChecks | None = None, read_checks_now: bool = False) -> torch.Tensor:
         """Run the routed step (collective: every rank of the group calls it, T may be 0).
 
         Args:
@@ -95,6 +95,8 @@ class RoutedStep(ABC):
             max_num_tokens: a bound on T promised for every rank (checked; must be given on all ranks or none).
             device_checks: the caller's checks computed on the device (NaN logits, ...); this step adds its own
                 (routing values, a failure recorded in an earlier call) and reads them all in its agreement.
+            read_checks_now: read them in this call's agreement even on one rank on CUDA (one host sync), where
+                they are otherwise read by a later call.
 
         Returns:
             ``routed_TD`` ``[T, Dx]`` in the activation dtype.
@@ -108,9 +110,9 @@ class RoutedStep(ABC):
         """
         if self.capturing():
             return self._captured_call(x_TD, topk_ids_TK, topk_weights_TK, problem)
-        deferred = self.deferred_checks
-        if deferred is not None:
-            deferred.raise_pending()  # an earlier call's failed device check (no wait)
+        if self.deferred_checks is not None:
+            self.deferred_checks.raise_pending()  # an earlier call's failed device check (no wait)
+        deferred = None if read_checks_now else self.deferred_checks
         if problem is None:
             problem = routed_input_problem(x_TD, topk_ids_TK, topk_weights_TK, self.cfg, self.activation_dtype,
                                            self.device, check_values=False)
