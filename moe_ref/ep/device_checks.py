@@ -98,9 +98,9 @@ class DeferredChecks:
         which syncs the host); forget the rest. No host sync without ``wait`` (except past ``max_pending``)."""
         while self._pending:
             flags, event, checks = self._pending[0]
-            if event is not None and not (wait or len(self._pending) > self.max_pending or event.query()):
-                return
-            if event is not None:
+            if event is not None and not event.query():  # not arrived yet
+                if not (wait or len(self._pending) > self.max_pending):
+                    return
                 event.synchronize()
             self._pending.popleft()
             problem = checks.problem(flags.tolist())
