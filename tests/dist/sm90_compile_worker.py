@@ -1,9 +1,9 @@
 """Compile the grouped MLP kernel, the routing check, the gated activation and the EP data-path kernels for Hopper (sm_90a) on a machine
 without a GPU, as their launchers would launch them.
 
-    python tests/unit/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
+    python tests/dist/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
 
-Run by tests/unit/test_sm90_compile.py in a subprocess (the kernels must be decorated WITHOUT
+Run by tests/dist/test_sm90_compile.py in a subprocess (the kernels must be decorated WITHOUT
 TRITON_INTERPRET, which the interpreter tests set). Why: the interpreter runs a kernel's Python, not Triton's
 compiler, so a kernel that only fails to compile on a GPU (a type mismatch between branches, a TMA block
 shape, a constexpr misuse) passes every CPU test. Here each case calls `_launch_gemm` with a forced config on
