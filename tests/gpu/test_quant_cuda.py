@@ -38,8 +38,14 @@ def _qweights(fmt, num_experts, hidden, inter, seed=0):
     return QuantizedExpertWeights(spec, *stored, hidden_size=hidden, intermediate_size=inter)
 
 
+# slow: the mid and K3 shapes, 11-26 s each on an H200 (docs/results/gpu_tests_1gpu_pool_formats_later_calls_2026-12-01.txt):
+# each (shape, format) autotunes the W4/FP8 kernels anew; decode keeps every format in make test-gpu
+SLOW_CASES = ("kimi_k2_mid", "k3_latent_situ")
+
+
 @pytest.mark.parametrize("fmt_name", ["int4_group", "mxfp4", "fp8_block"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES else case
+                                  for case in CASES])
 def test_quantized_experts_vs_dequantized_fp32_reference(case, fmt_name):
     from moe_ref.experts.quantized import make_quantized_experts
     from moe_ref.checkpoint.formats import QuantFormat
