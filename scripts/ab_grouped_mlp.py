@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
     # the tiles autotune chose, per launch key (rows_hint, N, K, experts, flags...): compare with tune_grouped_mlp's
-    results["autotune_choices"] = {str(key): str(config) for key, config in gm._autotuned_kernel().cache.items()}
+    results["autotune_choices"] = {str(key): str(config) for key, config in gm.autotuned_kernel().cache.items()}
     for key, config in results["autotune_choices"].items():
         print(f"autotune {key}: {config}")
     with open(args.out, "w") as f:

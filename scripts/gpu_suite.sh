@@ -2,14 +2,15 @@
 # The whole GPU job in one call (device time is scarce): CUDA tests on 1 GPU, NCCL torchrun checks on 2,
 # then the benchmarks. Everything lands in $OUT (default results/gpu): suite.log + JSON/markdown/PNG.
 #   OUT=results/gpu bash scripts/gpu_suite.sh [quick|full] [steps...]
-# Steps: info tests tests2 dist graph mega peer_check bench_experts bench_layer (default: all; tests2 = the 2-GPU pytest cases;
+# Steps: info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer (default: all; tests = make test-gpu's
+# one-GPU selection, <= 4 min; tests_slow = the `slow` one-GPU cases; tests2 = the 2-GPU pytest cases;
 # peer_check = SGLang's and vLLM's fused-MoE kernels, read from the peer files in .whl/ (`make peers`), vs our twin). One device command runs 10 min at
 # most, so split them over calls, e.g. `bash scripts/gpu_suite.sh quick info tests dist`.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 MODE=${1:-quick}; shift || true
-STEPS=${*:-info tests tests2 dist graph mega peer_check bench_experts bench_layer}
+STEPS=${*:-info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer}
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
 # Keep NVLink multicast off (it can take a shared host's GPUs out of service).
@@ -38,7 +39,8 @@ step() {  # step NAME TIMEOUT_S CMD...
 
 for s in $STEPS; do case $s in
   info) step info 120 python3 -m moe_ref info ;;
-  tests) step tests 420 python3 -m pytest -q -rs --timeout=300 -m cuda tests/gpu -k "not mega" ;;
+  tests) step tests 420 python3 -m pytest -q -rs --timeout=300 -m "cuda and not cuda2 and not slow" tests/gpu --durations=15 ;;
+  tests_slow) step tests_slow 590 python3 -m pytest -q -rs --timeout=300 -m "cuda and not cuda2 and slow" tests/gpu --durations=15 ;;
   mega)
     if [ "$NGPU" -ge 2 ]; then
       step mega 420 $TORCHRUN tests/gpu/mega_worker.py --json "$OUT/mega_worker.json"

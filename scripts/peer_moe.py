@@ -745,7 +745,7 @@ def _cdiv(a: int, b: int) -> int:
 # running it
 # ------------------------------------------------------------------------------------------------
 def _is_interpreter() -> bool:
-    from moe_ref.kernels._triton_utils import is_interpreter
+    from moe_ref.kernels import is_interpreter
 
     return is_interpreter()
 

@@ -6,7 +6,7 @@
 Cases: Kimi-K2 (48 experts, D 7168, F 2048) and Step3 (48 experts, D 7168, F 5120) per-rank shapes, 4096
 and 32768 routed rows spread evenly over the experts, each expert segment at a 128-aligned pool row
 (what the dispatcher produces). Per case both GEMMs are timed separately through the library launcher
-with a forced config (`moe_ref.kernels.grouped_mlp._launch_gemm(..., config=triton.Config(...))`, the
+with a forced config (`moe_ref.kernels.grouped_mlp.launch_gemm(..., config=triton.Config(...))`, the
 same kernel and compile options that autotune uses):
 
     gate_up (GEMM1)  h[R, F] = silu(x @ gate.T) * (x @ up.T)   w [e, 2F, D]; one program: BLOCK_M x 2*BLOCK_N
@@ -285,7 +285,7 @@ def launch(gemm: str, a, w, out, row_start_e, num_rows_e, rows_hint: int, config
         n, k, activation = w.shape[1] // 2, w.shape[2], "silu"
     else:
         n, k, activation = w.shape[1], w.shape[2], "none"
-    return gm._launch_gemm(a, a_scale, w, w_scale, out, out_scale, row_start_e, num_rows_e, n=n, k=k,
+    return gm.launch_gemm(a, a_scale, w, w_scale, out, out_scale, row_start_e, num_rows_e, n=n, k=k,
                            activation=activation, situ_beta=SITU_BETA, situ_linear_beta=SITU_LINEAR_BETA, fp8=fp8,
                            quant_out=fp8 and gemm == "gate_up", rows_hint=rows_hint, interleaved=interleaved,
                            config=config)

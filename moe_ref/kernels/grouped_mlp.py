@@ -11,7 +11,7 @@ columns so its epilogue applies the activation (FP8: re-quantizes h per row per 
 Programs find their expert on the device (a cumsum of per-expert block counts over an upper-bound grid whose
 surplus programs exit), so there is no host sync and padding costs nothing. `persistent=True` walks the live
 tiles on ~2 programs per SM instead (kept for A/B; the grid is the default, docs/RESULTS.md says why).
-Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `_launch_gemm(..., config=...)`. Loads: TMA
+Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(..., config=...)`. Loads: TMA
 descriptors on Hopper+ (pointer loads for 4-bit weights, unaligned rows, `MOE_REF_TMA=0`).
 FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
 shares one weight scale). W4A16 (int32 = INT4, uint8 = MXFP4, formats in `moe_ref.checkpoint.formats`):
@@ -55,7 +55,7 @@ try:  # host-side TMA descriptors (triton >= 3.4)
 except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["deinterleave_gate_up", "grouped_mlp", "grouped_mlp_ref", "interleave_gate_up"]
+__all__ = ["autotuned_kernel", "deinterleave_gate_up", "grouped_mlp", "grouped_mlp_ref", "interleave_gate_up", "launch_gemm"]
 
 _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 
@@ -335,7 +335,18 @@ PERSISTENT_PROGRAMS_PER_SM = 2
 # autotune (the tile lists and their pruning live in moe_ref.kernels.grouped_mlp_tiles)
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _autotuned_kernel():
+def autotuned_kernel():
+    """The grouped GEMM kernel wrapped in `triton.autotune` over `tiles.gpu_configs()` (built once, cached).
+
+    What `launch_gemm(config=None)` launches on a GPU; its `.cache` maps each autotune key (rows_hint, N, K,
+    num_experts and the kernel flags) to the `triton.Config` that won, which the benchmarks report.
+
+    Args:
+        none.
+
+    Returns:
+        the `triton.runtime.Autotuner` around `_grouped_gemm_kernel` (call as `autotuned_kernel()[grid](...)`).
+    """
     return triton.autotune(
         configs=tiles.gpu_configs(),
         key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4", "USE_TMA",
@@ -376,11 +387,39 @@ def _tma_possible(a: torch.Tensor, b: torch.Tensor, w4: int) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in (a, b))
 
 
-def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
-                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, w4: int = 0, interleaved: bool = False,
-                 config: triton.Config | None = None, tma: bool | None = None, persistent: bool = False):
+def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
+                situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, w4: int = 0, interleaved: bool = False,
+                config: triton.Config | None = None, tma: bool | None = None, persistent: bool = False):
     """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up, its rows stacked or `interleaved`)
-    or GEMM2 (`activation` "none").
+    or GEMM2 (`activation` "none"). `grouped_mlp` runs it twice; the tuner and the tests call it alone.
+
+    Args:
+        a: `[P, k]` rows of the pool: bf16/fp16/fp32, or `torch.float8_e4m3fn` with `a_scale` (`fp8`).
+        a_scale: `[P, ceil(k/128)]` fp32 per-row per-128 scales of an fp8 `a`; None otherwise.
+        b: `[e, N_b, k]` weights of a's dtype (fp8 for fp8 a), N_b = 2n for GEMM1 (gate rows then up rows, or
+            alternating when `interleaved`), n for GEMM2; 4-bit (`w4`): int32 `[e, N_b, k/8]` (INT4) or uint8
+            `[e, N_b, k/2]` (MXFP4).
+        b_scale: fp32 `[e, ceil(N_b/128), ceil(k/128)]` block scales of fp8 b, or 4-bit group-32 scales
+            `[e, N_b, k/32]` (bf16/fp16/fp32, or uint8 E8M0 for MXFP4); None for unquantized b.
+        c: `[P, n]` output, written in place: bf16/fp16/fp32 (a's dtype; bf16 for fp8 a without `quant_out`),
+            or `torch.float8_e4m3fn` when `quant_out`.
+        c_scale: `[P, ceil(n/128)]` fp32, written with c's per-128 scales when `quant_out`; None otherwise.
+        row_start_e: `[e]` int64/int32 first pool row of each expert.
+        num_rows_e: `[e]` int32/int64 rows of each expert (0 = empty expert).
+        n, k: output width and reduction width of this GEMM (GEMM1: n = F, k = D; GEMM2: n = D, k = F).
+        activation: "silu" or "situ" (GEMM1: h = act(gate) * up, in fp32), "none" (GEMM2).
+        situ_beta, situ_linear_beta: SiTU's beta and lb (floats; ignored by "silu"/"none").
+        fp8: a and b are e4m3 with scales.
+        quant_out: c is e4m3 with `c_scale` (GEMM1 writing h for an fp8 GEMM2).
+        rows_hint: int, about the number of live pool rows (autotune key, bucketed to a power of 2).
+        w4: 0 for unquantized/fp8 b, 1 INT4, 2 MXFP4 (packed 4-bit b).
+        interleaved: GEMM1's b rows alternate gate j, up j.
+        config: None, or a `triton.Config` forcing the tile (see below).
+        tma: None (TMA where possible), True (force; error where impossible), False (pointer loads).
+        persistent: a fixed grid of programs walks the live tiles.
+
+    Returns:
+        what the Triton launch returns (c and c_scale are written in place).
 
     `config=None` (what `grouped_mlp` does): on a GPU, autotune over `tiles.gpu_configs()` pruned to this
     launch's regime; under the interpreter, a fixed small tile. `config=triton.Config({"BLOCK_M", "BLOCK_N",
@@ -445,7 +484,7 @@ def _launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *,
         meta = tiles.interpreter_meta(quant_out)
         tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **meta})
         return _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
-    return _autotuned_kernel()[grid](*args, **flags, **launch_options(fp_fusion=True))
+    return autotuned_kernel()[grid](*args, **flags, **launch_options(fp_fusion=True))
 
 
 # packed 4-bit weight dtype -> (W4 kernel flag, values per stored element, accepted scale dtypes)
@@ -598,12 +637,12 @@ def grouped_mlp(
     # GEMM1: h = act(x @ gate.T, x @ up.T)
     h_PF = torch.empty(num_rows, inter, dtype=FP8_DTYPE if fp8 else x_PDx.dtype, device=device)
     h_scale_PFb = torch.empty(num_rows, num_fp8_groups(inter), dtype=torch.float32, device=device) if fp8 else None
-    _launch_gemm(x_PDx, x_scale_PDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
+    launch_gemm(x_PDx, x_scale_PDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
                  n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                  fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4, interleaved=gate_up_interleaved,
                  persistent=persistent)
     # GEMM2: y = h @ down.T
-    _launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
+    launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
                  n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                  fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4, persistent=persistent)
     return y_PDx

@@ -24,7 +24,7 @@ from moe_ref.kernels._triton_utils import is_interpreter
 # they serve (see `regime`); GROUP_M (program-order swizzle) is 1 when left out. For GEMM1 BLOCK_N
 # counts one half: a program computes a BLOCK_M x 2*BLOCK_N gate||up tile. Both GEMMs share these
 # lists; `config_problem` drops what does not fit one of them.
-# `scripts/tune_grouped_mlp.py` sweeps tiles per GEMM on a GPU (with `_launch_gemm(..., config=...)`).
+# `scripts/tune_grouped_mlp.py` sweeps tiles per GEMM on a GPU (with `launch_gemm(..., config=...)`).
 DECODE_TILES = [  # <= 32 rows per expert: weight-bandwidth bound, many N tiles in flight
     (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
 ]

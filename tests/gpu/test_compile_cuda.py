@@ -8,6 +8,8 @@ import torch
 from moe_ref.core.config import preset
 from moe_ref.layer import MegaMoE
 
+pytestmark = pytest.mark.cuda
+
 
 class Residual(torch.nn.Module):
     def __init__(self, moe: MegaMoE):

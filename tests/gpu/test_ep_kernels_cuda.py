@@ -15,7 +15,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "interpreter"))
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [  # the two-GPU worker adds cuda2 (make test-gpu leaves cuda2 out)
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 # name: (token counts per rank, e, K, C, Dx, dtype, fp8, alignment)
 CASES = {

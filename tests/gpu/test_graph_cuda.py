@@ -13,6 +13,8 @@ import pytest
 WORKER = Path(__file__).resolve().parent / "graph_worker.py"
 REPO = WORKER.parents[2]
 
+pytestmark = pytest.mark.cuda  # the two-GPU case adds cuda2 (make test-gpu leaves cuda2 out)
+
 
 def _run(nproc: int, out: Path) -> dict[int, dict]:
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -40,6 +42,9 @@ def _failures(results: dict[int, dict]) -> list[str]:
 
 
 @pytest.mark.cuda
+# slow: spawns tests/gpu/graph_worker.py, a fresh process that compiles every kernel again (36 s as gpu_suite.sh's
+# graph1 step, which runs the same worker)
+@pytest.mark.slow
 def test_graph_replay_equals_eager_one_gpu(tmp_path):
     results = _run(1, tmp_path)
     assert not _failures(results), "\n".join(_failures(results))

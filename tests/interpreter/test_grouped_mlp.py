@@ -180,7 +180,7 @@ def test_tma_needs_16_byte_rows(device):
     assert not grouped_mlp_module._tma_possible(x_PDx, gate_up, w4=0)
     h = torch.empty(x_PDx.shape[0], 8, dtype=x_PDx.dtype, device=device)
     with pytest.raises(ValueError, match="TMA"):
-        grouped_mlp_module._launch_gemm(x_PDx, None, gate_up, None, h, None, row_start_e, num_rows_e, n=8, k=36,
+        grouped_mlp_module.launch_gemm(x_PDx, None, gate_up, None, h, None, row_start_e, num_rows_e, n=8, k=36,
                                         activation="silu", situ_beta=4.0, situ_linear_beta=0.0, fp8=False,
                                         quant_out=False, rows_hint=3, tma=True)
 

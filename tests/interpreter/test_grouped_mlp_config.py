@@ -1,4 +1,4 @@
-"""grouped_mlp's forced-config launcher path (`_launch_gemm(..., config=...)`, used by
+"""grouped_mlp's forced-config launcher path (`launch_gemm(..., config=...)`, used by
 scripts/tune_grouped_mlp.py) and the GROUP_M program order, vs the torch twin; bf16 and FP8 launches
 autotune over their own mid/prefill tile lists; the tuner's FP8 candidates and dry run."""
 
@@ -47,9 +47,9 @@ def _run_forced(x_PDx, gate_up, down, row_start_e, num_rows_e, config1, config2)
     h_PF = torch.full((num_rows, inter), float("nan"), dtype=x_PDx.dtype, device=x_PDx.device)
     y_PDx = torch.full((num_rows, hidden), float("nan"), dtype=x_PDx.dtype, device=x_PDx.device)
     common = dict(situ_beta=4.0, situ_linear_beta=25.0, fp8=False, quant_out=False, rows_hint=num_rows)
-    gm._launch_gemm(x_PDx, None, gate_up, None, h_PF, None, row_start_e, num_rows_e, n=inter, k=hidden,
+    gm.launch_gemm(x_PDx, None, gate_up, None, h_PF, None, row_start_e, num_rows_e, n=inter, k=hidden,
                     activation="silu", config=config1, **common)
-    gm._launch_gemm(h_PF, None, down, None, y_PDx, None, row_start_e, num_rows_e, n=hidden, k=inter,
+    gm.launch_gemm(h_PF, None, down, None, y_PDx, None, row_start_e, num_rows_e, n=hidden, k=inter,
                     activation="none", config=config2, **common)
     return y_PDx
 
@@ -83,11 +83,11 @@ def test_forced_config_errors(device):
     common = dict(n=8, k=16, activation="silu", situ_beta=4.0, situ_linear_beta=25.0, rows_hint=16)
     args = (x_PDx, None, gate_up, None, h_PF, None, row_start_e, num_rows_e)
     with pytest.raises(ValueError, match="BLOCK_N must be 128"):
-        gm._launch_gemm(*args, fp8=True, quant_out=True, config=_config(16, 64, 64), **common)
+        gm.launch_gemm(*args, fp8=True, quant_out=True, config=_config(16, 64, 64), **common)
     with pytest.raises(ValueError, match="BLOCK_K must divide 128"):
-        gm._launch_gemm(*args, fp8=True, quant_out=False, config=_config(16, 64, 96), **common)
+        gm.launch_gemm(*args, fp8=True, quant_out=False, config=_config(16, 64, 96), **common)
     with pytest.raises(ValueError, match="missing"):
-        gm._launch_gemm(*args, fp8=False, quant_out=False, config=triton.Config({"BLOCK_M": 16}), **common)
+        gm.launch_gemm(*args, fp8=False, quant_out=False, config=triton.Config({"BLOCK_M": 16}), **common)
 
 
 def test_regime_buckets():
@@ -211,9 +211,9 @@ def test_forced_fp8_configs_match_twin(config1, config2, device):
     h_scale = torch.full((num_rows, inter // 128), float("nan"), device=device)
     y = torch.full((num_rows, hidden), float("nan"), dtype=torch.bfloat16, device=device)
     common = dict(situ_beta=4.0, situ_linear_beta=25.0, fp8=True, rows_hint=num_rows)
-    gm._launch_gemm(x, x_scale, gate_up, gate_up_scale, h, h_scale, row_start_e, num_rows_e, n=inter, k=hidden,
+    gm.launch_gemm(x, x_scale, gate_up, gate_up_scale, h, h_scale, row_start_e, num_rows_e, n=inter, k=hidden,
                     activation="silu", quant_out=True, config=config1, **common)
-    gm._launch_gemm(h, h_scale, down, down_scale, y, None, row_start_e, num_rows_e, n=hidden, k=inter,
+    gm.launch_gemm(h, h_scale, down, down_scale, y, None, row_start_e, num_rows_e, n=hidden, k=inter,
                     activation="none", quant_out=False, config=config2, **common)
     y_ref = grouped_mlp_ref(x, gate_up, down, row_start_e, num_rows_e, x_scale_PDb=x_scale,
                             gate_up_scale=gate_up_scale, down_scale=down_scale)

@@ -115,7 +115,7 @@ def test_w4_argument_errors(device):
                        gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs.to(torch.bfloat16))
     config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}, num_warps=4, num_stages=2)
     with pytest.raises(InvalidConfigError, match="multiple of 32"):
-        gm._launch_gemm(x_PDx, None, q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, torch.empty(5, 32, device=device),
+        gm.launch_gemm(x_PDx, None, q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, torch.empty(5, 32, device=device),
                         None, layout.row_start_e, layout.num_rows_e, n=32, k=64, activation="silu", situ_beta=4.0,
                         situ_linear_beta=25.0, fp8=False, quant_out=False, rows_hint=5, w4=2, config=config)
 

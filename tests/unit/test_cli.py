@@ -1,14 +1,12 @@
 """``moe-ref`` and ``moe_ref.tools.dist_check`` refuse bad flags, devices, paths and memory with one coded line.
 
 Every test calls ``main([...])`` in-process and checks the exit status, the code and the numbers; the demo's
-torchrun is replaced by a recorder (``subprocess.call``) so nothing is spawned, except in the one subprocess
-test at the end.
+torchrun is replaced by a recorder (``subprocess.call``) so nothing is spawned. The tests that run ``python -m
+moe_ref`` in a subprocess are in tests/dist/test_cli_dist.py.
 """
 import os
 import socket
 import stat
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -316,18 +314,6 @@ def test_dist_check_quant_mxfp4_in_one_process(capsys, one_rank, tmp_path):
     assert "RESULT: PASS" in out
 
 
-@pytest.mark.dist
-def test_make_demo_quant_mxfp4_on_two_processes():
-    """The whole demo: two ranks each load their half of an MXFP4 checkpoint through MegaMoE.load_hf_weights."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MOE_REF_DEBUG", "MOE_REF_NUM_MAX_TOKENS_PER_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "moe_ref", "demo", "--preset", "tiny-kimi-k3", "--quant", "mxfp4",
-                           "--runs", "1", "--tokens-per-rank", "80"], capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    held = _mxfp4_bytes(preset("tiny-kimi-k3"), num_experts=8)  # half of the 16 experts on each rank
-    assert "on 2 ranks (cpu, fp32)" in proc.stdout and f"{held} bytes on the device" in proc.stdout
-    assert proc.stdout.count("PASS") == 3 and "RESULT: PASS" in proc.stdout  # each rank, and the result
-
-
 # --- one line, or the traceback with --debug / MOE_REF_DEBUG ---------------------------------------------
 def test_error_raised_inside_a_command_is_one_line(capsys):
     status, _, err = _run(capsys, ["plan", "--preset", "tiny-kimi-k2", "--ep", "3"])  # 16 experts on 3 ranks
@@ -384,15 +370,6 @@ def test_dist_check_memory_refusal_on_every_rank_before_allocating(capsys, monke
 def test_dist_check_unwritable_checkpoint_is_env015(capsys, one_rank):
     status, _, err = _run(capsys, ["--checkpoint", "/proc/nope/x"], dist_check.main)
     assert status == 2 and "'/proc/nope/x'" in _one_coded_line(err, "ENV015", "moe_ref.tools.dist_check")
-
-
-# --- the console entry point (the one subprocess test) ----------------------------------------------------
-def test_python_dash_m_prints_one_line_and_exits_2():
-    env = {k: v for k, v in os.environ.items() if k != "MOE_REF_DEBUG"}
-    proc = subprocess.run([sys.executable, "-m", "moe_ref", "bench", "--experts", "0"], capture_output=True,
-                          text=True, timeout=120, env=env)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("moe-ref: [CFG015] ")
 
 
 def test_info_says_how_the_grouped_mlp_loads_its_tiles(capsys, monkeypatch):

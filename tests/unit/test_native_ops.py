@@ -4,7 +4,7 @@ R fake ranks in one process (tests/interpreter/ep_sim.py: separate buffers, real
 the chunk phase by phase on two copies of the same random buffer bytes, the twins on one and the compiled ops
 on the other, and requires every rank's WHOLE buffer to be bitwise equal after EVERY phase, and the outputs too.
 Also: the barrier (timeout recorded, no endless wait; epoch wrap; a peer one epoch ahead), pool overflow, the
-MOE_REF_NATIVE=0 fallback, and one run across 2 real processes over /dev/shm (tests/dist/native_ops_cpu_worker.py).
+MOE_REF_NATIVE=0 fallback. The run across 2 real processes over /dev/shm is tests/dist/test_native_ops_dist.py.
 
 The library must be built (`make install`): without it these tests FAIL, they do not skip, unless
 MOE_REF_NATIVE=0 is set deliberately (then only the fallback checks run).
@@ -22,7 +22,6 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "interpreter"))
-sys.path.insert(0, str(HERE.parent / "dist"))
 
 import ep_sim  # noqa: E402
 from ep_sim import RankInputs, clone_world, expected_output, scaled_identity_experts  # noqa: E402
@@ -41,6 +40,7 @@ make_world = functools.partial(ep_sim.make_world, device="cpu")
 make_inputs = functools.partial(ep_sim.make_inputs, device="cpu")
 
 FORCED_FALLBACK = os.environ.get(native.ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off")
+pytestmark = pytest.mark.unit
 compiled_only = pytest.mark.skipif(FORCED_FALLBACK, reason=f"{native.ENV_VAR}=0 set deliberately: compiled ops off")
 
 TWINS = (ep_pre_dispatch_ref, symm_barrier_ref, ep_dispatch_ref, ep_combine_push_ref, ep_combine_reduce_ref)
@@ -401,19 +401,3 @@ def test_env_var_forces_the_fallback(monkeypatch):
     regions = EPRegions.build(2, 2, 2, 4, 16, activation_dtype=torch.bfloat16, fp8=True, alignment=2)
     inputs = [make_inputs(T, 2, 4, 16, torch.bfloat16, seed=s) for s, T in enumerate([4, 2])]
     run_both(regions, inputs, case="fallback")
-
-
-@compiled_only
-@pytest.mark.dist
-def test_compiled_ops_across_two_processes(tmp_path):
-    from launch import torchrun
-
-    worker = HERE.parent / "dist" / "native_ops_cpu_worker.py"
-    launch = torchrun(2, [], tmp_path / "out", 90, worker=worker)  # ~10 s on an idle 2-core machine
-    assert launch.returncode == 0, f"{launch.returncode=} after {launch.seconds:.0f} s\n{launch.log[-4000:]}"
-    assert sorted(launch.results) == [0, 1], f"not every rank reported\n{launch.log[-4000:]}"
-    for rank, cases in launch.results.items():
-        assert cases, f"rank {rank} reported no case"
-        for case, result in cases.items():
-            assert all(result["checks"].values()), f"{rank=} {case=} {result}"
-    assert not launch.leftovers, f"files left in the shm folder: {launch.leftovers}"

@@ -1,6 +1,6 @@
 """MegaMoE.load_hf_weights on quantized checkpoints: the routed experts stay as stored (no plain copy is ever
 allocated, device bytes == the checkpoint's bytes of this rank's experts), the routed step runs them, and the
-layer equals the reference built from the dequantized weights. Two ranks: tests/unit/test_cli.py's demo test."""
+layer equals the reference built from the dequantized weights. Two ranks: tests/dist/test_cli_dist.py's demo test."""
 from __future__ import annotations
 
 import dataclasses

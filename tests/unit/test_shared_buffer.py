@@ -1,6 +1,7 @@
 """One symmetric buffer per EP group, shared by every MoE layer with the same plan."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moe_ref.ep.buffer import live_shared_buffers
@@ -10,6 +11,8 @@ from moe_ref.layer import MegaMoE
 from moe_ref.reference import reference_moe
 from moe_ref.testing import assert_close
 from moe_ref.core.weights import MoEWeights
+
+pytestmark = pytest.mark.unit
 
 
 def test_many_layers_share_one_buffer_and_keep_their_own_counters():

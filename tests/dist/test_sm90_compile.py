@@ -13,6 +13,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# a subprocess compiles the kernels (in tests/unit until the tiers: every test that starts a process is dist)
+pytestmark = pytest.mark.dist
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_compile_worker.py")
 
 

@@ -1,12 +1,12 @@
 """Compile the grouped MLP kernel, the routing check, the gated activation and the EP data-path kernels for Hopper (sm_90a) on a machine
 without a GPU, as their launchers would launch them.
 
-    python tests/unit/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
+    python tests/dist/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
 
-Run by tests/unit/test_sm90_compile.py in a subprocess (the kernels must be decorated WITHOUT
+Run by tests/dist/test_sm90_compile.py in a subprocess (the kernels must be decorated WITHOUT
 TRITON_INTERPRET, which the interpreter tests set). Why: the interpreter runs a kernel's Python, not Triton's
 compiler, so a kernel that only fails to compile on a GPU (a type mismatch between branches, a TMA block
-shape, a constexpr misuse) passes every CPU test. Here each case calls `_launch_gemm` with a forced config on
+shape, a constexpr misuse) passes every CPU test. Here each case calls `launch_gemm` with a forced config on
 small CPU tensors of the real dtypes; a recorder stands in for the kernel and keeps the launch's arguments;
 their Triton types (`mangle_type`) and constexprs then go through `triton.compile` for CUDA capability 9.0
 (TTIR -> TTGIR -> LLVM -> PTX -> ptxas, all on the CPU). Compile errors are reported per case; nothing runs.
@@ -89,7 +89,7 @@ class _Recorder:
 
 
 def _operands(weights: str, gemm: str, interleaved: bool) -> dict:
-    """`_launch_gemm`'s tensors for one GEMM at a small shape (D 256, F 256, 4 experts, 64 pool rows)."""
+    """`launch_gemm`'s tensors for one GEMM at a small shape (D 256, F 256, 4 experts, 64 pool rows)."""
     experts, hidden, inter, rows = 4, 256, 256, 64
     n, k = (inter, hidden) if gemm == "gate_up" else (hidden, inter)
     b_rows = 2 * n if gemm == "gate_up" else n
@@ -126,7 +126,7 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
     gm._tma_possible = lambda a, b, w4: tma  # no CUDA device here: TMA is what the case says
     gm._num_sms = lambda device: 132  # an H200's
     try:
-        return compile_launch(gm, "_grouped_gemm_kernel", lambda: gm._launch_gemm(
+        return compile_launch(gm, "_grouped_gemm_kernel", lambda: gm.launch_gemm(
             ops["a"], ops["a_scale"], ops["b"], ops["b_scale"], ops["c"], ops["c_scale"], row_start_e, num_rows_e,
             n=ops["n"], k=ops["k"], activation=ops["activation"], situ_beta=4.0, situ_linear_beta=25.0,
             fp8=ops["fp8"], quant_out=ops["quant_out"], rows_hint=64, w4=ops["w4"], interleaved=ops["interleaved"],
