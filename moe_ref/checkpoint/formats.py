@@ -200,10 +200,10 @@ def quant_spec_from_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) 
     if not isinstance(qc, Mapping):
         raise UnsupportedQuantizationError(f"quantization_config is {type(qc).__name__} {qc!r}, not an object; "
                                            f"supported: {SUPPORTED_FORMATS}")
-    ignore_key = next((key for key in ("ignore", "ignored_layers", "modules_to_not_convert") if qc.get(key)),
-                      "ignore")
-    ignore = tuple(str(name) for name in (qc.get(ignore_key) or ()))
     method = qc.get("quant_method")
+    ignore_key = next((key for key in ("ignore", "ignored_layers", "modules_to_not_convert") if qc.get(key)),
+                      "ignored_layers" if method == "fp8" else "ignore")
+    ignore = tuple(str(name) for name in (qc.get(ignore_key) or ()))
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block is None or list(block) != [FP8_BLOCK, FP8_BLOCK] or qc.get("fmt", "e4m3") != "e4m3":
