@@ -72,6 +72,9 @@ from moe_ref.kernels.w4 import (  # noqa: F401  (the 4-bit numerics, re-exported
 )
 
 FP8_BLOCK = 128
+# safetensors dtype strings of the stored tensors
+SAFETENSORS_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.uint8: "U8", torch.float32: "F32",
+                      torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class QuantFormat(str, enum.Enum):

@@ -522,7 +522,7 @@ class _LayerReader:
                 f"config.json that came with the checkpoint, or fix its ignore list", name=name, rule=rule)
 
     def _dequantized(self, module: str, name: str, expected: tuple[int, ...], rows, rule: str) -> torch.Tensor:
-        from moe_ref.checkpoint.formats import QuantFormat, dequantize_weight
+        from moe_ref.checkpoint.formats import SAFETENSORS_DTYPES as _SAFETENSORS_DTYPES, QuantFormat, dequantize_weight
 
         spec, fmt = self.quant, self.quant.format
         weight_name, scale_name = f"{module}.{spec.weight_suffix}", f"{module}.{spec.scale_suffix}"
@@ -542,8 +542,6 @@ class _LayerReader:
                 name=scale_name)
         *lead, out_f, in_f = expected
         weight_shape, scale_shape = spec.stored_shapes(out_f, in_f)
-        from moe_ref.checkpoint.quantized import _SAFETENSORS_DTYPES
-
         for tensor_name, dtypes, shape in ((weight_name, (spec.weight_dtype,), weight_shape),
                                            (scale_name, spec.scale_dtypes, scale_shape)):
             want = {_SAFETENSORS_DTYPES[d] for d in dtypes}

@@ -39,12 +39,11 @@ from moe_ref.core.errors import (
     UnsupportedQuantizationError,
 )
 from moe_ref.checkpoint.loading import KNOWN_PREFIXES, CheckpointReader, LayerNames, _check_expert_range, _detect_prefix, layer_names
-from moe_ref.checkpoint.formats import FP8_BLOCK, QuantFormat, QuantizedExpertWeights, QuantSpec, quant_spec_from_config
+from moe_ref.checkpoint.formats import (FP8_BLOCK, SAFETENSORS_DTYPES, QuantFormat, QuantizedExpertWeights, QuantSpec,
+                                       quant_spec_from_config)
 from moe_ref.core.weights import MoEWeights
 
-# safetensors dtype strings of the stored tensors
-_SAFETENSORS_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.uint8: "U8", torch.float32: "F32",
-                       torch.bfloat16: "BF16", torch.float16: "F16"}
+_SAFETENSORS_DTYPES = SAFETENSORS_DTYPES
 
 
 def load_quantized_experts(
