@@ -328,7 +328,7 @@ class LoadReport:
     """What a load read and holds (``MegaMoE.load_report()``; ``load_moe_weights(report=...)`` fills one).
 
     Example (Kimi-K2-Instruct FP8, shared experts S 2048, D 7168, bf16 layer): 3 shared weights dequantized
-    once, ``dequantized_bytes()`` = (stored 44.6 MB fp8 + scales, held 88.1 MB bf16).
+    once, ``dequantized_bytes()`` = (44.1 MB read: fp8 + fp32 scales, 88.1 MB held in bf16).
     """
 
     tensors: list[LoadedTensor] = field(default_factory=list)
