@@ -6,7 +6,7 @@ that reads the shards with safetensors and dequantizes every tensor itself, from
 ``moe_ref.reference.reference_moe`` (pure torch, pinned against transformers' DeepseekV3MoE in
 tests/unit/test_hf_parity.py); what is independent here is every weight it is given.
 
-Where each layout fact comes from (see /work/shared/research/anchors-2.md, section 5):
+Where each layout fact comes from (the project research notes "Anchors 2", section 5, and their sources):
 
 * DeepSeek-V3 / R1 FP8: ``mlp.experts.{e}.{gate,up,down}_proj.weight`` float8_e4m3fn + ``.weight_scale_inv``
   fp32 ``[ceil(O/128), ceil(I/128)]``; ``quantization_config = {quant_method: fp8, fmt: e4m3,
@@ -36,7 +36,8 @@ Where each layout fact comes from (see /work/shared/research/anchors-2.md, secti
   ``moe.gate.weight [E, D]``; shared ``share_expert.{gate,up,down}_proj.weight``.
 * Step3 FP8: the same stacked tensors in float8_e4m3fn with ``weight_scale_inv [E, O/128, I/128]`` (StepFun
   README "bf16 and block-fp8"; the Step-3.5-Flash-FP8 dump ``(288, 10, 32)``; TRT-LLM's Step3 loader
-  ``(N, I/128, H/128)``), and ``share_expert.*_proj`` FP8 with 128x128 scales too (the issue's LOAD003 report).
+  ``(N, I/128, H/128)``), and ``share_expert.*_proj`` FP8 with 128x128 scales too (the shared-expert tensors
+  a Step3 FP8 load used to refuse with LOAD003).
   Its quantization_config is taken to be DeepSeek's (quant_method fp8, [128, 128] blocks): the exact
   file was not re-read (anchors-2 marks the FP8 scale names [U]).
 """
