@@ -382,7 +382,10 @@ class MegaMoE(nn.Module):
         device tensors (``quantized_experts``; ``expert_nbytes()`` == the checkpoint's bytes of these experts;
         no plain copy is ever allocated) and run by the quantized backend matching ``experts_backend``
         (``moe_ref.experts.quantized``: triton -> FP8 block / W4A16 kernels, torch -> the dequantizing loop). The
-        router, shared experts and latent projections are read into the layer's dtype either way.
+        router, shared experts and latent projections are read into the layer's dtype either way: each Linear
+        layer in the precision the ``quantization_config`` decides (``QuantSpec.quantizes``); shared experts
+        stored FP8 (DeepSeek-V3, Kimi-K2-Instruct, Step3 FP8) are dequantized once, here. ``load_report()``
+        tells the bytes read and held.
 
         Args:
             path: a ``.safetensors`` file or a checkpoint folder.
@@ -391,23 +394,30 @@ class MegaMoE(nn.Module):
             progress: a progress bar over this rank's experts on stderr; None: on rank 0 only.
 
         Raises:
-            The loaders' LOAD* errors; ``BackendUnavailableError`` (ENV001) for a quantized checkpoint with
+            The loaders' LOAD* errors (LOAD014: a module stored in another precision than the config says);
+            ``BackendUnavailableError`` (ENV001) for a quantized checkpoint with
             ``mega='deep_gemm'`` or an experts backend without quantized kernels (grouped_mm, deep_gemm).
         """
-        from moe_ref.checkpoint.loading import load_moe_weights
-        from moe_ref.checkpoint.quantized import checkpoint_quant_spec, load_quantized_experts
+        from moe_ref.checkpoint.loading import LoadedTensor, LoadReport, load_moe_weights
+        from moe_ref.checkpoint.quantized import checkpoint_quant_spec, load_quantized_experts, routed_experts_quantized
 
         spec = checkpoint_quant_spec(path)
         progress = self.rank == 0 if progress is None else progress
         expert_range = (self.first_local_expert, self.num_local_experts)
-        dense_args = dict(prefix=prefix, dtype=self.options.dtype, device=self.options.device, progress=progress)
-        if spec is None:
-            return self.load_weights(load_moe_weights(path, self.cfg, layer_idx, expert_range=expert_range,
-                                                      **dense_args))
+        report = LoadReport()
+        dense_args = dict(prefix=prefix, dtype=self.options.dtype, device=self.options.device, progress=progress,
+                          quant=spec, report=report)
+        routed_rule = routed_experts_quantized(path, spec, self.cfg, layer_idx, prefix=prefix,
+                                               expert=self.first_local_expert) if spec is not None else (False, None)
+        if not routed_rule[0]:  # plain checkpoint, or a config that leaves the routed experts unquantized
+            self.load_weights(load_moe_weights(path, self.cfg, layer_idx, expert_range=expert_range, **dense_args))
+            return self._loaded(report)
         self._quantized_backend(spec)  # refuse before reading anything
         dense = load_moe_weights(path, self.cfg, layer_idx, experts=False, **dense_args)
         quantized = load_quantized_experts(path, self.cfg, layer_idx, expert_range, self.options.device, spec=spec,
                                            prefix=prefix, progress=progress)
+        report.add(LoadedTensor(f"layer {layer_idx} routed experts {expert_range[0]}..{sum(expert_range) - 1}",
+                                spec.format.value, quantized.nbytes(), "as stored", quantized.nbytes(), routed_rule[1]))
         _check_shapes(self._dense_targets(dense))
         if self.uses_mega:  # mega='auto' here ('deep_gemm' was refused): every rank reads the same config.json
             logger.warning("moe_ref: mega='auto' uses moe_ref's own EP path: the checkpoint's routed experts are "
@@ -417,7 +427,20 @@ class MegaMoE(nn.Module):
         _copy([(dst, src) for _, dst, src in self._dense_pairs(dense)])
         self.gate_up_weight = self.down_weight = None  # a plain block loaded before is freed
         self.quantized_experts = quantized
-        return self._weights_changed()
+        self._weights_changed()
+        return self._loaded(report)
+
+    def _loaded(self, report) -> "MegaMoE":
+        """Keep (and log) what ``load_hf_weights`` read and holds."""
+        self._load_report = report
+        logger.info("moe_ref: load_hf_weights: %s", report.summary())
+        return self
+
+    def load_report(self):
+        """What the last ``load_hf_weights`` read and holds (``moe_ref.checkpoint.loading.LoadReport``), None
+        before one: each weight's stored dtype/format, bytes read and bytes held; ``dequantized_bytes()`` gives
+        the weights stored quantized (e.g. FP8 shared experts) as (bytes read, bytes held dequantized)."""
+        return getattr(self, "_load_report", None)
 
     def _quantized_backend(self, spec: QuantSpec) -> str:
         """The ``moe_ref.experts.quantized`` backend that runs ``spec``'s experts for this layer's options."""

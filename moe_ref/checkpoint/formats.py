@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -71,6 +72,9 @@ from moe_ref.kernels.w4 import (  # noqa: F401  (the 4-bit numerics, re-exported
 )
 
 FP8_BLOCK = 128
+# safetensors dtype strings of the stored tensors
+SAFETENSORS_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.uint8: "U8", torch.float32: "F32",
+                      torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class QuantFormat(str, enum.Enum):
@@ -86,12 +90,44 @@ class QuantSpec:
     Attributes:
         format: one of ``QuantFormat``.
         group_size: 128 (FP8 128x128 blocks) or 32 (INT4 / MXFP4 groups along ``in``).
-        ignore: the config's ``ignore`` / ``modules_to_not_convert`` list (modules stored unquantized).
+        ignore: the config's ``ignore`` (compressed-tensors) / ``ignored_layers`` (vLLM fp8) /
+            ``modules_to_not_convert`` (transformers) list: modules stored unquantized (``quantizes``).
+        ignore_key: which of those keys the list came from (for messages).
+        targets: compressed-tensors' ``targets`` of the weight scheme (``("Linear",)``: every Linear layer).
     """
 
     format: QuantFormat
     group_size: int
     ignore: tuple[str, ...] = ()
+    ignore_key: str = "ignore"
+    targets: tuple[str, ...] = ("Linear",)
+
+    def quantizes(self, module: str) -> tuple[bool, str]:
+        """Whether the checkpoint stores the Linear layer ``module`` (its weight's name without ``.weight``,
+        e.g. ``model.layers.1.mlp.shared_experts.gate_proj``) quantized, and the config rule that decided it.
+
+        The rule, as the published loaders apply it: quant_method ``fp8`` quantizes every Linear layer of the
+        model (vLLM ``Fp8Config``; the MoE router gate is not one: DeepSeek-V3's ``Gate`` holds a bare weight,
+        vLLM/SGLang build it with ``quant_config=None``) except those named by ``ignored_layers`` /
+        ``modules_to_not_convert``; compressed-tensors quantizes the Linear layers its ``targets`` match except
+        those its ``ignore`` matches. A name entry matches a module equal to it or containing it as whole dotted
+        parts; an ``re:`` entry is a regex matched from the name's start (compressed-tensors' ``re.match``).
+        The caller decides which modules are Linear layers of the quantized model (router and Kimi-K3's latent
+        projections are not).
+
+        Example: Kimi-K2-Thinking's ``re:.*shared_experts.*`` -> (False, "quantization_config.ignore entry
+        're:.*shared_experts.*'"); DeepSeek-V3 fp8 -> (True, "quant_method 'fp8' quantizes every Linear layer
+        (no ignored_layers / modules_to_not_convert entry matches)").
+        """
+        for entry in self.ignore:
+            if _name_matches(entry, module):
+                return False, f"quantization_config.{self.ignore_key} entry {entry!r}"
+        if self.format == QuantFormat.FP8_BLOCK:
+            return True, ("quant_method 'fp8' quantizes every Linear layer (no ignored_layers / "
+                          "modules_to_not_convert entry matches)")
+        if "Linear" not in self.targets and not any(_name_matches(t, module) for t in self.targets):
+            return False, f"compressed-tensors targets {list(self.targets)} do not match it"
+        return True, f"compressed-tensors targets {list(self.targets)} match it and no 'ignore' entry does"
 
     @staticmethod
     def published(fmt: "QuantFormat | str") -> "QuantSpec":
@@ -167,23 +203,35 @@ def quant_spec_from_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) 
     if not isinstance(qc, Mapping):
         raise UnsupportedQuantizationError(f"quantization_config is {type(qc).__name__} {qc!r}, not an object; "
                                            f"supported: {SUPPORTED_FORMATS}")
-    ignore = tuple(str(name) for name in (qc.get("ignore") or qc.get("modules_to_not_convert") or ()))
     method = qc.get("quant_method")
+    ignore_key = next((key for key in ("ignore", "ignored_layers", "modules_to_not_convert") if qc.get(key)),
+                      "ignored_layers" if method == "fp8" else "ignore")
+    ignore = tuple(str(name) for name in (qc.get(ignore_key) or ()))
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block is None or list(block) != [FP8_BLOCK, FP8_BLOCK] or qc.get("fmt", "e4m3") != "e4m3":
             raise UnsupportedQuantizationError(
                 f"quant_method 'fp8' with weight_block_size={block!r}, fmt={qc.get('fmt')!r}: moe_ref reads "
                 f"e4m3 weights with [128, 128] block scales (weight_scale_inv); supported: {SUPPORTED_FORMATS}")
-        return dataclasses.replace(QuantSpec.published(QuantFormat.FP8_BLOCK), ignore=ignore)
+        return dataclasses.replace(QuantSpec.published(QuantFormat.FP8_BLOCK), ignore=ignore, ignore_key=ignore_key)
     if method == "compressed-tensors":
-        return QuantSpec(*_compressed_tensors_format(qc), ignore)
+        fmt, group_size, targets = _compressed_tensors_format(qc)
+        return QuantSpec(fmt, group_size, ignore, ignore_key, targets)
     raise UnsupportedQuantizationError(f"quantization_config.quant_method={method!r} is not supported; supported: "
                                        f"{SUPPORTED_FORMATS}", quant_method=method)
 
 
-def _compressed_tensors_format(qc: Mapping[str, Any]) -> tuple[QuantFormat, int]:
-    """(format, group size) of a compressed-tensors config: its one weight scheme must be a supported one."""
+def _name_matches(entry: str, module: str) -> bool:
+    """``entry`` of an ignore/targets list matches ``module``: ``re:`` regexes by ``re.match``, names as whole
+    dotted parts (``shared_experts`` matches ``model.layers.1.mlp.shared_experts.gate_proj``)."""
+    if entry.startswith("re:"):
+        return re.match(entry[3:], module) is not None
+    return f".{entry}." in f".{module}."
+
+
+def _compressed_tensors_format(qc: Mapping[str, Any]) -> tuple[QuantFormat, int, tuple[str, ...]]:
+    """(format, group size, targets) of a compressed-tensors config: its one weight scheme must be a supported
+    one."""
     groups = qc.get("config_groups") or {}
     schemes = [group for group in groups.values() if isinstance(group, Mapping) and group.get("weights")]
     if len(schemes) != 1:
@@ -209,7 +257,7 @@ def _compressed_tensors_format(qc: Mapping[str, Any]) -> tuple[QuantFormat, int]
         raise UnsupportedQuantizationError(
             f"compressed-tensors {fmt!r} with weights {wrong} (want {wanted}): moe_ref reads the published "
             f"scheme only (e.g. group_size 32); supported: {SUPPORTED_FORMATS}", format=fmt, **{"wrong": wrong})
-    return quant_format, GROUP_SIZE
+    return quant_format, GROUP_SIZE, tuple(str(t) for t in (scheme.get("targets") or ("Linear",)))
 
 
 # --------------------------------------------------------------------------------------------------

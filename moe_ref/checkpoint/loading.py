@@ -35,10 +35,15 @@ Step3          router ``moe.gate.weight [E, D]`` (no bias); stacked experts ``mo
                [E, F, D]``, ``moe.down_proj.weight [E, D, F]``; shared ``share_expert.{gate,up,down}_proj.weight``.
 =============  ==========================================================================================
 
-Quantized tensors (FP8/INT/packed dtypes, or ``*_scale_inv`` / ``weight_packed`` siblings) are refused with
-LOAD003 rather than read as if they were plain weights; ``moe_ref.checkpoint.quantized.load_quantized_experts`` reads
-the routed experts of the published FP8-block, INT4 and MXFP4 checkpoints as stored (this loader still reads
-their bf16 router, shared and latent tensors).
+Without ``quant``, quantized tensors (FP8/INT/packed dtypes, or ``*_scale_inv`` / ``weight_packed`` siblings)
+are refused with LOAD003 rather than read as if they were plain weights. With ``quant`` (the checkpoint's
+``QuantSpec``, from its ``quantization_config``), each Linear layer of the block (shared experts; routed
+experts when the config leaves them unquantized) is read in the precision the config decides
+(``QuantSpec.quantizes``): a quantized one (e.g. DeepSeek-V3 / Kimi-K2-Instruct / Step3 FP8 shared experts) is
+dequantized ONCE, here, into ``dtype``; a module stored otherwise than the config says is LOAD014 naming the
+tensor and the rule. The router and Kimi-K3's latent projections are never quantized Linear layers (the
+published model code builds them with ``quant_config=None``). ``LoadReport`` records what was read and held.
+``moe_ref.checkpoint.quantized.load_quantized_experts`` reads quantized routed experts as stored.
 """
 from __future__ import annotations
 
@@ -48,8 +53,9 @@ import os
 import re
 import sys
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -62,12 +68,19 @@ from moe_ref.core.errors import (
     DTypeError,
     InvalidConfigError,
     MissingShardError,
+    MissingScaleError,
     MissingTensorError,
+    QuantizationMismatchError,
+    QuantTensorDTypeError,
+    QuantTensorShapeError,
     TensorShapeMismatchError,
     UnsafeShardPathError,
     UnsupportedCheckpointError,
 )
 from moe_ref.core.weights import MoEWeights
+
+if TYPE_CHECKING:
+    from moe_ref.checkpoint.formats import QuantSpec
 
 KNOWN_PREFIXES = ("model.layers.", "language_model.layers.", "model.language_model.layers.",
                   "language_model.model.layers.")
@@ -76,6 +89,11 @@ SINGLE_FILE = "model.safetensors"
 # safetensors dtype strings that hold plain (unquantized) weights
 _PLAIN_DTYPES = ("F64", "F32", "F16", "BF16")
 _QUANT_SUFFIXES = ("_scale_inv", "_scale", "_packed", "_shape", "_zero_point", "_global_scale")
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# why a quantized checkpoint keeps the router (and Kimi-K3's latent projections) plain: the published model code
+# builds them without a quant_config (DeepSeek-V3 inference ``Gate``; vLLM/SGLang ``quant_config=None``)
+_NEVER_QUANTIZED = ("the router gate and Kimi-K3's latent projections are not quantized Linear layers of the "
+                    "published model (vLLM/SGLang build them with quant_config=None)")
 
 
 # --- names -----------------------------------------------------------------------------------------------
@@ -277,12 +295,80 @@ def _index_weight_map(folder: Path, index: Path) -> dict[str, Path]:
     return {name: folder / f for name, f in weight_map.items()}
 
 
+# --- what a load read -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LoadedTensor:
+    """One weight a load read: how the checkpoint stores it and what the layer holds.
+
+    Attributes:
+        name: the weight's checkpoint name (quantized: the stored weight, e.g. ``...gate_proj.weight`` or
+            ``...w1.weight_packed``; its scale is counted with it).
+        stored: safetensors dtype and format as stored, e.g. ``"BF16"``, ``"F8_E4M3 fp8_block"``.
+        stored_bytes: bytes read from the checkpoint (weight + scale).
+        held: the held dtype, or ``"as stored"`` for routed experts kept quantized.
+        held_bytes: bytes the layer holds for it.
+        rule: the quantization_config rule that decided its precision (None for a plain checkpoint).
+    """
+
+    name: str
+    stored: str
+    stored_bytes: int
+    held: str
+    held_bytes: int
+    rule: str | None = None
+
+    @property
+    def dequantized(self) -> bool:
+        return self.held != "as stored" and self.stored.split()[0] not in _PLAIN_DTYPES
+
+
+@dataclass
+class LoadReport:
+    """What a load read and holds (``MegaMoE.load_report()``; ``load_moe_weights(report=...)`` fills one).
+
+    Example (Kimi-K2-Instruct FP8, shared experts S 2048, D 7168, bf16 layer): 3 shared weights dequantized
+    once, ``dequantized_bytes()`` = (44.1 MB read: fp8 + fp32 scales, 88.1 MB held in bf16).
+    """
+
+    tensors: list[LoadedTensor] = field(default_factory=list)
+
+    def add(self, entry: LoadedTensor) -> None:
+        self.tensors.append(entry)
+
+    def dequantized(self) -> list[LoadedTensor]:
+        """The weights read quantized and dequantized once at load into the layer's dtype."""
+        return [t for t in self.tensors if t.dequantized]
+
+    def dequantized_bytes(self) -> tuple[int, int]:
+        """(bytes read quantized, bytes held dequantized) of ``dequantized()``."""
+        entries = self.dequantized()
+        return sum(t.stored_bytes for t in entries), sum(t.held_bytes for t in entries)
+
+    def bytes_read(self) -> int:
+        return sum(t.stored_bytes for t in self.tensors)
+
+    def bytes_held(self) -> int:
+        return sum(t.held_bytes for t in self.tensors)
+
+    def summary(self) -> str:
+        """One line: totals, and the dequantized weights' bytes as stored vs held."""
+        line = f"read {self.bytes_read():,} bytes, hold {self.bytes_held():,} bytes over {len(self.tensors)} weights"
+        entries = self.dequantized()
+        if entries:
+            stored, held = self.dequantized_bytes()
+            formats = sorted({t.stored for t in entries})
+            line += (f"; {len(entries)} dequantized once at load ({', '.join(formats)}: {stored:,} bytes read, "
+                     f"{held:,} bytes held as {entries[0].held})")
+        return line
+
+
 # --- the loader ------------------------------------------------------------------------------------------
 
 def load_moe_weights(
     path: str | os.PathLike, cfg: MoEConfig, layer_idx: int, *, expert_range: tuple[int, int] | None = None,
     prefix: str | None = None, dtype: torch.dtype | None = None, device="cpu", experts: bool = True,
-    progress: bool = False,
+    progress: bool = False, quant: "QuantSpec | None" = None, report: LoadReport | None = None,
 ) -> MoEWeights:
     """Read MoE layer ``layer_idx`` of a checkpoint into ``MoEWeights``, reading only the experts asked for.
 
@@ -301,6 +387,11 @@ def load_moe_weights(
         experts: False skips the routed experts (quantized checkpoints: ``load_quantized_experts`` reads them as
             stored); the returned expert tensors are then empty, ``[0, 2F, Dx]`` and ``[0, Dx, F]``.
         progress: a tqdm progress bar over the experts read, on stderr.
+        quant: the checkpoint's ``QuantSpec`` (``moe_ref.checkpoint.quantized.checkpoint_quant_spec``): each
+            Linear layer read (shared experts; routed experts with ``experts=True``) is read in the precision
+            its ``quantization_config`` decides, quantized ones dequantized once into ``dtype`` (None: the
+            router's stored dtype). None: plain weights only (LOAD003 for a quantized one).
+        report: a ``LoadReport`` to fill with what was read and held.
 
     Returns:
         ``MoEWeights`` with ``gate_up_weight_E2FD [count, 2F, Dx]``, ``down_weight_EDF [count, Dx, F]``,
@@ -309,7 +400,8 @@ def load_moe_weights(
 
     Raises:
         MissingTensorError (LOAD001), TensorShapeMismatchError (LOAD002), UnsupportedCheckpointError (LOAD003),
-        CheckpointNotFoundError (LOAD004), InvalidConfigError (CFG007) for a bad ``expert_range``.
+        CheckpointNotFoundError (LOAD004), InvalidConfigError (CFG007) for a bad ``expert_range``; with
+        ``quant``: QuantizationMismatchError (LOAD014), and LOAD005-LOAD007 for a quantized weight's tensors.
     """
     if dtype is not None and not dtype.is_floating_point:
         raise DTypeError(f"dtype={dtype} is not a floating dtype; pass torch.bfloat16, torch.float32, ... or None")
@@ -317,7 +409,7 @@ def load_moe_weights(
     with CheckpointReader(path) as ckpt:
         layer_prefix = f"{prefix if prefix is not None else _detect_prefix(ckpt, cfg, layer_idx)}{layer_idx}."
         names = _detect_layout(ckpt, cfg, layer_prefix, first)
-        reader = _LayerReader(ckpt, cfg, layer_idx, names, dtype, device)
+        reader = _LayerReader(ckpt, cfg, layer_idx, names, dtype, device, quant, report)
         # the router first: when it is missing, the layer is most likely dense, which the error says
         gate_weight_ED = reader.tensor(names.router, (cfg.num_experts, cfg.hidden_size))
         bias_E = reader.tensor(names.bias, (cfg.num_experts,), torch.float32) if cfg.use_selection_bias else None
@@ -385,22 +477,110 @@ class _LayerReader:
     """Reads and checks the tensors of one layer: presence, plain dtype, shape; then casts and moves."""
 
     def __init__(self, ckpt: CheckpointReader, cfg: MoEConfig, layer_idx: int, names: LayerNames,
-                 dtype: torch.dtype | None, device):
+                 dtype: torch.dtype | None, device, quant: "QuantSpec | None" = None,
+                 report: LoadReport | None = None):
         self.ckpt, self.cfg, self.layer_idx, self.names = ckpt, cfg, layer_idx, names
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.quant = dtype, device, quant
+        self.report = report if report is not None else LoadReport()
 
     # --- one tensor ---
     def tensor(self, name: str, expected: tuple[int, ...], dtype: torch.dtype | None = None,
-               rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Check ``name`` exists, is plain floating point and has shape ``expected``; read it (or ``rows``)."""
-        self._check(name, expected)
+               rows: tuple[int, int] | None = None, rule: str | None = None) -> torch.Tensor:
+        """Check ``name`` exists, is plain floating point and has shape ``expected``; read it (or ``rows``).
+        ``rule``: why the quantization_config leaves it plain (a quantized checkpoint's message)."""
+        self._check(name, expected, rule)
         value = self.ckpt.read(name) if rows is None else self.ckpt.read_rows(name, *rows)
-        return value.to(device=self.device, dtype=dtype or self.dtype or value.dtype)
+        out = value.to(device=self.device, dtype=dtype or self.dtype or value.dtype)
+        self.report.add(LoadedTensor(name, self.ckpt.dtype(name), value.numel() * value.element_size(),
+                                     str(out.dtype).removeprefix("torch."), out.numel() * out.element_size(),
+                                     rule))
+        return out
 
-    def _check(self, name: str, expected: tuple[int, ...]) -> None:
+    def linear(self, name: str, expected: tuple[int, int], rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """A Linear layer's weight ``name`` (``...weight``) in the precision the checkpoint's quantization_config
+        decides: plain, or quantized and dequantized here, once, into the layer's dtype. For a stacked
+        ``[E, O, I]`` weight, ``expected`` is ``(E, O, I)`` and ``rows`` the experts read."""
+        if self.quant is None:
+            return self.tensor(name, expected, rows=rows)
+        module = name[:-len(".weight")] if name.endswith(".weight") else name
+        quantized, rule = self.quant.quantizes(module)
+        if not quantized:
+            self._check_not_quantized(module, name, rule)
+            return self.tensor(name, expected, rows=rows, rule=rule)
+        return self._dequantized(module, name, expected, rows, rule)
+
+    def _check_not_quantized(self, module: str, name: str, rule: str) -> None:
+        spec = self.quant
+        stored = [n for n in (f"{module}.weight_packed", f"{module}.weight_scale_inv", f"{module}.weight_scale")
+                  if n in self.ckpt]
+        if name in self.ckpt and self.ckpt.dtype(name) not in _PLAIN_DTYPES:
+            stored.insert(0, f"{name} ({self.ckpt.dtype(name)})")
+        if stored:
+            raise QuantizationMismatchError(
+                f"{module!r} (layer {self.layer_idx}) is stored quantized ({', '.join(stored[:3])}), but the "
+                f"checkpoint's quantization_config ({spec.format.value}) leaves it unquantized: {rule}. Use the "
+                f"config.json that came with the checkpoint, or fix its ignore list", name=name, rule=rule)
+
+    def _dequantized(self, module: str, name: str, expected: tuple[int, ...], rows, rule: str) -> torch.Tensor:
+        from moe_ref.checkpoint.formats import SAFETENSORS_DTYPES as _SAFETENSORS_DTYPES, QuantFormat, dequantize_weight
+
+        spec, fmt = self.quant, self.quant.format
+        weight_name, scale_name = f"{module}.{spec.weight_suffix}", f"{module}.{spec.scale_suffix}"
+        plain = name in self.ckpt and self.ckpt.dtype(name) in _PLAIN_DTYPES
+        if plain and (weight_name == name or weight_name not in self.ckpt):
+            raise QuantizationMismatchError(
+                f"tensor {name!r} (layer {self.layer_idx}) is stored as plain {self.ckpt.dtype(name)}, but the "
+                f"checkpoint's quantization_config says {fmt.value} ({spec.weight_suffix} + {spec.scale_suffix}): "
+                f"{rule}. Use the config.json that came with the checkpoint, or list the module in its "
+                f"{spec.ignore_key}", name=name, rule=rule)
+        if weight_name not in self.ckpt:
+            self._raise_missing(weight_name)
+        if scale_name not in self.ckpt:
+            raise MissingScaleError(
+                f"{weight_name!r} (layer {self.layer_idx}) has no scale {scale_name!r} in the checkpoint "
+                f"({self.ckpt.describe_files()}): its values cannot be used without it; download every shard",
+                name=scale_name)
+        *lead, out_f, in_f = expected
+        weight_shape, scale_shape = spec.stored_shapes(out_f, in_f)
+        for tensor_name, dtypes, shape in ((weight_name, (spec.weight_dtype,), weight_shape),
+                                           (scale_name, spec.scale_dtypes, scale_shape)):
+            want = {_SAFETENSORS_DTYPES[d] for d in dtypes}
+            found = self.ckpt.dtype(tensor_name)
+            if found not in want:
+                raise QuantTensorDTypeError(
+                    f"{tensor_name!r} (layer {self.layer_idx}) is stored as {found}, but the checkpoint's "
+                    f"quantization_config says {fmt.value} ({rule}), which stores it as {' or '.join(sorted(want))}; "
+                    f"use the checkpoint as published, with its config.json", name=tensor_name, found=found)
+            if self.ckpt.shape(tensor_name) != (*lead, *shape):
+                raise QuantTensorShapeError(
+                    f"{tensor_name!r} (layer {self.layer_idx}, {fmt.value}) has shape "
+                    f"{list(self.ckpt.shape(tensor_name))}, expected {[*lead, *shape]} for this config and format; "
+                    f"use the config.json that came with the checkpoint", name=tensor_name)
+        shape_name = f"{module}.weight_shape"
+        if fmt == QuantFormat.INT4_GROUP and shape_name in self.ckpt:
+            recorded = [int(v) for v in self.ckpt.read(shape_name).flatten().tolist()]
+            if recorded != [out_f, in_f]:
+                raise QuantTensorShapeError(f"{shape_name!r} records the weight as {recorded}, but the config "
+                                            f"expects [{out_f}, {in_f}] (layer {self.layer_idx})", name=shape_name)
+        read = (lambda n: self.ckpt.read(n)) if rows is None else (lambda n: self.ckpt.read_rows(n, *rows))
+        qweight, scale = read(weight_name), read(scale_name)
+        dtype = self.dtype or _TORCH_DTYPES.get(self.ckpt.dtype(self.names.router), torch.bfloat16)
+        out = dequantize_weight(qweight, scale, fmt, dtype).to(self.device)
+        self.report.add(LoadedTensor(weight_name, f"{self.ckpt.dtype(weight_name)} {fmt.value}",
+                                     qweight.numel() * qweight.element_size() + scale.numel() * scale.element_size(),
+                                     str(out.dtype).removeprefix("torch."), out.numel() * out.element_size(), rule))
+        return out
+
+    def _check(self, name: str, expected: tuple[int, ...], rule: str | None = None) -> None:
         if name not in self.ckpt:
             self._raise_missing(name)
         found_dtype = self.ckpt.dtype(name)
+        if found_dtype not in _PLAIN_DTYPES and self.quant is not None:
+            raise QuantizationMismatchError(
+                f"tensor {name!r} (layer {self.layer_idx}) is stored as {found_dtype} (quantized), but the "
+                f"checkpoint's quantization_config ({self.quant.format.value}) leaves it unquantized: "
+                f"{rule or _NEVER_QUANTIZED}. Use the checkpoint as published, with its config.json",
+                name=name, dtype=found_dtype)
         if found_dtype not in _PLAIN_DTYPES:
             raise UnsupportedCheckpointError(
                 f"tensor {name!r} has dtype {found_dtype} (quantized); moe_ref reads fp32/fp16/bf16 weights only. "
@@ -454,27 +634,27 @@ class _LayerReader:
         with tqdm(total=count, desc=f"layer {self.layer_idx} experts", unit="expert", file=sys.stderr,
                   disable=not progress, leave=False) as bar:
             if n.expert_form == "stacked_gate_up":
-                gate_up, down = self.tensor(n.gate_up, (E, 2 * F, Dx), rows=rows), self.tensor(n.down, (E, Dx, F), rows=rows)
+                gate_up, down = self.linear(n.gate_up, (E, 2 * F, Dx), rows=rows), self.linear(n.down, (E, Dx, F), rows=rows)
                 bar.update(count)
                 return gate_up, down
             if n.expert_form == "stacked":
-                gate, up = self.tensor(n.gate, (E, F, Dx), rows=rows), self.tensor(n.up, (E, F, Dx), rows=rows)
-                down = self.tensor(n.down, (E, Dx, F), rows=rows)
+                gate, up = self.linear(n.gate, (E, F, Dx), rows=rows), self.linear(n.up, (E, F, Dx), rows=rows)
+                down = self.linear(n.down, (E, Dx, F), rows=rows)
                 bar.update(count)
                 return torch.cat([gate, up], dim=1), down
             gate_up, down = [], []
             for e in range(first, first + count):
-                gate_up.append(torch.cat([self.tensor(n.gate.format(expert=e), (F, Dx)),
-                                          self.tensor(n.up.format(expert=e), (F, Dx))]))
-                down.append(self.tensor(n.down.format(expert=e), (Dx, F)))
+                gate_up.append(torch.cat([self.linear(n.gate.format(expert=e), (F, Dx)),
+                                          self.linear(n.up.format(expert=e), (F, Dx))]))
+                down.append(self.linear(n.down.format(expert=e), (Dx, F)))
                 bar.update(1)
             return torch.stack(gate_up), torch.stack(down)
 
     def shared(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``shared_gate_up [2S, D]`` (gate rows, then up rows) and ``shared_down [D, S]``."""
         S, D = self.cfg.shared_intermediate_size, self.cfg.hidden_size
-        gate, up = self.tensor(self.names.shared_gate, (S, D)), self.tensor(self.names.shared_up, (S, D))
-        return torch.cat([gate, up], dim=0), self.tensor(self.names.shared_down, (D, S))
+        gate, up = self.linear(self.names.shared_gate, (S, D)), self.linear(self.names.shared_up, (S, D))
+        return torch.cat([gate, up], dim=0), self.linear(self.names.shared_down, (D, S))
 
 
 # --- error hints -----------------------------------------------------------------------------------------

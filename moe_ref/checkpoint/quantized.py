@@ -12,7 +12,10 @@ format's suffixes: ``mlp.experts.{e}.gate_proj.weight`` + ``.weight_scale_inv`` 
 ``block_sparse_moe.experts.{e}.w1.weight_packed`` + ``.weight_scale`` (Kimi-K3 MXFP4); Step3's stacked
 ``moe.gate_proj.weight [E, F, D]`` + ``.weight_scale_inv [E, F/128, D/128]`` (FP8) are read by rows.
 The router, shared experts and latent projections stay in ``moe_ref.checkpoint.loading.load_moe_weights``'s hands
-(they are bf16 in every published quantized checkpoint).
+(given the ``QuantSpec``, it reads each in the precision the checkpoint's quantization_config decides: FP8
+shared experts of DeepSeek-V3 / Kimi-K2-Instruct / Step3 are dequantized once at load, Kimi-K2-Thinking's and
+Kimi-K3's are ignored by the config and stored bf16). ``routed_experts_quantized`` says whether the config
+quantizes the routed experts at all.
 
 Shape legend as in ``moe_ref.checkpoint.formats``.
 """
@@ -30,17 +33,17 @@ from moe_ref.core.errors import (
     FP8AlignmentError,
     MissingScaleError,
     MissingTensorError,
+    QuantizationMismatchError,
     QuantTensorDTypeError,
     QuantTensorShapeError,
     UnsupportedQuantizationError,
 )
-from moe_ref.checkpoint.loading import CheckpointReader, LayerNames, _check_expert_range, _detect_prefix, layer_names
-from moe_ref.checkpoint.formats import FP8_BLOCK, QuantFormat, QuantizedExpertWeights, QuantSpec, quant_spec_from_config
+from moe_ref.checkpoint.loading import KNOWN_PREFIXES, CheckpointReader, LayerNames, _check_expert_range, _detect_prefix, layer_names
+from moe_ref.checkpoint.formats import (FP8_BLOCK, SAFETENSORS_DTYPES, QuantFormat, QuantizedExpertWeights, QuantSpec,
+                                       quant_spec_from_config)
 from moe_ref.core.weights import MoEWeights
 
-# safetensors dtype strings of the stored tensors
-_SAFETENSORS_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32", torch.uint8: "U8", torch.float32: "F32",
-                       torch.bfloat16: "BF16", torch.float16: "F16"}
+_SAFETENSORS_DTYPES = SAFETENSORS_DTYPES
 
 
 def load_quantized_experts(
@@ -92,6 +95,24 @@ def load_quantized_experts(
     return QuantizedExpertWeights(spec, *out, hidden_size=Dx, intermediate_size=F, first_expert=first)
 
 
+def routed_experts_quantized(path: str | os.PathLike, spec: QuantSpec, cfg: MoEConfig, layer_idx: int, *,
+                             prefix: str | None = None, expert: int = 0) -> tuple[bool, str]:
+    """Whether ``spec`` (the checkpoint's quantization_config) quantizes the routed experts of this layer, and
+    the rule that decided it (``QuantSpec.quantizes`` of expert ``expert``'s gate projection; Step3: the
+    stacked ``moe.gate_proj``). ``prefix`` None: detected in the checkpoint at ``path`` (headers only)."""
+    def decide(layer_prefix: str) -> tuple[bool, str]:
+        gate = layer_names(cfg.family, "hub", f"{layer_prefix}{layer_idx}.").gate.format(expert=expert)
+        return spec.quantizes(gate[:-len(".weight")])
+
+    if prefix is None:
+        decisions = [decide(p) for p in KNOWN_PREFIXES]
+        if len({quantized for quantized, _ in decisions}) == 1:  # the same under every prefix: no need to open
+            return decisions[0]
+        with CheckpointReader(path) as ckpt:
+            prefix = _detect_prefix(ckpt, cfg, layer_idx)
+    return decide(prefix)
+
+
 def checkpoint_quant_spec(path: str | os.PathLike) -> QuantSpec | None:
     """The expert quantization of the checkpoint at ``path`` (a ``.safetensors`` file or its folder), from the
     ``quantization_config`` of the config.json beside it; None when there is no config.json or it has no
@@ -119,8 +140,10 @@ def load_dequantized_weights(path: str | os.PathLike, cfg: MoEConfig, layer_idx:
     Not for serving: it holds the plain experts the quantized path avoids."""
     from moe_ref.checkpoint.loading import load_moe_weights
 
-    dense = load_moe_weights(path, cfg, layer_idx, prefix=prefix, dtype=dtype, device=device, experts=False)
-    gate_up, down = load_quantized_experts(path, cfg, layer_idx, device=device, prefix=prefix,
+    spec = _spec_beside(Path(path))
+    dense = load_moe_weights(path, cfg, layer_idx, prefix=prefix, dtype=dtype, device=device, experts=False,
+                             quant=spec)
+    gate_up, down = load_quantized_experts(path, cfg, layer_idx, device=device, prefix=prefix, spec=spec,
                                            progress=False).dequantize(dtype)
     return dataclasses.replace(dense, gate_up_weight_E2FD=gate_up, down_weight_EDF=down)
 
@@ -151,6 +174,7 @@ class _QuantReader:
         """The stored scale dtype (INT4 scales may be bf16, fp16 or fp32; checked against the spec)."""
         stem = self._stem(self.names.gate, expert)
         name, weight_name = f"{stem}.{self.spec.scale_suffix}", f"{stem}.{self.spec.weight_suffix}"
+        self._check_not_plain(stem)
         if weight_name not in self.ckpt:
             self._raise_missing_weight(weight_name, stem)
         if name not in self.ckpt:
@@ -179,6 +203,7 @@ class _QuantReader:
         """(stored weight, stored scale) of one ``[out_f, in_f]`` weight, checked."""
         stem = self._stem(template, expert)
         weight_name, scale_name = f"{stem}.{self.spec.weight_suffix}", f"{stem}.{self.spec.scale_suffix}"
+        self._check_not_plain(stem)
         if weight_name not in self.ckpt:
             self._raise_missing_weight(weight_name, stem)
         if scale_name not in self.ckpt:
@@ -214,6 +239,21 @@ class _QuantReader:
             f"{name!r} (layer {self.layer_idx}) is stored as {found}, but the checkpoint's quantization_config says "
             f"{self.spec.format.value}, which stores it as {want}; use the checkpoint as published, with its "
             f"config.json", name=name, found=found)
+
+    def _check_not_plain(self, stem: str) -> None:
+        """LOAD014 when the config quantizes this expert but the checkpoint stores a plain weight (and no
+        quantized one beside it)."""
+        plain, weight_name = f"{stem}.weight", f"{stem}.{self.spec.weight_suffix}"
+        if plain not in self.ckpt or self.ckpt.dtype(plain) not in ("F64", "F32", "F16", "BF16"):
+            return
+        if weight_name != plain and weight_name in self.ckpt:
+            return
+        _, rule = self.spec.quantizes(stem)
+        raise QuantizationMismatchError(
+            f"tensor {plain!r} (layer {self.layer_idx}) is stored as plain {self.ckpt.dtype(plain)}, but the "
+            f"checkpoint's quantization_config says {self.spec.format.value} ({self.spec.weight_suffix} + "
+            f"{self.spec.scale_suffix}): {rule}. Use the config.json that came with the checkpoint, or list the "
+            f"module in its {self.spec.ignore_key}", name=plain, rule=rule)
 
     def _raise_missing_weight(self, weight_name: str, stem: str) -> None:
         plain = f"{stem}.weight"

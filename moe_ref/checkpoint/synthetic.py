@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 from moe_ref.core.config import MoEConfig, hf_config_dict
 from moe_ref.core.errors import InvalidConfigError
 from moe_ref.checkpoint.loading import INDEX_FILE, SINGLE_FILE, LayerNames, layer_names
-from moe_ref.checkpoint.formats import (FP8_BLOCK, GROUP_SIZE, QuantFormat, QuantSpec, dequantize_weight, quantize_weight,
-                           shape_problem)
+from moe_ref.checkpoint.formats import (FP8_BLOCK, GROUP_SIZE, QuantFormat, QuantSpec, dequantize_weight,
+                                       quant_spec_from_config, quantize_weight, shape_problem)
 from moe_ref.core.weights import MoEWeights
 
 # the prefix each family's published checkpoints use before the layer number
@@ -72,7 +72,7 @@ def quantizable_config(cfg: MoEConfig, quant: str | QuantFormat) -> MoEConfig:
 def write_synthetic_checkpoint(
     out_dir: str | os.PathLike, cfg: MoEConfig, *, layer_idx: int = 0, seed: int = 0,
     dtype: torch.dtype = torch.bfloat16, layout: str = "hub", num_shards: int = 1, quant: str | None = None,
-    prefix: str | None = None,
+    prefix: str | None = None, quantization_config: dict | None = None,
 ) -> MoEWeights:
     """Write ``config.json`` and the safetensors of MoE layer ``layer_idx`` with seeded random weights.
 
@@ -89,15 +89,21 @@ def write_synthetic_checkpoint(
         num_shards: 1 writes ``model.safetensors``; more writes that many shard files plus
             ``model.safetensors.index.json`` (tensors split in name order).
         quant: None (plain ``dtype`` weights) or a ``moe_ref.checkpoint.formats.QuantFormat`` value (``"fp8_block"``,
-            ``"int4_group"``, ``"mxfp4"``): the routed experts are quantized from the random weights and stored
-            under the published names/dtypes/shapes (hub layout only), with the published
-            ``quantization_config`` in config.json; everything else stays in ``dtype``.
+            ``"int4_group"``, ``"mxfp4"``): config.json gets the published ``quantization_config``
+            (``QUANTIZATION_CONFIGS``) and every Linear layer of the block that it quantizes
+            (``QuantSpec.quantizes``) is stored quantized under the published names/dtypes/shapes (hub layout
+            only): the routed experts always, the shared experts too under fp8 (DeepSeek-V3, Kimi-K2-Instruct,
+            Step3 FP8), not under the compressed-tensors configs (their ``ignore`` lists ``shared_experts``).
+            Router, bias and Kimi-K3's latent tensors stay in ``dtype``.
         prefix: the text before the layer number; default: the family's published one (e.g.
             ``"language_model.model.layers."`` writes Kimi-K2.5's naming).
+        quantization_config: with ``quant``, written instead of the published one (e.g. with another ignore
+            list); the modules it quantizes are the ones stored quantized.
 
     Returns:
         The ``MoEWeights`` written (all experts, tensors in ``dtype``, bias fp32), to compare a load against;
-        with ``quant``, the routed experts are the dequantized stored values in fp32 (what the checkpoint means).
+        with ``quant``, each weight stored quantized is its dequantized stored value in fp32 (what the
+        checkpoint means).
     """
     if num_shards < 1:
         raise InvalidConfigError(f"num_shards={num_shards} must be >= 1", field="num_shards")
@@ -110,18 +116,62 @@ def write_synthetic_checkpoint(
     config = _config_for_layer(cfg, layer_idx)
     if quant is not None:
         fmt = QuantFormat(quant)
-        weights = _quantize_experts(tensors, weights, cfg, names, fmt)
-        config["quantization_config"] = QUANTIZATION_CONFIGS[fmt]
+        qc = QUANTIZATION_CONFIGS[fmt] if quantization_config is None else quantization_config
+        spec = quant_spec_from_config({"quantization_config": qc})
+        if spec is None or spec.format != fmt:
+            raise InvalidConfigError(f"quantization_config {qc!r} does not describe quant={fmt.value!r}",
+                                     field="quantization_config")
+        weights = _quantize_experts(tensors, weights, cfg, names, spec)
+        weights = _quantize_shared(tensors, weights, names, spec)
+        config["quantization_config"] = qc
     (out / "config.json").write_text(json.dumps(config, indent=1))
     _save_sharded(tensors, out, num_shards)
     return weights
 
 
+def _store_quantized(tensors: dict[str, torch.Tensor], name: str, spec: QuantSpec) -> torch.Tensor:
+    """Replace weight ``name`` in ``tensors`` (in place) by its stored form in ``spec``; return the dequantized
+    stored value (fp32)."""
+    fmt, stem = spec.format, name[:-len(".weight")]
+    dense = tensors.pop(name)
+    qweight, scale = quantize_weight(dense, fmt)
+    tensors[f"{stem}.{spec.weight_suffix}"] = qweight.contiguous()
+    tensors[f"{stem}.{spec.scale_suffix}"] = scale.contiguous()
+    if fmt == QuantFormat.INT4_GROUP:
+        tensors[f"{stem}.weight_shape"] = torch.tensor(list(dense.shape[-2:]), dtype=torch.int32)
+    return dequantize_weight(qweight, scale, fmt)
+
+
+def _quantize_shared(tensors: dict[str, torch.Tensor], weights: MoEWeights, names: LayerNames,
+                     spec: QuantSpec) -> MoEWeights:
+    """Store the shared experts quantized where ``spec`` (the config's rule) quantizes them; return ``weights``
+    with those dequantized (fp32) from what was stored."""
+    if weights.shared_gate_up_weight_2SD is None:
+        return weights
+    parts = []
+    for name in (names.shared_gate, names.shared_up, names.shared_down):
+        quantized, _ = spec.quantizes(name[:-len(".weight")])
+        parts.append(_store_quantized(tensors, name, spec) if quantized else None)
+    if parts == [None, None, None]:
+        return weights
+    gate_SD, up_SD = weights.shared_gate_up_weight_2SD.chunk(2, dim=0)
+    gate_SD, up_SD, down_DS = (p if p is not None else w.float()
+                               for p, w in zip(parts, (gate_SD, up_SD, weights.shared_down_weight_DS)))
+    return dataclasses.replace(weights, shared_gate_up_weight_2SD=torch.cat([gate_SD, up_SD]),
+                               shared_down_weight_DS=down_DS)
+
+
 def _quantize_experts(tensors: dict[str, torch.Tensor], weights: MoEWeights, cfg: MoEConfig, names: LayerNames,
-                      fmt: QuantFormat) -> MoEWeights:
+                      spec: QuantSpec) -> MoEWeights:
     """Replace the expert weights in ``tensors`` (in place) by their stored quantized form; return ``weights``
-    with the experts dequantized (fp32) from what was stored."""
-    spec = QuantSpec.published(fmt)
+    with the experts dequantized (fp32) from what was stored. Every routed expert is quantized (a config that
+    ignores them is refused: write that checkpoint with ``quant=None``)."""
+    fmt = spec.format
+    gate_module = (names.gate if names.expert_form != "stacked_gate_up" else names.gate_up).format(expert=0)
+    if not spec.quantizes(gate_module.removesuffix(".weight"))[0]:
+        raise InvalidConfigError(f"quant={fmt.value!r}: the quantization_config leaves the routed experts "
+                                 f"unquantized ({spec.quantizes(gate_module.removesuffix('.weight'))[1]})",
+                                 field="quantization_config")
     F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
     problem = "it needs the hub layout" if names.expert_form == "stacked_gate_up" else shape_problem(fmt, Dx, F)
     if problem:
@@ -133,14 +183,7 @@ def _quantize_experts(tensors: dict[str, torch.Tensor], weights: MoEWeights, cfg
     for template in templates:
         for expert in experts:
             name = template if expert is None else template.format(expert=expert)
-            stem = name[:-len(".weight")]
-            qweight, scale = quantize_weight(tensors.pop(name), fmt)
-            tensors[f"{stem}.{spec.weight_suffix}"] = qweight.contiguous()
-            tensors[f"{stem}.{spec.scale_suffix}"] = scale.contiguous()
-            if fmt == QuantFormat.INT4_GROUP:
-                tensors[f"{stem}.weight_shape"] = torch.tensor(list(qweight.shape[:-1]) + [Dx if template != names.down
-                                                                                           else F], dtype=torch.int32)
-            dense[(template, expert)] = dequantize_weight(qweight, scale, fmt)
+            dense[(template, expert)] = _store_quantized(tensors, name, spec)
     stack = (lambda t: dense[(t, None)]) if names.expert_form == "stacked" else \
         (lambda t: torch.stack([dense[(t, e)] for e in experts]))
     return dataclasses.replace(weights, gate_up_weight_E2FD=torch.cat([stack(names.gate), stack(names.up)], dim=1),

@@ -26,6 +26,7 @@ from moe_ref.core.errors import (
     InvalidConfigError,
     TopKError,
     TPExceedsExpertsError,
+    UnknownFamilyError,
     UnknownNameError,
 )
 
@@ -274,11 +275,11 @@ def hf_config_to_fields(raw: Mapping[str, Any], source: str = "<dict>") -> dict[
             "moe_num_experts and num_experts_per_tok/num_experts_per_token/moe_top_k); is it an MoE model?")
     num_experts = f.required_int(*expert_keys, what="the routed-expert count")
     num_topk = f.required_int(*topk_keys, what="the experts per token (top-k)")
-    is_step3 = model_type.startswith("step3") or "moe_num_experts" in d
-    use_latent = f.boolean("use_latent_moe", default=model_type == "kimi_k3")
-    is_k3 = model_type == "kimi_k3" or use_latent
-    family = ("step3" if is_step3 else "kimi_k3" if is_k3 else "kimi_k2" if model_type == "kimi_k2"
-              else "deepseek_v3" if model_type == "deepseek_v3" else "custom")
+    family = _family(model_type, source)
+    is_step3 = family == "step3"
+    use_latent = f.boolean("use_latent_moe", default=family == "kimi_k3")
+    is_k3 = family == "kimi_k3" or (use_latent and family != "step3")
+    family = "kimi_k3" if is_k3 else family
     # transformers' own DeepseekV3Config.to_dict() omits scoring_func: the family's router is sigmoid.
     default_scoring = "sigmoid" if family in ("deepseek_v3", "kimi_k2", "kimi_k3") else "softmax"
     scoring = f.string("scoring_func", "moe_router_activation_func", default=default_scoring)
@@ -317,6 +318,27 @@ def hf_config_to_fields(raw: Mapping[str, Any], source: str = "<dict>") -> dict[
         name=str(raw.get("_name", model_type or "custom")),
         moe_layers=_moe_layers(f, is_step3),
     )
+
+
+# model_type -> family: the families whose field names and routing rule from_hf_config maps. Step3's text
+# config is "step3_text" (the VL wrapper "step3_vl" carries it as text_config, whose model_type wins).
+HF_MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "kimi_k2", "kimi_k3": "kimi_k3", "step3": "step3",
+                  "step3_text": "step3"}
+
+
+def _family(model_type: str, source: str) -> str:
+    """The family of ``model_type``; UnknownFamilyError (CFG016) for any other (no guessing from field names:
+    a Qwen3-MoE config has ``num_experts`` and ``moe_intermediate_size`` too, but another router and no shared
+    expert). ``custom`` is for MoEConfig(...) built in code only."""
+    family = HF_MODEL_TYPES.get(model_type)
+    if family is None:
+        what = f"model_type {model_type!r}" if model_type else "no model_type"
+        raise UnknownFamilyError(
+            f"{source}: {what}: moe_ref does not know this model family's routing rule and tensor names, and "
+            f"will not guess them from field names; supported model_types: {', '.join(HF_MODEL_TYPES)} "
+            f"(DeepSeek-V3/R1, Kimi-K2, Kimi-K3, Step3). For a block of your own, build MoEConfig(...) in code "
+            f"(family 'custom')", field="model_type", model_type=model_type)
+    return family
 
 
 def _moe_layers(f: _Fields, is_step3: bool) -> tuple[int, ...]:

@@ -168,6 +168,21 @@ class ConfigFieldError(InvalidConfigError):
 
 
 
+class UnknownFamilyError(InvalidConfigError):
+    code = _entry(
+        "CFG016", "the config.json's model_type names a model family moe_ref does not know",
+        "MoEConfig.from_hf_config maps each family's own field names and routing rule (DeepSeek-V3, Kimi-K2, "
+        "Kimi-K3, Step3). Another MoE family (Qwen3-MoE, Mixtral, DeepSeek-V2, ...) shares some field names but "
+        "not its router, its shared experts or its tensor names; reading it as one of these would run a different "
+        "model silently, so its model_type is refused.",
+        "A Qwen3-MoE config.json (model_type qwen3_moe, num_experts, norm_topk_prob, softmax routing, no shared "
+        "expert), or a config.json without model_type.",
+        ["Use the config.json of a supported model (the message lists the model_types read).",
+         "For a block of your own, build MoEConfig(...) in code (family 'custom') with the router rule you mean."],
+        "cfg = MoEConfig(num_experts=128, num_topk=8, hidden_size=2048, intermediate_size=768, scoring='softmax',\n"
+        "                renormalize=True, use_selection_bias=False)  # family 'custom', named on purpose")
+
+
 class CommandLineError(ConfigError):
     code = _entry(
         "CFG015", "a command-line flag is missing, unknown or out of range",
@@ -618,6 +633,23 @@ class UnsafeShardPathError(CheckpointError):
         ["Fix the index so every shard is a plain file name in the folder (as published).",
          "Copy the shards into the checkpoint folder."],
         "{\"weight_map\": {\"model.layers.1.mlp.gate.weight\": \"model-00001-of-00002.safetensors\"}}")
+
+
+class QuantizationMismatchError(CheckpointError):
+    code = _entry(
+        "LOAD014", "a module's stored precision disagrees with the checkpoint's quantization_config",
+        "The checkpoint's quantization_config decides which Linear modules are stored quantized: quant_method "
+        "'fp8' quantizes every Linear (the router gate and lm_head are not Linear layers of the quantized model) "
+        "except those in ignored_layers / modules_to_not_convert; compressed-tensors quantizes its targets except "
+        "the 'ignore' list (names, or 're:' regexes). A module that rule calls quantized is stored as a plain "
+        "weight, or the reverse: one of the two is not the checkpoint as published.",
+        "A DeepSeek-V3 FP8 checkpoint whose shared experts were converted to bf16 while config.json still says "
+        "quant_method fp8; a Kimi-K2-Thinking config (ignore: re:.*shared_experts.*) beside FP8 shared experts.",
+        ["Use the checkpoint with the config.json that came with it (the message names the tensor and the rule).",
+         "If you converted some modules yourself, list them in the config's ignore / ignored_layers / "
+         "modules_to_not_convert (or quantize them too)."],
+        "\"quantization_config\": {\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128], "
+        "\"ignored_layers\": [\"model.layers.1.mlp.shared_experts.gate_proj\"]}")
 
 
 def explain(code: str) -> str:

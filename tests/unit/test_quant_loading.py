@@ -27,7 +27,7 @@ from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import QuantTorchExperts, make_quantized_experts
 from moe_ref.checkpoint.loading import load_moe_weights
 from moe_ref.checkpoint.formats import QuantFormat, expert_weight_bytes, quant_spec_from_config
-from moe_ref.checkpoint.quantized import load_quantized_experts
+from moe_ref.checkpoint.quantized import checkpoint_quant_spec, load_quantized_experts
 from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
 from moe_ref.testing import calc_diff
 
@@ -303,7 +303,9 @@ def test_whole_block_from_a_quantized_checkpoint_on_two_ranks(tmp_path, case):
         q = load_quantized_experts(tmp_path, cfg, LAYER, (rank * count, count), progress=False)
         ranks.append((make_quantized_experts(q, cfg.activation, cfg.situ_beta, cfg.situ_linear_beta), rank * count,
                       count))
-    dense = load_moe_weights(tmp_path, cfg, LAYER, experts=False)  # router, bias, shared, latent: as stored
+    # router, bias, latent as stored; shared experts in the precision quantization_config decides (fp8: FP8,
+    # dequantized once here; compressed-tensors: ignored, bf16)
+    dense = load_moe_weights(tmp_path, cfg, LAYER, experts=False, quant=checkpoint_quant_spec(tmp_path))
     assert dense.num_held_experts == 0
     x = torch.randn(24, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
     y = moe_block(x, dense, cfg, _routed_over_ranks(ranks, cfg.expert_hidden_size))
