@@ -1,7 +1,15 @@
 #!/usr/bin/env python
-"""Benchmark the routed step of one EP MoE layer on 2 GPUs (torchrun, NCCL) at Kimi-K2 shapes.
+"""Benchmark the routed step of one EP MoE layer at Kimi-K2 shapes: 2 GPUs (torchrun, NCCL), or one GPU.
 
     torchrun --standalone --nproc-per-node 2 scripts/bench_layer.py --out results/gpu [--tokens 128 512 4096]
+    PYTHONPATH=. python3 scripts/bench_layer.py --out results/gpu1 --num-experts 192 [--tokens 128 512 4096]
+
+Without torchrun (no ``WORLD_SIZE`` in the environment) the script is one plain process on GPU 0: world 1, no
+process group (``group=None``), so the moe_ref paths run the ``local`` transport and a2a_grouped_mm's
+all_to_all_single calls become local copies; no barrier or all_gather is issued. ``--num-experts 192`` gives that
+GPU the experts one rank of the 2-GPU run holds (with uniform routing, the same rows per local expert). Paths that
+need 2+ ranks (deep_gemm_mega: DeepGEMM's mega-MoE shares symmetric memory between ranks) report 'not available'
+with that reason.
 
 Shapes: 384 experts (192 per rank), top-8, hidden 7168, expert intermediate 2048 (bf16 weights; the
 FP8 paths quantize their copy to fp8 with 128x128 block scales once, at build). Tokens per rank: 128, 512, 4096 by default; routing is
@@ -33,8 +41,8 @@ A path that cannot be built or fails reports 'not available' with its error; the
 ``--replot saved.json --out DIR`` rewrites the markdown and the plot (``bench_layer.png``, with matplotlib) of a
 saved run on any machine.
 
-Timing: after warmup, per iteration a cross-rank barrier + synchronize, then CUDA events around one call;
-per rank the median, reported as the max over ranks (the layer is as slow as its slowest rank). Every
+Timing: after warmup, per iteration a cross-rank barrier (none at world 1) + synchronize, then CUDA events around
+one call; per rank the median, reported as the max over ranks (the layer is as slow as its slowest rank). Every
 path's first output is compared with a2a_grouped_mm's (calc_diff). Rank 0 writes
 ``<out>/bench_layer.json`` and ``<out>/bench_layer.md`` (rewritten after every path, so a time-out still
 leaves the finished rows). The first call of a DeepGEMM or Triton shape compiles kernels (reported as
@@ -59,6 +67,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from moe_ref.core.config import MoEConfig  # noqa: E402
+from moe_ref.ep.distributed import group_size_and_rank  # noqa: E402
 from moe_ref.experts import Experts  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
 
@@ -68,10 +77,12 @@ DEFAULT_PATHS = ("a2a_grouped_mm", "moe_ref_triton", "moe_ref_triton_graph", "mo
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="EP MoE layer benchmark (2 GPUs, torchrun)")
+    parser = argparse.ArgumentParser(description="EP MoE layer benchmark (2 GPUs under torchrun, or one GPU as a "
+                                                 "plain process)")
     parser.add_argument("--out", default="results/gpu", help="folder for bench_layer.json / bench_layer.md")
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 4096], help="tokens per rank")
-    parser.add_argument("--num-experts", type=int, default=384)
+    parser.add_argument("--num-experts", type=int, default=384,
+                        help="experts over all ranks (default 384); on one GPU, 192 is one rank's share of EP 2")
     parser.add_argument("--num-topk", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--intermediate", type=int, default=2048)
@@ -82,6 +93,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--replot", metavar="JSON", help="rewrite the markdown and PNG of a saved bench_layer.json "
                         "into --out, on any machine (no GPU, no torchrun)")
     return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------
+# ranks: one code path for torchrun (a process group) and one plain process (world 1, group None)
+# ------------------------------------------------------------------------------------------------
+# paths that cannot run in one process: (ranks they need, why)
+MIN_RANKS = {"deep_gemm_mega": (2, "DeepGEMM's SM90 mega-MoE needs 2+ ranks sharing symmetric memory (in one process "
+                                   "moe_ref_deep_gemm_fp8 runs DeepGEMM's grouped GEMMs)")}
+
+
+def distributed() -> bool:
+    """True when this process is in a process group (torchrun); False for one plain process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if distributed() else 0
+
+
+def barrier() -> None:
+    """A barrier over the ranks; nothing at world 1."""
+    if distributed():
+        dist.barrier()
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None) -> None:
+    """``dist.all_to_all_single``; with no group (one process) every row stays here: a copy."""
+    if group is None:
+        output.copy_(input)
+    else:
+        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,7 +159,7 @@ def build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device, *,
         raise RuntimeError(f"torch {torch.__version__} has no grouped_mm")
     gate_up, down = local_weights
     gate_up_t, down_t = gate_up.transpose(-2, -1), down.transpose(-2, -1)
-    world, num_local, Fi, K = dist.get_world_size(group), gate_up.shape[0], args.intermediate, args.num_topk
+    world, num_local, Fi, K = group_size_and_rank(group)[0], gate_up.shape[0], args.intermediate, args.num_topk
 
     def step(x_TD, ids_TK, weights_TK):
         num_tokens_, dim = x_TD.shape
@@ -129,13 +171,13 @@ def build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device, *,
         dst_N = expert_N // num_local
         send_counts = torch.bincount(dst_N, minlength=world)
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        all_to_all_single(recv_counts, send_counts, group=group)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # NOTE: host sync
         num_recv = sum(recv_splits)
         recv_x = x_TD.new_empty(num_recv, dim)
-        dist.all_to_all_single(recv_x, x_TD[slot_N // K], recv_splits, send_splits, group=group)
+        all_to_all_single(recv_x, x_TD[slot_N // K], recv_splits, send_splits, group=group)
         recv_expert = torch.empty(num_recv, dtype=torch.int64, device=x_TD.device)
-        dist.all_to_all_single(recv_expert, expert_N - dst_N * num_local, recv_splits, send_splits, group=group)
+        all_to_all_single(recv_expert, expert_N - dst_N * num_local, recv_splits, send_splits, group=group)
         perm = torch.argsort(recv_expert, stable=True)
         offs = torch.bincount(recv_expert, minlength=num_local).cumsum(0).to(torch.int32)
         y_recv = recv_x if identity else x_TD.new_empty(num_recv, dim)
@@ -144,7 +186,7 @@ def build_a2a_grouped_mm(args, cfg, group, num_tokens, local_weights, device, *,
             h = (F.silu(gate_up_rows[:, :Fi].float()) * gate_up_rows[:, Fi:].float()).bfloat16()
             y_recv[perm] = grouped_mm(h, down_t, offs=offs)
         back = x_TD.new_empty(slot_N.shape[0], dim)
-        dist.all_to_all_single(back, y_recv, send_splits, recv_splits, group=group)
+        all_to_all_single(back, y_recv, send_splits, recv_splits, group=group)
         out = torch.zeros(num_tokens_, dim, dtype=torch.float32, device=x_TD.device)
         out.index_add_(0, slot_N // K, back.float() * weights_TK.reshape(-1)[slot_N, None])
         return out.to(x_TD.dtype)
@@ -170,7 +212,7 @@ def build_moe_ref(args, cfg, group, num_tokens, local_weights, device, *, backen
                                 device=device, dispatch_fp8=fp8, experts_backend=backend,
                                 pool_format=pool_format)
     step = make_modular_step(cfg, group, experts, options)
-    print(f"[rank {dist.get_rank()}] moe_ref routed step: transport={step.transport_name}, experts={experts.name}, "
+    print(f"[rank {rank()}] moe_ref routed step: transport={step.transport_name}, experts={experts.name}, "
           f"fp8={fp8}, alignment={step.plan.alignment}, pool {pool_format} {step.plan.num_pool_rows} rows, "
           f"buffer {step.plan.total_bytes} bytes", flush=True)
     return step, step.destroy
@@ -195,7 +237,7 @@ def graphed(builder):
     """``builder`` captured once in a CUDA graph; each call copies its inputs in and replays."""
     def build(args, cfg, group, num_tokens, local_weights, device):
         step, cleanup = builder(args, cfg, group, num_tokens, local_weights, device)
-        static = [t.clone() for t in make_inputs(args, dist.get_rank(), num_tokens, device)]
+        static = [t.clone() for t in make_inputs(args, rank(), num_tokens, device)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -224,7 +266,7 @@ def build_deep_gemm_mega(args, cfg, group, num_tokens, local_weights, device):
     options = EPOptions.resolve(num_max_tokens_per_rank=num_tokens, overflow="error", dtype=torch.bfloat16,
                                 device=device, experts_backend="deep_gemm")
     mega = make_mega_step(cfg, group, options, *local_weights)
-    print(f"[rank {dist.get_rank()}] DeepGEMM mega-MoE: symmetric buffer {mega.engine.buffer_bytes} bytes", flush=True)
+    print(f"[rank {rank()}] DeepGEMM mega-MoE: symmetric buffer {mega.engine.buffer_bytes} bytes", flush=True)
     return mega, mega.destroy
 
 
@@ -247,7 +289,9 @@ PATHS = tuple(BUILDERS)  # every path --paths can name
 # measurement
 # ------------------------------------------------------------------------------------------------
 def all_ok(flag: bool, device) -> bool:
-    """True when every rank passes True (so all ranks skip a broken path together)."""
+    """True when every rank passes True (so all ranks skip a broken path together); ``flag`` at world 1."""
+    if not distributed():
+        return flag
     tensor = torch.tensor([0 if flag else 1], device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item()) == 0
@@ -260,7 +304,7 @@ def time_path(fn, inputs, warmup: int, iters: int, device) -> float:
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        dist.barrier()
+        barrier()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -272,6 +316,9 @@ def time_path(fn, inputs, warmup: int, iters: int, device) -> float:
 
 
 def gather_floats(value: float, device) -> list[float]:
+    """``value`` of every rank, in rank order; ``[value]`` at world 1."""
+    if not distributed():
+        return [value]
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(out, tensor)
@@ -281,6 +328,11 @@ def gather_floats(value: float, device) -> list[float]:
 def run_path(name, args, cfg, group, num_tokens, local_weights, inputs, reference, device) -> tuple[dict, object]:
     """Build, check and time one path; every rank returns the same status."""
     row = {"path": name, "tokens_per_rank": num_tokens}
+    world = group_size_and_rank(group)[0]
+    min_ranks, why = MIN_RANKS.get(name, (1, ""))
+    if world < min_ranks:  # the same on every rank: nothing to agree on
+        row.update(status="not available", error=f"needs {min_ranks}+ ranks, this run has {world}: {why}")
+        return row, None
     output, cleanup, error = None, None, None
     start = time.perf_counter()
     try:
@@ -292,7 +344,7 @@ def run_path(name, args, cfg, group, num_tokens, local_weights, inputs, referenc
         row["first_call_s"] = round(time.perf_counter() - start, 2)
     except Exception as err:  # noqa: BLE001 - a broken path is reported, the bench goes on
         error = f"{type(err).__name__}: {err}"
-        print(f"[rank {dist.get_rank()}] {name} at {num_tokens} tokens failed:\n{traceback.format_exc()}", flush=True)
+        print(f"[rank {rank()}] {name} at {num_tokens} tokens failed:\n{traceback.format_exc()}", flush=True)
     if not all_ok(error is None, device):
         row.update(status="not available", error=error or "failed on another rank")
         if cleanup is not None:
@@ -318,7 +370,7 @@ def write_results(out_dir: str, meta: dict, rows: list[dict]) -> None:
     # identity paths are compared with the NCCL identity anchor, the others with a2a_grouped_mm
     base = {(r["tokens_per_rank"], "identity" in r["path"]): r["us"] for r in rows
             if r["path"] in ("a2a_grouped_mm", "a2a_identity") and r.get("status") == "ok"}
-    lines = [f"# EP layer routed step, {meta['ranks']} ranks: {meta['shape']}", "",
+    lines = [f"# EP layer routed step, {meta['ranks']} rank(s): {meta['shape']}", "",
              "| tokens/rank | path | us (max over ranks) | us per rank | TFLOP/s per rank | x vs its a2a anchor | calc_diff vs anchor "
              "| first call s | status |",
              "|---:|---|---:|---|---:|---:|---:|---:|---|"]
@@ -367,15 +419,31 @@ def plot_results(out_dir: str, meta: dict, rows: list[dict]) -> None:
 
 
 def init_ranks(args, name: str, timeout: timedelta):
-    """This process's GPU, the NCCL group (torchrun) and the benchmark's MoE block:
-    ``(device, group, rank, world, cfg)``."""
+    """This process's GPU, its group and the benchmark's MoE block: ``(device, group, rank, world, cfg)``.
+
+    Under torchrun (``WORLD_SIZE`` set) the NCCL group over every rank; without it one plain process on GPU 0:
+    ``group=None``, rank 0, world 1 (the ``local`` transport)."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{name}: needs a CUDA GPU and torch sees none (torch {torch.__version__}, CUDA build "
+                         f"{torch.version.cuda or 'none'}); --help works anywhere")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    group = None
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        group = dist.group.WORLD
+    world, _ = group_size_and_rank(group)
     cfg = MoEConfig(num_experts=args.num_experts, num_topk=args.num_topk, hidden_size=args.hidden,
                     intermediate_size=args.intermediate, name=name)
-    return device, dist.group.WORLD, dist.get_rank(), dist.get_world_size(), cfg
+    return device, group, rank(), world, cfg
+
+
+def finish_ranks() -> None:
+    """The end of what ``init_ranks`` started: a last barrier and the group torn down (nothing at world 1)."""
+    if distributed():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
@@ -390,7 +458,8 @@ def main(argv=None) -> int:
             "python": platform.python_version(),
             "shape": f"{args.num_experts} experts ({num_local}/rank), top-{args.num_topk}, hidden {args.hidden}, "
                      f"intermediate {args.intermediate}, bf16 (moe_ref_triton_fp8, deep_gemm_mega: fp8)",
-            "timing": f"median of {args.iters} after {args.warmup} warmup, barrier before each, max over ranks"}
+            "timing": f"median of {args.iters} after {args.warmup} warmup, "
+                      + ("barrier before each, max over ranks" if world > 1 else "one process, no barrier")}
     try:
         from moe_ref.experts.deep_gemm.probe import deep_gemm_status
 
@@ -422,8 +491,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     if rank == 0:
         print(open(os.path.join(args.out, "bench_layer.md")).read(), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_ranks()
     return 0
 
 

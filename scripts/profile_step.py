@@ -1,13 +1,17 @@
 #!/usr/bin/env python
-"""Where one call of the EP routed step spends its time, through the public API (2 GPUs, torchrun, NCCL).
+"""Where one call of the EP routed step spends its time, through the public API (2 GPUs under torchrun, or one GPU).
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. \
         python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/profile_step.py --out results/prof
+    PYTHONPATH=. python3 scripts/profile_step.py --out results/prof1 --num-experts 192
 
-The paths are bench_layer's (its builders, shapes and inputs). For each path and tokens/rank, on rank 0 (rank 1 runs
-the same calls, unprofiled, since every call is collective):
-- ``host_us``: wall time per eager call until Python returns, over ``--calls`` back-to-back calls, and
-  ``wall_us`` until the GPU is done too: when the two are close the call is host bound.
+Without torchrun (no ``WORLD_SIZE``) it is one plain process on GPU 0 (world 1, ``group=None``: the ``local``
+transport, no barriers); ``--num-experts 192`` holds the experts of one rank of the 2-GPU run.
+The paths are bench_layer's (its builders, shapes and inputs). For each path and tokens/rank, on rank 0 (under
+torchrun the other ranks run the same calls, unprofiled, since every call is collective):
+- ``host_us`` (eager host): wall time per eager call until Python returns, over ``--calls`` back-to-back calls, and
+  ``wall_us`` (eager wall) until the GPU is done too: when the two are close the call is host bound; the same two
+  for the graph replay (``graph_host_us``, ``graph_wall_us``).
 - runtime calls per eager call (torch profiler): kernel launches, stream/device synchronizations, device-to-host
   copies, NCCL kernels; and the GPU kernels of one eager call, summed.
 - a cProfile of the eager calls (``cprofile_<path>_<T>.txt``, cumulative time): which Python functions the host time
@@ -30,7 +34,6 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=[p for p in bench_layer.PATHS if p.startswith("moe_ref") and not p.endswith("_graph")])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--num-experts", type=int, default=None,
-                        help="bench_layer's by default (384); e.g. 192 on one GPU for EP 2's experts per rank")
+                        help="experts over all ranks: bench_layer's by default (384); e.g. 192 on one GPU for EP 2's "
+                             "experts per rank")
     args = parser.parse_args(argv)
     # bench_layer's shape and seed
     defaults = bench_layer.parse_args([])
@@ -64,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def host_and_wall_us(fn, inputs, calls: int) -> tuple[float, float]:
     """(host us per call until the calls return, wall us per call until the GPU is done)."""
-    dist.barrier()
+    bench_layer.barrier()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
@@ -78,7 +82,7 @@ def host_and_wall_us(fn, inputs, calls: int) -> tuple[float, float]:
 def cprofile_text(fn, inputs, calls: int, rank: int) -> str:
     """cProfile of ``calls`` eager calls on rank 0 (the others run them unprofiled)."""
     profiler = cProfile.Profile() if rank == 0 else None
-    dist.barrier()
+    bench_layer.barrier()
     if profiler:
         profiler.enable()
     for _ in range(calls):
@@ -98,7 +102,7 @@ def torch_profile(fn, inputs, calls: int, rank: int):
     """Torch profiler (CPU + CUDA) over ``calls`` calls on rank 0; None on the others."""
     from torch.profiler import ProfilerActivity, profile
 
-    dist.barrier()
+    bench_layer.barrier()
     torch.cuda.synchronize()
     if rank != 0:
         for _ in range(calls):
@@ -144,7 +148,7 @@ def gpu_span_us(prof, calls: int) -> float:
 
 
 def profile_path(name: str, args, cfg, group, num_tokens: int, weights, device) -> dict:
-    rank = dist.get_rank()
+    rank = bench_layer.rank()
     inputs = bench_layer.make_inputs(args, rank, num_tokens, device)
     fn, cleanup = bench_layer.BUILDERS[name](args, cfg, group, num_tokens, weights, device)
     for _ in range(3):  # compile and autotune outside the measurements
@@ -176,21 +180,32 @@ def profile_path(name: str, args, cfg, group, num_tokens: int, weights, device) 
         row["graph_gpu_busy_us"] = sum(r["us_per_call"] for r in row["graph_kernels"])
     cleanup()
     torch.cuda.synchronize()
-    dist.barrier()
+    bench_layer.barrier()
     return row
 
 
 def write_markdown(rows: list[dict], meta: dict, path: str) -> None:
-    lines = [f"# Routed step profile, {meta['ranks']} ranks, rank 0 ({meta['device']}, torch {meta['torch']})", "",
-             "| path | tokens/rank | eager host us/call | eager wall us/call | eager GPU busy us | launches | syncs | "
-             "copies | NCCL kernels | graph wall us/call | graph GPU span us | graph GPU busy us |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+    """``profile_step.md``: one summary line per tokens/rank and path (eager wall, eager host, graph, launches and
+    syncs per call first), then the kernels of each."""
+    def num(value, fmt: str = ".0f") -> str:
+        return "-" if value is None else format(value, fmt)
+
+    lines = [f"# Routed step profile, {meta['ranks']} rank(s), rank 0 ({meta['device']}, torch {meta['torch']}, "
+             f"{meta['calls']} calls)", "",
+             "Per call: eager wall = back-to-back eager calls until the GPU is done, eager host = until Python "
+             "returns (close to wall: host bound); graph = the CUDA-graph replay (inputs copied in), wall; "
+             "launches, syncs, memcpy and NCCL kernels per eager call (torch profiler); GPU busy = the kernels' "
+             "summed time, graph span = first kernel start to last kernel end.", "",
+             "| tokens/rank | path | eager wall us | eager host us | graph us | launches | syncs | memcpy | "
+             "NCCL kernels | eager GPU busy us | graph GPU span us | graph GPU busy us |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: r["tokens_per_rank"]):  # stable: paths in run order per T
         c = r.get("per_eager_call", {})
-        lines.append(f"| {r['path']} | {r['tokens_per_rank']} | {r['host_us']:.0f} | {r['wall_us']:.0f} | "
-                     f"{r.get('eager_gpu_busy_us', 0):.0f} | {c.get('kernel launches', '-')} | "
-                     f"{c.get('synchronizations', '-')} | {c.get('copies (memcpy)', '-')} | {c.get('nccl kernels', '-')} | "
-                     f"{r['graph_wall_us']:.0f} | {r.get('graph_span_us', 0):.1f} | {r.get('graph_gpu_busy_us', 0):.1f} |")
+        lines.append(f"| {r['tokens_per_rank']} | {r['path']} | {num(r.get('wall_us'))} | {num(r.get('host_us'))} | "
+                     f"{num(r.get('graph_wall_us'))} | {c.get('kernel launches', '-')} | {c.get('synchronizations', '-')} | "
+                     f"{c.get('copies (memcpy)', '-')} | {c.get('nccl kernels', '-')} | "
+                     f"{num(r.get('eager_gpu_busy_us'))} | {num(r.get('graph_span_us'), '.1f')} | "
+                     f"{num(r.get('graph_gpu_busy_us'), '.1f')} |")
     for r in rows:
         for kind in ("eager_kernels", "graph_kernels"):
             lines += ["", f"## {r['path']}, {r['tokens_per_rank']} tokens/rank: {kind.replace('_', ' ')} (per call)", "",
@@ -219,8 +234,7 @@ def main(argv=None) -> int:
                 with open(os.path.join(args.out, "profile_step.json"), "w") as f:
                     json.dump({"meta": meta, "rows": rows}, f, indent=1)
                 write_markdown(rows, meta, os.path.join(args.out, "profile_step.md"))
-    dist.barrier()
-    dist.destroy_process_group()
+    bench_layer.finish_ranks()
     return 0
 
 

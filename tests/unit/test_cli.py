@@ -102,6 +102,51 @@ def test_bench_smallest_valid_run_prints_rows_and_progress(capsys):
     assert "e=1 D=16 F=8 rows=1" in out and "torch" in out and "backends" in err  # tqdm on stderr
 
 
+def _bench_shape(argv, device):
+    return cli.bench_shape(cli.build_parser().parse_args(["bench", *argv]), device)
+
+
+def test_bench_shape_is_tiny_on_cpu_and_kimi_k2_per_rank_on_a_gpu():
+    shape, source = _bench_shape([], "cpu")
+    assert shape == dict(experts=8, hidden=256, intermediate=128, rows=512, activation="silu")
+    assert "tiny CPU shape" in source
+    shape, source = _bench_shape([], "cuda")  # Kimi-K2's share of one rank at EP 8: 384 / 8 experts, 512 tokens x 8
+    assert shape == dict(experts=48, hidden=7168, intermediate=2048, rows=4096, activation="silu")
+    assert "kimi-k2's routed experts of one rank at EP 8 (48 of 384" in source
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])  # (a "cuda" id would mark the test as needing a GPU)
+def test_bench_shape_from_a_preset_and_ep_on_either_device(on_gpu):
+    device = "cuda" if on_gpu else "cpu"
+    for name, ep in (("deepseek-v3", 8), ("kimi-k2", 2), ("tiny-kimi-k3", 2)):
+        cfg = preset(name)
+        shape, source = _bench_shape(["--preset", name, "--ep", str(ep)], device)
+        assert shape == dict(experts=cfg.num_experts // ep, hidden=cfg.expert_hidden_size,
+                             intermediate=cfg.intermediate_size, rows=512 * cfg.num_topk, activation=cfg.activation)
+        assert f"{name}'s routed experts of one rank at EP {ep}" in source
+
+
+def test_bench_shape_flags_override_the_device_default():
+    shape, source = _bench_shape(["--rows", "100", "--experts", "4"], "cuda")
+    assert (shape["experts"], shape["hidden"], shape["intermediate"], shape["rows"]) == (4, 7168, 2048, 100)
+    assert "with --experts --rows from the command line" in source
+    shape, _ = _bench_shape(["--hidden", "64"], "cpu")
+    assert (shape["experts"], shape["hidden"], shape["rows"]) == (8, 64, 512)
+
+
+def test_bench_ep_that_does_not_divide_the_experts_is_cfg002(capsys):
+    status, _, err = _run(capsys, ["bench", "--preset", "tiny-kimi-k2", "--ep", "3"])  # 16 experts
+    assert status == 2 and "ep_size" in _one_coded_line(err, "CFG002")
+
+
+def test_bench_on_cpu_says_it_runs_the_tiny_shape(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    status, out, err = _run(capsys, ["bench", "--iters", "1", "--rows", "64"])
+    assert status == 0, err
+    assert "shape: the tiny CPU shape (a GPU runs kimi-k2's per-rank share)" in out
+    assert "e=8 D=256 F=128 rows=64 on cpu" in out
+
+
 # --- demo: device, checkpoint folder, memory, private temporary folder ------------------------------------
 def test_demo_device_cuda_without_cuda_is_env006_naming_the_fix(capsys, no_spawn, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
