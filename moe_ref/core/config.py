@@ -327,7 +327,7 @@ HF_MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "kimi_k2", "kimi_k3":
 
 
 def _family(model_type: str, source: str) -> str:
-    """The family of ``model_type``; UnknownFamilyError (CFG016) for any other (no guessing from field names:
+    """The family of ``model_type``; UnknownFamilyError (CFG018) for any other (no guessing from field names:
     a Qwen3-MoE config has ``num_experts`` and ``moe_intermediate_size`` too, but another router and no shared
     expert). ``custom`` is for MoEConfig(...) built in code only."""
     family = HF_MODEL_TYPES.get(model_type)

@@ -35,6 +35,8 @@ CATALOGUE: dict[str, Explanation] = {}
 
 
 def _entry(code, title, cause, trigger, solutions, example) -> str:
+    if code in CATALOGUE:  # two errors may not share a code (a merge once gave two classes CFG016)
+        raise RuntimeError(f"error code {code} is defined twice")
     CATALOGUE[code] = Explanation(code, title, cause, trigger, tuple(solutions), example)
     return code
 
@@ -170,7 +172,7 @@ class ConfigFieldError(InvalidConfigError):
 
 class UnknownFamilyError(InvalidConfigError):
     code = _entry(
-        "CFG016", "the config.json's model_type names a model family moe_ref does not know",
+        "CFG018", "the config.json's model_type names a model family moe_ref does not know",
         "MoEConfig.from_hf_config maps each family's own field names and routing rule (DeepSeek-V3, Kimi-K2, "
         "Kimi-K3, Step3). Another MoE family (Qwen3-MoE, Mixtral, DeepSeek-V2, ...) shares some field names but "
         "not its router, its shared experts or its tensor names; reading it as one of these would run a different "

@@ -346,7 +346,7 @@ def test_an_unknown_family_is_refused_by_name(tmp_path):
     with pytest.raises(UnknownFamilyError, match="qwen3_moe") as info:
         MoEConfig.from_hf_config(QWEN3_MOE)
     message = str(info.value)
-    assert info.value.code == "CFG016" and isinstance(info.value, InvalidConfigError)
+    assert info.value.code == "CFG018" and isinstance(info.value, InvalidConfigError)
     assert all(t in message for t in ("deepseek_v3", "kimi_k2", "kimi_k3", "step3_text"))
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
     with pytest.raises(UnknownFamilyError, match="qwen3_moe"):
