@@ -284,8 +284,7 @@ class MegaMoE(nn.Module):
         if q is not None:
             for field in _QUANT_FIELDS:
                 destination[prefix + _QUANT_PREFIX + field] = getattr(q, field)
-            spec = json.dumps({"format": q.spec.format.value, "group_size": q.spec.group_size,
-                               "ignore": list(q.spec.ignore)})
+            spec = json.dumps({**dataclasses.asdict(q.spec), "format": q.spec.format.value})  # every field
             destination[prefix + _QUANT_PREFIX + "spec"] = torch.tensor(list(spec.encode()), dtype=torch.uint8)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -309,7 +308,8 @@ class MegaMoE(nn.Module):
             if missing:
                 return
             info = json.loads(bytes(state_dict[prefix + _QUANT_PREFIX + "spec"].tolist()).decode())
-            spec = QuantSpec(QuantFormat(info["format"]), int(info["group_size"]), tuple(info["ignore"]))
+            spec = QuantSpec(**{**{k: tuple(v) if isinstance(v, list) else v for k, v in info.items()},
+                                "format": QuantFormat(info["format"])})
             self._quantized_backend(spec)  # a coded refusal (ENV001) where this layer's options cannot run them
             device = self.options.device
             tensors = {f: state_dict[prefix + _QUANT_PREFIX + f].detach().to(device, copy=True) for f in _QUANT_FIELDS}

@@ -9,6 +9,8 @@ own timeout (``GROUP_TIMEOUT_S``) is far above the 10 s a case may take, so a ca
 itself turned the fault into an error on every rank. ``next_ok``: after the error, a correct call on every
 rank gave the single-process reference's output (the layer is usable again, nothing paired with a stale call).
 The last case kills one rank mid-run (``--kill``): the survivors must report a coded error too.
+``--compile BACKEND`` runs the cases that call a layer with every call going through
+``torch.compile(..., fullgraph=True, dynamic=True, backend=BACKEND)`` (the layer as one custom op).
 """
 from __future__ import annotations
 
@@ -45,6 +47,21 @@ def _layer(rank: int, **overrides) -> MegaMoE:
 def _tokens(rank: int, num_tokens: int = 12) -> torch.Tensor:
     cfg = preset(PRESET)
     return torch.randn(num_tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(100 + rank))
+
+
+class CompiledLayer:
+    """``layer`` called through torch.compile (fullgraph, dynamic shapes); every other attribute is the layer's."""
+
+    def __init__(self, layer: MegaMoE, backend: str):
+        self.layer = layer
+        self.compiled = torch.compile(lambda x, max_num_tokens=None: layer(x, max_num_tokens=max_num_tokens),
+                                      fullgraph=True, dynamic=True, backend=backend)
+
+    def __call__(self, x, max_num_tokens=None):
+        return self.compiled(x, max_num_tokens=max_num_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
 
 
 def _next_call_ok(layer: MegaMoE, rank: int) -> bool:
@@ -196,7 +213,7 @@ def _code(err: BaseException) -> str:
     return err.code if isinstance(err, MoERefError) else type(err).__name__
 
 
-def run_case(name, build, call, rank, world) -> dict:
+def run_case(name, build, call, rank, world, compile_backend: str | None = None) -> dict:
     start = time.perf_counter()
     layer, code, message = None, None, ""
     try:
@@ -204,6 +221,9 @@ def run_case(name, build, call, rank, world) -> dict:
             layer, _ = build(rank, world)
         else:
             layer = _layer(rank, overflow="error" if name == "over_cap_under_error" else "chunk")
+        if compile_backend is not None:
+            torch._dynamo.reset()  # a fresh compile per case (dynamo stops recompiling one function after 8)
+            layer = CompiledLayer(layer, compile_backend)
         if call is not None:
             call(layer, rank, world)
     except BaseException as err:  # noqa: BLE001 - the error IS the result
@@ -226,6 +246,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill", action="store_true", help="end with the dead-peer case")
+    parser.add_argument("--compile", default=None, choices=["aot_eager", "inductor"],
+                        help="call the layers through torch.compile with this backend (the cases that call one)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(1)
@@ -240,7 +262,9 @@ def main() -> int:
             f.write(json.dumps(result) + "\n")
 
     for name, build, call, *_ in CASES:
-        report(run_case(name, build, call, rank, world))
+        if args.compile is not None and call is None:
+            continue  # construction cases: nothing is called, so nothing is compiled
+        report(run_case(name, build, call, rank, world, args.compile))
         dist.barrier()  # cases start together (not part of what is measured)
     if args.kill:
         # torchrun SIGTERMs the survivors as soon as it sees a dead worker: ignore that here, so each survivor

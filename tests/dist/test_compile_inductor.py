@@ -74,3 +74,14 @@ def test_compiled_call_with_gradients_raises_inp007_like_eager():
         assert err.value.code == eager_err.value.code == "INP007"
     with torch.no_grad():  # the same layer still works afterwards
         assert torch.equal(moe(x.detach()), moe(x.detach()))
+
+
+def test_max_num_tokens_of_the_wrong_type_under_inductor():
+    import pytest
+
+    from moe_ref.core.errors import ArgumentTypeError
+
+    moe = MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16, seed=0)
+    f = torch.compile(lambda x: moe(x, max_num_tokens="4"), fullgraph=True)
+    with torch.no_grad(), pytest.raises(ArgumentTypeError, match="max_num_tokens"):
+        f(torch.randn(3, moe.cfg.hidden_size))

@@ -31,37 +31,48 @@ def fault_reports(tmp_path_factory):
     """``fault_reports(world) -> (launch, {rank: {case: report}})``, one cached launch per world size."""
     cache = {}
 
-    def get(world_size: int):
-        if world_size not in cache:
-            out = tmp_path_factory.mktemp(f"faults{world_size}")
-            launch = torchrun(world_size, ["--kill"], out, LAUNCH_TIMEOUT_S, worker=FAULT_WORKER)
+    def get(world_size: int, compile_backend: str | None = None):
+        key = (world_size, compile_backend)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"faults{world_size}{compile_backend or ''}")
+            flags = ["--kill"] if compile_backend is None else ["--compile", compile_backend]
+            launch = torchrun(world_size, flags, out, LAUNCH_TIMEOUT_S, worker=FAULT_WORKER)
             reports = {}
             for rank in range(world_size):
                 path = out / f"rank{rank}.jsonl"
                 lines = path.read_text().splitlines() if path.exists() else []
                 reports[rank] = {r["case"]: r for r in map(json.loads, lines)}
-            cache[world_size] = (launch, reports)
-        return cache[world_size]
+            cache[key] = (launch, reports)
+        return cache[key]
     return get
 
 
-_CASES = [pytest.param(world, case, id=f"{world}ranks-{case[0]}") for world in WORLD_SIZES for case in CASES]
+_CASES = [pytest.param(world, None, case, id=f"{world}ranks-{case[0]}") for world in WORLD_SIZES for case in CASES]
+# The same table with every call through torch.compile(fullgraph=True, dynamic=True), 2 ranks, both backends: the
+# layer is one custom op there, and every call must still be collective (T = 0 and failures included). Compiling
+# happens inside the case, so these cases get a longer deadline; it still proves no rank waited for the group's
+# own timeout (GROUP_TIMEOUT_S = 120 s).
+COMPILED_DEADLINE_S = 60.0
+_CASES += [pytest.param(2, backend, case, id=f"2ranks-{backend}-{case[0]}")
+           for backend in ("aot_eager", "inductor") for case in CASES if case[2] is not None]
 
 
-@pytest.mark.parametrize("world_size, case", _CASES)
-def test_every_rank_raises_a_coded_error_fast_and_recovers(fault_reports, world_size, case):
+@pytest.mark.parametrize("world_size, compile_backend, case", _CASES)
+def test_every_rank_raises_a_coded_error_fast_and_recovers(fault_reports, world_size, compile_backend, case):
     name, build, call, faulty, code_at_fault, code_elsewhere = case
-    launch, reports = fault_reports(world_size)
+    launch, reports = fault_reports(world_size, compile_backend)
+    deadline = CASE_DEADLINE_S if compile_backend is None else COMPILED_DEADLINE_S
     faulty_rank = faulty % world_size
     for rank in range(world_size):
         report = reports[rank].get(name)
-        assert report is not None, (f"{world_size=} {rank=} {name}: this rank never reported (it hung or died); "
-                                    f"launch rc={launch.returncode}\n{launch.log[-3000:]}")
+        assert report is not None, (f"{world_size=} {compile_backend=} {rank=} {name}: this rank never reported (it "
+                                    f"hung or died); launch rc={launch.returncode}\n{launch.log[-3000:]}")
         expected = code_at_fault if rank == faulty_rank else code_elsewhere
-        assert report["code"] == expected, f"{world_size=} {rank=} {name}: {report}"
-        assert report["seconds"] < CASE_DEADLINE_S, f"{world_size=} {rank=} {name}: too slow: {report}"
+        assert report["code"] == expected, f"{world_size=} {compile_backend=} {rank=} {name}: {report}"
+        assert report["seconds"] < deadline, f"{world_size=} {compile_backend=} {rank=} {name}: too slow: {report}"
         if call is not None:
-            assert report["next_ok"] is True, f"{world_size=} {rank=} {name}: the next call was wrong: {report}"
+            assert report["next_ok"] is True, (f"{world_size=} {compile_backend=} {rank=} {name}: the next call was "
+                                               f"wrong: {report}")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

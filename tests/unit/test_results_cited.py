@@ -5,7 +5,6 @@ Citations: docs/RESULTS.md and README.md cite a raw file as ``docs/results/<name
 """
 import fnmatch
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -48,11 +47,16 @@ _PATH = re.compile(r"/work/|/root/|/tmp/(?!site\b)")
 
 
 def _tracked_text_files():
-    names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    for name in names:
-        path = ROOT / name
-        if not path.is_file():
+    """The project's files (no process started: the folders the repository tracks, minus what .gitignore lists)."""
+    top_ignored = {".git", ".venv", ".pytest_cache", "build", "results", ".whl", ".gl"}  # .gitignore's folders
+    for path in sorted(ROOT.rglob("*")):
+        rel = path.relative_to(ROOT)
+        if (not path.is_file() or rel.parts[0] in top_ignored or rel.parts[0].endswith(".egg-info")
+                or "__pycache__" in rel.parts):
             continue
+        if path.suffix in (".so", ".pyc"):
+            continue
+        name = rel.as_posix()
         data = path.read_bytes()
         if b"\0" in data[:8192]:
             continue
