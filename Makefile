@@ -36,6 +36,7 @@ demo:
 # The same from a Kimi-K3 MXFP4 checkpoint, loaded and run as stored (compared with the dequantized weights).
 demo-quant:
 	$(PY) -m moe_ref demo --preset tiny-kimi-k3 --quant mxfp4
+	$(PY) -m moe_ref demo --preset tiny-deepseek-v3 --quant fp8_block
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache results
