@@ -26,7 +26,6 @@ made it 95 GiB per rank instead of about 3 GiB at DEP=32).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

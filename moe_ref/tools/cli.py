@@ -537,14 +537,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def debug_requested(argv: list[str], prog: str) -> bool | None:
+    """``--debug`` in ``argv`` (known before parsing, so flag errors obey it too) or ``MOE_REF_DEBUG``; None after
+    printing a bad ``MOE_REF_DEBUG`` as one coded line (the caller exits with status 2)."""
+    try:
+        return "--debug" in argv or envs.debug()
+    except MoERefError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return None
+
+
 def main(argv=None) -> int:
     """Run one ``moe-ref`` command; returns the exit status (moe_ref errors: one line on stderr, status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    debug = "--debug" in argv  # known before parsing, so flag errors obey it too
-    try:
-        debug = debug or envs.debug()
-    except MoERefError as err:  # a bad MOE_REF_DEBUG: one coded line, as every moe_ref error
-        print(f"moe-ref: {err}", file=sys.stderr)
+    debug = debug_requested(argv, "moe-ref")
+    if debug is None:
         return 2
     try:
         args = build_parser().parse_args(argv)

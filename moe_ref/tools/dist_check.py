@@ -30,6 +30,7 @@ from moe_ref.core import envs
 from moe_ref.tools.cli import (
     CommandLineParser,
     check_demo_memory,
+    debug_requested,
     int_at_least,
     require_devices,
     resolve_cap,
@@ -277,11 +278,8 @@ def _print_summary(args, cfg, moe, ranks, passed, world) -> None:
 def main(argv=None) -> int:
     """Run the check; a moe_ref error: one line from rank 0 (traceback with --debug), status 2 on every rank."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    debug = "--debug" in argv  # known before parsing, so flag errors obey it too
-    try:
-        debug = debug or envs.debug()
-    except MoERefError as err:  # a bad MOE_REF_DEBUG: one coded line, as every moe_ref error
-        print(f"moe_ref.tools.dist_check: {err}", file=sys.stderr)
+    debug = debug_requested(argv, "moe_ref.tools.dist_check")
+    if debug is None:
         return 2
     try:
         return run(parse_args(argv))

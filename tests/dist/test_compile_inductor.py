@@ -3,28 +3,19 @@ input layout, and gradients refused with INP007 as in eager. In the dist tier: i
 worker pool and the C++ compiler)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from moe_ref.core.config import preset
 from moe_ref.layer import MegaMoE
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_compile import TinyDecoderLayer  # noqa: E402  (the decoder layer the aot_eager tests compile)
+
 pytestmark = pytest.mark.dist
-
-
-class TinyDecoderLayer(torch.nn.Module):
-    """norm -> linear "attention" stand-in -> residual -> MegaMoE -> residual (as in tests/unit/test_compile.py)."""
-
-    def __init__(self, moe: MegaMoE):
-        super().__init__()
-        hidden = moe.cfg.hidden_size
-        self.norm = torch.nn.RMSNorm(hidden)
-        self.mix = torch.nn.Linear(hidden, hidden)
-        self.moe = moe
-
-    def forward(self, x):
-        x = x + self.mix(self.norm(x))
-        return x + self.moe(x)
 
 
 def test_inductor_compiles_the_decoder_layer_in_one_graph():

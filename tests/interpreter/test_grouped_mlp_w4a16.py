@@ -10,7 +10,7 @@ import triton
 from moe_ref.core.errors import DTypeError, InvalidConfigError
 from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
-from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, dequantize_weight, quantize_weight
+from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight
 from moe_ref.testing import CALC_DIFF_TOLERANCES, calc_diff
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name

@@ -3,7 +3,6 @@ overflow policy: test_overflow.py; the one-process routed step: test_routed_step
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -19,15 +18,10 @@ from moe_ref.ep.capacity import (
 )
 from moe_ref.core.config import ParallelConfig, preset
 from moe_ref.core.errors import (
-    CapacityExceededError,
-    DTypeError,
-    ExpertIdError,
     ExpertsNotDivisibleError,
     InvalidConfigError,
     MemoryBudgetError,
-    UnknownNameError,
 )
-from moe_ref.core.weights import MoEWeights
 
 pytestmark = pytest.mark.unit
 
