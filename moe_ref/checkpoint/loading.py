@@ -48,44 +48,34 @@ published model code builds them with ``quant_config=None``). ``LoadReport`` rec
 from __future__ import annotations
 
 import difflib
-import json
 import os
 import re
 import sys
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from moe_ref.core.config import MoEConfig
 from moe_ref.core.errors import (
-    CheckpointNotFoundError,
-    CorruptIndexError,
-    CorruptSafetensorsError,
     DTypeError,
     InvalidConfigError,
-    MissingShardError,
     MissingScaleError,
     MissingTensorError,
     QuantizationMismatchError,
     QuantTensorDTypeError,
     QuantTensorShapeError,
     TensorShapeMismatchError,
-    UnsafeShardPathError,
     UnsupportedCheckpointError,
 )
 from moe_ref.core.weights import MoEWeights
+from moe_ref.checkpoint.reader import CheckpointReader
 
 if TYPE_CHECKING:
     from moe_ref.checkpoint.formats import QuantSpec
 
 KNOWN_PREFIXES = ("model.layers.", "language_model.layers.", "model.language_model.layers.",
                   "language_model.model.layers.")
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # safetensors dtype strings that hold plain (unquantized) weights
 _PLAIN_DTYPES = ("F64", "F32", "F16", "BF16")
 _QUANT_SUFFIXES = ("_scale_inv", "_scale", "_packed", "_shape", "_zero_point", "_global_scale")
@@ -171,128 +161,6 @@ def layer_names(family: str, layout: str, layer_prefix: str) -> LayerNames:
     return LayerNames("hub", "per_expert", gate=f"{m}experts.{{expert}}.gate_proj.weight",
                       up=f"{m}experts.{{expert}}.up_proj.weight", down=f"{m}experts.{{expert}}.down_proj.weight",
                       gate_up=None, **common)
-
-
-# --- the checkpoint --------------------------------------------------------------------------------------
-
-class CheckpointReader:
-    """Lazy access to the tensors of a safetensors checkpoint (one file or shards). Use as a context manager.
-
-    Only headers are read on open; ``read``/``read_rows`` read one tensor (or a row block of it).
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.file_of: dict[str, Path] = self._weight_map(self.path)
-        self.files: list[Path] = sorted(set(self.file_of.values()))
-        self._stack = ExitStack()
-        self._handles: dict[Path, object] = {}
-
-    def __enter__(self) -> "CheckpointReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-        self._handles.clear()
-
-    @staticmethod
-    def _weight_map(path: Path) -> dict[str, Path]:
-        if path.is_file():
-            return {name: path for name in _keys(path)}
-        if not path.is_dir():
-            raise CheckpointNotFoundError(f"checkpoint path {str(path)!r} does not exist", path=str(path))
-        index = path / INDEX_FILE
-        if index.exists():
-            return _index_weight_map(path, index)
-        files = [path / SINGLE_FILE] if (path / SINGLE_FILE).exists() else sorted(path.glob("*.safetensors"))
-        if not files:
-            found = sorted(p.name for p in path.iterdir())[:8]
-            raise CheckpointNotFoundError(
-                f"folder {str(path)!r} holds no *.safetensors file and no {INDEX_FILE} (it holds: {found})",
-                path=str(path))
-        return {name: f for f in files for name in _keys(f)}
-
-    def _handle(self, name: str):
-        file = self.file_of[name]
-        if file not in self._handles:
-            with _corrupt_file_errors(file):
-                self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-        return self._handles[file]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.file_of
-
-    def names(self) -> list[str]:
-        return list(self.file_of)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def dtype(self, name: str) -> str:
-        """safetensors dtype string, e.g. ``"BF16"``, ``"F8_E4M3"``."""
-        return self._handle(name).get_slice(name).get_dtype()
-
-    def read(self, name: str) -> torch.Tensor:
-        handle = self._handle(name)
-        with _corrupt_file_errors(self.file_of[name]):
-            return handle.get_tensor(name)
-
-    def read_rows(self, name: str, first: int, count: int) -> torch.Tensor:
-        """Rows ``[first, first + count)`` of dim 0, reading only those bytes."""
-        handle = self._handle(name)
-        with _corrupt_file_errors(self.file_of[name]):
-            return handle.get_slice(name)[first:first + count]
-
-    def describe_files(self, limit: int = 3) -> str:
-        names = [str(f) for f in self.files[:limit]]
-        more = f" and {len(self.files) - limit} more" if len(self.files) > limit else ""
-        return ", ".join(names) + more
-
-
-def _keys(file: Path) -> list[str]:
-    with _corrupt_file_errors(file), safe_open(str(file), framework="pt", device="cpu") as handle:
-        return list(handle.keys())
-
-
-@contextmanager
-def _corrupt_file_errors(file: Path):
-    """Turn safetensors' header/data errors on ``file`` into ``CorruptSafetensorsError`` (LOAD010) naming it."""
-    try:
-        yield
-    except (SafetensorError, OSError) as err:
-        if isinstance(err, FileNotFoundError):
-            raise
-        size = file.stat().st_size if file.exists() else 0
-        raise CorruptSafetensorsError(
-            f"{str(file)!r} ({size} bytes) is truncated or not a safetensors file ({type(err).__name__}: {err}); "
-            f"download it again", path=str(file)) from None
-
-
-def _index_weight_map(folder: Path, index: Path) -> dict[str, Path]:
-    """``{tensor name: shard path}`` of ``index``, every shard a file inside ``folder``.
-
-    Raises CorruptIndexError (LOAD012), UnsafeShardPathError (LOAD013), MissingShardError (LOAD011).
-    """
-    try:
-        weight_map = json.loads(index.read_bytes()).get("weight_map")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
-        raise CorruptIndexError(f"{str(index)!r} is not a JSON object with a 'weight_map' ({err}); download it "
-                                f"again, or delete it to read every *.safetensors file of the folder",
-                                path=str(index)) from None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise CorruptIndexError(f"{str(index)!r}: 'weight_map' must map tensor names to shard file names, got "
-                                f"{str(weight_map)[:120]}; download it again", path=str(index))
-    root = folder.resolve()
-    outside = sorted({f for f in weight_map.values() if not (root / f).resolve().is_relative_to(root)})
-    if outside:
-        raise UnsafeShardPathError(f"{str(index)!r} names shard files outside the checkpoint folder {str(root)!r}: "
-                                   f"{outside[:4]}; shards must be file names inside the folder", path=str(index))
-    missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
-    if missing:
-        raise MissingShardError(
-            f"{str(index)!r} names shard files that are missing: {missing[:4]}"
-            f"{' ...' if len(missing) > 4 else ''}; download/copy every shard", path=str(folder))
-    return {name: folder / f for name, f in weight_map.items()}
 
 
 # --- what a load read -----------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ from moe_ref.core.errors import (
     QuantTensorShapeError,
     UnsupportedQuantizationError,
 )
-from moe_ref.checkpoint.loading import KNOWN_PREFIXES, CheckpointReader, LayerNames, _check_expert_range, _detect_prefix, layer_names
+from moe_ref.checkpoint.loading import KNOWN_PREFIXES, LayerNames, _check_expert_range, _detect_prefix, layer_names
+from moe_ref.checkpoint.reader import CheckpointReader
 from moe_ref.checkpoint.formats import (FP8_BLOCK, SAFETENSORS_DTYPES, QuantFormat, QuantizedExpertWeights, QuantSpec,
                                        quant_spec_from_config)
 from moe_ref.core.weights import MoEWeights
@@ -54,7 +55,7 @@ def load_quantized_experts(
     """Read routed experts ``[first, first + count)`` of MoE layer ``layer_idx`` as the checkpoint stores them.
 
     Args:
-        path: a ``.safetensors`` file or a checkpoint folder (see ``moe_ref.checkpoint.loading.CheckpointReader``).
+        path: a ``.safetensors`` file or a checkpoint folder (see ``moe_ref.checkpoint.reader.CheckpointReader``).
         cfg: the model's config (its family gives the names, its sizes the shapes; the experts' input width is
             ``cfg.expert_hidden_size``, the latent width for Kimi-K3).
         layer_idx: the decoder layer.

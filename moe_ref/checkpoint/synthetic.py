@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from moe_ref.core.config import MoEConfig, hf_config_dict
 from moe_ref.core.errors import InvalidConfigError
-from moe_ref.checkpoint.loading import INDEX_FILE, SINGLE_FILE, LayerNames, layer_names
+from moe_ref.checkpoint.loading import LayerNames, layer_names
+from moe_ref.checkpoint.reader import INDEX_FILE, SINGLE_FILE
 from moe_ref.checkpoint.formats import (FP8_BLOCK, GROUP_SIZE, QuantFormat, QuantSpec, dequantize_weight,
                                        quant_spec_from_config, quantize_weight, shape_problem)
 from moe_ref.core.weights import MoEWeights

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import moe_ref.checkpoint.loading as loading
+import moe_ref.checkpoint.reader as reader
 from moe_ref.core.config import MoEConfig, preset
 from moe_ref.core.errors import (
     CheckpointError,
@@ -18,11 +18,8 @@ from moe_ref.core.errors import (
     TensorShapeMismatchError,
     explain,
 )
-from moe_ref.checkpoint.loading import (
-    CheckpointNotFoundError,
-    UnsupportedCheckpointError,
-    load_moe_weights,
-)
+from moe_ref.checkpoint.loading import UnsupportedCheckpointError, load_moe_weights
+from moe_ref.core.errors import CheckpointNotFoundError
 from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
 from moe_ref.core.weights import MoEWeights
 
@@ -198,8 +195,8 @@ def test_expert_range_reads_only_its_experts(tmp_path, monkeypatch, name, layout
     written = write_synthetic_checkpoint(tmp_path, cfg, layer_idx=1, layout=layout)
     num_ranks = 2
     count = cfg.num_experts // num_ranks
-    recorder = _Recorder(loading.safe_open)
-    monkeypatch.setattr(loading, "safe_open", recorder)
+    recorder = _Recorder(reader.safe_open)
+    monkeypatch.setattr(reader, "safe_open", recorder)
     parts = []
     for rank in range(num_ranks):
         recorder.whole.clear(), recorder.sliced.clear()
