@@ -12,8 +12,10 @@
 | MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
 | MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
+| MOE_REF_TUNED_LAUNCH               | ``0``: every grouped MLP launch goes through Triton's autotuner (not the config it chose for the shape) | 1 |
 
-Switches (``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``) take ``1``, ``true``,
+Switches (``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
+``MOE_REF_TUNED_LAUNCH``) take ``1``, ``true``,
 ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case, surrounding spaces ignored); an empty value is
 unset. Anything else raises ``EnvVarError`` (CFG017) naming the variable: a typo must not silently pick a side.
 """
@@ -90,6 +92,12 @@ def native_ops() -> tuple[bool, str | None]:
 def tma() -> bool:
     """``MOE_REF_TMA=0`` keeps the grouped MLP kernel on pointer loads (TMA descriptors otherwise, where possible)."""
     return _switch("MOE_REF_TMA") is not False
+
+
+def tuned_launch() -> bool:
+    """``MOE_REF_TUNED_LAUNCH=0`` sends every grouped MLP launch through Triton's autotuner; by default a shape's
+    later launches reuse the config it chose for that shape directly."""
+    return _switch("MOE_REF_TUNED_LAUNCH") is not False
 
 
 def debug() -> bool:

@@ -422,7 +422,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         what the Triton launch returns (c and c_scale are written in place).
 
     `config=None` (what `grouped_mlp` does): on a GPU, autotune over `tiles.gpu_configs()` pruned to this
-    launch's regime; under the interpreter, a fixed small tile. `config=triton.Config({"BLOCK_M", "BLOCK_N",
+    launch's regime, once per shape key (`tuned_launch_key`); later launches of that key run the chosen config
+    directly; under the interpreter, a fixed small tile. `config=triton.Config({"BLOCK_M", "BLOCK_N",
     "BLOCK_K"[, "GROUP_M"]}, num_warps=, num_stages=)` forces that tile (no autotune, no regime or
     heuristic pruning; one compile per distinct config and kernel flags): used by
     `scripts/tune_grouped_mlp.py` and the tests. A config that would compute a wrong result (fp8 group
@@ -435,6 +436,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     `metadata.shared`; `grouped_mlp` ignores it).
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
+    rows_bucket = triton.next_power_of_2(max(1, rows_hint))  # the autotune key's rows
     possible = _tma_possible(a, b, w4)
     if tma and not possible:
         raise InvalidConfigError("tma=True, but these tensors cannot use TMA descriptors (4-bit weights, a GPU "
@@ -454,7 +456,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     args = (
         a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, a_desc, b_desc,
         num_rows, n, k, num_experts, float(situ_beta), float(situ_linear_beta) if situ_linear_beta else 1.0,
-        triton.next_power_of_2(max(1, rows_hint)),
+        rows_bucket,
         a.stride(0), a_scale.stride(0) if fp8 else 0, b.stride(0), b.stride(1), *b_scale_strides,
         c.stride(0), c_scale.stride(0) if quant_out else 0,
     )
@@ -472,19 +474,54 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         upper = (triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"])
         return (upper if max_programs is None else min(upper, max_programs),)
 
+    def launch_with(chosen: triton.Config, options: dict):
+        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **chosen.kwargs})
+        extra = {} if is_interpreter() else launch_options(fp_fusion=True)
+        return _grouped_gemm_kernel[grid(options)](*args, **flags, **options, **extra)
+
     if config is not None:
         options = tiles.forced_options(config)  # checks the meta keys first
         error = tiles.config_error(config, fp8=fp8, quant_out=quant_out, w4=w4)
         if error:
             raise InvalidConfigError(f"forced config {config}: {error}")
-        extra = {} if is_interpreter() else launch_options(fp_fusion=True)
-        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **config.kwargs})
-        return _grouped_gemm_kernel[grid(options)](*args, **flags, **options, **extra)
+        return launch_with(config, options)
     if is_interpreter():
         meta = tiles.interpreter_meta(quant_out)
         tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **meta})
         return _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
-    return autotuned_kernel()[grid](*args, **flags, **launch_options(fp_fusion=True))
+    # The autotuner runs once per shape key; later launches of that key go straight to the kernel with the config
+    # it chose (no autotuner key work or pre-hook dispatch per call). The key holds everything the autotuner's
+    # does (its key arguments and every tensor's dtype), and more; MOE_REF_TUNED_LAUNCH=0 keeps the autotuner.
+    key = tuned_launch_key(rows_bucket, n, k, num_experts, flags, (a, a_scale, b, b_scale, c, c_scale))
+    chosen = _TUNED.get(key) if envs.tuned_launch() else None
+    if chosen is not None:
+        return launch_with(chosen, _TUNED_OPTIONS[key])
+    tuner = autotuned_kernel()
+    out = tuner[grid](*args, **flags, **launch_options(fp_fusion=True))
+    _TUNED[key], _TUNED_OPTIONS[key] = tuner.best_config, tiles.forced_options(tuner.best_config)
+    return out
+
+
+# shape key -> the config the autotuner chose for it, and its launch keywords (filled by launch_gemm)
+_TUNED: dict[tuple, triton.Config] = {}
+_TUNED_OPTIONS: dict[tuple, dict] = {}
+
+
+def tuned_launch_key(rows_bucket: int, n: int, k: int, num_experts: int, flags: dict, tensors: tuple) -> tuple:
+    """The key ``launch_gemm`` keeps the autotuner's choice under: the autotuner's own key (rows bucket, N, K,
+    experts, kernel flags, tensor dtypes) plus the remaining flags, so a launch never reuses a config tuned for
+    different compile-time flags.
+
+    Args:
+        rows_bucket: ``next_power_of_2(rows_hint)``, the kernel's ``rows_hint`` argument.
+        n, k, num_experts: the GEMM's sizes.
+        flags: the kernel's constexpr flags of this launch.
+        tensors: the launch's tensor arguments (their dtypes enter the key).
+
+    Returns:
+        a hashable tuple.
+    """
+    return (rows_bucket, n, k, num_experts, tuple(sorted(flags.items())), tuple(str(t.dtype) for t in tensors))
 
 
 # packed 4-bit weight dtype -> (W4 kernel flag, values per stored element, accepted scale dtypes)
