@@ -31,6 +31,8 @@ import re
 
 import pytest
 
+from test_docstrings import parse_legend  # the one reading of a Shape legend paragraph
+
 pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -44,29 +46,11 @@ _LETTER = re.compile(r"^(?:[A-Z][a-z]?|e)$")
 _SUFFIX_START = re.compile(r"^(?:[A-Z]|[0-9]+[A-Z]|e(?:$|[A-Z]|[0-9]+[A-Z]))")
 
 
-def _split_top_level(text: str) -> list[str]:
-    items, depth, current = [], 0, ""
-    for ch in text:
-        depth += (ch in "([") - (ch in ")]")
-        if ch == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += ch
-    return [item.strip() for item in items + [current] if item.strip()]
-
-
 def legend_symbols(doc: str) -> set[str]:
-    """The letters the ``Shape legend:`` paragraph defines: the leading letter of each comma-separated item
-    (``T tokens ...``, ``Db = ceil(Dx / 128) ...``; commas inside brackets don't split)."""
-    match = re.search(r"^[ \t]*Shape legend:(.*?)(?:\n\s*\n|\Z)", doc, re.S | re.M)
-    assert match, "no 'Shape legend:' paragraph"
-    symbols = set()
-    for item in _split_top_level(" ".join(match.group(1).replace("`", "").split())):
-        head = item.split()[0]
-        if _LETTER.match(head):
-            symbols.add(head)
-    return symbols
+    """The letters the ``Shape legend:`` paragraph defines (``test_docstrings.parse_legend``'s reading of it)."""
+    legend = parse_legend(doc)
+    assert legend, "no 'Shape legend:' paragraph"
+    return set(legend)
 
 
 SYMBOLS = legend_symbols(ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text())))
