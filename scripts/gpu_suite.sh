@@ -2,15 +2,16 @@
 # The whole GPU job in one call (device time is scarce): CUDA tests on 1 GPU, NCCL torchrun checks on 2,
 # then the benchmarks. Everything lands in $OUT (default results/gpu): suite.log + JSON/markdown/PNG.
 #   OUT=results/gpu bash scripts/gpu_suite.sh [quick|full] [steps...]
-# Steps: info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer (default: all; tests = make test-gpu's
+# Steps: info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer eager (default: all; tests = make test-gpu's
 # one-GPU selection, <= 4 min; tests_slow = the `slow` one-GPU cases; tests2 = the 2-GPU pytest cases;
+# eager = the public layer eager vs graph vs torch.compile on one GPU, with and without the tuned launch path;
 # peer_check = SGLang's and vLLM's fused-MoE kernels, read from the peer files in .whl/ (`make peers`), vs our twin). One device command runs 10 min at
 # most, so split them over calls, e.g. `bash scripts/gpu_suite.sh quick info tests dist`.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 MODE=${1:-quick}; shift || true
-STEPS=${*:-info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer}
+STEPS=${*:-info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer eager}
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
 # Keep NVLink multicast off (it can take a shared host's GPUs out of service).
@@ -66,6 +67,10 @@ for s in $STEPS; do case $s in
   bench_layer)
     if [ "$NGPU" -ge 2 ]; then step bench_layer 540 $TORCHRUN scripts/bench_layer.py --out "$OUT/layer"; fi ;;
   *) echo "unknown step $s" ;;
+  eager)
+    step eager 300 python3 scripts/bench_eager.py --out "$OUT/eager" --profile
+    MOE_REF_TUNED_LAUNCH=0 step eager_autotuner 300 python3 scripts/bench_eager.py --out "$OUT/eager_autotuner" \
+      --routes eager graph ;;
 esac; done
 echo "=== suite done, status=$status" | tee -a "$LOG"
 grep -E "^=== |passed|failed|RESULT|error" "$LOG" | tail -n 60
