@@ -30,7 +30,8 @@ def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_
     GEMMs run in the weights' dtype with fp32 accumulation (torch's default), the activation in fp32;
     the output has ``x_TD``'s dtype.
     """
-    gate_up_T2S = x_TD.to(gate_up_weight_2SD.dtype) @ gate_up_weight_2SD.t()
+    # one fp32 copy of both halves (gated_activation's casts are then no-ops): the same values, one launch
+    gate_up_T2S = (x_TD.to(gate_up_weight_2SD.dtype) @ gate_up_weight_2SD.t()).float()
     gate_TS, up_TS = gate_up_T2S.chunk(2, dim=-1)
     h_TS = gated_activation(gate_TS, up_TS, activation, situ_beta, situ_linear_beta)
     return (h_TS.to(down_weight_DS.dtype) @ down_weight_DS.t()).to(x_TD.dtype)

@@ -45,7 +45,8 @@ class DeviceChecks:
 
         Args:
             flag: one-element integer or bool tensor, nonzero when the check fails (not read here).
-            describe: builds the coded error (not raised); called only when ``flag`` was read as nonzero.
+            describe: builds the coded error (not raised); called only when ``flag`` was read as nonzero. It may
+                return None when its exact re-check finds no problem (a flag that can raise a false alarm).
         """
         if len(self._flags) == MAX_CHECKS:
             raise ValueError(f"at most {MAX_CHECKS} device checks per call")
@@ -62,8 +63,9 @@ class DeviceChecks:
     def problem(self, flags: list[int]) -> MoERefError | None:
         """The coded error of the first failed check in ``flags`` (this rank's, as read), or None."""
         for flag, describe in zip(flags, self._describe):
-            if flag:
-                return describe()
+            problem = describe() if flag else None
+            if problem is not None:  # a describe() that re-checks exactly may find a flag was a false alarm
+                return problem
         return None
 
 

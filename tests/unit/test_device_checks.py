@@ -146,3 +146,28 @@ def test_debug_checks_name_non_finite_expert_outputs():
         with pytest.raises(NonFiniteError, match=r"torch experts returned NaN/inf in 2 of 16 rows \(local experts \[1\]\)"):
             step(torch.randn(4, cfg.hidden_size), torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]] + [[2, 3, 4, 5]] * 2),
                  torch.rand(4, 4))
+
+
+def test_a_flag_whose_exact_recheck_finds_nothing_does_not_hide_the_next_one():
+    checks = DeviceChecks()
+    checks.add(torch.tensor(True), lambda: None)  # a false alarm: its describe() re-checks and finds no problem
+    checks.add(torch.tensor(True), lambda: ExpertIdError("the real one"))
+    assert isinstance(checks.problem(checks.flags(torch.device("cpu")).tolist()), ExpertIdError)
+
+
+@pytest.mark.parametrize("value, expected", [(float("inf"), NonFiniteError), (float("nan"), NonFiniteError),
+                                             (3e38, None)])  # 3e38: finite logits whose sum overflows
+def test_the_nan_logits_flag_and_its_exact_recheck(value, expected):
+    from moe_ref.block import route_unchecked
+
+    cfg = preset("tiny-kimi-k2")
+    x = torch.zeros(4, cfg.hidden_size)
+    x[:, 0] = value
+    gate = torch.zeros(cfg.num_experts, cfg.hidden_size)
+    gate[:, 0] = 1.0
+    checks = DeviceChecks()
+    route_unchecked(x, gate, cfg, torch.zeros(cfg.num_experts), device_checks=checks)
+    flags = checks.flags(torch.device("cpu")).tolist()
+    assert flags[0] != 0  # flagged in all three cases (the overflowing sum too)
+    problem = checks.problem(flags)
+    assert (problem is None) if expected is None else isinstance(problem, expected)
