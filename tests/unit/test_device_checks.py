@@ -171,3 +171,21 @@ def test_the_nan_logits_flag_and_its_exact_recheck(value, expected):
     assert flags[0] != 0  # flagged in all three cases (the overflowing sum too)
     problem = checks.problem(flags)
     assert (problem is None) if expected is None else isinstance(problem, expected)
+
+
+def test_the_compiled_op_reads_its_checks_in_the_call():
+    """Inside torch.compile the layer's op keeps nothing for a later call (CUDA graphs' memory pools refuse tensors
+    kept across calls): a NaN input raises in that call even where checks are otherwise deferred."""
+    cfg = preset("tiny-kimi-k2")
+    layer = MegaMoE(cfg, None, num_max_tokens_per_rank=8, seed=3)
+    x = torch.randn(4, cfg.hidden_size)
+    bad = x.clone()
+    bad[0, 1] = float("nan")
+    with torch.no_grad():
+        layer(x)
+        layer.routed_step.deferred_checks = DeferredChecks()
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x), layer(x))
+        with pytest.raises(NonFiniteError):
+            compiled(bad)
+        assert len(layer.routed_step.deferred_checks) == 0
