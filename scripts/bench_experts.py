@@ -2,37 +2,63 @@
 """Benchmark the expert MLP backends on one GPU at per-rank EP8 shapes (needs CUDA).
 
     python scripts/bench_experts.py [--quick] [--out results/bench_experts.json] [--include-deep-gemm]
-                                    [--peer-wheel .whl/sglang-0.5.23-....whl --peer-wheel ...]
+                                    [--peer-search {none,small,full}] [--peer-wheel .whl/sglang-0.5.23-....whl ...]
 
 Shapes (per rank at EP8): Kimi-K2 48 local experts, D 7168, F 2048 (top-8); Step3 48 experts, D 7168,
 F 5120 (top-3). Routed rows 64 / 512 / 4096 / 32768 spread randomly (multinomial, uniform) over the
-experts; our pool puts each expert segment at a 128-aligned row, the torch baselines get the same rows
-packed (their best layout).
+experts; the 128-aligned pool (DeepGEMM's, the peers', grouped_mlp's) puts each expert segment at a 128-aligned row,
+the API rows get the pool of their backend's segment alignment, the torch baselines the same rows packed.
 
-Paths per case:
-    api_triton_bf16 the public API the layer uses: make_experts("triton") called on the pool with the layout the
-                    device-side dispatch gives (row starts and counts on the device, a static rows hint)
-    api_triton_bf16_nohint  the same without the hint (the backend reads the row count: a host sync per call)
-    api_triton_fp8  make_experts("triton", fp8=True) on the FP8 pool as dispatched (fp8 rows + per-128 scales)
-    triton_bf16     moe_ref.kernels.grouped_mlp (fused gate/up + SiLU epilogue, then down)
-    triton_fp8      same kernel, fp8 e4m3 x (per-row per-128 scales) and weights (128x128 block scales)
+Paths per case (every JSON row carries `label`: what it times, `timing`: how, `tuned`, and for a peer `config`):
+    api_triton_bf16 / api_triton_fp8  moe_ref through the public API: make_experts("triton"[, fp8=True]) called on
+                    the pool the layer builds for that backend (segments aligned to
+                    experts_class("triton").segment_alignment, i.e. 1: no padding rows) with the static rows hint
+                    of the device-side dispatch (ExpertLayout.num_rows_hint); fp8: the FP8 pool as dispatched
+    api_triton_bf16_nohint / api_triton_fp8_nohint  the same without the hint (the backend reads the row count:
+                    a host sync per call)
+    triton_bf16 / triton_fp8  moe_ref.kernels.grouped_mlp direct on the 128-aligned pool
     grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
     loop_bf16       torch per-expert loop (host-side counts, no sync inside the timed region)
-    deep_gemm_bf16 / deep_gemm_fp8  optional (--include-deep-gemm; none unless `deep_gemm` runs here): DeepGEMM's
-                    contiguous grouped GEMMs on the pool (`moe_ref.experts.deep_gemm.bench`)
-    deep_gemm_masked_bf16 / deep_gemm_masked_fp8  the same experts in DeepGEMM's masked (decode) layout: the pool's
-                    segments copied once, outside the timed region, into [e, M, D] with per-expert row counts on
-                    the device; timed: GEMM1 + act + GEMM2 on that layout (left out, with a note, when the masked
+    deep_gemm_*     optional (--include-deep-gemm; none unless `deep_gemm` runs here), on the 128-aligned pool,
+                    `moe_ref.experts.deep_gemm.bench`:
+      deep_gemm_{bf16,fp8}, deep_gemm_masked_{bf16,fp8}  "whole MLP": GEMM1, activation (+ per-128 FP8
+                    quantization of h), GEMM2; fp8 from the FP8 pool as dispatched; masked: the pool's segments
+                    copied once, outside the timed region, into [e, M, D] (left out, with a note, when the masked
                     API is missing)
-    peer_sglang_bf16 / peer_sglang_fp8, peer_vllm_bf16 / peer_vllm_fp8  the Triton fused-MoE kernels SGLang and vLLM
-                    ship (`scripts/peer_moe.py`: read out of the files given by --peer-wheel, repeatable, default
-                    every peer file in .whl/: the SGLang wheel and the vLLM fused-moe zip, `make peers`; rows left out
-                    with a note when there is none) on our pool, with the engine's tuned H200 config for (E, F) or,
-                    where the wheel has none, its default rule. Their routing inputs (sorted_token_ids, expert_ids)
-                    are built once outside the timed region: a peer's timing excludes its align step, as ours
-                    excludes the dispatch.
+      deep_gemm_kernels_{bf16,fp8}, deep_gemm_masked_kernels_{bf16,fp8}  "kernels only", as DeepGEMM's tests call
+                    them: the two grouped GEMMs on inputs quantized once outside the timed region (x and h, their
+                    scales laid out once with deep_gemm.get_mn_major_tma_aligned_tensor); timed by the profiler
+                    (GPU kernel time, L2 flushed by a fill whose kernel is not counted)
+    peer_<engine>_{bf16,fp8}  the Triton fused-MoE kernels SGLang and vLLM ship (`scripts/peer_moe.py`: read out of
+                    the files given by --peer-wheel, repeatable, default every peer file in .whl/: the SGLang wheel
+                    and the vLLM fused-moe zip, `make peers`; rows left out with a note when there is none) on our
+                    pool "as shipped": the engine's tuned H200 config for (E, F) or, where the wheel has none, its
+                    default rule (the rows of before; `--peer-search none` gives only these)
+    peer_<engine>_tuned_{bf16,fp8}  the same kernels "tuned": the fastest config of the engine's OWN tuner space
+                    for the exact shape (SGLang tuning_fused_moe_triton.py, vLLM benchmark_moe.py; reproduced and
+                    cited in peer_moe.py, `tuner_space`), one config for both GEMMs as both tuners time it, pruned to
+                    what can run (`pruned_space`: shared memory, vLLM FP8 BLOCK_SIZE_K duplicates).
+                    --peer-search small (default): <= 50 configs per engine, dtype and shape, in two stages
+                    (`peer_moe.search_config`); full: every runnable config (1248 for bf16; hours). Each config is
+                    checked against our twin and timed briefly; search time is excluded from every row (it is in
+                    results["peer"]["searches"]); the winner is then timed like every other row.
+    Peer routing inputs (sorted_token_ids, expert_ids) are built once outside the timed region: a peer's timing
+    excludes its align step, as ours excludes the dispatch.
     Every peer_* and deep_gemm_* row is checked once per case against our twin (calc_diff, the limits of the small
     check) on its first call, before timing; a row that fails is left out with the reason.
+
+The JSON's env records torch, triton, the peer files (wheel / fused-moe zip names: their versions), the deep_gemm
+version and the peer search mode.
+
+On one H200 (from the repository root, `make peers` run beforehand here: .whl/ travels with the tree):
+    python scripts/peer_moe.py --check
+    python scripts/bench_experts.py --quick --peer-search small --out results/bench_experts_quick.json
+    python scripts/bench_experts.py --include-deep-gemm --peer-search small --models kimi-k2 \
+        --out results/bench_experts_kimi.json
+    python scripts/bench_experts.py --include-deep-gemm --peer-search small --models step3 \
+        --out results/bench_experts_step3.json
+(`--peer-search full --models kimi-k2 --rows 32768` for one exhaustive point; `--peer-search none` for the rows of
+before.)
 
 Also measured in the same run: HBM bandwidth (a 2 GiB device-to-device copy, read + write bytes) and the
 bf16 GEMM peak (torch.matmul 8192^3). Per case: us | TFLOP/s | weight GB/s | x vs grouped_mm |
@@ -499,9 +525,7 @@ def _kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, list[str]]
     total, names = 0.0, set()
     for event in prof.events():
         if str(getattr(event, "device_type", "")).endswith("CUDA") and "fill" not in event.name.lower():
-            us = getattr(event, "device_time", None)
-            us = event.cuda_time if us is None else us
-            total += us
+            total += event.time_range.elapsed_us()  # a device event's own span: the kernel's run time
             names.add(event.name)
     if not names:
         raise RuntimeError("the profiler saw no kernel of the call")
