@@ -2,37 +2,63 @@
 """Benchmark the expert MLP backends on one GPU at per-rank EP8 shapes (needs CUDA).
 
     python scripts/bench_experts.py [--quick] [--out results/bench_experts.json] [--include-deep-gemm]
-                                    [--peer-wheel .whl/sglang-0.5.23-....whl --peer-wheel ...]
+                                    [--peer-search {none,small,full}] [--peer-wheel .whl/sglang-0.5.23-....whl ...]
 
 Shapes (per rank at EP8): Kimi-K2 48 local experts, D 7168, F 2048 (top-8); Step3 48 experts, D 7168,
 F 5120 (top-3). Routed rows 64 / 512 / 4096 / 32768 spread randomly (multinomial, uniform) over the
-experts; our pool puts each expert segment at a 128-aligned row, the torch baselines get the same rows
-packed (their best layout).
+experts; the 128-aligned pool (DeepGEMM's, the peers', grouped_mlp's) puts each expert segment at a 128-aligned row,
+the API rows get the pool of their backend's segment alignment, the torch baselines the same rows packed.
 
-Paths per case:
-    api_triton_bf16 the public API the layer uses: make_experts("triton") called on the pool with the layout the
-                    device-side dispatch gives (row starts and counts on the device, a static rows hint)
-    api_triton_bf16_nohint  the same without the hint (the backend reads the row count: a host sync per call)
-    api_triton_fp8  make_experts("triton", fp8=True) on the FP8 pool as dispatched (fp8 rows + per-128 scales)
-    triton_bf16     moe_ref.kernels.grouped_mlp (fused gate/up + SiLU epilogue, then down)
-    triton_fp8      same kernel, fp8 e4m3 x (per-row per-128 scales) and weights (128x128 block scales)
+Paths per case (every JSON row carries `label`: what it times, `timing`: how, `tuned`, and for a peer `config`):
+    api_triton_bf16 / api_triton_fp8  moe_ref through the public API: make_experts("triton"[, fp8=True]) called on
+                    the pool the layer builds for that backend (segments aligned to
+                    experts_class("triton").segment_alignment, i.e. 1: no padding rows) with the static rows hint
+                    of the device-side dispatch (ExpertLayout.num_rows_hint); fp8: the FP8 pool as dispatched
+    api_triton_bf16_nohint / api_triton_fp8_nohint  the same without the hint (the backend reads the row count:
+                    a host sync per call)
+    triton_bf16 / triton_fp8  moe_ref.kernels.grouped_mlp direct on the 128-aligned pool
     grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
     loop_bf16       torch per-expert loop (host-side counts, no sync inside the timed region)
-    deep_gemm_bf16 / deep_gemm_fp8  optional (--include-deep-gemm; none unless `deep_gemm` runs here): DeepGEMM's
-                    contiguous grouped GEMMs on the pool (`moe_ref.experts.deep_gemm.bench`)
-    deep_gemm_masked_bf16 / deep_gemm_masked_fp8  the same experts in DeepGEMM's masked (decode) layout: the pool's
-                    segments copied once, outside the timed region, into [e, M, D] with per-expert row counts on
-                    the device; timed: GEMM1 + act + GEMM2 on that layout (left out, with a note, when the masked
+    deep_gemm_*     optional (--include-deep-gemm; none unless `deep_gemm` runs here), on the 128-aligned pool,
+                    `moe_ref.experts.deep_gemm.bench`:
+      deep_gemm_{bf16,fp8}, deep_gemm_masked_{bf16,fp8}  "whole MLP": GEMM1, activation (+ per-128 FP8
+                    quantization of h), GEMM2; fp8 from the FP8 pool as dispatched; masked: the pool's segments
+                    copied once, outside the timed region, into [e, M, D] (left out, with a note, when the masked
                     API is missing)
-    peer_sglang_bf16 / peer_sglang_fp8, peer_vllm_bf16 / peer_vllm_fp8  the Triton fused-MoE kernels SGLang and vLLM
-                    ship (`scripts/peer_moe.py`: read out of the files given by --peer-wheel, repeatable, default
-                    every peer file in .whl/: the SGLang wheel and the vLLM fused-moe zip, `make peers`; rows left out
-                    with a note when there is none) on our pool, with the engine's tuned H200 config for (E, F) or,
-                    where the wheel has none, its default rule. Their routing inputs (sorted_token_ids, expert_ids)
-                    are built once outside the timed region: a peer's timing excludes its align step, as ours
-                    excludes the dispatch.
+      deep_gemm_kernels_{bf16,fp8}, deep_gemm_masked_kernels_{bf16,fp8}  "kernels only", as DeepGEMM's tests call
+                    them: the two grouped GEMMs on inputs quantized once outside the timed region (x and h, their
+                    scales laid out once with deep_gemm.get_mn_major_tma_aligned_tensor); timed by the profiler
+                    (GPU kernel time, L2 flushed by a fill whose kernel is not counted)
+    peer_<engine>_{bf16,fp8}  the Triton fused-MoE kernels SGLang and vLLM ship (`scripts/peer_moe.py`: read out of
+                    the files given by --peer-wheel, repeatable, default every peer file in .whl/: the SGLang wheel
+                    and the vLLM fused-moe zip, `make peers`; rows left out with a note when there is none) on our
+                    pool "as shipped": the engine's tuned H200 config for (E, F) or, where the wheel has none, its
+                    default rule (the rows of before; `--peer-search none` gives only these)
+    peer_<engine>_tuned_{bf16,fp8}  the same kernels "tuned": the fastest config of the engine's OWN tuner space
+                    for the exact shape (SGLang tuning_fused_moe_triton.py, vLLM benchmark_moe.py; reproduced and
+                    cited in peer_moe.py, `tuner_space`), one config for both GEMMs as both tuners time it, pruned to
+                    what can run (`pruned_space`: shared memory, vLLM FP8 BLOCK_SIZE_K duplicates).
+                    --peer-search small (default): <= 50 configs per engine, dtype and shape, in two stages
+                    (`peer_moe.search_config`); full: every runnable config (1248 for bf16; hours). Each config is
+                    checked against our twin and timed briefly; search time is excluded from every row (it is in
+                    results["peer"]["searches"]); the winner is then timed like every other row.
+    Peer routing inputs (sorted_token_ids, expert_ids) are built once outside the timed region: a peer's timing
+    excludes its align step, as ours excludes the dispatch.
     Every peer_* and deep_gemm_* row is checked once per case against our twin (calc_diff, the limits of the small
     check) on its first call, before timing; a row that fails is left out with the reason.
+
+The JSON's env records torch, triton, the peer files (wheel / fused-moe zip names: their versions), the deep_gemm
+version and the peer search mode.
+
+On one H200 (from the repository root, `make peers` run beforehand here: .whl/ travels with the tree):
+    python scripts/peer_moe.py --check
+    python scripts/bench_experts.py --quick --peer-search small --out results/bench_experts_quick.json
+    python scripts/bench_experts.py --include-deep-gemm --peer-search small --models kimi-k2 \
+        --out results/bench_experts_kimi.json
+    python scripts/bench_experts.py --include-deep-gemm --peer-search small --models step3 \
+        --out results/bench_experts_step3.json
+(`--peer-search full --models kimi-k2 --rows 32768` for one exhaustive point; `--peer-search none` for the rows of
+before.)
 
 Also measured in the same run: HBM bandwidth (a 2 GiB device-to-device copy, read + write bytes) and the
 bf16 GEMM peak (torch.matmul 8192^3). Per case: us | TFLOP/s | weight GB/s | x vs grouped_mm |
@@ -85,6 +111,21 @@ class Case:
     gate_up: torch.Tensor        # [e, 2F, D] bf16
     down: torch.Tensor           # [e, D, F] bf16
     fp8: dict | None = None      # quantized inputs for the fp8 path
+    pools: dict = dataclasses.field(default_factory=dict)  # alignment -> Pool (`_pool`)
+    path_pools: dict = dataclasses.field(default_factory=dict)  # path name -> the Pool it runs on (default: ALIGN)
+
+
+@dataclasses.dataclass
+class Pool:
+    """The case's routed rows laid out as a backend's pool: segments starting on multiples of `alignment`
+    (`ExpertLayout.from_counts`), padding rows zero; the FP8 pool (e4m3 rows + per-128 scales) beside it."""
+
+    alignment: int
+    x_PDx: torch.Tensor
+    row_start_e: torch.Tensor
+    num_rows_e: torch.Tensor
+    x_fp8: torch.Tensor | None = None
+    x_scale: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -95,6 +136,32 @@ def _layout(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]
     layout = ExpertLayout.from_counts(torch.tensor(counts, dtype=torch.int64), ALIGN)
     return (layout.row_start_e.to(device), layout.num_rows_e.to(device=device, dtype=torch.int32),
             max(layout.num_pool_rows, ALIGN))
+
+
+def _pool(case: Case, alignment: int) -> Pool:
+    """The case's rows in a pool with segments aligned to `alignment` (built once per case and alignment; the
+    ALIGN pool is the case's own)."""
+    if alignment not in case.pools:
+        if alignment == ALIGN:
+            pool = Pool(ALIGN, case.x_PDx, case.row_start_e, case.num_rows_e)
+        else:
+            layout = ExpertLayout.from_counts(torch.tensor(case.counts, dtype=torch.int64), alignment)
+            device = case.x_PDx.device
+            num_pool_rows = max(layout.num_pool_rows, 1)
+            x_PDx = case.x_PDx.new_zeros(num_pool_rows, case.x_PDx.shape[1])
+            valid = ExpertLayout(layout.row_start_e, layout.num_rows_e, num_pool_rows, alignment).row_expert_P() >= 0
+            x_PDx[valid.to(device)] = case.x_packed
+            pool = Pool(alignment, x_PDx, layout.row_start_e.to(device),
+                        layout.num_rows_e.to(device=device, dtype=torch.int32))
+        if case.fp8 is not None:
+            if alignment == ALIGN:
+                pool.x_fp8, pool.x_scale = case.fp8["x"], case.fp8["x_scale"]
+            else:
+                from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
+
+                pool.x_fp8, pool.x_scale = quantize_fp8_per_128(pool.x_PDx)
+        case.pools[alignment] = pool
+    return case.pools[alignment]
 
 
 def _segment_rows(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, pool_rows: int) -> torch.Tensor:
@@ -143,29 +210,37 @@ def _grouped_mm_fn():
     return lambda a, b, offs: fn(a, b, offs=offs)
 
 
-_API_EXPERTS: dict = {}  # (id of the bf16 weights, fp8) -> the Experts object (built once per model)
+_API_EXPERTS: dict = {}  # (backend, id of the bf16 weights, fp8) -> the Experts object (built once per model)
+API_BACKENDS = ("triton",)  # the moe_ref backends timed through the public API
 
 
-def _api_paths(case: Case) -> list[tuple[str, Callable[[], object]]]:
-    """The public ``Experts`` path, as ``ModularRoutedStep`` calls it after the device-side dispatch."""
-    from moe_ref.experts import make_experts
+def _api_paths(case: Case, backends=API_BACKENDS) -> list[tuple[str, Callable[[], object]]]:
+    """The public ``Experts`` path, as ``ModularRoutedStep`` calls it after the device-side dispatch: each backend
+    on the pool the layer builds for it (segments aligned to ``experts_class(name).segment_alignment``), with the
+    static rows hint the device-side dispatch passes (``ExpertLayout.num_rows_hint``, no host sync) and without it
+    (``_nohint``: the backend reads the row count, a host sync per call); fp8: the FP8 pool as dispatched."""
+    from moe_ref.experts import experts_class, make_experts
 
-    def experts(fp8: bool):
-        key = (id(case.gate_up), fp8)
-        if key not in _API_EXPERTS:
-            _API_EXPERTS[key] = make_experts("triton", case.gate_up, case.down, "silu", fp8=fp8)
-        return _API_EXPERTS[key]
-
-    pool_rows = case.x_PDx.shape[0]
-    hinted = ExpertLayout(case.row_start_e, case.num_rows_e, pool_rows, ALIGN, num_rows_hint=case.num_rows,
-                          zero_unused_rows=False)
-    plain = ExpertLayout(case.row_start_e, case.num_rows_e, pool_rows, ALIGN)
-    bf16, paths = experts(False), []
-    paths.append(("api_triton_bf16", lambda: bf16(case.x_PDx, hinted)))
-    paths.append(("api_triton_bf16_nohint", lambda: bf16(case.x_PDx, plain)))
-    if case.fp8 is not None:
-        fp8, q = experts(True), case.fp8
-        paths.append(("api_triton_fp8", lambda: fp8(q["x"], hinted, q["x_scale"])))
+    paths = []
+    for backend in backends:
+        cls = experts_class(backend, case.x_PDx.device)
+        pool = _pool(case, cls.segment_alignment)
+        num_pool_rows = pool.x_PDx.shape[0]
+        layouts = {"": ExpertLayout(pool.row_start_e, pool.num_rows_e, num_pool_rows, pool.alignment,
+                                    num_rows_hint=case.num_rows, zero_unused_rows=False),
+                   "_nohint": ExpertLayout(pool.row_start_e, pool.num_rows_e, num_pool_rows, pool.alignment)}
+        for fp8 in (False, True) if case.fp8 is not None and cls.supports_fp8 else (False,):
+            key = (backend, id(case.gate_up), fp8)
+            if key not in _API_EXPERTS:
+                _API_EXPERTS[key] = make_experts(backend, case.gate_up, case.down, "silu", fp8=fp8)
+            experts = _API_EXPERTS[key]
+            for suffix, layout in layouts.items():
+                name = f"api_{backend}_{'fp8' if fp8 else 'bf16'}{suffix}"
+                case.path_pools[name] = pool
+                if fp8:
+                    paths.append((name, functools.partial(experts, pool.x_fp8, layout, pool.x_scale)))
+                else:
+                    paths.append((name, functools.partial(experts, pool.x_PDx, layout)))
     return paths
 
 
@@ -212,12 +287,17 @@ def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], 
 
 
 def _deep_gemm_cases(case: Case) -> list[tuple[str, Callable[[], object]]]:
-    """DeepGEMM grouped-GEMM paths for `case` (contiguous and masked layouts) as (name, fn) pairs; [] when
-    deep_gemm is not usable here."""
-    from moe_ref.experts.deep_gemm.bench import deep_gemm_grouped_cases
+    """DeepGEMM paths for `case` as (name, fn) pairs, contiguous and masked layouts, on the ALIGN (128) pool it
+    needs; [] when deep_gemm is not usable here. Whole MLP (`deep_gemm_[masked_]{bf16,fp8}`): GEMM1, activation
+    (+ per-128 FP8 quantization of h), GEMM2, the fp8 rows from the FP8 pool as dispatched. Kernels only
+    (`deep_gemm_[masked_]kernels_{bf16,fp8}`): the two GEMMs on operands built once (timed by the profiler, kernel
+    time only: `_kernel_us`)."""
+    from moe_ref.experts.deep_gemm.bench import deep_gemm_grouped_cases, deep_gemm_kernel_cases
 
-    return deep_gemm_grouped_cases(case.x_PDx, case.gate_up, case.down, case.row_start_e, case.num_rows_e,
-                                   layouts=("contiguous", "masked"))
+    args = (case.x_PDx, case.gate_up, case.down, case.row_start_e, case.num_rows_e)
+    options = dict(layouts=("contiguous", "masked"), fp8_options=(False, True) if case.fp8 is not None else (False,),
+                   x_fp8=(case.fp8["x"], case.fp8["x_scale"]) if case.fp8 is not None else None)
+    return deep_gemm_grouped_cases(*args, **options) + deep_gemm_kernel_cases(*args, **options)
 
 
 def _load_peers(paths: list[str] | None) -> tuple[list, list[str]]:
@@ -241,36 +321,96 @@ def _load_peers(paths: list[str] | None) -> tuple[list, list[str]]:
     return peers, notes
 
 
-def _peer_paths(case: Case, peer) -> list[tuple[str, Callable[[], object], object]]:
-    """(name, fn, PeerConfig) per dtype: the engine's expert MLP on our pool; its routing inputs are built here,
-    once, outside the timed region (the engine's align step is not timed, as our dispatch is not)."""
-    from peer_moe import peer_config, peer_routing, run_peer_mlp
+def _peer_operands(case: Case, dtype: str) -> tuple[tuple, dict]:
+    """(x, gate_up, down) and the FP8 scales a peer runs on: the ALIGN pool (bf16, or the FP8 pool as dispatched
+    with the block-quantized weights)."""
+    if dtype == "bf16":
+        return (case.x_PDx, case.gate_up, case.down), {}
+    q = case.fp8
+    return ((q["x"], q["gate_up"], q["down"]),
+            dict(x_scale=q["x_scale"], gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"]))
+
+
+def _peer_search_timer(case: Case, peer, dtype: str, quick: bool):
+    """`time_config(config) -> us` for `peer_moe.search_config`: the engine's MLP on this case with `config` for
+    both GEMMs (routing built once per BLOCK_SIZE_M, outside the timing), checked once per config against our twin
+    (a wrong result counts as a failure), timed with `_bench_us` (short)."""
+    from peer_moe import PeerConfig, peer_routing, run_peer_mlp
+
+    operands, scales = _peer_operands(case, dtype)
+    routings, twins = {}, {}
+
+    def time_config(config: dict) -> float:
+        block_m = config["BLOCK_SIZE_M"]
+        if block_m not in routings:
+            routings[block_m] = peer_routing(case.row_start_e, case.num_rows_e, case.x_PDx.shape[0], block_m,
+                                             peer.engine)
+        fn = functools.partial(run_peer_mlp, peer, *operands, case.row_start_e, case.num_rows_e, **scales,
+                               config=PeerConfig(dict(config), dict(config), "search", case.num_rows),
+                               routing=routings[block_m])
+        problem = _twin_check(case, f"search_{dtype}", fn(), twins)
+        if problem:
+            raise RuntimeError(problem)
+        return _bench_us(fn, True, search=True)
+
+    return time_config
+
+
+def _peer_paths(case: Case, peer, search: str = "none", quick: bool = False, log: dict | None = None
+                ) -> list[tuple[str, Callable[[], object], object]]:
+    """(name, fn, PeerConfig) per dtype: the engine's expert MLP on our pool "as shipped" (its tuned file or default
+    rule: `peer_<engine>_<dtype>`, today's rows) and, unless `search` is "none", "tuned" (the fastest config of its
+    own tuner's space for this exact shape, `peer_moe.search_config`: `peer_<engine>_tuned_<dtype>`). Routing inputs
+    are built here, once, outside the timed region (the engine's align step is not timed, as our dispatch is not);
+    the search runs here too, before any timing (its time is recorded in `log`, not in the rows)."""
+    from peer_moe import peer_config, peer_routing, run_peer_mlp, search_config, tuned_peer_config
 
     num_experts, hidden, inter = case.gate_up.shape[0], case.gate_up.shape[2], case.down.shape[2]
     layout = (case.row_start_e, case.num_rows_e)
     paths = []
     for dtype in ("bf16", "fp8") if case.fp8 is not None else ("bf16",):
-        config = peer_config(peer.wheel, num_experts, inter, dtype, torch.cuda.get_device_name(), case.num_rows,
-                             hidden=hidden)
-        routing = peer_routing(*layout, case.x_PDx.shape[0], config.block_m, peer.engine)
-        if dtype == "bf16":
-            operands, scales = (case.x_PDx, case.gate_up, case.down), {}
-        else:
-            q = case.fp8
-            operands = (q["x"], q["gate_up"], q["down"])
-            scales = dict(x_scale=q["x_scale"], gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"])
-        paths.append((f"peer_{peer.engine.name}_{dtype}", functools.partial(
-            run_peer_mlp, peer, *operands, *layout, **scales, config=config, routing=routing), config))
+        operands, scales = _peer_operands(case, dtype)
+        configs = [(f"peer_{peer.engine.name}_{dtype}", peer_config(
+            peer.wheel, num_experts, inter, dtype, torch.cuda.get_device_name(), case.num_rows, hidden=hidden))]
+        if search != "none":
+            start = time.time()
+            result = search_config(peer.engine, dtype, search, _peer_search_timer(case, peer, dtype, quick),
+                                   max_rows_per_expert=max(case.counts), smem_limit=_smem_limit())
+            seconds = time.time() - start
+            print(f"  {peer.label} {dtype}: {result.summary()} in {seconds:.0f} s; best {result.best} "
+                  f"{result.best_us:.1f} us", flush=True)
+            if log is not None:
+                log["searches"].append({"model": case.model, "num_rows": case.num_rows, "engine": peer.engine.name,
+                                        "dtype": dtype, "mode": search, "seconds": seconds, "best": result.best,
+                                        "best_us_in_search": result.best_us, "timed": len(result.timed),
+                                        "failed": len(result.failed), "tuner_size": result.tuner_size,
+                                        "candidates": result.candidates,
+                                        "failures": [f"{c}: {why}" for c, why in result.failed[:5]]})
+            configs.append((f"peer_{peer.engine.name}_tuned_{dtype}", tuned_peer_config(peer.engine, result,
+                                                                                       case.num_rows)))
+        for name, config in configs:
+            routing = peer_routing(*layout, case.x_PDx.shape[0], config.block_m, peer.engine)
+            paths.append((name, functools.partial(run_peer_mlp, peer, *operands, *layout, **scales, config=config,
+                                                  routing=routing), config))
     return paths
 
 
-def _peer_paths_logged(case: Case, peer, log: dict) -> list[tuple[str, Callable[[], object], object]]:
+def _smem_limit() -> int:
+    """The opt-in shared memory per block of this GPU (the search prunes configs over it), SM90's if unknown."""
+    from peer_moe import SMEM_LIMIT_SM90
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or SMEM_LIMIT_SM90)
+
+
+def _peer_paths_logged(case: Case, peer, log: dict, search: str = "none", quick: bool = False
+                       ) -> list[tuple[str, Callable[[], object], object]]:
     """`_peer_paths`, with each config (and, where the engine falls back to its default rule, the nearest tuned
     files) recorded in `log` (results["peer"]); [] with a note when building them fails."""
     from peer_moe import nearest_tuned
 
     try:
-        paths = _peer_paths(case, peer)
+        paths = _peer_paths(case, peer, search, quick, log)
     except Exception as exc:  # noqa: BLE001 - the peer rows of this case are left out, with the reason
         log["notes"].append(f"{case.model} rows {case.num_rows}: {peer.label} rows left out: {exc}")
         print(f"  {peer.label} rows left out: {exc}", flush=True)
@@ -287,13 +427,39 @@ def _peer_paths_logged(case: Case, peer, log: dict) -> list[tuple[str, Callable[
     return paths
 
 
-def _routed_rows(case: Case, out: torch.Tensor) -> torch.Tensor:
+def row_label(path: str, peer_labels: dict | None = None, search: str = "none") -> str:
+    """What a row times, in words, for the JSON (`label`) and the markdown."""
+    dtype = path.rsplit("_", 1)[-1] if path.endswith(("bf16", "fp8")) else ""
+    if path.startswith("api_"):
+        backend = path.split("_")[1]
+        hint = "without the rows hint (host sync)" if path.endswith("_nohint") else "rows hint"
+        return f"moe_ref make_experts('{backend}') on its pool (segment_alignment), {hint}"
+    if path.startswith("peer_"):
+        engine = path.split("_")[1]
+        label = (peer_labels or {}).get(engine, engine)
+        if "_tuned_" in path:
+            return f"{label} fused_moe_kernel, tuned ({search} search of its tuner's space, this shape)"
+        return f"{label} fused_moe_kernel, as shipped (tuned file or default rule)"
+    if path.startswith("deep_gemm_"):
+        layout = "masked" if "_masked" in path else "contiguous"
+        if "_kernels_" in path:
+            return f"DeepGEMM {layout}: kernels only (2 grouped GEMMs, pre-quantized inputs, profiler kernel time)"
+        return f"DeepGEMM {layout}: whole MLP (GEMM1 + act{' + FP8 quant of h' if dtype == 'fp8' else ''} + GEMM2)"
+    return {"triton_bf16": "moe_ref kernels.grouped_mlp direct", "triton_fp8": "moe_ref kernels.grouped_mlp direct",
+            "grouped_mm_bf16": "torch grouped_mm + SiLU-and-mul (packed rows)",
+            "loop_bf16": "torch per-expert loop (packed rows)"}.get(path, path)
+
+
+def _routed_rows(case: Case, out: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """``[num_rows, D]``: the rows of a path's output that hold routed rows, expert-major (the order of the rows
     inside segments in the pool): a pool-shaped ``[P, D]`` output keeps its rows inside segments, a masked
     ``[e, M, D]`` one the first ``counts[i]`` rows of expert i, a packed ``[num_rows, D]`` one is that already."""
     if out.dim() == 3:
         counts = torch.tensor(case.counts, device=out.device)
         return out[torch.arange(out.shape[1], device=out.device)[None, :] < counts[:, None]]
+    pool = case.path_pools.get(name) if name else None
+    if pool is not None and out.shape[0] == pool.x_PDx.shape[0]:
+        return out[_segment_rows(pool.row_start_e, pool.num_rows_e, pool.x_PDx.shape[0]).to(out.device)]
     if out.shape[0] == case.x_PDx.shape[0]:
         return out[_segment_rows(case.row_start_e, case.num_rows_e, case.x_PDx.shape[0])]
     return out
@@ -321,7 +487,7 @@ def _twin_check(case: Case, name: str, out: torch.Tensor, twins: dict) -> str | 
                                          gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"])
         else:
             twins[fp8] = grouped_mlp_ref(case.x_PDx, case.gate_up, case.down, *args)
-    got = _routed_rows(case, out).float()
+    got = _routed_rows(case, out, name).float()
     if got.isnan().any():
         return "NaN in the routed rows"
     diff, limit = calc_diff(got, _routed_rows(case, twins[fp8]).float()), 1e-3 if fp8 else 1e-4
@@ -331,12 +497,39 @@ def _twin_check(case: Case, name: str, out: torch.Tensor, twins: dict) -> str | 
 # ------------------------------------------------------------------------------------------------
 # measurement
 # ------------------------------------------------------------------------------------------------
-def _bench_us(fn: Callable[[], object], quick: bool) -> float:
+def _bench_us(fn: Callable[[], object], quick: bool, search: bool = False) -> float:
     import triton.testing
 
-    # do_bench flushes L2 before every repetition and returns the median in ms
-    return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=50 if quick else 200,
-                                   return_mode="median") * 1e3
+    # do_bench flushes L2 before every repetition and returns the median in ms (warmup/rep in ms of GPU time);
+    # a search times each config shorter still
+    warmup, rep = (5, 20) if search else (10, 50) if quick else (25, 200)
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
+def _kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, list[str]]:
+    """(us per call, kernel names): the GPU time of the kernels `fn` launches, from the profiler (as DeepGEMM's own
+    tests time its kernels), L2 flushed before each call by a 256 MB fill whose kernel is not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    calls = 10 if quick else 30
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    flush.zero_()  # the fill kernel's name, to leave it out
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    total, names = 0.0, set()
+    for event in prof.events():
+        if str(getattr(event, "device_type", "")).endswith("CUDA") and "fill" not in event.name.lower():
+            total += event.time_range.elapsed_us()  # a device event's own span: the kernel's run time
+            names.add(event.name)
+    if not names:
+        raise RuntimeError("the profiler saw no kernel of the call")
+    return total / calls, sorted(names)
 
 
 def measure_anchors(quick: bool) -> dict:
@@ -391,7 +584,7 @@ def check_correctness(include_deep_gemm: bool, device="cuda") -> list[str]:
                               gate_up_scale=weights[3], down_scale=weights[5])[valid]
     failures = []
     for name, fn in _paths(case, include_deep_gemm):
-        diff = calc_diff(_routed_rows(case, fn()), ref_fp8 if "fp8" in name else ref)  # fp8 paths vs the fp8 twin
+        diff = calc_diff(_routed_rows(case, fn(), name), ref_fp8 if "fp8" in name else ref)  # fp8 paths vs the fp8 twin
         limit = 1e-3 if "fp8" in name else 1e-4
         status = "ok" if diff < limit else "FAIL"
         print(f"  check {name:22s} calc_diff={diff:.2e} (limit {limit:.0e}) {status}", flush=True)
@@ -409,12 +602,19 @@ def _markdown(results: dict) -> str:
              f"triton {results['env']['triton']})", "",
              f"HBM copy: {anchors['hbm_bytes_per_s'] / 1e12:.2f} TB/s; bf16 matmul 8192^3: "
              f"{anchors['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", "",
-             "| model | rows | path | us | TFLOP/s | weight GB/s | x vs grouped_mm | roofline frac | bound |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+             _versions_line(results["env"]), "",
+             f"Peer search: {results['env'].get('peer_search', 'none')} (rows `peer_*_tuned_*` run the fastest config of "
+             "the engine's own tuner space found for that exact shape; rows `peer_<engine>_<dtype>` run it as shipped; "
+             "search time is not in any row). DeepGEMM rows say \"kernels only\" (profiler kernel time of its two "
+             "grouped GEMMs on pre-quantized inputs) or \"whole MLP\".", "",
+             "| model | rows | path | what | us | TFLOP/s | weight GB/s | x vs grouped_mm | roofline frac | bound |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
     for row in results["cases"]:
         speedup = f"{row['x_vs_grouped_mm']:.2f}" if row.get("x_vs_grouped_mm") else "-"
-        lines.append(f"| {row['model']} | {row['num_rows']} | {row['path']} | {row['us']:.1f} | {row['tflops']:.1f} "
-                     f"| {row['weight_gbps']:.0f} | {speedup} | {row['roofline_fraction']:.2f} | {row['bound']} |")
+        what = row.get("label", "") + (f" `{_short_config(row['config'])}`" if row.get("config") else "")
+        lines.append(f"| {row['model']} | {row['num_rows']} | {row['path']} | {what} | {row['us']:.1f} | "
+                     f"{row['tflops']:.1f} | {row['weight_gbps']:.0f} | {speedup} | {row['roofline_fraction']:.2f} | "
+                     f"{row['bound']} |")
     peer = results.get("peer")
     if peer:
         lines += [""] + [f"{note}." for note in peer["loaded"]]
@@ -429,6 +629,44 @@ def _markdown(results: dict) -> str:
                       for (model, path, source, up, down), rows in rows_of.items()]
         lines += [f"- {note}" for note in peer.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def _short_config(config: dict) -> str:
+    """`BM/BN/BK/GM w s` of a peer row's GEMM1 config (GEMM2's too when it differs)."""
+    def one(c):
+        return (f"{c.get('BLOCK_SIZE_M')}/{c.get('BLOCK_SIZE_N')}/{c.get('BLOCK_SIZE_K')}/{c.get('GROUP_SIZE_M')} "
+                f"w{c.get('num_warps')} s{c.get('num_stages')}")
+
+    up, down = one(config["up"]), one(config["down"])
+    return up if up == down else f"up {up}, down {down}"
+
+
+def _versions_line(env: dict) -> str:
+    peers = ", ".join(env.get("peer_files", [])) or "none"
+    return (f"Versions: torch {env.get('torch')}, triton {env.get('triton')}, deep_gemm {env.get('deep_gemm')}, "
+            f"peer files {peers}.")
+
+
+def make_row(case: Case, name: str, us: float, anchors: dict, *, config=None, search: str = "none",
+             peer_labels: dict | None = None, timing: str = "do_bench median (L2 flushed)") -> dict:
+    """One JSON row: the metrics, what the row times (`label`), how it was timed, and for a peer its config."""
+    row = {"model": case.model, "num_rows": case.num_rows, "path": name, "label": row_label(name, peer_labels, search),
+           "tuned": "_tuned_" in name, "timing": timing, **_case_metrics(case, name, us, anchors)}
+    if config is not None:
+        row["config"] = {"up": config.up, "down": config.down, "source": config.source}
+    return row
+
+
+def versions(peers: list) -> dict:
+    """What ran: the peer files (wheel or fused-moe zip names) and the deep_gemm version (None when absent)."""
+    try:
+        from moe_ref.experts.deep_gemm.probe import deep_gemm_status
+
+        status = deep_gemm_status()
+        deep_gemm = status.version if status.available else f"unavailable ({status.reason[:120]})"
+    except Exception as exc:  # noqa: BLE001 - informational
+        deep_gemm = f"unknown ({exc!r})"
+    return {"peer_files": [os.path.basename(peer.wheel) for peer in peers], "deep_gemm": deep_gemm}
 
 
 def _plot(results: dict, path: str) -> None:
@@ -472,6 +710,10 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-wheel", action="append", default=None,
                         help="an engine's wheel or fused-moe zip to read a peer kernel from, repeatable (default: "
                              "every peer file in .whl/, one per engine)")
+    parser.add_argument("--peer-search", choices=("none", "small", "full"), default="small",
+                        help="also time each peer with the fastest config of its own tuner's space for the exact "
+                             "shape: small (<= 50 configs per engine, dtype and shape: minutes), full (every "
+                             "runnable config: hours), none (as shipped only, the rows of before)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -490,7 +732,9 @@ def main(argv=None) -> int:
     results["correctness_failures"] = failures
     peers, loaded = _load_peers(args.peer_wheel)
     print("\n".join(loaded), flush=True)
-    results["peer"] = {"loaded": loaded, "configs": [], "notes": []}
+    results["peer"] = {"loaded": loaded, "configs": [], "notes": [], "searches": []}
+    results["env"].update(versions(peers), peer_search=args.peer_search)
+    peer_labels = {peer.engine.name: peer.label for peer in peers}
     print("measuring anchors ...", flush=True)
     anchors = measure_anchors(args.quick)
     results["anchors"] = anchors
@@ -504,7 +748,9 @@ def main(argv=None) -> int:
         for num_rows in row_counts:
             case = _make_case(model, num_rows, weights, args.seed, with_fp8)
             timings, twins = {}, {}
-            peer_paths = [path for peer in peers for path in _peer_paths_logged(case, peer, results["peer"])]
+            peer_paths = [path for peer in peers for path in _peer_paths_logged(case, peer, results["peer"],
+                                                                                args.peer_search, args.quick)]
+            configs = {name: config for name, _, config in peer_paths}
             for name, fn in _paths(case, args.include_deep_gemm) + [(name, fn) for name, fn, _ in peer_paths]:
                 start = time.time()
                 if name.startswith(("peer_", "deep_gemm_")):  # a failing anchor leaves its row out, not the run
@@ -516,9 +762,19 @@ def main(argv=None) -> int:
                     print(f"  {model:8s} rows={num_rows:6d} {name:22s} left out: {problem}", flush=True)
                     results["peer"]["notes"].append(f"{model} rows {num_rows} {name} left out: {problem}")
                     continue
-                us = _bench_us(fn, args.quick)
+                timing = "do_bench median (L2 flushed)"
+                if "_kernels_" in name:  # DeepGEMM kernels only: the profiler's kernel time
+                    try:
+                        us, kernels = _kernel_us(fn, args.quick)
+                        timing = f"profiler kernel time, L2 flushed ({', '.join(kernels)[:200]})"
+                    except Exception as exc:  # noqa: BLE001 - no profiler: say so and time the call
+                        us = _bench_us(fn, args.quick)
+                        timing = f"do_bench median (the profiler failed: {type(exc).__name__}: {str(exc)[:100]})"
+                else:
+                    us = _bench_us(fn, args.quick)
                 timings[name] = us
-                row = {"model": model, "num_rows": num_rows, "path": name, **_case_metrics(case, name, us, anchors)}
+                row = make_row(case, name, us, anchors, config=configs.get(name), search=args.peer_search,
+                               peer_labels=peer_labels, timing=timing)
                 results["cases"].append(row)
                 print(f"  {model:8s} rows={num_rows:6d} {name:22s} {us:10.1f} us {row['tflops']:7.1f} TFLOP/s "
                       f"{row['weight_gbps']:7.0f} GB/s roofline {row['roofline_fraction']:.2f} "

@@ -1,0 +1,338 @@
+"""scripts/bench_experts.py's peers at their best, on the CPU: the engines' tuner search spaces (scripts/peer_moe.py:
+counts, pruning, that every config can run), the small and full searches with a stand-in timer, the row labels,
+`--peer-search none` keeping the as-shipped rows of before, and (under TRITON_INTERPRET=1, with the peer files of
+`make peers`; skipped without them) that a searched config is the one the peer's kernel is launched with."""
+
+import dataclasses
+import importlib.util
+import pathlib
+import random
+import sys
+
+import pytest
+import torch
+
+from moe_ref.experts import ExpertLayout
+
+pytestmark = pytest.mark.unit
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _script(name):
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))  # bench_experts imports peer_moe by name, as when run
+    key = f"{name}_under_test_peers"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+pm = _script("peer_moe")
+be = _script("bench_experts")
+ENGINES_DTYPES = [(e, d) for e in ("sglang", "vllm") for d in ("bf16", "fp8")]
+
+
+# ------------------------------------------------------------------------------------------------
+# the tuners' spaces
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine, dtype, tuner, runnable", [
+    ("sglang", "bf16", 1920, 1248), ("sglang", "fp8", 1280, 1248), ("vllm", "bf16", 1920, 1248),
+    ("vllm", "fp8", 640, 288)])
+def test_tuner_space_counts_and_pruning(engine, dtype, tuner, runnable):
+    space = pm.tuner_space(engine, dtype)
+    assert len(space) == tuner
+    assert len({tuple(sorted(c.items())) for c in space}) == tuner  # no repeats in the enumeration
+    pruned = pm.pruned_space(engine, dtype)
+    assert (pruned.tuner_size, len(pruned.configs)) == (tuner, runnable)
+    assert sum(pruned.dropped.values()) == tuner - runnable
+    for config in pruned.configs:  # every config left can run as the kernel's config
+        assert config in space and pm.config_problems(engine, dtype, config) == [], config
+    ran = {tuple(pm.effective_config(engine, dtype, c).values()) for c in pruned.configs}
+    assert len(ran) == runnable  # no two run as the same config
+
+
+def test_tuner_spaces_follow_the_engines_files():
+    # SGLang (common_utils.get_configs_compute_bound, then `block_k % BLOCK_SIZE_K == 0` for [128, 128])
+    sglang = pm.tuner_space("sglang", "fp8")
+    assert {c["BLOCK_SIZE_K"] for c in sglang} == {64, 128} and {c["BLOCK_SIZE_N"] for c in sglang} == {32, 64, 128, 256}
+    assert sglang[0] == {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
+                         "num_warps": 4, "num_stages": 2}  # its loop order: stages, M, K, N, warps, group
+    assert sglang[1]["GROUP_SIZE_M"] == 16 and sglang[4]["num_warps"] == 8
+    # vLLM (benchmark_moe.get_configs_compute_bound: BLOCK_SIZE_K and BLOCK_SIZE_N multiples of the block)
+    vllm = pm.tuner_space("vllm", "fp8")
+    assert {c["BLOCK_SIZE_K"] for c in vllm} == {128, 256} and {c["BLOCK_SIZE_N"] for c in vllm} == {128, 256}
+    assert vllm[0] == {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
+                       "num_warps": 4, "num_stages": 2}  # itertools.product order: stages fastest
+    assert vllm[1]["num_stages"] == 3
+    # vLLM's launcher caps BLOCK_SIZE_K at 128 for block-FP8: the 256 half is dropped as a duplicate
+    assert pm.pruned_space("vllm", "fp8").dropped["runs as another config"] == 288
+    assert all(c["BLOCK_SIZE_K"] == 128 for c in pm.pruned_space("vllm", "fp8").configs)
+    with pytest.raises(ValueError):
+        pm.tuner_space("flashinfer", "bf16")
+
+
+def test_config_problems_name_what_cannot_run():
+    ok = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
+          "num_stages": 3}
+    assert pm.config_problems("sglang", "fp8", ok) == []
+    assert pm.smem_bytes(ok, "fp8") == (64 + 128) * 128 * 3 and pm.smem_bytes(ok, "bf16") == 2 * (64 + 128) * 128 * 3
+    assert any("shared memory" in p for p in pm.config_problems("sglang", "bf16", dict(ok, num_stages=5,
+                                                                                        BLOCK_SIZE_M=256)))
+    assert any("divide" in p for p in pm.config_problems("sglang", "fp8", dict(ok, BLOCK_SIZE_K=256)))
+    assert pm.config_problems("vllm", "fp8", dict(ok, BLOCK_SIZE_K=256)) == []  # capped to 128 by the launcher
+    assert any("power of two" in p for p in pm.config_problems("vllm", "bf16", dict(ok, BLOCK_SIZE_M=8)))
+    assert pm.config_problems("vllm", "bf16", {"BLOCK_SIZE_M": 16}) == ["no BLOCK_SIZE_N", "no BLOCK_SIZE_K",
+                                                                        "no GROUP_SIZE_M", "no num_warps",
+                                                                        "no num_stages"]
+
+
+@pytest.mark.parametrize("engine, dtype", ENGINES_DTYPES)
+@pytest.mark.parametrize("rows_per_expert, cap", [(1, 16), (16, 16), (17, 32), (90, 128), (700, 1024)])
+def test_small_search_subset_and_bound(engine, dtype, rows_per_expert, cap):
+    assert pm.block_m_cap(rows_per_expert) == cap
+    space = pm.pruned_space(engine, dtype).configs
+    stage1 = pm.small_stage1(space, rows_per_expert)
+    assert stage1 and len(stage1) <= 30 and all(c in space for c in stage1)
+    assert all(c["BLOCK_SIZE_M"] <= cap and (c["GROUP_SIZE_M"], c["num_warps"], c["num_stages"]) == (1, 4, 3)
+               for c in stage1)
+    rng = random.Random(f"{engine}{dtype}{rows_per_expert}")
+    seen = []
+
+    def timer(config):
+        seen.append(config)
+        if config["num_stages"] == 5:
+            raise RuntimeError("OutOfResources (stand-in)")
+        return rng.uniform(1, 100)
+
+    result = pm.search_config(engine, dtype, "small", timer, max_rows_per_expert=rows_per_expert)
+    assert len(seen) == len(result.timed) + len(result.failed) <= 50
+    assert all(c in space and c["BLOCK_SIZE_M"] <= cap for c in seen)
+    assert len({tuple(c.values()) for c in seen}) == len(seen)  # each config timed once
+    assert all(c["num_stages"] == 5 for c, _ in result.failed)
+    assert result.best_us == min(us for _, us in result.timed) and (result.best, result.best_us) in result.timed
+    tuned = pm.tuned_peer_config(engine, result, 100)
+    assert tuned.up == tuned.down == result.best and tuned.source.startswith("tuned: small search")
+
+
+def test_full_search_times_every_runnable_config_and_none_is_refused():
+    result = pm.search_config("vllm", "fp8", "full", lambda c: c["BLOCK_SIZE_M"] + c["num_stages"] / 10,
+                              max_rows_per_expert=5)
+    assert len(result.timed) == 288 and result.best["BLOCK_SIZE_M"] == 16 and result.best["num_stages"] == 2
+    with pytest.raises(ValueError, match="search mode"):
+        pm.search_config("vllm", "fp8", "none", lambda c: 1.0, max_rows_per_expert=5)
+    failed = pm.search_config("vllm", "fp8", "small", lambda c: 1 / 0, max_rows_per_expert=5)
+    assert failed.best is None and failed.failed
+    with pytest.raises(Exception, match="no config"):
+        pm.tuned_peer_config("vllm", failed, 5)
+
+
+# ------------------------------------------------------------------------------------------------
+# bench_experts: labels, rows, --peer-search
+# ------------------------------------------------------------------------------------------------
+def test_row_labels_say_what_each_row_times():
+    labels = {"sglang": "sglang 0.5.23"}
+    assert "as shipped" in be.row_label("peer_sglang_bf16", labels) and "sglang 0.5.23" in be.row_label(
+        "peer_sglang_bf16", labels)
+    tuned = be.row_label("peer_vllm_tuned_fp8", labels, "small")
+    assert "tuned" in tuned and "small search" in tuned
+    assert "kernels only" in be.row_label("deep_gemm_kernels_fp8")
+    assert "kernels only" in be.row_label("deep_gemm_masked_kernels_bf16") and "masked" in be.row_label(
+        "deep_gemm_masked_kernels_bf16")
+    assert "whole MLP" in be.row_label("deep_gemm_fp8") and "FP8 quant of h" in be.row_label("deep_gemm_masked_fp8")
+    assert "FP8 quant" not in be.row_label("deep_gemm_bf16")
+    assert "without the rows hint" in be.row_label("api_triton_fp8_nohint")
+    assert "rows hint" in be.row_label("api_triton_bf16") and "without" not in be.row_label("api_triton_bf16")
+
+
+def _cpu_case(counts=(5, 0, 19), hidden=256, inter=256, fp8=False):
+    gen = torch.Generator().manual_seed(0)
+    layout = ExpertLayout.from_counts(torch.tensor(counts), be.ALIGN)
+    num_pool_rows = max(layout.num_pool_rows, be.ALIGN)
+    x_packed = torch.randn(sum(counts), hidden, generator=gen)
+    x_PDx = torch.zeros(num_pool_rows, hidden)
+    x_PDx[be._segment_rows(layout.row_start_e, layout.num_rows_e, num_pool_rows)] = x_packed
+    gate_up = torch.randn(len(counts), 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(len(counts), hidden, inter, generator=gen) / inter**0.5
+    return be.Case("tiny", sum(counts), list(counts), x_PDx, layout.row_start_e, layout.num_rows_e.to(torch.int32),
+                   x_packed, gate_up, down)
+
+
+def test_pools_follow_the_backend_alignment():
+    case = _cpu_case()
+    assert be._pool(case, be.ALIGN).x_PDx is case.x_PDx
+    packed = be._pool(case, 1)  # triton's segment_alignment: no padding rows at all
+    assert packed.x_PDx.shape[0] == 24 and torch.equal(packed.x_PDx, case.x_packed)
+    assert packed.row_start_e.tolist() == [0, 5, 5] and packed.num_rows_e.tolist() == [5, 0, 19]
+    sixteen = be._pool(case, 16)
+    assert sixteen.row_start_e.tolist() == [0, 16, 16] and sixteen.x_PDx.shape[0] == 48
+    case.path_pools["p"] = sixteen
+    out = sixteen.x_PDx * 2
+    assert torch.equal(be._routed_rows(case, out, "p"), case.x_packed * 2)
+
+
+def test_api_paths_run_on_the_backends_pool_with_and_without_the_hint(monkeypatch):
+    from moe_ref.experts import experts_class
+
+    case = _cpu_case()
+    seen = []
+
+    class Recorder:
+        def __call__(self, x, layout, x_scale=None):
+            seen.append((x.shape[0], layout.alignment, layout.num_rows_hint))
+            return x
+
+    monkeypatch.setattr(be, "_API_EXPERTS", {})
+    import moe_ref.experts as experts_module
+
+    monkeypatch.setattr(experts_module, "make_experts", lambda *a, **k: Recorder())
+    paths = be._api_paths(case)
+    assert [name for name, _ in paths] == ["api_triton_bf16", "api_triton_bf16_nohint"]
+    for _, fn in paths:
+        fn()
+    alignment = experts_class("triton").segment_alignment
+    assert seen == [(24, alignment, 24), (24, alignment, None)]
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+
+
+def _peer(engine_name):
+    for path in pm.default_peer_files():
+        if pathlib.Path(path).name.startswith(engine_name + "-"):
+            return pm.load_peer_kernel(path)
+    pytest.skip(f"no {engine_name} peer file in .whl/ (`make peers`)")
+
+
+@pytest.mark.parametrize("engine_name", ["sglang", "vllm"])
+def test_peer_search_none_keeps_the_as_shipped_rows(h200, engine_name):
+    peer, case = _peer(engine_name), _cpu_case()
+    log = {"searches": []}
+    paths = be._peer_paths(case, peer, "none", log=log)
+    assert [name for name, _, _ in paths] == [f"peer_{engine_name}_bf16"]
+    want = pm.peer_config(peer.wheel, 3, 256, "bf16", "NVIDIA H200", case.num_rows, hidden=256)
+    assert paths[0][2].up == want.up and paths[0][2].source == want.source and log["searches"] == []
+    row = be.make_row(case, paths[0][0], 10.0, {"bf16_flops_per_s": 1e15, "hbm_bytes_per_s": 4e12},
+                      config=paths[0][2], peer_labels={engine_name: peer.label})
+    assert row["tuned"] is False and "as shipped" in row["label"] and row["config"]["up"] == want.up
+
+
+class _LaunchSpy:
+    """Stands in for the peer's `fused_moe_kernel`: records each launch's tile arguments, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(**kwargs):
+            self.launches.append({k: kwargs[k] for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K",
+                                                         "GROUP_SIZE_M")})
+            return self.kernel[grid](**kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("engine_name", ["sglang", "vllm"])
+def test_searched_config_reaches_the_kernel(h200, monkeypatch, engine_name):
+    """The search's winner is the config of the tuned row, and the interpreter runs the peer's kernel with it (both
+    GEMMs), matching our twin."""
+    from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+    from moe_ref.testing import calc_diff
+
+    peer, case = _peer(engine_name), _cpu_case()
+    spy = _LaunchSpy(peer.gemm)
+    peer = dataclasses.replace(peer, gemm=spy)
+    chosen = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 16, "num_warps": 8,
+              "num_stages": 2}
+    assert chosen in pm.pruned_space(engine_name, "bf16").configs
+
+    def search(engine, dtype, mode, timer, **kwargs):  # the real search, with a timer that prefers `chosen`
+        return pm.search_config(engine, dtype, mode, lambda c: 1.0 if c == chosen else 2.0, **kwargs)
+
+    monkeypatch.setattr(sys.modules["peer_moe"], "search_config", search)
+    monkeypatch.setattr(be, "_smem_limit", lambda: pm.SMEM_LIMIT_SM90)
+    log = {"searches": []}
+    paths = be._peer_paths(case, peer, "full", log=log)  # full: every runnable config, so `chosen` is timed
+    assert [name for name, _, _ in paths] == [f"peer_{engine_name}_bf16", f"peer_{engine_name}_tuned_bf16"]
+    name, fn, config = paths[1]
+    assert config.up == config.down == chosen and log["searches"][0]["best"] == chosen
+    assert log["searches"][0]["timed"] == 1248
+    y = fn()
+    assert spy.launches == [{k: chosen[k] for k in spy.launches[0]}] * 2  # GEMM1 and GEMM2 with the searched tiles
+    want = grouped_mlp_ref(case.x_PDx, case.gate_up, case.down, case.row_start_e, case.num_rows_e)
+    valid = be._segment_rows(case.row_start_e, case.num_rows_e, case.x_PDx.shape[0])
+    assert calc_diff(y[valid], want[valid]) < 1e-4
+    row = be.make_row(case, name, 5.0, {"bf16_flops_per_s": 1e15, "hbm_bytes_per_s": 4e12}, config=config,
+                      search="full", peer_labels={engine_name: peer.label})
+    assert row["tuned"] is True and row["config"]["up"] == chosen and "tuned (full search" in row["label"]
+    assert "tuned" in be._markdown({"env": {"gpu": "x", "torch": "t", "triton": "t", "peer_search": "full"},
+                                    "anchors": {"hbm_bytes_per_s": 4e12, "bf16_flops_per_s": 1e15},
+                                    "cases": [row]})
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepGEMM rows: kernels only vs whole MLP, on the stand-in deep_gemm of test_deep_gemm_detect.py
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_deep_gemm(monkeypatch):
+    return _install_fake(_test_module("test_deep_gemm_detect"), monkeypatch)
+
+
+def _test_module(name):
+    key = f"{name}_for_peers"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "tests" / "unit" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+def _install_fake(detect, monkeypatch):
+    module = detect._fake_deep_gemm_module()
+    monkeypatch.setitem(sys.modules, "deep_gemm", module)
+    monkeypatch.setitem(sys.modules, "deep_gemm.utils", module.utils)
+    monkeypatch.setattr(detect.deep_gemm_probe, "_probe",
+                        lambda: detect.DeepGemmStatus(True, "0.1.4-fake", "fake", False))
+    monkeypatch.setattr(detect.deep_gemm_backend, "_require_cuda", lambda name, tensor: None)
+    return module
+
+
+def test_deep_gemm_kernel_rows_time_only_the_two_gemms(fake_deep_gemm):
+    from moe_ref.experts import TorchLoopExperts
+    from moe_ref.experts.deep_gemm.bench import deep_gemm_grouped_cases, deep_gemm_kernel_cases
+    from moe_ref.kernels.fp8 import quantize_fp8_per_128
+    from moe_ref.testing import calc_diff
+
+    case = _cpu_case(counts=(3, 0, 130), hidden=256, inter=128)
+    weights = (case.gate_up.bfloat16(), case.down.bfloat16())
+    x = case.x_PDx.bfloat16()
+    x_fp8 = quantize_fp8_per_128(x)
+    layout = ExpertLayout(case.row_start_e, case.num_rows_e, x.shape[0], 128)
+    reference = TorchLoopExperts(*weights).forward(x, layout)
+    valid = layout.row_expert_P() >= 0
+    args = (x, *weights, case.row_start_e, case.num_rows_e)
+    options = dict(layouts=("contiguous", "masked"), x_fp8=x_fp8)
+    whole = deep_gemm_grouped_cases(*args, **options)
+    kernels = deep_gemm_kernel_cases(*args, **options)
+    assert [n for n, _ in whole] == ["deep_gemm_bf16", "deep_gemm_fp8", "deep_gemm_masked_bf16", "deep_gemm_masked_fp8"]
+    assert [n for n, _ in kernels] == ["deep_gemm_kernels_bf16", "deep_gemm_masked_kernels_bf16",
+                                       "deep_gemm_kernels_fp8", "deep_gemm_masked_kernels_fp8"]
+    for name, fn in whole + kernels:
+        fake_deep_gemm.calls.clear()
+        y = fn()
+        assert len(fake_deep_gemm.calls) == 2, name  # GEMM1 and GEMM2, nothing else of deep_gemm's
+        if y.dim() == 3:  # masked [e, M, D]: expert i's first counts[i] rows
+            counts = torch.tensor(case.counts)
+            y = y[torch.arange(y.shape[1])[None, :] < counts[:, None]]
+        else:
+            y = y[valid]
+        limit = 1e-2 if name.endswith("fp8") else 1e-4
+        assert calc_diff(y.float(), reference[valid].float()) < limit, name
+    # the fp8 whole-MLP rows start from the FP8 pool as dispatched: no quantization of x inside them
+    assert whole[1][1].args[0].dtype == torch.float8_e4m3fn and whole[1][1].args[2] is x_fp8[1]
