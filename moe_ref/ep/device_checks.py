@@ -72,6 +72,10 @@ class DeviceChecks:
 class DeferredChecks:
     """Device checks of earlier calls, read once their flags have reached the host (no host sync in a call).
 
+    Until its flags are read, a call's checks keep the tensors their ``describe`` names the bad tokens from alive
+    (the router logits ``[T, E]`` fp32, the top-k ids and weights): usually until the next call, at most
+    ``max_pending`` calls.
+
     Args:
         max_pending: calls whose flags may stay unread; beyond that the oldest is waited for (the GPU still has
             the newer calls queued, so it does not drain).
