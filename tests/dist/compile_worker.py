@@ -10,17 +10,13 @@ measured calls only: the graphs are compiled first by a warm-up every rank runs 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import signal
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
+from launch import join_group  # noqa: E402  (tests/dist, beside this worker)
 from moe_ref import MegaMoE
 from moe_ref.core.config import preset
 from moe_ref.core.errors import MoERefError
@@ -77,13 +73,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.makedirs(args.out, exist_ok=True)
-    out_path = os.path.join(args.out, f"rank{rank}.jsonl")
+    rank, world, report = join_group(args.out, GROUP_TIMEOUT_S)
     for name, fn, backend in CASES:
         code, message, ok, seconds = None, "", None, None
         start = time.perf_counter()
@@ -92,9 +82,7 @@ def main() -> int:
         except BaseException as err:  # noqa: BLE001 - the error IS the result
             code, message = _code(err), str(err)
         seconds = round(time.perf_counter() - start if seconds is None else seconds, 3)
-        with open(out_path, "a") as f:
-            f.write(json.dumps({"case": name, "code": code, "message": message[:600], "seconds": seconds,
-                                "ok": ok}) + "\n")
+        report({"case": name, "code": code, "message": message[:600], "seconds": seconds, "ok": ok})
         dist.barrier()
     dist.destroy_process_group()
     return 0

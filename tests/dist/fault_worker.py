@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
 import signal
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
+from launch import join_group  # noqa: E402  (tests/dist, beside this worker)
 from moe_ref import MegaMoE
 from moe_ref.core.config import preset
 from moe_ref.core.errors import MoERefError
@@ -249,18 +247,7 @@ def main() -> int:
     parser.add_argument("--compile", default=None, choices=["aot_eager", "inductor"],
                         help="call the layers through torch.compile with this backend (the cases that call one)")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.makedirs(args.out, exist_ok=True)
-    out_path = os.path.join(args.out, f"rank{rank}.jsonl")
-
-    def report(result: dict) -> None:
-        with open(out_path, "a") as f:
-            f.write(json.dumps(result) + "\n")
-
+    rank, world, report = join_group(args.out, GROUP_TIMEOUT_S)
     for name, build, call, *_ in CASES:
         if args.compile is not None and call is None:
             continue  # construction cases: nothing is called, so nothing is compiled

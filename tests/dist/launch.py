@@ -1,6 +1,8 @@
-"""Launching a torchrun job from a test: private shared-memory folder, wall-clock limit, per-rank results."""
+"""Launching a torchrun job from a test (private shared-memory folder, wall-clock limit, per-rank results), and the
+two ends of the per-case reports that case workers write: ``join_group`` in the worker, ``read_reports`` in the test."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -9,8 +11,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from moe_ref.ep.buffer import sweep_stale_shm_files
 
@@ -64,3 +68,36 @@ def torchrun(nproc: int, worker_args: list[str], out_dir: Path, timeout_s: float
         if path.exists():
             results[rank] = json.loads(path.read_text())
     return Launch(returncode, seconds, log, leftovers, results)
+
+
+def join_group(out_dir: str, group_timeout_s: float) -> tuple[int, int, Callable[[dict], None]]:
+    """A case worker's start: SIGTERM ends it (exit 143), one thread, warnings off, the gloo group; returns (rank,
+    world, report), where ``report(result)`` appends one JSON line to ``out_dir/rank{r}.jsonl`` as the case ends
+    (a rank that hangs never reports, which ``read_reports`` shows)."""
+    import torch
+    import torch.distributed as dist
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=group_timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.makedirs(out_dir, exist_ok=True)
+    out_path = os.path.join(out_dir, f"rank{rank}.jsonl")
+
+    def report(result: dict) -> None:
+        with open(out_path, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+    return rank, world, report
+
+
+def read_reports(out_dir: Path, world_size: int) -> dict[int, dict[str, dict]]:
+    """``{rank: {case: report}}`` from the lines ``join_group``'s ``report`` wrote (a rank that never reported a
+    case has no entry for it)."""
+    reports = {}
+    for rank in range(world_size):
+        path = out_dir / f"rank{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        reports[rank] = {r["case"]: r for r in map(json.loads, lines)}
+    return reports

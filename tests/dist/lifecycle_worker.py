@@ -14,18 +14,14 @@ Each rank writes one JSON line per case to ``OUT_DIR/rank{r}.jsonl`` as soon as 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import os
-import signal
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
+from launch import join_group  # noqa: E402  (tests/dist, beside this worker)
 from moe_ref import MegaMoE
 from moe_ref.core.config import preset
 from moe_ref.core.errors import MoERefError
@@ -84,17 +80,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-    rank = dist.get_rank()
-    os.makedirs(args.out, exist_ok=True)
-    out_path = os.path.join(args.out, f"rank{rank}.jsonl")
-
-    def report(result: dict) -> None:
-        with open(out_path, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    rank, _, report = join_group(args.out, GROUP_TIMEOUT_S)
 
     start = time.perf_counter()
     try:

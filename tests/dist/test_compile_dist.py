@@ -4,7 +4,6 @@ gradient asked for on one rank is INP007 on every rank. Every rank must report e
 (tests/dist/compile_worker.py)."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -13,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compile_worker import CASES  # noqa: E402
-from launch import torchrun  # noqa: E402
+from launch import read_reports, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -27,12 +26,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_worke
 def compile_reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("compile")
     launch = torchrun(WORLD_SIZE, [], out, LAUNCH_TIMEOUT_S, worker=WORKER)
-    reports = {}
-    for rank in range(WORLD_SIZE):
-        path = out / f"rank{rank}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        reports[rank] = {r["case"]: r for r in map(json.loads, lines)}
-    return launch, reports
+    return launch, read_reports(out, WORLD_SIZE)
 
 
 @pytest.mark.parametrize("case", [name for name, _, _ in CASES])

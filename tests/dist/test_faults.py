@@ -7,7 +7,6 @@ torchrun. The process group's own timeout is 120 s, so nothing but the layer can
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -16,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fault_worker import CASES  # noqa: E402
-from launch import torchrun  # noqa: E402
+from launch import read_reports, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -37,12 +36,7 @@ def fault_reports(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"faults{world_size}{compile_backend or ''}")
             flags = ["--kill"] if compile_backend is None else ["--compile", compile_backend]
             launch = torchrun(world_size, flags, out, LAUNCH_TIMEOUT_S, worker=FAULT_WORKER)
-            reports = {}
-            for rank in range(world_size):
-                path = out / f"rank{rank}.jsonl"
-                lines = path.read_text().splitlines() if path.exists() else []
-                reports[rank] = {r["case"]: r for r in map(json.loads, lines)}
-            cache[key] = (launch, reports)
+            cache[key] = (launch, read_reports(out, world_size))
         return cache[key]
     return get
 

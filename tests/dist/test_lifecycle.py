@@ -4,7 +4,6 @@ that exits with a layer still holding the group exits with status 0 on every ran
 (tests/dist/lifecycle_worker.py)."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from launch import torchrun  # noqa: E402
+from launch import read_reports, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -29,12 +28,7 @@ def runs(tmp_path_factory):
     for run in range(RUNS):
         out = tmp_path_factory.mktemp(f"lifecycle{run}")
         launch = torchrun(WORLD_SIZE, [], out, LAUNCH_TIMEOUT_S, worker=WORKER)
-        reports = {}
-        for rank in range(WORLD_SIZE):
-            path = out / f"rank{rank}.jsonl"
-            lines = path.read_text().splitlines() if path.exists() else []
-            reports[rank] = {r["case"]: r for r in map(json.loads, lines)}
-        results.append((launch, reports))
+        results.append((launch, read_reports(out, WORLD_SIZE)))
     return results
 
 
