@@ -32,12 +32,14 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import profile_step  # noqa: E402  (its timing of back-to-back calls and its runtime API names)
 from moe_ref import MegaMoE  # noqa: E402
 from moe_ref.core.config import preset  # noqa: E402
 
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCHES = profile_step.RUNTIME_KINDS["kernel launches"]
+SYNCS = profile_step.RUNTIME_KINDS["synchronizations"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,16 +59,6 @@ def build_layer(args, dispatch: str, cap: int) -> MegaMoE:
     cfg = dataclasses.replace(preset("kimi-k2"), num_experts=args.num_experts, name=f"kimi-k2/{args.num_experts}")
     return MegaMoE(cfg, None, num_max_tokens_per_rank=cap, dtype=torch.bfloat16, device="cuda", seed=0,
                    experts_backend="triton", dispatch_fp8=dispatch == "fp8")
-
-
-def host_and_wall_us(fn, x, calls: int) -> tuple[float, float]:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn(x)
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / calls * 1e6, (time.perf_counter() - start) / calls * 1e6
 
 
 def graphed(moe: MegaMoE, x: torch.Tensor):
@@ -165,7 +157,7 @@ def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
         row["first_call_s"] = round(time.perf_counter() - first, 2)
         for _ in range(3):
             eager(x)
-        row["eager_host_us"], row["eager_wall_us"] = host_and_wall_us(eager, x, args.calls)
+        row["eager_host_us"], row["eager_wall_us"] = profile_step.host_and_wall_us(eager, (x,), args.calls)
         if args.profile:
             row.update(runtime_counts(eager, x))
             row["sync_sites"] = sync_sites(eager, x)
@@ -180,7 +172,7 @@ def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
                 for _ in range(3):
                     out = fn(x)
                 row[f"{route}_bitwise_eq_eager"] = bool(torch.equal(out, reference))
-                row[f"{route}_host_us"], row[f"{route}_us"] = host_and_wall_us(fn, x, args.calls)
+                row[f"{route}_host_us"], row[f"{route}_us"] = profile_step.host_and_wall_us(fn, (x,), args.calls)
             except Exception as err:  # noqa: BLE001 - a route that fails is reported, the others still run
                 row[f"{route}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
             torch._dynamo.reset()

@@ -53,6 +53,11 @@ class DeviceChecks:
         self._flags.append(flag.reshape(1))
         self._describe.append(describe)
 
+    def stacked(self) -> torch.Tensor | None:
+        """The flags in order, one launch (``torch.cat`` in their promoted dtype, on their device); None without
+        checks. No host sync."""
+        return torch.cat(self._flags) if self._flags else None
+
     def flags(self, device: torch.device) -> torch.Tensor:
         """``[MAX_CHECKS]`` int64 on ``device``: the flags in order, zero-padded. No host sync."""
         flags = torch.zeros(MAX_CHECKS, dtype=torch.int64, device=device)
@@ -87,9 +92,9 @@ class DeferredChecks:
 
     def record(self, checks: DeviceChecks, device: torch.device) -> None:
         """Queue ``checks``' flags for a later read: one copy to pinned memory behind an event (CUDA)."""
-        if not checks._flags:
+        flags = checks.stacked()  # one launch, not zeros + a copy per flag as flags() does for an all_gather
+        if flags is None:
             return
-        flags = torch.cat(checks._flags)  # one launch (the promoted dtype), not zeros + a copy per flag
         event = None
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)

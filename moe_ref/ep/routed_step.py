@@ -63,8 +63,6 @@ class RoutedStep(ABC):
             without ``debug_checks``), else None (they are read in the call's agreement).
     """
 
-    debug_checks = False
-
     def __init__(self, cfg: MoEConfig, group, policy: OverflowPolicy, activation_dtype: torch.dtype,
                  device: torch.device, *, debug_checks: bool = False):
         self.cfg, self.group, self.policy = cfg, group, policy

@@ -493,18 +493,17 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     # it chose (no autotuner key work or pre-hook dispatch per call). The key holds everything the autotuner's
     # does (its key arguments and every tensor's dtype), and more; MOE_REF_TUNED_LAUNCH=0 keeps the autotuner.
     key = tuned_launch_key(rows_bucket, n, k, num_experts, flags, (a, a_scale, b, b_scale, c, c_scale))
-    chosen = _TUNED.get(key) if envs.tuned_launch() else None
-    if chosen is not None:
-        return launch_with(chosen, _TUNED_OPTIONS[key])
+    tuned = _TUNED.get(key) if envs.tuned_launch() else None
+    if tuned is not None:
+        return launch_with(*tuned)
     tuner = autotuned_kernel()
     out = tuner[grid](*args, **flags, **launch_options(fp_fusion=True))
-    _TUNED[key], _TUNED_OPTIONS[key] = tuner.best_config, tiles.forced_options(tuner.best_config)
+    _TUNED[key] = tuner.best_config, tiles.forced_options(tuner.best_config)
     return out
 
 
-# shape key -> the config the autotuner chose for it, and its launch keywords (filled by launch_gemm)
-_TUNED: dict[tuple, triton.Config] = {}
-_TUNED_OPTIONS: dict[tuple, dict] = {}
+# shape key -> (the config the autotuner chose for it, its launch keywords); filled by launch_gemm
+_TUNED: dict[tuple, tuple[triton.Config, dict]] = {}
 
 
 def tuned_launch_key(rows_bucket: int, n: int, k: int, num_experts: int, flags: dict, tensors: tuple) -> tuple:

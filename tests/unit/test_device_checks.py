@@ -118,12 +118,18 @@ def test_one_rank_with_deferred_checks_raises_a_bad_routing_value_in_the_next_ca
         step.check()  # nothing left
 
 
-def test_the_layer_check_raises_nan_logits_of_an_earlier_call_when_checks_are_deferred():
+def _layer_with_a_nan_input(row: int, col: int) -> tuple[MegaMoE, torch.Tensor, torch.Tensor]:
+    """A one-rank layer, a good [4, D] input and a copy with one NaN at (row, col)."""
     cfg = preset("tiny-kimi-k2")
     layer = MegaMoE(cfg, None, num_max_tokens_per_rank=8, seed=3)
     x = torch.randn(4, cfg.hidden_size)
     bad = x.clone()
-    bad[1, 0] = float("nan")
+    bad[row, col] = float("nan")
+    return layer, x, bad
+
+
+def test_the_layer_check_raises_nan_logits_of_an_earlier_call_when_checks_are_deferred():
+    layer, x, bad = _layer_with_a_nan_input(1, 0)
     with torch.no_grad():
         layer.check()  # no call yet: nothing to raise
         layer(x)
@@ -176,11 +182,7 @@ def test_the_nan_logits_flag_and_its_exact_recheck(value, expected):
 def test_the_compiled_op_reads_its_checks_in_the_call():
     """Inside torch.compile the layer's op keeps nothing for a later call (CUDA graphs' memory pools refuse tensors
     kept across calls): a NaN input raises in that call even where checks are otherwise deferred."""
-    cfg = preset("tiny-kimi-k2")
-    layer = MegaMoE(cfg, None, num_max_tokens_per_rank=8, seed=3)
-    x = torch.randn(4, cfg.hidden_size)
-    bad = x.clone()
-    bad[0, 1] = float("nan")
+    layer, x, bad = _layer_with_a_nan_input(0, 1)
     with torch.no_grad():
         layer(x)
         layer.routed_step.deferred_checks = DeferredChecks()

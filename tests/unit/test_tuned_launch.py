@@ -42,7 +42,6 @@ def gpu_path(monkeypatch):
     monkeypatch.setattr(gm, "autotuned_kernel", lambda: tuner)
     monkeypatch.setattr(gm, "_grouped_gemm_kernel", kernel)
     monkeypatch.setattr(gm, "_TUNED", {})
-    monkeypatch.setattr(gm, "_TUNED_OPTIONS", {})
     monkeypatch.setattr(tiles, "is_interpreter", lambda: False)
     return tuner, kernel
 
