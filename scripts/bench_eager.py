@@ -6,7 +6,7 @@
 ``MegaMoE`` (one process, ``group=None``: the ``local`` transport) at a per-rank share of Kimi-K2 (48 experts,
 top-8, H 7168, F 2048, one shared expert, bf16, Triton experts), bf16 and FP8 dispatch. Per T (cap = the largest T):
 - ``eager_wall_us``: back-to-back eager calls, until the GPU is done; ``eager_host_us``: until Python returns
-  (equal when the host is the bottleneck);
+  (equal when the host is the bottleneck); each the median of ``--repeats`` runs of ``--calls`` calls;
 - ``graph_us``: the same call captured once in a ``torch.cuda.CUDAGraph`` (inputs copied in, replay);
 - ``compile_us``: ``torch.compile(moe, mode="reduce-overhead", fullgraph=True)`` (its own CUDA graph);
 - with ``--profile``: kernel launches, host synchronizations and device-to-host copies per eager call (torch
@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import pstats
+import statistics
 import sys
 import time
 import traceback
@@ -51,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--routes", nargs="+", default=["eager", "graph", "compile"],
                         choices=["eager", "graph", "compile"])
     parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of --calls calls; the median is reported")
     parser.add_argument("--profile", action="store_true", help="launches, syncs, sync sites and a cProfile")
     return parser.parse_args(argv)
 
@@ -125,6 +127,7 @@ def runtime_counts(fn, x, calls: int = 5) -> dict:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             counts["gpu_busy_us"] += event.time_range.elapsed_us()
     counts = {k: round(v / calls, 1) for k, v in counts.items()}
+    counts["host_ops_table"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
     counts["kernels"] = {name: n / calls for name, n in sorted(kernels.items(), key=lambda kv: -kv[1])}
     return counts
 
@@ -140,8 +143,17 @@ def cprofile_text(fn, x, calls: int) -> str:
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(40)
-    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("tottime").print_stats(60)
+    stats.sort_stats("cumulative").print_stats("moe_ref", 120)  # every moe_ref function a call runs
+    stats.sort_stats("cumulative").print_callers("moe_ref", 40)
     return text.getvalue()
+
+
+def median_host_and_wall_us(fn, x, args) -> tuple[float, float]:
+    """The median over ``--repeats`` runs of (host us, wall us) per call of ``--calls`` back-to-back calls: the
+    host of a lent machine is shared, and one run can be 30% off."""
+    runs = [profile_step.host_and_wall_us(fn, (x,), args.calls) for _ in range(args.repeats)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
@@ -157,9 +169,11 @@ def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
         row["first_call_s"] = round(time.perf_counter() - first, 2)
         for _ in range(3):
             eager(x)
-        row["eager_host_us"], row["eager_wall_us"] = profile_step.host_and_wall_us(eager, (x,), args.calls)
+        row["eager_host_us"], row["eager_wall_us"] = median_host_and_wall_us(eager, x, args)
         if args.profile:
             row.update(runtime_counts(eager, x))
+            with open(os.path.join(args.out, f"host_ops_{dispatch}_{num_tokens}.txt"), "w") as f:
+                f.write(row.pop("host_ops_table"))
             row["sync_sites"] = sync_sites(eager, x)
             with open(os.path.join(args.out, f"cprofile_{dispatch}_{num_tokens}.txt"), "w") as f:
                 f.write(cprofile_text(eager, x, args.calls))
@@ -172,7 +186,7 @@ def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
                 for _ in range(3):
                     out = fn(x)
                 row[f"{route}_bitwise_eq_eager"] = bool(torch.equal(out, reference))
-                row[f"{route}_host_us"], row[f"{route}_us"] = profile_step.host_and_wall_us(fn, (x,), args.calls)
+                row[f"{route}_host_us"], row[f"{route}_us"] = median_host_and_wall_us(fn, x, args)
             except Exception as err:  # noqa: BLE001 - a route that fails is reported, the others still run
                 row[f"{route}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
             torch._dynamo.reset()

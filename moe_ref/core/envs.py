@@ -12,10 +12,10 @@
 | MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
 | MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
-| MOE_REF_TUNED_LAUNCH               | ``0``: every grouped MLP launch goes through Triton's autotuner (not the config it chose for the shape) | 1 |
+| MOE_REF_BOUND_LAUNCH               | ``0``: every Triton launch goes through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key) | 1 |
 
 Switches (``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
-``MOE_REF_TUNED_LAUNCH``) take ``1``, ``true``,
+``MOE_REF_BOUND_LAUNCH``) take ``1``, ``true``,
 ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case, surrounding spaces ignored); an empty value is
 unset. Anything else raises ``EnvVarError`` (CFG017) naming the variable: a typo must not silently pick a side.
 """
@@ -94,10 +94,11 @@ def tma() -> bool:
     return _switch("MOE_REF_TMA") is not False
 
 
-def tuned_launch() -> bool:
-    """``MOE_REF_TUNED_LAUNCH=0`` sends every grouped MLP launch through Triton's autotuner; by default a shape's
-    later launches reuse the config it chose for that shape directly."""
-    return _switch("MOE_REF_TUNED_LAUNCH") is not False
+def bound_launch() -> bool:
+    """``MOE_REF_BOUND_LAUNCH=0`` sends every Triton launch through Triton's own launcher and the grouped MLP's
+    through its autotuner; by default later launches of a shape key call the compiled kernel (and the config the
+    autotuner chose) directly (``moe_ref.kernels.launch``)."""
+    return _switch("MOE_REF_BOUND_LAUNCH") is not False
 
 
 def debug() -> bool:

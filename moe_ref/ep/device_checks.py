@@ -1,7 +1,7 @@
 """Value checks that run on the device and are read once per call, by the per-call agreement.
 
-    layer:        logits finite?                      -> checks.add(flag, describe)
-    routed step:  weights finite, ids in [-1, E),     -> checks.add(flag, describe)
+    layer:        logits finite?                      -> the router kernel raises checks.slot(...)
+    routed step:  weights finite, ids in [-1, E),     -> the routing-check kernel raises checks.slot(...)
                   no expert picked twice
     dispatcher:   a wait or the layout recorded a     -> checks.add(status code, describe)
                   failure in an earlier call
@@ -34,36 +34,50 @@ MAX_CHECKS = 4
 
 
 class DeviceChecks:
-    """Device-side checks of one call, in the order they were added."""
+    """Device-side checks of one call, in the order they were added.
+
+    Their flags live in one zeroed ``[MAX_CHECKS]`` int32 vector on the device (allocated by the first check): a
+    kernel raises its check's slot itself (``slot``: the router's NaN/inf logits, the routing-value check), or a
+    flag computed elsewhere is copied into the next slot (``add``). Reading them all is then one tensor, with no
+    concatenation.
+    """
 
     def __init__(self) -> None:
-        self._flags: list[torch.Tensor] = []
+        self._slots: torch.Tensor | None = None
         self._describe: list[Callable[[], MoERefError]] = []
 
-    def add(self, flag: torch.Tensor, describe: Callable[[], MoERefError]) -> None:
-        """Add one check.
+    def slot(self, device: torch.device, describe: Callable[[], MoERefError]) -> torch.Tensor:
+        """Add one check whose flag a kernel raises: returns its ``[1]`` int32 slot, zero, for the kernel to set
+        nonzero when the check fails (not read here).
 
         Args:
-            flag: one-element integer or bool tensor, nonzero when the check fails (not read here).
-            describe: builds the coded error (not raised); called only when ``flag`` was read as nonzero. It may
+            device: where the flags live (the first check's device decides).
+            describe: builds the coded error (not raised); called only when the flag was read as nonzero. It may
                 return None when its exact re-check finds no problem (a flag that can raise a false alarm).
         """
-        if len(self._flags) == MAX_CHECKS:
+        if len(self._describe) == MAX_CHECKS:
             raise ValueError(f"at most {MAX_CHECKS} device checks per call")
-        self._flags.append(flag.reshape(1))
+        if self._slots is None:
+            self._slots = torch.zeros(MAX_CHECKS, dtype=torch.int32, device=device)
         self._describe.append(describe)
+        index = len(self._describe) - 1
+        return self._slots[index:index + 1]
+
+    def add(self, flag: torch.Tensor, describe: Callable[[], MoERefError]) -> None:
+        """Add one check whose flag is already computed: a one-element integer or bool tensor, nonzero when the
+        check fails, copied into the next slot (one launch; not read here). ``describe`` as in ``slot``."""
+        self.slot(flag.device, describe).copy_(flag.reshape(1))
 
     def stacked(self) -> torch.Tensor | None:
-        """The flags in order, one launch (``torch.cat`` in their promoted dtype, on their device); None without
+        """The flags in order (``[MAX_CHECKS]`` int32, unused slots 0; the vector itself, no launch); None without
         checks. No host sync."""
-        return torch.cat(self._flags) if self._flags else None
+        return self._slots
 
     def flags(self, device: torch.device) -> torch.Tensor:
         """``[MAX_CHECKS]`` int64 on ``device``: the flags in order, zero-padded. No host sync."""
-        flags = torch.zeros(MAX_CHECKS, dtype=torch.int64, device=device)
-        for i, flag in enumerate(self._flags):
-            flags[i:i + 1].copy_(flag)
-        return flags
+        if self._slots is None:
+            return torch.zeros(MAX_CHECKS, dtype=torch.int64, device=device)
+        return self._slots.to(device=device, dtype=torch.int64)
 
     def problem(self, flags: list[int]) -> MoERefError | None:
         """The coded error of the first failed check in ``flags`` (this rank's, as read), or None."""
@@ -89,17 +103,19 @@ class DeferredChecks:
     def __init__(self, max_pending: int = 4) -> None:
         self.max_pending = max_pending
         self._pending: deque[tuple[torch.Tensor, torch.cuda.Event | None, DeviceChecks]] = deque()
+        self._spare: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # pinned vectors and events read already
 
     def record(self, checks: DeviceChecks, device: torch.device) -> None:
-        """Queue ``checks``' flags for a later read: one copy to pinned memory behind an event (CUDA)."""
-        flags = checks.stacked()  # one launch, not zeros + a copy per flag as flags() does for an all_gather
+        """Queue ``checks``' flags for a later read: one copy to pinned memory behind an event (CUDA). The pinned
+        vector and the event are reused once read (no pinned allocation per call)."""
+        flags = checks.stacked()
         if flags is None:
             return
         event = None
         if flags.is_cuda:
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host, event = self._spare.pop() if self._spare else (
+                torch.empty(MAX_CHECKS, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
             host.copy_(flags, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
             flags = host
         self._pending.append((flags, event, checks))
@@ -115,6 +131,8 @@ class DeferredChecks:
                 event.synchronize()
             self._pending.popleft()
             problem = checks.problem(flags.tolist())
+            if event is not None:
+                self._spare.append((flags, event))
             if problem is not None:
                 self._pending.clear()
                 raise problem

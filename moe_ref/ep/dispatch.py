@@ -93,7 +93,7 @@ def add_routing_value_check(checks: DeviceChecks, topk_ids_TK: torch.Tensor, top
             f"E={num_experts}) and weights ({topk_weights_TK.dtype}), but the host re-check found no bad value; "
             f"please report this with the inputs")
 
-    checks.add(ops.routing_check(topk_ids_TK, topk_weights_TK, num_experts), describe)
+    ops.routing_check(topk_ids_TK, topk_weights_TK, num_experts, flag=checks.slot(topk_ids_TK.device, describe))
 
 
 def routed_input_problem(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,

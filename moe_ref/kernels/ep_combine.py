@@ -27,7 +27,8 @@ import triton.language as tl
 
 from moe_ref.core.errors import DTypeError, ShapeError
 
-from moe_ref.kernels._triton_utils import check_device, is_interpreter, launch_options
+from moe_ref.kernels._triton_utils import check_device, is_interpreter, launch_options, next_power_of_2
+from moe_ref.kernels.launch import launch
 from moe_ref.kernels.ep_dispatch import source_token
 from moe_ref.kernels.ep_launch import EP_LAUNCH
 from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, check_peers
@@ -180,15 +181,15 @@ def ep_combine_push(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions, 
     _check_push_args(y_PD, peers, regions)
     check_device("y_PD", y_PD)
     R, K, C, D = regions.num_ranks, regions.num_topk, regions.cap, regions.hidden
-    block_d = min(triton.next_power_of_2(D), 64 if is_interpreter() else EP_LAUNCH.combine_block_cols)
+    block_d = min(next_power_of_2(D), 64 if is_interpreter() else EP_LAUNCH.combine_block_cols)
     off = regions.offsets
-    _combine_push_kernel[(R * C,)](
+    launch(_combine_push_kernel, (R * C,),
         y_PD, peers.ptrs_R,
         peers.rank, C, K, D, off["recv_num_tokens"], off["recv_pos"], off["recv_weight"], off["combine_partial"],
         R, off["signal"], off["epoch"], off["counter"],
         y_PD.stride(0) if y_PD.numel() else D,
-        PART_DTYPE=_TL_DTYPES[regions.activation_dtype], POST=post, BLOCK_K=triton.next_power_of_2(K),
-        BLOCK_D=block_d, BLOCK_R=triton.next_power_of_2(R),
+        PART_DTYPE=_TL_DTYPES[regions.activation_dtype], POST=post, BLOCK_K=next_power_of_2(K),
+        BLOCK_D=block_d, BLOCK_R=next_power_of_2(R),
         num_warps=EP_LAUNCH.combine_warps, **launch_options(fp_fusion=False),
     )
 
@@ -268,18 +269,18 @@ def ep_combine_reduce(num_tokens: int, peers: PeerBuffers, regions: EPRegions,
         if wait:  # nothing to reduce, but the wait is part of the barrier every rank counts on
             symm_barrier(peers, regions, post=False, wait=True, timeout_us=timeout_us, max_polls=max_polls)
         return out_TD
-    block_d = min(triton.next_power_of_2(D), 64 if is_interpreter() else EP_LAUNCH.combine_block_cols)
+    block_d = min(next_power_of_2(D), 64 if is_interpreter() else EP_LAUNCH.combine_block_cols)
     off = regions.offsets
     num_programs = min(num_tokens, 8 if is_interpreter() else 4 * _num_sms(out_TD.device.index))
-    _combine_reduce_kernel[(num_programs,)](
+    launch(_combine_reduce_kernel, (num_programs,),
         out_TD, peers.ptrs_R,
         peers.rank, regions.num_ranks, num_tokens, regions.cap, regions.num_topk, D, regions.num_local_experts,
         off["topk_ids"], off["combine_partial"],
         off["signal"], off["epoch"], off["status"], int(max_polls), int(timeout_us * 1000),
         out_TD.stride(0),
         PART_DTYPE=_TL_DTYPES[regions.activation_dtype], WAIT=wait, BOUND=bound_mode(),
-        BLOCK_K=triton.next_power_of_2(regions.num_topk), BLOCK_D=block_d,
-        BLOCK_R=triton.next_power_of_2(regions.num_ranks),
+        BLOCK_K=next_power_of_2(regions.num_topk), BLOCK_D=block_d,
+        BLOCK_R=next_power_of_2(regions.num_ranks),
         num_warps=EP_LAUNCH.combine_warps, **launch_options(fp_fusion=False),
     )
     return out_TD

@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.kernels._triton_utils import check_device, is_interpreter
+from moe_ref.kernels._triton_utils import check_device, is_interpreter, next_power_of_2
+from moe_ref.kernels.launch import launch
 from moe_ref.kernels.ep_launch import EP_LAUNCH
 from moe_ref.kernels.ep_regions import STATUS_PEER_TIMEOUT, STATUS_POOL_OVERFLOW, EPRegions, PeerBuffers, check_peers
 from moe_ref.kernels.symm_signal import (
@@ -241,21 +242,21 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
     check_device("peers.ptrs_R", peers.ptrs_R)
     off = regions.offsets
     R, e, K, C = regions.num_ranks, regions.num_local_experts, regions.num_topk, regions.cap
-    _recv_layout_kernel[(1,)](
+    launch(_recv_layout_kernel, (1,),
         peers.ptrs_R,
         peers.rank, R, e, regions.alignment, regions.num_pool_rows, regions.masked_rows,
         off["num_tokens"], off["send_count"], off["recv_num_tokens"], off["num_rows"], off["row_start"],
         off["recv_base"], off["pool_end"], off["status"], off["signal"], off["epoch"],
         int(max_polls), int(timeout_us * 1000),
-        WAIT=wait, BOUND=bound_mode(), BLOCK_R=triton.next_power_of_2(R), BLOCK_E=triton.next_power_of_2(e),
+        WAIT=wait, BOUND=bound_mode(), BLOCK_R=next_power_of_2(R), BLOCK_E=next_power_of_2(e),
         num_warps=4,
     )
     row_bytes = regions.hidden * regions.wire_dtype.itemsize
     word = _word_bytes(row_bytes)
     row_words = row_bytes // word
-    block_w = min(triton.next_power_of_2(row_words),
+    block_w = min(next_power_of_2(row_words),
                   64 if is_interpreter() else EP_LAUNCH.dispatch_block_bytes // word)
-    _dispatch_rows_kernel[(R * C,)](
+    launch(_dispatch_rows_kernel, (R * C,),
         peers.ptrs_R,
         peers.rank, C, K, e, regions.num_pool_rows, regions.alignment, regions.masked_rows, row_words,
         regions.num_scale_cols,
@@ -263,9 +264,9 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
         off["row_start"],
         off["recv_num_tokens"], off["recv_base"], off["recv_pos"], off["recv_weight"], off["recv_src"],
         off["recv_x"], off.get("recv_x_scale", 0),
-        WORD=_WORD_DTYPES[word], HAS_SCALE=regions.fp8, BLOCK_K=triton.next_power_of_2(K), BLOCK_W=block_w,
-        BLOCK_S=triton.next_power_of_2(regions.num_scale_cols),
-        BLOCK_A=min(triton.next_power_of_2(max(regions.alignment - 1, 1)), 8 if is_interpreter() else 128),
+        WORD=_WORD_DTYPES[word], HAS_SCALE=regions.fp8, BLOCK_K=next_power_of_2(K), BLOCK_W=block_w,
+        BLOCK_S=next_power_of_2(regions.num_scale_cols),
+        BLOCK_A=min(next_power_of_2(max(regions.alignment - 1, 1)), 8 if is_interpreter() else 128),
         num_warps=EP_LAUNCH.dispatch_warps,
     )
 

@@ -27,10 +27,11 @@ import triton.language as tl
 
 from moe_ref.core.errors import DTypeError, ShapeError
 
-from moe_ref.kernels._triton_utils import check_device, is_interpreter
+from moe_ref.kernels._triton_utils import cdiv, check_device, is_interpreter, next_power_of_2
 from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, check_peers
 from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
 from moe_ref.kernels.symm_signal import arrive_then_post, symm_barrier_ref
+from moe_ref.kernels.launch import launch
 
 __all__ = ["ep_layout", "ep_layout_ref", "ep_pre_dispatch", "ep_pre_dispatch_ref"]
 
@@ -115,17 +116,17 @@ def ep_layout(topk_ids_TK: torch.Tensor, peers: PeerBuffers, regions: EPRegions,
     num_experts = regions.num_ranks * regions.num_local_experts
     num_slots = num_tokens * num_topk
     if is_interpreter():
-        block_n, block_e = max(16, triton.next_power_of_2(min(num_slots, 64))), 4
+        block_n, block_e = max(16, next_power_of_2(min(num_slots, 64))), 4
     else:
-        block_n, block_e = min(2048, max(16, triton.next_power_of_2(num_slots))), 2
-    grid = (triton.cdiv(num_experts, block_e),)
-    _ep_layout_kernel[grid](
+        block_n, block_e = min(2048, max(16, next_power_of_2(num_slots))), 2
+    grid = (cdiv(num_experts, block_e),)
+    launch(_ep_layout_kernel, grid,
         topk_ids_TK, peers.ptrs_R,
         peers.rank, num_tokens, num_topk, num_experts, regions.offsets["num_tokens"], regions.offsets["send_count"],
         regions.offsets["slot_rank"],
         regions.num_ranks, regions.offsets["signal"], regions.offsets["epoch"], regions.offsets["counter"],
         topk_ids_TK.stride(0) if num_tokens else num_topk,
-        POST=post, BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_R=triton.next_power_of_2(regions.num_ranks), num_warps=4,
+        POST=post, BLOCK_N=block_n, BLOCK_E=block_e, BLOCK_R=next_power_of_2(regions.num_ranks), num_warps=4,
     )
 
 

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import ShapeError
-from moe_ref.kernels._triton_utils import FP8_DTYPE, check_device, div_rn, fp8_scale, num_fp8_groups, tanh, to_e4m3
+from moe_ref.kernels._triton_utils import cdiv, check_device, div_rn, FP8_DTYPE, fp8_scale, num_fp8_groups, tanh, to_e4m3
+from moe_ref.kernels.launch import launch
 
 __all__ = ["gated_activation_rows", "gated_activation_rows_ref", "valid_rows_P"]
 
@@ -133,7 +134,7 @@ def gated_activation_rows(gate_up_P2F: torch.Tensor, *, group_P: torch.Tensor | 
         return h_PF, h_scale_PFb
     index = num_rows_e if masked_rows else group_P
     block_p = 16
-    _gated_act_kernel[(triton.cdiv(num_rows, block_p), num_fp8_groups(width))](
+    launch(_gated_act_kernel, (cdiv(num_rows, block_p), num_fp8_groups(width)),
         gate_up_P2F, index, index, h_PF, h_scale_PFb if quant else h_PF,
         num_rows, width, max(masked_rows, 1), float(situ_beta), float(situ_linear_beta or 1.0),
         gate_up_P2F.stride(0), h_PF.stride(0), h_scale_PFb.stride(0) if quant else 0,

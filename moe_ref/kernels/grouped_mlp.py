@@ -36,6 +36,7 @@ from moe_ref.core import envs
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
 
 from moe_ref.kernels._triton_utils import (
+    cdiv, next_power_of_2,
     FP8_DTYPE,
     check_device,
     div_rn,
@@ -47,6 +48,7 @@ from moe_ref.kernels._triton_utils import (
     to_e4m3,
 )
 from moe_ref.kernels import grouped_mlp_tiles as tiles
+from moe_ref.kernels.launch import launch
 from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
 from moe_ref.kernels.w4 import dequantize_int4, dequantize_mxfp4
 
@@ -370,8 +372,13 @@ def tma_unavailable_reason(device: torch.device | str | None = None) -> str | No
         return None
     if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
         return "no CUDA device"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(torch.device(device if device is not None else torch.cuda.current_device()))
     return f"compute capability {major}.{minor} < 9.0 (TMA needs Hopper or newer)" if major < 9 else None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -436,7 +443,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     `metadata.shared`; `grouped_mlp` ignores it).
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
-    rows_bucket = triton.next_power_of_2(max(1, rows_hint))  # the autotune key's rows
+    rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
     possible = _tma_possible(a, b, w4)
     if tma and not possible:
         raise InvalidConfigError("tma=True, but these tensors cannot use TMA descriptors (4-bit weights, a GPU "
@@ -463,7 +470,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     flags = dict(
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
         QUANT_OUT=quant_out, W4=w4, W4_PER={0: 1, 1: 8, 2: 2}[w4], USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
-        UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=triton.next_power_of_2(num_experts),
+        UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=next_power_of_2(num_experts),
         PERSISTENT=persistent,
     )
     max_programs = None
@@ -471,13 +478,13 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         max_programs = 4 if is_interpreter() else PERSISTENT_PROGRAMS_PER_SM * _num_sms(a.device)
 
     def grid(meta):
-        upper = (triton.cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * triton.cdiv(n, meta["BLOCK_N"])
+        upper = (cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * cdiv(n, meta["BLOCK_N"])
         return (upper if max_programs is None else min(upper, max_programs),)
 
     def launch_with(chosen: triton.Config, options: dict):
         tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **chosen.kwargs})
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
-        return _grouped_gemm_kernel[grid(options)](*args, **flags, **options, **extra)
+        return launch(_grouped_gemm_kernel, grid(options), *args, **flags, **options, **extra)
 
     if config is not None:
         options = tiles.forced_options(config)  # checks the meta keys first
@@ -491,9 +498,9 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         return _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
     # The autotuner runs once per shape key; later launches of that key go straight to the kernel with the config
     # it chose (no autotuner key work or pre-hook dispatch per call). The key holds everything the autotuner's
-    # does (its key arguments and every tensor's dtype), and more; MOE_REF_TUNED_LAUNCH=0 keeps the autotuner.
+    # does (its key arguments and every tensor's dtype), and more; MOE_REF_BOUND_LAUNCH=0 keeps the autotuner.
     key = tuned_launch_key(rows_bucket, n, k, num_experts, flags, (a, a_scale, b, b_scale, c, c_scale))
-    tuned = _TUNED.get(key) if envs.tuned_launch() else None
+    tuned = _TUNED.get(key) if envs.bound_launch() else None
     if tuned is not None:
         return launch_with(*tuned)
     tuner = autotuned_kernel()
@@ -520,7 +527,8 @@ def tuned_launch_key(rows_bucket: int, n: int, k: int, num_experts: int, flags: 
     Returns:
         a hashable tuple.
     """
-    return (rows_bucket, n, k, num_experts, tuple(sorted(flags.items())), tuple(str(t.dtype) for t in tensors))
+    # the flags' order is fixed by launch_gemm, so their values alone key them
+    return (rows_bucket, n, k, num_experts, tuple(flags.values()), tuple(t.dtype for t in tensors))
 
 
 # packed 4-bit weight dtype -> (W4 kernel flag, values per stored element, accepted scale dtypes)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 
 from moe_ref.core.errors import InvalidConfigError
-from moe_ref.kernels._triton_utils import is_interpreter
+from moe_ref.kernels._triton_utils import is_interpreter, next_power_of_2
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, GROUP_M]), grouped by the rows-per-expert regime
 # they serve (see `regime`); GROUP_M (program-order swizzle) is 1 when left out. For GEMM1 BLOCK_N
@@ -162,7 +162,7 @@ def config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: b
     if error:
         return error
     block_m, block_n, block_k = (config.kwargs[key] for key in META_KEYS)
-    if block_n > max(64, triton.next_power_of_2(n)) or block_k > max(64, triton.next_power_of_2(k)):
+    if block_n > max(64, next_power_of_2(n)) or block_k > max(64, next_power_of_2(k)):
         return "tile larger than the problem"
     if register_rules and gated and (block_m * block_n > 128 * 128 or block_n > 128):
         return "two fp32 accumulators (gate, up): register pressure"

@@ -2,7 +2,7 @@
 
 | op               | CUDA                                  | CPU (and anything else)              |
 |------------------|---------------------------------------|--------------------------------------|
-| select_experts   | ``kernels.router_topk`` (Triton)      | ``router.select_experts`` (torch)     |
+| select_experts   | ``kernels.router_topk`` (Triton)      | ``kernels.router_topk_ref`` (torch: ``router.select_experts``) |
 | routing_check    | ``kernels.routing_check`` (Triton)    | ``kernels.routing_check_ref`` (torch) |
 | pre_dispatch     | ``kernels.pre_dispatch`` (Triton)     | ``kernels.pre_dispatch_ref`` (torch)  |
 | ep_ops           | ``kernels.ep_*`` (Triton, no host sync)| ``moe_ref.kernels.native``: the compiled ``csrc`` ops (``torch.ops.moe_ref.*_cpu``), or the torch twins ``kernels.ep_*_ref`` when the library is not built or ``MOE_REF_NATIVE=0`` |
@@ -22,7 +22,6 @@ from typing import Callable
 import torch
 
 from moe_ref import kernels
-from moe_ref.core.router import select_experts as _select_experts_ref
 
 
 def uses_triton(device: torch.device | str) -> bool:
@@ -31,8 +30,9 @@ def uses_triton(device: torch.device | str) -> bool:
 
 
 def select_experts(logits_TE: torch.Tensor, *args, **kwargs):
-    """``router.select_experts`` semantics; the fused Triton kernel on CUDA."""
-    return (kernels.router_topk if uses_triton(logits_TE.device) else _select_experts_ref)(logits_TE, *args, **kwargs)
+    """``router.select_experts`` semantics (plus the optional ``nonfinite_flag``); the fused Triton kernel on CUDA."""
+    return (kernels.router_topk if uses_triton(logits_TE.device) else kernels.router_topk_ref)(logits_TE, *args,
+                                                                                              **kwargs)
 
 
 def routing_check(topk_ids_TK: torch.Tensor, *args, **kwargs) -> torch.Tensor:

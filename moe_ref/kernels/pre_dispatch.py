@@ -26,6 +26,7 @@ import triton.language as tl
 from moe_ref.core.errors import DTypeError, ShapeError
 
 from moe_ref.kernels._triton_utils import (
+    cdiv, next_power_of_2,
     FP8_DTYPE,
     check_device,
     div_rn,
@@ -36,6 +37,7 @@ from moe_ref.kernels._triton_utils import (
     to_e4m3,
 )
 from moe_ref.kernels.fp8 import dequantize_fp8_per_128, quantize_fp8_per_128
+from moe_ref.kernels.launch import launch
 
 __all__ = ["pre_dispatch", "pre_dispatch_ref", "quantize_fp8_per_128", "dequantize_fp8_per_128"]
 
@@ -180,17 +182,17 @@ def pre_dispatch(
     check_device("x_TD", x_TD)
     num_topk = topk_ids_TK.shape[1]
     num_groups = num_fp8_groups(hidden)
-    block_g = 1 if is_interpreter() else min(8, triton.next_power_of_2(num_groups))
+    block_g = 1 if is_interpreter() else min(8, next_power_of_2(num_groups))
     scale = buf_x_scale_CDb if quant_fp8 else buf_x_CD  # dummy pointer when not quantizing
-    grid = (num_tokens, triton.cdiv(num_groups, block_g))
-    _pre_dispatch_kernel[grid](
+    grid = (num_tokens, cdiv(num_groups, block_g))
+    launch(_pre_dispatch_kernel, grid,
         x_TD, topk_ids_TK, topk_weights_TK,
         buf_x_CD, scale, buf_topk_ids_CK, buf_topk_weights_CK, num_rows_per_expert_E,
         hidden, num_topk, num_rows_per_expert_E.shape[0],
         x_TD.stride(0), topk_ids_TK.stride(0), topk_weights_TK.stride(0),
         buf_x_CD.stride(0), scale.stride(0), buf_topk_ids_CK.stride(0), buf_topk_weights_CK.stride(0),
         QUANT_FP8=quant_fp8,
-        BLOCK_G=block_g, BLOCK_K=triton.next_power_of_2(num_topk),
+        BLOCK_G=block_g, BLOCK_K=next_power_of_2(num_topk),
         num_warps=4, **launch_options(fp_fusion=False),
     )
 

@@ -24,8 +24,9 @@ import triton.language as tl
 
 from moe_ref.core.errors import DTypeError, GroupConfigError, ShapeError, TopKError, UnknownNameError
 
-from moe_ref.kernels._triton_utils import check_device, div_rn, is_interpreter, launch_options
+from moe_ref.kernels._triton_utils import cdiv, check_device, div_rn, is_interpreter, launch_options, next_power_of_2
 from moe_ref.core.router import select_experts
+from moe_ref.kernels.launch import launch
 
 __all__ = ["router_topk", "router_topk_ref"]
 
@@ -35,7 +36,7 @@ _SCORING = {"sigmoid": 0, "softmax": 1}
 @triton.jit
 def _router_topk_kernel(
     # pointers
-    logits_ptr, bias_ptr, topk_ids_ptr, topk_weights_ptr,
+    logits_ptr, bias_ptr, topk_ids_ptr, topk_weights_ptr, nonfinite_ptr,
     # sizes
     T, E, routed_scaling_factor,
     # strides (elements)
@@ -47,6 +48,7 @@ def _router_topk_kernel(
     NUM_TOPK_GROUPS: tl.constexpr,
     NUM_TOPK: tl.constexpr,         # K
     RENORMALIZE: tl.constexpr,
+    FLAG_NONFINITE: tl.constexpr,   # raise nonfinite_ptr[0] to 1 when a logit of the tile is NaN/inf
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,          # next_power_of_2(E): all experts in one tile
     BLOCK_K: tl.constexpr,          # next_power_of_2(K)
@@ -67,6 +69,12 @@ def _router_topk_kernel(
     # --- scores (fp32) --------------------------------------------------------------------------
     logits = tl.load(logits_ptr + offs_t[:, None] * stride_logits_t + offs_e[None, :], mask=mask_te,
                      other=float("-inf")).to(tl.float32)
+    if FLAG_NONFINITE:
+        # x - x is 0 for a finite x and NaN for NaN/inf; == is an ordered compare (False against NaN)
+        finite = (logits - logits) == 0.0
+        nonfinite = mask_te & (finite == 0)
+        if tl.max(tl.max(nonfinite.to(tl.int32), axis=1), axis=0) > 0:
+            tl.atomic_max(nonfinite_ptr, 1)
     if SOFTMAX:
         logits_max = tl.max(logits, axis=1)
         logits_max = tl.where(mask_t, logits_max, 0.0)  # rows past T are all -inf
@@ -156,6 +164,7 @@ def router_topk(
     num_topk_groups: int = 1,
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
+    nonfinite_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Select each token's experts and routing weights (one Triton launch, no host sync).
 
@@ -167,6 +176,8 @@ def router_topk(
         num_groups, num_topk_groups: group-limited routing (n_group, topk_group); 1, 1 = no group stage.
         renormalize: divide the K weights by their sum (+1e-20).
         routed_scaling_factor: multiplies the final weights.
+        nonfinite_flag: optional `[1]` int32, zero on entry: set to 1 when any logit is NaN/inf (a device-side
+            check read later, `moe_ref.ep.device_checks`); untouched otherwise.
 
     Returns:
         topk_ids_TK: `[T, K]` int64 expert ids, slots in descending selection score (ties: lower id first).
@@ -182,20 +193,21 @@ def router_topk(
     check_device("logits_TE", logits_TE)
     logits_TE = logits_TE if logits_TE.stride(-1) == 1 else logits_TE.contiguous()
     bias = None if bias_E is None else bias_E.contiguous()
-    block_e = triton.next_power_of_2(num_experts)
+    block_e = next_power_of_2(num_experts)
     if is_interpreter():
         block_t = 8
     else:
         block_t = max(1, min(64, 4096 // block_e))
-    grid = (triton.cdiv(num_tokens, block_t),)
-    _router_topk_kernel[grid](
+    grid = (cdiv(num_tokens, block_t),)
+    launch(_router_topk_kernel, grid,
         logits_TE, bias if bias is not None else logits_TE, topk_ids_TK, topk_weights_TK,
+        nonfinite_flag if nonfinite_flag is not None else topk_ids_TK,
         num_tokens, num_experts, float(routed_scaling_factor),
         logits_TE.stride(0), topk_ids_TK.stride(0), topk_weights_TK.stride(0),
         SOFTMAX=scoring == "softmax", HAS_BIAS=bias is not None,
         NUM_GROUPS=num_groups, NUM_TOPK_GROUPS=num_topk_groups, NUM_TOPK=num_topk,
-        RENORMALIZE=bool(renormalize),
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(num_topk),
+        RENORMALIZE=bool(renormalize), FLAG_NONFINITE=nonfinite_flag is not None,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_power_of_2(num_topk),
         num_warps=4 if block_e <= 256 else 8, **launch_options(fp_fusion=False),
     )
     return topk_ids_TK, topk_weights_TK
@@ -210,10 +222,13 @@ def router_topk_ref(
     num_topk_groups: int = 1,
     renormalize: bool = True,
     routed_scaling_factor: float = 1.0,
+    nonfinite_flag: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch twin of `router_topk` (same arguments, checks and returns): the package's reference
     router, ``moe_ref.core.router.select_experts``."""
     _check_args(logits_TE, num_topk, scoring, bias_E, num_groups, num_topk_groups)
+    if nonfinite_flag is not None and logits_TE.numel():
+        nonfinite_flag.copy_(torch.maximum(nonfinite_flag, (~torch.isfinite(logits_TE)).any().to(torch.int32)))
     topk_ids_TK, topk_weights_TK = select_experts(logits_TE, num_topk, scoring, bias_E, num_groups, num_topk_groups,
                                                   renormalize, routed_scaling_factor)
     return topk_ids_TK.contiguous(), topk_weights_TK.contiguous()

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.kernels._triton_utils import check_device
+from moe_ref.kernels._triton_utils import cdiv, check_device, next_power_of_2
+from moe_ref.kernels.launch import launch
 
 __all__ = ["routing_check", "routing_check_ref", "routing_faults_T"]
 
@@ -41,35 +42,41 @@ def _routing_check_kernel(ids_ptr, weights_ptr, flag_ptr, num_tokens, num_expert
         tl.atomic_max(flag_ptr, 1)
 
 
-def routing_check(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+def routing_check(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
+                  flag: torch.Tensor | None = None) -> torch.Tensor:
     """``[1]`` int32 on the ids' device: 1 when a routing value is bad (module doc), else 0. No host sync.
 
     Args:
         topk_ids_TK: ``[T, K]`` int64 or int32, unit stride along K. topk_weights_TK: ``[T, K]`` float, unit
             stride along K.
         num_experts: E.
+        flag: optional ``[1]`` int32, zero on entry, to raise instead of a new one (a slot of the call's
+            ``DeviceChecks``); returned.
     """
     check_device("topk_ids_TK", topk_ids_TK)
     num_tokens, num_topk = topk_ids_TK.shape
-    flag = torch.zeros(1, dtype=torch.int32, device=topk_ids_TK.device)
+    if flag is None:
+        flag = torch.zeros(1, dtype=torch.int32, device=topk_ids_TK.device)
     if num_tokens == 0:
         return flag
     ids = topk_ids_TK if topk_ids_TK.stride(1) == 1 else topk_ids_TK.contiguous()
     weights = topk_weights_TK if topk_weights_TK.stride(1) == 1 else topk_weights_TK.contiguous()
-    _routing_check_kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
+    launch(_routing_check_kernel, (cdiv(num_tokens, BLOCK_T),),
         ids, weights, flag, num_tokens, num_experts, ids.stride(0), weights.stride(0),
-        NUM_TOPK=num_topk, BLOCK_T=BLOCK_T, BLOCK_K=triton.next_power_of_2(num_topk))
+        NUM_TOPK=num_topk, BLOCK_T=BLOCK_T, BLOCK_K=next_power_of_2(num_topk))
     return flag
 
 
-def routing_check_ref(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """The torch twin of ``routing_check`` (same result, no host sync)."""
-    flag = torch.zeros(1, dtype=torch.int32, device=topk_ids_TK.device)
+def routing_check_ref(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, num_experts: int,
+                      flag: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch twin of ``routing_check`` (same arguments and result, no host sync)."""
+    if flag is None:
+        flag = torch.zeros(1, dtype=torch.int32, device=topk_ids_TK.device)
     if topk_ids_TK.numel() == 0:
         return flag
     bad_weight_T, dup_T = routing_faults_T(topk_ids_TK, topk_weights_TK)
     bad = bad_weight_T.any() | (topk_ids_TK < -1).any() | (topk_ids_TK >= num_experts).any() | dup_T.any()
-    return flag + bad.to(torch.int32)
+    return flag.copy_(torch.maximum(flag, bad.to(torch.int32).reshape(1)))
 
 
 def routing_faults_T(topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,8 @@ import triton.language as tl
 
 from moe_ref.core.errors import ExpertIdError, MoERefError, PeerTimeoutError
 
-from moe_ref.kernels._triton_utils import check_device, is_interpreter
+from moe_ref.kernels._triton_utils import check_device, is_interpreter, next_power_of_2
+from moe_ref.kernels.launch import launch
 from moe_ref.kernels.ep_regions import (
     STATUS_OK,
     STATUS_PEER_TIMEOUT,
@@ -182,11 +183,11 @@ def symm_barrier(peers: PeerBuffers, regions: EPRegions, *, timeout_us: float = 
     _check_args(peers, regions, post, wait)
     check_device("peers.ptrs_R", peers.ptrs_R)
     bound = bound_mode(_bound)
-    _symm_barrier_kernel[(1,)](
+    launch(_symm_barrier_kernel, (1,),
         peers.ptrs_R,
         peers.rank, regions.num_ranks, regions.offsets["signal"], regions.offsets["epoch"],
         regions.offsets["status"], int(max_polls), int(timeout_us * 1000),
-        POST=post, WAIT=wait, BOUND=bound, BLOCK_R=triton.next_power_of_2(regions.num_ranks),
+        POST=post, WAIT=wait, BOUND=bound, BLOCK_R=next_power_of_2(regions.num_ranks),
         num_warps=1,
     )
 

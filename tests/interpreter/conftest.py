@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 _KERNEL_MODULES = (  # dependency order
     "moe_ref.kernels._triton_utils",
+    "moe_ref.kernels.launch",
     "moe_ref.kernels.pre_dispatch",
     "moe_ref.kernels.router_topk",
     "moe_ref.kernels.routing_check",

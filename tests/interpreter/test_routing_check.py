@@ -59,3 +59,15 @@ def test_routing_check_dtypes_and_strides(device):
     ids[69, 2], ids[69, 5] = 7, 7
     wide[:, :8] = ids
     assert int(routing_check(wide[:, :8], weights, NUM_EXPERTS)) == int(routing_check_ref(ids, weights, NUM_EXPERTS)) == 1
+
+
+@pytest.mark.parametrize("kind", ["fine", "nan"])
+def test_routing_check_raises_a_given_flag(kind, device):
+    ids, weights = _good(9, 4)
+    if kind == "nan":
+        ids, weights = _spoil(kind, ids, weights)
+    ids, weights = ids.to(device), weights.to(device)
+    for check in (routing_check, routing_check_ref):
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        assert check(ids, weights, NUM_EXPERTS, flag=flag) is flag
+        assert int(flag) == int(kind == "nan"), check.__name__

@@ -1,6 +1,6 @@
 """The grouped MLP's GPU launch path, driven on the CPU with stand-ins for Triton's autotuner and the kernel: the
 autotuner runs once per shape key, later launches of that key go straight to the kernel with the config it chose
-(no autotuner work per call), a different key tunes again, and MOE_REF_TUNED_LAUNCH=0 keeps the autotuner."""
+(no autotuner work per call), a different key tunes again, and MOE_REF_BOUND_LAUNCH=0 keeps the autotuner."""
 from __future__ import annotations
 
 import importlib
@@ -41,6 +41,7 @@ def gpu_path(monkeypatch):
     monkeypatch.setattr(gm, "is_interpreter", lambda: False)
     monkeypatch.setattr(gm, "autotuned_kernel", lambda: tuner)
     monkeypatch.setattr(gm, "_grouped_gemm_kernel", kernel)
+    monkeypatch.setattr(gm, "launch", lambda jit_fn, grid, *args, **kwargs: jit_fn[grid](*args, **kwargs))
     monkeypatch.setattr(gm, "_TUNED", {})
     monkeypatch.setattr(tiles, "is_interpreter", lambda: False)
     return tuner, kernel
@@ -80,7 +81,7 @@ def test_another_key_tunes_again(gpu_path, change):
 
 def test_the_switch_keeps_the_autotuner(gpu_path, monkeypatch):
     tuner, kernel = gpu_path
-    monkeypatch.setenv("MOE_REF_TUNED_LAUNCH", "0")
+    monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", "0")
     for _ in range(3):
         _launch()
     assert len(tuner.calls) == 3 and not kernel.calls

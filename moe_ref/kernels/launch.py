@@ -1,0 +1,154 @@
+"""The one launch path of moe_ref's Triton kernels: Triton's own launcher the first time a shape key is seen, the
+compiled kernel bound directly after.
+
+    launch(kernel, grid, *args, **kwargs)     # same arguments as kernel[grid](*args, **kwargs)
+
+Why: ``kernel[grid](...)`` binds and specializes every argument in Python on every call (Triton's binder, its cache
+key, the launch hooks' metadata) before it reaches the compiled launcher. On the H200 host of our GPU image
+(triton 3.6) that was 24 us per launch of a 16-argument kernel against 11 us for the compiled kernel's launcher
+called directly (``docs/RESULTS.md``, "Triton launch paths"), and an eager layer call launches ten of them.
+
+How: the first launch of a key goes through ``kernel[grid]``, which compiles (or finds) the kernel and returns it;
+that ``CompiledKernel`` is kept under the key, and later launches of the key call its launcher with the arguments
+in the kernel's parameter order (Triton's launcher takes every parameter, constexprs included, and skips those
+it compiled in). The key is at least as specific as Triton's own specialization, so a bound kernel is never run
+on arguments Triton would have compiled differently:
+
+| argument                  | key entry                                                          |
+|---------------------------|--------------------------------------------------------------------|
+| tensor                    | dtype, 16-byte aligned base (Triton's ``tt.divisibility``)          |
+| int                       | == 1, divisible by 16, 32- or 64-bit range (Triton specializes on all three) |
+| float                     | the type only (passed as fp32, never specialized)                    |
+| host TMA descriptor       | base dtype and alignment, block shape, shape, strides, padding     |
+| constexpr, launch option (``num_warps``, ...), anything else | the value itself                    |
+
+Not bound (Triton's path every call): the CPU interpreter (``TRITON_INTERPRET=1``), while Triton's launch hooks
+are set (a profiler such as proton), and with ``MOE_REF_BOUND_LAUNCH=0``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+
+from moe_ref.core import envs
+from moe_ref.kernels._triton_utils import is_interpreter
+
+try:  # Triton >= 3.3 keeps the launch hooks in knobs; older ones on CompiledKernel
+    from triton import knobs as _knobs
+
+    _runtime_knobs = _knobs.runtime
+except ImportError:  # pragma: no cover - older Triton
+    _runtime_knobs = None
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - Triton without host descriptors
+    TensorDescriptor = None
+
+__all__ = ["launch", "bound_kernels", "clear_bound_kernels"]
+
+_INT32_MIN, _INT32_MAX, _INT64_MAX = -(2 ** 31), 2 ** 31 - 1, 2 ** 63 - 1
+
+# (kernel, device, kwarg names, key of every argument) -> _Bound
+_BOUND: dict[tuple, "_Bound"] = {}
+# kernel -> (whether each parameter is a constexpr, the names of those that are not)
+_KEPT: dict = {}
+
+
+class _Bound:
+    """A compiled kernel's launcher, and where each launch argument sits in the kernel's parameter order."""
+
+    __slots__ = ("compiled", "run", "function", "packed_metadata", "kwarg_order", "defaults")
+
+    def __init__(self, compiled, kernel, num_args: int, kwarg_names: tuple[str, ...]):
+        self.compiled = compiled
+        self.run, self.function, self.packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
+        params = kernel.params[num_args:]
+        # the keyword (or default) that fills each parameter after the positional ones
+        self.kwarg_order = tuple(p.name for p in params)
+        self.defaults = {p.name: p.default for p in params if p.name not in kwarg_names}
+
+
+def _arg_key(value: Any):
+    kind = type(value)
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() & 15 == 0
+    if kind is int:
+        return value == 1, value & 15 == 0, 0 if _INT32_MIN <= value <= _INT32_MAX else 1 if value <= _INT64_MAX else 2
+    if kind is float:
+        return float
+    if TensorDescriptor is not None and kind is TensorDescriptor:
+        return (value.base.dtype, value.base.data_ptr() & 15 == 0, tuple(value.block_shape), tuple(value.shape),
+                tuple(value.strides), getattr(value, "padding", None))
+    return value
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _current_stream(device: int) -> int:
+    """The raw handle of ``device``'s current stream, as Triton's launcher takes it (Triton's own call)."""
+    return triton.runtime.driver.active.get_current_stream(device)
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook is installed (Triton >= 3.5 keeps them in chains that are never None, empty when
+    no hook is added)."""
+    if _runtime_knobs is None:
+        return True  # an older Triton: keep its own path
+    return _hook_active(_runtime_knobs.launch_enter_hook) or _hook_active(_runtime_knobs.launch_exit_hook)
+
+
+def _hook_active(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch(kernel, grid: tuple, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, with the compiled kernel bound after the first launch of a key.
+
+    Args:
+        kernel: a ``@triton.jit`` function (not an autotuner: launch the config it chose, as
+            ``kernels.grouped_mlp.launch_gemm`` does).
+        grid: a tuple of 1 to 3 ints (a callable grid is not bound: it goes through Triton every call).
+        args, kwargs: the kernel's arguments, launch options (``num_warps``, ...) among the kwargs.
+
+    Returns:
+        the compiled kernel (``CompiledKernel``) on a GPU, whatever Triton returns under the interpreter.
+    """
+    if callable(grid) or is_interpreter() or _hooks_set() or not envs.bound_launch():
+        return kernel[grid](*args, **kwargs)
+    device = _current_device()
+    kept = _KEPT.get(kernel)
+    if kept is None:  # per parameter: whether its value enters the key as it is (constexprs) or as Triton sees it
+        kept = _KEPT[kernel] = (tuple(p.is_constexpr for p in kernel.params),
+                                frozenset(p.name for p in kernel.params if not p.is_constexpr))
+    constexpr_at, specialized_names = kept
+    key = (kernel, device, tuple(kwargs),
+           tuple(value if constexpr else _arg_key(value) for value, constexpr in zip(args, constexpr_at)),
+           tuple(_arg_key(value) if name in specialized_names else value for name, value in kwargs.items()))
+    try:
+        bound = _BOUND.get(key)
+    except TypeError:  # an unhashable argument: Triton's own path
+        return kernel[grid](*args, **kwargs)
+    if bound is None:
+        compiled = kernel[grid](*args, **kwargs)
+        _BOUND[key] = _Bound(compiled, kernel, len(args), tuple(kwargs))
+        return compiled
+    values = [*args, *(kwargs[name] if name in kwargs else bound.defaults[name] for name in bound.kwarg_order)]
+    size = len(grid)
+    bound.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, _current_stream(device),
+              bound.function, bound.packed_metadata, None, None, None, *values)
+    return bound.compiled
+
+
+def bound_kernels() -> int:
+    """How many (kernel, key) pairs launch through a bound compiled kernel (for tests and ``moe-ref info``)."""
+    return len(_BOUND)
+
+
+def clear_bound_kernels() -> None:
+    """Forget every bound kernel (the next launch of each key goes through Triton again)."""
+    _BOUND.clear()

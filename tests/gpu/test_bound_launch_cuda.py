@@ -1,0 +1,59 @@
+"""The bound launch path (``moe_ref.kernels.launch``) on a GPU: a bound kernel computes what Triton's own launch
+computes, also on the arguments Triton specializes on (an unaligned base, a size of 1 or a multiple of 16), and
+the whole layer gives the same bits with and without it (``MOE_REF_BOUND_LAUNCH=0``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from moe_ref.core.config import preset
+from moe_ref.kernels import launch as bl
+from moe_ref.layer import MegaMoE
+
+pytestmark = pytest.mark.cuda
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr, SQUARE: tl.constexpr = False):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    if SQUARE:
+        x = x * x
+    tl.store(out_ptr + offs, alpha * x + tl.load(y_ptr + offs, mask=mask), mask=mask)
+
+
+def _axpy(x, y, alpha, square=False):
+    out = torch.full_like(x, -1.0)
+    n = x.numel()
+    bl.launch(_axpy_kernel, (triton.cdiv(n, 128),), x, y, out, n, alpha, BLOCK=128, **({"SQUARE": True} if square else {}))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 16, 100, 1000, 4096])
+def test_a_bound_kernel_computes_what_triton_computes(n):
+    bl.clear_bound_kernels()
+    storage = torch.randn(3, n + 1, device="cuda")
+    for offset in (0, 1, 0):  # aligned, then an unaligned base (another specialization), then aligned again
+        x, y = storage[0, offset:offset + n], storage[1, offset:offset + n]
+        for alpha, square in ((0.5, False), (2.0, False), (2.0, True), (-1.0, False)):
+            want = alpha * (x * x if square else x) + y
+            torch.testing.assert_close(_axpy(x, y, alpha, square), want, rtol=1e-6, atol=1e-6)
+    assert bl.bound_kernels() >= 2  # the aligned and unaligned keys were both bound
+
+
+@pytest.mark.parametrize("dispatch_fp8", [False, True])
+def test_the_layer_gives_the_same_bits_with_and_without_bound_launches(dispatch_fp8, monkeypatch):
+    moe = MegaMoE(preset("tiny-kimi-k2"), None, num_max_tokens_per_rank=64, overflow="chunk",
+                  dispatch_fp8=dispatch_fp8, dtype=torch.bfloat16, device="cuda", seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [torch.randn(t, moe.cfg.hidden_size, device="cuda", generator=gen).bfloat16() for t in (5, 64, 1, 5, 100)]
+    with torch.no_grad():
+        bound = [moe(x).clone() for x in inputs for _ in range(2)]
+        monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", "0")
+        plain = [moe(x).clone() for x in inputs for _ in range(2)]
+    for i, (got, want) in enumerate(zip(bound, plain)):
+        assert torch.equal(got, want), f"input {i // 2} call {i % 2}"
+    moe.destroy()

@@ -1,0 +1,138 @@
+"""``moe_ref.kernels.launch``, driven on the CPU with a stand-in for a jitted kernel and its compiled kernel: the
+first launch of a key goes through Triton (``kernel[grid]``), later ones call the compiled kernel's launcher with
+every parameter in order; any change Triton would specialize on (dtype, alignment, an int that becomes 1 or a
+multiple of 16, a constexpr, a launch option) goes through Triton again; the switch and launch hooks keep
+Triton's path. The real kernels run bound in every GPU test (tests/gpu/test_bound_launch_cuda.py compares)."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from moe_ref.kernels import launch as bl
+
+pytestmark = pytest.mark.unit
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default, self.is_constexpr = name, default, name.isupper()
+
+
+class _Compiled:
+    """A compiled kernel: records what its launcher was called with."""
+
+    def __init__(self):
+        self.runs: list[tuple] = []
+        self.function, self.packed_metadata = "function", "metadata"
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _Kernel:
+    """A jitted kernel ``k(x, n, scale, BLOCK: constexpr, FLAG: constexpr = False)``."""
+
+    params = [_Param("x"), _Param("n"), _Param("scale"), _Param("BLOCK"), _Param("FLAG", False)]
+
+    def __init__(self):
+        self.triton_launches: list[tuple] = []
+        self.compiled: list[_Compiled] = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.triton_launches.append((grid, args, kwargs))
+            self.compiled.append(_Compiled())
+            return self.compiled[-1]
+        return run
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(bl, "is_interpreter", lambda: False)
+    monkeypatch.setattr(bl, "_hooks_set", lambda: False)
+    monkeypatch.setattr(bl, "_current_device", lambda: 0)
+    monkeypatch.setattr(bl, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(bl, "_BOUND", {})
+    monkeypatch.setattr(bl, "_KEPT", {})
+    return _Kernel()
+
+
+def test_later_launches_call_the_compiled_kernel_with_every_parameter_in_order(kernel):
+    x = torch.zeros(64)
+    first = bl.launch(kernel, (4,), x, 100, 0.5, BLOCK=32)
+    assert len(kernel.triton_launches) == 1 and first is kernel.compiled[0]
+    y = torch.ones(64)
+    again = bl.launch(kernel, (7, 2), y, 200, 1.5, BLOCK=32)
+    assert len(kernel.triton_launches) == 1 and again is kernel.compiled[0]
+    (call,) = kernel.compiled[0].runs
+    assert call[:7] == (7, 2, 1, 1234, "function", "metadata", None)
+    assert call[9] is y and call[10:] == (200, 1.5, 32, False)  # the default of FLAG filled in
+    assert bl.bound_kernels() == 1
+
+
+@pytest.mark.parametrize("change", [
+    dict(x=torch.zeros(64, dtype=torch.float16)),   # dtype
+    dict(x=torch.zeros(65)[1:]),                     # a base that is not 16-byte aligned
+    dict(n=1), dict(n=96), dict(n=2 ** 31),          # == 1, divisible by 16, 64-bit
+    dict(BLOCK=64), dict(FLAG=True),                 # constexprs
+    dict(num_warps=8),                               # a launch option
+])
+def test_what_triton_specializes_on_goes_through_triton_again(kernel, change):
+    base = dict(x=torch.zeros(64), n=100, scale=0.5, BLOCK=32)
+    bl.launch(kernel, (1,), base["x"], base["n"], base["scale"], BLOCK=32)
+    args = {**base, **change}
+    extra = {k: v for k, v in args.items() if k not in ("x", "n", "scale")}
+    bl.launch(kernel, (1,), args["x"], args["n"], args["scale"], **extra)
+    assert len(kernel.triton_launches) == 2 and not kernel.compiled[0].runs
+    bl.launch(kernel, (1,), args["x"], args["n"], args["scale"], **extra)  # now bound too
+    assert len(kernel.triton_launches) == 2 and len(kernel.compiled[1].runs) == 1
+
+
+def test_values_triton_does_not_specialize_on_stay_bound(kernel):
+    bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    bl.launch(kernel, (1,), torch.zeros(128), 37, 9.0, BLOCK=32)  # other size, int not 1 nor 16k, other float
+    bl.launch(kernel, (1,), torch.zeros(128), scale=2.0, n=5, BLOCK=32)  # by name: keyed the same way
+    bl.launch(kernel, (1,), torch.zeros(128), scale=3.0, n=7, BLOCK=32)
+    assert len(kernel.triton_launches) == 2 and len(kernel.compiled[0].runs) == 1
+    assert len(kernel.compiled[1].runs) == 1
+    assert kernel.compiled[1].runs[0][10:] == (7, 3.0, 32, False)
+
+
+def test_the_switch_and_launch_hooks_keep_tritons_path(kernel, monkeypatch):
+    monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", "0")
+    for _ in range(3):
+        bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    assert len(kernel.triton_launches) == 3 and bl.bound_kernels() == 0
+    monkeypatch.delenv("MOE_REF_BOUND_LAUNCH")
+    monkeypatch.setattr(bl, "_hooks_set", lambda: True)
+    for _ in range(2):
+        bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    assert len(kernel.triton_launches) == 5 and bl.bound_kernels() == 0
+
+
+def test_a_callable_grid_goes_through_triton(kernel):
+    for _ in range(2):
+        bl.launch(kernel, lambda meta: (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    assert len(kernel.triton_launches) == 2
+
+
+def test_triton_hook_chains_count_as_set_only_with_a_hook(monkeypatch):
+    """Triton >= 3.5 keeps the launch hooks in chains that are never None (this Triton's ``knobs``)."""
+    knobs = bl._runtime_knobs
+    if knobs is None:
+        pytest.skip("this Triton has no knobs.runtime")
+    assert not bl._hooks_set()
+    chain = knobs.launch_enter_hook
+    if hasattr(chain, "add"):
+        hook = lambda *args, **kwargs: None  # noqa: E731
+        chain.add(hook)
+        try:
+            assert bl._hooks_set()
+        finally:
+            chain.remove(hook)
+    else:
+        monkeypatch.setattr(knobs, "launch_enter_hook", lambda *args: None)
+        assert bl._hooks_set()
+    assert not bl._hooks_set()
