@@ -69,7 +69,7 @@ for s in $STEPS; do case $s in
   *) echo "unknown step $s" ;;
   eager)
     step eager 300 python3 scripts/bench_eager.py --out "$OUT/eager" --profile
-    MOE_REF_TUNED_LAUNCH=0 step eager_autotuner 300 python3 scripts/bench_eager.py --out "$OUT/eager_autotuner" \
+    MOE_REF_BOUND_LAUNCH=0 step eager_triton_launch 300 python3 scripts/bench_eager.py --out "$OUT/eager_triton_launch" \
       --routes eager graph ;;
 esac; done
 echo "=== suite done, status=$status" | tee -a "$LOG"

@@ -90,8 +90,15 @@ def _current_device() -> int:
 
 
 def _current_stream(device: int) -> int:
-    """The raw handle of ``device``'s current stream, as Triton's launcher takes it (Triton's own call)."""
-    return triton.runtime.driver.active.get_current_stream(device)
+    """The raw handle of ``device``'s current stream, as Triton's launcher takes it (Triton's own call, looked up
+    once: ``driver.active`` is a lazy proxy)."""
+    global _stream_of
+    if _stream_of is None:
+        _stream_of = triton.runtime.driver.active.get_current_stream
+    return _stream_of(device)
+
+
+_stream_of = None
 
 
 def _hooks_set() -> bool:
