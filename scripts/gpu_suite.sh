@@ -66,11 +66,11 @@ for s in $STEPS; do case $s in
       --include-deep-gemm --out "$OUT/bench_experts.json" ;;
   bench_layer)
     if [ "$NGPU" -ge 2 ]; then step bench_layer 540 $TORCHRUN scripts/bench_layer.py --out "$OUT/layer"; fi ;;
-  *) echo "unknown step $s" ;;
   eager)
     step eager 300 python3 scripts/bench_eager.py --out "$OUT/eager" --profile
     MOE_REF_BOUND_LAUNCH=0 step eager_triton_launch 300 python3 scripts/bench_eager.py --out "$OUT/eager_triton_launch" \
       --routes eager graph ;;
+  *) echo "unknown step $s" ;;
 esac; done
 echo "=== suite done, status=$status" | tee -a "$LOG"
 grep -E "^=== |passed|failed|RESULT|error" "$LOG" | tail -n 60
