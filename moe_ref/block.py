@@ -18,7 +18,6 @@ from typing import Callable
 import torch
 
 from moe_ref.kernels import ops
-from moe_ref.core.activations import dense_mlp
 from moe_ref.core.config import MoEConfig
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.core.errors import DTypeError, NonFiniteError, ShapeError
@@ -94,7 +93,7 @@ def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cf
         routed = routed @ weights.latent_up_weight_DL.t().to(routed.dtype)
     if not cfg.has_shared_experts:
         return routed
-    shared_TD = dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS, cfg.activation,
+    shared_TD = ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS, cfg.activation,
                           cfg.situ_beta, cfg.situ_linear_beta)
     # NOTE: one add in x's dtype: torch adds bf16/fp16 in fp32 and rounds once, the same bits as
     # (routed.float() + shared.float()).to(dtype) in one launch instead of four.

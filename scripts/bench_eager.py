@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=["eager", "graph", "compile"])
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of --calls calls; the median is reported")
+    parser.add_argument("--ab-bound-launch", action="store_true",
+                        help="also time eager calls on Triton's own launch path (MOE_REF_BOUND_LAUNCH=0), the two "
+                             "alternating run by run in this process")
     parser.add_argument("--profile", action="store_true", help="launches, syncs, sync sites and a cProfile")
     return parser.parse_args(argv)
 
@@ -149,11 +152,22 @@ def cprofile_text(fn, x, calls: int) -> str:
     return text.getvalue()
 
 
-def median_host_and_wall_us(fn, x, args) -> tuple[float, float]:
+def median_host_and_wall_us(fn, x, args, *, triton_launch_too: bool = False):
     """The median over ``--repeats`` runs of (host us, wall us) per call of ``--calls`` back-to-back calls: the
-    host of a lent machine is shared, and one run can be 30% off."""
-    runs = [profile_step.host_and_wall_us(fn, (x,), args.calls) for _ in range(args.repeats)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    host of a lent machine is shared, and one run can be 30% off. ``triton_launch_too``: also the same calls with
+    ``MOE_REF_BOUND_LAUNCH=0``, run by run alternating with the first (returns both pairs)."""
+    runs, triton_runs = [], []
+    for _ in range(args.repeats):
+        runs.append(profile_step.host_and_wall_us(fn, (x,), args.calls))
+        if triton_launch_too:
+            os.environ["MOE_REF_BOUND_LAUNCH"] = "0"
+            try:
+                triton_runs.append(profile_step.host_and_wall_us(fn, (x,), args.calls))
+            finally:
+                del os.environ["MOE_REF_BOUND_LAUNCH"]
+    medians = [(statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+               for rs in (runs, triton_runs) if rs]
+    return medians if triton_launch_too else medians[0]
 
 
 def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
@@ -169,7 +183,12 @@ def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
         row["first_call_s"] = round(time.perf_counter() - first, 2)
         for _ in range(3):
             eager(x)
-        row["eager_host_us"], row["eager_wall_us"] = median_host_and_wall_us(eager, x, args)
+        if args.ab_bound_launch:
+            (row["eager_host_us"], row["eager_wall_us"]), (row["eager_triton_launch_host_us"],
+                                                           row["eager_triton_launch_wall_us"]) = \
+                median_host_and_wall_us(eager, x, args, triton_launch_too=True)
+        else:
+            row["eager_host_us"], row["eager_wall_us"] = median_host_and_wall_us(eager, x, args)
         if args.profile:
             row.update(runtime_counts(eager, x))
             with open(os.path.join(args.out, f"host_ops_{dispatch}_{num_tokens}.txt"), "w") as f:
@@ -200,12 +219,13 @@ def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
 def write_markdown(out: str, meta: dict, rows: list[dict]) -> None:
     lines = [f"# MegaMoE eager vs graph, one GPU ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
              f"{meta['date']})", "", f"`{meta['command']}`", "",
-             "| dispatch | T | eager wall us | eager host us | graph us | compile r-o us | eager/graph | "
-             "compile/graph | launches | syncs | D2H pageable | GPU busy us |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| dispatch | T | eager wall us | eager host us | eager wall, Triton's launch path | graph us | "
+             "compile r-o us | eager/graph | compile/graph | launches | syncs | D2H pageable | GPU busy us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = (f"{r['compile_us'] / r['graph_us']:.2f}" if "compile_us" in r and "graph_us" in r else "-")
         lines.append(f"| {r['dispatch']} | {r['tokens']} | {r['eager_wall_us']:.0f} | {r['eager_host_us']:.0f} | "
+                     f"{r.get('eager_triton_launch_wall_us', float('nan')):.0f} | "
                      f"{r.get('graph_us', float('nan')):.0f} | {r.get('compile_us', float('nan')):.0f} | "
                      f"{r.get('eager_over_graph', '-')} | {ratio} | {r.get('launches', '-')} | {r.get('syncs', '-')} | "
                      f"{r.get('d2h_pageable', '-')} | {r.get('gpu_busy_us', '-')} |")

@@ -20,7 +20,11 @@ on arguments Triton would have compiled differently:
 | int                       | == 1, divisible by 16, 32- or 64-bit range (Triton specializes on all three) |
 | float                     | the type only (passed as fp32, never specialized)                    |
 | host TMA descriptor       | base dtype and alignment, block shape, shape, strides, padding     |
-| constexpr, launch option (``num_warps``, ...), anything else | the value itself                    |
+| keyword argument (constexprs, launch options such as ``num_warps``) | the value itself            |
+| anything else                                            | the value itself                          |
+
+Constexprs must come by keyword and the other parameters by position (as every moe_ref launcher passes them);
+a launch that mixes them is not bound (Triton's path every call).
 
 Not bound (Triton's path every call): the CPU interpreter (``TRITON_INTERPRET=1``), while Triton's launch hooks
 are set (a profiler such as proton), and with ``MOE_REF_BOUND_LAUNCH=0``.
@@ -51,10 +55,10 @@ __all__ = ["launch", "bound_kernels", "clear_bound_kernels"]
 
 _INT32_MIN, _INT32_MAX, _INT64_MAX = -(2 ** 31), 2 ** 31 - 1, 2 ** 63 - 1
 
-# (kernel, device, kwarg names, key of every argument) -> _Bound
+# (id of the kernel, device, number of positional arguments, their keys, the keyword items) -> _Bound, or _TRITON
+# for a launch the key cannot describe (a constexpr by position, another parameter by keyword)
 _BOUND: dict[tuple, "_Bound"] = {}
-# kernel -> (whether each parameter is a constexpr, the names of those that are not)
-_KEPT: dict = {}
+_TRITON = object()
 
 
 class _Bound:
@@ -62,7 +66,7 @@ class _Bound:
 
     __slots__ = ("compiled", "run", "function", "packed_metadata", "kwarg_order", "defaults")
 
-    def __init__(self, compiled, kernel, num_args: int, kwarg_names: tuple[str, ...]):
+    def __init__(self, compiled, kernel, num_args: int, kwarg_names):
         self.compiled = compiled
         self.run, self.function, self.packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
         params = kernel.params[num_args:]
@@ -71,8 +75,17 @@ class _Bound:
         self.defaults = {p.name: p.default for p in params if p.name not in kwarg_names}
 
 
+def _bindable(kernel, num_args: int, kwarg_names) -> bool:
+    """Whether the key describes this launch: positional arguments are keyed as Triton specializes them, keywords
+    by their value, so constexprs must come by keyword and the other parameters by position."""
+    params = kernel.params
+    by_name = {p.name: p for p in params}
+    return (not any(p.is_constexpr for p in params[:num_args])
+            and all(name not in by_name or by_name[name].is_constexpr for name in kwarg_names))
+
+
 def _arg_key(value: Any):
-    kind = type(value)
+    kind = value.__class__
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() & 15 == 0
     if kind is int:
@@ -128,23 +141,18 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     if callable(grid) or is_interpreter() or _hooks_set() or not envs.bound_launch():
         return kernel[grid](*args, **kwargs)
     device = _current_device()
-    kept = _KEPT.get(kernel)
-    if kept is None:  # per parameter: whether its value enters the key as it is (constexprs) or as Triton sees it
-        kept = _KEPT[kernel] = (tuple(p.is_constexpr for p in kernel.params),
-                                frozenset(p.name for p in kernel.params if not p.is_constexpr))
-    constexpr_at, specialized_names = kept
-    key = (kernel, device, tuple(kwargs),
-           tuple(value if constexpr else _arg_key(value) for value, constexpr in zip(args, constexpr_at)),
-           tuple(_arg_key(value) if name in specialized_names else value for name, value in kwargs.items()))
-    try:
+    try:  # id(kernel): a JITFunction hashes in Python
+        key = (id(kernel), device, len(args), *map(_arg_key, args), *kwargs.items())
         bound = _BOUND.get(key)
-    except TypeError:  # an unhashable argument: Triton's own path
+    except TypeError:  # an unhashable keyword value: Triton's own path
         return kernel[grid](*args, **kwargs)
     if bound is None:
         compiled = kernel[grid](*args, **kwargs)
-        _BOUND[key] = _Bound(compiled, kernel, len(args), tuple(kwargs))
+        _BOUND[key] = _Bound(compiled, kernel, len(args), kwargs) if _bindable(kernel, len(args), kwargs) else _TRITON
         return compiled
-    values = [*args, *(kwargs[name] if name in kwargs else bound.defaults[name] for name in bound.kwarg_order)]
+    if bound is _TRITON:
+        return kernel[grid](*args, **kwargs)
+    values = [*args, *[kwargs[name] if name in kwargs else bound.defaults[name] for name in bound.kwarg_order]]
     size = len(grid)
     bound.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, _current_stream(device),
               bound.function, bound.packed_metadata, None, None, None, *values)
@@ -152,8 +160,8 @@ def launch(kernel, grid: tuple, *args, **kwargs):
 
 
 def bound_kernels() -> int:
-    """How many (kernel, key) pairs launch through a bound compiled kernel (for tests and ``moe-ref info``)."""
-    return len(_BOUND)
+    """How many (kernel, key) pairs launch through a bound compiled kernel (for tests)."""
+    return sum(bound is not _TRITON for bound in _BOUND.values())
 
 
 def clear_bound_kernels() -> None:

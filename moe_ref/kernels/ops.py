@@ -4,6 +4,7 @@
 |------------------|---------------------------------------|--------------------------------------|
 | select_experts   | ``kernels.router_topk`` (Triton)      | ``kernels.router_topk_ref`` (torch: ``router.select_experts``) |
 | routing_check    | ``kernels.routing_check`` (Triton)    | ``kernels.routing_check_ref`` (torch) |
+| dense_mlp        | ``kernels.grouped_mlp``, one expert (Triton) | ``activations.dense_mlp`` (torch)  |
 | pre_dispatch     | ``kernels.pre_dispatch`` (Triton)     | ``kernels.pre_dispatch_ref`` (torch)  |
 | ep_ops           | ``kernels.ep_*`` (Triton, no host sync)| ``moe_ref.kernels.native``: the compiled ``csrc`` ops (``torch.ops.moe_ref.*_cpu``), or the torch twins ``kernels.ep_*_ref`` when the library is not built or ``MOE_REF_NATIVE=0`` |
 
@@ -22,6 +23,7 @@ from typing import Callable
 import torch
 
 from moe_ref import kernels
+from moe_ref.core.activations import dense_mlp as _dense_mlp_ref
 
 
 def uses_triton(device: torch.device | str) -> bool:
@@ -39,6 +41,27 @@ def routing_check(topk_ids_TK: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """``kernels.routing_check`` on CUDA, its twin elsewhere (same arguments): a flag, no host sync."""
     return (kernels.routing_check if uses_triton(topk_ids_TK.device) else kernels.routing_check_ref)(
         topk_ids_TK, *args, **kwargs)
+
+
+def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_DS: torch.Tensor,
+              activation: str = "silu", situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
+    """One gated MLP over all rows (the shared experts): ``[T, D] -> [T, D]`` in ``x_TD``'s dtype.
+
+    On CUDA the grouped MLP kernel with one expert owning every row: two launches (the activation fused into the
+    first GEMM, on its fp32 accumulators), against six torch ops and two cuBLAS calls of
+    ``activations.dense_mlp`` (its twin: same math, which rounds the GEMM's output to the weights' dtype before
+    the activation, so the two differ by that rounding).
+    """
+    weights_dtype, num_tokens = gate_up_weight_2SD.dtype, x_TD.shape[0]
+    if (not uses_triton(x_TD.device) or weights_dtype not in (torch.bfloat16, torch.float16) or num_tokens == 0
+            or not (gate_up_weight_2SD.is_contiguous() and down_weight_DS.is_contiguous())):
+        return _dense_mlp_ref(x_TD, gate_up_weight_2SD, down_weight_DS, activation, situ_beta, situ_linear_beta)
+    # one launch for both: [0, T] (row_start of the one expert, then its rows)
+    layout = torch.arange(0, 2 * num_tokens, max(num_tokens, 1), device=x_TD.device)
+    y_TD = kernels.grouped_mlp(x_TD.to(weights_dtype).contiguous(), gate_up_weight_2SD.unsqueeze(0),
+                               down_weight_DS.unsqueeze(0), layout[:1], layout[1:2], activation, situ_beta,
+                               situ_linear_beta, num_rows_hint=num_tokens, zero_unused_rows=False)
+    return y_TD.to(x_TD.dtype)
 
 
 def pre_dispatch(x_TD: torch.Tensor, *args, **kwargs):

@@ -221,3 +221,24 @@ def test_bad_shapes_raise_value_error(device):
         grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, activation="gelu")
     with pytest.raises(ValueError, match="x_scale_PDb"):
         grouped_mlp(x_PDx.to(FP8), gate_up.to(FP8), down.to(FP8), row_start_e, num_rows_e)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 33])
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_expert_over_every_row_is_the_dense_mlp(num_tokens, activation, dtype, device, monkeypatch, assert_close):
+    """``ops.dense_mlp`` on the Triton path (the shared experts on CUDA): the grouped MLP with one expert owning
+    every row, against its torch twin ``activations.dense_mlp`` (which rounds the first GEMM's output before the
+    activation: within the dtype's tolerance)."""
+    from moe_ref.core.activations import dense_mlp
+    from moe_ref.kernels import ops
+
+    monkeypatch.setattr(ops, "uses_triton", lambda device: True)  # the interpreted kernel on a CPU
+    gen = torch.Generator().manual_seed(num_tokens)
+    hidden, shared = 48, 40
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(device)
+    gate_up = (torch.randn(2 * shared, hidden, generator=gen) / hidden ** 0.5).to(dtype).to(device)
+    down = (torch.randn(hidden, shared, generator=gen) / shared ** 0.5).to(dtype).to(device)
+    got = ops.dense_mlp(x, gate_up, down, activation)
+    assert_close(got, dense_mlp(x, gate_up, down, activation), dtype, num_tokens=num_tokens, activation=activation)
+    assert ops.dense_mlp(x[:0], gate_up, down, activation).shape == (0, hidden)
