@@ -12,7 +12,8 @@ top-8, H 7168, F 2048, one shared expert, bf16, Triton experts), bf16 and FP8 di
 - with ``--profile``: kernel launches, host synchronizations and device-to-host copies per eager call (torch
   profiler runtime events), the Python lines that synchronized (``torch.cuda.set_sync_debug_mode``), and the
   functions the host time goes to (cProfile, ``cprofile_<dispatch>_<T>.txt``).
-Every route's output is compared with the eager call's (bitwise). Writes ``bench_eager.json`` and ``bench_eager.md``.
+Every route's output is compared with the eager call's (bitwise). Writes ``bench_eager.json``, ``bench_eager.md`` and
+``bench_eager.png`` (with matplotlib).
 """
 from __future__ import annotations
 
@@ -245,6 +246,31 @@ def write_markdown(out: str, meta: dict, rows: list[dict]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def plot_results(out: str, meta: dict, rows: list[dict]) -> None:
+    """``bench_eager.png``: us per call of each route, one group of bars per (dispatch, T); skipped without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    routes = [("eager_wall_us", "eager"), ("eager_triton_launch_wall_us", "eager, Triton's launch path"),
+              ("graph_us", "CUDA graph"), ("compile_us", "torch.compile reduce-overhead")]
+    routes = [(key, label) for key, label in routes if any(key in r for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(rows)), 4.5))
+    width = 0.8 / len(routes)
+    for i, (key, label) in enumerate(routes):
+        ax.bar([j + i * width for j in range(len(rows))], [r.get(key, 0) for r in rows], width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [f"{r['dispatch']}\nT={r['tokens']}" for r in rows])
+    ax.set_ylabel("us per MegaMoE call (wall)")
+    ax.set_title(f"MegaMoE, one GPU ({meta['device']}, triton {meta['triton']}, {meta['date']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.savefig(os.path.join(out, "bench_eager.png"), dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -267,6 +293,7 @@ def main(argv=None) -> int:
             with open(os.path.join(args.out, "bench_eager.json"), "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
             write_markdown(args.out, meta, rows)
+    plot_results(args.out, meta, rows)
     return 0
 
 

@@ -5,7 +5,8 @@
         -> symm_barrier -> ep_combine_reduce   (ep_chunk runs them in order)
 
 `fp8` holds the torch FP8 quantizers (activations per 128 columns, weights per 128x128 block);
-`grouped_mlp_tiles` the grouped MLP's autotune tile lists and their pruning.
+`grouped_mlp_tiles` the grouped MLP's autotune tile lists and their pruning; `launch` the one launch path of every
+kernel (Triton's launcher the first time a shape key is seen, the compiled kernel bound after).
 
 Under `TRITON_INTERPRET=1` (set before triton is imported) the kernels run on CPU tensors (slow; tests).
 """
