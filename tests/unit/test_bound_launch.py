@@ -142,3 +142,18 @@ def test_triton_hook_chains_count_as_set_only_with_a_hook(monkeypatch):
         monkeypatch.setattr(knobs, "launch_enter_hook", lambda *args: None)
         assert bl._hooks_set()
     assert not bl._hooks_set()
+
+
+def test_a_tma_descriptor_is_keyed_by_everything_its_launch_encodes():
+    """Triton's launcher encodes a host TMA descriptor from its base, shape, strides and block shape (the grouped
+    MLP sets the block shape per config), so each of them enters the key."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(rows=64, block=(16, 16), dtype=torch.bfloat16, width=64):
+        base = torch.zeros(rows, 128, dtype=dtype)[:, :width]
+        return TensorDescriptor(base, list(base.shape), list(base.stride()), list(block))
+
+    key = bl._arg_key(desc())
+    assert bl._arg_key(desc()) == key  # another tensor of the same kind: the same key
+    for other in (desc(rows=32), desc(block=(32, 16)), desc(dtype=torch.float16), desc(width=32)):
+        assert bl._arg_key(other) != key
