@@ -3,10 +3,10 @@ compiled kernel bound directly after.
 
     launch(kernel, grid, *args, **kwargs)     # same arguments as kernel[grid](*args, **kwargs)
 
-Why: ``kernel[grid](...)`` binds and specializes every argument in Python on every call (Triton's binder, its cache
-key, the launch hooks' metadata) before it reaches the compiled launcher. On the H200 host of our GPU image
-(triton 3.6) that was 24 us per launch of a 16-argument kernel against 11 us for the compiled kernel's launcher
-called directly (``docs/RESULTS.md``, "Triton launch paths"), and an eager layer call launches ten of them.
+Why: ``kernel[grid](...)`` binds and specializes every argument on every call (Triton's binder, its cache key, its
+launch hooks' metadata, a TMA descriptor's specialization) before it reaches the compiled launcher; an eager layer
+call launches a dozen kernels, several with many arguments and TMA descriptors. How much this saves, per launch and
+per layer call: ``scripts/bench_launch.py``, ``scripts/bench_eager.py --ab-bound-launch``, docs/RESULTS.md.
 
 How: the first launch of a key goes through ``kernel[grid]``, which compiles (or finds) the kernel and returns it;
 that ``CompiledKernel`` is kept under the key, and later launches of the key call its launcher with the arguments
