@@ -3,7 +3,8 @@
     x [T, D] --route (gate GEMM fp32, family top-k)--> topk_ids [T, K] int64, topk_weights [T, K] fp32
       --expert_input: (Kimi-K3) latent_down--> z [T, Dx]
       --routed step (EP layer: moe_ref.ep.routed_step; oracle: reference.routed_experts_reference)--> routed [T, Dx]
-      --finish: (Kimi-K3) RMSNorm over the FULL cross-rank sum, latent_up; + shared experts (fp32 add)--> y [T, D]
+      --finish: (Kimi-K3) RMSNorm over the FULL cross-rank sum, latent_up; + shared experts (ops.dense_mlp; the sum
+      rounded once)--> y [T, D]
 
 Both the EP layer (``MegaMoE``) and the single-process oracle (``reference.reference_moe``) are this
 composition with a different routed step, so they cannot drift apart.
@@ -93,8 +94,8 @@ def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cf
         routed = routed @ weights.latent_up_weight_DL.t().to(routed.dtype)
     if not cfg.has_shared_experts:
         return routed
-    shared_TD = ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS, cfg.activation,
-                          cfg.situ_beta, cfg.situ_linear_beta)
+    shared_TD = ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS,
+                              cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
     # NOTE: one add in x's dtype: torch adds bf16/fp16 in fp32 and rounds once, the same bits as
     # (routed.float() + shared.float()).to(dtype) in one launch instead of four.
     return routed.to(x_TD.dtype) + shared_TD
