@@ -64,10 +64,10 @@ _TRITON = object()
 class _Bound:
     """A compiled kernel's launcher, and where each launch argument sits in the kernel's parameter order."""
 
-    __slots__ = ("compiled", "run", "function", "packed_metadata", "kwarg_order", "defaults")
+    __slots__ = ("kernel", "compiled", "run", "function", "packed_metadata", "kwarg_order", "defaults")
 
     def __init__(self, compiled, kernel, num_args: int, kwarg_names):
-        self.compiled = compiled
+        self.kernel, self.compiled = kernel, compiled
         self.run, self.function, self.packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
         params = kernel.params[num_args:]
         # the keyword (or default) that fills each parameter after the positional ones
@@ -146,7 +146,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         bound = _BOUND.get(key)
     except TypeError:  # an unhashable keyword value: Triton's own path
         return kernel[grid](*args, **kwargs)
-    if bound is None:
+    if bound is None or (bound is not _TRITON and bound.kernel is not kernel):  # new, or an id reused by another
         compiled = kernel[grid](*args, **kwargs)
         _BOUND[key] = _Bound(compiled, kernel, len(args), kwargs) if _bindable(kernel, len(args), kwargs) else _TRITON
         return compiled

@@ -157,3 +157,15 @@ def test_a_tma_descriptor_is_keyed_by_everything_its_launch_encodes():
     assert bl._arg_key(desc()) == key  # another tensor of the same kind: the same key
     for other in (desc(rows=32), desc(block=(32, 16)), desc(dtype=torch.float16), desc(width=32)):
         assert bl._arg_key(other) != key
+
+
+def test_a_kernel_id_reused_by_another_kernel_is_not_run_bound(kernel, monkeypatch):
+    """Keys hold the kernel's id (a JITFunction hashes in Python); an id freed and reused by another kernel must not
+    reach the first kernel's compiled launcher."""
+    bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    other = _Kernel()
+    monkeypatch.setattr(bl, "id", lambda obj: id(kernel) if obj is other else id(obj), raising=False)
+    bl.launch(other, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    assert len(other.triton_launches) == 1 and not kernel.compiled[0].runs
+    bl.launch(other, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)  # now bound to the other kernel's launcher
+    assert len(other.compiled[0].runs) == 1 and not kernel.compiled[0].runs
