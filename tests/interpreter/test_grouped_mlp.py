@@ -242,3 +242,7 @@ def test_one_expert_over_every_row_is_the_dense_mlp(num_tokens, activation, dtyp
     got = ops.dense_mlp(x, gate_up, down, activation)
     assert_close(got, dense_mlp(x, gate_up, down, activation), dtype, num_tokens=num_tokens, activation=activation)
     assert ops.dense_mlp(x[:0], gate_up, down, activation).shape == (0, hidden)
+    x32 = x.float()  # an fp32 input runs in the weights' dtype and comes back in fp32, as the twin does
+    got32 = ops.dense_mlp(x32, gate_up, down, activation)
+    assert got32.dtype == torch.float32
+    assert_close(got32.to(dtype), dense_mlp(x32, gate_up, down, activation).to(dtype), dtype, num_tokens=num_tokens)

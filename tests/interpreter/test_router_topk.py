@@ -110,13 +110,14 @@ def test_bad_arguments_raise_value_error(bad, device):
 @pytest.mark.parametrize("num_tokens", [1, 9, 70])  # one program, several (block_t = 8 interpreted, up to 64 on GPU)
 @pytest.mark.parametrize("value, flagged", [(float("nan"), 1), (float("inf"), 1), (float("-inf"), 1), (3e38, 0),
                                             (None, 0)])
-def test_the_nonfinite_flag_matches_twin(num_tokens, value, flagged, device):
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+def test_the_nonfinite_flag_matches_twin(num_tokens, value, flagged, scoring, device):
     logits_TE = torch.randn(num_tokens, 12, device=device)
     if value is not None:
         logits_TE[num_tokens - 1, 11] = value  # the last token's last expert: the edge of the last tile
     for router in (router_topk, router_topk_ref):
         flag = torch.zeros(1, dtype=torch.int32, device=device)
-        router(logits_TE, 3, nonfinite_flag=flag)
+        router(logits_TE, 3, scoring, nonfinite_flag=flag)
         assert int(flag) == flagged, router.__name__
     untouched = torch.full((1,), 5, dtype=torch.int32, device=device)  # only ever raised, never cleared
     router_topk(torch.randn(4, 12, device=device), 3, nonfinite_flag=untouched)

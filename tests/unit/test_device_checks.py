@@ -33,6 +33,20 @@ def test_flags_are_padded_in_order_and_the_first_failure_is_described():
         checks.add(torch.tensor(0), lambda: ShapeError("fifth"))
 
 
+def test_kernel_slots_and_copied_flags_share_one_vector_in_order():
+    checks = DeviceChecks()
+    assert checks.stacked() is None
+    first = checks.slot(torch.device("cpu"), lambda: ShapeError("raised by a kernel"))
+    checks.add(torch.tensor([7], dtype=torch.int64), lambda: ExpertIdError("copied"))
+    third = checks.slot(torch.device("cpu"), lambda: NonFiniteError("raised later"))
+    vector = checks.stacked()
+    assert vector.dtype == torch.int32 and vector.tolist() == [0, 7, 0, 0]
+    third.fill_(1)  # what a kernel does to its slot
+    first.fill_(1)
+    assert vector.tolist() == [1, 7, 1, 0]  # the slots are views of the one vector
+    assert isinstance(checks.problem(checks.flags(torch.device("cpu")).tolist()), ShapeError)
+
+
 def _step(cfg, weights):
     experts = make_experts("torch", weights.gate_up_weight_E2FD, weights.down_weight_EDF, cfg.activation,
                            cfg.situ_beta, cfg.situ_linear_beta)
