@@ -51,6 +51,9 @@ class MoERefError(Exception):
         self.details = details
         super().__init__(f"[{self.code}] {message} (see: moe-ref explain {self.code})")
 
+    # the message as given, also where a second builtin base formats its own (KeyError repr()s, OSError adds errno)
+    __str__ = Exception.__str__
+
     @classmethod
     def explanation(cls) -> Explanation:
         return CATALOGUE[cls.code]
@@ -495,9 +498,6 @@ class MissingTensorError(CheckpointError, KeyError):
          "Pass prefix=... if the checkpoint nests the model (e.g. 'model.language_model.')."],
         "moe.load_hf_weights('model.safetensors', layer_idx=5, prefix='model.layers.')")
 
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return Exception.__str__(self)
-
 
 class TensorShapeMismatchError(CheckpointError):
     code = _entry(
@@ -536,9 +536,6 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
          "Convert .bin checkpoints to safetensors first."],
         "load_moe_weights('/models/kimi-k2/', cfg, layer_idx=1)")
 
-    def __str__(self) -> str:  # OSError would format its own args
-        return Exception.__str__(self)
-
 
 
 class QuantTensorDTypeError(CheckpointError):
@@ -574,9 +571,6 @@ class MissingScaleError(CheckpointError, KeyError):
         ["Download every shard of the checkpoint (the index lists where each scale lives).",
          "Re-export the checkpoint with its scales."],
         "huggingface-cli download moonshotai/Kimi-K2-Thinking --local-dir /models/k2-thinking")
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return Exception.__str__(self)
 
 
 class UnsupportedQuantizationError(CheckpointError):
