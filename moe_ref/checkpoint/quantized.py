@@ -171,15 +171,20 @@ class _QuantReader:
         name = template if self.stacked else template.format(expert=expert)
         return name[:-len(".weight")]
 
-    def scale_dtype(self, expert: int) -> torch.dtype:
-        """The stored scale dtype (INT4 scales may be bf16, fp16 or fp32; checked against the spec)."""
-        stem = self._stem(self.names.gate, expert)
-        name, weight_name = f"{stem}.{self.spec.scale_suffix}", f"{stem}.{self.spec.weight_suffix}"
+    def _present_names(self, stem: str) -> tuple[str, str]:
+        """``(weight name, scale name)`` of a quantized weight, both checked to be in the checkpoint (coded errors
+        for a plain weight where the config says quantized, a missing weight, a missing scale)."""
+        weight_name, scale_name = f"{stem}.{self.spec.weight_suffix}", f"{stem}.{self.spec.scale_suffix}"
         self._check_not_plain(stem)
         if weight_name not in self.ckpt:
             self._raise_missing_weight(weight_name, stem)
-        if name not in self.ckpt:
-            self._raise_missing_scale(name, weight_name)
+        if scale_name not in self.ckpt:
+            self._raise_missing_scale(scale_name, weight_name)
+        return weight_name, scale_name
+
+    def scale_dtype(self, expert: int) -> torch.dtype:
+        """The stored scale dtype (INT4 scales may be bf16, fp16 or fp32; checked against the spec)."""
+        _, name = self._present_names(self._stem(self.names.gate, expert))
         found = self.ckpt.dtype(name)
         for dtype in self.spec.scale_dtypes:
             if _SAFETENSORS_DTYPES[dtype] == found:
@@ -203,12 +208,7 @@ class _QuantReader:
     def _read(self, template: str, expert: int, out_f: int, in_f: int, scale_dtype: torch.dtype):
         """(stored weight, stored scale) of one ``[out_f, in_f]`` weight, checked."""
         stem = self._stem(template, expert)
-        weight_name, scale_name = f"{stem}.{self.spec.weight_suffix}", f"{stem}.{self.spec.scale_suffix}"
-        self._check_not_plain(stem)
-        if weight_name not in self.ckpt:
-            self._raise_missing_weight(weight_name, stem)
-        if scale_name not in self.ckpt:
-            self._raise_missing_scale(scale_name, weight_name)
+        weight_name, scale_name = self._present_names(stem)
         weight_shape, scale_shape = self.spec.stored_shapes(out_f, in_f)
         weight = self._checked(weight_name, (self.spec.weight_dtype,), weight_shape, expert)
         scale = self._checked(scale_name, (scale_dtype,), scale_shape, expert)
