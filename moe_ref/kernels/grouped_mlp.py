@@ -36,13 +36,14 @@ from moe_ref.core import envs
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
 
 from moe_ref.kernels._triton_utils import (
-    cdiv, next_power_of_2,
     FP8_DTYPE,
+    cdiv,
     check_device,
     div_rn,
     fp8_scale,
     is_interpreter,
     launch_options,
+    next_power_of_2,
     num_fp8_groups,
     tanh,
     to_e4m3,
@@ -57,7 +58,8 @@ try:  # host-side TMA descriptors (triton >= 3.4)
 except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["autotuned_kernel", "deinterleave_gate_up", "grouped_mlp", "grouped_mlp_ref", "interleave_gate_up", "launch_gemm"]
+__all__ = ["autotuned_kernel", "deinterleave_gate_up", "grouped_mlp", "grouped_mlp_ref", "interleave_gate_up",
+           "launch_gemm"]
 
 _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 
@@ -481,8 +483,9 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         upper = (cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * cdiv(n, meta["BLOCK_N"])
         return (upper if max_programs is None else min(upper, max_programs),)
 
-    def launch_with(chosen: triton.Config, options: dict):
-        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **chosen.kwargs})
+    def launch_with(meta: dict, options: dict):
+        """Launch the tile ``meta`` (BLOCK_M/N/K[, GROUP_M]) with the launch keywords ``options``."""
+        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **meta})
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
         return launch(_grouped_gemm_kernel, grid(options), *args, **flags, **options, **extra)
 
@@ -491,18 +494,18 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         error = tiles.config_error(config, fp8=fp8, quant_out=quant_out, w4=w4)
         if error:
             raise InvalidConfigError(f"forced config {config}: {error}")
-        return launch_with(config, options)
+        return launch_with(config.kwargs, options)
     if is_interpreter():
         meta = tiles.interpreter_meta(quant_out)
-        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **meta})
-        return _grouped_gemm_kernel[grid(meta)](*args, **flags, **meta)
+        return launch_with(meta, meta)
     # The autotuner runs once per shape key; later launches of that key go straight to the kernel with the config
     # it chose (no autotuner key work or pre-hook dispatch per call). The key holds everything the autotuner's
     # does (its key arguments and every tensor's dtype), and more; MOE_REF_BOUND_LAUNCH=0 keeps the autotuner.
     key = tuned_launch_key(rows_bucket, n, k, num_experts, flags, (a, a_scale, b, b_scale, c, c_scale))
     tuned = _TUNED.get(key) if envs.bound_launch() else None
     if tuned is not None:
-        return launch_with(*tuned)
+        chosen, options = tuned
+        return launch_with(chosen.kwargs, options)
     tuner = autotuned_kernel()
     out = tuner[grid](*args, **flags, **launch_options(fp_fusion=True))
     _TUNED[key] = tuner.best_config, tiles.forced_options(tuner.best_config)
@@ -682,13 +685,13 @@ def grouped_mlp(
     h_PF = torch.empty(num_rows, inter, dtype=FP8_DTYPE if fp8 else x_PDx.dtype, device=device)
     h_scale_PFb = torch.empty(num_rows, num_fp8_groups(inter), dtype=torch.float32, device=device) if fp8 else None
     launch_gemm(x_PDx, x_scale_PDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
-                 n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4, interleaved=gate_up_interleaved,
-                 persistent=persistent)
+                n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4, interleaved=gate_up_interleaved,
+                persistent=persistent)
     # GEMM2: y = h @ down.T
     launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
-                 n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                 fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4, persistent=persistent)
+                n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4, persistent=persistent)
     return y_PDx
 
 
