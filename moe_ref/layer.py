@@ -56,9 +56,9 @@ from moe_ref.block import expert_input, finish, route_unchecked
 from moe_ref.core.config import MoEConfig, ParallelConfig, preset
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import check_fields_agree, gather_objects, group_size_and_rank
-from moe_ref.core.errors import (ArgumentTypeError, BackendUnavailableError, DeviceError, DTypeError, GradientNotSupportedError, InputError,
-                            InvalidConfigError, LayerConversionError, ShapeError, ShapeUnsupportedError,
-                            TensorShapeMismatchError, WeightsNotLoadedError)
+from moe_ref.core.errors import (ArgumentTypeError, BackendUnavailableError, DeviceError, DTypeError,
+                                 GradientNotSupportedError, InputError, InvalidConfigError, LayerConversionError,
+                                 ShapeError, ShapeUnsupportedError, TensorShapeMismatchError, WeightsNotLoadedError)
 from moe_ref.experts import Experts, experts_class, make_experts
 from moe_ref.experts.quantized import make_quantized_experts
 from moe_ref.ep.options import EPOptions

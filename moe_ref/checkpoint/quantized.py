@@ -41,7 +41,7 @@ from moe_ref.core.errors import (
 from moe_ref.checkpoint.loading import KNOWN_PREFIXES, LayerNames, _check_expert_range, _detect_prefix, layer_names
 from moe_ref.checkpoint.reader import CheckpointReader
 from moe_ref.checkpoint.formats import (FP8_BLOCK, SAFETENSORS_DTYPES, QuantFormat, QuantizedExpertWeights, QuantSpec,
-                                       quant_spec_from_config)
+                                        quant_spec_from_config)
 from moe_ref.core.weights import MoEWeights
 
 _SAFETENSORS_DTYPES = SAFETENSORS_DTYPES

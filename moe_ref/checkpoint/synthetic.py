@@ -22,7 +22,7 @@ from moe_ref.core.errors import InvalidConfigError
 from moe_ref.checkpoint.loading import LayerNames, layer_names
 from moe_ref.checkpoint.reader import INDEX_FILE, SINGLE_FILE
 from moe_ref.checkpoint.formats import (FP8_BLOCK, GROUP_SIZE, QuantFormat, QuantSpec, dequantize_weight,
-                                       quant_spec_from_config, quantize_weight, shape_problem)
+                                        quant_spec_from_config, quantize_weight, shape_problem)
 from moe_ref.core.weights import MoEWeights
 
 # the prefix each family's published checkpoints use before the layer number

@@ -38,7 +38,7 @@ from moe_ref.ep.capacity import CapacityPlan, format_bytes
 from moe_ref.ep.distributed import comm_device, gather_ints, group_size_and_rank
 from moe_ref.kernels.ep_regions import PeerBuffers
 from moe_ref.core.errors import (BufferTooSmallError, CapacityMismatchError, DistributedError, GroupDisagreementError,
-                            MemoryBudgetError, UnknownNameError)
+                                 MemoryBudgetError, UnknownNameError)
 
 BUFFER_KINDS = ("private", "shm", "cuda")
 CUDA_BARRIER_TIMEOUT_MS = 30_000  # the longest a rank waits for its peers at a CUDA symmetric-memory barrier

@@ -52,8 +52,8 @@ from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.core.config import MoEConfig
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import comm_device
-from moe_ref.core.errors import (CapacityExceededError, DeviceError, DTypeError, ExpertIdError, InputError, NonFiniteError,
-                            ShapeError)
+from moe_ref.core.errors import (CapacityExceededError, DeviceError, DTypeError, ExpertIdError, InputError,
+                                 NonFiniteError, ShapeError)
 from moe_ref.experts import ExpertLayout, Experts
 from moe_ref.kernels.ep_regions import EPRegions
 from moe_ref.kernels.routing_check import routing_faults_T

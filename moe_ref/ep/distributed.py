@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ref.core.errors import (CapacityMismatchError, GroupDisagreementError, MoERefError, PeerFailedError,
-                            error_class)
+                                 error_class)
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ from moe_ref.core.config import MoEConfig
 from moe_ref.experts.deep_gemm.probe import call_deep_gemm, deep_gemm_status, import_deep_gemm
 from moe_ref.ep.distributed import group_max
 from moe_ref.core.errors import (BackendUnavailableError, CapacityMismatchError, DeviceError, ShapeError,
-                            ShapeUnsupportedError)
+                                 ShapeUnsupportedError)
 from moe_ref.ep.options import EPOptions
 
 __all__ = ["supports", "DeepGemmMegaMoE", "MAX_INTERMEDIATE_SIZE", "MAX_TOPK"]

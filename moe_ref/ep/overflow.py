@@ -29,7 +29,7 @@ from moe_ref.ep.capacity import format_bytes
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import gather_ints, gather_objects, group_size_and_rank, problem_of, raise_agreed_problem
 from moe_ref.core.errors import (CapacityExceededError, GroupDisagreementError, MoERefError, ShapeError,
-                            StepOutOfSyncError)
+                                 StepOutOfSyncError)
 from moe_ref.ep.options import OVERFLOW_POLICIES
 
 

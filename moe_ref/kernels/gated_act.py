@@ -27,7 +27,8 @@ import triton.language as tl
 
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import ShapeError
-from moe_ref.kernels._triton_utils import cdiv, check_device, div_rn, FP8_DTYPE, fp8_scale, num_fp8_groups, tanh, to_e4m3
+from moe_ref.kernels._triton_utils import (FP8_DTYPE, cdiv, check_device, div_rn, fp8_scale, num_fp8_groups, tanh,
+                                           to_e4m3)
 from moe_ref.kernels.launch import launch
 
 __all__ = ["gated_activation_rows", "gated_activation_rows_ref", "valid_rows_P"]

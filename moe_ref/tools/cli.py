@@ -39,7 +39,8 @@ from moe_ref.core.errors import (
     explain,
 )
 from moe_ref.ep.options import POOL_FORMATS, EPOptions
-from moe_ref.checkpoint.formats import QuantFormat, QuantSpec, expert_weight_bytes, quant_spec_from_config, shape_problem
+from moe_ref.checkpoint.formats import (QuantFormat, QuantSpec, expert_weight_bytes, quant_spec_from_config,
+                                        shape_problem)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEMO_CAP = 64  # below the demo's 150 tokens on rank 0, so the chunk policy shows

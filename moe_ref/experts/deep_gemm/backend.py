@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from moe_ref.experts.deep_gemm.probe import call_deep_gemm, import_deep_gemm
 from moe_ref.core.errors import (DeviceError, DTypeError, FP8AlignmentError, ShapeError, ShapeUnsupportedError,
-                            UnknownNameError)
+                                 UnknownNameError)
 from moe_ref.experts import Experts, ExpertLayout
 from moe_ref.kernels._triton_utils import FP8_DTYPE
 
