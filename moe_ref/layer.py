@@ -407,9 +407,11 @@ class MegaMoE(nn.Module):
         report = LoadReport()
         dense_args = dict(prefix=prefix, dtype=self.options.dtype, device=self.options.device, progress=progress,
                           quant=spec, report=report)
-        routed_rule = routed_experts_quantized(path, spec, self.cfg, layer_idx, prefix=prefix,
-                                               expert=self.first_local_expert) if spec is not None else (False, None)
-        if not routed_rule[0]:  # plain checkpoint, or a config that leaves the routed experts unquantized
+        routed_quantized, rule = False, None
+        if spec is not None:
+            routed_quantized, rule = routed_experts_quantized(path, spec, self.cfg, layer_idx, prefix=prefix,
+                                                              expert=self.first_local_expert)
+        if not routed_quantized:  # plain checkpoint, or a config that leaves the routed experts unquantized
             self.load_weights(load_moe_weights(path, self.cfg, layer_idx, expert_range=expert_range, **dense_args))
             return self._loaded(report)
         self._quantized_backend(spec)  # refuse before reading anything
@@ -417,7 +419,7 @@ class MegaMoE(nn.Module):
         quantized = load_quantized_experts(path, self.cfg, layer_idx, expert_range, self.options.device, spec=spec,
                                            prefix=prefix, progress=progress)
         report.add(LoadedTensor(f"layer {layer_idx} routed experts {expert_range[0]}..{sum(expert_range) - 1}",
-                                spec.format.value, quantized.nbytes(), "as stored", quantized.nbytes(), routed_rule[1]))
+                                spec.format.value, quantized.nbytes(), "as stored", quantized.nbytes(), rule))
         _check_shapes(self._dense_targets(dense))
         if self.uses_mega:  # mega='auto' here ('deep_gemm' was refused): every rank reads the same config.json
             logger.warning("moe_ref: mega='auto' uses moe_ref's own EP path: the checkpoint's routed experts are "
