@@ -231,6 +231,40 @@ class LoadReport:
         return line
 
 
+# --- checks of a quantized weight's tensors (both readers: here and moe_ref.checkpoint.quantized) ------------
+
+def plain_where_quantized_error(ckpt: CheckpointReader, spec: "QuantSpec", layer_idx: int, name: str,
+                                rule: str) -> QuantizationMismatchError:
+    """LOAD014 (not raised) for ``name`` stored as a plain weight where the quantization_config quantizes it."""
+    return QuantizationMismatchError(
+        f"tensor {name!r} (layer {layer_idx}) is stored as plain {ckpt.dtype(name)}, but the checkpoint's "
+        f"quantization_config says {spec.format.value} ({spec.weight_suffix} + {spec.scale_suffix}): {rule}. Use "
+        f"the config.json that came with the checkpoint, or list the module in its {spec.ignore_key}",
+        name=name, rule=rule)
+
+
+def missing_scale_error(ckpt: CheckpointReader, layer_idx: int, weight_name: str, scale_name: str) -> MissingScaleError:
+    """LOAD007 (not raised): the quantized weight ``weight_name`` has no ``scale_name`` in the checkpoint."""
+    return MissingScaleError(
+        f"{weight_name!r} (layer {layer_idx}) has no scale {scale_name!r} in the checkpoint "
+        f"({ckpt.describe_files()}): its values cannot be used without it; download every shard", name=scale_name)
+
+
+def check_recorded_shape(ckpt: CheckpointReader, spec: "QuantSpec", layer_idx: int, module: str, out_f: int,
+                         in_f: int) -> None:
+    """LOAD006 when an INT4 weight's recorded ``<module>.weight_shape`` is not ``[out_f, in_f]`` (the config's)."""
+    from moe_ref.checkpoint.formats import QuantFormat
+
+    shape_name = f"{module}.weight_shape"
+    if spec.format != QuantFormat.INT4_GROUP or shape_name not in ckpt:
+        return
+    recorded = [int(v) for v in ckpt.read(shape_name).flatten().tolist()]
+    if recorded != [out_f, in_f]:
+        raise QuantTensorShapeError(
+            f"{shape_name!r} records the weight as {recorded}, but the config expects [{out_f}, {in_f}] (layer "
+            f"{layer_idx}); use the config.json that came with the checkpoint", name=shape_name)
+
+
 # --- the loader ------------------------------------------------------------------------------------------
 
 def load_moe_weights(
@@ -390,24 +424,17 @@ class _LayerReader:
                 f"config.json that came with the checkpoint, or fix its ignore list", name=name, rule=rule)
 
     def _dequantized(self, module: str, name: str, expected: tuple[int, ...], rows, rule: str) -> torch.Tensor:
-        from moe_ref.checkpoint.formats import SAFETENSORS_DTYPES as _SAFETENSORS_DTYPES, QuantFormat, dequantize_weight
+        from moe_ref.checkpoint.formats import SAFETENSORS_DTYPES as _SAFETENSORS_DTYPES, dequantize_weight
 
         spec, fmt = self.quant, self.quant.format
         weight_name, scale_name = f"{module}.{spec.weight_suffix}", f"{module}.{spec.scale_suffix}"
         plain = name in self.ckpt and self.ckpt.dtype(name) in _PLAIN_DTYPES
         if plain and (weight_name == name or weight_name not in self.ckpt):
-            raise QuantizationMismatchError(
-                f"tensor {name!r} (layer {self.layer_idx}) is stored as plain {self.ckpt.dtype(name)}, but the "
-                f"checkpoint's quantization_config says {fmt.value} ({spec.weight_suffix} + {spec.scale_suffix}): "
-                f"{rule}. Use the config.json that came with the checkpoint, or list the module in its "
-                f"{spec.ignore_key}", name=name, rule=rule)
+            raise plain_where_quantized_error(self.ckpt, spec, self.layer_idx, name, rule)
         if weight_name not in self.ckpt:
             self._raise_missing(weight_name)
         if scale_name not in self.ckpt:
-            raise MissingScaleError(
-                f"{weight_name!r} (layer {self.layer_idx}) has no scale {scale_name!r} in the checkpoint "
-                f"({self.ckpt.describe_files()}): its values cannot be used without it; download every shard",
-                name=scale_name)
+            raise missing_scale_error(self.ckpt, self.layer_idx, weight_name, scale_name)
         *lead, out_f, in_f = expected
         weight_shape, scale_shape = spec.stored_shapes(out_f, in_f)
         for tensor_name, dtypes, shape in ((weight_name, (spec.weight_dtype,), weight_shape),
@@ -424,12 +451,7 @@ class _LayerReader:
                     f"{tensor_name!r} (layer {self.layer_idx}, {fmt.value}) has shape "
                     f"{list(self.ckpt.shape(tensor_name))}, expected {[*lead, *shape]} for this config and format; "
                     f"use the config.json that came with the checkpoint", name=tensor_name)
-        shape_name = f"{module}.weight_shape"
-        if fmt == QuantFormat.INT4_GROUP and shape_name in self.ckpt:
-            recorded = [int(v) for v in self.ckpt.read(shape_name).flatten().tolist()]
-            if recorded != [out_f, in_f]:
-                raise QuantTensorShapeError(f"{shape_name!r} records the weight as {recorded}, but the config "
-                                            f"expects [{out_f}, {in_f}] (layer {self.layer_idx})", name=shape_name)
+        check_recorded_shape(self.ckpt, spec, self.layer_idx, module, out_f, in_f)
         read = (lambda n: self.ckpt.read(n)) if rows is None else (lambda n: self.ckpt.read_rows(n, *rows))
         qweight, scale = read(weight_name), read(scale_name)
         dtype = self.dtype or _TORCH_DTYPES.get(self.ckpt.dtype(self.names.router), torch.bfloat16)

@@ -31,14 +31,14 @@ import torch
 from moe_ref.core.config import MoEConfig
 from moe_ref.core.errors import (
     FP8AlignmentError,
-    MissingScaleError,
     MissingTensorError,
-    QuantizationMismatchError,
     QuantTensorDTypeError,
     QuantTensorShapeError,
     UnsupportedQuantizationError,
 )
-from moe_ref.checkpoint.loading import KNOWN_PREFIXES, LayerNames, _check_expert_range, _detect_prefix, layer_names
+from moe_ref.checkpoint.loading import (KNOWN_PREFIXES, LayerNames, _check_expert_range, _detect_prefix,
+                                        check_recorded_shape, layer_names, missing_scale_error,
+                                        plain_where_quantized_error)
 from moe_ref.checkpoint.reader import CheckpointReader
 from moe_ref.checkpoint.formats import (FP8_BLOCK, SAFETENSORS_DTYPES, QuantFormat, QuantizedExpertWeights, QuantSpec,
                                         quant_spec_from_config)
@@ -179,7 +179,7 @@ class _QuantReader:
         if weight_name not in self.ckpt:
             self._raise_missing_weight(weight_name, stem)
         if scale_name not in self.ckpt:
-            self._raise_missing_scale(scale_name, weight_name)
+            raise missing_scale_error(self.ckpt, self.layer_idx, weight_name, scale_name)
         return weight_name, scale_name
 
     def scale_dtype(self, expert: int) -> torch.dtype:
@@ -212,13 +212,7 @@ class _QuantReader:
         weight_shape, scale_shape = self.spec.stored_shapes(out_f, in_f)
         weight = self._checked(weight_name, (self.spec.weight_dtype,), weight_shape, expert)
         scale = self._checked(scale_name, (scale_dtype,), scale_shape, expert)
-        shape_name = f"{stem}.weight_shape"
-        if self.spec.format == QuantFormat.INT4_GROUP and shape_name in self.ckpt:
-            recorded = [int(v) for v in self.ckpt.read(shape_name).flatten().tolist()]
-            if recorded != [out_f, in_f]:
-                raise QuantTensorShapeError(
-                    f"{shape_name!r} records the weight as {recorded}, but the config expects [{out_f}, {in_f}] "
-                    f"(layer {self.layer_idx}); use the config.json that came with the checkpoint", name=shape_name)
+        check_recorded_shape(self.ckpt, self.spec, self.layer_idx, stem, out_f, in_f)
         return weight, scale
 
     def _checked(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, int], expert: int) -> torch.Tensor:
@@ -250,11 +244,7 @@ class _QuantReader:
         if weight_name != plain and weight_name in self.ckpt:
             return
         _, rule = self.spec.quantizes(stem)
-        raise QuantizationMismatchError(
-            f"tensor {plain!r} (layer {self.layer_idx}) is stored as plain {self.ckpt.dtype(plain)}, but the "
-            f"checkpoint's quantization_config says {self.spec.format.value} ({self.spec.weight_suffix} + "
-            f"{self.spec.scale_suffix}): {rule}. Use the config.json that came with the checkpoint, or list the "
-            f"module in its {self.spec.ignore_key}", name=plain, rule=rule)
+        raise plain_where_quantized_error(self.ckpt, self.spec, self.layer_idx, plain, rule)
 
     def _raise_missing_weight(self, weight_name: str, stem: str) -> None:
         plain = f"{stem}.weight"
@@ -264,8 +254,4 @@ class _QuantReader:
             f"quantized weight {weight_name!r} (layer {self.layer_idx}) is not in the checkpoint "
             f"({self.ckpt.describe_files()}). {hint}Check layer_idx, prefix= and the config.json", name=weight_name)
 
-    def _raise_missing_scale(self, scale_name: str, weight_name: str) -> None:
-        raise MissingScaleError(
-            f"{weight_name!r} (layer {self.layer_idx}) has no scale {scale_name!r} in the checkpoint "
-            f"({self.ckpt.describe_files()}): its values cannot be used without it; download every shard",
-            name=scale_name)
+
