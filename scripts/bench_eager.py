@@ -18,13 +18,10 @@ Every route's output is compared with the eager call's (bitwise). Writes ``bench
 from __future__ import annotations
 
 import argparse
-import cProfile
 import dataclasses
-import io
 import json
 import os
 import platform
-import pstats
 import statistics
 import sys
 import time
@@ -36,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import profile_step  # noqa: E402  (its timing of back-to-back calls and its runtime API names)
+import profile_step  # noqa: E402  (its timing of back-to-back calls, its cProfile and its runtime API names)
 from moe_ref import MegaMoE  # noqa: E402
 from moe_ref.core.config import preset  # noqa: E402
 
@@ -136,23 +133,6 @@ def runtime_counts(fn, x, calls: int = 5) -> dict:
     return counts
 
 
-def cprofile_text(fn, x, calls: int) -> str:
-    profiler = cProfile.Profile()
-    torch.cuda.synchronize()
-    profiler.enable()
-    for _ in range(calls):
-        fn(x)
-    torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("cumulative").print_stats(40)
-    stats.sort_stats("tottime").print_stats(60)
-    stats.sort_stats("cumulative").print_stats("moe_ref", 120)  # every moe_ref function a call runs
-    stats.sort_stats("cumulative").print_callers("moe_ref", 40)
-    return text.getvalue()
-
-
 def median_host_and_wall_us(fn, x, args, *, triton_launch_too: bool = False):
     """The median over ``--repeats`` runs of (host us, wall us) per call of ``--calls`` back-to-back calls: the
     host of a lent machine is shared, and one run can be 30% off. ``triton_launch_too``: also the same calls with
@@ -196,7 +176,7 @@ def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
                 f.write(row.pop("host_ops_table"))
             row["sync_sites"] = sync_sites(eager, x)
             with open(os.path.join(args.out, f"cprofile_{dispatch}_{num_tokens}.txt"), "w") as f:
-                f.write(cprofile_text(eager, x, args.calls))
+                f.write(profile_step.cprofile_text(eager, (x,), args.calls, rank=0))
         for route in args.routes:
             if route == "eager":
                 continue

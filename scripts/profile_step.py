@@ -80,7 +80,8 @@ def host_and_wall_us(fn, inputs, calls: int) -> tuple[float, float]:
 
 
 def cprofile_text(fn, inputs, calls: int, rank: int) -> str:
-    """cProfile of ``calls`` eager calls on rank 0 (the others run them unprofiled)."""
+    """cProfile of ``calls`` eager calls on rank 0 (the others run them unprofiled): the top functions by cumulative
+    and by own time, every moe_ref function, and the callers of the calls that can synchronize."""
     profiler = cProfile.Profile() if rank == 0 else None
     bench_layer.barrier()
     if profiler:
@@ -92,8 +93,10 @@ def cprofile_text(fn, inputs, calls: int, rank: int) -> str:
         return ""
     profiler.disable()
     text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
-    stats.print_stats(45)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(60)
+    stats.sort_stats("cumulative").print_stats("moe_ref", 120)  # every moe_ref function a call runs
     stats.print_callers("synchronize|tolist|item|all_reduce|all_gather|_run|run\\b")
     return text.getvalue()
 
