@@ -26,13 +26,14 @@ import triton.language as tl
 from moe_ref.core.errors import DTypeError, ShapeError
 
 from moe_ref.kernels._triton_utils import (
-    cdiv, next_power_of_2,
     FP8_DTYPE,
+    cdiv,
     check_device,
     div_rn,
     fp8_scale,
     is_interpreter,
     launch_options,
+    next_power_of_2,
     num_fp8_groups,
     to_e4m3,
 )
