@@ -11,9 +11,7 @@ import stat
 import pytest
 import torch
 
-from moe_ref.tools import cli
-
-from moe_ref.tools import dist_check
+from moe_ref.tools import cli, dist_check
 from moe_ref.core.config import preset
 from moe_ref.testing import count_bytes
 from moe_ref.core.weights import MoEWeights

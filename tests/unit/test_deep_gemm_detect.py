@@ -13,11 +13,7 @@ import pytest
 import torch
 
 from moe_ref.experts.deep_gemm import backend as deep_gemm_backend
-
 from moe_ref.experts.deep_gemm import probe as deep_gemm_probe
-
-from moe_ref.ep import mega_deep_gemm
-
 from moe_ref.ep import overflow
 from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.core.config import MoEConfig, preset
@@ -25,7 +21,7 @@ from moe_ref.experts.deep_gemm.backend import DeepGemmExperts, grouped_layout_fr
 from moe_ref.experts.deep_gemm.bench import deep_gemm_grouped_cases
 from moe_ref.experts.deep_gemm.probe import DeepGemmStatus, deep_gemm_status
 from moe_ref.core.errors import (BackendUnavailableError, CapacityExceededError, ExpertIdError, ShapeError,
-                            ShapeUnsupportedError)
+                                 ShapeUnsupportedError)
 from moe_ref.core.activations import dense_mlp
 from moe_ref.experts import Experts, ExpertLayout, TorchLoopExperts, make_experts
 from moe_ref.ep.mega_deep_gemm import DeepGemmMegaMoE, supports
