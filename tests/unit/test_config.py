@@ -5,7 +5,7 @@ import pytest
 
 from moe_ref.core.config import PRESETS, MoEConfig, ParallelConfig, hf_config_dict, preset
 from moe_ref.core.errors import (ExpertsNotDivisibleError, GroupConfigError, InvalidConfigError, TopKError,
-                            TPExceedsExpertsError, UnknownNameError)
+                                 TPExceedsExpertsError, UnknownNameError)
 
 pytestmark = pytest.mark.unit
 MODELS = Path(__file__).resolve().parents[2] / "moe_ref" / "core" / "presets"

@@ -4,7 +4,7 @@ import torch
 
 from moe_ref.core.config import preset
 from moe_ref.core.errors import (DTypeError, GradientNotSupportedError, InvalidConfigError, ShapeError,
-                            TensorShapeMismatchError, UnknownNameError, WeightsNotLoadedError)
+                                 TensorShapeMismatchError, UnknownNameError, WeightsNotLoadedError)
 from moe_ref.layer import MegaMoE
 from moe_ref.reference import reference_moe
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_close, calc_diff

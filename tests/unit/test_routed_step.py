@@ -11,7 +11,7 @@ from moe_ref.core.config import preset
 from moe_ref.block import moe_block
 from moe_ref.ep.transport import make_dispatcher
 from moe_ref.core.errors import (CapacityExceededError, ConservationError, DTypeError, ExpertIdError, NonFiniteError,
-                            UnknownNameError)
+                                 UnknownNameError)
 from moe_ref.experts import make_experts
 from moe_ref.ep.options import EPOptions
 from moe_ref.ep.overflow import ChunkingWarning
