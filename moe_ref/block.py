@@ -53,13 +53,22 @@ def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoECo
     logits_TE = router_logits(x_TD, gate_weight_ED)
     problem, nonfinite_flag = None, None
     if check_values and device_checks is not None:  # raised by the router kernel itself: no launch of its own
-        nonfinite_flag = device_checks.slot(logits_TE.device, lambda: non_finite_logits_error(logits_TE))
+        nonfinite_flag = device_checks.slot(logits_TE.device, lambda: _flagged_logits_error(logits_TE))
     elif check_values:
         problem = non_finite_logits_error(logits_TE)
     topk_ids_TK, topk_weights_TK = ops.select_experts(
         logits_TE, cfg.num_topk, cfg.scoring, bias_E if cfg.use_selection_bias else None, cfg.num_groups,
         cfg.num_topk_groups, cfg.renormalize, cfg.routed_scaling_factor, nonfinite_flag=nonfinite_flag)
     return RouterOutput(topk_ids_TK, topk_weights_TK), problem
+
+
+def _flagged_logits_error(logits_TE: torch.Tensor) -> NonFiniteError:
+    """The error of a raised NaN/inf-logits flag (exact per logit): the bad tokens named from ``logits_TE``, or, where
+    a later replay of the same CUDA graph has overwritten them already (``moe_ref.eager_graphs``), without them."""
+    return non_finite_logits_error(logits_TE) or NonFiniteError(
+        f"router logits were NaN/inf in an earlier call of {logits_TE.shape[0]} tokens (replayed from the layer's "
+        f"CUDA graph, whose logits a later call has overwritten since); the hidden states or gate weight hold "
+        f"non-finite values")
 
 
 def route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None,

@@ -15,6 +15,7 @@
          dispatch -> experts -> combine -> reduce
                                                                                    -> routed [T, Dx]
       5. (Kimi-K3) RMSNorm over the full cross-rank sum, latent up; + shared experts (block.finish) -> y [T, D]
+    One rank on CUDA: steps 2-5 of a token count's later calls replay one CUDA graph (moe_ref.eager_graphs).
 
 Parameters (this rank's experts only; e = E / ep_size): ``gate_weight [E, D]``,
 ``e_score_correction_bias [E]`` (fp32 buffer, sigmoid families), ``gate_up_weight [e, 2F, Dx]``,
@@ -54,6 +55,7 @@ from torch import nn
 from moe_ref import custom_ops
 from moe_ref.block import expert_input, finish, route_unchecked
 from moe_ref.core.config import MoEConfig, ParallelConfig, preset
+from moe_ref.eager_graphs import EagerGraphs
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import check_fields_agree, gather_objects, group_size_and_rank
 from moe_ref.core.errors import (ArgumentTypeError, BackendUnavailableError, DeviceError, DTypeError,
@@ -168,6 +170,10 @@ class MegaMoE(nn.Module):
             run), or ``"auto"`` (deep_gemm where every rank accepts the shape and machine, else moe_ref's own
             path; the reason is logged as a warning).
         debug_checks: per-call checks that nothing is lost (default: ``MOE_REF_DEBUG_CHECKS``, else off).
+        eager_graph_max_tokens: one rank on CUDA: eager calls of 1 .. this many tokens replay a CUDA graph of their
+            token count, captured on its second call (``moe_ref.eager_graphs``; default:
+            ``MOE_REF_EAGER_GRAPH_MAX_TOKENS``, else ``min(512, num_max_tokens_per_rank)``); 0: every call launches
+            its kernels from Python.
 
     Attributes:
         options: the resolved ``EPOptions``. uses_mega: the agreed engine choice. routed_step: the one
@@ -179,13 +185,14 @@ class MegaMoE(nn.Module):
                  transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", alignment: int | None = None,
                  seed: int | None = None, mega: str | None = None, debug_checks: bool | None = None,
-                 pool_format: str | None = None):
+                 pool_format: str | None = None, eager_graph_max_tokens: int | None = None):
         super().__init__()
         self.cfg = cfg = as_config(cfg)
         self.options = EPOptions.resolve(
             num_max_tokens_per_rank=num_max_tokens_per_rank, overflow=overflow, transport=transport,
             experts_backend=experts_backend, dispatch_fp8=dispatch_fp8, alignment=alignment, pool_format=pool_format,
-            mega=mega, dtype=dtype, device=device, debug_checks=debug_checks)
+            mega=mega, dtype=dtype, device=device, debug_checks=debug_checks,
+            eager_graph_max_tokens=eager_graph_max_tokens)
         self.group = group
         self._op_id = custom_ops.register(self)  # how torch.compile's graph names this layer
         self.world_size, self.rank = group_size_and_rank(group)
@@ -199,6 +206,7 @@ class MegaMoE(nn.Module):
                                  persistent=False)
         self._routed_step: RoutedStep | None = None
         self._experts: Experts | None = None
+        self._graphs: EagerGraphs | None = None  # built by the first call that can replay (_eager_graphs_of)
         self._weights_loaded = False
         _LIVE_LAYERS.add(self)  # released at exit (release_all_at_exit)
         self._register_parameters()
@@ -474,6 +482,7 @@ class MegaMoE(nn.Module):
         them swapped in (its plan and buffers stay), a fused engine (holding fp8 copies) is rebuilt."""
         self._weights_loaded = True
         self._experts = None
+        self._drop_graphs()  # they hold the old experts' tensors
         if self.uses_mega and self._routed_step is not None:
             self._routed_step.destroy()
             self._routed_step = None
@@ -516,6 +525,13 @@ class MegaMoE(nn.Module):
                 else:
                     self._routed_step = make_modular_step(self.cfg, self.group, self.experts, self.options)
         return self._routed_step
+
+    @property
+    def eager_graphs(self) -> EagerGraphs | None:
+        """The CUDA graphs eager calls replay (``moe_ref.eager_graphs``; ``captures``, ``len()``), or None where
+        calls do not replay graphs (more than one rank, the CPU, ``debug_checks``, ``eager_graph_max_tokens=0``) or
+        before the first call."""
+        return self._graphs
 
     @property
     def num_recv_tokens_per_expert(self) -> torch.Tensor:
@@ -580,20 +596,45 @@ class MegaMoE(nn.Module):
         if bad_bound is not None:  # raised on every rank by the step's collective (no bound of this rank in it)
             problem, max_num_tokens = bad_bound, None
         step = self.routed_step
-        weights = self.weights()
-        checks = DeviceChecks()  # read in the routed step's one collective (no host sync of their own)
-        if problem is None:
-            (topk_ids_TK, topk_weights_TK), problem = route_unchecked(
-                hidden_states, self.gate_weight, self.cfg, self.e_score_correction_bias,
-                check_values=not step.capturing(), device_checks=checks)
         if problem is not None:  # no rows move: the step's collective raises it on every rank
             empty = torch.empty(0, self.cfg.num_topk, device=self.options.device)
             step(torch.empty(0, self.cfg.expert_hidden_size, dtype=self.options.dtype, device=self.options.device),
                  empty.long(), empty, problem=problem, max_num_tokens=max_num_tokens)
             raise AssertionError("unreachable: the routed step raises the agreed problem")
-        routed = step(expert_input(hidden_states, weights, self.cfg), topk_ids_TK, topk_weights_TK,
+        graphs = self._eager_graphs_of(step)
+        if graphs is not None and not read_checks_now and graphs.covers(hidden_states, max_num_tokens):
+            replayed = graphs(hidden_states, step, lambda x_TD: self._device_work(x_TD, step, DeviceChecks()))
+            if replayed is not None:
+                return replayed
+        # a user's own CUDA-graph capture reads no device checks: none are computed there
+        checks = None if step.capturing() else DeviceChecks()
+        y_TD, _ = self._device_work(hidden_states, step, checks, max_num_tokens, read_checks_now)
+        return y_TD
+
+    def _device_work(self, x_TD: torch.Tensor, step: RoutedStep, checks: DeviceChecks | None,
+                     max_num_tokens: int | None = None, read_checks_now: bool = False
+                     ) -> tuple[torch.Tensor, DeviceChecks | None]:
+        """Route, the routed step, finish: ``(y_TD [T, D], checks)``. ``checks`` collects the device-side checks
+        (NaN logits, routing values; read in the routed step's one collective, or by a later call on one rank
+        on CUDA); None computes none (inside a user's CUDA-graph capture). Raises only the routed step's agreed
+        errors (the input was checked by the caller)."""
+        weights = self.weights()
+        (topk_ids_TK, topk_weights_TK), _ = route_unchecked(
+            x_TD, self.gate_weight, self.cfg, self.e_score_correction_bias, check_values=checks is not None,
+            device_checks=checks)
+        routed = step(expert_input(x_TD, weights, self.cfg), topk_ids_TK, topk_weights_TK,
                       max_num_tokens=max_num_tokens, device_checks=checks, read_checks_now=read_checks_now)
-        return finish(routed, hidden_states, weights, self.cfg)
+        return finish(routed, x_TD, weights, self.cfg), checks
+
+    def _eager_graphs_of(self, step: RoutedStep) -> EagerGraphs | None:
+        """The layer's eager CUDA graphs (``moe_ref.eager_graphs``), where calls can replay them: one rank on CUDA
+        whose device checks are read by a later call (no host sync in a call), ``eager_graph_max_tokens`` > 0, the
+        modular routed step; else None."""
+        o = self.options
+        if self._graphs is None and o.device.type == "cuda" and o.eager_graph_max_tokens > 0 \
+                and step.deferred_checks is not None and not self.uses_mega:
+            self._graphs = EagerGraphs(o.eager_graph_max_tokens, o.device)
+        return self._graphs
 
     def _input_problem(self, x: torch.Tensor, grad_requested: bool | None = None) -> InputError | None:
         """What is wrong with this call on this rank (not raised: the routed step agrees on it first)."""
@@ -628,9 +669,14 @@ class MegaMoE(nn.Module):
         """Release the routed step and its share of the group's symmetric buffer (not collective: call it on every
         rank; the layer stays usable, the next call builds the step again). Done for every live layer at exit
         anyway (``release_all_at_exit``), before the interpreter tears down, so call it only to free memory early."""
+        self._drop_graphs()
         if self._routed_step is not None:
             self._routed_step.destroy()
             self._routed_step = None
+
+    def _drop_graphs(self) -> None:
+        if self._graphs is not None:
+            self._graphs.clear()
 
     def _release_group(self) -> None:
         """At exit: ``destroy()`` and drop every reference the layer and its step hold to the process group, so

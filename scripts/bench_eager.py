@@ -6,7 +6,11 @@
 ``MegaMoE`` (one process, ``group=None``: the ``local`` transport) at a per-rank share of Kimi-K2 (48 experts,
 top-8, H 7168, F 2048, one shared expert, bf16, Triton experts), bf16 and FP8 dispatch. Per T (cap = the largest T):
 - ``eager_wall_us``: back-to-back eager calls, until the GPU is done; ``eager_host_us``: until Python returns
-  (equal when the host is the bottleneck); each the median of ``--repeats`` runs of ``--calls`` calls;
+  (equal when the host is the bottleneck); each the median of ``--repeats`` runs of ``--calls`` calls. The layer as
+  built by default: from T's second call on, an eager call replays the CUDA graph the layer captured for T
+  (``moe_ref.eager_graphs``, T <= ``eager_graph_max_tokens``);
+- ``eager_launches_*``: the same eager calls of a layer built with ``eager_graph_max_tokens=0`` (every kernel
+  launched from Python each call; same weights), timed run by run alternating with the first;
 - ``graph_us``: the same call captured once in a ``torch.cuda.CUDAGraph`` (inputs copied in, replay);
 - ``compile_us``: ``torch.compile(moe, mode="reduce-overhead", fullgraph=True)`` (its own CUDA graph);
 - with ``--profile``: kernel launches, host synchronizations and device-to-host copies per eager call (torch
@@ -39,6 +43,7 @@ from moe_ref.core.config import preset  # noqa: E402
 
 LAUNCHES = profile_step.RUNTIME_KINDS["kernel launches"]
 SYNCS = profile_step.RUNTIME_KINDS["synchronizations"]
+COPIES = profile_step.RUNTIME_KINDS["copies (memcpy)"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,13 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 1024])
     parser.add_argument("--num-experts", type=int, default=48)
     parser.add_argument("--dispatch", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
-    parser.add_argument("--routes", nargs="+", default=["eager", "graph", "compile"],
-                        choices=["eager", "graph", "compile"])
+    parser.add_argument("--routes", nargs="+", default=["eager", "eager_launches", "graph", "compile"],
+                        choices=["eager", "eager_launches", "graph", "compile"])
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of --calls calls; the median is reported")
     parser.add_argument("--ab-bound-launch", action="store_true",
-                        help="also time eager calls on Triton's own launch path (MOE_REF_BOUND_LAUNCH=0), the two "
-                             "alternating run by run in this process")
+                        help="also time the eager_launches calls on Triton's own launch path "
+                             "(MOE_REF_BOUND_LAUNCH=0), the two alternating run by run in this process")
     parser.add_argument("--profile", action="store_true", help="launches, syncs, sync sites and a cProfile")
     return parser.parse_args(argv)
 
@@ -114,13 +119,17 @@ def runtime_counts(fn, x, calls: int = 5) -> dict:
         for _ in range(calls):
             fn(x)
         torch.cuda.synchronize()
-    counts = {"launches": 0, "syncs": 0, "d2h_pageable": 0, "gpu_busy_us": 0.0}
+    counts = {"launches": 0, "graph_launches": 0, "copies": 0, "syncs": 0, "d2h_pageable": 0, "gpu_busy_us": 0.0}
     kernels: dict[str, int] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in event.name:
             kernels[event.name[:70]] = kernels.get(event.name[:70], 0) + 1
         if event.name in LAUNCHES:
             counts["launches"] += 1
+        elif event.name == "cudaGraphLaunch":
+            counts["graph_launches"] += 1
+        elif event.name in COPIES:
+            counts["copies"] += 1
         elif event.name in SYNCS:
             counts["syncs"] += 1
         elif "Device -> Pageable" in event.name:
@@ -133,92 +142,136 @@ def runtime_counts(fn, x, calls: int = 5) -> dict:
     return counts
 
 
-def median_host_and_wall_us(fn, x, args, *, triton_launch_too: bool = False):
-    """The median over ``--repeats`` runs of (host us, wall us) per call of ``--calls`` back-to-back calls: the
-    host of a lent machine is shared, and one run can be 30% off. ``triton_launch_too``: also the same calls with
-    ``MOE_REF_BOUND_LAUNCH=0``, run by run alternating with the first (returns both pairs)."""
-    runs, triton_runs = [], []
+def median_host_and_wall_us(fns: dict, x, args) -> dict:
+    """``{name: (host us, wall us)}`` per call of ``--calls`` back-to-back calls of each ``fns[name]``, the median
+    over ``--repeats`` runs, the functions alternating run by run (the host of a lent machine is shared, and one run
+    can be 30% off). A name ending in ``@triton_launch`` runs with ``MOE_REF_BOUND_LAUNCH=0``."""
+    runs: dict[str, list] = {name: [] for name in fns}
     for _ in range(args.repeats):
-        runs.append(profile_step.host_and_wall_us(fn, (x,), args.calls))
-        if triton_launch_too:
-            os.environ["MOE_REF_BOUND_LAUNCH"] = "0"
+        for name, fn in fns.items():
+            if name.endswith("@triton_launch"):
+                os.environ["MOE_REF_BOUND_LAUNCH"] = "0"
             try:
-                triton_runs.append(profile_step.host_and_wall_us(fn, (x,), args.calls))
+                runs[name].append(profile_step.host_and_wall_us(fn, (x,), args.calls))
             finally:
-                del os.environ["MOE_REF_BOUND_LAUNCH"]
-    medians = [(statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
-               for rs in (runs, triton_runs) if rs]
-    return medians if triton_launch_too else medians[0]
+                os.environ.pop("MOE_REF_BOUND_LAUNCH", None)
+    return {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+            for name, rs in runs.items()}
 
 
-def run_case(args, dispatch: str, cap: int, num_tokens: int) -> dict:
+def profile_calls(row: dict, name: str, fn, x, args, dispatch: str, num_tokens: int) -> None:
+    """Launches, syncs and D2H copies per call (``<name>_`` keys, none for ``eager``), the host-op table, the sync
+    sites and a cProfile of ``fn``'s calls."""
+    prefix = "" if name == "eager" else f"{name}_"
+    counts = runtime_counts(fn, x)
+    with open(os.path.join(args.out, f"host_ops_{prefix}{dispatch}_{num_tokens}.txt"), "w") as f:
+        f.write(counts.pop("host_ops_table"))
+    row.update({prefix + key: value for key, value in counts.items()})
+    row[prefix + "sync_sites"] = sync_sites(fn, x)
+    with open(os.path.join(args.out, f"cprofile_{prefix}{dispatch}_{num_tokens}.txt"), "w") as f:
+        f.write(profile_step.cprofile_text(fn, (x,), args.calls, rank=0))
+
+
+def build_layers(args, dispatch: str, cap: int) -> tuple[MegaMoE, MegaMoE | None]:
+    """The layer as built by default, and (route ``eager_launches``) one with ``eager_graph_max_tokens=0`` holding
+    the same weights (copied on the GPU: the random weights are drawn once, on the CPU)."""
     moe = build_layer(args, dispatch, cap)
+    if "eager_launches" not in args.routes:
+        return moe, None
+    cfg = moe.cfg
+    launching = MegaMoE(cfg, None, num_max_tokens_per_rank=cap, dtype=torch.bfloat16, device="cuda",
+                        experts_backend="triton", dispatch_fp8=dispatch == "fp8", eager_graph_max_tokens=0)
+    launching.load_state_dict(moe.state_dict())
+    return moe, launching
+
+
+def run_case(args, moe: MegaMoE, launching: MegaMoE | None, dispatch: str, cap: int, num_tokens: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     x = torch.randn(num_tokens, moe.cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-    row: dict = {"dispatch": dispatch, "tokens": num_tokens, "cap": cap}
+    row: dict = {"dispatch": dispatch, "tokens": num_tokens, "cap": cap,
+                 "eager_graph_max_tokens": moe.options.eager_graph_max_tokens}
     with torch.inference_mode():
-        eager = lambda x_TD: moe(x_TD)  # noqa: E731
         first = time.perf_counter()
-        reference = eager(x).clone()
+        reference = moe(x).clone()  # T's first call: the eager path, every kernel launched
         torch.cuda.synchronize()
         row["first_call_s"] = round(time.perf_counter() - first, 2)
-        for _ in range(3):
-            eager(x)
-        if args.ab_bound_launch:
-            (row["eager_host_us"], row["eager_wall_us"]), (row["eager_triton_launch_host_us"],
-                                                           row["eager_triton_launch_wall_us"]) = \
-                median_host_and_wall_us(eager, x, args, triton_launch_too=True)
-        else:
-            row["eager_host_us"], row["eager_wall_us"] = median_host_and_wall_us(eager, x, args)
+        fns = {"eager": lambda x_TD: moe(x_TD)}  # noqa: E731 - a replay of T's graph from the second call on
+        if launching is not None:
+            fns["eager_launches"] = lambda x_TD: launching(x_TD)  # noqa: E731
+            if args.ab_bound_launch:
+                fns["eager_launches@triton_launch"] = fns["eager_launches"]
+        for name, fn in fns.items():
+            for _ in range(3):
+                out = fn(x)
+            row[f"{name.replace('@', '_')}_bitwise_eq_first_call"] = bool(torch.equal(out, reference))
+        graphs = moe.eager_graphs
+        row["eager_graphs_captured"] = graphs.captures if graphs is not None else 0
+        for name, (host, wall) in median_host_and_wall_us(fns, x, args).items():
+            key = name.replace("@", "_")
+            row[f"{key}_host_us"], row[f"{key}_wall_us"] = host, wall
         if args.profile:
-            row.update(runtime_counts(eager, x))
-            with open(os.path.join(args.out, f"host_ops_{dispatch}_{num_tokens}.txt"), "w") as f:
-                f.write(row.pop("host_ops_table"))
-            row["sync_sites"] = sync_sites(eager, x)
-            with open(os.path.join(args.out, f"cprofile_{dispatch}_{num_tokens}.txt"), "w") as f:
-                f.write(profile_step.cprofile_text(eager, (x,), args.calls, rank=0))
+            for name in ("eager", "eager_launches"):
+                if name in fns:
+                    profile_calls(row, name, fns[name], x, args, dispatch, num_tokens)
         for route in args.routes:
-            if route == "eager":
+            if route in ("eager", "eager_launches"):
                 continue
             try:
                 fn = graphed(moe, x) if route == "graph" else torch.compile(moe, mode="reduce-overhead",
                                                                             fullgraph=True)
                 for _ in range(3):
                     out = fn(x)
-                row[f"{route}_bitwise_eq_eager"] = bool(torch.equal(out, reference))
-                row[f"{route}_host_us"], row[f"{route}_us"] = median_host_and_wall_us(fn, x, args)
+                row[f"{route}_bitwise_eq_first_call"] = bool(torch.equal(out, reference))
+                row[f"{route}_host_us"], row[f"{route}_us"] = median_host_and_wall_us({route: fn}, x, args)[route]
             except Exception as err:  # noqa: BLE001 - a route that fails is reported, the others still run
                 row[f"{route}_error"] = f"{type(err).__name__}: {str(err)[:300]}"
             torch._dynamo.reset()
-    moe.destroy()
     for route in ("graph", "compile"):
         if f"{route}_us" in row:
             row[f"eager_over_{route}"] = round(row["eager_wall_us"] / row[f"{route}_us"], 2)
+            if "eager_launches_wall_us" in row:
+                row[f"eager_launches_over_{route}"] = round(row["eager_launches_wall_us"] / row[f"{route}_us"], 2)
     return row
 
 
+def _launch_counts(row: dict, prefix: str) -> str:
+    if prefix + "launches" not in row:
+        return "-"
+    return " + ".join(f"{row.get(prefix + key, 0):g}" for key in ("launches", "graph_launches", "copies"))
+
+
 def write_markdown(out: str, meta: dict, rows: list[dict]) -> None:
+    nan = float("nan")
     lines = [f"# MegaMoE eager vs graph, one GPU ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
              f"{meta['date']})", "", f"`{meta['command']}`", "",
-             "| dispatch | T | eager wall us | eager host us | eager wall, Triton's launch path | graph us | "
-             "compile r-o us | eager/graph | compile/graph | launches | syncs | D2H pageable | GPU busy us |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "eager: the layer as built by default (T's calls replay the graph it captured for T); eager, launches: "
+             "built with `eager_graph_max_tokens=0` (every kernel launched from Python). us per call.", "",
+             "| dispatch | T | eager wall | eager host | eager, launches: wall | host | wall, Triton's launch path | "
+             "graph | compile r-o | eager/graph | launches/graph | compile/graph | per call, eager: kernel launches "
+             "+ graph launches + copies | eager, launches: the same | syncs | D2H pageable | GPU busy us |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = (f"{r['compile_us'] / r['graph_us']:.2f}" if "compile_us" in r and "graph_us" in r else "-")
         lines.append(f"| {r['dispatch']} | {r['tokens']} | {r['eager_wall_us']:.0f} | {r['eager_host_us']:.0f} | "
-                     f"{r.get('eager_triton_launch_wall_us', float('nan')):.0f} | "
-                     f"{r.get('graph_us', float('nan')):.0f} | {r.get('compile_us', float('nan')):.0f} | "
-                     f"{r.get('eager_over_graph', '-')} | {ratio} | {r.get('launches', '-')} | {r.get('syncs', '-')} | "
-                     f"{r.get('d2h_pageable', '-')} | {r.get('gpu_busy_us', '-')} |")
+                     f"{r.get('eager_launches_wall_us', nan):.0f} | {r.get('eager_launches_host_us', nan):.0f} | "
+                     f"{r.get('eager_launches_triton_launch_wall_us', nan):.0f} | "
+                     f"{r.get('graph_us', nan):.0f} | {r.get('compile_us', nan):.0f} | "
+                     f"{r.get('eager_over_graph', '-')} | {r.get('eager_launches_over_graph', '-')} | {ratio} | "
+                     f"{_launch_counts(r, '')} | {_launch_counts(r, 'eager_launches_')} | "
+                     f"{r.get('syncs', '-')} / {r.get('eager_launches_syncs', '-')} | "
+                     f"{r.get('d2h_pageable', '-')} / {r.get('eager_launches_d2h_pageable', '-')} | "
+                     f"{r.get('gpu_busy_us', '-')} |")
     for r in rows[:1] + rows[len(rows) // 2:len(rows) // 2 + 1]:
-        if r.get("kernels"):
-            lines += ["", f"GPU kernels of one eager call, {r['dispatch']} T={r['tokens']}:", "",
-                      "| kernel | per call |", "|---|---:|"]
-            lines += [f"| `{name}` | {n:g} |" for name, n in r["kernels"].items()]
+        for prefix, what in (("", "eager (graph replay)"), ("eager_launches_", "eager, launches")):
+            if r.get(prefix + "kernels"):
+                lines += ["", f"GPU kernels of one call, {what}, {r['dispatch']} T={r['tokens']}:", "",
+                          "| kernel | per call |", "|---|---:|"]
+                lines += [f"| `{name}` | {n:g} |" for name, n in r[prefix + "kernels"].items()]
     for r in rows:
-        if r.get("sync_sites"):
-            lines += ["", f"Syncs of one eager call, {r['dispatch']} T={r['tokens']}:", ""]
-            lines += [f"- {s}" for s in r["sync_sites"]]
+        for prefix, what in (("", "eager (graph replay)"), ("eager_launches_", "eager, launches")):
+            if r.get(prefix + "sync_sites"):
+                lines += ["", f"Syncs of one call, {what}, {r['dispatch']} T={r['tokens']}:", ""]
+                lines += [f"- {s}" for s in r[prefix + "sync_sites"]]
         for key in ("graph_error", "compile_error"):
             if key in r:
                 lines += ["", f"{key}, {r['dispatch']} T={r['tokens']}: {r[key]}"]
@@ -236,7 +289,8 @@ def plot_results(out: str, meta: dict, rows: list[dict]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    routes = [("eager_wall_us", "eager"), ("eager_triton_launch_wall_us", "eager, Triton's launch path"),
+    routes = [("eager_wall_us", "eager (graph replay)"), ("eager_launches_wall_us", "eager, launches"),
+              ("eager_launches_triton_launch_wall_us", "eager, launches, Triton's launch path"),
               ("graph_us", "CUDA graph"), ("compile_us", "torch.compile reduce-overhead")]
     routes = [(key, label) for key, label in routes if any(key in r for r in rows)]
     fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(rows)), 4.5))
@@ -265,14 +319,18 @@ def main(argv=None) -> int:
     rows = []
     cap = max(args.tokens)
     for dispatch in args.dispatch:
+        moe, launching = build_layers(args, dispatch, cap)
         for num_tokens in args.tokens:
-            row = run_case(args, dispatch, cap, num_tokens)
+            row = run_case(args, moe, launching, dispatch, cap, num_tokens)
             rows.append(row)
-            print("EAGER " + json.dumps({k: v for k, v in row.items() if k not in ("sync_sites", "kernels")}),
+            print("EAGER " + json.dumps({k: v for k, v in row.items() if not k.endswith(("sync_sites", "kernels"))}),
                   flush=True)
             with open(os.path.join(args.out, "bench_eager.json"), "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
             write_markdown(args.out, meta, rows)
+        for layer in (moe, launching):
+            if layer is not None:
+                layer.destroy()
     plot_results(args.out, meta, rows)
     return 0
 

@@ -12,6 +12,7 @@
 | MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
 | MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
+| MOE_REF_EAGER_GRAPH_MAX_TOKENS     | largest T whose eager calls replay a CUDA graph of their shape (one rank on CUDA; 0: never) | 512 |
 | MOE_REF_BOUND_LAUNCH               | ``0``: every Triton launch goes through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key) | 1 |
 
 Switches (``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
@@ -48,8 +49,9 @@ def _switch(name: str) -> bool | None:
                       f"{', '.join(_OFF)} (off), or unset it", field=name)
 
 
-def num_max_tokens_per_rank() -> int | None:
-    value = _get("MOE_REF_NUM_MAX_TOKENS_PER_RANK")
+def _integer(name: str, hint: str = "") -> int | None:
+    """An integer variable's value (None when unset or empty); ``InvalidConfigError`` naming it otherwise."""
+    value = _get(name)
     if value is None:
         return None
     try:
@@ -57,7 +59,15 @@ def num_max_tokens_per_rank() -> int | None:
     except ValueError:
         from moe_ref.core.errors import InvalidConfigError
 
-        raise InvalidConfigError(f"MOE_REF_NUM_MAX_TOKENS_PER_RANK={value!r} is not an integer") from None
+        raise InvalidConfigError(f"{name}={value!r} is not an integer{hint}") from None
+
+
+def num_max_tokens_per_rank() -> int | None:
+    return _integer("MOE_REF_NUM_MAX_TOKENS_PER_RANK")
+
+
+def eager_graph_max_tokens() -> int | None:
+    return _integer("MOE_REF_EAGER_GRAPH_MAX_TOKENS", " (0 turns the eager CUDA graphs off)")
 
 
 def overflow_policy() -> str | None:

@@ -113,8 +113,11 @@ class DeferredChecks:
             return
         event = None
         if flags.is_cuda:
-            host, event = self._spare.pop() if self._spare else (
-                torch.empty(MAX_CHECKS, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+            if not self._spare:
+                with torch.inference_mode(False):  # reused by later calls, in or out of inference mode
+                    self._spare.append((torch.empty(MAX_CHECKS, dtype=torch.int32, pin_memory=True),
+                                        torch.cuda.Event()))
+            host, event = self._spare.pop()
             host.copy_(flags, non_blocking=True)
             event.record()
             flags = host

@@ -27,6 +27,9 @@ MEGA_CHOICES = ("off", "deep_gemm", "auto")
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Used when neither the argument nor MOE_REF_NUM_MAX_TOKENS_PER_RANK gives a cap.
 DEFAULT_NUM_MAX_TOKENS_PER_RANK = 4096
+# Eager calls of at most this many tokens replay a CUDA graph of their shape (one rank on CUDA) unless the argument or
+# MOE_REF_EAGER_GRAPH_MAX_TOKENS says otherwise: above it the launches are hidden behind the GPU work anyway.
+DEFAULT_EAGER_GRAPH_MAX_TOKENS = 512
 # Receive-pool rows are addressed with int32 (recv_src); R * cap * K stays far below 2**31 with this bound.
 MAX_NUM_MAX_TOKENS_PER_RANK = 1 << 20
 
@@ -50,6 +53,9 @@ class EPOptions:
         dtype: of the parameters and the activations (fp32, fp16, bf16).
         device: of the parameters.
         debug_checks: per-call conservation checks (rows sent == rows received, each slot returned once).
+        eager_graph_max_tokens: one rank on CUDA: eager calls of 1 .. this many tokens replay a CUDA graph of their
+            token count, captured on its second call (``moe_ref.eager_graphs``); 0: every call launches its kernels.
+            ``resolve``'s default: ``min(512, num_max_tokens_per_rank)``.
         source: option name -> ``"the argument"``, the environment variable's name, or ``"the default"``.
     """
 
@@ -64,6 +70,7 @@ class EPOptions:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     debug_checks: bool = False
+    eager_graph_max_tokens: int = 0
     source: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -82,6 +89,13 @@ class EPOptions:
             if value not in choices:
                 raise UnknownNameError(f"{name}={value!r} (from {self.source.get(name, 'the argument')}); supported: "
                                        f"{', '.join(choices)}", field=name)
+        graph_tokens = self.eager_graph_max_tokens
+        if isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or not 0 <= graph_tokens <= cap:
+            raise InvalidConfigError(
+                f"eager_graph_max_tokens={graph_tokens!r} (from "
+                f"{self.source.get('eager_graph_max_tokens', 'the argument')}) must be an integer in [0, "
+                f"num_max_tokens_per_rank={cap}]: the largest token count whose eager calls replay a CUDA graph "
+                f"(0: none)", field="eager_graph_max_tokens")
         if self.alignment is not None and (isinstance(self.alignment, bool) or not isinstance(self.alignment, int)
                                            or self.alignment <= 0):  # True is an int to Python, not a row count
             raise InvalidConfigError(f"alignment={self.alignment!r} must be a positive integer (rows)", field="alignment")
@@ -104,7 +118,7 @@ class EPOptions:
                 transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
                 alignment: int | None = None, pool_format: str | None = None, mega: str | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                debug_checks: bool | None = None) -> "EPOptions":
+                debug_checks: bool | None = None, eager_graph_max_tokens: int | None = None) -> "EPOptions":
         """Each option from the argument if given (not None; ``"auto"`` counts as given except for the
         transport, where an operator's ``MOE_REF_TRANSPORT`` still decides), else its environment variable,
         else the default. ``experts_backend="auto"`` becomes triton on CUDA, torch on CPU; ``alignment=None``
@@ -136,10 +150,13 @@ class EPOptions:
         if backend in registered_backends() and pool in POOL_FORMATS:
             check_pool_format(experts_class(backend, device), pool, source["pool_format"])
         debug = pick("debug_checks", debug_checks, "MOE_REF_DEBUG_CHECKS", envs.debug_checks(), False)
+        graph_tokens = pick("eager_graph_max_tokens", eager_graph_max_tokens, "MOE_REF_EAGER_GRAPH_MAX_TOKENS",
+                            envs.eager_graph_max_tokens(),
+                            min(DEFAULT_EAGER_GRAPH_MAX_TOKENS, cap) if isinstance(cap, int) else 0)
         return EPOptions(num_max_tokens_per_rank=cap, overflow=policy, transport=transport_name,
                          experts_backend=backend, dispatch_fp8=bool(dispatch_fp8), alignment=alignment,
                          pool_format=pool, mega=mega if mega is not None else "off", dtype=dtype, device=device,
-                         debug_checks=bool(debug), source=source)
+                         debug_checks=bool(debug), eager_graph_max_tokens=graph_tokens, source=source)
 
     def replace(self, **changes) -> "EPOptions":
         """A copy with ``changes`` (checked again)."""
@@ -151,4 +168,5 @@ class EPOptions:
                 "transport": self.transport, "experts_backend": self.experts_backend,
                 "dispatch_fp8": str(self.dispatch_fp8), "alignment": str(self.alignment),
                 "pool_format": self.pool_format, "mega": self.mega, "dtype": str(self.dtype),
-                "device_type": self.device.type, "debug_checks": str(self.debug_checks)}
+                "device_type": self.device.type, "debug_checks": str(self.debug_checks),
+                "eager_graph_max_tokens": str(self.eager_graph_max_tokens)}

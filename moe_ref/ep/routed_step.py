@@ -21,7 +21,9 @@ The layer holds exactly one ``RoutedStep``; a new transport goes into moe_ref.ep
 backend into moe_ref.experts' registry, a new fused engine behind ``MonolithicRoutedStep``.
 
 CUDA-graph capture (decode): while the current CUDA stream is capturing, steps 1-2 keep only what needs no
-host sync (shapes, dtypes, devices; T <= cap, one chunk) and the modular step's failure agreement is skipped:
+host sync (shapes, dtypes, devices; T <= cap, one chunk; the device checks only when the caller passes
+``device_checks`` to read after each replay, as the layer's eager graphs do) and the modular step's failure
+agreement is skipped:
 the ``symm`` data path then runs entirely on the device, and a failure its waits record is reported by the
 next eager call, on every rank (step 1). Replays run with the inputs copied into the captured tensors.
 
@@ -107,7 +109,7 @@ class RoutedStep(ABC):
         ``check()``.
         """
         if self.capturing():
-            return self._captured_call(x_TD, topk_ids_TK, topk_weights_TK, problem)
+            return self._captured_call(x_TD, topk_ids_TK, topk_weights_TK, problem, device_checks)
         if self.deferred_checks is not None:
             self.deferred_checks.raise_pending()  # an earlier call's failed device check (no wait)
         deferred = None if read_checks_now else self.deferred_checks
@@ -137,8 +139,10 @@ class RoutedStep(ABC):
         """Whether this call is being captured into a CUDA graph (no host sync allowed)."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def _captured_call(self, x_TD, topk_ids_TK, topk_weights_TK, problem) -> torch.Tensor:
-        """One chunk with the checks that need no host sync (see the module doc)."""
+    def _captured_call(self, x_TD, topk_ids_TK, topk_weights_TK, problem, device_checks) -> torch.Tensor:
+        """One chunk with the checks that need no host sync (see the module doc). With ``device_checks`` (the
+        layer's own eager graphs, ``moe_ref.eager_graphs``, which read them after each replay) the routing-value
+        check and the step's own device checks are captured into them too."""
         problem = problem or routed_input_problem(x_TD, topk_ids_TK, topk_weights_TK, self.cfg, self.activation_dtype,
                                                   self.device, check_values=False)
         if problem is None and x_TD.shape[0] > self.policy.num_max_tokens_per_rank:
@@ -148,6 +152,9 @@ class RoutedStep(ABC):
                 rank=self.rank, num_tokens=x_TD.shape[0], cap=self.policy.num_max_tokens_per_rank)
         if problem is not None:
             raise problem
+        if device_checks is not None:
+            add_routing_value_check(device_checks, topk_ids_TK, topk_weights_TK, self.cfg.num_experts)
+            self.add_device_checks(device_checks)
         self.calls += 1
         return self.run_chunk(x_TD, topk_ids_TK.to(torch.int64), topk_weights_TK.to(torch.float32))
 
