@@ -15,10 +15,12 @@ A replay computes the same bits as the eager call (the same kernels with the sam
 included: NaN logits and bad routing values are raised by a later call or ``MegaMoE.check()``, as eagerly.
 
 Memory: the graphs of every layer on a device share one memory pool, so their intermediates take the room of the
-largest one. That is safe because a replay's output is cloned before the next replay on the stream; calls of
-layers on concurrent streams must set ``eager_graph_max_tokens=0``. A layer keeps at most ``MAX_GRAPHS`` graphs
-(the least recently used goes). Loading weights or ``destroy()`` drops a layer's graphs (they hold the addresses
-of the weights and buffers they were captured with).
+largest one, and one input and one output buffer of ``[eager_graph_max_tokens, D]``. That is safe because a
+replay's output is cloned before the next replay on the stream; calls of layers on concurrent streams must set
+``eager_graph_max_tokens=0``. Each graph keeps only what a failed check needs to name the bad tokens (the router
+logits ``[T, E]`` fp32, the top-k ids and weights ``[T, K]``). A layer keeps at most ``MAX_GRAPHS`` graphs (the
+least recently used goes). Loading weights or ``destroy()`` drops a layer's graphs (they hold the addresses of
+the weights and buffers they were captured with).
 
 Shape legend: T tokens of this rank, D hidden.
 """
@@ -44,6 +46,7 @@ MAX_GRAPHS = 32
 
 # one memory pool and one capture stream per device, shared by every layer's graphs
 _POOLS: dict[torch.device, tuple] = {}
+_IO_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, dtype, width, max T) -> (x, y)
 _LIVE_GRAPHS: dict[torch.device, int] = {}  # graphs captured into each device's pool and not yet garbage
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -53,7 +56,8 @@ DeviceWork = Callable[[torch.Tensor], "tuple[torch.Tensor, DeviceChecks]"]
 
 @dataclass
 class _Graph:
-    """One captured call: replaying ``graph`` reads ``x_TD`` and writes ``y_TD`` and ``checks``' flags."""
+    """One captured call: replaying ``graph`` reads ``x_TD`` and writes ``y_TD`` (rows of the shared buffers) and
+    ``checks``' flags."""
 
     graph: torch.cuda.CUDAGraph
     x_TD: torch.Tensor
@@ -118,8 +122,8 @@ class EagerGraphs:
         """Capture ``work`` for T = ``x_TD.shape[0]`` (nothing runs: the step's call count stays); None if it cannot
         be captured."""
         num_tokens, calls = x_TD.shape[0], step.calls
-        with torch.inference_mode(False):  # the graph's tensors are written by later calls, in or out of it
-            x_static = torch.empty(x_TD.shape, dtype=x_TD.dtype, device=self.device)
+        x_buffer, y_buffer = _io_buffers(self.device, x_TD.dtype, x_TD.shape[1], self.max_tokens)
+        x_static, y_static = x_buffer[:num_tokens], y_buffer[:num_tokens]
         graph = torch.cuda.CUDAGraph()
         current, stream = torch.cuda.current_stream(self.device), _capture_stream(self.device)
         stream.wait_stream(current)
@@ -128,6 +132,7 @@ class EagerGraphs:
                 graph.capture_begin(pool=_pool(self.device))
                 try:
                     y_TD, checks = work(x_static)
+                    y_static.copy_(y_TD)  # y_TD's memory goes back to the pool at the end of the capture
                 finally:
                     graph.capture_end()
         except Exception as err:  # noqa: BLE001 - a capture that fails leaves the layer on the eager path
@@ -139,7 +144,7 @@ class EagerGraphs:
             current.wait_stream(stream)
             step.calls = calls
         self.captures += 1
-        self._graphs[num_tokens] = captured = _Graph(graph, x_static, y_TD, checks)
+        self._graphs[num_tokens] = captured = _Graph(graph, x_static, y_static, checks)
         _count_graph(captured, self.device)
         return captured
 
@@ -158,6 +163,17 @@ def _pool(device: torch.device):
         with torch.cuda.device(device):
             _POOLS[device] = torch.cuda.graph_pool_handle()
     return _POOLS[device]
+
+
+def _io_buffers(device: torch.device, dtype: torch.dtype, width: int, max_tokens: int) -> tuple:
+    """``(x [max_tokens, width], y [max_tokens, width])`` in ``dtype``: every graph of that shape class reads its
+    input from rows ``:T`` of x and writes its output to rows ``:T`` of y (shared by the layers: a replay's output is
+    cloned before the next replay)."""
+    key = (device, dtype, width, max_tokens)
+    if key not in _IO_BUFFERS:
+        with torch.inference_mode(False):  # written by later calls, in or out of inference mode
+            _IO_BUFFERS[key] = tuple(torch.empty(max_tokens, width, dtype=dtype, device=device) for _ in range(2))
+    return _IO_BUFFERS[key]
 
 
 def _count_graph(graph: _Graph, device: torch.device) -> None:

@@ -172,7 +172,7 @@ class MegaMoE(nn.Module):
         debug_checks: per-call checks that nothing is lost (default: ``MOE_REF_DEBUG_CHECKS``, else off).
         eager_graph_max_tokens: one rank on CUDA: eager calls of 1 .. this many tokens replay a CUDA graph of their
             token count, captured on its second call (``moe_ref.eager_graphs``; default:
-            ``MOE_REF_EAGER_GRAPH_MAX_TOKENS``, else ``min(512, num_max_tokens_per_rank)``); 0: every call launches
+            ``MOE_REF_EAGER_GRAPH_MAX_TOKENS``, else ``min(1024, num_max_tokens_per_rank)``); 0: every call launches
             its kernels from Python.
 
     Attributes:

@@ -12,7 +12,7 @@
 | MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
 | MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
-| MOE_REF_EAGER_GRAPH_MAX_TOKENS     | largest T whose eager calls replay a CUDA graph of their shape (one rank on CUDA; 0: never) | 512 |
+| MOE_REF_EAGER_GRAPH_MAX_TOKENS     | largest T whose eager calls replay a CUDA graph of their shape (one rank on CUDA; 0: never) | min(1024, cap) |
 | MOE_REF_BOUND_LAUNCH               | ``0``: every Triton launch goes through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key) | 1 |
 
 Switches (``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,

@@ -28,8 +28,9 @@ ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Used when neither the argument nor MOE_REF_NUM_MAX_TOKENS_PER_RANK gives a cap.
 DEFAULT_NUM_MAX_TOKENS_PER_RANK = 4096
 # Eager calls of at most this many tokens replay a CUDA graph of their shape (one rank on CUDA) unless the argument or
-# MOE_REF_EAGER_GRAPH_MAX_TOKENS says otherwise: above it the launches are hidden behind the GPU work anyway.
-DEFAULT_EAGER_GRAPH_MAX_TOKENS = 512
+# MOE_REF_EAGER_GRAPH_MAX_TOKENS says otherwise. Larger calls are mostly prefill chunks of changing sizes (a graph
+# per size would rarely be replayed), and their GPU work hides more of their launches.
+DEFAULT_EAGER_GRAPH_MAX_TOKENS = 1024
 # Receive-pool rows are addressed with int32 (recv_src); R * cap * K stays far below 2**31 with this bound.
 MAX_NUM_MAX_TOKENS_PER_RANK = 1 << 20
 
@@ -55,7 +56,7 @@ class EPOptions:
         debug_checks: per-call conservation checks (rows sent == rows received, each slot returned once).
         eager_graph_max_tokens: one rank on CUDA: eager calls of 1 .. this many tokens replay a CUDA graph of their
             token count, captured on its second call (``moe_ref.eager_graphs``); 0: every call launches its kernels.
-            ``resolve``'s default: ``min(512, num_max_tokens_per_rank)``.
+            ``resolve``'s default: ``min(1024, num_max_tokens_per_rank)``.
         source: option name -> ``"the argument"``, the environment variable's name, or ``"the default"``.
     """
 

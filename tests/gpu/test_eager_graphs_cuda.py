@@ -61,6 +61,24 @@ def test_a_replay_does_not_synchronize_and_its_output_is_not_overwritten():
     moe.destroy()
 
 
+def test_layers_sharing_the_graph_buffers_keep_their_own_outputs():
+    first, second = _layer(), MegaMoE(preset("tiny-kimi-k2"), None, num_max_tokens_per_rank=64, overflow="chunk",
+                                      dtype=torch.bfloat16, device="cuda", seed=2)
+    twins = [MegaMoE(preset("tiny-kimi-k2"), None, num_max_tokens_per_rank=64, overflow="chunk", dtype=torch.bfloat16,
+                     device="cuda", seed=seed, eager_graph_max_tokens=0) for seed in (1, 2)]
+    with torch.no_grad():
+        outputs = []
+        for call in range(4):  # alternating layers, one T: replays of both layers' graphs interleave
+            x = _inputs(6, first.cfg.hidden_size, call)
+            outputs += [(first(x), twins[0](x)), (second(x), twins[1](x))]
+        torch.cuda.synchronize()
+    assert first.eager_graphs.captures == second.eager_graphs.captures == 1
+    for index, (got, want) in enumerate(outputs):
+        assert torch.equal(got, want), f"output {index} changed after later replays"
+    for layer in (first, second, *twins):
+        layer.destroy()
+
+
 def test_tokens_above_the_bound_and_a_users_own_capture_take_the_eager_path():
     moe = _layer(eager_graph_max_tokens=16)
     with torch.no_grad():

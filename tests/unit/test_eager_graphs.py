@@ -131,8 +131,8 @@ def test_a_failed_capture_leaves_the_layer_eager(monkeypatch, caplog):
     assert sum("stay on the eager path" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_the_option_defaults_to_512_within_the_cap_and_is_checked(monkeypatch):
-    assert EPOptions.resolve().eager_graph_max_tokens == 512
+def test_the_option_defaults_to_1024_within_the_cap_and_is_checked(monkeypatch):
+    assert EPOptions.resolve().eager_graph_max_tokens == 1024
     assert EPOptions.resolve(num_max_tokens_per_rank=64).eager_graph_max_tokens == 64
     assert EPOptions.resolve(eager_graph_max_tokens=0).eager_graph_max_tokens == 0
     monkeypatch.setenv("MOE_REF_EAGER_GRAPH_MAX_TOKENS", "16")
