@@ -77,6 +77,26 @@ def test_forced_configs_match_twin(config1, config2, device):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def test_grouped_mlp_forced_configs_on_packed_and_aligned_pools(device):
+    """`grouped_mlp(configs=...)` runs both GEMMs with the given tiles: the same rows give the same output whether
+    their segments start back to back (the Triton experts' pool) or on multiples of 16 rows, and match the twin."""
+    counts = [5, 0, 40, 17, 16]
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _case(counts, hidden=48, inter=40, device=device)
+    valid = _valid_rows(row_start_e, num_rows_e, x_PDx.shape[0])
+    x_packed = x_PDx[valid.to(device)]
+    packed_start_e = torch.tensor([0, 5, 5, 45, 62], dtype=torch.int64, device=device)
+    configs = (_config(16, 16, 16, group_m=2), _config(32, 32, 16))
+    y_aligned = gm.grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, num_rows_hint=78, configs=configs)
+    y_packed = gm.grouped_mlp(x_packed, gate_up, down, packed_start_e, num_rows_e, num_rows_hint=78, configs=configs)
+    assert torch.equal(y_aligned[valid.to(device)], y_packed)  # per-row results: the layout changes no bit
+    y_ref = grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e)
+    torch.testing.assert_close(y_aligned.cpu(), y_ref.cpu(), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="BLOCK_N must be 128"):  # a forced tile still meets the fp8 rules
+        x, x_scale, gate_up8, gate_up_scale, down8, down_scale, starts, rows = _fp8_case([3], 256, 256, device)
+        gm.grouped_mlp(x, gate_up8, down8, starts, rows, x_scale_PDb=x_scale, gate_up_scale=gate_up_scale,
+                       down_scale=down_scale, configs=(_config(16, 64, 64), _config(16, 64, 64)))
+
+
 def test_forced_config_errors(device):
     x_PDx, gate_up, down, row_start_e, num_rows_e = _case([3], hidden=16, inter=8, device=device)
     h_PF = torch.empty(x_PDx.shape[0], 8, device=device)
@@ -282,3 +302,4 @@ def test_tuner_decode_sweeps_the_decode_list_and_few_row_tiles(fp8):
         assert fitting and fitting <= found, gemm
         # besides the fixed check tile, only few-row tiles: the decode regime's
         assert {c["tile"][0] for c in kept if c["tile"] != tune.fixed_tile(fp8)} <= {16, 32}, gemm
+
