@@ -169,14 +169,21 @@ def _segment_rows(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, pool_rows
     return ExpertLayout(row_start_e, num_rows_e, pool_rows, ALIGN).row_expert_P() >= 0
 
 
-def _make_case(model: str, num_rows: int, weights: tuple, seed: int, with_fp8: bool) -> Case:
-    num_experts, hidden, _, _ = MODELS[model]
+def _routed_counts(model: str, num_rows: int, seed: int) -> list[int]:
+    """Rows per local expert of a case: `num_rows` routed rows spread randomly (uniform) over the model's experts
+    (CPU generator, so a dry run gets the counts the GPU run uses)."""
+    num_experts = MODELS[model][0]
     gen = torch.Generator().manual_seed(seed + num_rows)
     picks = torch.randint(0, num_experts, (num_rows,), generator=gen)
-    counts = torch.bincount(picks, minlength=num_experts).tolist()
-    row_start_e, num_rows_e, pool_rows = _layout(counts, "cuda")
-    x_packed = torch.randn(num_rows, hidden, device="cuda").bfloat16()
-    x_PDx = torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device="cuda")
+    return torch.bincount(picks, minlength=num_experts).tolist()
+
+
+def _make_case(model: str, num_rows: int, weights: tuple, seed: int, with_fp8: bool, device="cuda") -> Case:
+    hidden = MODELS[model][1]
+    counts = _routed_counts(model, num_rows, seed)
+    row_start_e, num_rows_e, pool_rows = _layout(counts, device)
+    x_packed = torch.randn(num_rows, hidden, device=device).bfloat16()
+    x_PDx = torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=device)
     offset = 0
     for start, count in zip(row_start_e.tolist(), counts):
         x_PDx[start:start + count] = x_packed[offset:offset + count]
@@ -254,18 +261,10 @@ def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], 
         paths.append(("triton_fp8", lambda: grouped_mlp(
             q["x"], q["gate_up"], q["down"], case.row_start_e, case.num_rows_e, x_scale_PDb=q["x_scale"],
             gate_up_scale=q["gate_up_scale"], down_scale=q["down_scale"], num_rows_hint=case.num_rows)))
-    grouped_mm = _grouped_mm_fn()
-    inter = case.down.shape[2]
-    if grouped_mm is not None:
-        offs = torch.tensor(case.counts, device=case.x_PDx.device).cumsum(0).to(torch.int32)
-        gate_up_t, down_t = case.gate_up.transpose(-2, -1), case.down.transpose(-2, -1)
-
-        def run_grouped_mm():
-            gate_up_N2F = grouped_mm(case.x_packed, gate_up_t, offs)
-            h_NF = F.silu(gate_up_N2F[:, :inter]) * gate_up_N2F[:, inter:]
-            return grouped_mm(h_NF, down_t, offs)
-
+    run_grouped_mm = _grouped_mm_path(case)
+    if run_grouped_mm is not None:
         paths.append(("grouped_mm_bf16", run_grouped_mm))
+    inter = case.down.shape[2]
     bounds = [0]
     for count in case.counts:
         bounds.append(bounds[-1] + count)
@@ -284,6 +283,24 @@ def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], 
     if include_deep_gemm:
         paths.extend(_deep_gemm_cases(case))
     return paths
+
+
+def _grouped_mm_path(case: Case) -> Callable[[], torch.Tensor] | None:
+    """The `grouped_mm_bf16` path: torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch
+    SiLU-and-mul on the case's packed rows, returning y `[num_rows, D]` bf16; None when torch has no grouped_mm."""
+    grouped_mm = _grouped_mm_fn()
+    if grouped_mm is None:
+        return None
+    inter = case.down.shape[2]
+    offs = torch.tensor(case.counts, device=case.x_PDx.device).cumsum(0).to(torch.int32)
+    gate_up_t, down_t = case.gate_up.transpose(-2, -1), case.down.transpose(-2, -1)
+
+    def run_grouped_mm():
+        gate_up_N2F = grouped_mm(case.x_packed, gate_up_t, offs)
+        h_NF = F.silu(gate_up_N2F[:, :inter]) * gate_up_N2F[:, inter:]
+        return grouped_mm(h_NF, down_t, offs)
+
+    return run_grouped_mm
 
 
 def _deep_gemm_cases(case: Case) -> list[tuple[str, Callable[[], object]]]:

@@ -1,13 +1,16 @@
 #!/usr/bin/env python
 """Sweep grouped_mlp tiles per GEMM for the mid and prefill regimes on one H200 (needs CUDA; --dry-run runs anywhere).
 
-    python3 scripts/tune_grouped_mlp.py [--fp8] [--out results/tune_grouped_mlp.json] [--max-seconds 170] [--dry-run]
+    python3 scripts/tune_grouped_mlp.py [--fp8] [--decode [--explore]] [--alignment 128]
+                                        [--out results/tune_grouped_mlp.json] [--max-seconds 170] [--dry-run]
 
 Cases: Kimi-K2 (48 experts, D 7168, F 2048) and Step3 (48 experts, D 7168, F 5120) per-rank shapes, 4096
 and 32768 routed rows spread evenly over the experts, each expert segment at a 128-aligned pool row
-(what the dispatcher produces). Per case both GEMMs are timed separately through the library launcher
-with a forced config (`moe_ref.kernels.grouped_mlp.launch_gemm(..., config=triton.Config(...))`, the
-same kernel and compile options that autotune uses):
+(`--alignment N`: segments start on multiples of N rows; 1 packs them back to back, the pool the layer builds for
+the Triton experts). The rows hint is the routed rows whatever the alignment (as the layer passes it). Per case
+both GEMMs are timed separately through the library launcher with a forced config
+(`moe_ref.kernels.grouped_mlp.launch_gemm(..., config=triton.Config(...))`, the same kernel and compile options
+that autotune uses):
 
     gate_up (GEMM1)  h[R, F] = silu(x @ gate.T) * (x @ up.T)   w [e, 2F, D]; one program: BLOCK_M x 2*BLOCK_N
     down    (GEMM2)  y[R, D] = h @ down.T                      w [e, D, F]
@@ -29,7 +32,10 @@ configs of a phase in parallel into Triton's on-disk cache with tiny launches of
 specialisation (--jobs 0: compile in this process, serially). Nothing is timed while they compile.
 
 --decode: the decode regime instead (64 and 512 rows; the DECODE lists and `DECODE_GRID_*`: 16/32-row tiles, 4
-warps, 4-8 stages), for bf16 or --fp8. --interleaved: gate_up's rows interleaved (gate j, up j), as the FP8
+warps, 4-8 stages), for bf16 or --fp8. --decode --explore: the wider few-row space `DECODE_EXPLORE_*` instead of
+that grid (BLOCK_M 16/32/64 x effective N 128/256 x BLOCK_K 128/64 x 4/8 warps x 3-6 stages), kept where the
+library's rules keep it (correctness, shared memory; no register rules, as --explore everywhere: the compiler's
+spill counts show which fit). --interleaved: gate_up's rows interleaved (gate j, up j), as the FP8
 Triton experts store them (`grouped_mlp(..., gate_up_interleaved=True)`).
 
 --fp8 (default --out results/tune_grouped_mlp_fp8.json): the FP8 path as `grouped_mlp` runs it for e4m3 x:
@@ -115,6 +121,13 @@ FP8_GRID_BLOCK_K = (128, 64)
 DECODE_GRID_TILES_MN = {"gate_up": ((16, 256), (32, 256), (16, 128)), "down": ((16, 128), (16, 256), (32, 128))}
 DECODE_GRID_BLOCK_K = (128, 64)
 DECODE_GRID_STAGES = (4, 5, 6, 8)
+# --decode --explore: the decode space widened (tiles up to the mid regime's 64 rows, 8 warps, shallower pipelines);
+# 4 warps and 4-5 stages first, so a sweep cut short by --max-seconds holds the likelier winners
+DECODE_EXPLORE_BLOCK_M = (16, 32, 64)
+DECODE_EXPLORE_EFFECTIVE_N = (128, 256)
+DECODE_EXPLORE_BLOCK_K = (128, 64)
+DECODE_EXPLORE_WARPS = (4, 8)
+DECODE_EXPLORE_STAGES = (4, 5, 3, 6)
 FP8_MAX_ACC_REGS = 64            # fp32 accumulator registers per thread; the scaled partial product doubles them
 FIXED_TILE_FP8 = (64, 128, 128, 8, 3)  # legal for both FP8 GEMMs; in the current FP8 lists and the FP8 grid
 # --fp8 anchor: the bf16 kernel's best tile per (shape, regime, GEMM), the winners of the bf16 sweep on an H200
@@ -206,8 +219,13 @@ def _current_tiles(fp8: bool = False, decode: bool = False) -> list[tuple]:
 
 def _grid(gemm: str, fp8: bool, explore: bool = False, decode: bool = False) -> list[tuple]:
     """(tile, GROUP_M 1) of the phase-1 grid, largest tiles first (--fp8 --explore: EXPLORE_TILES instead;
-    --decode: the decode grid)."""
+    --decode: the decode grid; --decode --explore: the `DECODE_EXPLORE_*` space)."""
     gated = gemm == "gate_up"
+    if decode and explore:
+        return [((block_m, n_eff // 2 if gated else n_eff, block_k, warps, stages), 1)
+                for warps, stages, block_m, n_eff, block_k in itertools.product(
+                    DECODE_EXPLORE_WARPS, DECODE_EXPLORE_STAGES, DECODE_EXPLORE_BLOCK_M, DECODE_EXPLORE_EFFECTIVE_N,
+                    DECODE_EXPLORE_BLOCK_K)]
     if decode:
         return [((block_m, n_eff // 2 if gated else n_eff, block_k, 4, stages), 1)
                 for (block_m, n_eff), block_k, stages in itertools.product(
@@ -455,12 +473,16 @@ def even_counts(num_rows: int, num_experts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(num_experts)]
 
 
-def layout(counts: list[int]) -> tuple[list[int], int]:
+def layout(counts: list[int], alignment: int = ALIGN) -> tuple[list[int], int]:
+    """(segment starts, pool rows): segments back to back, each starting on a multiple of `alignment` rows.
+
+    Example: counts [3, 0, 5], alignment 4 -> starts [0, 4, 4], 12 rows; alignment 1 -> [0, 3, 3], 8 rows.
+    """
     starts, row = [], 0
     for count in counts:
         starts.append(row)
-        row += -(-count // ALIGN) * ALIGN
-    return starts, max(row, ALIGN)
+        row += -(-count // alignment) * alignment
+    return starts, max(row, alignment)
 
 
 def _grouped_mm_fn():
@@ -476,14 +498,15 @@ def make_weights(shape: str) -> dict:
     return {"gate_up": gate_up.mul_(hidden**-0.5), "down": down.mul_(inter**-0.5)}
 
 
-def make_case(shape: str, num_rows: int, weights: dict, fp8: bool = False, interleaved: bool = False) -> dict:
-    """Pool inputs, output buffers (`ops`: the swept precision, gate_up rows `interleaved` or stacked;
-    `bf16_ops`), the fixed-config h, the reference y on CHECK_EXPERTS (the FP8 twin with `fp8`), and grouped_mm
-    inputs (bf16)."""
+def make_case(shape: str, num_rows: int, weights: dict, fp8: bool = False, interleaved: bool = False,
+              alignment: int = ALIGN) -> dict:
+    """Pool inputs (segments aligned to `alignment` rows), output buffers (`ops`: the swept precision, gate_up rows
+    `interleaved` or stacked; `bf16_ops`), the fixed-config h, the reference y on CHECK_EXPERTS (the FP8 twin with
+    `fp8`), and grouped_mm inputs (bf16)."""
     gm = _gm()
     num_experts, hidden, inter = SHAPES[shape]
     counts = even_counts(num_rows, num_experts)
-    starts, pool_rows = layout(counts)
+    starts, pool_rows = layout(counts, alignment)
     row_start_e = torch.tensor(starts, dtype=torch.int64, device=DEVICE)
     num_rows_e = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
     valid = torch.cat([torch.arange(s, s + c) for s, c in zip(starts, counts)]).to(DEVICE)
@@ -491,8 +514,8 @@ def make_case(shape: str, num_rows: int, weights: dict, fp8: bool = False, inter
     x_packed = torch.randn(num_rows, hidden, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     x_PDx = torch.zeros(pool_rows, hidden, dtype=torch.bfloat16, device=DEVICE)
     x_PDx[valid] = x_packed
-    case = dict(shape=shape, rows=num_rows, counts=counts, pool_rows=pool_rows, row_start_e=row_start_e,
-                num_rows_e=num_rows_e, x_packed=x_packed, fp8=fp8)
+    case = dict(shape=shape, rows=num_rows, counts=counts, pool_rows=pool_rows, alignment=alignment,
+                row_start_e=row_start_e, num_rows_e=num_rows_e, x_packed=x_packed, fp8=fp8)
     case["bf16_ops"] = make_ops(x_PDx, weights, pool_rows, False, DEVICE, interleaved=interleaved and not fp8)
     case["ops"] = ops = make_ops(x_PDx, weights, pool_rows, True, DEVICE, interleaved) if fp8 else case["bf16_ops"]
     # reference y on a few experts (fp32 torch twin on the same operands; the other experts get 0 rows there)
@@ -730,7 +753,9 @@ def paste_blocks(results: dict, summary: dict) -> list[str]:
     (one line each, commented with the GEMM and cases they won), to paste over the list."""
     fp8 = results.get("fp8", False)
     env = results.get("env", {})
-    source = f"tune_grouped_mlp.py{' --fp8' if fp8 else ''}, {env.get('gpu', DEVICE)}, {time.strftime('%Y-%m-%d')}"
+    alignment = results.get("args", {}).get("alignment", ALIGN)
+    flags = (" --fp8" if fp8 else "") + (f" --alignment {alignment}" if alignment != ALIGN else "")
+    source = f"tune_grouped_mlp.py{flags}, {env.get('gpu', DEVICE)}, {time.strftime('%Y-%m-%d')}"
     winners: dict[str, list] = {}
     for key, suggestion in summary["suggestions"].items():
         gemm = key.split("/")[1]
@@ -782,7 +807,8 @@ def format_tables(results: dict) -> str:
         anchor_text = (f"anchor {meta['anchor']} {anchor:.1f} us ({meta['anchor_tflops']:.0f} TFLOP/s)" if anchor
                        else f"anchor {meta.get('anchor') or short} n/a")
         emit(f"\n== {meta['shape']} rows={meta['rows']} {meta['gemm']} ({what}), {precision}, regime "
-             f"{meta['regime']}, {anchor_text}; * = in the current autotune set")
+             f"{meta['regime']}, pool R={meta['pool_rows']} (segments aligned to {meta.get('alignment', ALIGN)}), "
+             f"{anchor_text}; * = in the current autotune set")
         emit(f"   {'config':30s} {'us':>9s} {'TFLOP/s':>8s} {'x ' + short:>6s} {'calc_diff':>9s} {'regs':>5s} "
              f"{'spill':>5s}")
         for r in runs:
@@ -851,8 +877,12 @@ def _parse(argv):
     parser.add_argument("--no-current", action="store_true", help="leave out the current autotune tiles")
     parser.add_argument("--limit", type=int, default=0, help="at most this many phase-1 candidates per GEMM (0: all)")
     parser.add_argument("--explore", action="store_true",
-                        help="--fp8: sweep the current tiles and EXPLORE_TILES (larger, 8 warps) instead of the grid, "
-                             "without the register rules; the compiler's spill counts show which fit")
+                        help="--fp8: sweep the current tiles and EXPLORE_TILES (larger, 8 warps) instead of the grid; "
+                             "--decode: the wider DECODE_EXPLORE_* space instead of the decode grid; both without the "
+                             "register rules (the compiler's spill counts show which fit)")
+    parser.add_argument("--alignment", type=int, default=ALIGN,
+                        help=f"rows each expert segment of the pool starts on (default {ALIGN}; 1: back to back, the "
+                             "pool the layer builds for the Triton experts)")
     parser.add_argument("--decode", action="store_true",
                         help="sweep the decode regime (<= 32 rows per expert; --rows default 64,512): the DECODE "
                              "lists and few-row tiles with deep pipelines (DECODE_GRID_*)")
@@ -866,6 +896,8 @@ def _parse(argv):
     args.rows = [int(r) for r in args.rows.split(",") if r] if args.rows else list(DECODE_ROWS if args.decode else ROWS)
     args.gemms = [g for g in args.gemms.split(",") if g]
     args.group_m = [int(g) for g in args.group_m.split(",") if g]
+    if args.alignment <= 0:
+        parser.error(f"--alignment {args.alignment} must be a positive number of rows")
     for name, values, allowed in (("shape", args.shapes, SHAPES), ("gemm", args.gemms, GEMMS)):
         bad = [v for v in values if v not in allowed]
         if bad:
@@ -874,12 +906,12 @@ def _parse(argv):
 
 
 def dry_run(args, candidates: dict, skipped: dict) -> int:
-    print("cases (rows spread evenly, 128-aligned segments):")
+    print(f"cases (rows spread evenly, segments aligned to {args.alignment} rows, rows hint = the routed rows):")
     for shape in args.shapes:
         num_experts, hidden, inter = SHAPES[shape]
         for rows in args.rows:
             counts = even_counts(rows, num_experts)
-            _, pool_rows = layout(counts)
+            _, pool_rows = layout(counts, args.alignment)
             fake = {"shape": shape, "rows": rows, "fp8": args.fp8}
             regime = _tiles().regime(triton.next_power_of_2(rows), num_experts)[0]
             print(f"  {shape:8s} e={num_experts} D={hidden} F={inter} rows={rows:6d} per expert {min(counts)}-"
@@ -961,7 +993,8 @@ def main(argv=None) -> int:
                 weights = quantize_weights(weights)
             for rows in args.rows:
                 start = _elapsed()
-                case = make_case(shape, rows, weights, fp8=args.fp8, interleaved=args.interleaved)
+                case = make_case(shape, rows, weights, fp8=args.fp8, interleaved=args.interleaved,
+                                 alignment=args.alignment)
                 cases.append(case)
                 _log(f"case {case_key(case)}: pool R={case['pool_rows']}, fixed-config check calc_diff "
                      f"{case['fixed_calc_diff']:.1e} (setup {_elapsed() - start:.1f} s)")
@@ -972,7 +1005,8 @@ def main(argv=None) -> int:
                 regime, tiles = current_autotune_tiles(case, gemm)
                 anchor = run_anchor(case, gemm, timer)
                 meta = {"shape": case["shape"], "rows": case["rows"], "gemm": gemm, "regime": regime,
-                        "pool_rows": case["pool_rows"], "rows_per_expert": [min(case["counts"]), max(case["counts"])],
+                        "pool_rows": case["pool_rows"], "alignment": case["alignment"],
+                        "rows_per_expert": [min(case["counts"]), max(case["counts"])],
                         "flops": flops(case, gemm), "current_autotune_tiles": tiles,
                         "anchor": anchor["label"] if anchor else None,
                         "anchor_short": "bf16" if case["fp8"] else "gmm",

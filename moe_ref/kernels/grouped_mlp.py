@@ -11,8 +11,9 @@ columns so its epilogue applies the activation (FP8: re-quantizes h per row per 
 Programs find their expert on the device (a cumsum of per-expert block counts over an upper-bound grid whose
 surplus programs exit), so there is no host sync and padding costs nothing. `persistent=True` walks the live
 tiles on ~2 programs per SM instead (kept for A/B; the grid is the default, docs/RESULTS.md says why).
-Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(..., config=...)`. Loads: TMA
-descriptors on Hopper+ (pointer loads for 4-bit weights, unaligned rows, `MOE_REF_TMA=0`).
+Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(..., config=...)`
+(`grouped_mlp(..., configs=...)` for both GEMMs). Loads: TMA descriptors on Hopper+ (pointer loads for 4-bit
+weights, unaligned rows, `MOE_REF_TMA=0`).
 FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
 shares one weight scale). W4A16 (int32 = INT4, uint8 = MXFP4, formats in `moe_ref.checkpoint.formats`):
 nibbles unpacked and group-32 scales applied in fp32 in the K loop, dots in x's dtype.
@@ -58,8 +59,8 @@ try:  # host-side TMA descriptors (triton >= 3.4)
 except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["autotuned_kernel", "deinterleave_gate_up", "grouped_mlp", "grouped_mlp_ref", "interleave_gate_up",
-           "launch_gemm"]
+__all__ = ["autotuned_kernel", "clear_tuned_configs", "deinterleave_gate_up", "grouped_mlp", "grouped_mlp_ref",
+           "interleave_gate_up", "launch_gemm"]
 
 _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 
@@ -516,6 +517,23 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
 _TUNED: dict[tuple, tuple[triton.Config, dict]] = {}
 
 
+def clear_tuned_configs() -> None:
+    """Forget every tile autotune chose (`autotuned_kernel().cache` and `launch_gemm`'s record of it), so the next
+    launch of each shape key autotunes again, on its own arguments.
+
+    The key holds the rows hint, not the pool, so in one process the pool tuned first picks the tile of every pool
+    with the same key: a benchmark comparing pool layouts calls this before each layout's first launch.
+
+    Args:
+        none.
+
+    Returns:
+        None.
+    """
+    _TUNED.clear()
+    autotuned_kernel().cache.clear()
+
+
 def tuned_launch_key(rows_bucket: int, n: int, k: int, num_experts: int, flags: dict, tensors: tuple) -> tuple:
     """The key ``launch_gemm`` keeps the autotuner's choice under: the autotuner's own key (rows bucket, N, K,
     experts, kernel flags, tensor dtypes) plus the remaining flags, so a launch never reuses a config tuned for
@@ -624,6 +642,7 @@ def grouped_mlp(
     zero_unused_rows: bool = True,
     gate_up_interleaved: bool = False,
     persistent: bool = False,
+    configs: tuple[triton.Config, triton.Config] | None = None,
 ) -> torch.Tensor:
     """Run every local expert's gated MLP on its rows of the receive pool (two Triton launches).
 
@@ -653,6 +672,8 @@ def grouped_mlp(
             per k-step instead of two. FP8 block scales keep the stacked layout.
         persistent: both GEMMs run a fixed grid (about two programs per SM) that walks the live tiles (same
             bytes; not the default, see docs/RESULTS.md).
+        configs: None (autotune both GEMMs), or (GEMM1's, GEMM2's) `triton.Config` forcing their tiles, as
+            `launch_gemm(..., config=...)` does (benchmarks comparing one tile on several inputs).
 
     Returns:
         y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0 (or unwritten).
@@ -680,6 +701,7 @@ def grouped_mlp(
     row_start_e = row_start_e.contiguous()
     num_rows_e = num_rows_e.contiguous()
     rows_hint = num_rows if num_rows_hint is None else num_rows_hint
+    gate_up_config, down_config = (None, None) if configs is None else configs
 
     # GEMM1: h = act(x @ gate.T, x @ up.T)
     h_PF = torch.empty(num_rows, inter, dtype=FP8_DTYPE if fp8 else x_PDx.dtype, device=device)
@@ -687,11 +709,11 @@ def grouped_mlp(
     launch_gemm(x_PDx, x_scale_PDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
                 n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4, interleaved=gate_up_interleaved,
-                persistent=persistent)
+                config=gate_up_config, persistent=persistent)
     # GEMM2: y = h @ down.T
     launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
                 n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4, persistent=persistent)
+                fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4, config=down_config, persistent=persistent)
     return y_PDx
 
 

@@ -77,6 +77,26 @@ def test_forced_configs_match_twin(config1, config2, device):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+def test_grouped_mlp_forced_configs_on_packed_and_aligned_pools(device):
+    """`grouped_mlp(configs=...)` runs both GEMMs with the given tiles: the same rows give the same output whether
+    their segments start back to back (the Triton experts' pool) or on multiples of 16 rows, and match the twin."""
+    counts = [5, 0, 40, 17, 16]
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _case(counts, hidden=48, inter=40, device=device)
+    valid = _valid_rows(row_start_e, num_rows_e, x_PDx.shape[0])
+    x_packed = x_PDx[valid.to(device)]
+    packed_start_e = torch.tensor([0, 5, 5, 45, 62], dtype=torch.int64, device=device)
+    configs = (_config(16, 16, 16, group_m=2), _config(32, 32, 16))
+    y_aligned = gm.grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, num_rows_hint=78, configs=configs)
+    y_packed = gm.grouped_mlp(x_packed, gate_up, down, packed_start_e, num_rows_e, num_rows_hint=78, configs=configs)
+    assert torch.equal(y_aligned[valid.to(device)], y_packed)  # per-row results: the layout changes no bit
+    y_ref = grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e)
+    torch.testing.assert_close(y_aligned.cpu(), y_ref.cpu(), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="BLOCK_N must be 128"):  # a forced tile still meets the fp8 rules
+        x, x_scale, gate_up8, gate_up_scale, down8, down_scale, starts, rows = _fp8_case([3], 256, 256, device)
+        gm.grouped_mlp(x, gate_up8, down8, starts, rows, x_scale_PDb=x_scale, gate_up_scale=gate_up_scale,
+                       down_scale=down_scale, configs=(_config(16, 64, 64), _config(16, 64, 64)))
+
+
 def test_forced_config_errors(device):
     x_PDx, gate_up, down, row_start_e, num_rows_e = _case([3], hidden=16, inter=8, device=device)
     h_PF = torch.empty(x_PDx.shape[0], 8, device=device)
@@ -282,3 +302,48 @@ def test_tuner_decode_sweeps_the_decode_list_and_few_row_tiles(fp8):
         assert fitting and fitting <= found, gemm
         # besides the fixed check tile, only few-row tiles: the decode regime's
         assert {c["tile"][0] for c in kept if c["tile"] != tune.fixed_tile(fp8)} <= {16, 32}, gemm
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tuner_decode_explore_widens_the_decode_space(fp8):
+    """--decode --explore: BLOCK_M up to 64, 8 warps, 3-6 stages, BLOCK_K 64 and 128, effective N 128 and 256, as far
+    as the library's correctness and shared-memory rules keep them, after the current decode list."""
+    tune = _tuner()
+    decode_list = {tiles.normalize_tile(t) for t in (tiles.DECODE_TILES_FP8 if fp8 else tiles.DECODE_TILES)}
+    for gemm in tune.GEMMS:
+        gated = gemm == "gate_up"
+        kept, skipped = tune.enumerate_candidates(gemm, fp8=fp8, explore=True, decode=True)
+        grid = [c for c in kept if "grid" in c["source"]]
+        assert {c["tile"][0] for c in grid} == {16, 32, 64}, gemm
+        assert {c["tile"][3] for c in grid} == {4, 8} and {c["tile"][4] for c in grid} == {3, 4, 5, 6}, gemm
+        assert {c["tile"][2] for c in grid} == {64, 128}, gemm
+        effective_n = {c["tile"][1] * (2 if gated else 1) for c in grid}
+        assert effective_n == ({256} if fp8 and gated else {128, 256}), gemm  # FP8 gate_up: BLOCK_N 128 only
+        for c in kept:
+            config = tune._make_config(c["tile"], c["group_m"])
+            assert tiles.config_error(config, fp8=fp8, quant_out=fp8 and gated) is None, c["label"]
+            assert tiles.smem_bytes(config, gated=gated, bytes_per_element=1 if fp8 else 2) <= tune.SMEM_LIMIT
+        assert all("shared memory" in c["reason"] or "BLOCK_N must be 128" in c["reason"] for c in skipped), gemm
+        current = [tiles.normalize_tile((*c["tile"], c["group_m"])) for c in kept if "current" in c["source"]]
+        assert set(current) <= decode_list and kept[:len(current)] == [c for c in kept if "current" in c["source"]]
+
+
+def test_tuner_alignment_packs_the_segments_and_sweeps_on_cpu(tmp_path, monkeypatch, capsys):
+    """--alignment 1: segments back to back (the Triton experts' pool), the rows hint unchanged; the whole sweep runs
+    on such a pool (tiny shape, interpreter) and every config's output passes the check."""
+    tune = _tuner()
+    assert tune.layout([3, 0, 5], 4) == ([0, 4, 4], 12)
+    assert tune.layout([3, 0, 5], 1) == ([0, 3, 3], 8)
+    assert tune.main(["--dry-run", "--decode", "--alignment", "1", "--shapes", "kimi-k2"]) == 0
+    assert "rows=    64 per expert 1-2 pool R=64 regime=decode" in capsys.readouterr().out
+    monkeypatch.setattr(tune, "SHAPES", {"kimi-k2": (4, 256, 128)})
+    monkeypatch.setattr(tune, "DEVICE", "cpu")
+    out = tmp_path / "tune.json"
+    assert tune.main(["--decode", "--alignment", "1", "--rows", "6", "--limit", "1", "--group-m", "", "--rep-ms", "1",
+                      "--out", str(out)]) == 0
+    import json
+
+    results = json.loads(out.read_text())
+    assert [(c["pool_rows"], c["alignment"], c["regime"]) for c in results["cases"]] == [(6, 1, "decode")] * 2
+    assert results["runs"] and all(run["ok"] for run in results["runs"])
+    assert "--alignment 1" in (tmp_path / "tune.txt").read_text()

@@ -13,26 +13,15 @@ import pytest
 import torch
 
 from moe_ref.experts import ExpertLayout
+from script_loader import load_script
 
 pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _script(name):
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.insert(0, str(ROOT / "scripts"))  # bench_experts imports peer_moe by name, as when run
-    key = f"{name}_under_test_peers"
-    if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, ROOT / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[key] = module
-        spec.loader.exec_module(module)
-    return sys.modules[key]
-
-
-pm = _script("peer_moe")
-be = _script("bench_experts")
+pm = load_script("peer_moe")
+be = load_script("bench_experts")
 ENGINES_DTYPES = [(e, d) for e in ("sglang", "vllm") for d in ("bf16", "fp8")]
 
 

@@ -3,10 +3,8 @@ default rule, the kernel extraction and the fused-moe zip, on fake wheels writte
 engines' kernels under TRITON_INTERPRET=1 vs our twin, and vLLM's rules as read from its file in .whl/ (skipped, with
 the reason, when `make peers` has not put the file there)."""
 
-import importlib.util
 import json
 import pathlib
-import sys
 import zipfile
 
 import pytest
@@ -14,21 +12,12 @@ import torch
 
 from moe_ref.core.errors import BackendUnavailableError
 from moe_ref.experts import ExpertLayout
+from script_loader import load_script
 
 pytestmark = pytest.mark.unit
 
 
-def _peer_moe():
-    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "peer_moe.py"
-    if "peer_moe_under_test" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("peer_moe_under_test", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["peer_moe_under_test"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["peer_moe_under_test"]
-
-
-pm = _peer_moe()
+pm = load_script("peer_moe")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ class _Launches:
     def __init__(self):
         self.calls: list[dict] = []
         self.best_config = None
+        self.cache: dict = {}  # the autotuner's key -> config (what clear_tuned_configs empties)
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -85,3 +86,17 @@ def test_the_switch_keeps_the_autotuner(gpu_path, monkeypatch):
     for _ in range(3):
         _launch()
     assert len(tuner.calls) == 3 and not kernel.calls
+
+
+def test_clear_tuned_configs_makes_the_next_launch_tune_again(gpu_path):
+    """The key holds the rows hint, not the pool: after clear_tuned_configs the same key tunes again (on the next
+    launch's own arguments) instead of reusing the first launch's choice."""
+    tuner, kernel = gpu_path
+    _launch()
+    tuner.cache["a key"] = CHOSEN
+    _launch()
+    assert len(tuner.calls) == 1 and len(kernel.calls) == 1
+    gm.clear_tuned_configs()
+    assert tuner.cache == {}
+    _launch()
+    assert len(tuner.calls) == 2 and len(kernel.calls) == 1
