@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """W4A16 (INT4, MXFP4) and FP8-from-checkpoint experts vs bf16 experts through the public Experts API (CUDA).
 
-    python scripts/bench_w4a16.py [--rows 64 512] [--out results/bench_w4a16.json]
+    python scripts/bench_w4a16.py [--rows 64 512] [--out results/bench_w4a16.json] [--unpack elementwise|packed|both]
+                                  [--sweep] [--peer first|all|none] [--max-seconds 240] [--dry-run]
 
 Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed rows spread uniformly at random
 (multinomial) over the experts; pool layout with alignment 1 (the Triton backends' own). Paths:
@@ -11,17 +12,43 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
 Per case: us (moe_ref.testing.bench, L2 flushed), speedup vs bf16, weight GB/s of the experts that got rows,
 calc_diff vs the dequantized fp32 reference (the torch backend of the same stored weights).
+
+--unpack: how the 4-bit rows unpack their weights: elementwise (the default kernel), packed (`MOE_REF_W4_ELEMENTWISE=0`:
+packed loads and a reshape), or both (the packed rows are added as `<path>/packed`).
+
+--sweep: per 4-bit format, unpack, rows and GEMM, every tile of `DECODE_TILES_W4` that the library's rules keep for
+the launch, forced through `launch_gemm(..., config=triton.Config(...))` and timed alone; each checked against the
+autotuned launch's output (calc_diff < 1e-4; down reads the autotuned gate_up's h). The best per (format, unpack,
+rows, GEMM) goes into the JSON and the markdown.
+
+Peer anchor (--peer, default the first peer file): the INT4 W4A16 Triton kernel SGLang and vLLM ship (`fused_moe_kernel_gptq_awq`, read
+out of the files `make peers` puts in .whl/ by `scripts/peer_moe.py`, never installed) on the same INT4 weights
+(words read as its bytes) and rows: per GEMM the fastest of `PEER_W4A16_CONFIGS` (a small search), then its MLP
+(GEMM1, the engine's act, GEMM2) with those configs, checked against our INT4 experts (calc_diff). Recorded as
+skipped, with the reason, when the files are absent or lack the kernel. There is no MXFP4 peer kernel.
+
+--max-seconds (counted from process start) stops the sweep and the peer search cleanly; what was measured is kept.
+Progress lines are flushed; JSON goes to --out and a markdown table beside it (.md). --dry-run prints the plan
+(cases, sweep tiles and the ones left out with the reason, peer files and configs) without a GPU.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
+import time
 
-import torch
+_T0 = time.monotonic()  # before the heavy imports: --max-seconds counts the whole process
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+_SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(_SCRIPTS, ".."))
+sys.path.insert(0, _SCRIPTS)  # peer_moe
 
 from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
@@ -29,8 +56,137 @@ from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, Quan
 from moe_ref.testing import bench, calc_diff  # noqa: E402
 
 NUM_EXPERTS, HIDDEN, INTER = 48, 7168, 2048
+W4_PATHS = {"int4_w4a16": (QuantFormat.INT4_GROUP, 1), "mxfp4_w4a16": (QuantFormat.MXFP4, 2)}  # path -> (format, W4)
+UNPACKS = {"elementwise": "1", "packed": "0"}  # --unpack -> MOE_REF_W4_ELEMENTWISE
+GEMMS = ("gate_up", "down")
+SWEEP_CALC_DIFF_LIMIT = 1e-4
+# The peer's small search: decode tiles of one BLOCK_SIZE_M (16 covers <= 16 rows per expert in one block);
+# N 32 / K 64 and N 64 / K 32 are vLLM's default W4A16 Triton tiles (get_moe_wna16_block_config)
+PEER_W4A16_CONFIGS = [
+    dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=n, BLOCK_SIZE_K=k, GROUP_SIZE_M=1, num_warps=4, num_stages=s)
+    for n, k, s in ((32, 64, 3), (64, 32, 3), (64, 64, 3), (64, 64, 4), (128, 64, 3), (64, 128, 3), (128, 128, 2),
+                    (32, 128, 4))
+]
 
 
+def _elapsed() -> float:
+    return time.monotonic() - _T0
+
+
+def _log(message: str) -> None:
+    print(f"[{_elapsed():6.1f}s] {message}", flush=True)
+
+
+def _gm():
+    # the package re-exports a function named grouped_mlp: take the module itself
+    return importlib.import_module("moe_ref.kernels.grouped_mlp")
+
+
+def _tiles():
+    return importlib.import_module("moe_ref.kernels.grouped_mlp_tiles")
+
+
+@contextlib.contextmanager
+def _unpack(name: str):
+    """Run the 4-bit launches inside with the unpack `name` (`MOE_REF_W4_ELEMENTWISE`, read at each launch)."""
+    before = os.environ.get("MOE_REF_W4_ELEMENTWISE")
+    os.environ["MOE_REF_W4_ELEMENTWISE"] = UNPACKS[name]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MOE_REF_W4_ELEMENTWISE")
+        else:
+            os.environ["MOE_REF_W4_ELEMENTWISE"] = before
+
+
+def gemm_shape(gemm: str) -> tuple[int, int]:
+    """(n, k) of a GEMM at this script's shape: gate_up n = F per half, k = D; down n = D, k = F."""
+    return (INTER, HIDDEN) if gemm == "gate_up" else (HIDDEN, INTER)
+
+
+def sweep_tiles(w4: int, gemm: str, unpack: str) -> tuple[list[tuple], list[tuple[tuple, str]]]:
+    """(tiles to time, [(tile, why left out)]) of `DECODE_TILES_W4` for one 4-bit launch, by the library's rules
+    (`config_problem`, as autotune prunes them).
+
+    Example: INT4 gate_up with the elementwise unpack leaves out (16, 128, 128, 4, 4): its int32 word per value
+        would stage ~544 KB of shared memory.
+    """
+    tiles = _tiles()
+    n, k = gemm_shape(gemm)
+    keep, left_out = [], []
+    for tile in tiles.DECODE_TILES_W4:
+        problem = tiles.config_problem(tiles.config_of_tile(tile), n=n, k=k, gated=gemm == "gate_up", fp8=False,
+                                       quant_out=False, ieee_fp32=False, w4=w4, w4_elementwise=unpack == "elementwise")
+        if problem:
+            left_out.append((tuple(tile), problem))
+        else:
+            keep.append(tuple(tile))
+    return keep, left_out
+
+
+def peer_configs(gemm: str) -> list[dict]:
+    """The `PEER_W4A16_CONFIGS` the peer kernel can run for this GEMM (its b loads need K % BLOCK_SIZE_K == 0)."""
+    k = gemm_shape(gemm)[1]
+    return [dict(c) for c in PEER_W4A16_CONFIGS if k % c["BLOCK_SIZE_K"] == 0]
+
+
+def tile_label(tile) -> str:
+    block_m, block_n, block_k, warps, stages, *rest = tile
+    return f"M{block_m} N{block_n} K{block_k} w{warps} s{stages}" + (f" g{rest[0]}" if rest else "")
+
+
+def best_runs(runs: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """The fastest correct run per value of `keys` (runs with an error or a failed check left out), in first-seen
+    order of the keys."""
+    best: dict[tuple, dict] = {}
+    for run in runs:
+        if run.get("error") or not run.get("ok", True) or "us" not in run:
+            continue
+        key = tuple(run[k] for k in keys)
+        if key not in best or run["us"] < best[key]["us"]:
+            best[key] = run
+    return list(best.values())
+
+
+def markdown(results: dict) -> str:
+    """The JSON's tables as markdown: the API rows, the sweep's best per case, the peer anchor."""
+    lines = [f"# bench_w4a16 ({results.get('device', '?')})", "",
+             f"{NUM_EXPERTS} experts, D {HIDDEN}, F {INTER}, SiLU, bf16 activations; L2 flushed, median.", "",
+             "| rows | path | us | x bf16 | weight GB/s | calc_diff vs fp32 dequantized |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for row in results.get("results", []):
+        diff = row.get("calc_diff_vs_dequantized_fp32")
+        lines.append(f"| {row['rows']} | {row['path']} | {row['us']} | {row['speedup_vs_bf16']} | "
+                     f"{row['weight_gb_per_s']} | {'-' if diff is None else f'{diff:.1e}'} |")
+    if results.get("sweep_best"):
+        lines += ["", "Sweep: fastest forced tile per (format, unpack, rows, GEMM), checked against the autotuned "
+                  "launch (calc_diff)", "", "| format | unpack | rows | GEMM | tile | us | weight GB/s | autotuned us "
+                  "| autotuned tile | calc_diff |", "|---|---|---:|---|---|---:|---:|---:|---|---:|"]
+        for run in results["sweep_best"]:
+            lines.append(f"| {run['path']} | {run['unpack']} | {run['rows']} | {run['gemm']} | {run['label']} | "
+                         f"{run['us']:.1f} | {run['weight_gb_per_s']:.0f} | "
+                         f"{run.get('autotuned_us', float('nan')):.1f} | {run.get('autotuned_label', '?')} | "
+                         f"{run['calc_diff']:.1e} |")
+    for peer in results.get("peer", []):
+        if peer.get("skipped"):
+            lines += ["", f"Peer {peer.get('file', 'W4A16 kernel')}: skipped ({peer['skipped']})"]
+            continue
+        lines += ["", f"Peer {peer['label']} (INT4 group 32), best of a small search per GEMM", "",
+                  "| rows | gate_up us | down us | MLP us | x our int4 | calc_diff vs our int4 |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for row in peer.get("rows", []):
+            lines.append(f"| {row['rows']} | {row.get('gate_up_us', float('nan')):.1f} | "
+                         f"{row.get('down_us', float('nan')):.1f} | {row.get('mlp_us', float('nan')):.1f} | "
+                         f"{row.get('ours_vs_peer', float('nan')):.2f} | {row.get('calc_diff', float('nan')):.1e} |")
+    if results.get("stopped_early"):
+        lines += ["", f"Stopped early by --max-seconds ({results['stopped_early']})."]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# setup
+# ------------------------------------------------------------------------------------------------
 def _quantized(gate_up, down, fmt: QuantFormat) -> QuantizedExpertWeights:
     stored = []
     for weight in (gate_up, down):
@@ -40,43 +196,281 @@ def _quantized(gate_up, down, fmt: QuantFormat) -> QuantizedExpertWeights:
                                   hidden_size=HIDDEN, intermediate_size=INTER)
 
 
-def main(argv=None) -> int:
+def _case(num_rows: int, gen) -> dict:
+    counts = torch.bincount(torch.multinomial(torch.ones(NUM_EXPERTS), num_rows, replacement=True,
+                                              generator=torch.Generator().manual_seed(num_rows)),
+                            minlength=NUM_EXPERTS)
+    layout = ExpertLayout.from_counts(counts.cuda(), alignment=1)
+    x_PDx = torch.randn(layout.num_pool_rows, HIDDEN, device="cuda", generator=gen).bfloat16()
+    return dict(rows=num_rows, layout=layout, x=x_PDx, touched=int((counts > 0).sum()) / NUM_EXPERTS)
+
+
+def _gemm_weights(q: QuantizedExpertWeights, gemm: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if gemm == "gate_up":
+        return q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs
+    return q.down_qweight_eDFq, q.down_scale_eDFs
+
+
+def _launch(case: dict, q: QuantizedExpertWeights, w4: int, gemm: str, a, out, config=None):
+    n, k = gemm_shape(gemm)
+    weight, scale = _gemm_weights(q, gemm)
+    layout = case["layout"]
+    return _gm().launch_gemm(a, None, weight, scale, out, None, layout.row_start_e, layout.num_rows_e, n=n, k=k,
+                             activation="silu" if gemm == "gate_up" else "none", situ_beta=4.0, situ_linear_beta=25.0,
+                             fp8=False, quant_out=False, rows_hint=case["rows"], w4=w4, config=config)
+
+
+# ------------------------------------------------------------------------------------------------
+# the sweep
+# ------------------------------------------------------------------------------------------------
+def run_sweep(cases: list[dict], quantized: dict, args, results: dict) -> None:
+    tiles = _tiles()
+    unpacks = ["elementwise", "packed"] if args.unpack == "both" else [args.unpack]
+    for unpack in unpacks:
+        for path, (_, w4) in W4_PATHS.items():
+            q = quantized[path]
+            with _unpack(unpack):
+                refs = {}  # rows -> autotuned (h, y) and timings
+                for case in cases:
+                    h = torch.empty(case["x"].shape[0], INTER, dtype=torch.bfloat16, device="cuda")
+                    y = torch.empty_like(case["x"])
+                    _launch(case, q, w4, "gate_up", case["x"], h)
+                    _launch(case, q, w4, "down", h, y)
+                    refs[case["rows"]] = dict(h=h, y=y)
+                    for gemm, a, out in (("gate_up", case["x"], h.clone()), ("down", h, y.clone())):
+                        refs[case["rows"]][gemm + "_us"] = bench(lambda: _launch(case, q, w4, gemm, a, out))
+                        chosen = _autotuned_tile(case["rows"], w4, gemm, unpack == "elementwise")
+                        refs[case["rows"]][gemm + "_label"] = tile_label(chosen) if chosen else "?"
+                for gemm in GEMMS:
+                    weight, scale = _gemm_weights(q, gemm)
+                    for tile in sweep_tiles(w4, gemm, unpack)[0]:
+                        if _elapsed() > args.max_seconds:
+                            results["stopped_early"] = f"sweep at {path} {unpack} {gemm} {tile_label(tile)}"
+                            _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the sweep")
+                            return
+                        parts = []
+                        for case in cases:
+                            ref = refs[case["rows"]]
+                            run = dict(path=path, unpack=unpack, rows=case["rows"], gemm=gemm, tile=list(tile),
+                                       label=tile_label(tile), autotuned_us=ref[gemm + "_us"],
+                                       autotuned_label=ref[gemm + "_label"])
+                            a = case["x"] if gemm == "gate_up" else ref["h"]
+                            out = torch.full_like(ref["h"] if gemm == "gate_up" else ref["y"], float("nan"))
+                            config = tiles.config_of_tile(tile)
+                            try:
+                                _launch(case, q, w4, gemm, a, out, config)
+                                run["calc_diff"] = calc_diff(out.float(), (ref["h"] if gemm == "gate_up" else
+                                                                           ref["y"]).float())
+                                run["ok"] = bool(run["calc_diff"] < SWEEP_CALC_DIFF_LIMIT)
+                                run["us"] = bench(lambda: _launch(case, q, w4, gemm, a, out, config))
+                                run["weight_gb_per_s"] = ((weight.nbytes + scale.nbytes) * case["touched"]
+                                                          / run["us"] / 1e3)
+                                parts.append(f"{case['rows']}: {run['us']:.0f} us (autotuned {ref[gemm + '_us']:.0f})"
+                                             + ("" if run["ok"] else f" FAIL calc_diff {run['calc_diff']:.1e}"))
+                            except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: recorded, the sweep goes on
+                                run["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                                parts.append(f"{case['rows']}: error")
+                                if "illegal" in run["error"].lower():
+                                    raise  # the CUDA context is gone
+                            results["sweep"].append(run)
+                        _log(f"sweep {path} {unpack} {gemm:7s} {tile_label(tile):22s} " + " | ".join(parts))
+    results["sweep_best"] = best_runs(results["sweep"], ("path", "unpack", "rows", "gemm"))
+
+
+def _autotuned_tile(rows: int, w4: int, gemm: str, elementwise: bool):
+    """The tile autotune chose for this launch (from `autotuned_kernel().cache`, keyed by the autotune key's values
+    first), or None when not found."""
+    import triton
+
+    n, k = gemm_shape(gemm)
+    want = (triton.next_power_of_2(rows), n, k, NUM_EXPERTS, int(gemm == "gate_up"), False, False, False, w4,
+            elementwise, False, False)
+    for key, config in _gm().autotuned_kernel().cache.items():
+        if tuple(key[:len(want)]) == want:
+            return _tiles().tile_of(config)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# the peer anchor
+# ------------------------------------------------------------------------------------------------
+def run_peer(cases: list[dict], q: QuantizedExpertWeights, ours: dict, args, results: dict) -> None:
+    """The engines' INT4 W4A16 kernel per peer file (see the module docstring); `ours[rows]` = (our INT4 experts'
+    us, y)."""
+    import peer_moe
+
+    files = peer_moe.default_peer_files()[:1 if args.peer == "first" else None]
+    if not files:
+        results["peer"].append(dict(skipped="no peer file in .whl/ (`make peers` downloads them)"))
+        _log("peer: skipped (no peer file in .whl/; `make peers`)")
+        return
+    weights = {gemm: (peer_moe.int4_words_as_peer_bytes(_gemm_weights(q, gemm)[0]), _gemm_weights(q, gemm)[1])
+               for gemm in GEMMS}
+    for path in files:
+        entry = dict(file=os.path.basename(path), rows=[], timed=[])
+        results["peer"].append(entry)
+        try:
+            w4 = peer_moe.load_peer_w4a16(path)
+        except Exception as exc:  # noqa: BLE001 - a missing file, kernel or signature: recorded, the run goes on
+            entry["skipped"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            _log(f"peer {entry['file']}: skipped ({entry['skipped']})")
+            continue
+        entry["label"] = w4.label
+        for case in cases:
+            layout = case["layout"]
+            routing = peer_moe.peer_routing(layout.row_start_e, layout.num_rows_e, case["x"].shape[0], 16,
+                                            w4.peer.engine)
+            inputs = {"gate_up": case["x"], "down": torch.randn(case["x"].shape[0], INTER, device="cuda").bfloat16()}
+            row, best = dict(rows=case["rows"]), {}
+            for gemm in GEMMS:
+                n = weights[gemm][0].shape[1]
+                out = torch.empty(case["x"].shape[0], n, dtype=torch.bfloat16, device="cuda")
+                for config in peer_configs(gemm):
+                    if _elapsed() > args.max_seconds:
+                        results["stopped_early"] = f"peer search at {case['rows']} rows {gemm}"
+                        _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the peer search")
+                        return
+
+                    def fn(config=config, gemm=gemm, out=out):
+                        peer_moe.launch_w4a16_gemm(w4, inputs[gemm], *weights[gemm], out, routing, config)
+                    try:
+                        us = bench(fn)
+                    except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is skipped
+                        entry["timed"].append(dict(rows=case["rows"], gemm=gemm, config=config,
+                                                   error=f"{type(exc).__name__}: {str(exc)[:200]}"))
+                        continue
+                    entry["timed"].append(dict(rows=case["rows"], gemm=gemm, config=config, us=us))
+                    if gemm not in best or us < best[gemm][1]:
+                        best[gemm] = (config, us)
+                if gemm in best:
+                    row[gemm + "_us"], row[gemm + "_config"] = best[gemm][1], best[gemm][0]
+            if len(best) == len(GEMMS):
+                def mlp():
+                    return peer_moe.run_peer_w4a16_mlp(w4, case["x"], *weights["gate_up"], *weights["down"], routing,
+                                                       best["gate_up"][0], best["down"][0])
+                valid = layout.row_expert_P() >= 0
+                our_us, our_y = ours[case["rows"]]
+                row["calc_diff"] = calc_diff(mlp()[valid].float(), our_y[valid].float())
+                row["mlp_us"] = bench(mlp)
+                row["ours_vs_peer"] = row["mlp_us"] / our_us
+            entry["rows"].append(row)
+            _log(f"peer {w4.label} {case['rows']} rows: " + json.dumps({k: v for k, v in row.items()
+                                                                       if not k.endswith("config")}))
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+def _parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--out", default="results/bench_w4a16.json")
+    parser.add_argument("--unpack", choices=["elementwise", "packed", "both"], default="both",
+                        help="the 4-bit unpack of the API rows and the sweep (both: each; packed API rows are named "
+                             "<path>/packed)")
+    parser.add_argument("--sweep", action="store_true", help="time DECODE_TILES_W4 per format, unpack, rows and GEMM")
+    parser.add_argument("--peer", choices=["first", "all", "none"], default="first",
+                        help="peer files to run: the first of .whl/ (SGLang's wheel when present: the engines' kernels "
+                             "differ only in argument names), every one, or none")
+    parser.add_argument("--max-seconds", type=float, default=240.0,
+                        help="stop the sweep and the peer search past this (from process start)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
     args = parser.parse_args(argv)
+    if any(r <= 0 for r in args.rows):
+        parser.error(f"--rows must be positive, got {args.rows}")
+    return args
+
+
+def dry_run(args) -> int:
+    unpacks = ["elementwise", "packed"] if args.unpack == "both" else [args.unpack]
+    print(f"shape: {NUM_EXPERTS} experts, D {HIDDEN}, F {INTER}; rows {args.rows}; out {args.out} (+ .md)")
+    print(f"API rows: bf16, fp8_ckpt, " + ", ".join(f"{p}{'' if u == 'elementwise' else '/packed'}"
+                                                   for u in unpacks for p in W4_PATHS))
+    if args.sweep:
+        for unpack in unpacks:
+            for path, (_, w4) in W4_PATHS.items():
+                for gemm in GEMMS:
+                    keep, left_out = sweep_tiles(w4, gemm, unpack)
+                    print(f"sweep {path} {unpack} {gemm}: {[tile_label(t) for t in keep]}")
+                    for tile, why in left_out:
+                        print(f"    left out {tile_label(tile)}: {why}")
+    if args.peer != "none":
+        import peer_moe
+
+        files = peer_moe.default_peer_files()[:1 if args.peer == "first" else None]
+        print(f"peer files: {[os.path.basename(f) for f in files] or 'none (skipped: run `make peers`)'}")
+        for gemm in GEMMS:
+            print(f"peer configs {gemm}: {len(peer_configs(gemm))} "
+                  f"{[(c['BLOCK_SIZE_N'], c['BLOCK_SIZE_K'], c['num_stages']) for c in peer_configs(gemm)]}")
+    print(f"--max-seconds {args.max_seconds:.0f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.dry_run:
+        return dry_run(args)
+    if not torch.cuda.is_available():
+        print("bench_w4a16 needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    unpacks = ["elementwise", "packed"] if args.unpack == "both" else [args.unpack]
     gen = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) / HIDDEN**0.5).bfloat16()
     down = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) / INTER**0.5).bfloat16()
-    paths = {"bf16": (make_experts("triton", gate_up, down, "silu"), gate_up.nbytes + down.nbytes)}
+    paths = {"bf16": (make_experts("triton", gate_up, down, "silu"), gate_up.nbytes + down.nbytes, None, None)}
+    quantized = {}
     for fmt, name in ((QuantFormat.FP8_BLOCK, "fp8_ckpt"), (QuantFormat.INT4_GROUP, "int4_w4a16"),
                       (QuantFormat.MXFP4, "mxfp4_w4a16")):
-        q = _quantized(gate_up, down, fmt)
-        paths[name] = (make_quantized_experts(q, "silu"), q.nbytes(), make_quantized_experts(q, "silu", backend="torch"))
-    results = []
+        q = quantized[name] = _quantized(gate_up, down, fmt)
+        reference = make_quantized_experts(q, "silu", backend="torch")
+        for unpack in unpacks if name in W4_PATHS else ["elementwise"]:
+            label = name if unpack == "elementwise" else f"{name}/packed"
+            paths[label] = (make_quantized_experts(q, "silu"), q.nbytes(), reference, unpack)
+    del gate_up, down
+    _log("weights ready")
+    results = {"device": torch.cuda.get_device_name(), "shape": dict(experts=NUM_EXPERTS, hidden=HIDDEN,
+               intermediate=INTER), "args": vars(args), "results": [], "sweep": [], "sweep_best": [], "peer": [],
+               "stopped_early": None}
+    cases, ours = [], {}
     for num_rows in args.rows:
-        counts = torch.bincount(torch.multinomial(torch.ones(NUM_EXPERTS), num_rows, replacement=True,
-                                                  generator=torch.Generator().manual_seed(num_rows)),
-                                minlength=NUM_EXPERTS)
-        layout = ExpertLayout.from_counts(counts.cuda(), alignment=1)
-        x_PDx = torch.randn(layout.num_pool_rows, HIDDEN, device="cuda", generator=gen).bfloat16()
-        touched = int((counts > 0).sum()) / NUM_EXPERTS
+        case = _case(num_rows, gen)
+        cases.append(case)
         base_us = None
-        for name, (experts, weight_bytes, *reference) in paths.items():
-            us = bench(lambda: experts(x_PDx, layout))
+        for name, (experts, weight_bytes, reference, unpack) in paths.items():
+            with _unpack(unpack or "elementwise"):
+                us = bench(lambda: experts(case["x"], case["layout"]))
+                y = experts(case["x"], case["layout"])
             base_us = base_us or us
             row = dict(rows=num_rows, path=name, us=round(us, 1), speedup_vs_bf16=round(base_us / us, 2),
-                       weight_gb_per_s=round(weight_bytes * touched / us / 1e3, 1))
-            if reference:
-                row["calc_diff_vs_dequantized_fp32"] = calc_diff(experts(x_PDx, layout).float(),
-                                                                 reference[0](x_PDx.float(), layout))
-            results.append(row)
-            print(json.dumps(row), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "shape": dict(experts=NUM_EXPERTS, hidden=HIDDEN,
-                   intermediate=INTER), "results": results}, f, indent=1)
+                       weight_gb_per_s=round(weight_bytes * case["touched"] / us / 1e3, 1))
+            if reference is not None:
+                row["calc_diff_vs_dequantized_fp32"] = calc_diff(y.float(), reference(case["x"].float(),
+                                                                                     case["layout"]))
+            if name == "int4_w4a16":
+                ours[num_rows] = (us, y)
+            results["results"].append(row)
+            _log(json.dumps(row))
+    _write(results, args.out)
+    if args.peer != "none":
+        run_peer(cases, quantized["int4_w4a16"], ours, args, results)
+        _write(results, args.out)
+    if args.sweep:
+        try:
+            run_sweep(cases, quantized, args, results)
+        finally:
+            results["sweep_best"] = best_runs(results["sweep"], ("path", "unpack", "rows", "gemm"))
+    _write(results, args.out)
+    print(markdown(results), flush=True)
+    _log(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.md")
     return 0
+
+
+def _write(results: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(markdown(results))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ class W4A16Experts(Experts):
     Activations stay bf16/fp16/fp32 (``x_PDx``'s dtype), accumulation is fp32, h and y are rounded to x's
     dtype. Segments may start anywhere (the kernel masks rows itself), as for ``TritonExperts``.
 
-    NOTE: correct but not yet fast: slower than the bf16 experts (docs/RESULTS.md); it runs the bf16 tile lists.
+    NOTE: correct but not yet fast: slower than the bf16 experts (docs/RESULTS.md); at decode it autotunes over
+    ``DECODE_TILES_W4`` (candidates not yet measured), above decode over the bf16 tile lists.
 
     Args:
         qweights: int4_group or mxfp4 ``QuantizedExpertWeights`` on CUDA (or CPU under the interpreter).

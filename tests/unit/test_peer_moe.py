@@ -446,3 +446,44 @@ def test_swap_ab_rule_from_the_engines_file(monkeypatch, engine_name, capability
         assert pm._swap_ab_rule(wheel)(block_m, block_n) is swap
     finally:
         pm._swap_ab_rule.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------------
+# the engines' W4A16 (INT4 group-32) kernel
+# ------------------------------------------------------------------------------------------------
+def test_int4_words_read_as_the_engines_bytes():
+    from moe_ref.kernels.w4 import pack_int4, unpack_int4
+
+    q = torch.randint(-8, 8, (3, 16), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    peer_bytes = pm.int4_words_as_peer_bytes(pack_int4(q))
+    assert peer_bytes.shape == (3, 8) and peer_bytes.dtype == torch.uint8
+    low, high = (peer_bytes & 0xF).to(torch.int8) - 8, (peer_bytes >> 4).to(torch.int8) - 8  # elements 2j, 2j + 1
+    assert torch.equal(torch.stack([low, high], dim=-1).flatten(-2), unpack_int4(pack_int4(q)))
+    assert pm.w4a16_config_problems(dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1,
+                                         num_warps=4, num_stages=3), k=96) == [
+        "K=96 is not a multiple of BLOCK_SIZE_K=128 (b is loaded unmasked)"]
+
+
+@pytest.mark.parametrize("engine_name", ["vllm", "sglang"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_real_peer_w4a16_matches_our_int4_twin(engine_name, dtype):
+    """The engine's INT4 W4A16 kernel on our INT4 weights (the words read as its bytes) vs grouped_mlp_ref on the same
+    stored weights (the interpreter: fp32 and fp16, its bf16 arithmetic is wrong)."""
+    from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+    from moe_ref.kernels.w4 import quantize_int4
+    from moe_ref.testing import calc_diff
+
+    w4 = pm.load_peer_w4a16(_peer_file(engine_name))
+    gen = torch.Generator().manual_seed(3)
+    counts, hidden, inter, block_m = [5, 0, 19], 64, 32, 16
+    layout = ExpertLayout.from_counts(torch.tensor(counts), alignment=1)
+    gate_up, gate_up_scale = quantize_int4(torch.randn(3, 2 * inter, hidden, generator=gen) / hidden**0.5)
+    down, down_scale = quantize_int4(torch.randn(3, hidden, inter, generator=gen) / inter**0.5)
+    x = torch.randn(layout.num_pool_rows, hidden, generator=gen).to(dtype)
+    routing = pm.peer_routing(layout.row_start_e, layout.num_rows_e, layout.num_pool_rows, block_m, w4.peer.engine)
+    config = dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
+    y = pm.run_peer_w4a16_mlp(w4, x, pm.int4_words_as_peer_bytes(gate_up), gate_up_scale,
+                              pm.int4_words_as_peer_bytes(down), down_scale, routing, config, config)
+    want = grouped_mlp_ref(x, gate_up, down, layout.row_start_e, layout.num_rows_e, gate_up_scale=gate_up_scale,
+                           down_scale=down_scale)
+    assert calc_diff(y.float(), want.float()) < 1e-4
