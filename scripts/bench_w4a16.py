@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """W4A16 (INT4, MXFP4) and FP8-from-checkpoint experts vs bf16 experts through the public Experts API (CUDA).
 
-    python scripts/bench_w4a16.py [--rows 64 512] [--out results/bench_w4a16.json] [--unpack elementwise|packed|both]
-                                  [--sweep] [--peer first|all|none] [--max-seconds 240] [--dry-run]
+    python scripts/bench_w4a16.py [--rows 64 512] [--out results/bench_w4a16.json] [--sweep]
+                                  [--peer first|all|none] [--max-seconds 240] [--dry-run]
 
 Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed rows spread uniformly at random
 (multinomial) over the experts; pool layout with alignment 1 (the Triton backends' own). Paths:
@@ -13,13 +13,10 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
 Per case: us (moe_ref.testing.bench, L2 flushed), speedup vs bf16, weight GB/s of the experts that got rows,
 calc_diff vs the dequantized fp32 reference (the torch backend of the same stored weights).
 
---unpack: how the 4-bit rows unpack their weights: elementwise (the default kernel), packed (`MOE_REF_W4_ELEMENTWISE=0`:
-packed loads and a reshape), or both (the packed rows are added as `<path>/packed`).
-
---sweep: per 4-bit format, unpack, rows and GEMM, every tile of `DECODE_TILES_W4` that the library's rules keep for
+--sweep: per 4-bit format, rows and GEMM, every tile of `DECODE_TILES_W4` that the library's rules keep for
 the launch, forced through `launch_gemm(..., config=triton.Config(...))` and timed alone; each checked against the
-autotuned launch's output (calc_diff < 1e-4; down reads the autotuned gate_up's h). The best per (format, unpack,
-rows, GEMM) goes into the JSON and the markdown.
+autotuned launch's output (calc_diff < 1e-4; down reads the autotuned gate_up's h). The best per (format, rows,
+GEMM) goes into the JSON and the markdown.
 
 Peer anchor (--peer, default the first peer file): the INT4 W4A16 Triton kernel SGLang and vLLM ship (`fused_moe_kernel_gptq_awq`, read
 out of the files `make peers` puts in .whl/ by `scripts/peer_moe.py`, never installed) on the same INT4 weights
@@ -38,7 +35,6 @@ import time
 _T0 = time.monotonic()  # before the heavy imports: --max-seconds counts the whole process
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -57,9 +53,12 @@ from moe_ref.testing import bench, calc_diff  # noqa: E402
 
 NUM_EXPERTS, HIDDEN, INTER = 48, 7168, 2048
 W4_PATHS = {"int4_w4a16": (QuantFormat.INT4_GROUP, 1), "mxfp4_w4a16": (QuantFormat.MXFP4, 2)}  # path -> (format, W4)
-UNPACKS = {"elementwise": "1", "packed": "0"}  # --unpack -> MOE_REF_W4_ELEMENTWISE
 GEMMS = ("gate_up", "down")
 SWEEP_CALC_DIFF_LIMIT = 1e-4
+SWEEP_BEST_KEYS = ("path", "rows", "gemm")  # the sweep keeps its fastest correct tile per these
+# The names of the autotune key of `autotuned_kernel()` (its `.cache` keys start with their values, in this order)
+AUTOTUNE_KEY = ("rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4", "USE_TMA",
+                "PERSISTENT")
 # The peer's small search: decode tiles of one BLOCK_SIZE_M (16 covers <= 16 rows per expert in one block);
 # N 32 / K 64 and N 64 / K 32 are vLLM's default W4A16 Triton tiles (get_moe_wna16_block_config)
 PEER_W4A16_CONFIGS = [
@@ -86,38 +85,23 @@ def _tiles():
     return importlib.import_module("moe_ref.kernels.grouped_mlp_tiles")
 
 
-@contextlib.contextmanager
-def _unpack(name: str):
-    """Run the 4-bit launches inside with the unpack `name` (`MOE_REF_W4_ELEMENTWISE`, read at each launch)."""
-    before = os.environ.get("MOE_REF_W4_ELEMENTWISE")
-    os.environ["MOE_REF_W4_ELEMENTWISE"] = UNPACKS[name]
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("MOE_REF_W4_ELEMENTWISE")
-        else:
-            os.environ["MOE_REF_W4_ELEMENTWISE"] = before
-
-
 def gemm_shape(gemm: str) -> tuple[int, int]:
     """(n, k) of a GEMM at this script's shape: gate_up n = F per half, k = D; down n = D, k = F."""
     return (INTER, HIDDEN) if gemm == "gate_up" else (HIDDEN, INTER)
 
 
-def sweep_tiles(w4: int, gemm: str, unpack: str) -> tuple[list[tuple], list[tuple[tuple, str]]]:
+def sweep_tiles(w4: int, gemm: str) -> tuple[list[tuple], list[tuple[tuple, str]]]:
     """(tiles to time, [(tile, why left out)]) of `DECODE_TILES_W4` for one 4-bit launch, by the library's rules
     (`config_problem`, as autotune prunes them).
 
-    Example: INT4 gate_up with the elementwise unpack leaves out (16, 128, 128, 4, 4): its int32 word per value
-        would stage ~544 KB of shared memory.
+    Example: a tile with BLOCK_K 48 would be left out ("a 4-bit k-step covers whole 32-wide scale groups ...").
     """
     tiles = _tiles()
     n, k = gemm_shape(gemm)
     keep, left_out = [], []
     for tile in tiles.DECODE_TILES_W4:
         problem = tiles.config_problem(tiles.config_of_tile(tile), n=n, k=k, gated=gemm == "gate_up", fp8=False,
-                                       quant_out=False, ieee_fp32=False, w4=w4, w4_elementwise=unpack == "elementwise")
+                                       quant_out=False, ieee_fp32=False, w4=w4)
         if problem:
             left_out.append((tuple(tile), problem))
         else:
@@ -160,11 +144,11 @@ def markdown(results: dict) -> str:
         lines.append(f"| {row['rows']} | {row['path']} | {row['us']} | {row['speedup_vs_bf16']} | "
                      f"{row['weight_gb_per_s']} | {'-' if diff is None else f'{diff:.1e}'} |")
     if results.get("sweep_best"):
-        lines += ["", "Sweep: fastest forced tile per (format, unpack, rows, GEMM), checked against the autotuned "
-                  "launch (calc_diff)", "", "| format | unpack | rows | GEMM | tile | us | weight GB/s | autotuned us "
-                  "| autotuned tile | calc_diff |", "|---|---|---:|---|---|---:|---:|---:|---|---:|"]
+        lines += ["", "Sweep: fastest forced tile per (format, rows, GEMM), checked against the autotuned launch "
+                  "(calc_diff)", "", "| format | rows | GEMM | tile | us | weight GB/s | autotuned us | autotuned tile "
+                  "| calc_diff |", "|---|---:|---|---|---:|---:|---:|---|---:|"]
         for run in results["sweep_best"]:
-            lines.append(f"| {run['path']} | {run['unpack']} | {run['rows']} | {run['gemm']} | {run['label']} | "
+            lines.append(f"| {run['path']} | {run['rows']} | {run['gemm']} | {run['label']} | "
                          f"{run['us']:.1f} | {run['weight_gb_per_s']:.0f} | "
                          f"{run.get('autotuned_us', float('nan')):.1f} | {run.get('autotuned_label', '?')} | "
                          f"{run['calc_diff']:.1e} |")
@@ -225,66 +209,69 @@ def _launch(case: dict, q: QuantizedExpertWeights, w4: int, gemm: str, a, out, c
 # ------------------------------------------------------------------------------------------------
 def run_sweep(cases: list[dict], quantized: dict, args, results: dict) -> None:
     tiles = _tiles()
-    unpacks = ["elementwise", "packed"] if args.unpack == "both" else [args.unpack]
-    for unpack in unpacks:
-        for path, (_, w4) in W4_PATHS.items():
-            q = quantized[path]
-            with _unpack(unpack):
-                refs = {}  # rows -> autotuned (h, y) and timings
+    for path, (_, w4) in W4_PATHS.items():
+        q = quantized[path]
+        refs = {}  # rows -> autotuned (h, y) and timings
+        for case in cases:
+            h = torch.empty(case["x"].shape[0], INTER, dtype=torch.bfloat16, device="cuda")
+            y = torch.empty_like(case["x"])
+            _launch(case, q, w4, "gate_up", case["x"], h)
+            _launch(case, q, w4, "down", h, y)
+            refs[case["rows"]] = dict(h=h, y=y)
+            for gemm, a, out in (("gate_up", case["x"], h.clone()), ("down", h, y.clone())):
+                refs[case["rows"]][gemm + "_us"] = bench(lambda: _launch(case, q, w4, gemm, a, out))
+                chosen = _autotuned_tile(case["rows"], w4, gemm)
+                refs[case["rows"]][gemm + "_label"] = tile_label(chosen) if chosen else "?"
+        for gemm in GEMMS:
+            weight, scale = _gemm_weights(q, gemm)
+            for tile in sweep_tiles(w4, gemm)[0]:
+                if _elapsed() > args.max_seconds:
+                    results["stopped_early"] = f"sweep at {path} {gemm} {tile_label(tile)}"
+                    _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the sweep")
+                    return
+                parts = []
                 for case in cases:
-                    h = torch.empty(case["x"].shape[0], INTER, dtype=torch.bfloat16, device="cuda")
-                    y = torch.empty_like(case["x"])
-                    _launch(case, q, w4, "gate_up", case["x"], h)
-                    _launch(case, q, w4, "down", h, y)
-                    refs[case["rows"]] = dict(h=h, y=y)
-                    for gemm, a, out in (("gate_up", case["x"], h.clone()), ("down", h, y.clone())):
-                        refs[case["rows"]][gemm + "_us"] = bench(lambda: _launch(case, q, w4, gemm, a, out))
-                        chosen = _autotuned_tile(case["rows"], w4, gemm, unpack == "elementwise")
-                        refs[case["rows"]][gemm + "_label"] = tile_label(chosen) if chosen else "?"
-                for gemm in GEMMS:
-                    weight, scale = _gemm_weights(q, gemm)
-                    for tile in sweep_tiles(w4, gemm, unpack)[0]:
-                        if _elapsed() > args.max_seconds:
-                            results["stopped_early"] = f"sweep at {path} {unpack} {gemm} {tile_label(tile)}"
-                            _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the sweep")
-                            return
-                        parts = []
-                        for case in cases:
-                            ref = refs[case["rows"]]
-                            run = dict(path=path, unpack=unpack, rows=case["rows"], gemm=gemm, tile=list(tile),
-                                       label=tile_label(tile), autotuned_us=ref[gemm + "_us"],
-                                       autotuned_label=ref[gemm + "_label"])
-                            a = case["x"] if gemm == "gate_up" else ref["h"]
-                            out = torch.full_like(ref["h"] if gemm == "gate_up" else ref["y"], float("nan"))
-                            config = tiles.config_of_tile(tile)
-                            try:
-                                _launch(case, q, w4, gemm, a, out, config)
-                                run["calc_diff"] = calc_diff(out.float(), (ref["h"] if gemm == "gate_up" else
-                                                                           ref["y"]).float())
-                                run["ok"] = bool(run["calc_diff"] < SWEEP_CALC_DIFF_LIMIT)
-                                run["us"] = bench(lambda: _launch(case, q, w4, gemm, a, out, config))
-                                run["weight_gb_per_s"] = ((weight.nbytes + scale.nbytes) * case["touched"]
-                                                          / run["us"] / 1e3)
-                                parts.append(f"{case['rows']}: {run['us']:.0f} us (autotuned {ref[gemm + '_us']:.0f})"
-                                             + ("" if run["ok"] else f" FAIL calc_diff {run['calc_diff']:.1e}"))
-                            except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: recorded, the sweep goes on
-                                run["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                                parts.append(f"{case['rows']}: error")
-                                if "illegal" in run["error"].lower():
-                                    raise  # the CUDA context is gone
-                            results["sweep"].append(run)
-                        _log(f"sweep {path} {unpack} {gemm:7s} {tile_label(tile):22s} " + " | ".join(parts))
-    results["sweep_best"] = best_runs(results["sweep"], ("path", "unpack", "rows", "gemm"))
+                    ref = refs[case["rows"]]
+                    run = dict(path=path, rows=case["rows"], gemm=gemm, tile=list(tile), label=tile_label(tile),
+                               autotuned_us=ref[gemm + "_us"], autotuned_label=ref[gemm + "_label"])
+                    a = case["x"] if gemm == "gate_up" else ref["h"]
+                    out = torch.full_like(ref["h"] if gemm == "gate_up" else ref["y"], float("nan"))
+                    config = tiles.config_of_tile(tile)
+                    try:
+                        _launch(case, q, w4, gemm, a, out, config)
+                        run["calc_diff"] = calc_diff(out.float(), (ref["h"] if gemm == "gate_up" else
+                                                                   ref["y"]).float())
+                        run["ok"] = bool(run["calc_diff"] < SWEEP_CALC_DIFF_LIMIT)
+                        run["us"] = bench(lambda: _launch(case, q, w4, gemm, a, out, config))
+                        run["weight_gb_per_s"] = (weight.nbytes + scale.nbytes) * case["touched"] / run["us"] / 1e3
+                        parts.append(f"{case['rows']}: {run['us']:.0f} us (autotuned {ref[gemm + '_us']:.0f})"
+                                     + ("" if run["ok"] else f" FAIL calc_diff {run['calc_diff']:.1e}"))
+                    except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: recorded, the sweep goes on
+                        run["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                        parts.append(f"{case['rows']}: error")
+                        if "illegal" in run["error"].lower():
+                            raise  # the CUDA context is gone
+                    results["sweep"].append(run)
+                _log(f"sweep {path} {gemm:7s} {tile_label(tile):22s} " + " | ".join(parts))
+    results["sweep_best"] = best_runs(results["sweep"], SWEEP_BEST_KEYS)
 
 
-def _autotuned_tile(rows: int, w4: int, gemm: str, elementwise: bool):
-    """The tile autotune chose for this launch (from `autotuned_kernel().cache`, keyed by the autotune key's values
-    first), or None when not found."""
+def autotune_key(rows: int, w4: int, gemm: str) -> tuple:
+    """The values of `AUTOTUNE_KEY` for one of this script's 4-bit launches (`_launch` with config=None): silu
+    gate_up (stacked rows) or down, bf16 activations, pointer loads (4-bit weights never use TMA), not persistent."""
     import triton
 
     n, k = gemm_shape(gemm)
-    want = (triton.next_power_of_2(rows), n, k, NUM_EXPERTS, int(gemm == "gate_up"), False, False, False, w4,
-            elementwise, False, False)
+    values = dict(rows_hint=triton.next_power_of_2(rows), N=n, K=k, num_experts=NUM_EXPERTS,
+                  ACTIVATION=1 if gemm == "gate_up" else 0, INTERLEAVED=False, FP8=False, QUANT_OUT=False, W4=w4,
+                  USE_TMA=False, PERSISTENT=False)
+    return tuple(values[name] for name in AUTOTUNE_KEY)
+
+
+def _autotuned_tile(rows: int, w4: int, gemm: str):
+    """The tile autotune chose for this launch (from `autotuned_kernel().cache`, keyed by the autotune key's values
+    first, then the tensors' dtypes), or None when not found."""
+    want = autotune_key(rows, w4, gemm)
     for key, config in _gm().autotuned_kernel().cache.items():
         if tuple(key[:len(want)]) == want:
             return _tiles().tile_of(config)
@@ -365,10 +352,7 @@ def _parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--out", default="results/bench_w4a16.json")
-    parser.add_argument("--unpack", choices=["elementwise", "packed", "both"], default="both",
-                        help="the 4-bit unpack of the API rows and the sweep (both: each; packed API rows are named "
-                             "<path>/packed)")
-    parser.add_argument("--sweep", action="store_true", help="time DECODE_TILES_W4 per format, unpack, rows and GEMM")
+    parser.add_argument("--sweep", action="store_true", help="time DECODE_TILES_W4 per format, rows and GEMM")
     parser.add_argument("--peer", choices=["first", "all", "none"], default="first",
                         help="peer files to run: the first of .whl/ (SGLang's wheel when present: the engines' kernels "
                              "differ only in argument names), every one, or none")
@@ -382,18 +366,15 @@ def _parse(argv=None):
 
 
 def dry_run(args) -> int:
-    unpacks = ["elementwise", "packed"] if args.unpack == "both" else [args.unpack]
     print(f"shape: {NUM_EXPERTS} experts, D {HIDDEN}, F {INTER}; rows {args.rows}; out {args.out} (+ .md)")
-    print(f"API rows: bf16, fp8_ckpt, " + ", ".join(f"{p}{'' if u == 'elementwise' else '/packed'}"
-                                                   for u in unpacks for p in W4_PATHS))
+    print("API rows: bf16, fp8_ckpt, " + ", ".join(W4_PATHS))
     if args.sweep:
-        for unpack in unpacks:
-            for path, (_, w4) in W4_PATHS.items():
-                for gemm in GEMMS:
-                    keep, left_out = sweep_tiles(w4, gemm, unpack)
-                    print(f"sweep {path} {unpack} {gemm}: {[tile_label(t) for t in keep]}")
-                    for tile, why in left_out:
-                        print(f"    left out {tile_label(tile)}: {why}")
+        for path, (_, w4) in W4_PATHS.items():
+            for gemm in GEMMS:
+                keep, left_out = sweep_tiles(w4, gemm)
+                print(f"sweep {path} {gemm}: {[tile_label(t) for t in keep]}")
+                for tile, why in left_out:
+                    print(f"    left out {tile_label(tile)}: {why}")
     if args.peer != "none":
         import peer_moe
 
@@ -413,19 +394,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_w4a16 needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
-    unpacks = ["elementwise", "packed"] if args.unpack == "both" else [args.unpack]
     gen = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) / HIDDEN**0.5).bfloat16()
     down = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) / INTER**0.5).bfloat16()
-    paths = {"bf16": (make_experts("triton", gate_up, down, "silu"), gate_up.nbytes + down.nbytes, None, None)}
+    paths = {"bf16": (make_experts("triton", gate_up, down, "silu"), gate_up.nbytes + down.nbytes, None)}
     quantized = {}
     for fmt, name in ((QuantFormat.FP8_BLOCK, "fp8_ckpt"), (QuantFormat.INT4_GROUP, "int4_w4a16"),
                       (QuantFormat.MXFP4, "mxfp4_w4a16")):
         q = quantized[name] = _quantized(gate_up, down, fmt)
         reference = make_quantized_experts(q, "silu", backend="torch")
-        for unpack in unpacks if name in W4_PATHS else ["elementwise"]:
-            label = name if unpack == "elementwise" else f"{name}/packed"
-            paths[label] = (make_quantized_experts(q, "silu"), q.nbytes(), reference, unpack)
+        paths[name] = (make_quantized_experts(q, "silu"), q.nbytes(), reference)
     del gate_up, down
     _log("weights ready")
     results = {"device": torch.cuda.get_device_name(), "shape": dict(experts=NUM_EXPERTS, hidden=HIDDEN,
@@ -436,10 +414,9 @@ def main(argv=None) -> int:
         case = _case(num_rows, gen)
         cases.append(case)
         base_us = None
-        for name, (experts, weight_bytes, reference, unpack) in paths.items():
-            with _unpack(unpack or "elementwise"):
-                us = bench(lambda: experts(case["x"], case["layout"]))
-                y = experts(case["x"], case["layout"])
+        for name, (experts, weight_bytes, reference) in paths.items():
+            us = bench(lambda: experts(case["x"], case["layout"]))
+            y = experts(case["x"], case["layout"])
             base_us = base_us or us
             row = dict(rows=num_rows, path=name, us=round(us, 1), speedup_vs_bf16=round(base_us / us, 2),
                        weight_gb_per_s=round(weight_bytes * case["touched"] / us / 1e3, 1))
@@ -458,7 +435,7 @@ def main(argv=None) -> int:
         try:
             run_sweep(cases, quantized, args, results)
         finally:
-            results["sweep_best"] = best_runs(results["sweep"], ("path", "unpack", "rows", "gemm"))
+            results["sweep_best"] = best_runs(results["sweep"], SWEEP_BEST_KEYS)
     _write(results, args.out)
     print(markdown(results), flush=True)
     _log(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.md")

@@ -13,11 +13,10 @@
 | MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
 | MOE_REF_EAGER_GRAPH_MAX_TOKENS     | largest T whose eager calls replay a CUDA graph of their shape (one rank on CUDA; 0: never) | min(1024, cap) |
-| MOE_REF_W4_ELEMENTWISE             | ``0``: the grouped MLP kernel unpacks 4-bit weights from packed loads with a reshape, not elementwise | 1 |
 | MOE_REF_BOUND_LAUNCH               | ``0``: every Triton launch goes through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key) | 1 |
 
 Switches (``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
-``MOE_REF_W4_ELEMENTWISE``, ``MOE_REF_BOUND_LAUNCH``) take ``1``, ``true``,
+``MOE_REF_BOUND_LAUNCH``) take ``1``, ``true``,
 ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case, surrounding spaces ignored); an empty value is
 unset. Anything else raises ``EnvVarError`` (CFG017) naming the variable: a typo must not silently pick a side.
 """
@@ -103,12 +102,6 @@ def native_ops() -> tuple[bool, str | None]:
 def tma() -> bool:
     """``MOE_REF_TMA=0`` keeps the grouped MLP kernel on pointer loads (TMA descriptors otherwise, where possible)."""
     return _switch("MOE_REF_TMA") is not False
-
-
-def w4_elementwise() -> bool:
-    """``MOE_REF_W4_ELEMENTWISE=0`` has the grouped MLP kernel unpack 4-bit weights from packed loads (one word per 8
-    values) through a reshape, as before the elementwise unpack; kept to A/B the two on a GPU."""
-    return _switch("MOE_REF_W4_ELEMENTWISE") is not False
 
 
 def bound_launch() -> bool:

@@ -16,7 +16,7 @@ Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(...
 weights, unaligned rows, `MOE_REF_TMA=0`).
 FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
 shares one weight scale). W4A16 (int32 = INT4, uint8 = MXFP4, formats in `moe_ref.checkpoint.formats`):
-nibbles unpacked elementwise and group-32 scales applied in fp32 in the K loop, dots in x's dtype.
+nibbles unpacked and group-32 scales applied in fp32 in the K loop, dots in x's dtype.
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features (the kernel's GEMM sizes N and K), Db = ceil(Dx / 128),
@@ -88,35 +88,14 @@ def _w4_decode(nibbles, scale, W4: tl.constexpr):
 @triton.jit
 def _w4_tile(b_base, scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_scale_n,
              W4: tl.constexpr, PER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Dequantized fp32 `[BLOCK_K, BLOCK_N]` tile (rows k0.., columns offs_n) of a packed 4-bit weight.
-
-    Elementwise, with no reshape between register layouts: element (k, n) loads the int32 word (INT4, PER 8) or
-    byte (MXFP4, PER 2) that holds it and shifts its own nibble out (the k that share a word repeat its address:
-    L1 hits); each 32-row group's `[BLOCK_N]` scales are loaded once and selected per row.
+    """Dequantized fp32 `[BLOCK_K, BLOCK_N]` tile (rows k0.., columns offs_n) of a packed 4-bit weight: one
+    `[BLOCK_K / PER, BLOCK_N]` load of whole int32 words (8 codes each; MXFP4 bytes are read as words too, so the
+    loads are pipelined), unpacked as `[BLOCK_K / PER, PER, BLOCK_N]` and reshaped into the tile. (Unpacking
+    elementwise instead, each value loading the word that holds it, ran 11x slower for INT4 on an H200.)
 
     Example (W4=1, int4): word 0x7 + (0x9 << 4) holds k=0 -> 7 - 8 = -1 and k=1 -> 9 - 8 = 1; with group scale
         0.5 the tile's first two rows are -0.5 and 0.5. (W4=2, mxfp4): byte 0x5A holds k=0 -> code 0xA = -1.0 and
         k=1 -> code 0x5 = 3.0; scale byte 126 -> x2: -2.0 and 6.0.
-    """
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_k < K)[:, None] & mask_n[None, :]
-    packed = tl.load(b_base + offs_n[None, :] * stride_b_n + (offs_k // PER)[:, None], mask=mask, other=0)
-    nibbles = (packed.to(tl.int32) >> ((offs_k % PER) * 4)[:, None]) & 0xF
-    # a [BLOCK_K, BLOCK_N] load of the scales would repeat each one 32 times
-    scale = tl.zeros([BLOCK_K, BLOCK_N], dtype=scale_base.dtype.element_ty)
-    for g in tl.static_range(BLOCK_K // 32):
-        mask_g = mask_n & (k0 + 32 * g + tl.zeros_like(offs_n) < K)
-        scale_g = tl.load(scale_base + offs_n * stride_scale_n + k0 // 32 + g, mask=mask_g, other=0)
-        scale = tl.where((tl.arange(0, BLOCK_K) // 32 == g)[:, None], scale_g[None, :], scale)
-    return _w4_decode(nibbles, scale, W4)
-
-
-@triton.jit
-def _w4_tile_packed(b_base, scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_scale_n,
-                    W4: tl.constexpr, PER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """`_w4_tile` from packed loads (`MOE_REF_W4_ELEMENTWISE=0`, kept for A/B): one `[BLOCK_K / PER, BLOCK_N]` load
-    of whole words (MXFP4 bytes arrive as int32 words, PER 8), unpacked as `[BLOCK_K / PER, PER, BLOCK_N]` and
-    reshaped into the tile: the same values as `_w4_tile` (see its examples).
     """
     offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
     mask_w = (offs_w < K // PER)[:, None] & mask_n[None, :]
@@ -138,20 +117,17 @@ def _split_pairs(pairs):
 
 @triton.jit
 def _load_b_tile(b_desc, b_base, b_scale_base, expert_row0, first_row, num_b_rows, k0, K, stride_b_n, stride_b_scale_n,
-                 a_ptr, W4: tl.constexpr, W4_PER: tl.constexpr, W4_ELEMENTWISE: tl.constexpr, USE_TMA: tl.constexpr,
-                 UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
+                 a_ptr, W4: tl.constexpr, W4_PER: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
     """`[BLOCK_K, WIDTH]` tile of b.T: b rows first_row.. (of this expert's num_b_rows), columns k0.. .
     Rows and columns past the ends read as 0. `expert_row0`: this expert's first row in b viewed as 2D (TMA).
     4-bit weights come back dequantized in a's dtype (`a_ptr` only gives the dtype); UPCAST: then in fp32."""
     offs_b = first_row + tl.arange(0, WIDTH)
     mask_b = offs_b < num_b_rows
     # one return: Triton types every return statement, also those of branches a constexpr leaves out
-    if W4 != 0 and W4_ELEMENTWISE:  # dequantized in fp32, then x's dtype (as the twin's weights)
+    if W4 != 0:  # dequantized in fp32, then x's dtype (as the twin's weights)
         tile = _w4_tile(b_base, b_scale_base, offs_b, mask_b, k0, K, stride_b_n, stride_b_scale_n, W4, W4_PER,
                         BLOCK_K, WIDTH).to(a_ptr.dtype.element_ty)
-    elif W4 != 0:
-        tile = _w4_tile_packed(b_base, b_scale_base, offs_b, mask_b, k0, K, stride_b_n, stride_b_scale_n, W4, W4_PER,
-                               BLOCK_K, WIDTH).to(a_ptr.dtype.element_ty)
     elif USE_TMA:
         tile = b_desc.load([(expert_row0 + first_row).to(tl.int32), k0]).T
     else:
@@ -203,8 +179,7 @@ def _grouped_gemm_kernel(
     SITU_LINEAR: tl.constexpr,     # situ only: apply lb * tanh(up / lb) (situ_linear_beta != 0)
     FP8: tl.constexpr,             # a, b are fp8 e4m3 with per-128 scales
     W4: tl.constexpr,              # b is packed 4-bit with group-32 scales: 1 int4 (int32 words), 2 mxfp4 (uint8)
-    W4_PER: tl.constexpr,          # 4-bit values per element of b as the kernel reads it: 8 (int32 words), 2 (bytes)
-    W4_ELEMENTWISE: tl.constexpr,  # 4-bit tiles unpacked elementwise (`_w4_tile`), else `_w4_tile_packed`
+    W4_PER: tl.constexpr,          # 4-bit values per element of b as the kernel reads it: 8 (int32 words); 1 otherwise
     QUANT_OUT: tl.constexpr,       # write c as fp8 e4m3 + per-row per-128 scales (needs BLOCK_N == 128)
     USE_TMA: tl.constexpr,         # load the a and b tiles through a_desc/b_desc (Hopper TMA), not pointers
     N_ALIGNED: tl.constexpr,       # N % 128 == 0: the up half of a gate||up tile starts a scale group too
@@ -238,8 +213,7 @@ def _grouped_gemm_kernel(
                        b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc, R, N, K, situ_beta,
                        situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
                        stride_b_scale_n, stride_c_r, stride_c_scale_r, ACTIVATION, INTERLEAVED, SITU_LINEAR, FP8,
-                       W4, W4_PER, W4_ELEMENTWISE, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N,
-                       BLOCK_K)
+                       W4, W4_PER, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
     else:  # one program per tile of the upper-bound grid; the surplus programs exit at once
         pid_m, pid_n = _tile_coords(tl.program_id(0), tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
         if pid_m < num_pid_m:
@@ -247,8 +221,7 @@ def _grouped_gemm_kernel(
                        b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc, R, N, K, situ_beta,
                        situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
                        stride_b_scale_n, stride_c_r, stride_c_scale_r, ACTIVATION, INTERLEAVED, SITU_LINEAR, FP8,
-                       W4, W4_PER, W4_ELEMENTWISE, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N,
-                       BLOCK_K)
+                       W4, W4_PER, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -272,8 +245,7 @@ def _gemm_tile(
     stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
     stride_c_r, stride_c_scale_r,
     ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, SITU_LINEAR: tl.constexpr, FP8: tl.constexpr,
-    W4: tl.constexpr, W4_PER: tl.constexpr, W4_ELEMENTWISE: tl.constexpr, QUANT_OUT: tl.constexpr,
-    USE_TMA: tl.constexpr, N_ALIGNED: tl.constexpr,
+    W4: tl.constexpr, W4_PER: tl.constexpr, QUANT_OUT: tl.constexpr, USE_TMA: tl.constexpr, N_ALIGNED: tl.constexpr,
     UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -321,8 +293,7 @@ def _gemm_tile(
         if ACTIVATION != 0 and INTERLEAVED:
             # one dot over 2 * BLOCK_N b rows: gate and up of output columns offs_n, in alternation
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * 2 * BLOCK_N, num_b_rows, k0, K,
-                             stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, W4_ELEMENTWISE, USE_TMA, UPCAST, BLOCK_K,
-                             2 * BLOCK_N)
+                             stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, UPCAST, BLOCK_K, 2 * BLOCK_N)
             if FP8:  # the 128x128 block scales stay indexed by the stacked rows: gate j -> j, up j -> N + j
                 gate, up = _split_pairs(tl.dot(a, b))
                 acc = _promote(acc, gate, scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
@@ -333,7 +304,7 @@ def _gemm_tile(
                 acc_pairs = _mma(a, b, acc_pairs, IEEE_FP32)
         else:
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * BLOCK_N, N, k0, K, stride_b_n,
-                             stride_b_scale_n, a_ptr, W4, W4_PER, W4_ELEMENTWISE, USE_TMA, UPCAST, BLOCK_K, BLOCK_N)
+                             stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, UPCAST, BLOCK_K, BLOCK_N)
             if FP8:
                 acc = _promote(acc, tl.dot(a, b), scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
                                128 % BLOCK_N == 0, BLOCK_N)
@@ -341,8 +312,8 @@ def _gemm_tile(
                 acc = _mma(a, b, acc, IEEE_FP32)
             if ACTIVATION != 0:  # the up rows follow the N gate rows
                 b_up = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, N + pid_n * BLOCK_N, num_b_rows, k0,
-                                    K, stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, W4_ELEMENTWISE, USE_TMA,
-                                    UPCAST, BLOCK_K, BLOCK_N)
+                                    K, stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, UPCAST, BLOCK_K,
+                                    BLOCK_N)
                 if FP8:
                     acc_up = _promote(acc_up, tl.dot(a, b_up), scale_a, b_scale_base, N + pid_n * BLOCK_N,
                                       stride_b_scale_n, k0, 2 * N, 128 % BLOCK_N == 0 and N_ALIGNED, BLOCK_N)
@@ -393,8 +364,8 @@ def autotuned_kernel():
     """
     return triton.autotune(
         configs=tiles.gpu_configs(),
-        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4",
-             "W4_ELEMENTWISE", "USE_TMA", "PERSISTENT"],
+        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4", "USE_TMA",
+             "PERSISTENT"],
         prune_configs_by={"early_config_prune": tiles.prune_configs},
     )(_grouped_gemm_kernel)
 
@@ -479,8 +450,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     rules) raises ValueError; one that does not fit the GPU fails in Triton (OutOfResources).
     `tma=None` loads the a and b tiles through TMA descriptors where `_tma_possible` (else pointers);
     True forces TMA (InvalidConfigError, a ValueError, where it is impossible), False forces pointers.
-    4-bit b: unpacked elementwise (`_w4_tile`), or from packed loads with `MOE_REF_W4_ELEMENTWISE=0`
-    (`_w4_tile_packed`, MXFP4 bytes then read as int32 words); the same values either way.
+    4-bit b: MXFP4 bytes are read as int32 words (`_w4_tile`).
     `persistent`: a grid of `PERSISTENT_PROGRAMS_PER_SM` programs per SM walks the live tiles, instead of one
     program per tile of the upper-bound grid.
     Returns what the Triton launch returns (on a GPU the compiled kernel: `n_regs`, `n_spills`,
@@ -488,8 +458,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
     rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
-    elementwise = bool(w4) and envs.w4_elementwise()
-    if w4 == 2 and not elementwise:
+    if w4 == 2:
         # packed loads of whole int32 words (8 codes, the byte pairs' nibble order) are 4-byte loads the software
         # pipeliner stages in shared memory; byte loads are not
         b = b.view(torch.int32)
@@ -518,8 +487,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     )
     flags = dict(
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
-        QUANT_OUT=quant_out, W4=w4, W4_PER={0: 1, 1: 8, 2: 2 if elementwise else 8}[w4], W4_ELEMENTWISE=elementwise,
-        USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
+        QUANT_OUT=quant_out, W4=w4, W4_PER=8 if w4 else 1, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=next_power_of_2(num_experts),
         PERSISTENT=persistent,
     )

@@ -78,10 +78,9 @@ PREFILL_TILES_FP8 = [  # > 256 rows per expert
     # 2026-12-01, docs/results/tune_grouped_mlp_fp8_interleaved.txt): gate_up kimi-k2/32768 2623 us, 734 TFLOP/s
     (64, 128, 128, 8, 3, 8),
 ]
-# 4-bit weights (W4A16) at decode autotune over this list instead: candidates, not yet measured on a GPU
-# (scripts/bench_w4a16.py --sweep times them). A k-step reads a quarter of bf16's weight bytes, so deeper BLOCK_K keeps
-# more bytes in flight; the elementwise unpack stages one int32 word per INT4 value in shared memory and holds
-# BLOCK_K x BLOCK_N dequantized values in registers, so its INT4 tiles stay small (`config_problem` drops the rest).
+# 4-bit weights (W4A16) at decode autotune over this list instead (scripts/bench_w4a16.py --sweep times each tile;
+# the sweep has not run on a GPU yet). A k-step reads a quarter of bf16's weight bytes, so deeper BLOCK_K keeps more
+# bytes in flight.
 DECODE_TILES_W4 = [
     (16, 64, 64, 4, 4), (16, 128, 32, 4, 4), (16, 32, 128, 4, 4), (32, 64, 64, 4, 4),
     (16, 64, 128, 4, 4), (16, 128, 128, 8, 4), (16, 64, 256, 8, 3),  # 8 warps: the larger dequantized tiles spill on 4
@@ -89,6 +88,8 @@ DECODE_TILES_W4 = [
 # Autotune keeps configs whose estimated pipeline buffers stay under this (the H200 allows 227 KB per
 # block; the estimate ignores epilogue scratch, hence the headroom).
 AUTOTUNE_SMEM_LIMIT = 200 * 1024
+# Shared-memory bytes a 4-bit b tile stages per weight value: packed int32 words, 8 values each.
+W4_STAGED_BYTES = 0.5
 META_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")  # required in a forced config; GROUP_M is optional (default 1)
 
 
@@ -153,14 +154,6 @@ def smem_bytes(config: triton.Config, *, gated: bool, bytes_per_element: int,
     return int(config.num_stages * (block_m * bytes_per_element + b_rows * b_bytes) * block_k)
 
 
-def w4_staged_bytes(w4: int, elementwise: bool) -> float:
-    """Shared-memory bytes a 4-bit b tile stages per weight value: the elementwise unpack loads one int32 word per
-    INT4 value (MXFP4 byte loads are not staged: counted as 1), packed loads one word per 8 values."""
-    if not elementwise:
-        return 0.5
-    return 4.0 if w4 == 1 else 1.0
-
-
 def config_error(config: triton.Config, *, fp8: bool, quant_out: bool, w4: int = 0) -> str | None:
     """Why this config would compute a wrong result for the launch (None if it is correct)."""
     block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
@@ -174,7 +167,7 @@ def config_error(config: triton.Config, *, fp8: bool, quant_out: bool, w4: int =
 
 
 def config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: bool, quant_out: bool,
-                    ieee_fp32: bool, w4: int = 0, w4_elementwise: bool = True, smem_limit: int = AUTOTUNE_SMEM_LIMIT,
+                    ieee_fp32: bool, w4: int = 0, smem_limit: int = AUTOTUNE_SMEM_LIMIT,
                     register_rules: bool = True) -> str | None:
     """Why autotune should not try this config for the launch (None if it should): wrong results,
     tiles larger than the problem, register spills (`register_rules`; a tuner exploring past them turns
@@ -190,7 +183,7 @@ def config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: b
     if register_rules and fp8 and block_m * block_n * (2 if gated else 1) > 128 * 128:
         return "fp8 keeps a scaled partial product beside each accumulator: spills (ptxas, sm_90a)"
     smem = smem_bytes(config, gated=gated, bytes_per_element=1 if fp8 else 4 if ieee_fp32 else 2,
-                      b_bytes_per_element=w4_staged_bytes(w4, w4_elementwise) if w4 else None)
+                      b_bytes_per_element=W4_STAGED_BYTES if w4 else None)
     if smem > smem_limit:
         return f"shared memory ~{smem // 1024} KB > {smem_limit // 1024} KB"
     return None
@@ -205,7 +198,7 @@ def prune_configs(configs, named_args, **kwargs):
     ieee_fp32 = kwargs.get("IEEE_FP32", False)
     facts = dict(n=named_args["N"], k=named_args["K"], gated=kwargs.get("ACTIVATION", 0) != 0,
                  fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32,
-                 w4=kwargs.get("W4", 0), w4_elementwise=kwargs.get("W4_ELEMENTWISE", True))
+                 w4=kwargs.get("W4", 0))
     kept = [config for config in configs if tile_of(config) in allowed and config_problem(config, **facts) is None]
     fallback = config_of_tile((32, 64, 32, 4, 2) if ieee_fp32 else (64, 128, 64, 4, 3))
     return kept or [fallback]

@@ -150,19 +150,3 @@ def test_layer_loads_a_quantized_checkpoint_into_the_triton_quantized_experts(tm
     assert calc_diff(y, y_ref) <= limit, (fmt, calc_diff(y, y_ref))
     assert calc_diff(y_ref, torch.zeros_like(y_ref)) == 1.0
 
-
-@pytest.mark.parametrize("fmt", W4)
-def test_w4_unpacks_give_the_same_bits(fmt, device, monkeypatch):
-    """The elementwise unpack and the packed one (`MOE_REF_W4_ELEMENTWISE=0`, MXFP4 bytes read as int32 words)
-    dequantize to the same tiles, so the kernel's output is bitwise the same."""
-    hidden, inter = 96, 64  # 3 and 2 scale groups along D and F
-    q = _qweights(fmt, len(COUNTS), hidden, inter, device, seed=5)
-    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=64)
-    x_PDx, _ = _pool(layout, hidden, torch.float16, device, seed=6)
-    args = (x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, "situ")
-    scales = dict(gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs)
-    outputs = []
-    for switch in ("1", "0"):
-        monkeypatch.setenv("MOE_REF_W4_ELEMENTWISE", switch)
-        outputs.append(gm.grouped_mlp(*args, **scales))
-    assert torch.equal(*outputs)

@@ -23,29 +23,83 @@ def _bench():
 bw = _bench()
 
 
+# tiles the library's rules leave out at this shape: BLOCK_K 48 splits a 32-wide scale group; 64x128x256 over 8 stages
+# would stage more than AUTOTUNE_SMEM_LIMIT
+BAD_K_STEP, TOO_MUCH_SMEM = (16, 64, 48, 4, 4), (64, 128, 256, 8, 8)
+
+
 def test_dry_run_prints_the_plan_without_a_gpu(capsys):
     assert bw.main(["--dry-run", "--sweep", "--rows", "64", "--peer", "all", "--max-seconds", "100"]) == 0
     out = capsys.readouterr().out
-    assert "rows [64]" in out and "int4_w4a16/packed" in out and "--max-seconds 100" in out
-    assert "sweep int4_w4a16 elementwise gate_up" in out and "sweep mxfp4_w4a16 packed down" in out
-    assert "left out M16 N128 K128 w8 s4: shared memory" in out  # elementwise INT4 stages a word per value
+    assert "rows [64]" in out and "--max-seconds 100" in out
+    assert "API rows: bf16, fp8_ckpt, int4_w4a16, mxfp4_w4a16\n" in out
+    assert "unpack" not in out and "elementwise" not in out and "packed" not in out
+    every = str([bw.tile_label(t) for t in bw._tiles().DECODE_TILES_W4])
+    for path in bw.W4_PATHS:
+        for gemm in bw.GEMMS:
+            assert f"sweep {path} {gemm}: {every}\n" in out  # one unpack: every W4 tile fits this shape
+    assert "left out" not in out
     assert "peer files:" in out and "peer configs down:" in out
+
+
+def test_dry_run_prints_the_tiles_left_out(capsys, monkeypatch):
+    monkeypatch.setattr(bw._tiles(), "DECODE_TILES_W4", [(16, 64, 64, 4, 4), BAD_K_STEP, TOO_MUCH_SMEM])
+    assert bw.main(["--dry-run", "--sweep", "--peer", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "sweep int4_w4a16 gate_up: ['M16 N64 K64 w4 s4']\n" in out
+    assert out.count("left out M16 N64 K48 w4 s4: a 4-bit k-step covers whole 32-wide scale groups") == 4
+    assert out.count("left out M64 N128 K256 w8 s8: shared memory") == 4
 
 
 def test_arguments_are_checked():
     with pytest.raises(SystemExit):
-        bw.main(["--dry-run", "--unpack", "nibbles"])
+        bw.main(["--dry-run", "--unpack", "packed"])  # one unpack now: the option is gone
     with pytest.raises(SystemExit):
         bw.main(["--dry-run", "--rows", "0"])
-    assert bw._parse(["--unpack", "packed", "--peer", "none"]).unpack == "packed"
+    args = bw._parse(["--peer", "none", "--sweep"])
+    assert args.sweep and args.peer == "none" and not hasattr(args, "unpack")
 
 
-def test_sweep_tiles_follow_the_library_rules():
-    keep, left_out = bw.sweep_tiles(1, "gate_up", "elementwise")
-    assert (16, 64, 64, 4, 4) in keep and all(tile[2] % 32 == 0 for tile in keep)
-    assert dict(left_out)[(16, 128, 128, 8, 4)].startswith("shared memory")
-    packed, none_left = bw.sweep_tiles(1, "gate_up", "packed")
-    assert set(keep) < set(packed) and none_left == []
+def test_sweep_tiles_follow_the_library_rules(monkeypatch):
+    for w4 in (1, 2):
+        for gemm in bw.GEMMS:
+            assert bw.sweep_tiles(w4, gemm) == ([tuple(t) for t in bw._tiles().DECODE_TILES_W4], [])
+    monkeypatch.setattr(bw._tiles(), "DECODE_TILES_W4", [BAD_K_STEP, (16, 64, 64, 4, 4), TOO_MUCH_SMEM])
+    keep, left_out = bw.sweep_tiles(1, "gate_up")
+    assert keep == [(16, 64, 64, 4, 4)] and [tile for tile, _ in left_out] == [BAD_K_STEP, TOO_MUCH_SMEM]
+    assert dict(left_out)[BAD_K_STEP].startswith("a 4-bit k-step")
+    assert dict(left_out)[TOO_MUCH_SMEM].startswith("shared memory ~512 KB")  # 8 x (64 x 2 + 2 x 128 x 0.5) x 256
+
+
+def test_autotune_key_matches_the_kernel():
+    gm = bw._gm()
+    assert bw.AUTOTUNE_KEY == tuple(gm.autotuned_kernel().keys)
+    key = dict(zip(bw.AUTOTUNE_KEY, bw.autotune_key(64, 1, "gate_up")))
+    assert key == dict(rows_hint=64, N=bw.INTER, K=bw.HIDDEN, num_experts=bw.NUM_EXPERTS,
+                       ACTIVATION=gm._ACTIVATIONS["silu"], INTERLEAVED=False, FP8=False, QUANT_OUT=False, W4=1,
+                       USE_TMA=False, PERSISTENT=False)
+    down = dict(zip(bw.AUTOTUNE_KEY, bw.autotune_key(65, 2, "down")))
+    assert (down["rows_hint"], down["N"], down["K"], down["ACTIVATION"], down["W4"]) == (
+        128, bw.HIDDEN, bw.INTER, gm._ACTIVATIONS["none"], 2)
+
+
+def test_autotuned_tile_reads_the_autotune_cache(monkeypatch):
+    tiles = bw._tiles()
+    want = bw.autotune_key(512, 2, "down")
+    dtypes = ("torch.bfloat16", "torch.int32", "torch.uint8")
+    cache = {(*want[:-2], True, False, False) + dtypes: tiles.config_of_tile((16, 128, 32, 4, 4)),  # an extra flag
+             bw.autotune_key(512, 1, "down") + dtypes: tiles.config_of_tile((16, 32, 128, 4, 4)),  # INT4
+             want + dtypes: tiles.config_of_tile((16, 64, 256, 8, 3))}
+
+    class Kernel:
+        pass
+
+    kernel = Kernel()
+    kernel.cache = cache
+    monkeypatch.setattr(bw, "_gm", lambda: type("GM", (), {"autotuned_kernel": staticmethod(lambda: kernel)}))
+    assert bw._autotuned_tile(512, 2, "down") == (16, 64, 256, 8, 3)
+    assert bw._autotuned_tile(300, 1, "down") == (16, 32, 128, 4, 4)  # rows bucketed to 512
+    assert bw._autotuned_tile(512, 2, "gate_up") is None
 
 
 def test_peer_configs_divide_k():
@@ -60,14 +114,14 @@ def test_best_runs_skip_failures_and_keep_the_fastest():
             dict(path="p", rows=64, gemm="down", error="OutOfResources"), dict(path="p", rows=64, gemm="down", us=4.0,
                                                                                ok=True),
             dict(path="p", rows=512, gemm="down", us=9.0, ok=True)]
-    best = bw.best_runs(runs, ("path", "rows", "gemm"))
+    best = bw.best_runs(runs, bw.SWEEP_BEST_KEYS)
     assert [(r["rows"], r["us"]) for r in best] == [(64, 4.0), (512, 9.0)]
 
 
 def test_markdown_of_a_result():
     results = {"device": "GPU", "results": [dict(rows=64, path="bf16", us=900.0, speedup_vs_bf16=1.0,
                                                  weight_gb_per_s=3800.0)],
-               "sweep_best": [dict(path="int4_w4a16", unpack="packed", rows=64, gemm="down", label="M16 N64 K64 w4 s4",
+               "sweep_best": [dict(path="int4_w4a16", rows=64, gemm="down", label="M16 N64 K64 w4 s4",
                                    us=100.0, weight_gb_per_s=2000.0, autotuned_us=120.0,
                                    autotuned_label="M16 N32 K128 w4 s4", calc_diff=1e-7)],
                "peer": [dict(skipped="no peer file"), dict(label="sglang 0.5.23 k", rows=[dict(rows=64, gate_up_us=1.0,
@@ -77,6 +131,8 @@ def test_markdown_of_a_result():
                "stopped_early": "sweep at x"}
     text = bw.markdown(results)
     assert "| 64 | bf16 | 900.0 | 1.0 | 3800.0 | - |" in text
-    assert "| int4_w4a16 | packed | 64 | down | M16 N64 K64 w4 s4 | 100.0 | 2000 | 120.0 | M16 N32 K128 w4 s4 |" in text
+    assert "| format | rows | GEMM | tile | us | weight GB/s | autotuned us | autotuned tile | calc_diff |" in text
+    assert "| int4_w4a16 | 64 | down | M16 N64 K64 w4 s4 | 100.0 | 2000 | 120.0 | M16 N32 K128 w4 s4 | 1.0e-07 |" in text
+    assert "unpack" not in text
     assert "skipped (no peer file)" in text and "| 64 | 1.0 | 2.0 | 3.5 | 0.50 | 2.0e-06 |" in text
     assert "Stopped early" in text

@@ -34,8 +34,7 @@ def test_switches_read_documented_values(monkeypatch, value, expected):
 
 
 @pytest.mark.parametrize("name, read", [("MOE_REF_DEBUG_CHECKS", envs.debug_checks), ("MOE_REF_TMA", envs.tma),
-                                        ("MOE_REF_NATIVE", envs.native_ops), ("MOE_REF_DEBUG", envs.debug),
-                                        ("MOE_REF_W4_ELEMENTWISE", envs.w4_elementwise)])
+                                        ("MOE_REF_NATIVE", envs.native_ops), ("MOE_REF_DEBUG", envs.debug)])
 def test_a_switch_with_another_value_is_refused_naming_the_variable(monkeypatch, name, read):
     monkeypatch.setenv(name, "garbage")
     with pytest.raises(EnvVarError) as err:
