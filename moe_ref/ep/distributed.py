@@ -4,14 +4,17 @@ Every function here is collective over ``group`` (all ranks call it, in the same
 identity for one process (``group`` None or of size 1). They carry the group's agreements:
 
     construction  agree_on_fields   every option that must match, one all_gather_object
-    each call     gather_ints       call counter, row count, bound, problem code (moe_ref.ep.overflow)
-    each chunk    agree_on_failure  did any rank fail inside the step (moe_ref.ep.routed_step)
+    each call     gather_ints       call counter, row count, bound, problem code (moe_ref.ep.overflow), over the
+                                    group's host group (gloo, CPU tensors: the GPU stream is not waited for)
+    each chunk    agree_on_failure  did any rank fail inside the step, and (first chunk) the device-side checks
+                                    (moe_ref.ep.routed_step): the call's one host sync on CUDA
 
 so one rank's bad input, option or exception becomes a coded error on EVERY rank, and none waits for a
 peer that has already left.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 from typing import Mapping, Sequence
 
@@ -20,6 +23,7 @@ import torch.distributed as dist
 
 from moe_ref.core.errors import (CapacityMismatchError, GroupDisagreementError, MoERefError, PeerFailedError,
                                  error_class)
+from moe_ref.ep.device_checks import DeviceChecks
 
 
 @contextlib.contextmanager
@@ -156,36 +160,89 @@ def raise_agreed_problem(problems: Sequence[tuple[str, str] | None], rank: int) 
                             f"({summary})", rank=rank, failed_ranks=[r for r, _ in bad])
 
 
-def agree_on_failure(failure: BaseException | None, group=None, device: torch.device | str = "cpu") -> None:
-    """Collective: if any rank failed inside a step, raise on every rank (the failing rank re-raises its own).
+def agree_on_failure(failure: BaseException | None, group=None, device: torch.device | str = "cpu",
+                     device_checks: DeviceChecks | None = None) -> None:
+    """Collective: if any rank failed inside a step, or a device-side check failed on any rank, raise on every rank.
 
     Args:
         failure: the exception this rank caught inside the step, or None.
+        device_checks: this rank's device-side checks of the call (``moe_ref.ep.device_checks``), read here in the
+            same all_gather as the failure flags; None when they were read already.
 
-    Raises ``PeerFailedError`` (ENV005) on the ranks that did not fail, naming the failed ranks and their
-    errors; the failing rank raises its own exception. NOTE: syncs the host.
+    Raises, on every rank: the failing rank its own exception and the others ``PeerFailedError`` (ENV005), naming
+    the failed ranks and their errors; else, when a device check failed, the rank's own coded error on that rank
+    and the same class naming it on the others (``raise_agreed_problem``). NOTE: syncs the host (once).
     """
     world, rank = group_size_and_rank(group)
-    if world == 1:
+    if world == 1 and device_checks is None:
         if failure is not None:
             try:
                 raise failure
             finally:  # NOTE: a local holding the exception its own traceback holds is a reference cycle
                 del failure  # (frame -> exception -> traceback -> frame), freed only by gc.collect()
         return
-    flags = gather_ints([int(failure is not None)], group, device)
-    if not any(f[0] for f in flags):
+    flags = gather_ints([int(failure is not None)], group, device,
+                        device_values=None if device_checks is None else device_checks.flags(torch.device(device)))
+    if not any(any(row) for row in flags):
         return
+    problem = None
+    if failure is None and device_checks is not None:
+        problem = device_checks.problem(flags[rank][1:])  # None when a re-check finds the flag was a false alarm
     described = None if failure is None else f"{type(failure).__name__}: {failure}"
-    messages = gather_objects(described, group)
+    everyone = gather_objects((described, problem_of(problem)), group)
     if failure is not None:
         try:
             raise failure
         finally:
             del failure  # no cycle through this frame (see above)
-    summary = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
-    raise PeerFailedError(f"rank {rank}: the routed step failed on another rank ({summary}); no rank returns a "
-                          f"partial result", failed_ranks=[r for r, m in enumerate(messages) if m is not None])
+    failed = [(r, m) for r, (m, _) in enumerate(everyone) if m is not None]
+    if failed:
+        summary = "; ".join(f"rank {r}: {m}" for r, m in failed)
+        raise PeerFailedError(f"rank {rank}: the routed step failed on another rank ({summary}); no rank returns a "
+                              f"partial result", failed_ranks=[r for r, _ in failed])
+    raise_agreed_problem([p for _, p in everyone], rank)
+
+
+# --- the host group: agreements on host integers that never wait for the GPU ------------------------------------
+
+# NOTE: process-wide state: EP group -> its gloo host group, made once and kept (shared by the routed steps of every
+# layer on that group): a group made with use_local_synchronization is named by its ranks, so one made again after
+# a destroy would meet the first one's stale addresses in the store. Destroyed at exit (destroy_host_groups).
+_HOST_GROUPS: dict = {}
+
+
+def host_group(group):
+    """A gloo group of ``group``'s ranks, for the per-call agreement on host integers: on CPU tensors, so it waits
+    for no GPU work (an NCCL all_gather read by the host waits for every kernel queued before it). Collective over
+    ``group``'s members the first time (``new_group(..., use_local_synchronization=True)``); None for one process."""
+    world, _ = group_size_and_rank(group)
+    if world == 1:
+        return None
+    key = (getattr(group, "group_name", None), id(group))
+    host = _HOST_GROUPS.get(key)
+    if host is None or not _alive(host):
+        with peer_errors("building the EP group's host group (new_group)"):
+            host = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        _HOST_GROUPS[key] = host
+    return host
+
+
+def _alive(process_group) -> bool:
+    """Whether ``process_group`` is still registered (``dist.destroy_process_group()`` destroys every group)."""
+    try:
+        dist.get_process_group_ranks(process_group)
+        return True
+    except (KeyError, ValueError, RuntimeError):
+        return False
+
+
+@atexit.register
+def destroy_host_groups() -> None:
+    """Destroy the host groups while the interpreter is intact (gloo's destructor can abort during its teardown)."""
+    for host in _HOST_GROUPS.values():
+        if _alive(host):
+            dist.destroy_process_group(host)
+    _HOST_GROUPS.clear()
 
 
 def problem_of(err: MoERefError | None) -> tuple[str, str] | None:

@@ -1,7 +1,8 @@
 """The overflow policy: one small collective per call decides, for every rank alike, how the call runs.
 
-    per call, on every rank:  [call counter, T, max_num_tokens or -1, problem?, device checks' flags]
-                              --gather_ints (the call's one host sync)-->
+    per call, on every rank:  [call counter, T, max_num_tokens or -1, problem?, device checks' flags (where the
+                              routed step reads them here: not the modular step at EP >= 2, which reads them
+                              after its experts)] --gather_ints (one host sync; none over a gloo host group)-->
       counters differ            -> StepOutOfSyncError (ENV004) on every rank
       max_num_tokens differs     -> GroupDisagreementError (CFG008) on every rank
       some rank has a problem    -> that problem's coded error on every rank (bad shape/dtype/device, NaN,

@@ -5,15 +5,18 @@
          loaded, ...); on the device, without a host sync (moe_ref.ep.device_checks): the routing values
          (dispatch.add_routing_value_check), the caller's device checks (NaN logits) and what the device
          recorded in an earlier call (a silent peer, a pool overflow)
-      2. OverflowPolicy.agree: ONE small collective, which also reads the device checks (the call's one host
-         sync) -> a coded error on every rank, or n chunks. One rank on CUDA has no one to agree with: the
-         chunks follow from T, and the device checks are read by a later call (DeferredChecks: no host sync)
+      2. OverflowPolicy.agree: ONE small collective on host integers -> a coded error on every rank, or n chunks.
+         Modular step at EP >= 2: over the group's gloo host group (waits for no GPU work); the device checks are
+         read in step 3's first failure agreement. Monolithic step: over the EP group, reading the device checks
+         too. One rank on CUDA has no one to agree with: the chunks follow from T, and the device checks are read
+         by a later call (DeferredChecks: no host sync)
       3. for each of the n chunks (every rank runs all n; empty ones where it has no rows left):
            run_chunk(x, ids, w) -> routed rows                                   (the kind's own work)
       -> routed_TD [T, Dx]
 
     ModularRoutedStep    = Dispatcher (pre-dispatch, dispatch, combine, reduce over a transport) x Experts
-                           run_chunk: dispatch -> experts -> agree_on_failure -> combine
+                           run_chunk: dispatch -> experts -> agree_on_failure (+ the device checks, first chunk:
+                           the call's one host sync on CUDA, after the heavy kernels are queued) -> combine
     MonolithicRoutedStep = one fused engine that dispatches, computes and combines in one launch
                            (DeepGEMM's SM90 FP8 mega-MoE, moe_ref.ep.mega_deep_gemm): run_chunk = engine.launch
 
@@ -41,7 +44,8 @@ from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.core.config import MoEConfig
 from moe_ref.ep.device_checks import DeferredChecks, DeviceChecks
 from moe_ref.ep.dispatch import Dispatcher, add_routing_value_check, routed_input_problem
-from moe_ref.ep.distributed import agree_on_failure, comm_device, gather_ints, group_size_and_rank, peer_errors
+from moe_ref.ep.distributed import (agree_on_failure, comm_device, gather_ints, group_size_and_rank, host_group,
+                                    peer_errors)
 from moe_ref.core.errors import CapacityExceededError, ConservationError, MoERefError, NonFiniteError
 from moe_ref.experts import Experts, check_pool_format
 from moe_ref.kernels.ep_combine import slot_owners_TR
@@ -73,6 +77,9 @@ class RoutedStep(ABC):
         self.comm_device = comm_device(group, self.device)
         self.calls = 0
         self.debug_checks = debug_checks
+        # EP >= 2, modular step: the gloo group of the per-call agreement, whose device checks are then read after
+        # the experts (ModularRoutedStep); None: the agreement runs over ``group`` and reads them itself
+        self.host_group = None
         defer = self.world_size == 1 and self.device.type == "cuda" and not debug_checks
         self.deferred_checks = DeferredChecks() if defer else None
 
@@ -104,15 +111,17 @@ class RoutedStep(ABC):
         Raises, on EVERY rank alike: any rank's input problem (its code), ``CapacityExceededError`` (CAP001)
         under ``error``, ``StepOutOfSyncError`` (ENV004), ``GroupDisagreementError`` (CFG008), and, when a rank
         fails inside a chunk, its own error there and ``PeerFailedError`` (ENV005) on the others.
-        NOTE: syncs the host once, in the per-call agreement (plus the data path's own syncs off CUDA); one rank
-        on CUDA does not sync: a failed device check (routing values, NaN logits) is raised by a later call or
-        ``check()``.
+        NOTE: syncs the host once per chunk (plus the data path's own syncs off CUDA): in the modular step at
+        EP >= 2, the failure agreement after the experts (the per-call agreement runs over the gloo host group);
+        else the per-call agreement. One rank on CUDA does not sync: a failed device check (routing values, NaN
+        logits) is raised by a later call or ``check()``.
         """
         if self.capturing():
             return self._captured_call(x_TD, topk_ids_TK, topk_weights_TK, problem, device_checks)
         if self.deferred_checks is not None:
             self.deferred_checks.raise_pending()  # an earlier call's failed device check (no wait)
         deferred = None if read_checks_now else self.deferred_checks
+        in_chunk = self.host_group is not None  # the device checks are read after the first chunk's experts
         if problem is None:
             problem = routed_input_problem(x_TD, topk_ids_TK, topk_weights_TK, self.cfg, self.activation_dtype,
                                            self.device, check_values=False)
@@ -122,17 +131,22 @@ class RoutedStep(ABC):
         self.add_device_checks(checks)
         num_tokens = x_TD.shape[0] if problem is None else 0
         call_index, self.calls = self.calls, self.calls + 1
-        num_chunks = self.policy.agree(num_tokens, problem, call_index=call_index, group=self.group,
-                                       device=self.comm_device, max_num_tokens=max_num_tokens,
-                                       device_checks=None if deferred is not None else checks)
+        num_chunks = self.policy.agree(num_tokens, problem, call_index=call_index,
+                                       group=self.host_group if in_chunk else self.group,
+                                       device="cpu" if in_chunk else self.comm_device, max_num_tokens=max_num_tokens,
+                                       device_checks=None if deferred is not None or in_chunk else checks)
         if deferred is not None:
             deferred.record(checks, self.device)
+        chunk_checks = checks if in_chunk else None
         if num_chunks == 0:
+            if chunk_checks is not None:  # no chunk to read them after: read them now (the call's one sync)
+                agree_on_failure(None, self.group, self.comm_device, device_checks=chunk_checks)
             return x_TD.new_empty(0, self.cfg.expert_hidden_size)
         topk_ids_TK = topk_ids_TK.to(torch.int64)
         topk_weights_TK = topk_weights_TK.to(torch.float32)
-        routed = [self.run_chunk(x_TD[lo:hi], topk_ids_TK[lo:hi], topk_weights_TK[lo:hi])
-                  for lo, hi in self.policy.chunk_bounds(num_tokens, num_chunks)]
+        routed = [self.run_chunk(x_TD[lo:hi], topk_ids_TK[lo:hi], topk_weights_TK[lo:hi],
+                                 device_checks=chunk_checks if index == 0 else None)
+                  for index, (lo, hi) in enumerate(self.policy.chunk_bounds(num_tokens, num_chunks))]
         return routed[0] if len(routed) == 1 else torch.cat(routed)
 
     def capturing(self) -> bool:
@@ -162,8 +176,10 @@ class RoutedStep(ABC):
         """Add the check of a failure an earlier call recorded on the device and has not reported yet."""
 
     @abstractmethod
-    def run_chunk(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        """One chunk of at most C rows (collective; T may be 0) -> ``[T, Dx]`` in the activation dtype."""
+    def run_chunk(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                  device_checks: DeviceChecks | None = None) -> torch.Tensor:
+        """One chunk of at most C rows (collective; T may be 0) -> ``[T, Dx]`` in the activation dtype.
+        ``device_checks``: the call's device checks, to read in this chunk's failure agreement (``host_group``)."""
 
     @property
     @abstractmethod
@@ -197,6 +213,7 @@ class ModularRoutedStep(RoutedStep):
         super().__init__(plan.cfg, dispatcher.group, policy, plan.activation_dtype, dispatcher.buffer.device,
                          debug_checks=debug_checks)
         self.dispatcher, self.experts = dispatcher, experts
+        self.host_group = host_group(self.group)
 
     @property
     def plan(self) -> CapacityPlan:
@@ -213,7 +230,7 @@ class ModularRoutedStep(RoutedStep):
     def add_device_checks(self, checks: DeviceChecks) -> None:
         self.dispatcher.add_device_checks(checks)
 
-    def run_chunk(self, x_TD, topk_ids_TK, topk_weights_TK):
+    def run_chunk(self, x_TD, topk_ids_TK, topk_weights_TK, device_checks=None):
         capturing = self.capturing()
         with peer_errors(f"dispatch over the {self.transport_name} transport"):
             # NOTE: the values were checked (and agreed) by __call__; only the public dispatch() checks them itself
@@ -233,10 +250,12 @@ class ModularRoutedStep(RoutedStep):
                 raise
             failure = err
         # NOTE: one tiny collective per chunk, so a rank whose experts failed never leaves its peers waiting
-        # in combine: every rank raises (the failing one its own error, the others PeerFailedError). Skipped in
-        # CUDA-graph capture (it syncs the host), where a failure aborts the capture on that rank instead.
+        # in combine: every rank raises (the failing one its own error, the others PeerFailedError). With the
+        # call's device checks in it (first chunk, EP >= 2) it is the call's one host sync, after dispatch and
+        # experts are queued; a failed check raises here, before combine (bad ids were masked slots until then).
+        # Skipped in CUDA-graph capture (it syncs the host), where a failure aborts the capture on that rank instead.
         if not capturing:
-            agree_on_failure(failure, self.group, self.comm_device)
+            agree_on_failure(failure, self.group, self.comm_device, device_checks=device_checks)
         with peer_errors(f"combine over the {self.transport_name} transport"):
             routed_TD = self.dispatcher.combine(y_PDx, handle)
         if self.debug_checks:
@@ -334,7 +353,7 @@ class MonolithicRoutedStep(RoutedStep):
     def num_recv_tokens_per_expert(self) -> torch.Tensor:
         return self.engine.num_recv_tokens_per_expert_e.to(torch.int64)
 
-    def run_chunk(self, x_TD, topk_ids_TK, topk_weights_TK):
+    def run_chunk(self, x_TD, topk_ids_TK, topk_weights_TK, device_checks=None):
         with peer_errors("the fused engine's launch"):
             return self.engine.launch(x_TD, topk_ids_TK, topk_weights_TK).to(self.activation_dtype)
 
