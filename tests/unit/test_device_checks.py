@@ -205,3 +205,18 @@ def test_the_compiled_op_reads_its_checks_in_the_call():
         with pytest.raises(NonFiniteError):
             compiled(bad)
         assert len(layer.routed_step.deferred_checks) == 0
+
+
+def test_the_failure_agreement_raises_a_failed_device_check_or_lets_a_false_alarm_pass():
+    from moe_ref.ep.distributed import agree_on_failure
+
+    checks = DeviceChecks()
+    checks.add(torch.tensor(0), lambda: ShapeError("never"))
+    checks.add(torch.tensor(1), lambda: ExpertIdError("bad ids"))
+    with pytest.raises(ExpertIdError, match="bad ids"):
+        agree_on_failure(None, None, "cpu", device_checks=checks)
+    false_alarm = DeviceChecks()
+    false_alarm.add(torch.tensor(1), lambda: None)  # the exact re-check found nothing
+    agree_on_failure(None, None, "cpu", device_checks=false_alarm)
+    with pytest.raises(MemoryError):  # the rank's own failure comes first
+        agree_on_failure(MemoryError("experts"), None, "cpu", device_checks=checks)
