@@ -2,16 +2,19 @@
 # The whole GPU job in one call (device time is scarce): CUDA tests on 1 GPU, NCCL torchrun checks on 2,
 # then the benchmarks. Everything lands in $OUT (default results/gpu): suite.log + JSON/markdown/PNG.
 #   OUT=results/gpu bash scripts/gpu_suite.sh [quick|full] [steps...]
-# Steps: info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer eager (default: all; tests = make test-gpu's
-# one-GPU selection, <= 4 min; tests_slow = the `slow` one-GPU cases; tests2 = the 2-GPU pytest cases;
-# eager = the public layer eager vs graph vs torch.compile on one GPU, with and without the tuned launch path;
+# Steps: info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer layer1 eager w4 align (default:
+# all; tests = make test-gpu's one-GPU selection, <= 4 min; tests_slow = the `slow` one-GPU cases; tests2 = the 2-GPU
+# pytest cases; layer1 = bench_layer and profile_step as one process on GPU 0 (the `local` transport);
+# eager = the public layer's eager calls (replaying its graphs, and launching with Triton's and the bound launch
+# path) vs a hand graph vs torch.compile on one GPU; w4 = the 4-bit experts with the W4 decode tile sweep and the
+# engines' W4A16 kernel; align = the alignment-1 vs 128-aligned pool A/B, with the no-hint pool;
 # peer_check = SGLang's and vLLM's fused-MoE kernels, read from the peer files in .whl/ (`make peers`), vs our twin). One device command runs 10 min at
 # most, so split them over calls, e.g. `bash scripts/gpu_suite.sh quick info tests dist`.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 MODE=${1:-quick}; shift || true
-STEPS=${*:-info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer eager}
+STEPS=${*:-info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer layer1 eager w4 align}
 mkdir -p "$OUT"
 LOG="$OUT/suite.log"
 # Keep NVLink multicast off (it can take a shared host's GPUs out of service).
@@ -66,10 +69,16 @@ for s in $STEPS; do case $s in
       --include-deep-gemm --out "$OUT/bench_experts.json" ;;
   bench_layer)
     if [ "$NGPU" -ge 2 ]; then step bench_layer 540 $TORCHRUN scripts/bench_layer.py --out "$OUT/layer"; fi ;;
+  layer1)
+    step layer1 540 python3 scripts/bench_layer.py --out "$OUT/layer1" --num-experts 192
+    step profile1 300 python3 scripts/profile_step.py --out "$OUT/prof1" --num-experts 192 ;;
   eager)
-    step eager 300 python3 scripts/bench_eager.py --out "$OUT/eager" --profile
-    MOE_REF_BOUND_LAUNCH=0 step eager_triton_launch 300 python3 scripts/bench_eager.py --out "$OUT/eager_triton_launch" \
-      --routes eager graph ;;
+    step eager 420 python3 scripts/bench_eager.py --out "$OUT/eager" --profile --ab-bound-launch --tokens 16 128 1024 4096
+    step eager_compile 200 python3 scripts/bench_eager.py --out "$OUT/eager_compile" --tokens 128 \
+      --routes eager graph compile ;;
+  w4) step w4 300 python3 scripts/bench_w4a16.py --sweep --max-seconds 270 --out "$OUT/w4/bench_w4a16.json" ;;
+  align) step align 300 python3 scripts/ab_grouped_mlp.py --ab alignment --nohint --max-seconds 270 \
+      --out "$OUT/align/ab_alignment.json" ;;
   *) echo "unknown step $s" ;;
 esac; done
 echo "=== suite done, status=$status" | tee -a "$LOG"
