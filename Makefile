@@ -20,7 +20,7 @@ test-fast:
 	$(PY) -m pytest -q -m "not dist"
 
 # On a CUDA machine, from the tree (PYTHONPATH=.: works with only the system python, nothing installed).
-# test-gpu: the one-GPU suite without the `slow` cases, <= 4 min on one H200 (169 s with cold Triton caches). cuda2 cases (two GPUs) carry cuda
+# test-gpu: the one-GPU suite without the `slow` cases, about 5 min on one H200 (it ran past 250 s on 2026-12-01). cuda2 cases (two GPUs) carry cuda
 # too where their file's pytestmark is cuda, hence `not cuda2`.
 test-gpu:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PYTHON) -m pytest -q -m "cuda and not cuda2 and not slow" tests/gpu --durations=15

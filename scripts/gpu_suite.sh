@@ -3,7 +3,7 @@
 # then the benchmarks. Everything lands in $OUT (default results/gpu): suite.log + JSON/markdown/PNG.
 #   OUT=results/gpu bash scripts/gpu_suite.sh [quick|full] [steps...]
 # Steps: info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer layer1 eager w4 align (default:
-# all; tests = make test-gpu's one-GPU selection, <= 4 min; tests_slow = the `slow` one-GPU cases; tests2 = the 2-GPU
+# all; tests = make test-gpu's one-GPU selection, ~5 min; tests_slow = the `slow` one-GPU cases; tests2 = the 2-GPU
 # pytest cases; layer1 = bench_layer and profile_step as one process on GPU 0 (the `local` transport);
 # eager = the public layer's eager calls (replaying its graphs, and launching with Triton's and the bound launch
 # path) vs a hand graph vs torch.compile on one GPU; w4 = the 4-bit experts with the W4 decode tile sweep and the
