@@ -22,6 +22,7 @@ Every route's output is compared with the eager call's (bitwise). Writes ``bench
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -142,19 +143,32 @@ def runtime_counts(fn, x, calls: int = 5) -> dict:
     return counts
 
 
+# the eager_launches calls timed on Triton's own launch path (--ab-bound-launch)
+TRITON_LAUNCH = "eager_launches_triton_launch"
+
+
+@contextlib.contextmanager
+def launch_path(name: str):
+    """``MOE_REF_BOUND_LAUNCH=0`` inside, for the ``TRITON_LAUNCH`` calls; nothing for the others."""
+    if name != TRITON_LAUNCH:
+        yield
+        return
+    os.environ["MOE_REF_BOUND_LAUNCH"] = "0"
+    try:
+        yield
+    finally:
+        del os.environ["MOE_REF_BOUND_LAUNCH"]
+
+
 def median_host_and_wall_us(fns: dict, x, args) -> dict:
     """``{name: (host us, wall us)}`` per call of ``--calls`` back-to-back calls of each ``fns[name]``, the median
     over ``--repeats`` runs, the functions alternating run by run (the host of a lent machine is shared, and one run
-    can be 30% off). A name ending in ``@triton_launch`` runs with ``MOE_REF_BOUND_LAUNCH=0``."""
+    can be 30% off), each on its ``launch_path``."""
     runs: dict[str, list] = {name: [] for name in fns}
     for _ in range(args.repeats):
         for name, fn in fns.items():
-            if name.endswith("@triton_launch"):
-                os.environ["MOE_REF_BOUND_LAUNCH"] = "0"
-            try:
+            with launch_path(name):
                 runs[name].append(profile_step.host_and_wall_us(fn, (x,), args.calls))
-            finally:
-                os.environ.pop("MOE_REF_BOUND_LAUNCH", None)
     return {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
             for name, rs in runs.items()}
 
@@ -199,16 +213,16 @@ def run_case(args, moe: MegaMoE, launching: MegaMoE | None, dispatch: str, cap: 
         if launching is not None:
             fns["eager_launches"] = lambda x_TD: launching(x_TD)  # noqa: E731
             if args.ab_bound_launch:
-                fns["eager_launches@triton_launch"] = fns["eager_launches"]
+                fns[TRITON_LAUNCH] = fns["eager_launches"]
         for name, fn in fns.items():
-            for _ in range(3):
-                out = fn(x)
-            row[f"{name.replace('@', '_')}_bitwise_eq_first_call"] = bool(torch.equal(out, reference))
+            with launch_path(name):
+                for _ in range(3):
+                    out = fn(x)
+            row[f"{name}_bitwise_eq_first_call"] = bool(torch.equal(out, reference))
         graphs = moe.eager_graphs
         row["eager_graphs_captured"] = graphs.captures if graphs is not None else 0
         for name, (host, wall) in median_host_and_wall_us(fns, x, args).items():
-            key = name.replace("@", "_")
-            row[f"{key}_host_us"], row[f"{key}_wall_us"] = host, wall
+            row[f"{name}_host_us"], row[f"{name}_wall_us"] = host, wall
         if args.profile:
             for name in ("eager", "eager_launches"):
                 if name in fns:

@@ -1,0 +1,36 @@
+"""scripts/bench_eager.py on the CPU: the Triton-launch-path A/B sets MOE_REF_BOUND_LAUNCH=0 for its own calls only,
+and the markdown reads a row of every route."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from script_loader import load_script
+
+pytestmark = pytest.mark.unit
+bench = load_script("bench_eager")
+
+
+def test_only_the_triton_launch_calls_run_with_bound_launches_off(monkeypatch):
+    monkeypatch.delenv("MOE_REF_BOUND_LAUNCH", raising=False)
+    with bench.launch_path("eager_launches"):
+        assert "MOE_REF_BOUND_LAUNCH" not in os.environ
+    with bench.launch_path(bench.TRITON_LAUNCH):
+        assert os.environ["MOE_REF_BOUND_LAUNCH"] == "0"
+    assert "MOE_REF_BOUND_LAUNCH" not in os.environ
+    with pytest.raises(RuntimeError), bench.launch_path(bench.TRITON_LAUNCH):
+        raise RuntimeError("a failed call")
+    assert "MOE_REF_BOUND_LAUNCH" not in os.environ
+
+
+def test_the_markdown_has_a_line_per_row_with_the_launch_counts(tmp_path):
+    row = {"dispatch": "fp8", "tokens": 16, "eager_wall_us": 748.0, "eager_host_us": 627.0,
+           "eager_launches_wall_us": 1895.0, "eager_launches_host_us": 1893.0, "graph_us": 734.0,
+           "eager_over_graph": 1.02, "launches": 0.0, "graph_launches": 1.0, "copies": 3.0,
+           "eager_launches_launches": 20.0, "eager_launches_graph_launches": 0.0, "eager_launches_copies": 2.0}
+    meta = {"device": "GPU", "torch": "t", "triton": "tr", "date": "d", "command": "c"}
+    bench.write_markdown(str(tmp_path), meta, [row])
+    text = (tmp_path / "bench_eager.md").read_text()
+    line = next(line for line in text.splitlines() if line.startswith("| fp8 | 16 |"))
+    assert "| 748 | 627 | 1895 | 1893 |" in line and "| 0 + 1 + 3 | 20 + 0 + 2 |" in line
