@@ -44,6 +44,14 @@ clean:
 # The peer anchors of scripts/bench_experts.py, only read with zipfile by scripts/peer_moe.py, never installed:
 # SGLang's wheel, and from vLLM's wheel (336 MB, downloaded to a temporary folder and deleted) the fused-moe zip of
 # the members the reader opens (0.2 MB). .whl/ is git-ignored and travels to the GPU machine with the tree.
+# DeepGEMM for the GPU machine (optional backend and anchor): the only sgl-deep-gemm wheels that run with the GPU
+# image's torch 2.11, with their apache-tvm-ffi (../shared/FACTS.md); scripts/gpu_suite.sh installs every other
+# wheel in .whl/ into a scratch folder there.
+.PHONY: deep-gemm-wheels
+deep-gemm-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl sgl-deep-gemm==0.1.4 apache-tvm-ffi==0.1.11
+
 VLLM_VERSION ?= 0.33.0
 .PHONY: peers
 peers:

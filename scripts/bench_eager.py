@@ -173,6 +173,29 @@ def median_host_and_wall_us(fns: dict, x, args) -> dict:
             for name, rs in runs.items()}
 
 
+# Calls timed after a sync for the host's own work per call: fewer than the unread calls a layer's deferred device
+# checks allow (``moe_ref.ep.device_checks.DeferredChecks``, 4), so no call waits for an earlier call's flags.
+HOST_WORK_CALLS = 3
+
+
+def host_work_us(fns: dict, x, repeats: int = 30) -> dict:
+    """``{name: us}``: the host's own work per call of each ``fns[name]`` (median over ``repeats`` of
+    ``HOST_WORK_CALLS`` calls started on an idle GPU, the functions alternating, each on its ``launch_path``).
+    Back-to-back calls cannot show it: there the host runs ahead until it waits for the oldest unread call's checks,
+    so its time per call is the GPU's."""
+    runs: dict[str, list] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            with launch_path(name):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(HOST_WORK_CALLS):
+                    fn(x)
+                runs[name].append((time.perf_counter() - start) / HOST_WORK_CALLS * 1e6)
+                torch.cuda.synchronize()
+    return {name: round(statistics.median(times), 1) for name, times in runs.items()}
+
+
 def profile_calls(row: dict, name: str, fn, x, args, dispatch: str, num_tokens: int) -> None:
     """Launches, syncs and D2H copies per call (``<name>_`` keys, none for ``eager``), the host-op table, the sync
     sites and a cProfile of ``fn``'s calls."""
@@ -223,6 +246,8 @@ def run_case(args, moe: MegaMoE, launching: MegaMoE | None, dispatch: str, cap: 
         row["eager_graphs_captured"] = graphs.captures if graphs is not None else 0
         for name, (host, wall) in median_host_and_wall_us(fns, x, args).items():
             row[f"{name}_host_us"], row[f"{name}_wall_us"] = host, wall
+        for name, us in host_work_us(fns, x).items():
+            row[f"{name}_host_work_us"] = us
         if args.profile:
             for name in ("eager", "eager_launches"):
                 if name in fns:
@@ -260,14 +285,19 @@ def write_markdown(out: str, meta: dict, rows: list[dict]) -> None:
              f"{meta['date']})", "", f"`{meta['command']}`", "",
              "eager: the layer as built by default (T's calls replay the graph it captured for T); eager, launches: "
              "built with `eager_graph_max_tokens=0` (every kernel launched from Python). us per call.", "",
-             "| dispatch | T | eager wall | eager host | eager, launches: wall | host | wall, Triton's launch path | "
+             "host work: the host's own time per call, 3 calls started on an idle GPU (back to back, the host "
+             "waits for the GPU once 4 calls' checks are unread).", "",
+             "| dispatch | T | eager wall | eager host | eager host work | eager, launches: wall | host | host work | "
+             "wall, Triton's launch path | "
              "graph | compile r-o | eager/graph | launches/graph | compile/graph | per call, eager: kernel launches "
              "+ graph launches + copies | eager, launches: the same | syncs | D2H pageable | GPU busy us |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = (f"{r['compile_us'] / r['graph_us']:.2f}" if "compile_us" in r and "graph_us" in r else "-")
         lines.append(f"| {r['dispatch']} | {r['tokens']} | {r['eager_wall_us']:.0f} | {r['eager_host_us']:.0f} | "
+                     f"{r.get('eager_host_work_us', nan):.0f} | "
                      f"{r.get('eager_launches_wall_us', nan):.0f} | {r.get('eager_launches_host_us', nan):.0f} | "
+                     f"{r.get('eager_launches_host_work_us', nan):.0f} | "
                      f"{r.get('eager_launches_triton_launch_wall_us', nan):.0f} | "
                      f"{r.get('graph_us', nan):.0f} | {r.get('compile_us', nan):.0f} | "
                      f"{r.get('eager_over_graph', '-')} | {r.get('eager_launches_over_graph', '-')} | {ratio} | "

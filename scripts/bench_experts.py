@@ -16,6 +16,8 @@ Paths per case (every JSON row carries `label`: what it times, `timing`: how, `t
                     of the device-side dispatch (ExpertLayout.num_rows_hint); fp8: the FP8 pool as dispatched
     api_triton_bf16_nohint / api_triton_fp8_nohint  the same without the hint (the backend reads the row count:
                     a host sync per call)
+    api_deep_gemm_{bf16,fp8}[_nohint]  with --include-deep-gemm where deep_gemm runs: make_experts("deep_gemm"[,
+                    fp8=True]) the same way, on its own pool (128-aligned segments): the whole MLP as the layer runs it
     triton_bf16 / triton_fp8  moe_ref.kernels.grouped_mlp direct on the 128-aligned pool
     grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
     loop_bf16       torch per-expert loop (host-side counts, no sync inside the timed region)
@@ -254,7 +256,8 @@ def _api_paths(case: Case, backends=API_BACKENDS) -> list[tuple[str, Callable[[]
 def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], object]]]:
     from moe_ref.kernels.grouped_mlp import grouped_mlp
 
-    paths = _api_paths(case) + [("triton_bf16", lambda: grouped_mlp(case.x_PDx, case.gate_up, case.down, case.row_start_e,
+    api_backends = API_BACKENDS + (("deep_gemm",) if include_deep_gemm and _deep_gemm_usable() else ())
+    paths = _api_paths(case, api_backends) + [("triton_bf16", lambda: grouped_mlp(case.x_PDx, case.gate_up, case.down, case.row_start_e,
                                                  case.num_rows_e, num_rows_hint=case.num_rows))]
     if case.fp8 is not None:
         q = case.fp8
@@ -283,6 +286,17 @@ def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], 
     if include_deep_gemm:
         paths.extend(_deep_gemm_cases(case))
     return paths
+
+
+def selected(name: str, paths: str | None) -> bool:
+    """Whether row ``name`` is timed under ``--paths`` (a comma list of names or name prefixes; None: every row)."""
+    return paths is None or any(name.startswith(prefix) for prefix in paths.split(","))
+
+
+def _deep_gemm_usable() -> bool:
+    from moe_ref.experts.deep_gemm.probe import deep_gemm_status
+
+    return deep_gemm_status().available
 
 
 def _grouped_mm_path(case: Case) -> Callable[[], torch.Tensor] | None:
@@ -448,7 +462,7 @@ def row_label(path: str, peer_labels: dict | None = None, search: str = "none") 
     """What a row times, in words, for the JSON (`label`) and the markdown."""
     dtype = path.rsplit("_", 1)[-1] if path.endswith(("bf16", "fp8")) else ""
     if path.startswith("api_"):
-        backend = path.split("_")[1]
+        backend = path[len("api_"):].removesuffix("_nohint").rsplit("_", 1)[0]  # api_deep_gemm_fp8 -> deep_gemm
         hint = "without the rows hint (host sync)" if path.endswith("_nohint") else "rows hint"
         return f"moe_ref make_experts('{backend}') on its pool (segment_alignment), {hint}"
     if path.startswith("peer_"):
@@ -731,6 +745,9 @@ def main(argv=None) -> int:
                         help="also time each peer with the fastest config of its own tuner's space for the exact "
                              "shape: small (<= 50 configs per engine, dtype and shape: minutes), full (every "
                              "runnable config: hours), none (as shipped only, the rows of before)")
+    parser.add_argument("--paths", default=None,
+                        help="comma list of the rows to time, by name or name prefix (e.g. api_,deep_gemm_kernels_); "
+                             "default: every row")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -769,6 +786,8 @@ def main(argv=None) -> int:
                                                                                 args.peer_search, args.quick)]
             configs = {name: config for name, _, config in peer_paths}
             for name, fn in _paths(case, args.include_deep_gemm) + [(name, fn) for name, fn, _ in peer_paths]:
+                if not selected(name, args.paths):
+                    continue
                 start = time.time()
                 if name.startswith(("peer_", "deep_gemm_")):  # a failing anchor leaves its row out, not the run
                     out, problem = _checked_first_call(case, name, fn, twins)

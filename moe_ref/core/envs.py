@@ -33,9 +33,24 @@ def _get(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
+# (name, raw value) -> the switch's value, for values already parsed: some switches are read on every kernel launch
+_SWITCH_VALUES: dict[tuple[str, str | None], bool | None] = {}
+
+
 def _switch(name: str) -> bool | None:
     """A switch's value: None when unset or empty, else on/off (see the module docstring); CFG017 otherwise."""
-    value = _get(name)
+    value = os.environ.get(name)
+    known = _SWITCH_VALUES.get((name, value), _UNPARSED)
+    if known is not _UNPARSED:
+        return known
+    _SWITCH_VALUES[(name, value)] = parsed = _parse_switch(name, value)
+    return parsed
+
+
+_UNPARSED = object()
+
+
+def _parse_switch(name: str, value: str | None) -> bool | None:
     if value is None or not value.strip():
         return None
     word = value.strip().lower()

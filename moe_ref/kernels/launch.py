@@ -23,6 +23,10 @@ on arguments Triton would have compiled differently:
 | keyword argument (constexprs, launch options such as ``num_warps``) | the value itself            |
 | anything else                                            | the value itself                          |
 
+Each key is computed by a function generated for the argument classes of a kernel's first launch
+(``_key_function``, as Triton generates its binder), in one expression instead of a call per argument; a launch
+with other classes is keyed argument by argument (``_arg_key``), to the same key.
+
 Constexprs must come by keyword and the other parameters by position (as every moe_ref launcher passes them);
 a launch that mixes them is not bound (Triton's path every call).
 
@@ -55,24 +59,24 @@ __all__ = ["launch", "bound_kernels", "clear_bound_kernels"]
 
 _INT32_MIN, _INT32_MAX, _INT64_MAX = -(2 ** 31), 2 ** 31 - 1, 2 ** 63 - 1
 
-# (id of the kernel, device, number of positional arguments, their keys, the keyword items) -> _Bound, or _TRITON
-# for a launch the key cannot describe (a constexpr by position, another parameter by keyword)
+# (id of the kernel, device, the arguments' keys, the keyword items) -> _Bound, or _TRITON for a launch the key
+# cannot describe (a constexpr by position, another parameter by keyword)
 _BOUND: dict[tuple, "_Bound"] = {}
 _TRITON = object()
+# (id of the kernel, number of positional arguments) -> the key function of the classes its first launch passed
+_KEY_FUNCTIONS: dict[tuple, Any] = {}
 
 
 class _Bound:
-    """A compiled kernel's launcher, and where each launch argument sits in the kernel's parameter order."""
+    """A compiled kernel's launcher, and the values of the parameters after the positional ones (keywords and
+    defaults: constant under one key, since the keywords are part of it)."""
 
-    __slots__ = ("kernel", "compiled", "run", "function", "packed_metadata", "kwarg_order", "defaults")
+    __slots__ = ("kernel", "compiled", "run", "function", "packed_metadata", "tail")
 
-    def __init__(self, compiled, kernel, num_args: int, kwarg_names):
+    def __init__(self, compiled, kernel, num_args: int, kwargs: dict):
         self.kernel, self.compiled = kernel, compiled
         self.run, self.function, self.packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
-        params = kernel.params[num_args:]
-        # the keyword (or default) that fills each parameter after the positional ones
-        self.kwarg_order = tuple(p.name for p in params)
-        self.defaults = {p.name: p.default for p in params if p.name not in kwarg_names}
+        self.tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[num_args:])
 
 
 def _bindable(kernel, num_args: int, kwarg_names) -> bool:
@@ -85,6 +89,7 @@ def _bindable(kernel, num_args: int, kwarg_names) -> bool:
 
 
 def _arg_key(value: Any):
+    """What Triton specializes on in one argument (the table of the module docstring)."""
     kind = value.__class__
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() & 15 == 0
@@ -96,6 +101,46 @@ def _arg_key(value: Any):
         return (value.base.dtype, value.base.data_ptr() & 15 == 0, tuple(value.block_shape), tuple(value.shape),
                 tuple(value.strides), getattr(value, "padding", None))
     return value
+
+
+# the source of one argument's key in a generated key function, by the argument's class (see _arg_key)
+_TENSOR_KEY = "({a}.dtype, {a}.data_ptr() & 15 == 0)"
+_INT_KEY = "({a} == 1, {a} & 15 == 0, 0 if {lo} <= {a} <= {hi} else 1 if {a} <= {max} else 2)"
+_DESCRIPTOR_KEY = ("({a}.base.dtype, {a}.base.data_ptr() & 15 == 0, tuple({a}.block_shape), tuple({a}.shape), "
+                   "tuple({a}.strides), getattr({a}, 'padding', None))")
+
+
+def _key_function(args: tuple):
+    """A function of the launch arguments that returns ``tuple(map(_arg_key, args))`` for arguments of the same
+    classes as ``args``, and None for any other classes (the caller then keys them one by one with ``_arg_key``).
+
+    Why: the generic key costs one Python call and a chain of class tests per argument, as much as Triton's own
+    binder; a function generated for a launch's argument classes (as Triton generates its binder) computes the same
+    key in one expression. Example: for ``(tensor, 100, 0.5)`` it is
+    ``lambda a0, a1, a2: ((a0.dtype, a0.data_ptr() & 15 == 0), (a1 == 1, ...), float) if a0.__class__ is T0 and
+    a1.__class__ is int and a2.__class__ is float else None``.
+    """
+    names = [f"a{i}" for i in range(len(args))]
+    classes, parts = {}, []
+    for i, (name, value) in enumerate(zip(names, args)):
+        kind = value.__class__
+        classes[f"c{i}"] = kind
+        if kind is torch.Tensor or isinstance(value, torch.Tensor):
+            parts.append(_TENSOR_KEY.format(a=name))
+        elif kind is int:
+            parts.append(_INT_KEY.format(a=name, lo=_INT32_MIN, hi=_INT32_MAX, max=_INT64_MAX))
+        elif kind is float:
+            parts.append("float")
+        elif TensorDescriptor is not None and kind is TensorDescriptor:
+            parts.append(_DESCRIPTOR_KEY.format(a=name))
+        else:  # None, a bool, a string, a dtype: keyed by the value itself, as _arg_key does
+            parts.append(name)
+    guard = " and ".join(f"{name}.__class__ is c{i}" for i, name in enumerate(names)) or "True"
+    source = (f"def key({', '.join(names)}):\n"
+              f"    return ({''.join(part + ', ' for part in parts)}) if {guard} else None\n")
+    namespace = dict(classes)
+    exec(source, namespace)  # noqa: S102 - built from the fixed templates above, no outside text
+    return namespace["key"]
 
 
 def _current_device() -> int:
@@ -142,7 +187,13 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         return kernel[grid](*args, **kwargs)
     device = _current_device()
     try:  # id(kernel): a JITFunction hashes in Python
-        key = (id(kernel), device, len(args), *map(_arg_key, args), *kwargs.items())
+        key_function = _KEY_FUNCTIONS.get((id(kernel), len(args)))
+        if key_function is None:
+            key_function = _KEY_FUNCTIONS[(id(kernel), len(args))] = _key_function(args)
+        arg_keys = key_function(*args)
+        if arg_keys is None:  # other argument classes than the first launch's
+            arg_keys = tuple(map(_arg_key, args))
+        key = (id(kernel), device, arg_keys, *kwargs.items())
         bound = _BOUND.get(key)
     except TypeError:  # an unhashable keyword value: Triton's own path
         return kernel[grid](*args, **kwargs)
@@ -152,10 +203,9 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         return compiled
     if bound is _TRITON:
         return kernel[grid](*args, **kwargs)
-    values = [*args, *[kwargs[name] if name in kwargs else bound.defaults[name] for name in bound.kwarg_order]]
     size = len(grid)
     bound.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, _current_stream(device),
-              bound.function, bound.packed_metadata, None, None, None, *values)
+              bound.function, bound.packed_metadata, None, None, None, *args, *bound.tail)
     return bound.compiled
 
 
@@ -167,3 +217,4 @@ def bound_kernels() -> int:
 def clear_bound_kernels() -> None:
     """Forget every bound kernel (the next launch of each key goes through Triton again)."""
     _BOUND.clear()
+    _KEY_FUNCTIONS.clear()

@@ -25,12 +25,29 @@ def test_only_the_triton_launch_calls_run_with_bound_launches_off(monkeypatch):
 
 
 def test_the_markdown_has_a_line_per_row_with_the_launch_counts(tmp_path):
-    row = {"dispatch": "fp8", "tokens": 16, "eager_wall_us": 748.0, "eager_host_us": 627.0,
-           "eager_launches_wall_us": 1895.0, "eager_launches_host_us": 1893.0, "graph_us": 734.0,
+    row = {"dispatch": "fp8", "tokens": 16, "eager_wall_us": 748.0, "eager_host_us": 627.0, "eager_host_work_us": 61.0,
+           "eager_launches_wall_us": 1895.0, "eager_launches_host_us": 1893.0, "eager_launches_host_work_us": 880.0,
+           "graph_us": 734.0,
            "eager_over_graph": 1.02, "launches": 0.0, "graph_launches": 1.0, "copies": 3.0,
            "eager_launches_launches": 20.0, "eager_launches_graph_launches": 0.0, "eager_launches_copies": 2.0}
     meta = {"device": "GPU", "torch": "t", "triton": "tr", "date": "d", "command": "c"}
     bench.write_markdown(str(tmp_path), meta, [row])
     text = (tmp_path / "bench_eager.md").read_text()
     line = next(line for line in text.splitlines() if line.startswith("| fp8 | 16 |"))
-    assert "| 748 | 627 | 1895 | 1893 |" in line and "| 0 + 1 + 3 | 20 + 0 + 2 |" in line
+    assert "| 748 | 627 | 61 | 1895 | 1893 | 880 |" in line and "| 0 + 1 + 3 | 20 + 0 + 2 |" in line
+    header = next(line for line in text.splitlines() if line.startswith("| dispatch |"))
+    separator = text.splitlines()[text.splitlines().index(header) + 1]
+    assert header.count("|") == separator.count("|") == line.count("|")
+
+
+def test_host_work_is_timed_on_an_idle_gpu_for_fewer_calls_than_the_checks_leave_unread(monkeypatch):
+    """Each sample starts after a sync and times fewer calls than DeferredChecks lets stay unread, so no call
+    waits for the GPU."""
+    from moe_ref.ep.device_checks import DeferredChecks
+
+    assert bench.HOST_WORK_CALLS < DeferredChecks().max_pending
+    events = []
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: events.append("sync"))
+    result = bench.host_work_us({"eager": lambda x: events.append("call")}, None, repeats=2)
+    assert events == (["sync"] + ["call"] * bench.HOST_WORK_CALLS + ["sync"]) * 2
+    assert set(result) == {"eager"} and result["eager"] >= 0

@@ -134,6 +134,9 @@ def test_row_labels_say_what_each_row_times():
     assert "whole MLP" in be.row_label("deep_gemm_fp8") and "FP8 quant of h" in be.row_label("deep_gemm_masked_fp8")
     assert "FP8 quant" not in be.row_label("deep_gemm_bf16")
     assert "without the rows hint" in be.row_label("api_triton_fp8_nohint")
+    assert "make_experts('deep_gemm')" in be.row_label("api_deep_gemm_fp8")
+    assert "make_experts('deep_gemm')" in be.row_label("api_deep_gemm_bf16_nohint")
+    assert "make_experts('triton')" in be.row_label("api_triton_bf16")
     assert "rows hint" in be.row_label("api_triton_bf16") and "without" not in be.row_label("api_triton_bf16")
 
 
@@ -325,3 +328,11 @@ def test_deep_gemm_kernel_rows_time_only_the_two_gemms(fake_deep_gemm):
         assert calc_diff(y.float(), reference[valid].float()) < limit, name
     # the fp8 whole-MLP rows start from the FP8 pool as dispatched: no quantization of x inside them
     assert whole[1][1].args[0].dtype == torch.float8_e4m3fn and whole[1][1].args[2] is x_fp8[1]
+
+
+def test_paths_selects_rows_by_name_or_prefix():
+    assert be.selected("api_deep_gemm_fp8", None)
+    assert be.selected("api_deep_gemm_fp8", "api_deep_gemm_,deep_gemm_kernels_")
+    assert be.selected("deep_gemm_kernels_fp8", "api_deep_gemm_,deep_gemm_kernels_")
+    assert not be.selected("deep_gemm_masked_fp8", "api_deep_gemm_,deep_gemm_kernels_")
+    assert not be.selected("api_triton_bf16", "api_triton_fp8")

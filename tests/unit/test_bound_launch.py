@@ -169,3 +169,37 @@ def test_a_kernel_id_reused_by_another_kernel_is_not_run_bound(kernel, monkeypat
     assert len(other.triton_launches) == 1 and not kernel.compiled[0].runs
     bl.launch(other, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)  # now bound to the other kernel's launcher
     assert len(other.compiled[0].runs) == 1 and not kernel.compiled[0].runs
+
+
+def _launch_arguments():
+    """Arguments of every class the key distinguishes, at the values Triton specializes on."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    base = torch.zeros(64, 128, dtype=torch.bfloat16)
+    return [torch.zeros(64), torch.zeros(65)[1:], torch.zeros(8, dtype=torch.float16), torch.nn.Parameter(torch.ones(4)),
+            0, 1, 16, 37, -5, 2 ** 31, 2 ** 63, 0.5, None, True, "name", torch.float32,
+            TensorDescriptor(base, list(base.shape), list(base.stride()), [16, 16])]
+
+
+@pytest.mark.parametrize("start", range(0, 17, 4))
+def test_the_generated_key_function_equals_the_per_argument_key(start):
+    values = _launch_arguments()
+    args = tuple(values[start:] + values[:start])
+    key_function = bl._key_function(args)
+    assert key_function(*args) == tuple(map(bl._arg_key, args))
+    # other values of the same classes: still the per-argument key (the function holds no values)
+    others = tuple(torch.zeros(3, dtype=v.dtype) if type(v) is torch.Tensor else v + 16 if type(v) is int else v
+                   for v in args)
+    assert key_function(*others) == tuple(map(bl._arg_key, others))
+
+
+def test_other_argument_classes_fall_back_to_the_per_argument_key(kernel):
+    """A launch whose argument classes differ from the first launch's (None for a tensor, an int for a float) is keyed
+    argument by argument, and so goes through Triton once for its own key, then binds."""
+    bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    assert bl._key_function((torch.zeros(1), 1, 0.5))(None, 100, 0.5) is None
+    for _ in range(2):
+        bl.launch(kernel, (1,), None, 100, 3, BLOCK=32)
+    assert len(kernel.triton_launches) == 2 and len(kernel.compiled[1].runs) == 1
+    bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)  # the first key is still bound
+    assert len(kernel.triton_launches) == 2 and len(kernel.compiled[0].runs) == 1

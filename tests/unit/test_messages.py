@@ -42,6 +42,21 @@ def test_a_switch_with_another_value_is_refused_naming_the_variable(monkeypatch,
     assert err.value.code == "CFG017" and name in str(err.value) and "'garbage'" in str(err.value)
 
 
+def test_a_switch_follows_every_change_of_its_variable(monkeypatch):
+    """Parsed values are remembered per raw value (some switches are read on every launch): a change of the
+    variable is still seen at once, and a bad value is refused on every read."""
+    for value, expected in (("1", True), ("0", False), ("1", True), (None, None), ("off", False)):
+        if value is None:
+            monkeypatch.delenv("MOE_REF_BOUND_LAUNCH", raising=False)
+        else:
+            monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", value)
+        assert envs._switch("MOE_REF_BOUND_LAUNCH") is expected, value
+    monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", "garbage")
+    for _ in range(2):
+        with pytest.raises(EnvVarError):
+            envs.bound_launch()
+
+
 def test_the_layer_refuses_a_bad_debug_checks_value(monkeypatch):
     monkeypatch.setenv("MOE_REF_DEBUG_CHECKS", "maybe")
     with pytest.raises(EnvVarError, match="MOE_REF_DEBUG_CHECKS='maybe'"):
