@@ -137,7 +137,14 @@ def _layout(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]
     """(row_start_e int64, num_rows_e int32, pool rows): segments packed by ``ExpertLayout.from_counts``."""
     layout = ExpertLayout.from_counts(torch.tensor(counts, dtype=torch.int64), ALIGN)
     return (layout.row_start_e.to(device), layout.num_rows_e.to(device=device, dtype=torch.int32),
-            max(layout.num_pool_rows, ALIGN))
+            _layer_pool_rows(layout.num_pool_rows, ALIGN))
+
+
+def _layer_pool_rows(num_rows: int, alignment: int) -> int:
+    """Rows of the pool as a layer allocates it: a whole number of ``alignment`` rows (``ep_regions.default_pool_rows``),
+    at least one. (DeepGEMM's contiguous GEMMs need whole 128-row blocks: on a pool that ends mid-block its backend
+    copies the pool into a padded one on every call, which a layer's pool never makes it do.)"""
+    return max(-(-num_rows // alignment) * alignment, alignment)
 
 
 def _pool(case: Case, alignment: int) -> Pool:
@@ -149,7 +156,7 @@ def _pool(case: Case, alignment: int) -> Pool:
         else:
             layout = ExpertLayout.from_counts(torch.tensor(case.counts, dtype=torch.int64), alignment)
             device = case.x_PDx.device
-            num_pool_rows = max(layout.num_pool_rows, 1)
+            num_pool_rows = _layer_pool_rows(layout.num_pool_rows, alignment)
             x_PDx = case.x_PDx.new_zeros(num_pool_rows, case.x_PDx.shape[1])
             valid = ExpertLayout(layout.row_start_e, layout.num_rows_e, num_pool_rows, alignment).row_expert_P() >= 0
             x_PDx[valid.to(device)] = case.x_packed
@@ -563,6 +570,25 @@ def _kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, list[str]]
     return total / calls, sorted(names)
 
 
+def kernel_table(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
+    """``{kernel name: GPU us per call}`` of ``fn``'s kernels, largest first (torch profiler, no L2 flush): where a
+    row's time goes (``--kernel-table``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    table: dict[str, float] = {}
+    for event in prof.events():
+        if str(getattr(event, "device_type", "")).endswith("CUDA"):
+            table[event.name] = table.get(event.name, 0.0) + event.time_range.elapsed_us() / calls
+    return {name: round(us, 1) for name, us in sorted(table.items(), key=lambda item: -item[1])}
+
+
 def measure_anchors(quick: bool) -> dict:
     """HBM copy bandwidth (read + write) and bf16 matmul peak, measured now on this GPU."""
     numel = (2 << 30) // 2
@@ -748,6 +774,8 @@ def main(argv=None) -> int:
     parser.add_argument("--paths", default=None,
                         help="comma list of the rows to time, by name or name prefix (e.g. api_,deep_gemm_kernels_); "
                              "default: every row")
+    parser.add_argument("--kernel-table", action="store_true",
+                        help="also record each timed row's GPU kernels and their us per call (torch profiler)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -811,6 +839,10 @@ def main(argv=None) -> int:
                 timings[name] = us
                 row = make_row(case, name, us, anchors, config=configs.get(name), search=args.peer_search,
                                peer_labels=peer_labels, timing=timing)
+                if args.kernel_table:
+                    row["kernel_us"] = kernel_table(fn)
+                    for kernel, kernel_us in list(row["kernel_us"].items())[:8]:
+                        print(f"      {kernel_us:9.1f} us  {kernel[:110]}", flush=True)
                 results["cases"].append(row)
                 print(f"  {model:8s} rows={num_rows:6d} {name:22s} {us:10.1f} us {row['tflops']:7.1f} TFLOP/s "
                       f"{row['weight_gbps']:7.0f} GB/s roofline {row['roofline_fraction']:.2f} "
