@@ -34,6 +34,8 @@ from moe_ref.kernels.launch import launch
 __all__ = ["gated_activation_rows", "gated_activation_rows_ref", "valid_rows_P"]
 
 _ACTIVATIONS = {"silu": 1, "situ": 2}
+# (rows per program, num_warps): one program computes that many rows x one 128-column group
+DEFAULT_TILE = (16, 4)
 
 
 @triton.jit
@@ -111,7 +113,8 @@ def _outputs(gate_up_P2F: torch.Tensor, quant: bool, out_dtype: torch.dtype):
 def gated_activation_rows(gate_up_P2F: torch.Tensor, *, group_P: torch.Tensor | None = None,
                           num_rows_e: torch.Tensor | None = None, masked_rows: int = 0, activation: str = "silu",
                           situ_beta: float = 4.0, situ_linear_beta: float = 25.0, quant: bool = False,
-                          out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          out_dtype: torch.dtype = torch.bfloat16,
+                          tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated activation of the valid rows of a pool (module doc); one launch, no host sync.
 
     Args:
@@ -120,6 +123,7 @@ def gated_activation_rows(gate_up_P2F: torch.Tensor, *, group_P: torch.Tensor | 
         num_rows_e, masked_rows: ``[e]`` int rows per expert and M > 0 (masked pool; P = e * M).
         activation, situ_beta, situ_linear_beta: as ``moe_ref.core.activations.gated_activation``.
         quant: return fp8 e4m3 + per-128 scales (the next GEMM's FP8 input), else ``out_dtype`` rows.
+        tile: ``(rows per program, num_warps)``, for ``scripts/tune_gated_act.py``; None: ``DEFAULT_TILE``.
 
     Returns:
         ``(h_PF, h_scale_PFb)``: ``[P, F]`` (fp8 or ``out_dtype``) and ``[P, Fb]`` fp32 (None without ``quant``);
@@ -134,13 +138,13 @@ def gated_activation_rows(gate_up_P2F: torch.Tensor, *, group_P: torch.Tensor | 
     if num_rows == 0:
         return h_PF, h_scale_PFb
     index = num_rows_e if masked_rows else group_P
-    block_p = 16
+    block_p, num_warps = tile or DEFAULT_TILE
     launch(_gated_act_kernel, (cdiv(num_rows, block_p), num_fp8_groups(width)),
         gate_up_P2F, index, index, h_PF, h_scale_PFb if quant else h_PF,
         num_rows, width, max(masked_rows, 1), float(situ_beta), float(situ_linear_beta or 1.0),
         gate_up_P2F.stride(0), h_PF.stride(0), h_scale_PFb.stride(0) if quant else 0,
         ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), MASKED=bool(masked_rows),
-        QUANT=quant, BLOCK_P=block_p, num_warps=4,
+        QUANT=quant, BLOCK_P=block_p, num_warps=num_warps,
     )
     return h_PF, h_scale_PFb
 

@@ -55,3 +55,19 @@ def test_bad_arguments_are_shape_errors():
         gated_activation_rows_ref(gate_up)
     with pytest.raises(ShapeError, match="\\[P, 2F\\]"):
         gated_activation_rows_ref(torch.zeros(8, 5), group_P=torch.zeros(8, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("pool", list(POOLS))
+@pytest.mark.parametrize("tile", [(32, 4), (64, 8)])
+def test_every_tile_gives_the_default_tiles_bits(pool, tile, device):
+    """``scripts/tune_gated_act.py`` picks among tiles: a tile changes which program computes a row, never its
+    value (each row's scale comes from its own 128 columns)."""
+    index = {name: value.to(device) for name, value in POOLS[pool].items() if torch.is_tensor(value)}
+    kwargs = dict(POOLS[pool], **index, quant=True)
+    num_rows = 12 if pool == "masked" else 17
+    gate_up = (torch.randn(num_rows, 2 * 200, generator=torch.Generator().manual_seed(3)) * 3).bfloat16().to(device)
+    valid = valid_rows_P(num_rows, **{k: v for k, v in kwargs.items() if k in ("group_P", "num_rows_e", "masked_rows")})
+    h, h_scale = gated_activation_rows(gate_up, **kwargs)
+    h_tile, h_scale_tile = gated_activation_rows(gate_up, **kwargs, tile=tile)
+    assert torch.equal(h[valid].view(torch.uint8), h_tile[valid].view(torch.uint8))
+    assert torch.equal(h_scale[valid], h_scale_tile[valid])
