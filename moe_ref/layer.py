@@ -62,7 +62,7 @@ from moe_ref.core.errors import (ArgumentTypeError, BackendUnavailableError, Dev
                                  GradientNotSupportedError, InputError, InvalidConfigError, LayerConversionError,
                                  ShapeError, ShapeUnsupportedError, TensorShapeMismatchError, WeightsNotLoadedError)
 from moe_ref.experts import Experts, experts_class, make_experts
-from moe_ref.experts.quantized import make_quantized_experts
+from moe_ref.experts.quantized import QUANT_BACKENDS, make_quantized_experts
 from moe_ref.ep.options import EPOptions
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec
 from moe_ref.ep.routed_step import RoutedStep, make_modular_step
@@ -150,14 +150,17 @@ class MegaMoE(nn.Module):
             ``MOE_REF_OVERFLOW_POLICY``, else ``"error"``).
         transport: ``"auto"``, ``"symm"``, ``"a2a"`` or ``"local"`` (default: ``MOE_REF_TRANSPORT``, else auto).
         experts_backend: ``"auto"``, ``"torch"``, ``"grouped_mm"``, ``"triton"``, ``"deep_gemm"`` (default:
-            ``MOE_REF_EXPERTS_BACKEND``, else auto = triton on CUDA, torch on CPU).
+            ``MOE_REF_EXPERTS_BACKEND``, else auto: torch on CPU; on CUDA, per call the backend a measured table
+            ranks fastest for the call's regime among those installed, Triton where the table has no entry for this
+            GPU class or DeepGEMM is absent; ``moe_ref.experts.auto``, ``moe-ref info`` prints the table).
         dispatch_fp8: FP8 end to end where the backend allows: tokens move as FP8 e4m3 with per-128 scales
             (halves dispatch bytes; lossy), and a backend with fp8 weights (``supports_fp8``: triton,
             deep_gemm) runs them, quantized once to 128x128 blocks, and takes the FP8 pool as is. The
             torch and grouped_mm backends run the dequantized pool with the layer's weights.
         dtype, device: of the parameters; inputs must match them.
         alignment: rows each expert segment of the receive pool is aligned to; None (default): the
-            backend's ``segment_alignment`` (torch 128, grouped_mm 16, triton 1, deep_gemm 128).
+            backend's ``segment_alignment`` (torch 128, grouped_mm 16, triton 1, deep_gemm 128, auto 128 when it
+            holds deep_gemm).
         pool_format: ``"contiguous"`` (default: ``MOE_REF_POOL_FORMAT``, else contiguous; segments back to back,
             the fewest rows) or ``"masked"`` (decode with a small cap: each local expert owns ``align(R * cap,
             alignment)`` rows at a fixed start, DeepGEMM's masked layout, so ``deep_gemm`` experts run its masked
@@ -460,10 +463,10 @@ class MegaMoE(nn.Module):
                 f"mega='deep_gemm' quantizes plain (bf16) expert weights itself; this checkpoint stores its routed "
                 f"experts as {fmt}. Use mega='auto' or 'off' to run them as stored on moe_ref's own path")
         backend = self.options.experts_backend
-        if backend not in ("torch", "triton"):
+        if backend not in QUANT_BACKENDS:
             raise BackendUnavailableError(
                 f"experts_backend={backend!r} has no kernel for {fmt} experts kept as stored; use "
-                f"experts_backend='auto' (triton on CUDA, torch elsewhere), 'triton' or 'torch'",
+                f"experts_backend='auto' (moe_ref's kernels on CUDA, torch elsewhere), 'triton' or 'torch'",
                 field="experts_backend")
         return backend
 
@@ -510,7 +513,8 @@ class MegaMoE(nn.Module):
     @property
     def fp8_experts(self) -> bool:
         """FP8 expert weights: with ``dispatch_fp8`` on a backend that has them (triton, deep_gemm)."""
-        return self.options.dispatch_fp8 and experts_class(self.options.experts_backend).supports_fp8
+        return self.options.dispatch_fp8 and experts_class(self.options.experts_backend,
+                                                           self.options.device).supports_fp8
 
     @property
     def routed_step(self) -> RoutedStep:

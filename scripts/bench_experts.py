@@ -120,7 +120,8 @@ class Case:
 @dataclasses.dataclass
 class Pool:
     """The case's routed rows laid out as a backend's pool: segments starting on multiples of `alignment`
-    (`ExpertLayout.from_counts`), padding rows zero; the FP8 pool (e4m3 rows + per-128 scales) beside it."""
+    (`ExpertLayout.from_counts`), padding rows zero; the FP8 pool (e4m3 rows + per-128 scales) beside it. A masked
+    pool (`masked_rows` = M > 0) holds expert i's rows at i * M (scripts/tune_experts_auto.py builds those)."""
 
     alignment: int
     x_PDx: torch.Tensor
@@ -128,6 +129,7 @@ class Pool:
     num_rows_e: torch.Tensor
     x_fp8: torch.Tensor | None = None
     x_scale: torch.Tensor | None = None
+    masked_rows: int = 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -230,6 +232,23 @@ _API_EXPERTS: dict = {}  # (backend, id of the bf16 weights, fp8) -> the Experts
 API_BACKENDS = ("triton",)  # the moe_ref backends timed through the public API
 
 
+def api_layout(pool: Pool, num_rows_hint: int | None) -> ExpertLayout:
+    """The layout ``ModularRoutedStep`` hands the experts for `pool`: with the static rows hint of the device-side
+    dispatch (rows outside every segment then left unwritten), or None: without (the backend counts the rows, a host
+    sync, and zeroes the other rows)."""
+    return ExpertLayout(pool.row_start_e, pool.num_rows_e, pool.x_PDx.shape[0], pool.alignment,
+                        num_rows_hint=num_rows_hint, zero_unused_rows=num_rows_hint is None,
+                        masked_rows=pool.masked_rows)
+
+
+def api_call(experts, pool: Pool, layout: ExpertLayout, fp8: bool) -> Callable[[], torch.Tensor]:
+    """``experts`` called as the routed step calls it on `pool`: the FP8 pool as dispatched (fp8 rows + scales) for
+    fp8 experts, else the activation-dtype rows."""
+    if fp8:
+        return functools.partial(experts, pool.x_fp8, layout, pool.x_scale)
+    return functools.partial(experts, pool.x_PDx, layout)
+
+
 def _api_paths(case: Case, backends=API_BACKENDS) -> list[tuple[str, Callable[[], object]]]:
     """The public ``Experts`` path, as ``ModularRoutedStep`` calls it after the device-side dispatch: each backend
     on the pool the layer builds for it (segments aligned to ``experts_class(name).segment_alignment``), with the
@@ -241,10 +260,7 @@ def _api_paths(case: Case, backends=API_BACKENDS) -> list[tuple[str, Callable[[]
     for backend in backends:
         cls = experts_class(backend, case.x_PDx.device)
         pool = _pool(case, cls.segment_alignment)
-        num_pool_rows = pool.x_PDx.shape[0]
-        layouts = {"": ExpertLayout(pool.row_start_e, pool.num_rows_e, num_pool_rows, pool.alignment,
-                                    num_rows_hint=case.num_rows, zero_unused_rows=False),
-                   "_nohint": ExpertLayout(pool.row_start_e, pool.num_rows_e, num_pool_rows, pool.alignment)}
+        layouts = {"": api_layout(pool, case.num_rows), "_nohint": api_layout(pool, None)}
         for fp8 in (False, True) if case.fp8 is not None and cls.supports_fp8 else (False,):
             key = (backend, id(case.gate_up), fp8)
             if key not in _API_EXPERTS:
@@ -253,10 +269,7 @@ def _api_paths(case: Case, backends=API_BACKENDS) -> list[tuple[str, Callable[[]
             for suffix, layout in layouts.items():
                 name = f"api_{backend}_{'fp8' if fp8 else 'bf16'}{suffix}"
                 case.path_pools[name] = pool
-                if fp8:
-                    paths.append((name, functools.partial(experts, pool.x_fp8, layout, pool.x_scale)))
-                else:
-                    paths.append((name, functools.partial(experts, pool.x_PDx, layout)))
+                paths.append((name, api_call(experts, pool, layout, fp8)))
     return paths
 
 

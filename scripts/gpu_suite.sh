@@ -10,6 +10,8 @@
 # engines' W4A16 kernel; align = the alignment-1 vs 128-aligned pool A/B, with the no-hint pool;
 # peer_check = SGLang's and vLLM's fused-MoE kernels, read from the peer files in .whl/ (`make peers`), vs our twin). One device command runs 10 min at
 # most, so split them over calls, e.g. `bash scripts/gpu_suite.sh quick info tests dist`.
+# Not in the default: auto_table = experts_backend="auto"'s table for this GPU class (scripts/tune_experts_auto.py, one
+# call of its own, < 9 min; $OUT/auto_table.json and .md, to be copied to moe_ref/experts/auto_table.json).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -76,6 +78,7 @@ for s in $STEPS; do case $s in
     step eager 420 python3 scripts/bench_eager.py --out "$OUT/eager" --profile --ab-bound-launch --tokens 16 128 1024 4096
     step eager_compile 200 python3 scripts/bench_eager.py --out "$OUT/eager_compile" --tokens 128 \
       --routes eager graph compile ;;
+  auto_table) step auto_table 590 python3 scripts/tune_experts_auto.py --max-seconds 480 --out "$OUT/auto_table.json" ;;
   w4) step w4 300 python3 scripts/bench_w4a16.py --sweep --max-seconds 270 --out "$OUT/w4/bench_w4a16.json" ;;
   align) step align 300 python3 scripts/ab_grouped_mlp.py --ab alignment --nohint --max-seconds 270 \
       --out "$OUT/align/ab_alignment.json" ;;

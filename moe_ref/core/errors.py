@@ -188,6 +188,21 @@ class UnknownFamilyError(InvalidConfigError):
         "                renormalize=True, use_selection_bias=False)  # family 'custom', named on purpose")
 
 
+class AutoTableError(InvalidConfigError):
+    code = _entry(
+        "CFG019", "the experts backend table of experts_backend='auto' is malformed",
+        "experts_backend='auto' picks a backend per call regime (dtype, pool format, rows per expert) from a JSON "
+        "table measured per GPU class (moe_ref/experts/auto_table.json, written by scripts/tune_experts_auto.py). "
+        "The file is not JSON, or a field is missing or has the wrong type or value (the message names the file "
+        "and the field): a hand edit or a partial copy, since the script checks the table before writing it.",
+        "A regime whose 'order' is empty, a 'max_rows_per_expert' of 0, two regimes of one dtype and pool format "
+        "whose bounds do not increase, a truncated file.",
+        ["Restore the file from the package (git checkout moe_ref/experts/auto_table.json) or regenerate it on the "
+         "GPU: python scripts/tune_experts_auto.py",
+         "Or run with an explicit experts_backend ('triton', 'deep_gemm') until the table is fixed."],
+        "python scripts/tune_experts_auto.py --out moe_ref/experts/auto_table.json")
+
+
 class CommandLineError(ConfigError):
     code = _entry(
         "CFG015", "a command-line flag is missing, unknown or out of range",
@@ -373,7 +388,8 @@ class BackendUnavailableError(EnvironmentError_):
         "backend='deep_gemm' on a CPU machine, a deep_gemm wheel built for another torch, or load_hf_weights of "
         "an MXFP4 checkpoint with experts_backend='grouped_mm'.",
         ["Use backend='auto' to pick the best available one.", "Run `moe-ref info` to see what loads and why not.",
-         "For a quantized checkpoint use experts_backend='auto' (triton on CUDA, torch on CPU) and mega='auto'."],
+         "For a quantized checkpoint use experts_backend='auto' (moe_ref's kernels on CUDA, torch on CPU) and "
+         "mega='auto'."],
         "MegaMoE(cfg, experts_backend='auto')")
 
 

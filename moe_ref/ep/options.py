@@ -43,11 +43,14 @@ class EPOptions:
         num_max_tokens_per_rank: the cap C, rows ONE rank feeds per call (1 .. 2**20).
         overflow: ``"error"`` or ``"chunk"`` when a rank's batch exceeds C.
         transport: ``"auto"``, ``"local"``, ``"symm"`` or ``"a2a"`` (auto is decided collectively later).
-        experts_backend: ``"torch"``, ``"grouped_mm"``, ``"triton"`` or ``"deep_gemm"`` (``auto`` resolved: triton
-            on CUDA, torch on CPU).
+        experts_backend: ``"torch"``, ``"grouped_mm"``, ``"triton"``, ``"deep_gemm"`` or ``"auto"`` (``resolve``
+            turns ``auto`` into what ``experts_class("auto", device)`` is here: ``"torch"`` on CPU; on CUDA
+            ``"triton"``, or ``"auto"`` where the measured table ranks another installed backend (DeepGEMM) first in
+            some call regime: ``moe_ref.experts.auto``).
         dispatch_fp8: rows move as fp8 e4m3 + per-128 scales; FP8 expert weights where the backend has them.
         alignment: rows each expert segment of the receive pool starts on (``resolve`` fills in the backend's
-            ``segment_alignment``: torch 128, grouped_mm 16, triton 1, deep_gemm 128).
+            ``segment_alignment``: torch 128, grouped_mm 16, triton 1, deep_gemm 128, auto the least common
+            multiple of the backends it holds, 128 with deep_gemm).
         pool_format: ``"contiguous"`` (segments back to back: prefill) or ``"masked"`` (M rows per local expert
             at fixed starts, DeepGEMM's masked layout: decode with a small cap); see ``moe_ref.ep.capacity``.
         mega: ``"off"``, ``"deep_gemm"`` or ``"auto"``.
@@ -122,8 +125,8 @@ class EPOptions:
                 debug_checks: bool | None = None, eager_graph_max_tokens: int | None = None) -> "EPOptions":
         """Each option from the argument if given (not None; ``"auto"`` counts as given except for the
         transport, where an operator's ``MOE_REF_TRANSPORT`` still decides), else its environment variable,
-        else the default. ``experts_backend="auto"`` becomes triton on CUDA, torch on CPU; ``alignment=None``
-        becomes that backend's ``segment_alignment``."""
+        else the default. ``experts_backend="auto"`` becomes torch on CPU; on CUDA triton, or auto where it holds
+        more than Triton here (``experts_class``); ``alignment=None`` becomes that backend's ``segment_alignment``."""
         source: dict[str, str] = {}
 
         def pick(name, argument, env_name, env_value, default, argument_wins=lambda v: v is not None):
@@ -144,7 +147,7 @@ class EPOptions:
         backend = pick("experts_backend", experts_backend, "MOE_REF_EXPERTS_BACKEND", envs.experts_backend(), "auto")
         device = torch.device(device)
         if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch"
+            backend = experts_class("auto", device).name  # torch, triton, or auto holding more than Triton here
         if alignment is None and backend in registered_backends():
             alignment = experts_class(backend, device).segment_alignment  # the pool layout the backend wants
         pool = pick("pool_format", pool_format, "MOE_REF_POOL_FORMAT", envs.pool_format(), "contiguous")
@@ -164,9 +167,12 @@ class EPOptions:
         return dataclasses.replace(self, **changes)
 
     def fingerprint(self) -> dict[str, str]:
-        """What must be equal on every rank of the group (the device index may differ: one GPU per rank)."""
+        """What must be equal on every rank of the group (the device index may differ: one GPU per rank). The experts
+        backend is described as it runs here (``auto (triton+deep_gemm)``), so ranks where ``auto`` resolved
+        differently (DeepGEMM usable on some only) differ here, and in ``alignment``."""
+        backend = experts_class(self.experts_backend, self.device).describe()
         return {"num_max_tokens_per_rank": str(self.num_max_tokens_per_rank), "overflow": self.overflow,
-                "transport": self.transport, "experts_backend": self.experts_backend,
+                "transport": self.transport, "experts_backend": backend,
                 "dispatch_fp8": str(self.dispatch_fp8), "alignment": str(self.alignment),
                 "pool_format": self.pool_format, "mega": self.mega, "dtype": str(self.dtype),
                 "device_type": self.device.type, "debug_checks": str(self.debug_checks),

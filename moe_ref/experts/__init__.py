@@ -24,12 +24,20 @@ local expert i are ``x_PDx[row_start_e[i] : row_start_e[i] + num_rows_e[i]]``; r
 | ``grouped_mm`` | ``torch.nn.functional.grouped_mm``               | torch >= 2.9          | 16        | no / no                 |
 | ``triton``     | ``kernels.grouped_mlp``, activation fused        | CUDA (or interpreter) | 1         | ``fp8=True`` / with fp8 |
 | ``deep_gemm``  | DeepGEMM grouped GEMMs (masked on a masked pool) | SM90 + deep_gemm      | 128       | ``fp8=True`` / with fp8 |
+| ``auto``       | per call, the fastest held backend of a measured | CPU: ``torch``; CUDA: | lcm of    | ``fp8=True`` / with fp8 |
+|                | table (``auto``: ``auto_table.json``)            | ``triton`` + others   | the held  |                         |
+
+``auto`` on CUDA holds Triton plus each installed backend the table ranks fastest in some regime for this GPU class
+(``moe_ref.experts.auto``); with none (no table entry, no DeepGEMM) it is plain ``triton``.
+Backends built from one ``FP8ExpertWeights`` (``make_experts(..., fp8_weights=w)``) share one copy of fp8 weights.
 """
-from moe_ref.experts.base import ExpertLayout, Experts, check_pool_format
+from moe_ref.experts.base import ExpertLayout, Experts, FP8ExpertWeights, check_pool_format
 from moe_ref.experts.registry import experts_class, make_experts, register_experts, registered_backends
 from moe_ref.experts import backends as _builtin  # noqa: F401  (registers torch, grouped_mm, triton)
 from moe_ref.experts import deep_gemm as _deep_gemm  # noqa: F401  (registers deep_gemm, imported on first use)
+from moe_ref.experts import auto as _auto  # noqa: F401  (registers auto)
 from moe_ref.experts.backends import GroupedMMExperts, TorchLoopExperts, TritonExperts
 
-__all__ = ["ExpertLayout", "Experts", "check_pool_format", "experts_class", "make_experts", "register_experts",
+__all__ = ["ExpertLayout", "Experts", "FP8ExpertWeights", "check_pool_format", "experts_class", "make_experts",
+           "register_experts",
            "registered_backends", "TorchLoopExperts", "GroupedMMExperts", "TritonExperts"]

@@ -5,11 +5,13 @@ Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate,
 Db = ceil(Dx / 128), Fb = ceil(F / 128)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moe_ref.core.activations import dense_mlp, gated_activation
 from moe_ref.core.errors import BackendUnavailableError
-from moe_ref.experts.base import ExpertLayout, Experts
+from moe_ref.experts.base import ExpertLayout, Experts, FP8ExpertWeights
 from moe_ref.experts.registry import register_experts
 from moe_ref.kernels._triton_utils import FP8_DTYPE
 
@@ -46,9 +48,14 @@ class GroupedMMExperts(Experts):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-        if self._grouped_mm is None:
-            raise BackendUnavailableError(f"torch {torch.__version__} has no grouped_mm; use backend='torch'")
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(f"{reason}; use backend='torch'")
+        self._grouped_mm = _grouped_mm_function()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None if _grouped_mm_function() is not None else f"torch {torch.__version__} has no grouped_mm"
 
     def forward(self, x_PDx, layout, x_scale_PDb=None):
         num_rows = x_PDx.shape[0]
@@ -64,6 +71,11 @@ class GroupedMMExperts(Experts):
                                  self.down_weight_eDF.transpose(-2, -1), offs=offs_e)
         valid_P = _valid_rows(layout, num_rows, x_PDx.device)
         return torch.where(valid_P[:, None], y_PDx, 0).to(x_PDx.dtype)
+
+
+def _grouped_mm_function():
+    """torch's grouped GEMM (``torch.nn.functional.grouped_mm``, or ``torch._grouped_mm`` before 2.9), or None."""
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def _valid_rows(layout: ExpertLayout, num_rows: int, device) -> torch.Tensor:
@@ -89,32 +101,39 @@ class TritonExperts(Experts):
         down_weight_eDF: ``[e, Dx, F]``.
         activation, situ_beta, situ_linear_beta: see ``moe_ref.core.activations`` (fused in the kernel, fp32).
         fp8: quantize the weights ONCE here to fp8 e4m3 with fp32 128x128 block scales
-            (``quantize_fp8_per_block_128``) and run the FP8 kernel. ``forward`` then takes the FP8 pool with
+            (``FP8ExpertWeights.quantize``) and run the FP8 kernel. ``forward`` then takes the FP8 pool with
             its per-row per-128 scales as dispatched (``accepts_fp8_input``) and returns bf16; given
             activation-dtype rows it quantizes them per 128 columns itself and returns their dtype. The fp8
             gate_up rows are kept interleaved (gate j, up j; ``gate_up_interleaved``), so GEMM1 runs one dot per
             k-step (faster than stacked rows, docs/RESULTS.md); bf16 gains nothing from it, so it runs the
             caller's weights as given.
+        fp8_weights: already-quantized weights (``FP8ExpertWeights``: an FP8 checkpoint's, or ones another backend
+            shares) to run as given, stacked gate/up rows (``gate_up_interleaved`` False: 3-9% slower GEMM1 than
+            interleaved rows, docs/RESULTS.md "Interleaved gate/up", and no second copy). Implies ``fp8``.
     """
 
     name = "triton"
     segment_alignment = 1
     supports_fp8 = True
-    gate_up_interleaved = False  # the fp8 gate_up rows alternate gate j, up j (True for fp8=True instances)
+    gate_up_interleaved = False  # the fp8 gate_up rows alternate gate j, up j (True when this object quantized them)
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
-                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False):
+                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False,
+                 fp8_weights: FP8ExpertWeights | None = None):
         super().__init__(gate_up_weight_e2FD, down_weight_eDF, activation, situ_beta, situ_linear_beta)
-        self.fp8 = self.accepts_fp8_input = fp8
-        if fp8:
-            from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+        self.fp8 = self.accepts_fp8_input = fp8 or fp8_weights is not None
+        if fp8 and fp8_weights is None:
             from moe_ref.kernels.grouped_mlp import interleave_gate_up
 
             # NOTE: the originals stay referenced by the base class (the caller's tensors, no copy).
-            gate_up_fp8_e2FD, self.gate_up_scale_e2FbDb = quantize_fp8_per_block_128(gate_up_weight_e2FD)
-            self.gate_up_fp8_e2FD = interleave_gate_up(gate_up_fp8_e2FD)  # the block scales stay stacked
-            self.gate_up_interleaved = True
-            self.down_fp8_eDF, self.down_scale_eDbFb = quantize_fp8_per_block_128(down_weight_eDF)
+            quantized = FP8ExpertWeights.quantize(gate_up_weight_e2FD, down_weight_eDF)
+            fp8_weights = dataclasses.replace(quantized,
+                                              gate_up_fp8_e2FD=interleave_gate_up(quantized.gate_up_fp8_e2FD))
+            self.gate_up_interleaved = True  # the block scales stay stacked
+        if self.fp8:
+            self.gate_up_fp8_e2FD = fp8_weights.gate_up_fp8_e2FD
+            self.gate_up_scale_e2FbDb = fp8_weights.gate_up_scale_e2FbDb
+            self.down_fp8_eDF, self.down_scale_eDbFb = fp8_weights.down_fp8_eDF, fp8_weights.down_scale_eDbFb
 
     def forward(self, x_PDx, layout, x_scale_PDb=None):
         from moe_ref.kernels.grouped_mlp import grouped_mlp

@@ -1,5 +1,6 @@
-"""The experts contract: ``ExpertLayout`` (where each local expert's rows lie in the receive pool) and the
-``Experts`` ABC every backend implements (see the package docstring for the backends).
+"""The experts contract: ``ExpertLayout`` (where each local expert's rows lie in the receive pool), the
+``Experts`` ABC every backend implements (see the package docstring for the backends) and ``FP8ExpertWeights``
+(expert weights already quantized to fp8 blocks, which several backends can share).
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts,
 Db = ceil(Dx / 128), Fb = ceil(F / 128)."""
@@ -12,6 +13,35 @@ import torch
 
 from moe_ref.core.errors import DTypeError, InvalidConfigError
 from moe_ref.kernels._triton_utils import FP8_DTYPE
+
+
+@dataclass(frozen=True)
+class FP8ExpertWeights:
+    """Expert weights in fp8 e4m3 with fp32 128x128 block scales, gate rows then up rows (stacked), as
+    ``kernels.fp8.quantize_fp8_per_block_128`` makes them and FP8 checkpoints store them.
+
+    The one way to hand already-quantized weights to a backend: ``make_experts(..., fp8_weights=w)`` (or the
+    constructor's ``fp8_weights``) runs these tensors as given, so backends built from one ``w`` share one copy.
+
+    Attributes:
+        gate_up_fp8_e2FD: ``[e, 2F, Dx]`` fp8 e4m3.
+        gate_up_scale_e2FbDb: ``[e, ceil(2F / 128), Db]`` fp32 block scales.
+        down_fp8_eDF: ``[e, Dx, F]`` fp8 e4m3.
+        down_scale_eDbFb: ``[e, Db, Fb]`` fp32 block scales.
+    """
+
+    gate_up_fp8_e2FD: torch.Tensor
+    gate_up_scale_e2FbDb: torch.Tensor
+    down_fp8_eDF: torch.Tensor
+    down_scale_eDbFb: torch.Tensor
+
+    @staticmethod
+    def quantize(gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor) -> "FP8ExpertWeights":
+        """Quantize ``[e, 2F, Dx]`` and ``[e, Dx, F]`` weights (bf16/fp16/fp32) once, per 128x128 block."""
+        from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+
+        return FP8ExpertWeights(*quantize_fp8_per_block_128(gate_up_weight_e2FD),
+                                *quantize_fp8_per_block_128(down_weight_eDF))
 
 
 @dataclass(frozen=True)
@@ -97,6 +127,23 @@ class Experts(ABC):
     # ``x_scale_PDb``) as dispatched. Backends set them per instance (they follow ``fp8``).
     fp8 = False
     accepts_fp8_input = False
+
+    @classmethod
+    def resolve_class(cls, device: torch.device) -> "type[Experts]":
+        """The class that runs this backend's name on ``device`` (``experts_class`` returns it): the class itself,
+        except for ``auto``, which stands for another class on each machine (``moe_ref.experts.auto``)."""
+        return cls
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this backend cannot run here (one line), or None when it can; ``auto`` holds only backends that can."""
+        return None
+
+    @classmethod
+    def describe(cls) -> str:
+        """The backend as the ranks of an EP group must agree on it (``EPOptions.fingerprint``): its name; ``auto``
+        adds the backends it holds here."""
+        return cls.name
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0):

@@ -5,6 +5,8 @@
                                                     group-32 scales applied in the K loop, x's dtype dots)
       fp8_block,          "triton": FP8BlockExperts (TritonExperts' FP8 kernel fed the checkpoint's own e4m3
                                                     weights and 128x128 scales: no bf16 round trip, no re-quant)
+      fp8_block,          "auto" on CUDA: FP8BlockExperts, or the auto class (moe_ref.experts.auto) where it holds
+                                                    DeepGEMM too: both run the checkpoint's tensors, one copy
       any format,         "torch":  QuantTorchExperts (the per-expert torch loop on each expert's weights
                                                     dequantized to fp32 when its rows run: the reference)
 
@@ -17,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from moe_ref.core.errors import UnknownNameError
-from moe_ref.experts import Experts, TorchLoopExperts, TritonExperts
+from moe_ref.experts import Experts, TorchLoopExperts, TritonExperts, experts_class
+from moe_ref.experts.base import FP8ExpertWeights
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, dequantize_weight
 
 QUANT_BACKENDS = ("auto", "triton", "torch")
@@ -74,16 +77,18 @@ class FP8BlockExperts(TritonExperts):
                  situ_linear_beta: float = 25.0):
         if qweights.spec.format != QuantFormat.FP8_BLOCK:
             raise UnknownNameError(f"FP8BlockExperts takes fp8_block weights, got {qweights.spec.format.value}")
-        # NOTE: skips TritonExperts.__init__, which would quantize: the checkpoint's tensors are used as stored.
-        Experts.__init__(self, qweights.gate_up_qweight_e2FDq, qweights.down_qweight_eDFq, activation, situ_beta,
-                         situ_linear_beta)
-        self.fp8 = self.accepts_fp8_input = True
-        # NOTE: stacked gate/up rows, as loaded: interleaving them here would hold a second copy beside the layer's
-        # ``quantized_experts`` (the loader could write them interleaved; not done yet), at 3-9% of GEMM time
-        self.gate_up_interleaved = False
-        self.gate_up_fp8_e2FD, self.gate_up_scale_e2FbDb = qweights.gate_up_qweight_e2FDq, qweights.gate_up_scale_e2FDs
-        self.down_fp8_eDF, self.down_scale_eDbFb = qweights.down_qweight_eDFq, qweights.down_scale_eDFs
+        # NOTE: the checkpoint's tensors run as stored, stacked gate/up rows (``fp8_weights``): interleaving them here
+        # would hold a second copy beside the layer's ``quantized_experts`` (the loader could write them interleaved;
+        # not done yet), at 3-9% of GEMM time
+        super().__init__(qweights.gate_up_qweight_e2FDq, qweights.down_qweight_eDFq, activation, situ_beta,
+                         situ_linear_beta, fp8_weights=fp8_checkpoint_weights(qweights))
         self.qweights = qweights
+
+
+def fp8_checkpoint_weights(qweights: QuantizedExpertWeights) -> FP8ExpertWeights:
+    """An fp8_block checkpoint's stored tensors as ``FP8ExpertWeights`` (the same tensors, no copy)."""
+    return FP8ExpertWeights(qweights.gate_up_qweight_e2FDq, qweights.gate_up_scale_e2FDs, qweights.down_qweight_eDFq,
+                            qweights.down_scale_eDFs)
 
 
 class _DequantizingStack:
@@ -126,19 +131,26 @@ def quantized_experts_class(fmt: QuantFormat | str, backend: str = "auto",
 
     Args:
         fmt: the checkpoint's ``QuantFormat`` (or its value).
-        backend: ``"auto"`` (triton on CUDA, else torch), ``"triton"`` or ``"torch"``.
+        backend: ``"auto"`` (torch on CPU; on CUDA the triton kernels, except fp8_block where ``experts_class("auto",
+            device)`` holds more than Triton: that class, over the checkpoint's fp8 tensors), ``"triton"`` or
+            ``"torch"``.
         device: where the weights live (decides ``auto``).
 
     Returns:
-        ``W4A16Experts``, ``FP8BlockExperts`` or ``QuantTorchExperts``; ``UnknownNameError`` (CFG006) otherwise.
+        ``W4A16Experts``, ``FP8BlockExperts``, ``QuantTorchExperts`` or the auto class; ``UnknownNameError`` (CFG006)
+        otherwise.
     """
     if backend not in QUANT_BACKENDS:
         raise UnknownNameError(f"quantized experts backend={backend!r}; supported: {', '.join(QUANT_BACKENDS)}")
+    fp8_block = QuantFormat(fmt) == QuantFormat.FP8_BLOCK
     if backend == "auto":
+        auto = experts_class("auto", device)
+        if fp8_block and auto.name == "auto":  # DeepGEMM (or another backend) beside Triton, sharing the fp8 tensors
+            return auto
         backend = "triton" if torch.device(device).type == "cuda" else "torch"
     if backend == "torch":
         return QuantTorchExperts
-    return FP8BlockExperts if QuantFormat(fmt) == QuantFormat.FP8_BLOCK else W4A16Experts
+    return FP8BlockExperts if fp8_block else W4A16Experts
 
 
 def make_quantized_experts(qweights: QuantizedExpertWeights, activation: str = "silu", situ_beta: float = 4.0,
@@ -148,12 +160,15 @@ def make_quantized_experts(qweights: QuantizedExpertWeights, activation: str = "
     Args:
         qweights: from ``moe_ref.checkpoint.quantized.load_quantized_experts``.
         activation, situ_beta, situ_linear_beta: the model's (``cfg.activation``, ``cfg.situ_beta``, ...).
-        backend: ``"auto"`` (triton on CUDA, else torch), ``"triton"`` (W4A16 kernel for int4/mxfp4, the FP8
+        backend: ``"auto"`` (see ``quantized_experts_class``), ``"triton"`` (W4A16 kernel for int4/mxfp4, the FP8
             block kernel for fp8_block; CUDA or the interpreter) or ``"torch"`` (dequantize-per-expert loop).
 
     Returns:
-        An ``Experts``: ``experts(x_PDx, layout, x_scale_PDb=None) -> y_PDx``. Only ``FP8BlockExperts`` takes the
-        FP8 pool (``accepts_fp8_input``); the others take activation-dtype rows.
+        An ``Experts``: ``experts(x_PDx, layout, x_scale_PDb=None) -> y_PDx``. ``FP8BlockExperts`` and the auto class
+        take the FP8 pool (``accepts_fp8_input``); the others take activation-dtype rows.
     """
     cls = quantized_experts_class(qweights.spec.format, backend, qweights.device)
+    if cls.name == "auto":  # the checkpoint's fp8 tensors, shared by the backends auto holds
+        return cls(qweights.gate_up_qweight_e2FDq, qweights.down_qweight_eDFq, activation, situ_beta, situ_linear_beta,
+                   fp8_weights=fp8_checkpoint_weights(qweights))
     return cls(qweights, activation, situ_beta, situ_linear_beta)

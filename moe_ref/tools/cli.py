@@ -415,6 +415,28 @@ def cmd_bench(args) -> int:
 
 
 # --- info ------------------------------------------------------------------------------------------------
+def auto_backend_lines() -> list[str]:
+    """What ``experts_backend="auto"`` runs on this machine's current GPU: the measured table of its GPU class (or why
+    none applies) and the backends auto holds here (``moe_ref.experts.auto``)."""
+    from moe_ref.experts.auto import auto_plan, format_regimes
+
+    if not torch.cuda.is_available():
+        return ["experts_backend='auto': no GPU: the torch loop (CPU)"]
+    plan = auto_plan("cuda")
+    here = f"experts_backend='auto' on {torch.cuda.get_device_name()} (GPU class {plan.gpu_class})"
+    if plan.table is None:
+        return [f"{here}: GPU class not in the table ({plan.table_path}): triton only"]
+    header = plan.table.header
+    lines = [f"{here}: table {plan.table_path}, measured {header['date']} on {header['gpu']} (torch "
+             f"{header['torch']}, triton {header['triton']}, deep_gemm {header['deep_gemm']}) by "
+             f"`{header['command']}`:"]
+    lines += [f"  {line}" for line in format_regimes(plan.table)]
+    held = "triton only" if plan.held == ("triton",) else ", ".join(plan.held)
+    lines.append(f"  holds here: {held}" + "".join(f"; {name} not usable here: {why}"
+                                                    for name, why in plan.unavailable.items()))
+    return lines
+
+
 def cmd_info(args) -> int:
     import triton
 
@@ -436,6 +458,7 @@ def cmd_info(args) -> int:
               f"{f' (version {status.version})' if status.version else ''}: {status.reason}")
     except ImportError as err:
         print(f"deep_gemm: backend module not importable: {err}")
+    print("\n".join(auto_backend_lines()))
     print("transports: local; symm (CPU shared memory"
           f"{', CUDA symmetric memory: Triton EP kernels' if torch.cuda.is_available() else ''}); a2a (all_to_all_single)")
     from moe_ref.kernels.native import native_status

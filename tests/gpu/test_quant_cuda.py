@@ -55,7 +55,7 @@ def test_quantized_experts_vs_dequantized_fp32_reference(case, fmt_name):
     q = _qweights(fmt, len(counts), hidden, inter)
     layout = ExpertLayout.from_counts(torch.tensor(counts, device="cuda"), alignment=1)
     x_PDx = torch.randn(layout.num_pool_rows, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    experts = make_quantized_experts(q, activation)  # auto: triton on CUDA
+    experts = make_quantized_experts(q, activation)  # auto: triton on CUDA (+ deep_gemm for fp8_block per the table)
     reference = make_quantized_experts(q, activation, backend="torch")  # fp32 GEMMs on the dequantized weights
     y_ref = reference(x_PDx, layout)
     for dtype in (torch.bfloat16, torch.float16):

@@ -163,12 +163,13 @@ def test_experts_refuse_with_env001_and_the_status_reason(monkeypatch):
         make_experts("deep_gemm", gate_up, down)
 
 
-def test_experts_signature_extends_the_base_with_keyword_fp8():
+def test_experts_signature_extends_the_base_with_keyword_fp8_and_fp8_weights():
     base = list(inspect.signature(Experts.__init__).parameters.values())
     ours = list(inspect.signature(DeepGemmExperts.__init__).parameters.values())
     assert [(p.name, p.default, p.kind) for p in ours[:len(base)]] == [(p.name, p.default, p.kind) for p in base]
     extra = ours[len(base):]
-    assert [(p.name, p.default, p.kind) for p in extra] == [("fp8", False, inspect.Parameter.KEYWORD_ONLY)]
+    assert [(p.name, p.default, p.kind) for p in extra] == [("fp8", False, inspect.Parameter.KEYWORD_ONLY),
+                                                             ("fp8_weights", None, inspect.Parameter.KEYWORD_ONLY)]
 
 
 def test_bench_hook_returns_nothing_when_unusable(monkeypatch):

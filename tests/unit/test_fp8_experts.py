@@ -61,7 +61,7 @@ def _weights(e=2, hidden=128, inter=128, seed=0):
 
 @pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
 def test_fp8_weights_refused_by_backends_without_them(backend):
-    with pytest.raises(InvalidConfigError, match=rf"'{backend}' has no fp8 weights.*'triton' or 'deep_gemm'"):
+    with pytest.raises(InvalidConfigError, match=rf"'{backend}' has no fp8 weights.*'triton', 'deep_gemm' or 'auto'"):
         make_experts(backend, *_weights(), fp8=True)
 
 

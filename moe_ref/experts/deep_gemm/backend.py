@@ -48,28 +48,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_ref.experts.deep_gemm.probe import call_deep_gemm, import_deep_gemm
+from moe_ref.experts.deep_gemm.probe import call_deep_gemm, deep_gemm_status, import_deep_gemm
 from moe_ref.core.errors import (DeviceError, DTypeError, FP8AlignmentError, ShapeError, ShapeUnsupportedError,
                                  UnknownNameError)
 from moe_ref.experts import Experts, ExpertLayout
+from moe_ref.experts.base import FP8ExpertWeights
 from moe_ref.kernels._triton_utils import FP8_DTYPE
 
 __all__ = ["DeepGemmExperts", "grouped_layout_from_expert_layout"]
 
 
 # --------------------------------------------------------------------------------------------------
-# FP8 helpers (activations: DeepGEMM's own quantizer; weights: moe_ref.kernels.fp8)
+# FP8 helper (activations: DeepGEMM's own quantizer; weights: FP8ExpertWeights.quantize, moe_ref.kernels.fp8)
 # --------------------------------------------------------------------------------------------------
-def _quantize_weights_fp8(weight_eOI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[e, O, I]`` (O, I multiples of 128) -> fp8 ``[e, O, I]`` + fp32 ``[e, O/128, I/128]`` block scales."""
-    from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
-
-    _, n, k = weight_eOI.shape
-    if n % 128 or k % 128:
-        raise FP8AlignmentError(f"fp8 weights need both matrix dims divisible by 128, got {n=} and {k=}")
-    return quantize_fp8_per_block_128(weight_eOI)
-
-
 def _quantize_rows_fp8(x_I: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., I]`` -> (fp8 ``[..., I]``, fp32 ``[..., Ib]``) with ``deep_gemm.utils.per_token_cast_to_fp8``."""
     from deep_gemm.utils import per_token_cast_to_fp8
@@ -92,7 +83,9 @@ class DeepGemmExperts(Experts):
             ``kernels.gated_act``, fp32, on the valid rows only).
         fp8: quantize the weights once here (128x128 block scales); the rows come as the FP8 pool (fp8 +
             per-row per-128 scales, ``accepts_fp8_input``) or are quantized per call. Else the weights are used
-            as bf16 (a bf16 copy when they are not).
+            as bf16 (the caller's tensors when they are bf16 and contiguous; a bf16 copy when they are not).
+        fp8_weights: already-quantized weights (``FP8ExpertWeights``, stacked gate/up rows: what this backend
+            quantizes to itself) to run as given, so another backend can share them. Implies ``fp8``.
 
     Raises:
         BackendUnavailableError (ENV001): deep_gemm is not usable here; the message carries
@@ -106,23 +99,31 @@ class DeepGemmExperts(Experts):
     supports_fp8 = True  # fp8=True: fp8 weights, and the FP8 pool is taken as dispatched (accepts_fp8_input)
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
-                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False):
+                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False,
+                 fp8_weights: FP8ExpertWeights | None = None):
         deep_gemm = import_deep_gemm()
         super().__init__(gate_up_weight_e2FD, down_weight_eDF, activation, situ_beta, situ_linear_beta)
         if activation not in ("silu", "situ"):
             raise UnknownNameError(f"activation={activation!r}; supported: silu, situ")
         self._deep_gemm = deep_gemm
-        self.fp8 = self.accepts_fp8_input = fp8
+        self.fp8 = self.accepts_fp8_input = fp8 = fp8 or fp8_weights is not None
         self.mk_alignment = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
         self.num_local_experts, self.hidden_size, self.intermediate_size = _check_weights(
             gate_up_weight_e2FD, down_weight_eDF, fp8)
         if fp8:
             # NOTE: the bf16 originals stay referenced by the base class (the caller's tensors, no copy).
-            self._gate_up_weight = _quantize_weights_fp8(gate_up_weight_e2FD)
-            self._down_weight = _quantize_weights_fp8(down_weight_eDF)
+            if fp8_weights is None:
+                fp8_weights = FP8ExpertWeights.quantize(gate_up_weight_e2FD, down_weight_eDF)
+            self._gate_up_weight = (fp8_weights.gate_up_fp8_e2FD, fp8_weights.gate_up_scale_e2FbDb)
+            self._down_weight = (fp8_weights.down_fp8_eDF, fp8_weights.down_scale_eDbFb)
         else:
             self._gate_up_weight = gate_up_weight_e2FD.to(torch.bfloat16).contiguous()
             self._down_weight = down_weight_eDF.to(torch.bfloat16).contiguous()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        status = deep_gemm_status()
+        return None if status.available else status.reason
 
     # --- contiguous layout ---------------------------------------------------------------------------
     def forward(self, x_PDx: torch.Tensor, layout: ExpertLayout, x_scale_PDb: torch.Tensor | None = None) -> torch.Tensor:

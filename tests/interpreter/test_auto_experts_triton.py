@@ -1,0 +1,72 @@
+"""experts_backend="auto" with the real Triton kernels (under the interpreter on CPU): where the table ranks Triton
+first, AutoExperts' output equals a TritonExperts built apart over the same weights, bitwise (bf16: the caller's
+tensors; fp8: auto's one stacked copy), with and without the layer's rows hint. DeepGEMM is a stand-in (it needs
+SM90) that the table ranks first for many rows per expert; the GPU tier runs the real one
+(tests/gpu/test_auto_experts_cuda.py)."""
+import json
+
+import pytest
+import torch
+
+from moe_ref.experts import ExpertLayout, Experts, TritonExperts, experts_class, register_experts, registry
+from moe_ref.experts import auto
+from moe_ref.kernels.fp8 import quantize_fp8_per_128
+from moe_ref.testing import assert_bitwise_equal
+
+pytestmark = pytest.mark.interpreter
+
+NUM_EXPERTS, HIDDEN, INTER = 4, 128, 128
+
+
+class StandInDeepGemm(Experts):
+    name, segment_alignment, supports_fp8 = "deep_gemm", 128, True
+
+    def __init__(self, *args, fp8=False, fp8_weights=None):
+        super().__init__(*args)
+        self.fp8 = self.accepts_fp8_input = fp8 or fp8_weights is not None
+
+    def forward(self, x_PDx, layout, x_scale_PDb=None):
+        raise AssertionError("the table ranks Triton first at these rows")
+
+
+@pytest.fixture
+def auto_class(monkeypatch, tmp_path):
+    """The auto class of a pretend GPU class 9.0 whose table ranks Triton first up to 64 rows per expert."""
+    def regime(dtype, bound, order):
+        return {"dtype": dtype, "pool_format": "contiguous", "max_rows_per_expert": bound, "order": order,
+                "measured": {"us": {"test": {name: 1.0 for name in order}}}}
+
+    regimes = [regime(dtype, bound, order) for dtype in ("bf16", "fp8")
+               for bound, order in ((64, ["triton", "deep_gemm"]), (None, ["deep_gemm", "triton"]))]
+    header = {"date": "", "gpu": "", "compute_capability": "9.0", "torch": "", "triton": "", "deep_gemm": "",
+              "command": "python scripts/tune_experts_auto.py (test)"}
+    path = tmp_path / "auto_table.json"
+    path.write_text(json.dumps({"format": 1, "gpu_classes": {"9.0": {"header": header, "regimes": regimes}}}))
+    monkeypatch.setattr(auto, "TABLE_PATH", path)
+    monkeypatch.setattr(auto, "gpu_class_of", lambda device: "9.0")
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    register_experts("deep_gemm", StandInDeepGemm)
+    cls = experts_class("auto", "cuda")
+    assert cls.held_backends == ("triton", "deep_gemm") and cls.segment_alignment == 128
+    return cls
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("hint", [True, False], ids=["hint", "nohint"])
+def test_auto_equals_triton_bitwise_where_the_table_ranks_it_first(auto_class, fp8, hint):
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen) * HIDDEN ** -0.5).bfloat16()
+    down = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen) * INTER ** -0.5).bfloat16()
+    counts = torch.tensor([5, 0, 130, 64])  # 49.75 rows per expert: Triton's bucket
+    packed = ExpertLayout.from_counts(counts, 128)
+    layout = ExpertLayout(packed.row_start_e, counts, packed.num_pool_rows, 128,
+                          num_rows_hint=int(counts.sum()) if hint else None)
+    x_PDx = torch.randn(layout.num_pool_rows, HIDDEN, generator=gen).bfloat16()
+    inputs = quantize_fp8_per_128(x_PDx) if fp8 else (x_PDx, None)
+
+    experts = auto_class(gate_up, down, fp8=fp8)
+    y_PDx = experts(inputs[0], layout, inputs[1])
+    assert experts.last_backend == "triton"
+    alone = TritonExperts(gate_up, down, fp8_weights=experts.fp8_weights) if fp8 else TritonExperts(gate_up, down)
+    assert not alone.gate_up_interleaved
+    assert_bitwise_equal(y_PDx, alone(inputs[0], layout, inputs[1]), fp8=fp8, hint=hint)
