@@ -18,6 +18,8 @@ Paths per case (every JSON row carries `label`: what it times, `timing`: how, `t
                     a host sync per call)
     api_deep_gemm_{bf16,fp8}[_nohint]  with --include-deep-gemm where deep_gemm runs: make_experts("deep_gemm"[,
                     fp8=True]) the same way, on its own pool (128-aligned segments): the whole MLP as the layer runs it
+    api_auto_{bf16,fp8}[_nohint]  the same with make_experts("auto"): the backend moe_ref/experts/auto_table.json
+                    picks for the call's regime, on the pool auto plans (the layer's default backend)
     triton_bf16 / triton_fp8  moe_ref.kernels.grouped_mlp direct on the 128-aligned pool
     grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
     loop_bf16       torch per-expert loop (host-side counts, no sync inside the timed region)
@@ -276,7 +278,7 @@ def _api_paths(case: Case, backends=API_BACKENDS) -> list[tuple[str, Callable[[]
 def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], object]]]:
     from moe_ref.kernels.grouped_mlp import grouped_mlp
 
-    api_backends = API_BACKENDS + (("deep_gemm",) if include_deep_gemm and _deep_gemm_usable() else ())
+    api_backends = API_BACKENDS + (("deep_gemm", "auto") if include_deep_gemm and _deep_gemm_usable() else ())
     paths = _api_paths(case, api_backends) + [("triton_bf16", lambda: grouped_mlp(case.x_PDx, case.gate_up, case.down, case.row_start_e,
                                                  case.num_rows_e, num_rows_hint=case.num_rows))]
     if case.fp8 is not None:

@@ -20,8 +20,10 @@ that matter most):
   `zero_unused_rows=False`: bench_experts' `api_layout`, `api_call`);
 - each backend's first call (Triton's autotune, DeepGEMM's JIT compile) is untimed and checked against Triton's
   output on the routed rows (calc_diff within `moe_ref.testing.CALC_DIFF_TOLERANCES`); a backend that fails, or
-  cannot be built, is left out of that regime with the reason; then `moe_ref.testing.bench` times it (CUDA
-  events, L2 flushed, median of --iters).
+  cannot be built, is left out of that regime with the reason; then `moe_ref.testing.bench(host_ahead=True)`
+  times it (CUDA events, L2 flushed, median of --iters; the calls queued back to back as a model queues its layers,
+  so the table orders the backends by GPU time: timed one by one on an idle GPU, this host's launch work, ~0.2-0.5
+  ms per call, decided the rows at 4096 rows and below).
 
 How the table is decided (`decide_order`, `bucket_bounds`): at each point the backends measured on every model
 shape are ordered by the SUM over model shapes of their us, fastest first. A point's rows per expert is its routed
@@ -236,7 +238,7 @@ class Tuner:
                 if not diff < TOLERANCE[dtype]:
                     left_out[name] = f"{model}: calc_diff {diff:.2e} vs {reference_name} (limit {TOLERANCE[dtype]:.0e})"
                     continue
-                us[model][name] = round(bench(fn, iters=self.iters), 2)
+                us[model][name] = round(bench(fn, iters=self.iters, host_ahead=True), 2)
                 self.log(f"{dtype} {pool_format:10s} rows {num_rows:6d} {model:8s} {name:10s} {us[model][name]:10.1f} "
                          f"us (first call {first_s:.1f} s, calc_diff vs {reference_name} {diff:.1e})")
             del case, pool
