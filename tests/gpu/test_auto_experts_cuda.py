@@ -88,7 +88,7 @@ def test_auto_runs_the_backend_the_table_ranks_first_bitwise(table, weights, fp8
     x_PDx, layout = _pool(rows_per_expert, masked)
     inputs = quantize_fp8_per_128(x_PDx) if fp8 else (x_PDx, None)
     y_PDx = experts(inputs[0], layout, inputs[1])
-    case = dict(fp8=fp8, masked=masked, rows_per_expert=rows_per_expert, expected=expected)
+    case = dict(fp8=fp8, masked=masked, rows_per_expert=rows_per_expert, backend=expected)
     assert experts.last_backend == expected, case
     alone = make_experts(expected, *weights, fp8_weights=experts.fp8_weights)  # the same weights, built apart
     assert_bitwise_equal(y_PDx, alone(inputs[0], layout, inputs[1]), **case)
