@@ -2,7 +2,8 @@
 """W4A16 (INT4, MXFP4) and FP8-from-checkpoint experts vs bf16 experts through the public Experts API (CUDA).
 
     python scripts/bench_w4a16.py [--rows 64 512] [--out results/bench_w4a16.json] [--sweep]
-                                  [--peer first|all|none] [--max-seconds 240] [--dry-run]
+                                  [--peer first|all|none] [--w4-decode both|convert|bits] [--max-seconds 240]
+                                  [--dry-run]
 
 Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed rows spread uniformly at random
 (multinomial) over the experts; pool layout with alignment 1 (the Triton backends' own). Paths:
@@ -12,6 +13,11 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
 Per case: us (moe_ref.testing.bench, L2 flushed), speedup vs bf16, weight GB/s of the experts that got rows,
 calc_diff vs the dequantized fp32 reference (the torch backend of the same stored weights).
+
+--w4-decode (TEMPORARY, goes with `MOE_REF_W4_DECODE` after its A/B): the 4-bit paths run under each named decode
+arithmetic of the kernel (`both`, the default: convert and bits), timed in turn for `AB_ROUNDS` rounds (median), so
+drift hits both; their rows are `<path>/<decode>` with a `w4_decode` key, and `bitwise_eq_decodes` says whether the
+decodes' outputs were the same bits. The sweep runs each tile under each of them too.
 
 --sweep: per 4-bit format, rows and GEMM, every tile of `DECODE_TILES_W4` that the library's rules keep for
 the launch, forced through `launch_gemm(..., config=triton.Config(...))` and timed alone; each checked against the
@@ -35,9 +41,11 @@ import time
 _T0 = time.monotonic()  # before the heavy imports: --max-seconds counts the whole process
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
@@ -46,6 +54,7 @@ _SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_SCRIPTS, ".."))
 sys.path.insert(0, _SCRIPTS)  # peer_moe
 
+from moe_ref.core import envs  # noqa: E402
 from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
@@ -54,11 +63,14 @@ from moe_ref.testing import bench, calc_diff  # noqa: E402
 NUM_EXPERTS, HIDDEN, INTER = 48, 7168, 2048
 W4_PATHS = {"int4_w4a16": (QuantFormat.INT4_GROUP, 1), "mxfp4_w4a16": (QuantFormat.MXFP4, 2)}  # path -> (format, W4)
 GEMMS = ("gate_up", "down")
+# TEMPORARY (the A/B of MOE_REF_W4_DECODE): the kernel's 4-bit decodes, and timing rounds per decode when alternating
+W4_DECODES = envs.W4_DECODES
+AB_ROUNDS = 3
 SWEEP_CALC_DIFF_LIMIT = 1e-4
-SWEEP_BEST_KEYS = ("path", "rows", "gemm")  # the sweep keeps its fastest correct tile per these
+SWEEP_BEST_KEYS = ("path", "rows", "gemm")  # the sweep keeps its fastest correct tile per these (path/decode)
 # The names of the autotune key of `autotuned_kernel()` (its `.cache` keys start with their values, in this order)
-AUTOTUNE_KEY = ("rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4", "USE_TMA",
-                "PERSISTENT")
+AUTOTUNE_KEY = ("rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4",
+                "W4_DECODE", "USE_TMA", "PERSISTENT")
 # The peer's small search: decode tiles of one BLOCK_SIZE_M (16 covers <= 16 rows per expert in one block);
 # N 32 / K 64 and N 64 / K 32 are vLLM's default W4A16 Triton tiles (get_moe_wna16_block_config)
 PEER_W4A16_CONFIGS = [
@@ -115,6 +127,40 @@ def peer_configs(gemm: str) -> list[dict]:
     return [dict(c) for c in PEER_W4A16_CONFIGS if k % c["BLOCK_SIZE_K"] == 0]
 
 
+def decodes_of(choice: str) -> tuple[str, ...]:
+    """`--w4-decode`'s decodes, in timing order: `both` -> every one of `W4_DECODES`."""
+    return W4_DECODES if choice == "both" else (choice,)
+
+
+@contextlib.contextmanager
+def w4_decode_env(decode: str):
+    """`MOE_REF_W4_DECODE=decode` inside (the kernel reads it per launch), the previous value back afterwards."""
+    previous = os.environ.get("MOE_REF_W4_DECODE")
+    os.environ["MOE_REF_W4_DECODE"] = decode
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["MOE_REF_W4_DECODE"]
+        else:
+            os.environ["MOE_REF_W4_DECODE"] = previous
+
+
+def time_decodes(fn, decodes: tuple[str, ...], rounds: int = AB_ROUNDS) -> dict[str, tuple[float, object]]:
+    """`{decode: (median us, fn()'s output)}`: `fn` timed under each decode in turn, `rounds` rounds (one when there
+    is one decode), so that drift of the GPU's clocks or neighbours hits every decode alike."""
+    times: dict[str, list[float]] = {decode: [] for decode in decodes}
+    for _ in range(rounds if len(decodes) > 1 else 1):
+        for decode in decodes:
+            with w4_decode_env(decode):
+                times[decode].append(bench(fn))
+    outputs = {}
+    for decode in decodes:
+        with w4_decode_env(decode):
+            outputs[decode] = fn()
+    return {decode: (statistics.median(times[decode]), outputs[decode]) for decode in decodes}
+
+
 def tile_label(tile) -> str:
     block_m, block_n, block_k, warps, stages, *rest = tile
     return f"M{block_m} N{block_n} K{block_k} w{warps} s{stages}" + (f" g{rest[0]}" if rest else "")
@@ -143,6 +189,11 @@ def markdown(results: dict) -> str:
         diff = row.get("calc_diff_vs_dequantized_fp32")
         lines.append(f"| {row['rows']} | {row['path']} | {row['us']} | {row['speedup_vs_bf16']} | "
                      f"{row['weight_gb_per_s']} | {'-' if diff is None else f'{diff:.1e}'} |")
+    compared = [row for row in results.get("results", []) if "bitwise_eq_decodes" in row]
+    if compared:
+        differ = sorted({f"{row['rows']} {row['path']}" for row in compared if not row["bitwise_eq_decodes"]})
+        lines += ["", "4-bit decodes (MOE_REF_W4_DECODE, a temporary A/B), outputs bitwise equal: "
+                  + ("all" if not differ else "NO for " + ", ".join(differ))]
     if results.get("sweep_best"):
         lines += ["", "Sweep: fastest forced tile per (format, rows, GEMM), checked against the autotuned launch "
                   "(calc_diff)", "", "| format | rows | GEMM | tile | us | weight GB/s | autotuned us | autotuned tile "
@@ -196,6 +247,8 @@ def _gemm_weights(q: QuantizedExpertWeights, gemm: str) -> tuple[torch.Tensor, t
 
 
 def _launch(case: dict, q: QuantizedExpertWeights, w4: int, gemm: str, a, out, config=None):
+    """One GEMM of this script's shape through `launch_gemm` (autotuned, or the forced `config`), under the
+    caller's `MOE_REF_W4_DECODE`."""
     n, k = gemm_shape(gemm)
     weight, scale = _gemm_weights(q, gemm)
     layout = case["layout"]
@@ -204,74 +257,110 @@ def _launch(case: dict, q: QuantizedExpertWeights, w4: int, gemm: str, a, out, c
                              fp8=False, quant_out=False, rows_hint=case["rows"], w4=w4, config=config)
 
 
+def api_rows(name: str, experts, weight_bytes: int, reference, case: dict, decodes: tuple[str, ...],
+             base_us: float | None) -> list[tuple[dict, torch.Tensor]]:
+    """(row, output) of one path at one case through the public API: one, or for a 4-bit path one per decode
+    (`time_decodes`, with `bitwise_eq_decodes` when there are several). `base_us`: the bf16 row's us (None for
+    the bf16 path itself); `reference`: the torch backend of the same stored weights, or None."""
+    def call():
+        return experts(case["x"], case["layout"])
+    timed = time_decodes(call, decodes) if name in W4_PATHS else {None: (bench(call), call())}
+    outputs = [y for _, y in timed.values()]
+    y_ref = None if reference is None else reference(case["x"].float(), case["layout"])
+    rows = []
+    for decode, (us, y) in timed.items():
+        row = dict(rows=case["rows"], path=name if decode is None else f"{name}/{decode}", us=round(us, 1),
+                   speedup_vs_bf16=round((base_us or us) / us, 2),
+                   weight_gb_per_s=round(weight_bytes * case["touched"] / us / 1e3, 1))
+        if decode is not None:
+            row["w4_decode"] = decode
+            if len(timed) > 1:
+                row["bitwise_eq_decodes"] = all(torch.equal(other, outputs[0]) for other in outputs)
+        if y_ref is not None:
+            row["calc_diff_vs_dequantized_fp32"] = calc_diff(y.float(), y_ref)
+        rows.append((row, y))
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------
 # the sweep
 # ------------------------------------------------------------------------------------------------
 def run_sweep(cases: list[dict], quantized: dict, args, results: dict) -> None:
-    tiles = _tiles()
+    """Every `sweep_tiles` tile per 4-bit format, decode (`--w4-decode`), rows and GEMM (see the module docstring)."""
     for path, (_, w4) in W4_PATHS.items():
-        q = quantized[path]
-        refs = {}  # rows -> autotuned (h, y) and timings
-        for case in cases:
-            h = torch.empty(case["x"].shape[0], INTER, dtype=torch.bfloat16, device="cuda")
-            y = torch.empty_like(case["x"])
-            _launch(case, q, w4, "gate_up", case["x"], h)
-            _launch(case, q, w4, "down", h, y)
-            refs[case["rows"]] = dict(h=h, y=y)
-            for gemm, a, out in (("gate_up", case["x"], h.clone()), ("down", h, y.clone())):
-                refs[case["rows"]][gemm + "_us"] = bench(lambda: _launch(case, q, w4, gemm, a, out))
-                chosen = _autotuned_tile(case["rows"], w4, gemm)
-                refs[case["rows"]][gemm + "_label"] = tile_label(chosen) if chosen else "?"
-        for gemm in GEMMS:
-            weight, scale = _gemm_weights(q, gemm)
-            for tile in sweep_tiles(w4, gemm)[0]:
-                if _elapsed() > args.max_seconds:
-                    results["stopped_early"] = f"sweep at {path} {gemm} {tile_label(tile)}"
-                    _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the sweep")
+        for decode in decodes_of(args.w4_decode):
+            with w4_decode_env(decode):
+                if not _sweep_path(f"{path}/{decode}", w4, decode, quantized[path], cases, args, results):
                     return
-                parts = []
-                for case in cases:
-                    ref = refs[case["rows"]]
-                    run = dict(path=path, rows=case["rows"], gemm=gemm, tile=list(tile), label=tile_label(tile),
-                               autotuned_us=ref[gemm + "_us"], autotuned_label=ref[gemm + "_label"])
-                    a = case["x"] if gemm == "gate_up" else ref["h"]
-                    out = torch.full_like(ref["h"] if gemm == "gate_up" else ref["y"], float("nan"))
-                    config = tiles.config_of_tile(tile)
-                    try:
-                        _launch(case, q, w4, gemm, a, out, config)
-                        run["calc_diff"] = calc_diff(out.float(), (ref["h"] if gemm == "gate_up" else
-                                                                   ref["y"]).float())
-                        run["ok"] = bool(run["calc_diff"] < SWEEP_CALC_DIFF_LIMIT)
-                        run["us"] = bench(lambda: _launch(case, q, w4, gemm, a, out, config))
-                        run["weight_gb_per_s"] = (weight.nbytes + scale.nbytes) * case["touched"] / run["us"] / 1e3
-                        parts.append(f"{case['rows']}: {run['us']:.0f} us (autotuned {ref[gemm + '_us']:.0f})"
-                                     + ("" if run["ok"] else f" FAIL calc_diff {run['calc_diff']:.1e}"))
-                    except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: recorded, the sweep goes on
-                        run["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                        parts.append(f"{case['rows']}: error")
-                        if "illegal" in run["error"].lower():
-                            raise  # the CUDA context is gone
-                    results["sweep"].append(run)
-                _log(f"sweep {path} {gemm:7s} {tile_label(tile):22s} " + " | ".join(parts))
     results["sweep_best"] = best_runs(results["sweep"], SWEEP_BEST_KEYS)
 
 
-def autotune_key(rows: int, w4: int, gemm: str) -> tuple:
-    """The values of `AUTOTUNE_KEY` for one of this script's 4-bit launches (`_launch` with config=None): silu
-    gate_up (stacked rows) or down, bf16 activations, pointer loads (4-bit weights never use TMA), not persistent."""
+def _sweep_path(label: str, w4: int, decode: str, q: QuantizedExpertWeights, cases: list[dict], args,
+                results: dict) -> bool:
+    """The sweep of one format under one decode (already set); False when --max-seconds stopped it."""
+    tiles = _tiles()
+    refs = {}  # rows -> autotuned (h, y) and timings
+    for case in cases:
+        h = torch.empty(case["x"].shape[0], INTER, dtype=torch.bfloat16, device="cuda")
+        y = torch.empty_like(case["x"])
+        _launch(case, q, w4, "gate_up", case["x"], h)
+        _launch(case, q, w4, "down", h, y)
+        refs[case["rows"]] = dict(h=h, y=y)
+        for gemm, a, out in (("gate_up", case["x"], h.clone()), ("down", h, y.clone())):
+            refs[case["rows"]][gemm + "_us"] = bench(lambda: _launch(case, q, w4, gemm, a, out))
+            chosen = _autotuned_tile(case["rows"], w4, gemm, decode)
+            refs[case["rows"]][gemm + "_label"] = tile_label(chosen) if chosen else "?"
+    for gemm in GEMMS:
+        weight, scale = _gemm_weights(q, gemm)
+        for tile in sweep_tiles(w4, gemm)[0]:
+            if _elapsed() > args.max_seconds:
+                results["stopped_early"] = f"sweep at {label} {gemm} {tile_label(tile)}"
+                _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the sweep")
+                return False
+            parts = []
+            for case in cases:
+                ref = refs[case["rows"]]
+                run = dict(path=label, w4_decode=decode, rows=case["rows"], gemm=gemm, tile=list(tile),
+                           label=tile_label(tile), autotuned_us=ref[gemm + "_us"],
+                           autotuned_label=ref[gemm + "_label"])
+                a = case["x"] if gemm == "gate_up" else ref["h"]
+                out = torch.full_like(ref["h"] if gemm == "gate_up" else ref["y"], float("nan"))
+                config = tiles.config_of_tile(tile)
+                try:
+                    _launch(case, q, w4, gemm, a, out, config)
+                    run["calc_diff"] = calc_diff(out.float(), (ref["h"] if gemm == "gate_up" else ref["y"]).float())
+                    run["ok"] = bool(run["calc_diff"] < SWEEP_CALC_DIFF_LIMIT)
+                    run["us"] = bench(lambda: _launch(case, q, w4, gemm, a, out, config))
+                    run["weight_gb_per_s"] = (weight.nbytes + scale.nbytes) * case["touched"] / run["us"] / 1e3
+                    parts.append(f"{case['rows']}: {run['us']:.0f} us (autotuned {ref[gemm + '_us']:.0f})"
+                                 + ("" if run["ok"] else f" FAIL calc_diff {run['calc_diff']:.1e}"))
+                except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: recorded, the sweep goes on
+                    run["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    parts.append(f"{case['rows']}: error")
+                    if "illegal" in run["error"].lower():
+                        raise  # the CUDA context is gone
+                results["sweep"].append(run)
+            _log(f"sweep {label} {gemm:7s} {tile_label(tile):22s} " + " | ".join(parts))
+    return True
+
+
+def autotune_key(rows: int, w4: int, gemm: str, decode: str) -> tuple:
+    """The values of `AUTOTUNE_KEY` for one of this script's 4-bit launches (`_launch` with config=None) under the
+    4-bit `decode`: silu gate_up (stacked rows) or down, bf16 activations, pointer loads (4-bit weights never use
+    TMA), not persistent."""
     import triton
 
     n, k = gemm_shape(gemm)
     values = dict(rows_hint=triton.next_power_of_2(rows), N=n, K=k, num_experts=NUM_EXPERTS,
                   ACTIVATION=1 if gemm == "gate_up" else 0, INTERLEAVED=False, FP8=False, QUANT_OUT=False, W4=w4,
-                  USE_TMA=False, PERSISTENT=False)
+                  W4_DECODE=W4_DECODES.index(decode), USE_TMA=False, PERSISTENT=False)
     return tuple(values[name] for name in AUTOTUNE_KEY)
 
 
-def _autotuned_tile(rows: int, w4: int, gemm: str):
+def _autotuned_tile(rows: int, w4: int, gemm: str, decode: str):
     """The tile autotune chose for this launch (from `autotuned_kernel().cache`, keyed by the autotune key's values
     first, then the tensors' dtypes), or None when not found."""
-    want = autotune_key(rows, w4, gemm)
+    want = autotune_key(rows, w4, gemm, decode)
     for key, config in _gm().autotuned_kernel().cache.items():
         if tuple(key[:len(want)]) == want:
             return _tiles().tile_of(config)
@@ -356,6 +445,9 @@ def _parse(argv=None):
     parser.add_argument("--peer", choices=["first", "all", "none"], default="first",
                         help="peer files to run: the first of .whl/ (SGLang's wheel when present: the engines' kernels "
                              "differ only in argument names), every one, or none")
+    parser.add_argument("--w4-decode", choices=["both", *W4_DECODES], default="both",
+                        help="TEMPORARY A/B: the 4-bit decode arithmetic the W4 paths (and the sweep) run under "
+                             "(MOE_REF_W4_DECODE); both: each, alternating")
     parser.add_argument("--max-seconds", type=float, default=240.0,
                         help="stop the sweep and the peer search past this (from process start)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
@@ -367,7 +459,10 @@ def _parse(argv=None):
 
 def dry_run(args) -> int:
     print(f"shape: {NUM_EXPERTS} experts, D {HIDDEN}, F {INTER}; rows {args.rows}; out {args.out} (+ .md)")
-    print("API rows: bf16, fp8_ckpt, " + ", ".join(W4_PATHS))
+    decodes = decodes_of(args.w4_decode)
+    print("API rows: bf16, fp8_ckpt, " + ", ".join(f"{path}/{decode}" for path in W4_PATHS for decode in decodes))
+    rounds = f"alternating, {AB_ROUNDS} rounds, median" if len(decodes) > 1 else "one"
+    print(f"4-bit decodes (MOE_REF_W4_DECODE, temporary A/B): {', '.join(decodes)} ({rounds})")
     if args.sweep:
         for path, (_, w4) in W4_PATHS.items():
             for gemm in GEMMS:
@@ -410,23 +505,18 @@ def main(argv=None) -> int:
                intermediate=INTER), "args": vars(args), "results": [], "sweep": [], "sweep_best": [], "peer": [],
                "stopped_early": None}
     cases, ours = [], {}
+    decodes = decodes_of(args.w4_decode)
     for num_rows in args.rows:
         case = _case(num_rows, gen)
         cases.append(case)
         base_us = None
         for name, (experts, weight_bytes, reference) in paths.items():
-            us = bench(lambda: experts(case["x"], case["layout"]))
-            y = experts(case["x"], case["layout"])
-            base_us = base_us or us
-            row = dict(rows=num_rows, path=name, us=round(us, 1), speedup_vs_bf16=round(base_us / us, 2),
-                       weight_gb_per_s=round(weight_bytes * case["touched"] / us / 1e3, 1))
-            if reference is not None:
-                row["calc_diff_vs_dequantized_fp32"] = calc_diff(y.float(), reference(case["x"].float(),
-                                                                                     case["layout"]))
-            if name == "int4_w4a16":
-                ours[num_rows] = (us, y)
-            results["results"].append(row)
-            _log(json.dumps(row))
+            for row, y in api_rows(name, experts, weight_bytes, reference, case, decodes, base_us):
+                base_us = base_us or row["us"]
+                if name == "int4_w4a16" and (num_rows not in ours or row["w4_decode"] == envs.w4_decode()):
+                    ours[num_rows] = (row["us"], y)  # the peer's yardstick: the decode the library runs by default
+                results["results"].append(row)
+                _log(json.dumps(row))
     _write(results, args.out)
     if args.peer != "none":
         run_peer(cases, quantized["int4_w4a16"], ours, args, results)

@@ -16,7 +16,8 @@ Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(...
 weights, unaligned rows, `MOE_REF_TMA=0`).
 FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
 shares one weight scale). W4A16 (int32 = INT4, uint8 = MXFP4, formats in `moe_ref.checkpoint.formats`):
-nibbles unpacked and group-32 scales applied in fp32 in the K loop, dots in x's dtype.
+nibbles unpacked and group-32 scales applied in fp32 in the K loop, dots in x's dtype (the decode arithmetic is
+`MOE_REF_W4_DECODE`'s, a temporary A/B: `_w4_decode`).
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features (the kernel's GEMM sizes N and K), Db = ceil(Dx / 128),
@@ -68,26 +69,84 @@ _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 # --------------------------------------------------------------------------------------------------
 # Triton kernel
 # --------------------------------------------------------------------------------------------------
+# The "bits" 4-bit decode (`_w4_decode`, W4_DECODE=1). MXFP4: an E2M1 code's fp32 bits with the sign at 31 and e|m at
+# 22..24 are its value times 2**-126 (e == 0 falls in the denormals, which Triton's NVIDIA backend keeps: no .ftz on
+# plain multiplies, only libdevice calls flush).
+_E2M1_FP32_FIELDS = tl.constexpr(0x81C00000 - (1 << 32))  # bits 31 and 22..24, as an int32
+_E2M1_FP32_SCALE = tl.constexpr(2.0**126)
+
+
 @triton.jit
-def _w4_decode(nibbles, scale, W4: tl.constexpr):
-    """fp32 weights of int32 4-bit codes (0..15) times their group scales (broadcastable to `nibbles`): INT4
-    (W4=1) `(code - 8) * scale`, MXFP4 (W4=2) E2M1 value `* 2**(scale byte - 125)`."""
+def _int4_minus_8(nibbles, SCALE_DTYPE: tl.constexpr):
+    """fp32 `code - 8` of int32 codes 0..15 with no int->float conversion: the float whose bits are `magic | code`
+    is `2**p + code`, minus `2**p + 8`; exact. The float is the scale's dtype: fp32 (0x4B000000: 2**23 + code), or
+    bf16 (0x4300: 128 + code) / fp16 (0x6400: 1024 + code), whose arithmetic is written in fp32 (the interpreter
+    computes 16-bit floats as integers) with the result rounded back, a no-op: LLVM then narrows the subtraction,
+    and the scale multiply with the tile's cast after it, to packed 16-bit instructions (two values each) when x
+    has the scale's dtype (it narrows `fptrunc(op(fpext a, fpext b))` where that gives the same bits).
+
+    Example: code 3, bf16: bits 0x4303 = 131.0, - 136.0 = -5.0.
+    """
+    if SCALE_DTYPE == tl.bfloat16:
+        return ((nibbles | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - 136.0).to(
+            tl.bfloat16).to(tl.float32)
+    if SCALE_DTYPE == tl.float16:
+        return ((nibbles | 0x6400).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) - 1032.0).to(
+            tl.float16).to(tl.float32)
+    return (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+
+@triton.jit
+def _as_bf16(values):
+    """fp32 `values` that bf16 holds exactly, read back through bf16 (their upper 16 bits; the same values): to LLVM
+    a widened bf16, so a multiply by a bf16-valued scale and the tile's cast to bf16 become one packed bf16 multiply
+    instead of an fp32 multiply and a conversion."""
+    return (values.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _w4_decode(nibbles, scale, W4: tl.constexpr, W4_DECODE: tl.constexpr):
+    """fp32 weights of int32 4-bit codes (0..15) times their group scales (broadcastable to `nibbles`, so each
+    scale is converted once per group and column): INT4 (W4=1) `(code - 8) * scale`, MXFP4 (W4=2) E2M1 value
+    `* 2**(scale byte - 125)` (bytes 0..253; 254 and 255 wrap the exponent to -0.0 and -2**-126, as always).
+
+    TEMPORARY A/B (`MOE_REF_W4_DECODE`): two roads to the same bits; the last multiply takes equal operands.
+    W4_DECODE=0 ("convert"): INT4 `code - 8` through an int->float conversion (I2F, one per value, on Hopper's
+    conversion unit); MXFP4 fp32 bits built from e and m with compares, selects, shifts and ors, and the tile cast
+    to x's dtype by a conversion. W4_DECODE=1 ("bits"): INT4 `_int4_minus_8` (no conversion; where x has the
+    scale's 16-bit dtype LLVM decodes two values per instruction); MXFP4 the code placed into fp32 bits by one
+    multiply and one mask, times 2**126 (exact: a power of two on a value of 2 significant bits), the scale built
+    as bf16 bits (the same value for every byte) and the product through `_as_bf16`. The 2**126 stays a multiply
+    of its own: in the scale it would make 2**(byte + 1), past fp32's range from byte 127 on.
+
+    Example: INT4 code 3, scale 0.5: (3 - 8) * 0.5 = -2.5 both ways. MXFP4 code 0xB (s 1, e 01, m 1), byte 126:
+        bits 0xB * 0x10400000 = 0xB2C00000, & 0x81C00000 = 0x80C00000 = -1.5 * 2**-126, * 2**126 = -1.5,
+        * 2**(126 - 125) = -3.0; code 0x1 (e 00, m 1): 0x00400000 = 2**-127 (a denormal) -> 0.5 -> 1.0.
+    """
     if W4 == 1:
-        values = (nibbles - 8).to(tl.float32)
+        if W4_DECODE == 0:
+            values = (nibbles - 8).to(tl.float32)
+        else:
+            values = _int4_minus_8(nibbles, scale.dtype)
         scale = scale.to(tl.float32)
-    else:
+    elif W4_DECODE == 0:
         # E2M1 code s|ee|m -> fp32 bits: e > 0: 2**(e-1) * (1 + m/2); e == 0: m * 0.5 (exponent 126); sign bit 3
         e = (nibbles >> 1) & 3
         m = nibbles & 1
         bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((nibbles & 8) << 28)
         values = bits.to(tl.float32, bitcast=True)
         scale = ((scale.to(tl.int32) + 2) << 23).to(tl.float32, bitcast=True)  # 2**(byte - 125)
+    else:
+        bits = (nibbles * 0x10400000) & _E2M1_FP32_FIELDS  # code << 22 | code << 28, masked
+        values = _as_bf16(bits.to(tl.float32, bitcast=True) * _E2M1_FP32_SCALE)
+        scale = ((scale.to(tl.int32) + 2) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
     return values * scale
 
 
 @triton.jit
 def _w4_tile(b_base, scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_scale_n,
-             W4: tl.constexpr, PER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+             W4: tl.constexpr, W4_DECODE: tl.constexpr, PER: tl.constexpr, BLOCK_K: tl.constexpr,
+             BLOCK_N: tl.constexpr):
     """Dequantized fp32 `[BLOCK_K, BLOCK_N]` tile (rows k0.., columns offs_n) of a packed 4-bit weight: one
     `[BLOCK_K / PER, BLOCK_N]` load of whole int32 words (8 codes each; MXFP4 bytes are read as words too, so the
     loads are pipelined), unpacked as `[BLOCK_K / PER, PER, BLOCK_N]` and reshaped into the tile. (Unpacking
@@ -105,7 +164,7 @@ def _w4_tile(b_base, scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_scale
     offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     mask_g = (offs_g < K // 32)[:, None] & mask_n[None, :]
     scale = tl.load(scale_base + offs_n[None, :] * stride_scale_n + offs_g[:, None], mask=mask_g, other=0)
-    return tl.reshape(_w4_decode(nibbles, scale[:, None, :], W4), (BLOCK_K, BLOCK_N))
+    return tl.reshape(_w4_decode(nibbles, scale[:, None, :], W4, W4_DECODE), (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -117,8 +176,8 @@ def _split_pairs(pairs):
 
 @triton.jit
 def _load_b_tile(b_desc, b_base, b_scale_base, expert_row0, first_row, num_b_rows, k0, K, stride_b_n, stride_b_scale_n,
-                 a_ptr, W4: tl.constexpr, W4_PER: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
-                 BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
+                 a_ptr, W4: tl.constexpr, W4_PER: tl.constexpr, W4_DECODE: tl.constexpr, USE_TMA: tl.constexpr,
+                 UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
     """`[BLOCK_K, WIDTH]` tile of b.T: b rows first_row.. (of this expert's num_b_rows), columns k0.. .
     Rows and columns past the ends read as 0. `expert_row0`: this expert's first row in b viewed as 2D (TMA).
     4-bit weights come back dequantized in a's dtype (`a_ptr` only gives the dtype); UPCAST: then in fp32."""
@@ -126,8 +185,8 @@ def _load_b_tile(b_desc, b_base, b_scale_base, expert_row0, first_row, num_b_row
     mask_b = offs_b < num_b_rows
     # one return: Triton types every return statement, also those of branches a constexpr leaves out
     if W4 != 0:  # dequantized in fp32, then x's dtype (as the twin's weights)
-        tile = _w4_tile(b_base, b_scale_base, offs_b, mask_b, k0, K, stride_b_n, stride_b_scale_n, W4, W4_PER,
-                        BLOCK_K, WIDTH).to(a_ptr.dtype.element_ty)
+        tile = _w4_tile(b_base, b_scale_base, offs_b, mask_b, k0, K, stride_b_n, stride_b_scale_n, W4, W4_DECODE,
+                        W4_PER, BLOCK_K, WIDTH).to(a_ptr.dtype.element_ty)
     elif USE_TMA:
         tile = b_desc.load([(expert_row0 + first_row).to(tl.int32), k0]).T
     else:
@@ -180,6 +239,7 @@ def _grouped_gemm_kernel(
     FP8: tl.constexpr,             # a, b are fp8 e4m3 with per-128 scales
     W4: tl.constexpr,              # b is packed 4-bit with group-32 scales: 1 int4 (int32 words), 2 mxfp4 (uint8)
     W4_PER: tl.constexpr,          # 4-bit values per element of b as the kernel reads it: 8 (int32 words); 1 otherwise
+    W4_DECODE: tl.constexpr,       # TEMPORARY A/B of the 4-bit decode arithmetic (`_w4_decode`): 0 convert, 1 bits
     QUANT_OUT: tl.constexpr,       # write c as fp8 e4m3 + per-row per-128 scales (needs BLOCK_N == 128)
     USE_TMA: tl.constexpr,         # load the a and b tiles through a_desc/b_desc (Hopper TMA), not pointers
     N_ALIGNED: tl.constexpr,       # N % 128 == 0: the up half of a gate||up tile starts a scale group too
@@ -213,7 +273,8 @@ def _grouped_gemm_kernel(
                        b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc, R, N, K, situ_beta,
                        situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
                        stride_b_scale_n, stride_c_r, stride_c_scale_r, ACTIVATION, INTERLEAVED, SITU_LINEAR, FP8,
-                       W4, W4_PER, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                       W4, W4_PER, W4_DECODE, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
     else:  # one program per tile of the upper-bound grid; the surplus programs exit at once
         pid_m, pid_n = _tile_coords(tl.program_id(0), tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
         if pid_m < num_pid_m:
@@ -221,7 +282,8 @@ def _grouped_gemm_kernel(
                        b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc, R, N, K, situ_beta,
                        situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
                        stride_b_scale_n, stride_c_r, stride_c_scale_r, ACTIVATION, INTERLEAVED, SITU_LINEAR, FP8,
-                       W4, W4_PER, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+                       W4, W4_PER, W4_DECODE, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
 
 
 @triton.jit
@@ -245,9 +307,9 @@ def _gemm_tile(
     stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
     stride_c_r, stride_c_scale_r,
     ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, SITU_LINEAR: tl.constexpr, FP8: tl.constexpr,
-    W4: tl.constexpr, W4_PER: tl.constexpr, QUANT_OUT: tl.constexpr, USE_TMA: tl.constexpr, N_ALIGNED: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    W4: tl.constexpr, W4_PER: tl.constexpr, W4_DECODE: tl.constexpr, QUANT_OUT: tl.constexpr, USE_TMA: tl.constexpr,
+    N_ALIGNED: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """M block `pid_m` (of all experts' blocks, `pid_m < sum(num_blocks_e)`) x N tile `pid_n` of one grouped GEMM;
     arguments as `_grouped_gemm_kernel`'s, plus the expert table (`num_rows_e`, their BLOCK_M blocks and the
@@ -293,7 +355,8 @@ def _gemm_tile(
         if ACTIVATION != 0 and INTERLEAVED:
             # one dot over 2 * BLOCK_N b rows: gate and up of output columns offs_n, in alternation
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * 2 * BLOCK_N, num_b_rows, k0, K,
-                             stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, UPCAST, BLOCK_K, 2 * BLOCK_N)
+                             stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, W4_DECODE, USE_TMA, UPCAST, BLOCK_K,
+                             2 * BLOCK_N)
             if FP8:  # the 128x128 block scales stay indexed by the stacked rows: gate j -> j, up j -> N + j
                 gate, up = _split_pairs(tl.dot(a, b))
                 acc = _promote(acc, gate, scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
@@ -304,7 +367,7 @@ def _gemm_tile(
                 acc_pairs = _mma(a, b, acc_pairs, IEEE_FP32)
         else:
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * BLOCK_N, N, k0, K, stride_b_n,
-                             stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, UPCAST, BLOCK_K, BLOCK_N)
+                             stride_b_scale_n, a_ptr, W4, W4_PER, W4_DECODE, USE_TMA, UPCAST, BLOCK_K, BLOCK_N)
             if FP8:
                 acc = _promote(acc, tl.dot(a, b), scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
                                128 % BLOCK_N == 0, BLOCK_N)
@@ -312,8 +375,8 @@ def _gemm_tile(
                 acc = _mma(a, b, acc, IEEE_FP32)
             if ACTIVATION != 0:  # the up rows follow the N gate rows
                 b_up = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, N + pid_n * BLOCK_N, num_b_rows, k0,
-                                    K, stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, USE_TMA, UPCAST, BLOCK_K,
-                                    BLOCK_N)
+                                    K, stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, W4_DECODE, USE_TMA, UPCAST,
+                                    BLOCK_K, BLOCK_N)
                 if FP8:
                     acc_up = _promote(acc_up, tl.dot(a, b_up), scale_a, b_scale_base, N + pid_n * BLOCK_N,
                                       stride_b_scale_n, k0, 2 * N, 128 % BLOCK_N == 0 and N_ALIGNED, BLOCK_N)
@@ -364,8 +427,8 @@ def autotuned_kernel():
     """
     return triton.autotune(
         configs=tiles.gpu_configs(),
-        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4", "USE_TMA",
-             "PERSISTENT"],
+        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4", "W4_DECODE",
+             "USE_TMA", "PERSISTENT"],
         prune_configs_by={"early_config_prune": tiles.prune_configs},
     )(_grouped_gemm_kernel)
 
@@ -450,7 +513,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     rules) raises ValueError; one that does not fit the GPU fails in Triton (OutOfResources).
     `tma=None` loads the a and b tiles through TMA descriptors where `_tma_possible` (else pointers);
     True forces TMA (InvalidConfigError, a ValueError, where it is impossible), False forces pointers.
-    4-bit b: MXFP4 bytes are read as int32 words (`_w4_tile`).
+    4-bit b: MXFP4 bytes are read as int32 words (`_w4_tile`); the decode arithmetic is `MOE_REF_W4_DECODE`'s
+    (read per launch; a temporary A/B, the same bits either way).
     `persistent`: a grid of `PERSISTENT_PROGRAMS_PER_SM` programs per SM walks the live tiles, instead of one
     program per tile of the upper-bound grid.
     Returns what the Triton launch returns (on a GPU the compiled kernel: `n_regs`, `n_spills`,
@@ -487,7 +551,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     )
     flags = dict(
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
-        QUANT_OUT=quant_out, W4=w4, W4_PER=8 if w4 else 1, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
+        QUANT_OUT=quant_out, W4=w4, W4_PER=8 if w4 else 1,
+        W4_DECODE=envs.W4_DECODES.index(envs.w4_decode()) if w4 else 0, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=next_power_of_2(num_experts),
         PERSISTENT=persistent,
     )

@@ -40,7 +40,8 @@ HOPPER = GPUTarget("cuda", 90, 32)
 OPTION_KEYS = ("num_warps", "num_stages", "enable_fp_fusion")
 FP8 = torch.float8_e4m3fn
 
-# name -> (weights "bf16" | "fp8" | "int4" | "mxfp4", GEMM "gate_up" | "down", interleaved, TMA, tile[, persistent])
+# name -> (weights "bf16" | "fp8" | "int4" | "mxfp4", GEMM "gate_up" | "down", interleaved, TMA, tile[, persistent
+# [, MOE_REF_W4_DECODE]]); 4-bit cases without a decode take the default one
 CASES = {
     "bf16 gate_up decode tile, TMA": ("bf16", "gate_up", False, True, (16, 64, 128, 4, 4)),
     "bf16 gate_up interleaved prefill tile, TMA": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8)),
@@ -54,6 +55,9 @@ CASES = {
     "bf16 gate_up interleaved prefill tile, TMA, persistent": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8),
                                                               True),
     "fp8 down, TMA, persistent": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8), True),
+    # TEMPORARY: the other side of the 4-bit decode A/B, until one decode goes
+    "int4 gate_up interleaved, convert decode": ("int4", "gate_up", True, False, (16, 64, 128, 4, 4), False, "convert"),
+    "mxfp4 down, convert decode": ("mxfp4", "down", False, False, (64, 128, 64, 4, 3), False, "convert"),
 }
 
 # name -> (ids dtype, weights dtype)
@@ -118,7 +122,8 @@ def _operands(weights: str, gemm: str, interleaved: bool) -> dict:
                 activation="silu" if gemm == "gate_up" else "none")
 
 
-def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple, persistent: bool = False):
+def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple, persistent: bool = False,
+                 w4_decode: str | None = None):
     """Launch one grouped-MLP case into the recorder, then compile the recorded launch for sm_90."""
     ops = _operands(weights, gemm, interleaved)
     experts = ops["b"].shape[0]
@@ -127,6 +132,9 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
     tma_possible, num_sms = gm._tma_possible, gm._num_sms
     gm._tma_possible = lambda a, b, w4: tma  # no CUDA device here: TMA is what the case says
     gm._num_sms = lambda device: 132  # an H200's
+    previous_decode = os.environ.get("MOE_REF_W4_DECODE")
+    if w4_decode is not None:
+        os.environ["MOE_REF_W4_DECODE"] = w4_decode  # this worker's process only, read by launch_gemm
     try:
         return compile_launch(gm, "_grouped_gemm_kernel", lambda: gm.launch_gemm(
             ops["a"], ops["a_scale"], ops["b"], ops["b_scale"], ops["c"], ops["c_scale"], row_start_e, num_rows_e,
@@ -135,6 +143,10 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
             config=gm.tiles.config_of_tile(tile), persistent=persistent))
     finally:
         gm._tma_possible, gm._num_sms = tma_possible, num_sms
+        if previous_decode is None:
+            os.environ.pop("MOE_REF_W4_DECODE", None)
+        else:
+            os.environ["MOE_REF_W4_DECODE"] = previous_decode
 
 
 def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import triton
 
+from moe_ref.core import envs
 from moe_ref.core.errors import DTypeError, InvalidConfigError
 from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
@@ -19,6 +20,13 @@ pytestmark = pytest.mark.interpreter
 
 W4 = [QuantFormat.INT4_GROUP, QuantFormat.MXFP4]
 COUNTS = [5, 0, 19]  # an empty expert, a ragged one; the interpreter's BLOCK_M is 16
+
+
+@pytest.fixture(params=envs.W4_DECODES)
+def w4_decode(request, monkeypatch) -> str:
+    """The test runs under each 4-bit decode of the temporary A/B (`MOE_REF_W4_DECODE`)."""
+    monkeypatch.setenv("MOE_REF_W4_DECODE", request.param)
+    return request.param
 
 
 def _qweights(fmt, num_experts, hidden, inter, device, seed=0):
@@ -42,7 +50,7 @@ def _pool(layout, hidden, dtype, device, seed=1):
 @pytest.mark.parametrize("fmt", W4)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["silu", "situ"])
-def test_w4_kernel_matches_twin(fmt, dtype, activation, device, assert_close):
+def test_w4_kernel_matches_twin(fmt, dtype, activation, w4_decode, device, assert_close):
     hidden, inter = 64, 32
     q = _qweights(fmt, len(COUNTS), hidden, inter, device)
     layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=64)
@@ -50,13 +58,13 @@ def test_w4_kernel_matches_twin(fmt, dtype, activation, device, assert_close):
     args = (x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, activation)
     scales = dict(gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs)
     y_PDx, y_ref = gm.grouped_mlp(*args, **scales), gm.grouped_mlp_ref(*args, **scales)
-    case = dict(fmt=fmt.value, dtype=dtype, activation=activation)
+    case = dict(fmt=fmt.value, dtype=dtype, activation=activation, w4_decode=w4_decode)
     assert (y_PDx.cpu()[~valid] == 0).all(), case
     assert_close(y_PDx, y_ref, dtype, **case)
 
 
 @pytest.mark.parametrize("fmt", W4)
-def test_w4_interleaved_gate_up_matches_twin(fmt, device, assert_close):
+def test_w4_interleaved_gate_up_matches_twin(fmt, w4_decode, device, assert_close):
     """Packed 4-bit gate_up rows and their per-row group scales interleaved together (gate j, up j)."""
     hidden, inter = 64, 32
     q = _qweights(fmt, len(COUNTS), hidden, inter, device)
@@ -70,7 +78,7 @@ def test_w4_interleaved_gate_up_matches_twin(fmt, device, assert_close):
     assert torch.equal(y_ref, gm.grouped_mlp_ref(*stacked, gate_up_scale=q.gate_up_scale_e2FDs,
                                                  down_scale=q.down_scale_eDFs))
     assert (y_PDx.cpu()[~valid] == 0).all()
-    assert_close(y_PDx, y_ref, torch.float16, fmt=fmt.value)
+    assert_close(y_PDx, y_ref, torch.float16, fmt=fmt.value, w4_decode=w4_decode)
 
 
 @pytest.mark.parametrize("fmt", W4)
