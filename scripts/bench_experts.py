@@ -20,6 +20,8 @@ Paths per case (every JSON row carries `label`: what it times, `timing`: how, `t
                     fp8=True]) the same way, on its own pool (128-aligned segments): the whole MLP as the layer runs it
     api_auto_{bf16,fp8}[_nohint]  the same with make_experts("auto"): the backend moe_ref/experts/auto_table.json
                     picks for the call's regime, on the pool auto plans (the layer's default backend)
+    graph_api_*     with --graph: an api_ row (rows hint) captured once in a CUDA graph and replayed (GPU work only,
+                    as a layer's replayed eager call and a captured decode step run it)
     triton_bf16 / triton_fp8  moe_ref.kernels.grouped_mlp direct on the 128-aligned pool
     grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
     loop_bf16       torch per-expert loop (host-side counts, no sync inside the timed region)
@@ -310,6 +312,27 @@ def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], 
     return paths
 
 
+def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph on its first call (after one warm-up call on a side stream, as torch's
+    capture docs do); every call replays it and returns the captured output."""
+    state: dict = {}
+
+    def replay():
+        if "graph" not in state:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            state["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(state["graph"]):
+                state["out"] = fn()
+        state["graph"].replay()
+        return state["out"]
+
+    return replay
+
+
 def selected(name: str, paths: str | None) -> bool:
     """Whether row ``name`` is timed under ``--paths`` (a comma list of names or name prefixes; None: every row)."""
     return paths is None or any(name.startswith(prefix) for prefix in paths.split(","))
@@ -483,6 +506,8 @@ def _peer_paths_logged(case: Case, peer, log: dict, search: str = "none", quick:
 def row_label(path: str, peer_labels: dict | None = None, search: str = "none") -> str:
     """What a row times, in words, for the JSON (`label`) and the markdown."""
     dtype = path.rsplit("_", 1)[-1] if path.endswith(("bf16", "fp8")) else ""
+    if path.startswith("graph_"):
+        return row_label(path[len("graph_"):], peer_labels, search) + ", captured in a CUDA graph and replayed"
     if path.startswith("api_"):
         backend = path[len("api_"):].removesuffix("_nohint").rsplit("_", 1)[0]  # api_deep_gemm_fp8 -> deep_gemm
         hint = "without the rows hint (host sync)" if path.endswith("_nohint") else "rows hint"
@@ -789,6 +814,9 @@ def main(argv=None) -> int:
     parser.add_argument("--paths", default=None,
                         help="comma list of the rows to time, by name or name prefix (e.g. api_,deep_gemm_kernels_); "
                              "default: every row")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time each api_ row with the rows hint captured in a CUDA graph (`graph_<row>`: "
+                             "its GPU work without the host's, as a layer's replayed eager call runs it)")
     parser.add_argument("--kernel-table", action="store_true",
                         help="also record each timed row's GPU kernels and their us per call (torch profiler)")
     parser.add_argument("--seed", type=int, default=0)
@@ -828,8 +856,12 @@ def main(argv=None) -> int:
             peer_paths = [path for peer in peers for path in _peer_paths_logged(case, peer, results["peer"],
                                                                                 args.peer_search, args.quick)]
             configs = {name: config for name, _, config in peer_paths}
-            for name, fn in _paths(case, args.include_deep_gemm) + [(name, fn) for name, fn, _ in peer_paths]:
-                if not selected(name, args.paths):
+            paths = _paths(case, args.include_deep_gemm) + [(name, fn) for name, fn, _ in peer_paths]
+            if args.graph:
+                paths += [(f"graph_{name}", graphed(fn)) for name, fn in paths
+                          if name.startswith("api_") and not name.endswith("_nohint") and selected(name, args.paths)]
+            for name, fn in paths:
+                if not selected(name.removeprefix("graph_"), args.paths):
                     continue
                 start = time.time()
                 if name.startswith(("peer_", "deep_gemm_")):  # a failing anchor leaves its row out, not the run

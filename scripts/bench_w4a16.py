@@ -11,7 +11,8 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
     fp8_ckpt    make_quantized_experts(fp8_block weights as a checkpoint stores them)   (x quantized per 128)
     int4_w4a16  make_quantized_experts(int4_group weights), bf16 activations
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
-Per case: us (moe_ref.testing.bench, L2 flushed), speedup vs bf16, weight GB/s of the experts that got rows,
+The experts get the layout the layer's dispatch hands them (static rows hint, unused rows not zeroed: no host sync).
+Per case: us (moe_ref.testing.bench with host_ahead: GPU time, calls queued back to back, L2 flushed), speedup vs bf16, weight GB/s of the experts that got rows,
 calc_diff vs the dequantized fp32 reference (the torch backend of the same stored weights).
 
 --w4-decode (TEMPORARY, goes with `MOE_REF_W4_DECODE` after its A/B): the 4-bit paths run under each named decode
@@ -58,7 +59,12 @@ from moe_ref.core import envs  # noqa: E402
 from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
-from moe_ref.testing import bench, calc_diff  # noqa: E402
+from moe_ref.testing import bench as _bench_calls, calc_diff  # noqa: E402
+
+
+def bench(fn) -> float:
+    """us of ``fn()``'s GPU work: calls queued back to back as a model queues its layers (L2 flushed, median)."""
+    return _bench_calls(fn, host_ahead=True)
 
 NUM_EXPERTS, HIDDEN, INTER = 48, 7168, 2048
 W4_PATHS = {"int4_w4a16": (QuantFormat.INT4_GROUP, 1), "mxfp4_w4a16": (QuantFormat.MXFP4, 2)}  # path -> (format, W4)
@@ -235,7 +241,10 @@ def _case(num_rows: int, gen) -> dict:
     counts = torch.bincount(torch.multinomial(torch.ones(NUM_EXPERTS), num_rows, replacement=True,
                                               generator=torch.Generator().manual_seed(num_rows)),
                             minlength=NUM_EXPERTS)
-    layout = ExpertLayout.from_counts(counts.cuda(), alignment=1)
+    packed = ExpertLayout.from_counts(counts.cuda(), alignment=1)
+    # as the layer's device-side dispatch hands it to the experts: a static rows hint, unused rows not zeroed
+    layout = ExpertLayout(packed.row_start_e, packed.num_rows_e, packed.num_pool_rows, 1, num_rows_hint=num_rows,
+                          zero_unused_rows=False)
     x_PDx = torch.randn(layout.num_pool_rows, HIDDEN, device="cuda", generator=gen).bfloat16()
     return dict(rows=num_rows, layout=layout, x=x_PDx, touched=int((counts > 0).sum()) / NUM_EXPERTS)
 

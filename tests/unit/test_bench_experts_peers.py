@@ -348,3 +348,9 @@ def test_pools_are_whole_alignment_blocks_as_a_layer_allocates_them():
     assert default_pool_rows(2, 16, 4, 8, 128) % 128 == 0
     _, _, rows = be._layout([3, 0, 130], "cpu")
     assert rows == 384
+
+
+def test_graph_rows_are_labelled_and_keep_their_dtype_suffix():
+    label = be.row_label("graph_api_auto_fp8")
+    assert "make_experts('auto')" in label and "CUDA graph" in label
+    assert be.selected("graph_api_auto_fp8".removeprefix("graph_"), "api_auto_")
