@@ -57,7 +57,7 @@ def test_a_switch_follows_every_change_of_its_variable(monkeypatch):
             envs.bound_launch()
 
 
-@pytest.mark.parametrize("value, expected", [(None, "bits"), ("", "bits"), ("bits", "bits"), (" Convert ", "convert"),
+@pytest.mark.parametrize("value, expected", [(None, "convert"), ("", "convert"), ("bits", "bits"), (" Convert ", "convert"),
                                              ("BITS", "bits")])
 def test_the_temporary_w4_decode_switch_reads_its_two_words(monkeypatch, value, expected):
     if value is None:
