@@ -143,14 +143,7 @@ def _layout(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]
     """(row_start_e int64, num_rows_e int32, pool rows): segments packed by ``ExpertLayout.from_counts``."""
     layout = ExpertLayout.from_counts(torch.tensor(counts, dtype=torch.int64), ALIGN)
     return (layout.row_start_e.to(device), layout.num_rows_e.to(device=device, dtype=torch.int32),
-            _layer_pool_rows(layout.num_pool_rows, ALIGN))
-
-
-def _layer_pool_rows(num_rows: int, alignment: int) -> int:
-    """Rows of the pool as a layer allocates it: a whole number of ``alignment`` rows (``ep_regions.default_pool_rows``),
-    at least one. (DeepGEMM's contiguous GEMMs need whole 128-row blocks: on a pool that ends mid-block its backend
-    copies the pool into a padded one on every call, which a layer's pool never makes it do.)"""
-    return max(-(-num_rows // alignment) * alignment, alignment)
+            max(layout.num_pool_rows, ALIGN))
 
 
 def _pool(case: Case, alignment: int) -> Pool:
@@ -162,7 +155,7 @@ def _pool(case: Case, alignment: int) -> Pool:
         else:
             layout = ExpertLayout.from_counts(torch.tensor(case.counts, dtype=torch.int64), alignment)
             device = case.x_PDx.device
-            num_pool_rows = _layer_pool_rows(layout.num_pool_rows, alignment)
+            num_pool_rows = max(layout.num_pool_rows, 1)
             x_PDx = case.x_PDx.new_zeros(num_pool_rows, case.x_PDx.shape[1])
             valid = ExpertLayout(layout.row_start_e, layout.num_rows_e, num_pool_rows, alignment).row_expert_P() >= 0
             x_PDx[valid.to(device)] = case.x_packed

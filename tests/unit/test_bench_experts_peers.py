@@ -338,18 +338,6 @@ def test_paths_selects_rows_by_name_or_prefix():
     assert not be.selected("api_triton_bf16", "api_triton_fp8")
 
 
-def test_pools_are_whole_alignment_blocks_as_a_layer_allocates_them():
-    """DeepGEMM's backend copies a pool that ends mid-block into a padded one every call; a layer's never does."""
-    from moe_ref.kernels.ep_regions import default_pool_rows
-
-    assert be._layer_pool_rows(3, 1) == 3 and be._layer_pool_rows(0, 1) == 1
-    assert be._layer_pool_rows(129, 128) == 256 and be._layer_pool_rows(256, 128) == 256
-    assert be._layer_pool_rows(0, 128) == 128
-    assert default_pool_rows(2, 16, 4, 8, 128) % 128 == 0
-    _, _, rows = be._layout([3, 0, 130], "cpu")
-    assert rows == 384
-
-
 def test_graph_rows_are_labelled_and_keep_their_dtype_suffix():
     label = be.row_label("graph_api_auto_fp8")
     assert "make_experts('auto')" in label and "CUDA graph" in label
