@@ -535,3 +535,60 @@ def test_the_tuning_loop_stops_at_max_seconds_and_says_what_it_left_out(tiny_mod
     measured, notes = tune.run(tiny_models, [8], seed=0, iters=2, max_seconds=0, device="cpu")
     assert measured == {} and notes[0] == "fp8 contiguous rows 8: not measured (--max-seconds 0 reached)"
     assert len(notes) == 4
+
+
+# --------------------------------------------------------------------------------------------------
+# inside the routed step (the layer's path): the pool the step plans, its hint, one call per regime
+# --------------------------------------------------------------------------------------------------
+class LoopTriton(TorchLoopExperts):
+    """The torch loop registered as "triton": real results, so the step's output can be compared; given the
+    dispatcher's own layout, as the kernels are (not whole padded segments)."""
+    name, segment_alignment, supports_fp8, computes_whole_segments = "triton", 1, True, False
+
+    def __init__(self, *args, fp8=False, fp8_weights=None):
+        super().__init__(*args)
+        self.fp8 = self.accepts_fp8_input = False
+
+
+class LoopDeepGemm(LoopTriton):
+    name, segment_alignment = "deep_gemm", 128
+
+    @classmethod
+    def unavailable_reason(cls):
+        return DeepGemmExperts.unavailable_reason()
+
+
+def test_the_routed_step_runs_auto_per_call_regime_on_the_pool_it_plans(monkeypatch, tmp_path, sm90):
+    """A layer's modular step over auto: the pool planned with auto's 128-row segments, each call's rows per expert
+    choosing the backend (few rows: triton; many: deep_gemm), and the step's output the bits of the same step over
+    the same loop held alone."""
+    from moe_ref.core.config import preset
+    from moe_ref.core.weights import MoEWeights
+    from moe_ref.ep.routed_step import make_modular_step
+    from moe_ref.testing import assert_bitwise_equal
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    register_experts("triton", LoopTriton)
+    register_experts("deep_gemm", LoopDeepGemm)
+    use_table(monkeypatch, tmp_path, {"format": 1, "about": "test", "gpu_classes": {"9.0": {"header": header(),
+              "regimes": [regime("bf16", "contiguous", 2.0, ["triton", "deep_gemm"]),
+                          regime("bf16", "contiguous", None, ["deep_gemm", "triton"])]}}})
+    deep_gemm_usable(monkeypatch, True)
+    cfg = preset("tiny-kimi-k2")  # 16 experts, top-4
+    weights = MoEWeights.random(cfg, seed=1)
+    gate_up, down = weights.gate_up_weight_E2FD.bfloat16(), weights.down_weight_EDF.bfloat16()
+    cls = experts_class("auto", "cuda")
+    assert cls.segment_alignment == 128
+    auto_experts = cls(gate_up, down, cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
+    plain = LoopTriton(gate_up, down, cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
+    options = EPOptions.resolve(num_max_tokens_per_rank=64, alignment=cls.segment_alignment, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    with make_modular_step(cfg, None, auto_experts, options) as step, \
+            make_modular_step(cfg, None, plain, options) as step_plain:
+        for num_tokens, expected in ((2, "triton"), (64, "deep_gemm")):  # 8 / 16 and 256 / 16 rows per expert
+            x = torch.randn(num_tokens, cfg.hidden_size, generator=gen).bfloat16()
+            ids = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[:cfg.num_topk] for _ in range(num_tokens)])
+            w = torch.rand(num_tokens, cfg.num_topk, generator=gen)
+            y = step(x, ids, w)
+            assert auto_experts.last_backend == expected, num_tokens
+            assert_bitwise_equal(y, step_plain(x, ids, w), num_tokens=num_tokens)
