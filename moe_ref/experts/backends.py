@@ -13,6 +13,7 @@ from moe_ref.core.activations import dense_mlp, gated_activation
 from moe_ref.core.errors import BackendUnavailableError
 from moe_ref.experts.base import ExpertLayout, Experts, FP8ExpertWeights
 from moe_ref.experts.registry import register_experts
+from moe_ref.kernels import ops
 from moe_ref.kernels._triton_utils import FP8_DTYPE
 
 
@@ -69,22 +70,14 @@ class GroupedMMExperts(Experts):
         h_PF = gated_activation(gate_PF, up_PF, self.activation, self.situ_beta, self.situ_linear_beta)
         y_PDx = self._grouped_mm(h_PF.to(self.down_weight_eDF.dtype).contiguous(),
                                  self.down_weight_eDF.transpose(-2, -1), offs=offs_e)
-        valid_P = _valid_rows(layout, num_rows, x_PDx.device)
-        return torch.where(valid_P[:, None], y_PDx, 0).to(x_PDx.dtype)
+        row_expert_P = ops.pool_row_experts(layout.row_start_e.to(x_PDx.device), layout.num_rows_e.to(x_PDx.device),
+                                            num_rows)
+        return ops.zero_rows_outside_segments(y_PDx, row_expert_P).to(x_PDx.dtype)
 
 
 def _grouped_mm_function():
     """torch's grouped GEMM (``torch.nn.functional.grouped_mm``, or ``torch._grouped_mm`` before 2.9), or None."""
     return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def _valid_rows(layout: ExpertLayout, num_rows: int, device) -> torch.Tensor:
-    """``[P]`` bool, True on rows inside a segment (computed on device, no host sync)."""
-    rows_P = torch.arange(num_rows, device=device)
-    ends_e = layout.row_start_e + layout.num_rows_e
-    seg_P = torch.searchsorted(layout.row_start_e, rows_P, right=True) - 1
-    seg_P = seg_P.clamp(min=0)
-    return (rows_P >= layout.row_start_e[seg_P]) & (rows_P < ends_e[seg_P])
 
 
 class TritonExperts(Experts):

@@ -94,11 +94,12 @@ class ExpertLayout:
         return self.num_rows_e.numel()
 
     def row_expert_P(self) -> torch.Tensor:
-        """``[P]`` int64: the local expert of each pool row, -1 for padding rows."""
-        expert_P = torch.full((self.num_pool_rows,), -1, dtype=torch.int64, device=self.num_rows_e.device)
-        for i, (start, count) in enumerate(zip(self.row_start_e.tolist(), self.num_rows_e.tolist())):
-            expert_P[start:start + count] = i
-        return expert_P
+        """``[P]`` int64: the local expert of each pool row, -1 for padding rows (``kernels.pool_rows``; no host
+        sync)."""
+        from moe_ref.kernels import ops
+
+        device = self.num_rows_e.device
+        return ops.pool_row_experts(self.row_start_e.to(device), self.num_rows_e, self.num_pool_rows).to(torch.int64)
 
 
 class Experts(ABC):

@@ -29,6 +29,12 @@ from moe_ref.kernels.fp8 import (
     quantize_fp8_per_block_128,
 )
 from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
+from moe_ref.kernels.pool_rows import (
+    pool_row_experts,
+    pool_row_experts_ref,
+    zero_rows_outside_segments,
+    zero_rows_outside_segments_ref,
+)
 from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
 from moe_ref.kernels.router_topk import router_topk, router_topk_ref
 from moe_ref.kernels.routing_check import routing_check, routing_check_ref
@@ -48,6 +54,10 @@ __all__ = [
     "dequantize_fp8_per_block_128",
     "grouped_mlp",
     "grouped_mlp_ref",
+    "pool_row_experts",
+    "pool_row_experts_ref",
+    "zero_rows_outside_segments",
+    "zero_rows_outside_segments_ref",
     # device-side EP data path over symmetric memory (see ep_regions for the buffer contract)
     "EPRegions",
     "PeerBuffers",

@@ -6,6 +6,7 @@
 | routing_check    | ``kernels.routing_check`` (Triton)    | ``kernels.routing_check_ref`` (torch) |
 | dense_mlp        | ``kernels.grouped_mlp``, one expert (Triton) | ``activations.dense_mlp`` (torch)  |
 | pre_dispatch     | ``kernels.pre_dispatch`` (Triton)     | ``kernels.pre_dispatch_ref`` (torch)  |
+| pool_row_experts, zero_rows_outside_segments | ``kernels.pool_rows`` (Triton) | their ``_ref`` twins (torch) |
 | ep_ops           | ``kernels.ep_*`` (Triton, no host sync)| ``moe_ref.kernels.native``: the compiled ``csrc`` ops (``torch.ops.moe_ref.*_cpu``), or the torch twins ``kernels.ep_*_ref`` when the library is not built or ``MOE_REF_NATIVE=0`` |
 
 ``ep_ops`` are the device-side EP phases (pre-dispatch, dispatch, combine push, reduce) the ``symm`` transport
@@ -67,6 +68,19 @@ def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_
 def pre_dispatch(x_TD: torch.Tensor, *args, **kwargs):
     """``kernels.pre_dispatch`` on CUDA, its twin elsewhere (same arguments)."""
     return (kernels.pre_dispatch if uses_triton(x_TD.device) else kernels.pre_dispatch_ref)(x_TD, *args, **kwargs)
+
+
+def pool_row_experts(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, num_pool_rows: int) -> torch.Tensor:
+    """``[P]`` int32: the local expert of each pool row, -1 outside every segment (``kernels.pool_rows``); no host
+    sync."""
+    return (kernels.pool_row_experts if uses_triton(row_start_e.device) else kernels.pool_row_experts_ref)(
+        row_start_e, num_rows_e, num_pool_rows)
+
+
+def zero_rows_outside_segments(y_PD: torch.Tensor, row_expert_P: torch.Tensor) -> torch.Tensor:
+    """Zero, in place, the rows of ``y_PD`` whose ``row_expert_P`` is < 0 (``kernels.pool_rows``); returns it."""
+    return (kernels.zero_rows_outside_segments if uses_triton(y_PD.device) else kernels.zero_rows_outside_segments_ref)(
+        y_PD, row_expert_P)
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,9 @@ from moe_ref.core.errors import (DeviceError, DTypeError, FP8AlignmentError, Sha
 from moe_ref.experts import Experts, ExpertLayout
 from moe_ref.experts.base import FP8ExpertWeights
 from moe_ref.kernels._triton_utils import FP8_DTYPE
+from moe_ref.kernels.pool_rows import pool_row_experts, zero_rows_outside_segments
 
-__all__ = ["DeepGemmExperts", "grouped_layout_from_expert_layout"]
+__all__ = ["DeepGemmExperts", "grouped_layout"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,13 +158,13 @@ class DeepGemmExperts(Experts):
         if num_padded_rows != num_rows:
             a_PD = tuple(_pad_rows(part, num_padded_rows) for part in a_PD) if self.fp8 else \
                 _pad_rows(a_PD, num_padded_rows)
-        grouped_layout_P, valid_P = grouped_layout_from_expert_layout(layout, num_padded_rows, x_PDx.device)
+        grouped_layout_P = grouped_layout(layout, num_padded_rows, x_PDx.device)
 
         gate_up_P2F = self._grouped_gemm(a_PD, self._gate_up_weight, grouped_layout_P)
         h_PF = self._activation(gate_up_P2F, group_P=grouped_layout_P)
         y_PDx = self._grouped_gemm(h_PF, self._down_weight, grouped_layout_P)[:num_rows]
-        if layout.zero_unused_rows:
-            y_PDx = torch.where(valid_P[:num_rows, None], y_PDx, 0)
+        if layout.zero_unused_rows:  # DeepGEMM leaves the rows of group -1 unwritten
+            zero_rows_outside_segments(y_PDx, grouped_layout_P[:num_rows])
         return y_PDx.to(out_dtype)
 
     def _grouped_gemm(self, a_PI, weight, grouped_layout_P: torch.Tensor) -> torch.Tensor:
@@ -252,8 +253,9 @@ class DeepGemmExperts(Experts):
             h_PF.view(num_experts, max_rows, -1)
         y_eMDx = self._masked_gemm(h_eMF, self._down_weight, masked_m_e, expected_m)
         if zero_unused_rows:
-            valid_eM = torch.arange(max_rows, device=x_eMDx.device)[None, :] < masked_m_e[:, None]
-            y_eMDx = torch.where(valid_eM[..., None], y_eMDx, 0)
+            row_start_e = torch.arange(num_experts, device=x_eMDx.device) * max_rows
+            y_PDx = y_eMDx.view(num_experts * max_rows, -1)  # expert i's rows at i * M, its segment masked_m_e[i]
+            zero_rows_outside_segments(y_PDx, pool_row_experts(row_start_e, masked_m_e, y_PDx.shape[0]))
         return y_eMDx.to(out_dtype)
 
     def _masked_gemm(self, a_eMI, weight, masked_m_e: torch.Tensor, expected_m: int) -> torch.Tensor:
@@ -319,26 +321,11 @@ def _check_weights(gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Ten
     return num_experts, hidden, intermediate
 
 
-def grouped_layout_from_expert_layout(layout: ExpertLayout, num_rows: int,
-                                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepGEMM's per-row group ids from an ``ExpertLayout``, built on ``device`` without a host sync.
+def grouped_layout(layout: ExpertLayout, num_rows: int, device: torch.device) -> torch.Tensor:
+    """DeepGEMM's ``grouped_layout`` of a (possibly padded) pool: ``[num_rows]`` int32 on ``device``, the local expert
+    of each row, -1 outside every segment (``kernels.pool_rows``: one launch, no host sync).
 
-    Example: starts [0, 128, 128], counts [3, 0, 5], P = 256 -> rows 0-2 -> 0, rows 3-127 -> -1,
-    rows 128-132 -> 2, rows 133-255 -> -1 (an empty expert shares its start with the next one;
-    ``searchsorted(right=True)`` picks the later, non-empty one).
-
-    Args:
-        layout: segments sorted by start (as ``ExpertLayout.from_counts`` builds them).
-        num_rows: P, rows of the (possibly padded) pool.
-        device: where to build the tensors.
-
-    Returns:
-        grouped_layout_P: ``[P]`` int32, the local expert of each row, -1 on padding rows.
-        valid_P: ``[P]`` bool, ``grouped_layout_P >= 0``.
+    Example: starts [0, 128, 128], counts [3, 0, 5], 256 rows -> rows 0-2 -> 0, rows 3-127 -> -1, rows 128-132 -> 2,
+    rows 133-255 -> -1.
     """
-    row_start_e = layout.row_start_e.to(device=device, dtype=torch.int64)
-    num_rows_e = layout.num_rows_e.to(device=device, dtype=torch.int64)
-    rows_P = torch.arange(num_rows, device=device, dtype=torch.int64)
-    seg_P = (torch.searchsorted(row_start_e, rows_P, right=True) - 1).clamp(min=0)
-    valid_P = (rows_P >= row_start_e[seg_P]) & (rows_P < row_start_e[seg_P] + num_rows_e[seg_P])
-    return torch.where(valid_P, seg_P, -1).to(torch.int32), valid_P
+    return pool_row_experts(layout.row_start_e.to(device), layout.num_rows_e.to(device), num_rows)

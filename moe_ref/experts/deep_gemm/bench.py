@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from moe_ref.experts.deep_gemm.backend import DeepGemmExperts, grouped_layout_from_expert_layout
+from moe_ref.experts.deep_gemm.backend import DeepGemmExperts, grouped_layout
 from moe_ref.experts.deep_gemm.probe import call_deep_gemm, deep_gemm_status, import_deep_gemm
 from moe_ref.experts import ExpertLayout
 from moe_ref.kernels._triton_utils import FP8_DTYPE
@@ -186,7 +186,7 @@ def deep_gemm_kernel_cases(x_PDx: torch.Tensor, gate_up_weight_e2FD: torch.Tenso
             num_padded = -(-x_PDx.shape[0] // experts.mk_alignment) * experts.mk_alignment
             a_PD = experts._gemm_input(*rows)
             a_PD = tuple(_pad(part, num_padded) for part in a_PD) if fp8 else _pad(a_PD, num_padded)
-            group_P, _ = grouped_layout_from_expert_layout(layout, num_padded, x_PDx.device)
+            group_P = grouped_layout(layout, num_padded, x_PDx.device)
             gate_up_P2F = experts._grouped_gemm(a_PD, experts._gate_up_weight, group_P)
             h_PF = _laid_out(deep_gemm, experts._activation(gate_up_P2F, group_P=group_P))
             a_PD = _laid_out(deep_gemm, a_PD)
