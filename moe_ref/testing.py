@@ -5,9 +5,12 @@
   every case parameter. ``CALC_DIFF_TOLERANCES``: the bound on ``calc_diff`` per dtype.
 - ``assert_bitwise_equal(a, b, **case)``: exact equality, reporting the first mismatching coordinate.
 - ``count_bytes(*tensors)``, ``bench(fn)`` (CUDA-event timing with L2 flush; wall clock on CPU).
+- ``graphed(fn, *static_inputs)``: ``fn`` captured once in a CUDA graph, replayed with new inputs copied in.
+- ``sync_debug_mode(mode)``: torch's CUDA sync debug mode (``"error"``: any host sync raises) inside a ``with``.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -104,3 +107,42 @@ def bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 20, flush_l
     torch.cuda.synchronize()
     times = [start.elapsed_time(end) * 1e3 for start, end in events]
     return sorted(times)[len(times) // 2]
+
+
+def graphed(fn: Callable[..., object], *static_inputs: torch.Tensor, warmups: int = 2) -> Callable[..., object]:
+    """``fn(*static_inputs)`` captured once in a ``torch.cuda.CUDAGraph``, after ``warmups`` calls on a side stream
+    (which compile and tune its kernels outside the capture, as torch's CUDA-graph docs do).
+
+    Returns:
+        ``replay(*inputs)``: copies each input into its static tensor, replays, and returns the captured output
+        (the same tensor every call: clone it to keep one).
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn(*static_inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*static_inputs)
+
+    def replay(*inputs: torch.Tensor):
+        for static, given in zip(static_inputs, inputs):
+            static.copy_(given)
+        graph.replay()
+        return out
+
+    return replay
+
+
+@contextlib.contextmanager
+def sync_debug_mode(mode: str):
+    """``torch.cuda.set_sync_debug_mode(mode)`` inside the ``with`` (``"error"``: a synchronizing CUDA call raises;
+    ``"warn"``: it warns), the previous mode restored after, also on an exception."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)

@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_step  # noqa: E402  (its timing of back-to-back calls, its cProfile and its runtime API names)
 from moe_ref import MegaMoE  # noqa: E402
 from moe_ref.core.config import preset  # noqa: E402
+from moe_ref.testing import graphed, sync_debug_mode  # noqa: E402
 
 LAUNCHES = profile_step.RUNTIME_KINDS["kernel launches"]
 SYNCS = profile_step.RUNTIME_KINDS["synchronizations"]
@@ -70,24 +71,6 @@ def build_layer(args, dispatch: str, cap: int) -> MegaMoE:
                    experts_backend="triton", dispatch_fp8=dispatch == "fp8")
 
 
-def graphed(moe: MegaMoE, x: torch.Tensor):
-    """``moe`` captured once; each call copies its input into the captured one and replays."""
-    static_x = x.clone()
-    for _ in range(2):  # warm up on a side stream, as torch.cuda.graphs recommends
-        moe(static_x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = moe(static_x)
-
-    def replay(x_TD):
-        static_x.copy_(x_TD)
-        graph.replay()
-        return static_y
-
-    return replay
-
-
 def sync_sites(fn, x) -> list[str]:
     """The Python lines (innermost moe_ref frame, and its caller) that synchronized during one call."""
     sites: list[str] = []
@@ -103,10 +86,9 @@ def sync_sites(fn, x) -> list[str]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            fn(x)
+            with sync_debug_mode("warn"):
+                fn(x)
     finally:
-        torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = saved
     torch.cuda.synchronize()
     return sites
@@ -256,7 +238,7 @@ def run_case(args, moe: MegaMoE, launching: MegaMoE | None, dispatch: str, cap: 
             if route in ("eager", "eager_launches"):
                 continue
             try:
-                fn = graphed(moe, x) if route == "graph" else torch.compile(moe, mode="reduce-overhead",
+                fn = graphed(moe, x.clone()) if route == "graph" else torch.compile(moe, mode="reduce-overhead",
                                                                             fullgraph=True)
                 for _ in range(3):
                     out = fn(x)

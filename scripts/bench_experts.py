@@ -92,7 +92,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from moe_ref.experts import ExpertLayout  # noqa: E402
 from moe_ref.kernels.fp8 import quantize_fp8_per_block_128  # noqa: E402
-from moe_ref.testing import calc_diff  # noqa: E402
+from moe_ref.testing import calc_diff, graphed  # noqa: E402
 
 ALIGN = 128
 MODELS = {  # name -> (local experts e, hidden D, intermediate F, top-k)
@@ -303,27 +303,6 @@ def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], 
     if include_deep_gemm:
         paths.extend(_deep_gemm_cases(case))
     return paths
-
-
-def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured in a CUDA graph on its first call (after one warm-up call on a side stream, as torch's
-    capture docs do); every call replays it and returns the captured output."""
-    state: dict = {}
-
-    def replay():
-        if "graph" not in state:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            state["graph"] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(state["graph"]):
-                state["out"] = fn()
-        state["graph"].replay()
-        return state["out"]
-
-    return replay
 
 
 def selected(name: str, paths: str | None) -> bool:

@@ -69,7 +69,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from moe_ref.core.config import MoEConfig  # noqa: E402
 from moe_ref.ep.distributed import group_size_and_rank  # noqa: E402
 from moe_ref.experts import Experts  # noqa: E402
-from moe_ref.testing import calc_diff  # noqa: E402
+from moe_ref.testing import calc_diff, graphed  # noqa: E402
 
 DEFAULT_PATHS = ("a2a_grouped_mm", "moe_ref_triton", "moe_ref_triton_graph", "moe_ref_triton_fp8",
                  "moe_ref_triton_fp8_graph", "deep_gemm_mega", "a2a_identity", "moe_ref_identity",
@@ -233,28 +233,13 @@ class IdentityExperts(Experts):
         return x_PD
 
 
-def graphed(builder):
-    """``builder`` captured once in a CUDA graph; each call copies its inputs in and replays."""
+def graphed_step(builder):
+    """``builder``'s step captured once in a CUDA graph (``moe_ref.testing.graphed``); each call copies its inputs in
+    and replays."""
     def build(args, cfg, group, num_tokens, local_weights, device):
         step, cleanup = builder(args, cfg, group, num_tokens, local_weights, device)
         static = [t.clone() for t in make_inputs(args, rank(), num_tokens, device)]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile every kernel outside the capture
-                step(*static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(*static)
-
-        def replay(x_TD, ids_TK, weights_TK):
-            for dst, src in zip(static, (x_TD, ids_TK, weights_TK)):
-                dst.copy_(src)
-            graph.replay()
-            return out
-
-        return replay, cleanup
+        return graphed(step, *static), cleanup
 
     return build
 
@@ -281,7 +266,7 @@ BUILDERS = {"a2a_grouped_mm": build_a2a_grouped_mm, "deep_gemm_mega": build_deep
             "a2a_identity": build_a2a_identity}
 for _name, _options in MODULAR.items():
     BUILDERS[_name] = modular(**_options)
-    BUILDERS[f"{_name}_graph"] = graphed(modular(**_options))
+    BUILDERS[f"{_name}_graph"] = graphed_step(modular(**_options))
 PATHS = tuple(BUILDERS)  # every path --paths can name
 
 

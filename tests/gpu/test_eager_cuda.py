@@ -10,6 +10,7 @@ import torch
 from moe_ref.core.config import preset
 from moe_ref.core.errors import NonFiniteError
 from moe_ref.layer import MegaMoE
+from moe_ref.testing import sync_debug_mode
 
 pytestmark = pytest.mark.cuda
 
@@ -34,11 +35,8 @@ def test_an_eager_call_on_one_gpu_does_not_synchronize(dispatch_fp8, num_tokens,
         for _ in range(2):  # the first calls compile and autotune the kernels (which synchronizes)
             expected = moe(x).clone()
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
-        try:
+        with sync_debug_mode("error"):  # any synchronizing CUDA call raises
             got = moe(x)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.equal(got, expected), f"{dispatch_fp8=} {num_tokens=}"
     moe.destroy()

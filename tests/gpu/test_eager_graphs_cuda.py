@@ -9,6 +9,7 @@ from moe_ref import eager_graphs
 from moe_ref.core.config import preset
 from moe_ref.core.weights import MoEWeights
 from moe_ref.layer import MegaMoE
+from moe_ref.testing import sync_debug_mode
 
 pytestmark = pytest.mark.cuda
 
@@ -49,11 +50,8 @@ def test_a_replay_does_not_synchronize_and_its_output_is_not_overwritten():
         first = moe(x)  # captured and replayed
         torch.cuda.synchronize()
         expected_first = first.clone()
-        torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
-        try:
+        with sync_debug_mode("error"):  # any synchronizing CUDA call raises
             second = moe(y)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
     assert torch.equal(first, expected_first), "a later replay overwrote an earlier call's output"
     assert not torch.equal(second, first)

@@ -1,5 +1,6 @@
-"""``moe_ref.testing.bench`` on a stand-in CUDA: by default every timed call starts on an idle GPU (a sync after
-each); with ``host_ahead`` the calls are queued back to back and the host syncs once, after the last."""
+"""``moe_ref.testing.bench`` and ``sync_debug_mode`` on a stand-in CUDA. bench: by default every timed call starts
+on an idle GPU (a sync after each); with ``host_ahead`` the calls are queued back to back and the host syncs once,
+after the last. sync_debug_mode: the previous mode comes back, also after an exception."""
 from __future__ import annotations
 
 import pytest
@@ -33,3 +34,15 @@ def test_host_ahead_queues_the_timed_calls_without_a_sync_between_them(monkeypat
     us = testing.bench(lambda: _log.append("call"), warmup=2, iters=7, flush_l2=False, host_ahead=host_ahead)
     assert _log.count("call") == 9 and _log.count("sync") == syncs
     assert us == 1000.0  # each call's own events: 1 ms
+
+
+def test_sync_debug_mode_restores_the_previous_mode_also_after_an_exception(monkeypatch):
+    modes = [1]  # the current mode, as torch keeps it ("warn")
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with testing.sync_debug_mode("error"):
+        assert modes[-1] == "error"
+    assert modes[-1] == 1
+    with pytest.raises(RuntimeError), testing.sync_debug_mode("error"):
+        raise RuntimeError("a call that synchronized")
+    assert modes[-1] == 1
