@@ -1,0 +1,440 @@
+"""Grouped expert MLP over 4-bit weights (W4A16: INT4 or MXFP4 weights, bf16/fp16/fp32 activations).
+
+    router -> pre_dispatch -> dispatch -> [grouped_mlp_w4] -> combine -> combine_reduce
+
+The same MLP as ``moe_ref.kernels.grouped_mlp`` (GEMM1 gate||up + activation, then GEMM2, on an expert-major
+pool), with the weights kept 4-bit in memory and decoded in registers:
+
+    h[r] = act(sum_g s_gate[g] * (x[r, g] @ q_gate[:, g].T), sum_g s_up[g] * (x[r, g] @ q_up[:, g].T))
+    y[r] = sum_g s_down[g] * (h[r, g] @ q_down[:, g].T)          g: the groups of 32 input features
+
+Why a kernel of its own, and its weight layout. Decoding 4-bit weights is cheap only where it happens in the
+registers the tensor cores read; a decoded tile that goes back through shared memory costs more than the bytes it
+saves. Triton keeps the decode in the MMA's register layout when (a) the weight is the MMA's A operand (the kernel
+computes ``out.T = W @ x.T``: on Hopper ``wgmma`` takes A from registers, B from shared memory) and (b) the decode
+is elementwise on the loaded words with no other loaded operand. So the group scale cannot enter the decode: each
+dot covers exactly one group of 32 input features, and its scale multiplies the dot's fp32 result.
+
+That needs each group's 32 codes in one "plane": ``to_group_planes`` rewrites each weight row once, at load, so
+that word c of a block of 256 input features holds, in nibble j, the code of feature ``32 j + c`` (group j of the
+block). A plane ``(words >> 4 j) & 15`` is then one whole group, with its features in order: the dot's x operand
+is 32 contiguous columns. Rows are padded to whole blocks (zero codes; x's padding reads as 0), scales are stored
+group-major (``[e, G, O]``: the scales of one group for a tile's rows are one contiguous load).
+
+Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32. The twin
+(``grouped_mlp_w4_ref``) computes the same sums in fp64-free torch: per-group fp32 matmuls, the same order of
+groups is not guaranteed, so tests compare against it with a tolerance, and the decode itself bit for bit.
+
+Shape legend: P receive-pool rows, D the MLP's width, F its intermediate width, e local experts, O and I one
+weight matrix's output and input features, Ip = I rounded up to 256 (``PLANE_BLOCK``), G = Ip / 32 groups.
+Suffix ``w``: int32 words of 8 codes (``[.., Ip/8]``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
+from moe_ref.kernels._triton_utils import cdiv, check_device, is_interpreter, launch_options, next_power_of_2, tanh
+from moe_ref.kernels.launch import launch
+from moe_ref.kernels.w4 import (E8M0_BIAS, GROUP_SIZE, INT4_PER_WORD, e2m1_to_float, e8m0_to_float, unpack_fp4,
+                                unpack_int4)
+
+__all__ = ["PLANE_BLOCK", "W4Weight", "from_group_planes", "grouped_mlp_w4", "grouped_mlp_w4_ref", "to_group_planes"]
+
+PLANE_BLOCK = 256  # input features per k-step: 8 groups of 32, one nibble plane each
+GROUPS_PER_BLOCK = PLANE_BLOCK // GROUP_SIZE  # 8 = nibbles per int32 word
+WORDS_PER_BLOCK = PLANE_BLOCK // INT4_PER_WORD  # 32
+_FORMATS = {"int4": 1, "mxfp4": 2}
+_ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
+_ZERO_CODE = {"int4": 8, "mxfp4": 0}  # the code of 0.0 (INT4 is offset binary)
+
+
+# --------------------------------------------------------------------------------------------------
+# the kernel's weight layout, built once at load
+# --------------------------------------------------------------------------------------------------
+class W4Weight:
+    """One stack of 4-bit expert weights in the kernel's layout (``to_group_planes``).
+
+    Attributes:
+        fmt: "int4" (codes ``q + 8``, scales bf16/fp16/fp32) or "mxfp4" (E2M1 codes, E8M0 scale bytes decoding as
+            ``2**(byte - 125)``).
+        words_eOw: int32 ``[e, O, Ip/8]``, the group planes.
+        scale_eGO: ``[e, G, O]`` group scales, group-major (the stored dtype: bf16/fp16/fp32, or uint8 for MXFP4).
+        in_features: I before padding.
+    """
+
+    def __init__(self, fmt: str, words_eOw: torch.Tensor, scale_eGO: torch.Tensor, in_features: int):
+        self.fmt, self.words_eOw, self.scale_eGO, self.in_features = fmt, words_eOw, scale_eGO, in_features
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(e, O, I) of the weight this holds."""
+        return self.words_eOw.shape[0], self.words_eOw.shape[1], self.in_features
+
+    def nbytes(self) -> int:
+        return self.words_eOw.nbytes + self.scale_eGO.nbytes
+
+
+def _codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """4-bit codes (uint8 0..15, ``[..., O, I]``) of a checkpoint's packed weight (INT4: ``q + 8``)."""
+    if fmt == "int4":
+        return (unpack_int4(packed).to(torch.int16) + 8).to(torch.uint8)
+    return unpack_fp4(packed)
+
+
+def to_group_planes(packed_eOx: torch.Tensor, scale_eOg: torch.Tensor, fmt: str) -> W4Weight:
+    """A checkpoint's packed 4-bit weight -> the kernel's layout (a new tensor; run once, at load).
+
+    Per row, a block of 256 input features (8 groups of 32) is 32 words; words ``16 h .. 16 h + 15`` hold groups
+    ``4 h .. 4 h + 3``: word i holds, in nibble p, feature 2i of group ``4 h + p`` and, in nibble ``p + 4``, feature
+    2i + 1. So ``(word >> 4 p) & 0x000F000F`` is a pair of neighbouring features of one group, at bits 0..3 and
+    16..19, and 16 words give the group's 32 features (``_decode_pairs``).
+
+    Args:
+        packed_eOx: INT4 int32 ``[e, O, I/8]`` (compressed-tensors pack-quantized) or MXFP4 uint8 ``[e, O, I/2]``.
+        scale_eOg: ``[e, O, I/32]`` group scales (INT4 bf16/fp16/fp32, MXFP4 uint8 E8M0).
+        fmt: "int4" or "mxfp4".
+
+    Returns:
+        ``W4Weight`` (rows padded to whole blocks with the code of 0.0; scales group-major).
+
+    Example: I = 256, codes 1 for features 0, 32, 64, 96 (feature 0 of groups 0..3), else the code c: word 0
+        nibbles 0..3 = 1, nibbles 4..7 = c (feature 1 of groups 0..3).
+    """
+    if fmt not in _FORMATS:
+        raise UnknownNameError(f"4-bit format {fmt!r}: expected one of {sorted(_FORMATS)}")
+    codes = _codes(packed_eOx, fmt)
+    *lead, in_features = codes.shape
+    padded = cdiv(in_features, PLANE_BLOCK) * PLANE_BLOCK
+    if padded != in_features:
+        codes = torch.nn.functional.pad(codes, (0, padded - in_features), value=_ZERO_CODE[fmt])
+        scale_eOg = torch.nn.functional.pad(scale_eOg, (0, (padded - in_features) // GROUP_SIZE))
+    # features (block, half, plane, word, odd) -> words (block, half, word) of nibbles (odd, plane)
+    nibbles = codes.reshape(*lead, padded // PLANE_BLOCK, 2, 4, 16, 2).movedim(-3, -1).flatten(-2).to(torch.int64)
+    shifts = torch.arange(INT4_PER_WORD, device=codes.device, dtype=torch.int64) * 4
+    words = (nibbles << shifts).sum(dim=-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(*lead, padded // 8)
+    return W4Weight(fmt, words.contiguous(), scale_eOg.transpose(-1, -2).contiguous(), in_features)
+
+
+def from_group_planes(weight: W4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``to_group_planes``: (codes uint8 ``[e, O, I]``, scales ``[e, O, I/32]``) in feature order."""
+    *lead, num_words = weight.words_eOw.shape
+    shifts = torch.arange(INT4_PER_WORD, device=weight.words_eOw.device, dtype=torch.int64) * 4
+    nibbles = (weight.words_eOw.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF  # [..., words, (odd, plane)]
+    nibbles = nibbles.reshape(*lead, num_words // WORDS_PER_BLOCK, 2, 16, 2, 4).movedim(-1, -3)
+    codes = nibbles.reshape(*lead, num_words * INT4_PER_WORD).to(torch.uint8)
+    groups = weight.in_features // GROUP_SIZE
+    return codes[..., : weight.in_features], weight.scale_eGO.transpose(-1, -2)[..., :groups]
+
+
+def dequantize_planes(weight: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[e, O, I]`` weights in ``dtype`` (fp32 exact: every 4-bit value times its scale)."""
+    codes, scale = from_group_planes(weight)
+    if weight.fmt == "int4":
+        values, scales = codes.float() - 8, scale.float()
+    else:
+        values, scales = e2m1_to_float(codes), e8m0_to_float(scale)
+    return (values.unflatten(-1, (-1, GROUP_SIZE)) * scales.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton kernel
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _decode(codes, W4: tl.constexpr, DTYPE: tl.constexpr):
+    """Exact DTYPE values of int32 4-bit codes 0..15 (one per element; the fp32 path): INT4 ``code - 8``, MXFP4
+    E2M1 (s|ee|m: e > 0 -> ``2**(e-1) * (1 + m/2)``, e == 0 -> ``m / 2``; bit 3 the sign).
+
+    Example: INT4 code 3 -> -5.0; MXFP4 code 0xB (s 1, e 01, m 1) -> -1.5; 0x1 -> 0.5.
+    """
+    if W4 == 1:
+        return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # 2**23 + code - (2**23 + 8)
+    mag = codes & 7
+    bits = tl.where(mag < 2, mag * 0x3F000000, (mag << 22) + 0x3F000000) | ((codes & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
+    """``[BLOCK_N, 16]`` int32 holding two codes each (bits 0..3: feature 2i of a group, bits 16..19: feature
+    2i + 1) -> the group's ``[BLOCK_N, 32]`` exact values in DTYPE, features in order.
+
+    16-bit DTYPEs decode both codes of a word at once: the word becomes two 16-bit patterns, then one packed
+    subtract or multiply makes them exact. INT4: ``0x4300 | code`` is 128 + code in bf16 (``0x6400``: 1024 + code in
+    fp16), minus 136 (1032). MXFP4: ``e|m`` placed in fp16's lowest exponent bits and top mantissa bit, and the sign,
+    is 2**-14 times the E2M1 value (subnormal for e == 0, which fp16 keeps everywhere; bf16 subnormals are flushed by
+    the interpreter), times 2**14, in x's dtype. Joined as (2i, 2i + 1), the word is already the register pair the
+    MMA reads: Triton keeps the whole decode in the MMA operand's registers. The arithmetic is written in fp32 (the
+    interpreter's 16-bit floats are not IEEE), which LLVM narrows back to packed 16-bit instructions.
+
+    Example (bf16, INT4): word 0x000B0003 -> patterns 0x4303, 0x430B -> 131 - 136 = -5.0, 139 - 136 = 3.0.
+        (MXFP4) word 0x00010003: codes 3 (e 01, m 1) and 1 (e 00, m 1) -> fp16 patterns 0x0600 (1.5 * 2**-14) and
+        0x0200 (2**-15) -> 1.5, 0.5.
+    """
+    if DTYPE == tl.float32:
+        values = tl.join(_decode(pairs & 0xF, W4, DTYPE), _decode((pairs >> 16) & 0xF, W4, DTYPE))
+        return tl.reshape(values, (pairs.shape[0], 2 * pairs.shape[1]))
+    PATTERN: tl.constexpr = tl.float16 if W4 == 2 else DTYPE
+    if W4 == 2:
+        bits = (pairs & 0x00070007) * 0x200 + (pairs & 0x00080008) * 0x1000
+    elif DTYPE == tl.bfloat16:
+        bits = pairs | 0x43004300
+    else:
+        bits = pairs | 0x64006400
+    lo = (bits & 0xFFFF).to(tl.int16).to(PATTERN, bitcast=True)
+    hi = (bits >> 16).to(tl.int16).to(PATTERN, bitcast=True)
+    values = tl.reshape(tl.join(lo, hi), (pairs.shape[0], 2 * pairs.shape[1])).to(tl.float32)
+    if W4 == 2:
+        values = values * 16384.0
+    elif DTYPE == tl.bfloat16:
+        values = values - 136.0
+    else:
+        values = values - 1032.0
+    return values.to(DTYPE)
+
+
+@triton.jit
+def _group_scale(scale_ptrs, mask, W4: tl.constexpr):
+    """fp32 group scales: INT4 as stored; MXFP4 E8M0 bytes ``2**(byte - 125)`` (bytes 0..253)."""
+    scale = tl.load(scale_ptrs, mask=mask, other=0)
+    if W4 == 2:
+        return ((scale.to(tl.int32) + 2) << 23).to(tl.float32, bitcast=True)
+    return scale.to(tl.float32)
+
+
+@triton.jit
+def _group_dot(acc, pairs, x_t, scale_ptrs, mask_n, W4: tl.constexpr, UPCAST: tl.constexpr,
+               IEEE_FP32: tl.constexpr):
+    """``acc + scale * (q @ x_t)`` for one group of 32 input features: q ``[BLOCK_N, 32]`` decoded from ``pairs``
+    (``_decode_pairs``), x_t ``[32, BLOCK_M]``, the group's scales ``[BLOCK_N]`` applied to the fp32 dot."""
+    q = _decode_pairs(pairs, W4, x_t.dtype)
+    scale = _group_scale(scale_ptrs, mask_n, W4)
+    if UPCAST:
+        return acc + tl.dot(q.to(tl.float32), x_t.to(tl.float32), input_precision="ieee") * scale[:, None]
+    if IEEE_FP32:
+        return acc + tl.dot(q, x_t, input_precision="ieee") * scale[:, None]
+    return acc + tl.dot(q, x_t) * scale[:, None]
+
+
+@triton.jit
+def _w4_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, c_ptr, row_start_ptr, num_rows_ptr,
+    R, N, K, num_blocks_k, num_experts, situ_beta, situ_linear_beta,
+    rows_hint,                     # autotune key only (unused in the body)
+    stride_x_r, stride_w_e, stride_w_n, stride_s_e, stride_s_g, stride_c_r,
+    ACTIVATION: tl.constexpr,      # 0: c = x @ W.T; 1 silu, 2 situ: W has 2N rows (N gate, then N up)
+    SITU_LINEAR: tl.constexpr,
+    W4: tl.constexpr,              # 1 INT4, 2 MXFP4
+    IEEE_FP32: tl.constexpr,       # fp32 x: ieee dots
+    UPCAST: tl.constexpr,          # interpreter: dots in fp32 (its 16-bit dot is wrong)
+    EVEN_K: tl.constexpr,          # K % 256 == 0: x's loads need no column mask (and stay vectorized, so pipelined)
+    BLOCK_M: tl.constexpr,         # pool rows per program (the MMA's N)
+    BLOCK_N: tl.constexpr,         # output features per program (the MMA's M)
+    BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
+):
+    """One program = BLOCK_N output features (x2 for gate and up) x BLOCK_M rows of one expert, as
+    ``acc.T [BLOCK_N, BLOCK_M]`` = the decoded weight tile (A, registers) @ x's tile transposed (B).
+    The expert table is found on the device as in ``grouped_mlp``'s kernel (upper-bound grid, surplus exits)."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    num_rows_e = tl.load(num_rows_ptr + offs_e, mask=offs_e < num_experts, other=0).to(tl.int32)
+    num_blocks_e = tl.cdiv(num_rows_e, BLOCK_M)
+    block_end_e = tl.cumsum(num_blocks_e, axis=0)
+    pid_m = tl.program_id(0) // num_pid_n
+    pid_n = tl.program_id(0) % num_pid_n
+    if pid_m >= tl.sum(num_blocks_e):
+        return
+    expert = tl.sum((block_end_e <= pid_m).to(tl.int32))
+    block_in_expert = pid_m - tl.sum(tl.where(offs_e < expert, num_blocks_e, 0))
+    rows_left = tl.sum(tl.where(offs_e == expert, num_rows_e, 0)) - block_in_expert * BLOCK_M
+    row0 = tl.load(row_start_ptr + expert).to(tl.int64) + block_in_expert * BLOCK_M
+    expert = expert.to(tl.int64)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = (offs_m < rows_left) & (row0 + offs_m < R)
+    rows = row0 + offs_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, 16)
+    offs_k = tl.arange(0, 32)
+    w_rows = w_ptr + expert * stride_w_e + offs_n[:, None] * stride_w_n + offs_w[None, :]
+    s_cols = s_ptr + expert * stride_s_e + offs_n
+    x_cols = x_ptr + rows[None, :] * stride_x_r + offs_k[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kb in range(0, num_blocks_k):
+        for half in tl.static_range(2):  # 16 words: groups 4 half .. 4 half + 3 of this block
+            words = tl.load(w_rows + kb * 32 + half * 16, mask=mask_n[:, None], other=0)
+            if ACTIVATION != 0:  # the up rows follow the N gate rows
+                words_up = tl.load(w_rows + N * stride_w_n + kb * 32 + half * 16, mask=mask_n[:, None], other=0)
+            for plane in tl.static_range(4):
+                group = kb * 8 + half * 4 + plane
+                if EVEN_K:
+                    x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :], other=0.0)
+                else:
+                    x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :] & (group * 32 + offs_k < K)[:, None],
+                                  other=0.0)
+                acc = _group_dot(acc, (words >> (4 * plane)) & 0x000F000F, x_t, s_cols + group * stride_s_g, mask_n,
+                                 W4, UPCAST, IEEE_FP32)
+                if ACTIVATION != 0:
+                    acc_up = _group_dot(acc_up, (words_up >> (4 * plane)) & 0x000F000F, x_t,
+                                        s_cols + N + group * stride_s_g, mask_n, W4, UPCAST, IEEE_FP32)
+    if ACTIVATION == 1:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    elif ACTIVATION == 2:
+        if SITU_LINEAR:
+            acc_up = situ_linear_beta * tanh(acc_up / situ_linear_beta)
+        acc = situ_beta * tanh(acc / situ_beta) * tl.sigmoid(acc) * acc_up
+    c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): the MMA takes BLOCK_N >= 64 per 4 warps on Hopper
+TILES = [(16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3), (32, 64, 4, 3), (32, 128, 4, 3),
+         (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
+INTERPRETER_TILE = (16, 16, 1, 1)
+DECODE_ROWS_PER_EXPERT = 16  # up to this many rows per expert, only BLOCK_M 16 tiles are tried
+
+
+def _tiles_for(rows_per_expert: float) -> list[tuple]:
+    if rows_per_expert <= DECODE_ROWS_PER_EXPERT:
+        return [t for t in TILES if t[0] == 16]
+    return [t for t in TILES if t[0] >= 32]
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned(tiles: tuple) -> triton.runtime.Autotuner:
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+    return triton.autotune(configs, key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "W4"])(_w4_gemm_kernel)
+
+
+_TUNED: dict[tuple, tuple] = {}
+
+
+def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, activation: str, situ_beta: float,
+                   situ_linear_beta: float, rows_hint: int, tile: tuple | None = None):
+    """One grouped GEMM of ``grouped_mlp_w4`` (GEMM1 with ``activation`` "silu"/"situ", GEMM2 with "none").
+
+    Args:
+        x: ``[P, I]`` bf16/fp16/fp32 pool rows. weight: ``W4Weight`` of ``[e, 2n or n, I]``. c: ``[P, n]``, x's dtype.
+        row_start_e, num_rows_e: ``[e]`` int32/int64 segments. rows_hint: about the live rows (autotune key).
+        tile: None (autotune once per key; the interpreter runs ``INTERPRETER_TILE``) or
+            (BLOCK_M, BLOCK_N, num_warps, num_stages), forced.
+    """
+    num_rows, num_experts = x.shape[0], weight.words_eOw.shape[0]
+    rows_bucket = next_power_of_2(max(1, rows_hint))
+    args = (x, weight.words_eOw, weight.scale_eGO, c, row_start_e, num_rows_e, num_rows, n, weight.in_features,
+            weight.words_eOw.shape[-1] // WORDS_PER_BLOCK, num_experts, float(situ_beta),
+            float(situ_linear_beta) if situ_linear_beta else 1.0, rows_bucket, x.stride(0),
+            weight.words_eOw.stride(0), weight.words_eOw.stride(1), weight.scale_eGO.stride(0),
+            weight.scale_eGO.stride(1), c.stride(0))
+    flags = dict(ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), W4=_FORMATS[weight.fmt],
+                 IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
+                 EVEN_K=weight.in_features % PLANE_BLOCK == 0, BLOCK_E=next_power_of_2(num_experts))
+
+    def grid(block_m: int, block_n: int) -> tuple:
+        return ((cdiv(num_rows, block_m) + num_experts) * cdiv(n, block_n),)
+
+    if tile is None and is_interpreter():
+        tile = INTERPRETER_TILE
+    if tile is not None:
+        block_m, block_n, warps, stages = tile
+        if block_m < 16 or block_n < 16:
+            raise InvalidConfigError(f"tile {tile}: BLOCK_M and BLOCK_N must be >= 16 (tl.dot)")
+        extra = {} if is_interpreter() else launch_options(fp_fusion=True)
+        return launch(_w4_gemm_kernel, grid(block_m, block_n), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                      num_warps=warps, num_stages=stages, **extra)
+    key = (rows_bucket, n, weight.in_features, num_experts, tuple(flags.values()), x.dtype, weight.scale_eGO.dtype)
+    chosen = _TUNED.get(key)
+    if chosen is not None:
+        return launch_w4_gemm(x, weight, c, row_start_e, num_rows_e, n=n, activation=activation, situ_beta=situ_beta,
+                              situ_linear_beta=situ_linear_beta, rows_hint=rows_hint, tile=chosen)
+    tuner = _autotuned(tuple(_tiles_for(rows_hint / max(1, num_experts))))
+    out = tuner[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags, **launch_options(fp_fusion=True))
+    best = tuner.best_config
+    _TUNED[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+    return out
+
+
+def _check(x_PD, gate_up: W4Weight, down: W4Weight) -> None:
+    if x_PD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise DTypeError(f"4-bit weights take bf16/fp16/fp32 x_PD, got {x_PD.dtype}")
+    num_experts, two_f, hidden = gate_up.shape
+    if x_PD.dim() != 2 or x_PD.shape[1] != hidden or two_f % 2 or down.shape != (num_experts, hidden, two_f // 2):
+        raise ShapeError(f"x_PD [P, D] {tuple(x_PD.shape)}, gate_up [e, 2F, D] {gate_up.shape} and down [e, D, F] "
+                         f"{down.shape} disagree")
+    if gate_up.fmt != down.fmt:
+        raise DTypeError(f"gate_up is {gate_up.fmt}, down is {down.fmt}: one format per layer")
+
+
+def grouped_mlp_w4(x_PD: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_start_e: torch.Tensor,
+                   num_rows_e: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
+                   situ_linear_beta: float = 25.0, *, num_rows_hint: int | None = None, zero_unused_rows: bool = True,
+                   tiles: tuple[tuple, tuple] | None = None) -> torch.Tensor:
+    """Every local expert's gated MLP on its rows of the pool, with 4-bit weights (two launches, no host sync).
+
+    Args:
+        x_PD: ``[P, D]`` bf16/fp16/fp32; expert i owns rows ``row_start_e[i] : row_start_e[i] + num_rows_e[i]``.
+        gate_up: ``W4Weight`` of ``[e, 2F, D]`` (rows 0..F-1 gate, F..2F-1 up). down: ``W4Weight`` of ``[e, D, F]``.
+        row_start_e, num_rows_e: ``[e]`` int32/int64.
+        activation, situ_beta, situ_linear_beta: as ``grouped_mlp``.
+        num_rows_hint: about ``sum(num_rows_e)`` (autotune key; default P). zero_unused_rows: as ``grouped_mlp``.
+        tiles: None, or (GEMM1's, GEMM2's) (BLOCK_M, BLOCK_N, num_warps, num_stages), forced.
+
+    Returns:
+        y_PD ``[P, D]`` in x's dtype; h is rounded to x's dtype between the GEMMs.
+    """
+    if activation not in ("silu", "situ"):
+        raise UnknownNameError(f"{activation=} must be 'silu' or 'situ'")
+    _check(x_PD, gate_up, down)
+    num_rows, hidden = x_PD.shape
+    num_experts, two_f, _ = gate_up.shape
+    inter = two_f // 2
+    allocate = torch.zeros if zero_unused_rows else torch.empty
+    y_PD = allocate(num_rows, hidden, dtype=x_PD.dtype, device=x_PD.device)
+    if num_rows == 0 or num_experts == 0 or inter == 0 or hidden == 0:
+        return y_PD.zero_()
+    check_device("x_PD", x_PD)
+    if not x_PD.is_contiguous():
+        raise ShapeError(f"x_PD must be contiguous (strides {x_PD.stride()})")
+    rows_hint = num_rows if num_rows_hint is None else num_rows_hint
+    tile1, tile2 = (None, None) if tiles is None else tiles
+    h_PF = torch.empty(num_rows, inter, dtype=x_PD.dtype, device=x_PD.device)
+    common = dict(situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, rows_hint=rows_hint)
+    launch_w4_gemm(x_PD, gate_up, h_PF, row_start_e, num_rows_e, n=inter, activation=activation, tile=tile1, **common)
+    launch_w4_gemm(h_PF, down, y_PD, row_start_e, num_rows_e, n=hidden, activation="none", tile=tile2, **common)
+    return y_PD
+
+
+# --------------------------------------------------------------------------------------------------
+# torch twin
+# --------------------------------------------------------------------------------------------------
+def _gemm_ref(x_PI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
+    return x_PI.float() @ weight_OI.T
+
+
+def grouped_mlp_w4_ref(x_PD, gate_up: W4Weight, down: W4Weight, row_start_e, num_rows_e, activation="silu",
+                       situ_beta=4.0, situ_linear_beta=25.0, *, num_rows_hint=None, zero_unused_rows=True,
+                       tiles=None) -> torch.Tensor:
+    """Plain-torch twin of ``grouped_mlp_w4`` (same arguments and return): per expert, the weights dequantized
+    exactly in fp32, h rounded to x's dtype. NOTE: ``.tolist()`` on the row counts syncs the host."""
+    from moe_ref.kernels.grouped_mlp import _activation_ref
+
+    _check(x_PD, gate_up, down)
+    inter = gate_up.shape[1] // 2
+    gate_up_e2FD, down_eDF = dequantize_planes(gate_up), dequantize_planes(down)
+    y_PD = torch.zeros_like(x_PD)
+    for i, (start, count) in enumerate(zip(row_start_e.tolist(), num_rows_e.tolist())):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        gate_up_P2F = _gemm_ref(x_PD[rows], gate_up_e2FD[i])
+        h_PF = _activation_ref(gate_up_P2F[:, :inter], gate_up_P2F[:, inter:], activation, situ_beta,
+                               situ_linear_beta).to(x_PD.dtype)
+        y_PD[rows] = _gemm_ref(h_PF, down_eDF[i]).to(x_PD.dtype)
+    return y_PD
