@@ -43,7 +43,8 @@ from moe_ref.kernels.launch import launch
 from moe_ref.kernels.w4 import (E8M0_BIAS, GROUP_SIZE, INT4_PER_WORD, e2m1_to_float, e8m0_to_float, unpack_fp4,
                                 unpack_int4)
 
-__all__ = ["PLANE_BLOCK", "W4Weight", "from_group_planes", "grouped_mlp_w4", "grouped_mlp_w4_ref", "to_group_planes"]
+__all__ = ["PLANE_BLOCK", "TILES", "W4Weight", "clear_tuned_tiles", "dequantize_planes", "from_group_planes",
+           "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "to_group_planes", "tuned_tiles"]
 
 PLANE_BLOCK = 256  # input features per k-step: 8 groups of 32, one nibble plane each
 GROUPS_PER_BLOCK = PLANE_BLOCK // GROUP_SIZE  # 8 = nibbles per int32 word
@@ -313,7 +314,19 @@ def _autotuned(tiles: tuple) -> triton.runtime.Autotuner:
     return triton.autotune(configs, key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "W4"])(_w4_gemm_kernel)
 
 
+# autotune key (rows bucket, N, K, experts, kernel flags, x dtype, scale dtype) -> the tile it chose
 _TUNED: dict[tuple, tuple] = {}
+
+
+def tuned_tiles() -> dict[tuple, tuple]:
+    """A copy of what autotuning chose so far: ``{(rows bucket, N, K, experts, kernel flags, x dtype, scale dtype):
+    (BLOCK_M, BLOCK_N, num_warps, num_stages)}`` (what benchmarks report)."""
+    return dict(_TUNED)
+
+
+def clear_tuned_tiles() -> None:
+    """Forget every chosen tile (the next launch of each key autotunes again)."""
+    _TUNED.clear()
 
 
 def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, activation: str, situ_beta: float,
