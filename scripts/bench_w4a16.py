@@ -2,8 +2,7 @@
 """W4A16 (INT4, MXFP4) and FP8-from-checkpoint experts vs bf16 experts through the public Experts API (CUDA).
 
     python scripts/bench_w4a16.py [--rows 64 512] [--out results/bench_w4a16.json] [--sweep]
-                                  [--peer first|all|none] [--w4-decode both|convert|bits] [--max-seconds 240]
-                                  [--dry-run]
+                                  [--peer first|all|none] [--max-seconds 240] [--dry-run]
 
 Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed rows spread uniformly at random
 (multinomial) over the experts; pool layout with alignment 1 (the Triton backends' own). Paths:
@@ -11,19 +10,23 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
     fp8_ckpt    make_quantized_experts(fp8_block weights as a checkpoint stores them)   (x quantized per 128)
     int4_w4a16  make_quantized_experts(int4_group weights), bf16 activations
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
+The 4-bit paths are `W4A16Experts` on `moe_ref.kernels.grouped_mlp_w4`: the stored weights laid out once
+(`to_group_planes`: each group of 32 input features one nibble plane, scales group-major), then two autotuned
+launches (gate_up + SiLU, down) that decode the 4-bit codes in the registers the tensor cores read, one dot per scale
+group, its scale applied to the fp32 result.
 The experts get the layout the layer's dispatch hands them (static rows hint, unused rows not zeroed: no host sync).
-Per case: us (moe_ref.testing.bench with host_ahead: GPU time, calls queued back to back, L2 flushed), speedup vs bf16, weight GB/s of the experts that got rows,
-calc_diff vs the dequantized fp32 reference (the torch backend of the same stored weights).
+Per case: us (moe_ref.testing.bench with host_ahead: GPU time, calls queued back to back, L2 flushed), speedup vs
+bf16, weight GB/s of the experts that got rows, calc_diff vs the dequantized fp32 reference (the torch backend of the
+same stored weights). A 4-bit row names the tiles autotune chose for its two GEMMs (`autotuned_tiles`, read from
+`grouped_mlp_w4.tuned_tiles()` by rows bucket, N, K, experts, bf16 x and the format's scale dtype; None, `?` in the
+markdown, when no launch of that key was tuned, e.g. the experts ran another kernel).
 
---w4-decode (TEMPORARY, goes with `MOE_REF_W4_DECODE` after its A/B): the 4-bit paths run under each named decode
-arithmetic of the kernel (`both`, the default: convert and bits), timed in turn for `AB_ROUNDS` rounds (median), so
-drift hits both; their rows are `<path>/<decode>` with a `w4_decode` key, and `bitwise_eq_decodes` says whether the
-decodes' outputs were the same bits. The sweep runs each tile under each of them too.
-
---sweep: per 4-bit format, rows and GEMM, every tile of `DECODE_TILES_W4` that the library's rules keep for
-the launch, forced through `launch_gemm(..., config=triton.Config(...))` and timed alone; each checked against the
-autotuned launch's output (calc_diff < 1e-4; down reads the autotuned gate_up's h). The best per (format, rows,
-GEMM) goes into the JSON and the markdown.
+--sweep: per 4-bit format, rows and GEMM, every tile autotune tries in that regime (`grouped_mlp_w4`'s BLOCK_M 16
+`TILES` up to `DECODE_ROWS_PER_EXPERT` rows per expert, the larger ones above), forced through
+`launch_w4_gemm(..., tile=tile)` on the format's planes (`to_group_planes` of the same stored weights, built once per
+format) and timed alone; each checked against the autotuned launch's output (calc_diff < 1e-4; down reads the
+autotuned gate_up's h). A tile that fails to compile or launch is recorded with its error. The best per (format,
+rows, GEMM) goes into the JSON and the markdown.
 
 Peer anchor (--peer, default the first peer file): the INT4 W4A16 Triton kernel SGLang and vLLM ship (`fused_moe_kernel_gptq_awq`, read
 out of the files `make peers` puts in .whl/ by `scripts/peer_moe.py`, never installed) on the same INT4 weights
@@ -33,7 +36,7 @@ skipped, with the reason, when the files are absent or lack the kernel. There is
 
 --max-seconds (counted from process start) stops the sweep and the peer search cleanly; what was measured is kept.
 Progress lines are flushed; JSON goes to --out and a markdown table beside it (.md). --dry-run prints the plan
-(cases, sweep tiles and the ones left out with the reason, peer files and configs) without a GPU.
+(cases, sweep tiles per rows regime, peer files and configs) without a GPU.
 """
 from __future__ import annotations
 
@@ -42,23 +45,22 @@ import time
 _T0 = time.monotonic()  # before the heavy imports: --max-seconds counts the whole process
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 _SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_SCRIPTS, ".."))
 sys.path.insert(0, _SCRIPTS)  # peer_moe
 
-from moe_ref.core import envs  # noqa: E402
 from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
+from moe_ref.kernels.grouped_mlp_w4 import (DECODE_ROWS_PER_EXPERT, TILES, W4Weight, launch_w4_gemm,  # noqa: E402
+                                            to_group_planes, tuned_tiles)
 from moe_ref.testing import bench as _bench_calls, calc_diff  # noqa: E402
 
 
@@ -67,16 +69,11 @@ def bench(fn) -> float:
     return _bench_calls(fn, host_ahead=True)
 
 NUM_EXPERTS, HIDDEN, INTER = 48, 7168, 2048
-W4_PATHS = {"int4_w4a16": (QuantFormat.INT4_GROUP, 1), "mxfp4_w4a16": (QuantFormat.MXFP4, 2)}  # path -> (format, W4)
+# path -> (the checkpoint's format, the kernel's format name for `to_group_planes`)
+W4_PATHS = {"int4_w4a16": (QuantFormat.INT4_GROUP, "int4"), "mxfp4_w4a16": (QuantFormat.MXFP4, "mxfp4")}
 GEMMS = ("gate_up", "down")
-# TEMPORARY (the A/B of MOE_REF_W4_DECODE): the kernel's 4-bit decodes, and timing rounds per decode when alternating
-W4_DECODES = envs.W4_DECODES
-AB_ROUNDS = 3
 SWEEP_CALC_DIFF_LIMIT = 1e-4
-SWEEP_BEST_KEYS = ("path", "rows", "gemm")  # the sweep keeps its fastest correct tile per these (path/decode)
-# The names of the autotune key of `autotuned_kernel()` (its `.cache` keys start with their values, in this order)
-AUTOTUNE_KEY = ("rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4",
-                "W4_DECODE", "USE_TMA", "PERSISTENT")
+SWEEP_BEST_KEYS = ("path", "rows", "gemm")  # the sweep keeps its fastest correct tile per these
 # The peer's small search: decode tiles of one BLOCK_SIZE_M (16 covers <= 16 rows per expert in one block);
 # N 32 / K 64 and N 64 / K 32 are vLLM's default W4A16 Triton tiles (get_moe_wna16_block_config)
 PEER_W4A16_CONFIGS = [
@@ -94,37 +91,37 @@ def _log(message: str) -> None:
     print(f"[{_elapsed():6.1f}s] {message}", flush=True)
 
 
-def _gm():
-    # the package re-exports a function named grouped_mlp: take the module itself
-    return importlib.import_module("moe_ref.kernels.grouped_mlp")
-
-
-def _tiles():
-    return importlib.import_module("moe_ref.kernels.grouped_mlp_tiles")
-
-
 def gemm_shape(gemm: str) -> tuple[int, int]:
     """(n, k) of a GEMM at this script's shape: gate_up n = F per half, k = D; down n = D, k = F."""
     return (INTER, HIDDEN) if gemm == "gate_up" else (HIDDEN, INTER)
 
 
-def sweep_tiles(w4: int, gemm: str) -> tuple[list[tuple], list[tuple[tuple, str]]]:
-    """(tiles to time, [(tile, why left out)]) of `DECODE_TILES_W4` for one 4-bit launch, by the library's rules
-    (`config_problem`, as autotune prunes them).
+def sweep_tiles(rows: int) -> list[tuple]:
+    """The tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) autotune tries for `rows` routed rows over this script's
+    experts: the sweep's candidates, the same for both formats and GEMMs. The kernel's rule (its private
+    `_tiles_for`, restated from its public names; the unit test holds the two together): up to
+    `DECODE_ROWS_PER_EXPERT` rows per expert the BLOCK_M 16 `TILES`, above that the BLOCK_M >= 32 ones.
 
-    Example: a tile with BLOCK_K 48 would be left out ("a 4-bit k-step covers whole 32-wide scale groups ...").
+    Example: 64 rows (1.3 per expert) -> the BLOCK_M 16 tiles; 4096 rows (85.3 per expert) -> BLOCK_M 32 to 128.
     """
-    tiles = _tiles()
-    n, k = gemm_shape(gemm)
-    keep, left_out = [], []
-    for tile in tiles.DECODE_TILES_W4:
-        problem = tiles.config_problem(tiles.config_of_tile(tile), n=n, k=k, gated=gemm == "gate_up", fp8=False,
-                                       quant_out=False, ieee_fp32=False, w4=w4)
-        if problem:
-            left_out.append((tuple(tile), problem))
-        else:
-            keep.append(tuple(tile))
-    return keep, left_out
+    if rows / NUM_EXPERTS <= DECODE_ROWS_PER_EXPERT:
+        return [tuple(tile) for tile in TILES if tile[0] == 16]
+    return [tuple(tile) for tile in TILES if tile[0] >= 32]
+
+
+def autotuned_tiles(rows: int, scale_dtype: torch.dtype, tuned: dict | None = None) -> dict[str, tuple | None]:
+    """``{gemm: (BLOCK_M, BLOCK_N, num_warps, num_stages) or None}``: what autotune chose for this script's 4-bit
+    launches at `rows` rows (its rows bucket), read from `tuned` (default `tuned_tiles()`, keyed ``(rows bucket, N, K,
+    experts, kernel flags, x dtype, scale dtype)``): N and K tell the GEMMs apart, the scale dtype the format (INT4
+    bf16/fp16/fp32, MXFP4 uint8; `to_group_planes` keeps the stored one), x is bf16. None: no such launch was tuned.
+    """
+    tuned = tuned_tiles() if tuned is None else tuned
+    chosen = {}
+    for gemm in GEMMS:
+        want = (triton.next_power_of_2(rows), *gemm_shape(gemm), NUM_EXPERTS)
+        chosen[gemm] = next((tile for key, tile in tuned.items()
+                             if key[:4] == want and key[-2:] == (torch.bfloat16, scale_dtype)), None)
+    return chosen
 
 
 def peer_configs(gemm: str) -> list[dict]:
@@ -133,43 +130,12 @@ def peer_configs(gemm: str) -> list[dict]:
     return [dict(c) for c in PEER_W4A16_CONFIGS if k % c["BLOCK_SIZE_K"] == 0]
 
 
-def decodes_of(choice: str) -> tuple[str, ...]:
-    """`--w4-decode`'s decodes, in timing order: `both` -> every one of `W4_DECODES`."""
-    return W4_DECODES if choice == "both" else (choice,)
-
-
-@contextlib.contextmanager
-def w4_decode_env(decode: str):
-    """`MOE_REF_W4_DECODE=decode` inside (the kernel reads it per launch), the previous value back afterwards."""
-    previous = os.environ.get("MOE_REF_W4_DECODE")
-    os.environ["MOE_REF_W4_DECODE"] = decode
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["MOE_REF_W4_DECODE"]
-        else:
-            os.environ["MOE_REF_W4_DECODE"] = previous
-
-
-def time_decodes(fn, decodes: tuple[str, ...], rounds: int = AB_ROUNDS) -> dict[str, tuple[float, object]]:
-    """`{decode: (median us, fn()'s output)}`: `fn` timed under each decode in turn, `rounds` rounds (one when there
-    is one decode), so that drift of the GPU's clocks or neighbours hits every decode alike."""
-    times: dict[str, list[float]] = {decode: [] for decode in decodes}
-    for _ in range(rounds if len(decodes) > 1 else 1):
-        for decode in decodes:
-            with w4_decode_env(decode):
-                times[decode].append(bench(fn))
-    outputs = {}
-    for decode in decodes:
-        with w4_decode_env(decode):
-            outputs[decode] = fn()
-    return {decode: (statistics.median(times[decode]), outputs[decode]) for decode in decodes}
-
-
 def tile_label(tile) -> str:
-    block_m, block_n, block_k, warps, stages, *rest = tile
-    return f"M{block_m} N{block_n} K{block_k} w{warps} s{stages}" + (f" g{rest[0]}" if rest else "")
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) -> "M16 N64 w4 s3"; None (no tile found) -> "?"."""
+    if tile is None:
+        return "?"
+    block_m, block_n, warps, stages = tile
+    return f"M{block_m} N{block_n} w{warps} s{stages}"
 
 
 def best_runs(runs: list[dict], keys: tuple[str, ...]) -> list[dict]:
@@ -186,20 +152,18 @@ def best_runs(runs: list[dict], keys: tuple[str, ...]) -> list[dict]:
 
 
 def markdown(results: dict) -> str:
-    """The JSON's tables as markdown: the API rows, the sweep's best per case, the peer anchor."""
+    """The JSON's tables as markdown: the API rows (with a 4-bit path's autotuned tiles), the sweep's best per case,
+    the peer anchor."""
     lines = [f"# bench_w4a16 ({results.get('device', '?')})", "",
              f"{NUM_EXPERTS} experts, D {HIDDEN}, F {INTER}, SiLU, bf16 activations; L2 flushed, median.", "",
-             "| rows | path | us | x bf16 | weight GB/s | calc_diff vs fp32 dequantized |",
-             "|---:|---|---:|---:|---:|---:|"]
+             "| rows | path | us | x bf16 | weight GB/s | calc_diff vs fp32 dequantized "
+             "| autotuned tiles gate_up / down |",
+             "|---:|---|---:|---:|---:|---:|---|"]
     for row in results.get("results", []):
-        diff = row.get("calc_diff_vs_dequantized_fp32")
+        diff, tiles = row.get("calc_diff_vs_dequantized_fp32"), row.get("autotuned_tiles")
+        tiles_cell = "-" if tiles is None else " / ".join(tile_label(tiles[gemm]) for gemm in GEMMS)
         lines.append(f"| {row['rows']} | {row['path']} | {row['us']} | {row['speedup_vs_bf16']} | "
-                     f"{row['weight_gb_per_s']} | {'-' if diff is None else f'{diff:.1e}'} |")
-    compared = [row for row in results.get("results", []) if "bitwise_eq_decodes" in row]
-    if compared:
-        differ = sorted({f"{row['rows']} {row['path']}" for row in compared if not row["bitwise_eq_decodes"]})
-        lines += ["", "4-bit decodes (MOE_REF_W4_DECODE, a temporary A/B), outputs bitwise equal: "
-                  + ("all" if not differ else "NO for " + ", ".join(differ))]
+                     f"{row['weight_gb_per_s']} | {'-' if diff is None else f'{diff:.1e}'} | {tiles_cell} |")
     if results.get("sweep_best"):
         lines += ["", "Sweep: fastest forced tile per (format, rows, GEMM), checked against the autotuned launch "
                   "(calc_diff)", "", "| format | rows | GEMM | tile | us | weight GB/s | autotuned us | autotuned tile "
@@ -255,125 +219,101 @@ def _gemm_weights(q: QuantizedExpertWeights, gemm: str) -> tuple[torch.Tensor, t
     return q.down_qweight_eDFq, q.down_scale_eDFs
 
 
-def _launch(case: dict, q: QuantizedExpertWeights, w4: int, gemm: str, a, out, config=None):
-    """One GEMM of this script's shape through `launch_gemm` (autotuned, or the forced `config`), under the
-    caller's `MOE_REF_W4_DECODE`."""
-    n, k = gemm_shape(gemm)
-    weight, scale = _gemm_weights(q, gemm)
+def w4_planes(q: QuantizedExpertWeights, fmt: str) -> dict[str, W4Weight]:
+    """``{gemm: W4Weight}``: the stored 4-bit weights in the kernel's layout (``to_group_planes``; fmt "int4" or
+    "mxfp4"): gate_up ``[e, 2F, D]``, down ``[e, D, F]``."""
+    return {gemm: to_group_planes(*_gemm_weights(q, gemm), fmt) for gemm in GEMMS}
+
+
+def _launch(case: dict, weight: W4Weight, gemm: str, a: torch.Tensor, out: torch.Tensor, tile: tuple | None = None):
+    """One GEMM of this script's shape through ``launch_w4_gemm`` (autotuned, or the forced ``tile``): gate_up reads
+    x ``[P, D]`` into h ``[P, F]`` (SiLU), down reads h into y ``[P, D]``."""
     layout = case["layout"]
-    return _gm().launch_gemm(a, None, weight, scale, out, None, layout.row_start_e, layout.num_rows_e, n=n, k=k,
-                             activation="silu" if gemm == "gate_up" else "none", situ_beta=4.0, situ_linear_beta=25.0,
-                             fp8=False, quant_out=False, rows_hint=case["rows"], w4=w4, config=config)
+    return launch_w4_gemm(a, weight, out, layout.row_start_e, layout.num_rows_e, n=gemm_shape(gemm)[0],
+                          activation="silu" if gemm == "gate_up" else "none", situ_beta=4.0, situ_linear_beta=25.0,
+                          rows_hint=case["rows"], tile=tile)
 
 
-def api_rows(name: str, experts, weight_bytes: int, reference, case: dict, decodes: tuple[str, ...],
-             base_us: float | None) -> list[tuple[dict, torch.Tensor]]:
-    """(row, output) of one path at one case through the public API: one, or for a 4-bit path one per decode
-    (`time_decodes`, with `bitwise_eq_decodes` when there are several). `base_us`: the bf16 row's us (None for
+def api_row(name: str, experts, weight_bytes: int, reference, case: dict,
+            base_us: float | None) -> tuple[dict, torch.Tensor]:
+    """(row, y ``[P, D]``) of one path at one case through the public API. `base_us`: the bf16 row's us (None for
     the bf16 path itself); `reference`: the torch backend of the same stored weights, or None."""
     def call():
         return experts(case["x"], case["layout"])
-    timed = time_decodes(call, decodes) if name in W4_PATHS else {None: (bench(call), call())}
-    outputs = [y for _, y in timed.values()]
-    y_ref = None if reference is None else reference(case["x"].float(), case["layout"])
-    rows = []
-    for decode, (us, y) in timed.items():
-        row = dict(rows=case["rows"], path=name if decode is None else f"{name}/{decode}", us=round(us, 1),
-                   speedup_vs_bf16=round((base_us or us) / us, 2),
-                   weight_gb_per_s=round(weight_bytes * case["touched"] / us / 1e3, 1))
-        if decode is not None:
-            row["w4_decode"] = decode
-            if len(timed) > 1:
-                row["bitwise_eq_decodes"] = all(torch.equal(other, outputs[0]) for other in outputs)
-        if y_ref is not None:
-            row["calc_diff_vs_dequantized_fp32"] = calc_diff(y.float(), y_ref)
-        rows.append((row, y))
-    return rows
+    us = bench(call)
+    y = call()
+    row = dict(rows=case["rows"], path=name, us=round(us, 1), speedup_vs_bf16=round((base_us or us) / us, 2),
+               weight_gb_per_s=round(weight_bytes * case["touched"] / us / 1e3, 1))
+    if reference is not None:
+        row["calc_diff_vs_dequantized_fp32"] = calc_diff(y.float(), reference(case["x"].float(), case["layout"]))
+    return row, y
 
 
 # ------------------------------------------------------------------------------------------------
 # the sweep
 # ------------------------------------------------------------------------------------------------
 def run_sweep(cases: list[dict], quantized: dict, args, results: dict) -> None:
-    """Every `sweep_tiles` tile per 4-bit format, decode (`--w4-decode`), rows and GEMM (see the module docstring)."""
-    for path, (_, w4) in W4_PATHS.items():
-        for decode in decodes_of(args.w4_decode):
-            with w4_decode_env(decode):
-                if not _sweep_path(f"{path}/{decode}", w4, decode, quantized[path], cases, args, results):
-                    return
-    results["sweep_best"] = best_runs(results["sweep"], SWEEP_BEST_KEYS)
-
-
-def _sweep_path(label: str, w4: int, decode: str, q: QuantizedExpertWeights, cases: list[dict], args,
-                results: dict) -> bool:
-    """The sweep of one format under one decode (already set); False when --max-seconds stopped it."""
-    tiles = _tiles()
-    refs = {}  # rows -> autotuned (h, y) and timings
-    for case in cases:
-        h = torch.empty(case["x"].shape[0], INTER, dtype=torch.bfloat16, device="cuda")
-        y = torch.empty_like(case["x"])
-        _launch(case, q, w4, "gate_up", case["x"], h)
-        _launch(case, q, w4, "down", h, y)
-        refs[case["rows"]] = dict(h=h, y=y)
-        for gemm, a, out in (("gate_up", case["x"], h.clone()), ("down", h, y.clone())):
-            refs[case["rows"]][gemm + "_us"] = bench(lambda: _launch(case, q, w4, gemm, a, out))
-            chosen = _autotuned_tile(case["rows"], w4, gemm, decode)
-            refs[case["rows"]][gemm + "_label"] = tile_label(chosen) if chosen else "?"
-    for gemm in GEMMS:
-        weight, scale = _gemm_weights(q, gemm)
-        for tile in sweep_tiles(w4, gemm)[0]:
-            if _elapsed() > args.max_seconds:
-                results["stopped_early"] = f"sweep at {label} {gemm} {tile_label(tile)}"
-                _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the sweep")
-                return False
-            parts = []
+    """Every `sweep_tiles` tile per 4-bit format, rows and GEMM (see the module docstring), into
+    ``results["sweep"]``; returns early at --max-seconds."""
+    for path, (_, fmt) in W4_PATHS.items():
+        planes = w4_planes(quantized[path], fmt)
+        refs = {case["rows"]: _autotuned_refs(case, planes) for case in cases}
+        for gemm in GEMMS:
             for case in cases:
                 ref = refs[case["rows"]]
-                run = dict(path=label, w4_decode=decode, rows=case["rows"], gemm=gemm, tile=list(tile),
-                           label=tile_label(tile), autotuned_us=ref[gemm + "_us"],
-                           autotuned_label=ref[gemm + "_label"])
-                a = case["x"] if gemm == "gate_up" else ref["h"]
-                out = torch.full_like(ref["h"] if gemm == "gate_up" else ref["y"], float("nan"))
-                config = tiles.config_of_tile(tile)
-                try:
-                    _launch(case, q, w4, gemm, a, out, config)
-                    run["calc_diff"] = calc_diff(out.float(), (ref["h"] if gemm == "gate_up" else ref["y"]).float())
-                    run["ok"] = bool(run["calc_diff"] < SWEEP_CALC_DIFF_LIMIT)
-                    run["us"] = bench(lambda: _launch(case, q, w4, gemm, a, out, config))
-                    run["weight_gb_per_s"] = (weight.nbytes + scale.nbytes) * case["touched"] / run["us"] / 1e3
-                    parts.append(f"{case['rows']}: {run['us']:.0f} us (autotuned {ref[gemm + '_us']:.0f})"
-                                 + ("" if run["ok"] else f" FAIL calc_diff {run['calc_diff']:.1e}"))
-                except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: recorded, the sweep goes on
-                    run["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    parts.append(f"{case['rows']}: error")
-                    if "illegal" in run["error"].lower():
-                        raise  # the CUDA context is gone
-                results["sweep"].append(run)
-            _log(f"sweep {label} {gemm:7s} {tile_label(tile):22s} " + " | ".join(parts))
-    return True
+                a = case["x"] if gemm == "gate_up" else ref["gate_up"]["out"]
+                for tile in sweep_tiles(case["rows"]):
+                    if _elapsed() > args.max_seconds:
+                        results["stopped_early"] = f"sweep at {path} {case['rows']} rows {gemm} {tile_label(tile)}"
+                        _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the sweep")
+                        return
+                    run = sweep_run(path, case, planes[gemm], gemm, a, ref[gemm], tile)
+                    results["sweep"].append(run)
+                    _log(f"sweep {path} {case['rows']} rows {gemm:7s} {run['label']:15s} {outcome(run)}")
 
 
-def autotune_key(rows: int, w4: int, gemm: str, decode: str) -> tuple:
-    """The values of `AUTOTUNE_KEY` for one of this script's 4-bit launches (`_launch` with config=None) under the
-    4-bit `decode`: silu gate_up (stacked rows) or down, bf16 activations, pointer loads (4-bit weights never use
-    TMA), not persistent."""
-    import triton
+def _autotuned_refs(case: dict, planes: dict[str, W4Weight]) -> dict[str, dict]:
+    """``{gemm: dict(out, us, label)}`` of the autotuned launches at one case: gate_up's h ``[P, F]`` (down's input)
+    and down's y ``[P, D]``, each GEMM's time and the tile autotune chose."""
+    h = torch.empty(case["x"].shape[0], INTER, dtype=case["x"].dtype, device=case["x"].device)
+    y = torch.empty_like(case["x"])
+    _launch(case, planes["gate_up"], "gate_up", case["x"], h)
+    _launch(case, planes["down"], "down", h, y)
+    chosen = autotuned_tiles(case["rows"], planes["gate_up"].scale_eGO.dtype)
+    refs = {}
+    for gemm, a, out in (("gate_up", case["x"], h), ("down", h, y)):
+        scratch = out.clone()  # timed launches write here: `out` stays the checked reference
+        refs[gemm] = dict(out=out, us=bench(lambda: _launch(case, planes[gemm], gemm, a, scratch)),
+                          label=tile_label(chosen[gemm]))
+    return refs
 
-    n, k = gemm_shape(gemm)
-    values = dict(rows_hint=triton.next_power_of_2(rows), N=n, K=k, num_experts=NUM_EXPERTS,
-                  ACTIVATION=1 if gemm == "gate_up" else 0, INTERLEAVED=False, FP8=False, QUANT_OUT=False, W4=w4,
-                  W4_DECODE=W4_DECODES.index(decode), USE_TMA=False, PERSISTENT=False)
-    return tuple(values[name] for name in AUTOTUNE_KEY)
+
+def sweep_run(path: str, case: dict, weight: W4Weight, gemm: str, a: torch.Tensor, ref: dict,
+              tile: tuple) -> dict:
+    """One forced tile of one GEMM at one case: checked against the autotuned launch's output (`ref`, from
+    `_autotuned_refs`), then timed; a tile that fails to compile or launch gets ``error`` instead."""
+    run = dict(path=path, rows=case["rows"], gemm=gemm, tile=list(tile), label=tile_label(tile),
+               autotuned_us=ref["us"], autotuned_label=ref["label"])
+    out = torch.full_like(ref["out"], float("nan"))
+    try:
+        _launch(case, weight, gemm, a, out, tile)
+        run["calc_diff"] = calc_diff(out.float(), ref["out"].float())
+        run["ok"] = bool(run["calc_diff"] < SWEEP_CALC_DIFF_LIMIT)
+        run["us"] = bench(lambda: _launch(case, weight, gemm, a, out, tile))
+        run["weight_gb_per_s"] = weight.nbytes() * case["touched"] / run["us"] / 1e3
+    except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: recorded, the sweep goes on
+        run["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if "illegal" in run["error"].lower():
+            raise  # the CUDA context is gone
+    return run
 
 
-def _autotuned_tile(rows: int, w4: int, gemm: str, decode: str):
-    """The tile autotune chose for this launch (from `autotuned_kernel().cache`, keyed by the autotune key's values
-    first, then the tensors' dtypes), or None when not found."""
-    want = autotune_key(rows, w4, gemm, decode)
-    for key, config in _gm().autotuned_kernel().cache.items():
-        if tuple(key[:len(want)]) == want:
-            return _tiles().tile_of(config)
-    return None
+def outcome(run: dict) -> str:
+    """A `sweep_run` in a few words: its error, or its us beside the autotuned launch's (FAIL: its check failed)."""
+    if "error" in run:
+        return run["error"]
+    return (f"{run['us']:.0f} us (autotuned {run['autotuned_label']}: {run['autotuned_us']:.0f} us)"
+            + ("" if run["ok"] else f" FAIL calc_diff {run['calc_diff']:.1e}"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -450,13 +390,11 @@ def _parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--out", default="results/bench_w4a16.json")
-    parser.add_argument("--sweep", action="store_true", help="time DECODE_TILES_W4 per format, rows and GEMM")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every tile autotune tries, forced, per 4-bit format, rows and GEMM")
     parser.add_argument("--peer", choices=["first", "all", "none"], default="first",
                         help="peer files to run: the first of .whl/ (SGLang's wheel when present: the engines' kernels "
                              "differ only in argument names), every one, or none")
-    parser.add_argument("--w4-decode", choices=["both", *W4_DECODES], default="both",
-                        help="TEMPORARY A/B: the 4-bit decode arithmetic the W4 paths (and the sweep) run under "
-                             "(MOE_REF_W4_DECODE); both: each, alternating")
     parser.add_argument("--max-seconds", type=float, default=240.0,
                         help="stop the sweep and the peer search past this (from process start)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan; needs no GPU")
@@ -468,17 +406,11 @@ def _parse(argv=None):
 
 def dry_run(args) -> int:
     print(f"shape: {NUM_EXPERTS} experts, D {HIDDEN}, F {INTER}; rows {args.rows}; out {args.out} (+ .md)")
-    decodes = decodes_of(args.w4_decode)
-    print("API rows: bf16, fp8_ckpt, " + ", ".join(f"{path}/{decode}" for path in W4_PATHS for decode in decodes))
-    rounds = f"alternating, {AB_ROUNDS} rounds, median" if len(decodes) > 1 else "one"
-    print(f"4-bit decodes (MOE_REF_W4_DECODE, temporary A/B): {', '.join(decodes)} ({rounds})")
+    print("API rows: bf16, fp8_ckpt, " + ", ".join(W4_PATHS))
     if args.sweep:
-        for path, (_, w4) in W4_PATHS.items():
-            for gemm in GEMMS:
-                keep, left_out = sweep_tiles(w4, gemm)
-                print(f"sweep {path} {gemm}: {[tile_label(t) for t in keep]}")
-                for tile, why in left_out:
-                    print(f"    left out {tile_label(tile)}: {why}")
+        for rows in args.rows:
+            print(f"sweep {rows} rows ({rows / NUM_EXPERTS:.1f} per expert), per format and GEMM: "
+                  f"{[tile_label(t) for t in sweep_tiles(rows)]}")
     if args.peer != "none":
         import peer_moe
 
@@ -514,18 +446,19 @@ def main(argv=None) -> int:
                intermediate=INTER), "args": vars(args), "results": [], "sweep": [], "sweep_best": [], "peer": [],
                "stopped_early": None}
     cases, ours = [], {}
-    decodes = decodes_of(args.w4_decode)
     for num_rows in args.rows:
         case = _case(num_rows, gen)
         cases.append(case)
         base_us = None
         for name, (experts, weight_bytes, reference) in paths.items():
-            for row, y in api_rows(name, experts, weight_bytes, reference, case, decodes, base_us):
-                base_us = base_us or row["us"]
-                if name == "int4_w4a16" and (num_rows not in ours or row["w4_decode"] == envs.w4_decode()):
-                    ours[num_rows] = (row["us"], y)  # the peer's yardstick: the decode the library runs by default
-                results["results"].append(row)
-                _log(json.dumps(row))
+            row, y = api_row(name, experts, weight_bytes, reference, case, base_us)
+            base_us = base_us or row["us"]
+            if name in W4_PATHS:
+                row["autotuned_tiles"] = autotuned_tiles(num_rows, quantized[name].gate_up_scale_e2FDs.dtype)
+            if name == "int4_w4a16":
+                ours[num_rows] = (row["us"], y)  # the peer's yardstick
+            results["results"].append(row)
+            _log(json.dumps(row))
     _write(results, args.out)
     if args.peer != "none":
         run_peer(cases, quantized["int4_w4a16"], ours, args, results)
