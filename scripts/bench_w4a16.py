@@ -11,9 +11,9 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
     int4_w4a16  make_quantized_experts(int4_group weights), bf16 activations
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
 The 4-bit paths are `W4A16Experts` on `moe_ref.kernels.grouped_mlp_w4`: the stored weights laid out once
-(`to_group_planes`: each group of 32 input features one nibble plane, scales group-major), then two autotuned
-launches (gate_up + SiLU, down) that decode the 4-bit codes in the registers the tensor cores read, one dot per scale
-group, its scale applied to the fp32 result.
+(`to_group_planes`: a group's 32 features in 16 words, as the decode's register pairs; scales group-major), then
+two autotuned launches (gate_up + SiLU, down) that decode the 4-bit codes in the registers the tensor cores read, one
+dot per scale group, its scale applied to the fp32 result.
 The experts get the layout the layer's dispatch hands them (static rows hint, unused rows not zeroed: no host sync).
 Per case: us (moe_ref.testing.bench with host_ahead: GPU time, calls queued back to back, L2 flushed), speedup vs
 bf16, weight GB/s of the experts that got rows, calc_diff vs the dequantized fp32 reference (the torch backend of the
@@ -21,8 +21,8 @@ same stored weights). A 4-bit row names the tiles autotune chose for its two GEM
 `grouped_mlp_w4.tuned_tiles()` by rows bucket, N, K, experts, bf16 x and the format's scale dtype; None, `?` in the
 markdown, when no launch of that key was tuned, e.g. the experts ran another kernel).
 
---sweep: per 4-bit format, rows and GEMM, every tile autotune tries in that regime (`grouped_mlp_w4`'s BLOCK_M 16
-`TILES` up to `DECODE_ROWS_PER_EXPERT` rows per expert, the larger ones above), forced through
+--sweep: per 4-bit format, rows and GEMM, every tile autotune tries in that regime (`grouped_mlp_w4.tiles_for`: the
+BLOCK_M 16 `TILES` up to 16 rows per expert, the larger ones above), forced through
 `launch_w4_gemm(..., tile=tile)` on the format's planes (`to_group_planes` of the same stored weights, built once per
 format) and timed alone; each checked against the autotuned launch's output (calc_diff < 1e-4; down reads the
 autotuned gate_up's h). A tile that fails to compile or launch is recorded with its error. The best per (format,
@@ -59,8 +59,8 @@ sys.path.insert(0, _SCRIPTS)  # peer_moe
 from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
-from moe_ref.kernels.grouped_mlp_w4 import (DECODE_ROWS_PER_EXPERT, TILES, W4Weight, launch_w4_gemm,  # noqa: E402
-                                            to_group_planes, tuned_tiles)
+from moe_ref.kernels.grouped_mlp_w4 import (W4Weight, launch_w4_gemm, tiles_for, to_group_planes,  # noqa: E402
+                                            tuned_tiles)
 from moe_ref.testing import bench as _bench_calls, calc_diff  # noqa: E402
 
 
@@ -98,15 +98,11 @@ def gemm_shape(gemm: str) -> tuple[int, int]:
 
 def sweep_tiles(rows: int) -> list[tuple]:
     """The tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) autotune tries for `rows` routed rows over this script's
-    experts: the sweep's candidates, the same for both formats and GEMMs. The kernel's rule (its private
-    `_tiles_for`, restated from its public names; the unit test holds the two together): up to
-    `DECODE_ROWS_PER_EXPERT` rows per expert the BLOCK_M 16 `TILES`, above that the BLOCK_M >= 32 ones.
+    experts (`grouped_mlp_w4.tiles_for`): the sweep's candidates, the same for both formats and GEMMs.
 
     Example: 64 rows (1.3 per expert) -> the BLOCK_M 16 tiles; 4096 rows (85.3 per expert) -> BLOCK_M 32 to 128.
     """
-    if rows / NUM_EXPERTS <= DECODE_ROWS_PER_EXPERT:
-        return [tuple(tile) for tile in TILES if tile[0] == 16]
-    return [tuple(tile) for tile in TILES if tile[0] >= 32]
+    return [tuple(tile) for tile in tiles_for(rows / NUM_EXPERTS)]
 
 
 def autotuned_tiles(rows: int, scale_dtype: torch.dtype, tuned: dict | None = None) -> dict[str, tuple | None]:
@@ -279,7 +275,7 @@ def _autotuned_refs(case: dict, planes: dict[str, W4Weight]) -> dict[str, dict]:
     y = torch.empty_like(case["x"])
     _launch(case, planes["gate_up"], "gate_up", case["x"], h)
     _launch(case, planes["down"], "down", h, y)
-    chosen = autotuned_tiles(case["rows"], planes["gate_up"].scale_eGO.dtype)
+    chosen = autotuned_tiles(case["rows"], planes["gate_up"].group_major_scale.dtype)
     refs = {}
     for gemm, a, out in (("gate_up", case["x"], h), ("down", h, y)):
         scratch = out.clone()  # timed launches write here: `out` stays the checked reference

@@ -12,8 +12,8 @@
 # most, so split them over calls, e.g. `bash scripts/gpu_suite.sh quick info tests dist`.
 # Not in the default: auto_table = experts_backend="auto"'s table for this GPU class (scripts/tune_experts_auto.py, one
 # call of its own, < 9 min; $OUT/auto_table.json and .md, to be copied to moe_ref/experts/auto_table.json);
-# w4ab = the 4-bit decode A/B (MOE_REF_W4_DECODE convert vs bits, bench_w4a16 --peer none, ~3 min) and the decode
-# exactness tests on the GPU; auto_check = auto's and DeepGEMM's GPU tests, then the expert MLPs through the public
+# w4_kernel = the 4-bit kernel's tests on the GPU (its decode of every code pair, every scale byte, the kernel vs its
+# twin; tests/gpu/test_quant_cuda.py) and bench_w4a16 with the engines' W4A16 kernel (~6 min); auto_check = auto's and DeepGEMM's GPU tests, then the expert MLPs through the public
 # API eagerly and in a CUDA graph (bench_experts --graph) beside DeepGEMM's bare kernels (needs `make deep-gemm-wheels`).
 set -u
 cd "$(dirname "$0")/.."
@@ -82,15 +82,16 @@ for s in $STEPS; do case $s in
     step eager_compile 200 python3 scripts/bench_eager.py --out "$OUT/eager_compile" --tokens 128 \
       --routes eager graph compile ;;
   auto_table) step auto_table 590 python3 scripts/tune_experts_auto.py --max-seconds 480 --out "$OUT/auto_table.json" ;;
-  w4ab)
-    step w4ab_tests 120 python3 -m pytest -q -rs --timeout=100 tests/interpreter/test_w4_decode.py -k "every_code or k_step"
-    step w4ab 240 python3 scripts/bench_w4a16.py --peer none --out "$OUT/w4ab/bench_w4a16.json" ;;
+  w4_kernel)
+    step w4_tests 200 python3 -m pytest -q -rs --timeout=150 tests/interpreter/test_grouped_mlp_w4.py \
+      tests/gpu/test_quant_cuda.py
+    step w4_bench 300 python3 scripts/bench_w4a16.py --peer first --max-seconds 280 --out "$OUT/w4/bench_w4a16.json" ;;
   auto_check)
     step auto_tests 240 python3 -m pytest -q -rs --timeout=200 tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py
     step auto_bench 300 python3 scripts/bench_experts.py --include-deep-gemm --peer-search none --quick \
       --models kimi-k2,step3 --rows 64,4096,32768 --graph --paths api_auto_,api_deep_gemm_,api_triton_,deep_gemm_kernels_ \
       --out "$OUT/auto_check/bench_experts.json" ;;
-  w4) step w4 300 python3 scripts/bench_w4a16.py --sweep --max-seconds 270 --out "$OUT/w4/bench_w4a16.json" ;;
+  w4) step w4 300 python3 scripts/bench_w4a16.py --sweep --max-seconds 270 --out "$OUT/w4_sweep/bench_w4a16.json" ;;
   align) step align 300 python3 scripts/ab_grouped_mlp.py --ab alignment --nohint --max-seconds 270 \
       --out "$OUT/align/ab_alignment.json" ;;
   *) echo "unknown step $s" ;;

@@ -14,13 +14,11 @@
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
 | MOE_REF_EAGER_GRAPH_MAX_TOKENS     | largest T whose eager calls replay a CUDA graph of their shape (one rank on CUDA; 0: never) | min(1024, cap) |
 | MOE_REF_BOUND_LAUNCH               | ``0``: every Triton launch goes through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key) | 1 |
-| MOE_REF_W4_DECODE                  | TEMPORARY, for one GPU A/B (the slower side is then deleted with this variable): the grouped MLP kernel's 4-bit decode arithmetic, ``convert`` (int->float conversions, selects) or ``bits`` (codes placed into float bit patterns); both give the same bits; ``bits`` has not run on a GPU yet | convert |
 
 Switches (``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
 ``MOE_REF_BOUND_LAUNCH``) take ``1``, ``true``,
 ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case, surrounding spaces ignored); an empty value is
 unset. Anything else raises ``EnvVarError`` (CFG017) naming the variable: a typo must not silently pick a side.
-``MOE_REF_W4_DECODE`` takes one of its two words the same way (any case, spaces ignored, empty = unset).
 """
 from __future__ import annotations
 
@@ -119,25 +117,6 @@ def native_ops() -> tuple[bool, str | None]:
 def tma() -> bool:
     """``MOE_REF_TMA=0`` keeps the grouped MLP kernel on pointer loads (TMA descriptors otherwise, where possible)."""
     return _switch("MOE_REF_TMA") is not False
-
-
-W4_DECODES = ("convert", "bits")  # MOE_REF_W4_DECODE's words, in the kernel's W4_DECODE order
-
-
-def w4_decode() -> str:
-    """``MOE_REF_W4_DECODE``: the grouped MLP kernel's 4-bit decode arithmetic, ``convert`` (default: the decode
-    measured on GPUs) or ``bits`` (fewer instructions per value, checked exact on the CPU, not yet run on a GPU).
-    TEMPORARY: kept for one GPU A/B of the two (the same bits either way); the slower one goes, with this variable."""
-    value = _get("MOE_REF_W4_DECODE")
-    if value is None or not value.strip():
-        return "convert"
-    word = value.strip().lower()
-    if word in W4_DECODES:
-        return word
-    from moe_ref.core.errors import EnvVarError
-
-    raise EnvVarError(f"MOE_REF_W4_DECODE={value!r} is not a 4-bit decode; set it to one of {', '.join(W4_DECODES)}, "
-                      "or unset it", field="MOE_REF_W4_DECODE")
 
 
 def bound_launch() -> bool:

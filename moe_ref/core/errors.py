@@ -232,8 +232,8 @@ class EnvVarError(InvalidConfigError):
         "CFG017", "a MOE_REF_* environment variable has a value moe_ref does not accept",
         "moe_ref reads its switches strictly (moe_ref.core.envs): MOE_REF_DEBUG, MOE_REF_DEBUG_CHECKS, "
         "MOE_REF_NATIVE and MOE_REF_TMA take 1/true/yes/on or 0/false/no/off (any case, surrounding spaces "
-        "ignored), the temporary MOE_REF_W4_DECODE takes convert or bits; anything else would silently pick a "
-        "side, so it is refused, naming the variable and its value.",
+        "ignored); anything else would silently pick a side, so it is refused, naming the variable and its "
+        "value.",
         "MOE_REF_DEBUG_CHECKS=maybe, MOE_REF_NATIVE=disable, MOE_REF_TMA=2.",
         ["Set the variable to one of the values the message lists, or unset it for the default."],
         "export MOE_REF_DEBUG_CHECKS=1   # or 0, or unset")

@@ -1,8 +1,8 @@
 """Expert backends for checkpoint-quantized weights (``moe_ref.checkpoint.formats.QuantizedExpertWeights``), kept as stored.
 
     load_quantized_experts(...) --> QuantizedExpertWeights --make_quantized_experts--> Experts
-      int4_group / mxfp4, "triton": W4A16Experts   (kernels.grouped_mlp's 4-bit path: nibbles unpacked and
-                                                    group-32 scales applied in the K loop, x's dtype dots)
+      int4_group / mxfp4, "triton": W4A16Experts   (kernels.grouped_mlp_w4: the 4-bit weights decoded in the
+                                                    MMA's registers, one dot per group of 32, its scale after)
       fp8_block,          "triton": FP8BlockExperts (TritonExperts' FP8 kernel fed the checkpoint's own e4m3
                                                     weights and 128x128 scales: no bf16 round trip, no re-quant)
       fp8_block,          "auto" on CUDA: FP8BlockExperts, or the auto class (moe_ref.experts.auto) where it holds
@@ -10,7 +10,9 @@
       any format,         "torch":  QuantTorchExperts (the per-expert torch loop on each expert's weights
                                                     dequantized to fp32 when its rows run: the reference)
 
-Every backend holds only the stored tensors (device bytes == ``qweights.nbytes()``) and is called like any
+Every backend but W4A16Experts holds only the stored tensors (device bytes == ``qweights.nbytes()``);
+W4A16Experts holds the same bytes once more, rewritten in its kernel's order at construction
+(``grouped_mlp_w4.to_group_planes``) beside the stored tensors the layer keeps for ``state_dict``. Each is called like any
 ``moe_ref.experts.Experts``: ``experts(x_PDx, layout, x_scale_PDb=None) -> y_PDx``. Shape legend as in
 ``moe_ref.experts`` and ``moe_ref.checkpoint.formats``.
 """
@@ -27,13 +29,14 @@ QUANT_BACKENDS = ("auto", "triton", "torch")
 
 
 class W4A16Experts(Experts):
-    """INT4 (compressed-tensors pack-quantized) or MXFP4 experts on ``kernels.grouped_mlp``'s weight-only path.
+    """INT4 (compressed-tensors pack-quantized) or MXFP4 experts on ``kernels.grouped_mlp_w4``.
 
-    Activations stay bf16/fp16/fp32 (``x_PDx``'s dtype), accumulation is fp32, h and y are rounded to x's
-    dtype. Segments may start anywhere (the kernel masks rows itself), as for ``TritonExperts``.
+    Activations stay bf16/fp16/fp32 (``x_PDx``'s dtype); each group of 32 input features is one dot of exact
+    4-bit values, accumulated in fp32 and scaled in fp32; h and y are rounded to x's dtype. Segments may start
+    anywhere (the kernel masks rows itself), as for ``TritonExperts``.
 
-    NOTE: correct but not yet fast: slower than the bf16 experts (docs/RESULTS.md); at decode it autotunes over
-    ``DECODE_TILES_W4`` (candidates not yet measured), above decode over the bf16 tile lists.
+    The weights are rewritten once, here, in the kernel's order (``to_group_planes``): a second copy of the
+    stored bytes (``kernel_nbytes()``), until the layer keeps only that one.
 
     Args:
         qweights: int4_group or mxfp4 ``QuantizedExpertWeights`` on CUDA (or CPU under the interpreter).
@@ -45,22 +48,29 @@ class W4A16Experts(Experts):
 
     def __init__(self, qweights: QuantizedExpertWeights, activation: str = "silu", situ_beta: float = 4.0,
                  situ_linear_beta: float = 25.0):
+        from moe_ref.kernels.grouped_mlp_w4 import to_group_planes
+
         if qweights.spec.format == QuantFormat.FP8_BLOCK:
             raise UnknownNameError("W4A16Experts takes int4_group or mxfp4 weights; fp8_block goes to FP8BlockExperts "
                                    "(make_quantized_experts picks it)")
         super().__init__(qweights.gate_up_qweight_e2FDq, qweights.down_qweight_eDFq, activation, situ_beta,
                          situ_linear_beta)
         self.qweights = qweights
+        fmt = "int4" if qweights.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
+        self.gate_up_planes = to_group_planes(qweights.gate_up_qweight_e2FDq, qweights.gate_up_scale_e2FDs, fmt)
+        self.down_planes = to_group_planes(qweights.down_qweight_eDFq, qweights.down_scale_eDFs, fmt)
+
+    def kernel_nbytes(self) -> int:
+        """Device bytes of the weights in the kernel's order (the stored bytes, plus padding to 256 features)."""
+        return self.gate_up_planes.nbytes() + self.down_planes.nbytes()
 
     def forward(self, x_PDx, layout, x_scale_PDb=None):
-        from moe_ref.kernels.grouped_mlp import grouped_mlp
+        from moe_ref.kernels.grouped_mlp_w4 import grouped_mlp_w4
 
-        q = self.qweights
-        return grouped_mlp(x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e,
-                           self.activation, self.situ_beta, self.situ_linear_beta,
-                           gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs,
-                           num_rows_hint=layout.rows_hint(),  # picks GPU tiles (no host sync when the layout has it)
-                           zero_unused_rows=layout.zero_unused_rows)
+        return grouped_mlp_w4(x_PDx, self.gate_up_planes, self.down_planes, layout.row_start_e, layout.num_rows_e,
+                              self.activation, self.situ_beta, self.situ_linear_beta,
+                              num_rows_hint=layout.rows_hint(),  # picks GPU tiles (no host sync when the layout has it)
+                              zero_unused_rows=layout.zero_unused_rows)
 
 
 class FP8BlockExperts(TritonExperts):

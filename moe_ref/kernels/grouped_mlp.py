@@ -12,12 +12,10 @@ Programs find their expert on the device (a cumsum of per-expert block counts ov
 surplus programs exit), so there is no host sync and padding costs nothing. `persistent=True` walks the live
 tiles on ~2 programs per SM instead (kept for A/B; the grid is the default, docs/RESULTS.md says why).
 Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(..., config=...)`
-(`grouped_mlp(..., configs=...)` for both GEMMs). Loads: TMA descriptors on Hopper+ (pointer loads for 4-bit
-weights, unaligned rows, `MOE_REF_TMA=0`).
+(`grouped_mlp(..., configs=...)` for both GEMMs). Loads: TMA descriptors on Hopper+ (pointer loads for unaligned
+rows, `MOE_REF_TMA=0`).
 FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
-shares one weight scale). W4A16 (int32 = INT4, uint8 = MXFP4, formats in `moe_ref.checkpoint.formats`):
-nibbles unpacked and group-32 scales applied in fp32 in the K loop, dots in x's dtype (the decode arithmetic is
-`MOE_REF_W4_DECODE`'s, a temporary A/B: `_w4_decode`).
+shares one weight scale). 4-bit weights have a kernel of their own: `moe_ref.kernels.grouped_mlp_w4`.
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features (the kernel's GEMM sizes N and K), Db = ceil(Dx / 128),
@@ -53,7 +51,6 @@ from moe_ref.kernels._triton_utils import (
 from moe_ref.kernels import grouped_mlp_tiles as tiles
 from moe_ref.kernels.launch import launch
 from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
-from moe_ref.kernels.w4 import dequantize_int4, dequantize_mxfp4
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -69,104 +66,6 @@ _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 # --------------------------------------------------------------------------------------------------
 # Triton kernel
 # --------------------------------------------------------------------------------------------------
-# The "bits" 4-bit decode (`_w4_decode`, W4_DECODE=1). MXFP4: an E2M1 code's fp32 bits with the sign at 31 and e|m at
-# 22..24 are its value times 2**-126 (e == 0 falls in the denormals, which Triton's NVIDIA backend keeps: no .ftz on
-# plain multiplies, only libdevice calls flush).
-_E2M1_FP32_FIELDS = tl.constexpr(0x81C00000 - (1 << 32))  # bits 31 and 22..24, as an int32
-_E2M1_FP32_SCALE = tl.constexpr(2.0**126)
-
-
-@triton.jit
-def _int4_minus_8(nibbles, SCALE_DTYPE: tl.constexpr):
-    """fp32 `code - 8` of int32 codes 0..15 with no int->float conversion: the float whose bits are `magic | code`
-    is `2**p + code`, minus `2**p + 8`; exact. The float is the scale's dtype: fp32 (0x4B000000: 2**23 + code), or
-    bf16 (0x4300: 128 + code) / fp16 (0x6400: 1024 + code), whose arithmetic is written in fp32 (the interpreter
-    computes 16-bit floats as integers) with the result rounded back, a no-op: LLVM then narrows the subtraction,
-    and the scale multiply with the tile's cast after it, to packed 16-bit instructions (two values each) when x
-    has the scale's dtype (it narrows `fptrunc(op(fpext a, fpext b))` where that gives the same bits).
-
-    Example: code 3, bf16: bits 0x4303 = 131.0, - 136.0 = -5.0.
-    """
-    if SCALE_DTYPE == tl.bfloat16:
-        return ((nibbles | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32) - 136.0).to(
-            tl.bfloat16).to(tl.float32)
-    if SCALE_DTYPE == tl.float16:
-        return ((nibbles | 0x6400).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) - 1032.0).to(
-            tl.float16).to(tl.float32)
-    return (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-
-
-@triton.jit
-def _as_bf16(values):
-    """fp32 `values` that bf16 holds exactly, read back through bf16 (their upper 16 bits; the same values): to LLVM
-    a widened bf16, so a multiply by a bf16-valued scale and the tile's cast to bf16 become one packed bf16 multiply
-    instead of an fp32 multiply and a conversion."""
-    return (values.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _w4_decode(nibbles, scale, W4: tl.constexpr, W4_DECODE: tl.constexpr):
-    """fp32 weights of int32 4-bit codes (0..15) times their group scales (broadcastable to `nibbles`, so each
-    scale is converted once per group and column): INT4 (W4=1) `(code - 8) * scale`, MXFP4 (W4=2) E2M1 value
-    `* 2**(scale byte - 125)` (bytes 0..253; 254 and 255 wrap the exponent to -0.0 and -2**-126, as always).
-
-    TEMPORARY A/B (`MOE_REF_W4_DECODE`): two roads to the same bits; the last multiply takes equal operands.
-    W4_DECODE=0 ("convert"): INT4 `code - 8` through an int->float conversion (I2F, one per value, on Hopper's
-    conversion unit); MXFP4 fp32 bits built from e and m with compares, selects, shifts and ors, and the tile cast
-    to x's dtype by a conversion. W4_DECODE=1 ("bits"): INT4 `_int4_minus_8` (no conversion; where x has the
-    scale's 16-bit dtype LLVM decodes two values per instruction); MXFP4 the code placed into fp32 bits by one
-    multiply and one mask, times 2**126 (exact: a power of two on a value of 2 significant bits), the scale built
-    as bf16 bits (the same value for every byte) and the product through `_as_bf16`. The 2**126 stays a multiply
-    of its own: in the scale it would make 2**(byte + 1), past fp32's range from byte 127 on.
-
-    Example: INT4 code 3, scale 0.5: (3 - 8) * 0.5 = -2.5 both ways. MXFP4 code 0xB (s 1, e 01, m 1), byte 126:
-        bits 0xB * 0x10400000 = 0xB2C00000, & 0x81C00000 = 0x80C00000 = -1.5 * 2**-126, * 2**126 = -1.5,
-        * 2**(126 - 125) = -3.0; code 0x1 (e 00, m 1): 0x00400000 = 2**-127 (a denormal) -> 0.5 -> 1.0.
-    """
-    if W4 == 1:
-        if W4_DECODE == 0:
-            values = (nibbles - 8).to(tl.float32)
-        else:
-            values = _int4_minus_8(nibbles, scale.dtype)
-        scale = scale.to(tl.float32)
-    elif W4_DECODE == 0:
-        # E2M1 code s|ee|m -> fp32 bits: e > 0: 2**(e-1) * (1 + m/2); e == 0: m * 0.5 (exponent 126); sign bit 3
-        e = (nibbles >> 1) & 3
-        m = nibbles & 1
-        bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22)) | ((nibbles & 8) << 28)
-        values = bits.to(tl.float32, bitcast=True)
-        scale = ((scale.to(tl.int32) + 2) << 23).to(tl.float32, bitcast=True)  # 2**(byte - 125)
-    else:
-        bits = (nibbles * 0x10400000) & _E2M1_FP32_FIELDS  # code << 22 | code << 28, masked
-        values = _as_bf16(bits.to(tl.float32, bitcast=True) * _E2M1_FP32_SCALE)
-        scale = ((scale.to(tl.int32) + 2) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True).to(tl.float32)
-    return values * scale
-
-
-@triton.jit
-def _w4_tile(b_base, scale_base, offs_n, mask_n, k0, K, stride_b_n, stride_scale_n,
-             W4: tl.constexpr, W4_DECODE: tl.constexpr, PER: tl.constexpr, BLOCK_K: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """Dequantized fp32 `[BLOCK_K, BLOCK_N]` tile (rows k0.., columns offs_n) of a packed 4-bit weight: one
-    `[BLOCK_K / PER, BLOCK_N]` load of whole int32 words (8 codes each; MXFP4 bytes are read as words too, so the
-    loads are pipelined), unpacked as `[BLOCK_K / PER, PER, BLOCK_N]` and reshaped into the tile. (Unpacking
-    elementwise instead, each value loading the word that holds it, ran 11x slower for INT4 on an H200.)
-
-    Example (W4=1, int4): word 0x7 + (0x9 << 4) holds k=0 -> 7 - 8 = -1 and k=1 -> 9 - 8 = 1; with group scale
-        0.5 the tile's first two rows are -0.5 and 0.5. (W4=2, mxfp4): byte 0x5A holds k=0 -> code 0xA = -1.0 and
-        k=1 -> code 0x5 = 3.0; scale byte 126 -> x2: -2.0 and 6.0.
-    """
-    offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
-    mask_w = (offs_w < K // PER)[:, None] & mask_n[None, :]
-    packed = tl.load(b_base + offs_n[None, :] * stride_b_n + offs_w[:, None], mask=mask_w, other=0).to(tl.int32)
-    shifts = tl.arange(0, PER) * 4
-    nibbles = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K // 32, 32, BLOCK_N))
-    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    mask_g = (offs_g < K // 32)[:, None] & mask_n[None, :]
-    scale = tl.load(scale_base + offs_n[None, :] * stride_scale_n + offs_g[:, None], mask=mask_g, other=0)
-    return tl.reshape(_w4_decode(nibbles, scale[:, None, :], W4, W4_DECODE), (BLOCK_K, BLOCK_N))
-
-
 @triton.jit
 def _split_pairs(pairs):
     """`[M, 2W]` with column 2j = gate j, 2j+1 = up j -> (gate `[M, W]`, up `[M, W]`). Free on tensor-core
@@ -176,18 +75,14 @@ def _split_pairs(pairs):
 
 @triton.jit
 def _load_b_tile(b_desc, b_base, b_scale_base, expert_row0, first_row, num_b_rows, k0, K, stride_b_n, stride_b_scale_n,
-                 a_ptr, W4: tl.constexpr, W4_PER: tl.constexpr, W4_DECODE: tl.constexpr, USE_TMA: tl.constexpr,
-                 UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
+                 USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
     """`[BLOCK_K, WIDTH]` tile of b.T: b rows first_row.. (of this expert's num_b_rows), columns k0.. .
     Rows and columns past the ends read as 0. `expert_row0`: this expert's first row in b viewed as 2D (TMA).
-    4-bit weights come back dequantized in a's dtype (`a_ptr` only gives the dtype); UPCAST: then in fp32."""
+    UPCAST: in fp32."""
     offs_b = first_row + tl.arange(0, WIDTH)
     mask_b = offs_b < num_b_rows
     # one return: Triton types every return statement, also those of branches a constexpr leaves out
-    if W4 != 0:  # dequantized in fp32, then x's dtype (as the twin's weights)
-        tile = _w4_tile(b_base, b_scale_base, offs_b, mask_b, k0, K, stride_b_n, stride_b_scale_n, W4, W4_DECODE,
-                        W4_PER, BLOCK_K, WIDTH).to(a_ptr.dtype.element_ty)
-    elif USE_TMA:
+    if USE_TMA:
         tile = b_desc.load([(expert_row0 + first_row).to(tl.int32), k0]).T
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -237,9 +132,6 @@ def _grouped_gemm_kernel(
     INTERLEAVED: tl.constexpr,     # gated: b's rows alternate gate j, up j (one dot); else N gate rows, then N up rows
     SITU_LINEAR: tl.constexpr,     # situ only: apply lb * tanh(up / lb) (situ_linear_beta != 0)
     FP8: tl.constexpr,             # a, b are fp8 e4m3 with per-128 scales
-    W4: tl.constexpr,              # b is packed 4-bit with group-32 scales: 1 int4 (int32 words), 2 mxfp4 (uint8)
-    W4_PER: tl.constexpr,          # 4-bit values per element of b as the kernel reads it: 8 (int32 words); 1 otherwise
-    W4_DECODE: tl.constexpr,       # TEMPORARY A/B of the 4-bit decode arithmetic (`_w4_decode`): 0 convert, 1 bits
     QUANT_OUT: tl.constexpr,       # write c as fp8 e4m3 + per-row per-128 scales (needs BLOCK_N == 128)
     USE_TMA: tl.constexpr,         # load the a and b tiles through a_desc/b_desc (Hopper TMA), not pointers
     N_ALIGNED: tl.constexpr,       # N % 128 == 0: the up half of a gate||up tile starts a scale group too
@@ -273,7 +165,7 @@ def _grouped_gemm_kernel(
                        b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc, R, N, K, situ_beta,
                        situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
                        stride_b_scale_n, stride_c_r, stride_c_scale_r, ACTIVATION, INTERLEAVED, SITU_LINEAR, FP8,
-                       W4, W4_PER, W4_DECODE, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N,
+                       QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N,
                        BLOCK_K)
     else:  # one program per tile of the upper-bound grid; the surplus programs exit at once
         pid_m, pid_n = _tile_coords(tl.program_id(0), tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
@@ -282,7 +174,7 @@ def _grouped_gemm_kernel(
                        b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc, R, N, K, situ_beta,
                        situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
                        stride_b_scale_n, stride_c_r, stride_c_scale_r, ACTIVATION, INTERLEAVED, SITU_LINEAR, FP8,
-                       W4, W4_PER, W4_DECODE, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N,
+                       QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N,
                        BLOCK_K)
 
 
@@ -307,7 +199,7 @@ def _gemm_tile(
     stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
     stride_c_r, stride_c_scale_r,
     ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, SITU_LINEAR: tl.constexpr, FP8: tl.constexpr,
-    W4: tl.constexpr, W4_PER: tl.constexpr, W4_DECODE: tl.constexpr, QUANT_OUT: tl.constexpr, USE_TMA: tl.constexpr,
+    QUANT_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     N_ALIGNED: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -355,7 +247,7 @@ def _gemm_tile(
         if ACTIVATION != 0 and INTERLEAVED:
             # one dot over 2 * BLOCK_N b rows: gate and up of output columns offs_n, in alternation
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * 2 * BLOCK_N, num_b_rows, k0, K,
-                             stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, W4_DECODE, USE_TMA, UPCAST, BLOCK_K,
+                             stride_b_n, stride_b_scale_n, USE_TMA, UPCAST, BLOCK_K,
                              2 * BLOCK_N)
             if FP8:  # the 128x128 block scales stay indexed by the stacked rows: gate j -> j, up j -> N + j
                 gate, up = _split_pairs(tl.dot(a, b))
@@ -367,7 +259,7 @@ def _gemm_tile(
                 acc_pairs = _mma(a, b, acc_pairs, IEEE_FP32)
         else:
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * BLOCK_N, N, k0, K, stride_b_n,
-                             stride_b_scale_n, a_ptr, W4, W4_PER, W4_DECODE, USE_TMA, UPCAST, BLOCK_K, BLOCK_N)
+                             stride_b_scale_n, USE_TMA, UPCAST, BLOCK_K, BLOCK_N)
             if FP8:
                 acc = _promote(acc, tl.dot(a, b), scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
                                128 % BLOCK_N == 0, BLOCK_N)
@@ -375,7 +267,7 @@ def _gemm_tile(
                 acc = _mma(a, b, acc, IEEE_FP32)
             if ACTIVATION != 0:  # the up rows follow the N gate rows
                 b_up = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, N + pid_n * BLOCK_N, num_b_rows, k0,
-                                    K, stride_b_n, stride_b_scale_n, a_ptr, W4, W4_PER, W4_DECODE, USE_TMA, UPCAST,
+                                    K, stride_b_n, stride_b_scale_n, USE_TMA, UPCAST,
                                     BLOCK_K, BLOCK_N)
                 if FP8:
                     acc_up = _promote(acc_up, tl.dot(a, b_up), scale_a, b_scale_base, N + pid_n * BLOCK_N,
@@ -427,8 +319,8 @@ def autotuned_kernel():
     """
     return triton.autotune(
         configs=tiles.gpu_configs(),
-        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "W4", "W4_DECODE",
-             "USE_TMA", "PERSISTENT"],
+        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "USE_TMA",
+             "PERSISTENT"],
         prune_configs_by={"early_config_prune": tiles.prune_configs},
     )(_grouped_gemm_kernel)
 
@@ -462,16 +354,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tma_possible(a: torch.Tensor, b: torch.Tensor, w4: int) -> bool:
-    """Whether the a and b tiles can be loaded with TMA descriptors: dense (not 4-bit) weights where
-    `tma_unavailable_reason` is None, 16-byte aligned bases and row strides (TMA's rules)."""
-    if w4 or tma_unavailable_reason(a.device) is not None:
+def _tma_possible(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the a and b tiles can be loaded with TMA descriptors: where `tma_unavailable_reason` is None, with
+    16-byte aligned bases and row strides (TMA's rules)."""
+    if tma_unavailable_reason(a.device) is not None:
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in (a, b))
 
 
 def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
-                situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, w4: int = 0, interleaved: bool = False,
+                situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, interleaved: bool = False,
                 config: triton.Config | None = None, tma: bool | None = None, persistent: bool = False):
     """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up, its rows stacked or `interleaved`)
     or GEMM2 (`activation` "none"). `grouped_mlp` runs it twice; the tuner and the tests call it alone.
@@ -480,8 +372,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         a: `[P, k]` rows of the pool: bf16/fp16/fp32, or `torch.float8_e4m3fn` with `a_scale` (`fp8`).
         a_scale: `[P, ceil(k/128)]` fp32 per-row per-128 scales of an fp8 `a`; None otherwise.
         b: `[e, N_b, k]` weights of a's dtype (fp8 for fp8 a), N_b = 2n for GEMM1 (gate rows then up rows, or
-            alternating when `interleaved`), n for GEMM2; 4-bit (`w4`): int32 `[e, N_b, k/8]` (INT4) or uint8
-            `[e, N_b, k/2]` (MXFP4).
+            alternating when `interleaved`), n for GEMM2.
         b_scale: fp32 `[e, ceil(N_b/128), ceil(k/128)]` block scales of fp8 b, or 4-bit group-32 scales
             `[e, N_b, k/32]` (bf16/fp16/fp32, or uint8 E8M0 for MXFP4); None for unquantized b.
         c: `[P, n]` output, written in place: bf16/fp16/fp32 (a's dtype; bf16 for fp8 a without `quant_out`),
@@ -495,7 +386,6 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         fp8: a and b are e4m3 with scales.
         quant_out: c is e4m3 with `c_scale` (GEMM1 writing h for an fp8 GEMM2).
         rows_hint: int, about the number of live pool rows (autotune key, bucketed to a power of 2).
-        w4: 0 for unquantized/fp8 b, 1 INT4, 2 MXFP4 (packed 4-bit b).
         interleaved: GEMM1's b rows alternate gate j, up j.
         config: None, or a `triton.Config` forcing the tile (see below).
         tma: None (TMA where possible), True (force; error where impossible), False (pointer loads).
@@ -513,8 +403,6 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     rules) raises ValueError; one that does not fit the GPU fails in Triton (OutOfResources).
     `tma=None` loads the a and b tiles through TMA descriptors where `_tma_possible` (else pointers);
     True forces TMA (InvalidConfigError, a ValueError, where it is impossible), False forces pointers.
-    4-bit b: MXFP4 bytes are read as int32 words (`_w4_tile`); the decode arithmetic is `MOE_REF_W4_DECODE`'s
-    (read per launch; a temporary A/B, the same bits either way).
     `persistent`: a grid of `PERSISTENT_PROGRAMS_PER_SM` programs per SM walks the live tiles, instead of one
     program per tile of the upper-bound grid.
     Returns what the Triton launch returns (on a GPU the compiled kernel: `n_regs`, `n_spills`,
@@ -522,13 +410,9 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
     rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
-    if w4 == 2:
-        # packed loads of whole int32 words (8 codes, the byte pairs' nibble order) are 4-byte loads the software
-        # pipeliner stages in shared memory; byte loads are not
-        b = b.view(torch.int32)
-    possible = _tma_possible(a, b, w4)
+    possible = _tma_possible(a, b)
     if tma and not possible:
-        raise InvalidConfigError("tma=True, but these tensors cannot use TMA descriptors (4-bit weights, a GPU "
+        raise InvalidConfigError("tma=True, but these tensors cannot use TMA descriptors (a GPU "
                                  "older than Hopper, MOE_REF_TMA=0, or bases/row strides not 16-byte aligned)")
     use_tma = possible if tma is None else tma
     if use_tma:  # block shapes are placeholders until the config is known (forced below, or the pre-hook)
@@ -541,7 +425,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     a_scale = dummy if a_scale is None else a_scale
     b_scale = dummy if b_scale is None else b_scale
     c_scale = dummy if c_scale is None else c_scale
-    b_scale_strides = (b_scale.stride(0), b_scale.stride(1)) if fp8 or w4 else (0, 0)
+    b_scale_strides = (b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0)
     args = (
         a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, a_desc, b_desc,
         num_rows, n, k, num_experts, float(situ_beta), float(situ_linear_beta) if situ_linear_beta else 1.0,
@@ -551,8 +435,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     )
     flags = dict(
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
-        QUANT_OUT=quant_out, W4=w4, W4_PER=8 if w4 else 1,
-        W4_DECODE=envs.W4_DECODES.index(envs.w4_decode()) if w4 else 0, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
+        QUANT_OUT=quant_out, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=next_power_of_2(num_experts),
         PERSISTENT=persistent,
     )
@@ -572,7 +455,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
 
     if config is not None:
         options = tiles.forced_options(config)  # checks the meta keys first
-        error = tiles.config_error(config, fp8=fp8, quant_out=quant_out, w4=w4)
+        error = tiles.config_error(config, fp8=fp8, quant_out=quant_out)
         if error:
             raise InvalidConfigError(f"forced config {config}: {error}")
         return launch_with(config.kwargs, options)
@@ -632,22 +515,18 @@ def tuned_launch_key(rows_bucket: int, n: int, k: int, num_experts: int, flags: 
     return (rows_bucket, n, k, num_experts, tuple(flags.values()), tuple(t.dtype for t in tensors))
 
 
-# packed 4-bit weight dtype -> (W4 kernel flag, values per stored element, accepted scale dtypes)
-_W4_FORMATS = {torch.int32: (1, 8, (torch.bfloat16, torch.float16, torch.float32)),
-               torch.uint8: (2, 2, (torch.uint8,))}
-
-
 def _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
-                x_scale_PDb, gate_up_scale, down_scale) -> tuple[bool, int]:
-    """Validate shapes/dtypes; returns (fp8 path, W4 flag: 0 dense, 1 int4, 2 mxfp4)."""
+                x_scale_PDb, gate_up_scale, down_scale) -> bool:
+    """Validate shapes/dtypes; returns whether this is the fp8 path."""
     if activation not in ("silu", "situ"):
         raise UnknownNameError(f"{activation=} must be 'silu' or 'situ'")
     if x_PDx.dim() != 2 or gate_up_weight_e2FD.dim() != 3 or down_weight_eDF.dim() != 3:
         raise ShapeError(f"expected x_PDx [R, D], gate_up [e, 2F, D], down [e, D, F]; got {tuple(x_PDx.shape)}, "
                          f"{tuple(gate_up_weight_e2FD.shape)}, {tuple(down_weight_eDF.shape)}")
     _check_layout_args(row_start_e, num_rows_e, gate_up_weight_e2FD.shape[0])
-    if gate_up_weight_e2FD.dtype in _W4_FORMATS:
-        return False, _check_w4_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, gate_up_scale, down_scale)
+    if gate_up_weight_e2FD.dtype in (torch.int32, torch.uint8):
+        raise DTypeError(f"packed 4-bit weights ({gate_up_weight_e2FD.dtype}) run on moe_ref.kernels.grouped_mlp_w4 "
+                         "(to_group_planes once, then grouped_mlp_w4), not grouped_mlp")
     _, hidden = x_PDx.shape
     num_experts, two_f, hidden_w = gate_up_weight_e2FD.shape
     inter = two_f // 2
@@ -672,37 +551,13 @@ def _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_ro
             raise DTypeError(f"x_PDx must be bf16/fp16/fp32 or {FP8_DTYPE}, got {x_PDx.dtype}")
         if gate_up_weight_e2FD.dtype != x_PDx.dtype or down_weight_eDF.dtype != x_PDx.dtype:
             raise DTypeError(f"weights must match {x_PDx.dtype=}: got {gate_up_weight_e2FD.dtype}, {down_weight_eDF.dtype}")
-    return fp8, 0
+    return fp8
 
 
 def _check_layout_args(row_start_e, num_rows_e, num_experts: int) -> None:
     for name, tensor in (("row_start_e", row_start_e), ("num_rows_e", num_rows_e)):
         if tuple(tensor.shape) != (num_experts,) or tensor.dtype not in (torch.int32, torch.int64):
             raise DTypeError(f"{name} must be int32/int64 [{num_experts}], got {tuple(tensor.shape)} {tensor.dtype}")
-
-
-def _check_w4_args(x_PDx, gate_up_packed, down_packed, gate_up_scale, down_scale) -> int:
-    """Shapes/dtypes of the W4A16 path (packed int32 int4 or uint8 mxfp4 weights + group-32 scales);
-    returns the kernel's W4 flag."""
-    w4, per, scale_dtypes = _W4_FORMATS[gate_up_packed.dtype]
-    if x_PDx.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise DTypeError(f"4-bit weights take bf16/fp16/fp32 x_PDx, got {x_PDx.dtype}")
-    hidden = x_PDx.shape[1]
-    num_experts, two_f, _ = gate_up_packed.shape
-    inter = two_f // 2
-    expected = {
-        "gate_up_weight_e2FD": (gate_up_packed, (num_experts, two_f, hidden // per), (gate_up_packed.dtype,)),
-        "down_weight_eDF": (down_packed, (num_experts, hidden, inter // per), (gate_up_packed.dtype,)),
-        "gate_up_scale": (gate_up_scale, (num_experts, two_f, hidden // 32), scale_dtypes),
-        "down_scale": (down_scale, (num_experts, hidden, inter // 32), scale_dtypes),
-    }
-    if hidden % 32 or inter % 32 or two_f % 2:
-        raise ShapeError(f"4-bit weights need D and F multiples of 32 (group size): D={hidden}, 2F={two_f}")
-    for name, (tensor, shape, dtypes) in expected.items():
-        if tensor is None or tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
-            got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
-            raise DTypeError(f"{gate_up_packed.dtype} (4-bit) grouped_mlp needs {name} {shape} in {dtypes}, got {got}")
-    return w4
 
 
 def grouped_mlp(
@@ -729,9 +584,9 @@ def grouped_mlp(
     Args:
         x_PDx: `[P, Dx]` bf16/fp16/fp32, or `torch.float8_e4m3fn` with `x_scale_PDb`; expert i owns rows
             `row_start_e[i] : row_start_e[i] + num_rows_e[i]` (segments must not overlap).
-        gate_up_weight_e2FD: `[e, 2F, D]`, rows 0..F-1 gate, F..2F-1 up; x's dtype (fp8 for fp8 x), or packed
-            4-bit for bf16/fp16/fp32 x: int32 `[e, 2F, D/8]` (INT4) or uint8 `[e, 2F, D/2]` (MXFP4).
-        down_weight_eDF: `[e, D, F]`, same dtype rule (packed: `[e, D, F/8]` / `[e, D, F/2]`).
+        gate_up_weight_e2FD: `[e, 2F, D]`, rows 0..F-1 gate, F..2F-1 up; x's dtype (fp8 for fp8 x). Packed 4-bit
+            weights run on `moe_ref.kernels.grouped_mlp_w4`.
+        down_weight_eDF: `[e, D, F]`, same dtype rule.
         row_start_e: `[e]` int64 (or int32) first pool row of each expert (128-aligned by the dispatcher;
             any value works here).
         num_rows_e: `[e]` int32/int64 rows of each expert (0 = empty expert).
@@ -741,13 +596,11 @@ def grouped_mlp(
         x_scale_PDb: `[P, Db]` fp32 per-row per-128 scales of an fp8 x.
         gate_up_scale: `[e, ceil(2F/128), ceil(D/128)]` fp32 128x128 block scales of fp8 gate_up.
         down_scale: `[e, ceil(D/128), ceil(F/128)]` fp32 128x128 block scales of fp8 down.
-            4-bit weights: group-32 scales `[e, 2F, D/32]` / `[e, D, F/32]`, bf16/fp16/fp32 (INT4) or uint8 E8M0
-            bytes (MXFP4), see `moe_ref.checkpoint.formats`.
         num_rows_hint: optional, about `sum(num_rows_e)` (known to the host without a sync, e.g. T * K);
             only picks GPU tile sizes (autotune key, bucketed to a power of 2). Default P.
         zero_unused_rows: rows outside every segment come out as 0 (True) or are left unwritten (False: the
             device-side dispatch passes its whole pool and reads only rows inside segments).
-        gate_up_interleaved: gate_up's rows (and 4-bit row scales) alternate gate j, up j
+        gate_up_interleaved: gate_up's rows alternate gate j, up j
             (`interleave_gate_up`, done once at load): GEMM1 then runs one dot over 2 * BLOCK_N weight rows
             per k-step instead of two. FP8 block scales keep the stacked layout.
         persistent: both GEMMs run a fixed grid (about two programs per SM) that walks the live tiles (same
@@ -759,7 +612,7 @@ def grouped_mlp(
         y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0 (or unwritten).
         The intermediate h is kept in x's dtype (fp8 + per-128 scales on the fp8 path). No host sync.
     """
-    fp8, w4 = _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
+    fp8 = _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
                           x_scale_PDb, gate_up_scale, down_scale)
     num_rows, hidden = x_PDx.shape
     num_experts, two_f, _ = gate_up_weight_e2FD.shape
@@ -788,18 +641,18 @@ def grouped_mlp(
     h_scale_PFb = torch.empty(num_rows, num_fp8_groups(inter), dtype=torch.float32, device=device) if fp8 else None
     launch_gemm(x_PDx, x_scale_PDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
                 n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                fp8=fp8, quant_out=fp8, rows_hint=rows_hint, w4=w4, interleaved=gate_up_interleaved,
+                fp8=fp8, quant_out=fp8, rows_hint=rows_hint, interleaved=gate_up_interleaved,
                 config=gate_up_config, persistent=persistent)
     # GEMM2: y = h @ down.T
     launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
                 n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                fp8=fp8, quant_out=False, rows_hint=rows_hint, w4=w4, config=down_config, persistent=persistent)
+                fp8=fp8, quant_out=False, rows_hint=rows_hint, config=down_config, persistent=persistent)
     return y_PDx
 
 
 def interleave_gate_up(stacked_e2F_: torch.Tensor) -> torch.Tensor:
     """`[e, 2F, ...]` rows gate 0..F-1 then up 0..F-1 -> a contiguous copy whose rows alternate gate j, up j
-    (`grouped_mlp(..., gate_up_interleaved=True)`): for weights and 4-bit per-row scales, not FP8 block scales.
+    (`grouped_mlp(..., gate_up_interleaved=True)`): for weights, not FP8 block scales.
 
     Example: rows [g0, g1, u0, u1] -> [g0, u0, g1, u1].
     """
@@ -854,14 +707,12 @@ def grouped_mlp_ref(
     """Plain-torch twin of `grouped_mlp` (same arguments and return): a loop over experts in fp32.
 
     Matches the kernel's roundings: h is rounded to x's dtype (non-fp8) or re-quantized to fp8 per row
-    per 128 columns (fp8) before GEMM2 (unused rows always come out as 0); 4-bit weights are dequantized (``moe_ref.checkpoint.formats``) and rounded to x's
-    dtype, as the kernel's tiles are. NOTE: `.tolist()` on the row counts syncs the host.
+    per 128 columns (fp8) before GEMM2 (unused rows always come out as 0). NOTE: `.tolist()` on the row counts syncs the host.
     """
-    fp8, w4 = _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
+    fp8 = _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
                           x_scale_PDb, gate_up_scale, down_scale)
     if gate_up_interleaved:
         gate_up_weight_e2FD = deinterleave_gate_up(gate_up_weight_e2FD)
-        gate_up_scale = deinterleave_gate_up(gate_up_scale) if w4 else gate_up_scale
     num_rows, hidden = x_PDx.shape
     inter = gate_up_weight_e2FD.shape[1] // 2
     out_dtype = torch.bfloat16 if fp8 else x_PDx.dtype
@@ -874,11 +725,6 @@ def grouped_mlp_ref(
             seg_x_PDx = dequantize_fp8_per_128(x_PDx[rows], x_scale_PDb[rows])
             gate_up_2FDx = _dequantize_block_128(gate_up_weight_e2FD[i], gate_up_scale[i])
             down_DxF = _dequantize_block_128(down_weight_eDF[i], down_scale[i])
-        elif w4:
-            dequantize = dequantize_int4 if w4 == 1 else dequantize_mxfp4
-            seg_x_PDx = x_PDx[rows].float()
-            gate_up_2FDx = dequantize(gate_up_weight_e2FD[i], gate_up_scale[i], x_PDx.dtype).float()
-            down_DxF = dequantize(down_weight_eDF[i], down_scale[i], x_PDx.dtype).float()
         else:
             seg_x_PDx = x_PDx[rows].float()
             gate_up_2FDx = gate_up_weight_e2FD[i].float()

@@ -78,18 +78,9 @@ PREFILL_TILES_FP8 = [  # > 256 rows per expert
     # 2026-12-01, docs/results/tune_grouped_mlp_fp8_interleaved.txt): gate_up kimi-k2/32768 2623 us, 734 TFLOP/s
     (64, 128, 128, 8, 3, 8),
 ]
-# 4-bit weights (W4A16) at decode autotune over this list instead (scripts/bench_w4a16.py --sweep times each tile;
-# the sweep has not run on a GPU yet). A k-step reads a quarter of bf16's weight bytes, so deeper BLOCK_K keeps more
-# bytes in flight.
-DECODE_TILES_W4 = [
-    (16, 64, 64, 4, 4), (16, 128, 32, 4, 4), (16, 32, 128, 4, 4), (32, 64, 64, 4, 4),
-    (16, 64, 128, 4, 4), (16, 128, 128, 8, 4), (16, 64, 256, 8, 3),  # 8 warps: the larger dequantized tiles spill on 4
-]
 # Autotune keeps configs whose estimated pipeline buffers stay under this (the H200 allows 227 KB per
 # block; the estimate ignores epilogue scratch, hence the headroom).
 AUTOTUNE_SMEM_LIMIT = 200 * 1024
-# Shared-memory bytes a 4-bit b tile stages per weight value: packed int32 words, 8 values each.
-W4_STAGED_BYTES = 0.5
 META_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")  # required in a forced config; GROUP_M is optional (default 1)
 
 
@@ -118,7 +109,7 @@ def config_of_tile(tile: tuple) -> triton.Config:
 def gpu_configs() -> list[triton.Config]:
     """H200 candidates (union of the regimes; `prune_configs` keeps the ones for this launch)."""
     every = (DECODE_TILES + MID_TILES + PREFILL_TILES + DECODE_TILES_FP8 + MID_TILES_FP8 + PREFILL_TILES_FP8
-             + DECODE_TILES_W4)
+)
     tiles = dict.fromkeys(normalize_tile(t) for t in every)
     return [config_of_tile(tile) for tile in tiles]
 
@@ -129,36 +120,31 @@ def tile_of(config: triton.Config) -> tuple:
                            config.kwargs.get("GROUP_M", 1)))
 
 
-def regime(rows_hint: int, num_experts: int, fp8: bool = False, w4: int = 0) -> tuple[str, list]:
+def regime(rows_hint: int, num_experts: int, fp8: bool = False) -> tuple[str, list]:
     """(name, tile list) of the rows-per-expert regime for a launch's `rows_hint` bucket (a power of 2);
-    `fp8` launches take the `*_FP8` lists, 4-bit (`w4` != 0) decode launches `DECODE_TILES_W4`.
+    `fp8` launches take the `*_FP8` lists.
 
     Example: 4096 routed rows over 48 experts -> 85 per expert -> ("mid", MID_TILES), with fp8
-    ("mid", MID_TILES_FP8); 32768 -> 683 -> prefill; 512 -> 10.7 -> decode, with w4 ("decode", DECODE_TILES_W4).
+    ("mid", MID_TILES_FP8); 32768 -> 683 -> prefill; 512 -> 10.7 -> decode.
     """
     rows_per_expert = rows_hint / max(num_experts, 1)
     if rows_per_expert <= 32:
-        return "decode", DECODE_TILES_FP8 if fp8 else DECODE_TILES_W4 if w4 else DECODE_TILES
+        return "decode", DECODE_TILES_FP8 if fp8 else DECODE_TILES
     if rows_per_expert <= 256:
         return "mid", MID_TILES_FP8 if fp8 else MID_TILES
     return "prefill", PREFILL_TILES_FP8 if fp8 else PREFILL_TILES
 
 
-def smem_bytes(config: triton.Config, *, gated: bool, bytes_per_element: int,
-               b_bytes_per_element: float | None = None) -> int:
-    """Estimated pipeline buffers: num_stages x (a tile + b tile(s)); GEMM1 loads gate and up tiles.
-    `b_bytes_per_element`: what a b tile stages per weight value when it differs from a's (4-bit weights)."""
+def smem_bytes(config: triton.Config, *, gated: bool, bytes_per_element: int) -> int:
+    """Estimated pipeline buffers: num_stages x (a tile + b tile(s)); GEMM1 loads gate and up tiles."""
     block_m, block_n, block_k = (config.kwargs[key] for key in META_KEYS)
-    b_bytes = bytes_per_element if b_bytes_per_element is None else b_bytes_per_element
     b_rows = block_n * (2 if gated else 1)
-    return int(config.num_stages * (block_m * bytes_per_element + b_rows * b_bytes) * block_k)
+    return int(config.num_stages * (block_m + b_rows) * bytes_per_element * block_k)
 
 
-def config_error(config: triton.Config, *, fp8: bool, quant_out: bool, w4: int = 0) -> str | None:
+def config_error(config: triton.Config, *, fp8: bool, quant_out: bool) -> str | None:
     """Why this config would compute a wrong result for the launch (None if it is correct)."""
     block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
-    if w4 and block_k % 32:
-        return "a 4-bit k-step covers whole 32-wide scale groups (BLOCK_K must be a multiple of 32)"
     if quant_out and block_n != 128:
         return "the fp8 epilogue quantizes exactly one 128-column group per tile (BLOCK_N must be 128)"
     if fp8 and 128 % block_k != 0:
@@ -167,12 +153,12 @@ def config_error(config: triton.Config, *, fp8: bool, quant_out: bool, w4: int =
 
 
 def config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: bool, quant_out: bool,
-                    ieee_fp32: bool, w4: int = 0, smem_limit: int = AUTOTUNE_SMEM_LIMIT,
+                    ieee_fp32: bool, smem_limit: int = AUTOTUNE_SMEM_LIMIT,
                     register_rules: bool = True) -> str | None:
     """Why autotune should not try this config for the launch (None if it should): wrong results,
     tiles larger than the problem, register spills (`register_rules`; a tuner exploring past them turns
     them off and reads the compiler's spill count instead), shared memory above `smem_limit` bytes."""
-    error = config_error(config, fp8=fp8, quant_out=quant_out, w4=w4)
+    error = config_error(config, fp8=fp8, quant_out=quant_out)
     if error:
         return error
     block_m, block_n, block_k = (config.kwargs[key] for key in META_KEYS)
@@ -182,23 +168,20 @@ def config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: b
         return "two fp32 accumulators (gate, up): register pressure"
     if register_rules and fp8 and block_m * block_n * (2 if gated else 1) > 128 * 128:
         return "fp8 keeps a scaled partial product beside each accumulator: spills (ptxas, sm_90a)"
-    smem = smem_bytes(config, gated=gated, bytes_per_element=1 if fp8 else 4 if ieee_fp32 else 2,
-                      b_bytes_per_element=W4_STAGED_BYTES if w4 else None)
+    smem = smem_bytes(config, gated=gated, bytes_per_element=1 if fp8 else 4 if ieee_fp32 else 2)
     if smem > smem_limit:
         return f"shared memory ~{smem // 1024} KB > {smem_limit // 1024} KB"
     return None
 
 
 def prune_configs(configs, named_args, **kwargs):
-    """Keep the configs of this launch's regime (its FP8 list for FP8, its 4-bit list for 4-bit decode) that are
-    legal (fp8 and 4-bit groups) and fit shared memory."""
-    _, tile_list = regime(named_args["rows_hint"], named_args["num_experts"], fp8=kwargs.get("FP8", False),
-                          w4=kwargs.get("W4", 0))
+    """Keep the configs of this launch's regime (its FP8 list for FP8) that are legal (fp8 groups) and fit shared
+    memory."""
+    _, tile_list = regime(named_args["rows_hint"], named_args["num_experts"], fp8=kwargs.get("FP8", False))
     allowed = {normalize_tile(tile) for tile in tile_list}
     ieee_fp32 = kwargs.get("IEEE_FP32", False)
     facts = dict(n=named_args["N"], k=named_args["K"], gated=kwargs.get("ACTIVATION", 0) != 0,
-                 fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32,
-                 w4=kwargs.get("W4", 0))
+                 fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32)
     kept = [config for config in configs if tile_of(config) in allowed and config_problem(config, **facts) is None]
     fallback = config_of_tile((32, 64, 32, 4, 2) if ieee_fp32 else (64, 128, 64, 4, 3))
     return kept or [fallback]

@@ -15,19 +15,22 @@ computes ``out.T = W @ x.T``: on Hopper ``wgmma`` takes A from registers, B from
 is elementwise on the loaded words with no other loaded operand. So the group scale cannot enter the decode: each
 dot covers exactly one group of 32 input features, and its scale multiplies the dot's fp32 result.
 
-That needs each group's 32 codes in one "plane": ``to_group_planes`` rewrites each weight row once, at load, so
-that word c of a block of 256 input features holds, in nibble j, the code of feature ``32 j + c`` (group j of the
-block). A plane ``(words >> 4 j) & 15`` is then one whole group, with its features in order: the dot's x operand
-is 32 contiguous columns. Rows are padded to whole blocks (zero codes; x's padding reads as 0), scales are stored
-group-major (``[e, G, O]``: the scales of one group for a tile's rows are one contiguous load).
+That needs each group's 32 codes together, in the order the MMA's registers take them: ``to_group_planes``
+rewrites each weight row once, at load. In a block of 256 input features (8 groups), word i of half h holds, in
+nibble p, feature 2i of group ``4 h + p`` and, in nibble ``p + 4``, feature 2i + 1; so ``(word >> 4 p) & 0x000F000F``
+is two neighbouring features at the two 16-bit halves, which a packed subtract or multiply turns into the register
+pair the MMA reads (``_decode_pairs``), and 16 words are one group, its x operand 32 contiguous columns. Rows are
+padded to whole blocks (the code of 0.0; x's padding reads as 0), scales are stored group-major (``[e, I/32, O]``:
+the scales of one group for a tile's rows are one contiguous load).
 
-Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32. The twin
-(``grouped_mlp_w4_ref``) computes the same sums in fp64-free torch: per-group fp32 matmuls, the same order of
-groups is not guaranteed, so tests compare against it with a tolerance, and the decode itself bit for bit.
+Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32 (the old
+path rounded each weight times its scale to x's dtype first). The twin (``grouped_mlp_w4_ref``) multiplies by the
+exactly dequantized fp32 weights, so kernel and twin differ by fp32 summation order (and the roundings of h and y to
+x's dtype that follow): tests compare them with a tolerance, and the decode itself bit for bit.
 
-Shape legend: P receive-pool rows, D the MLP's width, F its intermediate width, e local experts, O and I one
-weight matrix's output and input features, Ip = I rounded up to 256 (``PLANE_BLOCK``), G = Ip / 32 groups.
-Suffix ``w``: int32 words of 8 codes (``[.., Ip/8]``).
+Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
+weight matrix's output and input features. Suffixes of a stored last dim: ``q`` the checkpoint's packed width,
+``w`` int32 words of 8 codes (I rounded up to whole 256-feature blocks, over 8), ``g`` group-32 scales.
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ from moe_ref.kernels.w4 import (E8M0_BIAS, GROUP_SIZE, INT4_PER_WORD, e2m1_to_fl
                                 unpack_int4)
 
 __all__ = ["PLANE_BLOCK", "TILES", "W4Weight", "clear_tuned_tiles", "dequantize_planes", "from_group_planes",
-           "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "to_group_planes", "tuned_tiles"]
+           "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "tiles_for", "to_group_planes",
+           "tuned_tiles"]
 
 PLANE_BLOCK = 256  # input features per k-step: 8 groups of 32, one nibble plane each
 GROUPS_PER_BLOCK = PLANE_BLOCK // GROUP_SIZE  # 8 = nibbles per int32 word
@@ -63,13 +67,13 @@ class W4Weight:
     Attributes:
         fmt: "int4" (codes ``q + 8``, scales bf16/fp16/fp32) or "mxfp4" (E2M1 codes, E8M0 scale bytes decoding as
             ``2**(byte - 125)``).
-        words_eOw: int32 ``[e, O, Ip/8]``, the group planes.
-        scale_eGO: ``[e, G, O]`` group scales, group-major (the stored dtype: bf16/fp16/fp32, or uint8 for MXFP4).
+        words_eOw: int32 ``[e, O, w]`` (w = I rounded up to 256, over 8), the group planes.
+        group_major_scale: ``[e, I/32 rounded up to 8, O]`` group scales, group-major (the stored dtype: bf16/fp16/fp32, or uint8 for MXFP4).
         in_features: I before padding.
     """
 
-    def __init__(self, fmt: str, words_eOw: torch.Tensor, scale_eGO: torch.Tensor, in_features: int):
-        self.fmt, self.words_eOw, self.scale_eGO, self.in_features = fmt, words_eOw, scale_eGO, in_features
+    def __init__(self, fmt: str, words_eOw: torch.Tensor, group_major_scale: torch.Tensor, in_features: int):
+        self.fmt, self.words_eOw, self.group_major_scale, self.in_features = fmt, words_eOw, group_major_scale, in_features
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -77,7 +81,7 @@ class W4Weight:
         return self.words_eOw.shape[0], self.words_eOw.shape[1], self.in_features
 
     def nbytes(self) -> int:
-        return self.words_eOw.nbytes + self.scale_eGO.nbytes
+        return self.words_eOw.nbytes + self.group_major_scale.nbytes
 
 
 def _codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -87,7 +91,7 @@ def _codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     return unpack_fp4(packed)
 
 
-def to_group_planes(packed_eOx: torch.Tensor, scale_eOg: torch.Tensor, fmt: str) -> W4Weight:
+def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str) -> W4Weight:
     """A checkpoint's packed 4-bit weight -> the kernel's layout (a new tensor; run once, at load).
 
     Per row, a block of 256 input features (8 groups of 32) is 32 words; words ``16 h .. 16 h + 15`` hold groups
@@ -96,7 +100,7 @@ def to_group_planes(packed_eOx: torch.Tensor, scale_eOg: torch.Tensor, fmt: str)
     16..19, and 16 words give the group's 32 features (``_decode_pairs``).
 
     Args:
-        packed_eOx: INT4 int32 ``[e, O, I/8]`` (compressed-tensors pack-quantized) or MXFP4 uint8 ``[e, O, I/2]``.
+        packed_eOq: INT4 int32 ``[e, O, I/8]`` (compressed-tensors pack-quantized) or MXFP4 uint8 ``[e, O, I/2]``.
         scale_eOg: ``[e, O, I/32]`` group scales (INT4 bf16/fp16/fp32, MXFP4 uint8 E8M0).
         fmt: "int4" or "mxfp4".
 
@@ -108,7 +112,7 @@ def to_group_planes(packed_eOx: torch.Tensor, scale_eOg: torch.Tensor, fmt: str)
     """
     if fmt not in _FORMATS:
         raise UnknownNameError(f"4-bit format {fmt!r}: expected one of {sorted(_FORMATS)}")
-    codes = _codes(packed_eOx, fmt)
+    codes = _codes(packed_eOq, fmt)
     *lead, in_features = codes.shape
     padded = cdiv(in_features, PLANE_BLOCK) * PLANE_BLOCK
     if padded != in_features:
@@ -130,7 +134,7 @@ def from_group_planes(weight: W4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     nibbles = nibbles.reshape(*lead, num_words // WORDS_PER_BLOCK, 2, 16, 2, 4).movedim(-1, -3)
     codes = nibbles.reshape(*lead, num_words * INT4_PER_WORD).to(torch.uint8)
     groups = weight.in_features // GROUP_SIZE
-    return codes[..., : weight.in_features], weight.scale_eGO.transpose(-1, -2)[..., :groups]
+    return codes[..., : weight.in_features], weight.group_major_scale.transpose(-1, -2)[..., :groups]
 
 
 def dequantize_planes(weight: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -163,23 +167,32 @@ def _decode(codes, W4: tl.constexpr, DTYPE: tl.constexpr):
 @triton.jit
 def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
     """``[BLOCK_N, 16]`` int32 holding two codes each (bits 0..3: feature 2i of a group, bits 16..19: feature
-    2i + 1) -> the group's ``[BLOCK_N, 32]`` exact values in DTYPE, features in order.
+    2i + 1) -> the group's ``[BLOCK_N, 32]`` exact values in DTYPE, features in order (MXFP4 with bf16 x: the values
+    times 2**-14, a factor ``_group_scale`` takes back: it saves a multiply per value).
 
     16-bit DTYPEs decode both codes of a word at once: the word becomes two 16-bit patterns, then one packed
     subtract or multiply makes them exact. INT4: ``0x4300 | code`` is 128 + code in bf16 (``0x6400``: 1024 + code in
     fp16), minus 136 (1032). MXFP4: ``e|m`` placed in fp16's lowest exponent bits and top mantissa bit, and the sign,
-    is 2**-14 times the E2M1 value (subnormal for e == 0, which fp16 keeps everywhere; bf16 subnormals are flushed by
-    the interpreter), times 2**14, in x's dtype. Joined as (2i, 2i + 1), the word is already the register pair the
+    is 2**-14 times the E2M1 value (subnormal in fp16 for e == 0, which fp16 keeps everywhere: bf16 subnormals would
+    be flushed by the interpreter); fp16 x then multiplies by 2**14, bf16 x converts (2**-15 is a normal bf16). Joined as (2i, 2i + 1), the word is already the register pair the
     MMA reads: Triton keeps the whole decode in the MMA operand's registers. The arithmetic is written in fp32 (the
     interpreter's 16-bit floats are not IEEE), which LLVM narrows back to packed 16-bit instructions.
 
     Example (bf16, INT4): word 0x000B0003 -> patterns 0x4303, 0x430B -> 131 - 136 = -5.0, 139 - 136 = 3.0.
         (MXFP4) word 0x00010003: codes 3 (e 01, m 1) and 1 (e 00, m 1) -> fp16 patterns 0x0600 (1.5 * 2**-14) and
-        0x0200 (2**-15) -> 1.5, 0.5.
+        0x0200 (2**-15) -> 1.5, 0.5 (bf16 x: 1.5 * 2**-14, 2**-15).
     """
     if DTYPE == tl.float32:
         values = tl.join(_decode(pairs & 0xF, W4, DTYPE), _decode((pairs >> 16) & 0xF, W4, DTYPE))
-        return tl.reshape(values, (pairs.shape[0], 2 * pairs.shape[1]))
+        values = tl.reshape(values, (pairs.shape[0], 2 * pairs.shape[1]))
+    else:
+        values = _decode_16bit_pairs(pairs, W4, DTYPE)
+    return values.to(DTYPE)
+
+
+@triton.jit
+def _decode_16bit_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
+    """`_decode_pairs` for a 16-bit DTYPE (fp32 values, exact in DTYPE): both codes of a word at once."""
     PATTERN: tl.constexpr = tl.float16 if W4 == 2 else DTYPE
     if W4 == 2:
         bits = (pairs & 0x00070007) * 0x200 + (pairs & 0x00080008) * 0x1000
@@ -190,21 +203,25 @@ def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
     lo = (bits & 0xFFFF).to(tl.int16).to(PATTERN, bitcast=True)
     hi = (bits >> 16).to(tl.int16).to(PATTERN, bitcast=True)
     values = tl.reshape(tl.join(lo, hi), (pairs.shape[0], 2 * pairs.shape[1])).to(tl.float32)
-    if W4 == 2:
+    if W4 == 2 and DTYPE == tl.float16:
         values = values * 16384.0
-    elif DTYPE == tl.bfloat16:
+    elif W4 == 1 and DTYPE == tl.bfloat16:
         values = values - 136.0
-    else:
+    elif W4 == 1:
         values = values - 1032.0
-    return values.to(DTYPE)
+    # MXFP4 in bf16 stays 2**-14 * E2M1 (normal bf16 numbers, so exact): the 2**14 is in the group scale
+    return values
 
 
 @triton.jit
-def _group_scale(scale_ptrs, mask, W4: tl.constexpr):
-    """fp32 group scales: INT4 as stored; MXFP4 E8M0 bytes ``2**(byte - 125)`` (bytes 0..253)."""
+def _group_scale(scale_ptrs, mask, W4: tl.constexpr, DTYPE: tl.constexpr):
+    """fp32 group scales: INT4 as stored; MXFP4 E8M0 bytes ``2**(byte - 125)`` (bytes 0..239), times 2**14 where x
+    is bf16 (its decoded values are 2**-14 times E2M1's: ``_decode_16bit_pairs``)."""
     scale = tl.load(scale_ptrs, mask=mask, other=0)
-    if W4 == 2:
-        return ((scale.to(tl.int32) + 2) << 23).to(tl.float32, bitcast=True)
+    if W4 == 2 and DTYPE == tl.bfloat16:
+        scale = ((scale.to(tl.int32) + 16) << 23).to(tl.float32, bitcast=True)
+    elif W4 == 2:
+        scale = ((scale.to(tl.int32) + 2) << 23).to(tl.float32, bitcast=True)
     return scale.to(tl.float32)
 
 
@@ -214,12 +231,15 @@ def _group_dot(acc, pairs, x_t, scale_ptrs, mask_n, W4: tl.constexpr, UPCAST: tl
     """``acc + scale * (q @ x_t)`` for one group of 32 input features: q ``[BLOCK_N, 32]`` decoded from ``pairs``
     (``_decode_pairs``), x_t ``[32, BLOCK_M]``, the group's scales ``[BLOCK_N]`` applied to the fp32 dot."""
     q = _decode_pairs(pairs, W4, x_t.dtype)
-    scale = _group_scale(scale_ptrs, mask_n, W4)
+    scale = _group_scale(scale_ptrs, mask_n, W4, x_t.dtype)
+    # one return: Triton types every return statement, also those of branches a constexpr leaves out
     if UPCAST:
-        return acc + tl.dot(q.to(tl.float32), x_t.to(tl.float32), input_precision="ieee") * scale[:, None]
-    if IEEE_FP32:
-        return acc + tl.dot(q, x_t, input_precision="ieee") * scale[:, None]
-    return acc + tl.dot(q, x_t) * scale[:, None]
+        product = tl.dot(q.to(tl.float32), x_t.to(tl.float32), input_precision="ieee")
+    elif IEEE_FP32:
+        product = tl.dot(q, x_t, input_precision="ieee")
+    else:
+        product = tl.dot(q, x_t)
+    return acc + product * scale[:, None]
 
 
 @triton.jit
@@ -296,13 +316,15 @@ def _w4_gemm_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the MMA takes BLOCK_N >= 64 per 4 warps on Hopper
-TILES = [(16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 128, 8, 3), (32, 64, 4, 3), (32, 128, 4, 3),
-         (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
+TILES = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 8, 3), (32, 64, 4, 3),
+         (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
 INTERPRETER_TILE = (16, 16, 1, 1)
 DECODE_ROWS_PER_EXPERT = 16  # up to this many rows per expert, only BLOCK_M 16 tiles are tried
 
 
-def _tiles_for(rows_per_expert: float) -> list[tuple]:
+def tiles_for(rows_per_expert: float) -> list[tuple]:
+    """The ``TILES`` autotune tries at this many rows per expert: BLOCK_M 16 up to ``DECODE_ROWS_PER_EXPERT`` (one M
+    block per expert), the larger ones above."""
     if rows_per_expert <= DECODE_ROWS_PER_EXPERT:
         return [t for t in TILES if t[0] == 16]
     return [t for t in TILES if t[0] >= 32]
@@ -341,11 +363,11 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, a
     """
     num_rows, num_experts = x.shape[0], weight.words_eOw.shape[0]
     rows_bucket = next_power_of_2(max(1, rows_hint))
-    args = (x, weight.words_eOw, weight.scale_eGO, c, row_start_e, num_rows_e, num_rows, n, weight.in_features,
+    args = (x, weight.words_eOw, weight.group_major_scale, c, row_start_e, num_rows_e, num_rows, n, weight.in_features,
             weight.words_eOw.shape[-1] // WORDS_PER_BLOCK, num_experts, float(situ_beta),
             float(situ_linear_beta) if situ_linear_beta else 1.0, rows_bucket, x.stride(0),
-            weight.words_eOw.stride(0), weight.words_eOw.stride(1), weight.scale_eGO.stride(0),
-            weight.scale_eGO.stride(1), c.stride(0))
+            weight.words_eOw.stride(0), weight.words_eOw.stride(1), weight.group_major_scale.stride(0),
+            weight.group_major_scale.stride(1), c.stride(0))
     flags = dict(ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), W4=_FORMATS[weight.fmt],
                  IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
                  EVEN_K=weight.in_features % PLANE_BLOCK == 0, BLOCK_E=next_power_of_2(num_experts))
@@ -362,66 +384,66 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, a
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
         return launch(_w4_gemm_kernel, grid(block_m, block_n), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                       num_warps=warps, num_stages=stages, **extra)
-    key = (rows_bucket, n, weight.in_features, num_experts, tuple(flags.values()), x.dtype, weight.scale_eGO.dtype)
+    key = (rows_bucket, n, weight.in_features, num_experts, tuple(flags.values()), x.dtype, weight.group_major_scale.dtype)
     chosen = _TUNED.get(key)
     if chosen is not None:
         return launch_w4_gemm(x, weight, c, row_start_e, num_rows_e, n=n, activation=activation, situ_beta=situ_beta,
                               situ_linear_beta=situ_linear_beta, rows_hint=rows_hint, tile=chosen)
-    tuner = _autotuned(tuple(_tiles_for(rows_hint / max(1, num_experts))))
+    tuner = _autotuned(tuple(tiles_for(rows_hint / max(1, num_experts))))
     out = tuner[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags, **launch_options(fp_fusion=True))
     best = tuner.best_config
     _TUNED[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
     return out
 
 
-def _check(x_PD, gate_up: W4Weight, down: W4Weight) -> None:
-    if x_PD.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise DTypeError(f"4-bit weights take bf16/fp16/fp32 x_PD, got {x_PD.dtype}")
+def _check(x_PDx, gate_up: W4Weight, down: W4Weight) -> None:
+    if x_PDx.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise DTypeError(f"4-bit weights take bf16/fp16/fp32 x_PDx, got {x_PDx.dtype}")
     num_experts, two_f, hidden = gate_up.shape
-    if x_PD.dim() != 2 or x_PD.shape[1] != hidden or two_f % 2 or down.shape != (num_experts, hidden, two_f // 2):
-        raise ShapeError(f"x_PD [P, D] {tuple(x_PD.shape)}, gate_up [e, 2F, D] {gate_up.shape} and down [e, D, F] "
+    if x_PDx.dim() != 2 or x_PDx.shape[1] != hidden or two_f % 2 or down.shape != (num_experts, hidden, two_f // 2):
+        raise ShapeError(f"x_PDx [P, Dx] {tuple(x_PDx.shape)}, gate_up [e, 2F, Dx] {gate_up.shape} and down [e, Dx, F] "
                          f"{down.shape} disagree")
     if gate_up.fmt != down.fmt:
         raise DTypeError(f"gate_up is {gate_up.fmt}, down is {down.fmt}: one format per layer")
 
 
-def grouped_mlp_w4(x_PD: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_start_e: torch.Tensor,
+def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_start_e: torch.Tensor,
                    num_rows_e: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
                    situ_linear_beta: float = 25.0, *, num_rows_hint: int | None = None, zero_unused_rows: bool = True,
                    tiles: tuple[tuple, tuple] | None = None) -> torch.Tensor:
     """Every local expert's gated MLP on its rows of the pool, with 4-bit weights (two launches, no host sync).
 
     Args:
-        x_PD: ``[P, D]`` bf16/fp16/fp32; expert i owns rows ``row_start_e[i] : row_start_e[i] + num_rows_e[i]``.
-        gate_up: ``W4Weight`` of ``[e, 2F, D]`` (rows 0..F-1 gate, F..2F-1 up). down: ``W4Weight`` of ``[e, D, F]``.
+        x_PDx: ``[P, Dx]`` bf16/fp16/fp32; expert i owns rows ``row_start_e[i] : row_start_e[i] + num_rows_e[i]``.
+        gate_up: ``W4Weight`` of ``[e, 2F, Dx]`` (rows 0..F-1 gate, F..2F-1 up). down: ``W4Weight`` of ``[e, Dx, F]``.
         row_start_e, num_rows_e: ``[e]`` int32/int64.
         activation, situ_beta, situ_linear_beta: as ``grouped_mlp``.
         num_rows_hint: about ``sum(num_rows_e)`` (autotune key; default P). zero_unused_rows: as ``grouped_mlp``.
         tiles: None, or (GEMM1's, GEMM2's) (BLOCK_M, BLOCK_N, num_warps, num_stages), forced.
 
     Returns:
-        y_PD ``[P, D]`` in x's dtype; h is rounded to x's dtype between the GEMMs.
+        y_PDx ``[P, Dx]`` in x's dtype; h is rounded to x's dtype between the GEMMs.
     """
     if activation not in ("silu", "situ"):
         raise UnknownNameError(f"{activation=} must be 'silu' or 'situ'")
-    _check(x_PD, gate_up, down)
-    num_rows, hidden = x_PD.shape
+    _check(x_PDx, gate_up, down)
+    num_rows, hidden = x_PDx.shape
     num_experts, two_f, _ = gate_up.shape
     inter = two_f // 2
     allocate = torch.zeros if zero_unused_rows else torch.empty
-    y_PD = allocate(num_rows, hidden, dtype=x_PD.dtype, device=x_PD.device)
+    y_PDx = allocate(num_rows, hidden, dtype=x_PDx.dtype, device=x_PDx.device)
     if num_rows == 0 or num_experts == 0 or inter == 0 or hidden == 0:
-        return y_PD.zero_()
-    check_device("x_PD", x_PD)
-    if not x_PD.is_contiguous():
-        raise ShapeError(f"x_PD must be contiguous (strides {x_PD.stride()})")
+        return y_PDx.zero_()
+    check_device("x_PDx", x_PDx)
+    if not x_PDx.is_contiguous():
+        raise ShapeError(f"x_PDx must be contiguous (strides {x_PDx.stride()})")
     rows_hint = num_rows if num_rows_hint is None else num_rows_hint
     tile1, tile2 = (None, None) if tiles is None else tiles
-    h_PF = torch.empty(num_rows, inter, dtype=x_PD.dtype, device=x_PD.device)
+    h_PF = torch.empty(num_rows, inter, dtype=x_PDx.dtype, device=x_PDx.device)
     common = dict(situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, rows_hint=rows_hint)
-    launch_w4_gemm(x_PD, gate_up, h_PF, row_start_e, num_rows_e, n=inter, activation=activation, tile=tile1, **common)
-    launch_w4_gemm(h_PF, down, y_PD, row_start_e, num_rows_e, n=hidden, activation="none", tile=tile2, **common)
-    return y_PD
+    launch_w4_gemm(x_PDx, gate_up, h_PF, row_start_e, num_rows_e, n=inter, activation=activation, tile=tile1, **common)
+    launch_w4_gemm(h_PF, down, y_PDx, row_start_e, num_rows_e, n=hidden, activation="none", tile=tile2, **common)
+    return y_PDx
 
 
 # --------------------------------------------------------------------------------------------------
@@ -431,23 +453,23 @@ def _gemm_ref(x_PI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
     return x_PI.float() @ weight_OI.T
 
 
-def grouped_mlp_w4_ref(x_PD, gate_up: W4Weight, down: W4Weight, row_start_e, num_rows_e, activation="silu",
+def grouped_mlp_w4_ref(x_PDx, gate_up: W4Weight, down: W4Weight, row_start_e, num_rows_e, activation="silu",
                        situ_beta=4.0, situ_linear_beta=25.0, *, num_rows_hint=None, zero_unused_rows=True,
                        tiles=None) -> torch.Tensor:
     """Plain-torch twin of ``grouped_mlp_w4`` (same arguments and return): per expert, the weights dequantized
     exactly in fp32, h rounded to x's dtype. NOTE: ``.tolist()`` on the row counts syncs the host."""
     from moe_ref.kernels.grouped_mlp import _activation_ref
 
-    _check(x_PD, gate_up, down)
+    _check(x_PDx, gate_up, down)
     inter = gate_up.shape[1] // 2
     gate_up_e2FD, down_eDF = dequantize_planes(gate_up), dequantize_planes(down)
-    y_PD = torch.zeros_like(x_PD)
+    y_PDx = torch.zeros_like(x_PDx)
     for i, (start, count) in enumerate(zip(row_start_e.tolist(), num_rows_e.tolist())):
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate_up_P2F = _gemm_ref(x_PD[rows], gate_up_e2FD[i])
+        gate_up_P2F = _gemm_ref(x_PDx[rows], gate_up_e2FD[i])
         h_PF = _activation_ref(gate_up_P2F[:, :inter], gate_up_P2F[:, inter:], activation, situ_beta,
-                               situ_linear_beta).to(x_PD.dtype)
-        y_PD[rows] = _gemm_ref(h_PF, down_eDF[i]).to(x_PD.dtype)
-    return y_PD
+                               situ_linear_beta).to(x_PDx.dtype)
+        y_PDx[rows] = _gemm_ref(h_PF, down_eDF[i]).to(x_PDx.dtype)
+    return y_PDx

@@ -34,14 +34,14 @@ from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers  # noqa: E402
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
 rc = importlib.import_module("moe_ref.kernels.routing_check")
 ga = importlib.import_module("moe_ref.kernels.gated_act")
+w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
 EP_MODULES = {name: importlib.import_module(f"moe_ref.kernels.{name}")
               for name in ("pre_dispatch", "ep_layout", "ep_dispatch", "ep_combine", "symm_signal")}
 HOPPER = GPUTarget("cuda", 90, 32)
 OPTION_KEYS = ("num_warps", "num_stages", "enable_fp_fusion")
 FP8 = torch.float8_e4m3fn
 
-# name -> (weights "bf16" | "fp8" | "int4" | "mxfp4", GEMM "gate_up" | "down", interleaved, TMA, tile[, persistent
-# [, MOE_REF_W4_DECODE]]); 4-bit cases without a decode take the default one
+# name -> (weights "bf16" | "fp8", GEMM "gate_up" | "down", interleaved, TMA, tile[, persistent])
 CASES = {
     "bf16 gate_up decode tile, TMA": ("bf16", "gate_up", False, True, (16, 64, 128, 4, 4)),
     "bf16 gate_up interleaved prefill tile, TMA": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8)),
@@ -50,14 +50,19 @@ CASES = {
     "fp8 gate_up interleaved, TMA": ("fp8", "gate_up", True, True, (64, 128, 128, 8, 3, 8)),
     "fp8 gate_up stacked, TMA": ("fp8", "gate_up", False, True, (32, 128, 128, 4, 5)),
     "fp8 down, TMA": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8)),
-    "int4 gate_up interleaved": ("int4", "gate_up", True, False, (16, 64, 128, 4, 4)),
-    "mxfp4 down": ("mxfp4", "down", False, False, (64, 128, 64, 4, 3)),
     "bf16 gate_up interleaved prefill tile, TMA, persistent": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8),
                                                               True),
     "fp8 down, TMA, persistent": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8), True),
-    # TEMPORARY: the other side of the 4-bit decode A/B, until one decode goes
-    "int4 gate_up interleaved, convert decode": ("int4", "gate_up", True, False, (16, 64, 128, 4, 4), False, "convert"),
-    "mxfp4 down, convert decode": ("mxfp4", "down", False, False, (64, 128, 64, 4, 3), False, "convert"),
+}
+
+# name -> (4-bit format, GEMM, x dtype, input features K, grouped_mlp_w4 tile): the W4A16 kernel
+# (K 96: not whole 256-feature blocks, so x's loads keep their column mask)
+W4_CASES = {
+    "w4 int4 gate_up bf16, decode tile": ("int4", "gate_up", torch.bfloat16, 512, (16, 64, 4, 3)),
+    "w4 mxfp4 gate_up bf16, decode tile": ("mxfp4", "gate_up", torch.bfloat16, 512, (16, 64, 4, 4)),
+    "w4 int4 down fp16, prefill tile": ("int4", "down", torch.float16, 512, (64, 128, 8, 3)),
+    "w4 mxfp4 down fp16, K 96": ("mxfp4", "down", torch.float16, 96, (32, 64, 4, 3)),
+    "w4 int4 gate_up fp32": ("int4", "gate_up", torch.float32, 256, (16, 64, 4, 2)),
 }
 
 # name -> (ids dtype, weights dtype)
@@ -100,53 +105,54 @@ def _operands(weights: str, gemm: str, interleaved: bool) -> dict:
     n, k = (inter, hidden) if gemm == "gate_up" else (hidden, inter)
     b_rows = 2 * n if gemm == "gate_up" else n
     blocks = lambda size: triton.cdiv(size, 128)  # noqa: E731
-    if weights in ("bf16", "int4", "mxfp4"):
+    if weights == "bf16":
         a, a_scale = torch.zeros(rows, k, dtype=torch.bfloat16), None
     else:
         a, a_scale = torch.zeros(rows, k, dtype=FP8), torch.ones(rows, blocks(k))
     if weights == "bf16":
         b, b_scale = torch.zeros(experts, b_rows, k, dtype=torch.bfloat16), None
-    elif weights == "fp8":
-        b, b_scale = torch.zeros(experts, b_rows, k, dtype=FP8), torch.ones(experts, blocks(b_rows), blocks(k))
-    elif weights == "int4":
-        b, b_scale = torch.zeros(experts, b_rows, k // 8, dtype=torch.int32), torch.ones(experts, b_rows, k // 32,
-                                                                                         dtype=torch.bfloat16)
     else:
-        b, b_scale = (torch.zeros(experts, b_rows, k // 2, dtype=torch.uint8),
-                      torch.zeros(experts, b_rows, k // 32, dtype=torch.uint8))
+        b, b_scale = torch.zeros(experts, b_rows, k, dtype=FP8), torch.ones(experts, blocks(b_rows), blocks(k))
     quant_out = weights == "fp8" and gemm == "gate_up"
     c = torch.zeros(rows, n, dtype=FP8 if quant_out else torch.bfloat16)
     c_scale = torch.ones(rows, blocks(n)) if quant_out else None
     return dict(a=a, a_scale=a_scale, b=b, b_scale=b_scale, c=c, c_scale=c_scale, n=n, k=k, quant_out=quant_out,
-                fp8=weights == "fp8", w4={"int4": 1, "mxfp4": 2}.get(weights, 0), interleaved=interleaved,
+                fp8=weights == "fp8", interleaved=interleaved,
                 activation="silu" if gemm == "gate_up" else "none")
 
 
-def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple, persistent: bool = False,
-                 w4_decode: str | None = None):
+def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple, persistent: bool = False):
     """Launch one grouped-MLP case into the recorder, then compile the recorded launch for sm_90."""
     ops = _operands(weights, gemm, interleaved)
     experts = ops["b"].shape[0]
     row_start_e = torch.arange(experts, dtype=torch.int64) * 16
     num_rows_e = torch.full((experts,), 16, dtype=torch.int32)
     tma_possible, num_sms = gm._tma_possible, gm._num_sms
-    gm._tma_possible = lambda a, b, w4: tma  # no CUDA device here: TMA is what the case says
+    gm._tma_possible = lambda a, b: tma  # no CUDA device here: TMA is what the case says
     gm._num_sms = lambda device: 132  # an H200's
-    previous_decode = os.environ.get("MOE_REF_W4_DECODE")
-    if w4_decode is not None:
-        os.environ["MOE_REF_W4_DECODE"] = w4_decode  # this worker's process only, read by launch_gemm
     try:
         return compile_launch(gm, "_grouped_gemm_kernel", lambda: gm.launch_gemm(
             ops["a"], ops["a_scale"], ops["b"], ops["b_scale"], ops["c"], ops["c_scale"], row_start_e, num_rows_e,
             n=ops["n"], k=ops["k"], activation=ops["activation"], situ_beta=4.0, situ_linear_beta=25.0,
-            fp8=ops["fp8"], quant_out=ops["quant_out"], rows_hint=64, w4=ops["w4"], interleaved=ops["interleaved"],
+            fp8=ops["fp8"], quant_out=ops["quant_out"], rows_hint=64, interleaved=ops["interleaved"],
             config=gm.tiles.config_of_tile(tile), persistent=persistent))
     finally:
         gm._tma_possible, gm._num_sms = tma_possible, num_sms
-        if previous_decode is None:
-            os.environ.pop("MOE_REF_W4_DECODE", None)
-        else:
-            os.environ["MOE_REF_W4_DECODE"] = previous_decode
+
+
+def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple):
+    """One GEMM of grouped_mlp_w4 (4 experts, N 128, 64 pool rows), its forced tile compiled for sm_90."""
+    experts, n, rows = 4, 128, 64
+    b_rows = 2 * n if gemm == "gate_up" else n
+    packed = (torch.zeros(experts, b_rows, k // 8, dtype=torch.int32) if fmt == "int4" else
+              torch.zeros(experts, b_rows, k // 2, dtype=torch.uint8))
+    scale = torch.ones(experts, b_rows, k // 32, dtype=torch.bfloat16 if fmt == "int4" else torch.uint8)
+    weight = w4.to_group_planes(packed, scale, fmt)
+    return compile_launch(w4, "_w4_gemm_kernel", lambda: w4.launch_w4_gemm(
+        torch.zeros(rows, k, dtype=dtype), weight, torch.zeros(rows, n, dtype=dtype),
+        torch.arange(experts, dtype=torch.int64) * 16, torch.full((experts,), 16, dtype=torch.int32), n=n,
+        activation="silu" if gemm == "gate_up" else "none", situ_beta=4.0, situ_linear_beta=25.0, rows_hint=rows,
+        tile=tile))
 
 
 def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):
@@ -254,6 +260,7 @@ def main() -> int:
         return 2
     # name -> (kind, build: returns the compiled kernels)
     builders = {name: ("grouped_mlp", lambda case=case: [compile_case(*case)]) for name, case in CASES.items()}
+    builders.update({name: ("grouped_mlp_w4", lambda case=case: [compile_w4(*case)]) for name, case in W4_CASES.items()})
     builders.update({name: ("routing_check", lambda case=case: [compile_routing_check(*case)])
                      for name, case in ROUTING_CHECK_CASES.items()})
     builders.update({name: ("gated_act", lambda case=case: [compile_gated_act(*case)])

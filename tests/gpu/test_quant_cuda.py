@@ -66,22 +66,22 @@ def test_quantized_experts_vs_dequantized_fp32_reference(case, fmt_name):
         assert diff <= bound, f"{case=} {fmt_name=} {dtype=} {diff=}"
 
 
-# slow: 25 s on an H200 (make test-gpu run of 2026-12-01 with --durations): autotunes the W4 kernel for INT4 and MXFP4
-# at a shape no other case uses; the decode cases above run the same W4 kernels vs the dequantized reference
+# slow: autotunes the 4-bit kernel for INT4 and MXFP4 at a shape no other case uses (ragged experts, 130 rows on one)
 @pytest.mark.slow
 def test_w4_kernel_vs_twin_bf16():
     import importlib
 
     from moe_ref.checkpoint.formats import QuantFormat
 
-    gm = importlib.import_module("moe_ref.kernels.grouped_mlp")
-    for fmt in (QuantFormat.INT4_GROUP, QuantFormat.MXFP4):
+    w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
+    for fmt, name in ((QuantFormat.INT4_GROUP, "int4"), (QuantFormat.MXFP4, "mxfp4")):
         q = _qweights(fmt, 4, 1024, 512, seed=3)
+        planes = (w4.to_group_planes(q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, name),
+                  w4.to_group_planes(q.down_qweight_eDFq, q.down_scale_eDFs, name))
         layout = ExpertLayout.from_counts(torch.tensor([9, 0, 40, 130], device="cuda"), alignment=1)
         x_PDx = torch.randn(layout.num_pool_rows, 1024, device="cuda").to(torch.bfloat16)
-        args = (x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e, "silu")
-        scales = dict(gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs)
-        diff = calc_diff(gm.grouped_mlp(*args, **scales).float(), gm.grouped_mlp_ref(*args, **scales).float())
+        args = (x_PDx, *planes, layout.row_start_e, layout.num_rows_e, "silu")
+        diff = calc_diff(w4.grouped_mlp_w4(*args).float(), w4.grouped_mlp_w4_ref(*args).float())
         assert diff <= 1e-5, f"{fmt=} {diff=}"
 
 

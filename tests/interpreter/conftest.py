@@ -24,6 +24,7 @@ _KERNEL_MODULES = (  # dependency order
     "moe_ref.kernels.routing_check",
     "moe_ref.kernels.gated_act",
     "moe_ref.kernels.grouped_mlp",
+    "moe_ref.kernels.grouped_mlp_w4",
     "moe_ref.kernels",
 )
 if not torch.cuda.is_available() and "moe_ref.kernels._triton_utils" in sys.modules:

@@ -117,10 +117,10 @@ def test_tma_and_pointer_loads_agree(fp8, device, monkeypatch, assert_close):
     x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
                                                            torch.float32 if fp8 else torch.bfloat16, device, seed=2)
     x_PDx, gate_up, down, kwargs = _maybe_fp8(fp8, x_PDx, gate_up, down)
-    assert grouped_mlp_module._tma_possible(x_PDx, gate_up, w4=0)
+    assert grouped_mlp_module._tma_possible(x_PDx, gate_up)
     y_tma = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
     monkeypatch.setenv("MOE_REF_TMA", "0")
-    assert not grouped_mlp_module._tma_possible(x_PDx, gate_up, w4=0)
+    assert not grouped_mlp_module._tma_possible(x_PDx, gate_up)
     y_pointers = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
     y_ref = grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
     for y in (y_tma, y_pointers):
@@ -177,7 +177,7 @@ def test_tma_needs_16_byte_rows(device):
     """Row strides that are not a multiple of 16 bytes fall back to pointer loads (TMA's alignment rule);
     forcing TMA then is refused with a clear error."""
     x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs([3], 36, 8, torch.bfloat16, device)  # 72-byte rows
-    assert not grouped_mlp_module._tma_possible(x_PDx, gate_up, w4=0)
+    assert not grouped_mlp_module._tma_possible(x_PDx, gate_up)
     h = torch.empty(x_PDx.shape[0], 8, dtype=x_PDx.dtype, device=device)
     with pytest.raises(ValueError, match="TMA"):
         grouped_mlp_module.launch_gemm(x_PDx, None, gate_up, None, h, None, row_start_e, num_rows_e, n=8, k=36,

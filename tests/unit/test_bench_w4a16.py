@@ -46,12 +46,11 @@ def test_arguments_are_checked():
     assert args.sweep and args.peer == "none" and not hasattr(args, "w4_decode")
 
 
-def test_sweep_tiles_are_the_ones_autotune_tries():
-    # the script restates the kernel's private rule from its public names: held together here
-    for rows in (1, 64, 512, 16 * bw.NUM_EXPERTS, 16 * bw.NUM_EXPERTS + 1, 4096, 65536):
-        assert bw.sweep_tiles(rows) == [tuple(t) for t in w4k._tiles_for(rows / bw.NUM_EXPERTS)], rows
-    assert {t[0] for t in bw.sweep_tiles(16 * bw.NUM_EXPERTS)} == {16}
+def test_sweep_tiles_follow_the_kernels_regimes():
+    # one M block per expert up to 16 rows per expert (decode), larger M blocks above; every candidate a kernel tile
+    assert bw.sweep_tiles(64) and {t[0] for t in bw.sweep_tiles(16 * bw.NUM_EXPERTS)} == {16}
     assert min(t[0] for t in bw.sweep_tiles(16 * bw.NUM_EXPERTS + 1)) >= 32
+    assert set(bw.sweep_tiles(64)) | set(bw.sweep_tiles(4096)) == {tuple(t) for t in w4k.TILES}
 
 
 def test_tile_label():

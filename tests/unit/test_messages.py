@@ -57,25 +57,6 @@ def test_a_switch_follows_every_change_of_its_variable(monkeypatch):
             envs.bound_launch()
 
 
-@pytest.mark.parametrize("value, expected", [(None, "convert"), ("", "convert"), ("bits", "bits"), (" Convert ", "convert"),
-                                             ("BITS", "bits")])
-def test_the_temporary_w4_decode_switch_reads_its_two_words(monkeypatch, value, expected):
-    if value is None:
-        monkeypatch.delenv("MOE_REF_W4_DECODE", raising=False)
-    else:
-        monkeypatch.setenv("MOE_REF_W4_DECODE", value)
-    assert envs.w4_decode() == expected
-
-
-@pytest.mark.parametrize("value", ["1", "i2f", "convert,bits"])
-def test_a_w4_decode_switch_with_another_value_is_refused_naming_the_variable(monkeypatch, value):
-    monkeypatch.setenv("MOE_REF_W4_DECODE", value)
-    with pytest.raises(EnvVarError) as err:
-        envs.w4_decode()
-    assert err.value.code == "CFG017" and f"MOE_REF_W4_DECODE={value!r}" in str(err.value)
-    assert "convert, bits" in str(err.value)
-
-
 def test_the_layer_refuses_a_bad_debug_checks_value(monkeypatch):
     monkeypatch.setenv("MOE_REF_DEBUG_CHECKS", "maybe")
     with pytest.raises(EnvVarError, match="MOE_REF_DEBUG_CHECKS='maybe'"):

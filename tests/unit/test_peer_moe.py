@@ -467,9 +467,9 @@ def test_int4_words_read_as_the_engines_bytes():
 @pytest.mark.parametrize("engine_name", ["vllm", "sglang"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_real_peer_w4a16_matches_our_int4_twin(engine_name, dtype):
-    """The engine's INT4 W4A16 kernel on our INT4 weights (the words read as its bytes) vs grouped_mlp_ref on the same
-    stored weights (the interpreter: fp32 and fp16, its bf16 arithmetic is wrong)."""
-    from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+    """The engine's INT4 W4A16 kernel on our INT4 weights (the words read as its bytes) vs our 4-bit MLP's twin on the
+    same stored weights (the interpreter: fp32 and fp16, its bf16 arithmetic is wrong)."""
+    from moe_ref.kernels.grouped_mlp_w4 import grouped_mlp_w4_ref, to_group_planes
     from moe_ref.kernels.w4 import quantize_int4
     from moe_ref.testing import calc_diff
 
@@ -484,6 +484,6 @@ def test_real_peer_w4a16_matches_our_int4_twin(engine_name, dtype):
     config = dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     y = pm.run_peer_w4a16_mlp(w4, x, pm.int4_words_as_peer_bytes(gate_up), gate_up_scale,
                               pm.int4_words_as_peer_bytes(down), down_scale, routing, config, config)
-    want = grouped_mlp_ref(x, gate_up, down, layout.row_start_e, layout.num_rows_e, gate_up_scale=gate_up_scale,
-                           down_scale=down_scale)
+    want = grouped_mlp_w4_ref(x, to_group_planes(gate_up, gate_up_scale, "int4"), to_group_planes(down, down_scale, "int4"),
+                              layout.row_start_e, layout.num_rows_e)
     assert calc_diff(y.float(), want.float()) < 1e-4

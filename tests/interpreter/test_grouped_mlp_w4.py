@@ -1,0 +1,282 @@
+"""The 4-bit (W4A16) expert MLP, ``moe_ref.kernels.grouped_mlp_w4``: its weight layout (group planes) against the
+checkpoint's packing, its decode of every code (pair) in each x dtype and of every MXFP4 scale byte, the kernel against
+its twin and against the dequantized fp32 weights through moe_ref's torch expert loop at the edges (an empty expert,
+ragged segments, rows outside every segment, features not in whole 256-blocks, zero rows, all rows on one expert),
+the W4A16 and FP8 checkpoint experts through the public Experts API, and the layer on quantized checkpoints."""
+
+import importlib
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
+from moe_ref.experts import ExpertLayout, make_experts
+from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
+from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight
+from moe_ref.kernels.w4 import dequantize_int4, dequantize_mxfp4, e2m1_to_float, pack_fp4, pack_int4, unpack_fp4
+from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_bitwise_equal, calc_diff
+
+gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
+w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
+
+pytestmark = pytest.mark.interpreter
+
+W4 = [QuantFormat.INT4_GROUP, QuantFormat.MXFP4]
+FMT = {QuantFormat.INT4_GROUP: "int4", QuantFormat.MXFP4: "mxfp4"}
+X_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+COUNTS = [5, 0, 19]  # an empty expert, a ragged one; the interpreter's BLOCK_M is 16
+# On a GPU the twin comparisons force one tile: autotuning every case compiles ~10 variants each (minutes in all)
+GPU_TILES = ((16, 64, 4, 2), (16, 64, 4, 2))
+
+
+def _qweights(fmt, num_experts, hidden, inter, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    (gq, gs), (dq, ds) = quantize_weight(gate_up, fmt), quantize_weight(down, fmt)
+    spec = QuantSpec(fmt, 128 if fmt == QuantFormat.FP8_BLOCK else 32)
+    return QuantizedExpertWeights(spec, gq, gs, dq, ds, hidden_size=hidden, intermediate_size=inter).to(device)
+
+
+def _planes(q: QuantizedExpertWeights):
+    fmt = FMT[q.spec.format]
+    return (w4.to_group_planes(q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, fmt),
+            w4.to_group_planes(q.down_qweight_eDFq, q.down_scale_eDFs, fmt))
+
+
+def _pool(layout, hidden, dtype, device, seed=1):
+    x_PDx = torch.randn(layout.num_pool_rows, hidden, generator=torch.Generator().manual_seed(seed))
+    valid = torch.zeros(layout.num_pool_rows, dtype=torch.bool)
+    for start, count in zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist()):
+        valid[start:start + count] = True
+    x_PDx[~valid] = float("nan")  # rows outside every segment are never read
+    return x_PDx.to(dtype).to(device), valid
+
+
+# --------------------------------------------------------------------------------------------------
+# the weight layout
+# --------------------------------------------------------------------------------------------------
+def _random_packed(fmt: str, rows: int, features: int, seed: int):
+    """(packed, scales, codes) of random codes: INT4 int32 words and bf16 scales, MXFP4 bytes and scale bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (2, rows, features), generator=gen, dtype=torch.uint8)
+    if fmt == "int4":
+        packed = pack_int4(codes.to(torch.int8) - 8)
+        scales = torch.rand(2, rows, features // 32, generator=gen).bfloat16()
+    else:
+        packed = pack_fp4(codes)
+        scales = torch.randint(100, 140, (2, rows, features // 32), generator=gen, dtype=torch.uint8)
+    return packed, scales, codes
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("features", [256, 96, 544])
+def test_group_planes_hold_the_checkpoints_codes_and_scales(fmt, features):
+    packed, scales, codes = _random_packed(fmt, 5, features, seed=features)
+    planes = w4.to_group_planes(packed, scales, fmt)
+    padded = triton.cdiv(features, 256) * 256
+    assert planes.words_eOw.shape == (2, 5, padded // 8) and planes.words_eOw.dtype == torch.int32
+    assert planes.group_major_scale.shape == (2, padded // 32, 5) and planes.shape == (2, 5, features)
+    back_codes, back_scales = w4.from_group_planes(planes)
+    assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
+    dequantize = dequantize_int4 if fmt == "int4" else dequantize_mxfp4
+    assert torch.equal(w4.dequantize_planes(planes), dequantize(packed, scales))
+    # the padding features hold the code of 0.0
+    whole = w4.W4Weight(fmt, planes.words_eOw, planes.group_major_scale, padded)
+    pad = w4.from_group_planes(whole)[0][..., features:].unique().tolist()
+    assert pad in ([], [8] if fmt == "int4" else [0]), pad
+
+
+def test_group_planes_put_a_groups_feature_pairs_in_one_word():
+    """Word i of half h holds, in nibble p, feature 2i of group 4h + p and, in nibble p + 4, feature 2i + 1."""
+    codes = torch.zeros(1, 1, 256, dtype=torch.uint8)
+    codes[0, 0, 32 * 5 + 6] = 3   # group 5 = half 1, plane 1; feature 6 = pair 3, even
+    codes[0, 0, 32 * 2 + 7] = 9   # group 2 = half 0, plane 2; feature 7 = pair 3, odd
+    words = w4.to_group_planes(pack_fp4(codes), torch.zeros(1, 1, 8, dtype=torch.uint8), "mxfp4").words_eOw[0, 0]
+    expected = torch.zeros(32, dtype=torch.int64)
+    expected[16 + 3] = 3 << (4 * 1)
+    expected[3] = 9 << (4 * (2 + 4))
+    assert torch.equal(words.to(torch.int64), expected), words.tolist()
+
+
+def test_group_planes_refuse_an_unknown_format():
+    with pytest.raises(UnknownNameError, match="nf4"):
+        w4.to_group_planes(torch.zeros(1, 1, 32, dtype=torch.int32), torch.zeros(1, 1, 8), "nf4")
+
+
+# --------------------------------------------------------------------------------------------------
+# the decode, exhaustively
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_pairs_kernel(pairs_ptr, out_ptr, W4: tl.constexpr, DTYPE: tl.constexpr):
+    """out `[16, 32]` = `_decode_pairs` of the `[16, 16]` int32 pair words."""
+    rows, words = tl.arange(0, 16), tl.arange(0, 16)
+    pairs = tl.load(pairs_ptr + rows[:, None] * 16 + words[None, :])
+    tl.store(out_ptr + rows[:, None] * 32 + tl.arange(0, 32)[None, :], w4._decode_pairs(pairs, W4, DTYPE))
+
+
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("x_dtype", X_DTYPES)
+def test_decode_is_exact_for_every_pair_of_codes(fmt, x_dtype, device):
+    """All 256 (even, odd) code pairs, decoded where the kernel runs (the GPU, or the interpreter), bit for bit
+    equal to the format's values in x's dtype, and in feature order (MXFP4 with bf16 x: times 2**-14, which the group
+    scale takes back)."""
+    even, odd = torch.arange(256, dtype=torch.int32) // 16, torch.arange(256, dtype=torch.int32) % 16
+    pairs = (even | (odd << 16)).reshape(16, 16)
+    out = torch.empty(16, 32, dtype=x_dtype, device=device)
+    _decode_pairs_kernel[(1,)](pairs.to(device), out, W4=1 if fmt == "int4" else 2, DTYPE=TL_DTYPES[x_dtype])
+    values = (lambda c: c.float() - 8) if fmt == "int4" else (lambda c: e2m1_to_float(c.to(torch.uint8)))
+    unit = 2.0**-14 if (fmt, x_dtype) == ("mxfp4", torch.bfloat16) else 1.0
+    expected = (torch.stack([values(even), values(odd)], dim=-1).reshape(16, 32) * unit).to(x_dtype)
+    assert_bitwise_equal(out.cpu(), expected, fmt=fmt, x_dtype=x_dtype)
+
+
+@triton.jit
+def _group_scale_kernel(scale_ptr, out_ptr, N: tl.constexpr, W4: tl.constexpr, DTYPE: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, w4._group_scale(scale_ptr + offs, offs < N, W4, DTYPE))
+
+
+@pytest.mark.parametrize("x_dtype", X_DTYPES)
+def test_mxfp4_scale_bytes_decode_exactly(x_dtype, device):
+    """Every E8M0 byte 0..239 -> 2**(byte - 125) (times 2**14 for bf16 x: the decode's 2**-14 taken back)."""
+    scales = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(256, device=device)
+    _group_scale_kernel[(1,)](scales.to(device), out, N=256, W4=2, DTYPE=TL_DTYPES[x_dtype])
+    unit = 14 if x_dtype == torch.bfloat16 else 0
+    expected = torch.exp2(torch.arange(256, dtype=torch.float64) - 125 + unit).float()
+    assert_bitwise_equal(out.cpu()[:240], expected[:240], x_dtype=x_dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# the kernel against its twin, and through the public API
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", W4)
+@pytest.mark.parametrize("dtype", X_DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+def test_w4_kernel_matches_twin(fmt, dtype, activation, device, assert_close):
+    hidden, inter = 96, 32  # neither is whole 256-feature blocks: padded planes, masked x columns
+    q = _qweights(fmt, len(COUNTS), hidden, inter, device)
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=64)
+    x_PDx, valid = _pool(layout, hidden, dtype, device)
+    args = (x_PDx, *_planes(q), layout.row_start_e, layout.num_rows_e, activation)
+    tiles = GPU_TILES if device == "cuda" else None
+    y_PDx, y_ref = w4.grouped_mlp_w4(*args, tiles=tiles), w4.grouped_mlp_w4_ref(*args)
+    case = dict(fmt=fmt.value, dtype=dtype, activation=activation)
+    assert (y_PDx.cpu()[~valid] == 0).all(), case
+    assert_close(y_PDx, y_ref, dtype, **case)
+
+
+@pytest.mark.parametrize("fmt", W4)
+def test_w4_kernel_on_whole_blocks_all_rows_on_one_expert_and_forced_tiles(fmt, device, assert_close):
+    """D = F = 256 (x's loads unmasked), every row on the last expert, the default tile and a forced one alike."""
+    hidden = inter = 256
+    q = _qweights(fmt, 3, hidden, inter, device, seed=8)
+    layout = ExpertLayout.from_counts(torch.tensor([0, 0, 21], device=device), alignment=1)
+    x_PDx, _ = _pool(layout, hidden, torch.bfloat16, device, seed=9)
+    args = (x_PDx, *_planes(q), layout.row_start_e, layout.num_rows_e)
+    y_ref = w4.grouped_mlp_w4_ref(*args)
+    assert_close(w4.grouped_mlp_w4(*args), y_ref, torch.bfloat16, fmt=fmt.value)
+    forced = w4.grouped_mlp_w4(*args, tiles=((32, 32, 4, 2), (16, 64, 4, 2)))
+    assert_close(forced, y_ref, torch.bfloat16, fmt=fmt.value, tiles="forced")
+
+
+def test_w4_kernel_with_no_rows_returns_an_empty_pool(device):
+    q = _qweights(QuantFormat.INT4_GROUP, 2, 64, 32, device)
+    layout = ExpertLayout.from_counts(torch.tensor([0, 0], device=device), alignment=1)
+    y = w4.grouped_mlp_w4(torch.zeros(0, 64, device=device), *_planes(q), layout.row_start_e, layout.num_rows_e)
+    assert y.shape == (0, 64) and y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", W4)
+def test_w4a16_experts_equal_the_dequantized_fp32_torch_loop(fmt, device):
+    hidden, inter = 96, 64  # 3 scale groups along D, 2 along F; several K steps
+    q = _qweights(fmt, 3, hidden, inter, device, seed=2)
+    layout = ExpertLayout.from_counts(torch.tensor([7, 0, 18], device=device), alignment=1)
+    x_PDx, _ = _pool(layout, hidden, torch.float32, device, seed=3)
+    experts = make_quantized_experts(q, "situ", backend="triton")
+    assert isinstance(experts, W4A16Experts) and experts.segment_alignment == 1
+    assert experts.kernel_nbytes() >= q.nbytes()  # the stored bytes again, in the kernel's order (+ padding)
+    reference = make_experts("torch", *(w.cpu() for w in q.dequantize(torch.float32)), "situ")
+    y, y_ref = experts(x_PDx, layout).cpu(), reference(x_PDx.cpu(), layout)
+    diff = calc_diff(y, y_ref)
+    assert diff <= 1e-5, f"{fmt=} {diff=}"
+    assert calc_diff(y_ref, torch.zeros_like(y_ref)) == 1.0
+    # and the torch backend of the same weights (dequantized per expert as its rows run) is that reference
+    torch_experts = make_quantized_experts(q.to("cpu"), "situ", backend="torch")
+    assert torch.equal(torch_experts(x_PDx.cpu(), layout), y_ref)
+
+
+def test_fp8_checkpoint_experts_run_the_stored_weights(device):
+    hidden, inter = 160, 128  # an edge block along D
+    q = _qweights(QuantFormat.FP8_BLOCK, 3, hidden, inter, device, seed=4)
+    layout = ExpertLayout.from_counts(torch.tensor([4, 9, 0], device=device), alignment=1)
+    x_PDx, _ = _pool(layout, hidden, torch.float32, device, seed=5)
+    experts = make_quantized_experts(q, "silu", backend="triton")
+    assert isinstance(experts, FP8BlockExperts) and experts.accepts_fp8_input
+    assert experts.gate_up_fp8_e2FD is q.gate_up_qweight_e2FDq  # the checkpoint's tensor, not a re-quantized copy
+    reference = make_quantized_experts(q.to("cpu"), "silu", backend="torch")
+    y, y_ref = experts(x_PDx, layout).cpu(), reference(x_PDx.cpu(), layout)
+    assert calc_diff(y.float(), y_ref) <= CALC_DIFF_TOLERANCES[torch.float8_e4m3fn]
+
+
+def test_w4_argument_errors(device):
+    q = _qweights(QuantFormat.MXFP4, 2, 64, 32, device)
+    gate_up, down = _planes(q)
+    layout = ExpertLayout.from_counts(torch.tensor([3, 2], device=device), alignment=1)
+    x_PDx = torch.zeros(5, 64, device=device)
+    with pytest.raises(DTypeError, match="grouped_mlp_w4"):  # the dense kernel points at the 4-bit one
+        gm.grouped_mlp(x_PDx, q.gate_up_qweight_e2FDq, q.down_qweight_eDFq, layout.row_start_e, layout.num_rows_e,
+                       gate_up_scale=q.gate_up_scale_e2FDs, down_scale=q.down_scale_eDFs)
+    rows = (layout.row_start_e, layout.num_rows_e)
+    with pytest.raises(DTypeError, match="bf16/fp16/fp32"):
+        w4.grouped_mlp_w4(x_PDx.to(torch.float8_e4m3fn), gate_up, down, *rows)
+    with pytest.raises(ShapeError, match="disagree"):
+        w4.grouped_mlp_w4(torch.zeros(5, 96, device=device), gate_up, down, *rows)
+    with pytest.raises(ShapeError, match="disagree"):
+        w4.grouped_mlp_w4(x_PDx, gate_up, gate_up, *rows)
+    int4_down = _planes(_qweights(QuantFormat.INT4_GROUP, 2, 64, 32, device))[1]
+    with pytest.raises(DTypeError, match="one format"):
+        w4.grouped_mlp_w4(x_PDx, gate_up, int4_down, *rows)
+    with pytest.raises(UnknownNameError, match="gelu"):
+        w4.grouped_mlp_w4(x_PDx, gate_up, down, *rows, activation="gelu")
+    with pytest.raises(InvalidConfigError, match=">= 16"):
+        w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 32, device=device), *rows, n=32, activation="silu",
+                          situ_beta=4.0, situ_linear_beta=25.0, rows_hint=5, tile=(8, 64, 4, 2))
+
+
+@pytest.mark.parametrize("name, fmt, overrides", [
+    ("tiny-kimi-k3", "mxfp4", dict(intermediate_size=32)),
+    ("tiny-kimi-k2", "int4_group", dict(hidden_size=64, intermediate_size=32)),
+    ("tiny-deepseek-v3", "fp8_block", dict(intermediate_size=128)),
+])
+def test_layer_loads_a_quantized_checkpoint_into_the_triton_quantized_experts(tmp_path, device, name, fmt, overrides):
+    """MegaMoE.load_hf_weights with experts_backend='triton': W4A16 (INT4, MXFP4) or the FP8 block kernel run the
+    stored tensors inside the routed step; compared with the layer's reference on the dequantized weights."""
+    import dataclasses
+
+    from moe_ref.core.config import preset
+    from moe_ref.layer import MegaMoE
+    from moe_ref.reference import reference_moe
+    from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
+
+    cfg = dataclasses.replace(preset(name), **overrides)
+    written = write_synthetic_checkpoint(tmp_path, cfg, layer_idx=0, quant=fmt, seed=6, dtype=torch.float32)
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=32, experts_backend="triton", device=device)
+    layer.load_hf_weights(tmp_path, layer_idx=0, progress=False)
+    assert isinstance(layer.experts, FP8BlockExperts if fmt == "fp8_block" else W4A16Experts)
+    assert layer.gate_up_weight is None and layer.quantized_experts.device.type == torch.device(device).type
+    x = torch.randn(30, cfg.hidden_size, generator=torch.Generator().manual_seed(7)).to(device)
+    with torch.inference_mode():
+        y = layer(x)
+        y_ref = reference_moe(x, written.to(device), cfg)
+    layer.destroy()
+    limit = CALC_DIFF_TOLERANCES[torch.float8_e4m3fn] if fmt == "fp8_block" else 1e-5
+    assert calc_diff(y, y_ref) <= limit, (fmt, calc_diff(y, y_ref))
+    assert calc_diff(y_ref, torch.zeros_like(y_ref)) == 1.0
+
