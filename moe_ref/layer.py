@@ -25,7 +25,10 @@ Kimi-K3 ``latent_down_weight [L, D]``, ``latent_up_weight [D, L]``, ``latent_nor
 The routed experts are allocated when they are loaded, in the form they are loaded in: plain weights become
 ``gate_up_weight``/``down_weight`` in the layer's dtype; a quantized checkpoint (FP8 blocks, INT4, MXFP4; see
 ``load_hf_weights``) is kept as stored in ``quantized_experts`` and the two parameters stay None. So the device
-holds the checkpoint's bytes of the local experts and never a bf16 copy of them (``expert_nbytes()``).
+holds the checkpoint's bytes of the local experts and never a bf16 copy of them (``expert_nbytes()``). The W4A16
+kernel reads INT4/MXFP4 words in its own nibble order: on first use the layer rewrites its copy in place
+(``QuantizedExpertWeights.with_group_planes``; the kernel adds a group-major copy of the scales, 1/16 of INT4's
+bytes), and ``state_dict()`` puts them back in the checkpoint's order.
 
 nn.Module conventions: ``state_dict()``/``load_state_dict()`` round trip into a fresh (unseeded) layer, strict:
 plain experts are allocated by the load, quantized ones travel as ``quantized_experts.<field>`` tensors (+ their
@@ -62,9 +65,9 @@ from moe_ref.core.errors import (ArgumentTypeError, BackendUnavailableError, Dev
                                  GradientNotSupportedError, InputError, InvalidConfigError, LayerConversionError,
                                  ShapeError, ShapeUnsupportedError, TensorShapeMismatchError, WeightsNotLoadedError)
 from moe_ref.experts import Experts, experts_class, make_experts
-from moe_ref.experts.quantized import QUANT_BACKENDS, make_quantized_experts
+from moe_ref.experts.quantized import QUANT_BACKENDS, W4A16Experts, make_quantized_experts, quantized_experts_class
 from moe_ref.ep.options import EPOptions
-from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec
+from moe_ref.checkpoint.formats import QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec
 from moe_ref.ep.routed_step import RoutedStep, make_modular_step
 from moe_ref.core.weights import MoEWeights
 
@@ -72,7 +75,7 @@ logger = logging.getLogger(__name__)
 _EXPERT_FIELDS = ("gate_up_weight_E2FD", "down_weight_EDF")
 # state_dict keys of quantized experts kept as stored: "quantized_experts.<field>" (+ ".spec", the format as JSON bytes)
 _QUANT_PREFIX = "quantized_experts."
-_QUANT_FIELDS = ("gate_up_qweight_e2FDq", "gate_up_scale_e2FDs", "down_qweight_eDFq", "down_scale_eDFs")
+_QUANT_FIELDS = QUANTIZED_TENSOR_FIELDS
 
 
 def as_config(cfg: MoEConfig | str | os.PathLike | Mapping[str, Any]) -> MoEConfig:
@@ -289,9 +292,10 @@ class MegaMoE(nn.Module):
     # --- nn.Module conventions: state_dict round trip, fixed dtype/device -----------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """The parameters and buffers, plus quantized experts kept as stored (``quantized_experts.<field>``
-        tensors and ``quantized_experts.spec``, the format as uint8 JSON bytes), so a fresh layer loads them."""
+        tensors and ``quantized_experts.spec``, the format as uint8 JSON bytes), so a fresh layer loads them.
+        4-bit words held in the W4A16 kernel's order are put back in the checkpoint's (a copy, made here)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        q = self.quantized_experts
+        q = None if self.quantized_experts is None else self.quantized_experts.as_stored()
         if q is not None:
             for field in _QUANT_FIELDS:
                 destination[prefix + _QUANT_PREFIX + field] = getattr(q, field)
@@ -503,7 +507,11 @@ class MegaMoE(nn.Module):
             activation = (cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
             with torch.inference_mode(False):
                 if self.quantized_experts is not None:
-                    backend = self._quantized_backend(self.quantized_experts.spec)
+                    spec = self.quantized_experts.spec
+                    backend = self._quantized_backend(spec)
+                    if quantized_experts_class(spec.format, backend, self.options.device) is W4A16Experts:
+                        # the layer's own copy, rewritten in place in the kernel's order: one copy of the weights
+                        self.quantized_experts = self.quantized_experts.with_group_planes()
                     self._experts = make_quantized_experts(self.quantized_experts, *activation, backend=backend)
                 else:
                     self._experts = make_experts(self.options.experts_backend, *self._expert_parameters(),

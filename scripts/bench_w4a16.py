@@ -59,8 +59,8 @@ sys.path.insert(0, _SCRIPTS)  # peer_moe
 from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
-from moe_ref.kernels.grouped_mlp_w4 import (W4Weight, launch_w4_gemm, tiles_for, to_group_planes,  # noqa: E402
-                                            tuned_tiles)
+from moe_ref.kernels.grouped_mlp_w4 import launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
+from moe_ref.kernels.w4 import W4Weight, to_group_planes  # noqa: E402
 from moe_ref.testing import bench as _bench_calls, calc_diff  # noqa: E402
 
 

@@ -60,6 +60,12 @@ from moe_ref.kernels.w4 import (  # noqa: F401  (the 4-bit numerics, re-exported
     E2M1_MAGNITUDES,
     pack_int4,
     unpack_int4,
+    PLANE_BLOCK,
+    W4Weight,
+    group_major_scales,
+    dequantize_planes,
+    from_group_planes,
+    to_group_planes,
     quantize_int4,
     dequantize_int4,
     pack_fp4,
@@ -282,9 +288,13 @@ def dequantize_weight(qweight: torch.Tensor, scale: torch.Tensor, fmt: QuantForm
     return dequantize_mxfp4(qweight, scale, dtype)
 
 
+QUANTIZED_TENSOR_FIELDS = ("gate_up_qweight_e2FDq", "gate_up_scale_e2FDs", "down_qweight_eDFq", "down_scale_eDFs")
+
+
 @dataclass(frozen=True)
 class QuantizedExpertWeights:
-    """One rank's routed experts, exactly as the checkpoint stores them (no dequantization).
+    """One rank's routed experts, exactly as the checkpoint stores them (no dequantization); 4-bit words may be in
+    the W4A16 kernel's nibble order instead (``nibble_order``, ``with_group_planes``: the same bytes, rewritten).
 
     Gate rows then up rows, as in ``MoEWeights.gate_up_weight_E2FD``. Stored widths ``Dq``/``Fq`` and scale
     widths ``Ds``/``Fs`` follow the format: fp8_block ``Dq = D`` (float8_e4m3fn), scales fp32 ``[e, 2F/128,
@@ -301,6 +311,9 @@ class QuantizedExpertWeights:
         hidden_size: D (the latent width for Kimi-K3).
         intermediate_size: F.
         first_expert: global id of local expert 0.
+        nibble_order: "checkpoint" (as stored), or "group_planes": the 4-bit words rewritten in place in the order
+            of ``moe_ref.kernels.grouped_mlp_w4`` (``kernels.w4.to_group_planes``); ``as_stored()`` gives them back
+            in the checkpoint's order.
     """
 
     spec: QuantSpec
@@ -311,6 +324,7 @@ class QuantizedExpertWeights:
     hidden_size: int
     intermediate_size: int
     first_expert: int = 0
+    nibble_order: str = "checkpoint"
 
     @property
     def num_experts(self) -> int:
@@ -321,7 +335,7 @@ class QuantizedExpertWeights:
         return self.gate_up_qweight_e2FDq.device
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, self.down_qweight_eDFq, self.down_scale_eDFs)
+        return tuple(getattr(self, field) for field in QUANTIZED_TENSOR_FIELDS)
 
     def nbytes(self) -> int:
         """Bytes these tensors occupy: equal to the checkpoint's bytes of these experts' weights and scales."""
@@ -334,9 +348,64 @@ class QuantizedExpertWeights:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """The dense weights: ``gate_up [e, 2F, D]`` and ``down [e, D, F]`` in ``dtype`` (the reference)."""
+        stored = self.as_stored()
         fmt = self.spec.format
-        return (dequantize_weight(self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, fmt, dtype),
-                dequantize_weight(self.down_qweight_eDFq, self.down_scale_eDFs, fmt, dtype))
+        return (dequantize_weight(stored.gate_up_qweight_e2FDq, stored.gate_up_scale_e2FDs, fmt, dtype),
+                dequantize_weight(stored.down_qweight_eDFq, stored.down_scale_eDFs, fmt, dtype))
+
+    def dequantize_expert(self, i: int, which: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert ``i``'s dense ``gate_up [2F, D]`` (``which="gate_up"``) or ``down [D, F]`` in ``dtype`` (only its
+        bytes converted)."""
+        qweight, scale = (self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs) if which == "gate_up" else (
+            self.down_qweight_eDFq, self.down_scale_eDFs)
+        if self.nibble_order == "checkpoint":
+            return dequantize_weight(qweight[i], scale[i], self.spec.format, dtype)
+        in_features = self.hidden_size if which == "gate_up" else self.intermediate_size
+        fmt = "int4" if self.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
+        one = W4Weight(fmt, qweight[i:i + 1].view(torch.int32), group_major_scales(scale[i:i + 1], in_features),
+                       in_features)
+        return dequantize_planes(one, dtype)[0]
+
+    def _w4_weights(self) -> tuple[W4Weight, W4Weight]:
+        """The 4-bit words as ``W4Weight``s (views; group-major scale copies): valid in the group-plane order."""
+        fmt = "int4" if self.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
+        return (W4Weight(fmt, self.gate_up_qweight_e2FDq.view(torch.int32),
+                         group_major_scales(self.gate_up_scale_e2FDs, self.hidden_size), self.hidden_size),
+                W4Weight(fmt, self.down_qweight_eDFq.view(torch.int32),
+                         group_major_scales(self.down_scale_eDFs, self.intermediate_size), self.intermediate_size))
+
+    def group_planes(self) -> tuple[W4Weight, W4Weight]:
+        """(gate_up, down) 4-bit weights in the W4A16 kernel's order: views of this object's words when they are
+        in that order already (``with_group_planes``), else new tensors (``to_group_planes``)."""
+        if self.nibble_order == "group_planes":
+            return self._w4_weights()
+        fmt = "int4" if self.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
+        return (to_group_planes(self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, fmt),
+                to_group_planes(self.down_qweight_eDFq, self.down_scale_eDFs, fmt))
+
+    def with_group_planes(self) -> "QuantizedExpertWeights":
+        """These experts with their 4-bit words rewritten IN PLACE in the W4A16 kernel's order (no second copy of
+        the weights; this object's tensors change): for an owner that keeps only the result (the layer). Returned
+        unchanged where that is impossible or already done: FP8, or D or F not a multiple of 256 (the kernel then
+        gets padded copies)."""
+        w4 = self.spec.format in (QuantFormat.INT4_GROUP, QuantFormat.MXFP4)
+        whole = self.hidden_size % PLANE_BLOCK == 0 and self.intermediate_size % PLANE_BLOCK == 0
+        if not w4 or not whole or self.nibble_order == "group_planes":
+            return self
+        fmt = "int4" if self.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
+        to_group_planes(self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, fmt, in_place=True)
+        to_group_planes(self.down_qweight_eDFq, self.down_scale_eDFs, fmt, in_place=True)
+        return dataclasses.replace(self, nibble_order="group_planes")
+
+    def as_stored(self) -> "QuantizedExpertWeights":
+        """These experts in the checkpoint's order: this object, or (group planes) a copy of the words put back."""
+        if self.nibble_order == "checkpoint":
+            return self
+        gate_up, down = self._w4_weights()
+        (gate_up_q, _), (down_q, _) = from_group_planes(gate_up), from_group_planes(down)
+        dtype = self.gate_up_qweight_e2FDq.dtype  # int32 (INT4) or uint8 (MXFP4)
+        return dataclasses.replace(self, gate_up_qweight_e2FDq=gate_up_q.view(dtype),
+                                   down_qweight_eDFq=down_q.view(dtype), nibble_order="checkpoint")
 
 
 def shape_problem(fmt: QuantFormat | str, hidden_size: int, intermediate_size: int) -> str | None:

@@ -10,9 +10,9 @@
       any format,         "torch":  QuantTorchExperts (the per-expert torch loop on each expert's weights
                                                     dequantized to fp32 when its rows run: the reference)
 
-Every backend but W4A16Experts holds only the stored tensors (device bytes == ``qweights.nbytes()``);
-W4A16Experts holds the same bytes once more, rewritten in its kernel's order at construction
-(``grouped_mlp_w4.to_group_planes``) beside the stored tensors the layer keeps for ``state_dict``. Each is called like any
+Every backend holds only the stored tensors (device bytes == ``qweights.nbytes()``), but W4A16Experts adds
+group-major scales (1/16 of INT4's bytes, 1/32 of MXFP4's) and, given experts in the checkpoint's nibble order, a
+copy of the words in its kernel's (the layer hands it its own, rewritten in place). Each is called like any
 ``moe_ref.experts.Experts``: ``experts(x_PDx, layout, x_scale_PDb=None) -> y_PDx``. Shape legend as in
 ``moe_ref.experts`` and ``moe_ref.checkpoint.formats``.
 """
@@ -23,7 +23,7 @@ import torch
 from moe_ref.core.errors import UnknownNameError
 from moe_ref.experts import Experts, TorchLoopExperts, TritonExperts, experts_class
 from moe_ref.experts.base import FP8ExpertWeights
-from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, dequantize_weight
+from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights
 
 QUANT_BACKENDS = ("auto", "triton", "torch")
 
@@ -35,8 +35,9 @@ class W4A16Experts(Experts):
     4-bit values, accumulated in fp32 and scaled in fp32; h and y are rounded to x's dtype. Segments may start
     anywhere (the kernel masks rows itself), as for ``TritonExperts``.
 
-    The weights are rewritten once, here, in the kernel's order (``to_group_planes``): a second copy of the
-    stored bytes (``kernel_nbytes()``), until the layer keeps only that one.
+    The kernel reads the 4-bit words in its own nibble order: ``qweights.group_planes()`` gives views where
+    ``qweights`` holds them so already (the layer rewrites its own in place: ``with_group_planes``), else copies
+    (``extra_nbytes()``).
 
     Args:
         qweights: int4_group or mxfp4 ``QuantizedExpertWeights`` on CUDA (or CPU under the interpreter).
@@ -48,21 +49,21 @@ class W4A16Experts(Experts):
 
     def __init__(self, qweights: QuantizedExpertWeights, activation: str = "silu", situ_beta: float = 4.0,
                  situ_linear_beta: float = 25.0):
-        from moe_ref.kernels.grouped_mlp_w4 import to_group_planes
-
         if qweights.spec.format == QuantFormat.FP8_BLOCK:
             raise UnknownNameError("W4A16Experts takes int4_group or mxfp4 weights; fp8_block goes to FP8BlockExperts "
                                    "(make_quantized_experts picks it)")
         super().__init__(qweights.gate_up_qweight_e2FDq, qweights.down_qweight_eDFq, activation, situ_beta,
                          situ_linear_beta)
         self.qweights = qweights
-        fmt = "int4" if qweights.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
-        self.gate_up_planes = to_group_planes(qweights.gate_up_qweight_e2FDq, qweights.gate_up_scale_e2FDs, fmt)
-        self.down_planes = to_group_planes(qweights.down_qweight_eDFq, qweights.down_scale_eDFs, fmt)
+        self.gate_up_planes, self.down_planes = qweights.group_planes()
 
-    def kernel_nbytes(self) -> int:
-        """Device bytes of the weights in the kernel's order (the stored bytes, plus padding to 256 features)."""
-        return self.gate_up_planes.nbytes() + self.down_planes.nbytes()
+    def extra_nbytes(self) -> int:
+        """Device bytes held beside ``qweights``: the group-major scales, and a copy of the words unless
+        ``qweights`` holds them in the kernel's order already (``QuantizedExpertWeights.with_group_planes``)."""
+        words = self.gate_up_planes.words_eOw, self.down_planes.words_eOw
+        stored = self.qweights.gate_up_qweight_e2FDq, self.qweights.down_qweight_eDFq
+        copies = sum(w.nbytes for w, q in zip(words, stored) if w.data_ptr() != q.data_ptr())
+        return copies + self.gate_up_planes.group_major_scale.nbytes + self.down_planes.group_major_scale.nbytes
 
     def forward(self, x_PDx, layout, x_scale_PDb=None):
         from moe_ref.kernels.grouped_mlp_w4 import grouped_mlp_w4
@@ -102,15 +103,16 @@ def fp8_checkpoint_weights(qweights: QuantizedExpertWeights) -> FP8ExpertWeights
 
 
 class _DequantizingStack:
-    """``[e, N, K]``-like view of stored expert weights: ``stack[i]`` dequantizes expert i to fp32 on access."""
+    """``[e, N, K]``-like view of one weight of stored experts (``which``: "gate_up" or "down"): ``stack[i]``
+    dequantizes expert i to fp32 on access."""
 
     dtype = torch.float32
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat):
-        self.qweight, self.scale, self.fmt = qweight, scale, fmt
+    def __init__(self, qweights: QuantizedExpertWeights, which: str):
+        self.qweights, self.which = qweights, which
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return dequantize_weight(self.qweight[i], self.scale[i], self.fmt, torch.float32)
+        return self.qweights.dequantize_expert(i, self.which, torch.float32)
 
 
 class QuantTorchExperts(TorchLoopExperts):
@@ -127,10 +129,8 @@ class QuantTorchExperts(TorchLoopExperts):
 
     def __init__(self, qweights: QuantizedExpertWeights, activation: str = "silu", situ_beta: float = 4.0,
                  situ_linear_beta: float = 25.0):
-        fmt = qweights.spec.format
-        super().__init__(_DequantizingStack(qweights.gate_up_qweight_e2FDq, qweights.gate_up_scale_e2FDs, fmt),
-                         _DequantizingStack(qweights.down_qweight_eDFq, qweights.down_scale_eDFs, fmt),
-                         activation, situ_beta, situ_linear_beta)
+        super().__init__(_DequantizingStack(qweights, "gate_up"), _DequantizingStack(qweights, "down"), activation,
+                         situ_beta, situ_linear_beta)
         self.qweights = qweights
 
 

@@ -43,108 +43,13 @@ import triton.language as tl
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
 from moe_ref.kernels._triton_utils import cdiv, check_device, is_interpreter, launch_options, next_power_of_2, tanh
 from moe_ref.kernels.launch import launch
-from moe_ref.kernels.w4 import (E8M0_BIAS, GROUP_SIZE, INT4_PER_WORD, e2m1_to_float, e8m0_to_float, unpack_fp4,
-                                unpack_int4)
+from moe_ref.kernels.w4 import PLANE_BLOCK, WORDS_PER_BLOCK, W4Weight, dequantize_planes
 
-__all__ = ["PLANE_BLOCK", "TILES", "W4Weight", "clear_tuned_tiles", "dequantize_planes", "from_group_planes",
-           "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "tiles_for", "to_group_planes",
+__all__ = ["TILES", "clear_tuned_tiles", "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "tiles_for",
            "tuned_tiles"]
 
-PLANE_BLOCK = 256  # input features per k-step: 8 groups of 32, one nibble plane each
-GROUPS_PER_BLOCK = PLANE_BLOCK // GROUP_SIZE  # 8 = nibbles per int32 word
-WORDS_PER_BLOCK = PLANE_BLOCK // INT4_PER_WORD  # 32
-_FORMATS = {"int4": 1, "mxfp4": 2}
+_FORMATS = {"int4": 1, "mxfp4": 2}  # the kernel's W4 flag
 _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
-_ZERO_CODE = {"int4": 8, "mxfp4": 0}  # the code of 0.0 (INT4 is offset binary)
-
-
-# --------------------------------------------------------------------------------------------------
-# the kernel's weight layout, built once at load
-# --------------------------------------------------------------------------------------------------
-class W4Weight:
-    """One stack of 4-bit expert weights in the kernel's layout (``to_group_planes``).
-
-    Attributes:
-        fmt: "int4" (codes ``q + 8``, scales bf16/fp16/fp32) or "mxfp4" (E2M1 codes, E8M0 scale bytes decoding as
-            ``2**(byte - 125)``).
-        words_eOw: int32 ``[e, O, w]`` (w = I rounded up to 256, over 8), the group planes.
-        group_major_scale: ``[e, I/32 rounded up to 8, O]`` group scales, group-major (the stored dtype: bf16/fp16/fp32, or uint8 for MXFP4).
-        in_features: I before padding.
-    """
-
-    def __init__(self, fmt: str, words_eOw: torch.Tensor, group_major_scale: torch.Tensor, in_features: int):
-        self.fmt, self.words_eOw, self.group_major_scale, self.in_features = fmt, words_eOw, group_major_scale, in_features
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(e, O, I) of the weight this holds."""
-        return self.words_eOw.shape[0], self.words_eOw.shape[1], self.in_features
-
-    def nbytes(self) -> int:
-        return self.words_eOw.nbytes + self.group_major_scale.nbytes
-
-
-def _codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
-    """4-bit codes (uint8 0..15, ``[..., O, I]``) of a checkpoint's packed weight (INT4: ``q + 8``)."""
-    if fmt == "int4":
-        return (unpack_int4(packed).to(torch.int16) + 8).to(torch.uint8)
-    return unpack_fp4(packed)
-
-
-def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str) -> W4Weight:
-    """A checkpoint's packed 4-bit weight -> the kernel's layout (a new tensor; run once, at load).
-
-    Per row, a block of 256 input features (8 groups of 32) is 32 words; words ``16 h .. 16 h + 15`` hold groups
-    ``4 h .. 4 h + 3``: word i holds, in nibble p, feature 2i of group ``4 h + p`` and, in nibble ``p + 4``, feature
-    2i + 1. So ``(word >> 4 p) & 0x000F000F`` is a pair of neighbouring features of one group, at bits 0..3 and
-    16..19, and 16 words give the group's 32 features (``_decode_pairs``).
-
-    Args:
-        packed_eOq: INT4 int32 ``[e, O, I/8]`` (compressed-tensors pack-quantized) or MXFP4 uint8 ``[e, O, I/2]``.
-        scale_eOg: ``[e, O, I/32]`` group scales (INT4 bf16/fp16/fp32, MXFP4 uint8 E8M0).
-        fmt: "int4" or "mxfp4".
-
-    Returns:
-        ``W4Weight`` (rows padded to whole blocks with the code of 0.0; scales group-major).
-
-    Example: I = 256, codes 1 for features 0, 32, 64, 96 (feature 0 of groups 0..3), else the code c: word 0
-        nibbles 0..3 = 1, nibbles 4..7 = c (feature 1 of groups 0..3).
-    """
-    if fmt not in _FORMATS:
-        raise UnknownNameError(f"4-bit format {fmt!r}: expected one of {sorted(_FORMATS)}")
-    codes = _codes(packed_eOq, fmt)
-    *lead, in_features = codes.shape
-    padded = cdiv(in_features, PLANE_BLOCK) * PLANE_BLOCK
-    if padded != in_features:
-        codes = torch.nn.functional.pad(codes, (0, padded - in_features), value=_ZERO_CODE[fmt])
-        scale_eOg = torch.nn.functional.pad(scale_eOg, (0, (padded - in_features) // GROUP_SIZE))
-    # features (block, half, plane, word, odd) -> words (block, half, word) of nibbles (odd, plane)
-    nibbles = codes.reshape(*lead, padded // PLANE_BLOCK, 2, 4, 16, 2).movedim(-3, -1).flatten(-2).to(torch.int64)
-    shifts = torch.arange(INT4_PER_WORD, device=codes.device, dtype=torch.int64) * 4
-    words = (nibbles << shifts).sum(dim=-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(*lead, padded // 8)
-    return W4Weight(fmt, words.contiguous(), scale_eOg.transpose(-1, -2).contiguous(), in_features)
-
-
-def from_group_planes(weight: W4Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``to_group_planes``: (codes uint8 ``[e, O, I]``, scales ``[e, O, I/32]``) in feature order."""
-    *lead, num_words = weight.words_eOw.shape
-    shifts = torch.arange(INT4_PER_WORD, device=weight.words_eOw.device, dtype=torch.int64) * 4
-    nibbles = (weight.words_eOw.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF  # [..., words, (odd, plane)]
-    nibbles = nibbles.reshape(*lead, num_words // WORDS_PER_BLOCK, 2, 16, 2, 4).movedim(-1, -3)
-    codes = nibbles.reshape(*lead, num_words * INT4_PER_WORD).to(torch.uint8)
-    groups = weight.in_features // GROUP_SIZE
-    return codes[..., : weight.in_features], weight.group_major_scale.transpose(-1, -2)[..., :groups]
-
-
-def dequantize_planes(weight: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[e, O, I]`` weights in ``dtype`` (fp32 exact: every 4-bit value times its scale)."""
-    codes, scale = from_group_planes(weight)
-    if weight.fmt == "int4":
-        values, scales = codes.float() - 8, scale.float()
-    else:
-        values, scales = e2m1_to_float(codes), e8m0_to_float(scale)
-    return (values.unflatten(-1, (-1, GROUP_SIZE)) * scales.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,12 +3,18 @@ path of ``grouped_mlp`` (INT4 group 32 as compressed-tensors ``pack-quantized`` 
 ``mxfp4-pack-quantized`` stores it, scale bytes decoding as ``2**(byte - 125)``: see
 ``moe_ref.checkpoint.formats`` for where each rule comes from).
 
-Shape legend: O output features and I input features of one weight matrix ``[O, I]``. Packed widths: ``I/8``
-int4 words (suffix ``w``), ``I/2`` fp4 byte pairs (suffix ``p``), ``I/32`` group scales (suffix ``g``).
+Also the W4A16 kernel's nibble order (``to_group_planes``: "group planes"), into which a checkpoint's packed 4-bit
+weights are rewritten once, at load (``moe_ref.kernels.grouped_mlp_w4`` says why).
+
+Shape legend: O output features and I input features of one weight matrix ``[O, I]``, e local experts. Packed
+widths: ``I/8`` int4 words (suffix ``w``), ``I/2`` fp4 byte pairs (suffix ``p``), ``I/32`` group scales (suffix
+``g``), the checkpoint's packed width (suffix ``q``).
 """
 from __future__ import annotations
 
 import torch
+
+from moe_ref.core.errors import ShapeError, UnknownNameError
 
 GROUP_SIZE = 32  # INT4 and MXFP4 scale groups along the input dimension
 INT4_PER_WORD = 8
@@ -125,3 +131,134 @@ def dequantize_mxfp4(packed_OIp: torch.Tensor, scale_OIg: torch.Tensor, dtype: t
     """``w = e2m1 * 2**(byte - 125)``: uint8 ``[..., O, I/2]`` and ``[..., O, I/32]`` -> ``[..., O, I]`` ``dtype``."""
     values = e2m1_to_float(unpack_fp4(packed_OIp)).unflatten(-1, (-1, GROUP_SIZE))
     return (values * e8m0_to_float(scale_OIg).unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# the W4A16 kernel's nibble order ("group planes", ``moe_ref.kernels.grouped_mlp_w4``), laid out once at load
+# --------------------------------------------------------------------------------------------------
+PLANE_BLOCK = 256  # input features per k-step of the kernel: 8 groups of 32
+WORDS_PER_BLOCK = PLANE_BLOCK // INT4_PER_WORD  # 32
+W4_FORMATS = ("int4", "mxfp4")
+_ZERO_CODE = {"int4": 8, "mxfp4": 0}  # the code of 0.0 (INT4 is offset binary)
+
+
+class W4Weight:
+    """One stack of 4-bit expert weights in the W4A16 kernel's order (``to_group_planes``).
+
+    Attributes:
+        fmt: "int4" (codes ``q + 8``, scales bf16/fp16/fp32) or "mxfp4" (E2M1 codes, E8M0 scale bytes decoding as
+            ``2**(byte - 125)``).
+        words_eOw: int32 ``[e, O, w]`` (w = I rounded up to 256, over 8), the group planes.
+        group_major_scale: ``[e, ceil(I/256) * 8, O]`` group scales, group-major (the stored dtype: bf16/fp16/fp32, or
+            uint8 for MXFP4).
+        in_features: I before padding.
+    """
+
+    def __init__(self, fmt: str, words_eOw: torch.Tensor, group_major_scale: torch.Tensor, in_features: int):
+        self.fmt, self.words_eOw, self.group_major_scale = fmt, words_eOw, group_major_scale
+        self.in_features = in_features
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(e, O, I) of the weight this holds."""
+        return self.words_eOw.shape[0], self.words_eOw.shape[1], self.in_features
+
+    def nbytes(self) -> int:
+        return self.words_eOw.nbytes + self.group_major_scale.nbytes
+
+
+def _codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """4-bit codes (uint8 0..15, ``[..., O, I]``) of a checkpoint's packed weight (INT4: ``q + 8``)."""
+    if fmt == "int4":
+        return (unpack_int4(packed).to(torch.int16) + 8).to(torch.uint8)
+    return unpack_fp4(packed)
+
+
+def _packed(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Inverse of ``_codes``: the checkpoint's packing of codes ``[..., O, I]``."""
+    if fmt == "int4":
+        return pack_int4(codes.to(torch.int8) - 8)
+    return pack_fp4(codes)
+
+
+def _plane_words(codes_OI: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Codes ``[O, I]`` (one expert) -> int32 group-plane words ``[O, w]``, I padded with the code of 0.0."""
+    num_rows, in_features = codes_OI.shape
+    padded = -(-in_features // PLANE_BLOCK) * PLANE_BLOCK
+    codes_OI = torch.nn.functional.pad(codes_OI, (0, padded - in_features), value=_ZERO_CODE[fmt])
+    # features (block, half, plane, word, odd) -> words (block, half, word) of nibbles (odd, plane)
+    nibbles = codes_OI.reshape(num_rows, padded // PLANE_BLOCK, 2, 4, 16, 2).movedim(-3, -1).flatten(-2)
+    shifts = torch.arange(INT4_PER_WORD, device=codes_OI.device, dtype=torch.int64) * 4
+    words = (nibbles.to(torch.int64) << shifts).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(num_rows, padded // 8)
+
+
+def _plane_codes(words_Ow: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Inverse of ``_plane_words``: codes uint8 ``[O, I]`` in feature order."""
+    num_rows, num_words = words_Ow.shape
+    shifts = torch.arange(INT4_PER_WORD, device=words_Ow.device, dtype=torch.int64) * 4
+    nibbles = (words_Ow.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF  # [O, words, (odd, plane)]
+    nibbles = nibbles.reshape(num_rows, num_words // WORDS_PER_BLOCK, 2, 16, 2, 4).movedim(-1, -3)
+    return nibbles.reshape(num_rows, num_words * INT4_PER_WORD)[:, :in_features].to(torch.uint8)
+
+
+def group_major_scales(scale_eOg: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``[e, O, I/32]`` scales -> ``[e, ceil(I/256) * 8, O]`` (padding groups 0: their codes are 0.0 anyway)."""
+    padded_groups = -(-in_features // PLANE_BLOCK) * (PLANE_BLOCK // GROUP_SIZE)
+    padded = torch.nn.functional.pad(scale_eOg, (0, padded_groups - scale_eOg.shape[-1]))
+    return padded.transpose(-1, -2).contiguous()
+
+
+def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str, *,
+                    in_place: bool = False) -> W4Weight:
+    """A checkpoint's packed 4-bit weight -> the W4A16 kernel's order; run once, at load, one expert at a time.
+
+    Per row, a block of 256 input features (8 groups of 32) is 32 words; words ``16 h .. 16 h + 15`` hold groups
+    ``4 h .. 4 h + 3``: word i holds, in nibble p, feature 2i of group ``4 h + p`` and, in nibble ``p + 4``, feature
+    2i + 1. So ``(word >> 4 p) & 0x000F000F`` is a pair of neighbouring features of one group, at bits 0..3 and
+    16..19, and 16 words give the group's 32 features (``grouped_mlp_w4._decode_pairs``).
+
+    Args:
+        packed_eOq: INT4 int32 ``[e, O, I/8]`` (compressed-tensors pack-quantized) or MXFP4 uint8 ``[e, O, I/2]``.
+        scale_eOg: ``[e, O, I/32]`` group scales (INT4 bf16/fp16/fp32, MXFP4 uint8 E8M0).
+        fmt: "int4" or "mxfp4".
+        in_place: write the words into ``packed_eOq``'s own memory (no second copy of the weights; it then holds
+            group planes, not the checkpoint's order). Needs I % 256 == 0 and a contiguous ``packed_eOq``.
+
+    Returns:
+        ``W4Weight``: rows padded to whole blocks with the code of 0.0; scales a group-major copy.
+
+    Example: I = 256, codes 1 for features 0, 32, 64, 96 (feature 0 of groups 0..3), else the code c: word 0
+        nibbles 0..3 = 1, nibbles 4..7 = c (feature 1 of groups 0..3).
+    """
+    if fmt not in W4_FORMATS:
+        raise UnknownNameError(f"4-bit format {fmt!r}: expected one of {', '.join(W4_FORMATS)}")
+    num_experts, num_rows, stored = packed_eOq.shape
+    in_features = stored * (INT4_PER_WORD if fmt == "int4" else FP4_PER_BYTE)
+    if in_place:
+        if in_features % PLANE_BLOCK or not packed_eOq.is_contiguous():
+            raise ShapeError(f"group planes in place need I % {PLANE_BLOCK} == 0 and contiguous packed weights "
+                             f"(I = {in_features}, contiguous: {packed_eOq.is_contiguous()})")
+        words = packed_eOq.view(torch.int32)
+    else:
+        words = torch.empty(num_experts, num_rows, -(-in_features // PLANE_BLOCK) * PLANE_BLOCK // 8,
+                            dtype=torch.int32, device=packed_eOq.device)
+    for i in range(num_experts):  # one expert's int64 temporaries at a time
+        words[i] = _plane_words(_codes(packed_eOq[i], fmt), fmt)
+    return W4Weight(fmt, words, group_major_scales(scale_eOg, in_features), in_features)
+
+
+def from_group_planes(weight: W4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``to_group_planes``: (packed ``[e, O, I/8]`` int32 or ``[e, O, I/2]`` uint8, scales ``[e, O, I/32]``)
+    as the checkpoint stores them (new tensors)."""
+    packed = torch.stack([_packed(_plane_codes(words_Ow, weight.in_features), weight.fmt)
+                          for words_Ow in weight.words_eOw])
+    groups = weight.in_features // GROUP_SIZE
+    return packed, weight.group_major_scale.transpose(-1, -2)[..., :groups].contiguous()
+
+
+def dequantize_planes(weight: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[e, O, I]`` weights in ``dtype`` (fp32: exact, every 4-bit value times its scale)."""
+    packed, scale = from_group_planes(weight)
+    dequantize = dequantize_int4 if weight.fmt == "int4" else dequantize_mxfp4
+    return dequantize(packed, scale, dtype)

@@ -35,6 +35,7 @@ gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-ex
 rc = importlib.import_module("moe_ref.kernels.routing_check")
 ga = importlib.import_module("moe_ref.kernels.gated_act")
 w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
+from moe_ref.kernels.w4 import to_group_planes  # noqa: E402
 EP_MODULES = {name: importlib.import_module(f"moe_ref.kernels.{name}")
               for name in ("pre_dispatch", "ep_layout", "ep_dispatch", "ep_combine", "symm_signal")}
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -147,7 +148,7 @@ def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple):
     packed = (torch.zeros(experts, b_rows, k // 8, dtype=torch.int32) if fmt == "int4" else
               torch.zeros(experts, b_rows, k // 2, dtype=torch.uint8))
     scale = torch.ones(experts, b_rows, k // 32, dtype=torch.bfloat16 if fmt == "int4" else torch.uint8)
-    weight = w4.to_group_planes(packed, scale, fmt)
+    weight = to_group_planes(packed, scale, fmt)
     return compile_launch(w4, "_w4_gemm_kernel", lambda: w4.launch_w4_gemm(
         torch.zeros(rows, k, dtype=dtype), weight, torch.zeros(rows, n, dtype=dtype),
         torch.arange(experts, dtype=torch.int64) * 16, torch.full((experts,), 16, dtype=torch.int32), n=n,

@@ -73,11 +73,13 @@ def test_w4_kernel_vs_twin_bf16():
 
     from moe_ref.checkpoint.formats import QuantFormat
 
+    from moe_ref.kernels.w4 import to_group_planes
+
     w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
     for fmt, name in ((QuantFormat.INT4_GROUP, "int4"), (QuantFormat.MXFP4, "mxfp4")):
         q = _qweights(fmt, 4, 1024, 512, seed=3)
-        planes = (w4.to_group_planes(q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, name),
-                  w4.to_group_planes(q.down_qweight_eDFq, q.down_scale_eDFs, name))
+        planes = (to_group_planes(q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, name),
+                  to_group_planes(q.down_qweight_eDFq, q.down_scale_eDFs, name))
         layout = ExpertLayout.from_counts(torch.tensor([9, 0, 40, 130], device="cuda"), alignment=1)
         x_PDx = torch.randn(layout.num_pool_rows, 1024, device="cuda").to(torch.bfloat16)
         args = (x_PDx, *planes, layout.row_start_e, layout.num_rows_e, "silu")

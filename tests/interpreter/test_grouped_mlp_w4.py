@@ -4,6 +4,7 @@ its twin and against the dequantized fp32 weights through moe_ref's torch expert
 ragged segments, rows outside every segment, features not in whole 256-blocks, zero rows, all rows on one expert),
 the W4A16 and FP8 checkpoint experts through the public Experts API, and the layer on quantized checkpoints."""
 
+import dataclasses
 import importlib
 
 import pytest
@@ -14,8 +15,10 @@ import triton.language as tl
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
 from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
-from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight
-from moe_ref.kernels.w4 import dequantize_int4, dequantize_mxfp4, e2m1_to_float, pack_fp4, pack_int4, unpack_fp4
+from moe_ref.checkpoint.formats import (QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec,
+                                        quantize_weight)
+from moe_ref.kernels.w4 import (W4Weight, dequantize_int4, dequantize_mxfp4, dequantize_planes, e2m1_to_float,
+                                from_group_planes, pack_fp4, pack_int4, to_group_planes)
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_bitwise_equal, calc_diff
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
@@ -24,7 +27,6 @@ w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
 pytestmark = pytest.mark.interpreter
 
 W4 = [QuantFormat.INT4_GROUP, QuantFormat.MXFP4]
-FMT = {QuantFormat.INT4_GROUP: "int4", QuantFormat.MXFP4: "mxfp4"}
 X_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 COUNTS = [5, 0, 19]  # an empty expert, a ragged one; the interpreter's BLOCK_M is 16
 # On a GPU the twin comparisons force one tile: autotuning every case compiles ~10 variants each (minutes in all)
@@ -41,9 +43,7 @@ def _qweights(fmt, num_experts, hidden, inter, device, seed=0):
 
 
 def _planes(q: QuantizedExpertWeights):
-    fmt = FMT[q.spec.format]
-    return (w4.to_group_planes(q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, fmt),
-            w4.to_group_planes(q.down_qweight_eDFq, q.down_scale_eDFs, fmt))
+    return q.group_planes()  # copies in the kernel's order (q keeps the checkpoint's)
 
 
 def _pool(layout, hidden, dtype, device, seed=1):
@@ -73,20 +73,28 @@ def _random_packed(fmt: str, rows: int, features: int, seed: int):
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
 @pytest.mark.parametrize("features", [256, 96, 544])
-def test_group_planes_hold_the_checkpoints_codes_and_scales(fmt, features):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_group_planes_hold_the_checkpoints_codes_and_scales(fmt, features, in_place):
     packed, scales, codes = _random_packed(fmt, 5, features, seed=features)
-    planes = w4.to_group_planes(packed, scales, fmt)
+    if in_place and features % 256:
+        with pytest.raises(ShapeError, match="256"):
+            to_group_planes(packed.clone(), scales, fmt, in_place=True)
+        return
+    stored = packed.clone()
+    planes = to_group_planes(stored, scales, fmt, in_place=in_place)
     padded = triton.cdiv(features, 256) * 256
     assert planes.words_eOw.shape == (2, 5, padded // 8) and planes.words_eOw.dtype == torch.int32
     assert planes.group_major_scale.shape == (2, padded // 32, 5) and planes.shape == (2, 5, features)
-    back_codes, back_scales = w4.from_group_planes(planes)
-    assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
+    # in place: the words are the stored tensor's own memory (no second copy), now in the kernel's order
+    assert (planes.words_eOw.data_ptr() == stored.data_ptr()) == in_place
+    assert torch.equal(stored, packed) != in_place
+    back_packed, back_scales = from_group_planes(planes)
+    assert torch.equal(back_packed, packed) and torch.equal(back_scales, scales)
     dequantize = dequantize_int4 if fmt == "int4" else dequantize_mxfp4
-    assert torch.equal(w4.dequantize_planes(planes), dequantize(packed, scales))
+    assert torch.equal(dequantize_planes(planes), dequantize(packed, scales))
     # the padding features hold the code of 0.0
-    whole = w4.W4Weight(fmt, planes.words_eOw, planes.group_major_scale, padded)
-    pad = w4.from_group_planes(whole)[0][..., features:].unique().tolist()
-    assert pad in ([], [8] if fmt == "int4" else [0]), pad
+    whole = W4Weight(fmt, planes.words_eOw, torch.ones_like(planes.group_major_scale), padded)
+    assert not dequantize_planes(whole)[..., features:].any()
 
 
 def test_group_planes_put_a_groups_feature_pairs_in_one_word():
@@ -94,7 +102,7 @@ def test_group_planes_put_a_groups_feature_pairs_in_one_word():
     codes = torch.zeros(1, 1, 256, dtype=torch.uint8)
     codes[0, 0, 32 * 5 + 6] = 3   # group 5 = half 1, plane 1; feature 6 = pair 3, even
     codes[0, 0, 32 * 2 + 7] = 9   # group 2 = half 0, plane 2; feature 7 = pair 3, odd
-    words = w4.to_group_planes(pack_fp4(codes), torch.zeros(1, 1, 8, dtype=torch.uint8), "mxfp4").words_eOw[0, 0]
+    words = to_group_planes(pack_fp4(codes), torch.zeros(1, 1, 8, dtype=torch.uint8), "mxfp4").words_eOw[0, 0]
     expected = torch.zeros(32, dtype=torch.int64)
     expected[16 + 3] = 3 << (4 * 1)
     expected[3] = 9 << (4 * (2 + 4))
@@ -103,7 +111,7 @@ def test_group_planes_put_a_groups_feature_pairs_in_one_word():
 
 def test_group_planes_refuse_an_unknown_format():
     with pytest.raises(UnknownNameError, match="nf4"):
-        w4.to_group_planes(torch.zeros(1, 1, 32, dtype=torch.int32), torch.zeros(1, 1, 8), "nf4")
+        to_group_planes(torch.zeros(1, 1, 32, dtype=torch.int32), torch.zeros(1, 1, 8), "nf4")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,7 +209,8 @@ def test_w4a16_experts_equal_the_dequantized_fp32_torch_loop(fmt, device):
     x_PDx, _ = _pool(layout, hidden, torch.float32, device, seed=3)
     experts = make_quantized_experts(q, "situ", backend="triton")
     assert isinstance(experts, W4A16Experts) and experts.segment_alignment == 1
-    assert experts.kernel_nbytes() >= q.nbytes()  # the stored bytes again, in the kernel's order (+ padding)
+    # checkpoint order (and D, F not whole 256-blocks, so never in place): a padded copy of the words
+    assert q.with_group_planes() is q and experts.extra_nbytes() > q.gate_up_qweight_e2FDq.nbytes
     reference = make_experts("torch", *(w.cpu() for w in q.dequantize(torch.float32)), "situ")
     y, y_ref = experts(x_PDx, layout).cpu(), reference(x_PDx.cpu(), layout)
     diff = calc_diff(y, y_ref)
@@ -210,6 +219,34 @@ def test_w4a16_experts_equal_the_dequantized_fp32_torch_loop(fmt, device):
     # and the torch backend of the same weights (dequantized per expert as its rows run) is that reference
     torch_experts = make_quantized_experts(q.to("cpu"), "situ", backend="torch")
     assert torch.equal(torch_experts(x_PDx.cpu(), layout), y_ref)
+
+
+@pytest.mark.parametrize("fmt", W4)
+def test_experts_on_weights_rewritten_in_place_hold_one_copy(fmt, device):
+    """``with_group_planes`` rewrites the stored words in place (what the layer does with its own): the kernel then
+    reads them with no copy, gives the same output as from a copy, and ``as_stored`` / ``dequantize`` / the torch
+    backend still see the checkpoint's weights."""
+    q = _qweights(fmt, 2, 256, 256, device, seed=11)
+    stored = [t.clone() for t in q.tensors()]
+    q_copy = dataclasses.replace(q, **dict(zip(QUANTIZED_TENSOR_FIELDS, stored)))  # q's own tensors get rewritten
+    layout = ExpertLayout.from_counts(torch.tensor([3, 17], device=device), alignment=1)
+    x_PDx, _ = _pool(layout, 256, torch.float32, device, seed=12)
+    y_from_copy = make_quantized_experts(q, "silu", backend="triton")(x_PDx, layout)
+    reference = make_quantized_experts(q.to("cpu"), "silu", backend="torch")(x_PDx.cpu(), layout)
+
+    in_place = q.with_group_planes()
+    assert in_place.nibble_order == "group_planes" and in_place.nbytes() == q.nbytes()
+    assert in_place.gate_up_qweight_e2FDq.data_ptr() == q.gate_up_qweight_e2FDq.data_ptr()
+    assert not torch.equal(in_place.gate_up_qweight_e2FDq, stored[0])  # rewritten
+    experts = make_quantized_experts(in_place, "silu", backend="triton")
+    assert experts.gate_up_planes.words_eOw.data_ptr() == in_place.gate_up_qweight_e2FDq.data_ptr()
+    scales = experts.gate_up_planes.group_major_scale.nbytes + experts.down_planes.group_major_scale.nbytes
+    assert experts.extra_nbytes() == scales
+    assert torch.equal(experts(x_PDx, layout), y_from_copy)
+    assert all(torch.equal(a, b) for a, b in zip(in_place.as_stored().tensors(), stored))
+    assert all(torch.equal(a, b) for a, b in zip(in_place.dequantize(), q_copy.dequantize()))
+    torch_experts = make_quantized_experts(in_place.to("cpu"), "silu", backend="torch")
+    assert torch.equal(torch_experts(x_PDx.cpu(), layout), reference)
 
 
 def test_fp8_checkpoint_experts_run_the_stored_weights(device):
@@ -280,3 +317,33 @@ def test_layer_loads_a_quantized_checkpoint_into_the_triton_quantized_experts(tm
     assert calc_diff(y, y_ref) <= limit, (fmt, calc_diff(y, y_ref))
     assert calc_diff(y_ref, torch.zeros_like(y_ref)) == 1.0
 
+
+
+def test_layer_keeps_one_copy_of_its_4bit_experts_and_saves_them_as_stored(tmp_path, device):
+    """D = F = 256: the layer rewrites its INT4 experts in place for the kernel on first use (the same bytes), and its
+    state_dict still holds the checkpoint's tensors, which a fresh layer loads to the same outputs."""
+    import dataclasses
+
+    from moe_ref.core.config import preset
+    from moe_ref.layer import MegaMoE
+    from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
+
+    cfg = dataclasses.replace(preset("tiny-kimi-k2"), hidden_size=256, intermediate_size=256)
+    write_synthetic_checkpoint(tmp_path, cfg, layer_idx=0, quant="int4_group", seed=13, dtype=torch.float32)
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=16, experts_backend="triton", device=device)
+    layer.load_hf_weights(tmp_path, layer_idx=0, progress=False)
+    as_stored = {k: v.clone() for k, v in layer.state_dict().items() if k.startswith("quantized_experts.")}
+    held = layer.expert_nbytes()
+    x = torch.randn(12, cfg.hidden_size, generator=torch.Generator().manual_seed(14)).to(device)
+    with torch.inference_mode():
+        y = layer(x)
+    assert layer.quantized_experts.nibble_order == "group_planes" and layer.expert_nbytes() == held
+    assert layer.experts.gate_up_planes.words_eOw.data_ptr() == layer.quantized_experts.gate_up_qweight_e2FDq.data_ptr()
+    saved = layer.state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in as_stored.items()), "state_dict must hold the checkpoint's order"
+    fresh = MegaMoE(cfg, num_max_tokens_per_rank=16, experts_backend="triton", device=device)
+    fresh.load_state_dict(saved)
+    with torch.inference_mode():
+        assert torch.equal(fresh(x), y)
+    layer.destroy()
+    fresh.destroy()

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.unit
 
 bw = load_script("bench_w4a16")
 w4k = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")  # the module, whatever the package re-exports
+W4Weight = importlib.import_module("moe_ref.kernels.w4").W4Weight
 
 
 def test_dry_run_prints_the_plan_without_a_gpu(capsys):
@@ -73,14 +74,14 @@ class _Tuner:
         return lambda *args, **kwargs: None
 
 
-def _fake_planes(fmt: str, gemm: str) -> w4k.W4Weight:
+def _fake_planes(fmt: str, gemm: str) -> W4Weight:
     """A W4Weight of the bench's shape for `gemm` without its memory (broadcast zeros: only shapes and dtypes are
     read when nothing launches)."""
     n, k = bw.gemm_shape(gemm)
     out = 2 * n if gemm == "gate_up" else n
     scale_dtype = torch.bfloat16 if fmt == "int4" else torch.uint8
     words = torch.zeros((), dtype=torch.int32).expand(bw.NUM_EXPERTS, out, k // 8)
-    return w4k.W4Weight(fmt, words, torch.zeros((), dtype=scale_dtype).expand(bw.NUM_EXPERTS, k // 32, out), k)
+    return W4Weight(fmt, words, torch.zeros((), dtype=scale_dtype).expand(bw.NUM_EXPERTS, k // 32, out), k)
 
 
 def _autotuned_launch(fmt: str, gemm: str, rows: int) -> None:

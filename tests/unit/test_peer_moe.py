@@ -469,7 +469,8 @@ def test_int4_words_read_as_the_engines_bytes():
 def test_real_peer_w4a16_matches_our_int4_twin(engine_name, dtype):
     """The engine's INT4 W4A16 kernel on our INT4 weights (the words read as its bytes) vs our 4-bit MLP's twin on the
     same stored weights (the interpreter: fp32 and fp16, its bf16 arithmetic is wrong)."""
-    from moe_ref.kernels.grouped_mlp_w4 import grouped_mlp_w4_ref, to_group_planes
+    from moe_ref.kernels.grouped_mlp_w4 import grouped_mlp_w4_ref
+    from moe_ref.kernels.w4 import to_group_planes
     from moe_ref.kernels.w4 import quantize_int4
     from moe_ref.testing import calc_diff
 
