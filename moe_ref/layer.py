@@ -354,7 +354,9 @@ class MegaMoE(nn.Module):
 
     def expert_nbytes(self) -> int:
         """Bytes this rank's routed expert weights occupy on the device: the plain parameters, or a quantized
-        checkpoint's tensors as stored (then equal to the checkpoint's bytes of these experts); 0 before loading."""
+        checkpoint's tensors as stored (then equal to the checkpoint's bytes of these experts; 4-bit words may be in
+        the W4A16 kernel's order, the same bytes); 0 before loading. Not counted: what a backend holds beside them
+        (the W4A16 kernel's group-major scales, ``self.experts.extra_nbytes()``)."""
         if self.quantized_experts is not None:
             return self.quantized_experts.nbytes()
         plain = (self.gate_up_weight, self.down_weight)

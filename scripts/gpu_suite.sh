@@ -6,7 +6,7 @@
 # all; tests = make test-gpu's one-GPU selection, ~5 min; tests_slow = the `slow` one-GPU cases; tests2 = the 2-GPU
 # pytest cases; layer1 = bench_layer and profile_step as one process on GPU 0 (the `local` transport);
 # eager = the public layer's eager calls (replaying its graphs, and launching with Triton's and the bound launch
-# path) vs a hand graph vs torch.compile on one GPU; w4 = the 4-bit experts with the W4 decode tile sweep and the
+# path) vs a hand graph vs torch.compile on one GPU; w4 = the 4-bit experts with their tile sweep and the
 # engines' W4A16 kernel; align = the alignment-1 vs 128-aligned pool A/B, with the no-hint pool;
 # peer_check = SGLang's and vLLM's fused-MoE kernels, read from the peer files in .whl/ (`make peers`), vs our twin). One device command runs 10 min at
 # most, so split them over calls, e.g. `bash scripts/gpu_suite.sh quick info tests dist`.
