@@ -15,16 +15,16 @@ computes ``out.T = W @ x.T``: on Hopper ``wgmma`` takes A from registers, B from
 is elementwise on the loaded words with no other loaded operand. So the group scale cannot enter the decode: each
 dot covers exactly one group of 32 input features, and its scale multiplies the dot's fp32 result.
 
-That needs each group's 32 codes together, in the order the MMA's registers take them: ``to_group_planes``
-rewrites each weight row once, at load. In a block of 256 input features (8 groups), word i of half h holds, in
+That needs each group's 32 codes together, in the order the MMA's registers take them:
+``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of 256 input features (8 groups), word i of half h holds, in
 nibble p, feature 2i of group ``4 h + p`` and, in nibble ``p + 4``, feature 2i + 1; so ``(word >> 4 p) & 0x000F000F``
 is two neighbouring features at the two 16-bit halves, which a packed subtract or multiply turns into the register
 pair the MMA reads (``_decode_pairs``), and 16 words are one group, its x operand 32 contiguous columns. Rows are
 padded to whole blocks (the code of 0.0; x's padding reads as 0), scales are stored group-major (``[e, I/32, O]``:
 the scales of one group for a tile's rows are one contiguous load).
 
-Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32 (the old
-path rounded each weight times its scale to x's dtype first). The twin (``grouped_mlp_w4_ref``) multiplies by the
+Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32 (more exact
+than dequantizing each weight to x's dtype first). The twin (``grouped_mlp_w4_ref``) multiplies by the
 exactly dequantized fp32 weights, so kernel and twin differ by fp32 summation order (and the roundings of h and y to
 x's dtype that follow): tests compare them with a tolerance, and the decode itself bit for bit.
 
