@@ -26,7 +26,7 @@ The routed experts are allocated when they are loaded, in the form they are load
 ``gate_up_weight``/``down_weight`` in the layer's dtype; a quantized checkpoint (FP8 blocks, INT4, MXFP4; see
 ``load_hf_weights``) is kept as stored in ``quantized_experts`` and the two parameters stay None. So the device
 holds the checkpoint's bytes of the local experts and never a bf16 copy of them (``expert_nbytes()``). The W4A16
-kernel reads INT4/MXFP4 words in its own nibble order: on first use the layer rewrites its copy in place
+kernel reads INT4/MXFP4 words in its own nibble order: at load the layer rewrites its copy in place
 (``QuantizedExpertWeights.with_group_planes``; the kernel adds a group-major copy of the scales, 1/16 of INT4's
 bytes), and ``state_dict()`` puts them back in the checkpoint's order.
 
@@ -328,9 +328,9 @@ class MegaMoE(nn.Module):
             self._quantized_backend(spec)  # a coded refusal (ENV001) where this layer's options cannot run them
             device = self.options.device
             tensors = {f: state_dict[prefix + _QUANT_PREFIX + f].detach().to(device, copy=True) for f in _QUANT_FIELDS}
-            self.quantized_experts = QuantizedExpertWeights(
+            self.quantized_experts = self._held(QuantizedExpertWeights(
                 spec=spec, **tensors, hidden_size=self.cfg.expert_hidden_size,
-                intermediate_size=self.cfg.intermediate_size, first_expert=self.first_local_expert)
+                intermediate_size=self.cfg.intermediate_size, first_expert=self.first_local_expert))
         elif plain:
             self.quantized_experts = None
         if (plain or quant) and len(error_msgs) == errors_before:
@@ -445,7 +445,7 @@ class MegaMoE(nn.Module):
             self.destroy()
         _copy([(dst, src) for _, dst, src in self._dense_pairs(dense)])
         self.gate_up_weight = self.down_weight = None  # a plain block loaded before is freed
-        self.quantized_experts = quantized
+        self.quantized_experts = self._held(quantized)
         self._weights_changed()
         return self._loaded(report)
 
@@ -460,6 +460,15 @@ class MegaMoE(nn.Module):
         before one: each weight's stored dtype/format, bytes read and bytes held; ``dequantized_bytes()`` gives
         the weights stored quantized (e.g. FP8 shared experts) as (bytes read, bytes held dequantized)."""
         return getattr(self, "_load_report", None)
+
+    def _held(self, quantized: QuantizedExpertWeights) -> QuantizedExpertWeights:
+        """A just-loaded ``QuantizedExpertWeights`` as the layer keeps it: 4-bit words that the W4A16 kernel will read
+        are rewritten in place in its order now, at load, before any caller can hold the checkpoint-order object
+        (one copy of the weights; ``state_dict()`` puts the checkpoint's order back)."""
+        backend = self._quantized_backend(quantized.spec)
+        if quantized_experts_class(quantized.spec.format, backend, self.options.device) is W4A16Experts:
+            return quantized.with_group_planes()
+        return quantized
 
     def _quantized_backend(self, spec: QuantSpec) -> str:
         """The ``moe_ref.experts.quantized`` backend that runs ``spec``'s experts for this layer's options."""
@@ -509,11 +518,7 @@ class MegaMoE(nn.Module):
             activation = (cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
             with torch.inference_mode(False):
                 if self.quantized_experts is not None:
-                    spec = self.quantized_experts.spec
-                    backend = self._quantized_backend(spec)
-                    if quantized_experts_class(spec.format, backend, self.options.device) is W4A16Experts:
-                        # the layer's own copy, rewritten in place in the kernel's order: one copy of the weights
-                        self.quantized_experts = self.quantized_experts.with_group_planes()
+                    backend = self._quantized_backend(self.quantized_experts.spec)
                     self._experts = make_quantized_experts(self.quantized_experts, *activation, backend=backend)
                 else:
                     self._experts = make_experts(self.options.experts_backend, *self._expert_parameters(),

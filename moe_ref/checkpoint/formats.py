@@ -385,9 +385,9 @@ class QuantizedExpertWeights:
 
     def with_group_planes(self) -> "QuantizedExpertWeights":
         """These experts with their 4-bit words rewritten IN PLACE in the W4A16 kernel's order (no second copy of
-        the weights; this object's tensors change): for an owner that keeps only the result (the layer). Returned
-        unchanged where that is impossible or already done: FP8, or D or F not a multiple of 256 (the kernel then
-        gets padded copies)."""
+        the weights). This object's tensors change while its ``nibble_order`` still says "checkpoint": only an owner
+        that keeps the result and drops this object may call it (the layer, at load). Returned unchanged where that
+        is impossible or already done: FP8, or D or F not a multiple of 256 (the kernel then gets padded copies)."""
         w4 = self.spec.format in (QuantFormat.INT4_GROUP, QuantFormat.MXFP4)
         whole = self.hidden_size % PLANE_BLOCK == 0 and self.intermediate_size % PLANE_BLOCK == 0
         if not w4 or not whole or self.nibble_order == "group_planes":

@@ -320,7 +320,7 @@ def test_layer_loads_a_quantized_checkpoint_into_the_triton_quantized_experts(tm
 
 
 def test_layer_keeps_one_copy_of_its_4bit_experts_and_saves_them_as_stored(tmp_path, device):
-    """D = F = 256: the layer rewrites its INT4 experts in place for the kernel on first use (the same bytes), and its
+    """D = F = 256: the layer rewrites its INT4 experts in place for the kernel at load (the same bytes), and its
     state_dict still holds the checkpoint's tensors, which a fresh layer loads to the same outputs."""
     import dataclasses
 
@@ -332,6 +332,7 @@ def test_layer_keeps_one_copy_of_its_4bit_experts_and_saves_them_as_stored(tmp_p
     write_synthetic_checkpoint(tmp_path, cfg, layer_idx=0, quant="int4_group", seed=13, dtype=torch.float32)
     layer = MegaMoE(cfg, num_max_tokens_per_rank=16, experts_backend="triton", device=device)
     layer.load_hf_weights(tmp_path, layer_idx=0, progress=False)
+    assert layer.quantized_experts.nibble_order == "group_planes"  # at load: no checkpoint-order object escapes
     as_stored = {k: v.clone() for k, v in layer.state_dict().items() if k.startswith("quantized_experts.")}
     held = layer.expert_nbytes()
     x = torch.randn(12, cfg.hidden_size, generator=torch.Generator().manual_seed(14)).to(device)
@@ -343,6 +344,7 @@ def test_layer_keeps_one_copy_of_its_4bit_experts_and_saves_them_as_stored(tmp_p
     assert all(torch.equal(saved[k], v) for k, v in as_stored.items()), "state_dict must hold the checkpoint's order"
     fresh = MegaMoE(cfg, num_max_tokens_per_rank=16, experts_backend="triton", device=device)
     fresh.load_state_dict(saved)
+    assert fresh.quantized_experts.nibble_order == "group_planes"
     with torch.inference_mode():
         assert torch.equal(fresh(x), y)
     layer.destroy()
