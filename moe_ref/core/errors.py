@@ -648,6 +648,20 @@ class UnsafeShardPathError(CheckpointError):
         "{\"weight_map\": {\"model.layers.1.mlp.gate.weight\": \"model-00001-of-00002.safetensors\"}}")
 
 
+class QuantTensorValueError(CheckpointError):
+    code = _entry(
+        "LOAD015", "a quantized tensor holds a value its format cannot mean here",
+        "MXFP4 scales are E8M0 bytes decoding as 2**(byte - 125) (compressed-tensors' bias). moe_ref's W4A16 kernel "
+        "keeps them finite in fp32 up to byte 238 (2**113); larger bytes (up to 255, which OCP MX calls NaN) would "
+        "become inf or wrong silently, and no trained weight has such a scale: the checkpoint is corrupt or uses "
+        "another scale bias.",
+        "A shard with overwritten scale bytes (255 everywhere), or a conversion that wrote the scales with another "
+        "bias.",
+        ["Re-download the shard the message names (its safetensors checksum should match the published one).",
+         "If you converted the checkpoint yourself, store E8M0 scales with bias 125 (compressed-tensors)."],
+        "load_quantized_experts('/models/kimi-k3', cfg, layer_idx=1, expert_range=(0, 448))")
+
+
 class QuantizationMismatchError(CheckpointError):
     code = _entry(
         "LOAD014", "a module's stored precision disagrees with the checkpoint's quantization_config",

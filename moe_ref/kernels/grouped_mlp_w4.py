@@ -120,8 +120,9 @@ def _decode_16bit_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
 
 @triton.jit
 def _group_scale(scale_ptrs, mask, W4: tl.constexpr, DTYPE: tl.constexpr):
-    """fp32 group scales: INT4 as stored; MXFP4 E8M0 bytes ``2**(byte - 125)`` (bytes 0..239), times 2**14 where x
-    is bf16 (its decoded values are 2**-14 times E2M1's: ``_decode_16bit_pairs``)."""
+    """fp32 group scales: INT4 as stored; MXFP4 E8M0 bytes ``2**(byte - 125)`` (bytes 0..238: the loader refuses
+    larger ones, LOAD015), times 2**14 where x is bf16 (its decoded values are 2**-14 times E2M1's:
+    ``_decode_16bit_pairs``)."""
     scale = tl.load(scale_ptrs, mask=mask, other=0)
     if W4 == 2 and DTYPE == tl.bfloat16:
         scale = ((scale.to(tl.int32) + 16) << 23).to(tl.float32, bitcast=True)

@@ -20,6 +20,8 @@ GROUP_SIZE = 32  # INT4 and MXFP4 scale groups along the input dimension
 INT4_PER_WORD = 8
 FP4_PER_BYTE = 2
 E8M0_BIAS = 125  # compressed-tensors mxfp4: byte = log2(scale) + 125 (see moe_ref.checkpoint.formats)
+# the largest scale byte moe_ref accepts (2**113): the W4A16 kernel keeps 2**(byte - 125 + 14) finite in fp32 up to it
+MXFP4_MAX_SCALE_BYTE = 238
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> |value|; bit 3 is the sign
 
 

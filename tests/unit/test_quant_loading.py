@@ -20,6 +20,7 @@ from moe_ref.core.errors import (
     MissingTensorError,
     QuantTensorDTypeError,
     QuantTensorShapeError,
+    QuantTensorValueError,
     UnsafeShardPathError,
     UnsupportedQuantizationError,
 )
@@ -161,6 +162,8 @@ def _renamed(tensors, name_part, fn):
      QuantTensorShapeError, "LOAD006", r"weight_shape.*\[32, 128\].*\[32, 64\]"),
     ("kimi-k2-thinking-int4", lambda t: {n: v for n, v in t.items() if n != "model.layers.1.mlp.experts.5.down_proj.weight_scale"},
      MissingScaleError, "LOAD007", r"experts\.5\.down_proj\.weight_packed.*no scale"),
+    ("kimi-k3-mxfp4", lambda t: _renamed(t, "experts.4.w3.weight_scale", lambda v: v.index_fill(-1, torch.tensor([0]), 239)),
+     QuantTensorValueError, "LOAD015", r"experts\.4\.w3\.weight_scale.*byte 239, above 238"),
 ])
 def test_bad_quantized_tensors_are_coded(tmp_path, case, edit, error, code, needle):
     cfg, _ = _write(tmp_path, case)
