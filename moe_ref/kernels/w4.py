@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_ref.core.errors import ShapeError, UnknownNameError
+from moe_ref.core.errors import QuantTensorValueError, ShapeError, UnknownNameError
 
 GROUP_SIZE = 32  # INT4 and MXFP4 scale groups along the input dimension
 INT4_PER_WORD = 8
@@ -227,6 +227,9 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
         in_place: write the words into ``packed_eOq``'s own memory (no second copy of the weights; it then holds
             group planes, not the checkpoint's order). Needs I % 256 == 0 and a contiguous ``packed_eOq``.
 
+    Raises:
+        QuantTensorValueError (LOAD015): an MXFP4 scale byte above ``MXFP4_MAX_SCALE_BYTE``.
+
     Returns:
         ``W4Weight``: rows padded to whole blocks with the code of 0.0; scales a group-major copy.
 
@@ -237,6 +240,10 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
         raise UnknownNameError(f"4-bit format {fmt!r}: expected one of {', '.join(W4_FORMATS)}")
     num_experts, num_rows, stored = packed_eOq.shape
     in_features = stored * (INT4_PER_WORD if fmt == "int4" else FP4_PER_BYTE)
+    if fmt == "mxfp4" and scale_eOg.numel() and int(scale_eOg.max()) > MXFP4_MAX_SCALE_BYTE:
+        raise QuantTensorValueError(f"MXFP4 scale byte {int(scale_eOg.max())} is above {MXFP4_MAX_SCALE_BYTE} "
+                                    f"(2**{MXFP4_MAX_SCALE_BYTE - E8M0_BIAS}): corrupt, or another scale bias",
+                                    found=int(scale_eOg.max()), limit=MXFP4_MAX_SCALE_BYTE)
     if in_place:
         if in_features % PLANE_BLOCK or not packed_eOq.is_contiguous():
             raise ShapeError(f"group planes in place need I % {PLANE_BLOCK} == 0 and contiguous packed weights "

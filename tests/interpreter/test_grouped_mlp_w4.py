@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
+from moe_ref.core.errors import DTypeError, InvalidConfigError, QuantTensorValueError, ShapeError, UnknownNameError
 from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
 from moe_ref.checkpoint.formats import (QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec,
@@ -107,6 +107,15 @@ def test_group_planes_put_a_groups_feature_pairs_in_one_word():
     expected[16 + 3] = 3 << (4 * 1)
     expected[3] = 9 << (4 * (2 + 4))
     assert torch.equal(words.to(torch.int64), expected), words.tolist()
+
+
+def test_group_planes_refuse_an_mxfp4_scale_past_the_kernels_range():
+    scales = torch.full((1, 1, 8), 238, dtype=torch.uint8)
+    to_group_planes(torch.zeros(1, 1, 128, dtype=torch.uint8), scales, "mxfp4")  # the largest accepted
+    scales[0, 0, 5] = 239
+    with pytest.raises(QuantTensorValueError, match="239") as info:
+        to_group_planes(torch.zeros(1, 1, 128, dtype=torch.uint8), scales, "mxfp4")
+    assert info.value.code == "LOAD015"
 
 
 def test_group_planes_refuse_an_unknown_format():
