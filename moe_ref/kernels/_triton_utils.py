@@ -84,6 +84,22 @@ def tanh(x):
 
 
 @triton.jit
+def gated_act(gate, up, situ_beta, situ_linear_beta, ACTIVATION: tl.constexpr, SITU_LINEAR: tl.constexpr):
+    """fp32 ``h = act(gate, up)`` as ``moe_ref.core.activations.gated_activation``: ACTIVATION 1 ``silu(gate) * up``,
+    2 SiTU ``beta * tanh(gate / beta) * sigmoid(gate) * up'`` with ``up' = lb * tanh(up / lb)`` when SITU_LINEAR (else
+    up); 0 (no activation): gate unchanged."""
+    if ACTIVATION == 1:
+        h = gate * tl.sigmoid(gate) * up
+    elif ACTIVATION == 2:
+        if SITU_LINEAR:
+            up = situ_linear_beta * tanh(up / situ_linear_beta)
+        h = situ_beta * tanh(gate / situ_beta) * tl.sigmoid(gate) * up
+    else:
+        h = gate
+    return h
+
+
+@triton.jit
 def div_rn(x, y):
     """IEEE round-to-nearest fp32 division with broadcasting (plain `/` is `div.full.f32` on NVIDIA,
     which can differ from torch by an ulp)."""

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import ShapeError
-from moe_ref.kernels._triton_utils import (FP8_DTYPE, cdiv, check_device, div_rn, fp8_scale, num_fp8_groups, tanh,
+from moe_ref.kernels._triton_utils import (FP8_DTYPE, cdiv, check_device, div_rn, fp8_scale, gated_act, num_fp8_groups,
                                            to_e4m3)
 from moe_ref.kernels.launch import launch
 
@@ -70,13 +70,7 @@ def _gated_act_kernel(
         up = tl.load(gate_up_ptr + rows[:, None] * stride_gu_r + F + offs_f[None, :], mask=mask, other=0.0)
         gate = gate.to(tl.float32)
         up = up.to(tl.float32)
-        if ACTIVATION == 1:
-            h = gate * tl.sigmoid(gate) * up
-        else:
-            h = situ_beta * tanh(gate / situ_beta) * tl.sigmoid(gate)
-            if SITU_LINEAR:
-                up = situ_linear_beta * tanh(up / situ_linear_beta)
-            h = h * up
+        h = gated_act(gate, up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
         h = tl.where(mask, h, 0.0)
         if QUANT:
             scale = fp8_scale(tl.max(tl.abs(h), axis=1))

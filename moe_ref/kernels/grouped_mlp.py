@@ -28,11 +28,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from moe_ref.core import envs
+from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
 
 from moe_ref.kernels._triton_utils import (
@@ -41,11 +41,11 @@ from moe_ref.kernels._triton_utils import (
     check_device,
     div_rn,
     fp8_scale,
+    gated_act,
     is_interpreter,
     launch_options,
     next_power_of_2,
     num_fp8_groups,
-    tanh,
     to_e4m3,
 )
 from moe_ref.kernels import grouped_mlp_tiles as tiles
@@ -117,6 +117,30 @@ def _mma(a, b, acc, IEEE_FP32: tl.constexpr):
 
 
 @triton.jit
+def expert_table(num_rows_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The expert table of a grouped GEMM over an expert-major pool, vectorised over the e experts (``BLOCK_E`` >=
+    e): ``(offs_e, num_rows_e, num_blocks_e, block_end_e)``, the rows of each expert, its BLOCK_M blocks and their
+    running end (``expert_block_rows`` finds a block's expert in it; also used by ``grouped_mlp_w4``)."""
+    offs_e = tl.arange(0, BLOCK_E)
+    num_rows_e = tl.load(num_rows_ptr + offs_e, mask=offs_e < num_experts, other=0).to(tl.int32)
+    num_blocks_e = tl.cdiv(num_rows_e, BLOCK_M)
+    return offs_e, num_rows_e, num_blocks_e, tl.cumsum(num_blocks_e, axis=0)
+
+
+@triton.jit
+def expert_block_rows(pid_m, offs_e, num_rows_e, num_blocks_e, block_end_e, row_start_ptr, R, BLOCK_M: tl.constexpr):
+    """M block ``pid_m`` (of all experts' blocks, ``pid_m < sum(num_blocks_e)``) in the ``expert_table``:
+    ``(expert, row0, rows, mask_m)``, its expert (int64), first pool row (int64), its ``[BLOCK_M]`` pool rows and
+    which of them are inside the expert's segment and the pool of ``R`` rows."""
+    expert = tl.sum((block_end_e <= pid_m).to(tl.int32))
+    block_in_expert = pid_m - tl.sum(tl.where(offs_e < expert, num_blocks_e, 0))
+    rows_left = tl.sum(tl.where(offs_e == expert, num_rows_e, 0)) - block_in_expert * BLOCK_M
+    row0 = tl.load(row_start_ptr + expert).to(tl.int64) + block_in_expert * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    return expert.to(tl.int64), row0, row0 + offs_m, (offs_m < rows_left) & (row0 + offs_m < R)
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     # pointers
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, num_rows_ptr,
@@ -152,11 +176,7 @@ def _grouped_gemm_kernel(
         gate=2, up=6, c[0] = silu(2) * 6 = 1.7616 * 6 = 10.569.
     """
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    # the expert table: M blocks per expert and their running end (vectorised over the e experts)
-    offs_e = tl.arange(0, BLOCK_E)
-    num_rows_e = tl.load(num_rows_ptr + offs_e, mask=offs_e < num_experts, other=0).to(tl.int32)
-    num_blocks_e = tl.cdiv(num_rows_e, BLOCK_M)
-    block_end_e = tl.cumsum(num_blocks_e, axis=0)
+    offs_e, num_rows_e, num_blocks_e, block_end_e = expert_table(num_rows_ptr, num_experts, BLOCK_M, BLOCK_E)
     num_pid_m = tl.sum(num_blocks_e)
     if PERSISTENT:  # a grid of about two programs per SM walks every live tile
         for tile in range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
@@ -206,16 +226,8 @@ def _gemm_tile(
     """M block `pid_m` (of all experts' blocks, `pid_m < sum(num_blocks_e)`) x N tile `pid_n` of one grouped GEMM;
     arguments as `_grouped_gemm_kernel`'s, plus the expert table (`num_rows_e`, their BLOCK_M blocks and the
     blocks' running end, over `offs_e`)."""
-    # --- this block's expert (vectorised over the e experts) ----------------------------------------
-    expert = tl.sum((block_end_e <= pid_m).to(tl.int32))
-    block_in_expert = pid_m - tl.sum(tl.where(offs_e < expert, num_blocks_e, 0))
-    rows_left = tl.sum(tl.where(offs_e == expert, num_rows_e, 0)) - block_in_expert * BLOCK_M
-    row0 = tl.load(row_start_ptr + expert).to(tl.int64) + block_in_expert * BLOCK_M
-    expert = expert.to(tl.int64)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = (offs_m < rows_left) & (row0 + offs_m < R)
-    rows = row0 + offs_m
+    expert, row0, rows, mask_m = expert_block_rows(pid_m, offs_e, num_rows_e, num_blocks_e, block_end_e, row_start_ptr,
+                                                   R, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -279,12 +291,7 @@ def _gemm_tile(
         acc, acc_up = _split_pairs(acc_pairs)
 
     # --- epilogue: activation (fp32), optional fp8 re-quantization, store ----------------------------
-    if ACTIVATION == 1:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    elif ACTIVATION == 2:
-        if SITU_LINEAR:
-            acc_up = situ_linear_beta * tanh(acc_up / situ_linear_beta)
-        acc = situ_beta * tanh(acc / situ_beta) * tl.sigmoid(acc) * acc_up
+    acc = gated_act(acc, acc_up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
     c_ptrs = c_ptr + rows[:, None] * stride_c_r + offs_n[None, :]
     mask_c = mask_m[:, None] & mask_n[None, :]
     if QUANT_OUT:
@@ -678,15 +685,6 @@ def _dequantize_block_128(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return w.float() * scale_full
 
 
-def _activation_ref(gate: torch.Tensor, up: torch.Tensor, activation: str, situ_beta: float,
-                    situ_linear_beta: float) -> torch.Tensor:
-    if activation == "silu":
-        return F.silu(gate) * up
-    if situ_linear_beta:
-        up = situ_linear_beta * torch.tanh(up / situ_linear_beta)
-    return situ_beta * torch.tanh(gate / situ_beta) * torch.sigmoid(gate) * up
-
-
 def grouped_mlp_ref(
     x_PDx: torch.Tensor,
     gate_up_weight_e2FD: torch.Tensor,
@@ -730,8 +728,8 @@ def grouped_mlp_ref(
             gate_up_2FDx = gate_up_weight_e2FD[i].float()
             down_DxF = down_weight_eDF[i].float()
         seg_gate_up_P2F = seg_x_PDx @ gate_up_2FDx.T
-        seg_h_PF = _activation_ref(seg_gate_up_P2F[:, :inter], seg_gate_up_P2F[:, inter:], activation, situ_beta,
-                                   situ_linear_beta)
+        seg_h_PF = gated_activation(seg_gate_up_P2F[:, :inter], seg_gate_up_P2F[:, inter:], activation, situ_beta,
+                                    situ_linear_beta)
         if fp8:
             seg_h_PF = dequantize_fp8_per_128(*quantize_fp8_per_128(seg_h_PF))
         else:

@@ -40,8 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
-from moe_ref.kernels._triton_utils import cdiv, check_device, is_interpreter, launch_options, next_power_of_2, tanh
+from moe_ref.kernels._triton_utils import (cdiv, check_device, gated_act, is_interpreter, launch_options,
+                                           next_power_of_2)
+from moe_ref.kernels.grouped_mlp import expert_block_rows, expert_table
 from moe_ref.kernels.launch import launch
 from moe_ref.kernels.w4 import PLANE_BLOCK, WORDS_PER_BLOCK, W4Weight, dequantize_planes
 
@@ -166,25 +169,15 @@ def _w4_gemm_kernel(
 ):
     """One program = BLOCK_N output features (x2 for gate and up) x BLOCK_M rows of one expert, as
     ``acc.T [BLOCK_N, BLOCK_M]`` = the decoded weight tile (A, registers) @ x's tile transposed (B).
-    The expert table is found on the device as in ``grouped_mlp``'s kernel (upper-bound grid, surplus exits)."""
+    The expert table is found on the device (``grouped_mlp.expert_table``, upper-bound grid, surplus exits)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    offs_e = tl.arange(0, BLOCK_E)
-    num_rows_e = tl.load(num_rows_ptr + offs_e, mask=offs_e < num_experts, other=0).to(tl.int32)
-    num_blocks_e = tl.cdiv(num_rows_e, BLOCK_M)
-    block_end_e = tl.cumsum(num_blocks_e, axis=0)
+    offs_e, num_rows_e, num_blocks_e, block_end_e = expert_table(num_rows_ptr, num_experts, BLOCK_M, BLOCK_E)
     pid_m = tl.program_id(0) // num_pid_n
     pid_n = tl.program_id(0) % num_pid_n
     if pid_m >= tl.sum(num_blocks_e):
         return
-    expert = tl.sum((block_end_e <= pid_m).to(tl.int32))
-    block_in_expert = pid_m - tl.sum(tl.where(offs_e < expert, num_blocks_e, 0))
-    rows_left = tl.sum(tl.where(offs_e == expert, num_rows_e, 0)) - block_in_expert * BLOCK_M
-    row0 = tl.load(row_start_ptr + expert).to(tl.int64) + block_in_expert * BLOCK_M
-    expert = expert.to(tl.int64)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = (offs_m < rows_left) & (row0 + offs_m < R)
-    rows = row0 + offs_m
+    expert, _, rows, mask_m = expert_block_rows(pid_m, offs_e, num_rows_e, num_blocks_e, block_end_e, row_start_ptr, R,
+                                                BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_w = tl.arange(0, 16)
@@ -211,12 +204,7 @@ def _w4_gemm_kernel(
                 if ACTIVATION != 0:
                     acc_up = _group_dot(acc_up, (words_up >> (4 * plane)) & 0x000F000F, x_t,
                                         s_cols + N + group * stride_s_g, mask_n, W4, UPCAST, IEEE_FP32)
-    if ACTIVATION == 1:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    elif ACTIVATION == 2:
-        if SITU_LINEAR:
-            acc_up = situ_linear_beta * tanh(acc_up / situ_linear_beta)
-        acc = situ_beta * tanh(acc / situ_beta) * tl.sigmoid(acc) * acc_up
+    acc = gated_act(acc, acc_up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
     c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
@@ -364,8 +352,6 @@ def grouped_mlp_w4_ref(x_PDx, gate_up: W4Weight, down: W4Weight, row_start_e, nu
                        tiles=None) -> torch.Tensor:
     """Plain-torch twin of ``grouped_mlp_w4`` (same arguments and return): per expert, the weights dequantized
     exactly in fp32, h rounded to x's dtype. NOTE: ``.tolist()`` on the row counts syncs the host."""
-    from moe_ref.kernels.grouped_mlp import _activation_ref
-
     _check(x_PDx, gate_up, down)
     inter = gate_up.shape[1] // 2
     gate_up_e2FD, down_eDF = dequantize_planes(gate_up), dequantize_planes(down)
@@ -375,7 +361,7 @@ def grouped_mlp_w4_ref(x_PDx, gate_up: W4Weight, down: W4Weight, row_start_e, nu
             continue
         rows = slice(start, start + count)
         gate_up_P2F = _gemm_ref(x_PDx[rows], gate_up_e2FD[i])
-        h_PF = _activation_ref(gate_up_P2F[:, :inter], gate_up_P2F[:, inter:], activation, situ_beta,
-                               situ_linear_beta).to(x_PDx.dtype)
+        h_PF = gated_activation(gate_up_P2F[:, :inter], gate_up_P2F[:, inter:], activation, situ_beta,
+                                situ_linear_beta).to(x_PDx.dtype)
         y_PDx[rows] = _gemm_ref(h_PF, down_eDF[i]).to(x_PDx.dtype)
     return y_PDx
