@@ -60,7 +60,7 @@ from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
 from moe_ref.kernels.grouped_mlp_w4 import launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
-from moe_ref.kernels.w4 import W4Weight, to_group_planes  # noqa: E402
+from moe_ref.kernels.w4 import W4Weight  # noqa: E402
 from moe_ref.testing import bench as _bench_calls, calc_diff  # noqa: E402
 
 
@@ -69,8 +69,7 @@ def bench(fn) -> float:
     return _bench_calls(fn, host_ahead=True)
 
 NUM_EXPERTS, HIDDEN, INTER = 48, 7168, 2048
-# path -> (the checkpoint's format, the kernel's format name for `to_group_planes`)
-W4_PATHS = {"int4_w4a16": (QuantFormat.INT4_GROUP, "int4"), "mxfp4_w4a16": (QuantFormat.MXFP4, "mxfp4")}
+W4_PATHS = ("int4_w4a16", "mxfp4_w4a16")  # the 4-bit paths (INT4, MXFP4)
 GEMMS = ("gate_up", "down")
 SWEEP_CALC_DIFF_LIMIT = 1e-4
 SWEEP_BEST_KEYS = ("path", "rows", "gemm")  # the sweep keeps its fastest correct tile per these
@@ -215,12 +214,6 @@ def _gemm_weights(q: QuantizedExpertWeights, gemm: str) -> tuple[torch.Tensor, t
     return q.down_qweight_eDFq, q.down_scale_eDFs
 
 
-def w4_planes(q: QuantizedExpertWeights, fmt: str) -> dict[str, W4Weight]:
-    """``{gemm: W4Weight}``: the stored 4-bit weights in the kernel's layout (``to_group_planes``; fmt "int4" or
-    "mxfp4"): gate_up ``[e, 2F, D]``, down ``[e, D, F]``."""
-    return {gemm: to_group_planes(*_gemm_weights(q, gemm), fmt) for gemm in GEMMS}
-
-
 def _launch(case: dict, weight: W4Weight, gemm: str, a: torch.Tensor, out: torch.Tensor, tile: tuple | None = None):
     """One GEMM of this script's shape through ``launch_w4_gemm`` (autotuned, or the forced ``tile``): gate_up reads
     x ``[P, D]`` into h ``[P, F]`` (SiLU), down reads h into y ``[P, D]``."""
@@ -251,8 +244,8 @@ def api_row(name: str, experts, weight_bytes: int, reference, case: dict,
 def run_sweep(cases: list[dict], quantized: dict, args, results: dict) -> None:
     """Every `sweep_tiles` tile per 4-bit format, rows and GEMM (see the module docstring), into
     ``results["sweep"]``; returns early at --max-seconds."""
-    for path, (_, fmt) in W4_PATHS.items():
-        planes = w4_planes(quantized[path], fmt)
+    for path in W4_PATHS:
+        planes = dict(zip(GEMMS, quantized[path].group_planes()))  # copies in the kernel's layout
         refs = {case["rows"]: _autotuned_refs(case, planes) for case in cases}
         for gemm in GEMMS:
             for case in cases:

@@ -63,8 +63,7 @@ from moe_ref.kernels.w4 import (  # noqa: F401  (the 4-bit numerics, re-exported
     PLANE_BLOCK,
     W4Weight,
     group_major_scales,
-    dequantize_planes,
-    from_group_planes,
+    packed_from_planes,
     to_group_planes,
     quantize_int4,
     dequantize_int4,
@@ -353,6 +352,11 @@ class QuantizedExpertWeights:
         return (dequantize_weight(stored.gate_up_qweight_e2FDq, stored.gate_up_scale_e2FDs, fmt, dtype),
                 dequantize_weight(stored.down_qweight_eDFq, stored.down_scale_eDFs, fmt, dtype))
 
+    @property
+    def w4_format(self) -> str:
+        """The 4-bit format's name in ``moe_ref.kernels.w4`` ("int4" or "mxfp4"); only for those formats."""
+        return "int4" if self.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
+
     def dequantize_expert(self, i: int, which: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Expert ``i``'s dense ``gate_up [2F, D]`` (``which="gate_up"``) or ``down [D, F]`` in ``dtype`` (only its
         bytes converted)."""
@@ -361,27 +365,20 @@ class QuantizedExpertWeights:
         if self.nibble_order == "checkpoint":
             return dequantize_weight(qweight[i], scale[i], self.spec.format, dtype)
         in_features = self.hidden_size if which == "gate_up" else self.intermediate_size
-        fmt = "int4" if self.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
-        one = W4Weight(fmt, qweight[i:i + 1].view(torch.int32), group_major_scales(scale[i:i + 1], in_features),
-                       in_features)
-        return dequantize_planes(one, dtype)[0]
-
-    def _w4_weights(self) -> tuple[W4Weight, W4Weight]:
-        """The 4-bit words as ``W4Weight``s (views; group-major scale copies): valid in the group-plane order."""
-        fmt = "int4" if self.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
-        return (W4Weight(fmt, self.gate_up_qweight_e2FDq.view(torch.int32),
-                         group_major_scales(self.gate_up_scale_e2FDs, self.hidden_size), self.hidden_size),
-                W4Weight(fmt, self.down_qweight_eDFq.view(torch.int32),
-                         group_major_scales(self.down_scale_eDFs, self.intermediate_size), self.intermediate_size))
+        packed = packed_from_planes(qweight[i:i + 1].view(torch.int32), self.w4_format, in_features)[0]
+        return dequantize_weight(packed, scale[i], self.spec.format, dtype)
 
     def group_planes(self) -> tuple[W4Weight, W4Weight]:
         """(gate_up, down) 4-bit weights in the W4A16 kernel's order: views of this object's words when they are
-        in that order already (``with_group_planes``), else new tensors (``to_group_planes``)."""
-        if self.nibble_order == "group_planes":
-            return self._w4_weights()
-        fmt = "int4" if self.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
-        return (to_group_planes(self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, fmt),
-                to_group_planes(self.down_qweight_eDFq, self.down_scale_eDFs, fmt))
+        in that order already (``with_group_planes``; the scales a group-major copy), else new tensors
+        (``to_group_planes``)."""
+        if self.nibble_order == "checkpoint":
+            return (to_group_planes(self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, self.w4_format),
+                    to_group_planes(self.down_qweight_eDFq, self.down_scale_eDFs, self.w4_format))
+        return (W4Weight(self.w4_format, self.gate_up_qweight_e2FDq.view(torch.int32),
+                         group_major_scales(self.gate_up_scale_e2FDs, self.hidden_size), self.hidden_size),
+                W4Weight(self.w4_format, self.down_qweight_eDFq.view(torch.int32),
+                         group_major_scales(self.down_scale_eDFs, self.intermediate_size), self.intermediate_size))
 
     def with_group_planes(self) -> "QuantizedExpertWeights":
         """These experts with their 4-bit words rewritten IN PLACE in the W4A16 kernel's order (no second copy of
@@ -392,20 +389,18 @@ class QuantizedExpertWeights:
         whole = self.hidden_size % PLANE_BLOCK == 0 and self.intermediate_size % PLANE_BLOCK == 0
         if not w4 or not whole or self.nibble_order == "group_planes":
             return self
-        fmt = "int4" if self.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
-        to_group_planes(self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, fmt, in_place=True)
-        to_group_planes(self.down_qweight_eDFq, self.down_scale_eDFs, fmt, in_place=True)
+        to_group_planes(self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, self.w4_format, in_place=True)
+        to_group_planes(self.down_qweight_eDFq, self.down_scale_eDFs, self.w4_format, in_place=True)
         return dataclasses.replace(self, nibble_order="group_planes")
 
     def as_stored(self) -> "QuantizedExpertWeights":
         """These experts in the checkpoint's order: this object, or (group planes) a copy of the words put back."""
         if self.nibble_order == "checkpoint":
             return self
-        gate_up, down = self._w4_weights()
-        (gate_up_q, _), (down_q, _) = from_group_planes(gate_up), from_group_planes(down)
-        dtype = self.gate_up_qweight_e2FDq.dtype  # int32 (INT4) or uint8 (MXFP4)
-        return dataclasses.replace(self, gate_up_qweight_e2FDq=gate_up_q.view(dtype),
-                                   down_qweight_eDFq=down_q.view(dtype), nibble_order="checkpoint")
+        gate_up_q = packed_from_planes(self.gate_up_qweight_e2FDq.view(torch.int32), self.w4_format, self.hidden_size)
+        down_q = packed_from_planes(self.down_qweight_eDFq.view(torch.int32), self.w4_format, self.intermediate_size)
+        return dataclasses.replace(self, gate_up_qweight_e2FDq=gate_up_q, down_qweight_eDFq=down_q,
+                                   nibble_order="checkpoint")
 
 
 def shape_problem(fmt: QuantFormat | str, hidden_size: int, intermediate_size: int) -> str | None:

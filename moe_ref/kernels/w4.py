@@ -257,13 +257,18 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
     return W4Weight(fmt, words, group_major_scales(scale_eOg, in_features), in_features)
 
 
+def packed_from_planes(words_eOw: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
+    """Group-plane words ``[e, O, w]`` -> the checkpoint's packing (a new tensor, one expert at a time): INT4 int32
+    ``[e, O, I/8]``, MXFP4 uint8 ``[e, O, I/2]``."""
+    return torch.stack([_packed(_plane_codes(words_Ow, in_features), fmt) for words_Ow in words_eOw])
+
+
 def from_group_planes(weight: W4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``to_group_planes``: (packed ``[e, O, I/8]`` int32 or ``[e, O, I/2]`` uint8, scales ``[e, O, I/32]``)
     as the checkpoint stores them (new tensors)."""
-    packed = torch.stack([_packed(_plane_codes(words_Ow, weight.in_features), weight.fmt)
-                          for words_Ow in weight.words_eOw])
     groups = weight.in_features // GROUP_SIZE
-    return packed, weight.group_major_scale.transpose(-1, -2)[..., :groups].contiguous()
+    return (packed_from_planes(weight.words_eOw, weight.fmt, weight.in_features),
+            weight.group_major_scale.transpose(-1, -2)[..., :groups].contiguous())
 
 
 def dequantize_planes(weight: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
