@@ -75,7 +75,6 @@ logger = logging.getLogger(__name__)
 _EXPERT_FIELDS = ("gate_up_weight_E2FD", "down_weight_EDF")
 # state_dict keys of quantized experts kept as stored: "quantized_experts.<field>" (+ ".spec", the format as JSON bytes)
 _QUANT_PREFIX = "quantized_experts."
-_QUANT_FIELDS = QUANTIZED_TENSOR_FIELDS
 
 
 def as_config(cfg: MoEConfig | str | os.PathLike | Mapping[str, Any]) -> MoEConfig:
@@ -297,7 +296,7 @@ class MegaMoE(nn.Module):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         q = None if self.quantized_experts is None else self.quantized_experts.as_stored()
         if q is not None:
-            for field in _QUANT_FIELDS:
+            for field in QUANTIZED_TENSOR_FIELDS:
                 destination[prefix + _QUANT_PREFIX + field] = getattr(q, field)
             spec = json.dumps({**dataclasses.asdict(q.spec), "format": q.spec.format.value})  # every field
             destination[prefix + _QUANT_PREFIX + "spec"] = torch.tensor(list(spec.encode()), dtype=torch.uint8)
@@ -318,7 +317,8 @@ class MegaMoE(nn.Module):
         quant_keys = [k for k in state_dict if k.startswith(prefix + _QUANT_PREFIX)]
         unexpected_keys[:] = [k for k in unexpected_keys if k not in quant_keys]
         if quant:
-            missing = [prefix + _QUANT_PREFIX + f for f in _QUANT_FIELDS if prefix + _QUANT_PREFIX + f not in state_dict]
+            missing = [prefix + _QUANT_PREFIX + f for f in QUANTIZED_TENSOR_FIELDS
+                       if prefix + _QUANT_PREFIX + f not in state_dict]
             missing_keys.extend(missing)
             if missing:
                 return
@@ -327,7 +327,7 @@ class MegaMoE(nn.Module):
                                 "format": QuantFormat(info["format"])})
             self._quantized_backend(spec)  # a coded refusal (ENV001) where this layer's options cannot run them
             device = self.options.device
-            tensors = {f: state_dict[prefix + _QUANT_PREFIX + f].detach().to(device, copy=True) for f in _QUANT_FIELDS}
+            tensors = {f: state_dict[prefix + _QUANT_PREFIX + f].detach().to(device, copy=True) for f in QUANTIZED_TENSOR_FIELDS}
             self.quantized_experts = self._held(QuantizedExpertWeights(
                 spec=spec, **tensors, hidden_size=self.cfg.expert_hidden_size,
                 intermediate_size=self.cfg.intermediate_size, first_expert=self.first_local_expert))

@@ -34,16 +34,15 @@ from moe_ref.core.errors import (
     MissingTensorError,
     QuantTensorDTypeError,
     QuantTensorShapeError,
-    QuantTensorValueError,
     UnsupportedQuantizationError,
 )
 from moe_ref.checkpoint.loading import (KNOWN_PREFIXES, LayerNames, _check_expert_range, _detect_prefix,
                                         check_recorded_shape, layer_names, missing_scale_error,
                                         plain_where_quantized_error)
 from moe_ref.checkpoint.reader import CheckpointReader
-from moe_ref.checkpoint.formats import (E8M0_BIAS, FP8_BLOCK, SAFETENSORS_DTYPES, QuantFormat, QuantizedExpertWeights,
-                                        QuantSpec, quant_spec_from_config)
-from moe_ref.kernels.w4 import MXFP4_MAX_SCALE_BYTE
+from moe_ref.checkpoint.formats import (FP8_BLOCK, SAFETENSORS_DTYPES, QuantFormat, QuantizedExpertWeights, QuantSpec,
+                                        quant_spec_from_config)
+from moe_ref.kernels.w4 import check_mxfp4_scales
 from moe_ref.core.weights import MoEWeights
 
 _SAFETENSORS_DTYPES = SAFETENSORS_DTYPES
@@ -216,12 +215,8 @@ class _QuantReader:
         weight = self._checked(weight_name, (self.spec.weight_dtype,), weight_shape, expert)
         scale = self._checked(scale_name, (scale_dtype,), scale_shape, expert)
         check_recorded_shape(self.ckpt, self.spec, self.layer_idx, stem, out_f, in_f)
-        if self.spec.format == QuantFormat.MXFP4 and scale.numel() and int(scale.max()) > MXFP4_MAX_SCALE_BYTE:
-            raise QuantTensorValueError(
-                f"{scale_name!r} (layer {self.layer_idx}) holds E8M0 scale byte {int(scale.max())}, above "
-                f"{MXFP4_MAX_SCALE_BYTE} (2**{MXFP4_MAX_SCALE_BYTE - E8M0_BIAS}): corrupt, or another scale bias than "
-                f"compressed-tensors' {E8M0_BIAS}; re-download that shard", name=scale_name, found=int(scale.max()),
-                limit=MXFP4_MAX_SCALE_BYTE)
+        if self.spec.format == QuantFormat.MXFP4:
+            check_mxfp4_scales(scale, f"{scale_name!r} (layer {self.layer_idx}; re-download its shard)", name=scale_name)
         return weight, scale
 
     def _checked(self, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, int], expert: int) -> torch.Tensor:

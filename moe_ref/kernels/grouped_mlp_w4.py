@@ -16,12 +16,13 @@ is elementwise on the loaded words with no other loaded operand. So the group sc
 dot covers exactly one group of 32 input features, and its scale multiplies the dot's fp32 result.
 
 That needs each group's 32 codes together, in the order the MMA's registers take them:
-``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of 256 input features (8 groups), word i of half h holds, in
-nibble p, feature 2i of group ``4 h + p`` and, in nibble ``p + 4``, feature 2i + 1; so ``(word >> 4 p) & 0x000F000F``
-is two neighbouring features at the two 16-bit halves, which a packed subtract or multiply turns into the register
-pair the MMA reads (``_decode_pairs``), and 16 words are one group, its x operand 32 contiguous columns. Rows are
-padded to whole blocks (the code of 0.0; x's padding reads as 0), scales are stored group-major (``[e, I/32, O]``:
-the scales of one group for a tile's rows are one contiguous load).
+``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of
+256 input features (8 groups), word i of half h holds, in nibble p, feature 2i of group ``4 h + p`` and, in nibble
+``p + 4``, feature 2i + 1; so ``(word >> 4 p) & 0x000F000F`` is two neighbouring features at the two 16-bit halves,
+which a packed subtract or multiply turns into the register pair the MMA reads (``_decode_pairs``), and 16 words are
+one group, its x operand 32 contiguous columns. Rows are padded to whole blocks (the code of 0.0; x's padding reads
+as 0), scales are stored group-major (``[e, I/32, O]``: the scales of one group for a tile's rows are one contiguous
+load).
 
 Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32 (more exact
 than dequantizing each weight to x's dtype first). The twin (``grouped_mlp_w4_ref``) multiplies by the
@@ -80,11 +81,12 @@ def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
 
     16-bit DTYPEs decode both codes of a word at once: the word becomes two 16-bit patterns, then one packed
     subtract or multiply makes them exact. INT4: ``0x4300 | code`` is 128 + code in bf16 (``0x6400``: 1024 + code in
-    fp16), minus 136 (1032). MXFP4: ``e|m`` placed in fp16's lowest exponent bits and top mantissa bit, and the sign,
-    is 2**-14 times the E2M1 value (subnormal in fp16 for e == 0, which fp16 keeps everywhere: bf16 subnormals would
-    be flushed by the interpreter); fp16 x then multiplies by 2**14, bf16 x converts (2**-15 is a normal bf16). Joined as (2i, 2i + 1), the word is already the register pair the
-    MMA reads: Triton keeps the whole decode in the MMA operand's registers. The arithmetic is written in fp32 (the
-    interpreter's 16-bit floats are not IEEE), which LLVM narrows back to packed 16-bit instructions.
+    fp16), minus 136 (1032). MXFP4: ``e|m`` placed in fp16's lowest exponent bits and top mantissa bit, and the
+    sign, is 2**-14 times the E2M1 value (subnormal in fp16 for e == 0, which fp16 keeps everywhere: bf16 subnormals
+    would be flushed by the interpreter); fp16 x then multiplies by 2**14, bf16 x converts (2**-15 is a normal
+    bf16). Joined as (2i, 2i + 1), the word is already the register pair the MMA reads: Triton keeps the whole
+    decode in the MMA operand's registers. The arithmetic is written in fp32 (the interpreter's 16-bit floats are
+    not IEEE), which LLVM narrows back to packed 16-bit instructions.
 
     Example (bf16, INT4): word 0x000B0003 -> patterns 0x4303, 0x430B -> 131 - 136 = -5.0, 139 - 136 = 3.0.
         (MXFP4) word 0x00010003: codes 3 (e 01, m 1) and 1 (e 00, m 1) -> fp16 patterns 0x0600 (1.5 * 2**-14) and
@@ -278,7 +280,8 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, a
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
         return launch(_w4_gemm_kernel, grid(block_m, block_n), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                       num_warps=warps, num_stages=stages, **extra)
-    key = (rows_bucket, n, weight.in_features, num_experts, tuple(flags.values()), x.dtype, weight.group_major_scale.dtype)
+    key = (rows_bucket, n, weight.in_features, num_experts, tuple(flags.values()), x.dtype,
+           weight.group_major_scale.dtype)
     chosen = _TUNED.get(key)
     if chosen is not None:
         return launch_w4_gemm(x, weight, c, row_start_e, num_rows_e, n=n, activation=activation, situ_beta=situ_beta,

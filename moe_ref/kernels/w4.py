@@ -1,5 +1,5 @@
-"""The 4-bit weight formats' numerics in torch: packing, quantizing and the dequantizing twins of the W4A16
-path of ``grouped_mlp`` (INT4 group 32 as compressed-tensors ``pack-quantized`` stores it; MXFP4 as its
+"""The 4-bit weight formats' numerics in torch: packing, quantizing and dequantizing (the twins of the W4A16
+kernel, ``grouped_mlp_w4``) (INT4 group 32 as compressed-tensors ``pack-quantized`` stores it; MXFP4 as its
 ``mxfp4-pack-quantized`` stores it, scale bytes decoding as ``2**(byte - 125)``: see
 ``moe_ref.checkpoint.formats`` for where each rule comes from).
 
@@ -124,6 +124,17 @@ def quantize_mxfp4(weight_OI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return pack_fp4(codes), (exponent - 2 + E8M0_BIAS).to(torch.uint8)
 
 
+def check_mxfp4_scales(scale_u8: torch.Tensor, what: str, **fields) -> None:
+    """``QuantTensorValueError`` (LOAD015) naming ``what`` (and carrying ``fields``) when a scale byte is above
+    ``MXFP4_MAX_SCALE_BYTE``."""
+    largest = int(scale_u8.max()) if scale_u8.numel() else 0
+    if largest > MXFP4_MAX_SCALE_BYTE:
+        raise QuantTensorValueError(
+            f"{what} holds E8M0 scale byte {largest}, above {MXFP4_MAX_SCALE_BYTE} "
+            f"(2**{MXFP4_MAX_SCALE_BYTE - E8M0_BIAS}): corrupt, or another scale bias than compressed-tensors' "
+            f"{E8M0_BIAS}", found=largest, limit=MXFP4_MAX_SCALE_BYTE, **fields)
+
+
 def e8m0_to_float(scale_u8: torch.Tensor) -> torch.Tensor:
     """Stored compressed-tensors MXFP4 scale bytes -> fp32 ``2**(byte - 125)``."""
     return torch.exp2(scale_u8.float() - E8M0_BIAS)
@@ -240,10 +251,8 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
         raise UnknownNameError(f"4-bit format {fmt!r}: expected one of {', '.join(W4_FORMATS)}")
     num_experts, num_rows, stored = packed_eOq.shape
     in_features = stored * (INT4_PER_WORD if fmt == "int4" else FP4_PER_BYTE)
-    if fmt == "mxfp4" and scale_eOg.numel() and int(scale_eOg.max()) > MXFP4_MAX_SCALE_BYTE:
-        raise QuantTensorValueError(f"MXFP4 scale byte {int(scale_eOg.max())} is above {MXFP4_MAX_SCALE_BYTE} "
-                                    f"(2**{MXFP4_MAX_SCALE_BYTE - E8M0_BIAS}): corrupt, or another scale bias",
-                                    found=int(scale_eOg.max()), limit=MXFP4_MAX_SCALE_BYTE)
+    if fmt == "mxfp4":
+        check_mxfp4_scales(scale_eOg, "an MXFP4 scale tensor")
     if in_place:
         if in_features % PLANE_BLOCK or not packed_eOq.is_contiguous():
             raise ShapeError(f"group planes in place need I % {PLANE_BLOCK} == 0 and contiguous packed weights "
