@@ -6,7 +6,9 @@
 Rows (us of host time per call, back-to-back calls; the GPU work is a few us and runs behind):
 - ``triton``: ``kernel[grid](...)`` (Triton binds and specializes every argument each call);
 - ``bound``: ``moe_ref.kernels.launch.launch(kernel, grid, ...)`` once its key is bound (what moe_ref's kernels use);
-- ``compiled run``: the compiled kernel's launcher called directly with prepared arguments (the floor);
+- ``compiled run``: the compiled kernel's launcher object called directly with prepared arguments (Triton's floor);
+- ``C launcher, addresses`` (Triton 3.6): the C launcher behind that object, tensors passed as their addresses (what
+  a bound launch calls there: the floor of moe_ref's path);
 - public wrappers, ``MOE_REF_BOUND_LAUNCH`` on and off: ``router_topk`` (Kimi-K2's 384 experts, T = 16) and
   ``routing_check`` (the argument checks, allocations and the launch a layer call pays);
 - anchors: ``torch.add`` of two small tensors and ``torch.empty`` (a torch op's host cost on this host).
@@ -75,11 +77,20 @@ def main(argv=None) -> int:
         "compiled run": host_us(lambda: compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata,
                                                      None, None, None, *every_arg), args.calls),
     }
+    launcher = compiled.run
+    if hasattr(launcher, "launch_pdl") and triton.__version__.startswith("3.6"):
+        # what a bound launch calls on Triton 3.6: the C launcher, tensors passed as their addresses
+        addresses = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in every_arg)
+        flags = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, compiled.packed_metadata,
+                 None, None, None)
+        rows["C launcher, addresses"] = host_us(lambda: launcher.launch(1, 1, 1, stream, compiled.function, *flags,
+                                                                        *addresses), args.calls)
     logits = torch.randn(16, 384, device="cuda")
     bias = torch.randn(384, device="cuda")
     ids, weights = router_topk(logits, 8, "sigmoid", bias, 8, 4, True, 2.827)
     for switch in ("1", "0"):
         os.environ["MOE_REF_BOUND_LAUNCH"] = switch
+        bound_launch.clear_bound_kernels()  # the switch is read at a key's first launch (in host_us's warm-up)
         label = "bound" if switch == "1" else "triton"
         rows[f"router_topk, {label}"] = host_us(lambda: router_topk(logits, 8, "sigmoid", bias, 8, 4, True, 2.827),
                                                 args.calls)

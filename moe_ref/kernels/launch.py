@@ -1,5 +1,5 @@
 """The one launch path of moe_ref's Triton kernels: Triton's own launcher the first time a shape key is seen, the
-compiled kernel bound directly after.
+compiled kernel's launcher called directly after.
 
     launch(kernel, grid, *args, **kwargs)     # same arguments as kernel[grid](*args, **kwargs)
 
@@ -14,24 +14,34 @@ in the kernel's parameter order (Triton's launcher takes every parameter, conste
 it compiled in). The key is at least as specific as Triton's own specialization, so a bound kernel is never run
 on arguments Triton would have compiled differently:
 
-| argument                  | key entry                                                          |
+| argument                  | key entries                                                        |
 |---------------------------|--------------------------------------------------------------------|
-| tensor                    | dtype, 16-byte aligned base (Triton's ``tt.divisibility``)          |
+| tensor                    | dtype, on a GPU or not, 16-byte aligned base (Triton's ``tt.divisibility``) |
 | int                       | == 1, divisible by 16, 32- or 64-bit range (Triton specializes on all three) |
 | float                     | the type only (passed as fp32, never specialized)                    |
-| host TMA descriptor       | base dtype and alignment, block shape, shape, strides, padding     |
+| host TMA descriptor       | base dtype, device and alignment, block shape, shape, strides, padding |
 | keyword argument (constexprs, launch options such as ``num_warps``) | the value itself            |
 | anything else                                            | the value itself                          |
 
-Each key is computed by a function generated for the argument classes of a kernel's first launch
-(``_key_function``, as Triton generates its binder), in one expression instead of a call per argument; a launch
-with other classes is keyed argument by argument (``_arg_key``), to the same key.
+plus the current device. ``_arg_key`` states the table argument by argument; the launch path computes the same key
+with a function generated for the argument classes of a kernel's first launch (``_key_function``, one expression,
+as Triton generates its binder; a launch with other classes gets a function of its own).
+
+What a bound launch saves beyond the key, each measured by ``scripts/bench_launch.py``:
+- tensors reach the launcher as the addresses the key function has already read: for a tensor Triton's C launcher
+  calls ``data_ptr()`` and asks the driver for the device pointer (``cuPointerGetAttribute``), for an int it takes
+  the value. A key holding a tensor that is not on a GPU is never bound (Triton's path checks those every call);
+- on Triton versions whose launcher object only allocates the kernel's scratch memory and then calls its C
+  launcher (Triton 3.6: ``CudaLauncher.__call__``, recognized by its source), a kernel that needs no scratch calls
+  the C launcher directly (``_c_launcher``); elsewhere the launcher object is called.
 
 Constexprs must come by keyword and the other parameters by position (as every moe_ref launcher passes them);
 a launch that mixes them is not bound (Triton's path every call).
 
 Not bound (Triton's path every call): the CPU interpreter (``TRITON_INTERPRET=1``), while Triton's launch hooks
-are set (a profiler such as proton), and with ``MOE_REF_BOUND_LAUNCH=0``.
+are set (a profiler such as proton), and keys first launched under ``MOE_REF_BOUND_LAUNCH=0``. The switch is read
+at a key's first launch, not at every launch (reading the environment costs about as much as the rest of a bound
+launch's key): a key keeps the path it started on until ``clear_bound_kernels()``.
 """
 from __future__ import annotations
 
@@ -59,24 +69,70 @@ __all__ = ["launch", "bound_kernels", "clear_bound_kernels"]
 
 _INT32_MIN, _INT32_MAX, _INT64_MAX = -(2 ** 31), 2 ** 31 - 1, 2 ** 63 - 1
 
-# (id of the kernel, device, the arguments' keys, the keyword items) -> _Bound, or _TRITON for a launch the key
-# cannot describe (a constexpr by position, another parameter by keyword)
-_BOUND: dict[tuple, "_Bound"] = {}
-_TRITON = object()
-# (id of the kernel, number of positional arguments) -> the key function of the classes its first launch passed
-_KEY_FUNCTIONS: dict[tuple, Any] = {}
+# (id of the kernel, number of positional arguments, keyword names...) -> the kernel's _Sites for such launches
+_SITES: dict[tuple, "_Sites"] = {}
+_TRITON = object()  # a key whose launches stay on Triton's path (a tensor not on a GPU)
+
+
+class _Sites:
+    """The bound launches of one kernel for one argument count and set of keyword names: per argument classes met,
+    the generated key function and its keys' bound kernels (or ``_TRITON``). ``bindable`` False: the key cannot
+    describe these launches (a constexpr by position, another parameter by keyword), Triton's path every call."""
+
+    __slots__ = ("kernel", "bindable", "entries")
+
+    def __init__(self, kernel, num_args: int, kwargs: dict):
+        self.kernel, self.entries = kernel, []
+        self.bindable = _bindable(kernel, num_args, kwargs)
 
 
 class _Bound:
-    """A compiled kernel's launcher, and the values of the parameters after the positional ones (keywords and
-    defaults: constant under one key, since the keywords are part of it)."""
+    """A compiled kernel's launcher and the arguments around the kernel's positional ones: ``call(gridX, gridY,
+    gridZ, stream, function, *middle, *args, *tail)`` launches it. ``tail``: the parameters after the positional
+    ones (keywords and defaults: constant under one key, since the keywords are part of it)."""
 
-    __slots__ = ("kernel", "compiled", "run", "function", "packed_metadata", "tail")
+    __slots__ = ("kernel", "compiled", "call", "function", "middle", "tail")
 
     def __init__(self, compiled, kernel, num_args: int, kwargs: dict):
         self.kernel, self.compiled = kernel, compiled
-        self.run, self.function, self.packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
+        launcher = compiled.run
+        self.function = compiled.function
+        c_launcher = _c_launcher(launcher)
+        if c_launcher is not None:  # what CudaLauncher.__call__ passes when the kernel needs no scratch memory
+            self.call = c_launcher
+            self.middle = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                           compiled.packed_metadata, None, None, None)
+        else:
+            self.call, self.middle = launcher, (compiled.packed_metadata, None, None, None)
         self.tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[num_args:])
+
+
+# the call Triton 3.6's CudaLauncher.__call__ ends with, after allocating the kernel's scratch memory
+_LAUNCHER_CALL = ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, "
+                  "self.launch_pdl, global_scratch, profile_scratch, *args)")
+_DIRECT_LAUNCHER_CLASSES: dict[type, bool] = {}
+
+
+def _c_launcher(launcher):
+    """The C launcher behind Triton's launcher object when calling it directly is what the object would do: the
+    object is Triton 3.6's kind (its ``__call__(gridX, gridY, gridZ, stream, function, *args)`` allocates the global
+    and profile scratch, None when the kernel needs none, then makes ``_LAUNCHER_CALL``) and this kernel needs no
+    scratch. None otherwise (the launcher object is called: other Triton versions, a kernel with scratch)."""
+    kind = type(launcher)
+    known = _DIRECT_LAUNCHER_CLASSES.get(kind)
+    if known is None:
+        import inspect
+
+        try:
+            source = " ".join(inspect.getsource(kind.__call__).split())
+            params = list(inspect.signature(kind.__call__).parameters)
+        except (OSError, TypeError, ValueError):  # no source (a C type, a stand-in): call the object
+            source, params = "", []
+        known = _DIRECT_LAUNCHER_CLASSES[kind] = (
+            params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"] and _LAUNCHER_CALL in source)
+    if not known or getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+        return None
+    return launcher.launch
 
 
 def _bindable(kernel, num_args: int, kwarg_names) -> bool:
@@ -88,59 +144,74 @@ def _bindable(kernel, num_args: int, kwarg_names) -> bool:
             and all(name not in by_name or by_name[name].is_constexpr for name in kwarg_names))
 
 
-def _arg_key(value: Any):
-    """What Triton specializes on in one argument (the table of the module docstring)."""
+def _arg_key(value: Any) -> tuple:
+    """What Triton specializes on in one argument (the table of the module docstring), as a tuple of key entries.
+    The key of a launch is ``(device, *kwargs.values(), *entries of each argument)``; ``_key_function`` generates
+    the code that computes it (tests/unit/test_bound_launch.py checks the two agree)."""
     kind = value.__class__
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() & 15 == 0
+        return value.dtype, value.is_cuda, value.data_ptr() & 15 == 0
     if kind is int:
-        return value == 1, value & 15 == 0, 0 if _INT32_MIN <= value <= _INT32_MAX else 1 if value <= _INT64_MAX else 2
+        return (value == 1, value & 15 == 0,
+                0 if _INT32_MIN <= value <= _INT32_MAX else 1 if value <= _INT64_MAX else 2)
     if kind is float:
-        return float
+        return (float,)
     if TensorDescriptor is not None and kind is TensorDescriptor:
-        return (value.base.dtype, value.base.data_ptr() & 15 == 0, tuple(value.block_shape), tuple(value.shape),
+        base = value.base
+        return (base.dtype, base.is_cuda, base.data_ptr() & 15 == 0, tuple(value.block_shape), tuple(value.shape),
                 tuple(value.strides), getattr(value, "padding", None))
-    return value
+    return (value,)
 
 
-# the source of one argument's key in a generated key function, by the argument's class (see _arg_key)
-_TENSOR_KEY = "({a}.dtype, {a}.data_ptr() & 15 == 0)"
-_INT_KEY = "({a} == 1, {a} & 15 == 0, 0 if {lo} <= {a} <= {hi} else 1 if {a} <= {max} else 2)"
-_DESCRIPTOR_KEY = ("({a}.base.dtype, {a}.base.data_ptr() & 15 == 0, tuple({a}.block_shape), tuple({a}.shape), "
-                   "tuple({a}.strides), getattr({a}, 'padding', None))")
+# the source of one argument's key entries in a generated key function, by the argument's class (see _arg_key);
+# a tensor's address is read once, into p{i}, for the key and for the launcher
+_TENSOR_KEY = "{a}.dtype, {a}.is_cuda, ({p} := {a}.data_ptr()) & 15 == 0"
+_INT_KEY = "{a} == 1, {a} & 15 == 0, 0 if {lo} <= {a} <= {hi} else 1 if {a} <= {max} else 2"
+_DESCRIPTOR_KEY = ("{a}.base.dtype, {a}.base.is_cuda, {a}.base.data_ptr() & 15 == 0, tuple({a}.block_shape), "
+                   "tuple({a}.shape), tuple({a}.strides), getattr({a}, 'padding', None)")
 
 
 def _key_function(args: tuple):
-    """A function of the launch arguments that returns ``tuple(map(_arg_key, args))`` for arguments of the same
-    classes as ``args``, and None for any other classes (the caller then keys them one by one with ``_arg_key``).
+    """A function ``key(device, kwargs, *args)`` that, for arguments of the same classes as ``args``, returns the
+    launch's key ``(device, *kwargs.values(), *entries)`` (entries as ``_arg_key``) and the arguments to hand the
+    launcher (each tensor replaced by its address); None for arguments of other classes.
 
-    Why: the generic key costs one Python call and a chain of class tests per argument, as much as Triton's own
-    binder; a function generated for a launch's argument classes (as Triton generates its binder) computes the same
-    key in one expression. Example: for ``(tensor, 100, 0.5)`` it is
-    ``lambda a0, a1, a2: ((a0.dtype, a0.data_ptr() & 15 == 0), (a1 == 1, ...), float) if a0.__class__ is T0 and
-    a1.__class__ is int and a2.__class__ is float else None``.
+    Why: computing the key argument by argument costs one Python call and a chain of class tests per argument, as
+    much as Triton's own binder; a function generated for a launch's argument classes (as Triton generates its
+    binder) computes it in one expression. Example: for ``(tensor, 100, 0.5)`` it is ``def key(device, kwargs, a0,
+    a1, a2): return ((device, *kwargs.values(), a0.dtype, a0.is_cuda, (p0 := a0.data_ptr()) & 15 == 0, a1 == 1,
+    ..., float), (p0, a1, a2)) if a0.__class__ is c0 and a1.__class__ is c1 and a2.__class__ is c2 else None``.
     """
     names = [f"a{i}" for i in range(len(args))]
-    classes, parts = {}, []
+    classes, entries, passed = {}, [], []
     for i, (name, value) in enumerate(zip(names, args)):
         kind = value.__class__
         classes[f"c{i}"] = kind
         if kind is torch.Tensor or isinstance(value, torch.Tensor):
-            parts.append(_TENSOR_KEY.format(a=name))
-        elif kind is int:
-            parts.append(_INT_KEY.format(a=name, lo=_INT32_MIN, hi=_INT32_MAX, max=_INT64_MAX))
+            entries.append(_TENSOR_KEY.format(a=name, p=f"p{i}"))
+            passed.append(f"p{i}")
+            continue
+        if kind is int:
+            entries.append(_INT_KEY.format(a=name, lo=_INT32_MIN, hi=_INT32_MAX, max=_INT64_MAX))
         elif kind is float:
-            parts.append("float")
+            entries.append("float")
         elif TensorDescriptor is not None and kind is TensorDescriptor:
-            parts.append(_DESCRIPTOR_KEY.format(a=name))
+            entries.append(_DESCRIPTOR_KEY.format(a=name))
         else:  # None, a bool, a string, a dtype: keyed by the value itself, as _arg_key does
-            parts.append(name)
+            entries.append(name)
+        passed.append(name)
     guard = " and ".join(f"{name}.__class__ is c{i}" for i, name in enumerate(names)) or "True"
-    source = (f"def key({', '.join(names)}):\n"
-              f"    return ({''.join(part + ', ' for part in parts)}) if {guard} else None\n")
+    source = (f"def key(device, kwargs, {', '.join(names)}):\n"
+              f"    return ((device, *kwargs.values(), {', '.join(entries)}), ({''.join(p + ', ' for p in passed)}))"
+              f" if {guard} else None\n")
     namespace = dict(classes)
     exec(source, namespace)  # noqa: S102 - built from the fixed templates above, no outside text
     return namespace["key"]
+
+
+def _on_gpu(args: tuple) -> bool:
+    """Whether every tensor argument is on a GPU (a key of such arguments may be bound; see the module doc)."""
+    return all(value.is_cuda for value in args if isinstance(value, torch.Tensor))
 
 
 def _current_device() -> int:
@@ -183,38 +254,46 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     Returns:
         the compiled kernel (``CompiledKernel``) on a GPU, whatever Triton returns under the interpreter.
     """
-    if callable(grid) or is_interpreter() or _hooks_set() or not envs.bound_launch():
+    if callable(grid) or is_interpreter() or _hooks_set():
+        return kernel[grid](*args, **kwargs)
+    sites = _SITES.get((id(kernel), len(args), *kwargs))
+    if sites is None or sites.kernel is not kernel:  # new, or an id reused by another kernel (a JITFunction
+        sites = _SITES[(id(kernel), len(args), *kwargs)] = _Sites(kernel, len(args), kwargs)  # hashes in Python)
+    if not sites.bindable:
         return kernel[grid](*args, **kwargs)
     device = _current_device()
-    try:  # id(kernel): a JITFunction hashes in Python
-        key_function = _KEY_FUNCTIONS.get((id(kernel), len(args)))
-        if key_function is None:
-            key_function = _KEY_FUNCTIONS[(id(kernel), len(args))] = _key_function(args)
-        arg_keys = key_function(*args)
-        if arg_keys is None:  # other argument classes than the first launch's
-            arg_keys = tuple(map(_arg_key, args))
-        key = (id(kernel), device, arg_keys, *kwargs.items())
-        bound = _BOUND.get(key)
+    for key_function, bound_of in sites.entries:
+        keyed = key_function(device, kwargs, *args)
+        if keyed is not None:
+            break
+    else:  # argument classes not met before
+        key_function, bound_of = _key_function(args), {}
+        sites.entries.append((key_function, bound_of))
+        keyed = key_function(device, kwargs, *args)
+    key, launcher_args = keyed
+    try:
+        bound = bound_of.get(key)
     except TypeError:  # an unhashable keyword value: Triton's own path
         return kernel[grid](*args, **kwargs)
-    if bound is None or (bound is not _TRITON and bound.kernel is not kernel):  # new, or an id reused by another
+    if bound is None:
         compiled = kernel[grid](*args, **kwargs)
-        _BOUND[key] = _Bound(compiled, kernel, len(args), kwargs) if _bindable(kernel, len(args), kwargs) else _TRITON
+        bindable = envs.bound_launch() and _on_gpu(args)  # the switch is read once per key (its first launch)
+        bound_of[key] = _Bound(compiled, kernel, len(args), kwargs) if bindable else _TRITON
         return compiled
     if bound is _TRITON:
         return kernel[grid](*args, **kwargs)
     size = len(grid)
-    bound.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, _current_stream(device),
-              bound.function, bound.packed_metadata, None, None, None, *args, *bound.tail)
+    bound.call(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, _current_stream(device),
+               bound.function, *bound.middle, *launcher_args, *bound.tail)
     return bound.compiled
 
 
 def bound_kernels() -> int:
     """How many (kernel, key) pairs launch through a bound compiled kernel (for tests)."""
-    return sum(bound is not _TRITON for bound in _BOUND.values())
+    return sum(bound is not _TRITON for sites in _SITES.values() for _, bound_of in sites.entries
+               for bound in bound_of.values())
 
 
 def clear_bound_kernels() -> None:
     """Forget every bound kernel (the next launch of each key goes through Triton again)."""
-    _BOUND.clear()
-    _KEY_FUNCTIONS.clear()
+    _SITES.clear()

@@ -48,16 +48,38 @@ def test_a_bound_kernel_computes_what_triton_computes(n, monkeypatch):
     assert len(through_triton) == 4 and bl.bound_kernels() == 4
 
 
+def test_bound_launches_call_tritons_c_launcher_where_it_is_safe():
+    """On Triton 3.6 (the GPU image) a bound kernel without scratch memory calls the C launcher directly (what the
+    launcher object would call); the launcher object is recognized by its source, so check it is recognized here."""
+    bl.clear_bound_kernels()
+    x = torch.randn(100, device="cuda")
+    for _ in range(2):
+        _axpy(x, x, 1.0)
+    bounds = [bound for sites in bl._SITES.values() for _, bound_of in sites.entries for bound in bound_of.values()]
+    assert len(bounds) == 1
+    (bound,) = bounds
+    launcher = bound.compiled.run
+    if triton.__version__.startswith("3.6"):
+        assert bound.call is launcher.launch
+    else:  # another Triton: the launcher object unless it has 3.6's shape
+        assert bound.call is (launcher.launch if bl._c_launcher(launcher) is not None else launcher)
+
+
 @pytest.mark.parametrize("dispatch_fp8", [False, True])
 def test_the_layer_gives_the_same_bits_with_and_without_bound_launches(dispatch_fp8, monkeypatch):
+    # eager_graph_max_tokens=0: every call launches its kernels (a replayed graph would not launch any)
     moe = MegaMoE(preset("tiny-kimi-k2"), None, num_max_tokens_per_rank=64, overflow="chunk",
-                  dispatch_fp8=dispatch_fp8, dtype=torch.bfloat16, device="cuda", seed=3)
+                  dispatch_fp8=dispatch_fp8, dtype=torch.bfloat16, device="cuda", seed=3, eager_graph_max_tokens=0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     inputs = [torch.randn(t, moe.cfg.hidden_size, device="cuda", generator=gen).bfloat16() for t in (5, 64, 1, 5, 100)]
     with torch.no_grad():
+        bl.clear_bound_kernels()
         bound = [moe(x).clone() for x in inputs for _ in range(2)]
+        assert bl.bound_kernels() > 0
         monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", "0")
+        bl.clear_bound_kernels()  # the switch is read at a key's first launch
         plain = [moe(x).clone() for x in inputs for _ in range(2)]
+        assert bl.bound_kernels() == 0
     for i, (got, want) in enumerate(zip(bound, plain)):
         assert torch.equal(got, want), f"input {i // 2} call {i % 2}"
     moe.destroy()

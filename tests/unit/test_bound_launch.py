@@ -1,6 +1,6 @@
 """``moe_ref.kernels.launch``, driven on the CPU with a stand-in for a jitted kernel and its compiled kernel: the
 first launch of a key goes through Triton (``kernel[grid]``), later ones call the compiled kernel's launcher with
-every parameter in order; any change Triton would specialize on (dtype, alignment, an int that becomes 1 or a
+every parameter in order (tensors as their addresses); any change Triton would specialize on (dtype, alignment, an int that becomes 1 or a
 multiple of 16, a constexpr, a launch option) goes through Triton again; the switch and launch hooks keep
 Triton's path. The real kernels run bound in every GPU test (tests/gpu/test_bound_launch_cuda.py compares)."""
 from __future__ import annotations
@@ -39,13 +39,17 @@ class _Kernel:
     def __init__(self):
         self.triton_launches: list[tuple] = []
         self.compiled: list[_Compiled] = []
+        self.compiled_class = _Compiled
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.triton_launches.append((grid, args, kwargs))
-            self.compiled.append(_Compiled())
+            self.compiled.append(self.compiled_class())
             return self.compiled[-1]
         return run
+
+
+_real_on_gpu = bl._on_gpu
 
 
 @pytest.fixture
@@ -54,7 +58,8 @@ def kernel(monkeypatch):
     monkeypatch.setattr(bl, "_hooks_set", lambda: False)
     monkeypatch.setattr(bl, "_current_device", lambda: 0)
     monkeypatch.setattr(bl, "_current_stream", lambda device: 1234)
-    monkeypatch.setattr(bl, "_BOUND", {})
+    monkeypatch.setattr(bl, "_SITES", {})
+    monkeypatch.setattr(bl, "_on_gpu", lambda args: True)  # CPU tensors stand in for GPU ones
     return _Kernel()
 
 
@@ -67,7 +72,7 @@ def test_later_launches_call_the_compiled_kernel_with_every_parameter_in_order(k
     assert len(kernel.triton_launches) == 1 and again is kernel.compiled[0]
     (call,) = kernel.compiled[0].runs
     assert call[:7] == (7, 2, 1, 1234, "function", "metadata", None)
-    assert call[9] is y and call[10:] == (200, 1.5, 32, False)  # the default of FLAG filled in
+    assert call[9] == y.data_ptr() and call[10:] == (200, 1.5, 32, False)  # the default of FLAG filled in
     assert bl.bound_kernels() == 1
 
 
@@ -116,6 +121,20 @@ def test_the_switch_and_launch_hooks_keep_tritons_path(kernel, monkeypatch):
     for _ in range(2):
         bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
     assert len(kernel.triton_launches) == 5 and bl.bound_kernels() == 0
+    monkeypatch.setattr(bl, "_hooks_set", lambda: False)
+    bl.clear_bound_kernels()  # the switch is read at a key's first launch: forgotten keys bind again
+    for _ in range(2):
+        bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    assert len(kernel.triton_launches) == 6 and bl.bound_kernels() == 1
+
+
+def test_a_key_with_a_tensor_off_the_gpu_stays_on_tritons_path(kernel, monkeypatch):
+    """Triton's launcher refuses a CPU tensor (it asks the driver for each tensor's device pointer); a bound launch
+    hands it the address it read, so such keys are never bound."""
+    monkeypatch.setattr(bl, "_on_gpu", _real_on_gpu)
+    for _ in range(3):
+        bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    assert len(kernel.triton_launches) == 3 and bl.bound_kernels() == 0
 
 
 def test_a_callable_grid_goes_through_triton(kernel):
@@ -186,20 +205,91 @@ def test_the_generated_key_function_equals_the_per_argument_key(start):
     values = _launch_arguments()
     args = tuple(values[start:] + values[:start])
     key_function = bl._key_function(args)
-    assert key_function(*args) == tuple(map(bl._arg_key, args))
+    kwargs = dict(BLOCK=32, num_warps=4)
+
+    def expected(values):
+        key = (3, 32, 4, *(entry for value in values for entry in bl._arg_key(value)))
+        passed = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values)
+        return key, passed
+
+    assert key_function(3, kwargs, *args) == expected(args)
     # other values of the same classes: still the per-argument key (the function holds no values)
     others = tuple(torch.zeros(3, dtype=v.dtype) if type(v) is torch.Tensor else v + 16 if type(v) is int else v
                    for v in args)
-    assert key_function(*others) == tuple(map(bl._arg_key, others))
+    assert key_function(3, kwargs, *others) == expected(others)
 
 
-def test_other_argument_classes_fall_back_to_the_per_argument_key(kernel):
-    """A launch whose argument classes differ from the first launch's (None for a tensor, an int for a float) is keyed
-    argument by argument, and so goes through Triton once for its own key, then binds."""
+def test_other_argument_classes_get_a_key_function_of_their_own(kernel):
+    """A launch whose argument classes differ from the first launch's (None for a tensor, an int for a float) gets
+    its own generated key function, and so goes through Triton once for its own key, then binds."""
     bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
-    assert bl._key_function((torch.zeros(1), 1, 0.5))(None, 100, 0.5) is None
+    assert bl._key_function((torch.zeros(1), 1, 0.5))(0, {}, None, 100, 0.5) is None
     for _ in range(2):
         bl.launch(kernel, (1,), None, 100, 3, BLOCK=32)
     assert len(kernel.triton_launches) == 2 and len(kernel.compiled[1].runs) == 1
     bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)  # the first key is still bound
     assert len(kernel.triton_launches) == 2 and len(kernel.compiled[0].runs) == 1
+
+
+class _LauncherLike36:
+    """A launcher object shaped as Triton 3.6's ``CudaLauncher``: ``__call__`` allocates the scratch (None: this kernel
+    needs none) and calls its C launcher ``launch`` with the launch flags in front of the arguments."""
+
+    def __init__(self, global_scratch_size=0):
+        self.global_scratch_size, self.profile_scratch_size = global_scratch_size, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.calls: list[tuple] = []
+
+    def launch(self, *args):
+        self.calls.append(args)
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        global_scratch = bytearray(self.global_scratch_size) if self.global_scratch_size else None
+        profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, global_scratch, profile_scratch, *args)  # noqa: E501 - Triton's line as it is
+
+
+class _CompiledWith(_Compiled):
+    def __init__(self, launcher):
+        super().__init__()
+        self.launcher = launcher
+
+    @property
+    def run(self):
+        return self.launcher
+
+
+@pytest.mark.parametrize("scratch", [0, 64])
+def test_the_c_launcher_is_called_as_the_launcher_object_would_call_it(kernel, scratch):
+    """Where the launcher object only allocates scratch and calls its C launcher (Triton 3.6), a kernel without
+    scratch has its C launcher called directly, with exactly what the object passes; with scratch, the object."""
+    launcher = _LauncherLike36(scratch)
+    assert (bl._c_launcher(launcher) is not None) == (scratch == 0)
+    kernel.compiled_class = lambda: _CompiledWith(launcher)
+    x = torch.zeros(64)
+    bl.launch(kernel, (4,), x, 100, 0.5, BLOCK=32)
+    bl.launch(kernel, (4, 2), x, 100, 0.5, BLOCK=32)
+    (direct,) = launcher.calls
+    launcher.calls.clear()
+    launcher(4, 2, 1, 1234, "function", "metadata", None, None, None, x.data_ptr(), 100, 0.5, 32, False)
+    (through_object,) = launcher.calls
+    if scratch:
+        assert direct[7] is not None  # the object allocated the scratch, so it was called
+    else:
+        assert direct == through_object
+
+
+def test_launcher_objects_of_another_shape_are_called():
+    """Another Triton's launcher object (another ``__call__``) or one without source is called, not bypassed."""
+    class Other:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid = launch_pdl = False
+
+        def launch(self, *args):
+            pass
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, *args):
+            self.launch(gridX, gridY, gridZ, stream, function, kernel_metadata, *args)
+
+    assert bl._c_launcher(Other()) is None
+    assert bl._c_launcher(_Compiled().run) is None  # a bound method: no source of its own __call__
