@@ -15,8 +15,9 @@ The 4-bit paths are `W4A16Experts` on `moe_ref.kernels.grouped_mlp_w4`: the stor
 two autotuned launches (gate_up + SiLU, down) that decode the 4-bit codes in the registers the tensor cores read, one
 dot per scale group, its scale applied to the fp32 result.
 The experts get the layout the layer's dispatch hands them (static rows hint, unused rows not zeroed: no host sync).
-Per case: us (moe_ref.testing.bench with host_ahead: GPU time, calls queued back to back, L2 flushed), speedup vs
-bf16, weight GB/s of the experts that got rows, calc_diff vs the dequantized fp32 reference (the torch backend of the
+Per case: us (moe_ref.testing.bench with host_ahead: GPU time, calls queued back to back, L2 flushed) of the eager
+call and of the same call captured once in a CUDA graph and replayed (moe_ref.testing.graphed), speedup vs bf16 of
+each, weight GB/s of the experts that got rows, calc_diff vs the dequantized fp32 reference (the torch backend of the
 same stored weights). A 4-bit row names the tiles autotune chose for its two GEMMs (`autotuned_tiles`, read from
 `grouped_mlp_w4.tuned_tiles()` by rows bucket, N, K, experts, bf16 x and the format's scale dtype; None, `?` in the
 markdown, when no launch of that key was tuned, e.g. the experts ran another kernel).
@@ -61,7 +62,7 @@ from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
 from moe_ref.kernels.grouped_mlp_w4 import launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
 from moe_ref.kernels.w4 import W4Weight  # noqa: E402
-from moe_ref.testing import bench as _bench_calls, calc_diff  # noqa: E402
+from moe_ref.testing import bench as _bench_calls, calc_diff, graphed  # noqa: E402
 
 
 def bench(fn) -> float:
@@ -151,14 +152,14 @@ def markdown(results: dict) -> str:
     the peer anchor."""
     lines = [f"# bench_w4a16 ({results.get('device', '?')})", "",
              f"{NUM_EXPERTS} experts, D {HIDDEN}, F {INTER}, SiLU, bf16 activations; L2 flushed, median.", "",
-             "| rows | path | us | x bf16 | weight GB/s | calc_diff vs fp32 dequantized "
+             "| rows | path | us | x bf16 | in a CUDA graph, us | x bf16 | weight GB/s | calc_diff vs fp32 dequantized "
              "| autotuned tiles gate_up / down |",
-             "|---:|---|---:|---:|---:|---:|---|"]
+             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for row in results.get("results", []):
         diff, tiles = row.get("calc_diff_vs_dequantized_fp32"), row.get("autotuned_tiles")
         tiles_cell = "-" if tiles is None else " / ".join(tile_label(tiles[gemm]) for gemm in GEMMS)
         lines.append(f"| {row['rows']} | {row['path']} | {row['us']} | {row['speedup_vs_bf16']} | "
-                     f"{row['weight_gb_per_s']} | {'-' if diff is None else f'{diff:.1e}'} | {tiles_cell} |")
+                     f"{row.get('graph_us', '-')} | {row.get('graph_speedup_vs_bf16', '-')} | {row['weight_gb_per_s']} | {'-' if diff is None else f'{diff:.1e}'} | {tiles_cell} |")
     if results.get("sweep_best"):
         lines += ["", "Sweep: fastest forced tile per (format, rows, GEMM), checked against the autotuned launch "
                   "(calc_diff)", "", "| format | rows | GEMM | tile | us | weight GB/s | autotuned us | autotuned tile "
@@ -224,14 +225,18 @@ def _launch(case: dict, weight: W4Weight, gemm: str, a: torch.Tensor, out: torch
 
 
 def api_row(name: str, experts, weight_bytes: int, reference, case: dict,
-            base_us: float | None) -> tuple[dict, torch.Tensor]:
-    """(row, y ``[P, D]``) of one path at one case through the public API. `base_us`: the bf16 row's us (None for
-    the bf16 path itself); `reference`: the torch backend of the same stored weights, or None."""
+            base: dict | None) -> tuple[dict, torch.Tensor]:
+    """(row, y ``[P, D]``) of one path at one case through the public API, called eagerly (``us``) and replayed from
+    a CUDA graph of the same call (``graph_us``: the GPU work alone, as a captured decode step runs it). `base`: the
+    bf16 row (None for the bf16 path itself); `reference`: the torch backend of the same stored weights, or None."""
     def call():
         return experts(case["x"], case["layout"])
     us = bench(call)
+    graph_us = bench(graphed(call))
     y = call()
-    row = dict(rows=case["rows"], path=name, us=round(us, 1), speedup_vs_bf16=round((base_us or us) / us, 2),
+    base = base or dict(us=us, graph_us=graph_us)
+    row = dict(rows=case["rows"], path=name, us=round(us, 1), speedup_vs_bf16=round(base["us"] / us, 2),
+               graph_us=round(graph_us, 1), graph_speedup_vs_bf16=round(base["graph_us"] / graph_us, 2),
                weight_gb_per_s=round(weight_bytes * case["touched"] / us / 1e3, 1))
     if reference is not None:
         row["calc_diff_vs_dequantized_fp32"] = calc_diff(y.float(), reference(case["x"].float(), case["layout"]))
@@ -438,10 +443,10 @@ def main(argv=None) -> int:
     for num_rows in args.rows:
         case = _case(num_rows, gen)
         cases.append(case)
-        base_us = None
+        base = None
         for name, (experts, weight_bytes, reference) in paths.items():
-            row, y = api_row(name, experts, weight_bytes, reference, case, base_us)
-            base_us = base_us or row["us"]
+            row, y = api_row(name, experts, weight_bytes, reference, case, base)
+            base = base or row
             if name in W4_PATHS:
                 row["autotuned_tiles"] = autotuned_tiles(num_rows, quantized[name].gate_up_scale_e2FDs.dtype)
             if name == "int4_w4a16":

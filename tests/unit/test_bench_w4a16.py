@@ -181,16 +181,21 @@ def test_best_runs_skip_failures_and_keep_the_fastest():
 
 def test_api_row_one_per_path(monkeypatch):
     monkeypatch.setattr(bw, "bench", lambda fn: fn() is not None and 250.0)
+    graphed = []
+    monkeypatch.setattr(bw, "graphed", lambda fn: graphed.append(fn) or fn)  # each row times its call captured too
     case = dict(rows=64, x=torch.ones(2, 4), layout=None, touched=0.5)
     bf16, y = bw.api_row("bf16", lambda x, layout: x, 4_000_000_000, None, case, None)
-    assert torch.equal(y, case["x"])
-    assert bf16 == dict(rows=64, path="bf16", us=250.0, speedup_vs_bf16=1.0, weight_gb_per_s=8000.0)
+    assert torch.equal(y, case["x"]) and len(graphed) == 1
+    assert bf16 == dict(rows=64, path="bf16", us=250.0, speedup_vs_bf16=1.0, graph_us=250.0, graph_speedup_vs_bf16=1.0,
+                        weight_gb_per_s=8000.0)
     int4, y = bw.api_row("int4_w4a16", lambda x, layout: 2 * x, 1_000_000_000, lambda x, layout: x, case,
-                         base_us=500.0)
+                         base=dict(us=500.0, graph_us=1000.0))
     assert torch.equal(y, 2 * case["x"])
-    assert (int4["path"], int4["speedup_vs_bf16"], int4["weight_gb_per_s"]) == ("int4_w4a16", 2.0, 2000.0)
+    assert (int4["path"], int4["speedup_vs_bf16"], int4["graph_speedup_vs_bf16"], int4["weight_gb_per_s"]) == (
+        "int4_w4a16", 2.0, 4.0, 2000.0)
     assert int4["calc_diff_vs_dequantized_fp32"] > 0  # y vs the reference's x
-    same, _ = bw.api_row("mxfp4_w4a16", lambda x, layout: x, 1, lambda x, layout: x, case, base_us=500.0)
+    same, _ = bw.api_row("mxfp4_w4a16", lambda x, layout: x, 1, lambda x, layout: x, case,
+                         base=dict(us=500.0, graph_us=500.0))
     assert same["calc_diff_vs_dequantized_fp32"] == pytest.approx(0.0, abs=1e-7)
 
 
@@ -198,6 +203,7 @@ def test_markdown_of_a_result():
     results = {"device": "GPU",
                "results": [dict(rows=64, path="bf16", us=900.0, speedup_vs_bf16=1.0, weight_gb_per_s=3800.0),
                            dict(rows=64, path="int4_w4a16", us=600.0, speedup_vs_bf16=1.5, weight_gb_per_s=1500.0,
+                                graph_us=550.0, graph_speedup_vs_bf16=1.6,
                                 calc_diff_vs_dequantized_fp32=3e-6,
                                 autotuned_tiles={"gate_up": [16, 64, 4, 3], "down": None})],
                "sweep_best": [dict(path="int4_w4a16", rows=64, gemm="down", label="M16 N64 w4 s4",
@@ -210,8 +216,8 @@ def test_markdown_of_a_result():
                "stopped_early": "sweep at x"}
     text = bw.markdown(results)
     assert "| calc_diff vs fp32 dequantized | autotuned tiles gate_up / down |" in text
-    assert "| 64 | bf16 | 900.0 | 1.0 | 3800.0 | - | - |" in text
-    assert "| 64 | int4_w4a16 | 600.0 | 1.5 | 1500.0 | 3.0e-06 | M16 N64 w4 s3 / ? |" in text
+    assert "| 64 | bf16 | 900.0 | 1.0 | - | - | 3800.0 | - | - |" in text  # a row of before: no graph figure
+    assert "| 64 | int4_w4a16 | 600.0 | 1.5 | 550.0 | 1.6 | 1500.0 | 3.0e-06 | M16 N64 w4 s3 / ? |" in text
     assert "| format | rows | GEMM | tile | us | weight GB/s | autotuned us | autotuned tile | calc_diff |" in text
     assert "| int4_w4a16 | 64 | down | M16 N64 w4 s4 | 100.0 | 2000 | 120.0 | M16 N128 w4 s3 | 1.0e-07 |" in text
     assert "skipped (no peer file)" in text and "| 64 | 1.0 | 2.0 | 3.5 | 0.50 | 2.0e-06 |" in text
