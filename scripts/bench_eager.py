@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_step  # noqa: E402  (its timing of back-to-back calls, its cProfile and its runtime API names)
 from moe_ref import MegaMoE  # noqa: E402
 from moe_ref.core.config import preset  # noqa: E402
-from moe_ref.kernels.launch import clear_bound_kernels  # noqa: E402
+from moe_ref.kernels.launch import bound_launches  # noqa: E402
 from moe_ref.testing import graphed, sync_debug_mode  # noqa: E402
 
 LAUNCHES = profile_step.RUNTIME_KINDS["kernel launches"]
@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of --calls calls; the median is reported")
     parser.add_argument("--ab-bound-launch", action="store_true",
                         help="also time the eager_launches calls on Triton's own launch path "
-                             "(MOE_REF_BOUND_LAUNCH=0), the two alternating run by run in this process")
+                             "(bound launches off, as MOE_REF_BOUND_LAUNCH=0), the two alternating run by run in this "
+                             "process")
     parser.add_argument("--profile", action="store_true", help="launches, syncs, sync sites and a cProfile")
     return parser.parse_args(argv)
 
@@ -132,19 +133,13 @@ TRITON_LAUNCH = "eager_launches_triton_launch"
 
 @contextlib.contextmanager
 def launch_path(name: str):
-    """``MOE_REF_BOUND_LAUNCH=0`` inside, for the ``TRITON_LAUNCH`` calls; nothing for the others. The bound keys
-    are forgotten on the way in and out (the switch is read at a key's first launch), so the calls inside start on
-    Triton's path and the calls after bind again (each key's first launch after goes through Triton once)."""
+    """Bound launches off inside (``moe_ref.kernels.launch.bound_launches(False)``, as ``MOE_REF_BOUND_LAUNCH=0``
+    would set them for a whole process) for the ``TRITON_LAUNCH`` calls; nothing for the others."""
     if name != TRITON_LAUNCH:
         yield
         return
-    clear_bound_kernels()
-    os.environ["MOE_REF_BOUND_LAUNCH"] = "0"
-    try:
+    with bound_launches(False):
         yield
-    finally:
-        del os.environ["MOE_REF_BOUND_LAUNCH"]
-        clear_bound_kernels()
 
 
 def median_host_and_wall_us(fns: dict, x, args) -> dict:

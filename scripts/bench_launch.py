@@ -9,7 +9,7 @@ Rows (us of host time per call, back-to-back calls; the GPU work is a few us and
 - ``compiled run``: the compiled kernel's launcher object called directly with prepared arguments (Triton's floor);
 - ``C launcher, addresses`` (Triton 3.6): the C launcher behind that object, tensors passed as their addresses (what
   a bound launch calls there: the floor of moe_ref's path);
-- public wrappers, ``MOE_REF_BOUND_LAUNCH`` on and off: ``router_topk`` (Kimi-K2's 384 experts, T = 16) and
+- public wrappers, bound launches on and off (``launch.bound_launches``): ``router_topk`` (Kimi-K2's 384 experts, T = 16) and
   ``routing_check`` (the argument checks, allocations and the launch a layer call pays);
 - anchors: ``torch.add`` of two small tensors and ``torch.empty`` (a torch op's host cost on this host).
 Writes ``bench_launch.json`` and ``bench_launch.md``.
@@ -88,14 +88,12 @@ def main(argv=None) -> int:
     logits = torch.randn(16, 384, device="cuda")
     bias = torch.randn(384, device="cuda")
     ids, weights = router_topk(logits, 8, "sigmoid", bias, 8, 4, True, 2.827)
-    for switch in ("1", "0"):
-        os.environ["MOE_REF_BOUND_LAUNCH"] = switch
-        bound_launch.clear_bound_kernels()  # the switch is read at a key's first launch (in host_us's warm-up)
-        label = "bound" if switch == "1" else "triton"
-        rows[f"router_topk, {label}"] = host_us(lambda: router_topk(logits, 8, "sigmoid", bias, 8, 4, True, 2.827),
-                                                args.calls)
-        rows[f"routing_check, {label}"] = host_us(lambda: routing_check(ids, weights, 384), args.calls)
-    os.environ.pop("MOE_REF_BOUND_LAUNCH")
+    for on in (True, False):
+        label = "bound" if on else "triton"
+        with bound_launch.bound_launches(on):
+            rows[f"router_topk, {label}"] = host_us(lambda: router_topk(logits, 8, "sigmoid", bias, 8, 4, True, 2.827),
+                                                    args.calls)
+            rows[f"routing_check, {label}"] = host_us(lambda: routing_check(ids, weights, 384), args.calls)
     rows["torch.add (anchor)"] = host_us(lambda: torch.add(tensors[0], tensors[1], out=tensors[3]), args.calls)
     rows["torch.empty (anchor)"] = host_us(lambda: torch.empty(1024, device="cuda"), args.calls)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

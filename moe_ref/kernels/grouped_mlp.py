@@ -49,7 +49,7 @@ from moe_ref.kernels._triton_utils import (
     to_e4m3,
 )
 from moe_ref.kernels import grouped_mlp_tiles as tiles
-from moe_ref.kernels.launch import launch
+from moe_ref.kernels.launch import bound_launches_on, launch
 from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -473,7 +473,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     # it chose (no autotuner key work or pre-hook dispatch per call). The key holds everything the autotuner's
     # does (its key arguments and every tensor's dtype), and more; MOE_REF_BOUND_LAUNCH=0 keeps the autotuner.
     key = tuned_launch_key(rows_bucket, n, k, num_experts, flags, (a, a_scale, b, b_scale, c, c_scale))
-    tuned = _TUNED.get(key) if envs.bound_launch() else None
+    tuned = _TUNED.get(key) if bound_launches_on() else None
     if tuned is not None:
         chosen, options = tuned
         return launch_with(chosen.kwargs, options)

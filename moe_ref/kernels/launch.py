@@ -39,12 +39,13 @@ Constexprs must come by keyword and the other parameters by position (as every m
 a launch that mixes them is not bound (Triton's path every call).
 
 Not bound (Triton's path every call): the CPU interpreter (``TRITON_INTERPRET=1``), while Triton's launch hooks
-are set (a profiler such as proton), and keys first launched under ``MOE_REF_BOUND_LAUNCH=0``. The switch is read
-at a key's first launch, not at every launch (reading the environment costs about as much as the rest of a bound
-launch's key): a key keeps the path it started on until ``clear_bound_kernels()``.
+are set (a profiler such as proton), and while bound launches are off: ``MOE_REF_BOUND_LAUNCH=0``, read at the
+process's first launch (reading the environment at every launch would cost about as much as the rest of a bound
+launch's key), or ``with bound_launches(False):`` in code (an A/B in one process; the keys bound so far are kept).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ try:
 except ImportError:  # pragma: no cover - Triton without host descriptors
     TensorDescriptor = None
 
-__all__ = ["launch", "bound_kernels", "clear_bound_kernels"]
+__all__ = ["launch", "bound_launches", "bound_launches_on", "bound_kernels", "clear_bound_kernels"]
 
 _INT32_MIN, _INT32_MAX, _INT64_MAX = -(2 ** 31), 2 ** 31 - 1, 2 ** 63 - 1
 
@@ -254,7 +255,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     Returns:
         the compiled kernel (``CompiledKernel``) on a GPU, whatever Triton returns under the interpreter.
     """
-    if callable(grid) or is_interpreter() or _hooks_set():
+    if callable(grid) or not (_on if _on is not None else bound_launches_on()) or is_interpreter() or _hooks_set():
         return kernel[grid](*args, **kwargs)
     sites = _SITES.get((id(kernel), len(args), *kwargs))
     if sites is None or sites.kernel is not kernel:  # new, or an id reused by another kernel (a JITFunction
@@ -277,8 +278,7 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         return kernel[grid](*args, **kwargs)
     if bound is None:
         compiled = kernel[grid](*args, **kwargs)
-        bindable = envs.bound_launch() and _on_gpu(args)  # the switch is read once per key (its first launch)
-        bound_of[key] = _Bound(compiled, kernel, len(args), kwargs) if bindable else _TRITON
+        bound_of[key] = _Bound(compiled, kernel, len(args), kwargs) if _on_gpu(args) else _TRITON
         return compiled
     if bound is _TRITON:
         return kernel[grid](*args, **kwargs)
@@ -286,6 +286,30 @@ def launch(kernel, grid: tuple, *args, **kwargs):
     bound.call(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, _current_stream(device),
                bound.function, *bound.middle, *launcher_args, *bound.tail)
     return bound.compiled
+
+
+_on: bool | None = None  # bound launches on or off; None: MOE_REF_BOUND_LAUNCH not read yet
+
+
+def bound_launches_on() -> bool:
+    """Whether Triton launches bind (``MOE_REF_BOUND_LAUNCH``, read at the first call, unless ``bound_launches``
+    set it); the grouped MLP reuses its autotuned config per shape key under the same switch."""
+    global _on
+    if _on is None:
+        _on = envs.bound_launch()
+    return _on
+
+
+@contextlib.contextmanager
+def bound_launches(on: bool):
+    """Bound launches on or off inside the ``with`` (an A/B in one process: ``scripts/bench_eager.py``), the previous
+    state after, also on an exception. Keys bound before stay bound for later launches."""
+    global _on
+    saved, _on = _on, bool(on)
+    try:
+        yield
+    finally:
+        _on = saved
 
 
 def bound_kernels() -> int:

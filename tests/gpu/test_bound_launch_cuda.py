@@ -1,6 +1,6 @@
 """The bound launch path (``moe_ref.kernels.launch``) on a GPU: a bound kernel computes what Triton's own launch
 computes, also on the arguments Triton specializes on (an unaligned base, a size of 1 or a multiple of 16), and
-the whole layer gives the same bits with and without it (``MOE_REF_BOUND_LAUNCH=0``)."""
+the whole layer gives the same bits with and without it (``bound_launches(False)``, as ``MOE_REF_BOUND_LAUNCH=0``)."""
 from __future__ import annotations
 
 import pytest
@@ -66,7 +66,7 @@ def test_bound_launches_call_tritons_c_launcher_where_it_is_safe():
 
 
 @pytest.mark.parametrize("dispatch_fp8", [False, True])
-def test_the_layer_gives_the_same_bits_with_and_without_bound_launches(dispatch_fp8, monkeypatch):
+def test_the_layer_gives_the_same_bits_with_and_without_bound_launches(dispatch_fp8):
     # eager_graph_max_tokens=0: every call launches its kernels (a replayed graph would not launch any)
     moe = MegaMoE(preset("tiny-kimi-k2"), None, num_max_tokens_per_rank=64, overflow="chunk",
                   dispatch_fp8=dispatch_fp8, dtype=torch.bfloat16, device="cuda", seed=3, eager_graph_max_tokens=0)
@@ -76,9 +76,9 @@ def test_the_layer_gives_the_same_bits_with_and_without_bound_launches(dispatch_
         bl.clear_bound_kernels()
         bound = [moe(x).clone() for x in inputs for _ in range(2)]
         assert bl.bound_kernels() > 0
-        monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", "0")
-        bl.clear_bound_kernels()  # the switch is read at a key's first launch
-        plain = [moe(x).clone() for x in inputs for _ in range(2)]
+        bl.clear_bound_kernels()
+        with bl.bound_launches(False):
+            plain = [moe(x).clone() for x in inputs for _ in range(2)]
         assert bl.bound_kernels() == 0
     for i, (got, want) in enumerate(zip(bound, plain)):
         assert torch.equal(got, want), f"input {i // 2} call {i % 2}"

@@ -1,4 +1,4 @@
-"""scripts/bench_eager.py on the CPU: the Triton-launch-path A/B sets MOE_REF_BOUND_LAUNCH=0 for its own calls only,
+"""scripts/bench_eager.py on the CPU: the Triton-launch-path A/B turns bound launches off for its own calls only,
 and the markdown reads a row of every route."""
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ bench = load_script("bench_eager")
 
 
 def test_only_the_triton_launch_calls_run_with_bound_launches_off(monkeypatch):
-    monkeypatch.delenv("MOE_REF_BOUND_LAUNCH", raising=False)
+    from moe_ref.kernels import launch as bl
+
+    monkeypatch.setattr(bl, "_on", True)
     with bench.launch_path("eager_launches"):
-        assert "MOE_REF_BOUND_LAUNCH" not in os.environ
+        assert bl.bound_launches_on()
     with bench.launch_path(bench.TRITON_LAUNCH):
-        assert os.environ["MOE_REF_BOUND_LAUNCH"] == "0"
-    assert "MOE_REF_BOUND_LAUNCH" not in os.environ
+        assert not bl.bound_launches_on()
+    assert bl.bound_launches_on()
     with pytest.raises(RuntimeError), bench.launch_path(bench.TRITON_LAUNCH):
         raise RuntimeError("a failed call")
-    assert "MOE_REF_BOUND_LAUNCH" not in os.environ
+    assert bl.bound_launches_on()
 
 
 def test_the_markdown_has_a_line_per_row_with_the_launch_counts(tmp_path):

@@ -59,6 +59,7 @@ def kernel(monkeypatch):
     monkeypatch.setattr(bl, "_current_device", lambda: 0)
     monkeypatch.setattr(bl, "_current_stream", lambda device: 1234)
     monkeypatch.setattr(bl, "_SITES", {})
+    monkeypatch.setattr(bl, "_on", None)  # MOE_REF_BOUND_LAUNCH read again at the next launch
     monkeypatch.setattr(bl, "_on_gpu", lambda args: True)  # CPU tensors stand in for GPU ones
     return _Kernel()
 
@@ -112,20 +113,22 @@ def test_launches_the_key_cannot_describe_stay_on_tritons_path(kernel, launch_ar
 
 
 def test_the_switch_and_launch_hooks_keep_tritons_path(kernel, monkeypatch):
-    monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", "0")
+    monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", "0")  # read at the first launch
     for _ in range(3):
         bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
-    assert len(kernel.triton_launches) == 3 and bl.bound_kernels() == 0
-    monkeypatch.delenv("MOE_REF_BOUND_LAUNCH")
+    assert len(kernel.triton_launches) == 3 and bl.bound_kernels() == 0 and not bl.bound_launches_on()
+    with bl.bound_launches(True):  # in code: the first launch of the key binds it
+        for _ in range(2):
+            bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    assert len(kernel.triton_launches) == 4 and bl.bound_kernels() == 1
+    with bl.bound_launches(False):  # off again: Triton's path, the bound key kept for later
+        bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    assert len(kernel.triton_launches) == 5 and bl.bound_kernels() == 1 and not bl.bound_launches_on()
     monkeypatch.setattr(bl, "_hooks_set", lambda: True)
-    for _ in range(2):
-        bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
-    assert len(kernel.triton_launches) == 5 and bl.bound_kernels() == 0
-    monkeypatch.setattr(bl, "_hooks_set", lambda: False)
-    bl.clear_bound_kernels()  # the switch is read at a key's first launch: forgotten keys bind again
-    for _ in range(2):
-        bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
-    assert len(kernel.triton_launches) == 6 and bl.bound_kernels() == 1
+    with bl.bound_launches(True):
+        for _ in range(2):
+            bl.launch(kernel, (1,), torch.zeros(64), 100, 0.5, BLOCK=32)
+    assert len(kernel.triton_launches) == 7 and len(kernel.compiled[3].runs) == 1
 
 
 def test_a_key_with_a_tensor_off_the_gpu_stays_on_tritons_path(kernel, monkeypatch):

@@ -1,6 +1,6 @@
 """The grouped MLP's GPU launch path, driven on the CPU with stand-ins for Triton's autotuner and the kernel: the
 autotuner runs once per shape key, later launches of that key go straight to the kernel with the config it chose
-(no autotuner work per call), a different key tunes again, and MOE_REF_BOUND_LAUNCH=0 keeps the autotuner."""
+(no autotuner work per call), a different key tunes again, and bound launches off (MOE_REF_BOUND_LAUNCH=0) keep the autotuner."""
 from __future__ import annotations
 
 import importlib
@@ -82,10 +82,17 @@ def test_another_key_tunes_again(gpu_path, change):
 
 def test_the_switch_keeps_the_autotuner(gpu_path, monkeypatch):
     tuner, kernel = gpu_path
+    from moe_ref.kernels import launch as bl
+
     monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", "0")
+    monkeypatch.setattr(bl, "_on", None)  # the switch is read at the process's first launch: read it again
     for _ in range(3):
         _launch()
     assert len(tuner.calls) == 3 and not kernel.calls
+    with bl.bound_launches(True):  # on again: the config the autotuner chose for the key, without it
+        for _ in range(2):
+            _launch()
+    assert len(tuner.calls) == 3 and len(kernel.calls) == 2
 
 
 def test_clear_tuned_configs_makes_the_next_launch_tune_again(gpu_path):
