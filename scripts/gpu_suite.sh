@@ -14,7 +14,11 @@
 # call of its own, < 9 min; $OUT/auto_table.json and .md, to be copied to moe_ref/experts/auto_table.json);
 # w4_kernel = the 4-bit kernel's tests on the GPU (its decode of every code pair, every scale byte, the kernel vs its
 # twin; tests/gpu/test_quant_cuda.py) and bench_w4a16 with the engines' W4A16 kernel (~6 min); auto_check = auto's and DeepGEMM's GPU tests, then the expert MLPs through the public
-# API eagerly and in a CUDA graph (bench_experts --graph) beside DeepGEMM's bare kernels (needs `make deep-gemm-wheels`).
+# API eagerly and in a CUDA graph (bench_experts --graph) beside DeepGEMM's bare kernels (needs `make deep-gemm-wheels`);
+# launch = the host cost per Triton launch (scripts/bench_launch.py); peer_search = the expert MLPs beside SGLang's
+# and vLLM's kernels at the best config of their own tuners' spaces, the points not yet measured (Kimi-K2 4096 / 512
+# rows, Step3 32768 / 4096 rows; two steps, each up to one device command); pack = $OUT into $OUT.tgz, last (the
+# device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -91,6 +95,15 @@ for s in $STEPS; do case $s in
     step auto_bench 300 python3 scripts/bench_experts.py --include-deep-gemm --peer-search none --quick \
       --models kimi-k2,step3 --rows 64,4096,32768 --graph --paths api_auto_,api_deep_gemm_,api_triton_,deep_gemm_kernels_ \
       --out "$OUT/auto_check/bench_experts.json" ;;
+  launch) step launch 120 python3 scripts/bench_launch.py --out "$OUT/launch" ;;
+  peer_search)
+    step peer_search_kimi 590 python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
+      --models kimi-k2 --rows 4096,512 --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \
+      --out "$OUT/peer_kimi/bench_experts.json"
+    step peer_search_step3 590 python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
+      --models step3 --rows 32768,4096 --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \
+      --out "$OUT/peer_step3/bench_experts.json" ;;
+  pack) PACK=1 ;;  # done after the summary below
   w4) step w4 300 python3 scripts/bench_w4a16.py --sweep --max-seconds 270 --out "$OUT/w4_sweep/bench_w4a16.json" ;;
   align) step align 300 python3 scripts/ab_grouped_mlp.py --ab alignment --nohint --max-seconds 270 \
       --out "$OUT/align/ab_alignment.json" ;;
@@ -98,4 +111,7 @@ for s in $STEPS; do case $s in
 esac; done
 echo "=== suite done, status=$status" | tee -a "$LOG"
 grep -E "^=== |passed|failed|RESULT|error" "$LOG" | tail -n 60
+if [ "${PACK:-0}" = 1 ]; then
+  tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && rm -rf "$OUT" && echo "=== packed $OUT.tgz"
+fi
 exit $status
