@@ -1,6 +1,6 @@
 """The MoE block around its routed step: routing before it, the Kimi-K3 latent path and shared experts after.
 
-    x [T, D] --route (gate GEMM fp32, family top-k)--> topk_ids [T, K] int64, topk_weights [T, K] fp32
+    x [T, D] --route (gate GEMM, fp32 sums; family top-k)--> topk_ids [T, K] int64, topk_weights [T, K] fp32
       --expert_input: (Kimi-K3) latent_down--> z [T, Dx]
       --routed step (EP layer: moe_ref.ep.routed_step; oracle: reference.routed_experts_reference)--> routed [T, Dx]
       --finish: (Kimi-K3) RMSNorm over the FULL cross-rank sum, latent_up; + shared experts (ops.dense_mlp; the sum
@@ -22,7 +22,7 @@ from moe_ref.kernels import ops
 from moe_ref.core.config import MoEConfig
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.core.errors import DTypeError, NonFiniteError, ShapeError
-from moe_ref.core.router import RouterOutput, non_finite_logits_error, router_logits
+from moe_ref.core.router import RouterOutput, non_finite_logits_error
 from moe_ref.core.weights import MoEWeights
 
 # (expert input [T, Dx], topk_ids [T, K] int64, topk_weights [T, K] fp32) -> routed sum [T, Dx] in input dtype
@@ -35,7 +35,7 @@ def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoECo
     """Route with ``cfg``'s family semantics, returning (not raising) the NaN/inf-logits problem.
 
     Args:
-        x_TD: ``[T, D]`` hidden states (any float dtype; the gate GEMM runs in fp32).
+        x_TD: ``[T, D]`` hidden states (any float dtype; the gate GEMM sums in fp32: ``ops.router_logits``).
         gate_weight_ED: ``[E, D]``.
         bias_E: ``[E]`` fp32 selection-only bias (used when ``cfg.use_selection_bias``).
 
@@ -50,7 +50,7 @@ def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoECo
                          f"{tuple(gate_weight_ED.shape)}: expected [T, {gate_weight_ED.shape[1]}]")
     if not x_TD.is_floating_point():
         raise DTypeError(f"hidden states have dtype {x_TD.dtype}; expected a floating dtype")
-    logits_TE = router_logits(x_TD, gate_weight_ED)
+    logits_TE = ops.router_logits(x_TD, gate_weight_ED)
     problem, nonfinite_flag = None, None
     if check_values and device_checks is not None:  # raised by the router kernel itself: no launch of its own
         nonfinite_flag = device_checks.slot(logits_TE.device, lambda: _flagged_logits_error(logits_TE))

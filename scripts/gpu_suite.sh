@@ -15,7 +15,8 @@
 # w4_kernel = the 4-bit kernel's tests on the GPU (its decode of every code pair, every scale byte, the kernel vs its
 # twin; tests/gpu/test_quant_cuda.py) and bench_w4a16 with the engines' W4A16 kernel (~6 min); auto_check = auto's and DeepGEMM's GPU tests, then the expert MLPs through the public
 # API eagerly and in a CUDA graph (bench_experts --graph) beside DeepGEMM's bare kernels (needs `make deep-gemm-wheels`);
-# launch = the host cost per Triton launch (scripts/bench_launch.py); peer_search = the expert MLPs beside SGLang's
+# launch = the host cost per Triton launch (scripts/bench_launch.py); router = the gate GEMM kernel's GPU tests and
+# scripts/bench_router.py (it against the fp32 torch GEMM it replaced, eager and in a graph); peer_search = the expert MLPs beside SGLang's
 # and vLLM's kernels at the best config of their own tuners' spaces, the points not yet measured (Kimi-K2 4096 / 512
 # rows, Step3 32768 / 4096 rows; two steps, each up to one device command); pack = $OUT into $OUT.tgz, last (the
 # device returns a limited number of files per command).
@@ -96,6 +97,10 @@ for s in $STEPS; do case $s in
       --models kimi-k2,step3 --rows 64,4096,32768 --graph --paths api_auto_,api_deep_gemm_,api_triton_,deep_gemm_kernels_ \
       --out "$OUT/auto_check/bench_experts.json" ;;
   launch) step launch 120 python3 scripts/bench_launch.py --out "$OUT/launch" ;;
+  router)
+    step router_tests 200 python3 -m pytest -q -rs --timeout=150 tests/gpu/test_kernels_cuda.py -k router \
+      tests/interpreter/test_router_logits.py
+    step router 200 python3 scripts/bench_router.py --out "$OUT/router" ;;
   peer_search)
     step peer_search_kimi 590 python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
       --models kimi-k2 --rows 4096,512 --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \

@@ -1,6 +1,6 @@
 """Triton kernels of moe_ref, each beside its plain-torch twin `<op>_ref` (same signature).
 
-    router_topk -> pre_dispatch -> (dispatch) -> grouped_mlp -> (combine)
+    router_logits -> router_topk -> pre_dispatch -> (dispatch) -> grouped_mlp -> (combine)
     EP over symmetric memory: ep_pre_dispatch -> symm_barrier -> ep_dispatch -> experts -> ep_combine_push
         -> symm_barrier -> ep_combine_reduce   (ep_chunk runs them in order)
 
@@ -36,6 +36,7 @@ from moe_ref.kernels.pool_rows import (
     zero_rows_outside_segments_ref,
 )
 from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
+from moe_ref.kernels.router_logits import router_logits, router_logits_ref
 from moe_ref.kernels.router_topk import router_topk, router_topk_ref
 from moe_ref.kernels.routing_check import routing_check, routing_check_ref
 from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier, symm_barrier_ref
@@ -44,6 +45,8 @@ __all__ = [
     "routing_check",
     "routing_check_ref",
     "is_interpreter",
+    "router_logits",
+    "router_logits_ref",
     "router_topk",
     "router_topk_ref",
     "pre_dispatch",

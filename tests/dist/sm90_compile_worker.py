@@ -1,4 +1,5 @@
-"""Compile the grouped MLP kernel, the routing check, the gated activation and the EP data-path kernels for Hopper (sm_90a) on a machine
+"""Compile the grouped MLP kernel, the routing check, the router's gate GEMM, the gated activation and the EP data-path
+kernels for Hopper (sm_90a) on a machine
 without a GPU, as their launchers would launch them.
 
     python tests/dist/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
@@ -33,6 +34,7 @@ from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers  # noqa: E402
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
 rc = importlib.import_module("moe_ref.kernels.routing_check")
+rl = importlib.import_module("moe_ref.kernels.router_logits")
 ga = importlib.import_module("moe_ref.kernels.gated_act")
 w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
 from moe_ref.kernels.w4 import to_group_planes  # noqa: E402
@@ -70,6 +72,13 @@ W4_CASES = {
 ROUTING_CHECK_CASES = {
     "routing_check int64 ids, fp32 weights": (torch.int64, torch.float32),
     "routing_check int32 ids, bf16 weights": (torch.int32, torch.bfloat16),
+}
+
+# name -> (tokens: picks the tile, operand dtype): the router's gate GEMM
+ROUTER_LOGITS_CASES = {
+    "router_logits decode tile, bf16": (16, torch.bfloat16),
+    "router_logits mid tile, fp16": (64, torch.float16),
+    "router_logits prefill tile, bf16": (4096, torch.bfloat16),
 }
 
 # name -> (pool format, fp8 output, activation)
@@ -167,6 +176,17 @@ def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):
         rc.check_device = check_device
 
 
+def compile_router_logits(num_tokens: int, dtype: torch.dtype):
+    """The gate GEMM of Kimi-K2's router (E 384, D 7168) over ``num_tokens`` tokens, compiled for sm_90."""
+    check_device = rl.check_device
+    rl.check_device = lambda name, tensor: None
+    try:
+        return compile_launch(rl, "_router_logits_kernel", lambda: rl.router_logits(
+            torch.zeros(num_tokens, 7168, dtype=dtype), torch.zeros(384, 7168, dtype=dtype)))
+    finally:
+        rl.check_device = check_device
+
+
 def compile_launch(module, kernel_name: str, launch):
     """Run ``launch()`` with ``module.<kernel_name>`` replaced by a recorder; compile what it launched for sm_90."""
     (compiled,) = compile_launches([(module, kernel_name)], launch)
@@ -189,18 +209,24 @@ def compile_launches(kernels: list, launch) -> list:
 
 
 def _compile_recorded(kernel, recorder: "_Recorder"):
-    """Compile for sm_90 the launch ``recorder`` kept (its arguments' Triton types and constexprs)."""
+    """Compile for sm_90 the launch ``recorder`` kept (its arguments' Triton types and constexprs, and the 16-divisibility
+    Triton's launch specializes on: a tensor's 16-byte aligned base, an int divisible by 16; without it a kernel's
+    loads compile as a GPU never runs them, e.g. not pipelined)."""
     bound = dict(zip(kernel.arg_names, recorder.args))
     bound.update({key: value for key, value in recorder.kwargs.items() if key not in OPTION_KEYS})
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
         value = bound[param.name] if param.name in bound else param.default
         if param.is_constexpr or value is None:
             signature[param.name], constexprs[(index,)] = "constexpr", value
-        else:
-            signature[param.name] = mangle_type(value)
+            continue
+        signature[param.name] = mangle_type(value)
+        divisible = (value.data_ptr() % 16 == 0 if isinstance(value, torch.Tensor) else
+                     type(value) is int and value % 16 == 0)
+        if divisible:
+            attrs[(index,)] = [["tt.divisibility", 16]]
     options = {key: recorder.kwargs[key] for key in OPTION_KEYS if key in recorder.kwargs}
-    return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options=options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER, options=options)
 
 
 def _ep_world(fp8: bool):
@@ -264,6 +290,8 @@ def main() -> int:
     builders.update({name: ("grouped_mlp_w4", lambda case=case: [compile_w4(*case)]) for name, case in W4_CASES.items()})
     builders.update({name: ("routing_check", lambda case=case: [compile_routing_check(*case)])
                      for name, case in ROUTING_CHECK_CASES.items()})
+    builders.update({name: ("router_logits", lambda case=case: [compile_router_logits(*case)])
+                     for name, case in ROUTER_LOGITS_CASES.items()})
     builders.update({name: ("gated_act", lambda case=case: [compile_gated_act(*case)])
                      for name, case in GATED_ACT_CASES.items()})
     builders.update({name: ("ep", lambda case=case: compile_ep(*case)) for name, case in EP_CASES.items()})

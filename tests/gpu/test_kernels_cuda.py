@@ -132,6 +132,30 @@ def test_router_topk(num_experts, num_topk, kwargs):
     torch.testing.assert_close(weights[same], weights_ref[same], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 100, 4096])  # each tile, and T not a whole tile
+@pytest.mark.parametrize("num_experts", [384, 256])  # Kimi-K2, DeepSeek-V3
+def test_router_logits(num_tokens, num_experts):
+    """The gate GEMM (bf16 operands, fp32 sums) at a real router's shape (D 7168): exact where fp32 holds every sum
+    (small integers), within D * eps * sum|x w| of the fp32 twin on random values, and the same top-k as the twin's
+    logits but for near ties."""
+    from moe_ref.kernels.router_logits import router_logits, router_logits_ref
+    from moe_ref.kernels.router_topk import router_topk
+
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    hidden = 7168
+    ints = [torch.randint(-8, 9, shape, device="cuda", generator=gen).bfloat16()
+            for shape in ((num_tokens, hidden), (num_experts, hidden))]
+    assert torch.equal(router_logits(*ints), router_logits_ref(*ints))
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(num_experts, hidden, device="cuda", generator=gen) / hidden ** 0.5).bfloat16()
+    got, want = router_logits(x, w), router_logits_ref(x, w)
+    bound = hidden * torch.finfo(torch.float32).eps * (x.float().abs() @ w.float().abs().t())
+    assert ((got - want).abs() <= bound).all()
+    ids, _ = router_topk(got, 8, "sigmoid")
+    ids_ref, _ = router_topk(want, 8, "sigmoid")
+    assert (ids != ids_ref).any(dim=1).float().mean().item() < 1e-2
+
+
 @pytest.mark.parametrize("buf_dtype", [torch.bfloat16, FP8])
 def test_pre_dispatch(buf_dtype):
     from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
