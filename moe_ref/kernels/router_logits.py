@@ -29,9 +29,12 @@ __all__ = ["router_logits", "router_logits_ref", "router_logits_tile", "KERNEL_D
 
 # operand dtypes the kernel takes (x and the gate weight alike): their products are exact in fp32
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-# (largest T, (BLOCK_T, BLOCK_E, BLOCK_K, num_warps, num_stages)): decode spreads the experts over programs (one
-# program streams 16 experts' rows of the weight); prefill takes GEMM tiles
-_TILES = ((16, (16, 16, 256, 4, 4)), (64, (64, 32, 128, 4, 4)), (None, (128, 64, 64, 8, 4)))
+# (largest T, (BLOCK_T, BLOCK_E, BLOCK_K, num_warps, num_stages)): few tokens spread the experts over programs (one
+# program streams 16 experts' rows of the weight: E / 16 programs), more tokens widen the tile as the token blocks
+# alone fill the GPU (T / BLOCK_T x E / BLOCK_E programs: 192 for Kimi-K2's E 384 at T 1024 and 4096). Chosen by
+# that count, not tuned on a GPU yet (scripts/bench_router.py measures them).
+_TILES = ((16, (16, 16, 256, 4, 4)), (128, (64, 16, 128, 4, 4)), (2048, (64, 32, 128, 4, 4)),
+          (None, (128, 64, 64, 8, 4)))
 _INTERPRETER_TILE = (16, 16, 32, 1, 1)
 
 

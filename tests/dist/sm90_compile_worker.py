@@ -77,7 +77,8 @@ ROUTING_CHECK_CASES = {
 # name -> (tokens: picks the tile, operand dtype): the router's gate GEMM
 ROUTER_LOGITS_CASES = {
     "router_logits decode tile, bf16": (16, torch.bfloat16),
-    "router_logits mid tile, fp16": (64, torch.float16),
+    "router_logits 128-token tile, fp16": (128, torch.float16),
+    "router_logits 1024-token tile, bf16": (1024, torch.bfloat16),
     "router_logits prefill tile, bf16": (4096, torch.bfloat16),
 }
 
