@@ -105,6 +105,7 @@ class AllToAllDispatcher(Dispatcher):
                 for name in (("x", "x_scale") if regions.fp8 else ("x",))]
         my = self.buffer.view_bytes()
         recv_base_Re = receive_layout_ref(my, regions, header_R[:, e].to(torch.int32), header_R[:, :e])
+        self.num_recv_tokens_per_expert.add_(view("num_rows"))
         received, start = [], 0
         for src, (count, num_src_tokens) in enumerate(zip(recv_counts, src_num_tokens)):
             part = slice(start, start + count)

@@ -212,7 +212,8 @@ class Dispatcher(ABC):
                                    topk_weights_TK: torch.Tensor) -> Any:
         """Steps 1-2 (collective): fill my send regions, then my receive regions (``recv_num_tokens``,
         ``num_rows``, ``row_start``, ``recv_base``, ``pool_end``, ``recv_pos``, ``recv_weight``, ``recv_src``,
-        ``recv_x`` (+ scales)). Returns the handle's ``routes``."""
+        ``recv_x`` (+ scales)), and add ``num_rows`` to ``num_recv_tokens_per_expert``. Returns the handle's
+        ``routes``."""
 
     def _num_pool_rows(self, num_tokens: int) -> tuple[int, int | None]:
         """(rows of the pool handed to the experts, a host-side estimate of the valid rows or None). Here: the
@@ -264,7 +265,6 @@ class Dispatcher(ABC):
         routes = self._pre_dispatch_and_exchange(x_TD.contiguous(), topk_ids_TK.to(torch.int64).contiguous(),
                                                  topk_weights_TK.to(torch.float32).contiguous())
         num_rows_e = self.buffer.view("num_rows")
-        self.num_recv_tokens_per_expert.add_(num_rows_e)
         num_pool_rows, hint = self._num_pool_rows(num_tokens)
         # the whole pool goes to the experts exactly when the host does not know its used end (hint given):
         # then rows past it need not be zeroed (combine reads rows inside segments only)

@@ -48,7 +48,8 @@ class SymmDispatcher(Dispatcher):
 
     def _pre_dispatch_and_exchange(self, x_TD, topk_ids_TK, topk_weights_TK):
         self.ops.pre_dispatch(x_TD, topk_ids_TK, topk_weights_TK, self.peers, self.regions, post=True)
-        self.ops.dispatch(self.peers, self.regions, wait=True, timeout_us=self.timeout_us)
+        self.ops.dispatch(self.peers, self.regions, wait=True, timeout_us=self.timeout_us,
+                          received_e=self.num_recv_tokens_per_expert)
         self._raise_recorded()
         return None
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ref.core.errors import ShapeError
 from moe_ref.kernels._triton_utils import check_device, is_interpreter, next_power_of_2
 from moe_ref.kernels.launch import launch
 from moe_ref.kernels.ep_launch import EP_LAUNCH
@@ -56,9 +57,11 @@ def _recv_layout_kernel(
     rank, R, e, alignment, P, masked_rows,
     off_num_tokens, off_send_count, off_recv_num_tokens, off_num_rows, off_row_start, off_recv_base, off_pool_end,
     off_status, off_signal, off_epoch, max_polls, timeout_ns,
+    received_e,                    # [e] int64 running count of received rows (COUNT_RECEIVED)
     # meta
     WAIT: tl.constexpr,            # first wait (bounded) until every rank posted my current epoch
     BOUND: tl.constexpr,
+    COUNT_RECEIVED: tl.constexpr,  # add num_rows into received_e (a statistic kept outside the buffer)
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
@@ -95,6 +98,9 @@ def _recv_layout_kernel(
 
     tl.store((my_base + off_recv_num_tokens).to(tl.pointer_type(tl.int32)) + offs_r, num_tokens_r, mask=mask_r)
     tl.store((my_base + off_num_rows).to(tl.pointer_type(tl.int64)) + offs_e, num_rows, mask=mask_e)
+    if COUNT_RECEIVED:  # one program: no other writer of received_e
+        seen = tl.load(received_e + offs_e, mask=mask_e, other=0)
+        tl.store(received_e + offs_e, seen + num_rows, mask=mask_e)
     tl.store((my_base + off_row_start).to(tl.pointer_type(tl.int64)) + offs_e, row_start, mask=mask_e)
     tl.store((my_base + off_recv_base).to(tl.pointer_type(tl.int64)) + offs_r[:, None] * e + offs_e[None, :],
              recv_base, mask=mask_re)
@@ -220,7 +226,8 @@ def _word_bytes(row_bytes: int) -> int:
 
 
 def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
-                timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS) -> None:
+                timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS,
+                received_e: torch.Tensor | None = None) -> None:
     """Pull my experts' rows from every source into my pool (two launches, no host sync).
 
     Call after every rank's `ep_pre_dispatch` and a `symm_barrier`, or pass `wait=True` after every rank's
@@ -232,6 +239,8 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
         wait: the first launch first waits for every rank's post of my current epoch (the second half of
             `symm_barrier`, fused; bounded by `timeout_us` / `max_polls` like it).
         timeout_us, max_polls: the bound of that wait.
+        received_e: optional ``[e]`` int64 on my buffer's device: the rows each local expert received are added to
+            it (the dispatcher's running count, updated by the layout launch instead of a launch of its own).
 
     Writes (my buffer): `recv_num_tokens [R]`, `num_rows [e]`, `row_start [e]`, `recv_base [R, e]`, `pool_end [1]`,
     `recv_pos [R, C, K]` and `recv_weight [R, C, K]` (rows t < T_s of each source), `recv_src [P, 3]` (received
@@ -248,8 +257,9 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
         off["num_tokens"], off["send_count"], off["recv_num_tokens"], off["num_rows"], off["row_start"],
         off["recv_base"], off["pool_end"], off["status"], off["signal"], off["epoch"],
         int(max_polls), int(timeout_us * 1000),
-        WAIT=wait, BOUND=bound_mode(), BLOCK_R=next_power_of_2(R), BLOCK_E=next_power_of_2(e),
-        num_warps=4,
+        _checked_received(received_e, e, peers.ptrs_R.device) if received_e is not None else peers.ptrs_R,
+        WAIT=wait, BOUND=bound_mode(), COUNT_RECEIVED=received_e is not None, BLOCK_R=next_power_of_2(R),
+        BLOCK_E=next_power_of_2(e), num_warps=4,
     )
     row_bytes = regions.hidden * regions.wire_dtype.itemsize
     word = _word_bytes(row_bytes)
@@ -272,9 +282,12 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
 
 
 def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
-                    timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS) -> None:
+                    timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS,
+                    received_e: torch.Tensor | None = None) -> None:
     """Torch twin of `ep_dispatch` (same arguments, same writes, bitwise; no host sync except the wait's)."""
     check_peers(peers, regions)
+    if received_e is not None:
+        _checked_received(received_e, regions.num_local_experts, peers.local.device)
     if wait:
         symm_barrier_ref(peers, regions, post=False, wait=True, timeout_us=timeout_us, max_polls=max_polls)
     my = peers.local
@@ -282,6 +295,8 @@ def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions, *, wait: bool = Fals
     num_tokens_R = torch.stack([regions.view(b, "num_tokens")[0] for b in peers.buffers]) * live
     counts_Re = torch.stack([regions.view(b, "send_count")[peers.rank] for b in peers.buffers]).to(torch.int64) * live
     recv_base_Re = receive_layout_ref(my, regions, num_tokens_R, counts_Re)
+    if received_e is not None:
+        received_e.add_(regions.view(my, "num_rows"))
     C = regions.cap
     token_C = torch.arange(C, device=my.device)
     for s, src in enumerate(peers.buffers):
@@ -289,6 +304,15 @@ def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions, *, wait: bool = Fals
         rows = [regions.view(src, name).to(my.device) for name in ("topk_ids", "slot_rank", "topk_weights", "x")]
         scale_CDb = regions.view(src, "x_scale").to(my.device) if regions.fp8 else None
         receive_rows_ref(my, regions, peers.rank, s, recv_base_Re, token_C, live_C, *rows, scale_CDb)
+
+
+def _checked_received(received_e: torch.Tensor, num_local_experts: int, device: torch.device) -> torch.Tensor:
+    """``received_e`` if it is the ``[e]`` int64 count on the buffer's device, else ShapeError (a wrong one would be
+    written out of bounds by the kernel)."""
+    if received_e.shape != (num_local_experts,) or received_e.dtype != torch.int64 or received_e.device != device:
+        raise ShapeError(f"received_e must be [{num_local_experts}] int64 on {device}, got {tuple(received_e.shape)} "
+                         f"{received_e.dtype} on {received_e.device}")
+    return received_e
 
 
 def receive_layout_ref(my: torch.Tensor, regions: EPRegions, num_tokens_R: torch.Tensor,

@@ -149,13 +149,18 @@ def symm_barrier(peers: PeerBuffers, regions: EPRegions, *, timeout_us: float = 
 
 
 def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
-                timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS) -> None:
-    """`ep_dispatch_ref`, compiled: pull my experts' rows from every source into my expert-major pool."""
+                timeout_us: float = DEFAULT_TIMEOUT_US, max_polls: int = DEFAULT_MAX_POLLS,
+                received_e: torch.Tensor | None = None) -> None:
+    """`ep_dispatch_ref`, compiled: pull my experts' rows from every source into my expert-major pool (and add them
+    to ``received_e``)."""
     if not _compiled(peers):
-        return _dispatch.ep_dispatch_ref(peers, regions, wait=wait, timeout_us=timeout_us, max_polls=max_polls)
+        return _dispatch.ep_dispatch_ref(peers, regions, wait=wait, timeout_us=timeout_us, max_polls=max_polls,
+                                         received_e=received_e)
     check_peers(peers, regions)
     torch.ops.moe_ref.ep_dispatch_cpu(_buffers(peers), peers.rank, layout_args(regions), wait, float(timeout_us),
                                       int(max_polls))
+    if received_e is not None:
+        received_e.add_(regions.view(peers.local, "num_rows"))
 
 
 def ep_combine_push(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions, *, post: bool = False) -> None:

@@ -63,12 +63,33 @@ def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_
     if (not uses_triton(x_TD.device) or weights_dtype not in (torch.bfloat16, torch.float16) or num_tokens == 0
             or not (gate_up_weight_2SD.is_contiguous() and down_weight_DS.is_contiguous())):
         return _dense_mlp_ref(x_TD, gate_up_weight_2SD, down_weight_DS, activation, situ_beta, situ_linear_beta)
-    # one launch for both: [0, T] (row_start of the one expert, then its rows)
-    layout = torch.arange(0, 2 * num_tokens, max(num_tokens, 1), device=x_TD.device)
+    layout = _one_expert_layout(num_tokens, x_TD.device)
     y_TD = kernels.grouped_mlp(x_TD.to(weights_dtype).contiguous(), gate_up_weight_2SD.unsqueeze(0),
                                down_weight_DS.unsqueeze(0), layout[:1], layout[1:2], activation, situ_beta,
                                situ_linear_beta, num_rows_hint=num_tokens, zero_unused_rows=False)
     return y_TD.to(x_TD.dtype)
+
+
+# (device, T) -> [0, T] int64 on that device; cleared past _MAX_LAYOUTS entries (prefill meets many T)
+_ONE_EXPERT_LAYOUTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_MAX_LAYOUTS = 4096
+
+
+def _one_expert_layout(num_tokens: int, device: torch.device) -> torch.Tensor:
+    """``[2]`` int64 ``[0, T]`` on ``device`` (T >= 1): the row start and the rows of one expert owning every row.
+
+    Kept per (device, T), so that a call launches no kernel to build it; read-only. One made inside a CUDA-graph
+    capture is not kept: its values are written when the graph replays, not before."""
+    key = (device, num_tokens)
+    layout = _ONE_EXPERT_LAYOUTS.get(key)
+    if layout is None:
+        with torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
+            layout = torch.arange(0, 2 * num_tokens, max(num_tokens, 1), device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_ONE_EXPERT_LAYOUTS) >= _MAX_LAYOUTS:
+                _ONE_EXPERT_LAYOUTS.clear()
+            _ONE_EXPERT_LAYOUTS[key] = layout
+    return layout
 
 
 def pre_dispatch(x_TD: torch.Tensor, *args, **kwargs):

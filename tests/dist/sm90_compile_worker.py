@@ -252,7 +252,8 @@ def compile_ep(phase: str, fp8: bool):
         "pre_dispatch": ([("pre_dispatch", "_pre_dispatch_kernel"), ("ep_layout", "_ep_layout_kernel")],
                          lambda: EP_MODULES["ep_layout"].ep_pre_dispatch(x, ids, weights, peers, regions, post=True)),
         "dispatch": ([("ep_dispatch", "_recv_layout_kernel"), ("ep_dispatch", "_dispatch_rows_kernel")],
-                     lambda: EP_MODULES["ep_dispatch"].ep_dispatch(peers, regions, wait=True)),
+                     lambda: EP_MODULES["ep_dispatch"].ep_dispatch(peers, regions, wait=True,
+                                                                   received_e=torch.zeros(4, dtype=torch.int64))),
         "combine_push": ([("ep_combine", "_combine_push_kernel")], lambda: EP_MODULES["ep_combine"].ep_combine_push(
             torch.zeros(regions.num_pool_rows, 256, dtype=torch.bfloat16), peers, regions, post=True)),
         "combine_reduce": ([("ep_combine", "_combine_reduce_kernel")],

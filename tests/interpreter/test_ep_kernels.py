@@ -178,3 +178,32 @@ def test_fused_wait_in_dispatch_reports_a_silent_peer():
     ep_dispatch(world[0], regions, wait=True, max_polls=20)
     with pytest.raises(PeerTimeoutError, match=r"peer\(s\) \[1\]"):
         check_ep_status(world[0], regions)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernel", "twin"])
+def test_dispatch_adds_the_received_rows_to_the_running_count(kernels):
+    """``received_e``: the rows each local expert received are added to it by the layout step (the dispatcher's
+    ``num_recv_tokens_per_expert``), call after call; both implementations alike. A count of the wrong shape,
+    dtype or device is refused before anything is written."""
+    from moe_ref.core.errors import ShapeError
+    from moe_ref.kernels.ep_dispatch import ep_dispatch, ep_dispatch_ref
+    from moe_ref.kernels.ep_layout import ep_pre_dispatch, ep_pre_dispatch_ref
+
+    pre, dispatch = (ep_pre_dispatch, ep_dispatch) if kernels else (ep_pre_dispatch_ref, ep_dispatch_ref)
+    regions = EPRegions.build(2, 3, 2, 6, 16, activation_dtype=torch.float32)
+    world = make_world(regions, garbage_seed=7)
+    received = [torch.tensor([5, 0, 7], dtype=torch.int64, device=DEVICE) for _ in world]
+    expected = [r.clone() for r in received]
+    for call in range(2):
+        inputs = [make_inputs(T, 2, 6, 16, torch.float32, seed=20 * call + s) for s, T in enumerate([6, 4])]
+        for peers, inp in zip(world, inputs):
+            pre(inp.x_TD, inp.topk_ids_TK, inp.topk_weights_TK, peers, regions, post=True)
+        for peers, count in zip(world, received):
+            dispatch(peers, regions, wait=True, max_polls=50, received_e=count)
+        for r, peers in enumerate(world):
+            check_ep_status(peers, regions)
+            expected[r] += regions.view(peers.local, "num_rows")
+            assert torch.equal(received[r], expected[r]), f"{call=} rank {r}"
+    for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
+        with pytest.raises(ShapeError, match="received_e must be"):
+            dispatch(world[0], regions, received_e=bad)

@@ -401,3 +401,22 @@ def test_env_var_forces_the_fallback(monkeypatch):
     regions = EPRegions.build(2, 2, 2, 4, 16, activation_dtype=torch.bfloat16, fp8=True, alignment=2)
     inputs = [make_inputs(T, 2, 4, 16, torch.bfloat16, seed=s) for s, T in enumerate([4, 2])]
     run_both(regions, inputs, case="fallback")
+
+
+@compiled_only
+def test_dispatch_adds_the_received_rows_to_the_running_count():
+    """``received_e`` through the compiled dispatch: the rows each local expert received, added call after call, as
+    the twin and the Triton kernel add them (tests/interpreter/test_ep_kernels.py)."""
+    regions = EPRegions.build(1, 3, 2, 6, 16, activation_dtype=torch.float32)
+    world = make_world(regions, garbage_seed=8)
+    received = torch.tensor([4, 0, 1], dtype=torch.int64)
+    expected, live_slots = received.clone(), 0
+    for call in range(2):
+        inp = make_inputs(5, 2, 3, 16, torch.float32, seed=call)
+        live_slots += int((inp.topk_ids_TK >= 0).sum())
+        native.ep_pre_dispatch(inp.x_TD, inp.topk_ids_TK, inp.topk_weights_TK, world[0], regions, post=True)
+        native.ep_dispatch(world[0], regions, wait=True, received_e=received)
+        check_ep_status(world[0], regions)
+        expected += regions.view(world[0].local, "num_rows")
+        assert torch.equal(received, expected), f"{call=}"
+    assert int(received.sum()) == 5 + live_slots  # one rank owns every expert: each live slot counted once
