@@ -7,7 +7,7 @@ that is four launches per call: both casts (the gate weight's every call: E x D 
 fp32 SIMT GEMM and cuBLAS's split-K reduce, and at prefill the fp32 GEMM runs at CUDA-core speed (22.5 GFLOP at
 T = 4096 for Kimi-K2's router). A product of two bf16 (or two fp16) values is exact in fp32, so the tensor cores,
 fed the stored operands and accumulating in fp32, compute the same sums up to their order of addition: one launch,
-half the weight bytes, tensor-core speed (what the serving engines' router GEMMs do).
+half the weight bytes, tensor-core speed.
 
 Each logit is summed by one program in a fixed order (no split-K, no atomics), so calls are deterministic. The
 result differs from the twin's by the order of the fp32 additions (tests: calc_diff and an absolute bound).
