@@ -9,8 +9,8 @@ Rows (us of host time per call, back-to-back calls; the GPU work is a few us and
 - ``compiled run``: the compiled kernel's launcher object called directly with prepared arguments (Triton's floor);
 - ``C launcher, addresses`` (Triton 3.6): the C launcher behind that object, tensors passed as their addresses (what
   a bound launch calls there: the floor of moe_ref's path);
-- public wrappers, bound launches on and off (``launch.bound_launches``): ``router_topk`` (Kimi-K2's 384 experts, T = 16) and
-  ``routing_check`` (the argument checks, allocations and the launch a layer call pays);
+- public wrappers, bound launches on and off (``launch.bound_launches``): ``router_topk`` (Kimi-K2's 384 experts,
+  T = 16) and ``routing_check`` (the argument checks, allocations and the launch a layer call pays);
 - anchors: ``torch.add`` of two small tensors and ``torch.empty`` (a torch op's host cost on this host).
 Writes ``bench_launch.json`` and ``bench_launch.md``.
 """

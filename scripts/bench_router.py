@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
                        triton_weight_gbps=w.nbytes / us["triton"][0] / 1e3)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": __import__("triton").__version__,
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
             "command": "python3 scripts/bench_router.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     results = {"meta": meta, "rows": rows}

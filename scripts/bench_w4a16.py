@@ -159,7 +159,8 @@ def markdown(results: dict) -> str:
         diff, tiles = row.get("calc_diff_vs_dequantized_fp32"), row.get("autotuned_tiles")
         tiles_cell = "-" if tiles is None else " / ".join(tile_label(tiles[gemm]) for gemm in GEMMS)
         lines.append(f"| {row['rows']} | {row['path']} | {row['us']} | {row['speedup_vs_bf16']} | "
-                     f"{row.get('graph_us', '-')} | {row.get('graph_speedup_vs_bf16', '-')} | {row['weight_gb_per_s']} | {'-' if diff is None else f'{diff:.1e}'} | {tiles_cell} |")
+                     f"{row.get('graph_us', '-')} | {row.get('graph_speedup_vs_bf16', '-')} | "
+                     f"{row['weight_gb_per_s']} | {'-' if diff is None else f'{diff:.1e}'} | {tiles_cell} |")
     if results.get("sweep_best"):
         lines += ["", "Sweep: fastest forced tile per (format, rows, GEMM), checked against the autotuned launch "
                   "(calc_diff)", "", "| format | rows | GEMM | tile | us | weight GB/s | autotuned us | autotuned tile "

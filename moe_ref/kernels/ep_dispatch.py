@@ -257,7 +257,7 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
         off["num_tokens"], off["send_count"], off["recv_num_tokens"], off["num_rows"], off["row_start"],
         off["recv_base"], off["pool_end"], off["status"], off["signal"], off["epoch"],
         int(max_polls), int(timeout_us * 1000),
-        _checked_received(received_e, e, peers.ptrs_R.device) if received_e is not None else peers.ptrs_R,
+        check_received(received_e, e, peers.ptrs_R.device) if received_e is not None else peers.ptrs_R,
         WAIT=wait, BOUND=bound_mode(), COUNT_RECEIVED=received_e is not None, BLOCK_R=next_power_of_2(R),
         BLOCK_E=next_power_of_2(e), num_warps=4,
     )
@@ -287,7 +287,7 @@ def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions, *, wait: bool = Fals
     """Torch twin of `ep_dispatch` (same arguments, same writes, bitwise; no host sync except the wait's)."""
     check_peers(peers, regions)
     if received_e is not None:
-        _checked_received(received_e, regions.num_local_experts, peers.local.device)
+        check_received(received_e, regions.num_local_experts, peers.local.device)
     if wait:
         symm_barrier_ref(peers, regions, post=False, wait=True, timeout_us=timeout_us, max_polls=max_polls)
     my = peers.local
@@ -306,7 +306,7 @@ def ep_dispatch_ref(peers: PeerBuffers, regions: EPRegions, *, wait: bool = Fals
         receive_rows_ref(my, regions, peers.rank, s, recv_base_Re, token_C, live_C, *rows, scale_CDb)
 
 
-def _checked_received(received_e: torch.Tensor, num_local_experts: int, device: torch.device) -> torch.Tensor:
+def check_received(received_e: torch.Tensor, num_local_experts: int, device: torch.device) -> torch.Tensor:
     """``received_e`` if it is the ``[e]`` int64 count on the buffer's device, else ShapeError (a wrong one would be
     written out of bounds by the kernel)."""
     if received_e.shape != (num_local_experts,) or received_e.dtype != torch.int64 or received_e.device != device:

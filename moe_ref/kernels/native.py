@@ -157,6 +157,8 @@ def ep_dispatch(peers: PeerBuffers, regions: EPRegions, *, wait: bool = False,
         return _dispatch.ep_dispatch_ref(peers, regions, wait=wait, timeout_us=timeout_us, max_polls=max_polls,
                                          received_e=received_e)
     check_peers(peers, regions)
+    if received_e is not None:
+        _dispatch.check_received(received_e, regions.num_local_experts, peers.local.device)
     torch.ops.moe_ref.ep_dispatch_cpu(_buffers(peers), peers.rank, layout_args(regions), wait, float(timeout_us),
                                       int(max_polls))
     if received_e is not None:

@@ -25,7 +25,7 @@ from moe_ref.core.router import router_logits as router_logits_ref
 from moe_ref.kernels._triton_utils import cdiv, check_device, is_interpreter
 from moe_ref.kernels.launch import launch
 
-__all__ = ["router_logits", "router_logits_ref", "router_logits_tile", "KERNEL_DTYPES"]
+__all__ = ["router_logits", "router_logits_ref"]
 
 # operand dtypes the kernel takes (x and the gate weight alike): their products are exact in fp32
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -77,8 +77,8 @@ def router_logits(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor) -> torch.Ten
         gate_weight_ED: ``[E, D]`` of x's dtype, unit stride along D.
 
     Returns:
-        ``[T, E]`` fp32, contiguous. Other dtypes (fp32, mixed) go to ``router_logits_ref``, which is already one
-        fp32 GEMM for them.
+        ``[T, E]`` fp32, contiguous. Other operands (fp32, mixed dtypes, a non-unit stride along D) go to
+        ``router_logits_ref`` (fp32 operands need no cast there: one fp32 GEMM).
     """
     if x_TD.dim() != 2 or gate_weight_ED.dim() != 2 or x_TD.shape[1] != gate_weight_ED.shape[1]:
         raise ShapeError(f"router_logits takes x [T, D] and the gate weight [E, D]; got {tuple(x_TD.shape)} and "

@@ -210,8 +210,8 @@ def compile_launches(kernels: list, launch) -> list:
 
 
 def _compile_recorded(kernel, recorder: "_Recorder"):
-    """Compile for sm_90 the launch ``recorder`` kept (its arguments' Triton types and constexprs, and the 16-divisibility
-    Triton's launch specializes on: a tensor's 16-byte aligned base, an int divisible by 16; without it a kernel's
+    """Compile for sm_90 the launch ``recorder`` kept (its arguments' Triton types and constexprs, and the
+    16-divisibility Triton's launch specializes on: a tensor's 16-byte aligned base, an int divisible by 16; without it a kernel's
     loads compile as a GPU never runs them, e.g. not pipelined)."""
     bound = dict(zip(kernel.arg_names, recorder.args))
     bound.update({key: value for key, value in recorder.kwargs.items() if key not in OPTION_KEYS})

@@ -420,3 +420,8 @@ def test_dispatch_adds_the_received_rows_to_the_running_count():
         expected += regions.view(world[0].local, "num_rows")
         assert torch.equal(received, expected), f"{call=}"
     assert int(received.sum()) == 5 + live_slots  # one rank owns every expert: each live slot counted once
+    from moe_ref.core.errors import ShapeError
+
+    with pytest.raises(ShapeError, match="received_e must be"):  # refused before the op runs, as by the twin
+        native.ep_dispatch(world[0], regions, received_e=torch.zeros(3, dtype=torch.int32))
+    assert torch.equal(received, expected)
