@@ -66,6 +66,8 @@ W4_CASES = {
     "w4 int4 down fp16, prefill tile": ("int4", "down", torch.float16, 512, (64, 128, 8, 3)),
     "w4 mxfp4 down fp16, K 96": ("mxfp4", "down", torch.float16, 96, (32, 64, 4, 3)),
     "w4 int4 gate_up fp32": ("int4", "gate_up", torch.float32, 256, (16, 64, 4, 2)),
+    "w4 int4 gate_up bf16, decode tile, TMA x": ("int4", "gate_up", torch.bfloat16, 512, (16, 64, 4, 3), True),
+    "w4 mxfp4 down bf16, K 96, TMA x": ("mxfp4", "down", torch.bfloat16, 96, (32, 64, 4, 3), True),
 }
 
 # name -> (ids dtype, weights dtype)
@@ -151,19 +153,25 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
         gm._tma_possible, gm._num_sms = tma_possible, num_sms
 
 
-def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple):
-    """One GEMM of grouped_mlp_w4 (4 experts, N 128, 64 pool rows), its forced tile compiled for sm_90."""
+def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple, tma: bool = False):
+    """One GEMM of grouped_mlp_w4 (4 experts, N 128, 64 pool rows), its forced tile compiled for sm_90; ``tma``: x's
+    tiles through a TMA descriptor (the path a Hopper GPU takes for aligned rows), else pointer loads."""
     experts, n, rows = 4, 128, 64
     b_rows = 2 * n if gemm == "gate_up" else n
     packed = (torch.zeros(experts, b_rows, k // 8, dtype=torch.int32) if fmt == "int4" else
               torch.zeros(experts, b_rows, k // 2, dtype=torch.uint8))
     scale = torch.ones(experts, b_rows, k // 32, dtype=torch.bfloat16 if fmt == "int4" else torch.uint8)
     weight = to_group_planes(packed, scale, fmt)
-    return compile_launch(w4, "_w4_gemm_kernel", lambda: w4.launch_w4_gemm(
-        torch.zeros(rows, k, dtype=dtype), weight, torch.zeros(rows, n, dtype=dtype),
-        torch.arange(experts, dtype=torch.int64) * 16, torch.full((experts,), 16, dtype=torch.int32), n=n,
-        activation="silu" if gemm == "gate_up" else "none", situ_beta=4.0, situ_linear_beta=25.0, rows_hint=rows,
-        tile=tile))
+    tma_possible = w4._x_tma_possible
+    w4._x_tma_possible = lambda x: tma  # no CUDA device here: TMA is what the case says
+    try:
+        return compile_launch(w4, "_w4_gemm_kernel", lambda: w4.launch_w4_gemm(
+            torch.zeros(rows, k, dtype=dtype), weight, torch.zeros(rows, n, dtype=dtype),
+            torch.arange(experts, dtype=torch.int64) * 16, torch.full((experts,), 16, dtype=torch.int32), n=n,
+            activation="silu" if gemm == "gate_up" else "none", situ_beta=4.0, situ_linear_beta=25.0,
+            rows_hint=rows, tile=tile))
+    finally:
+        w4._x_tma_possible = tma_possible
 
 
 def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):

@@ -1,5 +1,5 @@
 """MegaMoE on one GPU at Kimi-K2 expert shapes (hidden 7168, expert intermediate 2048; 8 experts, top-4 to
-keep the weights small): the default CUDA backend (triton) in bf16, and with ``dispatch_fp8`` (FP8 pool +
+keep the weights small): the Triton experts backend (named: where DeepGEMM is installed, the default is "auto") in bf16, and with ``dispatch_fp8`` (FP8 pool +
 Triton FP8 experts), against the bf16 single-process reference by calc_diff, at a decode and a prefill
 batch. Also checks the lean pool: the experts get exactly the routed rows (triton's alignment is 1).
 
@@ -36,8 +36,8 @@ def test_layer_matches_bf16_reference(weights, num_tokens, dispatch_fp8, monkeyp
     from moe_ref.experts import TritonExperts
     from moe_ref.layer import MegaMoE
 
-    layer = MegaMoE(CFG, num_max_tokens_per_rank=512, dispatch_fp8=dispatch_fp8, dtype=torch.bfloat16,
-                    device="cuda").load_weights(weights)
+    layer = MegaMoE(CFG, num_max_tokens_per_rank=512, dispatch_fp8=dispatch_fp8, experts_backend="triton",
+                    dtype=torch.bfloat16, device="cuda").load_weights(weights)
     experts = layer.experts
     assert isinstance(experts, TritonExperts) and experts.fp8 == dispatch_fp8 == experts.accepts_fp8_input
     assert layer.routed_step.plan.alignment == TritonExperts.segment_alignment == 1
