@@ -1,18 +1,18 @@
 #!/usr/bin/env python
-"""The router's gate GEMM on one GPU: moe_ref's Triton kernel against the fp32 torch GEMM it replaced, same run.
+"""The router's gate GEMM on one GPU: moe_ref's (cuBLAS, fp32 output) against the fp32 torch GEMM it replaced.
 
     PYTHONPATH=. python3 scripts/bench_router.py --out results/router [--tokens 1 16 128 1024 4096 32768]
 
 Rows per (router, T), us per call (moe_ref.testing.bench with host_ahead: GPU time, calls queued back to back, L2
 flushed), eagerly and replayed from a CUDA graph of the same call:
-- ``triton``: ``moe_ref.kernels.router_logits`` (bf16 operands as stored, fp32 sums, one launch);
+- ``moe_ref``: ``moe_ref.kernels.router_logits``, what the layer runs (``torch.mm(x, w.t(), out_dtype=torch.float32)``:
+  cuBLAS on the bf16 operands as stored, fp32 sums and output, one launch);
 - ``torch fp32``: ``router_logits_ref``, ``F.linear(x.float(), w.float())`` (the path before: both casts, an fp32
   GEMM, cuBLAS's split-K reduce);
-- ``torch bf16`` (anchor): ``x @ w.t()`` in bf16 (cuBLAS, bf16 out: the tensor cores' speed on these bytes);
-- ``cublas fp32 out``: ``torch.mm(x, w.t(), out_dtype=torch.float32)`` (cuBLAS on the bf16 operands, fp32 sums and
-  output: the same numerics as the Triton kernel, from the library; absent where torch lacks ``mm.dtype``).
-Also per row: the weight bytes read per us (decode is bound by the E x D weight) and the largest |triton - fp32|
-and |cublas fp32 out - fp32|.
+- ``torch bf16`` (anchor): ``x @ w.t()`` in bf16 (cuBLAS, bf16 out: the tensor cores' speed on these bytes).
+Also per row: the weight bytes read per us (decode is bound by the E x D weight) and the largest |moe_ref - fp32|.
+(docs/results/bench_router_h200_2026-12-02.* is this script's earlier version, which also timed a Triton kernel of
+moe_ref's own: cuBLAS beat it at every T, and replaced it.)
 Routers: Kimi-K2 (E 384) and DeepSeek-V3 (E 256), D 7168. Writes router.json, router.md and router.png.
 """
 from __future__ import annotations
@@ -36,19 +36,9 @@ ROUTERS = {"kimi-k2": 384, "deepseek-v3": 256}
 HIDDEN = 7168
 
 
-def cublas_fp32_out(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.mm(x, w.t(), out_dtype=torch.float32)
-
-
 def paths(x: torch.Tensor, w: torch.Tensor) -> dict:
-    out = {"triton": lambda: router_logits(x, w), "torch fp32": lambda: router_logits_ref(x, w),
-           "torch bf16 (anchor)": lambda: x @ w.t()}
-    try:
-        cublas_fp32_out(x, w)
-        out["cublas fp32 out"] = lambda: cublas_fp32_out(x, w)
-    except (RuntimeError, TypeError) as error:  # a torch without mm.dtype
-        print(f"cublas fp32 out: skipped ({type(error).__name__}: {str(error)[:120]})", flush=True)
-    return out
+    return {"moe_ref": lambda: router_logits(x, w), "torch fp32": lambda: router_logits_ref(x, w),
+            "torch bf16 (anchor)": lambda: x @ w.t()}
 
 
 def markdown(results: dict) -> str:
@@ -56,17 +46,13 @@ def markdown(results: dict) -> str:
     lines = [f"# Router gate GEMM ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']})",
              "", f"`{meta['command']}`", "", "us per call, eager / replayed from a CUDA graph; GB/s of the bf16 weight "
              "read per us (eager).", "",
-             "| router | T | triton | torch fp32 | torch bf16 (anchor) | cublas fp32 out | triton weight GB/s "
-             "| fp32 / triton (graph) | max abs diff vs fp32: triton, cublas fp32 out |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| router | T | moe_ref | torch fp32 | torch bf16 (anchor) | moe_ref weight GB/s | fp32 / moe_ref (graph) "
+             "| max abs diff vs fp32 |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in results["rows"]:
         us = row["us"]
-        cells = [f"{us[name][0]:.1f} / {us[name][1]:.1f}" if name in us else "-"
-                 for name in ("triton", "torch fp32", "torch bf16 (anchor)", "cublas fp32 out")]
-        cublas_diff = row.get("cublas_max_abs_diff_vs_fp32")
-        lines.append(f"| {row['router']} | {row['tokens']} | {' | '.join(cells)} | {row['triton_weight_gbps']:.0f} | "
-                     f"{us['torch fp32'][1] / us['triton'][1]:.2f} | {row['max_abs_diff_vs_fp32']:.2e}, "
-                     f"{'-' if cublas_diff is None else f'{cublas_diff:.2e}'} |")
+        cells = [f"{us[name][0]:.1f} / {us[name][1]:.1f}" for name in ("moe_ref", "torch fp32", "torch bf16 (anchor)")]
+        lines.append(f"| {row['router']} | {row['tokens']} | {' | '.join(cells)} | {row['weight_gbps']:.0f} | "
+                     f"{us['torch fp32'][1] / us['moe_ref'][1]:.2f} | {row['max_abs_diff_vs_fp32']:.2e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -109,12 +95,9 @@ def main(argv=None) -> int:
             x = torch.randn(num_tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
             us = {name: (bench(fn, host_ahead=True), bench(graphed(fn), host_ahead=True))
                   for name, fn in paths(x, w).items()}
-            ref = router_logits_ref(x, w)
-            diff = (router_logits(x, w) - ref).abs().max().item()
+            diff = (router_logits(x, w) - router_logits_ref(x, w)).abs().max().item()
             row = dict(router=router, tokens=num_tokens, experts=num_experts, us=us, max_abs_diff_vs_fp32=diff,
-                       triton_weight_gbps=w.nbytes / us["triton"][0] / 1e3)
-            if "cublas fp32 out" in us:
-                row["cublas_max_abs_diff_vs_fp32"] = (cublas_fp32_out(x, w) - ref).abs().max().item()
+                       weight_gbps=w.nbytes / us["moe_ref"][0] / 1e3)
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

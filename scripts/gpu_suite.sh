@@ -18,8 +18,7 @@
 # launch = the host cost per Triton launch (scripts/bench_launch.py); router = the gate GEMM kernel's GPU tests and
 # scripts/bench_router.py (it against the fp32 torch GEMM it replaced, eager and in a graph); peer_search = the expert MLPs beside SGLang's
 # and vLLM's kernels at the best config of their own tuners' spaces, the points not yet measured (Kimi-K2 4096 / 512
-# rows, Step3 32768 / 4096 rows; two steps, each up to one device command); w4_tma = the 4-bit experts with x's tiles
-# through TMA (the default on Hopper) and through pointer loads (MOE_REF_TMA=0), two bench_w4a16 runs; launches = the
+# rows, Step3 32768 / 4096 rows; two steps, each up to one device command); launches = the
 # layer's launches, syncs and host time per eager call at decode (bench_eager --profile, launching path and graph);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
@@ -101,7 +100,7 @@ for s in $STEPS; do case $s in
   launch) step launch 120 python3 scripts/bench_launch.py --out "$OUT/launch" ;;
   router)
     step router_tests 200 python3 -m pytest -q -rs --timeout=150 tests/gpu/test_kernels_cuda.py -k router \
-      tests/interpreter/test_router_logits.py
+      tests/unit/test_router_logits.py
     step router 200 python3 scripts/bench_router.py --out "$OUT/router" ;;
   peer_search)
     step peer_search_kimi 590 python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
@@ -110,10 +109,6 @@ for s in $STEPS; do case $s in
     step peer_search_step3 590 python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
       --models step3 --rows 32768,4096 --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \
       --out "$OUT/peer_step3/bench_experts.json" ;;
-  w4_tma)
-    step w4_pointers 200 env MOE_REF_TMA=0 python3 scripts/bench_w4a16.py --peer none --max-seconds 180 \
-      --out "$OUT/w4_pointers/bench_w4a16.json"
-    step w4_tma 200 python3 scripts/bench_w4a16.py --peer none --max-seconds 180 --out "$OUT/w4_tma/bench_w4a16.json" ;;
   launches) step launches 200 python3 scripts/bench_eager.py --out "$OUT/launches" --tokens 16 128 \
       --routes eager_launches graph --profile --repeats 3 ;;
   pack) PACK=1 ;;  # done after the summary below

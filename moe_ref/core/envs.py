@@ -11,7 +11,7 @@
 | MOE_REF_DEBUG                      | ``moe-ref`` shows tracebacks of coded errors (1/0)   | off     |
 | MOE_REF_DEBUG_CHECKS               | ``1``: per-call conservation checks (nothing lost)   | 0       |
 | MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
-| MOE_REF_TMA                        | ``0``: the grouped MLP kernels (and the 4-bit one's x tiles) load with pointers, not TMA descriptors | 1 |
+| MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
 | MOE_REF_EAGER_GRAPH_MAX_TOKENS     | largest T whose eager calls replay a CUDA graph of their shape (one rank on CUDA; 0: never) | min(1024, cap) |
 | MOE_REF_BOUND_LAUNCH               | ``0``: Triton launches go through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key); read at the process's first Triton launch (``moe_ref.kernels.launch.bound_launches(False)`` switches it in code) | 1 |
 
@@ -115,8 +115,7 @@ def native_ops() -> tuple[bool, str | None]:
 
 
 def tma() -> bool:
-    """``MOE_REF_TMA=0`` keeps the grouped MLP kernels (the 4-bit one's x tiles too) on pointer loads (TMA descriptors
-    otherwise, where possible)."""
+    """``MOE_REF_TMA=0`` keeps the grouped MLP kernel on pointer loads (TMA descriptors otherwise, where possible)."""
     return _switch("MOE_REF_TMA") is not False
 
 

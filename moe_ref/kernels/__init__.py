@@ -4,6 +4,8 @@
     EP over symmetric memory: ep_pre_dispatch -> symm_barrier -> ep_dispatch -> experts -> ep_combine_push
         -> symm_barrier -> ep_combine_reduce   (ep_chunk runs them in order)
 
+`router_logits` is the one op here that is no Triton kernel: cuBLAS's fp32-output GEMM of the 16-bit operands
+(measured faster than a Triton kernel of ours at every T).
 `fp8` holds the torch FP8 quantizers (activations per 128 columns, weights per 128x128 block);
 `grouped_mlp_tiles` the grouped MLP's autotune tile lists and their pruning; `launch` the one launch path of every
 kernel (Triton's launcher the first time a shape key is seen, the compiled kernel bound after).

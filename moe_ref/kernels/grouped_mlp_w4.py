@@ -45,7 +45,7 @@ from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
 from moe_ref.kernels._triton_utils import (cdiv, check_device, gated_act, is_interpreter, launch_options,
                                            next_power_of_2)
-from moe_ref.kernels.grouped_mlp import TensorDescriptor, expert_block_rows, expert_table, tma_unavailable_reason
+from moe_ref.kernels.grouped_mlp import expert_block_rows, expert_table
 from moe_ref.kernels.launch import launch
 from moe_ref.kernels.w4 import PLANE_BLOCK, WORDS_PER_BLOCK, W4Weight, dequantize_planes
 
@@ -156,7 +156,6 @@ def _group_dot(acc, pairs, x_t, scale_ptrs, mask_n, W4: tl.constexpr, UPCAST: tl
 @triton.jit
 def _w4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, c_ptr, row_start_ptr, num_rows_ptr,
-    x_desc,                        # TMA descriptor of x [R, K], block [BLOCK_M, 32] (USE_TMA), else None
     R, N, K, num_blocks_k, num_experts, situ_beta, situ_linear_beta,
     rows_hint,                     # autotune key only (unused in the body)
     stride_x_r, stride_w_e, stride_w_n, stride_s_e, stride_s_g, stride_c_r,
@@ -166,7 +165,6 @@ def _w4_gemm_kernel(
     IEEE_FP32: tl.constexpr,       # fp32 x: ieee dots
     UPCAST: tl.constexpr,          # interpreter: dots in fp32 (its 16-bit dot is wrong)
     EVEN_K: tl.constexpr,          # K % 256 == 0: x's loads need no column mask (and stay vectorized, so pipelined)
-    USE_TMA: tl.constexpr,         # x's tiles through x_desc (Hopper TMA), not pointers
     BLOCK_M: tl.constexpr,         # pool rows per program (the MMA's N)
     BLOCK_N: tl.constexpr,         # output features per program (the MMA's M)
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
@@ -180,7 +178,7 @@ def _w4_gemm_kernel(
     pid_n = tl.program_id(0) % num_pid_n
     if pid_m >= tl.sum(num_blocks_e):
         return
-    expert, row0, rows, mask_m = expert_block_rows(pid_m, offs_e, num_rows_e, num_blocks_e, block_end_e, row_start_ptr, R,
+    expert, _, rows, mask_m = expert_block_rows(pid_m, offs_e, num_rows_e, num_blocks_e, block_end_e, row_start_ptr, R,
                                                 BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -198,9 +196,7 @@ def _w4_gemm_kernel(
                 words_up = tl.load(w_rows + N * stride_w_n + kb * 32 + half * 16, mask=mask_n[:, None], other=0)
             for plane in tl.static_range(4):
                 group = kb * 8 + half * 4 + plane
-                if USE_TMA:  # rows past the segment are other experts' (their columns are masked at the store)
-                    x_t = x_desc.load([row0.to(tl.int32), group * 32]).T
-                elif EVEN_K:
+                if EVEN_K:
                     x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :], other=0.0)
                 else:
                     x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :] & (group * 32 + offs_k < K)[:, None],
@@ -230,25 +226,9 @@ def tiles_for(rows_per_expert: float) -> list[tuple]:
     return [t for t in TILES if t[0] >= 32]
 
 
-def _x_tma_possible(x: torch.Tensor) -> bool:
-    """Whether x's tiles can come through a TMA descriptor: where ``grouped_mlp.tma_unavailable_reason`` is None,
-    with a 16-byte aligned base and row stride (TMA's rules). Why TMA: a tile written by TMA is in the shared memory
-    the MMA reads through the same (async) proxy, so no proxy fence (``MEMBAR`` + ``FENCE.VIEW.ASYNC``) is needed
-    before each group's dot, as it is after ``cp.async`` pointer loads."""
-    return (tma_unavailable_reason(x.device) is None and x.data_ptr() % 16 == 0
-            and (x.stride(0) * x.element_size()) % 16 == 0)
-
-
-def _set_x_block(nargs: dict) -> None:
-    """Autotune pre-hook: x's descriptor takes the block shape of the tile being run."""
-    if nargs.get("x_desc") is not None:
-        nargs["x_desc"].block_shape = [nargs["BLOCK_M"], 32]
-
-
 @functools.lru_cache(maxsize=None)
 def _autotuned(tiles: tuple) -> triton.runtime.Autotuner:
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=_set_x_block)
-               for m, n, w, s in tiles]
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
     return triton.autotune(configs, key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "W4"])(_w4_gemm_kernel)
 
 
@@ -279,17 +259,14 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, a
     """
     num_rows, num_experts = x.shape[0], weight.words_eOw.shape[0]
     rows_bucket = next_power_of_2(max(1, rows_hint))
-    use_tma = _x_tma_possible(x)
-    # block shape [BLOCK_M, 32]: set below for a forced tile, by the autotune pre-hook otherwise
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [16, 32]) if use_tma else None
-    args = (x, weight.words_eOw, weight.group_major_scale, c, row_start_e, num_rows_e, x_desc, num_rows, n, weight.in_features,
+    args = (x, weight.words_eOw, weight.group_major_scale, c, row_start_e, num_rows_e, num_rows, n, weight.in_features,
             weight.words_eOw.shape[-1] // WORDS_PER_BLOCK, num_experts, float(situ_beta),
             float(situ_linear_beta) if situ_linear_beta else 1.0, rows_bucket, x.stride(0),
             weight.words_eOw.stride(0), weight.words_eOw.stride(1), weight.group_major_scale.stride(0),
             weight.group_major_scale.stride(1), c.stride(0))
     flags = dict(ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), W4=_FORMATS[weight.fmt],
                  IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
-                 EVEN_K=weight.in_features % PLANE_BLOCK == 0, USE_TMA=use_tma, BLOCK_E=next_power_of_2(num_experts))
+                 EVEN_K=weight.in_features % PLANE_BLOCK == 0, BLOCK_E=next_power_of_2(num_experts))
 
     def grid(block_m: int, block_n: int) -> tuple:
         return ((cdiv(num_rows, block_m) + num_experts) * cdiv(n, block_n),)
@@ -301,7 +278,6 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, a
         if block_m < 16 or block_n < 16:
             raise InvalidConfigError(f"tile {tile}: BLOCK_M and BLOCK_N must be >= 16 (tl.dot)")
         extra = {} if is_interpreter() else launch_options(fp_fusion=True)
-        _set_x_block({"x_desc": x_desc, "BLOCK_M": block_m})
         return launch(_w4_gemm_kernel, grid(block_m, block_n), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                       num_warps=warps, num_stages=stages, **extra)
     key = (rows_bucket, n, weight.in_features, num_experts, tuple(flags.values()), x.dtype,

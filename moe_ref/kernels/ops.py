@@ -2,7 +2,7 @@
 
 | op               | CUDA                                  | CPU (and anything else)              |
 |------------------|---------------------------------------|--------------------------------------|
-| router_logits    | ``kernels.router_logits`` (Triton: bf16/fp16 operands, fp32 sums) | ``kernels.router_logits_ref`` (torch: ``router.router_logits``, fp32) |
+| router_logits    | ``kernels.router_logits`` (cuBLAS: bf16/fp16 operands, fp32 sums and output) | ``kernels.router_logits_ref`` (torch: ``router.router_logits``, fp32) |
 | select_experts   | ``kernels.router_topk`` (Triton)      | ``kernels.router_topk_ref`` (torch: ``router.select_experts``) |
 | routing_check    | ``kernels.routing_check`` (Triton)    | ``kernels.routing_check_ref`` (torch) |
 | dense_mlp        | ``kernels.grouped_mlp``, one expert (Triton) | ``activations.dense_mlp`` (torch)  |
@@ -34,7 +34,7 @@ def uses_triton(device: torch.device | str) -> bool:
 
 
 def router_logits(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor) -> torch.Tensor:
-    """``[T, D] x [E, D] -> [T, E]`` fp32 gate logits: one Triton launch on CUDA, the fp32 torch GEMM elsewhere."""
+    """``[T, D] x [E, D] -> [T, E]`` fp32 gate logits: one cuBLAS launch on CUDA, the fp32 torch GEMM elsewhere."""
     return (kernels.router_logits if uses_triton(x_TD.device) else kernels.router_logits_ref)(x_TD, gate_weight_ED)
 
 

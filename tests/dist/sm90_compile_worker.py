@@ -1,6 +1,5 @@
-"""Compile the grouped MLP kernel, the routing check, the router's gate GEMM, the gated activation and the EP data-path
-kernels for Hopper (sm_90a) on a machine
-without a GPU, as their launchers would launch them.
+"""Compile the grouped MLP kernels, the routing check, the gated activation and the EP data-path kernels for Hopper
+(sm_90a) on a machine without a GPU, as their launchers would launch them.
 
     python tests/dist/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
 
@@ -34,7 +33,6 @@ from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers  # noqa: E402
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
 rc = importlib.import_module("moe_ref.kernels.routing_check")
-rl = importlib.import_module("moe_ref.kernels.router_logits")
 ga = importlib.import_module("moe_ref.kernels.gated_act")
 w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
 from moe_ref.kernels.w4 import to_group_planes  # noqa: E402
@@ -66,22 +64,12 @@ W4_CASES = {
     "w4 int4 down fp16, prefill tile": ("int4", "down", torch.float16, 512, (64, 128, 8, 3)),
     "w4 mxfp4 down fp16, K 96": ("mxfp4", "down", torch.float16, 96, (32, 64, 4, 3)),
     "w4 int4 gate_up fp32": ("int4", "gate_up", torch.float32, 256, (16, 64, 4, 2)),
-    "w4 int4 gate_up bf16, decode tile, TMA x": ("int4", "gate_up", torch.bfloat16, 512, (16, 64, 4, 3), True),
-    "w4 mxfp4 down bf16, K 96, TMA x": ("mxfp4", "down", torch.bfloat16, 96, (32, 64, 4, 3), True),
 }
 
 # name -> (ids dtype, weights dtype)
 ROUTING_CHECK_CASES = {
     "routing_check int64 ids, fp32 weights": (torch.int64, torch.float32),
     "routing_check int32 ids, bf16 weights": (torch.int32, torch.bfloat16),
-}
-
-# name -> (tokens: picks the tile, operand dtype): the router's gate GEMM
-ROUTER_LOGITS_CASES = {
-    "router_logits decode tile, bf16": (16, torch.bfloat16),
-    "router_logits 128-token tile, fp16": (128, torch.float16),
-    "router_logits 1024-token tile, bf16": (1024, torch.bfloat16),
-    "router_logits prefill tile, bf16": (4096, torch.bfloat16),
 }
 
 # name -> (pool format, fp8 output, activation)
@@ -153,25 +141,19 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
         gm._tma_possible, gm._num_sms = tma_possible, num_sms
 
 
-def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple, tma: bool = False):
-    """One GEMM of grouped_mlp_w4 (4 experts, N 128, 64 pool rows), its forced tile compiled for sm_90; ``tma``: x's
-    tiles through a TMA descriptor (the path a Hopper GPU takes for aligned rows), else pointer loads."""
+def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple):
+    """One GEMM of grouped_mlp_w4 (4 experts, N 128, 64 pool rows), its forced tile compiled for sm_90."""
     experts, n, rows = 4, 128, 64
     b_rows = 2 * n if gemm == "gate_up" else n
     packed = (torch.zeros(experts, b_rows, k // 8, dtype=torch.int32) if fmt == "int4" else
               torch.zeros(experts, b_rows, k // 2, dtype=torch.uint8))
     scale = torch.ones(experts, b_rows, k // 32, dtype=torch.bfloat16 if fmt == "int4" else torch.uint8)
     weight = to_group_planes(packed, scale, fmt)
-    tma_possible = w4._x_tma_possible
-    w4._x_tma_possible = lambda x: tma  # no CUDA device here: TMA is what the case says
-    try:
-        return compile_launch(w4, "_w4_gemm_kernel", lambda: w4.launch_w4_gemm(
-            torch.zeros(rows, k, dtype=dtype), weight, torch.zeros(rows, n, dtype=dtype),
-            torch.arange(experts, dtype=torch.int64) * 16, torch.full((experts,), 16, dtype=torch.int32), n=n,
-            activation="silu" if gemm == "gate_up" else "none", situ_beta=4.0, situ_linear_beta=25.0,
-            rows_hint=rows, tile=tile))
-    finally:
-        w4._x_tma_possible = tma_possible
+    return compile_launch(w4, "_w4_gemm_kernel", lambda: w4.launch_w4_gemm(
+        torch.zeros(rows, k, dtype=dtype), weight, torch.zeros(rows, n, dtype=dtype),
+        torch.arange(experts, dtype=torch.int64) * 16, torch.full((experts,), 16, dtype=torch.int32), n=n,
+        activation="silu" if gemm == "gate_up" else "none", situ_beta=4.0, situ_linear_beta=25.0, rows_hint=rows,
+        tile=tile))
 
 
 def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):
@@ -183,17 +165,6 @@ def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):
             torch.zeros(70, 8, dtype=ids_dtype), torch.zeros(70, 8, dtype=weights_dtype), 16))
     finally:
         rc.check_device = check_device
-
-
-def compile_router_logits(num_tokens: int, dtype: torch.dtype):
-    """The gate GEMM of Kimi-K2's router (E 384, D 7168) over ``num_tokens`` tokens, compiled for sm_90."""
-    check_device = rl.check_device
-    rl.check_device = lambda name, tensor: None
-    try:
-        return compile_launch(rl, "_router_logits_kernel", lambda: rl.router_logits(
-            torch.zeros(num_tokens, 7168, dtype=dtype), torch.zeros(384, 7168, dtype=dtype)))
-    finally:
-        rl.check_device = check_device
 
 
 def compile_launch(module, kernel_name: str, launch):
@@ -300,8 +271,6 @@ def main() -> int:
     builders.update({name: ("grouped_mlp_w4", lambda case=case: [compile_w4(*case)]) for name, case in W4_CASES.items()})
     builders.update({name: ("routing_check", lambda case=case: [compile_routing_check(*case)])
                      for name, case in ROUTING_CHECK_CASES.items()})
-    builders.update({name: ("router_logits", lambda case=case: [compile_router_logits(*case)])
-                     for name, case in ROUTER_LOGITS_CASES.items()})
     builders.update({name: ("gated_act", lambda case=case: [compile_gated_act(*case)])
                      for name, case in GATED_ACT_CASES.items()})
     builders.update({name: ("ep", lambda case=case: compile_ep(*case)) for name, case in EP_CASES.items()})

@@ -132,12 +132,12 @@ def test_router_topk(num_experts, num_topk, kwargs):
     torch.testing.assert_close(weights[same], weights_ref[same], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 16, 64, 100, 4096])  # each tile, and T not a whole tile
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 100, 4096])
 @pytest.mark.parametrize("num_experts", [384, 256])  # Kimi-K2, DeepSeek-V3
 def test_router_logits(num_tokens, num_experts):
-    """The gate GEMM (bf16 operands, fp32 sums) at a real router's shape (D 7168): exact where fp32 holds every sum
-    (small integers), within D * eps * sum|x w| of the fp32 twin on random values, and the same top-k as the twin's
-    logits but for near ties."""
+    """The gate GEMM (cuBLAS on the bf16 operands, fp32 sums and output) at a real router's shape (D 7168): exact
+    where fp32 holds every sum (small integers), within D * eps * sum|x w| of the fp32 twin on random values, and the
+    same top-k as the twin's logits but for near ties."""
     from moe_ref.kernels.router_logits import router_logits, router_logits_ref
     from moe_ref.kernels.router_topk import router_topk
 

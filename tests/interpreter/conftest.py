@@ -20,7 +20,6 @@ _KERNEL_MODULES = (  # dependency order
     "moe_ref.kernels._triton_utils",
     "moe_ref.kernels.launch",
     "moe_ref.kernels.pre_dispatch",
-    "moe_ref.kernels.router_logits",
     "moe_ref.kernels.router_topk",
     "moe_ref.kernels.routing_check",
     "moe_ref.kernels.gated_act",

@@ -203,26 +203,6 @@ def test_w4_kernel_on_whole_blocks_all_rows_on_one_expert_and_forced_tiles(fmt, 
     assert_close(forced, y_ref, torch.bfloat16, fmt=fmt.value, tiles="forced")
 
 
-@pytest.mark.parametrize("fmt", W4)
-def test_w4_kernel_x_through_tma_equals_pointer_loads(fmt, device, monkeypatch):
-    """x's tiles through a TMA descriptor (the default where rows are 16-byte aligned: it reads the rows past a
-    segment, other experts', into columns the store masks) and through pointer loads (``MOE_REF_TMA=0``) give the
-    same bits; K 96 leaves part of the last block past x's end (TMA's zero fill, the pointer path's mask)."""
-    hidden, inter = 96, 64
-    q = _qweights(fmt, len(COUNTS), hidden, inter, device, seed=4)
-    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16)
-    x_PDx, _ = _pool(layout, hidden, torch.bfloat16, device, seed=5)  # NaN in the rows no segment holds
-    args = (x_PDx, *_planes(q), layout.row_start_e, layout.num_rows_e)
-    tiles = GPU_TILES if device == "cuda" else None
-    assert w4._x_tma_possible(x_PDx)
-    y_tma = w4.grouped_mlp_w4(*args, tiles=tiles)
-    monkeypatch.setenv("MOE_REF_TMA", "0")
-    assert not w4._x_tma_possible(x_PDx)
-    y_pointers = w4.grouped_mlp_w4(*args, tiles=tiles)
-    assert not y_tma.isnan().any()
-    assert torch.equal(y_tma, y_pointers)
-
-
 def test_w4_kernel_with_no_rows_returns_an_empty_pool(device):
     q = _qweights(QuantFormat.INT4_GROUP, 2, 64, 32, device)
     layout = ExpertLayout.from_counts(torch.tensor([0, 0], device=device), alignment=1)
