@@ -15,8 +15,8 @@
 # w4_kernel = the 4-bit kernel's tests on the GPU (its decode of every code pair, every scale byte, the kernel vs its
 # twin; tests/gpu/test_quant_cuda.py) and bench_w4a16 with the engines' W4A16 kernel (~6 min); auto_check = auto's and DeepGEMM's GPU tests, then the expert MLPs through the public
 # API eagerly and in a CUDA graph (bench_experts --graph) beside DeepGEMM's bare kernels (needs `make deep-gemm-wheels`);
-# launch = the host cost per Triton launch (scripts/bench_launch.py); router = the gate GEMM kernel's GPU tests and
-# scripts/bench_router.py (it against the fp32 torch GEMM it replaced, eager and in a graph); peer_search = the expert MLPs beside SGLang's
+# launch = the host cost per Triton launch (scripts/bench_launch.py); router = the gate GEMM's GPU tests (cuBLAS, fp32
+# output) and scripts/bench_router.py (it against the fp32 torch GEMM it replaced, eager and in a graph); peer_search = the expert MLPs beside SGLang's
 # and vLLM's kernels at the best config of their own tuners' spaces, the points not yet measured (Kimi-K2 4096 / 512
 # rows, Step3 32768 / 4096 rows; two steps, each up to one device command); launches = the
 # layer's launches, syncs and host time per eager call at decode (bench_eager --profile, launching path and graph);

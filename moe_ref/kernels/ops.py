@@ -34,7 +34,8 @@ def uses_triton(device: torch.device | str) -> bool:
 
 
 def router_logits(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor) -> torch.Tensor:
-    """``[T, D] x [E, D] -> [T, E]`` fp32 gate logits: one cuBLAS launch on CUDA, the fp32 torch GEMM elsewhere."""
+    """``[T, D] x [E, D] -> [T, E]`` fp32 gate logits: cuBLAS on CUDA (one GEMM: two kernels where it
+    splits K), the fp32 torch GEMM elsewhere."""
     return (kernels.router_logits if uses_triton(x_TD.device) else kernels.router_logits_ref)(x_TD, gate_weight_ED)
 
 
