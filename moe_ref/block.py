@@ -103,11 +103,9 @@ def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cf
         routed = routed @ weights.latent_up_weight_DL.t().to(routed.dtype)
     if not cfg.has_shared_experts:
         return routed
-    shared_TD = ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS,
-                              cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
-    # NOTE: one add in x's dtype: torch adds bf16/fp16 in fp32 and rounds once, the same bits as
-    # (routed.float() + shared.float()).to(dtype) in one launch instead of four.
-    return routed.to(x_TD.dtype) + shared_TD
+    # the shared experts' MLP with the routed output added (on CUDA in its last GEMM's epilogue: no launch of its own)
+    return ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS, cfg.activation,
+                         cfg.situ_beta, cfg.situ_linear_beta, add_TD=routed.to(x_TD.dtype))
 
 
 def moe_block(x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, routed_fn: RoutedFn,

@@ -144,13 +144,14 @@ def expert_block_rows(pid_m, offs_e, num_rows_e, num_blocks_e, block_end_e, row_
 def _grouped_gemm_kernel(
     # pointers
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, num_rows_ptr,
+    add_ptr,                       # ADD: [R, N] of c's dtype, added to c (else c, unread)
     a_desc, b_desc,                # TMA descriptors of a [R, K] and b [e * rows of b, K] (USE_TMA), else None
     # sizes
     R, N, K, num_experts, situ_beta, situ_linear_beta,
     rows_hint,                     # autotune key only: ~total routed rows, power of 2 (unused in the body)
     # strides (elements; the last dimension of a, b, c is contiguous)
     stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
-    stride_c_r, stride_c_scale_r,
+    stride_c_r, stride_c_scale_r, stride_add_r,
     # meta
     ACTIVATION: tl.constexpr,      # 0: c = a @ b.T; 1 silu, 2 situ: b has 2N rows (gate and up), c = act(gate, up)
     INTERLEAVED: tl.constexpr,     # gated: b's rows alternate gate j, up j (one dot); else N gate rows, then N up rows
@@ -167,6 +168,7 @@ def _grouped_gemm_kernel(
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
     GROUP_M: tl.constexpr = 1,     # program order: 1 = N fastest (pid_m = pid // num_pid_n); G > 1 = L2 swizzle
     PERSISTENT: tl.constexpr = False,  # a fixed grid walks the live tiles (else one program per upper-bound tile)
+    ADD: tl.constexpr = False,     # c = a @ b.T + add, summed in fp32 and rounded once (no activation, no fp8 out)
 ):
     """One program = BLOCK_M rows of one expert x BLOCK_N output columns (x2 for gate and up).
 
@@ -182,19 +184,19 @@ def _grouped_gemm_kernel(
         for tile in range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             _gemm_tile(pid_m, pid_n, offs_e, num_rows_e, num_blocks_e, block_end_e, a_ptr, a_scale_ptr, b_ptr,
-                       b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc, R, N, K, situ_beta,
+                       b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, add_ptr, a_desc, b_desc, R, N, K, situ_beta,
                        situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
-                       stride_b_scale_n, stride_c_r, stride_c_scale_r, ACTIVATION, INTERLEAVED, SITU_LINEAR, FP8,
-                       QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N,
+                       stride_b_scale_n, stride_c_r, stride_c_scale_r, stride_add_r, ACTIVATION, INTERLEAVED,
+                       SITU_LINEAR, FP8, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, ADD, BLOCK_M, BLOCK_N,
                        BLOCK_K)
     else:  # one program per tile of the upper-bound grid; the surplus programs exit at once
         pid_m, pid_n = _tile_coords(tl.program_id(0), tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
         if pid_m < num_pid_m:
             _gemm_tile(pid_m, pid_n, offs_e, num_rows_e, num_blocks_e, block_end_e, a_ptr, a_scale_ptr, b_ptr,
-                       b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc, R, N, K, situ_beta,
+                       b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, add_ptr, a_desc, b_desc, R, N, K, situ_beta,
                        situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
-                       stride_b_scale_n, stride_c_r, stride_c_scale_r, ACTIVATION, INTERLEAVED, SITU_LINEAR, FP8,
-                       QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, BLOCK_M, BLOCK_N,
+                       stride_b_scale_n, stride_c_r, stride_c_scale_r, stride_add_r, ACTIVATION, INTERLEAVED,
+                       SITU_LINEAR, FP8, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, ADD, BLOCK_M, BLOCK_N,
                        BLOCK_K)
 
 
@@ -214,13 +216,13 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _gemm_tile(
     pid_m, pid_n, offs_e, num_rows_e, num_blocks_e, block_end_e,
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, a_desc, b_desc,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, add_ptr, a_desc, b_desc,
     R, N, K, situ_beta, situ_linear_beta,
     stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
-    stride_c_r, stride_c_scale_r,
+    stride_c_r, stride_c_scale_r, stride_add_r,
     ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, SITU_LINEAR: tl.constexpr, FP8: tl.constexpr,
     QUANT_OUT: tl.constexpr, USE_TMA: tl.constexpr,
-    N_ALIGNED: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+    N_ALIGNED: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """M block `pid_m` (of all experts' blocks, `pid_m < sum(num_blocks_e)`) x N tile `pid_n` of one grouped GEMM;
@@ -301,6 +303,9 @@ def _gemm_tile(
         tl.store(c_ptrs, to_e4m3(div_rn(acc, scale_c[:, None])), mask=mask_c)
         tl.store(c_scale_ptr + rows * stride_c_scale_r + pid_n, scale_c, mask=mask_m)
     else:
+        if ADD:
+            acc += tl.load(add_ptr + rows[:, None] * stride_add_r + offs_n[None, :], mask=mask_c,
+                           other=0.0).to(tl.float32)
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
@@ -371,7 +376,8 @@ def _tma_possible(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, interleaved: bool = False,
-                config: triton.Config | None = None, tma: bool | None = None, persistent: bool = False):
+                config: triton.Config | None = None, tma: bool | None = None, persistent: bool = False,
+                add: torch.Tensor | None = None):
     """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up, its rows stacked or `interleaved`)
     or GEMM2 (`activation` "none"). `grouped_mlp` runs it twice; the tuner and the tests call it alone.
 
@@ -397,6 +403,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         config: None, or a `triton.Config` forcing the tile (see below).
         tma: None (TMA where possible), True (force; error where impossible), False (pointer loads).
         persistent: a fixed grid of programs walks the live tiles.
+        add: None, or `[P, n]` of c's dtype (unit stride along n): c = a @ b.T + add on the rows inside segments,
+            summed in fp32 and rounded once (GEMM2 only: `activation="none"`, not `quant_out`).
 
     Returns:
         what the Triton launch returns (c and c_scale are written in place).
@@ -416,6 +424,11 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     `metadata.shared`; `grouped_mlp` ignores it).
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
+    if add is not None and (activation != "none" or quant_out or add.shape != (num_rows, n) or add.dtype != c.dtype
+                            or add.stride(-1) != 1):
+        raise InvalidConfigError(f"add [P, n] {tuple(add.shape)} {add.dtype}: only GEMM2 (activation 'none', no fp8 "
+                                 f"output) adds a [P, n] = {(num_rows, n)} tensor of c's dtype {c.dtype}, unit "
+                                 f"stride along n")
     rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
     possible = _tma_possible(a, b)
     if tma and not possible:
@@ -434,17 +447,17 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     c_scale = dummy if c_scale is None else c_scale
     b_scale_strides = (b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0)
     args = (
-        a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, a_desc, b_desc,
+        a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, dummy if add is None else add, a_desc, b_desc,
         num_rows, n, k, num_experts, float(situ_beta), float(situ_linear_beta) if situ_linear_beta else 1.0,
         rows_bucket,
         a.stride(0), a_scale.stride(0) if fp8 else 0, b.stride(0), b.stride(1), *b_scale_strides,
-        c.stride(0), c_scale.stride(0) if quant_out else 0,
+        c.stride(0), c_scale.stride(0) if quant_out else 0, 0 if add is None else add.stride(0),
     )
     flags = dict(
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
         QUANT_OUT=quant_out, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=next_power_of_2(num_experts),
-        PERSISTENT=persistent,
+        PERSISTENT=persistent, ADD=add is not None,
     )
     max_programs = None
     if persistent:
@@ -585,6 +598,7 @@ def grouped_mlp(
     gate_up_interleaved: bool = False,
     persistent: bool = False,
     configs: tuple[triton.Config, triton.Config] | None = None,
+    add_PDx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run every local expert's gated MLP on its rows of the receive pool (two Triton launches).
 
@@ -614,9 +628,12 @@ def grouped_mlp(
             bytes; not the default, see docs/RESULTS.md).
         configs: None (autotune both GEMMs), or (GEMM1's, GEMM2's) `triton.Config` forcing their tiles, as
             `launch_gemm(..., config=...)` does (benchmarks comparing one tile on several inputs).
+        add_PDx: None, or `[P, Dx]` of y's dtype added to the MLP's output in GEMM2's epilogue (its fp32 sums plus
+            add, rounded once): the shared experts' output and the routed one summed without a launch of its own.
 
     Returns:
-        y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x); rows outside every segment are 0 (or unwritten).
+        y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x), plus `add_PDx` on the rows inside segments; rows outside
+        every segment are 0 (or unwritten).
         The intermediate h is kept in x's dtype (fp8 + per-128 scales on the fp8 path). No host sync.
     """
     fp8 = _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,
@@ -653,7 +670,8 @@ def grouped_mlp(
     # GEMM2: y = h @ down.T
     launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
                 n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                fp8=fp8, quant_out=False, rows_hint=rows_hint, config=down_config, persistent=persistent)
+                fp8=fp8, quant_out=False, rows_hint=rows_hint, config=down_config, persistent=persistent,
+                add=add_PDx)
     return y_PDx
 
 
@@ -701,6 +719,7 @@ def grouped_mlp_ref(
     num_rows_hint: int | None = None,
     zero_unused_rows: bool = True,
     gate_up_interleaved: bool = False,
+    add_PDx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch twin of `grouped_mlp` (same arguments and return): a loop over experts in fp32.
 
@@ -734,5 +753,8 @@ def grouped_mlp_ref(
             seg_h_PF = dequantize_fp8_per_128(*quantize_fp8_per_128(seg_h_PF))
         else:
             seg_h_PF = seg_h_PF.to(x_PDx.dtype).float()
-        y_PDx[rows] = (seg_h_PF @ down_DxF.T).to(out_dtype)
+        seg_y_PDx = seg_h_PF @ down_DxF.T
+        if add_PDx is not None:
+            seg_y_PDx = seg_y_PDx + add_PDx[rows].float()
+        y_PDx[rows] = seg_y_PDx.to(out_dtype)
     return y_PDx

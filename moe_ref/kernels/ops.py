@@ -52,23 +52,31 @@ def routing_check(topk_ids_TK: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_DS: torch.Tensor,
-              activation: str = "silu", situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
-    """One gated MLP over all rows (the shared experts): ``[T, D] -> [T, D]`` in ``x_TD``'s dtype.
+              activation: str = "silu", situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+              add_TD: torch.Tensor | None = None) -> torch.Tensor:
+    """One gated MLP over all rows (the shared experts): ``[T, D] -> [T, D]`` in ``x_TD``'s dtype, plus ``add_TD``
+    (``[T, D]`` of x's dtype: the routed experts' output) when given.
 
     On CUDA the grouped MLP kernel with one expert owning every row: two launches (the activation fused into the
-    first GEMM, on its fp32 accumulators), against six torch ops and two cuBLAS calls of
-    ``activations.dense_mlp`` (its twin: same math, which rounds the GEMM's output to the weights' dtype before
-    the activation, so the two differ by that rounding).
+    first GEMM, on its fp32 accumulators; ``add_TD`` added in the second GEMM's epilogue to its fp32 sums, rounded
+    once, where x's dtype is the weights'), against six torch ops, two cuBLAS calls and the add of
+    ``activations.dense_mlp`` + ``add_TD`` (its twin: same math, which rounds each GEMM's output to the weights'
+    dtype, so the two differ by those roundings).
     """
     weights_dtype, num_tokens = gate_up_weight_2SD.dtype, x_TD.shape[0]
     if (not uses_triton(x_TD.device) or weights_dtype not in (torch.bfloat16, torch.float16) or num_tokens == 0
             or not (gate_up_weight_2SD.is_contiguous() and down_weight_DS.is_contiguous())):
-        return _dense_mlp_ref(x_TD, gate_up_weight_2SD, down_weight_DS, activation, situ_beta, situ_linear_beta)
+        y_TD = _dense_mlp_ref(x_TD, gate_up_weight_2SD, down_weight_DS, activation, situ_beta, situ_linear_beta)
+        # one add in x's dtype: torch adds bf16/fp16 in fp32 and rounds once
+        return y_TD if add_TD is None else add_TD + y_TD
+    fused_add = add_TD is not None and add_TD.dtype == weights_dtype == x_TD.dtype
     layout = _one_expert_layout(num_tokens, x_TD.device)
     y_TD = kernels.grouped_mlp(x_TD.to(weights_dtype).contiguous(), gate_up_weight_2SD.unsqueeze(0),
                                down_weight_DS.unsqueeze(0), layout[:1], layout[1:2], activation, situ_beta,
-                               situ_linear_beta, num_rows_hint=num_tokens, zero_unused_rows=False)
-    return y_TD.to(x_TD.dtype)
+                               situ_linear_beta, num_rows_hint=num_tokens, zero_unused_rows=False,
+                               add_PDx=add_TD.contiguous() if fused_add else None)
+    y_TD = y_TD.to(x_TD.dtype)
+    return y_TD if add_TD is None or fused_add else add_TD + y_TD
 
 
 # (device, T) -> [0, T] int64 on that device; cleared past _MAX_LAYOUTS entries (prefill meets many T)

@@ -199,6 +199,39 @@ def test_unused_rows_left_unwritten_on_request(fp8, device):
     _check_padding_zero(y_zeroed, row_start_e, num_rows_e, fp8=fp8)
 
 
+@pytest.mark.parametrize("fp8,dtype", [(False, torch.bfloat16), (False, torch.float32), (True, torch.float32)])
+def test_add_in_the_second_gemms_epilogue(fp8, dtype, device, assert_close):
+    """add_PDx (the routed output the shared experts' MLP adds): the twin's fp32 sum plus add, rounded once; adding
+    zeros gives the bits of no add; rows outside the segments stay 0 (add's rows there are never read)."""
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], 48, 40, dtype,
+                                                           device, seed=5)
+    x_PDx, gate_up, down, kwargs = _maybe_fp8(fp8, x_PDx, gate_up, down)
+    out_dtype = torch.bfloat16 if fp8 else dtype
+    gen = torch.Generator().manual_seed(6)
+    add_PDx = (torch.randn(x_PDx.shape[0], 48, generator=gen) * 4).to(out_dtype).to(device)
+    args = (x_PDx, gate_up, down, row_start_e, num_rows_e)
+    y_PDx = grouped_mlp(*args, add_PDx=add_PDx, **kwargs)
+    y_ref = grouped_mlp_ref(*args, add_PDx=add_PDx, **kwargs)
+    _check_padding_zero(y_PDx, row_start_e, num_rows_e, fp8=fp8)
+    assert_close(y_PDx, y_ref, "fp8" if fp8 else dtype, fp8=fp8)
+    assert not torch.allclose(y_PDx.float(), grouped_mlp(*args, **kwargs).float(), atol=1e-2)  # add was added
+    assert torch.equal(grouped_mlp(*args, add_PDx=torch.zeros_like(add_PDx), **kwargs), grouped_mlp(*args, **kwargs))
+
+
+def test_add_is_only_for_the_second_gemm(device):
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs([3], 16, 8, torch.float32, device)
+    h = torch.empty(x_PDx.shape[0], 8, device=device)
+    common = dict(situ_beta=4.0, situ_linear_beta=0.0, fp8=False, quant_out=False, rows_hint=3)
+    with pytest.raises(ValueError, match="only GEMM2"):  # a gated GEMM1
+        grouped_mlp_module.launch_gemm(x_PDx, None, gate_up, None, h, None, row_start_e, num_rows_e, n=8, k=16,
+                                        activation="silu", add=torch.zeros_like(h), **common)
+    y = torch.empty(x_PDx.shape[0], 16, device=device)
+    for bad in (torch.zeros(x_PDx.shape[0], 8, device=device), torch.zeros_like(y, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="only GEMM2"):  # wrong shape, wrong dtype
+            grouped_mlp_module.launch_gemm(h, None, down, None, y, None, row_start_e, num_rows_e, n=16, k=8,
+                                            activation="none", add=bad, **common)
+
+
 def test_no_rows_at_all_gives_zeros(device):
     x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs([0, 0], 16, 8, torch.float32, device)
     y_PDx = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e)
@@ -246,3 +279,9 @@ def test_one_expert_over_every_row_is_the_dense_mlp(num_tokens, activation, dtyp
     got32 = ops.dense_mlp(x32, gate_up, down, activation)
     assert got32.dtype == torch.float32
     assert_close(got32.to(dtype), dense_mlp(x32, gate_up, down, activation).to(dtype), dtype, num_tokens=num_tokens)
+    # the routed output added: in the second GEMM's epilogue (x in the weights' dtype), or after it (fp32 x)
+    routed = (torch.randn(num_tokens, hidden, generator=gen) * 3).to(dtype).to(device)
+    assert_close(ops.dense_mlp(x, gate_up, down, activation, add_TD=routed),
+                 routed + dense_mlp(x, gate_up, down, activation), dtype, num_tokens=num_tokens, add=True)
+    routed32 = routed.float()
+    assert torch.equal(ops.dense_mlp(x32, gate_up, down, activation, add_TD=routed32), routed32 + got32)
