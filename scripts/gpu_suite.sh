@@ -16,9 +16,10 @@
 # twin; tests/gpu/test_quant_cuda.py) and bench_w4a16 with the engines' W4A16 kernel (~6 min); auto_check = auto's and DeepGEMM's GPU tests, then the expert MLPs through the public
 # API eagerly and in a CUDA graph (bench_experts --graph) beside DeepGEMM's bare kernels (needs `make deep-gemm-wheels`);
 # launch = the host cost per Triton launch (scripts/bench_launch.py); router = the gate GEMM's GPU tests (cuBLAS, fp32
-# output) and scripts/bench_router.py (it against the fp32 torch GEMM it replaced, eager and in a graph); peer_search = the expert MLPs beside SGLang's
-# and vLLM's kernels at the best config of their own tuners' spaces, the points not yet measured (Kimi-K2 4096 / 512
-# rows, Step3 32768 / 4096 rows; two steps, each up to one device command); launches = the
+# output) and scripts/bench_router.py (it against the fp32 torch GEMM it replaced, eager and in a graph); peer:MODEL:ROWS = the expert MLPs at one
+# model and row count beside SGLang's and vLLM's kernels at the best config of their own tuners' spaces (the searches
+# alone take ~3 min per model; one point per step, up to 590 s), e.g. peer:kimi-k2:4096 peer:step3:32768; the points
+# not yet measured: Kimi-K2 4096 (partly) and 512, Step3 512, 4096 and 32768; launches = the
 # layer's launches, syncs and host time per eager call at decode (bench_eager --profile, launching path and graph);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
@@ -102,13 +103,11 @@ for s in $STEPS; do case $s in
     step router_tests 200 python3 -m pytest -q -rs --timeout=150 tests/gpu/test_kernels_cuda.py -k router \
       tests/unit/test_router_logits.py
     step router 200 python3 scripts/bench_router.py --out "$OUT/router" ;;
-  peer_search)
-    step peer_search_kimi 590 python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
-      --models kimi-k2 --rows 4096,512 --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \
-      --out "$OUT/peer_kimi/bench_experts.json"
-    step peer_search_step3 590 python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
-      --models step3 --rows 32768,4096 --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \
-      --out "$OUT/peer_step3/bench_experts.json" ;;
+  peer:*:*)
+    IFS=: read -r _ model rows <<< "$s"
+    step "peer_${model}_${rows}" 590 python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
+      --models "$model" --rows "$rows" --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \
+      --out "$OUT/peer_${model}_${rows}/bench_experts.json" ;;
   launches) step launches 200 python3 scripts/bench_eager.py --out "$OUT/launches" --tokens 16 128 \
       --routes eager_launches graph --profile --repeats 3 ;;
   pack) PACK=1 ;;  # done after the summary below
