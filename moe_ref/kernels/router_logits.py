@@ -51,8 +51,9 @@ def router_logits(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor) -> torch.Ten
 
 
 def _mm_fp32_out(device: torch.device) -> bool:
-    """Whether ``torch.mm(..., out_dtype=torch.float32)`` takes 16-bit operands on this device: torch has the
-    ``mm.dtype`` overload (torch >= 2.8) and the device is CUDA (the only backend it has a kernel for)."""
+    """Whether ``torch.mm(..., out_dtype=torch.float32)`` takes 16-bit operands on this device: this torch has the
+    ``mm.dtype`` overload (2.11 on the GPU image and 2.13 here do) and the device is CUDA (the CPU has no kernel for
+    it)."""
     return device.type == "cuda" and _HAS_MM_DTYPE
 
 
