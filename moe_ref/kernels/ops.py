@@ -64,18 +64,18 @@ def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_
     dtype, so the two differ by those roundings).
     """
     weights_dtype, num_tokens = gate_up_weight_2SD.dtype, x_TD.shape[0]
-    if (not uses_triton(x_TD.device) or weights_dtype not in (torch.bfloat16, torch.float16) or num_tokens == 0
-            or not (gate_up_weight_2SD.is_contiguous() and down_weight_DS.is_contiguous())):
+    kernel = (uses_triton(x_TD.device) and weights_dtype in (torch.bfloat16, torch.float16) and num_tokens > 0
+              and gate_up_weight_2SD.is_contiguous() and down_weight_DS.is_contiguous())
+    fused_add = kernel and add_TD is not None and add_TD.dtype == weights_dtype == x_TD.dtype
+    if kernel:
+        layout = _one_expert_layout(num_tokens, x_TD.device)
+        y_TD = kernels.grouped_mlp(x_TD.to(weights_dtype).contiguous(), gate_up_weight_2SD.unsqueeze(0),
+                                   down_weight_DS.unsqueeze(0), layout[:1], layout[1:2], activation, situ_beta,
+                                   situ_linear_beta, num_rows_hint=num_tokens, zero_unused_rows=False,
+                                   add_PDx=add_TD.contiguous() if fused_add else None).to(x_TD.dtype)
+    else:
         y_TD = _dense_mlp_ref(x_TD, gate_up_weight_2SD, down_weight_DS, activation, situ_beta, situ_linear_beta)
-        # one add in x's dtype: torch adds bf16/fp16 in fp32 and rounds once
-        return y_TD if add_TD is None else add_TD + y_TD
-    fused_add = add_TD is not None and add_TD.dtype == weights_dtype == x_TD.dtype
-    layout = _one_expert_layout(num_tokens, x_TD.device)
-    y_TD = kernels.grouped_mlp(x_TD.to(weights_dtype).contiguous(), gate_up_weight_2SD.unsqueeze(0),
-                               down_weight_DS.unsqueeze(0), layout[:1], layout[1:2], activation, situ_beta,
-                               situ_linear_beta, num_rows_hint=num_tokens, zero_unused_rows=False,
-                               add_PDx=add_TD.contiguous() if fused_add else None)
-    y_TD = y_TD.to(x_TD.dtype)
+    # otherwise one add in x's dtype: torch adds bf16/fp16 in fp32 and rounds once
     return y_TD if add_TD is None or fused_add else add_TD + y_TD
 
 
