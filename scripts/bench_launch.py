@@ -11,6 +11,9 @@ Rows (us of host time per call, back-to-back calls; the GPU work is a few us and
   a bound launch calls there: the floor of moe_ref's path);
 - public wrappers, bound launches on and off (``launch.bound_launches``): ``router_topk`` (Kimi-K2's 384 experts,
   T = 16) and ``routing_check`` (the argument checks, allocations and the launch a layer call pays);
+- ``grouped_mlp`` (its two GEMMs loading tiles through host TMA descriptors, a small decode shape, tiles forced):
+  bound launches off, bound with the descriptors encoded at every launch (Triton 3.6's launcher wrapper, as before
+  the bound path kept encodings), and bound as shipped (each descriptor encoded once per base address);
 - anchors: ``torch.add`` of two small tensors and ``torch.empty`` (a torch op's host cost on this host).
 Writes ``bench_launch.json`` and ``bench_launch.md``.
 """
@@ -56,6 +59,41 @@ def host_us(fn, calls: int) -> float:
     return round(host, 2)
 
 
+def grouped_mlp_rows(calls: int) -> dict[str, float]:
+    """Host us per ``grouped_mlp`` call (8 experts, D = F = 256, 2 rows each: a few us of GPU work), by launch path."""
+    from moe_ref.kernels import grouped_mlp_tiles as tiles
+    from moe_ref.kernels.grouped_mlp import grouped_mlp, tma_unavailable_reason
+
+    if tma_unavailable_reason() is not None:
+        return {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts, width = 8, 256
+    gate_up = torch.randn(experts, 2 * width, width, device="cuda", generator=gen).bfloat16()
+    down = torch.randn(experts, width, width, device="cuda", generator=gen).bfloat16()
+    num_rows_e = torch.full((experts,), 2, dtype=torch.int32, device="cuda")
+    row_start_e = torch.arange(0, 2 * experts, 2, dtype=torch.int64, device="cuda")
+    x = torch.randn(2 * experts, width, device="cuda", generator=gen).bfloat16()
+    tile = tiles.config_of_tile((16, 64, 128, 4, 4))
+
+    def call():
+        grouped_mlp(x, gate_up, down, row_start_e, num_rows_e, num_rows_hint=2 * experts, configs=(tile, tile))
+
+    rows = {}
+    with bound_launch.bound_launches(False):
+        rows["grouped_mlp, triton"] = host_us(call, calls)
+    # the bound path as it was before it kept encodings: Triton's wrapper encodes each descriptor at every launch
+    keep = bound_launch._descriptor_wrapper_parts
+    bound_launch._descriptor_wrapper_parts = lambda *args: None
+    try:
+        bound_launch.clear_bound_kernels()
+        rows["grouped_mlp, bound, descriptors encoded per launch"] = host_us(call, calls)
+    finally:
+        bound_launch._descriptor_wrapper_parts = keep
+        bound_launch.clear_bound_kernels()
+    rows["grouped_mlp, bound"] = host_us(call, calls)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="results/launch")
@@ -94,6 +132,7 @@ def main(argv=None) -> int:
             rows[f"router_topk, {label}"] = host_us(lambda: router_topk(logits, 8, "sigmoid", bias, 8, 4, True, 2.827),
                                                     args.calls)
             rows[f"routing_check, {label}"] = host_us(lambda: routing_check(ids, weights, 384), args.calls)
+    rows.update(grouped_mlp_rows(args.calls))
     rows["torch.add (anchor)"] = host_us(lambda: torch.add(tensors[0], tensors[1], out=tensors[3]), args.calls)
     rows["torch.empty (anchor)"] = host_us(lambda: torch.empty(1024, device="cuda"), args.calls)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -15,12 +15,13 @@
 # w4_kernel = the 4-bit kernel's tests on the GPU (its decode of every code pair, every scale byte, the kernel vs its
 # twin; tests/gpu/test_quant_cuda.py) and bench_w4a16 with the engines' W4A16 kernel (~6 min); auto_check = auto's and DeepGEMM's GPU tests, then the expert MLPs through the public
 # API eagerly and in a CUDA graph (bench_experts --graph) beside DeepGEMM's bare kernels (needs `make deep-gemm-wheels`);
-# launch = the host cost per Triton launch (scripts/bench_launch.py); router = the gate GEMM's GPU tests (cuBLAS, fp32
+# launch = the bound launch path's tests on the GPU, then the host cost per Triton launch (scripts/bench_launch.py); router = the gate GEMM's GPU tests (cuBLAS, fp32
 # output) and scripts/bench_router.py (it against the fp32 torch GEMM it replaced, eager and in a graph); peer:MODEL:ROWS = the expert MLPs at one
 # model and row count beside SGLang's and vLLM's kernels at the best config of their own tuners' spaces (the searches
-# alone take ~3 min per model; one point per step, up to 590 s), e.g. peer:kimi-k2:4096 peer:step3:32768; the points
+# alone take ~3 min per model; one point per step, up to 590 s, or $PEER_LIMIT s), e.g. peer:kimi-k2:4096 peer:step3:32768; the points
 # not yet measured: Kimi-K2 4096 (partly) and 512, Step3 512, 4096 and 32768; launches = the
 # layer's launches, syncs and host time per eager call at decode (bench_eager --profile, launching path and graph);
+# epilogue_add = the grouped MLP's add-in-the-epilogue tests (kernel against its twin) on the GPU;
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -98,16 +99,19 @@ for s in $STEPS; do case $s in
     step auto_bench 300 python3 scripts/bench_experts.py --include-deep-gemm --peer-search none --quick \
       --models kimi-k2,step3 --rows 64,4096,32768 --graph --paths api_auto_,api_deep_gemm_,api_triton_,deep_gemm_kernels_ \
       --out "$OUT/auto_check/bench_experts.json" ;;
-  launch) step launch 120 python3 scripts/bench_launch.py --out "$OUT/launch" ;;
+  launch)
+    step launch_tests 200 python3 -m pytest -q -rs --timeout=150 tests/gpu/test_bound_launch_cuda.py tests/unit/test_bound_launch.py
+    step launch 150 python3 scripts/bench_launch.py --out "$OUT/launch" ;;
   router)
     step router_tests 200 python3 -m pytest -q -rs --timeout=150 tests/gpu/test_kernels_cuda.py -k router \
       tests/unit/test_router_logits.py
     step router 200 python3 scripts/bench_router.py --out "$OUT/router" ;;
   peer:*:*)
     IFS=: read -r _ model rows <<< "$s"
-    step "peer_${model}_${rows}" 590 python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
+    step "peer_${model}_${rows}" "${PEER_LIMIT:-590}" python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
       --models "$model" --rows "$rows" --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \
       --out "$OUT/peer_${model}_${rows}/bench_experts.json" ;;
+  epilogue_add) step epilogue_add 120 python3 -m pytest -q -rs --timeout=100 tests/interpreter/test_grouped_mlp.py -k add ;;
   launches) step launches 200 python3 scripts/bench_eager.py --out "$OUT/launches" --tokens 16 128 \
       --routes eager_launches graph --profile --repeats 3 ;;
   pack) PACK=1 ;;  # done after the summary below

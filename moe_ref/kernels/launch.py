@@ -34,6 +34,10 @@ What a bound launch saves beyond the key, each measured by ``scripts/bench_launc
 - on Triton versions whose launcher object only allocates the kernel's scratch memory and then calls its C
   launcher (Triton 3.6: ``CudaLauncher.__call__``, recognized by its source), a kernel that needs no scratch calls
   the C launcher directly (``_c_launcher``); elsewhere the launcher object is called.
+- host TMA descriptors are encoded once per base address: Triton 3.6 wraps the C launcher of a kernel that takes
+  them in a loop that encodes each descriptor again at every launch (``cuTensorMapEncodeTiled``, with its shape and
+  strides); a bound kernel calls the C launcher itself with encodings it keeps (``_EncodedDescriptors``: exact,
+  since the key fixes everything in the encoding but the base address). The grouped MLP's GEMMs take two each.
 
 Constexprs must come by keyword and the other parameters by position (as every moe_ref launcher passes them);
 a launch that mixes them is not bound (Triton's path every call).
@@ -90,22 +94,98 @@ class _Sites:
 class _Bound:
     """A compiled kernel's launcher and the arguments around the kernel's positional ones: ``call(gridX, gridY,
     gridZ, stream, function, *middle, *args, *tail)`` launches it. ``tail``: the parameters after the positional
-    ones (keywords and defaults: constant under one key, since the keywords are part of it)."""
+    ones (keywords and defaults: constant under one key, since the keywords are part of it). ``descriptors``: None,
+    or the kernel's host TMA descriptors encoded once per base address (``_EncodedDescriptors``), which turn
+    ``args`` into what the C launcher takes."""
 
-    __slots__ = ("kernel", "compiled", "call", "function", "middle", "tail")
+    __slots__ = ("kernel", "compiled", "call", "function", "middle", "tail", "descriptors")
 
     def __init__(self, compiled, kernel, num_args: int, kwargs: dict):
         self.kernel, self.compiled = kernel, compiled
         launcher = compiled.run
         self.function = compiled.function
+        self.descriptors = None
         c_launcher = _c_launcher(launcher)
         if c_launcher is not None:  # what CudaLauncher.__call__ passes when the kernel needs no scratch memory
             self.call = c_launcher
             self.middle = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
                            compiled.packed_metadata, None, None, None)
+            unwrapped = _descriptor_wrapper_parts(c_launcher, num_args)
+            if unwrapped is not None:  # the C launcher itself, the descriptors encoded here once per base
+                self.call, self.descriptors = unwrapped
         else:
             self.call, self.middle = launcher, (compiled.packed_metadata, None, None, None)
         self.tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in kernel.params[num_args:])
+
+
+class _EncodedDescriptors:
+    """A bound kernel's host TMA descriptor arguments (at ``positions`` among its positional arguments), encoded as
+    Triton's launcher wrapper encodes them (``encode(descriptor, metadata)`` -> the CUtensorMap, shape and strides
+    the C launcher takes), but once per tuple of base addresses instead of at every launch.
+
+    Why this is exact: under one key a descriptor's block shape, shape, strides, padding and base dtype are fixed
+    (``_arg_key``) and so is the compiled kernel's descriptor metadata, so its encoding depends on its base address
+    alone. The C launcher copies the CUtensorMap into the kernel's parameters at each launch, so one encoding serves
+    every launch. At most ``MAX_BASES`` address tuples are kept per bound kernel (then the record starts afresh)."""
+
+    MAX_BASES = 64
+    __slots__ = ("positions", "metadata", "encode", "encoded")
+
+    def __init__(self, positions: tuple, metadata: tuple, encode):
+        self.positions, self.metadata, self.encode = positions, metadata, encode
+        self.encoded: dict[tuple, list] = {}
+
+    def expand(self, args: tuple) -> list:
+        """The launcher's arguments: ``args`` with each descriptor replaced by its encoding's entries."""
+        bases = tuple([args[i].base.data_ptr() for i in self.positions])
+        parts = self.encoded.get(bases)
+        if parts is None:
+            if len(self.encoded) >= self.MAX_BASES:
+                self.encoded.clear()
+            parts = self.encoded[bases] = [tuple(self.encode(args[i], meta))
+                                           for i, meta in zip(self.positions, self.metadata)]
+        out, start = [], 0
+        for i, part in zip(self.positions, parts):
+            out += args[start:i]
+            out += part
+            start = i + 1
+        out += args[start:]
+        return out
+
+
+# the loop of Triton 3.6's ``wrap_handle_tensordesc`` (``inner``), which encodes every host TMA descriptor argument
+# again at each launch before calling the C launcher
+_DESCRIPTOR_LOOP = "final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))"
+_DESCRIPTOR_WRAPPERS: dict[Any, bool] = {}  # code object -> whether it is that wrapper
+
+
+def _descriptor_wrapper_parts(launch_fn, num_args: int):
+    """(the C launcher, ``_EncodedDescriptors``) where ``launch_fn`` is Triton 3.6's descriptor wrapper around the C
+    launcher (recognized by its closure and source) and every descriptor is a positional argument with compiled
+    metadata; None otherwise (the wrapper is called as it is)."""
+    code = getattr(launch_fn, "__code__", None)
+    if code is None or launch_fn.__closure__ is None:
+        return None
+    known = _DESCRIPTOR_WRAPPERS.get(code)
+    if known is None:
+        import inspect
+
+        try:
+            source = " ".join(inspect.getsource(launch_fn).split())
+        except (OSError, TypeError):
+            source = ""
+        known = _DESCRIPTOR_WRAPPERS[code] = (
+            set(code.co_freevars) == {"launcher", "tensordesc_indices", "tensordesc_meta"}
+            and _DESCRIPTOR_LOOP in source and launch_fn.__globals__.get("_BASE_ARGS_FORMAT_LEN") == 13
+            and callable(launch_fn.__globals__.get("make_tensordesc_arg")))
+    if not known:
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch_fn.__closure__)))
+    positions, metadata = tuple(sorted(cells["tensordesc_indices"])), tuple(cells["tensordesc_meta"] or ())
+    if (len(metadata) != len(positions) or any(meta is None for meta in metadata)
+            or any(i >= num_args for i in positions)):
+        return None
+    return cells["launcher"], _EncodedDescriptors(positions, metadata, launch_fn.__globals__["make_tensordesc_arg"])
 
 
 # the call Triton 3.6's CudaLauncher.__call__ ends with, after allocating the kernel's scratch memory
@@ -282,6 +362,8 @@ def launch(kernel, grid: tuple, *args, **kwargs):
         return compiled
     if bound is _TRITON:
         return kernel[grid](*args, **kwargs)
+    if bound.descriptors is not None:
+        launcher_args = bound.descriptors.expand(launcher_args)
     size = len(grid)
     bound.call(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1, _current_stream(device),
                bound.function, *bound.middle, *launcher_args, *bound.tail)

@@ -83,3 +83,37 @@ def test_the_layer_gives_the_same_bits_with_and_without_bound_launches(dispatch_
     for i, (got, want) in enumerate(zip(bound, plain)):
         assert torch.equal(got, want), f"input {i // 2} call {i % 2}"
     moe.destroy()
+
+
+def test_a_tma_kernel_bound_computes_what_triton_computes_on_every_pool():
+    """The grouped GEMM with host TMA descriptors, bound: on Triton 3.6 it calls the C launcher with descriptors encoded
+    once per base address (``_EncodedDescriptors``), so pools at other addresses, met in turn, must each get their
+    own encoding: every launch gives the bits of Triton's own launch on the same pool."""
+    from moe_ref.kernels import grouped_mlp_tiles as tiles
+    from moe_ref.kernels.grouped_mlp import launch_gemm
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    num_experts, n, k = 4, 256, 512
+    b = torch.randn(num_experts, n, k, device="cuda", generator=gen).bfloat16()
+    num_rows_e = torch.tensor([3, 0, 70, 1], dtype=torch.int32, device="cuda")
+    row_start_e = torch.tensor([0, 3, 3, 73], dtype=torch.int64, device="cuda")
+    pools = [torch.randn(80, k, device="cuda", generator=gen).bfloat16() for _ in range(3)]
+    config = tiles.config_of_tile((64, 128, 64, 4, 3))
+
+    def gemm(a):
+        c = torch.zeros(a.shape[0], n, dtype=torch.bfloat16, device="cuda")
+        launch_gemm(a, None, b, None, c, None, row_start_e, num_rows_e, n=n, k=k, activation="none", situ_beta=4.0,
+                    situ_linear_beta=0.0, fp8=False, quant_out=False, rows_hint=74, config=config, tma=True)
+        return c
+
+    bl.clear_bound_kernels()
+    with bl.bound_launches(False):
+        want = [gemm(a) for a in pools]
+    got = [gemm(pools[i]) for i in (0, 1, 2, 0, 2, 1, 0)]
+    for i, c in zip((0, 1, 2, 0, 2, 1, 0), got):
+        assert torch.equal(c, want[i]), f"pool {i}"
+    bounds = [bound for sites in bl._SITES.values() for _, bound_of in sites.entries for bound in bound_of.values()]
+    assert len(bounds) == 1
+    if triton.__version__.startswith("3.6"):  # the image's Triton: its descriptor wrapper is recognized and bypassed
+        (bound,) = bounds
+        assert bound.descriptors is not None and len(bound.descriptors.encoded) == 3

@@ -296,3 +296,107 @@ def test_launcher_objects_of_another_shape_are_called():
 
     assert bl._c_launcher(Other()) is None
     assert bl._c_launcher(_Compiled().run) is None  # a bound method: no source of its own __call__
+
+
+# A stand-in for Triton 3.6's driver module around a kernel with host TMA descriptors: its launcher object's
+# ``launch`` is ``wrap_handle_tensordesc``'s ``inner``, which encodes each descriptor again at every launch (the
+# encoding here is a tuple naming the base address, so the test can see which base each launch got).
+_DRIVER_36_STANDIN = '''
+_BASE_ARGS_FORMAT_LEN = 13
+ENCODED = []
+
+
+def make_tensordesc_arg(arg, metadata):
+    ENCODED.append(arg.base.data_ptr())
+    return [("tensor map of", arg.base.data_ptr(), metadata["swizzle"]), *arg.shape, *arg.strides]
+
+
+def wrap_handle_tensordesc(launcher, signature, tensordesc_meta):
+    tensordesc_indices = set([i for i, sig in enumerate(signature.values()) if sig.startswith("tensordesc")])
+
+    def inner(*args):
+        final_args = list(args[:_BASE_ARGS_FORMAT_LEN])
+        tensordesc_idx = 0
+        for i, arg in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            if i in tensordesc_indices:
+                final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                tensordesc_idx += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+
+    return inner
+'''
+
+
+@pytest.fixture
+def driver_36(tmp_path, monkeypatch):
+    import importlib
+
+    (tmp_path / "driver_36_standin.py").write_text(_DRIVER_36_STANDIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module("driver_36_standin")
+
+
+class _DescriptorKernel(_Kernel):
+    """A jitted kernel ``k(x, a_desc, n, b_desc, BLOCK: constexpr)``: two host TMA descriptors among its arguments."""
+
+    params = [_Param("x"), _Param("a_desc"), _Param("n"), _Param("b_desc"), _Param("BLOCK")]
+
+
+def test_descriptors_are_encoded_once_per_base_and_passed_as_tritons_wrapper_passes_them(kernel, driver_36):
+    """Behind Triton 3.6's descriptor wrapper, a bound kernel calls the C launcher with exactly what the wrapper would
+    pass, encoding each descriptor once per tuple of base addresses (not at every launch), and a new base gets its
+    own encoding."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kernel = _DescriptorKernel()
+    launcher = _LauncherLike36()
+    c_calls = launcher.calls
+    signature = {"x": "*fp32", "a_desc": "tensordesc<bf16[16, 16]>", "n": "i32", "b_desc": "tensordesc<bf16[16, 32]>",
+                 "BLOCK": "constexpr"}
+    metadata = [{"swizzle": 1}, {"swizzle": 2}]
+    launcher.launch = driver_36.wrap_handle_tensordesc(lambda *args: c_calls.append(args), signature, metadata)
+    kernel.compiled_class = lambda: _CompiledWith(launcher)
+    x = torch.zeros(64)
+    pools = [torch.zeros(32, 64, dtype=torch.bfloat16) for _ in range(2)]
+    weight = torch.zeros(64, 64, dtype=torch.bfloat16)
+
+    def descriptors(pool):
+        return (TensorDescriptor(pool, list(pool.shape), list(pool.stride()), [16, 16]),
+                TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [16, 32]))
+
+    def go(pool):
+        a_desc, b_desc = descriptors(pool)
+        bl.launch(kernel, (4,), x, a_desc, 100, b_desc, BLOCK=32)
+
+    go(pools[0])  # Triton's path: it compiles, and the key binds
+    assert len(kernel.triton_launches) == 1 and not c_calls
+    for pool in (pools[0], pools[1], pools[0], pools[1]):
+        go(pool)
+    assert len(kernel.triton_launches) == 1 and len(c_calls) == 4
+    assert sorted(driver_36.ENCODED) == sorted([pools[0].data_ptr(), weight.data_ptr(),
+                                                pools[1].data_ptr(), weight.data_ptr()])  # once per base tuple
+    bound = next(iter(bl._SITES.values())).entries[0][1]
+    assert len(bound) == 1 and next(iter(bound.values())).descriptors is not None
+    direct = list(c_calls)
+    c_calls.clear()
+    for pool in (pools[0], pools[1]):  # what Triton's launcher object would pass the C launcher for the same launches
+        a_desc, b_desc = descriptors(pool)
+        launcher(4, 1, 1, 1234, "function", "metadata", None, None, None, x.data_ptr(), a_desc, 100, b_desc, 32)
+    assert direct[0] == direct[2] == c_calls[0] and direct[1] == direct[3] == c_calls[1]
+    assert direct[0][13:19] == (x.data_ptr(), ("tensor map of", pools[0].data_ptr(), 1), 32, 64, 64, 1)
+
+
+def test_other_descriptor_wrappers_are_called_as_they_are(driver_36):
+    """A wrapper of another shape, or one whose descriptors lack compiled metadata, is called, not bypassed."""
+    signature = {"a_desc": "tensordesc<bf16[16, 16]>", "BLOCK": "constexpr"}
+    inner = driver_36.wrap_handle_tensordesc(print, signature, [{"swizzle": 1}])
+    assert bl._descriptor_wrapper_parts(inner, 1) is not None
+    assert bl._descriptor_wrapper_parts(driver_36.wrap_handle_tensordesc(print, signature, [None]), 1) is None
+    assert bl._descriptor_wrapper_parts(inner, 0) is None  # the descriptor is not among the positional arguments
+
+    def other(*args):
+        return print(*args)
+
+    assert bl._descriptor_wrapper_parts(other, 1) is None and bl._descriptor_wrapper_parts(print, 1) is None
