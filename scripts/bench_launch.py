@@ -82,14 +82,10 @@ def grouped_mlp_rows(calls: int) -> dict[str, float]:
     with bound_launch.bound_launches(False):
         rows["grouped_mlp, triton"] = host_us(call, calls)
     # the bound path as it was before it kept encodings: Triton's wrapper encodes each descriptor at every launch
-    keep = bound_launch._descriptor_wrapper_parts
-    bound_launch._descriptor_wrapper_parts = lambda *args: None
-    try:
-        bound_launch.clear_bound_kernels()
+    bound_launch.clear_bound_kernels()
+    with bound_launch.descriptor_encodings(False):
         rows["grouped_mlp, bound, descriptors encoded per launch"] = host_us(call, calls)
-    finally:
-        bound_launch._descriptor_wrapper_parts = keep
-        bound_launch.clear_bound_kernels()
+    bound_launch.clear_bound_kernels()
     rows["grouped_mlp, bound"] = host_us(call, calls)
     return rows
 

@@ -368,10 +368,17 @@ def _num_sms(device: torch.device) -> int:
 
 def _tma_possible(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the a and b tiles can be loaded with TMA descriptors: where `tma_unavailable_reason` is None, with
-    16-byte aligned bases and row strides (TMA's rules)."""
-    if tma_unavailable_reason(a.device) is not None:
+    16-byte aligned bases and row strides (TMA's rules), b contiguous (its rows make one matrix)."""
+    if _tma_reason(a.device, envs.tma(), is_interpreter()) is not None or not b.is_contiguous():
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(-2) * t.element_size()) % 16 == 0 for t in (a, b))
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_reason(device: torch.device, tma_switch: bool, interpreter: bool) -> str | None:
+    """`tma_unavailable_reason(device)` for these values of the MOE_REF_TMA switch and the interpreter flag, which it
+    reads: looked up once per value (every launch asks)."""
+    return tma_unavailable_reason(device)
 
 
 def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
@@ -435,24 +442,10 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         raise InvalidConfigError("tma=True, but these tensors cannot use TMA descriptors (a GPU "
                                  "older than Hopper, MOE_REF_TMA=0, or bases/row strides not 16-byte aligned)")
     use_tma = possible if tma is None else tma
-    if use_tma:  # block shapes are placeholders until the config is known (forced below, or the pre-hook)
-        a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), [16, 16])
-        b_2d = b.view(-1, b.shape[-1])
-        b_desc = TensorDescriptor(b_2d, list(b_2d.shape), list(b_2d.stride()), [16, 16])
-    else:
-        a_desc = b_desc = None
     dummy = c
     a_scale = dummy if a_scale is None else a_scale
     b_scale = dummy if b_scale is None else b_scale
     c_scale = dummy if c_scale is None else c_scale
-    b_scale_strides = (b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0)
-    args = (
-        a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, dummy if add is None else add, a_desc, b_desc,
-        num_rows, n, k, num_experts, float(situ_beta), float(situ_linear_beta) if situ_linear_beta else 1.0,
-        rows_bucket,
-        a.stride(0), a_scale.stride(0) if fp8 else 0, b.stride(0), b.stride(1), *b_scale_strides,
-        c.stride(0), c_scale.stride(0) if quant_out else 0, 0 if add is None else add.stride(0),
-    )
     flags = dict(
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
         QUANT_OUT=quant_out, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
@@ -467,36 +460,53 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         upper = (cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * cdiv(n, meta["BLOCK_N"])
         return (upper if max_programs is None else min(upper, max_programs),)
 
-    def launch_with(meta: dict, options: dict):
-        """Launch the tile ``meta`` (BLOCK_M/N/K[, GROUP_M]) with the launch keywords ``options``."""
-        tiles.set_tma_block_shapes({"a_desc": a_desc, "b_desc": b_desc, **flags, **meta})
-        extra = {} if is_interpreter() else launch_options(fp_fusion=True)
-        return launch(_grouped_gemm_kernel, grid(options), *args, **flags, **options, **extra)
+    def arguments(meta: dict | None) -> tuple:
+        """The kernel's positional arguments; a TMA launch's descriptors take the block shapes of the tile ``meta``
+        (None: placeholders, set by the autotuner's pre-hook for each config it runs)."""
+        if use_tma:
+            a_block, b_block = tiles.tma_block_shapes(meta, flags) if meta is not None else ([16, 16], [16, 16])
+            a_desc = TensorDescriptor(a, list(a.shape), list(a.stride()), a_block)
+            # b's rows as one [e * N_b, k] matrix over b's own storage (contiguous: `_tma_possible`)
+            b_desc = TensorDescriptor(b, [num_experts * b.shape[1], k], [b.stride(1), 1], b_block)
+        else:
+            a_desc = b_desc = None
+        b_scale_strides = (b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0)
+        return (
+            a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, dummy if add is None else add, a_desc,
+            b_desc, num_rows, n, k, num_experts, float(situ_beta),
+            float(situ_linear_beta) if situ_linear_beta else 1.0, rows_bucket,
+            a.stride(0), a_scale.stride(0) if fp8 else 0, b.stride(0), b.stride(1), *b_scale_strides,
+            c.stride(0), c_scale.stride(0) if quant_out else 0, 0 if add is None else add.stride(0),
+        )
 
     if config is not None:
         options = tiles.forced_options(config)  # checks the meta keys first
         error = tiles.config_error(config, fp8=fp8, quant_out=quant_out)
         if error:
             raise InvalidConfigError(f"forced config {config}: {error}")
-        return launch_with(config.kwargs, options)
+        extra = {} if is_interpreter() else launch_options(fp_fusion=True)
+        return launch(_grouped_gemm_kernel, grid(options), *arguments(config.kwargs), **flags, **options, **extra)
     if is_interpreter():
         meta = tiles.interpreter_meta(quant_out)
-        return launch_with(meta, meta)
+        return launch(_grouped_gemm_kernel, grid(meta), *arguments(meta), **flags, **meta)
     # The autotuner runs once per shape key; later launches of that key go straight to the kernel with the config
-    # it chose (no autotuner key work or pre-hook dispatch per call). The key holds everything the autotuner's
-    # does (its key arguments and every tensor's dtype), and more; MOE_REF_BOUND_LAUNCH=0 keeps the autotuner.
+    # it chose and its launch keywords, merged once (no autotuner key work or pre-hook per call). The key holds
+    # everything the autotuner's does (its key arguments and every tensor's dtype), and more;
+    # MOE_REF_BOUND_LAUNCH=0 keeps the autotuner.
     key = tuned_launch_key(rows_bucket, n, k, num_experts, flags, (a, a_scale, b, b_scale, c, c_scale))
     tuned = _TUNED.get(key) if bound_launches_on() else None
     if tuned is not None:
-        chosen, options = tuned
-        return launch_with(chosen.kwargs, options)
+        chosen, keywords = tuned
+        return launch(_grouped_gemm_kernel, grid(keywords), *arguments(chosen.kwargs), **keywords)
     tuner = autotuned_kernel()
-    out = tuner[grid](*args, **flags, **launch_options(fp_fusion=True))
-    _TUNED[key] = tuner.best_config, tiles.forced_options(tuner.best_config)
+    out = tuner[grid](*arguments(None), **flags, **launch_options(fp_fusion=True))
+    _TUNED[key] = tuner.best_config, {**flags, **tiles.forced_options(tuner.best_config),
+                                      **launch_options(fp_fusion=True)}
     return out
 
 
-# shape key -> (the config the autotuner chose for it, its launch keywords); filled by launch_gemm
+# shape key -> (the config the autotuner chose for it, every keyword of its launch: the kernel's flags, the tile, the
+# compile options); filled by launch_gemm
 _TUNED: dict[tuple, tuple[triton.Config, dict]] = {}
 
 

@@ -89,13 +89,17 @@ def normalize_tile(tile: tuple) -> tuple:
     return tuple(tile[:5]) if len(tile) == 5 or tile[5] == 1 else tuple(tile)
 
 
+def tma_block_shapes(meta: dict, flags: dict) -> tuple[list[int], list[int]]:
+    """The block shapes of a TMA launch's a and b descriptors for the tile ``meta`` (BLOCK_M/N/K) and the kernel's
+    ``flags``: a gated launch over interleaved gate/up rows loads 2 * BLOCK_N b rows at once."""
+    b_rows = meta["BLOCK_N"] * (2 if flags.get("ACTIVATION") and flags.get("INTERLEAVED") else 1)
+    return [meta["BLOCK_M"], meta["BLOCK_K"]], [b_rows, meta["BLOCK_K"]]
+
+
 def set_tma_block_shapes(nargs: dict) -> None:
-    """Autotune pre-hook: a TMA launch's descriptors take the block shapes of the config being run (a gated
-    launch over interleaved gate/up rows loads 2 * BLOCK_N b rows at once)."""
+    """Autotune pre-hook: a TMA launch's descriptors take the block shapes of the config being run."""
     if nargs.get("a_desc") is not None:
-        b_rows = nargs["BLOCK_N"] * (2 if nargs.get("ACTIVATION") and nargs.get("INTERLEAVED") else 1)
-        nargs["a_desc"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["b_desc"].block_shape = [b_rows, nargs["BLOCK_K"]]
+        nargs["a_desc"].block_shape, nargs["b_desc"].block_shape = tma_block_shapes(nargs, nargs)
 
 
 def config_of_tile(tile: tuple) -> triton.Config:

@@ -70,7 +70,8 @@ try:
 except ImportError:  # pragma: no cover - Triton without host descriptors
     TensorDescriptor = None
 
-__all__ = ["launch", "bound_launches", "bound_launches_on", "bound_kernels", "clear_bound_kernels"]
+__all__ = ["launch", "bound_launches", "bound_launches_on", "bound_kernels", "clear_bound_kernels",
+           "descriptor_encodings"]
 
 _INT32_MIN, _INT32_MAX, _INT64_MAX = -(2 ** 31), 2 ** 31 - 1, 2 ** 63 - 1
 
@@ -110,7 +111,7 @@ class _Bound:
             self.call = c_launcher
             self.middle = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
                            compiled.packed_metadata, None, None, None)
-            unwrapped = _descriptor_wrapper_parts(c_launcher, num_args)
+            unwrapped = _descriptor_wrapper_parts(c_launcher, num_args) if _keep_encodings else None
             if unwrapped is not None:  # the C launcher itself, the descriptors encoded here once per base
                 self.call, self.descriptors = unwrapped
         else:
@@ -392,6 +393,23 @@ def bound_launches(on: bool):
         yield
     finally:
         _on = saved
+
+
+_keep_encodings = True  # bound kernels made from now on keep their descriptors' encodings (descriptor_encodings)
+
+
+@contextlib.contextmanager
+def descriptor_encodings(keep: bool):
+    """Kernels bound inside the ``with`` keep their host TMA descriptors' encodings per base address (``keep``, the
+    default) or leave the encoding to Triton's launcher wrapper at every launch (the path before encodings were kept:
+    an A/B in one process, ``scripts/bench_launch.py``). Kernels bound earlier keep their way: call
+    ``clear_bound_kernels()`` first."""
+    global _keep_encodings
+    saved, _keep_encodings = _keep_encodings, bool(keep)
+    try:
+        yield
+    finally:
+        _keep_encodings = saved
 
 
 def bound_kernels() -> int:

@@ -380,6 +380,13 @@ def test_descriptors_are_encoded_once_per_base_and_passed_as_tritons_wrapper_pas
     bound = next(iter(bl._SITES.values())).entries[0][1]
     assert len(bound) == 1 and next(iter(bound.values())).descriptors is not None
     direct = list(c_calls)
+    bl.clear_bound_kernels()  # kernels bound with encodings off leave them to the wrapper: one per launch
+    driver_36.ENCODED.clear()
+    with bl.descriptor_encodings(False):
+        for pool in (pools[0], pools[0], pools[0]):
+            go(pool)
+    assert len(driver_36.ENCODED) == 2 * 2 and c_calls[-1] == direct[0]  # 2 bound launches x 2 descriptors
+    c_calls.clear()
     c_calls.clear()
     for pool in (pools[0], pools[1]):  # what Triton's launcher object would pass the C launcher for the same launches
         a_desc, b_desc = descriptors(pool)
