@@ -556,6 +556,33 @@ def _bench_us(fn: Callable[[], object], quick: bool, search: bool = False) -> fl
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
 
 
+def time_rounds(paths: list[tuple[str, Callable[[], object]]], rounds: int,
+                time_path: Callable[[str, Callable[[], object]], tuple[float, str]]
+                ) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Time every path ``rounds`` times, every other round in reverse order, so that a GPU slowing down (or warming up)
+    over the run favours no path. Returns ({name: us of each round}, {name: how it was timed}); a row takes the
+    fastest round. Example: paths a, b and 3 rounds run a b, b a, a b."""
+    per_round: dict[str, list[float]] = {name: [] for name, _ in paths}
+    timing_of: dict[str, str] = {}
+    for round_index in range(rounds):
+        for name, fn in paths if round_index % 2 == 0 else paths[::-1]:
+            us, timing_of[name] = time_path(name, fn)
+            per_round[name].append(us)
+    return per_round, timing_of
+
+
+def _time_path(name: str, fn: Callable[[], object], quick: bool) -> tuple[float, str]:
+    """(us per call, how it was timed) of one path: DeepGEMM's kernels-only rows by the profiler's kernel time, every
+    other row by `_bench_us`."""
+    if "_kernels_" not in name:
+        return _bench_us(fn, quick), "do_bench median (L2 flushed)"
+    try:
+        us, kernels = _kernel_us(fn, quick)
+        return us, f"profiler kernel time, L2 flushed ({', '.join(kernels)[:200]})"
+    except Exception as exc:  # noqa: BLE001 - no profiler: say so and time the call
+        return _bench_us(fn, quick), f"do_bench median (the profiler failed: {type(exc).__name__}: {str(exc)[:100]})"
+
+
 def _kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, list[str]]:
     """(us per call, kernel names): the GPU time of the kernels `fn` launches, from the profiler (as DeepGEMM's own
     tests time its kernels), L2 flushed before each call by a 256 MB fill whose kernel is not counted."""
@@ -792,7 +819,12 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel-table", action="store_true",
                         help="also record each timed row's GPU kernels and their us per call (torch profiler)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every path this many times, every other round in reverse order, and keep each "
+                             "path's fastest (the JSON keeps every round): no path gains from its place in the run")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: time each path at least once")
     if not torch.cuda.is_available():
         print("bench_experts needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -832,45 +864,41 @@ def main(argv=None) -> int:
             if args.graph:
                 paths += [(f"graph_{name}", graphed(fn)) for name, fn in paths
                           if name.startswith("api_") and not name.endswith("_nohint") and selected(name, args.paths)]
+            ready = []  # (name, fn) of the selected paths whose first call ran (compiled, tuned, checked)
             for name, fn in paths:
                 if not selected(name.removeprefix("graph_"), args.paths):
                     continue
-                start = time.time()
                 if name.startswith(("peer_", "deep_gemm_")):  # a failing anchor leaves its row out, not the run
-                    out, problem = _checked_first_call(case, name, fn, twins)
+                    _, problem = _checked_first_call(case, name, fn, twins)
                 else:
-                    out, problem = fn(), None  # compile + autotune outside the timed region
+                    fn()  # compile + autotune outside the timed region
+                    problem = None
                 torch.cuda.synchronize()
                 if problem:
                     print(f"  {model:8s} rows={num_rows:6d} {name:22s} left out: {problem}", flush=True)
                     results["peer"]["notes"].append(f"{model} rows {num_rows} {name} left out: {problem}")
                     continue
-                timing = "do_bench median (L2 flushed)"
-                if "_kernels_" in name:  # DeepGEMM kernels only: the profiler's kernel time
-                    try:
-                        us, kernels = _kernel_us(fn, args.quick)
-                        timing = f"profiler kernel time, L2 flushed ({', '.join(kernels)[:200]})"
-                    except Exception as exc:  # noqa: BLE001 - no profiler: say so and time the call
-                        us = _bench_us(fn, args.quick)
-                        timing = f"do_bench median (the profiler failed: {type(exc).__name__}: {str(exc)[:100]})"
-                else:
-                    us = _bench_us(fn, args.quick)
-                timings[name] = us
+                ready.append((name, fn))
+            per_round, timing_of = time_rounds(ready, args.rounds, functools.partial(_time_path, quick=args.quick))
+            for name, fn in ready:
+                us = timings[name] = min(per_round[name])
                 row = make_row(case, name, us, anchors, config=configs.get(name), search=args.peer_search,
-                               peer_labels=peer_labels, timing=timing)
+                               peer_labels=peer_labels, timing=timing_of[name])
+                row["us_per_round"] = per_round[name]
                 if args.kernel_table:
                     row["kernel_us"] = kernel_table(fn)
                     for kernel, kernel_us in list(row["kernel_us"].items())[:8]:
                         print(f"      {kernel_us:9.1f} us  {kernel[:110]}", flush=True)
                 results["cases"].append(row)
+                rounds = " / ".join(f"{r:.1f}" for r in per_round[name])
                 print(f"  {model:8s} rows={num_rows:6d} {name:22s} {us:10.1f} us {row['tflops']:7.1f} TFLOP/s "
-                      f"{row['weight_gbps']:7.0f} GB/s roofline {row['roofline_fraction']:.2f} "
-                      f"(setup+bench {time.time() - start:.0f} s)", flush=True)
+                      f"{row['weight_gbps']:7.0f} GB/s roofline {row['roofline_fraction']:.2f} (rounds {rounds})",
+                      flush=True)
             for row in results["cases"]:
                 if row["model"] == model and row["num_rows"] == num_rows and "grouped_mm_bf16" in timings:
                     row["x_vs_grouped_mm"] = timings["grouped_mm_bf16"] / row["us"]
             _write(results, args.out)
-            del case, twins, peer_paths, out
+            del case, twins, peer_paths, ready
             torch.cuda.empty_cache()
         del weights
         torch.cuda.empty_cache()

@@ -109,7 +109,7 @@ for s in $STEPS; do case $s in
   peer:*:*)
     IFS=: read -r _ model rows <<< "$s"
     step "peer_${model}_${rows}" "${PEER_LIMIT:-590}" python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
-      --models "$model" --rows "$rows" --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \
+      --models "$model" --rows "$rows" --rounds "${PEER_ROUNDS:-2}" --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \
       --out "$OUT/peer_${model}_${rows}/bench_experts.json" ;;
   epilogue_add) step epilogue_add 120 python3 -m pytest -q -rs --timeout=100 tests/interpreter/test_grouped_mlp.py -k add ;;
   launches) step launches 200 python3 scripts/bench_eager.py --out "$OUT/launches" --tokens 16 128 \

@@ -342,3 +342,20 @@ def test_graph_rows_are_labelled_and_keep_their_dtype_suffix():
     label = be.row_label("graph_api_auto_fp8")
     assert "make_experts('auto')" in label and "CUDA graph" in label
     assert be.selected("graph_api_auto_fp8".removeprefix("graph_"), "api_auto_")
+
+
+def test_rounds_alternate_the_order_and_keep_every_round():
+    """--rounds: each path is timed once per round, every other round in reverse order (a GPU slowing down over the run
+    favours no path); every round's time is kept, the row takes the fastest."""
+    order, clock = [], iter(range(100, 0, -1))  # a "GPU" that gets faster with every call
+
+    def time_path(name, fn):
+        order.append(name)
+        return float(next(clock)), f"timed {name}"
+
+    paths = [("a", None), ("b", None), ("c", None)]
+    per_round, timing_of = be.time_rounds(paths, 3, time_path)
+    assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert per_round == {"a": [100.0, 95.0, 94.0], "b": [99.0, 96.0, 93.0], "c": [98.0, 97.0, 92.0]}
+    assert timing_of == {"a": "timed a", "b": "timed b", "c": "timed c"}
+    assert be.time_rounds(paths, 1, lambda name, fn: (1.0, "x"))[0] == {"a": [1.0], "b": [1.0], "c": [1.0]}
