@@ -18,8 +18,8 @@
 # launch = the bound launch path's tests on the GPU, then the host cost per Triton launch (scripts/bench_launch.py); router = the gate GEMM's GPU tests (cuBLAS, fp32
 # output) and scripts/bench_router.py (it against the fp32 torch GEMM it replaced, eager and in a graph); peer:MODEL:ROWS = the expert MLPs at one
 # model and row count beside SGLang's and vLLM's kernels at the best config of their own tuners' spaces (the searches
-# alone take ~3 min per model; one point per step, up to 590 s, or $PEER_LIMIT s), e.g. peer:kimi-k2:4096 peer:step3:32768; the points
-# not yet measured: Kimi-K2 4096 (partly) and 512, Step3 512, 4096 and 32768; launches = the
+# alone take ~3 min per model; one point per step, up to 590 s, or $PEER_LIMIT s), e.g. peer:kimi-k2:4096 peer:step3:32768, each path timed
+# in $PEER_ROUNDS rounds (default 2, alternating order); the point not yet measured whole: Kimi-K2 512; launches = the
 # layer's launches, syncs and host time per eager call at decode (bench_eager --profile, launching path and graph);
 # epilogue_add = the grouped MLP's add-in-the-epilogue tests (kernel against its twin) on the GPU;
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
