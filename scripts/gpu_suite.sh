@@ -113,7 +113,7 @@ for s in $STEPS; do case $s in
       --out "$OUT/peer_${model}_${rows}/bench_experts.json" ;;
   epilogue_add) step epilogue_add 120 python3 -m pytest -q -rs --timeout=100 tests/interpreter/test_grouped_mlp.py -k add ;;
   launches) step launches 200 python3 scripts/bench_eager.py --out "$OUT/launches" --tokens 16 128 \
-      --routes eager_launches graph --profile --repeats 3 ;;
+      --routes eager_launches graph --profile --repeats 5 ;;
   pack) PACK=1 ;;  # done after the summary below
   w4) step w4 300 python3 scripts/bench_w4a16.py --sweep --max-seconds 270 --out "$OUT/w4_sweep/bench_w4a16.json" ;;
   align) step align 300 python3 scripts/ab_grouped_mlp.py --ab alignment --nohint --max-seconds 270 \
