@@ -479,16 +479,20 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
             c.stride(0), c_scale.stride(0) if quant_out else 0, 0 if add is None else add.stride(0),
         )
 
+    def keywords(options: dict) -> dict:
+        """Every keyword of a launch: the kernel's flags, ``options`` (the tile's meta-parameters and launch options)
+        and the compile options (none under the interpreter)."""
+        return {**flags, **options, **({} if is_interpreter() else launch_options(fp_fusion=True))}
+
     if config is not None:
         options = tiles.forced_options(config)  # checks the meta keys first
         error = tiles.config_error(config, fp8=fp8, quant_out=quant_out)
         if error:
             raise InvalidConfigError(f"forced config {config}: {error}")
-        extra = {} if is_interpreter() else launch_options(fp_fusion=True)
-        return launch(_grouped_gemm_kernel, grid(options), *arguments(config.kwargs), **flags, **options, **extra)
+        return launch(_grouped_gemm_kernel, grid(options), *arguments(config.kwargs), **keywords(options))
     if is_interpreter():
         meta = tiles.interpreter_meta(quant_out)
-        return launch(_grouped_gemm_kernel, grid(meta), *arguments(meta), **flags, **meta)
+        return launch(_grouped_gemm_kernel, grid(meta), *arguments(meta), **keywords(meta))
     # The autotuner runs once per shape key; later launches of that key go straight to the kernel with the config
     # it chose and its launch keywords, merged once (no autotuner key work or pre-hook per call). The key holds
     # everything the autotuner's does (its key arguments and every tensor's dtype), and more;
@@ -499,9 +503,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         chosen, keywords = tuned
         return launch(_grouped_gemm_kernel, grid(keywords), *arguments(chosen.kwargs), **keywords)
     tuner = autotuned_kernel()
-    out = tuner[grid](*arguments(None), **flags, **launch_options(fp_fusion=True))
-    _TUNED[key] = tuner.best_config, {**flags, **tiles.forced_options(tuner.best_config),
-                                      **launch_options(fp_fusion=True)}
+    out = tuner[grid](*arguments(None), **keywords({}))
+    _TUNED[key] = tuner.best_config, keywords(tiles.forced_options(tuner.best_config))
     return out
 
 

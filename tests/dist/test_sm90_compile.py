@@ -1,8 +1,7 @@
 """The grouped MLP kernels compile for Hopper (sm_90a), checked on a CPU: each weight format (the 4-bit kernel in each
 x dtype), gate/up layout, TMA or pointer loads and GEMM, at representative tiles of the autotune lists; so do the
-router's gate GEMM at each of its tiles, the routing check (its first H200
-run found a global that Triton's compiler refuses and the interpreter accepts) and every kernel of the device-side
-EP data path (pre-dispatch, layout, receive layout, dispatch, combine push and reduce, barrier; bf16 and FP8 rows).
+routing check (its first H200 run found a global that Triton's compiler refuses and the interpreter accepts) and every
+kernel of the device-side EP data path (pre-dispatch, layout, receive layout, dispatch, combine push and reduce, barrier; bf16 and FP8 rows).
 
 The interpreter tests run the kernel's Python, so a kernel that Triton's compiler rejects (for instance two
 returns of different types in branches a constexpr removes, found on an H200 on 2026-12-01) passes
