@@ -28,7 +28,8 @@ The routed experts are allocated when they are loaded, in the form they are load
 holds the checkpoint's bytes of the local experts and never a bf16 copy of them (``expert_nbytes()``). The W4A16
 kernel reads INT4/MXFP4 words in its own nibble order: at load the layer rewrites its copy in place
 (``QuantizedExpertWeights.with_group_planes``; the kernel adds a group-major copy of the scales, 1/16 of INT4's
-bytes), and ``state_dict()`` puts them back in the checkpoint's order.
+bytes); the FP8 kernels read gate/up rows interleaved in 128-row blocks, which the layer also rewrites in place
+(``QuantizedExpertWeights.with_interleaved_gate_up``); ``state_dict()`` puts both back in the checkpoint's order.
 
 nn.Module conventions: ``state_dict()``/``load_state_dict()`` round trip into a fresh (unseeded) layer, strict:
 plain experts are allocated by the load, quantized ones travel as ``quantized_experts.<field>`` tensors (+ their
@@ -65,7 +66,8 @@ from moe_ref.core.errors import (ArgumentTypeError, BackendUnavailableError, Dev
                                  GradientNotSupportedError, InputError, InvalidConfigError, LayerConversionError,
                                  ShapeError, ShapeUnsupportedError, TensorShapeMismatchError, WeightsNotLoadedError)
 from moe_ref.experts import Experts, experts_class, make_experts
-from moe_ref.experts.quantized import QUANT_BACKENDS, W4A16Experts, make_quantized_experts, quantized_experts_class
+from moe_ref.experts.quantized import (QUANT_BACKENDS, QuantTorchExperts, W4A16Experts, make_quantized_experts,
+                                      quantized_experts_class)
 from moe_ref.ep.options import EPOptions
 from moe_ref.checkpoint.formats import QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec
 from moe_ref.ep.routed_step import RoutedStep, make_modular_step
@@ -462,12 +464,17 @@ class MegaMoE(nn.Module):
         return getattr(self, "_load_report", None)
 
     def _held(self, quantized: QuantizedExpertWeights) -> QuantizedExpertWeights:
-        """A just-loaded ``QuantizedExpertWeights`` as the layer keeps it: 4-bit words that the W4A16 kernel will read
-        are rewritten in place in its order now, at load, before any caller can hold the checkpoint-order object
-        (one copy of the weights; ``state_dict()`` puts the checkpoint's order back)."""
+        """A just-loaded ``QuantizedExpertWeights`` as the layer keeps it, rewritten in place now, at load, before any
+        caller can hold the checkpoint-order object (one copy of the weights; ``state_dict()`` puts the checkpoint's
+        order back): 4-bit words that the W4A16 kernel will read in its order, FP8 gate/up rows that the FP8
+        kernels will read interleaved in 128-row blocks (the torch loop reads either, so its experts stay as
+        stored)."""
         backend = self._quantized_backend(quantized.spec)
-        if quantized_experts_class(quantized.spec.format, backend, self.options.device) is W4A16Experts:
+        experts_class = quantized_experts_class(quantized.spec.format, backend, self.options.device)
+        if experts_class is W4A16Experts:
             return quantized.with_group_planes()
+        if experts_class is not QuantTorchExperts:
+            return quantized.with_interleaved_gate_up()
         return quantized
 
     def _quantized_backend(self, spec: QuantSpec) -> str:

@@ -7,7 +7,8 @@
 
 `--ab layout` (default), the gate/up weight layout:
   A: gate_up rows stacked (gate 0..F-1, then up 0..F-1): GEMM1 runs two dots per k-step.
-  B: gate_up rows interleaved (gate j, up j; `interleave_gate_up`, done once): one dot over 2 * BLOCK_N rows.
+  B: gate_up rows interleaved (alternating 128-row gate and up blocks, FP8 block scales alike;
+     `interleave_gate_up`, done once): one dot over 256 rows.
   Both autotune over the same tile lists; down (GEMM2) is the same launch in both.
 `--ab schedule`, the program schedule of both GEMMs, in the layout the Triton experts use (FP8 interleaved, bf16
 stacked):
@@ -71,9 +72,10 @@ DEFAULTS = {"layout": ("kimi-k2", "64,512,4096,32768"), "schedule": ("kimi-k2", 
             "alignment": ("kimi-k2,step3", "64,512")}  # --ab -> (--models, --rows) when not given
 
 
-def run(case, precision: str, gate_up: torch.Tensor, interleaved: bool, persistent: bool = False, *,
-        alignment: int = ALIGN, hint: bool = True, configs: tuple | None = None):
-    """`grouped_mlp` on a bench_experts case as the Triton experts call it, with `gate_up` in the given layout:
+def run(case, precision: str, gate_up: torch.Tensor, interleaved: bool, gate_up_scale: torch.Tensor | None = None,
+        persistent: bool = False, *, alignment: int = ALIGN, hint: bool = True, configs: tuple | None = None):
+    """`grouped_mlp` on a bench_experts case as the Triton experts call it, with `gate_up` (FP8: and its block
+    scales `gate_up_scale`) in the given layout:
     the case's rows in its pool of segments aligned to `alignment` (`_pool`), rows hint = the routed rows
     (`hint=False`: none, i.e. the pool's rows), unused rows unwritten; `configs`: (gate_up, down) tiles forced.
     Returns y `[P, D]` (bf16) of that pool."""
@@ -81,7 +83,7 @@ def run(case, precision: str, gate_up: torch.Tensor, interleaved: bool, persiste
     if precision == "fp8":
         ops = case.fp8
         inputs, down = (pool.x_fp8,), ops["down"]
-        scales = {"x_scale_PDb": pool.x_scale, "gate_up_scale": ops["gate_up_scale"], "down_scale": ops["down_scale"]}
+        scales = {"x_scale_PDb": pool.x_scale, "gate_up_scale": gate_up_scale, "down_scale": ops["down_scale"]}
     else:
         inputs, down, scales = (pool.x_PDx,), case.down, {}
     return grouped_mlp(*inputs, gate_up, down, pool.row_start_e, pool.num_rows_e, **scales,
@@ -89,19 +91,25 @@ def run(case, precision: str, gate_up: torch.Tensor, interleaved: bool, persiste
                        gate_up_interleaved=interleaved, persistent=persistent, configs=configs)
 
 
-def triton_layout(precision: str, stacked: torch.Tensor) -> dict:
+def gate_up_layout(stacked: torch.Tensor, stacked_scale: torch.Tensor | None, interleaved: bool) -> dict:
+    """`run` keywords of gate_up (and its FP8 block scales, None for bf16) stacked or interleaved (copies)."""
+    if not interleaved:
+        return dict(gate_up=stacked, gate_up_scale=stacked_scale, interleaved=False)
+    scale = None if stacked_scale is None else interleave_gate_up(stacked_scale, rows_per_block=1)
+    return dict(gate_up=interleave_gate_up(stacked), gate_up_scale=scale, interleaved=True)
+
+
+def triton_layout(precision: str, stacked: torch.Tensor, stacked_scale: torch.Tensor | None) -> dict:
     """`run` keywords of gate_up as TritonExperts stores it: FP8 interleaved (a copy), bf16 the stacked rows."""
-    if precision == "fp8":
-        return dict(gate_up=interleave_gate_up(stacked), interleaved=True)
-    return dict(gate_up=stacked, interleaved=False)
+    return gate_up_layout(stacked, stacked_scale, interleaved=precision == "fp8")
 
 
-def variants(ab: str, precision: str, stacked: torch.Tensor) -> dict[str, dict]:
+def variants(ab: str, precision: str, stacked: torch.Tensor, stacked_scale: torch.Tensor | None) -> dict[str, dict]:
     """A and B of the comparison: name -> `run` keywords (first A, then B)."""
     if ab == "layout":
-        return {"stacked": dict(gate_up=stacked, interleaved=False),
-                "interleaved": dict(gate_up=interleave_gate_up(stacked), interleaved=True)}
-    layout = triton_layout(precision, stacked)
+        return {"stacked": gate_up_layout(stacked, stacked_scale, False),
+                "interleaved": gate_up_layout(stacked, stacked_scale, True)}
+    layout = triton_layout(precision, stacked, stacked_scale)
     return {"grid": dict(layout, persistent=False), "persistent": dict(layout, persistent=True)}
 
 
@@ -314,14 +322,15 @@ def main(argv=None) -> int:
             valid = _segment_rows(case.row_start_e, case.num_rows_e, case.x_PDx.shape[0])
         if args.ab == "alignment":
             if precision not in stored:
-                stored[precision] = triton_layout(precision, weights[2] if precision == "fp8" else weights[0])
+                stored[precision] = (triton_layout(precision, weights[2], weights[3]) if precision == "fp8" else
+                                     triton_layout(precision, weights[0], None))
             row = alignment_case(case, precision, stored[precision], pools, args.rounds)
             results["cases"].append(row)
             print("\n".join(alignment_lines(row)), flush=True)
             _write(results, args.out)
             continue
-        stacked = case.fp8["gate_up"] if precision == "fp8" else case.gate_up
-        specs = variants(args.ab, precision, stacked)
+        stacked = (case.fp8["gate_up"], case.fp8["gate_up_scale"]) if precision == "fp8" else (case.gate_up, None)
+        specs = variants(args.ab, precision, *stacked)
         (name_a, spec_a), (name_b, spec_b) = specs.items()
         outs = {name: run(case, precision, **spec)[valid].float() for name, spec in specs.items()}
         diff = calc_diff(outs[name_b], outs[name_a])

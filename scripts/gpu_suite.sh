@@ -22,6 +22,8 @@
 # in $PEER_ROUNDS rounds (default 2, alternating order); the point not yet measured whole: Kimi-K2 512; launches = the
 # layer's launches, syncs and host time per eager call at decode (bench_eager --profile, launching path and graph);
 # epilogue_add = the grouped MLP's add-in-the-epilogue tests (kernel against its twin) on the GPU;
+# layout = the FP8 GPU tests of the interleaved gate/up rows (kernel, checkpoint experts, layer, auto and DeepGEMM),
+# then the stacked vs interleaved A/B of the FP8 grouped MLP (scripts/ab_grouped_mlp.py --ab layout);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -114,6 +116,11 @@ for s in $STEPS; do case $s in
   epilogue_add) step epilogue_add 120 python3 -m pytest -q -rs --timeout=100 tests/interpreter/test_grouped_mlp.py -k add ;;
   launches) step launches 200 python3 scripts/bench_eager.py --out "$OUT/launches" --tokens 16 128 \
       --routes eager_launches graph --profile --repeats 5 ;;
+  layout)
+    step layout_tests 300 python3 -m pytest -q -rs --timeout=250 tests/gpu/test_kernels_cuda.py -k grouped_mlp_fp8 \
+      tests/gpu/test_quant_cuda.py tests/gpu/test_fp8_layer_cuda.py tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py
+    step layout_ab 260 python3 scripts/ab_grouped_mlp.py --ab layout --models kimi-k2,step3 --rows 64,512,4096,32768 \
+      --precisions fp8 --max-seconds "${LAYOUT_SECONDS:-230}" --out "$OUT/layout/ab_layout.json" ;;
   pack) PACK=1 ;;  # done after the summary below
   w4) step w4 300 python3 scripts/bench_w4a16.py --sweep --max-seconds 270 --out "$OUT/w4_sweep/bench_w4a16.json" ;;
   align) step align 300 python3 scripts/ab_grouped_mlp.py --ab alignment --nohint --max-seconds 270 \

@@ -10,8 +10,9 @@ ascending, every model shape at each point, so a run stopped by --max-seconds ke
 that matter most):
 - model shapes: bench_experts' MODELS (per rank at EP 8: Kimi-K2 48 experts, D 7168, F 2048; Step3 48 experts,
   D 7168, F 5120) and its cases (`_make_case`: routed rows spread uniformly at random over the experts);
-- dtype: bf16, or fp8 = the weights quantized once (`FP8ExpertWeights`, stacked gate/up rows) and shared by every
-  backend, as `AutoExperts` shares them, fed the FP8 pool as dispatched;
+- dtype: bf16, or fp8 = the weights quantized once (`FP8ExpertWeights`, gate/up interleaved in 128-row blocks as
+  `FP8ExpertWeights.quantize` lays them out) and shared by every backend, as `AutoExperts` shares them, fed the FP8
+  pool as dispatched;
 - pool format: contiguous (segments 128-aligned: the pool a layer plans for auto with DeepGEMM) or masked (expert
   i's rows at i * M, M = the largest count rounded up to 128: `moe_ref.experts.deep_gemm.bench.masked_pool`);
 - backends: triton and deep_gemm, plus grouped_mm for bf16 contiguous; each one installed here
@@ -195,7 +196,7 @@ class Tuner:
         if key not in self.experts and key not in self.build_errors:
             gate_up, down, *fp8 = self.weights[model]
             try:
-                fp8_weights = FP8ExpertWeights(*fp8) if dtype == "fp8" else None
+                fp8_weights = FP8ExpertWeights(*fp8).interleaved() if dtype == "fp8" else None
                 self.experts[key] = make_experts(name, gate_up, down, "silu", fp8_weights=fp8_weights)
             except MoERefError as err:
                 self.build_errors[key] = f"cannot be built: {err}"

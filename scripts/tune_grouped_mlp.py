@@ -35,7 +35,7 @@ specialisation (--jobs 0: compile in this process, serially). Nothing is timed w
 warps, 4-8 stages), for bf16 or --fp8. --decode --explore: the wider few-row space `DECODE_EXPLORE_*` instead of
 that grid (BLOCK_M 16/32/64 x effective N 128/256 x BLOCK_K 128/64 x 4/8 warps x 3-6 stages), kept where the
 library's rules keep it (correctness, shared memory; no register rules, as --explore everywhere: the compiler's
-spill counts show which fit). --interleaved: gate_up's rows interleaved (gate j, up j), as the FP8
+spill counts show which fit). --interleaved: gate_up's rows interleaved (128-row gate and up blocks), as the FP8
 Triton experts store them (`grouped_mlp(..., gate_up_interleaved=True)`).
 
 --fp8 (default --out results/tune_grouped_mlp_fp8.json): the FP8 path as `grouped_mlp` runs it for e4m3 x:
@@ -296,7 +296,8 @@ def launch(gemm: str, a, w, out, row_start_e, num_rows_e, rows_hint: int, config
            a_scale=None, w_scale=None, out_scale=None, interleaved: bool = False):
     """One GEMM through the library launcher; returns the compiled kernel (GPU) or None. FP8 (e4m3 `w`):
     `a_scale` per row per 128 columns, `w_scale` 128x128 blocks; gate_up writes e4m3 h + `out_scale`.
-    `interleaved`: gate_up's rows alternate gate j, up j (`grouped_mlp(..., gate_up_interleaved=True)`)."""
+    `interleaved`: gate_up's rows (and FP8 scale rows) alternate gate and up blocks
+    (`grouped_mlp(..., gate_up_interleaved=True)`; BLOCK_N 128)."""
     gm = _gm()
     fp8 = w.dtype == gm.FP8_DTYPE
     if gemm == "gate_up":
@@ -324,8 +325,8 @@ def make_ops(x, weights: dict, pool_rows: int, fp8: bool, device: str, interleav
     """The operands and buffers of both GEMMs in one precision: bf16 as given, or (`fp8`) x quantized to e4m3
     per row per 128 columns and the e4m3 weights of `quantize_weights` (done here if `weights` lacks them).
     `h_PF` is the swept gate_up's output, `h_fixed` the fixed config's (down's input); `*_scale` are None
-    for bf16. `interleaved`: gate_up's rows re-laid out as gate j, up j (its FP8 block scales stay stacked),
-    recorded as `ops["gate_up_interleaved"]`."""
+    for bf16. `interleaved`: gate_up's rows re-laid out in alternating 128-row gate and up blocks (its FP8 block
+    scales alike), recorded as `ops["gate_up_interleaved"]`."""
     gm = _gm()
     hidden, inter = x.shape[1], weights["down"].shape[2]
     if not fp8:
@@ -346,6 +347,8 @@ def make_ops(x, weights: dict, pool_rows: int, fp8: bool, device: str, interleav
             ops[h + "_scale"] = torch.ones(pool_rows, gm.num_fp8_groups(inter), dtype=torch.float32, device=device)
     if interleaved:
         ops["gate_up"] = gm.interleave_gate_up(ops["gate_up"])
+        if ops["gate_up_scale"] is not None:
+            ops["gate_up_scale"] = gm.interleave_gate_up(ops["gate_up_scale"], rows_per_block=1)
     ops["gate_up_interleaved"] = interleaved
     return ops
 
@@ -887,7 +890,7 @@ def _parse(argv):
                         help="sweep the decode regime (<= 32 rows per expert; --rows default 64,512): the DECODE "
                              "lists and few-row tiles with deep pipelines (DECODE_GRID_*)")
     parser.add_argument("--interleaved", action="store_true",
-                        help="gate_up weights re-laid out as gate j, up j rows (one dot per k-step, "
+                        help="gate_up weights re-laid out in alternating 128-row gate and up blocks (one dot per k-step, "
                              "grouped_mlp(..., gate_up_interleaved=True)); down is unchanged")
     args = parser.parse_args(argv)
     if args.out is None:

@@ -293,7 +293,9 @@ QUANTIZED_TENSOR_FIELDS = ("gate_up_qweight_e2FDq", "gate_up_scale_e2FDs", "down
 @dataclass(frozen=True)
 class QuantizedExpertWeights:
     """One rank's routed experts, exactly as the checkpoint stores them (no dequantization); 4-bit words may be in
-    the W4A16 kernel's nibble order instead (``nibble_order``, ``with_group_planes``: the same bytes, rewritten).
+    the W4A16 kernel's nibble order instead (``nibble_order``, ``with_group_planes``: the same bytes, rewritten), and
+    FP8 gate/up rows interleaved in 128-row blocks (``gate_up_interleaved``, ``with_interleaved_gate_up``: the same
+    rows, moved).
 
     Gate rows then up rows, as in ``MoEWeights.gate_up_weight_E2FD``. Stored widths ``Dq``/``Fq`` and scale
     widths ``Ds``/``Fs`` follow the format: fp8_block ``Dq = D`` (float8_e4m3fn), scales fp32 ``[e, 2F/128,
@@ -313,6 +315,9 @@ class QuantizedExpertWeights:
         nibble_order: "checkpoint" (as stored), or "group_planes": the 4-bit words rewritten in place in the order
             of ``moe_ref.kernels.grouped_mlp_w4`` (``kernels.w4.to_group_planes``); ``as_stored()`` gives them back
             in the checkpoint's order.
+        gate_up_interleaved: fp8_block only: gate_up's rows, and its scale rows alike, rewritten in place in
+            alternating 128-row gate and up blocks (``kernels.grouped_mlp.interleave_gate_up``), as the FP8 kernels
+            run them; ``as_stored()`` gives them back stacked.
     """
 
     spec: QuantSpec
@@ -324,6 +329,7 @@ class QuantizedExpertWeights:
     intermediate_size: int
     first_expert: int = 0
     nibble_order: str = "checkpoint"
+    gate_up_interleaved: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -362,6 +368,10 @@ class QuantizedExpertWeights:
         bytes converted)."""
         qweight, scale = (self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs) if which == "gate_up" else (
             self.down_qweight_eDFq, self.down_scale_eDFs)
+        if self.gate_up_interleaved and which == "gate_up":
+            from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
+
+            return deinterleave_gate_up(dequantize_weight(qweight[i:i + 1], scale[i:i + 1], self.spec.format, dtype))[0]
         if self.nibble_order == "checkpoint":
             return dequantize_weight(qweight[i], scale[i], self.spec.format, dtype)
         in_features = self.hidden_size if which == "gate_up" else self.intermediate_size
@@ -393,8 +403,29 @@ class QuantizedExpertWeights:
         to_group_planes(self.down_qweight_eDFq, self.down_scale_eDFs, self.w4_format, in_place=True)
         return dataclasses.replace(self, nibble_order="group_planes")
 
+    def with_interleaved_gate_up(self) -> "QuantizedExpertWeights":
+        """These fp8_block experts with gate_up's rows and scale rows rewritten IN PLACE in alternating 128-row gate
+        and up blocks (one expert at a time: no second copy of the weights). As ``with_group_planes``, only an owner
+        that keeps the result and drops this object may call it (the layer, at load). Returned unchanged for other
+        formats or when already done."""
+        from moe_ref.kernels.grouped_mlp import interleave_gate_up
+
+        if self.spec.format != QuantFormat.FP8_BLOCK or self.gate_up_interleaved:
+            return self
+        for i in range(self.num_experts):
+            for tensor, rows_per_block in ((self.gate_up_qweight_e2FDq, FP8_BLOCK), (self.gate_up_scale_e2FDs, 1)):
+                tensor[i:i + 1].copy_(interleave_gate_up(tensor[i:i + 1], rows_per_block))
+        return dataclasses.replace(self, gate_up_interleaved=True)
+
     def as_stored(self) -> "QuantizedExpertWeights":
-        """These experts in the checkpoint's order: this object, or (group planes) a copy of the words put back."""
+        """These experts in the checkpoint's order: this object, or a copy with the words (group planes) or the
+        gate/up rows (interleaved) put back."""
+        if self.gate_up_interleaved:
+            from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
+
+            return dataclasses.replace(
+                self, gate_up_qweight_e2FDq=deinterleave_gate_up(self.gate_up_qweight_e2FDq, FP8_BLOCK),
+                gate_up_scale_e2FDs=deinterleave_gate_up(self.gate_up_scale_e2FDs, 1), gate_up_interleaved=False)
         if self.nibble_order == "checkpoint":
             return self
         gate_up_q = packed_from_planes(self.gate_up_qweight_e2FDq.view(torch.int32), self.w4_format, self.hidden_size)

@@ -264,17 +264,15 @@ class AutoExperts(Experts):
     Build it with ``make_experts("auto", ...)`` (or ``experts_class("auto", device)``), which resolves ``auto`` for
     the device: the torch loop on CPU; on CUDA plain ``TritonExperts`` when Triton is all auto would hold (no table
     entry for this GPU class, or no other installed backend ranked first anywhere: then nothing changes for users
-    without DeepGEMM, and FP8 keeps Triton's faster interleaved gate/up rows), else a subclass of this class made
+    without DeepGEMM), else a subclass of this class made
     once per held set, whose class attributes (``held_backends``, ``segment_alignment``) are what a layer plans its
     pool with before any weights exist. That is why the choice is a class, not only an instance.
 
     The held backends share ONE copy of the weights: bf16 weights are the caller's tensors in every backend (held
     only when bf16 and contiguous, so that DeepGEMM's ``.to(bf16).contiguous()`` is the tensor itself); fp8 weights
-    are quantized once (``FP8ExpertWeights.quantize``, stacked gate/up rows) or taken as given (``fp8_weights``: an
-    FP8 checkpoint's) and handed to each backend as is. Triton then runs stacked fp8 gate/up rows, 3-9% slower GEMM1
-    than the interleaved rows it makes for itself (docs/RESULTS.md, "Interleaved gate/up"). Accepted so that the fp8
-    weights exist once: an interleaved copy for Triton beside DeepGEMM's stacked one would double the experts' bytes
-    (FP8 checkpoints are stored stacked, so their Triton path runs stacked rows anyway).
+    are quantized once (``FP8ExpertWeights.quantize``: gate_up interleaved in 128-row blocks, which both Triton's
+    one-dot GEMM1 and DeepGEMM run) or taken as given (``fp8_weights``: an FP8 checkpoint's, which the layer
+    interleaves in place at load) and handed to each backend as is.
 
     The choice is made on the host from static values (the weights' dtype, the layout's pool format and rows hint),
     so a captured CUDA graph replays the choice made at capture; no host sync beyond ``layout.rows_hint()`` (none when

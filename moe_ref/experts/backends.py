@@ -94,21 +94,17 @@ class TritonExperts(Experts):
         down_weight_eDF: ``[e, Dx, F]``.
         activation, situ_beta, situ_linear_beta: see ``moe_ref.core.activations`` (fused in the kernel, fp32).
         fp8: quantize the weights ONCE here to fp8 e4m3 with fp32 128x128 block scales
-            (``FP8ExpertWeights.quantize``) and run the FP8 kernel. ``forward`` then takes the FP8 pool with
-            its per-row per-128 scales as dispatched (``accepts_fp8_input``) and returns bf16; given
-            activation-dtype rows it quantizes them per 128 columns itself and returns their dtype. The fp8
-            gate_up rows are kept interleaved (gate j, up j; ``gate_up_interleaved``), so GEMM1 runs one dot per
-            k-step (faster than stacked rows, docs/RESULTS.md); bf16 gains nothing from it, so it runs the
-            caller's weights as given.
+            (``FP8ExpertWeights.quantize``: gate_up interleaved in 128-row blocks when F % 128 == 0, so GEMM1 runs
+            one dot per k-step) and run the FP8 kernel. ``forward`` then takes the FP8 pool with its per-row per-128
+            scales as dispatched (``accepts_fp8_input``) and returns bf16; given activation-dtype rows it quantizes
+            them per 128 columns itself and returns their dtype. bf16 runs the caller's weights as given.
         fp8_weights: already-quantized weights (``FP8ExpertWeights``: an FP8 checkpoint's, or ones another backend
-            shares) to run as given, stacked gate/up rows (``gate_up_interleaved`` False: 3-9% slower GEMM1 than
-            interleaved rows, docs/RESULTS.md "Interleaved gate/up", and no second copy). Implies ``fp8``.
+            shares) to run as given, stacked or interleaved. Implies ``fp8``.
     """
 
     name = "triton"
     segment_alignment = 1
     supports_fp8 = True
-    gate_up_interleaved = False  # the fp8 gate_up rows alternate gate j, up j (True when this object quantized them)
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, fp8: bool = False,
@@ -116,17 +112,9 @@ class TritonExperts(Experts):
         super().__init__(gate_up_weight_e2FD, down_weight_eDF, activation, situ_beta, situ_linear_beta)
         self.fp8 = self.accepts_fp8_input = fp8 or fp8_weights is not None
         if fp8 and fp8_weights is None:
-            from moe_ref.kernels.grouped_mlp import interleave_gate_up
-
             # NOTE: the originals stay referenced by the base class (the caller's tensors, no copy).
-            quantized = FP8ExpertWeights.quantize(gate_up_weight_e2FD, down_weight_eDF)
-            fp8_weights = dataclasses.replace(quantized,
-                                              gate_up_fp8_e2FD=interleave_gate_up(quantized.gate_up_fp8_e2FD))
-            self.gate_up_interleaved = True  # the block scales stay stacked
-        if self.fp8:
-            self.gate_up_fp8_e2FD = fp8_weights.gate_up_fp8_e2FD
-            self.gate_up_scale_e2FbDb = fp8_weights.gate_up_scale_e2FbDb
-            self.down_fp8_eDF, self.down_scale_eDbFb = fp8_weights.down_fp8_eDF, fp8_weights.down_scale_eDbFb
+            fp8_weights = FP8ExpertWeights.quantize(gate_up_weight_e2FD, down_weight_eDF)
+        self.fp8_weights = fp8_weights
 
     def forward(self, x_PDx, layout, x_scale_PDb=None):
         from moe_ref.kernels.grouped_mlp import grouped_mlp
@@ -143,9 +131,11 @@ class TritonExperts(Experts):
 
             out_dtype = x_PDx.dtype
             x_PDx, x_scale_PDb = quantize_fp8_per_128(x_PDx)
-        y_PDx = grouped_mlp(x_PDx, self.gate_up_fp8_e2FD, self.down_fp8_eDF, layout.row_start_e,
-                            layout.num_rows_e, x_scale_PDb=x_scale_PDb, gate_up_scale=self.gate_up_scale_e2FbDb,
-                            down_scale=self.down_scale_eDbFb, gate_up_interleaved=self.gate_up_interleaved, **options)
+        weights = self.fp8_weights
+        y_PDx = grouped_mlp(x_PDx, weights.gate_up_fp8_e2FD, weights.down_fp8_eDF, layout.row_start_e,
+                            layout.num_rows_e, x_scale_PDb=x_scale_PDb, gate_up_scale=weights.gate_up_scale_e2FbDb,
+                            down_scale=weights.down_scale_eDbFb, gate_up_interleaved=weights.gate_up_interleaved,
+                            **options)
         return y_PDx.to(out_dtype)
 
 

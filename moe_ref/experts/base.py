@@ -7,7 +7,7 @@ Db = ceil(Dx / 128), Fb = ceil(F / 128)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,31 +17,67 @@ from moe_ref.kernels._triton_utils import FP8_DTYPE
 
 @dataclass(frozen=True)
 class FP8ExpertWeights:
-    """Expert weights in fp8 e4m3 with fp32 128x128 block scales, gate rows then up rows (stacked), as
-    ``kernels.fp8.quantize_fp8_per_block_128`` makes them and FP8 checkpoints store them.
+    """Expert weights in fp8 e4m3 with fp32 128x128 block scales, as ``kernels.fp8.quantize_fp8_per_block_128`` makes
+    them and FP8 checkpoints store them: gate rows then up rows (stacked), or interleaved in 128-row blocks.
 
     The one way to hand already-quantized weights to a backend: ``make_experts(..., fp8_weights=w)`` (or the
     constructor's ``fp8_weights``) runs these tensors as given, so backends built from one ``w`` share one copy.
+
+    Interleaved (``gate_up_interleaved``): gate_up's rows alternate 128-row gate and up blocks, and its scale rows
+    alike (``kernels.grouped_mlp.interleave_gate_up``): a permutation of whole scale blocks, so the values are the
+    stacked ones. The Triton kernel then loads a gate block and its up block as one 256-row tile (one dot per k-step,
+    not two); DeepGEMM runs them as any weight, its GEMM1 columns interleaved alike. ``quantize`` interleaves
+    whenever F % 128 == 0.
 
     Attributes:
         gate_up_fp8_e2FD: ``[e, 2F, Dx]`` fp8 e4m3.
         gate_up_scale_e2FbDb: ``[e, ceil(2F / 128), Db]`` fp32 block scales.
         down_fp8_eDF: ``[e, Dx, F]`` fp8 e4m3.
         down_scale_eDbFb: ``[e, Db, Fb]`` fp32 block scales.
+        gate_up_interleaved: gate_up's rows and scale rows in alternating 128-row gate and up blocks.
     """
 
     gate_up_fp8_e2FD: torch.Tensor
     gate_up_scale_e2FbDb: torch.Tensor
     down_fp8_eDF: torch.Tensor
     down_scale_eDbFb: torch.Tensor
+    gate_up_interleaved: bool = False
 
     @staticmethod
     def quantize(gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor) -> "FP8ExpertWeights":
-        """Quantize ``[e, 2F, Dx]`` and ``[e, Dx, F]`` weights (bf16/fp16/fp32) once, per 128x128 block."""
+        """Quantize ``[e, 2F, Dx]`` and ``[e, Dx, F]`` weights (bf16/fp16/fp32) once, per 128x128 block; gate_up
+        interleaved when F % 128 == 0."""
         from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
 
-        return FP8ExpertWeights(*quantize_fp8_per_block_128(gate_up_weight_e2FD),
-                                *quantize_fp8_per_block_128(down_weight_eDF))
+        stacked = FP8ExpertWeights(*quantize_fp8_per_block_128(gate_up_weight_e2FD),
+                                   *quantize_fp8_per_block_128(down_weight_eDF))
+        return stacked.interleaved() if stacked.can_interleave() else stacked
+
+    def can_interleave(self) -> bool:
+        """Whether gate_up's rows come in whole 128-row blocks (F % 128 == 0)."""
+        from moe_ref.kernels.grouped_mlp_tiles import GATE_UP_BLOCK
+
+        return (self.gate_up_fp8_e2FD.shape[1] // 2) % GATE_UP_BLOCK == 0
+
+    def interleaved(self) -> "FP8ExpertWeights":
+        """These weights with gate_up interleaved (copies of gate_up and its scales; this object if it already is)."""
+        from moe_ref.kernels.grouped_mlp import interleave_gate_up
+
+        if self.gate_up_interleaved:
+            return self
+        return replace(self, gate_up_fp8_e2FD=interleave_gate_up(self.gate_up_fp8_e2FD),
+                       gate_up_scale_e2FbDb=interleave_gate_up(self.gate_up_scale_e2FbDb, rows_per_block=1),
+                       gate_up_interleaved=True)
+
+    def stacked(self) -> "FP8ExpertWeights":
+        """These weights with gate_up stacked (copies of gate_up and its scales; this object if it already is)."""
+        from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
+
+        if not self.gate_up_interleaved:
+            return self
+        return replace(self, gate_up_fp8_e2FD=deinterleave_gate_up(self.gate_up_fp8_e2FD),
+                       gate_up_scale_e2FbDb=deinterleave_gate_up(self.gate_up_scale_e2FbDb, rows_per_block=1),
+                       gate_up_interleaved=False)
 
 
 @dataclass(frozen=True)

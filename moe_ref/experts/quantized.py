@@ -88,18 +88,18 @@ class FP8BlockExperts(TritonExperts):
                  situ_linear_beta: float = 25.0):
         if qweights.spec.format != QuantFormat.FP8_BLOCK:
             raise UnknownNameError(f"FP8BlockExperts takes fp8_block weights, got {qweights.spec.format.value}")
-        # NOTE: the checkpoint's tensors run as stored, stacked gate/up rows (``fp8_weights``): interleaving them here
-        # would hold a second copy beside the layer's ``quantized_experts`` (the loader could write them interleaved;
-        # not done yet), at 3-9% of GEMM time
+        # NOTE: the checkpoint's tensors run as held (``fp8_weights``: no copy). The layer interleaves its gate/up rows
+        # in place at load (``with_interleaved_gate_up``), so GEMM1 runs one dot per k-step; stacked rows run too.
         super().__init__(qweights.gate_up_qweight_e2FDq, qweights.down_qweight_eDFq, activation, situ_beta,
                          situ_linear_beta, fp8_weights=fp8_checkpoint_weights(qweights))
         self.qweights = qweights
 
 
 def fp8_checkpoint_weights(qweights: QuantizedExpertWeights) -> FP8ExpertWeights:
-    """An fp8_block checkpoint's stored tensors as ``FP8ExpertWeights`` (the same tensors, no copy)."""
+    """An fp8_block checkpoint's held tensors as ``FP8ExpertWeights`` (the same tensors, no copy; stacked or
+    interleaved as held)."""
     return FP8ExpertWeights(qweights.gate_up_qweight_e2FDq, qweights.gate_up_scale_e2FDs, qweights.down_qweight_eDFq,
-                            qweights.down_scale_eDFs)
+                            qweights.down_scale_eDFs, gate_up_interleaved=qweights.gate_up_interleaved)
 
 
 class _DequantizingStack:

@@ -1,7 +1,8 @@
 """The gated activation between two grouped GEMMs, over the valid rows of a receive pool only, optionally
 quantized to FP8: the glue of an experts backend whose GEMMs do not fuse it (the deep_gemm experts).
 
-    gate_up_P2F [P, 2F] (F gate columns, then F up columns) --act(gate, up) in fp32-->
+    gate_up_P2F [P, 2F] (F gate columns, then F up columns; or `interleaved`: alternating 128-column gate and up
+                         blocks, GEMM1's output over interleaved gate_up weights) --act(gate, up) in fp32-->
         h_PF [P, F] in out_dtype                                                        (quant=False)
         h_PF [P, F] fp8 e4m3 + h_scale_PFb [P, Fb] fp32, per row per 128 columns       (quant=True)
 
@@ -47,6 +48,7 @@ def _gated_act_kernel(
     SITU_LINEAR: tl.constexpr,     # situ: squash up too (situ_linear_beta != 0)
     MASKED: tl.constexpr,          # validity from masked_rows / num_rows_ptr, else from group_ptr
     QUANT: tl.constexpr,           # fp8 e4m3 + per-128 scales, else h in h_ptr's dtype
+    INTERLEAVED: tl.constexpr,     # gate_up's columns alternate 128-wide gate and up blocks (F % 128 == 0)
     BLOCK_P: tl.constexpr,
 ):
     """One program = BLOCK_P rows x one group of 128 columns; a block without a valid row returns at once.
@@ -66,8 +68,12 @@ def _gated_act_kernel(
         rows = offs_r.to(tl.int64)
         offs_f = f0 + tl.arange(0, 128)
         mask = valid[:, None] & (offs_f < F)[None, :]
-        gate = tl.load(gate_up_ptr + rows[:, None] * stride_gu_r + offs_f[None, :], mask=mask, other=0.0)
-        up = tl.load(gate_up_ptr + rows[:, None] * stride_gu_r + F + offs_f[None, :], mask=mask, other=0.0)
+        gate_col0, up_col0 = (f0, F + f0)
+        if INTERLEAVED:
+            gate_col0, up_col0 = (2 * f0, 2 * f0 + 128)
+        offs_c = tl.arange(0, 128)
+        gate = tl.load(gate_up_ptr + rows[:, None] * stride_gu_r + gate_col0 + offs_c[None, :], mask=mask, other=0.0)
+        up = tl.load(gate_up_ptr + rows[:, None] * stride_gu_r + up_col0 + offs_c[None, :], mask=mask, other=0.0)
         gate = gate.to(tl.float32)
         up = up.to(tl.float32)
         h = gated_act(gate, up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
@@ -81,9 +87,10 @@ def _gated_act_kernel(
             tl.store(h_ptr + rows[:, None] * stride_h_r + offs_f[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_args(gate_up_P2F, group_P, num_rows_e, masked_rows, activation) -> None:
-    if gate_up_P2F.dim() != 2 or gate_up_P2F.shape[1] % 2:
-        raise ShapeError(f"gate_up_P2F must be [P, 2F], got {tuple(gate_up_P2F.shape)}")
+def _check_args(gate_up_P2F, group_P, num_rows_e, masked_rows, activation, interleaved) -> None:
+    if gate_up_P2F.dim() != 2 or gate_up_P2F.shape[1] % (256 if interleaved else 2):
+        raise ShapeError(f"gate_up_P2F must be [P, 2F]{' with F % 128 == 0 (interleaved)' if interleaved else ''}, "
+                         f"got {tuple(gate_up_P2F.shape)}")
     if activation not in _ACTIVATIONS:
         raise ShapeError(f"activation={activation!r}; supported: {', '.join(_ACTIVATIONS)}")
     if masked_rows:
@@ -107,7 +114,7 @@ def _outputs(gate_up_P2F: torch.Tensor, quant: bool, out_dtype: torch.dtype):
 def gated_activation_rows(gate_up_P2F: torch.Tensor, *, group_P: torch.Tensor | None = None,
                           num_rows_e: torch.Tensor | None = None, masked_rows: int = 0, activation: str = "silu",
                           situ_beta: float = 4.0, situ_linear_beta: float = 25.0, quant: bool = False,
-                          out_dtype: torch.dtype = torch.bfloat16,
+                          out_dtype: torch.dtype = torch.bfloat16, interleaved: bool = False,
                           tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated activation of the valid rows of a pool (module doc); one launch, no host sync.
 
@@ -117,13 +124,14 @@ def gated_activation_rows(gate_up_P2F: torch.Tensor, *, group_P: torch.Tensor | 
         num_rows_e, masked_rows: ``[e]`` int rows per expert and M > 0 (masked pool; P = e * M).
         activation, situ_beta, situ_linear_beta: as ``moe_ref.core.activations.gated_activation``.
         quant: return fp8 e4m3 + per-128 scales (the next GEMM's FP8 input), else ``out_dtype`` rows.
+        interleaved: gate_up_P2F's columns alternate 128-column gate and up blocks (F % 128 == 0).
         tile: ``(rows per program, num_warps)``, for ``scripts/tune_gated_act.py``; None: ``DEFAULT_TILE``.
 
     Returns:
         ``(h_PF, h_scale_PFb)``: ``[P, F]`` (fp8 or ``out_dtype``) and ``[P, Fb]`` fp32 (None without ``quant``);
         rows that are not valid hold whatever the allocator gave.
     """
-    _check_args(gate_up_P2F, group_P, num_rows_e, masked_rows, activation)
+    _check_args(gate_up_P2F, group_P, num_rows_e, masked_rows, activation, interleaved)
     check_device("gate_up_P2F", gate_up_P2F)
     if gate_up_P2F.stride(-1) != 1:
         raise ShapeError(f"gate_up_P2F must have a contiguous last dimension, got strides {gate_up_P2F.stride()}")
@@ -138,7 +146,7 @@ def gated_activation_rows(gate_up_P2F: torch.Tensor, *, group_P: torch.Tensor | 
         num_rows, width, max(masked_rows, 1), float(situ_beta), float(situ_linear_beta or 1.0),
         gate_up_P2F.stride(0), h_PF.stride(0), h_scale_PFb.stride(0) if quant else 0,
         ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), MASKED=bool(masked_rows),
-        QUANT=quant, BLOCK_P=block_p, num_warps=num_warps,
+        QUANT=quant, INTERLEAVED=interleaved, BLOCK_P=block_p, num_warps=num_warps,
     )
     return h_PF, h_scale_PFb
 
@@ -155,13 +163,18 @@ def valid_rows_P(num_rows: int, *, group_P: torch.Tensor | None = None, num_rows
 def gated_activation_rows_ref(gate_up_P2F: torch.Tensor, *, group_P: torch.Tensor | None = None,
                               num_rows_e: torch.Tensor | None = None, masked_rows: int = 0, activation: str = "silu",
                               situ_beta: float = 4.0, situ_linear_beta: float = 25.0, quant: bool = False,
-                              out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor | None]:
+                              out_dtype: torch.dtype = torch.bfloat16,
+                              interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Torch twin of ``gated_activation_rows`` (same arguments; invalid rows come out as zeros here)."""
     from moe_ref.kernels.fp8 import quantize_fp8_per_128
 
-    _check_args(gate_up_P2F, group_P, num_rows_e, masked_rows, activation)
+    _check_args(gate_up_P2F, group_P, num_rows_e, masked_rows, activation, interleaved)
     valid_P = valid_rows_P(gate_up_P2F.shape[0], group_P=group_P, num_rows_e=num_rows_e, masked_rows=masked_rows)
-    gate, up = gate_up_P2F.chunk(2, dim=-1)
+    if interleaved:  # [P, Fb, gate|up, 128] -> gate [P, F], up [P, F]
+        blocks = gate_up_P2F.reshape(gate_up_P2F.shape[0], -1, 2, 128)
+        gate, up = blocks[:, :, 0].flatten(1), blocks[:, :, 1].flatten(1)
+    else:
+        gate, up = gate_up_P2F.chunk(2, dim=-1)
     h_PF = torch.where(valid_P[:, None], gated_activation(gate, up, activation, situ_beta, situ_linear_beta), 0.0)
     if quant:
         return quantize_fp8_per_128(h_PF)

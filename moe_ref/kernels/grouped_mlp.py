@@ -49,6 +49,7 @@ from moe_ref.kernels._triton_utils import (
     to_e4m3,
 )
 from moe_ref.kernels import grouped_mlp_tiles as tiles
+from moe_ref.kernels.grouped_mlp_tiles import GATE_UP_BLOCK
 from moe_ref.kernels.launch import bound_launches_on, launch
 from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
 
@@ -57,8 +58,8 @@ try:  # host-side TMA descriptors (triton >= 3.4)
 except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["autotuned_kernel", "clear_tuned_configs", "deinterleave_gate_up", "grouped_mlp", "grouped_mlp_ref",
-           "interleave_gate_up", "launch_gemm"]
+__all__ = ["GATE_UP_BLOCK", "autotuned_kernel", "clear_tuned_configs", "deinterleave_gate_up", "grouped_mlp",
+           "grouped_mlp_ref", "interleave_gate_up", "launch_gemm"]
 
 _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 
@@ -67,10 +68,10 @@ _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 # Triton kernel
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _split_pairs(pairs):
-    """`[M, 2W]` with column 2j = gate j, 2j+1 = up j -> (gate `[M, W]`, up `[M, W]`). Free on tensor-core
-    accumulators: a thread holds each pair of neighbouring columns."""
-    return tl.split(tl.reshape(pairs, (pairs.shape[0], pairs.shape[1] // 2, 2)))
+def _split_halves(gate_up):
+    """`[M, 2W]`, W gate columns then their W up columns -> (gate `[M, W]`, up `[M, W]`)."""
+    halves = tl.reshape(gate_up, (gate_up.shape[0], 2, gate_up.shape[1] // 2))
+    return tl.split(tl.permute(halves, (0, 2, 1)))
 
 
 @triton.jit
@@ -106,6 +107,17 @@ def _promote(acc, partial, scale_a, b_scale_base, first_col, stride_b_scale_n, k
     scale_b = tl.load(b_scale_base + (offs_col // 128) * stride_b_scale_n + k0 // 128, mask=offs_col < num_cols,
                       other=0.0)
     return acc + partial * scale_a[:, None] * scale_b[None, :]
+
+
+@triton.jit
+def _promote_halves(acc, partial, scale_a, b_scale_base, first_row, stride_b_scale_n, k0, BLOCK_N: tl.constexpr):
+    """FP8, interleaved gate/up: acc + partial * x scale (per row) * weight scale, for a `[BLOCK_M, 2 * BLOCK_N]`
+    tile whose b rows first_row.. are one 128-row gate block then its up block (BLOCK_N == 128): the gate columns
+    take weight scale row first_row // 128, the up columns the next (one select and one FMA per element)."""
+    scale_gate = tl.load(b_scale_base + (first_row // 128) * stride_b_scale_n + k0 // 128)
+    scale_up = tl.load(b_scale_base + (first_row // 128 + 1) * stride_b_scale_n + k0 // 128)
+    is_up = tl.arange(0, 2 * BLOCK_N) >= BLOCK_N
+    return acc + partial * tl.where(is_up[None, :], (scale_a * scale_up)[:, None], (scale_a * scale_gate)[:, None])
 
 
 @triton.jit
@@ -154,7 +166,8 @@ def _grouped_gemm_kernel(
     stride_c_r, stride_c_scale_r, stride_add_r,
     # meta
     ACTIVATION: tl.constexpr,      # 0: c = a @ b.T; 1 silu, 2 situ: b has 2N rows (gate and up), c = act(gate, up)
-    INTERLEAVED: tl.constexpr,     # gated: b's rows alternate gate j, up j (one dot); else N gate rows, then N up rows
+    INTERLEAVED: tl.constexpr,     # gated: b's rows alternate 128-row gate and up blocks (one dot, BLOCK_N == 128; FP8
+                                   # scale rows alike); else N gate rows, then N up rows
     SITU_LINEAR: tl.constexpr,     # situ only: apply lb * tanh(up / lb) (situ_linear_beta != 0)
     FP8: tl.constexpr,             # a, b are fp8 e4m3 with per-128 scales
     QUANT_OUT: tl.constexpr,       # write c as fp8 e4m3 + per-row per-128 scales (needs BLOCK_N == 128)
@@ -174,7 +187,7 @@ def _grouped_gemm_kernel(
 
     Example: e=2, num_rows_e=[3, 0], row_start_e=[0, 128], BLOCK_M=2 -> blocks per expert [2, 0];
         pid_m 0 -> expert 0 rows 0..1, pid_m 1 -> expert 0 row 2 (row 3 masked), pid_m >= 2 -> exit.
-        With silu, N=F=1, K=D=1, a[0]=[2.0], b[0]=[[1.0], [3.0]] (gate row, up row; the same when interleaved):
+        With silu, N=F=1, K=D=1, a[0]=[2.0], b[0]=[[1.0], [3.0]] (gate row, up row):
         gate=2, up=6, c[0] = silu(2) * 6 = 1.7616 * 6 = 10.569.
     """
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -246,7 +259,7 @@ def _gemm_tile(
     b_scale_base = b_scale_ptr + expert * stride_b_scale_e
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_pairs = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)  # interleaved, not FP8: gate/up column pairs
+    acc_halves = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)  # interleaved: gate columns, then up columns
 
     # --- main loop over K ------------------------------------------------------------------------------
     for k0 in range(0, K, BLOCK_K):
@@ -259,18 +272,16 @@ def _gemm_tile(
         if FP8:
             scale_a = tl.load(a_scale_ptr + rows * stride_a_scale_r + k0 // 128, mask=mask_m, other=0.0)
         if ACTIVATION != 0 and INTERLEAVED:
-            # one dot over 2 * BLOCK_N b rows: gate and up of output columns offs_n, in alternation
+            # one dot over 2 * BLOCK_N b rows (BLOCK_N == 128): the gate block of output columns offs_n, then its
+            # up block
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * 2 * BLOCK_N, num_b_rows, k0, K,
                              stride_b_n, stride_b_scale_n, USE_TMA, UPCAST, BLOCK_K,
                              2 * BLOCK_N)
-            if FP8:  # the 128x128 block scales stay indexed by the stacked rows: gate j -> j, up j -> N + j
-                gate, up = _split_pairs(tl.dot(a, b))
-                acc = _promote(acc, gate, scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
-                               128 % BLOCK_N == 0, BLOCK_N)
-                acc_up = _promote(acc_up, up, scale_a, b_scale_base, N + pid_n * BLOCK_N, stride_b_scale_n, k0,
-                                  2 * N, 128 % BLOCK_N == 0 and N_ALIGNED, BLOCK_N)
+            if FP8:  # the block scales are interleaved alike: rows 2 * pid_n (gate) and 2 * pid_n + 1 (up)
+                acc_halves = _promote_halves(acc_halves, tl.dot(a, b), scale_a, b_scale_base, pid_n * 2 * BLOCK_N,
+                                             stride_b_scale_n, k0, BLOCK_N)
             else:
-                acc_pairs = _mma(a, b, acc_pairs, IEEE_FP32)
+                acc_halves = _mma(a, b, acc_halves, IEEE_FP32)
         else:
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * BLOCK_N, N, k0, K, stride_b_n,
                              stride_b_scale_n, USE_TMA, UPCAST, BLOCK_K, BLOCK_N)
@@ -289,8 +300,8 @@ def _gemm_tile(
                 else:
                     acc_up = _mma(a, b_up, acc_up, IEEE_FP32)
         a_ptrs += BLOCK_K
-    if ACTIVATION != 0 and INTERLEAVED and not FP8:
-        acc, acc_up = _split_pairs(acc_pairs)
+    if ACTIVATION != 0 and INTERLEAVED:
+        acc, acc_up = _split_halves(acc_halves)
 
     # --- epilogue: activation (fp32), optional fp8 re-quantization, store ----------------------------
     acc = gated_act(acc, acc_up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
@@ -392,7 +403,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         a: `[P, k]` rows of the pool: bf16/fp16/fp32, or `torch.float8_e4m3fn` with `a_scale` (`fp8`).
         a_scale: `[P, ceil(k/128)]` fp32 per-row per-128 scales of an fp8 `a`; None otherwise.
         b: `[e, N_b, k]` weights of a's dtype (fp8 for fp8 a), N_b = 2n for GEMM1 (gate rows then up rows, or
-            alternating when `interleaved`), n for GEMM2.
+            alternating 128-row blocks when `interleaved`), n for GEMM2.
         b_scale: fp32 `[e, ceil(N_b/128), ceil(k/128)]` block scales of fp8 b, or 4-bit group-32 scales
             `[e, N_b, k/32]` (bf16/fp16/fp32, or uint8 E8M0 for MXFP4); None for unquantized b.
         c: `[P, n]` output, written in place: bf16/fp16/fp32 (a's dtype; bf16 for fp8 a without `quant_out`),
@@ -406,7 +417,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         fp8: a and b are e4m3 with scales.
         quant_out: c is e4m3 with `c_scale` (GEMM1 writing h for an fp8 GEMM2).
         rows_hint: int, about the number of live pool rows (autotune key, bucketed to a power of 2).
-        interleaved: GEMM1's b rows alternate gate j, up j.
+        interleaved: GEMM1's b rows (and fp8 b_scale's rows) alternate gate and up blocks (`interleave_gate_up`);
+            needs n % 128 == 0, and a forced config BLOCK_N 128.
         config: None, or a `triton.Config` forcing the tile (see below).
         tma: None (TMA where possible), True (force; error where impossible), False (pointer loads).
         persistent: a fixed grid of programs walks the live tiles.
@@ -436,6 +448,9 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         raise InvalidConfigError(f"add [P, n] {tuple(add.shape)} {add.dtype}: only GEMM2 (activation 'none', no fp8 "
                                  f"output) adds a [P, n] = {(num_rows, n)} tensor of c's dtype {c.dtype}, unit "
                                  f"stride along n")
+    if interleaved and (activation == "none" or n % GATE_UP_BLOCK):
+        raise InvalidConfigError(f"interleaved gate/up rows: GEMM1 only (activation {activation!r}) with n % "
+                                 f"{GATE_UP_BLOCK} == 0 (n={n})")
     rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
     possible = _tma_possible(a, b)
     if tma and not possible:
@@ -486,12 +501,12 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
 
     if config is not None:
         options = tiles.forced_options(config)  # checks the meta keys first
-        error = tiles.config_error(config, fp8=fp8, quant_out=quant_out)
+        error = tiles.config_error(config, fp8=fp8, quant_out=quant_out, interleaved=interleaved)
         if error:
             raise InvalidConfigError(f"forced config {config}: {error}")
         return launch(_grouped_gemm_kernel, grid(options), *arguments(config.kwargs), **keywords(options))
     if is_interpreter():
-        meta = tiles.interpreter_meta(quant_out)
+        meta = tiles.interpreter_meta(quant_out, interleaved)
         return launch(_grouped_gemm_kernel, grid(meta), *arguments(meta), **keywords(meta))
     # The autotuner runs once per shape key; later launches of that key go straight to the kernel with the config
     # it chose and its launch keywords, merged once (no autotuner key work or pre-hook per call). The key holds
@@ -634,9 +649,9 @@ def grouped_mlp(
             only picks GPU tile sizes (autotune key, bucketed to a power of 2). Default P.
         zero_unused_rows: rows outside every segment come out as 0 (True) or are left unwritten (False: the
             device-side dispatch passes its whole pool and reads only rows inside segments).
-        gate_up_interleaved: gate_up's rows alternate gate j, up j
-            (`interleave_gate_up`, done once at load): GEMM1 then runs one dot over 2 * BLOCK_N weight rows
-            per k-step instead of two. FP8 block scales keep the stacked layout.
+        gate_up_interleaved: gate_up's rows alternate 128-row gate and up blocks, and fp8 gate_up_scale's rows
+            alike (`interleave_gate_up`, done once at load; F % 128 == 0): GEMM1 then runs one dot over 256
+            weight rows per k-step instead of two over 128.
         persistent: both GEMMs run a fixed grid (about two programs per SM) that walks the live tiles (same
             bytes; not the default, see docs/RESULTS.md).
         configs: None (autotune both GEMMs), or (GEMM1's, GEMM2's) `triton.Config` forcing their tiles, as
@@ -688,22 +703,37 @@ def grouped_mlp(
     return y_PDx
 
 
-def interleave_gate_up(stacked_e2F_: torch.Tensor) -> torch.Tensor:
-    """`[e, 2F, ...]` rows gate 0..F-1 then up 0..F-1 -> a contiguous copy whose rows alternate gate j, up j
-    (`grouped_mlp(..., gate_up_interleaved=True)`): for weights, not FP8 block scales.
+def interleave_gate_up(stacked_e2F_: torch.Tensor, rows_per_block: int = GATE_UP_BLOCK) -> torch.Tensor:
+    """`[e, 2F, ...]` rows gate 0..F-1 then up 0..F-1 -> a contiguous copy whose rows alternate blocks of
+    `rows_per_block` gate rows and the same up rows (`grouped_mlp(..., gate_up_interleaved=True)`). Weights take
+    blocks of 128 rows; their FP8 block scales, one row per 128 weight rows, take `rows_per_block=1`. F must be a
+    multiple of `rows_per_block`.
 
-    Example: rows [g0, g1, u0, u1] -> [g0, u0, g1, u1].
+    Example (rows_per_block 2): rows [g0, g1, g2, g3, u0, u1, u2, u3] -> [g0, g1, u0, u1, g2, g3, u2, u3].
     """
     num_experts, two_f = stacked_e2F_.shape[:2]
-    halves = stacked_e2F_.reshape(num_experts, 2, two_f // 2, *stacked_e2F_.shape[2:])
+    _check_gate_up_blocks(two_f // 2, rows_per_block)
+    halves = stacked_e2F_.reshape(num_experts, 2, two_f // 2 // rows_per_block, rows_per_block,
+                                  *stacked_e2F_.shape[2:])
     return halves.transpose(1, 2).reshape(stacked_e2F_.shape).contiguous()
 
 
-def deinterleave_gate_up(interleaved_e2F_: torch.Tensor) -> torch.Tensor:
-    """Inverse of `interleave_gate_up`: rows [g0, u0, g1, u1] -> [g0, g1, u0, u1] (a contiguous copy)."""
+def deinterleave_gate_up(interleaved_e2F_: torch.Tensor, rows_per_block: int = GATE_UP_BLOCK) -> torch.Tensor:
+    """Inverse of `interleave_gate_up` (a contiguous copy).
+
+    Example (rows_per_block 2): rows [g0, g1, u0, u1, g2, g3, u2, u3] -> [g0, g1, g2, g3, u0, u1, u2, u3].
+    """
     num_experts, two_f = interleaved_e2F_.shape[:2]
-    pairs = interleaved_e2F_.reshape(num_experts, two_f // 2, 2, *interleaved_e2F_.shape[2:])
-    return pairs.transpose(1, 2).reshape(interleaved_e2F_.shape).contiguous()
+    _check_gate_up_blocks(two_f // 2, rows_per_block)
+    blocks = interleaved_e2F_.reshape(num_experts, two_f // 2 // rows_per_block, 2, rows_per_block,
+                                      *interleaved_e2F_.shape[2:])
+    return blocks.transpose(1, 2).reshape(interleaved_e2F_.shape).contiguous()
+
+
+def _check_gate_up_blocks(inter: int, rows_per_block: int) -> None:
+    if rows_per_block < 1 or inter % rows_per_block:
+        raise ShapeError(f"gate/up interleaving in blocks of {rows_per_block} rows needs F % {rows_per_block} == 0, "
+                         f"got F={inter}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -743,6 +773,8 @@ def grouped_mlp_ref(
                           x_scale_PDb, gate_up_scale, down_scale)
     if gate_up_interleaved:
         gate_up_weight_e2FD = deinterleave_gate_up(gate_up_weight_e2FD)
+        if gate_up_scale is not None:
+            gate_up_scale = deinterleave_gate_up(gate_up_scale, rows_per_block=1)
     num_rows, hidden = x_PDx.shape
     inter = gate_up_weight_e2FD.shape[1] // 2
     out_dtype = torch.bfloat16 if fp8 else x_PDx.dtype

@@ -78,6 +78,9 @@ PREFILL_TILES_FP8 = [  # > 256 rows per expert
     # 2026-12-01, docs/results/tune_grouped_mlp_fp8_interleaved.txt): gate_up kimi-k2/32768 2623 us, 734 TFLOP/s
     (64, 128, 128, 8, 3, 8),
 ]
+# Rows per gate or up block of interleaved gate_up weights (`grouped_mlp.interleave_gate_up`): one FP8 scale block,
+# and GEMM1's BLOCK_N over them, so that one 256-row b tile holds a gate block and its up block.
+GATE_UP_BLOCK = 128
 # Autotune keeps configs whose estimated pipeline buffers stay under this (the H200 allows 227 KB per
 # block; the estimate ignores epilogue scratch, hence the headroom).
 AUTOTUNE_SMEM_LIMIT = 200 * 1024
@@ -146,9 +149,11 @@ def smem_bytes(config: triton.Config, *, gated: bool, bytes_per_element: int) ->
     return int(config.num_stages * (block_m + b_rows) * bytes_per_element * block_k)
 
 
-def config_error(config: triton.Config, *, fp8: bool, quant_out: bool) -> str | None:
+def config_error(config: triton.Config, *, fp8: bool, quant_out: bool, interleaved: bool = False) -> str | None:
     """Why this config would compute a wrong result for the launch (None if it is correct)."""
     block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+    if interleaved and block_n != GATE_UP_BLOCK:
+        return f"interleaved gate/up rows come in {GATE_UP_BLOCK}-row blocks (BLOCK_N must be {GATE_UP_BLOCK})"
     if quant_out and block_n != 128:
         return "the fp8 epilogue quantizes exactly one 128-column group per tile (BLOCK_N must be 128)"
     if fp8 and 128 % block_k != 0:
@@ -158,11 +163,11 @@ def config_error(config: triton.Config, *, fp8: bool, quant_out: bool) -> str | 
 
 def config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: bool, quant_out: bool,
                     ieee_fp32: bool, smem_limit: int = AUTOTUNE_SMEM_LIMIT,
-                    register_rules: bool = True) -> str | None:
+                    register_rules: bool = True, interleaved: bool = False) -> str | None:
     """Why autotune should not try this config for the launch (None if it should): wrong results,
     tiles larger than the problem, register spills (`register_rules`; a tuner exploring past them turns
     them off and reads the compiler's spill count instead), shared memory above `smem_limit` bytes."""
-    error = config_error(config, fp8=fp8, quant_out=quant_out)
+    error = config_error(config, fp8=fp8, quant_out=quant_out, interleaved=interleaved)
     if error:
         return error
     block_m, block_n, block_k = (config.kwargs[key] for key in META_KEYS)
@@ -185,14 +190,18 @@ def prune_configs(configs, named_args, **kwargs):
     allowed = {normalize_tile(tile) for tile in tile_list}
     ieee_fp32 = kwargs.get("IEEE_FP32", False)
     facts = dict(n=named_args["N"], k=named_args["K"], gated=kwargs.get("ACTIVATION", 0) != 0,
-                 fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32)
+                 fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32,
+                 interleaved=kwargs.get("INTERLEAVED", False) and kwargs.get("ACTIVATION", 0) != 0)
     kept = [config for config in configs if tile_of(config) in allowed and config_problem(config, **facts) is None]
-    fallback = config_of_tile((32, 64, 32, 4, 2) if ieee_fp32 else (64, 128, 64, 4, 3))
+    fallback_fp32 = (32, GATE_UP_BLOCK if facts["interleaved"] else 64, 32, 4, 2)
+    fallback = config_of_tile(fallback_fp32 if ieee_fp32 else (64, GATE_UP_BLOCK, 64, 4, 3))
     return kept or [fallback]
 
 
-def interpreter_meta(quant_out: bool) -> dict:
-    return {"BLOCK_M": 16, "BLOCK_N": 128 if quant_out else 32, "BLOCK_K": 32}
+def interpreter_meta(quant_out: bool, interleaved: bool = False) -> dict:
+    """The interpreter's fixed tile (small and fast, BLOCK_N 128 where the fp8 epilogue or the gate/up blocks need
+    it)."""
+    return {"BLOCK_M": 16, "BLOCK_N": GATE_UP_BLOCK if quant_out or interleaved else 32, "BLOCK_K": 32}
 
 
 def forced_options(config: triton.Config) -> dict:

@@ -49,6 +49,8 @@ CASES = {
     "bf16 down prefill tile, TMA": ("bf16", "down", False, True, (128, 256, 64, 8, 4, 8)),
     "bf16 gate_up, pointer loads": ("bf16", "gate_up", False, False, (64, 128, 64, 4, 3)),
     "fp8 gate_up interleaved, TMA": ("fp8", "gate_up", True, True, (64, 128, 128, 8, 3, 8)),
+    "fp8 gate_up interleaved decode tile, TMA": ("fp8", "gate_up", True, True, (16, 128, 128, 4, 4)),
+    "fp8 gate_up interleaved, pointer loads": ("fp8", "gate_up", True, False, (64, 128, 128, 4, 3)),
     "fp8 gate_up stacked, TMA": ("fp8", "gate_up", False, True, (32, 128, 128, 4, 5)),
     "fp8 down, TMA": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8)),
     "bf16 gate_up interleaved prefill tile, TMA, persistent": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8),

@@ -102,7 +102,8 @@ def test_deep_gemm_holds_the_shared_weights(table, weights, fp8):
     if fp8:
         shared = experts.fp8_weights
         assert gate_up_weight[0] is shared.gate_up_fp8_e2FD and down_weight[1] is shared.down_scale_eDbFb
-        assert experts.backends["triton"].gate_up_fp8_e2FD is shared.gate_up_fp8_e2FD
+        assert experts.backends["triton"].fp8_weights is shared and shared.gate_up_interleaved
+        assert deep_gemm.gate_up_interleaved
     else:
         assert gate_up_weight.untyped_storage().data_ptr() == weights[0].untyped_storage().data_ptr()
         assert down_weight.untyped_storage().data_ptr() == weights[1].untyped_storage().data_ptr()

@@ -97,7 +97,10 @@ def test_grouped_bf16_matches_torch_loop(weights, pool):
 def test_grouped_fp8_matches_torch_loop_and_fp8_simulation(weights, pool):
     from deep_gemm.utils import per_token_cast_to_fp8
 
+    from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
+
     experts = DeepGemmExperts(*weights, fp8=True)
+    assert experts.gate_up_interleaved  # F % 128 == 0: quantized interleaved, GEMM1's columns alike
     x_PDx, layout = pool[0], pool[1]
     y_PDx = experts(x_PDx, layout)
     _check_pool_output(y_PDx, pool, LIMIT["fp8"], "deep_gemm fp8 grouped")
@@ -114,7 +117,10 @@ def test_grouped_fp8_matches_torch_loop_and_fp8_simulation(weights, pool):
     (w13, s13), (w2, s2) = experts._gate_up_weight, experts._down_weight
     for i, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
         if count:
-            gate_up = (dequant_rows(x_PDx[start:start + count]) @ dequant_blocks(w13[i], s13[i]).t()).bfloat16()
+            w13_dense = dequant_blocks(w13[i], s13[i])
+            if experts.gate_up_interleaved:  # 128-row gate and up blocks, as quantized: put them back stacked
+                w13_dense = deinterleave_gate_up(w13_dense[None])[0]
+            gate_up = (dequant_rows(x_PDx[start:start + count]) @ w13_dense.t()).bfloat16()
             gate, up = gate_up.float().chunk(2, dim=-1)
             h = torch.nn.functional.silu(gate) * up
             simulated[start:start + count] = (dequant_rows(h) @ dequant_blocks(w2[i], s2[i]).t()).bfloat16()

@@ -107,6 +107,15 @@ def test_grouped_mlp_fp8(name):
     assert _padding_is_zero(y_PDx, row_start_e, num_rows_e), f"{name=}"
     y_exact = grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e, activation)
     assert calc_diff(y_PDx, y_exact) < 5e-3, f"{name=}: fp8 error vs the unquantized MLP too large"
+    if gate_up.shape[1] % 256 == 0:  # F % 128 == 0: the same weights interleaved in 128-row gate and up blocks
+        from moe_ref.kernels.grouped_mlp import interleave_gate_up
+
+        interleaved = dict(kwargs, gate_up_scale=interleave_gate_up(gate_up_scale, rows_per_block=1))
+        y_interleaved = grouped_mlp(x_fp8, interleave_gate_up(gate_up_fp8), *args[2:], **interleaved,
+                                    num_rows_hint=total, gate_up_interleaved=True)
+        assert calc_diff(y_interleaved, y_ref) < DIFF_LIMIT["fp8"], f"{name=}: interleaved"
+        assert calc_diff(y_interleaved, y_PDx) < 1e-6, f"{name=}: interleaved vs stacked rows"
+        assert _padding_is_zero(y_interleaved, row_start_e, num_rows_e), f"{name=}: interleaved"
 
 
 @pytest.mark.parametrize("num_experts,num_topk,kwargs", [

@@ -68,5 +68,5 @@ def test_auto_equals_triton_bitwise_where_the_table_ranks_it_first(auto_class, f
     y_PDx = experts(inputs[0], layout, inputs[1])
     assert experts.last_backend == "triton"
     alone = TritonExperts(gate_up, down, fp8_weights=experts.fp8_weights) if fp8 else TritonExperts(gate_up, down)
-    assert not alone.gate_up_interleaved
+    assert alone.fp8_weights is experts.fp8_weights
     assert_bitwise_equal(y_PDx, alone(inputs[0], layout, inputs[1]), fp8=fp8, hint=hint)

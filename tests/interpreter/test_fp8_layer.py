@@ -39,10 +39,11 @@ def _twin_forward(experts: TritonExperts):
     """``experts.forward`` on the torch twin of the kernel, same quantized weights and inputs."""
     def forward(x_PDx, layout, x_scale_PDb=None):
         assert x_PDx.dtype == FP8, "the dispatcher must hand fp8 experts the fp8 pool"
-        return grouped_mlp_ref(x_PDx, experts.gate_up_fp8_e2FD, experts.down_fp8_eDF, layout.row_start_e,
+        weights = experts.fp8_weights
+        return grouped_mlp_ref(x_PDx, weights.gate_up_fp8_e2FD, weights.down_fp8_eDF, layout.row_start_e,
                                layout.num_rows_e, experts.activation, x_scale_PDb=x_scale_PDb,
-                               gate_up_scale=experts.gate_up_scale_e2FbDb, down_scale=experts.down_scale_eDbFb,
-                               gate_up_interleaved=experts.gate_up_interleaved)
+                               gate_up_scale=weights.gate_up_scale_e2FbDb, down_scale=weights.down_scale_eDbFb,
+                               gate_up_interleaved=weights.gate_up_interleaved)
     return forward
 
 

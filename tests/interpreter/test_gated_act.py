@@ -71,3 +71,29 @@ def test_every_tile_gives_the_default_tiles_bits(pool, tile, device):
     h_tile, h_scale_tile = gated_activation_rows(gate_up, **kwargs, tile=tile)
     assert torch.equal(h[valid].view(torch.uint8), h_tile[valid].view(torch.uint8))
     assert torch.equal(h_scale[valid], h_scale_tile[valid])
+
+
+@pytest.mark.parametrize("pool", list(POOLS))
+@pytest.mark.parametrize("quant", [False, True], ids=["bf16_out", "fp8_out"])
+def test_interleaved_columns_give_the_stacked_activation(pool, quant, device):
+    """GEMM1's output over interleaved gate_up weights (128-column gate and up blocks, F = 256) gives the stacked
+    columns' h, bit for bit, in the kernel and in its twin; a width that is not whole blocks is refused."""
+    from moe_ref.core.errors import ShapeError
+    from moe_ref.kernels.grouped_mlp import interleave_gate_up
+
+    index = {name: value.to(device) for name, value in POOLS[pool].items() if torch.is_tensor(value)}
+    kwargs = dict(POOLS[pool], **index, quant=quant)
+    num_rows = 12 if pool == "masked" else 17
+    stacked = (torch.randn(num_rows, 2 * 256, generator=torch.Generator().manual_seed(5)) * 3).bfloat16().to(device)
+    interleaved = interleave_gate_up(stacked.T[None], rows_per_block=128)[0].T.contiguous()
+    assert torch.equal(interleaved[:, 128:256], stacked[:, 256:384])
+    valid = valid_rows_P(num_rows, **{k: v for k, v in kwargs.items() if k in ("group_P", "num_rows_e", "masked_rows")})
+    for run in (gated_activation_rows, gated_activation_rows_ref):
+        h, h_scale = run(stacked, **kwargs)
+        h_interleaved, h_scale_interleaved = run(interleaved, **kwargs, interleaved=True)
+        bits = (lambda t: t[valid].view(torch.uint8)) if quant else (lambda t: t[valid])
+        assert torch.equal(bits(h_interleaved), bits(h)), run.__name__
+        if quant:
+            assert torch.equal(h_scale_interleaved[valid], h_scale[valid]), run.__name__
+    with pytest.raises(ShapeError, match="F % 128 == 0"):
+        gated_activation_rows(stacked[:, :384], **kwargs, interleaved=True)

@@ -4,7 +4,9 @@ import importlib
 
 import pytest
 import torch
+import triton
 
+from moe_ref.core.errors import InvalidConfigError, ShapeError
 from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
 from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
 from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
@@ -129,24 +131,43 @@ def test_tma_and_pointer_loads_agree(fp8, device, monkeypatch, assert_close):
     assert torch.equal(y_tma, y_pointers)  # same tiles, same dots: only the loads differ
 
 
+def _interleaved(gate_up, kwargs):
+    """gate_up (and its fp8 block scales in ``kwargs``, a copy) in alternating 128-row gate and up blocks."""
+    if "gate_up_scale" in kwargs:
+        kwargs = dict(kwargs, gate_up_scale=grouped_mlp_module.interleave_gate_up(kwargs["gate_up_scale"], 1))
+    return grouped_mlp_module.interleave_gate_up(gate_up), kwargs
+
+
+def test_interleave_gate_up_alternates_blocks_and_inverts():
+    """Rows [g0..g3, u0..u3] in blocks of 2 -> [g0, g1, u0, u1, g2, g3, u2, u3]; deinterleave gives them back; F not
+    a multiple of the block is refused."""
+    rows = torch.arange(8).reshape(1, 8, 1)
+    blocks = grouped_mlp_module.interleave_gate_up(rows, 2)
+    assert blocks.flatten().tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert torch.equal(grouped_mlp_module.deinterleave_gate_up(blocks, 2), rows)
+    assert grouped_mlp_module.interleave_gate_up(rows, 1).flatten().tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    with pytest.raises(ShapeError, match="F % 128 == 0"):
+        grouped_mlp_module.interleave_gate_up(torch.zeros(1, 2 * 136, 4))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp8"])
 @pytest.mark.parametrize("tma", ["1", "0"])
-@pytest.mark.parametrize("hidden,inter", [(48, 40), (160, 136), (128, 128)])  # odd; 2 scale groups; one per tile
+@pytest.mark.parametrize("hidden,inter", [(48, 128), (160, 256)])  # odd D; 2 gate/up blocks and 2 D scale groups
 def test_interleaved_gate_up_gives_the_stacked_mlp(dtype, tma, hidden, inter, device, monkeypatch, assert_close):
-    """gate_up rows re-laid out as gate j, up j (one dot over both halves per k-step) compute the MLP of the
-    stacked rows: vs the twin (on the stacked weights: the same function) and vs the kernel on stacked rows.
-    FP8 keeps its block scales stacked, which the (128, 128) case reads one per tile for both halves."""
+    """gate_up rows re-laid out in alternating 128-row gate and up blocks (one dot over both per k-step), FP8
+    block scales alike, compute the MLP of the stacked rows: vs the twin (which puts them back: the same function)
+    and vs the kernel on stacked rows."""
     monkeypatch.setenv("MOE_REF_TMA", tma)
     fp8 = dtype == "fp8"
     x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS["empty_expert_and_ragged"], hidden, inter,
                                                            torch.float32 if fp8 else dtype, device, seed=3)
     x_PDx, gate_up, down, kwargs = _maybe_fp8(fp8, x_PDx, gate_up, down)
-    interleaved = grouped_mlp_module.interleave_gate_up(gate_up)
-    assert torch.equal(interleaved[:, 0::2], gate_up[:, :inter])
-    assert torch.equal(interleaved[:, 1::2], gate_up[:, inter:])
-    assert torch.equal(grouped_mlp_module.deinterleave_gate_up(interleaved), gate_up)
-    y_PDx = grouped_mlp(x_PDx, interleaved, down, row_start_e, num_rows_e, gate_up_interleaved=True, **kwargs)
-    y_twin = grouped_mlp_ref(x_PDx, interleaved, down, row_start_e, num_rows_e, gate_up_interleaved=True, **kwargs)
+    interleaved, interleaved_kwargs = _interleaved(gate_up, kwargs)
+    assert torch.equal(interleaved[:, 128:256].view(torch.uint8), gate_up[:, inter:inter + 128].view(torch.uint8))
+    y_PDx = grouped_mlp(x_PDx, interleaved, down, row_start_e, num_rows_e, gate_up_interleaved=True,
+                        **interleaved_kwargs)
+    y_twin = grouped_mlp_ref(x_PDx, interleaved, down, row_start_e, num_rows_e, gate_up_interleaved=True,
+                             **interleaved_kwargs)
     y_stacked = grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs)
     assert torch.equal(y_twin, grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e, **kwargs))
     case = dict(dtype=dtype, tma=tma, hidden=hidden, inter=inter)
@@ -155,18 +176,31 @@ def test_interleaved_gate_up_gives_the_stacked_mlp(dtype, tma, hidden, inter, de
     assert_close(y_PDx, y_stacked, "fp8" if fp8 else dtype, **case)
 
 
+def test_interleaved_gate_up_needs_whole_blocks(device):
+    """Interleaved rows with F not a multiple of 128, or a forced tile whose BLOCK_N is not 128, are refused."""
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs([3], 64, 40, torch.float32, device)
+    with pytest.raises(InvalidConfigError, match="n % 128 == 0"):
+        grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, gate_up_interleaved=True)
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs([3], 64, 128, torch.float32, device)
+    config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32})
+    with pytest.raises(InvalidConfigError, match="BLOCK_N must be 128"):
+        grouped_mlp(x_PDx, grouped_mlp_module.interleave_gate_up(gate_up), down, row_start_e, num_rows_e,
+                    gate_up_interleaved=True, configs=(config, config))
+
+
 @pytest.mark.parametrize("layout,fp8,interleaved,group_m", [(layout, False, False, 1) for layout in LAYOUTS] + [
     ("empty_expert_and_ragged", True, True, 1), ("all_rows_in_one_expert", False, True, 2)])
 def test_persistent_schedule_gives_the_same_bytes(layout, fp8, interleaved, group_m, device, monkeypatch):
     """A fixed grid walking the live tiles (the interpreter's: 4 programs, so each walks several tiles, L2
     swizzle or not) computes every tile exactly as one program per tile does: bitwise equal outputs."""
-    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS[layout], 160, 136, torch.float32 if fp8 else
-                                                           torch.bfloat16, device, seed=5)
+    x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS[layout], 160, 128 if interleaved else 136,
+                                                           torch.float32 if fp8 else torch.bfloat16, device, seed=5)
     x_PDx, gate_up, down, kwargs = _maybe_fp8(fp8, x_PDx, gate_up, down)
     if interleaved:
-        gate_up = grouped_mlp_module.interleave_gate_up(gate_up)
-    meta = dict(grouped_mlp_module.tiles.interpreter_meta(fp8), GROUP_M=group_m)
-    monkeypatch.setattr(grouped_mlp_module.tiles, "interpreter_meta", lambda quant_out: meta)
+        gate_up, kwargs = _interleaved(gate_up, kwargs)
+    plain_meta = grouped_mlp_module.tiles.interpreter_meta
+    monkeypatch.setattr(grouped_mlp_module.tiles, "interpreter_meta",
+                        lambda *flags: dict(plain_meta(*flags), GROUP_M=group_m))
     grid_y, persistent_y = (grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, gate_up_interleaved=interleaved,
                                         persistent=persistent, **kwargs) for persistent in (False, True))
     assert torch.equal(grid_y, persistent_y), (layout, fp8, interleaved, group_m)

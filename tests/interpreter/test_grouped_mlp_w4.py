@@ -265,10 +265,41 @@ def test_fp8_checkpoint_experts_run_the_stored_weights(device):
     x_PDx, _ = _pool(layout, hidden, torch.float32, device, seed=5)
     experts = make_quantized_experts(q, "silu", backend="triton")
     assert isinstance(experts, FP8BlockExperts) and experts.accepts_fp8_input
-    assert experts.gate_up_fp8_e2FD is q.gate_up_qweight_e2FDq  # the checkpoint's tensor, not a re-quantized copy
+    assert experts.fp8_weights.gate_up_fp8_e2FD is q.gate_up_qweight_e2FDq  # the checkpoint's tensor, not a copy
     reference = make_quantized_experts(q.to("cpu"), "silu", backend="torch")
     y, y_ref = experts(x_PDx, layout).cpu(), reference(x_PDx.cpu(), layout)
     assert calc_diff(y.float(), y_ref) <= CALC_DIFF_TOLERANCES[torch.float8_e4m3fn]
+
+
+def test_fp8_checkpoint_experts_interleaved_in_place_hold_one_copy(device):
+    """``with_interleaved_gate_up`` moves an FP8 checkpoint's gate/up rows and scale rows in place into 128-row gate
+    and up blocks (what the layer does with its own): the kernel reads them with no copy and gives the stacked rows'
+    output, and ``as_stored`` / ``dequantize`` / the torch backend still see the checkpoint's weights."""
+    q = _qweights(QuantFormat.FP8_BLOCK, 3, 160, 256, device, seed=6)  # F 256: two gate and two up blocks
+    stored = [t.clone() for t in q.tensors()]
+    q_copy = dataclasses.replace(q, **dict(zip(QUANTIZED_TENSOR_FIELDS, stored)))  # q's own tensors get rewritten
+    layout = ExpertLayout.from_counts(torch.tensor([4, 9, 0], device=device), alignment=1)
+    x_PDx, _ = _pool(layout, 160, torch.float32, device, seed=7)
+    y_stacked = make_quantized_experts(q_copy, "silu", backend="triton")(x_PDx, layout)
+    reference = make_quantized_experts(q_copy.to("cpu"), "silu", backend="torch")(x_PDx.cpu(), layout)
+
+    in_place = q.with_interleaved_gate_up()
+    assert in_place.gate_up_interleaved and in_place.nbytes() == q.nbytes()
+    assert in_place.gate_up_qweight_e2FDq.data_ptr() == q.gate_up_qweight_e2FDq.data_ptr()
+    bits = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in stored]
+    assert torch.equal(in_place.gate_up_qweight_e2FDq[:, 128:256].view(torch.uint8), bits[0][:, 256:384])
+    assert torch.equal(in_place.gate_up_scale_e2FDs[:, 1], stored[1][:, 2])  # up block 0's scales, second
+    assert in_place.with_interleaved_gate_up() is in_place
+    experts = make_quantized_experts(in_place, "silu", backend="triton")
+    assert experts.fp8_weights.gate_up_interleaved
+    assert experts.fp8_weights.gate_up_fp8_e2FD is in_place.gate_up_qweight_e2FDq
+    assert torch.equal(experts(x_PDx, layout), y_stacked)
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a, b)
+               for a, b in zip(in_place.as_stored().tensors(), bits))
+    assert all(torch.equal(a, b) for a, b in zip(in_place.dequantize(), q_copy.dequantize()))
+    assert torch.equal(in_place.dequantize_expert(1, "gate_up"), q_copy.dequantize_expert(1, "gate_up"))
+    torch_experts = make_quantized_experts(in_place.to("cpu"), "silu", backend="torch")
+    assert torch.equal(torch_experts(x_PDx.cpu(), layout), reference)
 
 
 def test_w4_argument_errors(device):
@@ -354,6 +385,44 @@ def test_layer_keeps_one_copy_of_its_4bit_experts_and_saves_them_as_stored(tmp_p
     fresh = MegaMoE(cfg, num_max_tokens_per_rank=16, experts_backend="triton", device=device)
     fresh.load_state_dict(saved)
     assert fresh.quantized_experts.nibble_order == "group_planes"
+    with torch.inference_mode():
+        assert torch.equal(fresh(x), y)
+    layer.destroy()
+    fresh.destroy()
+
+
+def test_layer_interleaves_its_fp8_experts_in_place_and_saves_them_as_stored(tmp_path, device):
+    """An FP8 checkpoint (F = 256): the layer interleaves its experts' gate/up rows in place at load for the FP8 kernel
+    (the same bytes), and its state_dict still holds the checkpoint's stacked tensors, which a fresh layer loads to
+    the same outputs."""
+    import dataclasses
+
+    from moe_ref.core.config import preset
+    from moe_ref.layer import MegaMoE
+    from moe_ref.checkpoint.reader import CheckpointReader
+    from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
+
+    cfg = dataclasses.replace(preset("tiny-kimi-k2"), hidden_size=256, intermediate_size=256)
+    write_synthetic_checkpoint(tmp_path, cfg, layer_idx=0, quant="fp8_block", seed=15, dtype=torch.float32)
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=16, experts_backend="triton", device=device)
+    layer.load_hf_weights(tmp_path, layer_idx=0, progress=False)
+    assert layer.quantized_experts.gate_up_interleaved  # at load: no checkpoint-order object escapes
+    held = layer.expert_nbytes()
+    x = torch.randn(12, cfg.hidden_size, generator=torch.Generator().manual_seed(16)).to(device)
+    with torch.inference_mode():
+        y = layer(x)
+    assert layer.expert_nbytes() == held
+    assert layer.experts.fp8_weights.gate_up_fp8_e2FD is layer.quantized_experts.gate_up_qweight_e2FDq
+    saved = layer.state_dict()
+    stacked = saved["quantized_experts.gate_up_qweight_e2FDq"]
+    reader = CheckpointReader(tmp_path)
+    first = layer.quantized_experts.first_expert
+    name = next(n for n in reader.names() if n.endswith(f"experts.{first}.up_proj.weight"))
+    up = reader.read(name).view(torch.uint8)  # the checkpoint's own up rows of this rank's first expert
+    assert torch.equal(stacked[0, cfg.intermediate_size:].cpu().view(torch.uint8), up)
+    fresh = MegaMoE(cfg, num_max_tokens_per_rank=16, experts_backend="triton", device=device)
+    fresh.load_state_dict(saved)
+    assert fresh.quantized_experts.gate_up_interleaved
     with torch.inference_mode():
         assert torch.equal(fresh(x), y)
     layer.destroy()

@@ -69,12 +69,16 @@ def test_triton_fp8_quantizes_weights_once_and_takes_fp8_rows():
     gate_up, down = _weights(e=3, hidden=256, inter=128)
     experts = make_experts("triton", gate_up, down, fp8=True)
     assert isinstance(experts, TritonExperts) and experts.fp8 and experts.accepts_fp8_input
-    assert experts.gate_up_fp8_e2FD.dtype == FP8 and experts.gate_up_scale_e2FbDb.shape == (3, 2, 2)
-    assert experts.down_fp8_eDF.dtype == FP8 and experts.down_scale_eDbFb.shape == (3, 2, 1)
-    # the fp8 gate_up rows are stored interleaved (gate j, up j), quantized from the stacked rows' 128x128 blocks
-    assert experts.gate_up_interleaved
-    assert torch.equal(deinterleave_gate_up(experts.gate_up_fp8_e2FD).view(torch.uint8),
-                       quantize_fp8_per_block_128(gate_up)[0].view(torch.uint8))
+    weights = experts.fp8_weights
+    assert weights.gate_up_fp8_e2FD.dtype == FP8 and weights.gate_up_scale_e2FbDb.shape == (3, 2, 2)
+    assert weights.down_fp8_eDF.dtype == FP8 and weights.down_scale_eDbFb.shape == (3, 2, 1)
+    # the fp8 gate_up rows and their scale rows are stored interleaved in 128-row blocks (F = 128: one gate block,
+    # then one up block per expert), quantized from the stacked rows' 128x128 blocks
+    assert weights.gate_up_interleaved
+    stacked, stacked_scale = quantize_fp8_per_block_128(gate_up)
+    assert torch.equal(deinterleave_gate_up(weights.gate_up_fp8_e2FD).view(torch.uint8), stacked.view(torch.uint8))
+    assert torch.equal(deinterleave_gate_up(weights.gate_up_scale_e2FbDb, rows_per_block=1), stacked_scale)
+    assert torch.equal(weights.stacked().gate_up_fp8_e2FD.view(torch.uint8), stacked.view(torch.uint8))
     bf16_experts = make_experts("triton", gate_up, down)
     assert not bf16_experts.fp8 and not bf16_experts.accepts_fp8_input
     assert not TorchLoopExperts(gate_up, down).accepts_fp8_input

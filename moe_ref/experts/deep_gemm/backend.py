@@ -5,7 +5,8 @@ One job: the ``deep_gemm`` entry of the experts registry. Whether DeepGEMM can r
 
     recv pool x_PDx (bf16, or the FP8 pool as dispatched) --grouped_layout_P (local expert of each row, -1 on
     padding rows)-->
-      m_grouped_{bf16,fp8}_gemm_nt_contiguous(x, gate_up)   -> gate_up_P2F (bf16)
+      m_grouped_{bf16,fp8}_gemm_nt_contiguous(x, gate_up)   -> gate_up_P2F (bf16; interleaved fp8 weights: 128-column
+                                                               gate and up blocks alternate)
       --kernels.gated_act, fp32, valid rows only: SiLU-gated / SiTU activation (+ fp8 per 128)-->  h_PF
       m_grouped_{bf16,fp8}_gemm_nt_contiguous(h, down)      -> y_PDx (padding rows zeroed when asked)
 
@@ -85,8 +86,10 @@ class DeepGemmExperts(Experts):
         fp8: quantize the weights once here (128x128 block scales); the rows come as the FP8 pool (fp8 +
             per-row per-128 scales, ``accepts_fp8_input``) or are quantized per call. Else the weights are used
             as bf16 (the caller's tensors when they are bf16 and contiguous; a bf16 copy when they are not).
-        fp8_weights: already-quantized weights (``FP8ExpertWeights``, stacked gate/up rows: what this backend
-            quantizes to itself) to run as given, so another backend can share them. Implies ``fp8``.
+        fp8_weights: already-quantized weights (``FP8ExpertWeights``, stacked or interleaved gate/up rows; this
+            backend quantizes to the same, interleaved) to run as given, so another backend can share them. Implies
+            ``fp8``. Interleaved rows make GEMM1's columns alternate 128-wide gate and up blocks, which the
+            activation reads so.
 
     Raises:
         BackendUnavailableError (ENV001): deep_gemm is not usable here; the message carries
@@ -109,6 +112,7 @@ class DeepGemmExperts(Experts):
         self._deep_gemm = deep_gemm
         self.fp8 = self.accepts_fp8_input = fp8 = fp8 or fp8_weights is not None
         self.mk_alignment = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
+        self.gate_up_interleaved = False  # GEMM1's output columns alternate gate and up blocks (fp8 weights say)
         self.num_local_experts, self.hidden_size, self.intermediate_size = _check_weights(
             gate_up_weight_e2FD, down_weight_eDF, fp8)
         if fp8:
@@ -116,6 +120,7 @@ class DeepGemmExperts(Experts):
             if fp8_weights is None:
                 fp8_weights = FP8ExpertWeights.quantize(gate_up_weight_e2FD, down_weight_eDF)
             self._gate_up_weight = (fp8_weights.gate_up_fp8_e2FD, fp8_weights.gate_up_scale_e2FbDb)
+            self.gate_up_interleaved = fp8_weights.gate_up_interleaved
             self._down_weight = (fp8_weights.down_fp8_eDF, fp8_weights.down_scale_eDbFb)
         else:
             self._gate_up_weight = gate_up_weight_e2FD.to(torch.bfloat16).contiguous()
@@ -196,7 +201,7 @@ class DeepGemmExperts(Experts):
 
         h_PF, h_scale_PFb = gated_activation_rows(
             gate_up_P2F, activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
-            quant=self.fp8, out_dtype=torch.bfloat16, **valid_rows)
+            quant=self.fp8, out_dtype=torch.bfloat16, interleaved=self.gate_up_interleaved, **valid_rows)
         return (h_PF, h_scale_PFb) if self.fp8 else h_PF
 
     # --- masked layout (decode, CUDA graphs) ---------------------------------------------------------
