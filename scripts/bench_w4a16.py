@@ -7,7 +7,10 @@
 Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed rows spread uniformly at random
 (multinomial) over the experts; pool layout with alignment 1 (the Triton backends' own). Paths:
     bf16        make_experts("triton", bf16 weights)
-    fp8_ckpt    make_quantized_experts(fp8_block weights as a checkpoint stores them)   (x quantized per 128)
+    fp8_ckpt    make_quantized_experts(fp8_block weights as the layer holds a checkpoint's: gate/up interleaved in
+                place at load, `with_interleaved_gate_up`), bf16 rows (quantized per 128 in the call)
+    fp8_ckpt_pool  the same experts given the FP8 pool as the layer's dispatch hands it (rows quantized per 128 once,
+                outside the timed call: the layer's path)
     int4_w4a16  make_quantized_experts(int4_group weights), bf16 activations
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
 The 4-bit paths are `W4A16Experts` on `moe_ref.kernels.grouped_mlp_w4`: the stored weights laid out once
@@ -60,6 +63,7 @@ sys.path.insert(0, _SCRIPTS)  # peer_moe
 from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
+from moe_ref.kernels.fp8 import quantize_fp8_per_128  # noqa: E402
 from moe_ref.kernels.grouped_mlp_w4 import launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
 from moe_ref.kernels.w4 import W4Weight  # noqa: E402
 from moe_ref.testing import bench as _bench_calls, calc_diff, graphed  # noqa: E402
@@ -207,7 +211,9 @@ def _case(num_rows: int, gen) -> dict:
     layout = ExpertLayout(packed.row_start_e, packed.num_rows_e, packed.num_pool_rows, 1, num_rows_hint=num_rows,
                           zero_unused_rows=False)
     x_PDx = torch.randn(layout.num_pool_rows, HIDDEN, device="cuda", generator=gen).bfloat16()
-    return dict(rows=num_rows, layout=layout, x=x_PDx, touched=int((counts > 0).sum()) / NUM_EXPERTS)
+    x_fp8, x_scale = quantize_fp8_per_128(x_PDx)
+    return dict(rows=num_rows, layout=layout, x=x_PDx, x_fp8=x_fp8, x_scale=x_scale,
+                touched=int((counts > 0).sum()) / NUM_EXPERTS)
 
 
 def _gemm_weights(q: QuantizedExpertWeights, gemm: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +237,8 @@ def api_row(name: str, experts, weight_bytes: int, reference, case: dict,
     a CUDA graph of the same call (``graph_us``: the GPU work alone, as a captured decode step runs it). `base`: the
     bf16 row (None for the bf16 path itself); `reference`: the torch backend of the same stored weights, or None."""
     def call():
+        if name.endswith("_pool"):  # the FP8 pool as dispatched
+            return experts(case["x_fp8"], case["layout"], case["x_scale"])
         return experts(case["x"], case["layout"])
     us = bench(call)
     graph_us = bench(graphed(call))
@@ -401,7 +409,7 @@ def _parse(argv=None):
 
 def dry_run(args) -> int:
     print(f"shape: {NUM_EXPERTS} experts, D {HIDDEN}, F {INTER}; rows {args.rows}; out {args.out} (+ .md)")
-    print("API rows: bf16, fp8_ckpt, " + ", ".join(W4_PATHS))
+    print("API rows: bf16, fp8_ckpt, fp8_ckpt_pool, " + ", ".join(W4_PATHS))
     if args.sweep:
         for rows in args.rows:
             print(f"sweep {rows} rows ({rows / NUM_EXPERTS:.1f} per expert), per format and GEMM: "
@@ -432,9 +440,12 @@ def main(argv=None) -> int:
     quantized = {}
     for fmt, name in ((QuantFormat.FP8_BLOCK, "fp8_ckpt"), (QuantFormat.INT4_GROUP, "int4_w4a16"),
                       (QuantFormat.MXFP4, "mxfp4_w4a16")):
-        q = quantized[name] = _quantized(gate_up, down, fmt)
+        q = _quantized(gate_up, down, fmt)
+        q = quantized[name] = q.with_interleaved_gate_up() if fmt == QuantFormat.FP8_BLOCK else q  # as the layer holds it
         reference = make_quantized_experts(q, "silu", backend="torch")
         paths[name] = (make_quantized_experts(q, "silu"), q.nbytes(), reference)
+        if fmt == QuantFormat.FP8_BLOCK:
+            paths[name + "_pool"] = paths[name]
     del gate_up, down
     _log("weights ready")
     results = {"device": torch.cuda.get_device_name(), "shape": dict(experts=NUM_EXPERTS, hidden=HIDDEN,
