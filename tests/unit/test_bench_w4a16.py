@@ -22,7 +22,7 @@ def test_dry_run_prints_the_plan_without_a_gpu(capsys):
     assert bw.main(["--dry-run", "--sweep", "--rows", "64", "4096", "--peer", "all", "--max-seconds", "100"]) == 0
     out = capsys.readouterr().out
     assert "rows [64, 4096]" in out and "--max-seconds 100" in out
-    assert "API rows: bf16, fp8_ckpt, int4_w4a16, mxfp4_w4a16\n" in out  # one row per 4-bit path
+    assert "API rows: bf16, fp8_ckpt, fp8_ckpt_pool, int4_w4a16, mxfp4_w4a16\n" in out  # one row per 4-bit path
     assert "decode" not in out.lower()
     decode = [bw.tile_label(t) for t in w4k.TILES if t[0] == 16]  # 64 rows: 1.3 per expert
     prefill = [bw.tile_label(t) for t in w4k.TILES if t[0] >= 32]  # 4096 rows: 85.3 per expert
