@@ -22,8 +22,10 @@
 # in $PEER_ROUNDS rounds (default 2, alternating order); the point not yet measured whole: Kimi-K2 512; launches = the
 # layer's launches, syncs and host time per eager call at decode (bench_eager --profile, launching path and graph);
 # epilogue_add = the grouped MLP's add-in-the-epilogue tests (kernel against its twin) on the GPU;
-# layout = the FP8 GPU tests of the interleaved gate/up rows (kernel, checkpoint experts, layer, auto and DeepGEMM),
-# then the stacked vs interleaved A/B of the FP8 grouped MLP (scripts/ab_grouped_mlp.py --ab layout);
+# layout = the FP8 grouped MLP's GPU tests (stacked and interleaved gate/up rows against the twin), then the stacked vs
+# interleaved A/B (scripts/ab_grouped_mlp.py --ab layout); fp8_tests = the GPU tests of the FP8 paths around it
+# (checkpoint experts, the FP8 layer, auto and DeepGEMM); auto_bench = auto_check's bench alone ($AUTO_ROWS,
+# $AUTO_PATHS); w4_api = bench_w4a16's API rows alone (bf16, FP8 from the checkpoint, 4-bit; no sweep, no peer);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -96,11 +98,16 @@ for s in $STEPS; do case $s in
     step w4_tests 200 python3 -m pytest -q -rs --timeout=150 tests/interpreter/test_grouped_mlp_w4.py \
       tests/gpu/test_quant_cuda.py
     step w4_bench 300 python3 scripts/bench_w4a16.py --peer first --max-seconds 280 --out "$OUT/w4/bench_w4a16.json" ;;
-  auto_check)
-    step auto_tests 240 python3 -m pytest -q -rs --timeout=200 tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py
+  auto_check|auto_bench)
+    if [ "$s" = auto_check ]; then
+      step auto_tests 240 python3 -m pytest -q -rs --timeout=200 tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py
+    fi
     step auto_bench 300 python3 scripts/bench_experts.py --include-deep-gemm --peer-search none --quick \
-      --models kimi-k2,step3 --rows 64,4096,32768 --graph --paths api_auto_,api_deep_gemm_,api_triton_,deep_gemm_kernels_ \
-      --out "$OUT/auto_check/bench_experts.json" ;;
+      --models kimi-k2,step3 --rows "${AUTO_ROWS:-64,4096,32768}" --graph \
+      --paths "${AUTO_PATHS:-api_auto_,api_deep_gemm_,api_triton_,deep_gemm_kernels_}" --out "$OUT/auto_check/bench_experts.json" ;;
+  fp8_tests) step fp8_tests 280 python3 -m pytest -q -rs --timeout=250 tests/gpu/test_quant_cuda.py \
+      tests/gpu/test_fp8_layer_cuda.py tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py ;;
+  w4_api) step w4_api 200 python3 scripts/bench_w4a16.py --peer none --out "$OUT/w4_api/bench_w4a16.json" ;;
   launch)
     step launch_tests 200 python3 -m pytest -q -rs --timeout=150 tests/gpu/test_bound_launch_cuda.py tests/unit/test_bound_launch.py
     step launch 150 python3 scripts/bench_launch.py --out "$OUT/launch" ;;
@@ -117,8 +124,7 @@ for s in $STEPS; do case $s in
   launches) step launches 200 python3 scripts/bench_eager.py --out "$OUT/launches" --tokens 16 128 \
       --routes eager_launches graph --profile --repeats 5 ;;
   layout)
-    step layout_tests 300 python3 -m pytest -q -rs --timeout=250 tests/gpu/test_kernels_cuda.py -k grouped_mlp_fp8 \
-      tests/gpu/test_quant_cuda.py tests/gpu/test_fp8_layer_cuda.py tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py
+    step layout_kernel 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_kernels_cuda.py -k grouped_mlp_fp8
     step layout_ab 260 python3 scripts/ab_grouped_mlp.py --ab layout --models kimi-k2,step3 --rows 64,512,4096,32768 \
       --precisions fp8 --max-seconds "${LAYOUT_SECONDS:-230}" --out "$OUT/layout/ab_layout.json" ;;
   pack) PACK=1 ;;  # done after the summary below
