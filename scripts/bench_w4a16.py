@@ -441,7 +441,9 @@ def main(argv=None) -> int:
     for fmt, name in ((QuantFormat.FP8_BLOCK, "fp8_ckpt"), (QuantFormat.INT4_GROUP, "int4_w4a16"),
                       (QuantFormat.MXFP4, "mxfp4_w4a16")):
         q = _quantized(gate_up, down, fmt)
-        q = quantized[name] = q.with_interleaved_gate_up() if fmt == QuantFormat.FP8_BLOCK else q  # as the layer holds it
+        if fmt == QuantFormat.FP8_BLOCK:
+            q = q.with_interleaved_gate_up()  # as the layer holds an FP8 checkpoint's experts
+        quantized[name] = q
         reference = make_quantized_experts(q, "silu", backend="torch")
         paths[name] = (make_quantized_experts(q, "silu"), q.nbytes(), reference)
         if fmt == QuantFormat.FP8_BLOCK:

@@ -890,7 +890,8 @@ def _parse(argv):
                         help="sweep the decode regime (<= 32 rows per expert; --rows default 64,512): the DECODE "
                              "lists and few-row tiles with deep pipelines (DECODE_GRID_*)")
     parser.add_argument("--interleaved", action="store_true",
-                        help="gate_up weights re-laid out in alternating 128-row gate and up blocks (one dot per k-step, "
+                        help="gate_up weights re-laid out in alternating 128-row gate and up blocks "
+                             "(one dot per k-step, "
                              "grouped_mlp(..., gate_up_interleaved=True)); down is unchanged")
     args = parser.parse_args(argv)
     if args.out is None:
