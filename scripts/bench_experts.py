@@ -646,7 +646,7 @@ def measure_anchors(quick: bool) -> dict:
 def _case_metrics(case: Case, path: str, us: float, anchors: dict) -> dict:
     hidden, inter = case.gate_up.shape[2], case.down.shape[2]
     active = sum(1 for c in case.counts if c > 0)
-    fp8 = path.endswith("fp8")
+    fp8 = "fp8" in path.split("_")  # api_triton_fp8, api_auto_fp8_nohint, graph_api_auto_fp8, peer_vllm_tuned_fp8
     weight_bytes = active * 3 * inter * hidden * (1 if fp8 else 2)
     act_bytes = case.num_rows * (hidden * 2 + inter * 2 * 2 + hidden * 2)  # x, h (w + r), y
     flops = 6 * case.num_rows * hidden * inter

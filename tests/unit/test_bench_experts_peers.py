@@ -359,3 +359,18 @@ def test_rounds_alternate_the_order_and_keep_every_round():
     assert per_round == {"a": [100.0, 95.0, 94.0], "b": [99.0, 96.0, 93.0], "c": [98.0, 97.0, 92.0]}
     assert timing_of == {"a": "timed a", "b": "timed b", "c": "timed c"}
     assert be.time_rounds(paths, 1, lambda name, fn: (1.0, "x"))[0] == {"a": [1.0], "b": [1.0], "c": [1.0]}
+
+
+def test_fp8_rows_count_one_byte_per_weight_whatever_their_suffix():
+    """The row metrics read a path's dtype from any part of its name: an FP8 row without the hint (`..._fp8_nohint`)
+    moves the same one-byte weights as the hinted one, so at the same time its weight GB/s is the same."""
+    counts = [3, 0, 5]
+    case = be.Case("tiny", sum(counts), counts, torch.zeros(8, 256), torch.zeros(3), torch.zeros(3),
+                   torch.zeros(8, 256), torch.zeros(3, 2 * 128, 256), torch.zeros(3, 256, 128))
+    anchors = {"hbm_bytes_per_s": 4e12, "bf16_flops_per_s": 7e14}
+    metrics = {path: be._case_metrics(case, path, 100.0, anchors) for path in
+               ("api_triton_fp8", "api_auto_fp8_nohint", "graph_api_auto_fp8", "api_triton_bf16_nohint")}
+    one_byte = 2 * 3 * 128 * 256 / 100e-6 / 1e9  # two experts with rows, gate_up + down, 1 byte each
+    for path in ("api_triton_fp8", "api_auto_fp8_nohint", "graph_api_auto_fp8"):
+        assert metrics[path]["weight_gbps"] == pytest.approx(one_byte), path
+    assert metrics["api_triton_bf16_nohint"]["weight_gbps"] == pytest.approx(2 * one_byte)
