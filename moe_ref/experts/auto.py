@@ -264,9 +264,9 @@ class AutoExperts(Experts):
     Build it with ``make_experts("auto", ...)`` (or ``experts_class("auto", device)``), which resolves ``auto`` for
     the device: the torch loop on CPU; on CUDA plain ``TritonExperts`` when Triton is all auto would hold (no table
     entry for this GPU class, or no other installed backend ranked first anywhere: then nothing changes for users
-    without DeepGEMM), else a subclass of this class made
-    once per held set, whose class attributes (``held_backends``, ``segment_alignment``) are what a layer plans its
-    pool with before any weights exist. That is why the choice is a class, not only an instance.
+    without DeepGEMM), else a subclass of this class made once per held set, whose class attributes
+    (``held_backends``, ``segment_alignment``) are what a layer plans its pool with before any weights exist. That is
+    why the choice is a class, not only an instance.
 
     The held backends share ONE copy of the weights: bf16 weights are the caller's tensors in every backend (held
     only when bf16 and contiguous, so that DeepGEMM's ``.to(bf16).contiguous()`` is the tensor itself); fp8 weights

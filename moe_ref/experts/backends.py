@@ -5,8 +5,6 @@ Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate,
 Db = ceil(Dx / 128), Fb = ceil(F / 128)."""
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from moe_ref.core.activations import dense_mlp, gated_activation

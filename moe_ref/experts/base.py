@@ -69,16 +69,6 @@ class FP8ExpertWeights:
                        gate_up_scale_e2FbDb=interleave_gate_up(self.gate_up_scale_e2FbDb, rows_per_block=1),
                        gate_up_interleaved=True)
 
-    def stacked(self) -> "FP8ExpertWeights":
-        """These weights with gate_up stacked (copies of gate_up and its scales; this object if it already is)."""
-        from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
-
-        if not self.gate_up_interleaved:
-            return self
-        return replace(self, gate_up_fp8_e2FD=deinterleave_gate_up(self.gate_up_fp8_e2FD),
-                       gate_up_scale_e2FbDb=deinterleave_gate_up(self.gate_up_scale_e2FbDb, rows_per_block=1),
-                       gate_up_interleaved=False)
-
 
 @dataclass(frozen=True)
 class ExpertLayout:

@@ -62,8 +62,8 @@ def make_experts(backend: str, gate_up_weight_e2FD: torch.Tensor, down_weight_eD
         activation, situ_beta, situ_linear_beta: see ``moe_ref.core.activations``.
         fp8: fp8 e4m3 weights with 128x128 block scales, quantized once at construction; only for
             backends with ``supports_fp8`` (triton, deep_gemm, auto), else ``InvalidConfigError`` (CFG007).
-        fp8_weights: weights already quantized so (``FP8ExpertWeights``, stacked or interleaved gate/up) to run as given
-            instead of quantizing: backends built from the same object share one copy. Implies ``fp8``.
+        fp8_weights: weights already quantized so (``FP8ExpertWeights``, stacked or interleaved gate/up) to run as
+            given instead of quantizing: backends built from the same object share one copy. Implies ``fp8``.
 
     Returns:
         The ``Experts`` instance.

@@ -78,7 +78,6 @@ def test_triton_fp8_quantizes_weights_once_and_takes_fp8_rows():
     stacked, stacked_scale = quantize_fp8_per_block_128(gate_up)
     assert torch.equal(deinterleave_gate_up(weights.gate_up_fp8_e2FD).view(torch.uint8), stacked.view(torch.uint8))
     assert torch.equal(deinterleave_gate_up(weights.gate_up_scale_e2FbDb, rows_per_block=1), stacked_scale)
-    assert torch.equal(weights.stacked().gate_up_fp8_e2FD.view(torch.uint8), stacked.view(torch.uint8))
     bf16_experts = make_experts("triton", gate_up, down)
     assert not bf16_experts.fp8 and not bf16_experts.accepts_fp8_input
     assert not TorchLoopExperts(gate_up, down).accepts_fp8_input
