@@ -20,10 +20,10 @@ layout the Triton experts use:
   A: segments start on multiples of 128 rows (the pool of the 128-aligned backends; the cases' own pool).
   B: the pool the layer builds for the Triton experts: segments on multiples of
      `experts_class("triton").segment_alignment` (1: back to back, no padding rows; bench_experts' `_pool`).
-  Both get the rows hint the layer passes, the routed rows (the device-side dispatch's T * K): autotune keys on
-  the hint, not the pool, so both tune over the same regime's tile list. The key being the same, the pool tuned
-  first in a process would pick the other's tile too: each pool autotunes on its own (`clear_tuned_configs`
-  before its first call). Then every pool runs every pool's chosen (gate_up, down) tiles, forced
+  Both get the rows hint the layer passes, the routed rows (the device-side dispatch's T * K): the regime follows
+  the hint, not the pool, so both tune over the same regime's tile list. Each pool autotunes on its own
+  (`clear_tuned_configs` before its first call; the autotune key also holds the pool's rows bucket, which tells
+  these two pools apart). Then every pool runs every pool's chosen (gate_up, down) tiles, forced
   (`grouped_mlp(configs=...)`, the same kernel and launch options as the autotuned launch): A with B's tiles
   and B with A's tell the layout's cost from the tile choice's. `--nohint` adds C: the 128-aligned pool without
   the hint (rows_hint = P, `grouped_mlp`'s default, whose regime follows the padded pool), and its tiles on

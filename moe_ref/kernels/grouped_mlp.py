@@ -161,6 +161,7 @@ def _grouped_gemm_kernel(
     # sizes
     R, N, K, num_experts, situ_beta, situ_linear_beta,
     rows_hint,                     # autotune key only: ~total routed rows, power of 2 (unused in the body)
+    pool_rows_bucket,              # autotune key only: R rounded up to a power of 2 (unused in the body)
     # strides (elements; the last dimension of a, b, c is contiguous)
     stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e, stride_b_scale_n,
     stride_c_r, stride_c_scale_r, stride_add_r,
@@ -331,8 +332,12 @@ PERSISTENT_PROGRAMS_PER_SM = 2
 def autotuned_kernel():
     """The grouped GEMM kernel wrapped in `triton.autotune` over `tiles.gpu_configs()` (built once, cached).
 
-    What `launch_gemm(config=None)` launches on a GPU; its `.cache` maps each autotune key (rows_hint, N, K,
-    num_experts and the kernel flags) to the `triton.Config` that won, which the benchmarks report.
+    What `launch_gemm(config=None)` launches on a GPU; its `.cache` maps each autotune key (rows_hint, the pool's
+    rows bucket, N, K, num_experts and the kernel flags) to the `triton.Config` that won, which the benchmarks report.
+    The pool's rows are in the key because the upper-bound grid grows with them: a pool of 128-aligned segments at
+    decode holds ~12x the rows it uses, and the tiles tuned on a back-to-back pool of the same rows hint ran 3-5%
+    slower there than on their own pool (docs/RESULTS.md, "The alignment-1 pool at decode, the same tiles on both
+    pools").
 
     Args:
         none.
@@ -342,8 +347,8 @@ def autotuned_kernel():
     """
     return triton.autotune(
         configs=tiles.gpu_configs(),
-        key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT", "USE_TMA",
-             "PERSISTENT"],
+        key=["rows_hint", "pool_rows_bucket", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT",
+             "USE_TMA", "PERSISTENT"],
         prune_configs_by={"early_config_prune": tiles.prune_configs},
     )(_grouped_gemm_kernel)
 
@@ -452,6 +457,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         raise InvalidConfigError(f"interleaved gate/up rows: GEMM1 only (activation {activation!r}) with n % "
                                  f"{GATE_UP_BLOCK} == 0 (n={n})")
     rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
+    pool_bucket = next_power_of_2(max(1, num_rows))  # and the pool's
     possible = _tma_possible(a, b)
     if tma and not possible:
         raise InvalidConfigError("tma=True, but these tensors cannot use TMA descriptors (a GPU "
@@ -489,7 +495,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         return (
             a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, dummy if add is None else add, a_desc,
             b_desc, num_rows, n, k, num_experts, float(situ_beta),
-            float(situ_linear_beta) if situ_linear_beta else 1.0, rows_bucket,
+            float(situ_linear_beta) if situ_linear_beta else 1.0, rows_bucket, pool_bucket,
             a.stride(0), a_scale.stride(0) if fp8 else 0, b.stride(0), b.stride(1), *b_scale_strides,
             c.stride(0), c_scale.stride(0) if quant_out else 0, 0 if add is None else add.stride(0),
         )
@@ -512,7 +518,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     # it chose and its launch keywords, merged once (no autotuner key work or pre-hook per call). The key holds
     # everything the autotuner's does (its key arguments and every tensor's dtype), and more;
     # MOE_REF_BOUND_LAUNCH=0 keeps the autotuner.
-    key = tuned_launch_key(rows_bucket, n, k, num_experts, flags, (a, a_scale, b, b_scale, c, c_scale))
+    tensors = (a, a_scale, b, b_scale, c, c_scale)
+    key = tuned_launch_key((rows_bucket, pool_bucket), n, k, num_experts, flags, tensors)
     tuned = _TUNED.get(key) if bound_launches_on() else None
     if tuned is not None:
         chosen, keywords = tuned
@@ -532,8 +539,9 @@ def clear_tuned_configs() -> None:
     """Forget every tile autotune chose (`autotuned_kernel().cache` and `launch_gemm`'s record of it), so the next
     launch of each shape key autotunes again, on its own arguments.
 
-    The key holds the rows hint, not the pool, so in one process the pool tuned first picks the tile of every pool
-    with the same key: a benchmark comparing pool layouts calls this before each layout's first launch.
+    The key holds the rows hint and the pool's rows bucket, not the pool's layout, so in one process the pool tuned
+    first picks the tile of every pool with the same key: a benchmark comparing such pools calls this before each
+    one's first launch.
 
     Args:
         none.
@@ -545,13 +553,15 @@ def clear_tuned_configs() -> None:
     autotuned_kernel().cache.clear()
 
 
-def tuned_launch_key(rows_bucket: int, n: int, k: int, num_experts: int, flags: dict, tensors: tuple) -> tuple:
-    """The key ``launch_gemm`` keeps the autotuner's choice under: the autotuner's own key (rows bucket, N, K,
+def tuned_launch_key(rows_buckets: tuple[int, int], n: int, k: int, num_experts: int, flags: dict,
+                     tensors: tuple) -> tuple:
+    """The key ``launch_gemm`` keeps the autotuner's choice under: the autotuner's own key (rows buckets, N, K,
     experts, kernel flags, tensor dtypes) plus the remaining flags, so a launch never reuses a config tuned for
     different compile-time flags.
 
     Args:
-        rows_bucket: ``next_power_of_2(rows_hint)``, the kernel's ``rows_hint`` argument.
+        rows_buckets: ``next_power_of_2`` of the rows hint and of the pool's rows (the kernel's ``rows_hint`` and
+            ``pool_rows_bucket`` arguments).
         n, k, num_experts: the GEMM's sizes.
         flags: the kernel's constexpr flags of this launch.
         tensors: the launch's tensor arguments (their dtypes enter the key).
@@ -560,7 +570,7 @@ def tuned_launch_key(rows_bucket: int, n: int, k: int, num_experts: int, flags: 
         a hashable tuple.
     """
     # the flags' order is fixed by launch_gemm, so their values alone key them
-    return (rows_bucket, n, k, num_experts, tuple(flags.values()), tuple(t.dtype for t in tensors))
+    return (*rows_buckets, n, k, num_experts, tuple(flags.values()), tuple(t.dtype for t in tensors))
 
 
 def _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_rows_e, activation,

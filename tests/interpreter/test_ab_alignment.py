@@ -38,7 +38,8 @@ def test_alignment_case_runs_every_pool_with_every_pools_tiles(precision, monkey
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     weights = ab._make_weights(4, 256, 128, with_fp8=True, device="cpu")
     case = ab._make_case("tiny", 6, weights, seed=0, with_fp8=True, device="cpu")
-    layout = ab.triton_layout(precision, weights[2] if precision == "fp8" else weights[0])
+    layout = (ab.triton_layout(precision, weights[2], weights[3]) if precision == "fp8" else
+              ab.triton_layout(precision, weights[0], None))
     row = ab.alignment_case(case, precision, layout, ab.alignment_pools(), rounds=2)
     assert tuned == [(128, 256)] * 2
     assert row["ok"] and row["calc_diff"] < 1e-4

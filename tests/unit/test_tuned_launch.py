@@ -107,3 +107,19 @@ def test_clear_tuned_configs_makes_the_next_launch_tune_again(gpu_path):
     assert tuner.cache == {}
     _launch()
     assert len(tuner.calls) == 2 and len(kernel.calls) == 1
+
+
+def test_a_pool_of_another_size_bucket_tunes_again(gpu_path):
+    """The same rows hint over a pool of 24 rows and one of 200 (128-aligned segments hold more padding rows): each
+    pool size bucket gets its own tile, so a benchmark's second pool does not run the first pool's."""
+    tuner, kernel = gpu_path
+    _launch()
+    a = torch.zeros(200, 64, dtype=torch.bfloat16)
+    b = torch.zeros(3, 2 * 32, 64, dtype=torch.bfloat16)
+    c = torch.zeros(200, 32, dtype=torch.bfloat16)
+    row_start_e, num_rows_e = torch.tensor([0, 128, 192]), torch.tensor([8, 8, 8])
+    gm.launch_gemm(a, None, b, None, c, None, row_start_e, num_rows_e, n=32, k=64, activation="silu", situ_beta=4.0,
+                   situ_linear_beta=25.0, fp8=False, quant_out=False, rows_hint=24)
+    assert len(tuner.calls) == 2 and not kernel.calls
+    _launch()  # the first pool's bucket: its own choice, no tuning
+    assert len(tuner.calls) == 2 and len(kernel.calls) == 1
