@@ -148,8 +148,11 @@ def autotune_candidates(rows_hint: int, num_experts: int, hidden: int, inter: in
 
 def chosen_configs(inter: int, hidden: int) -> tuple:
     """(gate_up, down) `triton.Config`s that autotune chose, read from `autotuned_kernel().cache` after one
-    `grouped_mlp` call on cleared choices: each key starts (rows_hint, N, K); gate_up has N, K = F, D, down D, F."""
-    by_shape = {tuple(key[1:3]): config for key, config in gm.autotuned_kernel().cache.items()}
+    `grouped_mlp` call on cleared choices: each key holds the values of the autotuner's key arguments (`.keys`) in
+    order; gate_up has N, K = F, D, down D, F."""
+    tuner = gm.autotuned_kernel()
+    n_at, k_at = tuner.keys.index("N"), tuner.keys.index("K")
+    by_shape = {(key[n_at], key[k_at]): config for key, config in tuner.cache.items()}
     return by_shape[(inter, hidden)], by_shape[(hidden, inter)]
 
 

@@ -43,9 +43,17 @@ def test_dry_run_prints_each_pool(capsys):
 def test_chosen_configs_reads_both_gemms_from_the_autotuner_cache(monkeypatch):
     gate_up = tiles.config_of_tile((16, 64, 128, 4, 4))
     down = tiles.config_of_tile((32, 128, 64, 4, 4))
-    # autotune keys start (rows_hint, N, K): gate_up N = F, K = D; down N = D, K = F
-    cache = {(64, 2048, 7168, 48, 1, False): gate_up, (64, 7168, 2048, 48, 0, False): down}
-    monkeypatch.setattr(ab.gm, "autotuned_kernel", lambda: types.SimpleNamespace(cache=cache))
+    # a cache key holds the values of the real autotuner's key arguments, in its order: gate_up N = F, K = D; down
+    # N = D, K = F
+    names = ab.gm.autotuned_kernel().keys
+    assert "N" in names and "K" in names and "pool_rows_bucket" in names
+
+    def key(n, k):
+        values = {"rows_hint": 64, "pool_rows_bucket": 8192, "N": n, "K": k, "num_experts": 48}
+        return tuple(values.get(name, 0) for name in names)
+
+    cache = {key(2048, 7168): gate_up, key(7168, 2048): down}
+    monkeypatch.setattr(ab.gm, "autotuned_kernel", lambda: types.SimpleNamespace(cache=cache, keys=names))
     assert ab.chosen_configs(2048, 7168) == (gate_up, down)
 
 
