@@ -124,11 +124,9 @@ class TritonExperts(Experts):
             return grouped_mlp(x_PDx, self.gate_up_weight_e2FD, self.down_weight_eDF, layout.row_start_e,
                                layout.num_rows_e, **options)
         out_dtype = torch.bfloat16
-        if x_PDx.dtype != FP8_DTYPE:  # activation-dtype rows (used outside the dispatcher): quantize them here
-            from moe_ref.kernels.fp8 import quantize_fp8_per_128
-
+        if x_PDx.dtype != FP8_DTYPE:  # activation-dtype rows (a pool dispatched in bf16): quantize them here
             out_dtype = x_PDx.dtype
-            x_PDx, x_scale_PDb = quantize_fp8_per_128(x_PDx)
+            x_PDx, x_scale_PDb = ops.quantize_rows_fp8(x_PDx.contiguous())
         weights = self.fp8_weights
         y_PDx = grouped_mlp(x_PDx, weights.gate_up_fp8_e2FD, weights.down_fp8_eDF, layout.row_start_e,
                             layout.num_rows_e, x_scale_PDb=x_scale_PDb, gate_up_scale=weights.gate_up_scale_e2FbDb,

@@ -6,7 +6,8 @@
 
 `router_logits` is the one op here that is no Triton kernel: cuBLAS's fp32-output GEMM of the 16-bit operands
 (measured faster than a Triton kernel of ours at every T).
-`fp8` holds the torch FP8 quantizers (activations per 128 columns, weights per 128x128 block);
+`fp8` holds the torch FP8 quantizers (activations per 128 columns, weights per 128x128 block), `quantize_rows` the
+kernel that quantizes rows handed to FP8 experts in the activation dtype;
 `grouped_mlp_tiles` the grouped MLP's autotune tile lists and their pruning; `launch` the one launch path of every
 kernel (Triton's launcher the first time a shape key is seen, the compiled kernel bound after).
 
@@ -38,6 +39,7 @@ from moe_ref.kernels.pool_rows import (
     zero_rows_outside_segments_ref,
 )
 from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
+from moe_ref.kernels.quantize_rows import quantize_rows_fp8, quantize_rows_fp8_ref
 from moe_ref.kernels.router_logits import router_logits, router_logits_ref
 from moe_ref.kernels.router_topk import router_topk, router_topk_ref
 from moe_ref.kernels.routing_check import routing_check, routing_check_ref
@@ -53,6 +55,8 @@ __all__ = [
     "router_topk_ref",
     "pre_dispatch",
     "pre_dispatch_ref",
+    "quantize_rows_fp8",
+    "quantize_rows_fp8_ref",
     "quantize_fp8_per_128",
     "dequantize_fp8_per_128",
     "quantize_fp8_per_block_128",

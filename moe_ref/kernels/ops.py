@@ -7,6 +7,7 @@
 | routing_check    | ``kernels.routing_check`` (Triton)    | ``kernels.routing_check_ref`` (torch) |
 | dense_mlp        | ``kernels.grouped_mlp``, one expert (Triton) | ``activations.dense_mlp`` (torch)  |
 | pre_dispatch     | ``kernels.pre_dispatch`` (Triton)     | ``kernels.pre_dispatch_ref`` (torch)  |
+| quantize_rows_fp8 | ``kernels.quantize_rows_fp8`` (Triton, one launch) | ``kernels.quantize_rows_fp8_ref`` (torch) |
 | pool_row_experts, zero_rows_outside_segments | ``kernels.pool_rows`` (Triton) | their ``_ref`` twins (torch) |
 | ep_ops           | ``kernels.ep_*`` (Triton, no host sync)| ``moe_ref.kernels.native``: the compiled ``csrc`` ops (``torch.ops.moe_ref.*_cpu``), or the torch twins ``kernels.ep_*_ref`` when the library is not built or ``MOE_REF_NATIVE=0`` |
 
@@ -104,6 +105,12 @@ def _one_expert_layout(num_tokens: int, device: torch.device) -> torch.Tensor:
 def pre_dispatch(x_TD: torch.Tensor, *args, **kwargs):
     """``kernels.pre_dispatch`` on CUDA, its twin elsewhere (same arguments)."""
     return (kernels.pre_dispatch if uses_triton(x_TD.device) else kernels.pre_dispatch_ref)(x_TD, *args, **kwargs)
+
+
+def quantize_rows_fp8(x_PDx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[P, Dx]`` activation-dtype rows -> (fp8 e4m3 ``[P, Dx]``, fp32 ``[P, Db]``) per row per 128 columns
+    (``kernels.quantize_rows``): one launch on CUDA, the torch twin elsewhere; the same bits."""
+    return (kernels.quantize_rows_fp8 if uses_triton(x_PDx.device) else kernels.quantize_rows_fp8_ref)(x_PDx)
 
 
 def pool_row_experts(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, num_pool_rows: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers  # noqa: E402
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
 rc = importlib.import_module("moe_ref.kernels.routing_check")
 ga = importlib.import_module("moe_ref.kernels.gated_act")
+qr = importlib.import_module("moe_ref.kernels.quantize_rows")
 w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
 from moe_ref.kernels.w4 import to_group_planes  # noqa: E402
 EP_MODULES = {name: importlib.import_module(f"moe_ref.kernels.{name}")
@@ -76,6 +77,12 @@ ROUTING_CHECK_CASES = {
 }
 
 # name -> (pool format, fp8 output, activation)
+# name -> (x dtype, columns): the FP8 experts' row quantizer
+QUANTIZE_ROWS_CASES = {
+    "quantize_rows bf16, D 7168": (torch.bfloat16, 7168),
+    "quantize_rows fp32, D 200 (a partial group)": (torch.float32, 200),
+}
+
 GATED_ACT_CASES = {
     "gated_act masked pool, fp8 out, silu": ("masked", True, "silu"),
     "gated_act contiguous pool, bf16 out, situ": ("contiguous", False, "situ"),
@@ -268,6 +275,17 @@ def compile_gated_act(pool: str, quant: bool, activation: str):
         ga.check_device = check_device
 
 
+def compile_quantize_rows(dtype: torch.dtype, dim: int):
+    """The FP8 experts' row quantizer over 64 rows of ``dim`` columns, compiled for sm_90."""
+    check_device = qr.check_device
+    qr.check_device = lambda name, tensor: None
+    try:
+        return compile_launch(qr, "_quantize_rows_kernel", lambda: qr.quantize_rows_fp8(torch.zeros(64, dim,
+                                                                                                   dtype=dtype)))
+    finally:
+        qr.check_device = check_device
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles the kernels", file=sys.stderr)
@@ -279,6 +297,8 @@ def main() -> int:
                      for name, case in ROUTING_CHECK_CASES.items()})
     builders.update({name: ("gated_act", lambda case=case: [compile_gated_act(*case)])
                      for name, case in GATED_ACT_CASES.items()})
+    builders.update({name: ("quantize_rows", lambda case=case: [compile_quantize_rows(*case)])
+                     for name, case in QUANTIZE_ROWS_CASES.items()})
     builders.update({name: ("ep", lambda case=case: compile_ep(*case)) for name, case in EP_CASES.items()})
     print(json.dumps({"cases": list(builders)}), flush=True)
     for name, (kind, build) in builders.items():

@@ -190,3 +190,16 @@ def test_pre_dispatch(buf_dtype):
         if a.dtype == FP8:
             a, b = a.view(torch.uint8), b.view(torch.uint8)
         assert torch.equal(a, b), f"{name} differs ({buf_dtype=}); mismatches={(a != b).sum().item()}"
+
+
+@pytest.mark.parametrize("num_rows,dim", [(64, 7168), (4099, 7168), (33, 200)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_rows_fp8(num_rows, dim, dtype):
+    """The FP8 experts' row quantizer against its torch twin: the same bits."""
+    from moe_ref.kernels.quantize_rows import quantize_rows_fp8, quantize_rows_fp8_ref
+
+    x_PDx = (torch.randn(num_rows, dim, device="cuda") * 3).to(dtype)
+    x_PDx[0] = 0.0  # the 1e-4 amax floor
+    got, got_scale = quantize_rows_fp8(x_PDx)
+    want, want_scale = quantize_rows_fp8_ref(x_PDx)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and torch.equal(got_scale, want_scale)
