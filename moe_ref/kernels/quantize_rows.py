@@ -7,7 +7,7 @@ The recipe is ``kernels.fp8.quantize_fp8_per_128``'s (its torch twin, bit for bi
 with IEEE division, values ``x / scale`` rounded to nearest even; the pre-dispatch and gated-activation kernels
 quantize with the same helpers (``_triton_utils.fp8_scale``, ``div_rn``, ``to_e4m3``).
 
-Shape legend: P rows, Dx columns (quantized per row), Db = ceil(Dx / 128).
+Shape legend: P receive-pool rows, Dx expert input width, Db = ceil(Dx / 128).
 """
 
 from __future__ import annotations
