@@ -3,7 +3,7 @@ in bf16), where the torch twin takes about eight launches and fp32 temporaries.
 
     x_PDx [P, Dx] bf16/fp16/fp32 --per row, per 128 columns--> x_fp8_PDx [P, Dx] e4m3 + x_scale_PDb [P, Db] fp32
 
-The recipe is ``kernels.fp8.quantize_fp8_per_128``'s (its torch twin, bit for bit): scale = max(amax, 1e-4) / 448
+The recipe is ``kernels.fp8.quantize_fp8_per_128``'s (its torch twin, bit for bit on finite rows): scale = max(amax, 1e-4) / 448
 with IEEE division, values ``x / scale`` rounded to nearest even; the pre-dispatch and gated-activation kernels
 quantize with the same helpers (``_triton_utils.fp8_scale``, ``div_rn``, ``to_e4m3``).
 
@@ -56,7 +56,7 @@ def quantize_rows_fp8(x_PDx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x_PDx: ``[P, Dx]`` bf16/fp16/fp32, its last dimension contiguous; CUDA (or CPU under the interpreter).
 
     Returns:
-        ``(x_fp8_PDx, x_scale_PDb)``, bit for bit ``quantize_rows_fp8_ref(x_PDx)``.
+        ``(x_fp8_PDx, x_scale_PDb)``, bit for bit ``quantize_rows_fp8_ref(x_PDx)`` where x_PDx is finite.
 
     Raises:
         ShapeError: x_PDx is not 2-D with a contiguous last dimension.
