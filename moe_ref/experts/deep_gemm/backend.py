@@ -31,8 +31,11 @@ wrappers and its compiled asserts:
 - ``m_grouped_fp8_gemm_nt_contiguous(a, b, d, grouped_layout, recipe=None, ..., disable_ue8m0_cast=False, ...)``
   with ``a = (x fp8 e4m3 [m, k], sf fp32 [m, k/128])`` and ``b = (w fp8 [G, n, k], sf fp32 [G, n/128, k/128])``;
   on SM90 the default recipe is (1, 128, 128) and the scales are plain fp32 (``disable_ue8m0_cast=True``,
-  as DeepGEMM's SM90 tests pass). Activation scales come from ``deep_gemm.utils.per_token_cast_to_fp8(x,
-  use_ue8m0=False)`` (``max(amax, 1e-4) / 448`` per 128 columns). Weights are quantized by moe_ref's own
+  as DeepGEMM's SM90 tests pass). Activation scales are ``max(amax, 1e-4) / 448`` per 128 columns, as
+  ``deep_gemm.utils.per_token_cast_to_fp8(x, use_ue8m0=False)`` makes them; moe_ref quantizes rows with its own
+  kernels (the FP8 pool as dispatched, h between the GEMMs, bf16 rows here: ``kernels.quantize_rows``), which
+  divide where DeepGEMM's helper multiplies by the reciprocal (scales an ulp apart at most). Weights are quantized
+  by moe_ref's own
   ``kernels.fp8.quantize_fp8_per_block_128`` (the same recipe as ``deep_gemm.utils.per_block_cast_to_fp8(w,
   use_ue8m0=False)``: fp32 ``max(block amax, 1e-4) / 448`` per 128x128 block; plain fp32 scales need no
   DeepGEMM-specific format on SM90).
@@ -61,14 +64,15 @@ __all__ = ["DeepGemmExperts", "grouped_layout"]
 
 
 # --------------------------------------------------------------------------------------------------
-# FP8 helper (activations: DeepGEMM's own quantizer; weights: FP8ExpertWeights.quantize, moe_ref.kernels.fp8)
+# FP8 helper (activations: moe_ref's row quantizer, as the FP8 pool; weights: FP8ExpertWeights.quantize)
 # --------------------------------------------------------------------------------------------------
 def _quantize_rows_fp8(x_I: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., I]`` -> (fp8 ``[..., I]``, fp32 ``[..., Ib]``) with ``deep_gemm.utils.per_token_cast_to_fp8``."""
-    from deep_gemm.utils import per_token_cast_to_fp8
+    """``[..., I]`` -> (fp8 ``[..., I]``, fp32 ``[..., Ib]``) per row per 128 columns (``ops.quantize_rows_fp8``: one
+    launch on CUDA), the recipe of the FP8 pool the dispatch delivers."""
+    from moe_ref.kernels import ops
 
     *lead, k = x_I.shape
-    x_fp8, scale = per_token_cast_to_fp8(x_I.reshape(-1, k), use_ue8m0=False)
+    x_fp8, scale = ops.quantize_rows_fp8(x_I.reshape(-1, k).contiguous())
     return x_fp8.view(*lead, k), scale.view(*lead, scale.shape[-1])
 
 
