@@ -48,16 +48,12 @@ class FP8ExpertWeights:
         """Quantize ``[e, 2F, Dx]`` and ``[e, Dx, F]`` weights (bf16/fp16/fp32) once, per 128x128 block; gate_up
         interleaved when F % 128 == 0."""
         from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+        from moe_ref.kernels.grouped_mlp_tiles import GATE_UP_BLOCK
 
         stacked = FP8ExpertWeights(*quantize_fp8_per_block_128(gate_up_weight_e2FD),
                                    *quantize_fp8_per_block_128(down_weight_eDF))
-        return stacked.interleaved() if stacked.can_interleave() else stacked
-
-    def can_interleave(self) -> bool:
-        """Whether gate_up's rows come in whole 128-row blocks (F % 128 == 0)."""
-        from moe_ref.kernels.grouped_mlp_tiles import GATE_UP_BLOCK
-
-        return (self.gate_up_fp8_e2FD.shape[1] // 2) % GATE_UP_BLOCK == 0
+        whole_blocks = down_weight_eDF.shape[-1] % GATE_UP_BLOCK == 0  # F % 128 == 0
+        return stacked.interleaved() if whole_blocks else stacked
 
     def interleaved(self) -> "FP8ExpertWeights":
         """These weights with gate_up interleaved (copies of gate_up and its scales; this object if it already is)."""

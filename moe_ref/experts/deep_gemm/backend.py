@@ -116,7 +116,6 @@ class DeepGemmExperts(Experts):
         self._deep_gemm = deep_gemm
         self.fp8 = self.accepts_fp8_input = fp8 = fp8 or fp8_weights is not None
         self.mk_alignment = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
-        self.gate_up_interleaved = False  # GEMM1's output columns alternate gate and up blocks (fp8 weights say)
         self.num_local_experts, self.hidden_size, self.intermediate_size = _check_weights(
             gate_up_weight_e2FD, down_weight_eDF, fp8)
         if fp8:
@@ -124,11 +123,16 @@ class DeepGemmExperts(Experts):
             if fp8_weights is None:
                 fp8_weights = FP8ExpertWeights.quantize(gate_up_weight_e2FD, down_weight_eDF)
             self._gate_up_weight = (fp8_weights.gate_up_fp8_e2FD, fp8_weights.gate_up_scale_e2FbDb)
-            self.gate_up_interleaved = fp8_weights.gate_up_interleaved
             self._down_weight = (fp8_weights.down_fp8_eDF, fp8_weights.down_scale_eDbFb)
         else:
             self._gate_up_weight = gate_up_weight_e2FD.to(torch.bfloat16).contiguous()
             self._down_weight = down_weight_eDF.to(torch.bfloat16).contiguous()
+        self.fp8_weights = fp8_weights
+
+    @property
+    def gate_up_interleaved(self) -> bool:
+        """GEMM1's output columns alternate 128-wide gate and up blocks (its fp8 weights are interleaved)."""
+        return self.fp8_weights is not None and self.fp8_weights.gate_up_interleaved
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
