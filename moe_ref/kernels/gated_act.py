@@ -90,7 +90,8 @@ def _gated_act_kernel(
 def _check_args(gate_up_P2F, group_P, num_rows_e, masked_rows, activation, interleaved) -> None:
     if gate_up_P2F.dim() != 2 or gate_up_P2F.shape[1] % (256 if interleaved else 2):
         raise ShapeError(f"gate_up_P2F must be [P, 2F]{' with F % 128 == 0 (interleaved)' if interleaved else ''}, "
-                         f"got {tuple(gate_up_P2F.shape)}")
+                         f"got {tuple(gate_up_P2F.shape)}"
+                         f"{': pass interleaved=False for stacked gate and up columns' if interleaved else ''}")
     if activation not in _ACTIVATIONS:
         raise ShapeError(f"activation={activation!r}; supported: {', '.join(_ACTIVATIONS)}")
     if masked_rows:

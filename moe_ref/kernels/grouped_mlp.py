@@ -455,7 +455,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
                                  f"stride along n")
     if interleaved and (activation == "none" or n % GATE_UP_BLOCK):
         raise InvalidConfigError(f"interleaved gate/up rows: GEMM1 only (activation {activation!r}) with n % "
-                                 f"{GATE_UP_BLOCK} == 0 (n={n})")
+                                 f"{GATE_UP_BLOCK} == 0 (n={n}); pass interleaved=False with stacked rows otherwise")
     rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
     pool_bucket = next_power_of_2(max(1, num_rows))  # and the pool's
     possible = _tma_possible(a, b)
@@ -743,7 +743,7 @@ def deinterleave_gate_up(interleaved_e2F_: torch.Tensor, rows_per_block: int = G
 def _check_gate_up_blocks(inter: int, rows_per_block: int) -> None:
     if rows_per_block < 1 or inter % rows_per_block:
         raise ShapeError(f"gate/up interleaving in blocks of {rows_per_block} rows needs F % {rows_per_block} == 0, "
-                         f"got F={inter}")
+                         f"got F={inter}: keep these rows stacked (gate_up_interleaved=False)")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -64,9 +64,10 @@ def quantize_rows_fp8(x_PDx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     if x_PDx.dim() != 2 or (x_PDx.shape[1] > 1 and x_PDx.stride(1) != 1):
         raise ShapeError(f"x_PDx must be [P, Dx] with a contiguous last dimension, got shape {tuple(x_PDx.shape)} "
-                         f"strides {x_PDx.stride()}")
+                         f"strides {x_PDx.stride()}: pass x.reshape(-1, x.shape[-1]).contiguous()")
     if x_PDx.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise DTypeError(f"x_PDx must be bf16/fp16/fp32 to quantize to fp8, got {x_PDx.dtype}")
+        raise DTypeError(f"x_PDx must be bf16/fp16/fp32 to quantize to fp8, got {x_PDx.dtype}: cast it first "
+                         f"(x.to(torch.bfloat16))")
     num_rows, dim = x_PDx.shape
     x_fp8_PDx = torch.empty(num_rows, dim, dtype=FP8_DTYPE, device=x_PDx.device)
     x_scale_PDb = torch.empty(num_rows, num_fp8_groups(dim), dtype=torch.float32, device=x_PDx.device)
