@@ -74,10 +74,12 @@ def _decode(codes, W4: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
+def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr = False):
     """``[BLOCK_N, 16]`` int32 holding two codes each (bits 0..3: feature 2i of a group, bits 16..19: feature
-    2i + 1) -> the group's ``[BLOCK_N, 32]`` exact values in DTYPE, features in order (MXFP4 with bf16 x: the values
-    times 2**-14, a factor ``_group_scale`` takes back: it saves a multiply per value).
+    2i + 1; the other bits are ignored: the kernel passes its words shifted, not masked) -> the group's
+    ``[BLOCK_N, 32]`` exact values in DTYPE, features in order (MXFP4 with bf16 x: the values times 2**-14, a factor
+    ``_group_scale`` takes back: it saves a multiply per value). ASM (on a GPU): INT4 in a 16-bit DTYPE through
+    ``_decode_int4_pairs_asm``, the same bits in fewer instructions.
 
     16-bit DTYPEs decode both codes of a word at once: the word becomes two 16-bit patterns, then one packed
     subtract or multiply makes them exact. INT4: ``0x4300 | code`` is 128 + code in bf16 (``0x6400``: 1024 + code in
@@ -92,12 +94,33 @@ def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
         (MXFP4) word 0x00010003: codes 3 (e 01, m 1) and 1 (e 00, m 1) -> fp16 patterns 0x0600 (1.5 * 2**-14) and
         0x0200 (2**-15) -> 1.5, 0.5 (bf16 x: 1.5 * 2**-14, 2**-15).
     """
+    if ASM and W4 == 1 and DTYPE != tl.float32:
+        return _decode_int4_pairs_asm(pairs, DTYPE)
+    pairs = pairs & 0x000F000F
     if DTYPE == tl.float32:
         values = tl.join(_decode(pairs & 0xF, W4, DTYPE), _decode((pairs >> 16) & 0xF, W4, DTYPE))
         values = tl.reshape(values, (pairs.shape[0], 2 * pairs.shape[1]))
     else:
         values = _decode_16bit_pairs(pairs, W4, DTYPE)
     return values.to(DTYPE)
+
+
+@triton.jit
+def _decode_int4_pairs_asm(words, DTYPE: tl.constexpr):
+    """INT4 ``_decode_pairs`` in two PTX instructions per word: one ``lop3`` keeps the two codes and ORs in the
+    magic exponent ((w & 0x000F000F) | 0x43004300: 128 + code in bf16, 1024 + code in fp16), one packed FMA
+    subtracts 136 (1032). Written as PTX because LLVM emits the mask and the OR as two instructions."""
+    if DTYPE == tl.bfloat16:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, one, bias; mov.b32 one, 0x3F803F80; mov.b32 bias, 0xC308C308; "
+            "lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 t, t, one, bias; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r", [words], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, one, bias; mov.b32 one, 0x3C003C00; mov.b32 bias, 0xE408E408; "
+            "lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xea; fma.rn.f16x2 t, t, one, bias; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r", [words], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
+    return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
 
 
 @triton.jit
@@ -141,7 +164,7 @@ def _group_dot(acc, pairs, x_t, scale_ptrs, mask_n, W4: tl.constexpr, UPCAST: tl
                IEEE_FP32: tl.constexpr):
     """``acc + scale * (q @ x_t)`` for one group of 32 input features: q ``[BLOCK_N, 32]`` decoded from ``pairs``
     (``_decode_pairs``), x_t ``[32, BLOCK_M]``, the group's scales ``[BLOCK_N]`` applied to the fp32 dot."""
-    q = _decode_pairs(pairs, W4, x_t.dtype)
+    q = _decode_pairs(pairs, W4, x_t.dtype, not UPCAST)
     scale = _group_scale(scale_ptrs, mask_n, W4, x_t.dtype)
     # one return: Triton types every return statement, also those of branches a constexpr leaves out
     if UPCAST:
@@ -201,19 +224,20 @@ def _w4_gemm_kernel(
                 else:
                     x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :] & (group * 32 + offs_k < K)[:, None],
                                   other=0.0)
-                acc = _group_dot(acc, (words >> (4 * plane)) & 0x000F000F, x_t, s_cols + group * stride_s_g, mask_n,
+                acc = _group_dot(acc, words >> (4 * plane), x_t, s_cols + group * stride_s_g, mask_n,
                                  W4, UPCAST, IEEE_FP32)
                 if ACTIVATION != 0:
-                    acc_up = _group_dot(acc_up, (words_up >> (4 * plane)) & 0x000F000F, x_t,
+                    acc_up = _group_dot(acc_up, words_up >> (4 * plane), x_t,
                                         s_cols + N + group * stride_s_g, mask_n, W4, UPCAST, IEEE_FP32)
     acc = gated_act(acc, acc_up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
     c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages): the MMA takes BLOCK_N >= 64 per 4 warps on Hopper
-TILES = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 8, 3), (32, 64, 4, 3),
-         (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): on Hopper BLOCK_N >= 64 per 4 warps runs wgmma (one group's dot waits
+# before its scale), BLOCK_N 32 on 2 warps the older mma.sync (no wait to schedule around, half the warps per tile)
+TILES = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 8, 3), (16, 32, 2, 3),
+         (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
 INTERPRETER_TILE = (16, 16, 1, 1)
 DECODE_ROWS_PER_EXPERT = 16  # up to this many rows per expert, only BLOCK_M 16 tiles are tried
 

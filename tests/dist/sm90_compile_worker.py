@@ -64,6 +64,7 @@ CASES = {
 # (K 96: not whole 256-feature blocks, so x's loads keep their column mask)
 W4_CASES = {
     "w4 int4 gate_up bf16, decode tile": ("int4", "gate_up", torch.bfloat16, 512, (16, 64, 4, 3)),
+    "w4 int4 down fp16, mma.sync decode tile": ("int4", "down", torch.float16, 512, (16, 32, 2, 4)),
     "w4 mxfp4 gate_up bf16, decode tile": ("mxfp4", "gate_up", torch.bfloat16, 512, (16, 64, 4, 4)),
     "w4 int4 down fp16, prefill tile": ("int4", "down", torch.float16, 512, (64, 128, 8, 3)),
     "w4 mxfp4 down fp16, K 96": ("mxfp4", "down", torch.float16, 96, (32, 64, 4, 3)),

@@ -127,11 +127,11 @@ def test_group_planes_refuse_an_unknown_format():
 # the decode, exhaustively
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _decode_pairs_kernel(pairs_ptr, out_ptr, W4: tl.constexpr, DTYPE: tl.constexpr):
+def _decode_pairs_kernel(pairs_ptr, out_ptr, W4: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
     """out `[16, 32]` = `_decode_pairs` of the `[16, 16]` int32 pair words."""
     rows, words = tl.arange(0, 16), tl.arange(0, 16)
     pairs = tl.load(pairs_ptr + rows[:, None] * 16 + words[None, :])
-    tl.store(out_ptr + rows[:, None] * 32 + tl.arange(0, 32)[None, :], w4._decode_pairs(pairs, W4, DTYPE))
+    tl.store(out_ptr + rows[:, None] * 32 + tl.arange(0, 32)[None, :], w4._decode_pairs(pairs, W4, DTYPE, ASM))
 
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -139,14 +139,20 @@ TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat1
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
-def test_decode_is_exact_for_every_pair_of_codes(fmt, x_dtype, device):
+@pytest.mark.parametrize("asm", [False, True], ids=["triton", "ptx"])
+def test_decode_is_exact_for_every_pair_of_codes(fmt, x_dtype, asm, device):
     """All 256 (even, odd) code pairs, decoded where the kernel runs (the GPU, or the interpreter), bit for bit
     equal to the format's values in x's dtype, and in feature order (MXFP4 with bf16 x: times 2**-14, which the group
-    scale takes back)."""
+    scale takes back). The words carry other planes' codes in their other bits, as the kernel hands them over
+    (shifted, not masked). ``asm``: the GPU's PTX decode (INT4 in 16-bit dtypes; the others ignore it)."""
+    if asm and device == "cpu":
+        pytest.skip("PTX runs on a GPU only (the interpreter runs the Triton decode, asm=False)")
     even, odd = torch.arange(256, dtype=torch.int32) // 16, torch.arange(256, dtype=torch.int32) % 16
-    pairs = (even | (odd << 16)).reshape(16, 16)
+    other_planes = torch.randint(-2**31, 2**31 - 1, (256,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    pairs = (even | (odd << 16) | (other_planes & ~0x000F000F)).reshape(16, 16)
     out = torch.empty(16, 32, dtype=x_dtype, device=device)
-    _decode_pairs_kernel[(1,)](pairs.to(device), out, W4=1 if fmt == "int4" else 2, DTYPE=TL_DTYPES[x_dtype])
+    _decode_pairs_kernel[(1,)](pairs.to(device), out, W4=1 if fmt == "int4" else 2, DTYPE=TL_DTYPES[x_dtype],
+                               ASM=asm)
     values = (lambda c: c.float() - 8) if fmt == "int4" else (lambda c: e2m1_to_float(c.to(torch.uint8)))
     unit = 2.0**-14 if (fmt, x_dtype) == ("mxfp4", torch.bfloat16) else 1.0
     expected = (torch.stack([values(even), values(odd)], dim=-1).reshape(16, 32) * unit).to(x_dtype)
@@ -201,6 +207,8 @@ def test_w4_kernel_on_whole_blocks_all_rows_on_one_expert_and_forced_tiles(fmt, 
     assert_close(w4.grouped_mlp_w4(*args), y_ref, torch.bfloat16, fmt=fmt.value)
     forced = w4.grouped_mlp_w4(*args, tiles=((32, 32, 4, 2), (16, 64, 4, 2)))
     assert_close(forced, y_ref, torch.bfloat16, fmt=fmt.value, tiles="forced")
+    mma_sync = w4.grouped_mlp_w4(*args, tiles=((16, 32, 2, 3), (16, 32, 2, 4)))  # on Hopper: mma.sync, not wgmma
+    assert_close(mma_sync, y_ref, torch.bfloat16, fmt=fmt.value, tiles="mma.sync")
 
 
 def test_w4_kernel_with_no_rows_returns_an_empty_pool(device):
