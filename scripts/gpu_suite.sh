@@ -24,7 +24,7 @@
 # epilogue_add = the grouped MLP's add-in-the-epilogue tests (kernel against its twin) on the GPU;
 # layout = the FP8 grouped MLP's GPU tests (stacked and interleaved gate/up rows against the twin), then the stacked vs
 # interleaved A/B (scripts/ab_grouped_mlp.py --ab layout); fp8_tests = the GPU tests of the FP8 paths around it
-# (checkpoint experts, the FP8 layer, auto and DeepGEMM); auto_bench = auto_check's bench alone ($AUTO_ROWS,
+# (checkpoint experts, the FP8 layer, auto and DeepGEMM); auto_bench = auto_check's bench alone ($AUTO_ROWS, $AUTO_ROUNDS, $AUTO_LIMIT s,
 # $AUTO_PATHS); w4_api = bench_w4a16's API rows alone (bf16, FP8 from the checkpoint, 4-bit; no sweep, no peer);
 # quant_rows = the one-launch FP8 row quantizer against its torch twin on the GPU (bit for bit);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
@@ -103,9 +103,10 @@ for s in $STEPS; do case $s in
     if [ "$s" = auto_check ]; then
       step auto_tests 240 python3 -m pytest -q -rs --timeout=200 tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py
     fi
-    step auto_bench 300 python3 scripts/bench_experts.py --include-deep-gemm --peer-search none --quick \
+    step auto_bench "${AUTO_LIMIT:-300}" python3 scripts/bench_experts.py --include-deep-gemm --peer-search none --quick \
       --models kimi-k2,step3 --rows "${AUTO_ROWS:-64,4096,32768}" --graph \
-      --paths "${AUTO_PATHS:-api_auto_,api_deep_gemm_,api_triton_,deep_gemm_kernels_}" --out "$OUT/auto_check/bench_experts.json" ;;
+      --paths "${AUTO_PATHS:-api_auto_,api_deep_gemm_,api_triton_,deep_gemm_kernels_}" --rounds "${AUTO_ROUNDS:-1}" \
+      --out "$OUT/auto_check/bench_experts.json" ;;
   fp8_tests)  # the FP8 cases only (the 4-bit ones autotune for ~30 s each: w4_kernel runs them)
     step fp8_layer_tests 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_quant_cuda.py \
       tests/gpu/test_fp8_layer_cuda.py -k "fp8 or load"
