@@ -26,6 +26,7 @@
 # interleaved A/B (scripts/ab_grouped_mlp.py --ab layout); fp8_tests = the GPU tests of the FP8 paths around it
 # (checkpoint experts, the FP8 layer, auto and DeepGEMM); auto_bench = auto_check's bench alone ($AUTO_ROWS, $AUTO_ROUNDS, $AUTO_LIMIT s,
 # $AUTO_PATHS); w4_api = bench_w4a16's API rows alone (bf16, FP8 from the checkpoint, 4-bit; no sweep, no peer);
+# w4_ab = the 4-bit kernel's variants (MOE_REF_W4_VARIANT: PTX decode, scales a k-block ahead), tested and timed;
 # quant_rows = the one-launch FP8 row quantizer against its torch twin on the GPU (bit for bit);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
@@ -112,6 +113,16 @@ for s in $STEPS; do case $s in
       tests/gpu/test_fp8_layer_cuda.py -k "fp8 or load"
     step fp8_auto_tests 240 python3 -m pytest -q -rs --timeout=200 tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py ;;
   quant_rows) step quant_rows 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_kernels_cuda.py -k quantize_rows ;;
+  w4_ab)  # the 4-bit kernel's variants (MOE_REF_W4_VARIANT): GPU tests of each, then bench_w4a16's API rows per variant
+    for v in asm,scales=0 asm,scales=1 asm,scales=2; do
+      step "w4_tests_$v" 150 env MOE_REF_W4_VARIANT=$v python3 -m pytest -q -rs --timeout=120 \
+        tests/interpreter/test_grouped_mlp_w4.py -k "decode or scale or forced or no_rows or twin"
+    done
+    step w4_quant_tests 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_quant_cuda.py -k "not fp8"
+    for v in scales=0 asm,scales=0 asm,scales=1 asm,scales=2; do
+      step "w4_bench_$v" 150 env MOE_REF_W4_VARIANT=$v python3 scripts/bench_w4a16.py --peer none \
+        --out "$OUT/w4_ab/${v//[,=]/_}/bench_w4a16.json"
+    done ;;
   w4_api) step w4_api 200 python3 scripts/bench_w4a16.py --peer none --out "$OUT/w4_api/bench_w4a16.json" ;;
   launch)
     step launch_tests 200 python3 -m pytest -q -rs --timeout=150 tests/gpu/test_bound_launch_cuda.py tests/unit/test_bound_launch.py

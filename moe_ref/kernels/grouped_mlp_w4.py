@@ -147,11 +147,34 @@ def _decode_16bit_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _group_scale(scale_ptrs, mask, W4: tl.constexpr, DTYPE: tl.constexpr):
-    """fp32 group scales: INT4 as stored; MXFP4 E8M0 bytes ``2**(byte - 125)`` (bytes 0..238: the loader refuses
-    larger ones, LOAD015), times 2**14 where x is bf16 (its decoded values are 2**-14 times E2M1's:
+def _load_block_scales(s_cols, stride_s_g, kb, mask):
+    """The stored group scales of k-block ``kb`` (its 8 groups): a tuple of 8 ``[BLOCK_N]`` loads, group order."""
+    base = s_cols + kb * 8 * stride_s_g
+    return (tl.load(base, mask=mask, other=0), tl.load(base + stride_s_g, mask=mask, other=0),
+            tl.load(base + 2 * stride_s_g, mask=mask, other=0), tl.load(base + 3 * stride_s_g, mask=mask, other=0),
+            tl.load(base + 4 * stride_s_g, mask=mask, other=0), tl.load(base + 5 * stride_s_g, mask=mask, other=0),
+            tl.load(base + 6 * stride_s_g, mask=mask, other=0), tl.load(base + 7 * stride_s_g, mask=mask, other=0))
+
+
+@triton.jit
+def _split_block_scales(tile):
+    """The 8 rows of a ``[8, BLOCK_N]`` tile of one k-block's stored group scales, a tuple in group order."""
+    t = tl.trans(tile)
+    a, b = tl.split(tl.reshape(t, (t.shape[0], 4, 2)))  # groups 0 2 4 6, 1 3 5 7
+    a0, a1 = tl.split(tl.reshape(a, (t.shape[0], 2, 2)))  # 0 4, 2 6
+    b0, b1 = tl.split(tl.reshape(b, (t.shape[0], 2, 2)))  # 1 5, 3 7
+    g0, g4 = tl.split(a0)
+    g2, g6 = tl.split(a1)
+    g1, g5 = tl.split(b0)
+    g3, g7 = tl.split(b1)
+    return g0, g1, g2, g3, g4, g5, g6, g7
+
+
+@triton.jit
+def _group_scale(scale, W4: tl.constexpr, DTYPE: tl.constexpr):
+    """fp32 group scales of the stored ones: INT4 as stored; MXFP4 E8M0 bytes ``2**(byte - 125)`` (bytes 0..238: the
+    loader refuses larger ones, LOAD015), times 2**14 where x is bf16 (its decoded values are 2**-14 times E2M1's:
     ``_decode_16bit_pairs``)."""
-    scale = tl.load(scale_ptrs, mask=mask, other=0)
     if W4 == 2 and DTYPE == tl.bfloat16:
         scale = ((scale.to(tl.int32) + 16) << 23).to(tl.float32, bitcast=True)
     elif W4 == 2:
@@ -160,12 +183,12 @@ def _group_scale(scale_ptrs, mask, W4: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _group_dot(acc, pairs, x_t, scale_ptrs, mask_n, W4: tl.constexpr, UPCAST: tl.constexpr,
-               IEEE_FP32: tl.constexpr):
+def _group_dot(acc, pairs, x_t, stored_scale, W4: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr,
+               ASM: tl.constexpr):
     """``acc + scale * (q @ x_t)`` for one group of 32 input features: q ``[BLOCK_N, 32]`` decoded from ``pairs``
-    (``_decode_pairs``), x_t ``[32, BLOCK_M]``, the group's scales ``[BLOCK_N]`` applied to the fp32 dot."""
-    q = _decode_pairs(pairs, W4, x_t.dtype, not UPCAST)
-    scale = _group_scale(scale_ptrs, mask_n, W4, x_t.dtype)
+    (``_decode_pairs``), x_t ``[32, BLOCK_M]``, the group's stored scales ``[BLOCK_N]`` applied to the fp32 dot."""
+    q = _decode_pairs(pairs, W4, x_t.dtype, ASM)
+    scale = _group_scale(stored_scale, W4, x_t.dtype)
     # one return: Triton types every return statement, also those of branches a constexpr leaves out
     if UPCAST:
         product = tl.dot(q.to(tl.float32), x_t.to(tl.float32), input_precision="ieee")
@@ -188,6 +211,8 @@ def _w4_gemm_kernel(
     IEEE_FP32: tl.constexpr,       # fp32 x: ieee dots
     UPCAST: tl.constexpr,          # interpreter: dots in fp32 (its 16-bit dot is wrong)
     EVEN_K: tl.constexpr,          # K % 256 == 0: x's loads need no column mask (and stay vectorized, so pipelined)
+    ASM: tl.constexpr,             # A/B: INT4 decode in PTX
+    SCALES: tl.constexpr,          # A/B: 0 loaded per group, 1 a k-block ahead per group, 2 a k-block ahead as a tile
     BLOCK_M: tl.constexpr,         # pool rows per program (the MMA's N)
     BLOCK_N: tl.constexpr,         # output features per program (the MMA's M)
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
@@ -212,7 +237,29 @@ def _w4_gemm_kernel(
     x_cols = x_ptr + rows[None, :] * stride_x_r + offs_k[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    mask_up = mask_n & (ACTIVATION != 0)
+    s_tile = s_cols[None, :] + tl.arange(0, 8)[:, None] * stride_s_g  # [8, BLOCK_N]: one k-block's group scales
+    if SCALES == 2:
+        gate_next = tl.load(s_tile, mask=mask_n[None, :], other=0)
+        up_next = tl.load(s_tile + N, mask=mask_up[None, :], other=0)
+    else:
+        gate_next = _load_block_scales(s_cols, stride_s_g, 0, mask_n)
+        up_next = _load_block_scales(s_cols + N, stride_s_g, 0, mask_up)
     for kb in range(0, num_blocks_k):
+        # the scales are loaded a k-block ahead (SCALES 1, 2): their latency hides behind this block's dots
+        if SCALES == 2:
+            gate_scales, up_scales = _split_block_scales(gate_next), _split_block_scales(up_next)
+            more = kb + 1 + tl.zeros_like(offs_n) < num_blocks_k  # a tensor: the interpreter masks with those only
+            gate_next = tl.load(s_tile + (kb + 1) * 8 * stride_s_g, mask=(mask_n & more)[None, :], other=0)
+            up_next = tl.load(s_tile + N + (kb + 1) * 8 * stride_s_g, mask=(mask_up & more)[None, :], other=0)
+        elif SCALES == 1:
+            gate_scales, up_scales = gate_next, up_next
+            more = kb + 1 + tl.zeros_like(offs_n) < num_blocks_k  # a tensor: the interpreter masks with those only
+            gate_next = _load_block_scales(s_cols, stride_s_g, kb + 1, mask_n & more)
+            up_next = _load_block_scales(s_cols + N, stride_s_g, kb + 1, mask_up & more)
+        else:
+            gate_scales = _load_block_scales(s_cols, stride_s_g, kb, mask_n)
+            up_scales = _load_block_scales(s_cols + N, stride_s_g, kb, mask_up)
         for half in tl.static_range(2):  # 16 words: groups 4 half .. 4 half + 3 of this block
             words = tl.load(w_rows + kb * 32 + half * 16, mask=mask_n[:, None], other=0)
             if ACTIVATION != 0:  # the up rows follow the N gate rows
@@ -224,11 +271,11 @@ def _w4_gemm_kernel(
                 else:
                     x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :] & (group * 32 + offs_k < K)[:, None],
                                   other=0.0)
-                acc = _group_dot(acc, words >> (4 * plane), x_t, s_cols + group * stride_s_g, mask_n,
-                                 W4, UPCAST, IEEE_FP32)
+                acc = _group_dot(acc, words >> (4 * plane), x_t, gate_scales[half * 4 + plane], W4, UPCAST,
+                                 IEEE_FP32, ASM)
                 if ACTIVATION != 0:
-                    acc_up = _group_dot(acc_up, words_up >> (4 * plane), x_t,
-                                        s_cols + N + group * stride_s_g, mask_n, W4, UPCAST, IEEE_FP32)
+                    acc_up = _group_dot(acc_up, words_up >> (4 * plane), x_t, up_scales[half * 4 + plane], W4,
+                                        UPCAST, IEEE_FP32, ASM)
     acc = gated_act(acc, acc_up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
     c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
@@ -271,6 +318,16 @@ def clear_tuned_tiles() -> None:
     _TUNED.clear()
 
 
+def _variant() -> dict:
+    """A/B switch (MOE_REF_W4_VARIANT="asm,scales=N"; default: the PTX decode on a GPU, scales loaded per group)."""
+    import os
+
+    spec = os.environ.get("MOE_REF_W4_VARIANT", "asm,scales=0")
+    asm = "asm" in spec.split(",") and not is_interpreter()
+    scales = int(spec.split("scales=")[1].split(",")[0]) if "scales=" in spec else 0
+    return dict(ASM=asm, SCALES=scales)
+
+
 def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, activation: str, situ_beta: float,
                    situ_linear_beta: float, rows_hint: int, tile: tuple | None = None):
     """One grouped GEMM of ``grouped_mlp_w4`` (GEMM1 with ``activation`` "silu"/"situ", GEMM2 with "none").
@@ -290,7 +347,7 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, a
             weight.group_major_scale.stride(1), c.stride(0))
     flags = dict(ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), W4=_FORMATS[weight.fmt],
                  IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
-                 EVEN_K=weight.in_features % PLANE_BLOCK == 0, BLOCK_E=next_power_of_2(num_experts))
+                 EVEN_K=weight.in_features % PLANE_BLOCK == 0, **_variant(), BLOCK_E=next_power_of_2(num_experts))
 
     def grid(block_m: int, block_n: int) -> tuple:
         return ((cdiv(num_rows, block_m) + num_experts) * cdiv(n, block_n),)

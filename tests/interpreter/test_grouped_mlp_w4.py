@@ -162,7 +162,7 @@ def test_decode_is_exact_for_every_pair_of_codes(fmt, x_dtype, asm, device):
 @triton.jit
 def _group_scale_kernel(scale_ptr, out_ptr, N: tl.constexpr, W4: tl.constexpr, DTYPE: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(out_ptr + offs, w4._group_scale(scale_ptr + offs, offs < N, W4, DTYPE))
+    tl.store(out_ptr + offs, w4._group_scale(tl.load(scale_ptr + offs, mask=offs < N, other=0), W4, DTYPE))
 
 
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
