@@ -10,10 +10,11 @@
   B: gate_up rows interleaved (alternating 128-row gate and up blocks, FP8 block scales alike;
      `interleave_gate_up`, done once): one dot over 256 rows.
   Both autotune over the same tile lists; down (GEMM2) is the same launch in both.
-`--ab schedule`, the program schedule of both GEMMs, in the layout the Triton experts use (FP8 interleaved, bf16
-stacked):
-  A: one program per tile of the upper-bound grid (surplus programs exit at once).
-  B: persistent: about two programs per SM walk the live tiles.
+`--ab schedule`, the program schedule of both GEMMs (`grouped_mlp`'s `schedule`), in the layout the Triton experts
+use (FP8 interleaved, bf16 stacked), on the cases' 128-aligned pool with the rows hint:
+  A: grid: one program per tile of the pool's upper bound (surplus programs exit at once).
+  B: hinted: one program per tile of the hinted rows; programs walk any tiles past it.
+  C: persistent: about two programs per SM walk the live tiles.
   Each autotunes its own tiles (the schedule is part of the autotune key).
 `--ab alignment` (default models kimi-k2,step3, rows 64,512), the receive pool's segment alignment, in the gate_up
 layout the Triton experts use:
@@ -73,7 +74,7 @@ DEFAULTS = {"layout": ("kimi-k2", "64,512,4096,32768"), "schedule": ("kimi-k2", 
 
 
 def run(case, precision: str, gate_up: torch.Tensor, interleaved: bool, gate_up_scale: torch.Tensor | None = None,
-        persistent: bool = False, *, alignment: int = ALIGN, hint: bool = True, configs: tuple | None = None):
+        schedule: str = "hinted", *, alignment: int = ALIGN, hint: bool = True, configs: tuple | None = None):
     """`grouped_mlp` on a bench_experts case as the Triton experts call it, with `gate_up` (FP8: and its block
     scales `gate_up_scale`) in the given layout:
     the case's rows in its pool of segments aligned to `alignment` (`_pool`), rows hint = the routed rows
@@ -88,7 +89,40 @@ def run(case, precision: str, gate_up: torch.Tensor, interleaved: bool, gate_up_
         inputs, down, scales = (pool.x_PDx,), case.down, {}
     return grouped_mlp(*inputs, gate_up, down, pool.row_start_e, pool.num_rows_e, **scales,
                        num_rows_hint=case.num_rows if hint else None, zero_unused_rows=False,
-                       gate_up_interleaved=interleaved, persistent=persistent, configs=configs)
+                       gate_up_interleaved=interleaved, schedule=schedule, configs=configs)
+
+
+def variants_case(case, precision: str, specs: dict[str, dict], valid: torch.Tensor, rounds: int) -> dict:
+    """Every variant of `specs` (name -> `run` keywords, A first) on one case, alternated over `rounds`: the median
+    us of each, A's us over each one's ("speedup", > 1: faster than A), and each one's calc_diff against A's output
+    on the rows inside segments."""
+    import triton
+
+    outs = {name: run(case, precision, **spec)[valid].float() for name, spec in specs.items()}
+    first = next(iter(specs))
+    diffs = {name: calc_diff(out, outs[first]) for name, out in outs.items()}
+    times = {name: [] for name in specs}
+    for _ in range(rounds):
+        for name, spec in specs.items():
+            times[name].append(triton.testing.do_bench(lambda spec=spec: run(case, precision, **spec)))
+    us = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    return {"variants": list(specs), "us": us, "speedup": {name: us[first] / t for name, t in us.items()},
+            "calc_diff": diffs, "ok": all(d < (1e-3 if precision == "fp8" else 1e-4) for d in diffs.values()),
+            "rounds_us": {name: [t * 1e3 for t in ts] for name, ts in times.items()}}
+
+
+def variants_markdown(results: dict) -> list[str]:
+    """The markdown table of `--ab layout|schedule`: us per variant, A's us over each other's, calc_diff vs A."""
+    if not results["cases"]:
+        return ["no case ran"]
+    names = results["cases"][0]["variants"]
+    lines = ["| model | rows | precision | " + " | ".join(f"{n} us" for n in names) + " | "
+             + " | ".join(f"A / {n}" for n in names[1:]) + " | max calc_diff vs A |",
+             "|---|---:|---|" + "---:|" * (2 * len(names))]
+    lines += [f"| {r['model']} | {r['rows']} | {r['precision']} | " + " | ".join(f"{r['us'][n]:.1f}" for n in names)
+              + " | " + " | ".join(f"{r['speedup'][n]:.3f}" for n in names[1:])
+              + f" | {max(r['calc_diff'].values()):.1e} |" for r in results["cases"]]
+    return lines
 
 
 def gate_up_layout(stacked: torch.Tensor, stacked_scale: torch.Tensor | None, interleaved: bool) -> dict:
@@ -110,7 +144,7 @@ def variants(ab: str, precision: str, stacked: torch.Tensor, stacked_scale: torc
         return {"stacked": gate_up_layout(stacked, stacked_scale, False),
                 "interleaved": gate_up_layout(stacked, stacked_scale, True)}
     layout = triton_layout(precision, stacked, stacked_scale)
-    return {"grid": dict(layout, persistent=False), "persistent": dict(layout, persistent=True)}
+    return {schedule: dict(layout, schedule=schedule) for schedule in ("grid", "hinted", "persistent")}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -333,22 +367,12 @@ def main(argv=None) -> int:
             _write(results, args.out)
             continue
         stacked = (case.fp8["gate_up"], case.fp8["gate_up_scale"]) if precision == "fp8" else (case.gate_up, None)
-        specs = variants(args.ab, precision, *stacked)
-        (name_a, spec_a), (name_b, spec_b) = specs.items()
-        outs = {name: run(case, precision, **spec)[valid].float() for name, spec in specs.items()}
-        diff = calc_diff(outs[name_b], outs[name_a])
-        times = {name: [] for name in specs}
-        for _ in range(args.rounds):
-            for name, spec in specs.items():
-                times[name].append(triton.testing.do_bench(lambda spec=spec: run(case, precision, **spec)))
-        row = {"model": model, "rows": num_rows, "precision": precision, "a": name_a, "b": name_b,
-               "calc_diff": diff, "ok": diff < (1e-3 if precision == "fp8" else 1e-4),
-               "a_us": statistics.median(times[name_a]) * 1e3, "b_us": statistics.median(times[name_b]) * 1e3,
-               "rounds_us": {name: [t * 1e3 for t in ts] for name, ts in times.items()}}
-        row["speedup"] = row["a_us"] / row["b_us"]
+        row = variants_case(case, precision, variants(args.ab, precision, *stacked), valid, args.rounds)
+        row.update(model=model, rows=num_rows, precision=precision)
         results["cases"].append(row)
-        print(f"{model:8s} {num_rows:6d} {precision:5s} {name_a} {row['a_us']:8.1f} us  {name_b} "
-              f"{row['b_us']:8.1f} us  x{row['speedup']:.3f}  calc_diff {diff:.1e}", flush=True)
+        print(f"{model:8s} {num_rows:6d} {precision:5s} " + "  ".join(
+            f"{name} {us:8.1f} us (A / it x{row['speedup'][name]:.3f}, calc_diff {row['calc_diff'][name]:.1e})"
+            for name, us in row["us"].items()), flush=True)
         _write(results, args.out)
     # the tiles autotune chose, per launch key (rows_hint, N, K, experts, flags...): compare with tune_grouped_mlp's
     # (alignment: the last pool's only; each row holds every pool's)
@@ -359,10 +383,7 @@ def main(argv=None) -> int:
     if args.ab == "alignment":
         lines = alignment_markdown(results)
     else:
-        lines = ["| model | rows | precision | A | A us | B | B us | A / B | calc_diff |",
-                 "|---|---:|---|---|---:|---|---:|---:|---:|"]
-        lines += [f"| {r['model']} | {r['rows']} | {r['precision']} | {r['a']} | {r['a_us']:.1f} | {r['b']} | "
-                  f"{r['b_us']:.1f} | {r['speedup']:.3f} | {r['calc_diff']:.1e} |" for r in results["cases"]]
+        lines = variants_markdown(results)
     stopped = "\n\nStopped early by --max-seconds." if results["stopped_early"] else ""
     with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
         f.write(f"{results['env']}\n\n" + "\n".join(lines) + stopped + "\n")

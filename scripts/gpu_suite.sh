@@ -26,7 +26,8 @@
 # interleaved A/B (scripts/ab_grouped_mlp.py --ab layout); fp8_tests = the GPU tests of the FP8 paths around it
 # (checkpoint experts, the FP8 layer, auto and DeepGEMM); auto_bench = auto_check's bench alone ($AUTO_ROWS, $AUTO_ROUNDS, $AUTO_LIMIT s,
 # $AUTO_PATHS); w4_api = bench_w4a16's API rows alone (bf16, FP8 from the checkpoint, 4-bit; no sweep, no peer);
-# w4_ab = the 4-bit kernel's variants (MOE_REF_W4_VARIANT: PTX decode, scales a k-block ahead), tested and timed;
+# schedule = the grouped MLP's schedules A/B (grid, hinted, persistent; scripts/ab_grouped_mlp.py --ab schedule,
+# $SCHEDULE_ROWS); w4_ab = the 4-bit kernel's variants (MOE_REF_W4_VARIANT: PTX decode, scales a k-block ahead), tested and timed;
 # quant_rows = the one-launch FP8 row quantizer against its torch twin on the GPU (bit for bit);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
@@ -145,6 +146,8 @@ for s in $STEPS; do case $s in
       --precisions fp8 --max-seconds "${LAYOUT_SECONDS:-230}" --out "$OUT/layout/ab_layout.json" ;;
   pack) PACK=1 ;;  # done after the summary below
   w4) step w4 300 python3 scripts/bench_w4a16.py --sweep --max-seconds 270 --out "$OUT/w4_sweep/bench_w4a16.json" ;;
+  schedule) step schedule 300 python3 scripts/ab_grouped_mlp.py --ab schedule --rows "${SCHEDULE_ROWS:-64,512,4096,32768}" \
+      --max-seconds 280 --out "$OUT/schedule/ab_schedule.json" ;;
   align) step align 300 python3 scripts/ab_grouped_mlp.py --ab alignment --nohint --max-seconds 270 \
       --out "$OUT/align/ab_alignment.json" ;;
   *) echo "unknown step $s" ;;

@@ -8,9 +8,11 @@
 
 One `@triton.jit` kernel (`_grouped_gemm_kernel`) runs both GEMMs: GEMM1 loads gate and up tiles of the same
 columns so its epilogue applies the activation (FP8: re-quantizes h per row per 128 columns); GEMM2 is plain.
-Programs find their expert on the device (a cumsum of per-expert block counts over an upper-bound grid whose
-surplus programs exit), so there is no host sync and padding costs nothing. `persistent=True` walks the live
-tiles on ~2 programs per SM instead (kept for A/B; the grid is the default, docs/RESULTS.md says why).
+Programs find their expert on the device (a cumsum of per-expert block counts), so there is no host sync. The grid
+(`SCHEDULES`): "grid" has one program per tile of the pool's upper bound (cdiv(P, BLOCK_M) + e row blocks; the
+surplus exit at once); "hinted" (default) counts the tiles of the rows hint instead, and its programs walk any
+tiles past it, so a pool much bigger than its rows (the layer's whole pool, 128-aligned segments) launches no
+surplus programs; "persistent" walks the live tiles on ~2 programs per SM (kept for A/B, docs/RESULTS.md).
 Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(..., config=...)`
 (`grouped_mlp(..., configs=...)` for both GEMMs). Loads: TMA descriptors on Hopper+ (pointer loads for unaligned
 rows, `MOE_REF_TMA=0`).
@@ -58,10 +60,11 @@ try:  # host-side TMA descriptors (triton >= 3.4)
 except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["GATE_UP_BLOCK", "autotuned_kernel", "clear_tuned_configs", "deinterleave_gate_up", "grouped_mlp",
+__all__ = ["GATE_UP_BLOCK", "SCHEDULES", "autotuned_kernel", "clear_tuned_configs", "deinterleave_gate_up", "grouped_mlp",
            "grouped_mlp_ref", "interleave_gate_up", "launch_gemm"]
 
 _ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
+SCHEDULES = ("grid", "hinted", "persistent")  # how many programs a launch has (module docstring)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -181,7 +184,7 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
     GROUP_M: tl.constexpr = 1,     # program order: 1 = N fastest (pid_m = pid // num_pid_n); G > 1 = L2 swizzle
-    PERSISTENT: tl.constexpr = False,  # a fixed grid walks the live tiles (else one program per upper-bound tile)
+    PERSISTENT: tl.constexpr = False,  # programs walk the live tiles, grid-strided (else one per upper-bound tile)
     ADD: tl.constexpr = False,     # c = a @ b.T + add, summed in fp32 and rounded once (no activation, no fp8 out)
 ):
     """One program = BLOCK_M rows of one expert x BLOCK_N output columns (x2 for gate and up).
@@ -194,7 +197,7 @@ def _grouped_gemm_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     offs_e, num_rows_e, num_blocks_e, block_end_e = expert_table(num_rows_ptr, num_experts, BLOCK_M, BLOCK_E)
     num_pid_m = tl.sum(num_blocks_e)
-    if PERSISTENT:  # a grid of about two programs per SM walks every live tile
+    if PERSISTENT:  # "hinted", "persistent": the programs walk every live tile, grid-strided
         for tile in range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
             pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             _gemm_tile(pid_m, pid_n, offs_e, num_rows_e, num_blocks_e, block_end_e, a_ptr, a_scale_ptr, b_ptr,
@@ -399,7 +402,7 @@ def _tma_reason(device: torch.device, tma_switch: bool, interpreter: bool) -> st
 
 def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, interleaved: bool = False,
-                config: triton.Config | None = None, tma: bool | None = None, persistent: bool = False,
+                config: triton.Config | None = None, tma: bool | None = None, schedule: str = "hinted",
                 add: torch.Tensor | None = None):
     """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up, its rows stacked or `interleaved`)
     or GEMM2 (`activation` "none"). `grouped_mlp` runs it twice; the tuner and the tests call it alone.
@@ -426,7 +429,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
             needs n % 128 == 0, and a forced config BLOCK_N 128.
         config: None, or a `triton.Config` forcing the tile (see below).
         tma: None (TMA where possible), True (force; error where impossible), False (pointer loads).
-        persistent: a fixed grid of programs walks the live tiles.
+        schedule: one of `SCHEDULES` (the module docstring): the launch's number of programs.
         add: None, or `[P, n]` of c's dtype (unit stride along n): c = a @ b.T + add on the rows inside segments,
             summed in fp32 and rounded once (GEMM2 only: `activation="none"`, not `quant_out`).
 
@@ -442,12 +445,15 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     rules) raises ValueError; one that does not fit the GPU fails in Triton (OutOfResources).
     `tma=None` loads the a and b tiles through TMA descriptors where `_tma_possible` (else pointers);
     True forces TMA (InvalidConfigError, a ValueError, where it is impossible), False forces pointers.
-    `persistent`: a grid of `PERSISTENT_PROGRAMS_PER_SM` programs per SM walks the live tiles, instead of one
-    program per tile of the upper-bound grid.
+    `schedule`: "grid" launches one program per tile of the pool's upper bound, "hinted" one per tile of the rows
+    hint's (programs walk the tiles past it), "persistent" `PERSISTENT_PROGRAMS_PER_SM` programs per SM walking the
+    live tiles.
     Returns what the Triton launch returns (on a GPU the compiled kernel: `n_regs`, `n_spills`,
     `metadata.shared`; `grouped_mlp` ignores it).
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
+    if schedule not in SCHEDULES:
+        raise UnknownNameError(f"schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")
     if add is not None and (activation != "none" or quant_out or add.shape != (num_rows, n) or add.dtype != c.dtype
                             or add.stride(-1) != 1):
         raise InvalidConfigError(f"add [P, n] {tuple(add.shape)} {add.dtype}: only GEMM2 (activation 'none', no fp8 "
@@ -471,14 +477,19 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
         QUANT_OUT=quant_out, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=next_power_of_2(num_experts),
-        PERSISTENT=persistent, ADD=add is not None,
+        PERSISTENT=schedule != "grid", ADD=add is not None,
     )
     max_programs = None
-    if persistent:
+    if schedule == "persistent":
         max_programs = 4 if is_interpreter() else PERSISTENT_PROGRAMS_PER_SM * _num_sms(a.device)
 
     def grid(meta):
-        upper = (cdiv(num_rows, meta["BLOCK_M"]) + num_experts) * cdiv(n, meta["BLOCK_N"])
+        """Programs of a launch with tile ``meta``: the tiles of the pool's upper bound (``cdiv(rows, BLOCK_M) + e`` row
+        blocks, any split of the rows over the experts), of the hint's rows ("hinted"), or the persistent count."""
+        tiles_of = lambda rows: (cdiv(rows, meta["BLOCK_M"]) + num_experts) * cdiv(n, meta["BLOCK_N"])  # noqa: E731
+        upper = tiles_of(num_rows)
+        if schedule == "hinted":
+            return (min(upper, tiles_of(rows_hint)),)
         return (upper if max_programs is None else min(upper, max_programs),)
 
     def arguments(meta: dict | None) -> tuple:
@@ -634,7 +645,7 @@ def grouped_mlp(
     num_rows_hint: int | None = None,
     zero_unused_rows: bool = True,
     gate_up_interleaved: bool = False,
-    persistent: bool = False,
+    schedule: str = "hinted",
     configs: tuple[triton.Config, triton.Config] | None = None,
     add_PDx: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -662,8 +673,8 @@ def grouped_mlp(
         gate_up_interleaved: gate_up's rows alternate 128-row gate and up blocks, and fp8 gate_up_scale's rows
             alike (`interleave_gate_up`, done once at load; F % 128 == 0): GEMM1 then runs one dot over 256
             weight rows per k-step instead of two over 128.
-        persistent: both GEMMs run a fixed grid (about two programs per SM) that walks the live tiles (same
-            bytes; not the default, see docs/RESULTS.md).
+        schedule: how many programs each GEMM launches, one of `SCHEDULES` (the module docstring); the same bytes
+            for each.
         configs: None (autotune both GEMMs), or (GEMM1's, GEMM2's) `triton.Config` forcing their tiles, as
             `launch_gemm(..., config=...)` does (benchmarks comparing one tile on several inputs).
         add_PDx: None, or `[P, Dx]` of y's dtype added to the MLP's output in GEMM2's epilogue (its fp32 sums plus
@@ -704,11 +715,11 @@ def grouped_mlp(
     launch_gemm(x_PDx, x_scale_PDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
                 n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint, interleaved=gate_up_interleaved,
-                config=gate_up_config, persistent=persistent)
+                config=gate_up_config, schedule=schedule)
     # GEMM2: y = h @ down.T
     launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
                 n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                fp8=fp8, quant_out=False, rows_hint=rows_hint, config=down_config, persistent=persistent,
+                fp8=fp8, quant_out=False, rows_hint=rows_hint, config=down_config, schedule=schedule,
                 add=add_PDx)
     return y_PDx
 

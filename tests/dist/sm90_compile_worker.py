@@ -43,7 +43,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 OPTION_KEYS = ("num_warps", "num_stages", "enable_fp_fusion")
 FP8 = torch.float8_e4m3fn
 
-# name -> (weights "bf16" | "fp8", GEMM "gate_up" | "down", interleaved, TMA, tile[, persistent[, add]])
+# name -> (weights "bf16" | "fp8", GEMM "gate_up" | "down", interleaved, TMA, tile[, schedule[, add]])
 CASES = {
     "bf16 gate_up decode tile, TMA": ("bf16", "gate_up", False, True, (16, 64, 128, 4, 4)),
     "bf16 gate_up interleaved prefill tile, TMA": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8)),
@@ -55,9 +55,12 @@ CASES = {
     "fp8 gate_up stacked, TMA": ("fp8", "gate_up", False, True, (32, 128, 128, 4, 5)),
     "fp8 down, TMA": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8)),
     "bf16 gate_up interleaved prefill tile, TMA, persistent": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8),
-                                                              True),
-    "fp8 down, TMA, persistent": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8), True),
-    "bf16 down decode tile, TMA, add in the epilogue": ("bf16", "down", False, True, (16, 64, 128, 4, 4), False, True),
+                                                              "persistent"),
+    "fp8 down, TMA, persistent": ("fp8", "down", False, True, (64, 256, 128, 8, 4, 8), "persistent"),
+    "bf16 down decode tile, TMA, add in the epilogue": ("bf16", "down", False, True, (16, 64, 128, 4, 4), "hinted",
+                                                        True),
+    "fp8 gate_up interleaved decode tile, TMA, grid schedule": ("fp8", "gate_up", True, True, (16, 128, 128, 4, 4),
+                                                                "grid"),
 }
 
 # name -> (4-bit format, GEMM, x dtype, input features K, grouped_mlp_w4 tile): the W4A16 kernel
@@ -133,7 +136,7 @@ def _operands(weights: str, gemm: str, interleaved: bool) -> dict:
                 activation="silu" if gemm == "gate_up" else "none")
 
 
-def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple, persistent: bool = False,
+def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple, schedule: str = "hinted",
                  add: bool = False):
     """Launch one grouped-MLP case into the recorder, then compile the recorded launch for sm_90 (``add``: GEMM2 adds
     a tensor of c's shape in its epilogue, as the shared experts' MLP adds the routed output)."""
@@ -149,7 +152,7 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
             ops["a"], ops["a_scale"], ops["b"], ops["b_scale"], ops["c"], ops["c_scale"], row_start_e, num_rows_e,
             n=ops["n"], k=ops["k"], activation=ops["activation"], situ_beta=4.0, situ_linear_beta=25.0,
             fp8=ops["fp8"], quant_out=ops["quant_out"], rows_hint=64, interleaved=ops["interleaved"],
-            config=gm.tiles.config_of_tile(tile), persistent=persistent,
+            config=gm.tiles.config_of_tile(tile), schedule=schedule,
             add=torch.zeros_like(ops["c"]) if add else None))
     finally:
         gm._tma_possible, gm._num_sms = tma_possible, num_sms

@@ -190,9 +190,10 @@ def test_interleaved_gate_up_needs_whole_blocks(device):
 
 @pytest.mark.parametrize("layout,fp8,interleaved,group_m", [(layout, False, False, 1) for layout in LAYOUTS] + [
     ("empty_expert_and_ragged", True, True, 1), ("all_rows_in_one_expert", False, True, 2)])
-def test_persistent_schedule_gives_the_same_bytes(layout, fp8, interleaved, group_m, device, monkeypatch):
-    """A fixed grid walking the live tiles (the interpreter's: 4 programs, so each walks several tiles, L2
-    swizzle or not) computes every tile exactly as one program per tile does: bitwise equal outputs."""
+def test_every_schedule_gives_the_same_bytes(layout, fp8, interleaved, group_m, device, monkeypatch):
+    """Programs walking the live tiles computes every tile exactly as one program per tile of the upper bound does
+    ("grid"), bitwise: "persistent" (the interpreter's: 4 programs, so each walks several tiles, L2 swizzle or not),
+    "hinted" with a hint of 1 row (a grid of e row blocks: programs walk the tiles past it) and with the true rows."""
     x_PDx, gate_up, down, row_start_e, num_rows_e = _inputs(LAYOUTS[layout], 160, 128 if interleaved else 136,
                                                            torch.float32 if fp8 else torch.bfloat16, device, seed=5)
     x_PDx, gate_up, down, kwargs = _maybe_fp8(fp8, x_PDx, gate_up, down)
@@ -201,10 +202,13 @@ def test_persistent_schedule_gives_the_same_bytes(layout, fp8, interleaved, grou
     plain_meta = grouped_mlp_module.tiles.interpreter_meta
     monkeypatch.setattr(grouped_mlp_module.tiles, "interpreter_meta",
                         lambda *flags: dict(plain_meta(*flags), GROUP_M=group_m))
-    grid_y, persistent_y = (grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, gate_up_interleaved=interleaved,
-                                        persistent=persistent, **kwargs) for persistent in (False, True))
-    assert torch.equal(grid_y, persistent_y), (layout, fp8, interleaved, group_m)
-    _check_padding_zero(persistent_y, row_start_e, num_rows_e, layout=layout)
+    runs = {"grid": {}, "persistent": {}, "hinted 1 row": dict(num_rows_hint=1),
+            "hinted": dict(num_rows_hint=int(num_rows_e.sum()))}
+    outputs = {name: grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, gate_up_interleaved=interleaved,
+                                 schedule=name.split()[0], **hint, **kwargs) for name, hint in runs.items()}
+    for name, y in outputs.items():
+        assert torch.equal(outputs["grid"], y), (name, layout, fp8, interleaved, group_m)
+        _check_padding_zero(y, row_start_e, num_rows_e, layout=layout)
 
 
 def test_tma_needs_16_byte_rows(device):
@@ -288,6 +292,8 @@ def test_bad_shapes_raise_value_error(device):
         grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, activation="gelu")
     with pytest.raises(ValueError, match="x_scale_PDb"):
         grouped_mlp(x_PDx.to(FP8), gate_up.to(FP8), down.to(FP8), row_start_e, num_rows_e)
+    with pytest.raises(ValueError, match="schedule='stream' must be one of grid, hinted, persistent"):
+        grouped_mlp(x_PDx, gate_up, down, row_start_e, num_rows_e, schedule="stream")
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 33])

@@ -75,3 +75,16 @@ def test_report_separates_layout_from_tiles():
     assert "| kimi-k2 | 64 | bf16 | B_align1 | 64 | 64 -> decode | (32, 64, 128, 4, 4); (16, 64, 128, 4, 4) | " \
            "731.0 | 1015.0 | 1100.0 | 0.0e+00 |" in table
     assert "| kimi-k2 | 64 | bf16 | 730.0 | 1015.0 | 0.719 | 1.001 | 1.005 |" in table
+
+
+def test_variants_table_has_a_column_per_schedule():
+    row = {"model": "kimi-k2", "rows": 64, "precision": "fp8", "variants": ["grid", "hinted", "persistent"],
+           "us": {"grid": 430.0, "hinted": 420.0, "persistent": 450.0},
+           "speedup": {"grid": 1.0, "hinted": 430.0 / 420.0, "persistent": 430.0 / 450.0},
+           "calc_diff": {"grid": 0.0, "hinted": 0.0, "persistent": 2e-9}, "ok": True}
+    assert ab.variants("schedule", "bf16", None, None).keys() == \
+        {"grid", "hinted", "persistent"}
+    lines = ab.variants_markdown({"cases": [row]})
+    assert lines[0] == ("| model | rows | precision | grid us | hinted us | persistent us | A / hinted | "
+                        "A / persistent | max calc_diff vs A |")
+    assert lines[2] == "| kimi-k2 | 64 | fp8 | 430.0 | 420.0 | 450.0 | 1.024 | 0.956 | 2.0e-09 |"
