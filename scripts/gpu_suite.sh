@@ -27,7 +27,8 @@
 # (checkpoint experts, the FP8 layer, auto and DeepGEMM); auto_bench = auto_check's bench alone ($AUTO_ROWS, $AUTO_ROUNDS, $AUTO_LIMIT s,
 # $AUTO_PATHS); w4_api = bench_w4a16's API rows alone (bf16, FP8 from the checkpoint, 4-bit; no sweep, no peer);
 # schedule = the grouped MLP's schedules A/B (grid, hinted, persistent; scripts/ab_grouped_mlp.py --ab schedule,
-# $SCHEDULE_ROWS); w4_ab = the 4-bit kernel's variants (MOE_REF_W4_VARIANT: PTX decode, scales a k-block ahead), tested and timed;
+# $SCHEDULE_ROWS); w4_tests = the 4-bit kernel's GPU tests without its API cases (w4_kernel runs those: each
+# autotunes every tile); align takes $ALIGN_MODELS and $ALIGN_LIMIT s;
 # quant_rows = the one-launch FP8 row quantizer against its torch twin on the GPU (bit for bit);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
@@ -114,16 +115,8 @@ for s in $STEPS; do case $s in
       tests/gpu/test_fp8_layer_cuda.py -k "fp8 or load"
     step fp8_auto_tests 240 python3 -m pytest -q -rs --timeout=200 tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py ;;
   quant_rows) step quant_rows 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_kernels_cuda.py -k quantize_rows ;;
-  w4_ab)  # the 4-bit kernel's variants (MOE_REF_W4_VARIANT): GPU tests of each, then bench_w4a16's API rows per variant
-    for v in asm,scales=0 asm,scales=1 asm,scales=2; do
-      step "w4_tests_$v" 150 env MOE_REF_W4_VARIANT=$v python3 -m pytest -q -rs --timeout=120 \
-        tests/interpreter/test_grouped_mlp_w4.py -k "decode or scale or forced or no_rows or twin"
-    done
-    step w4_quant_tests 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_quant_cuda.py -k "not fp8"
-    for v in scales=0 asm,scales=0 asm,scales=1 asm,scales=2; do
-      step "w4_bench_$v" 150 env MOE_REF_W4_VARIANT=$v python3 scripts/bench_w4a16.py --peer none \
-        --out "$OUT/w4_ab/${v//[,=]/_}/bench_w4a16.json"
-    done ;;
+  w4_tests) step w4_tests 150 python3 -m pytest -q -rs --timeout=120 tests/interpreter/test_grouped_mlp_w4.py \
+      -k "decode or scale or forced or no_rows or twin" ;;
   w4_api) step w4_api 200 python3 scripts/bench_w4a16.py --peer none --out "$OUT/w4_api/bench_w4a16.json" ;;
   launch)
     step launch_tests 200 python3 -m pytest -q -rs --timeout=150 tests/gpu/test_bound_launch_cuda.py tests/unit/test_bound_launch.py
@@ -148,7 +141,8 @@ for s in $STEPS; do case $s in
   w4) step w4 300 python3 scripts/bench_w4a16.py --sweep --max-seconds 270 --out "$OUT/w4_sweep/bench_w4a16.json" ;;
   schedule) step schedule 300 python3 scripts/ab_grouped_mlp.py --ab schedule --rows "${SCHEDULE_ROWS:-64,512,4096,32768}" \
       --max-seconds 280 --out "$OUT/schedule/ab_schedule.json" ;;
-  align) step align 300 python3 scripts/ab_grouped_mlp.py --ab alignment --nohint --max-seconds 270 \
+  align) step align "${ALIGN_LIMIT:-300}" python3 scripts/ab_grouped_mlp.py --ab alignment --nohint \
+      --models "${ALIGN_MODELS:-kimi-k2,step3}" --max-seconds "$(( ${ALIGN_LIMIT:-300} - 30 ))" \
       --out "$OUT/align/ab_alignment.json" ;;
   *) echo "unknown step $s" ;;
 esac; done

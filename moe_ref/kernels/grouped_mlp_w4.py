@@ -157,20 +157,6 @@ def _load_block_scales(s_cols, stride_s_g, kb, mask):
 
 
 @triton.jit
-def _split_block_scales(tile):
-    """The 8 rows of a ``[8, BLOCK_N]`` tile of one k-block's stored group scales, a tuple in group order."""
-    t = tl.trans(tile)
-    a, b = tl.split(tl.reshape(t, (t.shape[0], 4, 2)))  # groups 0 2 4 6, 1 3 5 7
-    a0, a1 = tl.split(tl.reshape(a, (t.shape[0], 2, 2)))  # 0 4, 2 6
-    b0, b1 = tl.split(tl.reshape(b, (t.shape[0], 2, 2)))  # 1 5, 3 7
-    g0, g4 = tl.split(a0)
-    g2, g6 = tl.split(a1)
-    g1, g5 = tl.split(b0)
-    g3, g7 = tl.split(b1)
-    return g0, g1, g2, g3, g4, g5, g6, g7
-
-
-@triton.jit
 def _group_scale(scale, W4: tl.constexpr, DTYPE: tl.constexpr):
     """fp32 group scales of the stored ones: INT4 as stored; MXFP4 E8M0 bytes ``2**(byte - 125)`` (bytes 0..238: the
     loader refuses larger ones, LOAD015), times 2**14 where x is bf16 (its decoded values are 2**-14 times E2M1's:
@@ -211,8 +197,8 @@ def _w4_gemm_kernel(
     IEEE_FP32: tl.constexpr,       # fp32 x: ieee dots
     UPCAST: tl.constexpr,          # interpreter: dots in fp32 (its 16-bit dot is wrong)
     EVEN_K: tl.constexpr,          # K % 256 == 0: x's loads need no column mask (and stay vectorized, so pipelined)
-    ASM: tl.constexpr,             # A/B: INT4 decode in PTX
-    SCALES: tl.constexpr,          # A/B: 0 loaded per group, 1 a k-block ahead per group, 2 a k-block ahead as a tile
+    ASM: tl.constexpr,             # a GPU: INT4 decode in PTX (the interpreter runs the Triton decode)
+    SCALES_AHEAD: tl.constexpr,    # the next k-block's scales load during this one (INT4: faster; MXFP4: slower)
     BLOCK_M: tl.constexpr,         # pool rows per program (the MMA's N)
     BLOCK_N: tl.constexpr,         # output features per program (the MMA's M)
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
@@ -238,21 +224,13 @@ def _w4_gemm_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     mask_up = mask_n & (ACTIVATION != 0)
-    s_tile = s_cols[None, :] + tl.arange(0, 8)[:, None] * stride_s_g  # [8, BLOCK_N]: one k-block's group scales
-    if SCALES == 2:
-        gate_next = tl.load(s_tile, mask=mask_n[None, :], other=0)
-        up_next = tl.load(s_tile + N, mask=mask_up[None, :], other=0)
-    else:
+    if SCALES_AHEAD:
         gate_next = _load_block_scales(s_cols, stride_s_g, 0, mask_n)
         up_next = _load_block_scales(s_cols + N, stride_s_g, 0, mask_up)
     for kb in range(0, num_blocks_k):
-        # the scales are loaded a k-block ahead (SCALES 1, 2): their latency hides behind this block's dots
-        if SCALES == 2:
-            gate_scales, up_scales = _split_block_scales(gate_next), _split_block_scales(up_next)
-            more = kb + 1 + tl.zeros_like(offs_n) < num_blocks_k  # a tensor: the interpreter masks with those only
-            gate_next = tl.load(s_tile + (kb + 1) * 8 * stride_s_g, mask=(mask_n & more)[None, :], other=0)
-            up_next = tl.load(s_tile + N + (kb + 1) * 8 * stride_s_g, mask=(mask_up & more)[None, :], other=0)
-        elif SCALES == 1:
+        # a k-block's 16 scale loads go out together, before its dots; SCALES_AHEAD: a k-block earlier still, so
+        # their latency hides behind this block's dots
+        if SCALES_AHEAD:
             gate_scales, up_scales = gate_next, up_next
             more = kb + 1 + tl.zeros_like(offs_n) < num_blocks_k  # a tensor: the interpreter masks with those only
             gate_next = _load_block_scales(s_cols, stride_s_g, kb + 1, mask_n & more)
@@ -318,16 +296,6 @@ def clear_tuned_tiles() -> None:
     _TUNED.clear()
 
 
-def _variant() -> dict:
-    """A/B switch (MOE_REF_W4_VARIANT="asm,scales=N"; default: the PTX decode on a GPU, scales loaded per group)."""
-    import os
-
-    spec = os.environ.get("MOE_REF_W4_VARIANT", "asm,scales=0")
-    asm = "asm" in spec.split(",") and not is_interpreter()
-    scales = int(spec.split("scales=")[1].split(",")[0]) if "scales=" in spec else 0
-    return dict(ASM=asm, SCALES=scales)
-
-
 def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, activation: str, situ_beta: float,
                    situ_linear_beta: float, rows_hint: int, tile: tuple | None = None):
     """One grouped GEMM of ``grouped_mlp_w4`` (GEMM1 with ``activation`` "silu"/"situ", GEMM2 with "none").
@@ -347,7 +315,9 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, a
             weight.group_major_scale.stride(1), c.stride(0))
     flags = dict(ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), W4=_FORMATS[weight.fmt],
                  IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
-                 EVEN_K=weight.in_features % PLANE_BLOCK == 0, **_variant(), BLOCK_E=next_power_of_2(num_experts))
+                 EVEN_K=weight.in_features % PLANE_BLOCK == 0, ASM=not is_interpreter(),
+                 SCALES_AHEAD=weight.fmt == "int4",  # MXFP4 ran 4% slower so (2026-12-02, one H200): registers
+                 BLOCK_E=next_power_of_2(num_experts))
 
     def grid(block_m: int, block_n: int) -> tuple:
         return ((cdiv(num_rows, block_m) + num_experts) * cdiv(n, block_n),)
