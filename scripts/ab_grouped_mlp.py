@@ -74,7 +74,7 @@ DEFAULTS = {"layout": ("kimi-k2", "64,512,4096,32768"), "schedule": ("kimi-k2", 
 
 
 def run(case, precision: str, gate_up: torch.Tensor, interleaved: bool, gate_up_scale: torch.Tensor | None = None,
-        schedule: str = "hinted", *, alignment: int = ALIGN, hint: bool = True, configs: tuple | None = None):
+        schedule: str | None = None, *, alignment: int = ALIGN, hint: bool = True, configs: tuple | None = None):
     """`grouped_mlp` on a bench_experts case as the Triton experts call it, with `gate_up` (FP8: and its block
     scales `gate_up_scale`) in the given layout:
     the case's rows in its pool of segments aligned to `alignment` (`_pool`), rows hint = the routed rows

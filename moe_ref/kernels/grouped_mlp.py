@@ -10,9 +10,11 @@ One `@triton.jit` kernel (`_grouped_gemm_kernel`) runs both GEMMs: GEMM1 loads g
 columns so its epilogue applies the activation (FP8: re-quantizes h per row per 128 columns); GEMM2 is plain.
 Programs find their expert on the device (a cumsum of per-expert block counts), so there is no host sync. The grid
 (`SCHEDULES`): "grid" has one program per tile of the pool's upper bound (cdiv(P, BLOCK_M) + e row blocks; the
-surplus exit at once); "hinted" (default) counts the tiles of the rows hint instead, and its programs walk any
-tiles past it, so a pool much bigger than its rows (the layer's whole pool, 128-aligned segments) launches no
-surplus programs; "persistent" walks the live tiles on ~2 programs per SM (kept for A/B, docs/RESULTS.md).
+surplus exit at once); "hinted" counts the tiles of the rows hint instead, and its programs walk any tiles past it,
+so a pool much bigger than its rows (the layer's whole pool, 128-aligned segments) launches no surplus programs;
+"persistent" walks the live tiles on ~2 programs per SM (kept for A/B). The default (None) is "hinted" in the decode
+regime (<= 32 rows per expert: 0.9-1.6% faster than "grid" on one H200, docs/RESULTS.md) and "grid" above it (not
+measured there; a pool's padding is a small share of its rows).
 Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(..., config=...)`
 (`grouped_mlp(..., configs=...)` for both GEMMs). Loads: TMA descriptors on Hopper+ (pointer loads for unaligned
 rows, `MOE_REF_TMA=0`).
@@ -402,7 +404,7 @@ def _tma_reason(device: torch.device, tma_switch: bool, interpreter: bool) -> st
 
 def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, interleaved: bool = False,
-                config: triton.Config | None = None, tma: bool | None = None, schedule: str = "hinted",
+                config: triton.Config | None = None, tma: bool | None = None, schedule: str | None = None,
                 add: torch.Tensor | None = None):
     """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up, its rows stacked or `interleaved`)
     or GEMM2 (`activation` "none"). `grouped_mlp` runs it twice; the tuner and the tests call it alone.
@@ -429,7 +431,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
             needs n % 128 == 0, and a forced config BLOCK_N 128.
         config: None, or a `triton.Config` forcing the tile (see below).
         tma: None (TMA where possible), True (force; error where impossible), False (pointer loads).
-        schedule: one of `SCHEDULES` (the module docstring): the launch's number of programs.
+        schedule: one of `SCHEDULES` (the module docstring): the launch's number of programs; None: "hinted" in
+            the decode regime of `rows_hint`, "grid" above it.
         add: None, or `[P, n]` of c's dtype (unit stride along n): c = a @ b.T + add on the rows inside segments,
             summed in fp32 and rounded once (GEMM2 only: `activation="none"`, not `quant_out`).
 
@@ -452,6 +455,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     `metadata.shared`; `grouped_mlp` ignores it).
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
+    if schedule is None:
+        schedule = "hinted" if tiles.regime(next_power_of_2(max(1, rows_hint)), num_experts)[0] == "decode" else "grid"
     if schedule not in SCHEDULES:
         raise UnknownNameError(f"schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")
     if add is not None and (activation != "none" or quant_out or add.shape != (num_rows, n) or add.dtype != c.dtype
@@ -645,7 +650,7 @@ def grouped_mlp(
     num_rows_hint: int | None = None,
     zero_unused_rows: bool = True,
     gate_up_interleaved: bool = False,
-    schedule: str = "hinted",
+    schedule: str | None = None,
     configs: tuple[triton.Config, triton.Config] | None = None,
     add_PDx: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -673,8 +678,8 @@ def grouped_mlp(
         gate_up_interleaved: gate_up's rows alternate 128-row gate and up blocks, and fp8 gate_up_scale's rows
             alike (`interleave_gate_up`, done once at load; F % 128 == 0): GEMM1 then runs one dot over 256
             weight rows per k-step instead of two over 128.
-        schedule: how many programs each GEMM launches, one of `SCHEDULES` (the module docstring); the same bytes
-            for each.
+        schedule: how many programs each GEMM launches, one of `SCHEDULES` (the module docstring), or None (by the
+            rows hint's regime); the same bytes for each.
         configs: None (autotune both GEMMs), or (GEMM1's, GEMM2's) `triton.Config` forcing their tiles, as
             `launch_gemm(..., config=...)` does (benchmarks comparing one tile on several inputs).
         add_PDx: None, or `[P, Dx]` of y's dtype added to the MLP's output in GEMM2's epilogue (its fp32 sums plus

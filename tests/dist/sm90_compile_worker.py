@@ -136,7 +136,7 @@ def _operands(weights: str, gemm: str, interleaved: bool) -> dict:
                 activation="silu" if gemm == "gate_up" else "none")
 
 
-def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple, schedule: str = "hinted",
+def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple, schedule: str | None = None,
                  add: bool = False):
     """Launch one grouped-MLP case into the recorder, then compile the recorded launch for sm_90 (``add``: GEMM2 adds
     a tensor of c's shape in its epilogue, as the shared experts' MLP adds the routed output)."""

@@ -123,3 +123,11 @@ def test_a_pool_of_another_size_bucket_tunes_again(gpu_path):
     assert len(tuner.calls) == 2 and not kernel.calls
     _launch()  # the first pool's bucket: its own choice, no tuning
     assert len(tuner.calls) == 2 and len(kernel.calls) == 1
+
+
+def test_the_default_schedule_follows_the_rows_hints_regime(gpu_path):
+    """schedule=None: "hinted" (programs walk the tiles, grid from the hint) up to 32 rows per expert, "grid" above."""
+    tuner, _ = gpu_path
+    _launch(rows_hint=24)  # 8 rows per expert: decode
+    _launch(rows_hint=3 * 512)  # 512 rows per expert: prefill
+    assert [call["PERSISTENT"] for call in tuner.calls] == [True, False]
