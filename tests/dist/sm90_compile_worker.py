@@ -2,6 +2,12 @@
 (sm_90a) on a machine without a GPU, as their launchers would launch them.
 
     python tests/dist/sm90_compile_worker.py     # JSON lines: {"cases": [...]}, then per case {"case", "error", ...}
+    python tests/dist/sm90_compile_worker.py --sass "w4 int4"   # only the cases naming it, each with its SASS: the
+                                                 # registers and the instructions of its main loop, by opcode
+
+The `--sass` report is how kernel changes are weighed before a GPU is at hand (instructions per k-step of the main
+loop, i.e. the longest backward branch, read with Triton's bundled nvdisasm and cuobjdump). It counts work, not time:
+a change that removes instructions can still run slower, so a GPU measures it before it lands.
 
 Run by tests/dist/test_sm90_compile.py in a subprocess (the kernels must be decorated WITHOUT
 TRITON_INTERPRET, which the interpreter tests set). Why: the interpreter runs a kernel's Python, not Triton's
@@ -14,10 +20,14 @@ their Triton types (`mangle_type`) and constexprs then go through `triton.compil
 
 from __future__ import annotations
 
+import collections
 import importlib
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -290,7 +300,50 @@ def compile_quantize_rows(dtype: torch.dtype, dim: int):
         qr.check_device = check_device
 
 
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes (with their modifiers, e.g. ``LOP3.LUT``) of the longest loop in nvdisasm's text: the instructions
+    from a branch's target label back to that branch. Empty when the code has no backward branch.
+
+    Example: ``.L_x_1:`` then ``/*0010*/ IADD3 R1, R1, 0x1, RZ ;`` and ``/*0020*/ @P0 BRA `(.L_x_1) ;`` ->
+        {"IADD3": 1, "BRA": 1}."""
+    labels, instructions = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+            continue
+        op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)\s*(.*)", line)
+        if op:
+            instructions.append((op.group(1), op.group(2)))
+    longest = None
+    for end, (opcode, operands) in enumerate(instructions):
+        target = re.search(r"\((\.L_x_\d+)\)", operands)
+        if opcode.startswith("BRA") and target and labels.get(target.group(1), end) < end:
+            start = labels[target.group(1)]
+            if longest is None or end - start > longest[1] - longest[0]:
+                longest = (start, end)
+    body = instructions[longest[0]:longest[1] + 1] if longest else []
+    return collections.Counter(opcode for opcode, _ in body)
+
+
+def sass_report(kernel) -> dict:
+    """Registers per thread and the main loop's opcode counts of a compiled kernel (Triton's bundled tools)."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin.name],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    registers = re.search(r"REG:(\d+)", usage)
+    ops = loop_opcodes(sass)
+    return {"registers": int(registers.group(1)) if registers else None, "loop_instructions": sum(ops.values()),
+            "loop_ops": dict(ops.most_common())}
+
+
 def main() -> int:
+    sass_of = sys.argv[sys.argv.index("--sass") + 1] if "--sass" in sys.argv[1:-1] else None
     if os.environ.get("TRITON_INTERPRET"):
         print("unset TRITON_INTERPRET: this compiles the kernels", file=sys.stderr)
         return 2
@@ -304,6 +357,8 @@ def main() -> int:
     builders.update({name: ("quantize_rows", lambda case=case: [compile_quantize_rows(*case)])
                      for name, case in QUANTIZE_ROWS_CASES.items()})
     builders.update({name: ("ep", lambda case=case: compile_ep(*case)) for name, case in EP_CASES.items()})
+    if sass_of is not None:
+        builders = {name: built for name, built in builders.items() if sass_of in name}
     print(json.dumps({"cases": list(builders)}), flush=True)
     for name, (kind, build) in builders.items():
         try:
@@ -311,6 +366,8 @@ def main() -> int:
             report = {"case": name, "kind": kind, "error": None, "kernels": len(compiled),
                       "shared_bytes": min(k.metadata.shared for k in compiled),
                       "cubin_bytes": min(len(k.asm["cubin"]) for k in compiled)}
+            if sass_of is not None:
+                report["sass"] = [sass_report(k) for k in compiled]
         except Exception as exc:  # reported per case; the test fails on any
             report = {"case": name, "kind": kind, "error": f"{type(exc).__name__}: {str(exc)[-2000:]}"}
         print(json.dumps(report), flush=True)

@@ -32,3 +32,19 @@ def test_kernels_compile_for_sm90_in_every_variant():
     assert all(r["cubin_bytes"] > 0 for r in reports), reports
     assert all(r["shared_bytes"] > 0 for r in reports if r["kind"] in ("grouped_mlp", "grouped_mlp_w4")), reports
     assert sum(r["kernels"] for r in reports if r["kind"] == "ep") == 11, reports  # 7 EP kernels, 4 of them twice
+
+
+def test_sass_report_counts_the_main_loop():
+    """`--sass`: only the named cases, each with its registers and its main loop's opcodes (the 4-bit decode tile:
+    its dots are Hopper wgmma, its INT4 decode one lop3 and one packed FMA per word)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, WORKER, "--sass", "w4 int4 gate_up bf16"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    planned, *reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert planned["cases"] == ["w4 int4 gate_up bf16, decode tile"] and len(reports) == 1, done.stdout[-2000:]
+    (sass,) = reports[0]["sass"]
+    ops = sass["loop_ops"]
+    assert sass["registers"] > 0 and sass["loop_instructions"] == sum(ops.values()) > 0, sass
+    assert any(op.startswith("HGMMA") for op in ops), ops
+    assert ops.get("HFMA2.BF16_V2", 0) > 0 and ops["HFMA2.BF16_V2"] <= ops.get("LOP3.LUT", 0), ops
