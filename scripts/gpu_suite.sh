@@ -99,7 +99,7 @@ for s in $STEPS; do case $s in
       --routes eager graph compile ;;
   auto_table) step auto_table 590 python3 scripts/tune_experts_auto.py --max-seconds 480 --out "$OUT/auto_table.json" ;;
   w4_kernel)
-    step w4_tests 200 python3 -m pytest -q -rs --timeout=150 tests/interpreter/test_grouped_mlp_w4.py \
+    step w4_tests 400 python3 -m pytest -q -rs --timeout=250 tests/interpreter/test_grouped_mlp_w4.py \
       tests/gpu/test_quant_cuda.py
     step w4_bench 300 python3 scripts/bench_w4a16.py --peer first --max-seconds 280 --out "$OUT/w4/bench_w4a16.json" ;;
   auto_check|auto_bench)
