@@ -470,10 +470,10 @@ class MegaMoE(nn.Module):
         kernels will read interleaved in 128-row blocks (the torch loop reads either, so its experts stay as
         stored)."""
         backend = self._quantized_backend(quantized.spec)
-        experts_class = quantized_experts_class(quantized.spec.format, backend, self.options.device)
-        if experts_class is W4A16Experts:
+        runs_on = quantized_experts_class(quantized.spec.format, backend, self.options.device)
+        if runs_on is W4A16Experts:
             return quantized.with_group_planes()
-        if experts_class is not QuantTorchExperts:
+        if runs_on is not QuantTorchExperts:
             return quantized.with_interleaved_gate_up()
         return quantized
 

@@ -455,8 +455,9 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     `metadata.shared`; `grouped_mlp` ignores it).
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
+    rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
     if schedule is None:
-        schedule = "hinted" if tiles.regime(next_power_of_2(max(1, rows_hint)), num_experts)[0] == "decode" else "grid"
+        schedule = "hinted" if tiles.regime(rows_bucket, num_experts)[0] == "decode" else "grid"
     if schedule not in SCHEDULES:
         raise UnknownNameError(f"schedule={schedule!r} must be one of {', '.join(SCHEDULES)}")
     if add is not None and (activation != "none" or quant_out or add.shape != (num_rows, n) or add.dtype != c.dtype
@@ -467,7 +468,6 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     if interleaved and (activation == "none" or n % GATE_UP_BLOCK):
         raise InvalidConfigError(f"interleaved gate/up rows: GEMM1 only (activation {activation!r}) with n % "
                                  f"{GATE_UP_BLOCK} == 0 (n={n}); pass interleaved=False with stacked rows otherwise")
-    rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
     pool_bucket = next_power_of_2(max(1, num_rows))  # and the pool's
     possible = _tma_possible(a, b)
     if tma and not possible:
