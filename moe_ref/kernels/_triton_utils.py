@@ -5,10 +5,11 @@ What lives here:
   Detected from Triton itself (the type of a jitted probe function), so this module never reads or
   writes environment variables.
 - `check_device(...)`: the launchers' "CUDA tensor or interpreter" check, with a clear error.
-- `to_e4m3(x)`: fp32 -> fp8 e4m3 cast usable inside kernels. We round to the e4m3 grid ourselves
-  (round-to-nearest-even, like torch) and then cast a value that is already exact: the interpreter's own
-  cast drops the mantissa carry (447.9 -> 256 instead of 448; triton 3.9), and on an H200 (triton 3.6)
-  the plain cast differed from torch's in 0.1% of elements (double rounding), so one path serves both.
+- `to_e4m3(x)`: fp32 -> fp8 e4m3 cast usable inside kernels, round-to-nearest-even like torch. On a GPU one PTX
+  `cvt.rn.satfinite.e4m3x2.f32` per two values (sm_89+): Triton's own cast went through fp16 on an H200
+  (triton 3.6) and differed from torch's in 0.1% of elements (double rounding). The interpreter runs no PTX,
+  and its own cast drops the mantissa carry (447.9 -> 256 instead of 448; triton 3.9): there we round to the
+  e4m3 grid in fp32 first and cast a value that is already exact.
 - FP8 constants shared by the quantizers and the kernels (per-128 groups, e4m3 max 448, amax floor 1e-4,
   DeepGEMM's SM90 convention).
 - `launch_options(...)`: extra launch keywords (`enable_fp_fusion`), filtered out by the interpreter.
@@ -40,6 +41,10 @@ def _probe_kernel(x_ptr):
 def is_interpreter() -> bool:
     """True when Triton runs kernels on the CPU interpreter (`TRITON_INTERPRET=1` before import)."""
     return type(_probe_kernel).__name__ == "InterpretedFunction"
+
+
+# kernels run PTX (inline assembly) where they are compiled, not under the interpreter
+_PTX = tl.constexpr(not is_interpreter())
 
 
 def check_device(name: str, tensor: torch.Tensor) -> None:
@@ -117,15 +122,20 @@ def fp8_scale(amax):
 def to_e4m3(x):
     """Cast fp32 `x` (|x| <= 448) to fp8 e4m3, rounding to nearest even, bitwise like torch.
 
-    Round on the e4m3 grid in fp32 first. Normal range (|x| >= 2**-6): keep 3 of 23 mantissa bits with an
-    integer round-half-even on the bit pattern (carries into the exponent correctly). Subnormal range: add
-    and subtract 1.5 * 2**14 to |x| to round it to a multiple of 2**-9, then put the sign back (a tiny
-    negative value becomes -0.0, as in torch). The final cast is then exact.
+    On a GPU: one `cvt.rn.satfinite.e4m3x2.f32` per two values. Under the interpreter: round on the e4m3 grid in
+    fp32 first. Normal range (|x| >= 2**-6): keep 3 of 23 mantissa bits with an integer round-half-even on the bit
+    pattern (carries into the exponent correctly). Subnormal range: add and subtract 1.5 * 2**14 to |x| to round
+    it to a multiple of 2**-9, then put the sign back (a tiny negative value becomes -0.0, as in torch). The final
+    cast is then exact.
     """
-    bits = x.to(tl.int32, bitcast=True)
-    sign_bit = bits & -2147483648
-    x_normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    abs_subnormal = (tl.abs(x) + 24576.0) - 24576.0
-    x_subnormal = (abs_subnormal.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
-    x = tl.where(tl.abs(x) < 0.015625, x_subnormal, x_normal)
-    return x.to(tl.float8e4nv)
+    if _PTX:  # operands in order: $1 the even element, $2 the odd one; cvt puts its first source in the high byte
+        y = tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [x],
+                                      dtype=tl.float8e4nv, is_pure=True, pack=2)
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        sign_bit = bits & -2147483648
+        x_normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+        abs_subnormal = (tl.abs(x) + 24576.0) - 24576.0
+        x_subnormal = (abs_subnormal.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+        y = tl.where(tl.abs(x) < 0.015625, x_subnormal, x_normal).to(tl.float8e4nv)
+    return y
