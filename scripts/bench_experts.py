@@ -609,11 +609,16 @@ def _kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, list[str]]
     return total / calls, sorted(names)
 
 
-def kernel_table(fn: Callable[[], object], calls: int = 10) -> tuple[dict[str, float], float]:
-    """``({kernel name: GPU us per call}, GPU span us per call)`` of ``fn``'s kernels, largest first (torch profiler,
-    ``calls`` calls back to back, no L2 flush): where a row's time goes (``--kernel-table``). The span runs from the
-    first kernel's start to the last one's end, over ``calls``: what it holds beyond the kernels' sum is the GPU
-    waiting between them (for the host, or for a copy)."""
+def kernel_table(fn: Callable[[], object], calls: int = 10) -> tuple[dict[str, float], float, dict[str, list[float]]]:
+    """Where a row's time goes (``--kernel-table``; torch profiler, ``calls`` calls back to back, no L2 flush):
+
+    - ``{kernel name: GPU us per call}``, largest first;
+    - the GPU span per call: the first kernel's start to the last one's end, over ``calls``. What it holds beyond the
+      kernels' sum is the GPU waiting between them (for the host, or for a copy);
+    - ``{CUDA runtime/driver call: [calls per call, host us per call]}`` from a second profile with the CPU recorded:
+      a ``cudaFree``, ``cudaMalloc``, ``cudaStreamSynchronize`` or ``cudaMemcpy`` in an eager call is where the host
+      can wait on the GPU.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -631,7 +636,20 @@ def kernel_table(fn: Callable[[], object], calls: int = 10) -> tuple[dict[str, f
             starts.append(event.time_range.start)
             ends.append(event.time_range.end)
     span = (max(ends) - min(starts)) / calls if starts else 0.0
-    return {name: round(us, 1) for name, us in sorted(table.items(), key=lambda item: -item[1])}, round(span, 1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    runtime: dict[str, list[float]] = {}
+    for event in prof.events():
+        if str(getattr(event, "device_type", "")).endswith("CPU") and event.name.startswith(("cuda", "cu")) \
+                and event.name != "cudaDeviceSynchronize":  # the profile's own closing synchronize
+            entry = runtime.setdefault(event.name, [0.0, 0.0])
+            entry[0] += 1 / calls
+            entry[1] += event.time_range.elapsed_us() / calls
+    kernels = {name: round(us, 1) for name, us in sorted(table.items(), key=lambda item: -item[1])}
+    return kernels, round(span, 1), {name: [round(n, 2), round(us, 1)] for name, (n, us) in
+                                     sorted(runtime.items(), key=lambda item: -item[1][1])}
 
 
 def measure_anchors(quick: bool) -> dict:
@@ -823,8 +841,8 @@ def main(argv=None) -> int:
                         help="also time each api_ row with the rows hint captured in a CUDA graph (`graph_<row>`: "
                              "its GPU work without the host's, as a layer's replayed eager call runs it)")
     parser.add_argument("--kernel-table", action="store_true",
-                        help="also record each timed row's GPU kernels, their us per call and the GPU span "
-                             "per call (torch profiler)")
+                        help="also record each timed row's GPU kernels, their us per call, the GPU span and the "
+                             "CUDA runtime calls per call (torch profiler)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1,
                         help="time every path this many times, every other round in reverse order, and keep each "
@@ -893,11 +911,13 @@ def main(argv=None) -> int:
                                peer_labels=peer_labels, timing=timing_of[name])
                 row["us_per_round"] = per_round[name]
                 if args.kernel_table:
-                    row["kernel_us"], row["gpu_span_us"] = kernel_table(fn)
+                    row["kernel_us"], row["gpu_span_us"], row["runtime_calls"] = kernel_table(fn)
                     for kernel, kernel_us in list(row["kernel_us"].items())[:8]:
                         print(f"      {kernel_us:9.1f} us  {kernel[:110]}", flush=True)
                     print(f"      kernels {sum(row['kernel_us'].values()):.1f} us in a GPU span of "
-                          f"{row['gpu_span_us']:.1f} us per call", flush=True)
+                          f"{row['gpu_span_us']:.1f} us per call; runtime calls per call (count, host us): "
+                          + ", ".join(f"{name} {n:g} {us:.0f}" for name, (n, us) in row["runtime_calls"].items()),
+                          flush=True)
                 results["cases"].append(row)
                 rounds = " / ".join(f"{r:.1f}" for r in per_round[name])
                 print(f"  {model:8s} rows={num_rows:6d} {name:22s} {us:10.1f} us {row['tflops']:7.1f} TFLOP/s "
