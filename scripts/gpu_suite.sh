@@ -30,6 +30,9 @@
 # $SCHEDULE_ROWS); w4_tests = the 4-bit kernel's GPU tests without its API cases (w4_kernel runs those: each
 # autotunes every tile); align takes $ALIGN_MODELS and $ALIGN_LIMIT s;
 # quant_rows = the one-launch FP8 row quantizer against its torch twin on the GPU (bit for bit);
+# prefill_profile = the FP8 expert MLP through auto at prefill, eager and from a CUDA graph, beside DeepGEMM's bare
+# GEMMs, each row's kernels, GPU span and CUDA runtime calls per call (where an eager call makes the GPU wait;
+# $PROFILE_MODELS, $PROFILE_ROWS, $PROFILE_LIMIT s);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -130,6 +133,10 @@ for s in $STEPS; do case $s in
     step "peer_${model}_${rows}" "${PEER_LIMIT:-590}" python3 scripts/bench_experts.py --include-deep-gemm --peer-search small \
       --models "$model" --rows "$rows" --rounds "${PEER_ROUNDS:-2}" --paths api_auto_,api_triton_,peer_,deep_gemm_kernels_,grouped_mm_ \
       --out "$OUT/peer_${model}_${rows}/bench_experts.json" ;;
+  prefill_profile) step prefill_profile "${PROFILE_LIMIT:-200}" python3 scripts/bench_experts.py --include-deep-gemm \
+      --peer-search none --quick --models "${PROFILE_MODELS:-kimi-k2}" --rows "${PROFILE_ROWS:-4096,32768}" \
+      --paths api_auto_fp8,deep_gemm_kernels_fp8 --graph --rounds 2 --kernel-table \
+      --out "$OUT/prefill_profile/bench_experts.json" ;;
   epilogue_add) step epilogue_add 120 python3 -m pytest -q -rs --timeout=100 tests/interpreter/test_grouped_mlp.py -k add ;;
   launches) step launches 200 python3 scripts/bench_eager.py --out "$OUT/launches" --tokens 16 128 \
       --routes eager_launches graph --profile --repeats 5 ;;
