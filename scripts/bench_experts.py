@@ -611,45 +611,59 @@ def _kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, list[str]]
 
 def kernel_table(fn: Callable[[], object], calls: int = 10) -> tuple[dict[str, float], float, dict[str, list[float]]]:
     """Where a row's time goes (``--kernel-table``; torch profiler, ``calls`` calls back to back, no L2 flush):
-
-    - ``{kernel name: GPU us per call}``, largest first;
-    - the GPU span per call: the first kernel's start to the last one's end, over ``calls``. What it holds beyond the
-      kernels' sum is the GPU waiting between them (for the host, or for a copy);
-    - ``{CUDA runtime/driver call: [calls per call, host us per call]}`` from a second profile with the CPU recorded:
-      a ``cudaFree``, ``cudaMalloc``, ``cudaStreamSynchronize`` or ``cudaMemcpy`` in an eager call is where the host
-      can wait on the GPU.
-    """
+    ``gpu_kernels``'s kernels and GPU span from a profile of the GPU, then ``runtime_calls`` from a second profile with
+    the CPU recorded too."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    profiles = []
+    for activities in ([ProfilerActivity.CUDA], [ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        with profile(activities=activities) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        profiles.append(prof.events())
+    return (*gpu_kernels(profiles[0], calls), runtime_calls(profiles[1], calls))
+
+
+def _device(event) -> str:
+    return str(getattr(event, "device_type", "")).rsplit(".", 1)[-1]  # DeviceType.CUDA -> CUDA
+
+
+def gpu_kernels(events, calls: int) -> tuple[dict[str, float], float]:
+    """``({kernel name: GPU us per call}, GPU span us per call)`` of a profile's CUDA events over ``calls`` calls.
+
+    Kernels come largest first. The span runs from the first kernel's start to the last one's end, divided by
+    ``calls``. What it holds beyond the kernels' sum is the GPU waiting between them, for the host or for a copy.
+
+    Example: two calls, kernels A at [0, 10) and [30, 40), B at [10, 20) and [40, 50) us ->
+    ({"A": 10.0, "B": 10.0}, 25.0): 20 us of kernels per call in a 25 us span.
+    """
     table: dict[str, float] = {}
     starts, ends = [], []
-    for event in prof.events():
-        if str(getattr(event, "device_type", "")).endswith("CUDA"):
+    for event in events:
+        if _device(event) == "CUDA":
             table[event.name] = table.get(event.name, 0.0) + event.time_range.elapsed_us() / calls
             starts.append(event.time_range.start)
             ends.append(event.time_range.end)
     span = (max(ends) - min(starts)) / calls if starts else 0.0
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    runtime: dict[str, list[float]] = {}
-    for event in prof.events():
-        if str(getattr(event, "device_type", "")).endswith("CPU") and event.name.startswith(("cuda", "cu")) \
-                and event.name != "cudaDeviceSynchronize":  # the profile's own closing synchronize
-            entry = runtime.setdefault(event.name, [0.0, 0.0])
+    return {name: round(us, 1) for name, us in sorted(table.items(), key=lambda item: -item[1])}, round(span, 1)
+
+
+def runtime_calls(events, calls: int) -> dict[str, list[float]]:
+    """``{CUDA runtime/driver call: [calls per call, host us per call]}`` of a profile's CPU events over ``calls``
+    calls, most host time first. A ``cudaFree``, ``cudaMalloc``, ``cudaStreamSynchronize`` or ``cudaMemcpy`` in an
+    eager call is where its host can wait on the GPU. The profile's own closing ``cudaDeviceSynchronize`` is left out.
+    """
+    found: dict[str, list[float]] = {}
+    for event in events:
+        if _device(event) == "CPU" and event.name.startswith("cu") and event.name != "cudaDeviceSynchronize":
+            entry = found.setdefault(event.name, [0.0, 0.0])
             entry[0] += 1 / calls
             entry[1] += event.time_range.elapsed_us() / calls
-    kernels = {name: round(us, 1) for name, us in sorted(table.items(), key=lambda item: -item[1])}
-    return kernels, round(span, 1), {name: [round(n, 2), round(us, 1)] for name, (n, us) in
-                                     sorted(runtime.items(), key=lambda item: -item[1][1])}
+    return {name: [round(n, 2), round(us, 1)] for name, (n, us) in sorted(found.items(), key=lambda item: -item[1][1])}
 
 
 def measure_anchors(quick: bool) -> dict:

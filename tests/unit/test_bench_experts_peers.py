@@ -374,3 +374,44 @@ def test_fp8_rows_count_one_byte_per_weight_whatever_their_suffix():
     for path in ("api_triton_fp8", "api_auto_fp8_nohint", "graph_api_auto_fp8"):
         assert metrics[path]["weight_gbps"] == pytest.approx(one_byte), path
     assert metrics["api_triton_bf16_nohint"]["weight_gbps"] == pytest.approx(2 * one_byte)
+
+
+# ------------------------------------------------------------------------------------------------
+# --kernel-table: kernels, GPU span and runtime calls per call, from profiler events
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Range:
+    start: float
+    end: float
+
+    def elapsed_us(self) -> float:
+        return self.end - self.start
+
+
+@dataclasses.dataclass
+class _Event:
+    name: str
+    device_type: str
+    time_range: _Range
+
+
+def test_gpu_kernels_sums_per_call_and_measures_the_span():
+    """Two calls of kernels A and B with 5 us of GPU idle after each call: 20 us of kernels in a 25 us span per call;
+    CPU events are not kernels."""
+    events = [_Event("A", "DeviceType.CUDA", _Range(0, 10)), _Event("B", "DeviceType.CUDA", _Range(10, 20)),
+              _Event("A", "DeviceType.CUDA", _Range(25, 35)), _Event("B", "DeviceType.CUDA", _Range(35, 50)),
+              _Event("cudaLaunchKernel", "DeviceType.CPU", _Range(-5, 100))]
+    kernels, span = be.gpu_kernels(events, calls=2)
+    assert kernels == {"B": 12.5, "A": 10.0} and list(kernels) == ["B", "A"]  # largest first
+    assert span == 25.0
+    assert be.gpu_kernels([], calls=2) == ({}, 0.0)
+
+
+def test_runtime_calls_counts_the_host_side_cuda_calls_per_call():
+    events = [_Event("cudaLaunchKernel", "DeviceType.CPU", _Range(0, 4)) for _ in range(6)] + [
+        _Event("cudaFree", "DeviceType.CPU", _Range(10, 210)), _Event("cuLaunchKernelEx", "DeviceType.CPU", _Range(0, 2)),
+        _Event("cudaDeviceSynchronize", "DeviceType.CPU", _Range(300, 900)),  # the profile's own, left out
+        _Event("aten::empty", "DeviceType.CPU", _Range(0, 50)),  # not a runtime call
+        _Event("cudaFree", "DeviceType.CUDA", _Range(0, 1))]  # not a host event
+    assert be.runtime_calls(events, calls=2) == {"cudaFree": [0.5, 100.0], "cudaLaunchKernel": [3.0, 12.0],
+                                                 "cuLaunchKernelEx": [0.5, 1.0]}
