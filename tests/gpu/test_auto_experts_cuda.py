@@ -18,7 +18,7 @@ from moe_ref.experts import auto
 from moe_ref.experts.auto import AutoExperts
 from moe_ref.experts.deep_gemm.probe import deep_gemm_status
 from moe_ref.kernels.fp8 import quantize_fp8_per_128
-from moe_ref.testing import assert_bitwise_equal
+from moe_ref.testing import assert_bitwise_equal, sync_debug_mode
 
 pytestmark = pytest.mark.cuda
 
@@ -92,6 +92,24 @@ def test_auto_runs_the_backend_the_table_ranks_first_bitwise(table, weights, fp8
     assert experts.last_backend == expected, case
     alone = make_experts(expected, *weights, fp8_weights=experts.fp8_weights)  # the same weights, built apart
     assert_bitwise_equal(y_PDx, alone(inputs[0], layout, inputs[1]), **case)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("masked", [False, True], ids=["contiguous", "masked"])
+@pytest.mark.parametrize("rows_per_expert", [FEW, MANY])
+def test_a_call_with_the_rows_hint_does_not_synchronize(table, weights, fp8, masked, rows_per_expert):
+    """With the layer's static rows hint, no backend auto picks makes the host wait for the GPU (torch's sync debug
+    mode raises on a synchronizing call made through torch: a read of a device value, a blocking copy). An eager
+    prefill call profiled on an H200 left the GPU idle ~240 us per call (docs/RESULTS.md, 2026-12-02 fifth)."""
+    experts = make_experts("auto", *weights, fp8=fp8)
+    x_PDx, layout = _pool(rows_per_expert, masked)
+    inputs = quantize_fp8_per_128(x_PDx) if fp8 else (x_PDx, None)
+    expected = experts(inputs[0], layout, inputs[1]).clone()  # the first call compiles and autotunes (synchronizes)
+    torch.cuda.synchronize()
+    with sync_debug_mode("error"):
+        got = experts(inputs[0], layout, inputs[1])
+    torch.cuda.synchronize()
+    assert_bitwise_equal(got, expected, fp8=fp8, masked=masked, backend=experts.last_backend)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
