@@ -10,6 +10,7 @@ What lives here:
   (triton 3.6) and differed from torch's in 0.1% of elements (double rounding). The interpreter runs no PTX,
   and its own cast drops the mantissa carry (447.9 -> 256 instead of 448; triton 3.9): there we round to the
   e4m3 grid in fp32 first and cast a value that is already exact.
+- `quantize_e4m3(x)`: the per-row (per-128-group) FP8 recipe every quantizing kernel applies to its tile.
 - FP8 constants shared by the quantizers and the kernels (per-128 groups, e4m3 max 448, amax floor 1e-4,
   DeepGEMM's SM90 convention).
 - `launch_options(...)`: extra launch keywords (`enable_fp_fusion`), filtered out by the interpreter.
@@ -139,3 +140,15 @@ def to_e4m3(x):
         x_subnormal = (abs_subnormal.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
         y = tl.where(tl.abs(x) < 0.015625, x_subnormal, x_normal).to(tl.float8e4nv)
     return y
+
+
+@triton.jit
+def quantize_e4m3(x):
+    """Each row of fp32 ``x [R, C]`` (one per-128 group: C <= 128 columns, masked-off ones 0) to fp8 e4m3 with its own
+    scale, the recipe of ``kernels.fp8.quantize_fp8_per_128``: scale = ``fp8_scale(row amax)``, values ``x / scale``
+    (IEEE division) cast by ``to_e4m3``. Returns ``(e4m3 [R, C], fp32 scales [R])``.
+
+    Example: a row [1.0, -2.0] -> scale 2 / 448 = 0.004464, values [224.0, -448.0].
+    """
+    scale = fp8_scale(tl.max(tl.abs(x), axis=1))
+    return to_e4m3(div_rn(x, scale[:, None])), scale

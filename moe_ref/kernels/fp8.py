@@ -5,7 +5,7 @@
 
 Both follow DeepGEMM's SM90 convention (plain fp32 scales, no UE8M0): ``scale = max(amax, 1e-4) / 448``
 with IEEE division, value = ``x / scale`` rounded to nearest even. The Triton kernels quantize in-kernel
-with the same formula (``_triton_utils.fp8_scale`` / ``to_e4m3``); these are their torch twins' helpers,
+with the same formula (``_triton_utils.quantize_e4m3``); these are their torch twins' helpers,
 and the expert backends quantize their weights once with ``quantize_fp8_per_block_128``.
 
 Shape legend: T tokens of this rank (any rows: the quantizer is per row), Dx expert input width (the columns

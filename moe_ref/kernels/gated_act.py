@@ -28,8 +28,7 @@ import triton.language as tl
 
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import ShapeError
-from moe_ref.kernels._triton_utils import (FP8_DTYPE, cdiv, check_device, div_rn, fp8_scale, gated_act, num_fp8_groups,
-                                           to_e4m3)
+from moe_ref.kernels._triton_utils import FP8_DTYPE, cdiv, check_device, gated_act, num_fp8_groups, quantize_e4m3
 from moe_ref.kernels.launch import launch
 
 __all__ = ["gated_activation_rows", "gated_activation_rows_ref", "valid_rows_P"]
@@ -77,9 +76,8 @@ def _gated_act_kernel(
         # masked-off elements load as 0 and every activation maps (0, 0) to 0: the amax sees the valid ones only
         h = gated_act(gate.to(tl.float32), up.to(tl.float32), situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
         if QUANT:
-            scale = fp8_scale(tl.max(tl.abs(h), axis=1))
-            tl.store(h_ptr + rows[:, None] * stride_h_r + offs_f[None, :], to_e4m3(div_rn(h, scale[:, None])),
-                     mask=mask)
+            h_fp8, scale = quantize_e4m3(h)
+            tl.store(h_ptr + rows[:, None] * stride_h_r + offs_f[None, :], h_fp8, mask=mask)
             tl.store(h_scale_ptr + rows * stride_s_r + f0 // 128, scale, mask=valid)
         else:
             tl.store(h_ptr + rows[:, None] * stride_h_r + offs_f[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)

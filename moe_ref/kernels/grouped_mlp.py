@@ -43,14 +43,12 @@ from moe_ref.kernels._triton_utils import (
     FP8_DTYPE,
     cdiv,
     check_device,
-    div_rn,
-    fp8_scale,
     gated_act,
     is_interpreter,
     launch_options,
     next_power_of_2,
     num_fp8_groups,
-    to_e4m3,
+    quantize_e4m3,
 )
 from moe_ref.kernels import grouped_mlp_tiles as tiles
 from moe_ref.kernels.grouped_mlp_tiles import GATE_UP_BLOCK
@@ -316,8 +314,8 @@ def _gemm_tile(
     if QUANT_OUT:
         # BLOCK_N == 128 and pid_n * 128 is a group start: this tile's columns are exactly scale group pid_n
         acc = tl.where(mask_c, acc, 0.0)
-        scale_c = fp8_scale(tl.max(tl.abs(acc), axis=1))
-        tl.store(c_ptrs, to_e4m3(div_rn(acc, scale_c[:, None])), mask=mask_c)
+        c_fp8, scale_c = quantize_e4m3(acc)
+        tl.store(c_ptrs, c_fp8, mask=mask_c)
         tl.store(c_scale_ptr + rows * stride_c_scale_r + pid_n, scale_c, mask=mask_m)
     else:
         if ADD:

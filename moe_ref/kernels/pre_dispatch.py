@@ -29,13 +29,11 @@ from moe_ref.kernels._triton_utils import (
     FP8_DTYPE,
     cdiv,
     check_device,
-    div_rn,
-    fp8_scale,
     is_interpreter,
     launch_options,
     next_power_of_2,
     num_fp8_groups,
-    to_e4m3,
+    quantize_e4m3,
 )
 from moe_ref.kernels.fp8 import dequantize_fp8_per_128, quantize_fp8_per_128
 from moe_ref.kernels.launch import launch
@@ -76,10 +74,7 @@ def _pre_dispatch_kernel(
     mask_d = offs_d < D
     x = tl.load(x_ptr + pid_t * stride_x_t + offs_d, mask=mask_d, other=0.0)
     if QUANT_FP8:
-        x = x.to(tl.float32)
-        amax_g = tl.max(tl.abs(x), axis=1)
-        scale_g = fp8_scale(amax_g)
-        x_q = to_e4m3(div_rn(x, scale_g[:, None]))
+        x_q, scale_g = quantize_e4m3(x.to(tl.float32))
         tl.store(buf_x_ptr + pid_t * stride_buf_x_c + offs_d, x_q, mask=mask_d)
         tl.store(buf_x_scale_ptr + pid_t * stride_buf_scale_c + offs_g, scale_g, mask=offs_g * 128 < D)
     else:

@@ -5,7 +5,7 @@ in bf16), where the torch twin takes about eight launches and fp32 temporaries.
 
 The recipe is ``kernels.fp8.quantize_fp8_per_128``'s (its torch twin, bit for bit on finite rows): scale = max(amax, 1e-4) / 448
 with IEEE division, values ``x / scale`` rounded to nearest even; the pre-dispatch and gated-activation kernels
-quantize with the same helpers (``_triton_utils.fp8_scale``, ``div_rn``, ``to_e4m3``).
+quantize with the same helper (``_triton_utils.quantize_e4m3``).
 
 Shape legend: P receive-pool rows, Dx expert input width, Db = ceil(Dx / 128).
 """
@@ -17,8 +17,7 @@ import triton
 import triton.language as tl
 
 from moe_ref.core.errors import DTypeError, ShapeError
-from moe_ref.kernels._triton_utils import (FP8_DTYPE, FP8_GROUP, cdiv, check_device, div_rn, fp8_scale,
-                                           num_fp8_groups, to_e4m3)
+from moe_ref.kernels._triton_utils import FP8_DTYPE, FP8_GROUP, cdiv, check_device, num_fp8_groups, quantize_e4m3
 from moe_ref.kernels.fp8 import quantize_fp8_per_128
 from moe_ref.kernels.launch import launch
 
@@ -44,8 +43,8 @@ def _quantize_rows_kernel(x_ptr, x_fp8_ptr, x_scale_ptr, P, D, stride_x_r, strid
     rows = offs_r.to(tl.int64)
     mask = (offs_r < P)[:, None] & (offs_c < D)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x_r + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = fp8_scale(tl.max(tl.abs(x), axis=1))
-    tl.store(x_fp8_ptr + rows[:, None] * stride_q_r + offs_c[None, :], to_e4m3(div_rn(x, scale[:, None])), mask=mask)
+    x_fp8, scale = quantize_e4m3(x)
+    tl.store(x_fp8_ptr + rows[:, None] * stride_q_r + offs_c[None, :], x_fp8, mask=mask)
     tl.store(x_scale_ptr + rows * stride_s_r + tl.program_id(1), scale, mask=offs_r < P)
 
 
