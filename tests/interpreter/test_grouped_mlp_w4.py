@@ -127,11 +127,12 @@ def test_group_planes_refuse_an_unknown_format():
 # the decode, exhaustively
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _decode_pairs_kernel(pairs_ptr, out_ptr, W4: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """out `[16, 32]` = `_decode_pairs` of the `[16, 16]` int32 pair words."""
-    rows, words = tl.arange(0, 16), tl.arange(0, 16)
-    pairs = tl.load(pairs_ptr + rows[:, None] * 16 + words[None, :])
-    tl.store(out_ptr + rows[:, None] * 32 + tl.arange(0, 32)[None, :], w4._decode_pairs(pairs, W4, DTYPE, ASM))
+def _decode_plane_kernel(words_ptr, out_ptr, PLANE: tl.constexpr, W4: tl.constexpr, DTYPE: tl.constexpr,
+                         ASM: tl.constexpr):
+    """out `[16, 32]` = `_decode_plane` of plane PLANE of the `[16, 16]` int32 words."""
+    rows, cols = tl.arange(0, 16), tl.arange(0, 16)
+    words = tl.load(words_ptr + rows[:, None] * 16 + cols[None, :])
+    tl.store(out_ptr + rows[:, None] * 32 + tl.arange(0, 32)[None, :], w4._decode_plane(words, PLANE, W4, DTYPE, ASM))
 
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -140,23 +141,25 @@ TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat1
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("asm", [False, True], ids=["triton", "ptx"])
-def test_decode_is_exact_for_every_pair_of_codes(fmt, x_dtype, asm, device):
-    """All 256 (even, odd) code pairs, decoded where the kernel runs (the GPU, or the interpreter), bit for bit
-    equal to the format's values in x's dtype, and in feature order (MXFP4 with bf16 x: times 2**-14, which the group
-    scale takes back). The words carry other planes' codes in their other bits, as the kernel hands them over
-    (shifted, not masked). ``asm``: the GPU's PTX decode (INT4 in 16-bit dtypes; the others ignore it)."""
+@pytest.mark.parametrize("plane", range(4))
+def test_decode_is_exact_for_every_pair_of_codes(fmt, x_dtype, asm, plane, device):
+    """All 256 (even, odd) code pairs of one plane, decoded where the kernel runs (the GPU, or the interpreter), bit
+    for bit equal to the format's values in x's dtype, and in feature order (MXFP4 with bf16 x: times 2**-14, which
+    the group scale takes back). The words carry the other planes' codes in their other nibbles, as the kernel loads
+    them. ``asm``: the GPU's PTX decode (INT4 in 16-bit dtypes, MXFP4 with bf16 x; the others ignore it)."""
     if asm and device == "cpu":
         pytest.skip("PTX runs on a GPU only (the interpreter runs the Triton decode, asm=False)")
     even, odd = torch.arange(256, dtype=torch.int32) // 16, torch.arange(256, dtype=torch.int32) % 16
     other_planes = torch.randint(-2**31, 2**31 - 1, (256,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    pairs = (even | (odd << 16) | (other_planes & ~0x000F000F)).reshape(16, 16)
+    mask = 0x000F000F << (4 * plane)
+    words = (((even | (odd << 16)) << (4 * plane)) | (other_planes & ~mask)).reshape(16, 16)
     out = torch.empty(16, 32, dtype=x_dtype, device=device)
-    _decode_pairs_kernel[(1,)](pairs.to(device), out, W4=1 if fmt == "int4" else 2, DTYPE=TL_DTYPES[x_dtype],
-                               ASM=asm)
+    _decode_plane_kernel[(1,)](words.to(device), out, PLANE=plane, W4=1 if fmt == "int4" else 2,
+                               DTYPE=TL_DTYPES[x_dtype], ASM=asm)
     values = (lambda c: c.float() - 8) if fmt == "int4" else (lambda c: e2m1_to_float(c.to(torch.uint8)))
     unit = 2.0**-14 if (fmt, x_dtype) == ("mxfp4", torch.bfloat16) else 1.0
     expected = (torch.stack([values(even), values(odd)], dim=-1).reshape(16, 32) * unit).to(x_dtype)
-    assert_bitwise_equal(out.cpu(), expected, fmt=fmt, x_dtype=x_dtype)
+    assert_bitwise_equal(out.cpu(), expected, fmt=fmt, x_dtype=x_dtype, plane=plane)
 
 
 @triton.jit
