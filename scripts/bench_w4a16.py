@@ -28,8 +28,8 @@ markdown, when no launch of that key was tuned, e.g. the experts ran another ker
 --sweep: per 4-bit format, rows and GEMM, every tile autotune tries in that regime (`grouped_mlp_w4.tiles_for`: the
 BLOCK_M 16 `TILES` up to 16 rows per expert, the larger ones above), forced through
 `launch_w4_gemm(..., tile=tile)` on the format's planes (`to_group_planes` of the same stored weights, built once per
-format) and timed alone; each checked against the autotuned launch's output (calc_diff < 1e-4; down reads the
-autotuned gate_up's h). A tile that fails to compile or launch is recorded with its error. The best per (format,
+format) and timed alone; each checked against the autotuned launch's output (calc_diff < 1e-4; down reads h, the
+activation of the autotuned gate_up's output). A tile that fails to compile or launch is recorded with its error. The best per (format,
 rows, GEMM) goes into the JSON and the markdown.
 
 Peer anchor (--peer, default the first peer file): the INT4 W4A16 Triton kernel SGLang and vLLM ship (`fused_moe_kernel_gptq_awq`, read
@@ -64,7 +64,9 @@ from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
 from moe_ref.kernels.fp8 import quantize_fp8_per_128  # noqa: E402
+from moe_ref.kernels.gated_act import gated_activation_rows  # noqa: E402
 from moe_ref.kernels.grouped_mlp_w4 import launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
+from moe_ref.kernels.pool_rows import pool_row_experts  # noqa: E402
 from moe_ref.kernels.w4 import W4Weight  # noqa: E402
 from moe_ref.testing import bench as _bench_calls, calc_diff, graphed  # noqa: E402
 
@@ -96,8 +98,8 @@ def _log(message: str) -> None:
 
 
 def gemm_shape(gemm: str) -> tuple[int, int]:
-    """(n, k) of a GEMM at this script's shape: gate_up n = F per half, k = D; down n = D, k = F."""
-    return (INTER, HIDDEN) if gemm == "gate_up" else (HIDDEN, INTER)
+    """(n, k) of a GEMM at this script's shape: gate_up n = 2F (gate rows, then up rows), k = D; down n = D, k = F."""
+    return (2 * INTER, HIDDEN) if gemm == "gate_up" else (HIDDEN, INTER)
 
 
 def sweep_tiles(rows: int) -> list[tuple]:
@@ -224,11 +226,10 @@ def _gemm_weights(q: QuantizedExpertWeights, gemm: str) -> tuple[torch.Tensor, t
 
 def _launch(case: dict, weight: W4Weight, gemm: str, a: torch.Tensor, out: torch.Tensor, tile: tuple | None = None):
     """One GEMM of this script's shape through ``launch_w4_gemm`` (autotuned, or the forced ``tile``): gate_up reads
-    x ``[P, D]`` into h ``[P, F]`` (SiLU), down reads h into y ``[P, D]``."""
+    x ``[P, D]`` into gate_up ``[P, 2F]`` (fp32, as ``grouped_mlp_w4`` keeps it), down reads h ``[P, F]`` into
+    y ``[P, D]``."""
     layout = case["layout"]
-    return launch_w4_gemm(a, weight, out, layout.row_start_e, layout.num_rows_e, n=gemm_shape(gemm)[0],
-                          activation="silu" if gemm == "gate_up" else "none", situ_beta=4.0, situ_linear_beta=25.0,
-                          rows_hint=case["rows"], tile=tile)
+    return launch_w4_gemm(a, weight, out, layout.row_start_e, layout.num_rows_e, rows_hint=case["rows"], tile=tile)
 
 
 def api_row(name: str, experts, weight_bytes: int, reference, case: dict,
@@ -264,29 +265,31 @@ def run_sweep(cases: list[dict], quantized: dict, args, results: dict) -> None:
         for gemm in GEMMS:
             for case in cases:
                 ref = refs[case["rows"]]
-                a = case["x"] if gemm == "gate_up" else ref["gate_up"]["out"]
                 for tile in sweep_tiles(case["rows"]):
                     if _elapsed() > args.max_seconds:
                         results["stopped_early"] = f"sweep at {path} {case['rows']} rows {gemm} {tile_label(tile)}"
                         _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the sweep")
                         return
-                    run = sweep_run(path, case, planes[gemm], gemm, a, ref[gemm], tile)
+                    run = sweep_run(path, case, planes[gemm], gemm, ref[gemm]["a"], ref[gemm], tile)
                     results["sweep"].append(run)
                     _log(f"sweep {path} {case['rows']} rows {gemm:7s} {run['label']:15s} {outcome(run)}")
 
 
 def _autotuned_refs(case: dict, planes: dict[str, W4Weight]) -> dict[str, dict]:
-    """``{gemm: dict(out, us, label)}`` of the autotuned launches at one case: gate_up's h ``[P, F]`` (down's input)
-    and down's y ``[P, D]``, each GEMM's time and the tile autotune chose."""
-    h = torch.empty(case["x"].shape[0], INTER, dtype=case["x"].dtype, device=case["x"].device)
-    y = torch.empty_like(case["x"])
-    _launch(case, planes["gate_up"], "gate_up", case["x"], h)
+    """``{gemm: dict(a, out, us, label)}`` of the autotuned launches at one case: each GEMM's input, its output (gate_up
+    ``[P, 2F]`` fp32; down's y ``[P, D]``, from h, the activation of gate_up), its time and the tile autotune chose."""
+    x, layout = case["x"], case["layout"]
+    gate_up = torch.empty(x.shape[0], 2 * INTER, dtype=torch.float32, device=x.device)
+    y = torch.empty_like(x)
+    _launch(case, planes["gate_up"], "gate_up", x, gate_up)
+    h, _ = gated_activation_rows(gate_up, group_P=pool_row_experts(layout.row_start_e, layout.num_rows_e, x.shape[0]),
+                                 out_dtype=x.dtype)
     _launch(case, planes["down"], "down", h, y)
     chosen = autotuned_tiles(case["rows"], planes["gate_up"].group_major_scale.dtype)
     refs = {}
-    for gemm, a, out in (("gate_up", case["x"], h), ("down", h, y)):
+    for gemm, a, out in (("gate_up", x, gate_up), ("down", h, y)):
         scratch = out.clone()  # timed launches write here: `out` stays the checked reference
-        refs[gemm] = dict(out=out, us=bench(lambda: _launch(case, planes[gemm], gemm, a, scratch)),
+        refs[gemm] = dict(a=a, out=out, us=bench(lambda: _launch(case, planes[gemm], gemm, a, scratch)),
                           label=tile_label(chosen[gemm]))
     return refs
 

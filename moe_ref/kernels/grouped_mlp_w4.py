@@ -2,11 +2,16 @@
 
     router -> pre_dispatch -> dispatch -> [grouped_mlp_w4] -> combine -> combine_reduce
 
-The same MLP as ``moe_ref.kernels.grouped_mlp`` (GEMM1 gate||up + activation, then GEMM2, on an expert-major
+The same MLP as ``moe_ref.kernels.grouped_mlp`` (GEMM1 gate||up, the activation, then GEMM2, on an expert-major
 pool), with the weights kept 4-bit in memory and decoded in registers:
 
-    h[r] = act(sum_g s_gate[g] * (x[r, g] @ q_gate[:, g].T), sum_g s_up[g] * (x[r, g] @ q_up[:, g].T))
-    y[r] = sum_g s_down[g] * (h[r, g] @ q_down[:, g].T)          g: the groups of 32 input features
+    gate_up[r] = sum_g s_gate_up[g] * (x[r, g] @ q_gate_up[:, g].T)      (fp32, ``_w4_gemm_kernel``)
+    h[r] = act(gate_up[r, :F], gate_up[r, F:])                           (``kernels.gated_act``, rounded to x's dtype)
+    y[r] = sum_g s_down[g] * (h[r, g] @ q_down[:, g].T)                  g: the groups of 32 input features
+
+The activation is a kernel of its own, not GEMM1's epilogue: a program that computes one weight tile (one
+accumulator, one weight stream) ran 1-6% faster at decode than one that computes a gate tile and its up tile
+(2026-12-02, one H200, ``scripts/ab_w4_gate_up.py``), and the round trip of gate_up is small beside the weights.
 
 Why a kernel of its own, and its weight layout. Decoding 4-bit weights is cheap only where it happens in the
 registers the tensor cores read; a decoded tile that goes back through shared memory costs more than the bytes it
@@ -43,17 +48,17 @@ import triton.language as tl
 
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
-from moe_ref.kernels._triton_utils import (cdiv, check_device, gated_act, is_interpreter, launch_options,
-                                           next_power_of_2)
+from moe_ref.kernels._triton_utils import cdiv, check_device, is_interpreter, launch_options, next_power_of_2
+from moe_ref.kernels.gated_act import gated_activation_rows
 from moe_ref.kernels.grouped_mlp import expert_block_rows, expert_table
 from moe_ref.kernels.launch import launch
+from moe_ref.kernels.pool_rows import pool_row_experts
 from moe_ref.kernels.w4 import PLANE_BLOCK, WORDS_PER_BLOCK, W4Weight, dequantize_planes
 
 __all__ = ["TILES", "clear_tuned_tiles", "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "tiles_for",
            "tuned_tiles"]
 
 _FORMATS = {"int4": 1, "mxfp4": 2}  # the kernel's W4 flag
-_ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,11 +232,9 @@ def _group_dot(acc, words, PLANE: tl.constexpr, x_t, stored_scale, W4: tl.conste
 @triton.jit
 def _w4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, c_ptr, row_start_ptr, num_rows_ptr,
-    R, N, K, num_blocks_k, num_experts, situ_beta, situ_linear_beta,
+    R, N, K, num_blocks_k, num_experts,
     rows_hint,                     # autotune key only (unused in the body)
     stride_x_r, stride_w_e, stride_w_n, stride_s_e, stride_s_g, stride_c_r,
-    ACTIVATION: tl.constexpr,      # 0: c = x @ W.T; 1 silu, 2 situ: W has 2N rows (N gate, then N up)
-    SITU_LINEAR: tl.constexpr,
     W4: tl.constexpr,              # 1 INT4, 2 MXFP4
     IEEE_FP32: tl.constexpr,       # fp32 x: ieee dots
     UPCAST: tl.constexpr,          # interpreter: dots in fp32 (its 16-bit dot is wrong)
@@ -242,8 +245,8 @@ def _w4_gemm_kernel(
     BLOCK_N: tl.constexpr,         # output features per program (the MMA's M)
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
 ):
-    """One program = BLOCK_N output features (x2 for gate and up) x BLOCK_M rows of one expert, as
-    ``acc.T [BLOCK_N, BLOCK_M]`` = the decoded weight tile (A, registers) @ x's tile transposed (B).
+    """``c = x @ W_e.T`` on each expert's rows. One program = BLOCK_N output features x BLOCK_M rows of one expert,
+    as ``acc.T [BLOCK_N, BLOCK_M]`` = the decoded weight tile (A, registers) @ x's tile transposed (B).
     The expert table is found on the device (``grouped_mlp.expert_table``, upper-bound grid, surplus exits)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     offs_e, num_rows_e, num_blocks_e, block_end_e = expert_table(num_rows_ptr, num_experts, BLOCK_M, BLOCK_E)
@@ -261,26 +264,19 @@ def _w4_gemm_kernel(
     s_cols = s_ptr + expert * stride_s_e + offs_n
     x_cols = x_ptr + rows[None, :] * stride_x_r + offs_k[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    mask_up = mask_n & (ACTIVATION != 0)
     if SCALES_AHEAD:
-        gate_next = _load_block_scales(s_cols, stride_s_g, 0, mask_n)
-        up_next = _load_block_scales(s_cols + N, stride_s_g, 0, mask_up)
+        scales_next = _load_block_scales(s_cols, stride_s_g, 0, mask_n)
     for kb in range(0, num_blocks_k):
-        # a k-block's 16 scale loads go out together, before its dots; SCALES_AHEAD: a k-block earlier still, so
+        # a k-block's 8 scale loads go out together, before its dots; SCALES_AHEAD: a k-block earlier still, so
         # their latency hides behind this block's dots
         if SCALES_AHEAD:
-            gate_scales, up_scales = gate_next, up_next
+            scales = scales_next
             more = kb + 1 + tl.zeros_like(offs_n) < num_blocks_k  # a tensor: the interpreter masks with those only
-            gate_next = _load_block_scales(s_cols, stride_s_g, kb + 1, mask_n & more)
-            up_next = _load_block_scales(s_cols + N, stride_s_g, kb + 1, mask_up & more)
+            scales_next = _load_block_scales(s_cols, stride_s_g, kb + 1, mask_n & more)
         else:
-            gate_scales = _load_block_scales(s_cols, stride_s_g, kb, mask_n)
-            up_scales = _load_block_scales(s_cols + N, stride_s_g, kb, mask_up)
+            scales = _load_block_scales(s_cols, stride_s_g, kb, mask_n)
         for half in tl.static_range(2):  # 16 words: groups 4 half .. 4 half + 3 of this block
             words = tl.load(w_rows + kb * 32 + half * 16, mask=mask_n[:, None], other=0)
-            if ACTIVATION != 0:  # the up rows follow the N gate rows
-                words_up = tl.load(w_rows + N * stride_w_n + kb * 32 + half * 16, mask=mask_n[:, None], other=0)
             for plane in tl.static_range(4):
                 group = kb * 8 + half * 4 + plane
                 if EVEN_K:
@@ -288,12 +284,7 @@ def _w4_gemm_kernel(
                 else:
                     x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :] & (group * 32 + offs_k < K)[:, None],
                                   other=0.0)
-                acc = _group_dot(acc, words, plane, x_t, gate_scales[half * 4 + plane], W4, UPCAST, IEEE_FP32,
-                                 ASM)
-                if ACTIVATION != 0:
-                    acc_up = _group_dot(acc_up, words_up, plane, x_t, up_scales[half * 4 + plane], W4, UPCAST,
-                                        IEEE_FP32, ASM)
-    acc = gated_act(acc, acc_up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
+                acc = _group_dot(acc, words, plane, x_t, scales[half * 4 + plane], W4, UPCAST, IEEE_FP32, ASM)
     c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
@@ -317,7 +308,7 @@ def tiles_for(rows_per_expert: float) -> list[tuple]:
 @functools.lru_cache(maxsize=None)
 def _autotuned(tiles: tuple) -> triton.runtime.Autotuner:
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
-    return triton.autotune(configs, key=["rows_hint", "N", "K", "num_experts", "ACTIVATION", "W4"])(_w4_gemm_kernel)
+    return triton.autotune(configs, key=["rows_hint", "N", "K", "num_experts", "W4"])(_w4_gemm_kernel)
 
 
 # autotune key (rows bucket, N, K, experts, kernel flags, x dtype, scale dtype) -> the tile it chose
@@ -335,25 +326,23 @@ def clear_tuned_tiles() -> None:
     _TUNED.clear()
 
 
-def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, activation: str, situ_beta: float,
-                   situ_linear_beta: float, rows_hint: int, tile: tuple | None = None):
-    """One grouped GEMM of ``grouped_mlp_w4`` (GEMM1 with ``activation`` "silu"/"situ", GEMM2 with "none").
+def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint: int, tile: tuple | None = None):
+    """One grouped GEMM of ``grouped_mlp_w4``: ``c[rows of e] = x[rows of e] @ W_e.T`` for every local expert e.
 
     Args:
-        x: ``[P, I]`` bf16/fp16/fp32 pool rows. weight: ``W4Weight`` of ``[e, 2n or n, I]``. c: ``[P, n]``, x's dtype.
+        x: ``[P, I]`` bf16/fp16/fp32 pool rows. weight: ``W4Weight`` of ``[e, O, I]``. c: ``[P, O]`` (any float dtype:
+            the fp32 accumulator is rounded to it); rows outside every segment are not written.
         row_start_e, num_rows_e: ``[e]`` int32/int64 segments. rows_hint: about the live rows (autotune key).
         tile: None (autotune once per key; the interpreter runs ``INTERPRETER_TILE``) or
             (BLOCK_M, BLOCK_N, num_warps, num_stages), forced.
     """
-    num_rows, num_experts = x.shape[0], weight.words_eOw.shape[0]
+    num_rows, (num_experts, n, _) = x.shape[0], weight.shape
     rows_bucket = next_power_of_2(max(1, rows_hint))
     args = (x, weight.words_eOw, weight.group_major_scale, c, row_start_e, num_rows_e, num_rows, n, weight.in_features,
-            weight.words_eOw.shape[-1] // WORDS_PER_BLOCK, num_experts, float(situ_beta),
-            float(situ_linear_beta) if situ_linear_beta else 1.0, rows_bucket, x.stride(0),
+            weight.words_eOw.shape[-1] // WORDS_PER_BLOCK, num_experts, rows_bucket, x.stride(0),
             weight.words_eOw.stride(0), weight.words_eOw.stride(1), weight.group_major_scale.stride(0),
             weight.group_major_scale.stride(1), c.stride(0))
-    flags = dict(ACTIVATION=_ACTIVATIONS[activation], SITU_LINEAR=bool(situ_linear_beta), W4=_FORMATS[weight.fmt],
-                 IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
+    flags = dict(W4=_FORMATS[weight.fmt], IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
                  EVEN_K=weight.in_features % PLANE_BLOCK == 0, ASM=not is_interpreter(),
                  SCALES_AHEAD=weight.fmt == "int4",  # MXFP4 ran 4% slower so (2026-12-02, one H200): registers
                  BLOCK_E=next_power_of_2(num_experts))
@@ -374,8 +363,7 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, n: int, a
            weight.group_major_scale.dtype)
     chosen = _TUNED.get(key)
     if chosen is not None:
-        return launch_w4_gemm(x, weight, c, row_start_e, num_rows_e, n=n, activation=activation, situ_beta=situ_beta,
-                              situ_linear_beta=situ_linear_beta, rows_hint=rows_hint, tile=chosen)
+        return launch_w4_gemm(x, weight, c, row_start_e, num_rows_e, rows_hint=rows_hint, tile=chosen)
     tuner = _autotuned(tuple(tiles_for(rows_hint / max(1, num_experts))))
     out = tuner[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags, **launch_options(fp_fusion=True))
     best = tuner.best_config
@@ -398,7 +386,7 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
                    num_rows_e: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
                    situ_linear_beta: float = 25.0, *, num_rows_hint: int | None = None, zero_unused_rows: bool = True,
                    tiles: tuple[tuple, tuple] | None = None) -> torch.Tensor:
-    """Every local expert's gated MLP on its rows of the pool, with 4-bit weights (two launches, no host sync).
+    """Every local expert's gated MLP on its rows of the pool, with 4-bit weights (four launches, no host sync).
 
     Args:
         x_PDx: ``[P, Dx]`` bf16/fp16/fp32; expert i owns rows ``row_start_e[i] : row_start_e[i] + num_rows_e[i]``.
@@ -409,7 +397,7 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
         tiles: None, or (GEMM1's, GEMM2's) (BLOCK_M, BLOCK_N, num_warps, num_stages), forced.
 
     Returns:
-        y_PDx ``[P, Dx]`` in x's dtype; h is rounded to x's dtype between the GEMMs.
+        y_PDx ``[P, Dx]`` in x's dtype; GEMM1's output stays fp32, h is rounded to x's dtype between the GEMMs.
     """
     if activation not in ("silu", "situ"):
         raise UnknownNameError(f"{activation=} must be 'silu' or 'situ'")
@@ -426,10 +414,12 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
         raise ShapeError(f"x_PDx must be contiguous (strides {x_PDx.stride()})")
     rows_hint = num_rows if num_rows_hint is None else num_rows_hint
     tile1, tile2 = (None, None) if tiles is None else tiles
-    h_PF = torch.empty(num_rows, inter, dtype=x_PDx.dtype, device=x_PDx.device)
-    common = dict(situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, rows_hint=rows_hint)
-    launch_w4_gemm(x_PDx, gate_up, h_PF, row_start_e, num_rows_e, n=inter, activation=activation, tile=tile1, **common)
-    launch_w4_gemm(h_PF, down, y_PDx, row_start_e, num_rows_e, n=hidden, activation="none", tile=tile2, **common)
+    gate_up_P2F = torch.empty(num_rows, two_f, dtype=torch.float32, device=x_PDx.device)
+    launch_w4_gemm(x_PDx, gate_up, gate_up_P2F, row_start_e, num_rows_e, rows_hint=rows_hint, tile=tile1)
+    h_PF, _ = gated_activation_rows(gate_up_P2F, group_P=pool_row_experts(row_start_e, num_rows_e, num_rows),
+                                    activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                                    out_dtype=x_PDx.dtype)
+    launch_w4_gemm(h_PF, down, y_PDx, row_start_e, num_rows_e, rows_hint=rows_hint, tile=tile2)
     return y_PDx
 
 

@@ -334,8 +334,7 @@ def test_w4_argument_errors(device):
     with pytest.raises(UnknownNameError, match="gelu"):
         w4.grouped_mlp_w4(x_PDx, gate_up, down, *rows, activation="gelu")
     with pytest.raises(InvalidConfigError, match=">= 16"):
-        w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 32, device=device), *rows, n=32, activation="silu",
-                          situ_beta=4.0, situ_linear_beta=25.0, rows_hint=5, tile=(8, 64, 4, 2))
+        w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 64, device=device), *rows, rows_hint=5, tile=(8, 64, 4, 2))
 
 
 @pytest.mark.parametrize("name, fmt, overrides", [

@@ -77,8 +77,7 @@ class _Tuner:
 def _fake_planes(fmt: str, gemm: str) -> W4Weight:
     """A W4Weight of the bench's shape for `gemm` without its memory (broadcast zeros: only shapes and dtypes are
     read when nothing launches)."""
-    n, k = bw.gemm_shape(gemm)
-    out = 2 * n if gemm == "gate_up" else n
+    out, k = bw.gemm_shape(gemm)
     scale_dtype = torch.bfloat16 if fmt == "int4" else torch.uint8
     words = torch.zeros((), dtype=torch.int32).expand(bw.NUM_EXPERTS, out, k // 8)
     return W4Weight(fmt, words, torch.zeros((), dtype=scale_dtype).expand(bw.NUM_EXPERTS, k // 32, out), k)
@@ -88,9 +87,7 @@ def _autotuned_launch(fmt: str, gemm: str, rows: int) -> None:
     n, k = bw.gemm_shape(gemm)
     x, c = torch.zeros(4, k, dtype=torch.bfloat16), torch.zeros(4, n, dtype=torch.bfloat16)
     segments = torch.zeros(bw.NUM_EXPERTS, dtype=torch.int32)
-    w4k.launch_w4_gemm(x, _fake_planes(fmt, gemm), c, segments, segments, n=n,
-                       activation="silu" if gemm == "gate_up" else "none", situ_beta=4.0, situ_linear_beta=25.0,
-                       rows_hint=rows)
+    w4k.launch_w4_gemm(x, _fake_planes(fmt, gemm), c, segments, segments, rows_hint=rows)
 
 
 def test_autotuned_tiles_read_the_key_the_kernel_records(monkeypatch):
@@ -111,7 +108,7 @@ def test_autotuned_tiles_read_the_key_the_kernel_records(monkeypatch):
 
 
 def test_autotuned_tiles_need_this_scripts_experts_and_bf16_x():
-    key = (64, bw.INTER, bw.HIDDEN, bw.NUM_EXPERTS, (1, True, 1), torch.bfloat16, torch.bfloat16)
+    key = (64, 2 * bw.INTER, bw.HIDDEN, bw.NUM_EXPERTS, (1, True, 1), torch.bfloat16, torch.bfloat16)
     assert bw.autotuned_tiles(64, torch.bfloat16, {key: (16, 64, 4, 3)})["gate_up"] == (16, 64, 4, 3)
     other_experts = (*key[:3], 8, *key[4:])
     fp16_x = (*key[:5], torch.float16, key[6])
