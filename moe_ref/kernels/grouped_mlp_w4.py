@@ -9,9 +9,11 @@ pool), with the weights kept 4-bit in memory and decoded in registers:
     h[r] = act(gate_up[r, :F], gate_up[r, F:])                           (``kernels.gated_act``, rounded to x's dtype)
     y[r] = sum_g s_down[g] * (h[r, g] @ q_down[:, g].T)                  g: the groups of 32 input features
 
-The activation is a kernel of its own, not GEMM1's epilogue: a program that computes one weight tile (one
-accumulator, one weight stream) ran 1-6% faster at decode than one that computes a gate tile and its up tile
-(2026-12-02, one H200, ``scripts/ab_w4_gate_up.py``), and the round trip of gate_up is small beside the weights.
+The activation is a kernel of its own, not GEMM1's epilogue. At decode, a GEMM1 whose programs each compute one
+weight tile (one accumulator, one weight stream) ran 1-6% faster than one whose programs compute a gate tile and its
+up tile. The whole MLP came out the same within the spread between calls: the round trip of gate_up is small beside
+the weights (2026-12-02, one H200; docs/RESULTS.md, "The 4-bit GEMM1 without its fused activation"). So the kernel
+stays the simpler one.
 
 Why a kernel of its own, and its weight layout. Decoding 4-bit weights is cheap only where it happens in the
 registers the tensor cores read; a decoded tile that goes back through shared memory costs more than the bytes it
