@@ -29,8 +29,8 @@ markdown, when no launch of that key was tuned, e.g. the experts ran another ker
 BLOCK_M 16 `TILES` up to 16 rows per expert, the larger ones above), forced through
 `launch_w4_gemm(..., tile=tile)` on the format's planes (`to_group_planes` of the same stored weights, built once per
 format) and timed alone; each checked against the autotuned launch's output (calc_diff < 1e-4; down reads h, the
-activation of the autotuned gate_up's output). A tile that fails to compile or launch is recorded with its error. The best per (format,
-rows, GEMM) goes into the JSON and the markdown.
+activation of the autotuned gate_up's output). A tile that fails to compile or launch is recorded with its error.
+The best per (format, rows, GEMM) goes into the JSON and the markdown.
 
 Peer anchor (--peer, default the first peer file): the INT4 W4A16 Triton kernel SGLang and vLLM ship (`fused_moe_kernel_gptq_awq`, read
 out of the files `make peers` puts in .whl/ by `scripts/peer_moe.py`, never installed) on the same INT4 weights

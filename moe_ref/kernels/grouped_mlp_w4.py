@@ -81,12 +81,12 @@ def _decode(codes, W4: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr = False):
+def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
     """``[BLOCK_N, 16]`` int32 holding two codes each (bits 0..3: feature 2i of a group, bits 16..19: feature
     2i + 1; the other bits are ignored: the kernel passes its words shifted, not masked) -> the group's
     ``[BLOCK_N, 32]`` exact values in DTYPE, features in order (MXFP4 with bf16 x: the values times 2**-14, a factor
-    ``_group_scale`` takes back: it saves a multiply per value). ASM (on a GPU): INT4 in a 16-bit DTYPE through
-    ``_decode_int4_pairs_asm``, the same bits in fewer instructions.
+    ``_group_scale`` takes back: it saves a multiply per value). The Triton decode, which the interpreter runs;
+    ``_decode_plane`` picks the PTX decodes (the same bits) on a GPU.
 
     16-bit DTYPEs decode both codes of a word at once: the word becomes two 16-bit patterns, then one packed
     subtract or multiply makes them exact. INT4: ``0x4300 | code`` is 128 + code in bf16 (``0x6400``: 1024 + code in
@@ -101,8 +101,6 @@ def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexp
         (MXFP4) word 0x00010003: codes 3 (e 01, m 1) and 1 (e 00, m 1) -> fp16 patterns 0x0600 (1.5 * 2**-14) and
         0x0200 (2**-15) -> 1.5, 0.5 (bf16 x: 1.5 * 2**-14, 2**-15).
     """
-    if ASM and W4 == 1 and DTYPE != tl.float32:
-        return _decode_int4_pairs_asm(pairs, DTYPE)
     pairs = pairs & 0x000F000F
     if DTYPE == tl.float32:
         values = tl.join(_decode(pairs & 0xF, W4, DTYPE), _decode((pairs >> 16) & 0xF, W4, DTYPE))
@@ -133,11 +131,14 @@ def _decode_int4_pairs_asm(words, DTYPE: tl.constexpr):
 @triton.jit
 def _decode_plane(words, PLANE: tl.constexpr, W4: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
     """Group plane PLANE (0..3) of ``[BLOCK_N, 16]`` words (nibbles PLANE and PLANE + 4: features 2i and 2i + 1 of
-    the group) -> its ``[BLOCK_N, 32]`` values, as ``_decode_pairs`` gives them. ASM with MXFP4 and bf16 x (a GPU):
-    ``_decode_mxfp4_bf16_plane_asm``, which takes the plane from the word without shifting it first."""
+    the group) -> its ``[BLOCK_N, 32]`` values, as ``_decode_pairs`` gives them. ASM (a GPU) picks the PTX decodes,
+    the same bits in fewer instructions: INT4 in a 16-bit DTYPE (``_decode_int4_pairs_asm``), MXFP4 with bf16 x
+    (``_decode_mxfp4_bf16_plane_asm``, which takes the plane from the word without shifting it first)."""
     if ASM and W4 == 2 and DTYPE == tl.bfloat16:
         return _decode_mxfp4_bf16_plane_asm(words, PLANE)
-    return _decode_pairs(words >> (4 * PLANE), W4, DTYPE, ASM)
+    if ASM and W4 == 1 and DTYPE != tl.float32:
+        return _decode_int4_pairs_asm(words >> (4 * PLANE), DTYPE)
+    return _decode_pairs(words >> (4 * PLANE), W4, DTYPE)
 
 
 @triton.jit
