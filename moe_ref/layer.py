@@ -27,7 +27,7 @@ The routed experts are allocated when they are loaded, in the form they are load
 ``load_hf_weights``) is kept as stored in ``quantized_experts`` and the two parameters stay None. So the device
 holds the checkpoint's bytes of the local experts and never a bf16 copy of them (``expert_nbytes()``). The W4A16
 kernel reads INT4/MXFP4 words in its own nibble order: at load the layer rewrites its copy in place
-(``QuantizedExpertWeights.with_group_planes``; the kernel adds a group-major copy of the scales, 1/16 of INT4's
+(``QuantizedExpertWeights.with_group_planes``; the kernel adds a block-major copy of the scales, 1/16 of INT4's
 bytes); the FP8 kernels read gate/up rows interleaved in 128-row blocks, which the layer also rewrites in place
 (``QuantizedExpertWeights.with_interleaved_gate_up``); ``state_dict()`` puts both back in the checkpoint's order.
 
@@ -358,7 +358,7 @@ class MegaMoE(nn.Module):
         """Bytes this rank's routed expert weights occupy on the device: the plain parameters, or a quantized
         checkpoint's tensors as stored (then equal to the checkpoint's bytes of these experts; 4-bit words may be in
         the W4A16 kernel's order, the same bytes); 0 before loading. Not counted: what a backend holds beside them
-        (the W4A16 kernel's group-major scales, ``self.experts.extra_nbytes()``)."""
+        (the W4A16 kernel's block-major scales, ``self.experts.extra_nbytes()``)."""
         if self.quantized_experts is not None:
             return self.quantized_experts.nbytes()
         plain = (self.gate_up_weight, self.down_weight)

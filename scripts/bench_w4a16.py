@@ -14,7 +14,7 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
     int4_w4a16  make_quantized_experts(int4_group weights), bf16 activations
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
 The 4-bit paths are `W4A16Experts` on `moe_ref.kernels.grouped_mlp_w4`: the stored weights laid out once
-(`to_group_planes`: a group's 32 features in 16 words, as the decode's register pairs; scales group-major), then
+(`to_group_planes`: a group's 32 features in 16 words, as the decode's register pairs; scales block-major), then
 two autotuned launches (gate_up + SiLU, down) that decode the 4-bit codes in the registers the tensor cores read, one
 dot per scale group, its scale applied to the fp32 result.
 The experts get the layout the layer's dispatch hands them (static rows hint, unused rows not zeroed: no host sync).
@@ -285,7 +285,7 @@ def _autotuned_refs(case: dict, planes: dict[str, W4Weight]) -> dict[str, dict]:
     h, _ = gated_activation_rows(gate_up, group_P=pool_row_experts(layout.row_start_e, layout.num_rows_e, x.shape[0]),
                                  out_dtype=x.dtype)
     _launch(case, planes["down"], "down", h, y)
-    chosen = autotuned_tiles(case["rows"], planes["gate_up"].group_major_scale.dtype)
+    chosen = autotuned_tiles(case["rows"], planes["gate_up"].block_scale.dtype)
     refs = {}
     for gemm, a, out in (("gate_up", x, gate_up), ("down", h, y)):
         scratch = out.clone()  # timed launches write here: `out` stays the checked reference

@@ -62,7 +62,7 @@ from moe_ref.kernels.w4 import (  # noqa: F401  (the 4-bit numerics, re-exported
     unpack_int4,
     PLANE_BLOCK,
     W4Weight,
-    group_major_scales,
+    block_major_scales,
     packed_from_planes,
     to_group_planes,
     quantize_int4,
@@ -380,15 +380,15 @@ class QuantizedExpertWeights:
 
     def group_planes(self) -> tuple[W4Weight, W4Weight]:
         """(gate_up, down) 4-bit weights in the W4A16 kernel's order: views of this object's words when they are
-        in that order already (``with_group_planes``; the scales a group-major copy), else new tensors
+        in that order already (``with_group_planes``; the scales a block-major copy), else new tensors
         (``to_group_planes``)."""
         if self.nibble_order == "checkpoint":
             return (to_group_planes(self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs, self.w4_format),
                     to_group_planes(self.down_qweight_eDFq, self.down_scale_eDFs, self.w4_format))
         return (W4Weight(self.w4_format, self.gate_up_qweight_e2FDq.view(torch.int32),
-                         group_major_scales(self.gate_up_scale_e2FDs, self.hidden_size), self.hidden_size),
+                         block_major_scales(self.gate_up_scale_e2FDs, self.hidden_size), self.hidden_size),
                 W4Weight(self.w4_format, self.down_qweight_eDFq.view(torch.int32),
-                         group_major_scales(self.down_scale_eDFs, self.intermediate_size), self.intermediate_size))
+                         block_major_scales(self.down_scale_eDFs, self.intermediate_size), self.intermediate_size))
 
     def with_group_planes(self) -> "QuantizedExpertWeights":
         """These experts with their 4-bit words rewritten IN PLACE in the W4A16 kernel's order (no second copy of

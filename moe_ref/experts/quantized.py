@@ -11,7 +11,7 @@
                                                     dequantized to fp32 when its rows run: the reference)
 
 Every backend holds only the stored tensors (device bytes == ``qweights.nbytes()``), but W4A16Experts adds
-group-major scales (1/16 of INT4's bytes, 1/32 of MXFP4's) and, given experts in the checkpoint's nibble order, a
+block-major scales (1/16 of INT4's bytes, 1/32 of MXFP4's) and, given experts in the checkpoint's nibble order, a
 copy of the words in its kernel's (the layer hands it its own, rewritten in place). Each is called like any
 ``moe_ref.experts.Experts``: ``experts(x_PDx, layout, x_scale_PDb=None) -> y_PDx``. Shape legend as in
 ``moe_ref.experts`` and ``moe_ref.checkpoint.formats``.
@@ -58,12 +58,12 @@ class W4A16Experts(Experts):
         self.gate_up_planes, self.down_planes = qweights.group_planes()
 
     def extra_nbytes(self) -> int:
-        """Device bytes held beside ``qweights``: the group-major scales, and a copy of the words unless
+        """Device bytes held beside ``qweights``: the block-major scales, and a copy of the words unless
         ``qweights`` holds them in the kernel's order already (``QuantizedExpertWeights.with_group_planes``)."""
         words = self.gate_up_planes.words_eOw, self.down_planes.words_eOw
         stored = self.qweights.gate_up_qweight_e2FDq, self.qweights.down_qweight_eDFq
         copies = sum(w.nbytes for w, q in zip(words, stored) if w.data_ptr() != q.data_ptr())
-        return copies + self.gate_up_planes.group_major_scale.nbytes + self.down_planes.group_major_scale.nbytes
+        return copies + self.gate_up_planes.block_scale.nbytes + self.down_planes.block_scale.nbytes
 
     def forward(self, x_PDx, layout, x_scale_PDb=None):
         from moe_ref.kernels.grouped_mlp_w4 import grouped_mlp_w4

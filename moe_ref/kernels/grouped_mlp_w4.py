@@ -28,8 +28,7 @@ That needs each group's 32 codes together, in the order the MMA's registers take
 ``p + 4``, feature 2i + 1; so ``(word >> 4 p) & 0x000F000F`` is two neighbouring features at the two 16-bit halves,
 which a packed subtract or multiply turns into the register pair the MMA reads (``_decode_pairs``), and 16 words are
 one group, its x operand 32 contiguous columns. Rows are padded to whole blocks (the code of 0.0; x's padding reads
-as 0), scales are stored group-major (``[e, I/32, O]``: the scales of one group for a tile's rows are one contiguous
-load).
+as 0), scales are stored block-major (``[e, I/256, O, 8]``: a row's 8 scales of one k-block are one vector load).
 
 Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32 (more exact
 than dequantizing each weight to x's dtype first). The twin (``grouped_mlp_w4_ref``) multiplies by the
@@ -55,7 +54,8 @@ from moe_ref.kernels.gated_act import gated_activation_rows
 from moe_ref.kernels.grouped_mlp import expert_block_rows, expert_table
 from moe_ref.kernels.launch import launch
 from moe_ref.kernels.pool_rows import pool_row_experts
-from moe_ref.kernels.w4 import PLANE_BLOCK, WORDS_PER_BLOCK, W4Weight, dequantize_planes
+from moe_ref.kernels.w4 import (MXFP4_FOLD_MAX_SCALE_BYTE, PLANE_BLOCK, WORDS_PER_BLOCK, W4Weight,
+                               dequantize_planes)
 
 __all__ = ["TILES", "clear_tuned_tiles", "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "tiles_for",
            "tuned_tiles"]
@@ -135,21 +135,23 @@ def _decode_plane(words, PLANE: tl.constexpr, W4: tl.constexpr, DTYPE: tl.conste
     the same bits in fewer instructions: INT4 in a 16-bit DTYPE (``_decode_int4_pairs_asm``), MXFP4 with bf16 x
     (``_decode_mxfp4_bf16_plane_asm``, which takes the plane from the word without shifting it first)."""
     if ASM and W4 == 2 and DTYPE == tl.bfloat16:
-        return _decode_mxfp4_bf16_plane_asm(words, PLANE)
+        return _decode_mxfp4_bf16_plane_asm(words, PLANE, tl.full((words.shape[0],), 0x77807780, tl.int32))
     if ASM and W4 == 1 and DTYPE != tl.float32:
         return _decode_int4_pairs_asm(words >> (4 * PLANE), DTYPE)
     return _decode_pairs(words >> (4 * PLANE), W4, DTYPE)
 
 
 @triton.jit
-def _decode_mxfp4_bf16_plane_asm(words, PLANE: tl.constexpr):
-    """MXFP4 codes of plane PLANE for bf16 x in PTX: the bits of ``_decode_pairs`` (2**-14 times the E2M1 values) in
-    five instructions per word, against about ten through fp16 and fp32.
+def _decode_mxfp4_bf16_plane_asm(words, PLANE: tl.constexpr, multiplier):
+    """MXFP4 codes of plane PLANE for bf16 x in PTX, times ``multiplier`` (int32 ``[BLOCK_N]``, a power of two in both
+    bf16 halves): five instructions per word, against about ten through fp16 and fp32.
 
     Two shifts take each code's ``e|m`` to bf16's two lowest exponent bits and top mantissa bit (mask
     ``0x01C001C0``) and its sign to bit 15 (mask ``0x80008000``): that bf16 is 2**-126 times the E2M1 value, a
-    subnormal when e == 0. One packed FMA times 2**112 makes it 2**-14 * E2M1, exact and normal. The GPU's bf16 FMA
-    keeps subnormal inputs (the interpreter's would not: it runs the fp16 route); the decode tests check every code.
+    subnormal when e == 0. One packed FMA by the multiplier makes it normal and exact: 2**112 gives the
+    ``_decode_pairs`` values (2**-14 * E2M1), a group's ``2**(byte + 1)`` its dequantized weights
+    (``E2M1 * 2**(byte - 125)``). The GPU's bf16 FMA keeps subnormal inputs (the interpreter's would not: it runs the
+    fp16 route); the decode tests check every code.
 
     Example: code 0x9 (sign 1, e 00, m 1: -0.5) -> bits 0x8040 (-2**-127) -> times 2**112: -2**-15 = -0.5 * 2**-14.
     """
@@ -162,10 +164,11 @@ def _decode_mxfp4_bf16_plane_asm(words, PLANE: tl.constexpr):
     else:
         shifts: tl.constexpr = "shr.b32 m, $2, 6; mov.b32 s, $2; "
     lo, hi = tl.inline_asm_elementwise(
-        "{ .reg .b32 m, s, t, scale, nzero; mov.b32 scale, 0x77807780; mov.b32 nzero, 0x80008000; " + shifts +
-        "and.b32 s, s, 0x80008000; lop3.b32 t, m, 0x01C001C0, s, 0xea; fma.rn.bf16x2 t, t, scale, nzero; "
+        "{ .reg .b32 m, s, t, nzero; mov.b32 nzero, 0x80008000; " + shifts +
+        "and.b32 s, s, 0x80008000; lop3.b32 t, m, 0x01C001C0, s, 0xea; fma.rn.bf16x2 t, t, $3, nzero; "
         "mov.b32 {$0, $1}, t; }",
-        "=h,=h,r", [words], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+        "=h,=h,r,r", [words, tl.broadcast_to(multiplier[:, None], words.shape)], dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True, pack=1)
     return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
 
 
@@ -193,35 +196,46 @@ def _decode_16bit_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _load_block_scales(s_cols, stride_s_g, kb, mask):
-    """The stored group scales of k-block ``kb`` (its 8 groups): a tuple of 8 ``[BLOCK_N]`` loads, group order."""
-    base = s_cols + kb * 8 * stride_s_g
-    return (tl.load(base, mask=mask, other=0), tl.load(base + stride_s_g, mask=mask, other=0),
-            tl.load(base + 2 * stride_s_g, mask=mask, other=0), tl.load(base + 3 * stride_s_g, mask=mask, other=0),
-            tl.load(base + 4 * stride_s_g, mask=mask, other=0), tl.load(base + 5 * stride_s_g, mask=mask, other=0),
-            tl.load(base + 6 * stride_s_g, mask=mask, other=0), tl.load(base + 7 * stride_s_g, mask=mask, other=0))
+def _load_block_scales(s_rows, kb, stride_s_b, mask):
+    """The stored group scales of k-block ``kb`` (its 8 groups) for a tile's rows: one ``[BLOCK_N, 8]`` load (a row's
+    8 scales are contiguous, ``w4.block_major_scales``), split in registers into 8 ``[BLOCK_N]``, group order."""
+    tile = tl.load(s_rows + kb * stride_s_b, mask=mask, other=0)
+    evens, odds = tl.split(tl.reshape(tile, (tile.shape[0], 4, 2)))  # groups 0 2 4 6 | 1 3 5 7
+    g04, g26 = tl.split(tl.reshape(evens, (tile.shape[0], 2, 2)))
+    g15, g37 = tl.split(tl.reshape(odds, (tile.shape[0], 2, 2)))
+    g0, g4 = tl.split(g04)
+    g2, g6 = tl.split(g26)
+    g1, g5 = tl.split(g15)
+    g3, g7 = tl.split(g37)
+    return g0, g1, g2, g3, g4, g5, g6, g7
 
 
 @triton.jit
-def _group_scale(scale, W4: tl.constexpr, DTYPE: tl.constexpr):
-    """fp32 group scales of the stored ones: INT4 as stored; MXFP4 E8M0 bytes ``2**(byte - 125)`` (bytes 0..238: the
-    loader refuses larger ones, LOAD015), times 2**14 where x is bf16 (its decoded values are 2**-14 times E2M1's:
-    ``_decode_16bit_pairs``)."""
-    if W4 == 2 and DTYPE == tl.bfloat16:
+def _group_scale(scale, W4: tl.constexpr, DTYPE: tl.constexpr, FOLD: tl.constexpr):
+    """A group's stored scales ``[BLOCK_N]`` as the dot takes them: fp32 (INT4 as stored; MXFP4 E8M0 bytes
+    ``2**(byte - 125)``, times 2**14 where x is bf16: its decoded values are 2**-14 times E2M1's,
+    ``_decode_16bit_pairs``), or with FOLD int32 holding ``2**(byte + 1)`` in both bf16 halves (the multiplier of
+    ``_decode_mxfp4_bf16_plane_asm``; bytes up to ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``)."""
+    if FOLD:
+        scale = (scale.to(tl.int32) + 128) * 0x800080  # ((byte + 1 + 127) << 7), twice
+    elif W4 == 2 and DTYPE == tl.bfloat16:
         scale = ((scale.to(tl.int32) + 16) << 23).to(tl.float32, bitcast=True)
     elif W4 == 2:
         scale = ((scale.to(tl.int32) + 2) << 23).to(tl.float32, bitcast=True)
-    return scale.to(tl.float32)
+    else:
+        scale = scale.to(tl.float32)
+    return scale  # one return: Triton types every return statement, also those of branches a constexpr leaves out
 
 
 @triton.jit
-def _group_dot(acc, words, PLANE: tl.constexpr, x_t, stored_scale, W4: tl.constexpr, UPCAST: tl.constexpr,
-               IEEE_FP32: tl.constexpr, ASM: tl.constexpr):
+def _group_dot(acc, words, PLANE: tl.constexpr, x_t, scale, W4: tl.constexpr, UPCAST: tl.constexpr,
+               IEEE_FP32: tl.constexpr, ASM: tl.constexpr, FOLD: tl.constexpr):
     """``acc + scale * (q @ x_t)`` for one group of 32 input features: q ``[BLOCK_N, 32]`` decoded from plane PLANE
     of ``words`` (``_decode_plane``), x_t ``[32, BLOCK_M]``, the group's stored scales ``[BLOCK_N]`` applied to the
     fp32 dot."""
+    if FOLD:  # the weights come out of the decode scaled: the dots accumulate in place, none waits for its result
+        return tl.dot(_decode_mxfp4_bf16_plane_asm(words, PLANE, scale), x_t, acc)
     q = _decode_plane(words, PLANE, W4, x_t.dtype, ASM)
-    scale = _group_scale(stored_scale, W4, x_t.dtype)
     # one return: Triton types every return statement, also those of branches a constexpr leaves out
     if UPCAST:
         product = tl.dot(q.to(tl.float32), x_t.to(tl.float32), input_precision="ieee")
@@ -237,7 +251,7 @@ def _w4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, c_ptr, row_start_ptr, num_rows_ptr,
     R, N, K, num_blocks_k, num_experts,
     rows_hint,                     # autotune key only (unused in the body)
-    stride_x_r, stride_w_e, stride_w_n, stride_s_e, stride_s_g, stride_c_r,
+    stride_x_r, stride_w_e, stride_w_n, stride_s_e, stride_s_b, stride_c_r,
     W4: tl.constexpr,              # 1 INT4, 2 MXFP4
     IEEE_FP32: tl.constexpr,       # fp32 x: ieee dots
     UPCAST: tl.constexpr,          # interpreter: dots in fp32 (its 16-bit dot is wrong)
@@ -247,6 +261,7 @@ def _w4_gemm_kernel(
     BLOCK_M: tl.constexpr,         # pool rows per program (the MMA's N)
     BLOCK_N: tl.constexpr,         # output features per program (the MMA's M)
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
+    FOLD: tl.constexpr,            # MXFP4, bf16 x, a GPU, scale bytes <= MXFP4_FOLD_MAX_SCALE_BYTE: scaled decode
 ):
     """``c = x @ W_e.T`` on each expert's rows. One program = BLOCK_N output features x BLOCK_M rows of one expert,
     as ``acc.T [BLOCK_N, BLOCK_M]`` = the decoded weight tile (A, registers) @ x's tile transposed (B).
@@ -264,20 +279,20 @@ def _w4_gemm_kernel(
     offs_w = tl.arange(0, 16)
     offs_k = tl.arange(0, 32)
     w_rows = w_ptr + expert * stride_w_e + offs_n[:, None] * stride_w_n + offs_w[None, :]
-    s_cols = s_ptr + expert * stride_s_e + offs_n
+    s_rows = s_ptr + expert * stride_s_e + offs_n[:, None] * 8 + tl.arange(0, 8)[None, :]
     x_cols = x_ptr + rows[None, :] * stride_x_r + offs_k[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SCALES_AHEAD:
-        scales_next = _load_block_scales(s_cols, stride_s_g, 0, mask_n)
+        scales_next = _load_block_scales(s_rows, 0, stride_s_b, mask_n[:, None])
     for kb in range(0, num_blocks_k):
         # a k-block's 8 scale loads go out together, before its dots; SCALES_AHEAD: a k-block earlier still, so
         # their latency hides behind this block's dots
         if SCALES_AHEAD:
             scales = scales_next
             more = kb + 1 + tl.zeros_like(offs_n) < num_blocks_k  # a tensor: the interpreter masks with those only
-            scales_next = _load_block_scales(s_cols, stride_s_g, kb + 1, mask_n & more)
+            scales_next = _load_block_scales(s_rows, kb + 1, stride_s_b, (mask_n & more)[:, None])
         else:
-            scales = _load_block_scales(s_cols, stride_s_g, kb, mask_n)
+            scales = _load_block_scales(s_rows, kb, stride_s_b, mask_n[:, None])
         for half in tl.static_range(2):  # 16 words: groups 4 half .. 4 half + 3 of this block
             words = tl.load(w_rows + kb * 32 + half * 16, mask=mask_n[:, None], other=0)
             for plane in tl.static_range(4):
@@ -287,15 +302,17 @@ def _w4_gemm_kernel(
                 else:
                     x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :] & (group * 32 + offs_k < K)[:, None],
                                   other=0.0)
-                acc = _group_dot(acc, words, plane, x_t, scales[half * 4 + plane], W4, UPCAST, IEEE_FP32, ASM)
+                scale = _group_scale(scales[half * 4 + plane], W4, x_t.dtype, FOLD)
+                acc = _group_dot(acc, words, plane, x_t, scale, W4, UPCAST, IEEE_FP32, ASM, FOLD)
     c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): on Hopper BLOCK_N >= 64 per 4 warps runs wgmma (one group's dot waits
-# before its scale), BLOCK_N 32 on 2 warps the older mma.sync (no wait to schedule around, half the warps per tile)
-TILES = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 8, 3), (16, 32, 2, 3),
-         (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
+# before its scale, unless FOLD), BLOCK_N 32 on 2 warps the older mma.sync (no wait to schedule around, half the warps
+# per tile); BLOCK_N 128 on 4 warps: two weight tiles per warp share each x tile and loop step (INT4 at decode)
+TILES = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 4, 3), (16, 128, 8, 3),
+         (16, 32, 2, 3), (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
 INTERPRETER_TILE = (16, 16, 1, 1)
 DECODE_ROWS_PER_EXPERT = 16  # up to this many rows per expert, only BLOCK_M 16 tiles are tried
 
@@ -341,14 +358,16 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint
     """
     num_rows, (num_experts, n, _) = x.shape[0], weight.shape
     rows_bucket = next_power_of_2(max(1, rows_hint))
-    args = (x, weight.words_eOw, weight.group_major_scale, c, row_start_e, num_rows_e, num_rows, n, weight.in_features,
+    args = (x, weight.words_eOw, weight.block_scale, c, row_start_e, num_rows_e, num_rows, n, weight.in_features,
             weight.words_eOw.shape[-1] // WORDS_PER_BLOCK, num_experts, rows_bucket, x.stride(0),
-            weight.words_eOw.stride(0), weight.words_eOw.stride(1), weight.group_major_scale.stride(0),
-            weight.group_major_scale.stride(1), c.stride(0))
+            weight.words_eOw.stride(0), weight.words_eOw.stride(1), weight.block_scale.stride(0),
+            weight.block_scale.stride(1), c.stride(0))
     flags = dict(W4=_FORMATS[weight.fmt], IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
                  EVEN_K=weight.in_features % PLANE_BLOCK == 0, ASM=not is_interpreter(),
                  SCALES_AHEAD=weight.fmt == "int4",  # MXFP4 ran 4% slower so (2026-12-02, one H200): registers
-                 BLOCK_E=next_power_of_2(num_experts))
+                 BLOCK_E=next_power_of_2(num_experts),
+                 FOLD=(weight.fmt == "mxfp4" and x.dtype == torch.bfloat16 and not is_interpreter()
+                       and weight.max_scale_byte <= MXFP4_FOLD_MAX_SCALE_BYTE))
 
     def grid(block_m: int, block_n: int) -> tuple:
         return ((cdiv(num_rows, block_m) + num_experts) * cdiv(n, block_n),)
@@ -363,7 +382,7 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint
         return launch(_w4_gemm_kernel, grid(block_m, block_n), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                       num_warps=warps, num_stages=stages, **extra)
     key = (rows_bucket, n, weight.in_features, num_experts, tuple(flags.values()), x.dtype,
-           weight.group_major_scale.dtype)
+           weight.block_scale.dtype)
     chosen = _TUNED.get(key)
     if chosen is not None:
         return launch_w4_gemm(x, weight, c, row_start_e, num_rows_e, rows_hint=rows_hint, tile=chosen)

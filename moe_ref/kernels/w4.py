@@ -22,6 +22,9 @@ FP4_PER_BYTE = 2
 E8M0_BIAS = 125  # compressed-tensors mxfp4: byte = log2(scale) + 125 (see moe_ref.checkpoint.formats)
 # the largest scale byte moe_ref accepts (2**113): the W4A16 kernel keeps 2**(byte - 125 + 14) finite in fp32 up to it
 MXFP4_MAX_SCALE_BYTE = 238
+# the largest scale byte the W4A16 kernel multiplies into its bf16 decode (``2**(byte + 1)`` must be a finite bf16:
+# scales up to 2, i.e. groups with |w| below 12); weights with a larger byte keep the fp32 group scale
+MXFP4_FOLD_MAX_SCALE_BYTE = 126
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> |value|; bit 3 is the sign
 
 
@@ -151,6 +154,7 @@ def dequantize_mxfp4(packed_OIp: torch.Tensor, scale_OIg: torch.Tensor, dtype: t
 # --------------------------------------------------------------------------------------------------
 PLANE_BLOCK = 256  # input features per k-step of the kernel: 8 groups of 32
 WORDS_PER_BLOCK = PLANE_BLOCK // INT4_PER_WORD  # 32
+GROUPS_PER_BLOCK = PLANE_BLOCK // GROUP_SIZE  # 8
 W4_FORMATS = ("int4", "mxfp4")
 _ZERO_CODE = {"int4": 8, "mxfp4": 0}  # the code of 0.0 (INT4 is offset binary)
 
@@ -162,14 +166,18 @@ class W4Weight:
         fmt: "int4" (codes ``q + 8``, scales bf16/fp16/fp32) or "mxfp4" (E2M1 codes, E8M0 scale bytes decoding as
             ``2**(byte - 125)``).
         words_eOw: int32 ``[e, O, w]`` (w = I rounded up to 256, over 8), the group planes.
-        group_major_scale: ``[e, ceil(I/256) * 8, O]`` group scales, group-major (the stored dtype: bf16/fp16/fp32, or
+        block_scale: ``[e, ceil(I/256), O, 8]`` group scales by k-block of 256 features, each row's 8 contiguous
+            (``block_major_scales``; the stored dtype: bf16/fp16/fp32, or
             uint8 for MXFP4).
         in_features: I before padding.
+        max_scale_byte: MXFP4's largest scale byte (0 for INT4), read once here (a host sync, at load): it picks the
+            kernel's route (``MXFP4_FOLD_MAX_SCALE_BYTE``).
     """
 
-    def __init__(self, fmt: str, words_eOw: torch.Tensor, group_major_scale: torch.Tensor, in_features: int):
-        self.fmt, self.words_eOw, self.group_major_scale = fmt, words_eOw, group_major_scale
+    def __init__(self, fmt: str, words_eOw: torch.Tensor, block_scale: torch.Tensor, in_features: int):
+        self.fmt, self.words_eOw, self.block_scale = fmt, words_eOw, block_scale
         self.in_features = in_features
+        self.max_scale_byte = int(block_scale.max()) if fmt == "mxfp4" and block_scale.numel() else 0
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -177,7 +185,7 @@ class W4Weight:
         return self.words_eOw.shape[0], self.words_eOw.shape[1], self.in_features
 
     def nbytes(self) -> int:
-        return self.words_eOw.nbytes + self.group_major_scale.nbytes
+        return self.words_eOw.nbytes + self.block_scale.nbytes
 
 
 def _codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -215,11 +223,13 @@ def _plane_codes(words_Ow: torch.Tensor, in_features: int) -> torch.Tensor:
     return nibbles.reshape(num_rows, num_words * INT4_PER_WORD)[:, :in_features].to(torch.uint8)
 
 
-def group_major_scales(scale_eOg: torch.Tensor, in_features: int) -> torch.Tensor:
-    """``[e, O, I/32]`` scales -> ``[e, ceil(I/256) * 8, O]`` (padding groups 0: their codes are 0.0 anyway)."""
-    padded_groups = -(-in_features // PLANE_BLOCK) * (PLANE_BLOCK // GROUP_SIZE)
-    padded = torch.nn.functional.pad(scale_eOg, (0, padded_groups - scale_eOg.shape[-1]))
-    return padded.transpose(-1, -2).contiguous()
+def block_major_scales(scale_eOg: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``[e, O, I/32]`` scales -> ``[e, ceil(I/256), O, 8]``: per block of 256 input features, each row's 8 group
+    scales side by side (the kernel loads them as one vector per row; padding groups 0: their codes are 0.0)."""
+    num_experts, num_rows, _ = scale_eOg.shape
+    blocks = -(-in_features // PLANE_BLOCK)
+    padded = torch.nn.functional.pad(scale_eOg, (0, blocks * GROUPS_PER_BLOCK - scale_eOg.shape[-1]))
+    return padded.reshape(num_experts, num_rows, blocks, GROUPS_PER_BLOCK).transpose(1, 2).contiguous()
 
 
 def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str, *,
@@ -242,7 +252,7 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
         QuantTensorValueError (LOAD015): an MXFP4 scale byte above ``MXFP4_MAX_SCALE_BYTE``.
 
     Returns:
-        ``W4Weight``: rows padded to whole blocks with the code of 0.0; scales a group-major copy.
+        ``W4Weight``: rows padded to whole blocks with the code of 0.0; scales a block-major copy.
 
     Example: I = 256, codes 1 for features 0, 32, 64, 96 (feature 0 of groups 0..3), else the code c: word 0
         nibbles 0..3 = 1, nibbles 4..7 = c (feature 1 of groups 0..3).
@@ -263,7 +273,7 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
                             dtype=torch.int32, device=packed_eOq.device)
     for i in range(num_experts):  # one expert's int64 temporaries at a time
         words[i] = _plane_words(_codes(packed_eOq[i], fmt), fmt)
-    return W4Weight(fmt, words, group_major_scales(scale_eOg, in_features), in_features)
+    return W4Weight(fmt, words, block_major_scales(scale_eOg, in_features), in_features)
 
 
 def packed_from_planes(words_eOw: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
@@ -277,7 +287,7 @@ def from_group_planes(weight: W4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     as the checkpoint stores them (new tensors)."""
     groups = weight.in_features // GROUP_SIZE
     return (packed_from_planes(weight.words_eOw, weight.fmt, weight.in_features),
-            weight.group_major_scale.transpose(-1, -2)[..., :groups].contiguous())
+            weight.block_scale.transpose(1, 2).flatten(-2)[..., :groups].contiguous())
 
 
 def dequantize_planes(weight: W4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -17,8 +17,9 @@ from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
 from moe_ref.checkpoint.formats import (QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec,
                                         quantize_weight)
-from moe_ref.kernels.w4 import (W4Weight, dequantize_int4, dequantize_mxfp4, dequantize_planes, e2m1_to_float,
-                                from_group_planes, pack_fp4, pack_int4, to_group_planes)
+from moe_ref.kernels.w4 import (MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, W4Weight, dequantize_int4,
+                                dequantize_mxfp4, dequantize_planes, e2m1_to_float, from_group_planes, pack_fp4,
+                                pack_int4, to_group_planes)
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_bitwise_equal, calc_diff
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
@@ -84,7 +85,7 @@ def test_group_planes_hold_the_checkpoints_codes_and_scales(fmt, features, in_pl
     planes = to_group_planes(stored, scales, fmt, in_place=in_place)
     padded = triton.cdiv(features, 256) * 256
     assert planes.words_eOw.shape == (2, 5, padded // 8) and planes.words_eOw.dtype == torch.int32
-    assert planes.group_major_scale.shape == (2, padded // 32, 5) and planes.shape == (2, 5, features)
+    assert planes.block_scale.shape == (2, padded // 256, 5, 8) and planes.shape == (2, 5, features)
     # in place: the words are the stored tensor's own memory (no second copy), now in the kernel's order
     assert (planes.words_eOw.data_ptr() == stored.data_ptr()) == in_place
     assert torch.equal(stored, packed) != in_place
@@ -93,7 +94,7 @@ def test_group_planes_hold_the_checkpoints_codes_and_scales(fmt, features, in_pl
     dequantize = dequantize_int4 if fmt == "int4" else dequantize_mxfp4
     assert torch.equal(dequantize_planes(planes), dequantize(packed, scales))
     # the padding features hold the code of 0.0
-    whole = W4Weight(fmt, planes.words_eOw, torch.ones_like(planes.group_major_scale), padded)
+    whole = W4Weight(fmt, planes.words_eOw, torch.ones_like(planes.block_scale), padded)
     assert not dequantize_planes(whole)[..., features:].any()
 
 
@@ -163,20 +164,60 @@ def test_decode_is_exact_for_every_pair_of_codes(fmt, x_dtype, asm, plane, devic
 
 
 @triton.jit
-def _group_scale_kernel(scale_ptr, out_ptr, N: tl.constexpr, W4: tl.constexpr, DTYPE: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(out_ptr + offs, w4._group_scale(tl.load(scale_ptr + offs, mask=offs < N, other=0), W4, DTYPE))
+def _block_scales_kernel(scale_ptr, out_ptr, ROWS: tl.constexpr, W4: tl.constexpr, DTYPE: tl.constexpr,
+                         FOLD: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    scales = w4._load_block_scales(scale_ptr + rows[:, None] * 8 + tl.arange(0, 8)[None, :], 0, 0,
+                                   (rows < ROWS)[:, None])
+    for group in tl.static_range(8):
+        tl.store(out_ptr + rows * 8 + group, w4._group_scale(scales[group], W4, DTYPE, FOLD))
+
+
+def _kernel_scales(scales_R8: torch.Tensor, w4_format: int, x_dtype, device, fold: bool = False) -> torch.Tensor:
+    """What the kernel multiplies by, per row and group, for one k-block's stored scales ``[R, 8]`` (fp32; FOLD: the
+    int32 bf16x2 multiplier)."""
+    out = torch.empty(scales_R8.shape[0] * 8, dtype=torch.int32 if fold else torch.float32, device=device)
+    _block_scales_kernel[(1,)](scales_R8.contiguous().to(device), out, ROWS=scales_R8.shape[0], W4=w4_format,
+                               DTYPE=TL_DTYPES[x_dtype], FOLD=fold)
+    return out.cpu().reshape(-1, 8)
 
 
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 def test_mxfp4_scale_bytes_decode_exactly(x_dtype, device):
-    """Every E8M0 byte 0..239 -> 2**(byte - 125) (times 2**14 for bf16 x: the decode's 2**-14 taken back)."""
-    scales = torch.arange(256, dtype=torch.uint8)
-    out = torch.empty(256, device=device)
-    _group_scale_kernel[(1,)](scales.to(device), out, N=256, W4=2, DTYPE=TL_DTYPES[x_dtype])
+    """Every E8M0 byte 0..239, at each of the 8 group positions of a row's scales -> 2**(byte - 125) (times 2**14 for
+    bf16 x: the decode's 2**-14 taken back)."""
     unit = 14 if x_dtype == torch.bfloat16 else 0
-    expected = torch.exp2(torch.arange(256, dtype=torch.float64) - 125 + unit).float()
-    assert_bitwise_equal(out.cpu()[:240], expected[:240], x_dtype=x_dtype)
+    for shift in range(8):  # every byte at every position
+        scales = torch.roll(torch.arange(256, dtype=torch.uint8), shift).reshape(32, 8)
+        ok = scales <= MXFP4_MAX_SCALE_BYTE
+        expected = torch.exp2(scales.double() - 125 + unit).float()
+        assert_bitwise_equal(_kernel_scales(scales, 2, x_dtype, device)[ok], expected[ok], x_dtype=x_dtype)
+
+
+def test_mxfp4_folded_scale_is_the_bf16_power_of_two(device):
+    """FOLD: scale byte b -> ``2**(b + 1)`` as a bf16 in both halves of an int32, for every byte up to
+    MXFP4_FOLD_MAX_SCALE_BYTE (the decode's 2**-126 * E2M1 times it is ``E2M1 * 2**(b - 125)``); one byte more
+    overflows bf16, which is why the launcher keeps larger bytes on the fp32 route."""
+    top = MXFP4_FOLD_MAX_SCALE_BYTE
+    scales = torch.arange(0, 128, dtype=torch.uint8).reshape(16, 8)
+    got = _kernel_scales(scales, 2, torch.bfloat16, device, fold=True)
+    halves = torch.stack([got & 0xFFFF, (got >> 16) & 0xFFFF], dim=-1).to(torch.int16).view(torch.bfloat16).float()
+    expected = torch.exp2(scales.float() + 1)
+    ok = scales <= top
+    assert torch.equal(halves[..., 0][ok], expected[ok]) and torch.equal(halves[..., 1][ok], expected[ok])
+    assert torch.isinf(halves[..., 0][scales == top + 1]).all()
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int4_block_scales_reach_their_group(scale_dtype, device):
+    """A row's 8 stored INT4 scales (bf16, fp16, fp32) in one load, split in registers: each group gets its own
+    scale, bit for bit in fp32 (signs included)."""
+    gen = torch.Generator().manual_seed(0)
+    scales = (torch.randn(16, 8, generator=gen) * torch.exp2(torch.randint(-20, 4, (16, 8), generator=gen).float())
+              ).to(scale_dtype)
+    scales[1, 7] = -0.0
+    got = _kernel_scales(scales, 1, torch.bfloat16, device)
+    assert torch.equal(got.view(torch.int32), scales.float().view(torch.int32))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,7 +301,7 @@ def test_experts_on_weights_rewritten_in_place_hold_one_copy(fmt, device):
     assert not torch.equal(in_place.gate_up_qweight_e2FDq, stored[0])  # rewritten
     experts = make_quantized_experts(in_place, "silu", backend="triton")
     assert experts.gate_up_planes.words_eOw.data_ptr() == in_place.gate_up_qweight_e2FDq.data_ptr()
-    scales = experts.gate_up_planes.group_major_scale.nbytes + experts.down_planes.group_major_scale.nbytes
+    scales = experts.gate_up_planes.block_scale.nbytes + experts.down_planes.block_scale.nbytes
     assert experts.extra_nbytes() == scales
     assert torch.equal(experts(x_PDx, layout), y_from_copy)
     assert all(torch.equal(a, b) for a, b in zip(in_place.as_stored().tensors(), stored))
