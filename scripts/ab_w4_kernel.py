@@ -1,11 +1,11 @@
 """A/B of the 4-bit experts' kernel at decode: whichever moe_ref is first on PYTHONPATH, at forced tiles.
 
-    python scripts/ab_w4_kernel.py --tag NAME [--rows 64 512] [--tiles 16,64,4,3 16,128,4,3] [--out DIR]
+    python scripts/ab_w4_kernel.py --tag NAME [--rows 64 512] [--tiles 16,64,4,3 16,128,4,3/16,64,4,2] [--out DIR]
 
 Run once per tree (e.g. the last commit unpacked elsewhere, first on PYTHONPATH, then this tree) in one device
 session: each run times, on the Kimi-K2 per-rank shape of `bench_w4a16.py` (48 experts, D 7168, F 2048, its random
 rows and weights), the bf16 experts (make_experts("triton"), its anchor) and the INT4 and MXFP4 MLPs through
-`grouped_mlp_w4` with both GEMMs at each forced tile, eagerly and replayed from a CUDA graph (`bench`: L2 flushed,
+`grouped_mlp_w4` at each forced tile (``A`` both GEMMs, ``A/B`` gate_up A and down B), eagerly and replayed from a CUDA graph (`bench`: L2 flushed,
 median), with calc_diff against the dequantized fp32 reference (the torch backend of the same stored weights).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> int:
     import moe_ref
     print(f"moe_ref from {os.path.dirname(moe_ref.__file__)}; MOE_REF_W4_FOLD={os.environ.get('MOE_REF_W4_FOLD')}",
           flush=True)
-    tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles]
+    tiles = [tuple(tuple(int(v) for v in part.split(",")) for part in (t.split("/") * 2)[:2]) for t in args.tiles]
     experts_n, hidden, inter = w4bench.NUM_EXPERTS, w4bench.HIDDEN, w4bench.INTER
     gen = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(experts_n, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5).bfloat16()
@@ -64,8 +64,8 @@ def main() -> int:
             for tile in tiles:
                 def call(tile=tile):
                     return grouped_mlp_w4(x, *planes, layout.row_start_e, layout.num_rows_e, num_rows_hint=rows,
-                                          zero_unused_rows=False, tiles=(tile, tile))
-                row = dict(tag=args.tag, format=fmt.value, rows=rows, tile=list(tile))
+                                          zero_unused_rows=False, tiles=tile)
+                row = dict(tag=args.tag, format=fmt.value, rows=rows, tiles=[list(t) for t in tile])
                 try:
                     y = call()
                     valid = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
