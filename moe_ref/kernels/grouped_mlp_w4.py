@@ -19,8 +19,11 @@ Why a kernel of its own, and its weight layout. Decoding 4-bit weights is cheap 
 registers the tensor cores read; a decoded tile that goes back through shared memory costs more than the bytes it
 saves. Triton keeps the decode in the MMA's register layout when (a) the weight is the MMA's A operand (the kernel
 computes ``out.T = W @ x.T``: on Hopper ``wgmma`` takes A from registers, B from shared memory) and (b) the decode
-is elementwise on the loaded words with no other loaded operand. So the group scale cannot enter the decode: each
-dot covers exactly one group of 32 input features, and its scale multiplies the dot's fp32 result.
+is elementwise on the loaded words (a per-row operand broadcast along them is fine). Each dot covers exactly one
+group of 32 input features. INT4's scale multiplies the dot's fp32 result (scaling the bf16 weights instead would round
+them: calc_diff 5.8e-6 against 2.8e-6, and it measured slower). MXFP4's scale is a power of two: with bf16 x, the
+decode's last FMA multiplies by it, exactly, and the dots accumulate in place, none waiting for its result
+(``FOLD``; bytes up to ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``, larger ones take the fp32 route).
 
 That needs each group's 32 codes together, in the order the MMA's registers take them:
 ``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of
@@ -31,7 +34,7 @@ one group, its x operand 32 contiguous columns. Rows are padded to whole blocks 
 as 0), scales are stored block-major (``[e, I/256, O, 8]``: a row's 8 scales of one k-block are one vector load).
 
 Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32 (more exact
-than dequantizing each weight to x's dtype first). The twin (``grouped_mlp_w4_ref``) multiplies by the
+than dequantizing each weight to x's dtype first), or, folded, the dequantized MXFP4 weights are exact in bf16. The twin (``grouped_mlp_w4_ref``) multiplies by the
 exactly dequantized fp32 weights, so kernel and twin differ by fp32 summation order (and the roundings of h and y to
 x's dtype that follow): tests compare them with a tolerance, and the decode itself bit for bit.
 
