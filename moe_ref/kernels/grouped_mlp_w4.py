@@ -27,16 +27,19 @@ decode's last FMA multiplies by it, exactly, and the dots accumulate in place, n
 
 That needs each group's 32 codes together, in the order the MMA's registers take them:
 ``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of
-256 input features (8 groups), word i of half h holds, in nibble p, feature 2i of group ``4 h + p`` and, in nibble
-``p + 4``, feature 2i + 1; so ``(word >> 4 p) & 0x000F000F`` is two neighbouring features at the two 16-bit halves,
-which a packed subtract or multiply turns into the register pair the MMA reads (``_decode_pairs``), and 16 words are
-one group, its x operand 32 contiguous columns. Rows are padded to whole blocks (the code of 0.0; x's padding reads
-as 0), scales are stored block-major (``[e, I/256, O, 8]``: a row's 8 scales of one k-block are one vector load).
+256 input features (8 groups), word i of half h holds feature 2i of group ``4 h + p`` (plane p) in its low 16 bits and
+feature 2i + 1 in its high 16 bits: INT4 in nibble p of each half, so ``(word >> 4 p) & 0x000F000F`` is the pair;
+MXFP4 with each code's e|m and sign bits where the PTX decode wants few instructions to move them
+(``w4.MXFP4_PLANE_BITS``). A packed subtract or multiply turns the pair into the register pair the MMA reads
+(``_decode_pairs``), and 16 words are one group, its x operand 32 contiguous columns. Rows are padded to whole blocks
+(the code of 0.0; x's padding reads as 0), scales are stored block-major (``[e, I/256, O, 8]``: a row's 8 scales of one
+k-block are one vector load).
 
-Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32 (more exact
-than dequantizing each weight to x's dtype first), or, folded, the dequantized MXFP4 weights are exact in bf16. The twin (``grouped_mlp_w4_ref``) multiplies by the
-exactly dequantized fp32 weights, so kernel and twin differ by fp32 summation order (and the roundings of h and y to
-x's dtype that follow): tests compare them with a tolerance, and the decode itself bit for bit.
+Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32 (more exact than
+dequantizing each weight to x's dtype first), or, folded, the dequantized MXFP4 weights are exact in bf16. The twin
+(``grouped_mlp_w4_ref``) multiplies by the exactly dequantized fp32 weights, so kernel and twin differ by fp32 summation
+order (and the roundings of h and y to x's dtype that follow): tests compare them with a tolerance, and the decode
+itself bit for bit.
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features. Suffixes of a stored last dim: ``q`` the checkpoint's packed width,
@@ -86,7 +89,7 @@ def _decode(codes, W4: tl.constexpr, DTYPE: tl.constexpr):
 @triton.jit
 def _decode_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
     """``[BLOCK_N, 16]`` int32 holding two codes each (bits 0..3: feature 2i of a group, bits 16..19: feature
-    2i + 1; the other bits are ignored: the kernel passes its words shifted, not masked) -> the group's
+    2i + 1; the other bits are ignored: INT4 words come shifted, not masked) -> the group's
     ``[BLOCK_N, 32]`` exact values in DTYPE, features in order (MXFP4 with bf16 x: the values times 2**-14, a factor
     ``_group_scale`` takes back: it saves a multiply per value). The Triton decode, which the interpreter runs;
     ``_decode_plane`` picks the PTX decodes (the same bits) on a GPU.
@@ -133,42 +136,67 @@ def _decode_int4_pairs_asm(words, DTYPE: tl.constexpr):
 
 @triton.jit
 def _decode_plane(words, PLANE: tl.constexpr, W4: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
-    """Group plane PLANE (0..3) of ``[BLOCK_N, 16]`` words (nibbles PLANE and PLANE + 4: features 2i and 2i + 1 of
-    the group) -> its ``[BLOCK_N, 32]`` values, as ``_decode_pairs`` gives them. ASM (a GPU) picks the PTX decodes,
-    the same bits in fewer instructions: INT4 in a 16-bit DTYPE (``_decode_int4_pairs_asm``), MXFP4 with bf16 x
-    (``_decode_mxfp4_bf16_plane_asm``, which takes the plane from the word without shifting it first)."""
+    """Group plane PLANE (0..3) of ``[BLOCK_N, 16]`` words (``w4.to_group_planes``: features 2i and 2i + 1 of the
+    group in the low and high 16 bits) -> its ``[BLOCK_N, 32]`` values, as ``_decode_pairs`` gives them. ASM (a GPU)
+    picks the PTX decodes, the same bits in fewer instructions: INT4 in a 16-bit DTYPE (``_decode_int4_pairs_asm``),
+    MXFP4 with bf16 x (``_decode_mxfp4_bf16_plane_asm``, which reads the plane's bits where they are)."""
     if ASM and W4 == 2 and DTYPE == tl.bfloat16:
         return _decode_mxfp4_bf16_plane_asm(words, PLANE, tl.full((words.shape[0],), 0x77807780, tl.int32))
     if ASM and W4 == 1 and DTYPE != tl.float32:
         return _decode_int4_pairs_asm(words >> (4 * PLANE), DTYPE)
+    if W4 == 2:
+        return _decode_pairs(_mxfp4_plane_pairs(words, PLANE), W4, DTYPE)
     return _decode_pairs(words >> (4 * PLANE), W4, DTYPE)
+
+
+@triton.jit
+def _mxfp4_plane_pairs(words, PLANE: tl.constexpr):
+    """MXFP4 plane PLANE's two codes per word at bits 0..3 and 16..19 (``_decode_pairs``' input), gathered from
+    their e|m and sign offsets (``w4.MXFP4_PLANE_BITS``, repeated here as constants)."""
+    if PLANE == 0:
+        EM: tl.constexpr = 6
+        SIGN: tl.constexpr = 15
+    elif PLANE == 1:
+        EM: tl.constexpr = 3
+        SIGN: tl.constexpr = 12
+    elif PLANE == 2:
+        EM: tl.constexpr = 0
+        SIGN: tl.constexpr = 14
+    else:
+        EM: tl.constexpr = 9
+        SIGN: tl.constexpr = 13
+    return ((words >> EM) & 0x00070007) | (((words >> SIGN) & 0x00010001) << 3)
 
 
 @triton.jit
 def _decode_mxfp4_bf16_plane_asm(words, PLANE: tl.constexpr, multiplier):
     """MXFP4 codes of plane PLANE for bf16 x in PTX, times ``multiplier`` (int32 ``[BLOCK_N]``, a power of two in both
-    bf16 halves): five instructions per word, against about ten through fp16 and fp32.
+    bf16 halves).
 
-    Two shifts take each code's ``e|m`` to bf16's two lowest exponent bits and top mantissa bit (mask
-    ``0x01C001C0``) and its sign to bit 15 (mask ``0x80008000``): that bf16 is 2**-126 times the E2M1 value, a
-    subnormal when e == 0. One packed FMA by the multiplier makes it normal and exact: 2**112 gives the
+    Each code's e|m goes to bf16's two lowest exponent bits and top mantissa bit (bits 6..8, mask ``0x01C001C0``) and
+    its sign to bit 15: that bf16 is 2**-126 times the E2M1 value, a subnormal when e == 0. ``w4.MXFP4_PLANE_BITS``
+    places the planes so that this takes one mask (plane 0), a shift and a mask (plane 1), a mask, one multiply by
+    ``2**6 + 2**1`` (e|m up by 6 and the sign up by 1 at once, the two copies never overlapping) and a mask (plane 2),
+    or two shifts, a mask and a merge (plane 3): 14 instructions a word with the FMAs, against 19 with the codes in
+    nibbles. One packed FMA by the multiplier then makes the value normal and exact: 2**112 gives the
     ``_decode_pairs`` values (2**-14 * E2M1), a group's ``2**(byte + 1)`` its dequantized weights
     (``E2M1 * 2**(byte - 125)``). The GPU's bf16 FMA keeps subnormal inputs (the interpreter's would not: it runs the
-    fp16 route); the decode tests check every code.
+    Triton route); the decode tests check every code pair of every plane.
 
-    Example: code 0x9 (sign 1, e 00, m 1: -0.5) -> bits 0x8040 (-2**-127) -> times 2**112: -2**-15 = -0.5 * 2**-14.
+    Example: plane 1 code 0x9 (sign 1, e 00, m 1: -0.5) at bits 3..5 = 1, bit 12 = 1 -> shifted left by 3 and masked:
+    0x8040 (-2**-127) -> times 2**112: -2**-15 = -0.5 * 2**-14.
     """
     if PLANE == 0:
-        shifts: tl.constexpr = "shl.b32 m, $2, 6; shl.b32 s, $2, 12; "
+        place: tl.constexpr = "and.b32 t, $2, 0x81C081C0; "
     elif PLANE == 1:
-        shifts: tl.constexpr = "shl.b32 m, $2, 2; shl.b32 s, $2, 8; "
+        place: tl.constexpr = "shl.b32 t, $2, 3; and.b32 t, t, 0x81C081C0; "
     elif PLANE == 2:
-        shifts: tl.constexpr = "shr.b32 m, $2, 2; shl.b32 s, $2, 4; "
+        place: tl.constexpr = "and.b32 t, $2, 0x40074007; mul.lo.u32 t, t, 66; and.b32 t, t, 0x81C081C0; "
     else:
-        shifts: tl.constexpr = "shr.b32 m, $2, 6; mov.b32 s, $2; "
+        place: tl.constexpr = ("shr.b32 t, $2, 3; shl.b32 s, $2, 2; and.b32 s, s, 0x80008000; "
+                               "lop3.b32 t, t, 0x01C001C0, s, 0xea; ")
     lo, hi = tl.inline_asm_elementwise(
-        "{ .reg .b32 m, s, t, nzero; mov.b32 nzero, 0x80008000; " + shifts +
-        "and.b32 s, s, 0x80008000; lop3.b32 t, m, 0x01C001C0, s, 0xea; fma.rn.bf16x2 t, t, $3, nzero; "
+        "{ .reg .b32 s, t, nzero; mov.b32 nzero, 0x80008000; " + place + "fma.rn.bf16x2 t, t, $3, nzero; "
         "mov.b32 {$0, $1}, t; }",
         "=h,=h,r,r", [words, tl.broadcast_to(multiplier[:, None], words.shape)], dtype=(tl.bfloat16, tl.bfloat16),
         is_pure=True, pack=1)
@@ -260,7 +288,6 @@ def _w4_gemm_kernel(
     UPCAST: tl.constexpr,          # interpreter: dots in fp32 (its 16-bit dot is wrong)
     EVEN_K: tl.constexpr,          # K % 256 == 0: x's loads need no column mask (and stay vectorized, so pipelined)
     ASM: tl.constexpr,             # a GPU: 4-bit decode in PTX (INT4; MXFP4 with bf16 x); the interpreter runs Triton's
-    SCALES_AHEAD: tl.constexpr,    # the next k-block's scales load during this one (INT4: faster; MXFP4: slower)
     BLOCK_M: tl.constexpr,         # pool rows per program (the MMA's N)
     BLOCK_N: tl.constexpr,         # output features per program (the MMA's M)
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
@@ -285,17 +312,10 @@ def _w4_gemm_kernel(
     s_rows = s_ptr + expert * stride_s_e + offs_n[:, None] * 8 + tl.arange(0, 8)[None, :]
     x_cols = x_ptr + rows[None, :] * stride_x_r + offs_k[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if SCALES_AHEAD:
-        scales_next = _load_block_scales(s_rows, 0, stride_s_b, mask_n[:, None])
     for kb in range(0, num_blocks_k):
-        # a k-block's 8 scale loads go out together, before its dots; SCALES_AHEAD: a k-block earlier still, so
-        # their latency hides behind this block's dots
-        if SCALES_AHEAD:
-            scales = scales_next
-            more = kb + 1 + tl.zeros_like(offs_n) < num_blocks_k  # a tensor: the interpreter masks with those only
-            scales_next = _load_block_scales(s_rows, kb + 1, stride_s_b, (mask_n & more)[:, None])
-        else:
-            scales = _load_block_scales(s_rows, kb, stride_s_b, mask_n[:, None])
+        # a k-block's scales load in the loop step that uses them: loaded a step ahead they would stay live across the
+        # step (92 registers against 80), and INT4 ran 5% slower so (2026-12-02, one H200)
+        scales = _load_block_scales(s_rows, kb, stride_s_b, mask_n[:, None])
         for half in tl.static_range(2):  # 16 words: groups 4 half .. 4 half + 3 of this block
             words = tl.load(w_rows + kb * 32 + half * 16, mask=mask_n[:, None], other=0)
             for plane in tl.static_range(4):
@@ -315,7 +335,8 @@ def _w4_gemm_kernel(
 # before its scale, unless FOLD), BLOCK_N 32 on 2 warps the older mma.sync (no wait to schedule around, half the warps
 # per tile); BLOCK_N 128 on 4 warps: two weight tiles per warp share each x tile and loop step (INT4 at decode)
 TILES = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 4, 3), (16, 128, 8, 3),
-         (16, 32, 2, 3), (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3)]
+         (16, 32, 2, 3), (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3),
+         (128, 128, 8, 3)]
 INTERPRETER_TILE = (16, 16, 1, 1)
 DECODE_ROWS_PER_EXPERT = 16  # up to this many rows per expert, only BLOCK_M 16 tiles are tried
 
@@ -367,7 +388,6 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint
             weight.block_scale.stride(1), c.stride(0))
     flags = dict(W4=_FORMATS[weight.fmt], IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
                  EVEN_K=weight.in_features % PLANE_BLOCK == 0, ASM=not is_interpreter(),
-                 SCALES_AHEAD=weight.fmt == "int4",  # MXFP4 ran 4% slower so (2026-12-02, one H200): registers
                  BLOCK_E=next_power_of_2(num_experts),
                  FOLD=(weight.fmt == "mxfp4" and x.dtype == torch.bfloat16 and not is_interpreter()
                        and weight.max_scale_byte <= MXFP4_FOLD_MAX_SCALE_BYTE))

@@ -157,6 +157,11 @@ WORDS_PER_BLOCK = PLANE_BLOCK // INT4_PER_WORD  # 32
 GROUPS_PER_BLOCK = PLANE_BLOCK // GROUP_SIZE  # 8
 W4_FORMATS = ("int4", "mxfp4")
 _ZERO_CODE = {"int4": 8, "mxfp4": 0}  # the code of 0.0 (INT4 is offset binary)
+# MXFP4 in a group-plane word, per plane: (offset of its code's e|m bits, offset of its sign bit) in each 16-bit half,
+# so that the decode moves them into a bf16's bits 6..8 and 15 with few instructions: plane 0 in place (one mask),
+# plane 1 by one shift (3), plane 2 by one multiply (shifts 6 and 1 at once), plane 3 by two shifts
+# (``grouped_mlp_w4._decode_mxfp4_bf16_plane_asm``)
+MXFP4_PLANE_BITS = ((6, 15), (3, 12), (0, 14), (9, 13))
 
 
 class W4Weight:
@@ -202,25 +207,42 @@ def _packed(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     return pack_fp4(codes)
 
 
+def _field_shifts(fmt: str, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bit offsets in a group-plane word of the 8 codes it holds, index ``odd * 4 + plane``: INT4 the nibble
+    ``4 (odd * 4 + plane)``, the whole code; MXFP4 (e|m offsets, sign offsets): ``MXFP4_PLANE_BITS`` in the low 16-bit
+    half for the even feature, the high half for the odd one."""
+    if fmt == "int4":
+        return torch.arange(INT4_PER_WORD, device=device, dtype=torch.int64) * 4, None
+    em, sign = ([16 * odd + bits[field] for odd in range(2) for bits in MXFP4_PLANE_BITS] for field in range(2))
+    return torch.tensor(em, device=device, dtype=torch.int64), torch.tensor(sign, device=device, dtype=torch.int64)
+
+
 def _plane_words(codes_OI: torch.Tensor, fmt: str) -> torch.Tensor:
     """Codes ``[O, I]`` (one expert) -> int32 group-plane words ``[O, w]``, I padded with the code of 0.0."""
     num_rows, in_features = codes_OI.shape
     padded = -(-in_features // PLANE_BLOCK) * PLANE_BLOCK
     codes_OI = torch.nn.functional.pad(codes_OI, (0, padded - in_features), value=_ZERO_CODE[fmt])
-    # features (block, half, plane, word, odd) -> words (block, half, word) of nibbles (odd, plane)
-    nibbles = codes_OI.reshape(num_rows, padded // PLANE_BLOCK, 2, 4, 16, 2).movedim(-3, -1).flatten(-2)
-    shifts = torch.arange(INT4_PER_WORD, device=codes_OI.device, dtype=torch.int64) * 4
-    words = (nibbles.to(torch.int64) << shifts).sum(dim=-1)
+    # features (block, half, plane, word, odd) -> words (block, half, word) of codes (odd, plane)
+    codes = codes_OI.reshape(num_rows, padded // PLANE_BLOCK, 2, 4, 16, 2).movedim(-3, -1).flatten(-2).to(torch.int64)
+    shifts, sign_shifts = _field_shifts(fmt, codes_OI.device)
+    if sign_shifts is None:
+        words = (codes << shifts).sum(dim=-1)
+    else:  # MXFP4: e|m and the sign at their own places (MXFP4_PLANE_BITS); the bits never overlap, so + is |
+        words = ((codes & 7) << shifts).sum(dim=-1) + ((codes >> 3) << sign_shifts).sum(dim=-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(num_rows, padded // 8)
 
 
-def _plane_codes(words_Ow: torch.Tensor, in_features: int) -> torch.Tensor:
+def _plane_codes(words_Ow: torch.Tensor, in_features: int, fmt: str) -> torch.Tensor:
     """Inverse of ``_plane_words``: codes uint8 ``[O, I]`` in feature order."""
     num_rows, num_words = words_Ow.shape
-    shifts = torch.arange(INT4_PER_WORD, device=words_Ow.device, dtype=torch.int64) * 4
-    nibbles = (words_Ow.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF  # [O, words, (odd, plane)]
-    nibbles = nibbles.reshape(num_rows, num_words // WORDS_PER_BLOCK, 2, 16, 2, 4).movedim(-1, -3)
-    return nibbles.reshape(num_rows, num_words * INT4_PER_WORD)[:, :in_features].to(torch.uint8)
+    shifts, sign_shifts = _field_shifts(fmt, words_Ow.device)
+    words = words_Ow.to(torch.int64).unsqueeze(-1)
+    if sign_shifts is None:
+        codes = (words >> shifts) & 0xF  # [O, words, (odd, plane)]
+    else:
+        codes = ((words >> shifts) & 7) | (((words >> sign_shifts) & 1) << 3)
+    codes = codes.reshape(num_rows, num_words // WORDS_PER_BLOCK, 2, 16, 2, 4).movedim(-1, -3)
+    return codes.reshape(num_rows, num_words * INT4_PER_WORD)[:, :in_features].to(torch.uint8)
 
 
 def block_major_scales(scale_eOg: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -237,9 +259,10 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
     """A checkpoint's packed 4-bit weight -> the W4A16 kernel's order; run once, at load, one expert at a time.
 
     Per row, a block of 256 input features (8 groups of 32) is 32 words; words ``16 h .. 16 h + 15`` hold groups
-    ``4 h .. 4 h + 3``: word i holds, in nibble p, feature 2i of group ``4 h + p`` and, in nibble ``p + 4``, feature
-    2i + 1. So ``(word >> 4 p) & 0x000F000F`` is a pair of neighbouring features of one group, at bits 0..3 and
-    16..19, and 16 words give the group's 32 features (``grouped_mlp_w4._decode_pairs``).
+    ``4 h .. 4 h + 3``: word i holds feature 2i of group ``4 h + p`` (plane p) in its low 16 bits and feature 2i + 1
+    in its high 16 bits. INT4: in nibble p of each half, so ``(word >> 4 p) & 0x000F000F`` is the pair at bits 0..3
+    and 16..19. MXFP4: each code's e|m bits and sign bit at the offsets ``MXFP4_PLANE_BITS[p]`` of each half. 16
+    words give the group's 32 features (``grouped_mlp_w4._decode_plane``).
 
     Args:
         packed_eOq: INT4 int32 ``[e, O, I/8]`` (compressed-tensors pack-quantized) or MXFP4 uint8 ``[e, O, I/2]``.
@@ -254,8 +277,9 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
     Returns:
         ``W4Weight``: rows padded to whole blocks with the code of 0.0; scales a block-major copy.
 
-    Example: I = 256, codes 1 for features 0, 32, 64, 96 (feature 0 of groups 0..3), else the code c: word 0
-        nibbles 0..3 = 1, nibbles 4..7 = c (feature 1 of groups 0..3).
+    Example: INT4, I = 256, codes 1 for features 0, 32, 64, 96 (feature 0 of groups 0..3), else the code c: word 0
+        nibbles 0..3 = 1, nibbles 4..7 = c (feature 1 of groups 0..3). MXFP4, code 0xB (sign 1, e|m 3) for feature 0
+        of group 1 (plane 1): bits 3..5 of word 0 = 3, bit 12 = 1.
     """
     if fmt not in W4_FORMATS:
         raise UnknownNameError(f"4-bit format {fmt!r}: expected one of {', '.join(W4_FORMATS)}")
@@ -279,7 +303,7 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
 def packed_from_planes(words_eOw: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:
     """Group-plane words ``[e, O, w]`` -> the checkpoint's packing (a new tensor, one expert at a time): INT4 int32
     ``[e, O, I/8]``, MXFP4 uint8 ``[e, O, I/2]``."""
-    return torch.stack([_packed(_plane_codes(words_Ow, in_features), fmt) for words_Ow in words_eOw])
+    return torch.stack([_packed(_plane_codes(words_Ow, in_features, fmt), fmt) for words_Ow in words_eOw])
 
 
 def from_group_planes(weight: W4Weight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,9 +17,9 @@ from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
 from moe_ref.checkpoint.formats import (QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec,
                                         quantize_weight)
-from moe_ref.kernels.w4 import (MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, W4Weight, dequantize_int4,
-                                dequantize_mxfp4, dequantize_planes, e2m1_to_float, from_group_planes, pack_fp4,
-                                pack_int4, to_group_planes)
+from moe_ref.kernels.w4 import (MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, MXFP4_PLANE_BITS, W4Weight,
+                                dequantize_int4, dequantize_mxfp4, dequantize_planes, e2m1_to_float,
+                                from_group_planes, pack_fp4, pack_int4, to_group_planes)
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_bitwise_equal, calc_diff
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
@@ -99,14 +99,24 @@ def test_group_planes_hold_the_checkpoints_codes_and_scales(fmt, features, in_pl
 
 
 def test_group_planes_put_a_groups_feature_pairs_in_one_word():
-    """Word i of half h holds, in nibble p, feature 2i of group 4h + p and, in nibble p + 4, feature 2i + 1."""
-    codes = torch.zeros(1, 1, 256, dtype=torch.uint8)
+    """Word i of half h holds feature 2i of group 4h + p (plane p) in its low 16 bits and feature 2i + 1 in its high
+    16 bits: INT4 in nibble p of each half; MXFP4 with e|m and sign at (6, 15), (3, 12), (0, 14), (9, 13) for planes
+    0..3 (the bits the PTX decode reads)."""
+    codes = torch.full((1, 1, 256), 8, dtype=torch.uint8)  # INT4 0.0
     codes[0, 0, 32 * 5 + 6] = 3   # group 5 = half 1, plane 1; feature 6 = pair 3, even
     codes[0, 0, 32 * 2 + 7] = 9   # group 2 = half 0, plane 2; feature 7 = pair 3, odd
+    words = to_group_planes(pack_int4(codes.to(torch.int8) - 8), torch.ones(1, 1, 8), "int4").words_eOw[0, 0]
+    expected = torch.full((32,), 0x88888888, dtype=torch.int64)
+    expected[16 + 3] = 0x88888838
+    expected[3] = 0x89888888
+    assert torch.equal(words.to(torch.int64) & 0xFFFFFFFF, expected), [hex(w & 0xFFFFFFFF) for w in words.tolist()]
+    codes.fill_(0)  # MXFP4 0.0
+    codes[0, 0, 32 * 5 + 6] = 3   # sign 0, e|m 3 at bits 3..5
+    codes[0, 0, 32 * 2 + 7] = 9   # sign 1, e|m 1 at bit 16 + 0, sign at bit 16 + 14
     words = to_group_planes(pack_fp4(codes), torch.zeros(1, 1, 8, dtype=torch.uint8), "mxfp4").words_eOw[0, 0]
     expected = torch.zeros(32, dtype=torch.int64)
-    expected[16 + 3] = 3 << (4 * 1)
-    expected[3] = 9 << (4 * (2 + 4))
+    expected[16 + 3] = 3 << 3
+    expected[3] = (1 << 16) | (1 << 30)
     assert torch.equal(words.to(torch.int64), expected), words.tolist()
 
 
@@ -152,8 +162,15 @@ def test_decode_is_exact_for_every_pair_of_codes(fmt, x_dtype, asm, plane, devic
         pytest.skip("PTX runs on a GPU only (the interpreter runs the Triton decode, asm=False)")
     even, odd = torch.arange(256, dtype=torch.int32) // 16, torch.arange(256, dtype=torch.int32) % 16
     other_planes = torch.randint(-2**31, 2**31 - 1, (256,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    mask = 0x000F000F << (4 * plane)
-    words = (((even | (odd << 16)) << (4 * plane)) | (other_planes & ~mask)).reshape(16, 16)
+    if fmt == "int4":
+        mask = 0x000F000F << (4 * plane)
+        words = (((even | (odd << 16)) << (4 * plane)) | (other_planes & ~mask)).reshape(16, 16)
+    else:  # e|m and sign at the plane's offsets in each half (the layout test pins them)
+        em, sign = MXFP4_PLANE_BITS[plane]
+        mask = (0x00070007 << em) | (0x00010001 << sign)
+        pairs = even | (odd << 16)
+        placed = ((pairs & 0x00070007) << em) | (((pairs >> 3) & 0x00010001) << sign)
+        words = (placed | (other_planes & ~mask)).reshape(16, 16)
     out = torch.empty(16, 32, dtype=x_dtype, device=device)
     _decode_plane_kernel[(1,)](words.to(device), out, PLANE=plane, W4=1 if fmt == "int4" else 2,
                                DTYPE=TL_DTYPES[x_dtype], ASM=asm)
