@@ -26,7 +26,7 @@ same stored weights). A 4-bit row names the tiles autotune chose for its two GEM
 markdown, when no launch of that key was tuned, e.g. the experts ran another kernel).
 
 --sweep: per 4-bit format, rows and GEMM, every tile autotune tries in that regime (`grouped_mlp_w4.tiles_for`: the
-BLOCK_M 16 `TILES` up to 16 rows per expert, the larger ones above), forced through
+BLOCK_M 8 and 16 `TILES` up to 4 rows per expert, BLOCK_M 16 up to 16, the larger ones above), forced through
 `launch_w4_gemm(..., tile=tile)` on the format's planes (`to_group_planes` of the same stored weights, built once per
 format) and timed alone; each checked against the autotuned launch's output (calc_diff < 1e-4; down reads h, the
 activation of the autotuned gate_up's output). A tile that fails to compile or launch is recorded with its error.
@@ -106,7 +106,8 @@ def sweep_tiles(rows: int) -> list[tuple]:
     """The tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) autotune tries for `rows` routed rows over this script's
     experts (`grouped_mlp_w4.tiles_for`): the sweep's candidates, the same for both formats and GEMMs.
 
-    Example: 64 rows (1.3 per expert) -> the BLOCK_M 16 tiles; 4096 rows (85.3 per expert) -> BLOCK_M 32 to 128.
+    Example: 64 rows (1.3 per expert) -> the BLOCK_M 8 and 16 tiles; 512 rows (10.7) -> BLOCK_M 16; 4096 rows (85.3
+    per expert) -> BLOCK_M 32 to 128.
     """
     return [tuple(tile) for tile in tiles_for(rows / NUM_EXPERTS)]
 

@@ -258,7 +258,8 @@ def test_w4_kernel_matches_twin(fmt, dtype, activation, device, assert_close):
 
 @pytest.mark.parametrize("fmt", W4)
 def test_w4_kernel_on_whole_blocks_all_rows_on_one_expert_and_forced_tiles(fmt, device, assert_close):
-    """D = F = 256 (x's loads unmasked), every row on the last expert, the default tile and a forced one alike."""
+    """D = F = 256 (x's loads unmasked), every row on the last expert, the default tile and forced ones alike (wgmma,
+    mma.sync, and BLOCK_M 8 over several M blocks of one expert)."""
     hidden = inter = 256
     q = _qweights(fmt, 3, hidden, inter, device, seed=8)
     layout = ExpertLayout.from_counts(torch.tensor([0, 0, 21], device=device), alignment=1)
@@ -270,6 +271,8 @@ def test_w4_kernel_on_whole_blocks_all_rows_on_one_expert_and_forced_tiles(fmt, 
     assert_close(forced, y_ref, torch.bfloat16, fmt=fmt.value, tiles="forced")
     mma_sync = w4.grouped_mlp_w4(*args, tiles=((16, 32, 2, 3), (16, 32, 2, 4)))  # on Hopper: mma.sync, not wgmma
     assert_close(mma_sync, y_ref, torch.bfloat16, fmt=fmt.value, tiles="mma.sync")
+    eight_rows = w4.grouped_mlp_w4(*args, tiles=((8, 32, 2, 2), (8, 64, 4, 3)))  # 21 rows: three M blocks of 8
+    assert_close(eight_rows, y_ref, torch.bfloat16, fmt=fmt.value, tiles="BLOCK_M 8")
 
 
 def test_w4_kernel_with_no_rows_returns_an_empty_pool(device):
@@ -391,8 +394,10 @@ def test_w4_argument_errors(device):
         w4.grouped_mlp_w4(x_PDx, gate_up, int4_down, *rows)
     with pytest.raises(UnknownNameError, match="gelu"):
         w4.grouped_mlp_w4(x_PDx, gate_up, down, *rows, activation="gelu")
-    with pytest.raises(InvalidConfigError, match=">= 16"):
-        w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 64, device=device), *rows, rows_hint=5, tile=(8, 64, 4, 2))
+    with pytest.raises(InvalidConfigError, match="BLOCK_M must be >= 8"):
+        w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 64, device=device), *rows, rows_hint=5, tile=(4, 64, 4, 2))
+    with pytest.raises(InvalidConfigError, match="BLOCK_N >= 16"):
+        w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 64, device=device), *rows, rows_hint=5, tile=(8, 8, 4, 2))
 
 
 @pytest.mark.parametrize("name, fmt, overrides", [

@@ -24,7 +24,7 @@ def test_dry_run_prints_the_plan_without_a_gpu(capsys):
     assert "rows [64, 4096]" in out and "--max-seconds 100" in out
     assert "API rows: bf16, fp8_ckpt, fp8_ckpt_pool, int4_w4a16, mxfp4_w4a16\n" in out  # one row per 4-bit path
     assert "decode" not in out.lower()
-    decode = [bw.tile_label(t) for t in w4k.TILES if t[0] == 16]  # 64 rows: 1.3 per expert
+    decode = [bw.tile_label(t) for t in w4k.TILES if t[0] <= 16]  # 64 rows: 1.3 per expert
     prefill = [bw.tile_label(t) for t in w4k.TILES if t[0] >= 32]  # 4096 rows: 85.3 per expert
     assert f"sweep 64 rows (1.3 per expert), per format and GEMM: {decode}\n" in out
     assert f"sweep 4096 rows (85.3 per expert), per format and GEMM: {prefill}\n" in out
@@ -48,7 +48,10 @@ def test_arguments_are_checked():
 
 
 def test_sweep_tiles_follow_the_kernels_regimes():
-    # one M block per expert up to 16 rows per expert (decode), larger M blocks above; every candidate a kernel tile
+    # 8-row blocks too up to 4 rows per expert, one 16-row block per expert up to 16 (decode), larger M blocks above;
+    # every candidate a kernel tile
+    assert {t[0] for t in bw.sweep_tiles(4 * bw.NUM_EXPERTS)} == {8, 16}
+    assert {t[0] for t in bw.sweep_tiles(4 * bw.NUM_EXPERTS + 1)} == {16}
     assert bw.sweep_tiles(64) and {t[0] for t in bw.sweep_tiles(16 * bw.NUM_EXPERTS)} == {16}
     assert min(t[0] for t in bw.sweep_tiles(16 * bw.NUM_EXPERTS + 1)) >= 32
     assert set(bw.sweep_tiles(64)) | set(bw.sweep_tiles(4096)) == {tuple(t) for t in w4k.TILES}
