@@ -333,9 +333,10 @@ def _w4_gemm_kernel(
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). On Hopper, BLOCK_M 16 with BLOCK_N >= 64 per 4 warps runs wgmma (one
 # group's dot waits before its scale, unless FOLD; every dot builds shared-memory descriptors), BLOCK_N 32 on 2 warps
-# the older mma.sync; BLOCK_M 8 always runs mma.sync (m16n8k16), with half the accumulators per weight (INT4: half the
-# FFMAs that scale them) and no descriptors: 10-20% fewer instructions per weight than the wgmma tile, and 2.5-2.7x
-# bf16 at 64 rows of 48 experts (2026-12-02, one H200). They pay where an expert's rows fit 8.
+# the older mma.sync; BLOCK_M 8 runs mma.sync (m16n8k16; Triton 3.6, the GPU image's: newer ones take wgmma n8 on 4
+# warps), with half the accumulators per weight (INT4: half the FFMAs that scale them) and no descriptors: 10-20% fewer
+# instructions per weight than the wgmma tile, and 2.5-2.7x bf16 at 64 rows of 48 experts (2026-12-02, one H200).
+# They pay where an expert's rows fit 8.
 TILES = [(8, 32, 2, 2), (8, 64, 4, 2), (8, 64, 4, 3), (8, 128, 4, 2),
          (16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 4, 3), (16, 128, 8, 3),
          (16, 32, 2, 3), (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3),

@@ -48,3 +48,19 @@ def test_sass_report_counts_the_main_loop():
     assert sass["registers"] > 0 and sass["loop_instructions"] == sum(ops.values()) > 0, sass
     assert any(op.startswith("HGMMA") for op in ops), ops
     assert ops.get("HFMA2.BF16_V2", 0) > 0 and ops["HFMA2.BF16_V2"] <= ops.get("LOP3.LUT", 0), ops
+
+
+def test_sass_of_the_8_row_tiles():
+    """BLOCK_M 8 (``grouped_mlp_w4.TILES``) compiles for both formats; on 2 warps it is mma.sync (HMMA m16n8k16: no
+    warpgroup to run wgmma). On 4 warps Triton 3.6 (the GPU image) also picks mma.sync, newer ones wgmma n8."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, WORKER, "--sass", "w4 8-row tile"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    planned, *reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(planned["cases"]) == 2 and len(reports) == 2, done.stdout[-2000:]
+    by_case = {report["case"]: report for report in reports}
+    assert all(report["error"] is None and report["sass"][0]["loop_instructions"] > 0 for report in reports), reports
+    (two_warps,) = by_case["w4 8-row tile, int4 gate_up bf16"]["sass"]
+    ops = two_warps["loop_ops"]
+    assert ops.get("HMMA.16816.F32.BF16", 0) > 0 and not any(op.startswith("HGMMA") for op in ops), ops
