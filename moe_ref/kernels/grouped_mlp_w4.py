@@ -60,13 +60,14 @@ from moe_ref.kernels.gated_act import gated_activation_rows
 from moe_ref.kernels.grouped_mlp import expert_block_rows, expert_table
 from moe_ref.kernels.launch import launch
 from moe_ref.kernels.pool_rows import pool_row_experts
-from moe_ref.kernels.w4 import (MXFP4_FOLD_MAX_SCALE_BYTE, PLANE_BLOCK, WORDS_PER_BLOCK, W4Weight,
-                               dequantize_planes)
+from moe_ref.kernels.w4 import (MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_PLANE_BITS, PLANE_BLOCK, WORDS_PER_BLOCK,
+                               W4Weight, dequantize_planes)
 
 __all__ = ["TILES", "clear_tuned_tiles", "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "tiles_for",
            "tuned_tiles"]
 
 _FORMATS = {"int4": 1, "mxfp4": 2}  # the kernel's W4 flag
+_MXFP4_PLANE_BITS = tl.constexpr(MXFP4_PLANE_BITS)  # read by the Triton decode
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,19 +153,9 @@ def _decode_plane(words, PLANE: tl.constexpr, W4: tl.constexpr, DTYPE: tl.conste
 @triton.jit
 def _mxfp4_plane_pairs(words, PLANE: tl.constexpr):
     """MXFP4 plane PLANE's two codes per word at bits 0..3 and 16..19 (``_decode_pairs``' input), gathered from
-    their e|m and sign offsets (``w4.MXFP4_PLANE_BITS``, repeated here as constants)."""
-    if PLANE == 0:
-        EM: tl.constexpr = 6
-        SIGN: tl.constexpr = 15
-    elif PLANE == 1:
-        EM: tl.constexpr = 3
-        SIGN: tl.constexpr = 12
-    elif PLANE == 2:
-        EM: tl.constexpr = 0
-        SIGN: tl.constexpr = 14
-    else:
-        EM: tl.constexpr = 9
-        SIGN: tl.constexpr = 13
+    their e|m and sign offsets (``w4.MXFP4_PLANE_BITS``)."""
+    EM: tl.constexpr = _MXFP4_PLANE_BITS[PLANE][0]
+    SIGN: tl.constexpr = _MXFP4_PLANE_BITS[PLANE][1]
     return ((words >> EM) & 0x00070007) | (((words >> SIGN) & 0x00010001) << 3)
 
 
@@ -262,8 +253,8 @@ def _group_scale(scale, W4: tl.constexpr, DTYPE: tl.constexpr, FOLD: tl.constexp
 def _group_dot(acc, words, PLANE: tl.constexpr, x_t, scale, W4: tl.constexpr, UPCAST: tl.constexpr,
                IEEE_FP32: tl.constexpr, ASM: tl.constexpr, FOLD: tl.constexpr):
     """``acc + scale * (q @ x_t)`` for one group of 32 input features: q ``[BLOCK_N, 32]`` decoded from plane PLANE
-    of ``words`` (``_decode_plane``), x_t ``[32, BLOCK_M]``, the group's stored scales ``[BLOCK_N]`` applied to the
-    fp32 dot."""
+    of ``words`` (``_decode_plane``), x_t ``[32, BLOCK_M]``, ``scale`` the group's ``[BLOCK_N]`` scales as
+    ``_group_scale`` gives them: fp32, applied to the fp32 dot, or with FOLD the multiplier of the decode itself."""
     if FOLD:  # the weights come out of the decode scaled: the dots accumulate in place, none waits for its result
         return tl.dot(_decode_mxfp4_bf16_plane_asm(words, PLANE, scale), x_t, acc)
     q = _decode_plane(words, PLANE, W4, x_t.dtype, ASM)

@@ -206,7 +206,7 @@ def test_mxfp4_scale_bytes_decode_exactly(x_dtype, device):
     unit = 14 if x_dtype == torch.bfloat16 else 0
     for shift in range(8):  # every byte at every position
         scales = torch.roll(torch.arange(256, dtype=torch.uint8), shift).reshape(32, 8)
-        ok = scales <= MXFP4_MAX_SCALE_BYTE
+        ok = scales <= MXFP4_MAX_SCALE_BYTE + 1  # 239 too: 2**128 overflows to inf, in the kernel as in fp32
         expected = torch.exp2(scales.double() - 125 + unit).float()
         assert_bitwise_equal(_kernel_scales(scales, 2, x_dtype, device)[ok], expected[ok], x_dtype=x_dtype)
 
