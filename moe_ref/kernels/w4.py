@@ -127,15 +127,16 @@ def quantize_mxfp4(weight_OI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return pack_fp4(codes), (exponent - 2 + E8M0_BIAS).to(torch.uint8)
 
 
-def check_mxfp4_scales(scale_u8: torch.Tensor, what: str, **fields) -> None:
-    """``QuantTensorValueError`` (LOAD015) naming ``what`` (and carrying ``fields``) when a scale byte is above
-    ``MXFP4_MAX_SCALE_BYTE``."""
+def check_mxfp4_scales(scale_u8: torch.Tensor, what: str, **fields) -> int:
+    """The largest scale byte (0 when empty; one reduction, a host sync on a GPU); ``QuantTensorValueError`` (LOAD015)
+    naming ``what`` (and carrying ``fields``) when it is above ``MXFP4_MAX_SCALE_BYTE``."""
     largest = int(scale_u8.max()) if scale_u8.numel() else 0
     if largest > MXFP4_MAX_SCALE_BYTE:
         raise QuantTensorValueError(
             f"{what} holds E8M0 scale byte {largest}, above {MXFP4_MAX_SCALE_BYTE} "
             f"(2**{MXFP4_MAX_SCALE_BYTE - E8M0_BIAS}): corrupt, or another scale bias than compressed-tensors' "
             f"{E8M0_BIAS}", found=largest, limit=MXFP4_MAX_SCALE_BYTE, **fields)
+    return largest
 
 
 def e8m0_to_float(scale_u8: torch.Tensor) -> torch.Tensor:
@@ -175,14 +176,18 @@ class W4Weight:
             (``block_major_scales``; the stored dtype: bf16/fp16/fp32, or
             uint8 for MXFP4).
         in_features: I before padding.
-        max_scale_byte: MXFP4's largest scale byte (0 for INT4), read once here (a host sync, at load): it picks the
-            kernel's route (``MXFP4_FOLD_MAX_SCALE_BYTE``).
+        max_scale_byte: MXFP4's largest scale byte (0 for INT4): it picks the kernel's route
+            (``MXFP4_FOLD_MAX_SCALE_BYTE``). Given by the caller that read it already, else read here (a host sync,
+            at load).
     """
 
-    def __init__(self, fmt: str, words_eOw: torch.Tensor, block_scale: torch.Tensor, in_features: int):
+    def __init__(self, fmt: str, words_eOw: torch.Tensor, block_scale: torch.Tensor, in_features: int,
+                 max_scale_byte: int | None = None):
         self.fmt, self.words_eOw, self.block_scale = fmt, words_eOw, block_scale
         self.in_features = in_features
-        self.max_scale_byte = int(block_scale.max()) if fmt == "mxfp4" and block_scale.numel() else 0
+        if max_scale_byte is None:
+            max_scale_byte = int(block_scale.max()) if fmt == "mxfp4" and block_scale.numel() else 0
+        self.max_scale_byte = max_scale_byte
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -285,8 +290,7 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
         raise UnknownNameError(f"4-bit format {fmt!r}: expected one of {', '.join(W4_FORMATS)}")
     num_experts, num_rows, stored = packed_eOq.shape
     in_features = stored * (INT4_PER_WORD if fmt == "int4" else FP4_PER_BYTE)
-    if fmt == "mxfp4":
-        check_mxfp4_scales(scale_eOg, "an MXFP4 scale tensor")
+    max_scale_byte = check_mxfp4_scales(scale_eOg, "an MXFP4 scale tensor") if fmt == "mxfp4" else 0
     if in_place:
         if in_features % PLANE_BLOCK or not packed_eOq.is_contiguous():
             raise ShapeError(f"group planes in place need I % {PLANE_BLOCK} == 0 and contiguous packed weights "
@@ -297,7 +301,7 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
                             dtype=torch.int32, device=packed_eOq.device)
     for i in range(num_experts):  # one expert's int64 temporaries at a time
         words[i] = _plane_words(_codes(packed_eOq[i], fmt), fmt)
-    return W4Weight(fmt, words, block_major_scales(scale_eOg, in_features), in_features)
+    return W4Weight(fmt, words, block_major_scales(scale_eOg, in_features), in_features, max_scale_byte)
 
 
 def packed_from_planes(words_eOw: torch.Tensor, fmt: str, in_features: int) -> torch.Tensor:

@@ -96,6 +96,10 @@ def test_group_planes_hold_the_checkpoints_codes_and_scales(fmt, features, in_pl
     # the padding features hold the code of 0.0
     whole = W4Weight(fmt, planes.words_eOw, torch.ones_like(planes.block_scale), padded)
     assert not dequantize_planes(whole)[..., features:].any()
+    # the largest MXFP4 scale byte (the kernel's route), read once by the load's check and handed on; read by
+    # W4Weight itself when not given
+    assert planes.max_scale_byte == (int(scales.max()) if fmt == "mxfp4" else 0)
+    assert whole.max_scale_byte == (1 if fmt == "mxfp4" else 0)
 
 
 def test_group_planes_put_a_groups_feature_pairs_in_one_word():
