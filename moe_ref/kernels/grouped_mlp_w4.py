@@ -23,7 +23,9 @@ is elementwise on the loaded words (a per-row operand broadcast along them is fi
 group of 32 input features. INT4's scale multiplies the dot's fp32 result (scaling the bf16 weights instead would round
 them: calc_diff 5.8e-6 against 2.8e-6, and it measured slower). MXFP4's scale is a power of two: with bf16 x, the
 decode's last FMA multiplies by it, exactly, and the dots accumulate in place, none waiting for its result
-(``FOLD``; bytes up to ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``, larger ones take the fp32 route).
+(``FOLD``; bytes up to ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``, larger ones take the fp32 route). With no scale left to apply
+after it, a dot may cover several groups: on the 16-row wgmma tiles one dot takes the 4 groups of a half block, their
+decoded planes put side by side in registers (``ONE_DOT``).
 
 That needs each group's 32 codes together, in the order the MMA's registers take them:
 ``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of
@@ -269,6 +271,30 @@ def _group_dot(acc, words, PLANE: tl.constexpr, x_t, scale, W4: tl.constexpr, UP
 
 
 @triton.jit
+def _folded_plane(words, PLANE: tl.constexpr, stored_scale):
+    """MXFP4 plane PLANE of ``[BLOCK_N, 16]`` words, dequantized in the decode (FOLD): ``[BLOCK_N, 32]`` bf16."""
+    return _decode_mxfp4_bf16_plane_asm(words, PLANE, _group_scale(stored_scale, 2, tl.bfloat16, True))
+
+
+@triton.jit
+def _cat_k(a, b):
+    """``[R, K]`` and ``[R, K]`` -> ``[R, 2 K]``, a's columns then b's. In registers: join puts the pair in one
+    thread, so that with the planes' decodes the MMA operand's layout needs no shared-memory round trip."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _load_x_groups(x_cols, group, mask_m, offs_k, K, EVEN_K: tl.constexpr):
+    """x's tile of the input features from group ``group`` on (``offs_k``: 32 per group in it), transposed: the
+    dot's B ``[len(offs_k), BLOCK_M]``; 0 outside the rows and K."""
+    if EVEN_K:  # no column mask: the load stays vectorized, so pipelined
+        x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :], other=0.0)
+    else:
+        x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :] & (group * 32 + offs_k < K)[:, None], other=0.0)
+    return x_t
+
+
+@triton.jit
 def _w4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, c_ptr, row_start_ptr, num_rows_ptr,
     R, N, K, num_blocks_k, num_experts,
@@ -298,7 +324,12 @@ def _w4_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_w = tl.arange(0, 16)
-    offs_k = tl.arange(0, 32)
+    # FOLD on the 16-row wgmma tiles (BLOCK_N >= 64): the weights come out of the decode scaled, so one dot takes a
+    # half block's four groups (K 128), with a quarter of the dots' descriptors: 449 -> 414 sm_90a instructions a
+    # k-step. The mma.sync tiles (BLOCK_M 8, BLOCK_N 32) and the prefill tiles (BLOCK_M >= 64) took more registers
+    # and instructions so, and keep one dot a group.
+    ONE_DOT: tl.constexpr = FOLD and BLOCK_M == 16 and BLOCK_N >= 64
+    offs_k = tl.arange(0, 128 if ONE_DOT else 32)
     w_rows = w_ptr + expert * stride_w_e + offs_n[:, None] * stride_w_n + offs_w[None, :]
     s_rows = s_ptr + expert * stride_s_e + offs_n[:, None] * 8 + tl.arange(0, 8)[None, :]
     x_cols = x_ptr + rows[None, :] * stride_x_r + offs_k[:, None]
@@ -309,15 +340,18 @@ def _w4_gemm_kernel(
         scales = _load_block_scales(s_rows, kb, stride_s_b, mask_n[:, None])
         for half in tl.static_range(2):  # 16 words: groups 4 half .. 4 half + 3 of this block
             words = tl.load(w_rows + kb * 32 + half * 16, mask=mask_n[:, None], other=0)
-            for plane in tl.static_range(4):
-                group = kb * 8 + half * 4 + plane
-                if EVEN_K:
-                    x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :], other=0.0)
-                else:
-                    x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :] & (group * 32 + offs_k < K)[:, None],
-                                  other=0.0)
-                scale = _group_scale(scales[half * 4 + plane], W4, x_t.dtype, FOLD)
-                acc = _group_dot(acc, words, plane, x_t, scale, W4, UPCAST, IEEE_FP32, ASM, FOLD)
+            if ONE_DOT:
+                x_t = _load_x_groups(x_cols, kb * 8 + half * 4, mask_m, offs_k, K, EVEN_K)
+                q01 = _cat_k(_folded_plane(words, 0, scales[half * 4]), _folded_plane(words, 1, scales[half * 4 + 1]))
+                q23 = _cat_k(_folded_plane(words, 2, scales[half * 4 + 2]),
+                             _folded_plane(words, 3, scales[half * 4 + 3]))
+                acc = tl.dot(_cat_k(q01, q23), x_t, acc)
+            else:
+                for plane in tl.static_range(4):
+                    group = kb * 8 + half * 4 + plane
+                    x_t = _load_x_groups(x_cols, group, mask_m, offs_k, K, EVEN_K)
+                    scale = _group_scale(scales[half * 4 + plane], W4, x_t.dtype, FOLD)
+                    acc = _group_dot(acc, words, plane, x_t, scale, W4, UPCAST, IEEE_FP32, ASM, FOLD)
     c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 

@@ -82,6 +82,7 @@ W4_CASES = {
     "w4 int4 down fp16, prefill tile": ("int4", "down", torch.float16, 512, (64, 128, 8, 3)),
     "w4 mxfp4 down fp16, K 96": ("mxfp4", "down", torch.float16, 96, (32, 64, 4, 3)),
     "w4 int4 gate_up fp32": ("int4", "gate_up", torch.float32, 256, (16, 64, 4, 2)),
+    "w4 mxfp4 gate_up bf16, K 96, one dot a half block": ("mxfp4", "gate_up", torch.bfloat16, 96, (16, 64, 4, 3)),
     "w4 8-row tile, int4 gate_up bf16": ("int4", "gate_up", torch.bfloat16, 512, (8, 32, 2, 2)),
     "w4 8-row tile, mxfp4 down bf16": ("mxfp4", "down", torch.bfloat16, 512, (8, 64, 4, 3)),
 }
