@@ -203,6 +203,24 @@ def _kernel_scales(scales_R8: torch.Tensor, w4_format: int, x_dtype, device, fol
     return out.cpu().reshape(-1, 8)
 
 
+@triton.jit
+def _cat_k_kernel(in_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, COLS)[None, :]
+    q0, q1, q2, q3 = (tl.load(in_ptr + p * ROWS * COLS + rows * COLS + cols) for p in range(4))
+    tl.store(out_ptr + rows * 4 * COLS + tl.arange(0, 4 * COLS)[None, :],
+             w4._cat_k(w4._cat_k(q0, q1), w4._cat_k(q2, q3)))
+
+
+def test_cat_k_puts_the_planes_side_by_side_in_order(device):
+    """ONE_DOT's operand: four decoded planes ``[R, 32]`` -> ``[R, 128]``, plane p's columns at 32 p .. 32 p + 31 (the
+    order of x's 128 features it is dotted with)."""
+    planes = torch.arange(4 * 16 * 32, dtype=torch.float32).reshape(4, 16, 32)
+    out = torch.empty(16, 128, device=device)
+    _cat_k_kernel[(1,)](planes.to(device), out, ROWS=16, COLS=32)
+    assert torch.equal(out.cpu(), torch.cat(list(planes), dim=1))
+
+
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 def test_mxfp4_scale_bytes_decode_exactly(x_dtype, device):
     """Every E8M0 byte 0..239, at each of the 8 group positions of a row's scales -> 2**(byte - 125) (times 2**14 for
