@@ -15,8 +15,8 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
 The 4-bit paths are `W4A16Experts` on `moe_ref.kernels.grouped_mlp_w4`: the stored weights laid out once
 (`to_group_planes`: a group's 32 features in 16 words, as the decode's register pairs; scales block-major), then
-autotuned launches (gate_up, SiLU, down) that decode the 4-bit codes in the registers the tensor cores read, one dot
-per scale group, its scale applied to the fp32 result (MXFP4: inside the decode, exactly).
+autotuned launches (gate_up, SiLU, down) that decode the 4-bit codes in the registers the tensor cores read, the
+group scale applied by the decode's last bf16 FMA (MXFP4 exactly, INT4 rounded once to bf16).
 The experts get the layout the layer's dispatch hands them (static rows hint, unused rows not zeroed: no host sync).
 Per case: us (moe_ref.testing.bench with host_ahead: GPU time, calls queued back to back, L2 flushed) of the eager
 call and of the same call captured once in a CUDA graph and replayed (moe_ref.testing.graphed), speedup vs bf16 of

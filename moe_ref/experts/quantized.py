@@ -2,7 +2,7 @@
 
     load_quantized_experts(...) --> QuantizedExpertWeights --make_quantized_experts--> Experts
       int4_group / mxfp4, "triton": W4A16Experts   (kernels.grouped_mlp_w4: the 4-bit weights decoded in the
-                                                    MMA's registers, one dot per group of 32, its scale after)
+                                                    MMA's registers, the group scale applied in the decode)
       fp8_block,          "triton": FP8BlockExperts (TritonExperts' FP8 kernel fed the checkpoint's own e4m3
                                                     weights and 128x128 scales: no bf16 round trip, no re-quant)
       fp8_block,          "auto" on CUDA: FP8BlockExperts, or the auto class (moe_ref.experts.auto) where it holds
@@ -31,9 +31,12 @@ QUANT_BACKENDS = ("auto", "triton", "torch")
 class W4A16Experts(Experts):
     """INT4 (compressed-tensors pack-quantized) or MXFP4 experts on ``kernels.grouped_mlp_w4``.
 
-    Activations stay bf16/fp16/fp32 (``x_PDx``'s dtype); each group of 32 input features is one dot of exact
-    4-bit values, accumulated in fp32 and scaled in fp32; h and y are rounded to x's dtype. Segments may start
-    anywhere (the kernel masks rows itself), as for ``TritonExperts``.
+    Activations stay bf16/fp16/fp32 (``x_PDx``'s dtype); the dots accumulate in fp32, and h and y are rounded to
+    x's dtype. With bf16 x the decode applies the group scale: MXFP4's weights come out exact in bf16, INT4's as
+    ``bf16((code - 8) * s)`` (compressed-tensors' own bf16 dequantization). Otherwise (fp16/fp32 x, INT4 scales of
+    0.5 or more) each group of 32 input features is one dot of exact 4-bit values, scaled in fp32
+    (``kernels.grouped_mlp_w4`` says why). Segments may start anywhere (the kernel masks rows itself), as for
+    ``TritonExperts``.
 
     The kernel reads the 4-bit words in its own nibble order: ``qweights.group_planes()`` gives views where
     ``qweights`` holds them so already (the layer rewrites its own in place: ``with_group_planes``), else copies

@@ -19,13 +19,16 @@ Why a kernel of its own, and its weight layout. Decoding 4-bit weights is cheap 
 registers the tensor cores read; a decoded tile that goes back through shared memory costs more than the bytes it
 saves. Triton keeps the decode in the MMA's register layout when (a) the weight is the MMA's A operand (the kernel
 computes ``out.T = W @ x.T``: on Hopper ``wgmma`` takes A from registers, B from shared memory) and (b) the decode
-is elementwise on the loaded words (a per-row operand broadcast along them is fine). Each dot covers exactly one
-group of 32 input features. INT4's scale multiplies the dot's fp32 result (scaling the bf16 weights instead would round
-them: calc_diff 5.8e-6 against 2.8e-6, and it measured slower). MXFP4's scale is a power of two: with bf16 x, the
-decode's last FMA multiplies by it, exactly, and the dots accumulate in place, none waiting for its result
-(``FOLD``; bytes up to ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``, larger ones take the fp32 route). With no scale left to apply
-after it, a dot may cover several groups: on the 16-row wgmma tiles one dot takes the 4 groups of a half block, their
-decoded planes put side by side in registers (``ONE_DOT``).
+is elementwise on the loaded words (a per-row operand broadcast along them is fine). With bf16 x the decode's last
+packed FMA also applies the group's scale (``FOLD``): MXFP4's is a power of two, so its weights come out exact in bf16;
+INT4's gives ``bf16((code - 8) * s)``, the product rounded once (the bf16 weights compressed-tensors' own dequantization
+gives, and the peers' W4A16 kernels use). The dots then accumulate in place, none waiting for its result; on the
+16-row wgmma tiles one dot takes the 4 groups of a half block, their decoded planes put side by side in registers
+(``ONE_DOT``). At 512 rows of 48 Kimi-K2 experts this took INT4 from 453.6 to 400.0 us, 378 sm_90a instructions a
+k-block against 435 (2026-12-02, one H200; docs/RESULTS.md, "INT4 scales folded into the decode"). Scales the bf16
+FMA cannot hold (INT4 |s| >= ``w4.INT4_FOLD_SCALE_LIMIT`` or not bf16, MXFP4 bytes above
+``w4.MXFP4_FOLD_MAX_SCALE_BYTE``: ``W4Weight.foldable``), and fp16/fp32 x, take the fp32 route: one dot per group of 32
+input features, its scale multiplying the dot's fp32 result.
 
 That needs each group's 32 codes together, in the order the MMA's registers take them:
 ``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of
@@ -37,11 +40,12 @@ MXFP4 with each code's e|m and sign bits where the PTX decode wants few instruct
 (the code of 0.0; x's padding reads as 0), scales are stored block-major (``[e, I/256, O, 8]``: a row's 8 scales of one
 k-block are one vector load).
 
-Numerics: the codes are exact in x's dtype; each group's dot accumulates in fp32 and is scaled in fp32 (more exact than
-dequantizing each weight to x's dtype first), or, folded, the dequantized MXFP4 weights are exact in bf16. The twin
-(``grouped_mlp_w4_ref``) multiplies by the exactly dequantized fp32 weights, so kernel and twin differ by fp32 summation
-order (and the roundings of h and y to x's dtype that follow): tests compare them with a tolerance, and the decode
-itself bit for bit.
+Numerics: folded, the dots take bf16 weights as above (MXFP4 exact, INT4 rounded once); on the fp32 route the codes
+are exact in x's dtype and each group's dot accumulates in fp32 and is scaled in fp32 (more exact than the bf16
+weights: calc_diff 2.8e-6 against 5.8e-6 for INT4 at Kimi-K2's shape). The twin (``grouped_mlp_w4_ref``) multiplies
+by the exactly dequantized fp32 weights, so kernel and twin differ by fp32 summation order, INT4's weight rounding and
+the roundings of h and y to x's dtype that follow: tests compare them with a tolerance, and the decode itself bit for
+bit (INT4 folded: against torch's ``bf16((code - 8) * s)``).
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features. Suffixes of a stored last dim: ``q`` the checkpoint's packed width,
@@ -62,7 +66,7 @@ from moe_ref.kernels.gated_act import gated_activation_rows
 from moe_ref.kernels.grouped_mlp import expert_block_rows, expert_table
 from moe_ref.kernels.launch import launch
 from moe_ref.kernels.pool_rows import pool_row_experts
-from moe_ref.kernels.w4 import (MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_PLANE_BITS, PLANE_BLOCK, WORDS_PER_BLOCK,
+from moe_ref.kernels.w4 import (MXFP4_PLANE_BITS, PLANE_BLOCK, WORDS_PER_BLOCK,
                                W4Weight, dequantize_planes)
 
 __all__ = ["TILES", "clear_tuned_tiles", "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "tiles_for",
@@ -70,6 +74,21 @@ __all__ = ["TILES", "clear_tuned_tiles", "grouped_mlp_w4", "grouped_mlp_w4_ref",
 
 _FORMATS = {"int4": 1, "mxfp4": 2}  # the kernel's W4 flag
 _MXFP4_PLANE_BITS = tl.constexpr(MXFP4_PLANE_BITS)  # read by the Triton decode
+# The PTX that puts plane p's two codes into the bf16 halves of register t, per plane (``_placed_fma_asm``):
+# MXFP4's e|m at bits 6..8 and its sign at bit 15 (``_decode_mxfp4_bf16_plane_asm``), INT4's code at bits 4..7
+# (``_decode_int4_bf16_plane_asm``)
+_MXFP4_BF16_PLACE = tl.constexpr((
+    "and.b32 t, $2, 0x81C081C0; ",
+    "shl.b32 t, $2, 3; and.b32 t, t, 0x81C081C0; ",
+    "and.b32 t, $2, 0x40074007; mul.lo.u32 t, t, 66; and.b32 t, t, 0x81C081C0; ",
+    "shr.b32 t, $2, 3; shl.b32 s, $2, 2; and.b32 s, s, 0x80008000; lop3.b32 t, t, 0x01C001C0, s, 0xea; ",
+))
+_INT4_BF16_PLACE = tl.constexpr((
+    "shl.b32 t, $2, 4; and.b32 t, t, 0x00F000F0; ",
+    "and.b32 t, $2, 0x00F000F0; ",
+    "shr.b32 t, $2, 4; and.b32 t, t, 0x00F000F0; ",
+    "shr.b32 t, $2, 8; and.b32 t, t, 0x00F000F0; ",
+))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -179,21 +198,34 @@ def _decode_mxfp4_bf16_plane_asm(words, PLANE: tl.constexpr, multiplier):
     Example: plane 1 code 0x9 (sign 1, e 00, m 1: -0.5) at bits 3..5 = 1, bit 12 = 1 -> shifted left by 3 and masked:
     0x8040 (-2**-127) -> times 2**112: -2**-15 = -0.5 * 2**-14.
     """
-    if PLANE == 0:
-        place: tl.constexpr = "and.b32 t, $2, 0x81C081C0; "
-    elif PLANE == 1:
-        place: tl.constexpr = "shl.b32 t, $2, 3; and.b32 t, t, 0x81C081C0; "
-    elif PLANE == 2:
-        place: tl.constexpr = "and.b32 t, $2, 0x40074007; mul.lo.u32 t, t, 66; and.b32 t, t, 0x81C081C0; "
-    else:
-        place: tl.constexpr = ("shr.b32 t, $2, 3; shl.b32 s, $2, 2; and.b32 s, s, 0x80008000; "
-                               "lop3.b32 t, t, 0x01C001C0, s, 0xea; ")
+    return _placed_fma_asm(words, _MXFP4_BF16_PLACE, PLANE, multiplier,
+                           tl.full(multiplier.shape, -2147450880, tl.int32))  # 0x80008000: -0.0 in both halves
+
+
+@triton.jit
+def _placed_fma_asm(words, PLACES: tl.constexpr, PLANE: tl.constexpr, multiplier, bias):
+    """``[BLOCK_N, 16]`` int32 words -> ``[BLOCK_N, 32]`` bf16: per word, the PTX ``PLACES[PLANE]`` puts the plane's
+    two codes' bits into the two bf16 halves of ``t`` (scratch register ``s``), then one packed FMA,
+    ``t * multiplier + bias`` (``[BLOCK_N]`` int32, a bf16 in both halves, per row), gives the pair in feature order
+    (2i, 2i + 1)."""
+    place: tl.constexpr = PLACES[PLANE]
     lo, hi = tl.inline_asm_elementwise(
-        "{ .reg .b32 s, t, nzero; mov.b32 nzero, 0x80008000; " + place + "fma.rn.bf16x2 t, t, $3, nzero; "
-        "mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r", [words, tl.broadcast_to(multiplier[:, None], words.shape)], dtype=(tl.bfloat16, tl.bfloat16),
+        "{ .reg .b32 s, t; " + place + "fma.rn.bf16x2 t, t, $3, $4; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r,r", [words, tl.broadcast_to(multiplier[:, None], words.shape),
+                        tl.broadcast_to(bias[:, None], words.shape)], dtype=(tl.bfloat16, tl.bfloat16),
         is_pure=True, pack=1)
     return tl.reshape(tl.join(lo, hi), (words.shape[0], 2 * words.shape[1]))
+
+
+@triton.jit
+def _decode_int4_bf16_plane_asm(words, PLANE: tl.constexpr, multiplier, bias):
+    """INT4 codes of plane PLANE for bf16 x in PTX, dequantized: ``round_bf16((code - 8) * s)``, one rounding.
+
+    The plane's two codes go to bits 4..7 of each bf16 half (one shift, one mask): that bf16 is ``code * 2**-129``
+    (a subnormal below code 8, normal from it on: the two meet without a gap). One packed FMA by ``multiplier``
+    (``s * 2**129`` in both halves) plus ``bias`` (``-8 s``) gives ``code * s - 8 s`` exactly, rounded once to bf16.
+    """
+    return _placed_fma_asm(words, _INT4_BF16_PLACE, PLANE, multiplier, bias)
 
 
 @triton.jit
@@ -223,7 +255,12 @@ def _decode_16bit_pairs(pairs, W4: tl.constexpr, DTYPE: tl.constexpr):
 def _load_block_scales(s_rows, kb, stride_s_b, mask):
     """The stored group scales of k-block ``kb`` (its 8 groups) for a tile's rows: one ``[BLOCK_N, 8]`` load (a row's
     8 scales are contiguous, ``w4.block_major_scales``), split in registers into 8 ``[BLOCK_N]``, group order."""
-    tile = tl.load(s_rows + kb * stride_s_b, mask=mask, other=0)
+    return _split_groups(tl.load(s_rows + kb * stride_s_b, mask=mask, other=0))
+
+
+@triton.jit
+def _split_groups(tile):
+    """``[BLOCK_N, 8]`` -> its 8 columns ``[BLOCK_N]``, in order (register moves only)."""
     evens, odds = tl.split(tl.reshape(tile, (tile.shape[0], 4, 2)))  # groups 0 2 4 6 | 1 3 5 7
     g04, g26 = tl.split(tl.reshape(evens, (tile.shape[0], 2, 2)))
     g15, g37 = tl.split(tl.reshape(odds, (tile.shape[0], 2, 2)))
@@ -253,12 +290,10 @@ def _group_scale(scale, W4: tl.constexpr, DTYPE: tl.constexpr, FOLD: tl.constexp
 
 @triton.jit
 def _group_dot(acc, words, PLANE: tl.constexpr, x_t, scale, W4: tl.constexpr, UPCAST: tl.constexpr,
-               IEEE_FP32: tl.constexpr, ASM: tl.constexpr, FOLD: tl.constexpr):
+               IEEE_FP32: tl.constexpr, ASM: tl.constexpr):
     """``acc + scale * (q @ x_t)`` for one group of 32 input features: q ``[BLOCK_N, 32]`` decoded from plane PLANE
-    of ``words`` (``_decode_plane``), x_t ``[32, BLOCK_M]``, ``scale`` the group's ``[BLOCK_N]`` scales as
-    ``_group_scale`` gives them: fp32, applied to the fp32 dot, or with FOLD the multiplier of the decode itself."""
-    if FOLD:  # the weights come out of the decode scaled: the dots accumulate in place, none waits for its result
-        return tl.dot(_decode_mxfp4_bf16_plane_asm(words, PLANE, scale), x_t, acc)
+    of ``words`` (``_decode_plane``), x_t ``[32, BLOCK_M]``, ``scale`` the group's ``[BLOCK_N]`` fp32 scales
+    (``_group_scale``), applied to the fp32 dot (the route without FOLD)."""
     q = _decode_plane(words, PLANE, W4, x_t.dtype, ASM)
     # one return: Triton types every return statement, also those of branches a constexpr leaves out
     if UPCAST:
@@ -271,9 +306,49 @@ def _group_dot(acc, words, PLANE: tl.constexpr, x_t, scale, W4: tl.constexpr, UP
 
 
 @triton.jit
-def _folded_plane(words, PLANE: tl.constexpr, stored_scale):
-    """MXFP4 plane PLANE of ``[BLOCK_N, 16]`` words, dequantized in the decode (FOLD): ``[BLOCK_N, 32]`` bf16."""
-    return _decode_mxfp4_bf16_plane_asm(words, PLANE, _group_scale(stored_scale, 2, tl.bfloat16, True))
+def _folded_plane(words, PLANE: tl.constexpr, multiplier, bias, W4: tl.constexpr):
+    """Plane PLANE of ``[BLOCK_N, 16]`` words, dequantized in the decode (FOLD): ``[BLOCK_N, 32]`` bf16.
+    ``multiplier``, ``bias``: the group's, as ``_fold_multipliers`` gives them (MXFP4 has no bias)."""
+    if W4 == 2:
+        q = _decode_mxfp4_bf16_plane_asm(words, PLANE, multiplier)
+    else:
+        q = _decode_int4_bf16_plane_asm(words, PLANE, multiplier, bias)
+    return q
+
+
+@triton.jit
+def _int4_fold_pair(word):
+    """Two stored INT4 bf16 scales (groups 2j: low half, 2j + 1: high) -> each group's decode multiplier ``s * 2**129``
+    and bias ``-8 s``, each in both bf16 halves of an int32 (``_decode_int4_bf16_plane_asm``'s). Packed multiplies,
+    exact for every |s| < 0.5 (zero and subnormal scales too), then byte permutes: 7 PTX instructions a word."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 m, b, big, four, neg8; mov.b32 big, 0x7F007F00; mov.b32 four, 0x40804080; "
+        "mov.b32 neg8, 0xC100C100; mul.rn.bf16x2 m, $4, big; mul.rn.bf16x2 m, m, four; mul.rn.bf16x2 b, $4, neg8; "
+        "prmt.b32 $0, m, 0, 0x1010; prmt.b32 $1, m, 0, 0x3232; prmt.b32 $2, b, 0, 0x1010; "
+        "prmt.b32 $3, b, 0, 0x3232; }",
+        "=r,=r,=r,=r,r", [word], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _fold_multipliers(s_ptr, s_row0, kb, stride_s_b, offs_n, mask, W4: tl.constexpr):
+    """FOLD: k-block ``kb``'s 8 groups -> (multipliers, biases), 8 ``[BLOCK_N]`` int32 each, for ``_folded_plane``."""
+    if W4 == 2:  # the bytes' multipliers; the decode adds -0.0 (no bias)
+        tile = tl.load(s_ptr + s_row0 + kb * stride_s_b + offs_n[:, None] * 8 + tl.arange(0, 8)[None, :],
+                       mask=mask[:, None], other=0)
+        m0, m1, m2, m3, m4, m5, m6, m7 = _split_groups(_group_scale(tile, 2, tl.bfloat16, True))
+        b0, b1, b2, b3, b4, b5, b6, b7 = m0, m1, m2, m3, m4, m5, m6, m7
+    else:  # a row's 8 bf16 scales as 4 int32 words, two groups each
+        words = (s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (s_row0 + kb * stride_s_b) // 2
+                 + offs_n[:, None] * 4)
+        tile = tl.load(words + tl.arange(0, 4)[None, :], mask=mask[:, None], other=0)
+        w02, w13 = tl.split(tl.reshape(tile, (tile.shape[0], 2, 2)))  # words 0 2 | 1 3
+        w0, w2 = tl.split(w02)
+        w1, w3 = tl.split(w13)
+        m0, m1, b0, b1 = _int4_fold_pair(w0)
+        m2, m3, b2, b3 = _int4_fold_pair(w1)
+        m4, m5, b4, b5 = _int4_fold_pair(w2)
+        m6, m7, b6, b7 = _int4_fold_pair(w3)
+    return (m0, m1, m2, m3, m4, m5, m6, m7), (b0, b1, b2, b3, b4, b5, b6, b7)
 
 
 @triton.jit
@@ -308,7 +383,7 @@ def _w4_gemm_kernel(
     BLOCK_M: tl.constexpr,         # pool rows per program (the MMA's N)
     BLOCK_N: tl.constexpr,         # output features per program (the MMA's M)
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
-    FOLD: tl.constexpr,            # MXFP4, bf16 x, a GPU, scale bytes <= MXFP4_FOLD_MAX_SCALE_BYTE: scaled decode
+    FOLD: tl.constexpr,            # bf16 x, a GPU, W4Weight.foldable: the decode applies the scales
 ):
     """``c = x @ W_e.T`` on each expert's rows. One program = BLOCK_N output features x BLOCK_M rows of one expert,
     as ``acc.T [BLOCK_N, BLOCK_M]`` = the decoded weight tile (A, registers) @ x's tile transposed (B).
@@ -327,7 +402,8 @@ def _w4_gemm_kernel(
     # FOLD on the 16-row wgmma tiles (BLOCK_N >= 64): the weights come out of the decode scaled, so one dot takes a
     # half block's four groups (K 128), with a quarter of the dots' descriptors: 449 -> 414 sm_90a instructions a
     # k-step. The mma.sync tiles (BLOCK_M 8, BLOCK_N 32) and the prefill tiles (BLOCK_M >= 64) took more registers
-    # and instructions so, and keep one dot a group.
+    # and instructions so, and keep one dot a group; BLOCK_M 32 tiles with one dot a half block ran 15-27% slower than
+    # BLOCK_M 16 at 512 rows (2026-12-02, one H200).
     ONE_DOT: tl.constexpr = FOLD and BLOCK_M == 16 and BLOCK_N >= 64
     offs_k = tl.arange(0, 128 if ONE_DOT else 32)
     w_rows = w_ptr + expert * stride_w_e + offs_n[:, None] * stride_w_n + offs_w[None, :]
@@ -337,21 +413,28 @@ def _w4_gemm_kernel(
     for kb in range(0, num_blocks_k):
         # a k-block's scales load in the loop step that uses them: loaded a step ahead they would stay live across the
         # step (92 registers against 80), and INT4 ran 5% slower so (2026-12-02, one H200)
-        scales = _load_block_scales(s_rows, kb, stride_s_b, mask_n[:, None])
+        if FOLD:
+            mults, biases = _fold_multipliers(s_ptr, expert * stride_s_e, kb, stride_s_b, offs_n, mask_n, W4)
+        else:
+            scales = _load_block_scales(s_rows, kb, stride_s_b, mask_n[:, None])
         for half in tl.static_range(2):  # 16 words: groups 4 half .. 4 half + 3 of this block
             words = tl.load(w_rows + kb * 32 + half * 16, mask=mask_n[:, None], other=0)
-            if ONE_DOT:
+            if ONE_DOT:  # groups 4 half .. 4 half + 3 side by side, one K-128 dot
                 x_t = _load_x_groups(x_cols, kb * 8 + half * 4, mask_m, offs_k, K, EVEN_K)
-                q01 = _cat_k(_folded_plane(words, 0, scales[half * 4]), _folded_plane(words, 1, scales[half * 4 + 1]))
-                q23 = _cat_k(_folded_plane(words, 2, scales[half * 4 + 2]),
-                             _folded_plane(words, 3, scales[half * 4 + 3]))
+                q01 = _cat_k(_folded_plane(words, 0, mults[half * 4], biases[half * 4], W4),
+                             _folded_plane(words, 1, mults[half * 4 + 1], biases[half * 4 + 1], W4))
+                q23 = _cat_k(_folded_plane(words, 2, mults[half * 4 + 2], biases[half * 4 + 2], W4),
+                             _folded_plane(words, 3, mults[half * 4 + 3], biases[half * 4 + 3], W4))
                 acc = tl.dot(_cat_k(q01, q23), x_t, acc)
             else:
                 for plane in tl.static_range(4):
-                    group = kb * 8 + half * 4 + plane
-                    x_t = _load_x_groups(x_cols, group, mask_m, offs_k, K, EVEN_K)
-                    scale = _group_scale(scales[half * 4 + plane], W4, x_t.dtype, FOLD)
-                    acc = _group_dot(acc, words, plane, x_t, scale, W4, UPCAST, IEEE_FP32, ASM, FOLD)
+                    x_t = _load_x_groups(x_cols, kb * 8 + half * 4 + plane, mask_m, offs_k, K, EVEN_K)
+                    if FOLD:  # the weights come out of the decode scaled: the dots accumulate in place
+                        q = _folded_plane(words, plane, mults[half * 4 + plane], biases[half * 4 + plane], W4)
+                        acc = tl.dot(q, x_t, acc)
+                    else:
+                        scale = _group_scale(scales[half * 4 + plane], W4, x_t.dtype, False)
+                        acc = _group_dot(acc, words, plane, x_t, scale, W4, UPCAST, IEEE_FP32, ASM)
     c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
@@ -424,8 +507,7 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint
     flags = dict(W4=_FORMATS[weight.fmt], IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
                  EVEN_K=weight.in_features % PLANE_BLOCK == 0, ASM=not is_interpreter(),
                  BLOCK_E=next_power_of_2(num_experts),
-                 FOLD=(weight.fmt == "mxfp4" and x.dtype == torch.bfloat16 and not is_interpreter()
-                       and weight.max_scale_byte <= MXFP4_FOLD_MAX_SCALE_BYTE))
+                 FOLD=x.dtype == torch.bfloat16 and not is_interpreter() and weight.foldable)
 
     def grid(block_m: int, block_n: int) -> tuple:
         return ((cdiv(num_rows, block_m) + num_experts) * cdiv(n, block_n),)

@@ -25,6 +25,9 @@ MXFP4_MAX_SCALE_BYTE = 238
 # the largest scale byte the W4A16 kernel multiplies into its bf16 decode (``2**(byte + 1)`` must be a finite bf16:
 # scales up to 2, i.e. groups with |w| below 12); weights with a larger byte keep the fp32 group scale
 MXFP4_FOLD_MAX_SCALE_BYTE = 126
+# INT4 with bf16 scales: the W4A16 kernel multiplies by ``s * 2**129`` in its bf16 decode, finite for |s| below this
+# (groups with |w| below 4); weights with a larger scale keep the fp32 group scale
+INT4_FOLD_SCALE_LIMIT = 0.5
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> |value|; bit 3 is the sign
 
 
@@ -176,9 +179,11 @@ class W4Weight:
             (``block_major_scales``; the stored dtype: bf16/fp16/fp32, or
             uint8 for MXFP4).
         in_features: I before padding.
-        max_scale_byte: MXFP4's largest scale byte (0 for INT4): it picks the kernel's route
-            (``MXFP4_FOLD_MAX_SCALE_BYTE``). Given by the caller that read it already, else read here (a host sync,
-            at load).
+        max_scale_byte: MXFP4's largest scale byte (0 for INT4). Given by the caller that read it already, else read
+            here (a host sync, at load).
+        foldable: whether the kernel may multiply the scales into its bf16 decode (bf16 x): MXFP4 bytes up to
+            ``MXFP4_FOLD_MAX_SCALE_BYTE``, INT4 bf16 scales below ``INT4_FOLD_SCALE_LIMIT`` (INT4: one reduction
+            and a host sync, at load).
     """
 
     def __init__(self, fmt: str, words_eOw: torch.Tensor, block_scale: torch.Tensor, in_features: int,
@@ -188,6 +193,13 @@ class W4Weight:
         if max_scale_byte is None:
             max_scale_byte = int(block_scale.max()) if fmt == "mxfp4" and block_scale.numel() else 0
         self.max_scale_byte = max_scale_byte
+        if fmt == "mxfp4":
+            self.foldable = max_scale_byte <= MXFP4_FOLD_MAX_SCALE_BYTE
+        elif block_scale.dtype != torch.bfloat16 or block_scale.numel() == 0:
+            self.foldable = block_scale.dtype == torch.bfloat16
+        else:  # a NaN scale is not below the limit: such weights keep the fp32 route
+            low, high = torch.aminmax(block_scale)
+            self.foldable = bool((low > -INT4_FOLD_SCALE_LIMIT) & (high < INT4_FOLD_SCALE_LIMIT))
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -73,7 +73,7 @@ CASES = {
                                                                 "grid"),
 }
 
-# name -> (4-bit format, GEMM, x dtype, input features K, grouped_mlp_w4 tile): the W4A16 kernel
+# name -> (4-bit format, GEMM, x dtype, input features K, grouped_mlp_w4 tile[, INT4 scale]): the W4A16 kernel
 # (K 96: not whole 256-feature blocks, so x's loads keep their column mask)
 W4_CASES = {
     "w4 int4 gate_up bf16, decode tile": ("int4", "gate_up", torch.bfloat16, 512, (16, 64, 4, 3)),
@@ -85,6 +85,10 @@ W4_CASES = {
     "w4 mxfp4 gate_up bf16, K 96, one dot a half block": ("mxfp4", "gate_up", torch.bfloat16, 96, (16, 64, 4, 3)),
     "w4 8-row tile, int4 gate_up bf16": ("int4", "gate_up", torch.bfloat16, 512, (8, 32, 2, 2)),
     "w4 8-row tile, mxfp4 down bf16": ("mxfp4", "down", torch.bfloat16, 512, (8, 64, 4, 3)),
+    "w4 32-row tile, mxfp4 down bf16": ("mxfp4", "down", torch.bfloat16, 512, (32, 64, 4, 2)),
+    "w4 int4 bf16 gate_up, scales past the fold (fp32 route)": ("int4", "gate_up", torch.bfloat16, 512, (16, 64, 4, 2),
+                                                                1.0),
+    "w4 int4 bf16 gate_up, K 96, folded, one dot a half block": ("int4", "gate_up", torch.bfloat16, 96, (16, 64, 4, 3)),
 }
 
 # name -> (ids dtype, weights dtype)
@@ -171,14 +175,16 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
         gm._tma_possible, gm._num_sms = tma_possible, num_sms
 
 
-def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple):
+def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple, int4_scale: float = 0.25):
     """One GEMM of grouped_mlp_w4 (4 experts, 64 pool rows; gate_up 2 x 128 rows into fp32, down 128 rows), its
-    forced tile compiled for sm_90."""
+    forced tile compiled for sm_90. ``int4_scale``: every INT4 scale (below ``w4.INT4_FOLD_SCALE_LIMIT`` bf16 x takes
+    the folded decode, else the fp32 route)."""
     experts, n, rows = 4, 128, 64
     b_rows = 2 * n if gemm == "gate_up" else n
     packed = (torch.zeros(experts, b_rows, k // 8, dtype=torch.int32) if fmt == "int4" else
               torch.zeros(experts, b_rows, k // 2, dtype=torch.uint8))
-    scale = torch.ones(experts, b_rows, k // 32, dtype=torch.bfloat16 if fmt == "int4" else torch.uint8)
+    scale = (torch.full((experts, b_rows, k // 32), int4_scale, dtype=torch.bfloat16) if fmt == "int4" else
+             torch.ones(experts, b_rows, k // 32, dtype=torch.uint8))
     weight = to_group_planes(packed, scale, fmt)
     return compile_launch(w4, "_w4_gemm_kernel", lambda: w4.launch_w4_gemm(
         torch.zeros(rows, k, dtype=dtype), weight,

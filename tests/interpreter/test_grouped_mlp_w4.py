@@ -18,7 +18,7 @@ from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quanti
 from moe_ref.checkpoint.formats import (QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec,
                                         quantize_weight)
 from moe_ref.kernels.w4 import (MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, MXFP4_PLANE_BITS, W4Weight,
-                                dequantize_int4, dequantize_mxfp4, dequantize_planes, e2m1_to_float,
+                                block_major_scales, dequantize_int4, dequantize_mxfp4, dequantize_planes, e2m1_to_float,
                                 from_group_planes, pack_fp4, pack_int4, to_group_planes)
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_bitwise_equal, calc_diff
 
@@ -124,6 +124,27 @@ def test_group_planes_put_a_groups_feature_pairs_in_one_word():
     assert torch.equal(words.to(torch.int64), expected), words.tolist()
 
 
+@pytest.mark.parametrize("fmt, scales, foldable", [
+    ("int4", torch.tensor([0.0, 2.0**-133, -0.498, 0.498]).bfloat16(), True),  # zero, subnormal, the largest below
+    ("int4", torch.tensor([0.01, 0.5, 0.1, 0.2]).bfloat16(), False),  # s * 2**129 would overflow bf16
+    ("int4", torch.tensor([0.01, 0.1, 0.2, -0.5]).bfloat16(), False),
+    ("int4", torch.tensor([0.01, float("nan"), 0.1, 0.2]).bfloat16(), False),
+    ("int4", torch.tensor([0.01, 0.02, 0.1, 0.2]).half(), False),  # the fold takes bf16 scales only
+    ("int4", torch.tensor([0.01, 0.02, 0.1, 0.2]), False),
+    ("mxfp4", torch.tensor([0, MXFP4_FOLD_MAX_SCALE_BYTE, 100, 1], dtype=torch.uint8), True),
+    ("mxfp4", torch.tensor([0, 100, 1, MXFP4_FOLD_MAX_SCALE_BYTE + 1], dtype=torch.uint8), False),
+])
+def test_w4_weight_says_whether_the_kernel_may_fold_its_scales(fmt, scales, foldable):
+    """``W4Weight.foldable`` (read once, at load) picks the kernel's route for bf16 x: scales multiplied into the decode
+    (INT4 bf16 scales with |s| < ``INT4_FOLD_SCALE_LIMIT``, MXFP4 bytes up to ``MXFP4_FOLD_MAX_SCALE_BYTE``) or kept
+    in fp32 (any other, e.g. a group with |w| up to 4 or more, or fp16 scales)."""
+    stored = torch.zeros(1, 1, 16, dtype=torch.int32) if fmt == "int4" else torch.zeros(1, 1, 64, dtype=torch.uint8)
+    group_scales = scales.reshape(1, 1, 4)  # 128 input features
+    assert to_group_planes(stored, group_scales, fmt).foldable is foldable
+    assert W4Weight(fmt, torch.zeros(1, 1, 32, dtype=torch.int32), block_major_scales(group_scales, 128),
+                    128).foldable is foldable  # read by W4Weight itself when the caller has not
+
+
 def test_group_planes_refuse_an_mxfp4_scale_past_the_kernels_range():
     scales = torch.full((1, 1, 8), 238, dtype=torch.uint8)
     to_group_planes(torch.zeros(1, 1, 128, dtype=torch.uint8), scales, "mxfp4")  # the largest accepted
@@ -204,10 +225,49 @@ def _kernel_scales(scales_R8: torch.Tensor, w4_format: int, x_dtype, device, fol
 
 
 @triton.jit
+def _folded_plane_kernel(words_ptr, scale_ptr, out_ptr, PLANE: tl.constexpr, W4: tl.constexpr):
+    """out `[16, 32]` = plane PLANE of the `[16, 16]` int32 words, dequantized in the decode (FOLD) with the k-block's
+    stored scales `[16, 8]` (group PLANE's)."""
+    rows = tl.arange(0, 16)
+    words = tl.load(words_ptr + rows[:, None] * 16 + tl.arange(0, 16)[None, :])
+    mults, biases = w4._fold_multipliers(scale_ptr, 0, 0, 0, rows, rows < 16, W4)
+    tl.store(out_ptr + rows[:, None] * 32 + tl.arange(0, 32)[None, :],
+             w4._folded_plane(words, PLANE, mults[PLANE], biases[PLANE], W4))
+
+
+@pytest.mark.parametrize("plane", range(4))
+def test_int4_folded_decode_is_the_correctly_rounded_bf16_weight(plane, device):
+    """INT4 FOLD: every (even, odd) code pair of a plane, each row with its own bf16 scale (both signs; zero,
+    subnormal, up to the largest the fold takes), decoded and scaled in one PTX FMA -> bit for bit
+    ``bf16((code - 8) * s)``, the exact product rounded once; the words carry the other planes' codes."""
+    if device == "cpu":
+        pytest.skip("FOLD is PTX: it runs on a GPU only")
+    gen = torch.Generator().manual_seed(plane)
+    even, odd = torch.arange(256, dtype=torch.int32) // 16, torch.arange(256, dtype=torch.int32) % 16
+    other_planes = torch.randint(-2**31, 2**31 - 1, (256,), dtype=torch.int32, generator=gen)
+    mask = 0x000F000F << (4 * plane)
+    words = (((even | (odd << 16)) << (4 * plane)) | (other_planes & ~mask)).reshape(16, 16)
+    exponents = torch.randint(-133, -2, (16, 8), generator=gen).float()
+    scales = (torch.rand(16, 8, generator=gen) + 1) * torch.exp2(exponents)
+    scales[:, plane] = torch.tensor([0.0, 2.0**-133, -2.0**-130, 2.0**-123, 0.498, -0.498, 1.0 / 3, 0.01, -0.01,
+                                     1e-3, 2.0**-20, -3e-5, 0.2, 0.1234, -0.3, 0.45])
+    scales = scales.bfloat16()
+    out = torch.empty(16, 32, dtype=torch.bfloat16, device=device)
+    _folded_plane_kernel[(1,)](words.to(device), scales.to(device), out, PLANE=plane, W4=1)
+    codes = torch.stack([even, odd], dim=-1).reshape(16, 32).float() - 8
+    # + 0.0: where the product is 0 the FMA gives +0 (code * s - 8 s), torch -0 for a negative code or scale
+    expected = (codes * scales[:, plane].float()[:, None] + 0.0).bfloat16()
+    assert_bitwise_equal(out.cpu(), expected, plane=plane)
+
+
+@triton.jit
 def _cat_k_kernel(in_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
     rows = tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, COLS)[None, :]
-    q0, q1, q2, q3 = (tl.load(in_ptr + p * ROWS * COLS + rows * COLS + cols) for p in range(4))
+    q0 = tl.load(in_ptr + rows * COLS + cols)  # Triton 3.6 compiles no generator expressions in a kernel
+    q1 = tl.load(in_ptr + ROWS * COLS + rows * COLS + cols)
+    q2 = tl.load(in_ptr + 2 * ROWS * COLS + rows * COLS + cols)
+    q3 = tl.load(in_ptr + 3 * ROWS * COLS + rows * COLS + cols)
     tl.store(out_ptr + rows * 4 * COLS + tl.arange(0, 4 * COLS)[None, :],
              w4._cat_k(w4._cat_k(q0, q1), w4._cat_k(q2, q3)))
 
@@ -295,6 +355,22 @@ def test_w4_kernel_on_whole_blocks_all_rows_on_one_expert_and_forced_tiles(fmt, 
     assert_close(mma_sync, y_ref, torch.bfloat16, fmt=fmt.value, tiles="mma.sync")
     eight_rows = w4.grouped_mlp_w4(*args, tiles=((8, 32, 2, 2), (8, 64, 4, 3)))  # 21 rows: three M blocks of 8
     assert_close(eight_rows, y_ref, torch.bfloat16, fmt=fmt.value, tiles="BLOCK_M 8")
+    one_block = w4.grouped_mlp_w4(*args, tiles=((32, 64, 4, 2), (32, 128, 8, 3)))  # 21 rows in one M block of 32
+    assert_close(one_block, y_ref, torch.bfloat16, fmt=fmt.value, tiles="BLOCK_M 32")
+
+
+def test_int4_weights_past_the_fold_limit_keep_the_fp32_route(device, assert_close):
+    """A gate_up group scale of 0.75 (|w| up to 6) is past ``INT4_FOLD_SCALE_LIMIT``: that weight is not foldable, so
+    on a GPU its GEMM keeps the scale in fp32 while down (foldable) takes the folded decode; both match the twin."""
+    q = _qweights(QuantFormat.INT4_GROUP, 3, 256, 256, device, seed=5)
+    q.gate_up_scale_e2FDs[1, 7, 3] = 0.75
+    planes = _planes(q)
+    assert not planes[0].foldable and planes[1].foldable
+    layout = ExpertLayout.from_counts(torch.tensor([4, 13, 0], device=device), alignment=1)
+    x_PDx, _ = _pool(layout, 256, torch.bfloat16, device, seed=6)
+    args = (x_PDx, *planes, layout.row_start_e, layout.num_rows_e)
+    tiles = GPU_TILES if device == "cuda" else None
+    assert_close(w4.grouped_mlp_w4(*args, tiles=tiles), w4.grouped_mlp_w4_ref(*args), torch.bfloat16)
 
 
 def test_w4_kernel_with_no_rows_returns_an_empty_pool(device):
