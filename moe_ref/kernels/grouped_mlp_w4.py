@@ -24,11 +24,11 @@ packed FMA also applies the group's scale (``FOLD``): MXFP4's is a power of two,
 INT4's gives ``bf16((code - 8) * s)``, the product rounded once (the bf16 weights compressed-tensors' own dequantization
 gives, and the peers' W4A16 kernels use). The dots then accumulate in place, none waiting for its result; on the
 16-row wgmma tiles one dot takes the 4 groups of a half block, their decoded planes put side by side in registers
-(``ONE_DOT``). At 512 rows of 48 Kimi-K2 experts this took INT4 from 453.6 to 400.0 us, 378 sm_90a instructions a
-k-block against 435 (2026-12-02, one H200; docs/RESULTS.md, "INT4 scales folded into the decode"). Scales the bf16
-FMA cannot hold (INT4 |s| >= ``w4.INT4_FOLD_SCALE_LIMIT`` or not bf16, MXFP4 bytes above
-``w4.MXFP4_FOLD_MAX_SCALE_BYTE``: ``W4Weight.foldable``), and fp16/fp32 x, take the fp32 route: one dot per group of 32
-input features, its scale multiplying the dot's fp32 result.
+(``ONE_DOT``). At 512 rows of 48 Kimi-K2 experts this took INT4 from 453.6 to 400.0 us at the best forced tiles, and
+(16, 64, 4, 2) from 435 to 378 sm_90a instructions a k-block (2026-12-02, one H200; docs/RESULTS.md, "INT4 scales
+folded into the decode"). Scales the bf16 FMA cannot hold (INT4 |s| >= ``w4.INT4_FOLD_SCALE_LIMIT`` or not bf16,
+MXFP4 bytes above ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``: ``W4Weight.foldable``), and fp16/fp32 x, take the fp32 route: one
+dot per group of 32 input features, its scale multiplying the dot's fp32 result.
 
 That needs each group's 32 codes together, in the order the MMA's registers take them:
 ``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of
