@@ -195,11 +195,8 @@ class W4Weight:
         self.max_scale_byte = max_scale_byte
         if fmt == "mxfp4":
             self.foldable = max_scale_byte <= MXFP4_FOLD_MAX_SCALE_BYTE
-        elif block_scale.dtype != torch.bfloat16 or block_scale.numel() == 0:
-            self.foldable = block_scale.dtype == torch.bfloat16
-        else:  # a NaN scale is not below the limit: such weights keep the fp32 route
-            low, high = torch.aminmax(block_scale)
-            self.foldable = bool((low > -INT4_FOLD_SCALE_LIMIT) & (high < INT4_FOLD_SCALE_LIMIT))
+        else:
+            self.foldable = block_scale.dtype == torch.bfloat16 and _below(block_scale, INT4_FOLD_SCALE_LIMIT)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -208,6 +205,15 @@ class W4Weight:
 
     def nbytes(self) -> int:
         return self.words_eOw.nbytes + self.block_scale.nbytes
+
+
+def _below(values: torch.Tensor, limit: float) -> bool:
+    """Whether every |value| is below ``limit`` (True when empty; a NaN is not below it). One reduction, a host sync
+    on a GPU."""
+    if values.numel() == 0:
+        return True
+    low, high = torch.aminmax(values)
+    return bool((low > -limit) & (high < limit))
 
 
 def _codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:
