@@ -22,13 +22,19 @@ computes ``out.T = W @ x.T``: on Hopper ``wgmma`` takes A from registers, B from
 is elementwise on the loaded words (a per-row operand broadcast along them is fine). With bf16 x the decode's last
 packed FMA also applies the group's scale (``FOLD``): MXFP4's is a power of two, so its weights come out exact in bf16;
 INT4's gives ``bf16((code - 8) * s)``, the product rounded once (the bf16 weights compressed-tensors' own dequantization
-gives, and the peers' W4A16 kernels use). The dots then accumulate in place, none waiting for its result; on the
+gives, and the peers' W4A16 kernels use), over 16: the power of two that lets each plane be read where it lies, which
+the kernel takes back from its fp32 sums. The dots then accumulate in place, none waiting for its result; on the
 16-row wgmma tiles one dot takes the 4 groups of a half block, their decoded planes put side by side in registers
 (``ONE_DOT``). At 512 rows of 48 Kimi-K2 experts this took INT4 from 453.6 to 400.0 us at the best forced tiles, and
 (16, 64, 4, 2) from 435 to 378 sm_90a instructions a k-block (2026-12-02, one H200; docs/RESULTS.md, "INT4 scales
-folded into the decode"). Scales the bf16 FMA cannot hold (INT4 |s| >= ``w4.INT4_FOLD_SCALE_LIMIT`` or not bf16,
-MXFP4 bytes above ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``: ``W4Weight.foldable``), and fp16/fp32 x, take the fp32 route: one
-dot per group of 32 input features, its scale multiplying the dot's fp32 result.
+folded into the decode"). Two masks and one shift a word instead of four masks and three shifts, and each FMA reading
+its group's scale from one bf16 half of a register two groups share (an operand swizzle, where byte permutes copied it
+into both halves), then took (16, 64, 4, 3) from 399 to 328 instructions and INT4 from 395.9 to 374.0 us; MXFP4's
+multipliers, two instructions a pair of groups, from 395.2 to 388.5 us (docs/RESULTS.md, "INT4 planes read where they
+lie"). Scales the bf16 FMA cannot hold (INT4 |s| >= ``w4.INT4_FOLD_SCALE_LIMIT``, nonzero below
+``w4.INT4_FOLD_MIN_SCALE`` or not bf16, MXFP4 bytes above ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``: ``W4Weight.foldable``), and
+fp16/fp32 x, take the fp32 route: one dot per group of 32 input features, its scale multiplying the dot's fp32
+result.
 
 That needs each group's 32 codes together, in the order the MMA's registers take them:
 ``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of
@@ -75,8 +81,8 @@ __all__ = ["TILES", "clear_tuned_tiles", "grouped_mlp_w4", "grouped_mlp_w4_ref",
 _FORMATS = {"int4": 1, "mxfp4": 2}  # the kernel's W4 flag
 _MXFP4_PLANE_BITS = tl.constexpr(MXFP4_PLANE_BITS)  # read by the Triton decode
 # The PTX that puts plane p's two codes into the bf16 halves of register t, per plane (``_placed_fma_asm``):
-# MXFP4's e|m at bits 6..8 and its sign at bit 15 (``_decode_mxfp4_bf16_plane_asm``), INT4's code at bits 4..7
-# (``_decode_int4_bf16_plane_asm``)
+# MXFP4's e|m at bits 6..8 and its sign at bit 15 (``_decode_mxfp4_bf16_plane_asm``); INT4's code at bits 0..3 (even
+# planes) or 4..7 (odd planes), planes 2 and 3 from the word shifted right by 8 (``_decode_int4_bf16_plane_asm``)
 _MXFP4_BF16_PLACE = tl.constexpr((
     "and.b32 t, $2, 0x81C081C0; ",
     "shl.b32 t, $2, 3; and.b32 t, t, 0x81C081C0; ",
@@ -84,10 +90,10 @@ _MXFP4_BF16_PLACE = tl.constexpr((
     "shr.b32 t, $2, 3; shl.b32 s, $2, 2; and.b32 s, s, 0x80008000; lop3.b32 t, t, 0x01C001C0, s, 0xea; ",
 ))
 _INT4_BF16_PLACE = tl.constexpr((
-    "shl.b32 t, $2, 4; and.b32 t, t, 0x00F000F0; ",
+    "and.b32 t, $2, 0x000F000F; ",
     "and.b32 t, $2, 0x00F000F0; ",
-    "shr.b32 t, $2, 4; and.b32 t, t, 0x00F000F0; ",
-    "shr.b32 t, $2, 8; and.b32 t, t, 0x00F000F0; ",
+    "and.b32 t, $2, 0x000F000F; ",
+    "and.b32 t, $2, 0x00F000F0; ",
 ))
 
 
@@ -206,11 +212,14 @@ def _decode_mxfp4_bf16_plane_asm(words, PLANE: tl.constexpr, multiplier):
 def _placed_fma_asm(words, PLACES: tl.constexpr, PLANE: tl.constexpr, multiplier, bias):
     """``[BLOCK_N, 16]`` int32 words -> ``[BLOCK_N, 32]`` bf16: per word, the PTX ``PLACES[PLANE]`` puts the plane's
     two codes' bits into the two bf16 halves of ``t`` (scratch register ``s``), then one packed FMA,
-    ``t * multiplier + bias`` (``[BLOCK_N]`` int32, a bf16 in both halves, per row), gives the pair in feature order
-    (2i, 2i + 1)."""
+    ``t * multiplier + bias``, gives the pair in feature order (2i, 2i + 1). ``multiplier``, ``bias``: ``[BLOCK_N]``
+    int32, per row, the plane's bf16 in half ``PLANE % 2`` (low for even planes: the scales of groups 2j and 2j + 1
+    share a register). The FMA reads that half twice: ptxas makes it an operand swizzle, not an instruction."""
     place: tl.constexpr = PLACES[PLANE]
+    half: tl.constexpr = "{l, l}" if PLANE % 2 == 0 else "{h, h}"
     lo, hi = tl.inline_asm_elementwise(
-        "{ .reg .b32 s, t; " + place + "fma.rn.bf16x2 t, t, $3, $4; mov.b32 {$0, $1}, t; }",
+        "{ .reg .b32 s, t, m, b; .reg .b16 l, h; " + place + "mov.b32 {l, h}, $3; mov.b32 m, " + half + "; "
+        "mov.b32 {l, h}, $4; mov.b32 b, " + half + "; fma.rn.bf16x2 t, t, m, b; mov.b32 {$0, $1}, t; }",
         "=h,=h,r,r,r", [words, tl.broadcast_to(multiplier[:, None], words.shape),
                         tl.broadcast_to(bias[:, None], words.shape)], dtype=(tl.bfloat16, tl.bfloat16),
         is_pure=True, pack=1)
@@ -219,12 +228,18 @@ def _placed_fma_asm(words, PLACES: tl.constexpr, PLANE: tl.constexpr, multiplier
 
 @triton.jit
 def _decode_int4_bf16_plane_asm(words, PLANE: tl.constexpr, multiplier, bias):
-    """INT4 codes of plane PLANE for bf16 x in PTX, dequantized: ``round_bf16((code - 8) * s)``, one rounding.
+    """INT4 codes of plane PLANE for bf16 x in PTX, dequantized over 16: ``round_bf16((code - 8) * s) / 16``, one
+    rounding (the kernel multiplies its fp32 sums by 16).
 
-    The plane's two codes go to bits 4..7 of each bf16 half (one shift, one mask): that bf16 is ``code * 2**-129``
-    (a subnormal below code 8, normal from it on: the two meet without a gap). One packed FMA by ``multiplier``
-    (``s * 2**129`` in both halves) plus ``bias`` (``-8 s``) gives ``code * s - 8 s`` exactly, rounded once to bf16.
+    The plane's two codes are masked where they are, in the word (planes 0, 1) or in the word shifted right by 8
+    (planes 2, 3; one shift for both): at bits 0..3 of each bf16 half (even planes) that is ``code * 2**-133``, at bits
+    4..7 (odd planes) ``code * 2**-129``, subnormal or normal without a gap. One packed FMA by ``multiplier``
+    (``s * 2**129`` or ``s * 2**125``) plus ``bias`` (``-s / 2``) gives ``(code * s - 8 s) / 16`` exactly, rounded
+    once to bf16, the same bits as the product rounded, then over 16, where that is normal (every nonzero
+    |s| >= ``w4.INT4_FOLD_MIN_SCALE``).
     """
+    if PLANE >= 2:
+        words = words >> 8
     return _placed_fma_asm(words, _INT4_BF16_PLACE, PLANE, multiplier, bias)
 
 
@@ -272,14 +287,11 @@ def _split_groups(tile):
 
 
 @triton.jit
-def _group_scale(scale, W4: tl.constexpr, DTYPE: tl.constexpr, FOLD: tl.constexpr):
-    """A group's stored scales ``[BLOCK_N]`` as the dot takes them: fp32 (INT4 as stored; MXFP4 E8M0 bytes
-    ``2**(byte - 125)``, times 2**14 where x is bf16: its decoded values are 2**-14 times E2M1's,
-    ``_decode_16bit_pairs``), or with FOLD int32 holding ``2**(byte + 1)`` in both bf16 halves (the multiplier of
-    ``_decode_mxfp4_bf16_plane_asm``; bytes up to ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``)."""
-    if FOLD:
-        scale = (scale.to(tl.int32) + 128) * 0x800080  # ((byte + 1 + 127) << 7), twice
-    elif W4 == 2 and DTYPE == tl.bfloat16:
+def _group_scale(scale, W4: tl.constexpr, DTYPE: tl.constexpr):
+    """A group's stored scales ``[BLOCK_N]`` as the fp32 route's dot takes them: fp32, INT4 as stored, MXFP4 E8M0
+    bytes ``2**(byte - 125)``, times 2**14 where x is bf16 (its decoded values are 2**-14 times E2M1's,
+    ``_decode_16bit_pairs``)."""
+    if W4 == 2 and DTYPE == tl.bfloat16:
         scale = ((scale.to(tl.int32) + 16) << 23).to(tl.float32, bitcast=True)
     elif W4 == 2:
         scale = ((scale.to(tl.int32) + 2) << 23).to(tl.float32, bitcast=True)
@@ -318,37 +330,50 @@ def _folded_plane(words, PLANE: tl.constexpr, multiplier, bias, W4: tl.constexpr
 
 @triton.jit
 def _int4_fold_pair(word):
-    """Two stored INT4 bf16 scales (groups 2j: low half, 2j + 1: high) -> each group's decode multiplier ``s * 2**129``
-    and bias ``-8 s``, each in both bf16 halves of an int32 (``_decode_int4_bf16_plane_asm``'s). Packed multiplies,
-    exact for every |s| < 0.5 (zero and subnormal scales too), then byte permutes: 7 PTX instructions a word."""
+    """Two stored INT4 bf16 scales (groups 2j: low half, 2j + 1: high) -> the groups' decode multipliers (low
+    ``s * 2**129``, high ``s * 2**125``) and biases (``-s / 2``), each pair an int32
+    (``_decode_int4_bf16_plane_asm``'s). Three packed multiplies, exact for the scales ``W4Weight.foldable`` admits."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 m, b, big, four, neg8; mov.b32 big, 0x7F007F00; mov.b32 four, 0x40804080; "
-        "mov.b32 neg8, 0xC100C100; mul.rn.bf16x2 m, $4, big; mul.rn.bf16x2 m, m, four; mul.rn.bf16x2 b, $4, neg8; "
-        "prmt.b32 $0, m, 0, 0x1010; prmt.b32 $1, m, 0, 0x3232; prmt.b32 $2, b, 0, 0x1010; "
-        "prmt.b32 $3, b, 0, 0x3232; }",
-        "=r,=r,=r,=r,r", [word], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        "{ .reg .b32 big, shift, half; mov.b32 big, 0x7F007F00; mov.b32 shift, 0x3E804080; "
+        "mov.b32 half, 0xBF00BF00; mul.rn.bf16x2 $0, $2, big; mul.rn.bf16x2 $0, $0, shift; "
+        "mul.rn.bf16x2 $1, $2, half; }",
+        "=r,=r,r", [word], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _mxfp4_fold_pair(word, BYTES: tl.constexpr):
+    """Scale bytes BYTES (``"10"``: bytes 0 and 1, ``"32"``: 2 and 3) of ``word``, groups 2j and 2j + 1 -> their
+    ``2**(byte + 1)`` as bf16 in the low and high half (``_decode_mxfp4_bf16_plane_asm``'s multipliers):
+    ``(byte + 128) << 7``, no carry for bytes up to ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``. A byte permute puts the two
+    bytes at the bottom of the halves, one multiply-add shifts and offsets both."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; prmt.b32 t, $1, 0, 0x4" + BYTES[0] + "4" + BYTES[1] + "; mad.lo.u32 $0, t, 128, 0x40004000; }",
+        "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
 def _fold_multipliers(s_ptr, s_row0, kb, stride_s_b, offs_n, mask, W4: tl.constexpr):
-    """FOLD: k-block ``kb``'s 8 groups -> (multipliers, biases), 8 ``[BLOCK_N]`` int32 each, for ``_folded_plane``."""
-    if W4 == 2:  # the bytes' multipliers; the decode adds -0.0 (no bias)
-        tile = tl.load(s_ptr + s_row0 + kb * stride_s_b + offs_n[:, None] * 8 + tl.arange(0, 8)[None, :],
-                       mask=mask[:, None], other=0)
-        m0, m1, m2, m3, m4, m5, m6, m7 = _split_groups(_group_scale(tile, 2, tl.bfloat16, True))
-        b0, b1, b2, b3, b4, b5, b6, b7 = m0, m1, m2, m3, m4, m5, m6, m7
+    """FOLD: k-block ``kb``'s 8 groups -> (multipliers, biases), 8 ``[BLOCK_N]`` int32 each, for ``_folded_plane``:
+    group g's in half ``g % 2``, groups 2j and 2j + 1 sharing a register (INT4 as ``_int4_fold_pair``; MXFP4 as
+    ``_mxfp4_fold_pair``, whose decode adds -0.0: no bias)."""
+    if W4 == 2:  # a row's 8 scale bytes as 2 int32 words, four groups each
+        words = (s_ptr + s_row0 + kb * stride_s_b).to(tl.pointer_type(tl.int32), bitcast=True) + offs_n[:, None] * 2
+        w03, w47 = tl.split(tl.load(words + tl.arange(0, 2)[None, :], mask=mask[:, None], other=0))
+        m01, m23 = _mxfp4_fold_pair(w03, "10"), _mxfp4_fold_pair(w03, "32")
+        m45, m67 = _mxfp4_fold_pair(w47, "10"), _mxfp4_fold_pair(w47, "32")
+        b01 = tl.full(m01.shape, -2147450880, tl.int32)  # 0x80008000: -0.0 in both halves
+        b23, b45, b67 = b01, b01, b01
     else:  # a row's 8 bf16 scales as 4 int32 words, two groups each
-        words = (s_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (s_row0 + kb * stride_s_b) // 2
-                 + offs_n[:, None] * 4)
+        words = (s_ptr + s_row0 + kb * stride_s_b).to(tl.pointer_type(tl.int32), bitcast=True) + offs_n[:, None] * 4
         tile = tl.load(words + tl.arange(0, 4)[None, :], mask=mask[:, None], other=0)
         w02, w13 = tl.split(tl.reshape(tile, (tile.shape[0], 2, 2)))  # words 0 2 | 1 3
         w0, w2 = tl.split(w02)
         w1, w3 = tl.split(w13)
-        m0, m1, b0, b1 = _int4_fold_pair(w0)
-        m2, m3, b2, b3 = _int4_fold_pair(w1)
-        m4, m5, b4, b5 = _int4_fold_pair(w2)
-        m6, m7, b6, b7 = _int4_fold_pair(w3)
-    return (m0, m1, m2, m3, m4, m5, m6, m7), (b0, b1, b2, b3, b4, b5, b6, b7)
+        m01, b01 = _int4_fold_pair(w0)
+        m23, b23 = _int4_fold_pair(w1)
+        m45, b45 = _int4_fold_pair(w2)
+        m67, b67 = _int4_fold_pair(w3)
+    return (m01, m01, m23, m23, m45, m45, m67, m67), (b01, b01, b23, b23, b45, b45, b67, b67)
 
 
 @triton.jit
@@ -433,8 +458,10 @@ def _w4_gemm_kernel(
                         q = _folded_plane(words, plane, mults[half * 4 + plane], biases[half * 4 + plane], W4)
                         acc = tl.dot(q, x_t, acc)
                     else:
-                        scale = _group_scale(scales[half * 4 + plane], W4, x_t.dtype, False)
+                        scale = _group_scale(scales[half * 4 + plane], W4, x_t.dtype)
                         acc = _group_dot(acc, words, plane, x_t, scale, W4, UPCAST, IEEE_FP32, ASM)
+    if FOLD and W4 == 1:
+        acc = acc * 16.0  # the decode's 2**-4 (exact)
     c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 

@@ -26,8 +26,10 @@ MXFP4_MAX_SCALE_BYTE = 238
 # scales up to 2, i.e. groups with |w| below 12); weights with a larger byte keep the fp32 group scale
 MXFP4_FOLD_MAX_SCALE_BYTE = 126
 # INT4 with bf16 scales: the W4A16 kernel multiplies by ``s * 2**129`` in its bf16 decode, finite for |s| below this
-# (groups with |w| below 4); weights with a larger scale keep the fp32 group scale
+# (groups with |w| below 4), and decodes ``w / 16``, a normal bf16 (so rounded as w is) for every nonzero |s| from the
+# minimum on; weights with a scale outside keep the fp32 group scale
 INT4_FOLD_SCALE_LIMIT = 0.5
+INT4_FOLD_MIN_SCALE = 2.0**-122
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> |value|; bit 3 is the sign
 
 
@@ -182,8 +184,8 @@ class W4Weight:
         max_scale_byte: MXFP4's largest scale byte (0 for INT4). Given by the caller that read it already, else read
             here (a host sync, at load).
         foldable: whether the kernel may multiply the scales into its bf16 decode (bf16 x): MXFP4 bytes up to
-            ``MXFP4_FOLD_MAX_SCALE_BYTE``, INT4 bf16 scales below ``INT4_FOLD_SCALE_LIMIT`` (INT4: one reduction
-            and a host sync, at load).
+            ``MXFP4_FOLD_MAX_SCALE_BYTE``, INT4 bf16 scales below ``INT4_FOLD_SCALE_LIMIT`` and each 0 or at least
+            ``INT4_FOLD_MIN_SCALE`` (INT4: one reduction and a host sync, at load).
     """
 
     def __init__(self, fmt: str, words_eOw: torch.Tensor, block_scale: torch.Tensor, in_features: int,
@@ -196,7 +198,7 @@ class W4Weight:
         if fmt == "mxfp4":
             self.foldable = max_scale_byte <= MXFP4_FOLD_MAX_SCALE_BYTE
         else:
-            self.foldable = block_scale.dtype == torch.bfloat16 and _below(block_scale, INT4_FOLD_SCALE_LIMIT)
+            self.foldable = block_scale.dtype == torch.bfloat16 and _in_fold_range(block_scale)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -207,13 +209,14 @@ class W4Weight:
         return self.words_eOw.nbytes + self.block_scale.nbytes
 
 
-def _below(values: torch.Tensor, limit: float) -> bool:
-    """Whether every |value| is below ``limit`` (True when empty; a NaN is not below it). One reduction, a host sync
-    on a GPU."""
-    if values.numel() == 0:
+def _in_fold_range(scales: torch.Tensor) -> bool:
+    """Whether every |s| is below ``INT4_FOLD_SCALE_LIMIT`` and each is 0 or at least ``INT4_FOLD_MIN_SCALE`` (True
+    when empty; a NaN is not in it). One reduction, a host sync on a GPU."""
+    if scales.numel() == 0:
         return True
-    low, high = torch.aminmax(values)
-    return bool((low > -limit) & (high < limit))
+    magnitude = scales.abs()
+    low, high = torch.aminmax(torch.where(magnitude == 0, INT4_FOLD_MIN_SCALE, magnitude))
+    return bool((low >= INT4_FOLD_MIN_SCALE) & (high < INT4_FOLD_SCALE_LIMIT))
 
 
 def _codes(packed: torch.Tensor, fmt: str) -> torch.Tensor:

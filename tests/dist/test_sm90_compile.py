@@ -36,7 +36,8 @@ def test_kernels_compile_for_sm90_in_every_variant():
 
 def test_sass_report_counts_the_main_loop():
     """`--sass`: only the named cases, each with its registers and its main loop's opcodes (the 4-bit decode tile:
-    its dots are Hopper wgmma, its INT4 decode one lop3 and one packed FMA per word)."""
+    its dots are Hopper wgmma; its INT4 decode one lop3 and one packed FMA a plane, one shift a word, and no byte
+    permutes: each FMA reads its scale's bf16 half through an operand swizzle)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, WORKER, "--sass", "w4 int4 gate_up bf16"], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -48,6 +49,8 @@ def test_sass_report_counts_the_main_loop():
     assert sass["registers"] > 0 and sass["loop_instructions"] == sum(ops.values()) > 0, sass
     assert any(op.startswith("HGMMA") for op in ops), ops
     assert ops.get("HFMA2.BF16_V2", 0) > 0 and ops["HFMA2.BF16_V2"] <= ops.get("LOP3.LUT", 0), ops
+    assert sum(count for op, count in ops.items() if op.startswith("SHF")) <= ops["HFMA2.BF16_V2"] // 4, ops
+    assert "PRMT" not in ops, ops
 
 
 def test_sass_of_the_8_row_tiles():

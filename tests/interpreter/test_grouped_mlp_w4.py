@@ -17,9 +17,9 @@ from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
 from moe_ref.checkpoint.formats import (QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec,
                                         quantize_weight)
-from moe_ref.kernels.w4 import (MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, MXFP4_PLANE_BITS, W4Weight,
-                                block_major_scales, dequantize_int4, dequantize_mxfp4, dequantize_planes, e2m1_to_float,
-                                from_group_planes, pack_fp4, pack_int4, to_group_planes)
+from moe_ref.kernels.w4 import (INT4_FOLD_MIN_SCALE, MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, MXFP4_PLANE_BITS,
+                                W4Weight, block_major_scales, dequantize_int4, dequantize_mxfp4, dequantize_planes,
+                                e2m1_to_float, from_group_planes, pack_fp4, pack_int4, to_group_planes)
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_bitwise_equal, calc_diff
 
 gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
@@ -125,8 +125,10 @@ def test_group_planes_put_a_groups_feature_pairs_in_one_word():
 
 
 @pytest.mark.parametrize("fmt, scales, foldable", [
-    ("int4", torch.tensor([0.0, 2.0**-133, -0.498, 0.498]).bfloat16(), True),  # zero, subnormal, the largest below
+    ("int4", torch.tensor([0.0, 2.0**-122, -0.498, 0.498]).bfloat16(), True),  # zero, the smallest, the largest
     ("int4", torch.tensor([0.01, 0.5, 0.1, 0.2]).bfloat16(), False),  # s * 2**129 would overflow bf16
+    ("int4", torch.tensor([0.01, -2.0**-123, 0.1, 0.2]).bfloat16(), False),  # w / 16 could be a subnormal
+    ("int4", torch.tensor([0.01, 2.0**-133, 0.1, 0.2]).bfloat16(), False),
     ("int4", torch.tensor([0.01, 0.1, 0.2, -0.5]).bfloat16(), False),
     ("int4", torch.tensor([0.01, float("nan"), 0.1, 0.2]).bfloat16(), False),
     ("int4", torch.tensor([0.01, 0.02, 0.1, 0.2]).half(), False),  # the fold takes bf16 scales only
@@ -136,8 +138,9 @@ def test_group_planes_put_a_groups_feature_pairs_in_one_word():
 ])
 def test_w4_weight_says_whether_the_kernel_may_fold_its_scales(fmt, scales, foldable):
     """``W4Weight.foldable`` (read once, at load) picks the kernel's route for bf16 x: scales multiplied into the decode
-    (INT4 bf16 scales with |s| < ``INT4_FOLD_SCALE_LIMIT``, MXFP4 bytes up to ``MXFP4_FOLD_MAX_SCALE_BYTE``) or kept
-    in fp32 (any other, e.g. a group with |w| up to 4 or more, or fp16 scales)."""
+    (INT4 bf16 scales with |s| < ``INT4_FOLD_SCALE_LIMIT``, each 0 or at least ``INT4_FOLD_MIN_SCALE``; MXFP4 bytes up
+    to ``MXFP4_FOLD_MAX_SCALE_BYTE``) or kept in fp32 (any other, e.g. a group with |w| up to 4 or more, a scale so
+    small its weights would be subnormal, or fp16 scales)."""
     stored = torch.zeros(1, 1, 16, dtype=torch.int32) if fmt == "int4" else torch.zeros(1, 1, 64, dtype=torch.uint8)
     group_scales = scales.reshape(1, 1, 4)  # 128 input features
     assert to_group_planes(stored, group_scales, fmt).foldable is foldable
@@ -174,6 +177,24 @@ def _decode_plane_kernel(words_ptr, out_ptr, PLANE: tl.constexpr, W4: tl.constex
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+def _every_code_pair(fmt: str, plane: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All 256 (even, odd) code pairs of one plane, as the kernel loads them: (even codes ``[256]``, odd codes, int32
+    words ``[16, 16]``), the words carrying random codes of the other planes in their other bits."""
+    even, odd = torch.arange(256, dtype=torch.int32) // 16, torch.arange(256, dtype=torch.int32) % 16
+    other_planes = torch.randint(-2**31, 2**31 - 1, (256,), dtype=torch.int32,
+                                 generator=torch.Generator().manual_seed(seed))
+    if fmt == "int4":
+        mask = 0x000F000F << (4 * plane)
+        words = (((even | (odd << 16)) << (4 * plane)) | (other_planes & ~mask)).reshape(16, 16)
+    else:  # e|m and sign at the plane's offsets in each half (the layout test pins them)
+        em, sign = MXFP4_PLANE_BITS[plane]
+        mask = (0x00070007 << em) | (0x00010001 << sign)
+        pairs = even | (odd << 16)
+        placed = ((pairs & 0x00070007) << em) | (((pairs >> 3) & 0x00010001) << sign)
+        words = (placed | (other_planes & ~mask)).reshape(16, 16)
+    return even, odd, words
+
+
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
 @pytest.mark.parametrize("x_dtype", X_DTYPES)
 @pytest.mark.parametrize("asm", [False, True], ids=["triton", "ptx"])
@@ -185,17 +206,7 @@ def test_decode_is_exact_for_every_pair_of_codes(fmt, x_dtype, asm, plane, devic
     them. ``asm``: the GPU's PTX decode (INT4 in 16-bit dtypes, MXFP4 with bf16 x; the others ignore it)."""
     if asm and device == "cpu":
         pytest.skip("PTX runs on a GPU only (the interpreter runs the Triton decode, asm=False)")
-    even, odd = torch.arange(256, dtype=torch.int32) // 16, torch.arange(256, dtype=torch.int32) % 16
-    other_planes = torch.randint(-2**31, 2**31 - 1, (256,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    if fmt == "int4":
-        mask = 0x000F000F << (4 * plane)
-        words = (((even | (odd << 16)) << (4 * plane)) | (other_planes & ~mask)).reshape(16, 16)
-    else:  # e|m and sign at the plane's offsets in each half (the layout test pins them)
-        em, sign = MXFP4_PLANE_BITS[plane]
-        mask = (0x00070007 << em) | (0x00010001 << sign)
-        pairs = even | (odd << 16)
-        placed = ((pairs & 0x00070007) << em) | (((pairs >> 3) & 0x00010001) << sign)
-        words = (placed | (other_planes & ~mask)).reshape(16, 16)
+    even, odd, words = _every_code_pair(fmt, plane, seed=0)
     out = torch.empty(16, 32, dtype=x_dtype, device=device)
     _decode_plane_kernel[(1,)](words.to(device), out, PLANE=plane, W4=1 if fmt == "int4" else 2,
                                DTYPE=TL_DTYPES[x_dtype], ASM=asm)
@@ -206,21 +217,19 @@ def test_decode_is_exact_for_every_pair_of_codes(fmt, x_dtype, asm, plane, devic
 
 
 @triton.jit
-def _block_scales_kernel(scale_ptr, out_ptr, ROWS: tl.constexpr, W4: tl.constexpr, DTYPE: tl.constexpr,
-                         FOLD: tl.constexpr):
+def _block_scales_kernel(scale_ptr, out_ptr, ROWS: tl.constexpr, W4: tl.constexpr, DTYPE: tl.constexpr):
     rows = tl.arange(0, ROWS)
     scales = w4._load_block_scales(scale_ptr + rows[:, None] * 8 + tl.arange(0, 8)[None, :], 0, 0,
                                    (rows < ROWS)[:, None])
     for group in tl.static_range(8):
-        tl.store(out_ptr + rows * 8 + group, w4._group_scale(scales[group], W4, DTYPE, FOLD))
+        tl.store(out_ptr + rows * 8 + group, w4._group_scale(scales[group], W4, DTYPE))
 
 
-def _kernel_scales(scales_R8: torch.Tensor, w4_format: int, x_dtype, device, fold: bool = False) -> torch.Tensor:
-    """What the kernel multiplies by, per row and group, for one k-block's stored scales ``[R, 8]`` (fp32; FOLD: the
-    int32 bf16x2 multiplier)."""
-    out = torch.empty(scales_R8.shape[0] * 8, dtype=torch.int32 if fold else torch.float32, device=device)
+def _kernel_scales(scales_R8: torch.Tensor, w4_format: int, x_dtype, device) -> torch.Tensor:
+    """What the fp32 route multiplies its dots by, per row and group, for one k-block's stored scales ``[R, 8]``."""
+    out = torch.empty(scales_R8.shape[0] * 8, dtype=torch.float32, device=device)
     _block_scales_kernel[(1,)](scales_R8.contiguous().to(device), out, ROWS=scales_R8.shape[0], W4=w4_format,
-                               DTYPE=TL_DTYPES[x_dtype], FOLD=fold)
+                               DTYPE=TL_DTYPES[x_dtype])
     return out.cpu().reshape(-1, 8)
 
 
@@ -235,29 +244,89 @@ def _folded_plane_kernel(words_ptr, scale_ptr, out_ptr, PLANE: tl.constexpr, W4:
              w4._folded_plane(words, PLANE, mults[PLANE], biases[PLANE], W4))
 
 
+def _fold_scales(fmt: str, plane: int, gen: torch.Generator) -> torch.Tensor:
+    """A k-block's stored scales ``[16, 8]`` the fold takes, group ``plane``'s column at its edges. INT4 bf16: both
+    signs, zero, the smallest (``INT4_FOLD_MIN_SCALE``) and up to 0.498; MXFP4 bytes: 0, the largest, and between."""
+    if fmt == "mxfp4":
+        scales = torch.randint(0, MXFP4_FOLD_MAX_SCALE_BYTE + 1, (16, 8), dtype=torch.uint8, generator=gen)
+        scales[:, plane] = torch.tensor([0, 1, 2, 60, 100, 110, 120, 123, 124, 125, 126, 126, 3, 64, 90, 118])
+        return scales
+    exponents = torch.randint(-121, -2, (16, 8), generator=gen).float()
+    scales = (torch.rand(16, 8, generator=gen) + 1) * torch.exp2(exponents)
+    scales[:, plane] = torch.tensor([0.0, INT4_FOLD_MIN_SCALE, -INT4_FOLD_MIN_SCALE * 1.5, 2.0**-120, 0.498, -0.498,
+                                     1.0 / 3, 0.01, -0.01, 1e-3, 2.0**-20, -3e-5, 0.2, 0.1234, -0.3, 0.45])
+    return scales.bfloat16()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
 @pytest.mark.parametrize("plane", range(4))
-def test_int4_folded_decode_is_the_correctly_rounded_bf16_weight(plane, device):
-    """INT4 FOLD: every (even, odd) code pair of a plane, each row with its own bf16 scale (both signs; zero,
-    subnormal, up to the largest the fold takes), decoded and scaled in one PTX FMA -> bit for bit
-    ``bf16((code - 8) * s)``, the exact product rounded once; the words carry the other planes' codes."""
+def test_folded_decode_is_the_correctly_rounded_bf16_weight(fmt, plane, device):
+    """FOLD: every (even, odd) code pair of a plane, each row with its own scale at the fold's edges, decoded and
+    scaled in one PTX FMA -> bit for bit the bf16 weight: INT4 ``bf16((code - 8) * s) / 16`` (the exact product
+    rounded once, over the 16 the kernel multiplies its sums by), MXFP4 ``E2M1 * 2**(byte - 125)`` (exact). The words
+    carry the other planes' codes, the scales' other groups their own values."""
     if device == "cpu":
         pytest.skip("FOLD is PTX: it runs on a GPU only")
     gen = torch.Generator().manual_seed(plane)
-    even, odd = torch.arange(256, dtype=torch.int32) // 16, torch.arange(256, dtype=torch.int32) % 16
-    other_planes = torch.randint(-2**31, 2**31 - 1, (256,), dtype=torch.int32, generator=gen)
-    mask = 0x000F000F << (4 * plane)
-    words = (((even | (odd << 16)) << (4 * plane)) | (other_planes & ~mask)).reshape(16, 16)
-    exponents = torch.randint(-133, -2, (16, 8), generator=gen).float()
-    scales = (torch.rand(16, 8, generator=gen) + 1) * torch.exp2(exponents)
-    scales[:, plane] = torch.tensor([0.0, 2.0**-133, -2.0**-130, 2.0**-123, 0.498, -0.498, 1.0 / 3, 0.01, -0.01,
-                                     1e-3, 2.0**-20, -3e-5, 0.2, 0.1234, -0.3, 0.45])
-    scales = scales.bfloat16()
+    even, odd, words = _every_code_pair(fmt, plane, seed=plane)
+    scales = _fold_scales(fmt, plane, gen)
     out = torch.empty(16, 32, dtype=torch.bfloat16, device=device)
-    _folded_plane_kernel[(1,)](words.to(device), scales.to(device), out, PLANE=plane, W4=1)
-    codes = torch.stack([even, odd], dim=-1).reshape(16, 32).float() - 8
-    # + 0.0: where the product is 0 the FMA gives +0 (code * s - 8 s), torch -0 for a negative code or scale
-    expected = (codes * scales[:, plane].float()[:, None] + 0.0).bfloat16()
-    assert_bitwise_equal(out.cpu(), expected, plane=plane)
+    _folded_plane_kernel[(1,)](words.to(device), scales.to(device), out, PLANE=plane, W4=1 if fmt == "int4" else 2)
+    if fmt == "int4":
+        codes = torch.stack([even, odd], dim=-1).reshape(16, 32).float() - 8
+        # + 0.0: where the product is 0 the FMA gives +0 (code * s - 8 s), torch -0 for a negative code or scale
+        expected = ((codes * scales[:, plane].float()[:, None] + 0.0).bfloat16().float() / 16).bfloat16()
+    else:
+        values = torch.stack([e2m1_to_float(even.to(torch.uint8)), e2m1_to_float(odd.to(torch.uint8))], dim=-1)
+        expected = (values.reshape(16, 32) * torch.exp2(scales[:, plane].float() - 125)[:, None]).bfloat16()
+    assert_bitwise_equal(out.cpu(), expected, fmt=fmt, plane=plane)
+
+
+@triton.jit
+def _fold_multipliers_kernel(scale_ptr, mult_ptr, bias_ptr, W4: tl.constexpr):
+    rows = tl.arange(0, 16)
+    mults, biases = w4._fold_multipliers(scale_ptr, 0, 0, 0, rows, rows < 16, W4)
+    for group in tl.static_range(8):
+        tl.store(mult_ptr + rows * 8 + group, mults[group])
+        tl.store(bias_ptr + rows * 8 + group, biases[group])
+
+
+def _bf16_halves(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 words -> their (low, high) bf16 halves as fp32."""
+    return tuple(((words >> shift) & 0xFFFF).to(torch.int16).view(torch.bfloat16).float() for shift in (0, 16))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_fold_multipliers_put_each_group_in_its_half(fmt, device):
+    """FOLD's per-row multiplier and bias of group g sit in bf16 half ``g % 2`` (groups 2j, 2j + 1 share a register):
+    INT4 ``s * 2**129`` (even groups: codes at bits 0..3) or ``s * 2**125`` (odd: bits 4..7), bias ``-s / 2``; MXFP4
+    ``2**(byte + 1)`` for every byte at every group position, bias -0.0. One byte past ``MXFP4_FOLD_MAX_SCALE_BYTE``
+    overflows bf16, which is why the launcher keeps larger bytes on the fp32 route."""
+    if device == "cpu":
+        pytest.skip("FOLD is PTX: it runs on a GPU only")
+    if fmt == "mxfp4":  # every byte 0..127 at every group position
+        scales = torch.cat([torch.roll(torch.arange(128, dtype=torch.uint8), shift).reshape(16, 8)
+                            for shift in range(8)])
+        expected_mult = torch.exp2(scales.float() + 1)
+        expected_bias = torch.full(scales.shape, -0.0)
+    else:
+        gen = torch.Generator().manual_seed(0)
+        scales = torch.cat([_fold_scales("int4", plane, gen) for plane in range(8)])
+        multiplier = torch.exp2(torch.tensor([129.0, 125.0] * 4, dtype=torch.float64))  # 2**129 is past fp32's range
+        expected_mult = (scales.double() * multiplier).float()
+        expected_bias = -scales.float() / 2
+    mults, biases = (torch.empty(scales.shape, dtype=torch.int32, device=device) for _ in range(2))
+    for block in range(0, scales.shape[0], 16):
+        _fold_multipliers_kernel[(1,)](scales[block:block + 16].contiguous().to(device), mults[block:block + 16],
+                                       biases[block:block + 16], W4=1 if fmt == "int4" else 2)
+    half = torch.arange(8) % 2 == 1  # odd groups: the high half
+    (mult_lo, mult_hi), (bias_lo, bias_hi) = _bf16_halves(mults.cpu()), _bf16_halves(biases.cpu())
+    got_mult, got_bias = torch.where(half, mult_hi, mult_lo), torch.where(half, bias_hi, bias_lo)
+    ok = scales <= MXFP4_FOLD_MAX_SCALE_BYTE if fmt == "mxfp4" else torch.ones(scales.shape, dtype=torch.bool)
+    assert_bitwise_equal(got_mult[ok], expected_mult[ok], fmt=fmt)
+    assert_bitwise_equal(got_bias[ok], expected_bias[ok], fmt=fmt)
+    if fmt == "mxfp4":
+        assert torch.isinf(got_mult[scales == MXFP4_FOLD_MAX_SCALE_BYTE + 1]).all()
 
 
 @triton.jit
@@ -291,20 +360,6 @@ def test_mxfp4_scale_bytes_decode_exactly(x_dtype, device):
         ok = scales <= MXFP4_MAX_SCALE_BYTE + 1  # 239 too: 2**128 overflows to inf, in the kernel as in fp32
         expected = torch.exp2(scales.double() - 125 + unit).float()
         assert_bitwise_equal(_kernel_scales(scales, 2, x_dtype, device)[ok], expected[ok], x_dtype=x_dtype)
-
-
-def test_mxfp4_folded_scale_is_the_bf16_power_of_two(device):
-    """FOLD: scale byte b -> ``2**(b + 1)`` as a bf16 in both halves of an int32, for every byte up to
-    MXFP4_FOLD_MAX_SCALE_BYTE (the decode's 2**-126 * E2M1 times it is ``E2M1 * 2**(b - 125)``); one byte more
-    overflows bf16, which is why the launcher keeps larger bytes on the fp32 route."""
-    top = MXFP4_FOLD_MAX_SCALE_BYTE
-    scales = torch.arange(0, 128, dtype=torch.uint8).reshape(16, 8)
-    got = _kernel_scales(scales, 2, torch.bfloat16, device, fold=True)
-    halves = torch.stack([got & 0xFFFF, (got >> 16) & 0xFFFF], dim=-1).to(torch.int16).view(torch.bfloat16).float()
-    expected = torch.exp2(scales.float() + 1)
-    ok = scales <= top
-    assert torch.equal(halves[..., 0][ok], expected[ok]) and torch.equal(halves[..., 1][ok], expected[ok])
-    assert torch.isinf(halves[..., 0][scales == top + 1]).all()
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
