@@ -19,24 +19,26 @@ Why a kernel of its own, and its weight layout. Decoding 4-bit weights is cheap 
 registers the tensor cores read; a decoded tile that goes back through shared memory costs more than the bytes it
 saves. Triton keeps the decode in the MMA's register layout when (a) the weight is the MMA's A operand (the kernel
 computes ``out.T = W @ x.T``: on Hopper ``wgmma`` takes A from registers, B from shared memory) and (b) the decode
-is elementwise on the loaded words (a per-row operand broadcast along them is fine). With bf16 x the decode's last
-packed FMA also applies the group's scale (``FOLD``): MXFP4's is a power of two, so its weights come out exact in bf16;
-INT4's gives ``bf16((code - 8) * s)``, the product rounded once (the bf16 weights compressed-tensors' own dequantization
-gives, and the peers' W4A16 kernels use), over 16: the power of two that lets each plane be read where it lies, which
-the kernel takes back from its fp32 sums. The dots then accumulate in place, none waiting for its result; on the
-16-row wgmma tiles one dot takes the 4 groups of a half block, their decoded planes put side by side in registers
-(``ONE_DOT``). At 512 rows of 48 Kimi-K2 experts this took INT4 from 453.6 to 400.0 us at the best forced tiles, and
-(16, 64, 4, 2) from 435 to 378 sm_90a instructions a k-block (2026-12-02, one H200; docs/RESULTS.md, "INT4 scales
-folded into the decode"). Two masks and one shift a word instead of four masks and three shifts, and each FMA reading
-its group's scale from one bf16 half of a register two groups share (an operand swizzle, where byte permutes copied it
-into both halves), then took (16, 64, 4, 3) from 399 to 328 instructions and INT4 from 395.9 to 374.0 us; MXFP4's
-multipliers, two instructions a pair of groups, from 395.2 to 388.5 us (docs/RESULTS.md, "INT4 planes read where they
-lie"). Scales the bf16 FMA cannot hold (INT4 |s| >= ``w4.INT4_FOLD_SCALE_LIMIT``, nonzero below
-``w4.INT4_FOLD_MIN_SCALE`` or not bf16, MXFP4 bytes above ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``: ``W4Weight.foldable``), and
-fp16/fp32 x, take the fp32 route: one dot per group of 32 input features, its scale multiplying the dot's fp32
-result.
+is elementwise on the loaded words (a per-row operand broadcast along them is fine).
 
-That needs each group's 32 codes together, in the order the MMA's registers take them:
+With bf16 x the decode's last packed FMA also applies the group's scale (``FOLD``), so the dots accumulate in place,
+none waiting for its result, and on the 16-row wgmma tiles one dot takes the 4 groups of a half block, their decoded
+planes put side by side in registers (``ONE_DOT``):
+- MXFP4: the scale is a power of two, so the weights come out exact in bf16.
+- INT4: ``bf16((code - 8) * s) / 16``, the product rounded once (the bf16 weights compressed-tensors' own
+  dequantization gives, and the peers' W4A16 kernels use) over 16, the power of two that lets each plane be read
+  where it lies in its word; the kernel multiplies its fp32 sums by 16.
+- Each FMA reads its group's multiplier from one bf16 half of a register two groups share (an operand swizzle).
+- Scales the bf16 FMA cannot hold (INT4 |s| >= ``w4.INT4_FOLD_SCALE_LIMIT``, nonzero below ``w4.INT4_FOLD_MIN_SCALE``
+  or not bf16, MXFP4 bytes above ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``: ``W4Weight.foldable``), and fp16/fp32 x, take the
+  fp32 route: one dot per group of 32 input features, its scale multiplying the dot's fp32 result.
+Measured at 512 rows of 48 Kimi-K2 experts, best forced tiles (2026-12-02, one H200; docs/RESULTS.md): the fold took
+INT4 from 453.6 to 400.0 us ("INT4 scales folded into the decode"); reading the planes where they lie and the scales
+from one half took it from 395.9 to 374.0 us in one run, (16, 64, 4, 3) from 399 to 328 sm_90a instructions a
+k-block, and MXFP4 (its multipliers two instructions a pair of groups) from 395.2 to 388.5 us ("INT4 planes read
+where they lie").
+
+The decode in the MMA's registers needs each group's 32 codes together, in the order the registers take them:
 ``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of
 256 input features (8 groups), word i of half h holds feature 2i of group ``4 h + p`` (plane p) in its low 16 bits and
 feature 2i + 1 in its high 16 bits: INT4 in nibble p of each half, so ``(word >> 4 p) & 0x000F000F`` is the pair;
@@ -51,7 +53,7 @@ are exact in x's dtype and each group's dot accumulates in fp32 and is scaled in
 weights: calc_diff 2.8e-6 against 5.8e-6 for INT4 at Kimi-K2's shape). The twin (``grouped_mlp_w4_ref``) multiplies
 by the exactly dequantized fp32 weights, so kernel and twin differ by fp32 summation order, INT4's weight rounding and
 the roundings of h and y to x's dtype that follow: tests compare them with a tolerance, and the decode itself bit for
-bit (INT4 folded: against torch's ``bf16((code - 8) * s)``).
+bit (INT4 folded: against torch's ``bf16((code - 8) * s) / 16``).
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features. Suffixes of a stored last dim: ``q`` the checkpoint's packed width,
