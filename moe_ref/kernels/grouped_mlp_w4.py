@@ -82,6 +82,7 @@ __all__ = ["TILES", "clear_tuned_tiles", "grouped_mlp_w4", "grouped_mlp_w4_ref",
 
 _FORMATS = {"int4": 1, "mxfp4": 2}  # the kernel's W4 flag
 _MXFP4_PLANE_BITS = tl.constexpr(MXFP4_PLANE_BITS)  # read by the Triton decode
+_NEG_ZERO_BF16X2 = tl.constexpr(-2147450880)  # 0x80008000: -0.0 in both bf16 halves, MXFP4's decode bias
 # The PTX that puts plane p's two codes into the bf16 halves of register t, per plane (``_placed_fma_asm``):
 # MXFP4's e|m at bits 6..8 and its sign at bit 15 (``_decode_mxfp4_bf16_plane_asm``); INT4's code at bits 0..3 (even
 # planes) or 4..7 (odd planes), planes 2 and 3 from the word shifted right by 8 (``_decode_int4_bf16_plane_asm``)
@@ -207,7 +208,7 @@ def _decode_mxfp4_bf16_plane_asm(words, PLANE: tl.constexpr, multiplier):
     0x8040 (-2**-127) -> times 2**112: -2**-15 = -0.5 * 2**-14.
     """
     return _placed_fma_asm(words, _MXFP4_BF16_PLACE, PLANE, multiplier,
-                           tl.full(multiplier.shape, -2147450880, tl.int32))  # 0x80008000: -0.0 in both halves
+                           tl.full(multiplier.shape, _NEG_ZERO_BF16X2, tl.int32))
 
 
 @triton.jit
@@ -363,7 +364,7 @@ def _fold_multipliers(s_ptr, s_row0, kb, stride_s_b, offs_n, mask, W4: tl.conste
         w03, w47 = tl.split(tl.load(words + tl.arange(0, 2)[None, :], mask=mask[:, None], other=0))
         m01, m23 = _mxfp4_fold_pair(w03, "10"), _mxfp4_fold_pair(w03, "32")
         m45, m67 = _mxfp4_fold_pair(w47, "10"), _mxfp4_fold_pair(w47, "32")
-        b01 = tl.full(m01.shape, -2147450880, tl.int32)  # 0x80008000: -0.0 in both halves
+        b01 = tl.full(m01.shape, _NEG_ZERO_BF16X2, tl.int32)
         b23, b45, b67 = b01, b01, b01
     else:  # a row's 8 bf16 scales as 4 int32 words, two groups each
         words = (s_ptr + s_row0 + kb * stride_s_b).to(tl.pointer_type(tl.int32), bitcast=True) + offs_n[:, None] * 4
