@@ -33,10 +33,10 @@ class W4A16Experts(Experts):
 
     Activations stay bf16/fp16/fp32 (``x_PDx``'s dtype); the dots accumulate in fp32, and h and y are rounded to
     x's dtype. With bf16 x the decode applies the group scale: MXFP4's weights come out exact in bf16, INT4's as
-    ``bf16((code - 8) * s)`` (compressed-tensors' own bf16 dequantization). Otherwise (fp16/fp32 x, INT4 scales of
-    0.5 or more) each group of 32 input features is one dot of exact 4-bit values, scaled in fp32
-    (``kernels.grouped_mlp_w4`` says why). Segments may start anywhere (the kernel masks rows itself), as for
-    ``TritonExperts``.
+    ``bf16((code - 8) * s)`` (compressed-tensors' own bf16 dequantization). Otherwise (fp16/fp32 x, INT4 scales
+    outside ``W4Weight.foldable``'s range: |s| of 0.5 or more, or nonzero below 2**-122) each group of 32 input
+    features is one dot of exact 4-bit values, scaled in fp32 (``kernels.grouped_mlp_w4`` says why). Segments may
+    start anywhere (the kernel masks rows itself), as for ``TritonExperts``.
 
     The kernel reads the 4-bit words in its own nibble order: ``qweights.group_planes()`` gives views where
     ``qweights`` holds them so already (the layer rewrites its own in place: ``with_group_planes``), else copies
