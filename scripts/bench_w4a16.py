@@ -14,9 +14,9 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
     int4_w4a16  make_quantized_experts(int4_group weights), bf16 activations
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
 The 4-bit paths are `W4A16Experts` on `moe_ref.kernels.grouped_mlp_w4`: the stored weights laid out once
-(`to_group_planes`: a group's 32 features in 16 words, as the decode's register pairs; scales block-major), then
-autotuned launches (gate_up, SiLU, down) that decode the 4-bit codes in the registers the tensor cores read, the
-group scale applied by the decode's last bf16 FMA (MXFP4 exactly, INT4 rounded once to bf16).
+(`to_group_planes`: a group's 32 features in 16 words, as the decode's register pairs; scales block-major), then two
+autotuned launches (gate_up with the SiLU in its epilogue, then down) that decode the 4-bit codes in the registers the
+tensor cores read, the group scale applied by the decode's last bf16 FMA (MXFP4 exactly, INT4 rounded once to bf16).
 The experts get the layout the layer's dispatch hands them (static rows hint, unused rows not zeroed: no host sync).
 Per case: us (moe_ref.testing.bench with host_ahead: GPU time, calls queued back to back, L2 flushed) of the eager
 call and of the same call captured once in a CUDA graph and replayed (moe_ref.testing.graphed), speedup vs bf16 of
@@ -28,8 +28,9 @@ markdown, when no launch of that key was tuned, e.g. the experts ran another ker
 --sweep: per 4-bit format, rows and GEMM, every tile autotune tries in that regime (`grouped_mlp_w4.tiles_for`: the
 BLOCK_M 8 and 16 `TILES` up to 4 rows per expert, BLOCK_M 16 up to 16, the larger ones above), forced through
 `launch_w4_gemm(..., tile=tile)` on the format's planes (`to_group_planes` of the same stored weights, built once per
-format) and timed alone; each checked against the autotuned launch's output (calc_diff < 1e-4; down reads h, the
-activation of the autotuned gate_up's output). A tile that fails to compile or launch is recorded with its error.
+format) and timed alone; each checked against the autotuned launch's output (calc_diff < 1e-4; gate_up writes h, the
+SiLU of its gate and up sums; down reads the autotuned gate_up's h). A tile that fails to compile or launch is recorded
+with its error.
 The best per (format, rows, GEMM) goes into the JSON and the markdown.
 
 Peer anchor (--peer, default the first peer file): the INT4 W4A16 Triton kernel SGLang and vLLM ship (`fused_moe_kernel_gptq_awq`, read
@@ -64,9 +65,7 @@ from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
 from moe_ref.kernels.fp8 import quantize_fp8_per_128  # noqa: E402
-from moe_ref.kernels.gated_act import gated_activation_rows  # noqa: E402
 from moe_ref.kernels.grouped_mlp_w4 import launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
-from moe_ref.kernels.pool_rows import pool_row_experts  # noqa: E402
 from moe_ref.kernels.w4 import W4Weight  # noqa: E402
 from moe_ref.testing import bench as _bench_calls, calc_diff, graphed  # noqa: E402
 
@@ -226,11 +225,12 @@ def _gemm_weights(q: QuantizedExpertWeights, gemm: str) -> tuple[torch.Tensor, t
 
 
 def _launch(case: dict, weight: W4Weight, gemm: str, a: torch.Tensor, out: torch.Tensor, tile: tuple | None = None):
-    """One GEMM of this script's shape through ``launch_w4_gemm`` (autotuned, or the forced ``tile``): gate_up reads
-    x ``[P, D]`` into gate_up ``[P, 2F]`` (fp32, as ``grouped_mlp_w4`` keeps it), down reads h ``[P, F]`` into
-    y ``[P, D]``."""
+    """One GEMM of this script's shape through ``launch_w4_gemm`` (autotuned, or the forced ``tile``), as
+    ``grouped_mlp_w4`` runs it: gate_up reads x ``[P, D]`` into h ``[P, F]`` (SiLU of its gate and up sums, x's dtype),
+    down reads h into y ``[P, D]``."""
     layout = case["layout"]
-    return launch_w4_gemm(a, weight, out, layout.row_start_e, layout.num_rows_e, rows_hint=case["rows"], tile=tile)
+    return launch_w4_gemm(a, weight, out, layout.row_start_e, layout.num_rows_e, rows_hint=case["rows"], tile=tile,
+                          activation="silu" if gemm == "gate_up" else "none")
 
 
 def api_row(name: str, experts, weight_bytes: int, reference, case: dict,
@@ -278,17 +278,15 @@ def run_sweep(cases: list[dict], quantized: dict, args, results: dict) -> None:
 
 def _autotuned_refs(case: dict, planes: dict[str, W4Weight]) -> dict[str, dict]:
     """``{gemm: dict(a, out, us, label)}`` of the autotuned launches at one case: each GEMM's input, its output (gate_up
-    ``[P, 2F]`` fp32; down's y ``[P, D]``, from h, the activation of gate_up), its time and the tile autotune chose."""
-    x, layout = case["x"], case["layout"]
-    gate_up = torch.empty(x.shape[0], 2 * INTER, dtype=torch.float32, device=x.device)
+    h ``[P, F]``; down's y ``[P, D]``, from that h), its time and the tile autotune chose."""
+    x = case["x"]
+    h = torch.empty(x.shape[0], INTER, dtype=x.dtype, device=x.device)
     y = torch.empty_like(x)
-    _launch(case, planes["gate_up"], "gate_up", x, gate_up)
-    h, _ = gated_activation_rows(gate_up, group_P=pool_row_experts(layout.row_start_e, layout.num_rows_e, x.shape[0]),
-                                 out_dtype=x.dtype)
+    _launch(case, planes["gate_up"], "gate_up", x, h)
     _launch(case, planes["down"], "down", h, y)
     chosen = autotuned_tiles(case["rows"], planes["gate_up"].block_scale.dtype)
     refs = {}
-    for gemm, a, out in (("gate_up", x, gate_up), ("down", h, y)):
+    for gemm, a, out in (("gate_up", x, h), ("down", h, y)):
         scratch = out.clone()  # timed launches write here: `out` stays the checked reference
         refs[gemm] = dict(a=a, out=out, us=bench(lambda: _launch(case, planes[gemm], gemm, a, scratch)),
                           label=tile_label(chosen[gemm]))

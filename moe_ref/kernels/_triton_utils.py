@@ -90,6 +90,17 @@ def tanh(x):
 
 
 @triton.jit
+def split_halves(gate_up):
+    """`[M, 2W]`, W gate columns then their W up columns -> (gate `[M, W]`, up `[M, W]`)."""
+    halves = tl.reshape(gate_up, (gate_up.shape[0], 2, gate_up.shape[1] // 2))
+    return tl.split(tl.permute(halves, (0, 2, 1)))
+
+
+# `gated_act`'s ACTIVATION flag per activation name (0: none, the GEMM's output as it is)
+ACTIVATION_CODES = {"none": 0, "silu": 1, "situ": 2}
+
+
+@triton.jit
 def gated_act(gate, up, situ_beta, situ_linear_beta, ACTIVATION: tl.constexpr, SITU_LINEAR: tl.constexpr):
     """fp32 ``h = act(gate, up)`` as ``moe_ref.core.activations.gated_activation``: ACTIVATION 1 ``silu(gate) * up``,
     2 SiTU ``beta * tanh(gate / beta) * sigmoid(gate) * up'`` with ``up' = lb * tanh(up / lb)`` when SITU_LINEAR (else

@@ -28,12 +28,13 @@ import triton.language as tl
 
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import ShapeError
-from moe_ref.kernels._triton_utils import FP8_DTYPE, cdiv, check_device, gated_act, num_fp8_groups, quantize_e4m3
+from moe_ref.kernels._triton_utils import (ACTIVATION_CODES, FP8_DTYPE, cdiv, check_device, gated_act, num_fp8_groups,
+                                           quantize_e4m3)
 from moe_ref.kernels.launch import launch
 
 __all__ = ["gated_activation_rows", "gated_activation_rows_ref", "valid_rows_P"]
 
-_ACTIVATIONS = {"silu": 1, "situ": 2}
+_ACTIVATIONS = {name: code for name, code in ACTIVATION_CODES.items() if code}  # gated ones only
 # (rows per program, num_warps): one program computes that many rows x one 128-column group
 DEFAULT_TILE = (16, 4)
 

@@ -40,6 +40,7 @@ from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
 
 from moe_ref.kernels._triton_utils import (
+    ACTIVATION_CODES,
     FP8_DTYPE,
     cdiv,
     check_device,
@@ -49,6 +50,7 @@ from moe_ref.kernels._triton_utils import (
     next_power_of_2,
     num_fp8_groups,
     quantize_e4m3,
+    split_halves,
 )
 from moe_ref.kernels import grouped_mlp_tiles as tiles
 from moe_ref.kernels.grouped_mlp_tiles import GATE_UP_BLOCK
@@ -63,20 +65,12 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
 __all__ = ["GATE_UP_BLOCK", "SCHEDULES", "autotuned_kernel", "clear_tuned_configs", "deinterleave_gate_up", "grouped_mlp",
            "grouped_mlp_ref", "interleave_gate_up", "launch_gemm"]
 
-_ACTIVATIONS = {"none": 0, "silu": 1, "situ": 2}
 SCHEDULES = ("grid", "hinted", "persistent")  # how many programs a launch has (module docstring)
 
 
 # --------------------------------------------------------------------------------------------------
 # Triton kernel
 # --------------------------------------------------------------------------------------------------
-@triton.jit
-def _split_halves(gate_up):
-    """`[M, 2W]`, W gate columns then their W up columns -> (gate `[M, W]`, up `[M, W]`)."""
-    halves = tl.reshape(gate_up, (gate_up.shape[0], 2, gate_up.shape[1] // 2))
-    return tl.split(tl.permute(halves, (0, 2, 1)))
-
-
 @triton.jit
 def _load_b_tile(b_desc, b_base, b_scale_base, expert_row0, first_row, num_b_rows, k0, K, stride_b_n, stride_b_scale_n,
                  USE_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr, WIDTH: tl.constexpr):
@@ -305,7 +299,7 @@ def _gemm_tile(
                     acc_up = _mma(a, b_up, acc_up, IEEE_FP32)
         a_ptrs += BLOCK_K
     if ACTIVATION != 0 and INTERLEAVED:
-        acc, acc_up = _split_halves(acc_halves)
+        acc, acc_up = split_halves(acc_halves)
 
     # --- epilogue: activation (fp32), optional fp8 re-quantization, store ----------------------------
     acc = gated_act(acc, acc_up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
@@ -477,7 +471,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     b_scale = dummy if b_scale is None else b_scale
     c_scale = dummy if c_scale is None else c_scale
     flags = dict(
-        ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
+        ACTIVATION=ACTIVATION_CODES[activation], INTERLEAVED=interleaved, SITU_LINEAR=bool(situ_linear_beta), FP8=fp8,
         QUANT_OUT=quant_out, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=next_power_of_2(num_experts),
         PERSISTENT=schedule != "grid", ADD=add is not None,

@@ -5,15 +5,17 @@
 The same MLP as ``moe_ref.kernels.grouped_mlp`` (GEMM1 gate||up, the activation, then GEMM2, on an expert-major
 pool), with the weights kept 4-bit in memory and decoded in registers:
 
-    gate_up[r] = sum_g s_gate_up[g] * (x[r, g] @ q_gate_up[:, g].T)      (fp32, ``_w4_gemm_kernel``)
-    h[r] = act(gate_up[r, :F], gate_up[r, F:])                           (``kernels.gated_act``, rounded to x's dtype)
+    gate_up[r] = sum_g s_gate_up[g] * (x[r, g] @ q_gate_up[:, g].T)      (fp32 sums, ``_w4_gemm_kernel``)
+    h[r] = act(gate_up[r, :F], gate_up[r, F:])                           (its epilogue, rounded to x's dtype)
     y[r] = sum_g s_down[g] * (h[r, g] @ q_down[:, g].T)                  g: the groups of 32 input features
 
-The activation is a kernel of its own, not GEMM1's epilogue. At decode, a GEMM1 whose programs each compute one
-weight tile (one accumulator, one weight stream) ran 1-6% faster than one whose programs compute a gate tile and its
-up tile. The whole MLP came out the same within the spread between calls: the round trip of gate_up is small beside
-the weights (2026-12-02, one H200; docs/RESULTS.md, "The 4-bit GEMM1 without its fused activation"). So the kernel
-stays the simpler one.
+GEMM1 and the activation are one launch, GEMM2 the other. A GEMM1 program's BLOCK_N weight rows are BLOCK_N / 2 gate
+rows and the up rows of the same output features: its main loop is the plain GEMM's (one weight stream, one
+accumulator), and the epilogue pairs the accumulator's two halves. A program with a gate tile and an up tile (two
+streams, two accumulators) ran 1-6% slower at decode than the plain GEMM with the activation a kernel of its own
+(docs/RESULTS.md, "The 4-bit GEMM1 without its fused activation"); this one saves that kernel and the fp32 round
+trip of ``[P, 2F]``: 386.2 -> 363.8 us for MXFP4 at 512 rows of 48 Kimi-K2 experts at the tile autotune picks
+(2026-12-02, one H200; docs/RESULTS.md, "GEMM1's activation in its epilogue, one weight stream").
 
 Why a kernel of its own, and its weight layout. Decoding 4-bit weights is cheap only where it happens in the
 registers the tensor cores read; a decoded tile that goes back through shared memory costs more than the bytes it
@@ -69,11 +71,10 @@ import triton.language as tl
 
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
-from moe_ref.kernels._triton_utils import cdiv, check_device, is_interpreter, launch_options, next_power_of_2
-from moe_ref.kernels.gated_act import gated_activation_rows
+from moe_ref.kernels._triton_utils import (ACTIVATION_CODES, cdiv, check_device, gated_act, is_interpreter,
+                                           launch_options, next_power_of_2, split_halves)
 from moe_ref.kernels.grouped_mlp import expert_block_rows, expert_table
 from moe_ref.kernels.launch import launch
-from moe_ref.kernels.pool_rows import pool_row_experts
 from moe_ref.kernels.w4 import (MXFP4_PLANE_BITS, PLANE_BLOCK, WORDS_PER_BLOCK,
                                W4Weight, dequantize_planes)
 
@@ -402,8 +403,11 @@ def _w4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, c_ptr, row_start_ptr, num_rows_ptr,
     R, N, K, num_blocks_k, num_experts,
     rows_hint,                     # autotune key only (unused in the body)
+    situ_beta, situ_linear_beta,
     stride_x_r, stride_w_e, stride_w_n, stride_s_e, stride_s_b, stride_c_r,
     W4: tl.constexpr,              # 1 INT4, 2 MXFP4
+    ACTIVATION: tl.constexpr,      # 0: c = x @ W_e.T; 1 silu, 2 situ: W_e has 2N rows (gate, up), c = act(gate, up)
+    SITU_LINEAR: tl.constexpr,     # situ: squash up too (situ_linear_beta != 0)
     IEEE_FP32: tl.constexpr,       # fp32 x: ieee dots
     UPCAST: tl.constexpr,          # interpreter: dots in fp32 (its 16-bit dot is wrong)
     EVEN_K: tl.constexpr,          # K % 256 == 0: x's loads need no column mask (and stay vectorized, so pipelined)
@@ -413,10 +417,13 @@ def _w4_gemm_kernel(
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
     FOLD: tl.constexpr,            # bf16 x, a GPU, W4Weight.foldable: the decode applies the scales
 ):
-    """``c = x @ W_e.T`` on each expert's rows. One program = BLOCK_N output features x BLOCK_M rows of one expert,
-    as ``acc.T [BLOCK_N, BLOCK_M]`` = the decoded weight tile (A, registers) @ x's tile transposed (B).
+    """``c = x @ W_e.T`` (or ``act(gate, up)``) on each expert's rows. One program = BLOCK_N weight rows x BLOCK_M rows
+    of one expert, as ``acc.T [BLOCK_N, BLOCK_M]`` = the decoded weight tile (A, registers) @ x's tile transposed (B).
+    Gated, the tile's weight rows are OUT_N = BLOCK_N / 2 gate rows and the up rows of the same output features, so
+    the main loop is the plain GEMM's (one weight stream, one accumulator) and the epilogue pairs the halves.
     The expert table is found on the device (``grouped_mlp.expert_table``, upper-bound grid, surplus exits)."""
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    OUT_N: tl.constexpr = BLOCK_N // 2 if ACTIVATION != 0 else BLOCK_N  # output features per program
+    num_pid_n = tl.cdiv(N, OUT_N)
     offs_e, num_rows_e, num_blocks_e, block_end_e = expert_table(num_rows_ptr, num_experts, BLOCK_M, BLOCK_E)
     pid_m = tl.program_id(0) // num_pid_n
     pid_n = tl.program_id(0) % num_pid_n
@@ -424,7 +431,13 @@ def _w4_gemm_kernel(
         return
     expert, _, rows, mask_m = expert_block_rows(pid_m, offs_e, num_rows_e, num_blocks_e, block_end_e, row_start_ptr, R,
                                                 BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ACTIVATION != 0:  # weight row j: the gate (j < OUT_N) or up row (N further on) of output feature offs_n[j]
+        offs_j = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * OUT_N + offs_j % OUT_N
+        w_row = offs_n + (offs_j // OUT_N) * N
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_row = offs_n
     mask_n = offs_n < N
     offs_w = tl.arange(0, 16)
     # FOLD on the 16-row wgmma tiles (BLOCK_N >= 64): the weights come out of the decode scaled, so one dot takes a
@@ -434,15 +447,15 @@ def _w4_gemm_kernel(
     # BLOCK_M 16 at 512 rows (2026-12-02, one H200).
     ONE_DOT: tl.constexpr = FOLD and BLOCK_M == 16 and BLOCK_N >= 64
     offs_k = tl.arange(0, 128 if ONE_DOT else 32)
-    w_rows = w_ptr + expert * stride_w_e + offs_n[:, None] * stride_w_n + offs_w[None, :]
-    s_rows = s_ptr + expert * stride_s_e + offs_n[:, None] * 8 + tl.arange(0, 8)[None, :]
+    w_rows = w_ptr + expert * stride_w_e + w_row[:, None] * stride_w_n + offs_w[None, :]
+    s_rows = s_ptr + expert * stride_s_e + w_row[:, None] * 8 + tl.arange(0, 8)[None, :]
     x_cols = x_ptr + rows[None, :] * stride_x_r + offs_k[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kb in range(0, num_blocks_k):
         # a k-block's scales load in the loop step that uses them: loaded a step ahead they would stay live across the
         # step (92 registers against 80), and INT4 ran 5% slower so (2026-12-02, one H200)
         if FOLD:
-            mults, biases = _fold_multipliers(s_ptr, expert * stride_s_e, kb, stride_s_b, offs_n, mask_n, W4)
+            mults, biases = _fold_multipliers(s_ptr, expert * stride_s_e, kb, stride_s_b, w_row, mask_n, W4)
         else:
             scales = _load_block_scales(s_rows, kb, stride_s_b, mask_n[:, None])
         for half in tl.static_range(2):  # 16 words: groups 4 half .. 4 half + 3 of this block
@@ -465,8 +478,15 @@ def _w4_gemm_kernel(
                         acc = _group_dot(acc, words, plane, x_t, scale, W4, UPCAST, IEEE_FP32, ASM)
     if FOLD and W4 == 1:
         acc = acc * 16.0  # the decode's 2**-4 (exact)
-    c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    if ACTIVATION != 0:  # fp32 gate and up of the same features -> h, rounded once to c's dtype
+        gate, up = split_halves(tl.trans(acc))  # [BLOCK_M, OUT_N] each
+        h = gated_act(gate, up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
+        offs_h = pid_n * OUT_N + tl.arange(0, OUT_N)
+        tl.store(c_ptr + rows[:, None] * stride_c_r + offs_h[None, :], h.to(c_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & (offs_h < N)[None, :])
+    else:
+        c_ptrs = c_ptr + rows[None, :] * stride_c_r + offs_n[:, None]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). On Hopper, BLOCK_M 16 with BLOCK_N >= 64 per 4 warps runs wgmma (one
@@ -500,7 +520,7 @@ def tiles_for(rows_per_expert: float) -> list[tuple]:
 @functools.lru_cache(maxsize=None)
 def _autotuned(tiles: tuple) -> triton.runtime.Autotuner:
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
-    return triton.autotune(configs, key=["rows_hint", "N", "K", "num_experts", "W4"])(_w4_gemm_kernel)
+    return triton.autotune(configs, key=["rows_hint", "N", "K", "num_experts", "W4", "ACTIVATION"])(_w4_gemm_kernel)
 
 
 # autotune key (rows bucket, N, K, experts, kernel flags, x dtype, scale dtype) -> the tile it chose
@@ -518,49 +538,62 @@ def clear_tuned_tiles() -> None:
     _TUNED.clear()
 
 
-def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint: int, tile: tuple | None = None):
-    """One grouped GEMM of ``grouped_mlp_w4``: ``c[rows of e] = x[rows of e] @ W_e.T`` for every local expert e.
+def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint: int, tile: tuple | None = None,
+                   activation: str = "none", situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """One grouped GEMM of ``grouped_mlp_w4``: ``c[rows of e] = x[rows of e] @ W_e.T`` for every local expert e, or with
+    an activation ``c[rows of e] = act(x @ gate_e.T, x @ up_e.T)`` (GEMM1 and the activation in one launch).
 
     Args:
-        x: ``[P, I]`` bf16/fp16/fp32 pool rows. weight: ``W4Weight`` of ``[e, O, I]``. c: ``[P, O]`` (any float dtype:
-            the fp32 accumulator is rounded to it); rows outside every segment are not written.
+        x: ``[P, I]`` bf16/fp16/fp32 pool rows. weight: ``W4Weight`` of ``[e, O, I]`` (gated: O = 2N, N gate rows then
+            N up rows). c: ``[P, O]``, gated ``[P, N]`` (any float dtype: the fp32 accumulator, or the fp32
+            activation of two, is rounded to it); rows outside every segment are not written.
         row_start_e, num_rows_e: ``[e]`` int32/int64 segments. rows_hint: about the live rows (autotune key).
         tile: None (autotune once per key; the interpreter runs ``INTERPRETER_TILE``) or
-            (BLOCK_M, BLOCK_N, num_warps, num_stages), forced.
+            (BLOCK_M, BLOCK_N, num_warps, num_stages), forced; BLOCK_N counts weight rows (gated: half of them gate).
+        activation, situ_beta, situ_linear_beta: ``"none"``, or as ``grouped_mlp``.
     """
+    if activation not in ACTIVATION_CODES:
+        raise UnknownNameError(f"{activation=} must be one of {', '.join(ACTIVATION_CODES)}")
     num_rows, (num_experts, n, _) = x.shape[0], weight.shape
+    gated = activation != "none"
+    out_n = n // 2 if gated else n
+    if (gated and n % 2) or tuple(c.shape) != (num_rows, out_n):
+        want = "[P, O / 2] with O even (gate and up rows)" if gated else "[P, O]"
+        raise ShapeError(f"x [P, I] {tuple(x.shape)}, weight [e, O, I] {weight.shape} and c {tuple(c.shape)} disagree: "
+                         f"c must be {want} ({activation=})")
     rows_bucket = next_power_of_2(max(1, rows_hint))
-    args = (x, weight.words_eOw, weight.block_scale, c, row_start_e, num_rows_e, num_rows, n, weight.in_features,
-            weight.words_eOw.shape[-1] // WORDS_PER_BLOCK, num_experts, rows_bucket, x.stride(0),
-            weight.words_eOw.stride(0), weight.words_eOw.stride(1), weight.block_scale.stride(0),
+    args = (x, weight.words_eOw, weight.block_scale, c, row_start_e, num_rows_e, num_rows, out_n, weight.in_features,
+            weight.words_eOw.shape[-1] // WORDS_PER_BLOCK, num_experts, rows_bucket, situ_beta, situ_linear_beta,
+            x.stride(0), weight.words_eOw.stride(0), weight.words_eOw.stride(1), weight.block_scale.stride(0),
             weight.block_scale.stride(1), c.stride(0))
-    flags = dict(W4=_FORMATS[weight.fmt], IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
+    flags = dict(W4=_FORMATS[weight.fmt], ACTIVATION=ACTIVATION_CODES[activation],
+                 SITU_LINEAR=bool(situ_linear_beta), IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
                  EVEN_K=weight.in_features % PLANE_BLOCK == 0, ASM=not is_interpreter(),
                  BLOCK_E=next_power_of_2(num_experts),
                  FOLD=x.dtype == torch.bfloat16 and not is_interpreter() and weight.foldable)
 
     def grid(block_m: int, block_n: int) -> tuple:
-        return ((cdiv(num_rows, block_m) + num_experts) * cdiv(n, block_n),)
+        return ((cdiv(num_rows, block_m) + num_experts) * cdiv(out_n, block_n // 2 if gated else block_n),)
 
     if tile is None and is_interpreter():
         tile = INTERPRETER_TILE
-    if tile is not None:
-        block_m, block_n, warps, stages = tile
-        if block_m < 8 or block_n < 16:
-            raise InvalidConfigError(f"tile {tile}: BLOCK_M must be >= 8 and BLOCK_N >= 16 (tl.dot)")
-        extra = {} if is_interpreter() else launch_options(fp_fusion=True)
-        return launch(_w4_gemm_kernel, grid(block_m, block_n), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
-                      num_warps=warps, num_stages=stages, **extra)
-    key = (rows_bucket, n, weight.in_features, num_experts, tuple(flags.values()), x.dtype,
-           weight.block_scale.dtype)
-    chosen = _TUNED.get(key)
-    if chosen is not None:
-        return launch_w4_gemm(x, weight, c, row_start_e, num_rows_e, rows_hint=rows_hint, tile=chosen)
-    tuner = _autotuned(tuple(tiles_for(rows_hint / max(1, num_experts))))
-    out = tuner[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags, **launch_options(fp_fusion=True))
-    best = tuner.best_config
-    _TUNED[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
-    return out
+    if tile is None:
+        key = (rows_bucket, n, weight.in_features, num_experts, tuple(flags.values()), x.dtype,
+               weight.block_scale.dtype)
+        tile = _TUNED.get(key)
+        if tile is None:
+            tuner = _autotuned(tuple(tiles_for(rows_hint / max(1, num_experts))))
+            out = tuner[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags,
+                                                                              **launch_options(fp_fusion=True))
+            best = tuner.best_config
+            _TUNED[key] = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps, best.num_stages)
+            return out
+    block_m, block_n, warps, stages = tile
+    if block_m < 8 or block_n < 16:
+        raise InvalidConfigError(f"tile {tile}: BLOCK_M must be >= 8 and BLOCK_N >= 16 (tl.dot)")
+    extra = {} if is_interpreter() else launch_options(fp_fusion=True)
+    return launch(_w4_gemm_kernel, grid(block_m, block_n), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                  num_warps=warps, num_stages=stages, **extra)
 
 
 def _check(x_PDx, gate_up: W4Weight, down: W4Weight) -> None:
@@ -578,7 +611,7 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
                    num_rows_e: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
                    situ_linear_beta: float = 25.0, *, num_rows_hint: int | None = None, zero_unused_rows: bool = True,
                    tiles: tuple[tuple, tuple] | None = None) -> torch.Tensor:
-    """Every local expert's gated MLP on its rows of the pool, with 4-bit weights (four launches, no host sync).
+    """Every local expert's gated MLP on its rows of the pool, with 4-bit weights (two launches, no host sync).
 
     Args:
         x_PDx: ``[P, Dx]`` bf16/fp16/fp32; expert i owns rows ``row_start_e[i] : row_start_e[i] + num_rows_e[i]``.
@@ -589,7 +622,8 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
         tiles: None, or (GEMM1's, GEMM2's) (BLOCK_M, BLOCK_N, num_warps, num_stages), forced.
 
     Returns:
-        y_PDx ``[P, Dx]`` in x's dtype; GEMM1's output stays fp32, h is rounded to x's dtype between the GEMMs.
+        y_PDx ``[P, Dx]`` in x's dtype; GEMM1's sums stay fp32 into the activation, h is rounded to x's dtype between
+        the GEMMs.
     """
     if activation not in ("silu", "situ"):
         raise UnknownNameError(f"{activation=} must be 'silu' or 'situ'")
@@ -606,11 +640,9 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
         raise ShapeError(f"x_PDx must be contiguous (strides {x_PDx.stride()})")
     rows_hint = num_rows if num_rows_hint is None else num_rows_hint
     tile1, tile2 = (None, None) if tiles is None else tiles
-    gate_up_P2F = torch.empty(num_rows, two_f, dtype=torch.float32, device=x_PDx.device)
-    launch_w4_gemm(x_PDx, gate_up, gate_up_P2F, row_start_e, num_rows_e, rows_hint=rows_hint, tile=tile1)
-    h_PF, _ = gated_activation_rows(gate_up_P2F, group_P=pool_row_experts(row_start_e, num_rows_e, num_rows),
-                                    activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                                    out_dtype=x_PDx.dtype)
+    h_PF = torch.empty(num_rows, inter, dtype=x_PDx.dtype, device=x_PDx.device)  # only the segments' rows are written
+    launch_w4_gemm(x_PDx, gate_up, h_PF, row_start_e, num_rows_e, rows_hint=rows_hint, tile=tile1,
+                   activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
     launch_w4_gemm(h_PF, down, y_PDx, row_start_e, num_rows_e, rows_hint=rows_hint, tile=tile2)
     return y_PDx
 

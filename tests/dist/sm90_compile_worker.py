@@ -176,9 +176,9 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
 
 
 def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple, int4_scale: float = 0.25):
-    """One GEMM of grouped_mlp_w4 (4 experts, 64 pool rows; gate_up 2 x 128 rows into fp32, down 128 rows), its
-    forced tile compiled for sm_90. ``int4_scale``: every INT4 scale (below ``w4.INT4_FOLD_SCALE_LIMIT`` bf16 x takes
-    the folded decode, else the fp32 route)."""
+    """One GEMM of grouped_mlp_w4 as the MLP launches it (4 experts, 64 pool rows; gate_up 2 x 128 rows into h
+    ``[64, 128]`` through its SiLU epilogue, down 128 rows), its forced tile compiled for sm_90. ``int4_scale``: every
+    INT4 scale (below ``w4.INT4_FOLD_SCALE_LIMIT`` bf16 x takes the folded decode, else the fp32 route)."""
     experts, n, rows = 4, 128, 64
     b_rows = 2 * n if gemm == "gate_up" else n
     packed = (torch.zeros(experts, b_rows, k // 8, dtype=torch.int32) if fmt == "int4" else
@@ -187,10 +187,9 @@ def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple, int
              torch.ones(experts, b_rows, k // 32, dtype=torch.uint8))
     weight = to_group_planes(packed, scale, fmt)
     return compile_launch(w4, "_w4_gemm_kernel", lambda: w4.launch_w4_gemm(
-        torch.zeros(rows, k, dtype=dtype), weight,
-        torch.zeros(rows, b_rows, dtype=torch.float32 if gemm == "gate_up" else dtype),
+        torch.zeros(rows, k, dtype=dtype), weight, torch.zeros(rows, n, dtype=dtype),
         torch.arange(experts, dtype=torch.int64) * 16, torch.full((experts,), 16, dtype=torch.int32), rows_hint=rows,
-        tile=tile))
+        tile=tile, activation="silu" if gemm == "gate_up" else "none"))
 
 
 def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):

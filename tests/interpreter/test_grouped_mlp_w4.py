@@ -17,6 +17,8 @@ from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
 from moe_ref.checkpoint.formats import (QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec,
                                         quantize_weight)
+from moe_ref.kernels.gated_act import gated_activation_rows
+from moe_ref.kernels.pool_rows import pool_row_experts
 from moe_ref.kernels.w4 import (INT4_FOLD_MIN_SCALE, MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, MXFP4_PLANE_BITS,
                                 W4Weight, block_major_scales, dequantize_int4, dequantize_mxfp4, dequantize_planes,
                                 e2m1_to_float, from_group_planes, pack_fp4, pack_int4, to_group_planes)
@@ -436,6 +438,38 @@ def test_w4_kernel_with_no_rows_returns_an_empty_pool(device):
 
 
 @pytest.mark.parametrize("fmt", W4)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("activation, situ_linear_beta", [("silu", 25.0), ("situ", 25.0), ("situ", 0.0)])
+def test_gated_launch_is_the_plain_gemm_then_the_activation(fmt, dtype, activation, situ_linear_beta, device):
+    """GEMM1 with the activation in its epilogue (a tile's weight rows: half gate, then the up rows of the same
+    features) writes, bit for bit, the h of the plain GEMM1 into fp32 ``[P, 2F]`` followed by ``gated_activation_rows``
+    (the same sums, the same fp32 activation, one rounding), and nothing outside the segments. F = 36 leaves the last
+    tile's features partly past F; on a GPU every kind of tile (wgmma, mma.sync, 8 and 32 rows) for SiLU on bf16."""
+    hidden, inter, pool = 96, 36, 64
+    weight = torch.randn(len(COUNTS), 2 * inter, hidden, generator=torch.Generator().manual_seed(3)) / hidden**0.5
+    packed, scale = quantize_weight(weight, fmt)
+    gate_up = to_group_planes(packed.to(device), scale.to(device), "int4" if fmt == QuantFormat.INT4_GROUP else "mxfp4")
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=pool)
+    x_PDx, valid = _pool(layout, hidden, dtype, device, seed=4)
+    segments = (layout.row_start_e, layout.num_rows_e)
+    act = dict(activation=activation, situ_beta=4.0, situ_linear_beta=situ_linear_beta)
+    tiles = [None]  # the interpreter's tile
+    if device == "cuda":  # each kind of tile once (compiles take seconds each), the others at the decode tile
+        every_kind = activation == "silu" and dtype == torch.bfloat16
+        tiles = [(16, 64, 4, 3), (16, 128, 8, 3), (16, 32, 2, 3), (8, 32, 2, 2), (32, 64, 4, 2)][:5 if every_kind else 1]
+    for tile in tiles:
+        gate_up_P2F = torch.zeros(pool, 2 * inter, dtype=torch.float32, device=device)
+        w4.launch_w4_gemm(x_PDx, gate_up, gate_up_P2F, *segments, rows_hint=24, tile=tile)
+        expected, _ = gated_activation_rows(gate_up_P2F, group_P=pool_row_experts(*segments, pool), out_dtype=dtype,
+                                            **act)
+        h_PF = torch.full((pool, inter), float("nan"), dtype=dtype, device=device)
+        w4.launch_w4_gemm(x_PDx, gate_up, h_PF, *segments, rows_hint=24, tile=tile, **act)
+        case = dict(fmt=fmt.value, dtype=dtype, tile=tile, **act)
+        assert_bitwise_equal(h_PF.cpu()[valid], expected.cpu()[valid], **case)
+        assert h_PF.cpu()[~valid].isnan().all(), case
+
+
+@pytest.mark.parametrize("fmt", W4)
 def test_w4a16_experts_equal_the_dequantized_fp32_torch_loop(fmt, device):
     hidden, inter = 96, 64  # 3 scale groups along D, 2 along F; several K steps
     q = _qweights(fmt, 3, hidden, inter, device, seed=2)
@@ -551,6 +585,12 @@ def test_w4_argument_errors(device):
         w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 64, device=device), *rows, rows_hint=5, tile=(4, 64, 4, 2))
     with pytest.raises(InvalidConfigError, match="BLOCK_N >= 16"):
         w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 64, device=device), *rows, rows_hint=5, tile=(8, 8, 4, 2))
+    with pytest.raises(ShapeError, match=r"c must be \[P, O / 2\]"):  # gated: h has F columns, not 2F
+        w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 64, device=device), *rows, rows_hint=5, activation="silu")
+    with pytest.raises(ShapeError, match=r"c must be \[P, O\]"):
+        w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 32, device=device), *rows, rows_hint=5)
+    with pytest.raises(UnknownNameError, match="gelu"):
+        w4.launch_w4_gemm(x_PDx, gate_up, torch.empty(5, 32, device=device), *rows, rows_hint=5, activation="gelu")
 
 
 @pytest.mark.parametrize("name, fmt, overrides", [

@@ -87,10 +87,13 @@ def _fake_planes(fmt: str, gemm: str) -> W4Weight:
 
 
 def _autotuned_launch(fmt: str, gemm: str, rows: int) -> None:
+    """The bench's own launch of `gemm` (gate_up with its SiLU into h [P, F], down into y [P, D]), autotuned."""
     n, k = bw.gemm_shape(gemm)
-    x, c = torch.zeros(4, k, dtype=torch.bfloat16), torch.zeros(4, n, dtype=torch.bfloat16)
+    x = torch.zeros(4, k, dtype=torch.bfloat16)
+    c = torch.zeros(4, n // 2 if gemm == "gate_up" else n, dtype=torch.bfloat16)
     segments = torch.zeros(bw.NUM_EXPERTS, dtype=torch.int32)
-    w4k.launch_w4_gemm(x, _fake_planes(fmt, gemm), c, segments, segments, rows_hint=rows)
+    case = dict(rows=rows, layout=types.SimpleNamespace(row_start_e=segments, num_rows_e=segments))
+    bw._launch(case, _fake_planes(fmt, gemm), gemm, x, c)
 
 
 def test_autotuned_tiles_read_the_key_the_kernel_records(monkeypatch):
