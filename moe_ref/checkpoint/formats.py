@@ -268,6 +268,11 @@ def _compressed_tensors_format(qc: Mapping[str, Any]) -> tuple[QuantFormat, int,
 # --------------------------------------------------------------------------------------------------
 # one format-agnostic pair: quantize (synthetic checkpoints, tests) and dequantize (references)
 # --------------------------------------------------------------------------------------------------
+def w4_format_name(fmt: QuantFormat) -> str:
+    """A 4-bit checkpoint format's name in ``moe_ref.kernels.w4`` ("int4" or "mxfp4"); only for those formats."""
+    return "int4" if fmt == QuantFormat.INT4_GROUP else "mxfp4"
+
+
 def quantize_weight(weight_OI: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., O, I]`` -> (stored weight, stored scale) in ``fmt``, as the published checkpoints hold them."""
     if fmt == QuantFormat.FP8_BLOCK:
@@ -360,8 +365,8 @@ class QuantizedExpertWeights:
 
     @property
     def w4_format(self) -> str:
-        """The 4-bit format's name in ``moe_ref.kernels.w4`` ("int4" or "mxfp4"); only for those formats."""
-        return "int4" if self.spec.format == QuantFormat.INT4_GROUP else "mxfp4"
+        """The 4-bit format's name in ``moe_ref.kernels.w4`` (``w4_format_name``); only for those formats."""
+        return w4_format_name(self.spec.format)
 
     def dequantize_expert(self, i: int, which: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Expert ``i``'s dense ``gate_up [2F, D]`` (``which="gate_up"``) or ``down [D, F]`` in ``dtype`` (only its

@@ -16,7 +16,7 @@ from moe_ref.core.errors import DTypeError, InvalidConfigError, QuantTensorValue
 from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
 from moe_ref.checkpoint.formats import (QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec,
-                                        quantize_weight)
+                                        quantize_weight, w4_format_name)
 from moe_ref.kernels.gated_act import gated_activation_rows
 from moe_ref.kernels.pool_rows import pool_row_experts
 from moe_ref.kernels.w4 import (INT4_FOLD_MIN_SCALE, MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, MXFP4_PLANE_BITS,
@@ -448,7 +448,7 @@ def test_gated_launch_is_the_plain_gemm_then_the_activation(fmt, dtype, activati
     hidden, inter, pool = 96, 36, 64
     weight = torch.randn(len(COUNTS), 2 * inter, hidden, generator=torch.Generator().manual_seed(3)) / hidden**0.5
     packed, scale = quantize_weight(weight, fmt)
-    gate_up = to_group_planes(packed.to(device), scale.to(device), "int4" if fmt == QuantFormat.INT4_GROUP else "mxfp4")
+    gate_up = to_group_planes(packed.to(device), scale.to(device), w4_format_name(fmt))
     layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=pool)
     x_PDx, valid = _pool(layout, hidden, dtype, device, seed=4)
     segments = (layout.row_start_e, layout.num_rows_e)
@@ -456,7 +456,8 @@ def test_gated_launch_is_the_plain_gemm_then_the_activation(fmt, dtype, activati
     tiles = [None]  # the interpreter's tile
     if device == "cuda":  # each kind of tile once (compiles take seconds each), the others at the decode tile
         every_kind = activation == "silu" and dtype == torch.bfloat16
-        tiles = [(16, 64, 4, 3), (16, 128, 8, 3), (16, 32, 2, 3), (8, 32, 2, 2), (32, 64, 4, 2)][:5 if every_kind else 1]
+        tiles = [(16, 64, 4, 3), (16, 128, 8, 3), (16, 32, 2, 3), (8, 32, 2, 2), (32, 64, 4, 2)]
+        tiles = tiles if every_kind else tiles[:1]
     for tile in tiles:
         gate_up_P2F = torch.zeros(pool, 2 * inter, dtype=torch.float32, device=device)
         w4.launch_w4_gemm(x_PDx, gate_up, gate_up_P2F, *segments, rows_hint=24, tile=tile)
