@@ -19,7 +19,8 @@ Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(...
 (`grouped_mlp(..., configs=...)` for both GEMMs). Loads: TMA descriptors on Hopper+ (pointer loads for unaligned
 rows, `MOE_REF_TMA=0`).
 FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
-shares one weight scale). 4-bit weights have a kernel of their own: `moe_ref.kernels.grouped_mlp_w4`.
+shares one weight scale). FP8 row blocks under 64 rows (decode) swap the MMA's operands, `acc.T = W @ x.T`, so the
+weights fill the 64-row side of Hopper's FP8 wgmma (docs/RESULTS.md, "FP8 decode tiles swap the MMA's operands"). 4-bit weights have a kernel of their own: `moe_ref.kernels.grouped_mlp_w4`.
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features (the kernel's GEMM sizes N and K), Db = ceil(Dx / 128),
@@ -92,29 +93,56 @@ def _load_b_tile(b_desc, b_base, b_scale_base, expert_row0, first_row, num_b_row
 
 
 @triton.jit
-def _promote(acc, partial, scale_a, b_scale_base, first_col, stride_b_scale_n, k0, num_cols,
-             ONE_SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """FP8: acc + partial * x scale (per row) * weight scale (per 128 columns of b, from b's column first_col).
-    ONE_SCALE: the tile's BLOCK_N columns share one 128x128 weight block, folded into the row scales (one FMA
-    per element, as DeepGEMM's SM90 promotion)."""
-    if ONE_SCALE:
-        scale_b = tl.load(b_scale_base + (first_col // 128) * stride_b_scale_n + k0 // 128)
-        return acc + partial * (scale_a * scale_b)[:, None]
-    offs_col = first_col + tl.arange(0, BLOCK_N)
-    scale_b = tl.load(b_scale_base + (offs_col // 128) * stride_b_scale_n + k0 // 128, mask=offs_col < num_cols,
-                      other=0.0)
-    return acc + partial * scale_a[:, None] * scale_b[None, :]
+def _fp8_product(a, b, SWAP_AB: tl.constexpr):
+    """FP8 ``a [BLOCK_M, BLOCK_K] @ b [BLOCK_K, W]`` in the accumulator's orientation: ``[BLOCK_M, W]``, or with
+    SWAP_AB its transpose ``[W, BLOCK_M]`` = the weight tile (the MMA's A) @ x's tile transposed (its B), so that a
+    narrow row block still fills the 64-row side of Hopper's wgmma (`_gemm_tile`)."""
+    # one return in these helpers: Triton types every return statement, also those a constexpr leaves out
+    if SWAP_AB:
+        product = tl.dot(tl.trans(b), tl.trans(a))
+    else:
+        product = tl.dot(a, b)
+    return product
 
 
 @triton.jit
-def _promote_halves(acc, partial, scale_a, b_scale_base, first_row, stride_b_scale_n, k0, BLOCK_N: tl.constexpr):
+def _promote(acc, partial, scale_a, b_scale_base, first_col, stride_b_scale_n, k0, num_cols,
+             ONE_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """FP8: acc + partial * x scale (per row) * weight scale (per 128 columns of b, from b's column first_col).
+    ONE_SCALE: the tile's BLOCK_N columns share one 128x128 weight block, folded into the row scales (one FMA
+    per element, as DeepGEMM's SM90 promotion). SWAP_AB: acc and partial are transposed (`_fp8_product`)."""
+    if ONE_SCALE:
+        scale_b = tl.load(b_scale_base + (first_col // 128) * stride_b_scale_n + k0 // 128)
+        if SWAP_AB:
+            acc += partial * (scale_a * scale_b)[None, :]
+        else:
+            acc += partial * (scale_a * scale_b)[:, None]
+    else:
+        offs_col = first_col + tl.arange(0, BLOCK_N)
+        scale_b = tl.load(b_scale_base + (offs_col // 128) * stride_b_scale_n + k0 // 128, mask=offs_col < num_cols,
+                          other=0.0)
+        if SWAP_AB:
+            acc += partial * scale_b[:, None] * scale_a[None, :]
+        else:
+            acc += partial * scale_a[:, None] * scale_b[None, :]
+    return acc
+
+
+@triton.jit
+def _promote_halves(acc, partial, scale_a, b_scale_base, first_row, stride_b_scale_n, k0, BLOCK_N: tl.constexpr,
+                    SWAP_AB: tl.constexpr):
     """FP8, interleaved gate/up: acc + partial * x scale (per row) * weight scale, for a `[BLOCK_M, 2 * BLOCK_N]`
     tile whose b rows first_row.. are one 128-row gate block then its up block (BLOCK_N == 128): the gate columns
-    take weight scale row first_row // 128, the up columns the next (one select and one FMA per element)."""
+    take weight scale row first_row // 128, the up columns the next (one select and one FMA per element).
+    SWAP_AB: acc and partial are transposed, `[2 * BLOCK_N, BLOCK_M]`."""
     scale_gate = tl.load(b_scale_base + (first_row // 128) * stride_b_scale_n + k0 // 128)
     scale_up = tl.load(b_scale_base + (first_row // 128 + 1) * stride_b_scale_n + k0 // 128)
     is_up = tl.arange(0, 2 * BLOCK_N) >= BLOCK_N
-    return acc + partial * tl.where(is_up[None, :], (scale_a * scale_up)[:, None], (scale_a * scale_gate)[:, None])
+    if SWAP_AB:
+        acc += partial * tl.where(is_up[:, None], (scale_a * scale_up)[None, :], (scale_a * scale_gate)[None, :])
+    else:
+        acc += partial * tl.where(is_up[None, :], (scale_a * scale_up)[:, None], (scale_a * scale_gate)[:, None])
+    return acc
 
 
 @triton.jit
@@ -255,9 +283,18 @@ def _gemm_tile(
     expert_b_row0 = expert * (stride_b_e // stride_b_n)
     b_base = b_ptr + expert * stride_b_e
     b_scale_base = b_scale_ptr + expert * stride_b_scale_e
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_halves = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)  # interleaved: gate columns, then up columns
+    # FP8 row blocks under 64 rows swap the MMA's operands, as the FP8 fused-MoE kernels of vLLM and SGLang do on
+    # SM90: wgmma's A side needs 64 rows, and below it Triton 3.6 emits mma.sync, which has no e4m3 on sm_90 and
+    # converts every weight to fp16 in registers. The accumulators are then transposed until the epilogue.
+    SWAP_AB: tl.constexpr = FP8 and BLOCK_M < 64 and BLOCK_N >= 64
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_halves = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)  # interleaved: gate rows, then up rows
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_halves = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)  # interleaved: gate columns, then up columns
 
     # --- main loop over K ------------------------------------------------------------------------------
     for k0 in range(0, K, BLOCK_K):
@@ -276,16 +313,16 @@ def _gemm_tile(
                              stride_b_n, stride_b_scale_n, USE_TMA, UPCAST, BLOCK_K,
                              2 * BLOCK_N)
             if FP8:  # the block scales are interleaved alike: rows 2 * pid_n (gate) and 2 * pid_n + 1 (up)
-                acc_halves = _promote_halves(acc_halves, tl.dot(a, b), scale_a, b_scale_base, pid_n * 2 * BLOCK_N,
-                                             stride_b_scale_n, k0, BLOCK_N)
+                acc_halves = _promote_halves(acc_halves, _fp8_product(a, b, SWAP_AB), scale_a, b_scale_base,
+                                             pid_n * 2 * BLOCK_N, stride_b_scale_n, k0, BLOCK_N, SWAP_AB)
             else:
                 acc_halves = _mma(a, b, acc_halves, IEEE_FP32)
         else:
             b = _load_b_tile(b_desc, b_base, b_scale_base, expert_b_row0, pid_n * BLOCK_N, N, k0, K, stride_b_n,
                              stride_b_scale_n, USE_TMA, UPCAST, BLOCK_K, BLOCK_N)
             if FP8:
-                acc = _promote(acc, tl.dot(a, b), scale_a, b_scale_base, pid_n * BLOCK_N, stride_b_scale_n, k0, N,
-                               128 % BLOCK_N == 0, BLOCK_N)
+                acc = _promote(acc, _fp8_product(a, b, SWAP_AB), scale_a, b_scale_base, pid_n * BLOCK_N,
+                               stride_b_scale_n, k0, N, 128 % BLOCK_N == 0, BLOCK_N, SWAP_AB)
             else:
                 acc = _mma(a, b, acc, IEEE_FP32)
             if ACTIVATION != 0:  # the up rows follow the N gate rows
@@ -293,11 +330,14 @@ def _gemm_tile(
                                     K, stride_b_n, stride_b_scale_n, USE_TMA, UPCAST,
                                     BLOCK_K, BLOCK_N)
                 if FP8:
-                    acc_up = _promote(acc_up, tl.dot(a, b_up), scale_a, b_scale_base, N + pid_n * BLOCK_N,
-                                      stride_b_scale_n, k0, 2 * N, 128 % BLOCK_N == 0 and N_ALIGNED, BLOCK_N)
+                    acc_up = _promote(acc_up, _fp8_product(a, b_up, SWAP_AB), scale_a, b_scale_base,
+                                      N + pid_n * BLOCK_N, stride_b_scale_n, k0, 2 * N,
+                                      128 % BLOCK_N == 0 and N_ALIGNED, BLOCK_N, SWAP_AB)
                 else:
                     acc_up = _mma(a, b_up, acc_up, IEEE_FP32)
         a_ptrs += BLOCK_K
+    if SWAP_AB:
+        acc, acc_up, acc_halves = tl.trans(acc), tl.trans(acc_up), tl.trans(acc_halves)
     if ACTIVATION != 0 and INTERLEAVED:
         acc, acc_up = split_halves(acc_halves)
 

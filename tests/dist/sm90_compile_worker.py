@@ -71,6 +71,8 @@ CASES = {
                                                         True),
     "fp8 gate_up interleaved decode tile, TMA, grid schedule": ("fp8", "gate_up", True, True, (16, 128, 128, 4, 4),
                                                                 "grid"),
+    "fp8 gate_up stacked decode tile, pointer loads": ("fp8", "gate_up", False, False, (16, 128, 128, 4, 4)),
+    "fp8 down decode tile, TMA": ("fp8", "down", False, True, (32, 128, 128, 4, 4)),
 }
 
 # name -> (4-bit format, GEMM, x dtype, input features K, grouped_mlp_w4 tile[, INT4 scale]): the W4A16 kernel
@@ -233,7 +235,9 @@ def _compile_recorded(kernel, recorder: "_Recorder"):
     signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
         value = bound[param.name] if param.name in bound else param.default
-        if param.is_constexpr or value is None:
+        # a launch makes an int argument equal to 1 a constant too (it drops out of the signature; loops over it fold)
+        specialized_one = type(value) is int and value == 1 and not getattr(param, "do_not_specialize", False)
+        if param.is_constexpr or value is None or specialized_one:
             signature[param.name], constexprs[(index,)] = "constexpr", value
             continue
         signature[param.name] = mangle_type(value)

@@ -218,6 +218,8 @@ def _fp8_case(counts, hidden, inter, device, seed=0):
 @pytest.mark.parametrize("config1,config2", [
     (_config(16, 128, 128), _config(32, 64, 64)),                   # BLOCK_K = one whole scale group
     (_config(32, 128, 64, group_m=2), _config(16, 128, 128, group_m=3)),  # two k-steps per group, swizzled
+    # BLOCK_M 64 keeps the operands in place; GEMM2's BLOCK_N 256 spans two weight scale blocks, swapped
+    (_config(64, 128, 64), _config(16, 256, 64)),
 ])
 def test_forced_fp8_configs_match_twin(config1, config2, device):
     """The tuner's FP8 launches (e4m3 x + per-row per-128 scales, e4m3 weights + 128x128 block scales, h
