@@ -393,7 +393,13 @@ def _load_x_groups(x_cols, group, mask_m, offs_k, K, EVEN_K: tl.constexpr):
     dot's B ``[len(offs_k), BLOCK_M]``; 0 outside the rows and K."""
     if EVEN_K:  # no column mask: the load stays vectorized, so pipelined
         x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :], other=0.0)
-    else:
+    elif offs_k.shape[0] == 32:
+        # one group, and K % 32 == 0: the group is in K or past it, one condition. (A mask per column made Triton 3.6
+        # compute the plain store's column index wrong on the 8-row tiles of 2 or 4 warps: a misaligned-address
+        # fault at K = 96, N = 128 or 192 on one H200, 2026-12-02.)
+        in_k = tl.full([1, 1], group * 32, tl.int32) < K  # a tensor: the interpreter's group is a Python int
+        x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :] & in_k, other=0.0)
+    else:  # four groups side by side (ONE_DOT): the last ones may be past K
         x_t = tl.load(x_cols + group * 32, mask=mask_m[None, :] & (group * 32 + offs_k < K)[:, None], other=0.0)
     return x_t
 

@@ -298,6 +298,7 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
             group planes, not the checkpoint's order). Needs I % 256 == 0 and a contiguous ``packed_eOq``.
 
     Raises:
+        ShapeError (INP001): input features not whole groups of 32, or scales not ``[e, O, I/32]``.
         QuantTensorValueError (LOAD015): an MXFP4 scale byte above ``MXFP4_MAX_SCALE_BYTE``.
 
     Returns:
@@ -311,6 +312,11 @@ def to_group_planes(packed_eOq: torch.Tensor, scale_eOg: torch.Tensor, fmt: str,
         raise UnknownNameError(f"4-bit format {fmt!r}: expected one of {', '.join(W4_FORMATS)}")
     num_experts, num_rows, stored = packed_eOq.shape
     in_features = stored * (INT4_PER_WORD if fmt == "int4" else FP4_PER_BYTE)
+    if in_features % GROUP_SIZE or tuple(scale_eOg.shape) != (num_experts, num_rows, in_features // GROUP_SIZE):
+        # the kernel masks x by whole groups (grouped_mlp_w4._load_x_groups)
+        raise ShapeError(f"4-bit weights of {in_features} input features with scales {tuple(scale_eOg.shape)}: "
+                         f"want whole groups of {GROUP_SIZE} and scales [e, O, I/{GROUP_SIZE}] = "
+                         f"{(num_experts, num_rows, in_features // GROUP_SIZE)}")
     max_scale_byte = check_mxfp4_scales(scale_eOg, "an MXFP4 scale tensor") if fmt == "mxfp4" else 0
     if in_place:
         if in_features % PLANE_BLOCK or not packed_eOq.is_contiguous():

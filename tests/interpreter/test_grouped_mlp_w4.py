@@ -164,6 +164,16 @@ def test_group_planes_refuse_an_unknown_format():
         to_group_planes(torch.zeros(1, 1, 32, dtype=torch.int32), torch.zeros(1, 1, 8), "nf4")
 
 
+@pytest.mark.parametrize("packed, scales", [
+    (torch.zeros(1, 2, 5, dtype=torch.int32), torch.ones(1, 2, 1, dtype=torch.bfloat16)),  # 40 features: 1.25 groups
+    (torch.zeros(1, 2, 8, dtype=torch.int32), torch.ones(1, 2, 3, dtype=torch.bfloat16)),  # 64 features, 3 scales
+])
+def test_group_planes_refuse_features_that_are_not_whole_groups(packed, scales):
+    with pytest.raises(ShapeError, match="whole groups of 32") as info:
+        to_group_planes(packed, scales, "int4")
+    assert info.value.code == "INP001"
+
+
 # --------------------------------------------------------------------------------------------------
 # the decode, exhaustively
 # --------------------------------------------------------------------------------------------------
@@ -414,6 +424,29 @@ def test_w4_kernel_on_whole_blocks_all_rows_on_one_expert_and_forced_tiles(fmt, 
     assert_close(eight_rows, y_ref, torch.bfloat16, fmt=fmt.value, tiles="BLOCK_M 8")
     one_block = w4.grouped_mlp_w4(*args, tiles=((32, 64, 4, 2), (32, 128, 8, 3)))  # 21 rows in one M block of 32
     assert_close(one_block, y_ref, torch.bfloat16, fmt=fmt.value, tiles="BLOCK_M 32")
+
+
+@pytest.mark.parametrize("fmt", W4)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # the folded decode, and the fp32 route
+def test_plain_launch_with_k_not_whole_blocks_on_every_tile(fmt, dtype, device, assert_close):
+    """The plain GEMM (down's kind of launch) at K = 96 (a partial 256-feature block: x's group loads masked) and
+    N = 192 against the dequantized weights, on every autotune tile on a GPU (the interpreter: its tile). Triton 3.6
+    once computed this launch's store column wrong on the 8-row tiles of 2 or 4 warps when x's mask was per column:
+    a misaligned-address fault on the H200 (2026-12-02)."""
+    hidden, inter, pool = 96, 96, 64
+    gate_up, _ = _planes(_qweights(fmt, len(COUNTS), hidden, inter, device, seed=3))
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=pool)
+    x_PDx, valid = _pool(layout, hidden, dtype, device, seed=4)
+    weight_eOI = dequantize_planes(gate_up).to(device)
+    expected = torch.full((pool, 2 * inter), float("nan"), device=device)
+    for expert, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
+        expected[start:start + count] = x_PDx[start:start + count].float() @ weight_eOI[expert].T
+    for tile in w4.TILES if device == "cuda" else [None]:
+        c_PO = torch.full((pool, 2 * inter), float("nan"), device=device)
+        w4.launch_w4_gemm(x_PDx, gate_up, c_PO, layout.row_start_e, layout.num_rows_e, rows_hint=24, tile=tile)
+        case = dict(fmt=fmt.value, dtype=dtype, tile=tile)
+        assert c_PO.cpu()[~valid].isnan().all(), case  # nothing written outside the segments
+        assert_close(c_PO[valid.to(device)], expected[valid.to(device)], dtype, **case)
 
 
 def test_int4_weights_past_the_fold_limit_keep_the_fp32_route(device, assert_close):
