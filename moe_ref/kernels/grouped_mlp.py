@@ -20,7 +20,8 @@ Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(...
 rows, `MOE_REF_TMA=0`).
 FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
 shares one weight scale). FP8 row blocks under 64 rows (decode) swap the MMA's operands, `acc.T = W @ x.T`, so the
-weights fill the 64-row side of Hopper's FP8 wgmma (docs/RESULTS.md, "FP8 decode tiles swap the MMA's operands"). 4-bit weights have a kernel of their own: `moe_ref.kernels.grouped_mlp_w4`.
+weights fill the 64-row side of Hopper's FP8 wgmma (docs/RESULTS.md, "FP8 decode tiles swap the MMA's operands").
+4-bit weights have a kernel of their own: `moe_ref.kernels.grouped_mlp_w4`.
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features (the kernel's GEMM sizes N and K), Db = ceil(Dx / 128),
