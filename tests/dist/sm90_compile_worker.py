@@ -14,8 +14,9 @@ TRITON_INTERPRET, which the interpreter tests set). Why: the interpreter runs a 
 compiler, so a kernel that only fails to compile on a GPU (a type mismatch between branches, a TMA block
 shape, a constexpr misuse) passes every CPU test. Here each case calls `launch_gemm` with a forced config on
 small CPU tensors of the real dtypes; a recorder stands in for the kernel and keeps the launch's arguments;
-their Triton types (`mangle_type`) and constexprs then go through `triton.compile` for CUDA capability 9.0
-(TTIR -> TTGIR -> LLVM -> PTX -> ptxas, all on the CPU). Compile errors are reported per case; nothing runs.
+their Triton types and constexprs (specialized as a launch does, `native_specialize_impl`) then go through
+`triton.compile` for CUDA capability 9.0 (TTIR -> TTGIR -> LLVM -> PTX -> ptxas, all on the CPU). Compile errors
+are reported per case; nothing runs.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ import tempfile
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
-from triton.runtime.jit import mangle_type
+from triton.runtime.jit import native_specialize_impl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 # the recorders stand in for the kernels: every launch must reach them through kernel[grid] (no bound launch)
@@ -227,23 +228,23 @@ def compile_launches(kernels: list, launch) -> list:
 
 
 def _compile_recorded(kernel, recorder: "_Recorder"):
-    """Compile for sm_90 the launch ``recorder`` kept (its arguments' Triton types and constexprs, and the
-    16-divisibility Triton's launch specializes on: a tensor's 16-byte aligned base, an int divisible by 16; without it a kernel's
-    loads compile as a GPU never runs them, e.g. not pipelined)."""
+    """Compile for sm_90 the launch ``recorder`` kept: its arguments specialized by Triton's own launch rule
+    (``native_specialize_impl``: an int equal to 1 becomes a constant, a tensor's 16-byte aligned base and an int
+    divisible by 16 are marked so; without them a kernel compiles as a GPU never runs it, e.g. not pipelined)."""
     bound = dict(zip(kernel.arg_names, recorder.args))
     bound.update({key: value for key, value in recorder.kwargs.items() if key not in OPTION_KEYS})
     signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
         value = bound[param.name] if param.name in bound else param.default
-        # a launch makes an int argument equal to 1 a constant too (it drops out of the signature; loops over it fold)
-        specialized_one = type(value) is int and value == 1 and not getattr(param, "do_not_specialize", False)
-        if param.is_constexpr or value is None or specialized_one:
+        if param.is_constexpr or value is None:
             signature[param.name], constexprs[(index,)] = "constexpr", value
             continue
-        signature[param.name] = mangle_type(value)
-        divisible = (value.data_ptr() % 16 == 0 if isinstance(value, torch.Tensor) else
-                     type(value) is int and value % 16 == 0)
-        if divisible:
+        kind, key = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                           not param.do_not_specialize_on_alignment)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[(index,)] = value
+        elif key == "D":
             attrs[(index,)] = [["tt.divisibility", 16]]
     options = {key: recorder.kwargs[key] for key in OPTION_KEYS if key in recorder.kwargs}
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER, options=options)
