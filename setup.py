@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 def _native_build():
     """(ext_modules, cmdclass) for the optional compiled CPU ops (csrc/ -> moe_ref._C), built with torch's
     extension tooling. Any failure (no torch at build time, no compiler, a compile error) only prints a warning:
-    the package installs anyway and moe_ref.kernels.native uses the Python fallback. MOE_REF_BUILD_NATIVE=0 skips it."""
+    the package installs anyway and moe_ref.kernels.runtime.native uses the Python fallback. MOE_REF_BUILD_NATIVE=0 skips it."""
     if os.environ.get("MOE_REF_BUILD_NATIVE", "1") == "0":
         print("moe_ref: MOE_REF_BUILD_NATIVE=0: compiled ops not built (the Python fallback is used)", file=sys.stderr)
         return [], {}
@@ -24,7 +24,7 @@ def _native_build():
                 super().build_extension(ext)
             except Exception as err:  # noqa: BLE001 - a failed optional build must not fail the install
                 print(f"moe_ref: WARNING: building {ext.name} failed ({type(err).__name__}: {err}); the Python "
-                      "fallback is used (moe_ref.kernels.native.native_status() says why)", file=sys.stderr)
+                      "fallback is used (moe_ref.kernels.runtime.native.native_status() says why)", file=sys.stderr)
 
     here = os.path.dirname(os.path.abspath(__file__))
     ext = CppExtension(

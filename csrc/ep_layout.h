@@ -1,7 +1,7 @@
-// The symmetric-buffer contract of moe_ref/kernels/ep_regions.py, as the compiled CPU ops see it.
+// The symmetric-buffer contract of moe_ref/kernels/ep/ep_regions.py, as the compiled CPU ops see it.
 //
 // Every op takes `int[] layout`: the EPRegions numbers in the order of MOE_REF_LAYOUT_FIELDS below
-// (moe_ref/kernels/native.py builds it; the op `moe_ref::ep_layout_fields_cpu` returns the names, so a stale
+// (moe_ref/kernels/runtime/native.py builds it; the op `moe_ref::ep_layout_fields_cpu` returns the names, so a stale
 // library is detected at import). Byte offsets are from each buffer's base; a region absent from the
 // layout (x_scale / recv_x_scale without fp8) is -1.
 #pragma once

@@ -8,7 +8,7 @@ The package is laid out by stage; a module imports only from its own stage or lo
 (``tests/unit/test_layout.py`` checks it):
 
     0 core/        config, errors, envs, weights, activations, router      (and testing.py: helpers for users' tests)
-    1 kernels/     Triton kernels, each beside its torch twin; ops (kernel or twin, decided once), native (csrc ops)
+    1 kernels/     Triton kernels by stage (router/ ep/ experts/ runtime/), each beside its torch twin
     2 checkpoint/  loading, formats (FP8 / INT4 / MXFP4 as published), quantized, synthetic
     3 experts/     the Experts contract, registry, built-in backends, quantized experts, deep_gemm/
     4 ep/          options, capacity, buffer, transport, dispatch (symm, a2a), routed_step, overflow, mega_deep_gemm

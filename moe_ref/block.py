@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from moe_ref.kernels import ops
+from moe_ref.kernels.runtime import ops
 from moe_ref.core.config import MoEConfig
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.core.errors import DTypeError, NonFiniteError, ShapeError

@@ -63,11 +63,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_experts import (ALIGN, MODELS, _grouped_mm_path, _make_case, _make_weights, _pool,  # noqa: E402
                            _routed_counts, _segment_rows)  # (same folder)
 from moe_ref.experts import ExpertLayout, experts_class  # noqa: E402
-from moe_ref.kernels import grouped_mlp_tiles as tiles  # noqa: E402
-from moe_ref.kernels.grouped_mlp import grouped_mlp, interleave_gate_up  # noqa: E402
+from moe_ref.kernels.experts import grouped_mlp_tiles as tiles  # noqa: E402
+from moe_ref.kernels.experts.grouped_mlp import grouped_mlp, interleave_gate_up  # noqa: E402
 from moe_ref.testing import calc_diff  # noqa: E402
 
-gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the module (the package re-exports the function)
+gm = importlib.import_module("moe_ref.kernels.experts.grouped_mlp")  # the module (the package re-exports the function)
 
 DEFAULTS = {"layout": ("kimi-k2", "64,512,4096,32768"), "schedule": ("kimi-k2", "64,512,4096,32768"),
             "alignment": ("kimi-k2,step3", "64,512")}  # --ab -> (--models, --rows) when not given

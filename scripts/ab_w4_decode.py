@@ -24,7 +24,7 @@ import bench_w4a16 as w4bench  # noqa: E402  (its shape, weights, rows and timer
 from moe_ref.checkpoint.formats import QuantFormat  # noqa: E402
 from moe_ref.experts import make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
-from moe_ref.kernels.grouped_mlp_w4 import grouped_mlp_w4  # noqa: E402
+from moe_ref.kernels.experts.grouped_mlp_w4 import grouped_mlp_w4  # noqa: E402
 from moe_ref.testing import calc_diff, graphed  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""CPU EP chunk over the /dev/shm symmetric heap: the torch twins vs the compiled ops (moe_ref.kernels.native), at 2 and
+"""CPU EP chunk over the /dev/shm symmetric heap: the torch twins vs the compiled ops (moe_ref.kernels.runtime.native), at 2 and
 4 processes, 128..16384 tokens per rank, a tiny and a mid-size shape. Writes JSON + markdown.
 
     python scripts/bench_cpu_ep.py [--world-sizes 2,4] [--tokens 128,512,2048,4096,16384] [--configs tiny,mid]
@@ -44,12 +44,12 @@ def _worker(args) -> int:
 
     from ep_kernels_cpu_worker import map_shm_buffers  # tests/dist: the /dev/shm mapping of the CPU heap
 
-    from moe_ref.kernels import native
-    from moe_ref.kernels.ep_combine import ep_combine_push_ref, ep_combine_reduce_ref
-    from moe_ref.kernels.ep_dispatch import ep_dispatch_ref
-    from moe_ref.kernels.ep_layout import ep_pre_dispatch_ref
-    from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, zero_signal_regions
-    from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier_ref
+    from moe_ref.kernels.runtime import native
+    from moe_ref.kernels.ep.ep_combine import ep_combine_push_ref, ep_combine_reduce_ref
+    from moe_ref.kernels.ep.ep_dispatch import ep_dispatch_ref
+    from moe_ref.kernels.ep.ep_layout import ep_pre_dispatch_ref
+    from moe_ref.kernels.ep.ep_regions import EPRegions, PeerBuffers, zero_signal_regions
+    from moe_ref.kernels.ep.symm_signal import check_ep_status, symm_barrier_ref
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

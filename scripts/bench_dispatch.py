@@ -44,13 +44,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from moe_ref.kernels.ep_chunk import ep_chunk  # noqa: E402
-from moe_ref.kernels.ep_combine import ep_combine_push, ep_combine_reduce  # noqa: E402
-from moe_ref.kernels.ep_dispatch import ep_dispatch  # noqa: E402
-from moe_ref.kernels.ep_launch import EP_LAUNCH  # noqa: E402
-from moe_ref.kernels.ep_layout import ep_pre_dispatch  # noqa: E402
-from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, zero_signal_regions  # noqa: E402
-from moe_ref.kernels.symm_signal import check_ep_status  # noqa: E402
+from moe_ref.kernels.ep.ep_chunk import ep_chunk  # noqa: E402
+from moe_ref.kernels.ep.ep_combine import ep_combine_push, ep_combine_reduce  # noqa: E402
+from moe_ref.kernels.ep.ep_dispatch import ep_dispatch  # noqa: E402
+from moe_ref.kernels.ep.ep_launch import EP_LAUNCH  # noqa: E402
+from moe_ref.kernels.ep.ep_layout import ep_pre_dispatch  # noqa: E402
+from moe_ref.kernels.ep.ep_regions import EPRegions, PeerBuffers, zero_signal_regions  # noqa: E402
+from moe_ref.kernels.ep.symm_signal import check_ep_status  # noqa: E402
 
 HIDDEN, TOPK, NUM_EXPERTS = 7168, 8, 384
 

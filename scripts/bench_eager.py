@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import profile_step  # noqa: E402  (its timing of back-to-back calls, its cProfile and its runtime API names)
 from moe_ref import MegaMoE  # noqa: E402
 from moe_ref.core.config import preset  # noqa: E402
-from moe_ref.kernels.launch import bound_launches  # noqa: E402
+from moe_ref.kernels.runtime.launch import bound_launches  # noqa: E402
 from moe_ref.testing import graphed, sync_debug_mode  # noqa: E402
 
 LAUNCHES = profile_step.RUNTIME_KINDS["kernel launches"]
@@ -133,7 +133,7 @@ TRITON_LAUNCH = "eager_launches_triton_launch"
 
 @contextlib.contextmanager
 def launch_path(name: str):
-    """Bound launches off inside (``moe_ref.kernels.launch.bound_launches(False)``, as ``MOE_REF_BOUND_LAUNCH=0``
+    """Bound launches off inside (``moe_ref.kernels.runtime.launch.bound_launches(False)``, as ``MOE_REF_BOUND_LAUNCH=0``
     would set them for a whole process) for the ``TRITON_LAUNCH`` calls; nothing for the others."""
     if name != TRITON_LAUNCH:
         yield

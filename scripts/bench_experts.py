@@ -22,7 +22,7 @@ Paths per case (every JSON row carries `label`: what it times, `timing`: how, `t
                     picks for the call's regime, on the pool auto plans (the layer's default backend)
     graph_api_*     with --graph: an api_ row (rows hint) captured once in a CUDA graph and replayed (GPU work only,
                     as a layer's replayed eager call and a captured decode step run it)
-    triton_bf16 / triton_fp8  moe_ref.kernels.grouped_mlp direct on the 128-aligned pool
+    triton_bf16 / triton_fp8  moe_ref.kernels.experts.grouped_mlp direct on the 128-aligned pool
     grouped_mm_bf16 torch grouped GEMM (offs = cumulative ends, w.transpose(-2, -1)) + torch SiLU-and-mul
     loop_bf16       torch per-expert loop (host-side counts, no sync inside the timed region)
     deep_gemm_*     optional (--include-deep-gemm; none unless `deep_gemm` runs here), on the 128-aligned pool,
@@ -91,7 +91,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from moe_ref.experts import ExpertLayout  # noqa: E402
-from moe_ref.kernels.fp8 import quantize_fp8_per_block_128  # noqa: E402
+from moe_ref.kernels.experts.fp8 import quantize_fp8_per_block_128  # noqa: E402
 from moe_ref.testing import calc_diff, graphed  # noqa: E402
 
 ALIGN = 128
@@ -165,7 +165,7 @@ def _pool(case: Case, alignment: int) -> Pool:
             if alignment == ALIGN:
                 pool.x_fp8, pool.x_scale = case.fp8["x"], case.fp8["x_scale"]
             else:
-                from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
+                from moe_ref.kernels.ep.pre_dispatch import quantize_fp8_per_128
 
                 pool.x_fp8, pool.x_scale = quantize_fp8_per_128(pool.x_PDx)
         case.pools[alignment] = pool
@@ -198,7 +198,7 @@ def _make_case(model: str, num_rows: int, weights: tuple, seed: int, with_fp8: b
         offset += count
     case = Case(model, num_rows, counts, x_PDx, row_start_e, num_rows_e, x_packed, *weights[:2])
     if with_fp8:
-        from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
+        from moe_ref.kernels.ep.pre_dispatch import quantize_fp8_per_128
 
         x_fp8, x_scale = quantize_fp8_per_128(x_PDx)
         case.fp8 = dict(x=x_fp8, x_scale=x_scale, gate_up=weights[2], gate_up_scale=weights[3],
@@ -271,7 +271,7 @@ def _api_paths(case: Case, backends=API_BACKENDS) -> list[tuple[str, Callable[[]
 
 
 def _paths(case: Case, include_deep_gemm: bool) -> list[tuple[str, Callable[[], object]]]:
-    from moe_ref.kernels.grouped_mlp import grouped_mlp
+    from moe_ref.kernels.experts.grouped_mlp import grouped_mlp
 
     api_backends = API_BACKENDS + (("deep_gemm", "auto") if include_deep_gemm and _deep_gemm_usable() else ())
     paths = _api_paths(case, api_backends) + [("triton_bf16", lambda: grouped_mlp(case.x_PDx, case.gate_up, case.down, case.row_start_e,
@@ -526,7 +526,7 @@ def _checked_first_call(case: Case, name: str, fn: Callable[[], object], twins: 
 
 def _twin_check(case: Case, name: str, out: torch.Tensor, twins: dict) -> str | None:
     """Why the output `out` of path `name` is wrong vs our twin on the routed rows (None if it is right)."""
-    from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+    from moe_ref.kernels.experts.grouped_mlp import grouped_mlp_ref
 
     fp8 = name.endswith("fp8")
     if fp8 not in twins:  # one twin per case and dtype
@@ -697,7 +697,7 @@ def _case_metrics(case: Case, path: str, us: float, anchors: dict) -> dict:
 
 def check_correctness(include_deep_gemm: bool, device="cuda") -> list[str]:
     """Every path vs grouped_mlp_ref at one small case (calc_diff limits: bf16 1e-4; fp8 1e-3 vs the fp8 twin)."""
-    from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+    from moe_ref.kernels.experts.grouped_mlp import grouped_mlp_ref
 
     torch.manual_seed(0)
     counts = [3, 0, 130, 64]
@@ -708,7 +708,7 @@ def check_correctness(include_deep_gemm: bool, device="cuda") -> list[str]:
     valid = _segment_rows(row_start_e, num_rows_e, pool_rows)
     x_PDx[valid] = x_packed
     case = Case("small", sum(counts), counts, x_PDx, row_start_e, num_rows_e, x_packed, *weights[:2])
-    from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
+    from moe_ref.kernels.ep.pre_dispatch import quantize_fp8_per_128
 
     x_fp8, x_scale = quantize_fp8_per_128(x_PDx)
     case.fp8 = dict(x=x_fp8, x_scale=x_scale, gate_up=weights[2], gate_up_scale=weights[3], down=weights[4],
@@ -947,7 +947,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
 
     try:
-        from moe_ref.kernels.grouped_mlp import autotuned_kernel
+        from moe_ref.kernels.experts.grouped_mlp import autotuned_kernel
 
         results["autotune_choices"] = {str(k): str(v) for k, v in autotuned_kernel().cache.items()}
     except Exception as exc:  # informational only

@@ -5,7 +5,7 @@
 
 Rows (us of host time per call, back-to-back calls; the GPU work is a few us and runs behind):
 - ``triton``: ``kernel[grid](...)`` (Triton binds and specializes every argument each call);
-- ``bound``: ``moe_ref.kernels.launch.launch(kernel, grid, ...)`` once its key is bound (what moe_ref's kernels use);
+- ``bound``: ``moe_ref.kernels.runtime.launch.launch(kernel, grid, ...)`` once its key is bound (what moe_ref's kernels use);
 - ``compiled run``: the compiled kernel's launcher object called directly with prepared arguments (Triton's floor);
 - ``C launcher, addresses`` (Triton 3.6): the C launcher behind that object, tensors passed as their addresses (what
   a bound launch calls there: the floor of moe_ref's path);
@@ -32,9 +32,9 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moe_ref.kernels import launch as bound_launch  # noqa: E402
-from moe_ref.kernels.router_topk import router_topk  # noqa: E402
-from moe_ref.kernels.routing_check import routing_check  # noqa: E402
+from moe_ref.kernels.runtime import launch as bound_launch  # noqa: E402
+from moe_ref.kernels.router.router_topk import router_topk  # noqa: E402
+from moe_ref.kernels.router.routing_check import routing_check  # noqa: E402
 
 
 @triton.jit
@@ -61,8 +61,8 @@ def host_us(fn, calls: int) -> float:
 
 def grouped_mlp_rows(calls: int) -> dict[str, float]:
     """Host us per ``grouped_mlp`` call (8 experts, D = F = 256, 2 rows each: a few us of GPU work), by launch path."""
-    from moe_ref.kernels import grouped_mlp_tiles as tiles
-    from moe_ref.kernels.grouped_mlp import grouped_mlp, tma_unavailable_reason
+    from moe_ref.kernels.experts import grouped_mlp_tiles as tiles
+    from moe_ref.kernels.experts.grouped_mlp import grouped_mlp, tma_unavailable_reason
 
     if tma_unavailable_reason() is not None:
         return {}

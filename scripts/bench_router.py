@@ -5,7 +5,7 @@
 
 Rows per (router, T), us per call (moe_ref.testing.bench with host_ahead: GPU time, calls queued back to back, L2
 flushed), eagerly and replayed from a CUDA graph of the same call:
-- ``moe_ref``: ``moe_ref.kernels.router_logits``, what the layer runs (``torch.mm(x, w.t(), out_dtype=torch.float32)``:
+- ``moe_ref``: ``moe_ref.kernels.router.router_logits``, what the layer runs (``torch.mm(x, w.t(), out_dtype=torch.float32)``:
   cuBLAS on the bf16 operands as stored, fp32 sums and output, one launch);
 - ``torch fp32``: ``router_logits_ref``, ``F.linear(x.float(), w.float())`` (the path before: both casts, an fp32
   GEMM, cuBLAS's split-K reduce);

@@ -13,7 +13,7 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
                 outside the timed call: the layer's path)
     int4_w4a16  make_quantized_experts(int4_group weights), bf16 activations
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
-The 4-bit paths are `W4A16Experts` on `moe_ref.kernels.grouped_mlp_w4`: the stored weights laid out once
+The 4-bit paths are `W4A16Experts` on `moe_ref.kernels.experts.grouped_mlp_w4`: the stored weights laid out once
 (`to_group_planes`: a group's 32 features in 16 words, as the decode's register pairs; scales block-major), then two
 autotuned launches (gate_up with the SiLU in its epilogue, then down) that decode the 4-bit codes in the registers the
 tensor cores read, the group scale applied by the decode's last bf16 FMA (MXFP4 exactly, INT4 rounded once to bf16).
@@ -64,9 +64,9 @@ sys.path.insert(0, _SCRIPTS)  # peer_moe
 from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
-from moe_ref.kernels.fp8 import quantize_fp8_per_128  # noqa: E402
-from moe_ref.kernels.grouped_mlp_w4 import launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
-from moe_ref.kernels.w4 import W4Weight  # noqa: E402
+from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128  # noqa: E402
+from moe_ref.kernels.experts.grouped_mlp_w4 import launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
+from moe_ref.kernels.experts.w4 import W4Weight  # noqa: E402
 from moe_ref.testing import bench as _bench_calls, calc_diff, graphed  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The Triton fused-MoE kernels that SGLang and vLLM ship, read out of their published wheels at run time: peer
-anchors for our grouped expert MLP (`moe_ref.kernels.grouped_mlp`).
+anchors for our grouped expert MLP (`moe_ref.kernels.experts.grouped_mlp`).
 
     python3 scripts/peer_moe.py --check [--wheel FILE ...]        # PASS/FAIL per case (default: every peer file)
     python3 scripts/peer_moe.py --extract WHEEL --out-dir .whl    # the members this reader opens, as a small zip
@@ -72,11 +72,11 @@ default rule (`nearest_tuned` names the nearest tuned files, bench_experts print
 E=72,N=2048 in triton_3_8_0, bf16 E=8,N=2048 in triton_3_1_0; vLLM 0.33.0: block-FP8 E=8/32,N=2048, bf16
 E=8/16,N=2048).
 
---check: `run_peer_mlp` vs `moe_ref.kernels.grouped_mlp.grouped_mlp_ref` on tiny uneven layouts (ragged rows with an
+--check: `run_peer_mlp` vs `moe_ref.kernels.experts.grouped_mlp.grouped_mlp_ref` on tiny uneven layouts (ragged rows with an
 empty expert, an expert of BLOCK_SIZE_M rows beside one of BLOCK_SIZE_M + 1, a decode batch that takes the default
 rule's small tile, a forced BLOCK_SIZE_M 16 FP8 tile), for every peer file given. Without a GPU it runs under
 TRITON_INTERPRET=1 (D = F = 256) in fp32, fp16 and FP8, not bf16: the interpreter's bf16 `tl.dot` and bf16
-arithmetic are wrong (see `UPCAST` in moe_ref/kernels/grouped_mlp.py; the peer kernels have no upcast switch), so
+arithmetic are wrong (see `UPCAST` in moe_ref/kernels/experts/grouped_mlp.py; the peer kernels have no upcast switch), so
 there the FP8 run keeps its activations (gate||up, h, y) in fp16, and h is re-quantized by moe_ref's
 `quantize_fp8_per_128` (the interpreter's fp8 cast drops the mantissa carry, `_triton_utils.to_e4m3`). On CUDA it
 runs the compiled kernels (D 1024, F 512, 8 experts at our 128-row alignment) in bf16, fp16 and FP8 with the
@@ -1090,7 +1090,7 @@ def _quantize_per_token_group(peer: PeerKernel, h_PF: torch.Tensor) -> tuple[tor
     import triton
 
     if _is_interpreter():  # its fp8 cast drops the mantissa carry (120 -> 64, not 128): see _triton_utils.to_e4m3
-        from moe_ref.kernels.fp8 import quantize_fp8_per_128
+        from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 
         return quantize_fp8_per_128(h_PF)
     group = FP8_BLOCK[1]
@@ -1235,8 +1235,8 @@ def check_case(peer: PeerKernel, name: str, counts: list[int], hidden: int, inte
     a trailing padding block): (passed, one PASS/FAIL line with the diff and the tile config). `config` None: the
     engine's config for an H200 (on CPU) or this GPU. Limits in the module docstring."""
     from moe_ref.experts import ExpertLayout
-    from moe_ref.kernels.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128
-    from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+    from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128
+    from moe_ref.kernels.experts.grouped_mlp import grouped_mlp_ref
     from moe_ref.testing import calc_diff
 
     gen = torch.Generator().manual_seed(seed)

@@ -60,7 +60,7 @@ from bench_experts import (ALIGN, MODELS, ROWS, Pool, _make_case, _make_weights,
 from moe_ref.core.errors import MoERefError  # noqa: E402
 from moe_ref.experts import FP8ExpertWeights, experts_class, make_experts  # noqa: E402
 from moe_ref.experts.auto import TABLE_FORMAT, TABLE_PATH, format_regimes, validate_table  # noqa: E402
-from moe_ref.kernels.ep_regions import POOL_FORMATS  # noqa: E402  (contiguous, masked)
+from moe_ref.kernels.ep.ep_regions import POOL_FORMATS  # noqa: E402  (contiguous, masked)
 from moe_ref.testing import CALC_DIFF_TOLERANCES, bench, calc_diff  # noqa: E402
 
 DTYPES = ("fp8", "bf16")  # fp8 first: its prefill regimes are the ones DeepGEMM may win

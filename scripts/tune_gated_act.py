@@ -3,7 +3,7 @@
 
     PYTHONPATH=. python3 scripts/tune_gated_act.py [--rows 6144 38400] [--width 2048] [--out results/tune_gated_act]
 
-``moe_ref.kernels.gated_act.gated_activation_rows`` is the glue between the deep_gemm experts' two GEMMs: it reads
+``moe_ref.kernels.experts.gated_act.gated_activation_rows`` is the glue between the deep_gemm experts' two GEMMs: it reads
 GEMM1's ``[P, 2F]`` bf16 output and writes h as fp8 with per-128 scales (``--quant``, the FP8 experts) or bf16, over
 the valid rows of a contiguous pool (every row valid here: the pool of a prefill call). Per tile: us (L2 flushed,
 median, ``moe_ref.testing.bench``) and the GB/s of the bytes it must move (GEMM1's output read, h and its scales
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moe_ref.kernels.gated_act import DEFAULT_TILE, gated_activation_rows  # noqa: E402
+from moe_ref.kernels.experts.gated_act import DEFAULT_TILE, gated_activation_rows  # noqa: E402
 from moe_ref.testing import bench  # noqa: E402
 
 TILES = [(16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]

@@ -9,7 +9,7 @@ and 32768 routed rows spread evenly over the experts, each expert segment at a 1
 (`--alignment N`: segments start on multiples of N rows; 1 packs them back to back, the pool the layer builds for
 the Triton experts). The rows hint is the routed rows whatever the alignment (as the layer passes it). Per case
 both GEMMs are timed separately through the library launcher with a forced config
-(`moe_ref.kernels.grouped_mlp.launch_gemm(..., config=triton.Config(...))`, the same kernel and compile options
+(`moe_ref.kernels.experts.grouped_mlp.launch_gemm(..., config=triton.Config(...))`, the same kernel and compile options
 that autotune uses):
 
     gate_up (GEMM1)  h[R, F] = silu(x @ gate.T) * (x @ up.T)   w [e, 2F, D]; one program: BLOCK_M x 2*BLOCK_N
@@ -40,7 +40,7 @@ Triton experts store them (`grouped_mlp(..., gate_up_interleaved=True)`).
 
 --fp8 (default --out results/tune_grouped_mlp_fp8.json): the FP8 path as `grouped_mlp` runs it for e4m3 x:
 x quantized per row per 128 columns (fp32 scales), weights e4m3 with fp32 128x128 block scales
-(`moe_ref.kernels.fp8`), GEMM1 re-quantizing h per row per 128 columns, GEMM2 writing bf16 y.
+(`moe_ref.kernels.experts.fp8`), GEMM1 re-quantizing h per row per 128 columns, GEMM2 writing bf16 y.
   Check: calc_diff < 1e-3 against grouped_mlp_ref on the same FP8 operands (the FP8 twin).
   Anchor: the bf16 kernel (same launcher) with the bf16 sweep's best tile of the same case (`BF16_BEST`, from
   docs/results/tune_grouped_mlp.txt), timed in the same run: "x bf16" = bf16 us / FP8 us.
@@ -52,11 +52,11 @@ x quantized per row per 128 columns (fp32 scales), weights e4m3 with fp32 128x12
   and Step3 differ in Triton's specialisation of the FP8 scale strides (F/128 = 16 vs 40), so each config
   compiles once per shape; the workers compile both.
   Output as below, with the replacement `MID_TILES_FP8` / `PREFILL_TILES_FP8` blocks (the current entries +
-  the winners) to paste into moe_ref/kernels/grouped_mlp_tiles.py; bf16's lists are not touched.
+  the winners) to paste into moe_ref/kernels/experts/grouped_mlp_tiles.py; bf16's lists are not touched.
 
 Output: a progress line per config (flushed), then per (shape, rows, GEMM) a table config | us |
 TFLOP/s | x vs the anchor | calc_diff | registers per thread | spilled bytes, the best config per case, and per (regime, GEMM) the tiles to
-put into `MID_TILES` / `PREFILL_TILES` (--fp8: `*_FP8`) of moe_ref/kernels/grouped_mlp_tiles.py, then those lists
+put into `MID_TILES` / `PREFILL_TILES` (--fp8: `*_FP8`) of moe_ref/kernels/experts/grouped_mlp_tiles.py, then those lists
 with the winners appended, ready to paste (also written to <out>.txt).
 JSON goes to --out after every config, so a time-out keeps what was measured; --max-seconds stops the
 sweep cleanly (default 170 s, counted from process start, including setup and compilation).
@@ -144,11 +144,11 @@ DEVICE = "cuda"  # a CPU smoke test of the whole flow sets "cpu" (with TRITON_IN
 
 def _gm():
     # the package re-exports a function named grouped_mlp: take the module itself
-    return importlib.import_module("moe_ref.kernels.grouped_mlp")
+    return importlib.import_module("moe_ref.kernels.experts.grouped_mlp")
 
 
 def _tiles():
-    return importlib.import_module("moe_ref.kernels.grouped_mlp_tiles")
+    return importlib.import_module("moe_ref.kernels.experts.grouped_mlp_tiles")
 
 
 def _elapsed() -> float:
@@ -312,8 +312,8 @@ def launch(gemm: str, a, w, out, row_start_e, num_rows_e, rows_hint: int, config
 
 def quantize_weights(weights: dict) -> dict:
     """`weights` (bf16 "gate_up", "down") + "fp8": e4m3 weights with fp32 128x128 block scales, as an FP8
-    checkpoint stores them (`moe_ref.kernels.fp8.quantize_fp8_per_block_128`, one expert matrix at a time)."""
-    from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+    checkpoint stores them (`moe_ref.kernels.experts.fp8.quantize_fp8_per_block_128`, one expert matrix at a time)."""
+    from moe_ref.kernels.experts.fp8 import quantize_fp8_per_block_128
 
     fp8 = {}
     for name in ("gate_up", "down"):
@@ -336,7 +336,7 @@ def make_ops(x, weights: dict, pool_rows: int, fp8: bool, device: str, interleav
                "h_fixed": torch.zeros(pool_rows, inter, dtype=x.dtype, device=device), "h_fixed_scale": None,
                "y": torch.zeros(pool_rows, hidden, dtype=x.dtype, device=device)}
     else:
-        from moe_ref.kernels.fp8 import quantize_fp8_per_128
+        from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 
         if "fp8" not in weights:
             weights = quantize_weights(weights)
@@ -834,12 +834,12 @@ def format_tables(results: dict) -> str:
             current += f"; NOTE autotune drops this tile: {b['autotune_drops']}"
         emit(f"  {b['shape']:8s} {b['rows']:6d} {b['gemm']:8s} [{b['regime']}] {b['label']:30s} {b['us']:9.1f} us "
               f"{b['tflops']:6.1f} TFLOP/s {vs}{current}")
-    emit("\n== winners as entries of the tile lists in moe_ref/kernels/grouped_mlp_tiles.py: (BLOCK_M, BLOCK_N "
+    emit("\n== winners as entries of the tile lists in moe_ref/kernels/experts/grouped_mlp_tiles.py: (BLOCK_M, BLOCK_N "
           "[per half for gate_up], BLOCK_K, num_warps, num_stages[, GROUP_M])")
     for key, s in summary["suggestions"].items():
         emit(f"  {key:16s} -> {s['list']}: {', '.join(str(tuple(t)) for t in s['tiles'])}")
     if summary["suggestions"]:
-        emit("\n== paste into moe_ref/kernels/grouped_mlp_tiles.py over the list of the same name (current entries kept, "
+        emit("\n== paste into moe_ref/kernels/experts/grouped_mlp_tiles.py over the list of the same name (current entries kept, "
              "winners appended)" + ("; bf16's lists stay as they are" if fp8 else ""))
         lines += paste_blocks(results, summary)
     return "\n".join(lines) + "\n"

@@ -51,8 +51,8 @@ from typing import Any, Mapping
 import torch
 
 from moe_ref.core.errors import UnsupportedQuantizationError
-from moe_ref.kernels.fp8 import dequantize_fp8_per_block_128
-from moe_ref.kernels.w4 import (  # noqa: F401  (the 4-bit numerics, re-exported with their formats)
+from moe_ref.kernels.experts.fp8 import dequantize_fp8_per_block_128
+from moe_ref.kernels.experts.w4 import (  # noqa: F401  (the 4-bit numerics, re-exported with their formats)
     GROUP_SIZE,
     INT4_PER_WORD,
     FP4_PER_BYTE,
@@ -269,14 +269,14 @@ def _compressed_tensors_format(qc: Mapping[str, Any]) -> tuple[QuantFormat, int,
 # one format-agnostic pair: quantize (synthetic checkpoints, tests) and dequantize (references)
 # --------------------------------------------------------------------------------------------------
 def w4_format_name(fmt: QuantFormat) -> str:
-    """A 4-bit checkpoint format's name in ``moe_ref.kernels.w4`` ("int4" or "mxfp4"); only for those formats."""
+    """A 4-bit checkpoint format's name in ``moe_ref.kernels.experts.w4`` ("int4" or "mxfp4"); only for those formats."""
     return "int4" if fmt == QuantFormat.INT4_GROUP else "mxfp4"
 
 
 def quantize_weight(weight_OI: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., O, I]`` -> (stored weight, stored scale) in ``fmt``, as the published checkpoints hold them."""
     if fmt == QuantFormat.FP8_BLOCK:
-        from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+        from moe_ref.kernels.experts.fp8 import quantize_fp8_per_block_128
 
         return quantize_fp8_per_block_128(weight_OI)
     return quantize_int4(weight_OI) if fmt == QuantFormat.INT4_GROUP else quantize_mxfp4(weight_OI)
@@ -318,7 +318,7 @@ class QuantizedExpertWeights:
         intermediate_size: F.
         first_expert: global id of local expert 0.
         nibble_order: "checkpoint" (as stored), or "group_planes": the 4-bit words rewritten in place in the order
-            of ``moe_ref.kernels.grouped_mlp_w4`` (``kernels.w4.to_group_planes``); ``as_stored()`` gives them back
+            of ``moe_ref.kernels.experts.grouped_mlp_w4`` (``kernels.w4.to_group_planes``); ``as_stored()`` gives them back
             in the checkpoint's order.
         gate_up_interleaved: fp8_block only: gate_up's rows, and its scale rows alike, rewritten in place in
             alternating 128-row gate and up blocks (``kernels.grouped_mlp.interleave_gate_up``), as the FP8 kernels
@@ -365,7 +365,7 @@ class QuantizedExpertWeights:
 
     @property
     def w4_format(self) -> str:
-        """The 4-bit format's name in ``moe_ref.kernels.w4`` (``w4_format_name``); only for those formats."""
+        """The 4-bit format's name in ``moe_ref.kernels.experts.w4`` (``w4_format_name``); only for those formats."""
         return w4_format_name(self.spec.format)
 
     def dequantize_expert(self, i: int, which: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -374,7 +374,7 @@ class QuantizedExpertWeights:
         qweight, scale = (self.gate_up_qweight_e2FDq, self.gate_up_scale_e2FDs) if which == "gate_up" else (
             self.down_qweight_eDFq, self.down_scale_eDFs)
         if self.gate_up_interleaved and which == "gate_up":
-            from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
+            from moe_ref.kernels.experts.grouped_mlp import deinterleave_gate_up
 
             return deinterleave_gate_up(dequantize_weight(qweight[i:i + 1], scale[i:i + 1], self.spec.format, dtype))[0]
         if self.nibble_order == "checkpoint":
@@ -413,7 +413,7 @@ class QuantizedExpertWeights:
         and up blocks (one expert at a time: no second copy of the weights). As ``with_group_planes``, only an owner
         that keeps the result and drops this object may call it (the layer, at load). Returned unchanged for other
         formats or when already done."""
-        from moe_ref.kernels.grouped_mlp import interleave_gate_up
+        from moe_ref.kernels.experts.grouped_mlp import interleave_gate_up
 
         if self.spec.format != QuantFormat.FP8_BLOCK or self.gate_up_interleaved:
             return self
@@ -426,7 +426,7 @@ class QuantizedExpertWeights:
         """These experts in the checkpoint's order: this object, or a copy with the words (group planes) or the
         gate/up rows (interleaved) put back."""
         if self.gate_up_interleaved:
-            from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
+            from moe_ref.kernels.experts.grouped_mlp import deinterleave_gate_up
 
             return dataclasses.replace(
                 self, gate_up_qweight_e2FDq=deinterleave_gate_up(self.gate_up_qweight_e2FDq, FP8_BLOCK),

@@ -42,7 +42,7 @@ from moe_ref.checkpoint.loading import (KNOWN_PREFIXES, LayerNames, _check_exper
 from moe_ref.checkpoint.reader import CheckpointReader
 from moe_ref.checkpoint.formats import (FP8_BLOCK, SAFETENSORS_DTYPES, QuantFormat, QuantizedExpertWeights, QuantSpec,
                                         quant_spec_from_config)
-from moe_ref.kernels.w4 import check_mxfp4_scales
+from moe_ref.kernels.experts.w4 import check_mxfp4_scales
 from moe_ref.core.weights import MoEWeights
 
 _SAFETENSORS_DTYPES = SAFETENSORS_DTYPES

@@ -13,7 +13,7 @@
 | MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
 | MOE_REF_EAGER_GRAPH_MAX_TOKENS     | largest T whose eager calls replay a CUDA graph of their shape (one rank on CUDA; 0: never) | min(1024, cap) |
-| MOE_REF_BOUND_LAUNCH               | ``0``: Triton launches go through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key); read at the process's first Triton launch (``moe_ref.kernels.launch.bound_launches(False)`` switches it in code) | 1 |
+| MOE_REF_BOUND_LAUNCH               | ``0``: Triton launches go through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key); read at the process's first Triton launch (``moe_ref.kernels.runtime.launch.bound_launches(False)`` switches it in code) | 1 |
 
 Switches (``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
 ``MOE_REF_BOUND_LAUNCH``) take ``1``, ``true``,
@@ -122,7 +122,7 @@ def tma() -> bool:
 def bound_launch() -> bool:
     """``MOE_REF_BOUND_LAUNCH=0`` sends Triton launches through Triton's own launcher and the grouped MLP's
     through its autotuner; by default later launches of a shape key call the compiled kernel (and the config the
-    autotuner chose) directly (``moe_ref.kernels.launch``, which reads the switch at the process's first launch)."""
+    autotuner chose) directly (``moe_ref.kernels.runtime.launch``, which reads the switch at the process's first launch)."""
     return _switch("MOE_REF_BOUND_LAUNCH") is not False
 
 

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_ref.kernels import ops
+from moe_ref.kernels.runtime import ops
 from moe_ref.ep.buffer import SymmetricBuffer
 from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.ep.dispatch import DispatchHandle, Dispatcher
-from moe_ref.kernels.ep_combine import slot_owners_TR, sum_partials_ref, weighted_partials_ref
-from moe_ref.kernels.ep_dispatch import receive_layout_ref, receive_rows_ref
-from moe_ref.kernels.ep_regions import PeerBuffers
-from moe_ref.kernels.symm_signal import check_ep_status
+from moe_ref.kernels.ep.ep_combine import slot_owners_TR, sum_partials_ref, weighted_partials_ref
+from moe_ref.kernels.ep.ep_dispatch import receive_layout_ref, receive_rows_ref
+from moe_ref.kernels.ep.ep_regions import PeerBuffers
+from moe_ref.kernels.ep.symm_signal import check_ep_status
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from moe_ref.core import envs
 from moe_ref.ep.capacity import CapacityPlan, format_bytes
 from moe_ref.ep.distributed import comm_device, gather_ints, group_size_and_rank
-from moe_ref.kernels.ep_regions import PeerBuffers
+from moe_ref.kernels.ep.ep_regions import PeerBuffers
 from moe_ref.core.errors import (BufferTooSmallError, CapacityMismatchError, DistributedError, GroupDisagreementError,
                                  MemoryBudgetError, UnknownNameError)
 

@@ -32,7 +32,7 @@ import torch
 
 from moe_ref.core.config import MoEConfig, ParallelConfig
 from moe_ref.core.errors import ExpertsNotDivisibleError, InvalidConfigError, MemoryBudgetError
-from moe_ref.kernels.ep_regions import (POOL_FORMATS, REGION_ALIGN_BYTES, EPRegions, default_pool_rows,
+from moe_ref.kernels.ep.ep_regions import (POOL_FORMATS, REGION_ALIGN_BYTES, EPRegions, default_pool_rows,
                                         masked_segment_rows)
 from moe_ref.ep.options import ACTIVATION_DTYPES
 

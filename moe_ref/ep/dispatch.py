@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from moe_ref.kernels import ops
+from moe_ref.kernels.runtime import ops
 from moe_ref.ep.buffer import SymmetricBuffer, release_buffer
 from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.core.config import MoEConfig
@@ -55,8 +55,8 @@ from moe_ref.ep.distributed import comm_device
 from moe_ref.core.errors import (CapacityExceededError, DeviceError, DTypeError, ExpertIdError, InputError,
                                  NonFiniteError, ShapeError)
 from moe_ref.experts import ExpertLayout, Experts
-from moe_ref.kernels.ep_regions import EPRegions
-from moe_ref.kernels.routing_check import routing_faults_T
+from moe_ref.kernels.ep.ep_regions import EPRegions
+from moe_ref.kernels.router.routing_check import routing_faults_T
 
 # --- input checks ---------------------------------------------------------------------------------------------
 
@@ -305,7 +305,7 @@ class Dispatcher(ABC):
         x_scale_PDb = handle.recv_x_scale_PDb[:num_rows]
         if experts is not None and experts.accepts_fp8_input:
             return x_PD, x_scale_PDb
-        from moe_ref.kernels.fp8 import dequantize_fp8_per_128
+        from moe_ref.kernels.experts.fp8 import dequantize_fp8_per_128
 
         return dequantize_fp8_per_128(x_PD, x_scale_PDb, self.plan.activation_dtype), None
 

@@ -6,7 +6,7 @@
         'error' -> CapacityExceededError (CAP001) on every rank, before any kernel
         'chunk' -> n = ceil(max_r T_r / cap) chunks; every rank launches all n, empty ones included-->
       per chunk:
-        moe_ref.kernels.pre_dispatch: x -> fp8 e4m3 + fp32 scale per 128 columns, ids (int64), weights (fp32)
+        moe_ref.kernels.ep.pre_dispatch: x -> fp8 e4m3 + fp32 scale per 128 columns, ids (int64), weights (fp32)
             written into DeepGEMM's symmetric-buffer views x, x_sf, topk_idx, topk_weights  (rows [:T])
         deep_gemm.fp8_mega_moe (one persistent kernel): every rank pulls the rows routed to its experts
             from its peers over NVLink -> L1 GEMM (fp8 x fp8, 128x128 weight blocks) -> SwiGLU x routing
@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_ref.kernels import ops
+from moe_ref.kernels.runtime import ops
 from moe_ref.core.config import MoEConfig
 from moe_ref.experts.deep_gemm.probe import call_deep_gemm, deep_gemm_status, import_deep_gemm
 from moe_ref.ep.distributed import group_max
@@ -149,7 +149,7 @@ class DeepGemmMegaMoE:
         self.device = gate_up_weight_e2FD.device
         self._check_cap_agreement()
 
-        from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+        from moe_ref.kernels.experts.fp8 import quantize_fp8_per_block_128
 
         l1_weights = quantize_fp8_per_block_128(gate_up_weight_e2FD)
         l2_weights = quantize_fp8_per_block_128(down_weight_eDF)

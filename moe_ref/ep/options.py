@@ -19,7 +19,7 @@ import torch
 from moe_ref.core import envs
 from moe_ref.core.errors import DeviceUnavailableError, DTypeError, InvalidConfigError, UnknownNameError
 from moe_ref.experts import check_pool_format, experts_class, registered_backends
-from moe_ref.kernels.ep_regions import POOL_FORMATS
+from moe_ref.kernels.ep.ep_regions import POOL_FORMATS
 
 OVERFLOW_POLICIES = ("error", "chunk")
 TRANSPORTS = ("auto", "local", "symm", "a2a")

@@ -48,7 +48,7 @@ from moe_ref.ep.distributed import (agree_on_failure, comm_device, gather_ints, 
                                     peer_errors)
 from moe_ref.core.errors import CapacityExceededError, ConservationError, MoERefError, NonFiniteError
 from moe_ref.experts import Experts, check_pool_format
-from moe_ref.kernels.ep_combine import slot_owners_TR
+from moe_ref.kernels.ep.ep_combine import slot_owners_TR
 from moe_ref.ep.options import EPOptions
 from moe_ref.ep.overflow import OverflowPolicy
 from moe_ref.ep.transport import make_dispatcher

@@ -13,13 +13,13 @@ Shape legend: T tokens of this rank, K top-k, Dx expert input width, R EP ranks,
 """
 from __future__ import annotations
 
-from moe_ref.kernels import ops
+from moe_ref.kernels.runtime import ops
 from moe_ref.ep.buffer import SymmetricBuffer
 from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.ep.dispatch import DispatchHandle, Dispatcher
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.core.errors import DistributedError
-from moe_ref.kernels.symm_signal import DEFAULT_TIMEOUT_US, check_ep_status, ep_status_problem
+from moe_ref.kernels.ep.symm_signal import DEFAULT_TIMEOUT_US, check_ep_status, ep_status_problem
 
 
 class SymmDispatcher(Dispatcher):

@@ -47,7 +47,7 @@ import torch
 from moe_ref.core.errors import AutoTableError, MoERefError
 from moe_ref.experts.base import ExpertLayout, Experts, FP8ExpertWeights
 from moe_ref.experts.registry import experts_class, make_experts, register_experts, registered_backends
-from moe_ref.kernels.ep_regions import POOL_FORMATS
+from moe_ref.kernels.ep.ep_regions import POOL_FORMATS
 
 __all__ = ["AutoExperts", "AutoPlan", "AutoTable", "GpuClassTable", "Regime", "TABLE_PATH", "auto_plan",
            "auto_table", "find_regime", "format_regimes", "gpu_class_of", "validate_table"]

@@ -11,8 +11,8 @@ from moe_ref.core.activations import dense_mlp, gated_activation
 from moe_ref.core.errors import BackendUnavailableError
 from moe_ref.experts.base import ExpertLayout, Experts, FP8ExpertWeights
 from moe_ref.experts.registry import register_experts
-from moe_ref.kernels import ops
-from moe_ref.kernels._triton_utils import FP8_DTYPE
+from moe_ref.kernels.runtime import ops
+from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE
 
 
 class TorchLoopExperts(Experts):
@@ -115,7 +115,7 @@ class TritonExperts(Experts):
         self.fp8_weights = fp8_weights
 
     def forward(self, x_PDx, layout, x_scale_PDb=None):
-        from moe_ref.kernels.grouped_mlp import grouped_mlp
+        from moe_ref.kernels.experts.grouped_mlp import grouped_mlp
 
         options = dict(activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
                        num_rows_hint=layout.rows_hint(),  # picks GPU tiles

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from moe_ref.core.errors import DTypeError, InvalidConfigError
-from moe_ref.kernels._triton_utils import FP8_DTYPE
+from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ class FP8ExpertWeights:
     def quantize(gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor) -> "FP8ExpertWeights":
         """Quantize ``[e, 2F, Dx]`` and ``[e, Dx, F]`` weights (bf16/fp16/fp32) once, per 128x128 block; gate_up
         interleaved when F % 128 == 0."""
-        from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
-        from moe_ref.kernels.grouped_mlp_tiles import GATE_UP_BLOCK
+        from moe_ref.kernels.experts.fp8 import quantize_fp8_per_block_128
+        from moe_ref.kernels.experts.grouped_mlp_tiles import GATE_UP_BLOCK
 
         stacked = FP8ExpertWeights(*quantize_fp8_per_block_128(gate_up_weight_e2FD),
                                    *quantize_fp8_per_block_128(down_weight_eDF))
@@ -57,7 +57,7 @@ class FP8ExpertWeights:
 
     def interleaved(self) -> "FP8ExpertWeights":
         """These weights with gate_up interleaved (copies of gate_up and its scales; this object if it already is)."""
-        from moe_ref.kernels.grouped_mlp import interleave_gate_up
+        from moe_ref.kernels.experts.grouped_mlp import interleave_gate_up
 
         if self.gate_up_interleaved:
             return self
@@ -118,7 +118,7 @@ class ExpertLayout:
     def row_expert_P(self) -> torch.Tensor:
         """``[P]`` int64: the local expert of each pool row, -1 for padding rows (``kernels.pool_rows``; no host
         sync)."""
-        from moe_ref.kernels import ops
+        from moe_ref.kernels.runtime import ops
 
         device = self.num_rows_e.device
         return ops.pool_row_experts(self.row_start_e.to(device), self.num_rows_e, self.num_pool_rows).to(torch.int64)

@@ -69,7 +69,7 @@ class W4A16Experts(Experts):
         return copies + self.gate_up_planes.block_scale.nbytes + self.down_planes.block_scale.nbytes
 
     def forward(self, x_PDx, layout, x_scale_PDb=None):
-        from moe_ref.kernels.grouped_mlp_w4 import grouped_mlp_w4
+        from moe_ref.kernels.experts.grouped_mlp_w4 import grouped_mlp_w4
 
         return grouped_mlp_w4(x_PDx, self.gate_up_planes, self.down_planes, layout.row_start_e, layout.num_rows_e,
                               self.activation, self.situ_beta, self.situ_linear_beta,

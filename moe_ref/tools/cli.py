@@ -461,10 +461,10 @@ def cmd_info(args) -> int:
     print("\n".join(auto_backend_lines()))
     print("transports: local; symm (CPU shared memory"
           f"{', CUDA symmetric memory: Triton EP kernels' if torch.cuda.is_available() else ''}); a2a (all_to_all_single)")
-    from moe_ref.kernels.native import native_status
+    from moe_ref.kernels.runtime.native import native_status
 
     print(f"CPU EP data path: {native_status()}")
-    from moe_ref.kernels.grouped_mlp import tma_unavailable_reason
+    from moe_ref.kernels.experts.grouped_mlp import tma_unavailable_reason
 
     reason = tma_unavailable_reason()
     print(f"grouped MLP tile loads: {'TMA descriptors' if reason is None else f'pointers ({reason})'}")

@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from ep_sim import expected_output, make_inputs, make_world, simulate_chunk  # noqa: E402
 
-from moe_ref.kernels.ep_chunk import ep_chunk  # noqa: E402
-from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers  # noqa: E402
-from moe_ref.kernels.symm_signal import check_ep_status  # noqa: E402
+from moe_ref.kernels.ep.ep_chunk import ep_chunk  # noqa: E402
+from moe_ref.kernels.ep.ep_regions import EPRegions, PeerBuffers  # noqa: E402
+from moe_ref.kernels.ep.symm_signal import check_ep_status  # noqa: E402
 
 # name: (token counts per rank (cycled), e, K, C, Dx, dtype, fp8, alignment, kernels, fused_signals)
 CASES = {

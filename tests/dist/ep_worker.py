@@ -29,8 +29,8 @@ import ep_cases  # noqa: E402
 from moe_ref.core.config import preset  # noqa: E402
 from moe_ref.core.errors import CapacityExceededError, CapacityMismatchError, ExpertIdError  # noqa: E402
 from moe_ref.experts import make_experts  # noqa: E402
-from moe_ref.kernels.ep_regions import masked_segment_rows  # noqa: E402
-from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128  # noqa: E402
+from moe_ref.kernels.ep.ep_regions import masked_segment_rows  # noqa: E402
+from moe_ref.kernels.ep.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128  # noqa: E402
 from moe_ref.block import moe_block  # noqa: E402
 from moe_ref.ep.options import EPOptions  # noqa: E402
 from moe_ref.reference import reference_moe, routed_experts_reference  # noqa: E402
@@ -299,7 +299,7 @@ def main() -> int:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
                             **({"device_id": DEVICE} if DEVICE.type == "cuda" else {}))
     rank, world = dist.get_rank(), dist.get_world_size()
-    from moe_ref.kernels.native import native_status
+    from moe_ref.kernels.runtime.native import native_status
 
     print(f"[rank {rank}] CPU EP ops: {native_status()}", flush=True)
     if args.fault != "none":

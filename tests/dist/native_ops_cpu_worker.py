@@ -1,4 +1,4 @@
-"""torchrun worker (CPU, gloo): the compiled EP ops (moe_ref.kernels.native) across real processes over /dev/shm.
+"""torchrun worker (CPU, gloo): the compiled EP ops (moe_ref.kernels.runtime.native) across real processes over /dev/shm.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist/native_ops_cpu_worker.py --out DIR
 
@@ -31,10 +31,10 @@ sys.path.insert(0, HERE)
 from ep_kernels_cpu_worker import map_shm_buffers  # noqa: E402
 from ep_sim import expected_output, make_inputs, make_world, scaled_identity_experts, simulate_chunk  # noqa: E402
 
-from moe_ref.kernels import native
+from moe_ref.kernels.runtime import native
 from moe_ref.core.errors import PeerTimeoutError  # noqa: E402
-from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, zero_signal_regions  # noqa: E402
-from moe_ref.kernels.symm_signal import check_ep_status  # noqa: E402
+from moe_ref.kernels.ep.ep_regions import EPRegions, PeerBuffers, zero_signal_regions  # noqa: E402
+from moe_ref.kernels.ep.symm_signal import check_ep_status  # noqa: E402
 
 # name: (token counts per rank (cycled, one list per chunk), e, K, C, Dx, dtype, fp8, alignment, fused_signals)
 CASES = {

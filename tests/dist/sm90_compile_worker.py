@@ -40,14 +40,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 # the recorders stand in for the kernels: every launch must reach them through kernel[grid] (no bound launch)
 os.environ["MOE_REF_BOUND_LAUNCH"] = "0"
 
-from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers  # noqa: E402
+from moe_ref.kernels.ep.ep_regions import EPRegions, PeerBuffers  # noqa: E402
 
-gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
-rc = importlib.import_module("moe_ref.kernels.routing_check")
-ga = importlib.import_module("moe_ref.kernels.gated_act")
-qr = importlib.import_module("moe_ref.kernels.quantize_rows")
-w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
-from moe_ref.kernels.w4 import to_group_planes  # noqa: E402
+gm = importlib.import_module("moe_ref.kernels.experts.grouped_mlp")  # the package re-exports a function of that name
+rc = importlib.import_module("moe_ref.kernels.router.routing_check")
+ga = importlib.import_module("moe_ref.kernels.experts.gated_act")
+qr = importlib.import_module("moe_ref.kernels.experts.quantize_rows")
+w4 = importlib.import_module("moe_ref.kernels.experts.grouped_mlp_w4")
+from moe_ref.kernels.experts.w4 import to_group_planes  # noqa: E402
 EP_MODULES = {name: importlib.import_module(f"moe_ref.kernels.{name}")
               for name in ("pre_dispatch", "ep_layout", "ep_dispatch", "ep_combine", "symm_signal")}
 HOPPER = GPUTarget("cuda", 90, 32)

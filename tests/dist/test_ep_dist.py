@@ -54,7 +54,7 @@ def test_launch_finishes_and_leaves_no_shared_memory(launches, world_size):
     assert launch.returncode == 0, f"{world_size=}: rc={launch.returncode}\n{_tail(launch.log)}"
     assert sorted(launch.results) == list(range(world_size)), f"{world_size=}: missing rank results"
     assert launch.leftovers == [], f"{world_size=}: files left in MOE_REF_SHM_DIR: {launch.leftovers}"
-    from moe_ref.kernels.native import is_active
+    from moe_ref.kernels.runtime.native import is_active
 
     if is_active():  # built here (make install): the ranks ran the compiled ops, not the twins
         assert launch.log.count("CPU EP ops: compiled ops: active") == world_size, _tail(launch.log)

@@ -16,7 +16,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from moe_ref.kernels import native  # noqa: E402
+from moe_ref.kernels.runtime import native  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

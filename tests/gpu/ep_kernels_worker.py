@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "interpreter"))
 from ep_sim import RankInputs, expected_output, make_inputs, scaled_identity_experts  # noqa: E402
 
 from moe_ref.core.errors import PeerTimeoutError  # noqa: E402
-from moe_ref.kernels.ep_chunk import ep_chunk  # noqa: E402
-from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, zero_signal_regions  # noqa: E402
-from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier  # noqa: E402
+from moe_ref.kernels.ep.ep_chunk import ep_chunk  # noqa: E402
+from moe_ref.kernels.ep.ep_regions import EPRegions, PeerBuffers, zero_signal_regions  # noqa: E402
+from moe_ref.kernels.ep.symm_signal import check_ep_status, symm_barrier  # noqa: E402
 
 # name: (tokens per rank (cycled), e, K, C, Dx, dtype, fp8, alignment, one_expert)
 TWIN_CASES = {
@@ -183,7 +183,7 @@ def check_timeout(world: SymmWorld, rank: int, world_size: int) -> dict:
     dist.barrier()
     fill_garbage(world, regions, seed=6)  # resets signal/epoch/status on every rank
     if rank == 0:  # the fused wait of ep_dispatch: same error, and nothing is received from the silent peer
-        from moe_ref.kernels.ep_dispatch import ep_dispatch
+        from moe_ref.kernels.ep.ep_dispatch import ep_dispatch
 
         regions.view(world.local, "epoch").fill_(1)  # as if my ep_pre_dispatch(post=True) had run: it posts
         regions.view(world.local, "signal")[rank] = 1  # to every rank, me included

@@ -17,7 +17,7 @@ from moe_ref.experts import ExpertLayout, experts_class, make_experts
 from moe_ref.experts import auto
 from moe_ref.experts.auto import AutoExperts
 from moe_ref.experts.deep_gemm.probe import deep_gemm_status
-from moe_ref.kernels.fp8 import quantize_fp8_per_128
+from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 from moe_ref.testing import assert_bitwise_equal, sync_debug_mode
 
 pytestmark = pytest.mark.cuda

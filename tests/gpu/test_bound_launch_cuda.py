@@ -1,4 +1,4 @@
-"""The bound launch path (``moe_ref.kernels.launch``) on a GPU: a bound kernel computes what Triton's own launch
+"""The bound launch path (``moe_ref.kernels.runtime.launch``) on a GPU: a bound kernel computes what Triton's own launch
 computes, also on the arguments Triton specializes on (an unaligned base, a size of 1 or a multiple of 16), and
 the whole layer gives the same bits with and without it (``bound_launches(False)``, as ``MOE_REF_BOUND_LAUNCH=0``)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from moe_ref.core.config import preset
-from moe_ref.kernels import launch as bl
+from moe_ref.kernels.runtime import launch as bl
 from moe_ref.layer import MegaMoE
 
 pytestmark = pytest.mark.cuda
@@ -89,8 +89,8 @@ def test_a_tma_kernel_bound_computes_what_triton_computes_on_every_pool():
     """The grouped GEMM with host TMA descriptors, bound: on Triton 3.6 it calls the C launcher with descriptors encoded
     once per base address (``_EncodedDescriptors``), so pools at other addresses, met in turn, must each get their
     own encoding: every launch gives the bits of Triton's own launch on the same pool."""
-    from moe_ref.kernels import grouped_mlp_tiles as tiles
-    from moe_ref.kernels.grouped_mlp import launch_gemm
+    from moe_ref.kernels.experts import grouped_mlp_tiles as tiles
+    from moe_ref.kernels.experts.grouped_mlp import launch_gemm
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     num_experts, n, k = 4, 256, 512

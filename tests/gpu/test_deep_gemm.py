@@ -95,8 +95,8 @@ def test_grouped_bf16_matches_torch_loop(weights, pool):
 
 
 def test_grouped_fp8_matches_torch_loop_and_fp8_simulation(weights, pool):
-    from moe_ref.kernels.fp8 import quantize_fp8_per_128
-    from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
+    from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
+    from moe_ref.kernels.experts.grouped_mlp import deinterleave_gate_up
 
     experts = DeepGemmExperts(*weights, fp8=True)
     assert experts.gate_up_interleaved  # F % 128 == 0: quantized interleaved, GEMM1's columns alike
@@ -203,7 +203,7 @@ def test_fp8_pool_as_dispatched_equals_rows_quantized_by_the_backend(weights, po
     """The FP8 pool (fp8 rows + per-128 scales, kernels.fp8's recipe) gives the bits of bf16 rows quantized by the
     backend: it quantizes them with the same recipe (kernels.quantize_rows). (With DeepGEMM's own helper, which
     multiplies by the reciprocal, the two were calc_diff ~1.5e-4 apart on an H200.)"""
-    from moe_ref.kernels.fp8 import quantize_fp8_per_128
+    from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 
     x_PDx, layout, _, valid_P = pool
     if masked:

@@ -34,8 +34,8 @@ CASES = {
 def test_simulated_ranks_on_one_gpu_match_twins(name):
     from ep_sim import clone_world, expected_output, make_inputs, make_world, simulate_chunk
 
-    from moe_ref.kernels.ep_regions import EPRegions, masked_segment_rows
-    from moe_ref.kernels.symm_signal import check_ep_status
+    from moe_ref.kernels.ep.ep_regions import EPRegions, masked_segment_rows
+    from moe_ref.kernels.ep.symm_signal import check_ep_status
     from moe_ref.testing import assert_bitwise_equal
 
     counts, e, K, C, D, dtype, fp8, alignment = CASES[name]

@@ -66,7 +66,7 @@ SLOW_HALF_CASES = ("kimi_k2_prefill", "step3_mixed", "odd_dims")
                                   for name in MLP_CASES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_grouped_mlp_half(name, dtype):
-    from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
+    from moe_ref.kernels.experts.grouped_mlp import grouped_mlp, grouped_mlp_ref
 
     x_PDx, gate_up, down, row_start_e, num_rows_e, total = _mlp_inputs(name, dtype)
     args = (x_PDx.to(dtype), gate_up.to(dtype), down.to(dtype), row_start_e, num_rows_e)
@@ -87,12 +87,12 @@ SLOW_FP8_CASES = ("kimi_k2_prefill", "step3_mixed", "k3_latent_situ", "odd_dims"
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_FP8_CASES else name
                                   for name in MLP_CASES])
 def test_grouped_mlp_fp8(name):
-    from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
-    from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
+    from moe_ref.kernels.experts.grouped_mlp import grouped_mlp, grouped_mlp_ref
+    from moe_ref.kernels.ep.pre_dispatch import quantize_fp8_per_128
 
     x_PDx, gate_up, down, row_start_e, num_rows_e, total = _mlp_inputs(name, torch.float32, seed=1)
     x_fp8, x_scale = quantize_fp8_per_128(x_PDx)
-    from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+    from moe_ref.kernels.experts.fp8 import quantize_fp8_per_block_128
 
     gate_up_fp8, gate_up_scale = quantize_fp8_per_block_128(gate_up)
     down_fp8, down_scale = quantize_fp8_per_block_128(down)
@@ -108,7 +108,7 @@ def test_grouped_mlp_fp8(name):
     y_exact = grouped_mlp_ref(x_PDx, gate_up, down, row_start_e, num_rows_e, activation)
     assert calc_diff(y_PDx, y_exact) < 5e-3, f"{name=}: fp8 error vs the unquantized MLP too large"
     if gate_up.shape[1] % 256 == 0:  # F % 128 == 0: the same weights interleaved in 128-row gate and up blocks
-        from moe_ref.kernels.grouped_mlp import interleave_gate_up
+        from moe_ref.kernels.experts.grouped_mlp import interleave_gate_up
 
         interleaved = dict(kwargs, gate_up_scale=interleave_gate_up(gate_up_scale, rows_per_block=1))
         y_interleaved = grouped_mlp(x_fp8, interleave_gate_up(gate_up_fp8), *args[2:], **interleaved,
@@ -125,7 +125,7 @@ def test_grouped_mlp_fp8(name):
     (48, 3, dict(scoring="softmax", renormalize=False)),                        # Step3
 ])
 def test_router_topk(num_experts, num_topk, kwargs):
-    from moe_ref.kernels.router_topk import router_topk, router_topk_ref
+    from moe_ref.kernels.router.router_topk import router_topk, router_topk_ref
 
     torch.manual_seed(0)
     kwargs = dict(kwargs)
@@ -147,8 +147,8 @@ def test_router_logits(num_tokens, num_experts):
     """The gate GEMM (cuBLAS on the bf16 operands, fp32 sums and output) at a real router's shape (D 7168): exact
     where fp32 holds every sum (small integers), within D * eps * sum|x w| of the fp32 twin on random values, and the
     same top-k as the twin's logits but for near ties."""
-    from moe_ref.kernels.router_logits import router_logits, router_logits_ref
-    from moe_ref.kernels.router_topk import router_topk
+    from moe_ref.kernels.router.router_logits import router_logits, router_logits_ref
+    from moe_ref.kernels.router.router_topk import router_topk
 
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     hidden = 7168
@@ -167,7 +167,7 @@ def test_router_logits(num_tokens, num_experts):
 
 @pytest.mark.parametrize("buf_dtype", [torch.bfloat16, FP8])
 def test_pre_dispatch(buf_dtype):
-    from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
+    from moe_ref.kernels.ep.pre_dispatch import pre_dispatch, pre_dispatch_ref
 
     num_tokens, capacity, hidden, num_topk, num_experts = 3000, 4096, 7168, 8, 384
     x_TD = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
@@ -196,7 +196,7 @@ def test_pre_dispatch(buf_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_rows_fp8(num_rows, dim, dtype):
     """The FP8 experts' row quantizer against its torch twin: the same bits."""
-    from moe_ref.kernels.quantize_rows import quantize_rows_fp8, quantize_rows_fp8_ref
+    from moe_ref.kernels.experts.quantize_rows import quantize_rows_fp8, quantize_rows_fp8_ref
 
     x_PDx = (torch.randn(num_rows, dim, device="cuda") * 3).to(dtype)
     x_PDx[0] = 0.0  # the 1e-4 amax floor

@@ -73,9 +73,9 @@ def test_w4_kernel_vs_twin_bf16():
 
     from moe_ref.checkpoint.formats import QuantFormat
 
-    from moe_ref.kernels.w4 import to_group_planes
+    from moe_ref.kernels.experts.w4 import to_group_planes
 
-    w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
+    w4 = importlib.import_module("moe_ref.kernels.experts.grouped_mlp_w4")
     for fmt, name in ((QuantFormat.INT4_GROUP, "int4"), (QuantFormat.MXFP4, "mxfp4")):
         q = _qweights(fmt, 4, 1024, 512, seed=3)
         planes = (to_group_planes(q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs, name),

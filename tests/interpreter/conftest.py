@@ -17,18 +17,18 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 _KERNEL_MODULES = (  # dependency order
-    "moe_ref.kernels._triton_utils",
-    "moe_ref.kernels.launch",
-    "moe_ref.kernels.pre_dispatch",
-    "moe_ref.kernels.router_topk",
-    "moe_ref.kernels.routing_check",
-    "moe_ref.kernels.gated_act",
-    "moe_ref.kernels.grouped_mlp",
-    "moe_ref.kernels.grouped_mlp_w4",
+    "moe_ref.kernels.runtime._triton_utils",
+    "moe_ref.kernels.runtime.launch",
+    "moe_ref.kernels.ep.pre_dispatch",
+    "moe_ref.kernels.router.router_topk",
+    "moe_ref.kernels.router.routing_check",
+    "moe_ref.kernels.experts.gated_act",
+    "moe_ref.kernels.experts.grouped_mlp",
+    "moe_ref.kernels.experts.grouped_mlp_w4",
     "moe_ref.kernels",
 )
-if not torch.cuda.is_available() and "moe_ref.kernels._triton_utils" in sys.modules:
-    if not sys.modules["moe_ref.kernels._triton_utils"].is_interpreter():
+if not torch.cuda.is_available() and "moe_ref.kernels.runtime._triton_utils" in sys.modules:
+    if not sys.modules["moe_ref.kernels.runtime._triton_utils"].is_interpreter():
         for _name in _KERNEL_MODULES:
             if _name in sys.modules:
                 importlib.reload(sys.modules[_name])

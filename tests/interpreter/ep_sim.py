@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_ref.kernels.ep_regions import SIGNAL_REGIONS, EPRegions, PeerBuffers
-from moe_ref.kernels.fp8 import dequantize_fp8_per_128
+from moe_ref.kernels.ep.ep_regions import SIGNAL_REGIONS, EPRegions, PeerBuffers
+from moe_ref.kernels.experts.fp8 import dequantize_fp8_per_128
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -72,7 +72,7 @@ def expected_output(inputs: RankInputs, num_local_experts: int, fp8: bool) -> to
     """Independent oracle in float64: out[t] = sum_j w[t, j] * x[t] * expert_scale(local expert of slot j)."""
     x = inputs.x_TD
     if fp8:
-        from moe_ref.kernels.fp8 import quantize_fp8_per_128
+        from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 
         x = dequantize_fp8_per_128(*quantize_fp8_per_128(x))
     ids_TK = inputs.topk_ids_TK
@@ -104,11 +104,11 @@ def simulate_chunk(world: list[PeerBuffers], regions: EPRegions, inputs: list[Ra
 
     fused_signals: posts inside ep_pre_dispatch / ep_combine_push and waits inside ep_dispatch /
     ep_combine_reduce (what ep_chunk does by default), else standalone barriers (post all, then wait all)."""
-    from moe_ref.kernels.ep_combine import (
+    from moe_ref.kernels.ep.ep_combine import (
         ep_combine_push, ep_combine_push_ref, ep_combine_reduce, ep_combine_reduce_ref)
-    from moe_ref.kernels.ep_dispatch import ep_dispatch, ep_dispatch_ref
-    from moe_ref.kernels.ep_layout import ep_pre_dispatch, ep_pre_dispatch_ref
-    from moe_ref.kernels.symm_signal import symm_barrier, symm_barrier_ref
+    from moe_ref.kernels.ep.ep_dispatch import ep_dispatch, ep_dispatch_ref
+    from moe_ref.kernels.ep.ep_layout import ep_pre_dispatch, ep_pre_dispatch_ref
+    from moe_ref.kernels.ep.symm_signal import symm_barrier, symm_barrier_ref
 
     pre, barrier, dispatch, push, reduce = (
         (ep_pre_dispatch, symm_barrier, ep_dispatch, ep_combine_push, ep_combine_reduce) if kernels else

@@ -10,7 +10,7 @@ import torch
 
 from moe_ref.experts import ExpertLayout, Experts, TritonExperts, experts_class, register_experts, registry
 from moe_ref.experts import auto
-from moe_ref.kernels.fp8 import quantize_fp8_per_128
+from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 from moe_ref.testing import assert_bitwise_equal
 
 pytestmark = pytest.mark.interpreter

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.kernels._triton_utils import to_e4m3
+from moe_ref.kernels.runtime._triton_utils import to_e4m3
 
 pytestmark = pytest.mark.interpreter
 

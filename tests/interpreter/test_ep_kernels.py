@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from moe_ref.core.errors import ExpertIdError, PeerTimeoutError
-from moe_ref.kernels.ep_layout import ep_layout, ep_layout_ref
-from moe_ref.kernels.ep_regions import EPRegions, masked_segment_rows
-from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier, symm_barrier_ref
+from moe_ref.kernels.ep.ep_layout import ep_layout, ep_layout_ref
+from moe_ref.kernels.ep.ep_regions import EPRegions, masked_segment_rows
+from moe_ref.kernels.ep.symm_signal import check_ep_status, symm_barrier, symm_barrier_ref
 from moe_ref.testing import assert_bitwise_equal
 
 from ep_sim import DEVICE, check_pool_semantics, clone_world, expected_output, make_inputs, make_world, simulate_chunk
@@ -166,8 +166,8 @@ def test_masked_segment_overflow_is_reported_and_stays_in_its_segment(kernels):
 
 
 def test_fused_wait_in_dispatch_reports_a_silent_peer():
-    from moe_ref.kernels.ep_dispatch import ep_dispatch
-    from moe_ref.kernels.ep_layout import ep_pre_dispatch
+    from moe_ref.kernels.ep.ep_dispatch import ep_dispatch
+    from moe_ref.kernels.ep.ep_layout import ep_pre_dispatch
 
     regions = EPRegions.build(2, 2, 2, 4, 16, activation_dtype=torch.float32)
     world = make_world(regions, garbage_seed=6)
@@ -186,8 +186,8 @@ def test_dispatch_adds_the_received_rows_to_the_running_count(kernels):
     ``num_recv_tokens_per_expert``), call after call; both implementations alike. A count of the wrong shape,
     dtype or device is refused before anything is written."""
     from moe_ref.core.errors import ShapeError
-    from moe_ref.kernels.ep_dispatch import ep_dispatch, ep_dispatch_ref
-    from moe_ref.kernels.ep_layout import ep_pre_dispatch, ep_pre_dispatch_ref
+    from moe_ref.kernels.ep.ep_dispatch import ep_dispatch, ep_dispatch_ref
+    from moe_ref.kernels.ep.ep_layout import ep_pre_dispatch, ep_pre_dispatch_ref
 
     pre, dispatch = (ep_pre_dispatch, ep_dispatch) if kernels else (ep_pre_dispatch_ref, ep_dispatch_ref)
     regions = EPRegions.build(2, 3, 2, 6, 16, activation_dtype=torch.float32)

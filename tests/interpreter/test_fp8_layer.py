@@ -18,8 +18,8 @@ import torch
 
 from moe_ref.core.config import MoEConfig
 from moe_ref.experts import ExpertLayout, TritonExperts
-from moe_ref.kernels.fp8 import quantize_fp8_per_128
-from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
+from moe_ref.kernels.experts.grouped_mlp import grouped_mlp_ref
 from moe_ref.layer import MegaMoE
 from moe_ref.ep.options import EPOptions
 from moe_ref.reference import reference_moe, routed_experts_reference

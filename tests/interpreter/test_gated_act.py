@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from moe_ref.kernels.fp8 import dequantize_fp8_per_128
-from moe_ref.kernels.gated_act import gated_activation_rows, gated_activation_rows_ref, valid_rows_P
+from moe_ref.kernels.experts.fp8 import dequantize_fp8_per_128
+from moe_ref.kernels.experts.gated_act import gated_activation_rows, gated_activation_rows_ref, valid_rows_P
 
 pytestmark = pytest.mark.interpreter
 
@@ -79,7 +79,7 @@ def test_interleaved_columns_give_the_stacked_activation(pool, quant, device):
     """GEMM1's output over interleaved gate_up weights (128-column gate and up blocks, F = 256) gives the stacked
     columns' h, bit for bit, in the kernel and in its twin; a width that is not whole blocks is refused."""
     from moe_ref.core.errors import ShapeError
-    from moe_ref.kernels.grouped_mlp import interleave_gate_up
+    from moe_ref.kernels.experts.grouped_mlp import interleave_gate_up
 
     index = {name: value.to(device) for name, value in POOLS[pool].items() if torch.is_tensor(value)}
     kwargs = dict(POOLS[pool], **index, quant=quant)

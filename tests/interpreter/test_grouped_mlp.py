@@ -7,12 +7,12 @@ import torch
 import triton
 
 from moe_ref.core.errors import InvalidConfigError, ShapeError
-from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
-from moe_ref.kernels.grouped_mlp import grouped_mlp, grouped_mlp_ref
-from moe_ref.kernels.pre_dispatch import quantize_fp8_per_128
+from moe_ref.kernels.experts.fp8 import quantize_fp8_per_block_128
+from moe_ref.kernels.experts.grouped_mlp import grouped_mlp, grouped_mlp_ref
+from moe_ref.kernels.ep.pre_dispatch import quantize_fp8_per_128
 
 # the module (the package's attribute of that name is the function)
-grouped_mlp_module = importlib.import_module("moe_ref.kernels.grouped_mlp")
+grouped_mlp_module = importlib.import_module("moe_ref.kernels.experts.grouped_mlp")
 
 pytestmark = [pytest.mark.interpreter,
               # padding rows hold NaN or garbage that TMA tiles read (and the store masks)
@@ -304,7 +304,7 @@ def test_one_expert_over_every_row_is_the_dense_mlp(num_tokens, activation, dtyp
     every row, against its torch twin ``activations.dense_mlp`` (which rounds the first GEMM's output before the
     activation: within the dtype's tolerance)."""
     from moe_ref.core.activations import dense_mlp
-    from moe_ref.kernels import ops
+    from moe_ref.kernels.runtime import ops
 
     monkeypatch.setattr(ops, "uses_triton", lambda device: True)  # the interpreted kernel on a CPU
     gen = torch.Generator().manual_seed(num_tokens)

@@ -9,12 +9,12 @@ import pytest
 import torch
 import triton
 
-from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+from moe_ref.kernels.experts.grouped_mlp import grouped_mlp_ref
 
 pytestmark = pytest.mark.interpreter
 
-gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
-tiles = importlib.import_module("moe_ref.kernels.grouped_mlp_tiles")
+gm = importlib.import_module("moe_ref.kernels.experts.grouped_mlp")  # the package re-exports a function of that name
+tiles = importlib.import_module("moe_ref.kernels.experts.grouped_mlp_tiles")
 
 
 def _case(counts, hidden, inter, device, align=16, seed=0):
@@ -206,7 +206,7 @@ def test_fp8_list_tiles_illegal_for_fp8_are_pruned(monkeypatch):
 
 
 def _fp8_case(counts, hidden, inter, device, seed=0):
-    from moe_ref.kernels.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128
+    from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128, quantize_fp8_per_block_128
 
     x_PDx, gate_up, down, row_start_e, num_rows_e = _case(counts, hidden, inter, device, seed=seed)
     x_fp8, x_scale = quantize_fp8_per_128(x_PDx)

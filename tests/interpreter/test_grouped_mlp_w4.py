@@ -1,4 +1,4 @@
-"""The 4-bit (W4A16) expert MLP, ``moe_ref.kernels.grouped_mlp_w4``: its weight layout (group planes) against the
+"""The 4-bit (W4A16) expert MLP, ``moe_ref.kernels.experts.grouped_mlp_w4``: its weight layout (group planes) against the
 checkpoint's packing, its decode of every code (pair) in each x dtype and of every MXFP4 scale byte, the kernel against
 its twin and against the dequantized fp32 weights through moe_ref's torch expert loop at the edges (an empty expert,
 ragged segments, rows outside every segment, features not in whole 256-blocks, zero rows, all rows on one expert),
@@ -17,15 +17,15 @@ from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
 from moe_ref.checkpoint.formats import (QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec,
                                         quantize_weight, w4_format_name)
-from moe_ref.kernels.gated_act import gated_activation_rows
-from moe_ref.kernels.pool_rows import pool_row_experts
-from moe_ref.kernels.w4 import (INT4_FOLD_MIN_SCALE, MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, MXFP4_PLANE_BITS,
+from moe_ref.kernels.experts.gated_act import gated_activation_rows
+from moe_ref.kernels.ep.pool_rows import pool_row_experts
+from moe_ref.kernels.experts.w4 import (INT4_FOLD_MIN_SCALE, MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, MXFP4_PLANE_BITS,
                                 W4Weight, block_major_scales, dequantize_int4, dequantize_mxfp4, dequantize_planes,
                                 e2m1_to_float, from_group_planes, pack_fp4, pack_int4, to_group_planes)
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_bitwise_equal, calc_diff
 
-gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
-w4 = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")
+gm = importlib.import_module("moe_ref.kernels.experts.grouped_mlp")  # the package re-exports a function of that name
+w4 = importlib.import_module("moe_ref.kernels.experts.grouped_mlp_w4")
 
 pytestmark = pytest.mark.interpreter
 

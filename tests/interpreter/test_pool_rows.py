@@ -5,7 +5,7 @@ no row, a pool longer than its segments, masked layouts, many experts)."""
 import pytest
 import torch
 
-from moe_ref.kernels.pool_rows import (pool_row_experts, pool_row_experts_ref, zero_rows_outside_segments,
+from moe_ref.kernels.ep.pool_rows import (pool_row_experts, pool_row_experts_ref, zero_rows_outside_segments,
                                        zero_rows_outside_segments_ref)
 
 pytestmark = pytest.mark.interpreter

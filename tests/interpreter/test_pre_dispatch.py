@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_ref.kernels.pre_dispatch import (
+from moe_ref.kernels.ep.pre_dispatch import (
     dequantize_fp8_per_128,
     pre_dispatch,
     pre_dispatch_ref,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_ref.core.errors import DTypeError, ShapeError
-from moe_ref.kernels.quantize_rows import quantize_rows_fp8, quantize_rows_fp8_ref
+from moe_ref.kernels.experts.quantize_rows import quantize_rows_fp8, quantize_rows_fp8_ref
 
 pytestmark = pytest.mark.interpreter
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_ref.kernels.router_topk import router_topk, router_topk_ref
+from moe_ref.kernels.router.router_topk import router_topk, router_topk_ref
 
 pytestmark = pytest.mark.interpreter
 

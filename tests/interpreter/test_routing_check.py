@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_ref.kernels.routing_check import routing_check, routing_check_ref
+from moe_ref.kernels.router.routing_check import routing_check, routing_check_ref
 
 pytestmark = pytest.mark.interpreter
 

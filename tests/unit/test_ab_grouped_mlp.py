@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from moe_ref.kernels import grouped_mlp_tiles as tiles
+from moe_ref.kernels.experts import grouped_mlp_tiles as tiles
 from script_loader import load_script
 
 pytestmark = pytest.mark.unit

@@ -20,7 +20,7 @@ from moe_ref.experts.auto import AutoExperts, auto_plan, auto_table, find_regime
 from moe_ref.experts.deep_gemm import probe as deep_gemm_probe
 from moe_ref.experts.deep_gemm.backend import DeepGemmExperts
 from moe_ref.experts.deep_gemm.probe import DeepGemmStatus
-from moe_ref.kernels._triton_utils import FP8_DTYPE
+from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE
 from moe_ref.tools.cli import auto_backend_lines, main
 from script_loader import load_script
 

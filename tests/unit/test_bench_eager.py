@@ -13,7 +13,7 @@ bench = load_script("bench_eager")
 
 
 def test_only_the_triton_launch_calls_run_with_bound_launches_off(monkeypatch):
-    from moe_ref.kernels import launch as bl
+    from moe_ref.kernels.runtime import launch as bl
 
     monkeypatch.setattr(bl, "_on", True)
     with bench.launch_path("eager_launches"):

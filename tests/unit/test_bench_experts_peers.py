@@ -233,7 +233,7 @@ class _LaunchSpy:
 def test_searched_config_reaches_the_kernel(h200, monkeypatch, engine_name):
     """The search's winner is the config of the tuned row, and the interpreter runs the peer's kernel with it (both
     GEMMs), matching our twin."""
-    from moe_ref.kernels.grouped_mlp import grouped_mlp_ref
+    from moe_ref.kernels.experts.grouped_mlp import grouped_mlp_ref
     from moe_ref.testing import calc_diff
 
     peer, case = _peer(engine_name), _cpu_case()
@@ -298,7 +298,7 @@ def _install_fake(detect, monkeypatch):
 def test_deep_gemm_kernel_rows_time_only_the_two_gemms(fake_deep_gemm):
     from moe_ref.experts import TorchLoopExperts
     from moe_ref.experts.deep_gemm.bench import deep_gemm_grouped_cases, deep_gemm_kernel_cases
-    from moe_ref.kernels.fp8 import quantize_fp8_per_128
+    from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
     from moe_ref.testing import calc_diff
 
     case = _cpu_case(counts=(3, 0, 130), hidden=256, inter=128)

@@ -14,8 +14,8 @@ from script_loader import load_script
 pytestmark = pytest.mark.unit
 
 bw = load_script("bench_w4a16")
-w4k = importlib.import_module("moe_ref.kernels.grouped_mlp_w4")  # the module, whatever the package re-exports
-W4Weight = importlib.import_module("moe_ref.kernels.w4").W4Weight
+w4k = importlib.import_module("moe_ref.kernels.experts.grouped_mlp_w4")  # the module, whatever the package re-exports
+W4Weight = importlib.import_module("moe_ref.kernels.experts.w4").W4Weight
 
 
 def test_dry_run_prints_the_plan_without_a_gpu(capsys):

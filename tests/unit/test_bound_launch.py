@@ -1,4 +1,4 @@
-"""``moe_ref.kernels.launch``, driven on the CPU with a stand-in for a jitted kernel and its compiled kernel: the
+"""``moe_ref.kernels.runtime.launch``, driven on the CPU with a stand-in for a jitted kernel and its compiled kernel: the
 first launch of a key goes through Triton (``kernel[grid]``), later ones call the compiled kernel's launcher with
 every parameter in order (tensors as their addresses); any change Triton would specialize on (dtype, alignment, an int that becomes 1 or a
 multiple of 16, a constexpr, a launch option) goes through Triton again; the switch and launch hooks keep
@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-from moe_ref.kernels import launch as bl
+from moe_ref.kernels.runtime import launch as bl
 
 pytestmark = pytest.mark.unit
 

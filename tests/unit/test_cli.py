@@ -421,7 +421,7 @@ def test_info_says_how_the_grouped_mlp_loads_its_tiles(capsys, monkeypatch):
     assert status == 0 and "grouped MLP tile loads: pointers (MOE_REF_TMA=0)" in out
     monkeypatch.delenv("MOE_REF_TMA")
     status, out, _ = _run(capsys, ["info"])
-    from moe_ref.kernels._triton_utils import is_interpreter
+    from moe_ref.kernels.runtime._triton_utils import is_interpreter
 
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
     expected = "TMA descriptors" if is_interpreter() or hopper else \
@@ -430,7 +430,7 @@ def test_info_says_how_the_grouped_mlp_loads_its_tiles(capsys, monkeypatch):
 
 
 def test_info_says_which_cpu_ep_path_runs(capsys, monkeypatch):
-    from moe_ref.kernels import native
+    from moe_ref.kernels.runtime import native
 
     status, out, _ = _run(capsys, ["info"])
     assert status == 0 and f"CPU EP data path: {native.native_status()}" in out

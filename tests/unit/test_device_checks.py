@@ -9,7 +9,7 @@ from moe_ref.core.config import preset
 from moe_ref.ep.device_checks import MAX_CHECKS, DeferredChecks, DeviceChecks
 from moe_ref.core.errors import ExpertIdError, NonFiniteError, PeerTimeoutError, ShapeError
 from moe_ref.experts import make_experts
-from moe_ref.kernels.ep_regions import STATUS_PEER_TIMEOUT
+from moe_ref.kernels.ep.ep_regions import STATUS_PEER_TIMEOUT
 from moe_ref.layer import MegaMoE
 from moe_ref.ep.options import EPOptions
 from moe_ref.ep.routed_step import make_modular_step

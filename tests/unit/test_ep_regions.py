@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_ref.kernels.ep_regions import (
+from moe_ref.kernels.ep.ep_regions import (
     SIGNAL_REGIONS,
     EPRegions,
     PeerBuffers,

@@ -8,9 +8,9 @@ from moe_ref.core.config import preset
 from moe_ref.core.errors import DTypeError, InvalidConfigError
 from moe_ref.experts import (ExpertLayout, Experts, GroupedMMExperts, TorchLoopExperts, TritonExperts, experts_class,
                              make_experts)
-from moe_ref.kernels.fp8 import (dequantize_fp8_per_128, dequantize_fp8_per_block_128, quantize_fp8_per_128,
+from moe_ref.kernels.experts.fp8 import (dequantize_fp8_per_128, dequantize_fp8_per_block_128, quantize_fp8_per_128,
                                  quantize_fp8_per_block_128)
-from moe_ref.kernels.grouped_mlp import deinterleave_gate_up
+from moe_ref.kernels.experts.grouped_mlp import deinterleave_gate_up
 from moe_ref.layer import MegaMoE
 from moe_ref.ep.options import EPOptions
 from moe_ref.reference import routed_experts_reference

@@ -100,5 +100,5 @@ def test_the_graph_sees_imports():
     """The checks above would pass on an empty graph: make sure a known edge is seen."""
     assert "moe_ref.core.errors" in GRAPH["moe_ref.ep.options"]
     assert "moe_ref.experts.registry" in GRAPH["moe_ref.experts.backends"]
-    assert "moe_ref.core.envs" in GRAPH["moe_ref.kernels.grouped_mlp"]  # `from moe_ref.core import envs`
-    assert "moe_ref.kernels.native" in GRAPH["moe_ref.kernels.ops"]  # imported inside a function
+    assert "moe_ref.core.envs" in GRAPH["moe_ref.kernels.experts.grouped_mlp"]  # `from moe_ref.core import envs`
+    assert "moe_ref.kernels.runtime.native" in GRAPH["moe_ref.kernels.runtime.ops"]  # imported inside a function

@@ -1,4 +1,4 @@
-"""The compiled CPU EP ops (csrc/ -> torch.ops.moe_ref.*_cpu, through moe_ref.kernels.native) vs their torch twins.
+"""The compiled CPU EP ops (csrc/ -> torch.ops.moe_ref.*_cpu, through moe_ref.kernels.runtime.native) vs their torch twins.
 
 R fake ranks in one process (tests/interpreter/ep_sim.py: separate buffers, real base pointers). Each case runs
 the chunk phase by phase on two copies of the same random buffer bytes, the twins on one and the compiled ops
@@ -26,13 +26,13 @@ sys.path.insert(0, str(HERE.parent / "interpreter"))
 import ep_sim  # noqa: E402
 from ep_sim import RankInputs, clone_world, expected_output, scaled_identity_experts  # noqa: E402
 
-from moe_ref.kernels import native
+from moe_ref.kernels.runtime import native
 from moe_ref.core.errors import ExpertIdError, PeerTimeoutError  # noqa: E402
-from moe_ref.kernels.ep_combine import ep_combine_push_ref, ep_combine_reduce_ref  # noqa: E402
-from moe_ref.kernels.ep_dispatch import ep_dispatch_ref  # noqa: E402
-from moe_ref.kernels.ep_layout import ep_layout_ref, ep_pre_dispatch_ref  # noqa: E402
-from moe_ref.kernels.ep_regions import EPRegions, masked_segment_rows  # noqa: E402
-from moe_ref.kernels.symm_signal import check_ep_status, symm_barrier_ref  # noqa: E402
+from moe_ref.kernels.ep.ep_combine import ep_combine_push_ref, ep_combine_reduce_ref  # noqa: E402
+from moe_ref.kernels.ep.ep_dispatch import ep_dispatch_ref  # noqa: E402
+from moe_ref.kernels.ep.ep_layout import ep_layout_ref, ep_pre_dispatch_ref  # noqa: E402
+from moe_ref.kernels.ep.ep_regions import EPRegions, masked_segment_rows  # noqa: E402
+from moe_ref.kernels.ep.symm_signal import check_ep_status, symm_barrier_ref  # noqa: E402
 from moe_ref.testing import assert_bitwise_equal  # noqa: E402
 
 # the compiled ops are CPU ops: CPU buffers and inputs also on a machine with a GPU
@@ -368,7 +368,7 @@ def test_pool_overflow_recorded_and_nothing_written_past_the_pool():
     world = make_world(regions, garbage_seed=4)
     tail = torch.full((64,), 7, dtype=torch.uint8)
     big = torch.cat([world[0].local, tail])
-    from moe_ref.kernels.ep_regions import PeerBuffers
+    from moe_ref.kernels.ep.ep_regions import PeerBuffers
 
     peers = PeerBuffers.from_tensors(0, [big])
     twin = PeerBuffers.from_tensors(0, [big.clone()])

@@ -1,10 +1,10 @@
-"""``moe_ref.kernels.ops``'s own helpers (the kernel-or-twin decisions are tested with each kernel)."""
+"""``moe_ref.kernels.runtime.ops``'s own helpers (the kernel-or-twin decisions are tested with each kernel)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_ref.kernels import ops
+from moe_ref.kernels.runtime import ops
 
 pytestmark = pytest.mark.unit
 

@@ -452,7 +452,7 @@ def test_swap_ab_rule_from_the_engines_file(monkeypatch, engine_name, capability
 # the engines' W4A16 (INT4 group-32) kernel
 # ------------------------------------------------------------------------------------------------
 def test_int4_words_read_as_the_engines_bytes():
-    from moe_ref.kernels.w4 import pack_int4, unpack_int4
+    from moe_ref.kernels.experts.w4 import pack_int4, unpack_int4
 
     q = torch.randint(-8, 8, (3, 16), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
     peer_bytes = pm.int4_words_as_peer_bytes(pack_int4(q))
@@ -469,9 +469,9 @@ def test_int4_words_read_as_the_engines_bytes():
 def test_real_peer_w4a16_matches_our_int4_twin(engine_name, dtype):
     """The engine's INT4 W4A16 kernel on our INT4 weights (the words read as its bytes) vs our 4-bit MLP's twin on the
     same stored weights (the interpreter: fp32 and fp16, its bf16 arithmetic is wrong)."""
-    from moe_ref.kernels.grouped_mlp_w4 import grouped_mlp_w4_ref
-    from moe_ref.kernels.w4 import to_group_planes
-    from moe_ref.kernels.w4 import quantize_int4
+    from moe_ref.kernels.experts.grouped_mlp_w4 import grouped_mlp_w4_ref
+    from moe_ref.kernels.experts.w4 import to_group_planes
+    from moe_ref.kernels.experts.w4 import quantize_int4
     from moe_ref.testing import calc_diff
 
     w4 = pm.load_peer_w4a16(_peer_file(engine_name))

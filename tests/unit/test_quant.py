@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moe_ref.core.errors import UnsupportedQuantizationError
-from moe_ref.kernels.fp8 import quantize_fp8_per_block_128
+from moe_ref.kernels.experts.fp8 import quantize_fp8_per_block_128
 from moe_ref.checkpoint.formats import (
     E8M0_BIAS,
     QuantFormat,

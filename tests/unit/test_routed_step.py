@@ -130,7 +130,7 @@ def test_dispatch_handle_pool_layout_and_metadata():
 
 
 def test_fp8_dispatch_dequantizes_before_the_experts():
-    from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
+    from moe_ref.kernels.ep.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
 
     cfg = preset("tiny-kimi-k3")
     weights = MoEWeights.random(cfg, seed=6)

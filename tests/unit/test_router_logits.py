@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from moe_ref.core.errors import ShapeError
-from moe_ref.kernels.router_logits import router_logits, router_logits_ref
+from moe_ref.kernels.router.router_logits import router_logits, router_logits_ref
 
-module = importlib.import_module("moe_ref.kernels.router_logits")  # the package re-exports a function of that name
+module = importlib.import_module("moe_ref.kernels.router.router_logits")  # the package re-exports a function of that name
 
 pytestmark = pytest.mark.unit
 

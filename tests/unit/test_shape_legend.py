@@ -15,7 +15,7 @@ The rule, applied to every module of ``moe_ref`` (parsed with ``ast``, nothing i
 - A shape suffix must tokenize fully, greedily, longest legend symbol first (``Dx``, ``Db``, ``Eg``, ``Fb``, ``Ib``,
   ``Ob`` before single letters): digits before a symbol multiply it (``2F``), digits at the very end are a literal
   size (``recv_src_P3`` is ``[P, 3]``), and one trailing lowercase letter from ``QUALIFIERS`` names a stored form of
-  the last dim (``gate_up_qweight_e2FDq``, ``packed_OIw``; documented in ``checkpoint.formats`` and ``kernels.w4``).
+  the last dim (``gate_up_qweight_e2FDq``, ``packed_OIw``; documented in ``checkpoint.formats`` and ``kernels.experts.w4``).
 
 Pool rows are P, R is EP ranks only:
 
@@ -38,9 +38,9 @@ pytestmark = pytest.mark.unit
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "moe_ref"
 # A stored form of the last dim: q stored (packed) width, s its scale width (checkpoint.formats' Dq/Fq, Ds/Fs);
-# w int4 words, p fp4 byte pairs, g group-32 scales (kernels.w4, checkpoint.formats).
+# w int4 words, p fp4 byte pairs, g group-32 scales (kernels.experts.w4, checkpoint.formats).
 QUALIFIERS = "qswpg"
-POOL_ONLY = ("experts/**/*.py", "kernels/grouped_mlp*.py", "kernels/gated_act.py")
+POOL_ONLY = ("experts/**/*.py", "kernels/experts/grouped_mlp*.py", "kernels/experts/gated_act.py")
 RETIRED = {"x_" + "RD", "x_scale_" + "RDb", "y_" + "RD", "h_" + "RF", "row_expert_" + "R", "x_fp8_" + "RD"}
 _LETTER = re.compile(r"^(?:[A-Z][a-z]?|e)$")
 _SUFFIX_START = re.compile(r"^(?:[A-Z]|[0-9]+[A-Z]|e(?:$|[A-Z]|[0-9]+[A-Z]))")

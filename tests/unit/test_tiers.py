@@ -206,10 +206,10 @@ def test_scripts_use_public_library_names_only():
 
 
 def test_the_script_check_sees_private_uses():
-    bad = ["from moe_ref.kernels._triton_utils import is_interpreter", "import moe_ref.kernels._triton_utils",
-           "from moe_ref.kernels.grouped_mlp import _autotuned_kernel",
-           "import importlib\ngm = importlib.import_module('moe_ref.kernels.grouped_mlp')\ngm._launch_gemm()",
-           "import importlib\ndef _gm():\n    return importlib.import_module('moe_ref.kernels.grouped_mlp')\n"
+    bad = ["from moe_ref.kernels.runtime._triton_utils import is_interpreter", "import moe_ref.kernels.runtime._triton_utils",
+           "from moe_ref.kernels.experts.grouped_mlp import _autotuned_kernel",
+           "import importlib\ngm = importlib.import_module('moe_ref.kernels.experts.grouped_mlp')\ngm._launch_gemm()",
+           "import importlib\ndef _gm():\n    return importlib.import_module('moe_ref.kernels.experts.grouped_mlp')\n"
            "gm = _gm()\ngm._launch_gemm()",
            "from moe_ref.kernels import grouped_mlp\ngrouped_mlp._num_sms(0)", "import moe_ref\nmoe_ref.kernels._x"]
     for source in bad:

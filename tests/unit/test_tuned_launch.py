@@ -9,9 +9,9 @@ import pytest
 import torch
 import triton
 
-from moe_ref.kernels import grouped_mlp_tiles as tiles
+from moe_ref.kernels.experts import grouped_mlp_tiles as tiles
 
-gm = importlib.import_module("moe_ref.kernels.grouped_mlp")  # the package re-exports a function of that name
+gm = importlib.import_module("moe_ref.kernels.experts.grouped_mlp")  # the package re-exports a function of that name
 
 pytestmark = pytest.mark.unit
 
@@ -82,7 +82,7 @@ def test_another_key_tunes_again(gpu_path, change):
 
 def test_the_switch_keeps_the_autotuner(gpu_path, monkeypatch):
     tuner, kernel = gpu_path
-    from moe_ref.kernels import launch as bl
+    from moe_ref.kernels.runtime import launch as bl
 
     monkeypatch.setenv("MOE_REF_BOUND_LAUNCH", "0")
     monkeypatch.setattr(bl, "_on", None)  # the switch is read at the process's first launch: read it again

@@ -57,8 +57,8 @@ from moe_ref.core.errors import (DeviceError, DTypeError, FP8AlignmentError, Sha
                                  UnknownNameError)
 from moe_ref.experts import Experts, ExpertLayout
 from moe_ref.experts.base import FP8ExpertWeights
-from moe_ref.kernels._triton_utils import FP8_DTYPE
-from moe_ref.kernels.pool_rows import pool_row_experts, zero_rows_outside_segments
+from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE
+from moe_ref.kernels.ep.pool_rows import pool_row_experts, zero_rows_outside_segments
 
 __all__ = ["DeepGemmExperts", "grouped_layout"]
 
@@ -69,7 +69,7 @@ __all__ = ["DeepGemmExperts", "grouped_layout"]
 def _quantize_rows_fp8(x_I: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., I]`` -> (fp8 ``[..., I]``, fp32 ``[..., Ib]``) per row per 128 columns (``ops.quantize_rows_fp8``: one
     launch on CUDA), the recipe of the FP8 pool the dispatch delivers."""
-    from moe_ref.kernels import ops
+    from moe_ref.kernels.runtime import ops
 
     *lead, k = x_I.shape
     x_fp8, scale = ops.quantize_rows_fp8(x_I.reshape(-1, k).contiguous())
@@ -205,7 +205,7 @@ class DeepGemmExperts(Experts):
     def _activation(self, gate_up_P2F: torch.Tensor, **valid_rows):
         """The gated activation of the valid rows (``kernels.gated_act``): fp8 + per-128 scales for the fp8 GEMM,
         bf16 rows for the bf16 one. Rows that are not valid are left unwritten: the next GEMM skips them."""
-        from moe_ref.kernels.gated_act import gated_activation_rows
+        from moe_ref.kernels.experts.gated_act import gated_activation_rows
 
         h_PF, h_scale_PFb = gated_activation_rows(
             gate_up_P2F, activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,

@@ -25,7 +25,7 @@ import torch
 from moe_ref.experts.deep_gemm.backend import DeepGemmExperts, grouped_layout
 from moe_ref.experts.deep_gemm.probe import call_deep_gemm, deep_gemm_status, import_deep_gemm
 from moe_ref.experts import ExpertLayout
-from moe_ref.kernels._triton_utils import FP8_DTYPE
+from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE
 
 __all__ = ["deep_gemm_grouped_cases", "deep_gemm_kernel_cases", "MaskedPool", "masked_pool"]
 

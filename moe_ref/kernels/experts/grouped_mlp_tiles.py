@@ -1,4 +1,4 @@
-"""Tile configurations of the grouped MLP kernel (`moe_ref.kernels.grouped_mlp`): which tiles autotune tries.
+"""Tile configurations of the grouped MLP kernel (`moe_ref.kernels.experts.grouped_mlp`): which tiles autotune tries.
 
     rows_hint, experts -> regime (decode / mid / prefill) -> tile list (bf16, FP8 or 4-bit) -> prune (legal, fits) -> autotune
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 
 from moe_ref.core.errors import InvalidConfigError
-from moe_ref.kernels._triton_utils import is_interpreter, next_power_of_2
+from moe_ref.kernels.runtime._triton_utils import is_interpreter, next_power_of_2
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, GROUP_M]), grouped by the rows-per-expert regime
 # they serve (see `regime`); GROUP_M (program-order swizzle) is 1 when left out. For GEMM1 BLOCK_N

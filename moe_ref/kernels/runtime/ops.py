@@ -9,7 +9,7 @@
 | pre_dispatch     | ``kernels.pre_dispatch`` (Triton)     | ``kernels.pre_dispatch_ref`` (torch)  |
 | quantize_rows_fp8 | ``kernels.quantize_rows_fp8`` (Triton, one launch) | ``kernels.quantize_rows_fp8_ref`` (torch) |
 | pool_row_experts, zero_rows_outside_segments | ``kernels.pool_rows`` (Triton) | their ``_ref`` twins (torch) |
-| ep_ops           | ``kernels.ep_*`` (Triton, no host sync)| ``moe_ref.kernels.native``: the compiled ``csrc`` ops (``torch.ops.moe_ref.*_cpu``), or the torch twins ``kernels.ep_*_ref`` when the library is not built or ``MOE_REF_NATIVE=0`` |
+| ep_ops           | ``kernels.ep_*`` (Triton, no host sync)| ``moe_ref.kernels.runtime.native``: the compiled ``csrc`` ops (``torch.ops.moe_ref.*_cpu``), or the torch twins ``kernels.ep_*_ref`` when the library is not built or ``MOE_REF_NATIVE=0`` |
 
 ``ep_ops`` are the device-side EP phases (pre-dispatch, dispatch, combine push, reduce) the ``symm`` transport
 runs over peers' mapped buffers (``kernels.ep_chunk`` shows the order); all three implementations write the
@@ -142,7 +142,7 @@ def ep_ops(device: torch.device | str) -> EPOps:
     if uses_triton(device):
         return EPOps(kernels.ep_pre_dispatch, kernels.ep_dispatch, kernels.ep_combine_push, kernels.ep_combine_reduce,
                      on_device=True)
-    from moe_ref.kernels import native  # the compiled CPU ops when built (it decides once, at import), else the twins
+    from moe_ref.kernels.runtime import native  # the compiled CPU ops when built (it decides once, at import), else the twins
 
     return EPOps(native.ep_pre_dispatch, native.ep_dispatch, native.ep_combine_push, native.ep_combine_reduce,
                  on_device=False)

@@ -26,16 +26,16 @@ from typing import Callable
 
 import torch
 
-from moe_ref.kernels.ep_combine import (
+from moe_ref.kernels.ep.ep_combine import (
     ep_combine_push,
     ep_combine_push_ref,
     ep_combine_reduce,
     ep_combine_reduce_ref,
 )
-from moe_ref.kernels.ep_dispatch import ep_dispatch, ep_dispatch_ref
-from moe_ref.kernels.ep_layout import ep_pre_dispatch, ep_pre_dispatch_ref
-from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers
-from moe_ref.kernels.symm_signal import DEFAULT_TIMEOUT_US, symm_barrier, symm_barrier_ref
+from moe_ref.kernels.ep.ep_dispatch import ep_dispatch, ep_dispatch_ref
+from moe_ref.kernels.ep.ep_layout import ep_pre_dispatch, ep_pre_dispatch_ref
+from moe_ref.kernels.ep.ep_regions import EPRegions, PeerBuffers
+from moe_ref.kernels.ep.symm_signal import DEFAULT_TIMEOUT_US, symm_barrier, symm_barrier_ref
 
 __all__ = ["ep_chunk"]
 

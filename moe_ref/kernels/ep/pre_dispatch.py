@@ -13,7 +13,7 @@ One launch writes, for tokens 0..T-1 of this rank:
 Shape legend: T tokens of this rank, Dx expert input width (the ``D`` of the argument names), K top-k,
 E experts (global), C cap (rows one rank feeds per call), N routed entries, Db = ceil(Dx / 128) scale groups per row.
 
-The torch quantizers `quantize_fp8_per_128` / `dequantize_fp8_per_128` live in `moe_ref.kernels.fp8` (also
+The torch quantizers `quantize_fp8_per_128` / `dequantize_fp8_per_128` live in `moe_ref.kernels.experts.fp8` (also
 importable from here, where the twin uses them).
 """
 
@@ -25,7 +25,7 @@ import triton.language as tl
 
 from moe_ref.core.errors import DTypeError, ShapeError
 
-from moe_ref.kernels._triton_utils import (
+from moe_ref.kernels.runtime._triton_utils import (
     FP8_DTYPE,
     cdiv,
     check_device,
@@ -35,8 +35,8 @@ from moe_ref.kernels._triton_utils import (
     num_fp8_groups,
     quantize_e4m3,
 )
-from moe_ref.kernels.fp8 import dequantize_fp8_per_128, quantize_fp8_per_128
-from moe_ref.kernels.launch import launch
+from moe_ref.kernels.experts.fp8 import dequantize_fp8_per_128, quantize_fp8_per_128
+from moe_ref.kernels.runtime.launch import launch
 
 __all__ = ["pre_dispatch", "pre_dispatch_ref", "quantize_fp8_per_128", "dequantize_fp8_per_128"]
 

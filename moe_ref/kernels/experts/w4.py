@@ -4,7 +4,7 @@ kernel, ``grouped_mlp_w4``) (INT4 group 32 as compressed-tensors ``pack-quantize
 ``moe_ref.checkpoint.formats`` for where each rule comes from).
 
 Also the W4A16 kernel's nibble order (``to_group_planes``: "group planes"), into which a checkpoint's packed 4-bit
-weights are rewritten once, at load (``moe_ref.kernels.grouped_mlp_w4`` says why).
+weights are rewritten once, at load (``moe_ref.kernels.experts.grouped_mlp_w4`` says why).
 
 Shape legend: O output features and I input features of one weight matrix ``[O, I]``, e local experts. Packed
 widths: ``I/8`` int4 words (suffix ``w``), ``I/2`` fp4 byte pairs (suffix ``p``), ``I/32`` group scales (suffix
@@ -156,7 +156,7 @@ def dequantize_mxfp4(packed_OIp: torch.Tensor, scale_OIg: torch.Tensor, dtype: t
 
 
 # --------------------------------------------------------------------------------------------------
-# the W4A16 kernel's nibble order ("group planes", ``moe_ref.kernels.grouped_mlp_w4``), laid out once at load
+# the W4A16 kernel's nibble order ("group planes", ``moe_ref.kernels.experts.grouped_mlp_w4``), laid out once at load
 # --------------------------------------------------------------------------------------------------
 PLANE_BLOCK = 256  # input features per k-step of the kernel: 8 groups of 32
 WORDS_PER_BLOCK = PLANE_BLOCK // INT4_PER_WORD  # 32

@@ -9,7 +9,7 @@ no host sync.
 Why kernels: the torch twins take a dozen small ops (searchsorted, gathers, compares, a where over the whole
 output) for what a layer's expert backends (DeepGEMM's, grouped_mm's) need on every call; on a slow host their
 launches, and at prefill the where's full pass over ``[P, D]``, cost more than the work. The zeroing kernel writes
-only the rows outside segments. ``*_ref`` are the torch twins (the CPU path, ``moe_ref.kernels.ops``).
+only the rows outside segments. ``*_ref`` are the torch twins (the CPU path, ``moe_ref.kernels.runtime.ops``).
 
 Example: starts [0, 128, 128], counts [3, 0, 5], P = 256 -> rows 0-2 -> 0, rows 3-127 -> -1, rows 128-132 -> 2,
 rows 133-255 -> -1 (an empty expert owns no row, even where its start is another expert's).
@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from moe_ref.core.errors import ShapeError
-from moe_ref.kernels._triton_utils import cdiv, check_device, next_power_of_2
-from moe_ref.kernels.launch import launch
+from moe_ref.kernels.runtime._triton_utils import cdiv, check_device, next_power_of_2
+from moe_ref.kernels.runtime.launch import launch
 
 __all__ = ["pool_row_experts", "pool_row_experts_ref", "zero_rows_outside_segments", "zero_rows_outside_segments_ref"]
 

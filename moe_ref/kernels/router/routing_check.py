@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_ref.kernels._triton_utils import cdiv, check_device, next_power_of_2
-from moe_ref.kernels.launch import launch
+from moe_ref.kernels.runtime._triton_utils import cdiv, check_device, next_power_of_2
+from moe_ref.kernels.runtime.launch import launch
 
 __all__ = ["routing_check", "routing_check_ref", "routing_faults_T"]
 

@@ -32,11 +32,11 @@ import triton
 import triton.language as tl
 
 from moe_ref.core.errors import ShapeError
-from moe_ref.kernels._triton_utils import check_device, is_interpreter, next_power_of_2
-from moe_ref.kernels.launch import launch
-from moe_ref.kernels.ep_launch import EP_LAUNCH
-from moe_ref.kernels.ep_regions import STATUS_PEER_TIMEOUT, STATUS_POOL_OVERFLOW, EPRegions, PeerBuffers, check_peers
-from moe_ref.kernels.symm_signal import (
+from moe_ref.kernels.runtime._triton_utils import check_device, is_interpreter, next_power_of_2
+from moe_ref.kernels.runtime.launch import launch
+from moe_ref.kernels.ep.ep_launch import EP_LAUNCH
+from moe_ref.kernels.ep.ep_regions import STATUS_PEER_TIMEOUT, STATUS_POOL_OVERFLOW, EPRegions, PeerBuffers, check_peers
+from moe_ref.kernels.ep.symm_signal import (
     DEFAULT_MAX_POLLS,
     DEFAULT_TIMEOUT_US,
     bound_mode,

@@ -27,11 +27,11 @@ import triton.language as tl
 
 from moe_ref.core.errors import DTypeError, ShapeError
 
-from moe_ref.kernels._triton_utils import cdiv, check_device, is_interpreter, next_power_of_2
-from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, check_peers
-from moe_ref.kernels.pre_dispatch import pre_dispatch, pre_dispatch_ref
-from moe_ref.kernels.symm_signal import arrive_then_post, symm_barrier_ref
-from moe_ref.kernels.launch import launch
+from moe_ref.kernels.runtime._triton_utils import cdiv, check_device, is_interpreter, next_power_of_2
+from moe_ref.kernels.ep.ep_regions import EPRegions, PeerBuffers, check_peers
+from moe_ref.kernels.ep.pre_dispatch import pre_dispatch, pre_dispatch_ref
+from moe_ref.kernels.ep.symm_signal import arrive_then_post, symm_barrier_ref
+from moe_ref.kernels.runtime.launch import launch
 
 __all__ = ["ep_layout", "ep_layout_ref", "ep_pre_dispatch", "ep_pre_dispatch_ref"]
 

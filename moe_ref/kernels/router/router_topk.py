@@ -24,9 +24,9 @@ import triton.language as tl
 
 from moe_ref.core.errors import DTypeError, GroupConfigError, ShapeError, TopKError, UnknownNameError
 
-from moe_ref.kernels._triton_utils import cdiv, check_device, div_rn, is_interpreter, launch_options, next_power_of_2
+from moe_ref.kernels.runtime._triton_utils import cdiv, check_device, div_rn, is_interpreter, launch_options, next_power_of_2
 from moe_ref.core.router import select_experts
-from moe_ref.kernels.launch import launch
+from moe_ref.kernels.runtime.launch import launch
 
 __all__ = ["router_topk", "router_topk_ref"]
 

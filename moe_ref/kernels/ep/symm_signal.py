@@ -37,9 +37,9 @@ import triton.language as tl
 
 from moe_ref.core.errors import ExpertIdError, MoERefError, PeerTimeoutError
 
-from moe_ref.kernels._triton_utils import check_device, is_interpreter, next_power_of_2
-from moe_ref.kernels.launch import launch
-from moe_ref.kernels.ep_regions import (
+from moe_ref.kernels.runtime._triton_utils import check_device, is_interpreter, next_power_of_2
+from moe_ref.kernels.runtime.launch import launch
+from moe_ref.kernels.ep.ep_regions import (
     STATUS_OK,
     STATUS_PEER_TIMEOUT,
     STATUS_POOL_OVERFLOW,

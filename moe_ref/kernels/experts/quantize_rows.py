@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from moe_ref.core.errors import DTypeError, ShapeError
-from moe_ref.kernels._triton_utils import FP8_DTYPE, FP8_GROUP, cdiv, check_device, num_fp8_groups, quantize_e4m3
-from moe_ref.kernels.fp8 import quantize_fp8_per_128
-from moe_ref.kernels.launch import launch
+from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE, FP8_GROUP, cdiv, check_device, num_fp8_groups, quantize_e4m3
+from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
+from moe_ref.kernels.runtime.launch import launch
 
 __all__ = ["quantize_rows_fp8", "quantize_rows_fp8_ref"]
 

@@ -21,7 +21,7 @@ rows, `MOE_REF_TMA=0`).
 FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
 shares one weight scale). FP8 row blocks under 64 rows (decode) swap the MMA's operands, `acc.T = W @ x.T`, so the
 weights fill the 64-row side of Hopper's FP8 wgmma (docs/RESULTS.md, "FP8 decode tiles swap the MMA's operands").
-4-bit weights have a kernel of their own: `moe_ref.kernels.grouped_mlp_w4`.
+4-bit weights have a kernel of their own: `moe_ref.kernels.experts.grouped_mlp_w4`.
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
 weight matrix's output and input features (the kernel's GEMM sizes N and K), Db = ceil(Dx / 128),
@@ -41,7 +41,7 @@ from moe_ref.core import envs
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
 
-from moe_ref.kernels._triton_utils import (
+from moe_ref.kernels.runtime._triton_utils import (
     ACTIVATION_CODES,
     FP8_DTYPE,
     cdiv,
@@ -54,10 +54,10 @@ from moe_ref.kernels._triton_utils import (
     quantize_e4m3,
     split_halves,
 )
-from moe_ref.kernels import grouped_mlp_tiles as tiles
-from moe_ref.kernels.grouped_mlp_tiles import GATE_UP_BLOCK
-from moe_ref.kernels.launch import bound_launches_on, launch
-from moe_ref.kernels.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
+from moe_ref.kernels.experts import grouped_mlp_tiles as tiles
+from moe_ref.kernels.experts.grouped_mlp_tiles import GATE_UP_BLOCK
+from moe_ref.kernels.runtime.launch import bound_launches_on, launch
+from moe_ref.kernels.ep.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -364,7 +364,7 @@ PERSISTENT_PROGRAMS_PER_SM = 2
 
 
 # --------------------------------------------------------------------------------------------------
-# autotune (the tile lists and their pruning live in moe_ref.kernels.grouped_mlp_tiles)
+# autotune (the tile lists and their pruning live in moe_ref.kernels.experts.grouped_mlp_tiles)
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def autotuned_kernel():
@@ -632,7 +632,7 @@ def _check_args(x_PDx, gate_up_weight_e2FD, down_weight_eDF, row_start_e, num_ro
                          f"{tuple(gate_up_weight_e2FD.shape)}, {tuple(down_weight_eDF.shape)}")
     _check_layout_args(row_start_e, num_rows_e, gate_up_weight_e2FD.shape[0])
     if gate_up_weight_e2FD.dtype in (torch.int32, torch.uint8):
-        raise DTypeError(f"packed 4-bit weights ({gate_up_weight_e2FD.dtype}) run on moe_ref.kernels.grouped_mlp_w4 "
+        raise DTypeError(f"packed 4-bit weights ({gate_up_weight_e2FD.dtype}) run on moe_ref.kernels.experts.grouped_mlp_w4 "
                          "(to_group_planes once, then grouped_mlp_w4), not grouped_mlp")
     _, hidden = x_PDx.shape
     num_experts, two_f, hidden_w = gate_up_weight_e2FD.shape
@@ -693,7 +693,7 @@ def grouped_mlp(
         x_PDx: `[P, Dx]` bf16/fp16/fp32, or `torch.float8_e4m3fn` with `x_scale_PDb`; expert i owns rows
             `row_start_e[i] : row_start_e[i] + num_rows_e[i]` (segments must not overlap).
         gate_up_weight_e2FD: `[e, 2F, D]`, rows 0..F-1 gate, F..2F-1 up; x's dtype (fp8 for fp8 x). Packed 4-bit
-            weights run on `moe_ref.kernels.grouped_mlp_w4`.
+            weights run on `moe_ref.kernels.experts.grouped_mlp_w4`.
         down_weight_eDF: `[e, D, F]`, same dtype rule.
         row_start_e: `[e]` int64 (or int32) first pool row of each expert (128-aligned by the dispatcher;
             any value works here).

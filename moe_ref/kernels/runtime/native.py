@@ -27,15 +27,15 @@ import torch
 
 from moe_ref.core import envs
 from moe_ref.core.errors import DTypeError
-from moe_ref.kernels.ep_regions import EPRegions, PeerBuffers, check_peers
-from moe_ref.kernels.pre_dispatch import _check_args as _check_pre_dispatch_args
-from moe_ref.kernels.symm_signal import DEFAULT_MAX_POLLS, DEFAULT_TIMEOUT_US, check_ep_status
+from moe_ref.kernels.ep.ep_regions import EPRegions, PeerBuffers, check_peers
+from moe_ref.kernels.ep.pre_dispatch import _check_args as _check_pre_dispatch_args
+from moe_ref.kernels.ep.symm_signal import DEFAULT_MAX_POLLS, DEFAULT_TIMEOUT_US, check_ep_status
 
 # the twins' modules (not `from moe_ref.kernels import ...`: that package re-exports functions of the same names)
-_combine = importlib.import_module("moe_ref.kernels.ep_combine")
-_dispatch = importlib.import_module("moe_ref.kernels.ep_dispatch")
-_layout = importlib.import_module("moe_ref.kernels.ep_layout")
-_signal = importlib.import_module("moe_ref.kernels.symm_signal")
+_combine = importlib.import_module("moe_ref.kernels.ep.ep_combine")
+_dispatch = importlib.import_module("moe_ref.kernels.ep.ep_dispatch")
+_layout = importlib.import_module("moe_ref.kernels.ep.ep_layout")
+_signal = importlib.import_module("moe_ref.kernels.ep.symm_signal")
 
 __all__ = ["ep_pre_dispatch", "ep_layout", "symm_barrier", "ep_dispatch", "ep_combine_push", "ep_combine_reduce",
            "check_ep_status", "native_status", "is_active", "ops_table", "ENV_VAR"]
@@ -65,7 +65,7 @@ def _load() -> tuple[bool, str]:
     except (AttributeError, RuntimeError) as err:
         return False, f"fallback: moe_ref._C loaded but its ops are missing ({err}); run `make install`"
     if fields != LAYOUT_FIELDS:
-        return False, "fallback: moe_ref._C is stale (its layout fields differ from moe_ref.kernels.native's); run `make install`"
+        return False, "fallback: moe_ref._C is stale (its layout fields differ from moe_ref.kernels.runtime.native's); run `make install`"
     return True, f"compiled ops: active ({moe_ref._C.__file__}, {torch.get_num_threads()} threads)"
 
 

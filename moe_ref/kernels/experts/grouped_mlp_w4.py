@@ -2,7 +2,7 @@
 
     router -> pre_dispatch -> dispatch -> [grouped_mlp_w4] -> combine -> combine_reduce
 
-The same MLP as ``moe_ref.kernels.grouped_mlp`` (GEMM1 gate||up, the activation, then GEMM2, on an expert-major
+The same MLP as ``moe_ref.kernels.experts.grouped_mlp`` (GEMM1 gate||up, the activation, then GEMM2, on an expert-major
 pool), with the weights kept 4-bit in memory and decoded in registers:
 
     gate_up[r] = sum_g s_gate_up[g] * (x[r, g] @ q_gate_up[:, g].T)      (fp32 sums, ``_w4_gemm_kernel``)
@@ -41,7 +41,7 @@ k-block, and MXFP4 (its multipliers two instructions a pair of groups) from 395.
 where they lie").
 
 The decode in the MMA's registers needs each group's 32 codes together, in the order the registers take them:
-``moe_ref.kernels.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of
+``moe_ref.kernels.experts.w4.to_group_planes`` rewrites each weight row once, at load (in place where it can). In a block of
 256 input features (8 groups), word i of half h holds feature 2i of group ``4 h + p`` (plane p) in its low 16 bits and
 feature 2i + 1 in its high 16 bits: INT4 in nibble p of each half, so ``(word >> 4 p) & 0x000F000F`` is the pair;
 MXFP4 with each code's e|m and sign bits where the PTX decode wants few instructions to move them
@@ -71,11 +71,11 @@ import triton.language as tl
 
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
-from moe_ref.kernels._triton_utils import (ACTIVATION_CODES, cdiv, check_device, gated_act, is_interpreter,
+from moe_ref.kernels.runtime._triton_utils import (ACTIVATION_CODES, cdiv, check_device, gated_act, is_interpreter,
                                            launch_options, next_power_of_2, split_halves)
-from moe_ref.kernels.grouped_mlp import expert_block_rows, expert_table
-from moe_ref.kernels.launch import launch
-from moe_ref.kernels.w4 import (MXFP4_PLANE_BITS, PLANE_BLOCK, WORDS_PER_BLOCK,
+from moe_ref.kernels.experts.grouped_mlp import expert_block_rows, expert_table
+from moe_ref.kernels.runtime.launch import launch
+from moe_ref.kernels.experts.w4 import (MXFP4_PLANE_BITS, PLANE_BLOCK, WORDS_PER_BLOCK,
                                W4Weight, dequantize_planes)
 
 __all__ = ["TILES", "clear_tuned_tiles", "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "tiles_for",

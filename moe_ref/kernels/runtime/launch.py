@@ -56,7 +56,7 @@ import torch
 import triton
 
 from moe_ref.core import envs
-from moe_ref.kernels._triton_utils import is_interpreter
+from moe_ref.kernels.runtime._triton_utils import is_interpreter
 
 try:  # Triton >= 3.3 keeps the launch hooks in knobs; older ones on CompiledKernel
     from triton import knobs as _knobs

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_ref.kernels._triton_utils import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_AMAX, num_fp8_groups
+from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_AMAX, num_fp8_groups
 
 __all__ = ["quantize_fp8_per_128", "dequantize_fp8_per_128", "quantize_fp8_per_block_128",
            "dequantize_fp8_per_block_128"]

@@ -28,9 +28,9 @@ import triton.language as tl
 
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import ShapeError
-from moe_ref.kernels._triton_utils import (ACTIVATION_CODES, FP8_DTYPE, cdiv, check_device, gated_act, num_fp8_groups,
+from moe_ref.kernels.runtime._triton_utils import (ACTIVATION_CODES, FP8_DTYPE, cdiv, check_device, gated_act, num_fp8_groups,
                                            quantize_e4m3)
-from moe_ref.kernels.launch import launch
+from moe_ref.kernels.runtime.launch import launch
 
 __all__ = ["gated_activation_rows", "gated_activation_rows_ref", "valid_rows_P"]
 
@@ -164,7 +164,7 @@ def gated_activation_rows_ref(gate_up_P2F: torch.Tensor, *, group_P: torch.Tenso
                               out_dtype: torch.dtype = torch.bfloat16,
                               interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Torch twin of ``gated_activation_rows`` (same arguments; invalid rows come out as zeros here)."""
-    from moe_ref.kernels.fp8 import quantize_fp8_per_128
+    from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 
     _check_args(gate_up_P2F, group_P, num_rows_e, masked_rows, activation, interleaved)
     valid_P = valid_rows_P(gate_up_P2F.shape[0], group_P=group_P, num_rows_e=num_rows_e, masked_rows=masked_rows)
