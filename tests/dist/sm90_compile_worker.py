@@ -48,7 +48,7 @@ ga = importlib.import_module("moe_ref.kernels.experts.gated_act")
 qr = importlib.import_module("moe_ref.kernels.experts.quantize_rows")
 w4 = importlib.import_module("moe_ref.kernels.experts.grouped_mlp_w4")
 from moe_ref.kernels.experts.w4 import to_group_planes  # noqa: E402
-EP_MODULES = {name: importlib.import_module(f"moe_ref.kernels.{name}")
+EP_MODULES = {name: importlib.import_module(f"moe_ref.kernels.ep.{name}")
               for name in ("pre_dispatch", "ep_layout", "ep_dispatch", "ep_combine", "symm_signal")}
 HOPPER = GPUTarget("cuda", 90, 32)
 OPTION_KEYS = ("num_warps", "num_stages", "enable_fp_fusion")
