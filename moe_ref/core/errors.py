@@ -203,6 +203,23 @@ class AutoTableError(InvalidConfigError):
         "python scripts/tune_experts_auto.py --out moe_ref/experts/auto_table.json")
 
 
+class ConfigNotExpressibleError(InvalidConfigError):
+    code = _entry(
+        "CFG022", "a synthetic checkpoint's config cannot be written as the family's config.json",
+        "write_synthetic_checkpoint writes config.json beside the weights, and every loader reads the sizes back "
+        "from it. Some MoEConfig values have no field of their own in the family's config.json (DeepSeek-V3 and "
+        "Kimi derive the shared experts' width S as n_shared_experts x moe_intermediate_size), so a config whose "
+        "value differs would give a checkpoint that does not load back (LOAD002/LOAD006); the writer refuses "
+        "before writing anything.",
+        "dataclasses.replace(preset('tiny-kimi-k2'), intermediate_size=64) (S stays 40, config.json says 64), or "
+        "rounding F for a quantized format without rounding S.",
+        ["Set the fields the message names to what the config.json holds (it gives the value).",
+         "For a quantized checkpoint of a preset, use quantizable_config(cfg, quant), which keeps S = "
+         "n_shared_experts x F."],
+        "cfg = quantizable_config(preset('tiny-kimi-k2'), 'int4_group')\n"
+        "write_synthetic_checkpoint('ckpt/', cfg, quant='int4_group')")
+
+
 class CommandLineError(ConfigError):
     code = _entry(
         "CFG015", "a command-line flag is missing, unknown or out of range",
@@ -227,6 +244,20 @@ class LayerConversionError(ConfigError, TypeError):
         "new.load_state_dict(old.state_dict())")
 
 
+class LayerNotPicklableError(ConfigError, TypeError):
+    code = _entry(
+        "CFG020", "a MegaMoE over a process group cannot be pickled",
+        "Pickling a layer (pickle, torch.save(layer), copy.deepcopy) keeps its config, options and weights and leaves "
+        "out what it builds at run time (routed step, buffers, CUDA graphs), which the copy builds again on its first "
+        "call. A layer over a torch.distributed process group cannot be copied so: the group belongs to this process "
+        "and its peers, and a copy would call collectives the peers never join.",
+        "torch.save(model) or copy.deepcopy(model) of a model whose MegaMoE was built with group=dist.group.WORLD.",
+        ["Save the weights instead: torch.save(model.state_dict(), path) on every rank, and load_state_dict them "
+         "into layers built with MegaMoE(cfg, group, ...).", "Pickle a one-process layer (group=None)."],
+        "torch.save(moe.state_dict(), f'moe_rank{rank}.pt')\n"
+        "fresh = MegaMoE(cfg, group); fresh.load_state_dict(torch.load(f'moe_rank{rank}.pt'))")
+
+
 class EnvVarError(InvalidConfigError):
     code = _entry(
         "CFG017", "a MOE_REF_* environment variable has a value moe_ref does not accept",
@@ -237,6 +268,36 @@ class EnvVarError(InvalidConfigError):
         "MOE_REF_DEBUG_CHECKS=maybe, MOE_REF_NATIVE=disable, MOE_REF_TMA=2.",
         ["Set the variable to one of the values the message lists, or unset it for the default."],
         "export MOE_REF_DEBUG_CHECKS=1   # or 0, or unset")
+
+
+class UnsupportedModelError(ConfigError):
+    code = _entry(
+        "CFG030", "moe_ref cannot take over this transformers model's MoE blocks",
+        "patch_model replaces the sparse MoE blocks of a loaded transformers model, and experts_implementation="
+        "'moe_ref' runs a model's experts modules, only where moe_ref computes the family's block exactly (its "
+        "router rule, expert activation, biases and shared experts): the model has no such block, its model_type "
+        "is not a family moe_ref knows, or its experts module stores a layout moe_ref's kernels do not run "
+        "(biases, interleaved gate/up, transposed weights, no gate).",
+        "patch_model(a dense Llama model), patch_model(a model_type moe_ref does not list), or "
+        "experts_implementation='moe_ref' for a family whose experts have biases.",
+        ["Use a model of a family the message lists.",
+         "Keep transformers' own experts implementation for this model (experts_implementation='grouped_mm')."],
+        "model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen3-30B-A3B')\npatch_model(model)")
+
+
+class ExpertsInterfaceParallelError(ConfigError):
+    code = _entry(
+        "CFG031", "experts_implementation='moe_ref' under transformers' own expert parallelism",
+        "With DistributedConfig(ep_size > 1) transformers shards each experts module itself and hands it routing "
+        "with ids of other ranks' experts as sentinels; moe_ref's experts implementation runs one process's "
+        "experts and does not take part in that exchange. moe_ref's expert parallelism is its own layer: "
+        "patch_model(model, group=...) replaces each MoE block with a MegaMoE that dispatches over the group.",
+        "AutoModelForCausalLM.from_pretrained(name, distributed_config=DistributedConfig(ep_size=2), "
+        "experts_implementation='moe_ref') under torchrun.",
+        ["Load the model without distributed_config and call moe_ref.integrations.transformers.patch_model(model, "
+         "group=dist.group.WORLD).",
+         "Or keep transformers' expert parallelism with its own experts implementation (grouped_mm)."],
+        "model = AutoModelForCausalLM.from_pretrained(name)\npatch_model(model, group=dist.group.WORLD)")
 
 
 # --- capacity --------------------------------------------------------------------------------------------
@@ -286,6 +347,21 @@ class MemoryBudgetError(CapacityError):
         "moe-ref plan --preset kimi-k3 --budget-gib 0.001",
         ["Raise the budget or use more EP ranks."],
         "moe-ref plan --preset kimi-k2 --ep 8 --budget-gib 4")
+
+
+class ShmDirectoryError(MemoryBudgetError):
+    code = _entry(
+        "CAP005", "the shared-memory folder cannot hold the symmetric buffer",
+        "On the CPU, the symm transport keeps each rank's buffer in a file of MOE_REF_SHM_DIR (default /dev/shm, "
+        "a tmpfs: memory, not disk) that every rank of the host maps. The folder does not exist, is not a "
+        "directory, no file can be created in it (read-only, no permission, or a filesystem such as /proc that "
+        "holds no files), or it has no free space; the cap is not the problem.",
+        "MOE_REF_SHM_DIR=/proc, a typo in MOE_REF_SHM_DIR, a container whose /dev/shm is full.",
+        ["Point MOE_REF_SHM_DIR at a writable tmpfs folder with room for the buffer (the message gives its bytes), "
+         "or unset it for /dev/shm.",
+         "In a container, give /dev/shm more room (docker run --shm-size=...).",
+         "Or use transport='a2a' (MOE_REF_TRANSPORT=a2a), which needs no shared files."],
+        "unset MOE_REF_SHM_DIR   # /dev/shm\nexport MOE_REF_SHM_DIR=/dev/shm/moe_ref && mkdir -p $MOE_REF_SHM_DIR")
 
 
 # --- inputs ----------------------------------------------------------------------------------------------
@@ -366,11 +442,25 @@ class GradientNotSupportedError(InputError):
 class ArgumentTypeError(InputError, TypeError):
     code = _entry(
         "INP008", "a call argument of the wrong type",
-        "A keyword argument of MegaMoE's forward has the wrong Python type (max_num_tokens must be an int or None; "
-        "a bool or a string is not a count).",
-        "moe(x, max_num_tokens='4'), moe(x, max_num_tokens=4.0), moe(x, max_num_tokens=True).",
-        ["Pass the argument as the message says (an int, or None), on every rank alike."],
+        "A keyword argument of MegaMoE's forward has the wrong Python type or sign (max_num_tokens must be an int "
+        ">= 0 or None; a bool or a string is not a count, and no rank has a negative number of rows).",
+        "moe(x, max_num_tokens='4'), moe(x, max_num_tokens=4.0), moe(x, max_num_tokens=True), "
+        "moe(x, max_num_tokens=-1).",
+        ["Pass the argument as the message says (an int >= 0, or None), on every rank alike."],
         "moe(x, max_num_tokens=4)")
+
+
+class ConstructorArgumentTypeError(ArgumentTypeError):
+    code = _entry(
+        "INP009", "a MegaMoE constructor argument of the wrong type",
+        "MegaMoE(cfg, group, ...) checks the types its arguments must have before using them: group is None or a "
+        "torch.distributed ProcessGroup, seed an int or None, device something torch.device accepts. A wrong seed is "
+        "agreed in the construction's collective (every rank raises); a wrong group cannot be (there is no group to "
+        "agree over), so only the ranks that passed it raise.",
+        "MegaMoE(cfg, group='WORLD'), MegaMoE(cfg, group=0), MegaMoE(cfg, seed='a'), MegaMoE(cfg, device=None).",
+        ["Pass dist.group.WORLD (after dist.init_process_group) or dist.new_group(ranks) as group, or None for one "
+         "process.", "Pass an int seed (the same on every rank), or None and load the weights."],
+        "MegaMoE(cfg, dist.group.WORLD, seed=0, device='cuda')")
 
 
 # --- environment -----------------------------------------------------------------------------------------
@@ -416,14 +506,22 @@ class DistributedError(EnvironmentError_):
 
 class StepOutOfSyncError(EnvironmentError_):
     code = _entry(
-        "ENV004", "the ranks of the EP group are at different calls of the layer",
-        "Each call of an EP layer is collective; the per-call agreement carries a call counter, and the counters "
-        "differ: some rank skipped a call (it raised before reaching the layer's collective and its caller went on).",
-        "A rank that catches an exception raised by its own code before moe(x) and then calls moe(x) again while "
-        "its peers are still in the previous call.",
-        ["Make every rank call the layer the same number of times; errors the layer raises are raised on every "
-         "rank alike, so catch them on every rank or on none.", "Rebuild the layer on every rank to start over."],
-        "for batch in batches:  # every rank runs the same loop\n    y = moe(batch)")
+        "ENV004", "the ranks of the EP group are at different calls of the EP layers",
+        "Each call of an EP layer is collective, and its first collective (the per-call agreement; a layer's first "
+        "call builds its routed step, which announces itself the same way) carries the layer's index (MoE layers "
+        "are numbered in the order they were built on the EP group) and this rank's count of calls of that layer. "
+        "The ranks that met in one agreement are not at the same call of the same layer. No row has moved, and "
+        "the call is counted on no rank.",
+        "Ranks that call the EP layers in different orders or sets: a layer skipped on some ranks (a branch on "
+        "local data, an MTP layer run on some ranks only), layers run out of order, or a rank calling a layer "
+        "once more than its peers (its call timed out on the others, ENV018, and it came late).",
+        ["Make every rank call the same layers in the same order, each the same number of times (T = 0 on a rank "
+         "without tokens); errors the layer raises are raised on every rank alike, so catch them on every rank "
+         "or on none.",
+         "The message names each rank's layer and call; as soon as every rank calls the same layer at the same "
+         "count, that call runs.",
+         "One layer at different counts on different ranks: destroy() it on every rank (its count starts again)."],
+        "for moe in moe_layers:  # the same layers in the same order on every rank\n    x = moe(x)")
 
 
 class PeerFailedError(EnvironmentError_):
@@ -498,6 +596,53 @@ class PeerTimeoutError(EnvironmentError_):
          "Look at the named peers' logs: a crash there is the root cause.",
          "Raise the bound (timeout_us) when peers are legitimately slow (e.g. JIT compilation on the first call)."],
         "symm_barrier(peers, regions, timeout_us=10_000_000)  # 10 s while debugging")
+
+
+class StepBuiltOnSomeRanksError(StepOutOfSyncError):
+    code = _entry(
+        "ENV017", "a layer's routed step exists on some ranks of the EP group only",
+        "A layer builds its routed step (buffer share, transport) on its first call, collectively, and destroy() "
+        "releases it on the rank that calls it. The step was destroyed on some ranks only, so in this call those "
+        "ranks build it again while the others run the step they kept. The build announces itself in the per-call "
+        "agreement, so every rank raises this before either side enters a collective the other never joins. The "
+        "call is counted on no rank.",
+        "moe.destroy() on one rank (to free memory, in an error handler) followed by moe(x) on every rank.",
+        ["Call destroy() on every rank of the EP group or on none; after destroy() on every rank the next call "
+         "builds the step again everywhere.",
+         "To free one rank's memory, destroy the layers on every rank and build them again together."],
+        "for moe in moe_layers:  # on every rank alike\n    moe.destroy()")
+
+
+class GroupTimeoutError(EnvironmentError_):
+    code = _entry(
+        "ENV018", "a peer of the EP group did not join a collective within the group's timeout",
+        "Every call of an EP layer starts with one small collective of the EP group (the per-call agreement, over "
+        "a gloo group of the same ranks that the layer makes with the EP group's own timeout: the timeout= given "
+        "to init_process_group or new_group). A peer that is alive but does not call the layer never joins it, "
+        "so the ranks that did call raise this when that timeout ends instead of waiting until the peer exits.",
+        "One rank skipped a layer call (a branch on local data, an MTP layer run on some ranks only, an exception "
+        "of its own code caught before moe(x)) or is busy elsewhere (a debugger, a long host task, a slow "
+        "checkpoint write) for longer than the timeout.",
+        ["Make every rank call every EP layer in the same order, with T = 0 on a rank that has no tokens.",
+         "If the peer is only slow, give the process group a longer timeout: "
+         "init_process_group(..., timeout=timedelta(minutes=10)).",
+         "After a timeout the group's collectives are out of step: rebuild the process group and the layers "
+         "(restart the job) to go on."],
+        "dist.init_process_group('gloo', timeout=timedelta(seconds=60))\n"
+        "y = moe(x)  # on every rank, x of shape [0, hidden] where a rank has no tokens")
+
+
+class OptionalDependencyError(EnvironmentError_):
+    code = _entry(
+        "ENV022", "an optional package an integration needs is missing or too old",
+        "moe_ref's integrations import their library only when used: moe_ref.integrations.transformers needs "
+        "transformers (5.x: its ExpertsInterface and fused experts modules), resolving a repo id needs "
+        "huggingface_hub; `import moe_ref` needs neither.",
+        "import moe_ref.integrations.transformers without transformers installed, or with transformers 4.x; "
+        "moe_ref.integrations.from_pretrained('org/name', ...) without huggingface_hub.",
+        ["Install the package the message names (pip install 'transformers>=5' huggingface_hub).",
+         "Or pass a local checkpoint folder instead of a repo id (no huggingface_hub needed)."],
+        "pip install 'transformers>=5' huggingface_hub")
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------
@@ -640,8 +785,9 @@ class UnsafeShardPathError(CheckpointError):
     code = _entry(
         "LOAD013", "the checkpoint index names a shard outside the checkpoint folder",
         "Shard names in model.safetensors.index.json are file names inside the checkpoint folder; an absolute path "
-        "or one with '..' (or a symlink) leading out of the folder would make the loader read arbitrary files, so "
-        "it refuses.",
+        "or one with '..' leading out of the folder would make the loader read arbitrary files, so it refuses. "
+        "The check is on the names only: shard files that are links (the Hugging Face hub cache's snapshots link "
+        "each file into ../../blobs/ or a shared store) are read where the links lead.",
         "An index with \"../other-model/model-00001.safetensors\" or \"/etc/passwd\" as a shard name.",
         ["Fix the index so every shard is a plain file name in the folder (as published).",
          "Copy the shards into the checkpoint folder."],
@@ -677,6 +823,46 @@ class QuantizationMismatchError(CheckpointError):
          "modules_to_not_convert (or quantize them too)."],
         "\"quantization_config\": {\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128], "
         "\"ignored_layers\": [\"model.layers.1.mlp.shared_experts.gate_proj\"]}")
+
+
+class RepoNotCachedError(CheckpointNotFoundError):
+    code = _entry(
+        "LOAD021", "a repo id is not in the local Hugging Face hub cache",
+        "moe_ref resolves a repo id through the hub cache only (huggingface_hub's snapshot_download with "
+        "local_files_only=True): it never downloads. The cache folder the message names holds no snapshot of that "
+        "repo at that revision (not downloaded, another revision, or another cache folder: HF_HUB_CACHE / "
+        "HF_HOME / cache_dir).",
+        "moe_ref.integrations.from_pretrained('deepseek-ai/DeepSeek-V3', layer_idx=3) before downloading it, or "
+        "with HF_HUB_CACHE pointing elsewhere than the download went.",
+        ["Download it first with the command the message prints (hf download <repo> [--revision R] "
+         "[--cache-dir DIR]).", "Point HF_HUB_CACHE (or cache_dir=) at the cache that holds it.",
+         "Or pass the checkpoint's local folder instead of the repo id."],
+        "hf download deepseek-ai/DeepSeek-V3\nmoe_ref.integrations.from_pretrained('deepseek-ai/DeepSeek-V3', layer_idx=3)")
+
+
+class BlockWeightsUnavailableError(CheckpointError):
+    code = _entry(
+        "LOAD022", "a transformers MoE block's weights cannot be taken as they are held",
+        "patch_model takes each MoE block's own tensors (no second read from disk): they must be materialized "
+        "plain floating-point tensors on one device. A block offloaded by accelerate (tensors on the 'meta' device, "
+        "device_map with disk/CPU offload), or experts quantized by a transformers quantizer, hold no such tensors.",
+        "from_pretrained(name, device_map='auto') that offloaded some layers, or a bitsandbytes / FP8-quantized "
+        "model, then patch_model(model).",
+        ["Load the model fully on its devices (no offload), in bf16/fp16/fp32, then patch it.",
+         "For a quantized checkpoint use MegaMoE.load_hf_weights, which reads FP8/INT4/MXFP4 experts as stored."],
+        "model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, device_map='cuda:0')\n"
+        "patch_model(model)")
+
+
+class IncompleteSnapshotError(CheckpointNotFoundError):
+    code = _entry(
+        "LOAD023", "the hub cache holds only part of a repo's snapshot",
+        "The cached snapshot folder of the repo exists, but huggingface_hub's record of the repo's files says some "
+        "are absent (an interrupted download, or one limited with --include), or the files moe_ref needs "
+        "(config.json and the safetensors weights) are not there.",
+        "hf download <repo> --include config.json, then from_pretrained('<repo>', layer_idx=3).",
+        ["Finish the download with the command the message prints."],
+        "hf download deepseek-ai/DeepSeek-V3")
 
 
 def explain(code: str) -> str:
