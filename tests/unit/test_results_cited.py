@@ -1,4 +1,5 @@
-"""docs/results/ holds exactly the raw files the docs cite, and tracked text names no work log or machine path.
+"""docs/results/ holds exactly the raw files the docs cite, few and small; README.md stays short; tracked text names no
+work log or machine path.
 
 Citations: docs/RESULTS.md and README.md cite a raw file as ``docs/results/<name>``; ``<name>`` may end in ``.*``
 (every extension of that stem, e.g. the ``.json``, ``.md`` and ``.png`` of one run).
@@ -34,6 +35,30 @@ def test_every_citation_exists():
     assert not missing, f"cited in {CITING} but not in docs/results/: {missing}"
 
 
+# --- a record, not a diary: the raw files stay few and small, the README teaches use -------------------------
+MAX_RESULTS_FILES = 40
+MAX_RESULTS_BYTES = 1_500_000  # 1.5 MB, the sum of the files' sizes
+MAX_README_LINES = 260
+
+
+def test_results_folder_stays_small():
+    files = [p for p in RESULTS.iterdir() if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    assert len(files) <= MAX_RESULTS_FILES, (
+        f"docs/results/ has {len(files)} files (at most {MAX_RESULTS_FILES}): keep the latest run per question "
+        "in docs/RESULTS.md and git rm the superseded files (git keeps them)")
+    assert total <= MAX_RESULTS_BYTES, (
+        f"docs/results/ holds {total} bytes (at most {MAX_RESULTS_BYTES}): keep a run's markdown summary, "
+        "not its plots and profiler dumps")
+
+
+def test_readme_stays_short():
+    num_lines = len((ROOT / "README.md").read_text().splitlines())
+    assert num_lines <= MAX_README_LINES, (
+        f"README.md has {num_lines} lines (at most {MAX_README_LINES}): it teaches use; mechanisms go to "
+        "docs/design.md, GPU commands to docs/gpu.md, figures to docs/RESULTS.md")
+
+
 # --- no work-log references and no paths of a machine -----------------------------------------------------
 # Flagged in every tracked text file:
 #   "call 3", "calls 1-3" (numbered runs of a work log; a command-line flag such as `--calls 30` is fine),
@@ -46,9 +71,21 @@ _LOG = re.compile(r"(?<![-\w])(?:calls? \d|issue \d|session \d)", re.I)
 _PATH = re.compile(r"/work/|/root/|/tmp/(?!site\b)")
 
 
+def _ignored_top_folders() -> set[str]:
+    """Top-level folders that .gitignore or the checkout's own .git/info/exclude name (``/name/`` or ``name/``)."""
+    names = {".git", ".venv", ".pytest_cache", "build", "results", ".whl", ".gl"}  # .gitignore's folders
+    for rules in (ROOT / ".gitignore", ROOT / ".git" / "info" / "exclude"):
+        if rules.is_file():
+            for line in rules.read_text().splitlines():
+                m = re.fullmatch(r"/?([^/*?\[!#\s][^/*?\[]*)/", line.strip())
+                if m:
+                    names.add(m.group(1))
+    return names
+
+
 def _tracked_text_files():
     """The project's files (no process started: the folders the repository tracks, minus what .gitignore lists)."""
-    top_ignored = {".git", ".venv", ".pytest_cache", "build", "results", ".whl", ".gl"}  # .gitignore's folders
+    top_ignored = _ignored_top_folders()
     for path in sorted(ROOT.rglob("*")):
         rel = path.relative_to(ROOT)
         if (not path.is_file() or rel.parts[0] in top_ignored or rel.parts[0].endswith(".egg-info")
