@@ -1,6 +1,6 @@
 """``experts_backend="auto"``: per call, the backend a measured table ranks fastest for the call's regime.
 
-    auto_table.json (per GPU class "9.0": regimes measured by scripts/tune_experts_auto.py)
+    auto_table.json (per GPU class "9.0/NVIDIA H200": regimes measured by scripts/tune_experts_auto.py on that GPU)
       --auto_plan(device)--> the backends auto holds here: Triton, plus each backend that is the fastest installed
                              one in some regime of this GPU class (deep_gemm where it runs, ...)
       --experts_class("auto", device)--> CPU: the torch loop; CUDA: TritonExperts when that is all it would hold
@@ -14,13 +14,17 @@ A regime is ``(dtype, pool_format, rows per expert)``: ``"fp8"`` for fp8 weights
 rows' dtype (only ``"bf16"`` is measured: fp16/fp32 calls run Triton); ``"masked"`` when ``layout.masked_rows``,
 else ``"contiguous"``; ``layout.rows_hint() / layout.num_local_experts`` against each regime's
 ``max_rows_per_expert`` (the first bound it does not exceed; the last regime of a dtype and pool format is
-unbounded). A GPU class missing from the table, or a regime missing from a class, runs Triton.
+unbounded). A GPU class missing from the table, or a regime missing from a class, runs Triton: auto is then plain
+Triton, never another class's table (an H100 does not inherit the H200's choices: their memory bandwidths differ).
+
+A GPU class is the compute capability and the device's name as CUDA reports it (``gpu_class_name``), e.g.
+``"9.0/NVIDIA H200"`` or ``"9.0/NVIDIA H100 80GB HBM3"``.
 
 Table file (``auto_table.json``, package data; ``auto_table()`` validates it, AutoTableError CFG019 naming the file
 and the field, and caches it)::
 
     {"format": 1, "about": "...",
-     "gpu_classes": {"9.0": {
+     "gpu_classes": {"9.0/NVIDIA H200": {
         "header": {"date", "gpu", "compute_capability", "torch", "triton", "deep_gemm", "command"},
         "regimes": [{"dtype": "fp8", "pool_format": "contiguous", "max_rows_per_expert": 30.17 (or null: unbounded),
                      "order": ["deep_gemm", "triton"],   # fastest first
@@ -50,14 +54,14 @@ from moe_ref.experts.registry import experts_class, make_experts, register_exper
 from moe_ref.kernels.ep.ep_regions import POOL_FORMATS
 
 __all__ = ["AutoExperts", "AutoPlan", "AutoTable", "GpuClassTable", "Regime", "TABLE_PATH", "auto_plan",
-           "auto_table", "find_regime", "format_regimes", "gpu_class_of", "validate_table"]
+           "auto_table", "find_regime", "format_regimes", "gpu_class_name", "gpu_class_of", "validate_table"]
 
 TABLE_PATH = Path(__file__).resolve().with_name("auto_table.json")
-TABLE_FORMAT = 1
+TABLE_FORMAT = 2  # 2: GPU classes keyed by compute capability and device name (1: capability alone)
 REGIME_DTYPES = ("bf16", "fp8")
 HEADER_FIELDS = ("date", "gpu", "compute_capability", "torch", "triton", "deep_gemm", "command")
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_GPU_CLASS = re.compile(r"^\d+\.\d+$")
+_GPU_CLASS = re.compile(r"^\d+\.\d+/.+$")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -133,12 +137,14 @@ def validate_table(data: Any, path: str) -> AutoTable:
     for gpu_class, entry in classes.items():
         where = f"gpu_classes[{gpu_class!r}]"
         if not _GPU_CLASS.match(gpu_class) or not isinstance(entry, dict):
-            fail(where, "keys are compute capabilities such as '9.0', values objects with 'header' and 'regimes'")
+            fail(where, "keys are GPU classes such as '9.0/NVIDIA H200' (compute capability/device name), values "
+                        "objects with 'header' and 'regimes'")
         header = entry.get("header")
         if not isinstance(header, dict) or any(name not in header for name in HEADER_FIELDS):
             fail(f"{where}.header", f"must be an object with {', '.join(HEADER_FIELDS)}")
-        if header["compute_capability"] != gpu_class:
-            fail(f"{where}.header.compute_capability", f"{header['compute_capability']!r} != its key {gpu_class!r}")
+        if gpu_class_name(header["compute_capability"], header["gpu"]) != gpu_class:
+            fail(f"{where}.header", f"compute_capability/gpu {header['compute_capability']}/{header['gpu']} "
+                                    f"!= its key {gpu_class!r}")
         regimes = entry.get("regimes")
         if not isinstance(regimes, list):
             fail(f"{where}.regimes", f"must be a list, got {type(regimes).__name__}")
@@ -201,13 +207,18 @@ def find_regime(regimes: tuple[Regime, ...], dtype: str | None, pool_format: str
 # --------------------------------------------------------------------------------------------------
 # what auto holds on this machine
 # --------------------------------------------------------------------------------------------------
+def gpu_class_name(compute_capability: str, device_name: str) -> str:
+    """The table's key of a GPU class: ``"9.0/NVIDIA H200"`` from ``("9.0", "NVIDIA H200")``."""
+    return f"{compute_capability}/{device_name}"
+
+
 def gpu_class_of(device: torch.device | str) -> str | None:
-    """``"major.minor"`` compute capability of a CUDA ``device`` (the table's key), None off CUDA."""
+    """The GPU class of a CUDA ``device`` (``gpu_class_name`` of its compute capability and name), None off CUDA."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}.{minor}"
+    return gpu_class_name(f"{major}.{minor}", torch.cuda.get_device_name(device))
 
 
 @dataclass(frozen=True)
@@ -215,7 +226,7 @@ class AutoPlan:
     """What ``experts_backend="auto"`` runs on one device.
 
     Attributes:
-        gpu_class: the device's compute capability (``"9.0"``), None off CUDA.
+        gpu_class: the device's GPU class (``"9.0/NVIDIA H200"``), None off CUDA.
         table_path: the table file read.
         table: this GPU class's entry, None when the class is not in the file (auto is then plain Triton).
         held: backend names auto holds here: ``"triton"`` first, then each backend that is the first installed one

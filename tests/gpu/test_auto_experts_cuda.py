@@ -44,11 +44,11 @@ def table(monkeypatch, tmp_path):
     if not status.available:
         pytest.skip(f"deep_gemm not usable here (optional backend): {status.reason}")
     major, minor = torch.cuda.get_device_capability()
-    gpu_class = f"{major}.{minor}"
-    header = {"date": "test", "gpu": torch.cuda.get_device_name(), "compute_capability": gpu_class, "torch": "",
-              "triton": "", "deep_gemm": status.version, "command": "python scripts/tune_experts_auto.py (test)"}
+    gpu_class = auto.gpu_class_of("cuda")
+    header = {"date": "test", "gpu": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}",
+              "torch": "", "triton": "", "deep_gemm": status.version, "command": "python scripts/tune_experts_auto.py (test)"}
     path = tmp_path / "auto_table.json"
-    path.write_text(json.dumps({"format": 1, "gpu_classes": {gpu_class: {
+    path.write_text(json.dumps({"format": auto.TABLE_FORMAT, "gpu_classes": {gpu_class: {
         "header": header, "regimes": _regimes("bf16") + _regimes("fp8")}}}))
     monkeypatch.setattr(auto, "TABLE_PATH", path)
 

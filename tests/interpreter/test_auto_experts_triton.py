@@ -31,19 +31,20 @@ class StandInDeepGemm(Experts):
 
 @pytest.fixture
 def auto_class(monkeypatch, tmp_path):
-    """The auto class of a pretend GPU class 9.0 whose table ranks Triton first up to 64 rows per expert."""
+    """The auto class of a pretend GPU class 9.0/StandIn GPU whose table ranks Triton first up to 64 rows per expert."""
     def regime(dtype, bound, order):
         return {"dtype": dtype, "pool_format": "contiguous", "max_rows_per_expert": bound, "order": order,
                 "measured": {"us": {"test": {name: 1.0 for name in order}}}}
 
     regimes = [regime(dtype, bound, order) for dtype in ("bf16", "fp8")
                for bound, order in ((64, ["triton", "deep_gemm"]), (None, ["deep_gemm", "triton"]))]
-    header = {"date": "", "gpu": "", "compute_capability": "9.0", "torch": "", "triton": "", "deep_gemm": "",
+    header = {"date": "", "gpu": "StandIn GPU", "compute_capability": "9.0", "torch": "", "triton": "", "deep_gemm": "",
               "command": "python scripts/tune_experts_auto.py (test)"}
     path = tmp_path / "auto_table.json"
-    path.write_text(json.dumps({"format": 1, "gpu_classes": {"9.0": {"header": header, "regimes": regimes}}}))
+    path.write_text(json.dumps({"format": auto.TABLE_FORMAT, "gpu_classes": {"9.0/StandIn GPU": {"header": header,
+                                                                                               "regimes": regimes}}}))
     monkeypatch.setattr(auto, "TABLE_PATH", path)
-    monkeypatch.setattr(auto, "gpu_class_of", lambda device: "9.0")
+    monkeypatch.setattr(auto, "gpu_class_of", lambda device: "9.0/StandIn GPU")
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     register_experts("deep_gemm", StandInDeepGemm)
     cls = experts_class("auto", "cuda")

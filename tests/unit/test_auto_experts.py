@@ -71,8 +71,11 @@ def regime(dtype, pool_format, bound, order):
                          "us": {"kimi-k2": {name: 10.0 + i for i, name in enumerate(order)}}}}
 
 
-def header(gpu_class="9.0"):
-    return {"date": "2026-12-02", "gpu": "StandIn GPU", "compute_capability": gpu_class, "torch": "2.x",
+CLASS = "9.0/StandIn GPU"  # the sm90 fixture's GPU class
+
+
+def header(compute_capability="9.0"):
+    return {"date": "2026-12-02", "gpu": "StandIn GPU", "compute_capability": compute_capability, "torch": "2.x",
             "triton": "3.x", "deep_gemm": "0.1.4", "command": "python scripts/tune_experts_auto.py"}
 
 
@@ -84,7 +87,7 @@ REGIMES = [regime("fp8", "contiguous", 3.77, ["triton", "deep_gemm"]),
            regime("fp8", "masked", None, ["triton", "deep_gemm"]),
            regime("bf16", "contiguous", 3.77, ["grouped_mm", "triton"]),
            regime("bf16", "contiguous", None, ["deep_gemm", "triton"])]
-TABLE = {"format": 1, "about": "test", "gpu_classes": {"9.0": {"header": header(), "regimes": REGIMES}}}
+TABLE = {"format": 2, "about": "test", "gpu_classes": {CLASS: {"header": header(), "regimes": REGIMES}}}
 
 
 @pytest.fixture
@@ -162,7 +165,7 @@ def test_the_committed_table_is_valid_and_every_class_was_made_by_the_script():
     table = auto_table()
     assert table.path == str(auto.TABLE_PATH)
     for gpu_class, entry in table.gpu_classes.items():  # none until a GPU run wrote one
-        assert entry.header["compute_capability"] == gpu_class
+        assert auto.gpu_class_name(entry.header["compute_capability"], entry.header["gpu"]) == gpu_class
         assert entry.header["command"].startswith("python scripts/tune_experts_auto.py"), gpu_class
         assert all(regime.measured["us"] for regime in entry.regimes), gpu_class
 
@@ -171,8 +174,8 @@ def test_auto_table_is_read_once_per_path(monkeypatch, tmp_path):
     path = use_table(monkeypatch, tmp_path)
     first = auto_table()
     assert auto_table() is first and auto_table(path) is first
-    assert first.gpu_classes["9.0"].regimes[2].order == ("deep_gemm", "triton")
-    assert first.gpu_classes["9.0"].regimes[0].max_rows_per_expert == 3.77
+    assert first.gpu_classes[CLASS].regimes[2].order == ("deep_gemm", "triton")
+    assert first.gpu_classes[CLASS].regimes[0].max_rows_per_expert == 3.77
 
 
 def _broken(edit):
@@ -182,30 +185,30 @@ def _broken(edit):
 
 
 def _regimes(table):
-    return table["gpu_classes"]["9.0"]["regimes"]
+    return table["gpu_classes"][CLASS]["regimes"]
 
 
 @pytest.mark.parametrize("edit, field", [
-    (lambda t: t.update(format=2), "format"),
+    (lambda t: t.update(format=1), "format"),
     (lambda t: t.update(gpu_classes=[]), "gpu_classes"),
-    (lambda t: t["gpu_classes"].update({"H200": t["gpu_classes"]["9.0"]}), "gpu_classes['H200']"),
-    (lambda t: t["gpu_classes"]["9.0"]["header"].pop("command"), "gpu_classes['9.0'].header"),
-    (lambda t: t["gpu_classes"]["9.0"]["header"].update(compute_capability="8.0"),
-     "gpu_classes['9.0'].header.compute_capability"),
-    (lambda t: _regimes(t)[1].update(dtype="fp16"), "gpu_classes['9.0'].regimes[1].dtype"),
-    (lambda t: _regimes(t)[1].update(pool_format="ragged"), "gpu_classes['9.0'].regimes[1].pool_format"),
-    (lambda t: _regimes(t)[0].update(max_rows_per_expert=0), "gpu_classes['9.0'].regimes[0].max_rows_per_expert"),
-    (lambda t: _regimes(t)[0].update(max_rows_per_expert=True), "gpu_classes['9.0'].regimes[0].max_rows_per_expert"),
-    (lambda t: _regimes(t)[0].pop("max_rows_per_expert"), "gpu_classes['9.0'].regimes[0].max_rows_per_expert"),
-    (lambda t: _regimes(t)[0].update(order=[]), "gpu_classes['9.0'].regimes[0].order"),
-    (lambda t: _regimes(t)[0].update(order=["triton", "triton"]), "gpu_classes['9.0'].regimes[0].order"),
-    (lambda t: _regimes(t)[0].update(order=["auto"]), "gpu_classes['9.0'].regimes[0].order"),
+    (lambda t: t["gpu_classes"].update({"H200": t["gpu_classes"][CLASS]}), "gpu_classes['H200']"),
+    (lambda t: t["gpu_classes"][CLASS]["header"].pop("command"), f"gpu_classes[{CLASS!r}].header"),
+    (lambda t: t["gpu_classes"][CLASS]["header"].update(compute_capability="8.0"), f"gpu_classes[{CLASS!r}].header"),
+    (lambda t: t["gpu_classes"][CLASS]["header"].update(gpu="Other GPU"), f"gpu_classes[{CLASS!r}].header"),
+    (lambda t: _regimes(t)[1].update(dtype="fp16"), f"gpu_classes[{CLASS!r}].regimes[1].dtype"),
+    (lambda t: _regimes(t)[1].update(pool_format="ragged"), f"gpu_classes[{CLASS!r}].regimes[1].pool_format"),
+    (lambda t: _regimes(t)[0].update(max_rows_per_expert=0), f"gpu_classes[{CLASS!r}].regimes[0].max_rows_per_expert"),
+    (lambda t: _regimes(t)[0].update(max_rows_per_expert=True), f"gpu_classes[{CLASS!r}].regimes[0].max_rows_per_expert"),
+    (lambda t: _regimes(t)[0].pop("max_rows_per_expert"), f"gpu_classes[{CLASS!r}].regimes[0].max_rows_per_expert"),
+    (lambda t: _regimes(t)[0].update(order=[]), f"gpu_classes[{CLASS!r}].regimes[0].order"),
+    (lambda t: _regimes(t)[0].update(order=["triton", "triton"]), f"gpu_classes[{CLASS!r}].regimes[0].order"),
+    (lambda t: _regimes(t)[0].update(order=["auto"]), f"gpu_classes[{CLASS!r}].regimes[0].order"),
     (lambda t: _regimes(t)[0]["measured"]["us"]["kimi-k2"].pop("deep_gemm"),
-     "gpu_classes['9.0'].regimes[0].measured.us"),
+     f"gpu_classes[{CLASS!r}].regimes[0].measured.us"),
     (lambda t: _regimes(t)[0]["measured"]["us"]["kimi-k2"].update(triton=-1.0),
-     "gpu_classes['9.0'].regimes[0].measured.us"),
-    (lambda t: _regimes(t)[1].update(max_rows_per_expert=2.0), "gpu_classes['9.0'].regimes"),  # not increasing
-    (lambda t: _regimes(t)[3].update(max_rows_per_expert=99.0), "gpu_classes['9.0'].regimes"),  # last one bounded
+     f"gpu_classes[{CLASS!r}].regimes[0].measured.us"),
+    (lambda t: _regimes(t)[1].update(max_rows_per_expert=2.0), f"gpu_classes[{CLASS!r}].regimes"),  # not increasing
+    (lambda t: _regimes(t)[3].update(max_rows_per_expert=99.0), f"gpu_classes[{CLASS!r}].regimes"),  # last one bounded
 ])
 def test_a_bad_field_is_cfg019_naming_the_file_and_the_field(edit, field):
     with pytest.raises(AutoTableError) as info:
@@ -225,13 +228,13 @@ def test_a_file_that_is_not_json_is_cfg019_naming_it(tmp_path):
 @pytest.mark.parametrize("rows_per_expert, bound", [(0.5, 3.77), (3.77, 3.77), (3.7701, 30.17), (30.17, 30.17),
                                                      (30.1701, None), (1e9, None)])
 def test_a_call_falls_in_the_first_bucket_it_does_not_exceed(rows_per_expert, bound):
-    regimes = validate_table(TABLE, "t").gpu_classes["9.0"].regimes
+    regimes = validate_table(TABLE, "t").gpu_classes[CLASS].regimes
     found = find_regime(regimes, "fp8", "contiguous", rows_per_expert)
     assert (found.dtype, found.pool_format, found.max_rows_per_expert) == ("fp8", "contiguous", bound)
 
 
 def test_a_regime_the_table_lacks_is_none():
-    regimes = validate_table(TABLE, "t").gpu_classes["9.0"].regimes
+    regimes = validate_table(TABLE, "t").gpu_classes[CLASS].regimes
     assert find_regime(regimes, "bf16", "masked", 1.0) is None and find_regime(regimes, None, "contiguous", 1.0) is None
     assert find_regime(regimes, "fp8", "masked", 1e6).order == ("triton", "deep_gemm")
 
@@ -252,7 +255,7 @@ def test_without_deep_gemm_auto_is_plain_triton(monkeypatch, tmp_path, sm90):
     use_table(monkeypatch, tmp_path)  # the real backends: DeepGEMM's probe says no
     deep_gemm_usable(monkeypatch, False)
     table = copy.deepcopy(TABLE)
-    table["gpu_classes"]["9.0"]["regimes"] = [r for r in REGIMES if r["dtype"] == "fp8"]  # grouped_mm not ranked
+    table["gpu_classes"][CLASS]["regimes"] = [r for r in REGIMES if r["dtype"] == "fp8"]  # grouped_mm not ranked
     use_table(monkeypatch, tmp_path, table)
     assert experts_class("auto", "cuda") is TritonExperts and TritonExperts.segment_alignment == 1
     plan = auto_plan("cuda")
@@ -264,8 +267,18 @@ def test_a_gpu_class_missing_from_the_table_means_triton_only(monkeypatch, tmp_p
     deep_gemm_usable(monkeypatch, True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (10, 0))
     plan = auto_plan("cuda")
-    assert (plan.gpu_class, plan.table, plan.held) == ("10.0", None, ("triton",))
+    assert (plan.gpu_class, plan.table, plan.held) == ("10.0/StandIn GPU", None, ("triton",))
     assert experts_class("auto", "cuda") is StandInTriton  # the registered triton
+
+
+def test_another_gpu_of_the_same_capability_does_not_inherit_a_table(monkeypatch, tmp_path, stand_ins, sm90):
+    """An H100 beside a table measured on an H200 (both 9.0) runs plain Triton, not the H200's choices."""
+    use_table(monkeypatch, tmp_path)
+    deep_gemm_usable(monkeypatch, True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Other GPU of the same capability")
+    plan = auto_plan("cuda")
+    assert (plan.gpu_class, plan.table, plan.held) == ("9.0/Other GPU of the same capability", None, ("triton",))
+    assert experts_class("auto", "cuda") is StandInTriton
 
 
 def test_auto_on_the_cpu_is_the_torch_loop(table_here):
@@ -275,7 +288,7 @@ def test_auto_on_the_cpu_is_the_torch_loop(table_here):
 
 def test_only_backends_first_somewhere_are_held(table_here, monkeypatch, tmp_path):
     table = copy.deepcopy(TABLE)
-    table["gpu_classes"]["9.0"]["regimes"] = [regime("bf16", "contiguous", None, ["grouped_mm", "deep_gemm"])]
+    table["gpu_classes"][CLASS]["regimes"] = [regime("bf16", "contiguous", None, ["grouped_mm", "deep_gemm"])]
     use_table(monkeypatch, tmp_path, table)
     cls = experts_class("auto", "cuda")
     assert cls.held_backends == ("triton", "grouped_mm") and cls.segment_alignment == 16
@@ -403,13 +416,13 @@ def test_an_fp8_checkpoint_runs_on_the_auto_class_where_it_holds_deep_gemm(table
 
 def test_info_prints_the_table_in_use_and_what_auto_holds(table_here, monkeypatch, tmp_path):
     lines = "\n".join(auto_backend_lines())
-    assert "experts_backend='auto' on StandIn GPU (GPU class 9.0): table " in lines
+    assert "experts_backend='auto' on StandIn GPU (GPU class 9.0/StandIn GPU): table " in lines
     assert "measured 2026-12-02 on StandIn GPU" in lines
     assert "| fp8 | contiguous | <= 3.77 | triton, deep_gemm |" in lines
     assert "| fp8 | masked | any | triton, deep_gemm |" in lines and "kimi-k2: triton 10.0, deep_gemm 11.0" in lines
     assert "holds here: triton, deep_gemm, grouped_mm" in lines
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (8, 9))
-    assert auto_backend_lines() == [f"experts_backend='auto' on StandIn GPU (GPU class 8.9): GPU class not in the "
+    assert auto_backend_lines() == [f"experts_backend='auto' on StandIn GPU (GPU class 8.9/StandIn GPU): GPU class not in the "
                                     f"table ({tmp_path / 'auto_table.json'}): triton only"]
 
 
@@ -445,13 +458,13 @@ def test_the_scripts_regimes_make_a_valid_table_and_it_keeps_other_classes(tmp_p
         ("fp8", "contiguous", 10.67, ["triton", "deep_gemm"]), ("fp8", "contiguous", None, ["deep_gemm", "triton"]),
         ("bf16", "masked", None, ["triton", "deep_gemm"])]
     out = tmp_path / "auto_table.json"
-    out.write_text(json.dumps({"format": 1, "gpu_classes": {"8.0": TABLE["gpu_classes"]["9.0"] | {
+    out.write_text(json.dumps({"format": 2, "gpu_classes": {"8.0/StandIn GPU": TABLE["gpu_classes"][CLASS] | {
         "header": header("8.0")}}}))
     markdown_path = tune.write_table({"header": header() | {"seconds": 1, "notes": ["bf16 contiguous rows 64: ..."]},
                                       "regimes": regimes}, str(out))
     table = validate_table(json.loads(out.read_text()), str(out))
-    assert set(table.gpu_classes) == {"8.0", "9.0"}
-    assert table.gpu_classes["9.0"].regimes[1].measured["us"]["kimi-k2"]["deep_gemm"] == 600.0
+    assert set(table.gpu_classes) == {"8.0/StandIn GPU", CLASS}
+    assert table.gpu_classes[CLASS].regimes[1].measured["us"]["kimi-k2"]["deep_gemm"] == 600.0
     text = open(markdown_path).read()
     assert "| fp8 | contiguous | <= 10.67 | triton, deep_gemm |" in text and "- bf16 contiguous rows 64: ..." in text
 
@@ -521,7 +534,7 @@ def test_the_tuning_loop_measures_every_point_and_leaves_a_wrong_backend_out(tin
     assert "bf16 contiguous rows      8 tiny-a   deep_gemm" in capsys.readouterr().out  # a progress line
     out = tmp_path / "auto_table.json"
     tune.write_table({"header": header(), "regimes": tune.build_regimes(measured, 4)}, str(out))
-    regimes = auto_table(out).gpu_classes["9.0"].regimes
+    regimes = auto_table(out).gpu_classes[CLASS].regimes
     assert [(r.dtype, r.pool_format, r.max_rows_per_expert) for r in regimes][:2] == [("fp8", "contiguous", 5.66),
                                                                                    ("fp8", "contiguous", None)]
     assert all(set(r.order) == {"triton", "deep_gemm"} for r in regimes)
@@ -566,7 +579,7 @@ def test_the_routed_step_runs_auto_per_call_regime_on_the_pool_it_plans(monkeypa
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     register_experts("triton", LoopTriton)
     register_experts("deep_gemm", LoopDeepGemm)
-    use_table(monkeypatch, tmp_path, {"format": 1, "about": "test", "gpu_classes": {"9.0": {"header": header(),
+    use_table(monkeypatch, tmp_path, {"format": 2, "about": "test", "gpu_classes": {CLASS: {"header": header(),
               "regimes": [regime("bf16", "contiguous", 2.0, ["triton", "deep_gemm"]),
                           regime("bf16", "contiguous", None, ["deep_gemm", "triton"])]}}})
     deep_gemm_usable(monkeypatch, True)
