@@ -330,9 +330,38 @@ def test_tuner_decode_explore_widens_the_decode_space(fp8):
         assert set(current) <= decode_list and kept[:len(current)] == [c for c in kept if "current" in c["source"]]
 
 
+def _credited_tiles(lines: list[str]) -> dict[tuple, str]:
+    """The winners a paste block appends (``    (tile),  # tune_grouped_mlp.py<flags>, <gpu>, <date>: <why>``): tile ->
+    the line."""
+    import ast
+
+    return {ast.literal_eval(line.split(",  # ")[0].strip()): line for line in lines
+            if line.startswith("    (") and ",  # tune_grouped_mlp.py" in line}
+
+
+def _assert_paste_blocks_credit_the_run(text: str, summary: dict, flag: str) -> None:
+    """The tuner's paste rule, whichever tiles the timings made the winners: each winner its tile list lacks is
+    appended once, on a line naming the run's flags; a list whose winners it already holds says so."""
+    lines = text.splitlines()
+    new = {}
+    for suggestion in summary["suggestions"].values():
+        listed = {tiles.normalize_tile(tuple(t)) for t in getattr(tiles, suggestion["list"])}
+        unlisted = [tuple(t) for t in suggestion["tiles"] if tiles.normalize_tile(tuple(t)) not in listed]
+        new.setdefault(suggestion["list"], set()).update(unlisted)
+    credited = _credited_tiles(lines)
+    assert set(credited) == set().union(*new.values()), f"{credited=} {new=}"
+    assert all(flag in line for line in credited.values()), credited
+    for name, added in new.items():
+        assert any(line.startswith(f"{name} = [") for line in lines), name
+        if not added:
+            assert "]  # unchanged: the winners are already in the list" in lines, name
+
+
 def test_tuner_alignment_packs_the_segments_and_sweeps_on_cpu(tmp_path, monkeypatch, capsys):
     """--alignment 1: segments back to back (the Triton experts' pool), the rows hint unchanged; the whole sweep runs
-    on such a pool (tiny shape, interpreter) and every config's output passes the check."""
+    on such a pool (tiny shape, interpreter) and every config's output passes the check. The paste block credits
+    the run's flags on each new winner: checked on the winners this run's timings picked, whichever they are, and on
+    a winner forced to be one the list lacks (so the ``--alignment 1`` credit is checked on every run)."""
     tune = _tuner()
     assert tune.layout([3, 0, 5], 4) == ([0, 4, 4], 12)
     assert tune.layout([3, 0, 5], 1) == ([0, 3, 3], 8)
@@ -348,4 +377,12 @@ def test_tuner_alignment_packs_the_segments_and_sweeps_on_cpu(tmp_path, monkeypa
     results = json.loads(out.read_text())
     assert [(c["pool_rows"], c["alignment"], c["regime"]) for c in results["cases"]] == [(6, 1, "decode")] * 2
     assert results["runs"] and all(run["ok"] for run in results["runs"])
-    assert "--alignment 1" in (tmp_path / "tune.txt").read_text()
+    assert results["summary"]["suggestions"], "no winner: the paste block was not written"
+    _assert_paste_blocks_credit_the_run((tmp_path / "tune.txt").read_text(), results["summary"], "--alignment 1")
+    new_tile = tune.FIXED_TILE
+    assert tiles.normalize_tile(new_tile) not in {tiles.normalize_tile(t) for t in tiles.DECODE_TILES}
+    forced = {"best": [], "suggestions": {"decode/down": {"list": "DECODE_TILES", "tiles": [list(new_tile)],
+                                                          "cases": {str(new_tile): ["kimi-k2/6"]}}}}
+    lines = tune.paste_blocks(results, forced)
+    assert list(_credited_tiles(lines)) == [new_tile], lines
+    _assert_paste_blocks_credit_the_run("\n".join(lines), forced, "--alignment 1")
