@@ -1,22 +1,29 @@
-# Two commands on a fresh machine: `make install`, then `make test`. `make demo` runs the main job.
+# On a fresh clone any of `make test`, `make demo` (the main job), `make test-fast`, `make demo-quant`, `make bench` is a
+# first command: each builds the environment it runs in (`make install`) when it is missing or out of date.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU test environment is pinned; setup.py keeps ranges so the GPU image (torch 2.11, triton 3.6) works too.
 PINNED := torch==2.13.0 triton==3.9.0 pytest==9.2.0 pytest-timeout==2.4.0 safetensors==0.8.0 tqdm==4.70.1 transformers==5.24.0
+# Written after a successful install only: the venv is complete and built from this setup.py, this Makefile (the pins)
+# and these compiled-op sources. Edit one of them and the next target that needs the venv installs again.
+INSTALLED := $(VENV)/.moe_ref-installed
 
 .PHONY: install test test-fast test-gpu test-gpu-full demo demo-quant bench clean
 
-install:
+install: $(INSTALLED)
+
+$(INSTALLED): setup.py Makefile $(wildcard csrc/*.cpp csrc/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PINNED)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
 
-test:
+test: $(INSTALLED)
 	$(PY) -m pytest -q
 
-test-fast:
+test-fast: $(INSTALLED)
 	$(PY) -m pytest -q -m "not dist"
 
 # On a CUDA machine, from the tree (PYTHONPATH=.: works with only the system python, nothing installed).
@@ -30,13 +37,17 @@ test-gpu:
 test-gpu-full:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(PYTHON) -m pytest -q -m "cuda or cuda2" tests/gpu tests/dist --durations=15
 
-demo:
+demo: $(INSTALLED)
 	$(PY) -m moe_ref demo
 
 # The same from a Kimi-K3 MXFP4 checkpoint, loaded and run as stored (compared with the dequantized weights).
-demo-quant:
+demo-quant: $(INSTALLED)
 	$(PY) -m moe_ref demo --preset tiny-kimi-k3 --quant mxfp4
 	$(PY) -m moe_ref demo --preset tiny-deepseek-v3 --quant fp8_block
+
+# The expert backends timed by `moe-ref bench` (a GPU: Kimi-K2's experts per rank at EP 8; a CPU: a tiny shape).
+bench: $(INSTALLED)
+	$(PY) -m moe_ref bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache results
@@ -48,13 +59,13 @@ clean:
 # image's torch 2.11, with their apache-tvm-ffi (../shared/FACTS.md); scripts/gpu_suite.sh installs every other
 # wheel in .whl/ into a scratch folder there.
 .PHONY: deep-gemm-wheels
-deep-gemm-wheels:
+deep-gemm-wheels: $(INSTALLED)
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
 		--platform manylinux2014_x86_64 -d .whl sgl-deep-gemm==0.1.4 apache-tvm-ffi==0.1.11
 
 VLLM_VERSION ?= 0.33.0
 .PHONY: peers
-peers:
+peers: $(INSTALLED)
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl sglang==0.5.23
 	@if [ ! -f .whl/vllm-$(VLLM_VERSION)-fused-moe.zip ]; then \
 		tmp=$$(mktemp -d) && \
