@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from moe_ref.core.config import MoEConfig, hf_config_dict
-from moe_ref.core.errors import InvalidConfigError
+from moe_ref.core.errors import ConfigNotExpressibleError, InvalidConfigError
 from moe_ref.checkpoint.loading import LayerNames, layer_names
 from moe_ref.checkpoint.reader import INDEX_FILE, SINGLE_FILE
 from moe_ref.checkpoint.formats import (FP8_BLOCK, GROUP_SIZE, QuantFormat, QuantSpec, dequantize_weight,
@@ -55,19 +55,110 @@ QUANTIZATION_CONFIGS = {
 
 
 def quantizable_config(cfg: MoEConfig, quant: str | QuantFormat) -> MoEConfig:
-    """``cfg`` with the expert sizes rounded up to what ``quant`` stores (``moe_ref.checkpoint.formats.shape_problem``):
-    F (and for groups of 32 the experts' input width Dx: the latent for Kimi-K3, else D) to multiples of 32,
-    or F to a multiple of 128 for FP8 blocks. The tiny presets' odd sizes need it; real models already fit.
+    """``cfg`` with the sizes rounded up to what ``quant`` stores (``moe_ref.checkpoint.formats.shape_problem``),
+    kept expressible by the family's config.json (``check_synthetic_layout``): F (and for groups of 32 the
+    experts' input width Dx: the latent for Kimi-K3, else D) to multiples of 32, or F to a multiple of 128 for
+    FP8 blocks; the shared experts' width S follows F where config.json derives it (``n_shared_experts x
+    moe_intermediate_size``: DeepSeek-V3, Kimi-K2/K3); Step3's own ``share_expert_dim`` goes to a multiple of 32
+    for the 4-bit formats, whose published ignore lists name Kimi's ``shared_experts``, not Step3's
+    ``share_expert``, so it is stored quantized. The tiny presets' odd sizes need it; real models already fit.
 
-    Example: tiny-kimi-k3 (F 24, L 32) with mxfp4 -> F 32, L 32.
+    Example: tiny-kimi-k3 (F 24, L 32, 2 shared experts: S 48) with mxfp4 -> F 32, L 32, S 64.
     """
     fmt = QuantFormat(quant)
     multiple = FP8_BLOCK if fmt == QuantFormat.FP8_BLOCK else GROUP_SIZE
-    changes = {"intermediate_size": -(-cfg.intermediate_size // multiple) * multiple}
+    F = _round_up(cfg.intermediate_size, multiple)
+    changes = {"intermediate_size": F}
     if fmt != QuantFormat.FP8_BLOCK:
         width = "latent_dim" if cfg.latent_dim else "hidden_size"
-        changes[width] = -(-getattr(cfg, width) // GROUP_SIZE) * GROUP_SIZE
+        changes[width] = _round_up(getattr(cfg, width), GROUP_SIZE)
+    if cfg.has_shared_experts:
+        changes["shared_intermediate_size"] = (
+            cfg.num_shared_experts * F if cfg.family != "step3" else
+            cfg.shared_intermediate_size if fmt == QuantFormat.FP8_BLOCK else
+            _round_up(cfg.shared_intermediate_size, GROUP_SIZE))
     return dataclasses.replace(cfg, **changes)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _prefix(cfg: MoEConfig, prefix: str | None) -> str:
+    """The text before the layer number: ``prefix``, else the family's published one."""
+    return FAMILY_PREFIX.get(cfg.family, DEFAULT_PREFIX) if prefix is None else prefix
+
+
+def check_synthetic_layout(cfg: MoEConfig, quant: str | QuantFormat | None = None, *, layout: str = "hub",
+                           layer_idx: int = 0, prefix: str | None = None,
+                           quantization_config: dict | None = None) -> QuantSpec | None:
+    """Refuse, before anything is written, what ``write_synthetic_checkpoint`` could not write so that it loads
+    back from its own config.json; return the ``QuantSpec`` of ``quant`` (None for plain weights). The arguments
+    are ``write_synthetic_checkpoint``'s.
+
+    Raises:
+        ConfigNotExpressibleError (CFG022): a field of ``cfg`` that the family's config.json cannot hold (read
+            back, it would give another value), e.g. a shared-expert width S other than ``n_shared_experts x F``
+            for DeepSeek-V3/Kimi.
+        InvalidConfigError (CFG007): ``quantization_config`` does not describe ``quant``, or leaves the routed
+            experts unquantized; ``quant`` with the fused layout; a quantized weight whose sizes the format
+            cannot store (routed experts: ``shape_problem``; shared experts: D and S multiples of 32 in groups).
+    """
+    _check_expressible(cfg, layer_idx)
+    if quant is None:
+        return None
+    fmt = QuantFormat(quant)
+    qc = QUANTIZATION_CONFIGS[fmt] if quantization_config is None else quantization_config
+    spec = quant_spec_from_config({"quantization_config": qc})
+    if spec is None or spec.format != fmt:
+        raise InvalidConfigError(f"quantization_config {qc!r} does not describe quant={fmt.value!r}",
+                                 field="quantization_config")
+    names = layer_names(cfg.family, layout, f"{_prefix(cfg, prefix)}{layer_idx}.")
+    if names.expert_form == "stacked_gate_up":
+        raise InvalidConfigError(f"quant={fmt.value!r} needs layout='hub' (the published per-expert or stacked "
+                                 f"names), not {layout!r}", field="layout")
+    gate_module = names.gate.format(expert=0).removesuffix(".weight")
+    routed, rule = spec.quantizes(gate_module)
+    if not routed:
+        raise InvalidConfigError(f"quant={fmt.value!r}: the quantization_config leaves the routed experts "
+                                 f"unquantized ({rule}); write that checkpoint with quant=None",
+                                 field="quantization_config")
+    problem = shape_problem(fmt, cfg.expert_hidden_size, cfg.intermediate_size)
+    shared = cfg.has_shared_experts and spec.quantizes(names.shared_gate.removesuffix(".weight"))[0]
+    if problem is None and shared and fmt != QuantFormat.FP8_BLOCK:
+        sizes = (("D", cfg.hidden_size), ("S", cfg.shared_intermediate_size))
+        bad = [f"{name}={value}" for name, value in sizes if value % GROUP_SIZE]
+        problem = bad and f"the shared experts it quantizes need multiples of {GROUP_SIZE}, not {' and '.join(bad)}"
+    if problem:
+        raise InvalidConfigError(f"{cfg.name} with quant={fmt.value!r}: {problem}; quantizable_config(cfg, "
+                                 f"{fmt.value!r}) rounds the sizes up", field="quant")
+    return spec
+
+
+def config_differences(cfg: MoEConfig, other: MoEConfig) -> dict[str, tuple]:
+    """``{field: (cfg's value, other's value)}`` for the fields where two configs of an MoE block differ: those
+    the dataclass compares, the name aside (the model's, like its layer counts, which a config.json sets, not the
+    block); empty for the same block."""
+    return {f.name: (getattr(cfg, f.name), getattr(other, f.name)) for f in dataclasses.fields(cfg)
+            if f.compare and f.name != "name" and getattr(cfg, f.name) != getattr(other, f.name)}
+
+
+def _check_expressible(cfg: MoEConfig, layer_idx: int) -> None:
+    """CFG022 unless ``cfg`` read back from the config.json the writer writes gives ``cfg`` (but its name and MoE
+    layer list, which the file sets)."""
+    differ = config_differences(cfg, MoEConfig.from_hf_config(_config_for_layer(cfg, layer_idx)))
+    if not differ:
+        return
+    lines = "; ".join(f"{name}={wrote!r} reads back as {read!r}" for name, (wrote, read) in differ.items())
+    hint = ""
+    if "shared_intermediate_size" in differ and cfg.family != "step3":
+        hint = (f" ({cfg.family}'s config.json has no field for the shared experts' width: it is n_shared_experts x "
+                f"moe_intermediate_size = {cfg.num_shared_experts} x {cfg.intermediate_size}); set "
+                f"shared_intermediate_size={cfg.num_shared_experts * cfg.intermediate_size}")
+    raise ConfigNotExpressibleError(
+        f"{cfg.name}: a {cfg.family} config.json cannot express this config, so the checkpoint would not load "
+        f"back from it: {lines}{hint or '; change those fields to what the config.json holds'} "
+        f"(quantizable_config(cfg, quant) keeps a preset expressible)", fields=sorted(differ))
 
 
 def write_synthetic_checkpoint(
@@ -94,8 +185,9 @@ def write_synthetic_checkpoint(
             (``QUANTIZATION_CONFIGS``) and every Linear layer of the block that it quantizes
             (``QuantSpec.quantizes``) is stored quantized under the published names/dtypes/shapes (hub layout
             only): the routed experts always, the shared experts too under fp8 (DeepSeek-V3, Kimi-K2-Instruct,
-            Step3 FP8), not under the compressed-tensors configs (their ``ignore`` lists ``shared_experts``).
-            Router, bias and Kimi-K3's latent tensors stay in ``dtype``.
+            Step3 FP8), not under the compressed-tensors configs (their ``ignore`` lists ``shared_experts``)
+            but for Step3, whose ``share_expert`` that list does not name. Router, bias and Kimi-K3's latent
+            tensors stay in ``dtype``. ``quantizable_config(cfg, quant)`` gives sizes that fit.
         prefix: the text before the layer number; default: the family's published one (e.g.
             ``"language_model.model.layers."`` writes Kimi-K2.5's naming).
         quantization_config: with ``quant``, written instead of the published one (e.g. with another ignore
@@ -105,26 +197,26 @@ def write_synthetic_checkpoint(
         The ``MoEWeights`` written (all experts, tensors in ``dtype``, bias fp32), to compare a load against;
         with ``quant``, each weight stored quantized is its dequantized stored value in fp32 (what the
         checkpoint means).
+
+    Raises:
+        ``check_synthetic_layout``'s errors (CFG022: a config its config.json cannot express; CFG007: sizes the
+        format cannot store), before anything is written; CFG007 for a bad ``num_shards``.
     """
     if num_shards < 1:
         raise InvalidConfigError(f"num_shards={num_shards} must be >= 1", field="num_shards")
+    spec = check_synthetic_layout(cfg, quant, layout=layout, layer_idx=layer_idx, prefix=prefix,
+                                  quantization_config=quantization_config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = MoEWeights.random(cfg, seed=seed, dtype=dtype)
-    prefix = FAMILY_PREFIX.get(cfg.family, DEFAULT_PREFIX) if prefix is None else prefix
-    names = layer_names(cfg.family, layout, f"{prefix}{layer_idx}.")
+    names = layer_names(cfg.family, layout, f"{_prefix(cfg, prefix)}{layer_idx}.")
     tensors = checkpoint_tensors(weights, cfg, names)
     config = _config_for_layer(cfg, layer_idx)
-    if quant is not None:
-        fmt = QuantFormat(quant)
-        qc = QUANTIZATION_CONFIGS[fmt] if quantization_config is None else quantization_config
-        spec = quant_spec_from_config({"quantization_config": qc})
-        if spec is None or spec.format != fmt:
-            raise InvalidConfigError(f"quantization_config {qc!r} does not describe quant={fmt.value!r}",
-                                     field="quantization_config")
+    if spec is not None:
         weights = _quantize_experts(tensors, weights, cfg, names, spec)
         weights = _quantize_shared(tensors, weights, names, spec)
-        config["quantization_config"] = qc
+        config["quantization_config"] = (QUANTIZATION_CONFIGS[spec.format] if quantization_config is None
+                                         else quantization_config)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     _save_sharded(tensors, out, num_shards)
     return weights
@@ -165,19 +257,8 @@ def _quantize_shared(tensors: dict[str, torch.Tensor], weights: MoEWeights, name
 def _quantize_experts(tensors: dict[str, torch.Tensor], weights: MoEWeights, cfg: MoEConfig, names: LayerNames,
                       spec: QuantSpec) -> MoEWeights:
     """Replace the expert weights in ``tensors`` (in place) by their stored quantized form; return ``weights``
-    with the experts dequantized (fp32) from what was stored. Every routed expert is quantized (a config that
-    ignores them is refused: write that checkpoint with ``quant=None``)."""
-    fmt = spec.format
-    gate_module = (names.gate if names.expert_form != "stacked_gate_up" else names.gate_up).format(expert=0)
-    if not spec.quantizes(gate_module.removesuffix(".weight"))[0]:
-        raise InvalidConfigError(f"quant={fmt.value!r}: the quantization_config leaves the routed experts "
-                                 f"unquantized ({spec.quantizes(gate_module.removesuffix('.weight'))[1]})",
-                                 field="quantization_config")
-    F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
-    problem = "it needs the hub layout" if names.expert_form == "stacked_gate_up" else shape_problem(fmt, Dx, F)
-    if problem:
-        raise InvalidConfigError(f"quant={fmt.value!r}: {problem}; quantizable_config(cfg, {fmt.value!r}) rounds the "
-                                 f"sizes up", field="quant")
+    with the experts dequantized (fp32) from what was stored (``check_synthetic_layout`` has checked that every
+    routed expert is quantized and that ``spec`` can store it)."""
     dense = {}
     templates = (names.gate, names.up, names.down)
     experts = [None] if names.expert_form == "stacked" else range(cfg.num_experts)

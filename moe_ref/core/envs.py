@@ -14,11 +14,16 @@
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
 | MOE_REF_EAGER_GRAPH_MAX_TOKENS     | largest T whose eager calls replay a CUDA graph of their shape (one rank on CUDA; 0: never) | min(1024, cap) |
 | MOE_REF_BOUND_LAUNCH               | ``0``: Triton launches go through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key); read at the process's first Triton launch (``moe_ref.kernels.runtime.launch.bound_launches(False)`` switches it in code) | 1 |
+| MOE_REF_PROGRESS                   | ``1``: the CLI's progress bars always; ``0``: never  | on a terminal only |
 
-Switches (``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
-``MOE_REF_BOUND_LAUNCH``) take ``1``, ``true``,
+Switches (``SWITCHES``: ``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
+``MOE_REF_BOUND_LAUNCH``, ``MOE_REF_PROGRESS``) take ``1``, ``true``,
 ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case, surrounding spaces ignored); an empty value is
 unset. Anything else raises ``EnvVarError`` (CFG017) naming the variable: a typo must not silently pick a side.
+Reading an option (the policy, transport, backend, pool format, cap: every layer construction does) checks every
+switch, so a bad value is refused on any device, also one whose path never reads that switch (a CPU layer and
+``MOE_REF_TMA``). The named choices (policy, transport, backend, pool format) are read in any case, like the
+switches: ``MOE_REF_OVERFLOW_POLICY=Chunk`` is ``chunk``.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ import os
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
+SWITCHES = ("MOE_REF_DEBUG", "MOE_REF_DEBUG_CHECKS", "MOE_REF_NATIVE", "MOE_REF_TMA", "MOE_REF_BOUND_LAUNCH",
+            "MOE_REF_PROGRESS")
 
 
 def _get(name: str) -> str | None:
@@ -64,8 +71,23 @@ def _parse_switch(name: str, value: str | None) -> bool | None:
                       f"{', '.join(_OFF)} (off), or unset it", field=name)
 
 
+def check_switches() -> None:
+    """Parse every switch of ``SWITCHES``; ``EnvVarError`` (CFG017) for the first with another value."""
+    for name in SWITCHES:
+        _switch(name)
+
+
+def _option(name: str) -> str | None:
+    """A named choice's value, stripped and lower-cased (None when unset or empty), after ``check_switches``."""
+    check_switches()
+    value = _get(name)
+    return None if value is None or not value.strip() else value.strip().lower()
+
+
 def _integer(name: str, hint: str = "") -> int | None:
-    """An integer variable's value (None when unset or empty); ``InvalidConfigError`` naming it otherwise."""
+    """An integer variable's value (None when unset or empty), after ``check_switches``; ``InvalidConfigError``
+    naming it when it is not an integer."""
+    check_switches()
     value = _get(name)
     if value is None:
         return None
@@ -86,19 +108,19 @@ def eager_graph_max_tokens() -> int | None:
 
 
 def overflow_policy() -> str | None:
-    return _get("MOE_REF_OVERFLOW_POLICY")
+    return _option("MOE_REF_OVERFLOW_POLICY")
 
 
 def transport() -> str | None:
-    return _get("MOE_REF_TRANSPORT")
+    return _option("MOE_REF_TRANSPORT")
 
 
 def experts_backend() -> str | None:
-    return _get("MOE_REF_EXPERTS_BACKEND")
+    return _option("MOE_REF_EXPERTS_BACKEND")
 
 
 def pool_format() -> str | None:
-    return _get("MOE_REF_POOL_FORMAT")
+    return _option("MOE_REF_POOL_FORMAT")
 
 
 def shm_dir() -> str:
@@ -129,6 +151,11 @@ def bound_launch() -> bool:
 def debug() -> bool:
     """``MOE_REF_DEBUG`` on: the CLI shows tracebacks."""
     return _switch("MOE_REF_DEBUG") is True
+
+
+def progress() -> bool | None:
+    """``MOE_REF_PROGRESS``: True draws the CLI's progress bars, False never; None (unset): on a terminal only."""
+    return _switch("MOE_REF_PROGRESS")
 
 
 def launcher_rank() -> int:

@@ -176,16 +176,35 @@ class ConfigFieldError(InvalidConfigError):
 class UnknownFamilyError(InvalidConfigError):
     code = _entry(
         "CFG018", "the config.json's model_type names a model family moe_ref does not know",
-        "MoEConfig.from_hf_config maps each family's own field names and routing rule (DeepSeek-V3, Kimi-K2, "
-        "Kimi-K3, Step3). Another MoE family (Qwen3-MoE, Mixtral, DeepSeek-V2, ...) shares some field names but "
-        "not its router, its shared experts or its tensor names; reading it as one of these would run a different "
-        "model silently, so its model_type is refused.",
-        "A Qwen3-MoE config.json (model_type qwen3_moe, num_experts, norm_topk_prob, softmax routing, no shared "
-        "expert), or a config.json without model_type.",
-        ["Use the config.json of a supported model (the message lists the model_types read).",
+        "MoEConfig.from_hf_config reads the families registered in moe_ref.core.families (DeepSeek-V2/V3, "
+        "Kimi-K2/K3, GLM-4.5, Step3, Qwen2/Qwen3-MoE, Mixtral, gpt-oss, OLMoE, Ernie-4.5, HunYuan), each by its own "
+        "field names, routing rule and tensor names. Another family shares some field names but not its router, "
+        "its shared experts or its tensor names; reading it as one of these would run a different model silently, "
+        "so its model_type is refused.",
+        "A config.json of a family not registered (model_type dbrx, jamba, ...), a dense model's config.json, or "
+        "a config.json without model_type.",
+        ["Use the config.json that came with the checkpoint (the message lists the model_types read).",
+         "Add the family: one module moe_ref/core/families/<family>.py holding a Family record (its config keys "
+         "and defaults, router rule, experts, shared experts and tensor names, read from its modeling code), listed "
+         "in moe_ref.core.families.FAMILIES, with its case in tests/unit/test_families.py.",
          "For a block of your own, build MoEConfig(...) in code (family 'custom') with the router rule you mean."],
         "cfg = MoEConfig(num_experts=128, num_topk=8, hidden_size=2048, intermediate_size=768, scoring='softmax',\n"
         "                renormalize=True, use_selection_bias=False)  # family 'custom', named on purpose")
+
+
+class UnsupportedFamilyFeatureError(InvalidConfigError):
+    code = _entry(
+        "CFG025", "a config.json turns on a feature of its model family that moe_ref does not compute",
+        "A registered family (moe_ref.core.families) is read with the math its published models use; some config "
+        "values switch on more (biases on every MLP, an unknown topk_method). Dropping them would compute another "
+        "model silently, so the config is refused, naming the field, its value and the feature.",
+        "A DeepSeek-V2 config.json with \"mlp_bias\": true, an Ernie-4.5 one with \"use_bias\": true, "
+        "\"topk_method\": \"sinkhorn\".",
+        ["Use the config.json that came with the checkpoint (its published values).",
+         "If the model really uses the feature, add it to the family's module in moe_ref/core/families/ and to the "
+         "math (moe_ref.core.router / moe_ref.core.activations), with a test against the family's transformers "
+         "module."],
+        "\"mlp_bias\": false")
 
 
 class AutoTableError(InvalidConfigError):
@@ -262,9 +281,10 @@ class EnvVarError(InvalidConfigError):
     code = _entry(
         "CFG017", "a MOE_REF_* environment variable has a value moe_ref does not accept",
         "moe_ref reads its switches strictly (moe_ref.core.envs): MOE_REF_DEBUG, MOE_REF_DEBUG_CHECKS, "
-        "MOE_REF_NATIVE and MOE_REF_TMA take 1/true/yes/on or 0/false/no/off (any case, surrounding spaces "
-        "ignored); anything else would silently pick a side, so it is refused, naming the variable and its "
-        "value.",
+        "MOE_REF_NATIVE, MOE_REF_TMA, MOE_REF_BOUND_LAUNCH and MOE_REF_PROGRESS take 1/true/yes/on or "
+        "0/false/no/off (any case, surrounding spaces ignored); anything else would silently pick a side, so it is "
+        "refused, naming the variable and its value. Every switch is checked whenever moe_ref reads its options "
+        "(each layer construction), on any device, also a switch that device's path never reads.",
         "MOE_REF_DEBUG_CHECKS=maybe, MOE_REF_NATIVE=disable, MOE_REF_TMA=2.",
         ["Set the variable to one of the values the message lists, or unset it for the default."],
         "export MOE_REF_DEBUG_CHECKS=1   # or 0, or unset")
@@ -671,21 +691,27 @@ class TensorShapeMismatchError(CheckpointError):
 
 
 class UnsupportedCheckpointError(CheckpointError):
-    """A checkpoint stores the MoE weights in a form this loader does not read (quantized/packed)."""
+    """A checkpoint stores MoE weights quantized/packed, read without the quantization_config that says how."""
 
     code = _entry(
-        "LOAD003", "the checkpoint stores MoE weights quantized or packed (not supported)",
-        "moe_ref reads plain floating-point weights (fp32/fp16/bf16). Reading FP8, INT4 or MXFP4 packed "
-        "values without their scales would give silently wrong weights, so the loader refuses.",
-        "A real Kimi-K3 checkpoint (MXFP4 experts.{e}.w1.weight_packed + scales), DeepSeek-V3/Kimi-K2-Instruct "
-        "block-FP8 weights with weight_scale_inv, or Kimi-K2-Thinking INT4 compressed-tensors.",
-        ["Read the routed experts as stored: moe_ref.checkpoint.quantized.load_quantized_experts (FP8 128x128 blocks, "
-         "compressed-tensors INT4 group 32, MXFP4) and moe_ref.experts.quantized.make_quantized_experts.",
-         "Or dequantize the checkpoint to bf16 first (e.g. the model vendor's fp8_cast_bf16 script, or load it "
-         "with its quantization library and save the dequantized state dict).",
-         "For tests and demos, write a bf16 synthetic checkpoint: moe_ref.checkpoint.synthetic.write_synthetic_checkpoint."],
-        "write_synthetic_checkpoint('ckpt/', preset('tiny-kimi-k3'))\n"
-        "load_moe_weights('ckpt/', preset('tiny-kimi-k3'), layer_idx=0)")
+        "LOAD003", "quantized or packed MoE weights read without their quantization_config",
+        "moe_ref reads quantized checkpoints as published (FP8 128x128 blocks, compressed-tensors INT4 group 32, "
+        "MXFP4 group 32) when the checkpoint's config.json carries the quantization_config it was published with: "
+        "that config says which format the tensors are in and which modules are quantized. Here a tensor is "
+        "stored quantized (an FP8/INT/packed dtype, or weight_packed / weight_scale_inv siblings) but the load had "
+        "no quantization_config, so its values cannot be read safely (as plain weights they would be silently "
+        "wrong) and the loader refuses.",
+        "A config.json whose quantization_config was deleted or lost in a copy (e.g. a hand-written config.json "
+        "beside Kimi-K2-Instruct's FP8 shards), or load_moe_weights(path, cfg, layer) called without "
+        "quant=checkpoint_quant_spec(path) on a quantized checkpoint.",
+        ["Restore the quantization_config from the model's published config.json; MegaMoE.load_hf_weights then "
+         "reads the routed experts as stored and dequantizes the shared experts once.",
+         "Calling the loader yourself: pass quant=moe_ref.checkpoint.quantized.checkpoint_quant_spec(path) to "
+         "load_moe_weights, and read the routed experts with load_quantized_experts.",
+         "A format moe_ref does not read (LOAD008 lists the ones it does, e.g. gpt-oss's own MXFP4 *_blocks): "
+         "dequantize the checkpoint to bf16 first."],
+        "\"quantization_config\": {\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", \"activation_scheme\": \"dynamic\", "
+        "\"weight_block_size\": [128, 128]}")
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -823,6 +849,60 @@ class QuantizationMismatchError(CheckpointError):
          "modules_to_not_convert (or quantize them too)."],
         "\"quantization_config\": {\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128], "
         "\"ignored_layers\": [\"model.layers.1.mlp.shared_experts.gate_proj\"]}")
+
+
+class CheckpointFormatMismatchError(CheckpointError):
+    code = _entry(
+        "LOAD016", "the --checkpoint folder holds a checkpoint in another format than --quant",
+        "moe-ref demo and moe_ref.tools.dist_check write a synthetic checkpoint into --checkpoint only when the "
+        "folder holds no config.json; a folder that holds one is read as it is, so its quantization_config must "
+        "be the format --quant asks for (none for plain weights). They check this before any process starts.",
+        "moe-ref demo --checkpoint ckpt/ --quant mxfp4, then moe-ref demo --checkpoint ckpt/ --quant int4_group "
+        "(or without --quant).",
+        ["Pass the --quant the message names (the folder's format) to run that checkpoint.",
+         "Or pass another --checkpoint folder (a new or empty one is written in the format asked for), or leave "
+         "--checkpoint out for a private temporary folder."],
+        "moe-ref demo --preset tiny-kimi-k3 --quant int4_group --checkpoint ckpt_int4/")
+
+
+class CheckpointModelMismatchError(CheckpointError):
+    code = _entry(
+        "LOAD017", "the --checkpoint folder holds another model than --preset",
+        "A --checkpoint folder that holds a config.json is read as it is; its sizes (experts, hidden, intermediate, "
+        "shared and latent widths, routing) must be those of --preset (rounded up for --quant, as the writer "
+        "rounds them). They are compared before any process starts, instead of failing on a tensor shape inside "
+        "every process.",
+        "moe-ref demo --checkpoint ckpt/ --preset tiny-kimi-k3, then moe-ref demo --checkpoint ckpt/ (the "
+        "default preset tiny-kimi-k2).",
+        ["Pass the --preset the message names (the model the folder holds).",
+         "Or pass another --checkpoint folder, or leave --checkpoint out for a private temporary folder."],
+        "moe-ref demo --preset tiny-kimi-k3 --checkpoint ckpt/")
+
+
+class LayerIndexError(CheckpointError, IndexError):
+    code = _entry(
+        "LOAD018", "the layer index is not a layer of the model",
+        "load_hf_weights / load_moe_weights read one decoder layer; the config.json says how many the model has "
+        "(num_hidden_layers) and which are MoE layers (first_k_dense_replace, decoder_sparse_step, "
+        "moe_layers_enum, ... by family). A layer_idx past the last layer names no tensor at all.",
+        "load_hf_weights(path, 99) for a 61-layer model, or a 1-based layer number off by one at the end.",
+        ["Pass a layer the message lists (layers are numbered from 0; the MoE layers are listed)."],
+        "moe.load_hf_weights('/models/kimi-k2', layer_idx=60)  # the last of its 61 layers")
+
+
+class UnexpectedTensorError(CheckpointError):
+    code = _entry(
+        "LOAD019", "the checkpoint holds a bias the model family's math has no place for",
+        "Each family's block is read by its own math (moe_ref.core.families): which Linear layers have biases "
+        "(gpt-oss's router and experts) and which do not (every other family's). A '.bias' beside a weight the "
+        "family computes without one means another model, or a config value turned off; dropping it would "
+        "compute a different model silently.",
+        "A DeepSeek-V2 checkpoint trained with mlp_bias=true read with a config.json that says false; a checkpoint "
+        "of another family read with a wrong config.json.",
+        ["Use the config.json that came with the checkpoint.",
+         "If the model really has the bias, its family must say so: see moe_ref/core/families/ (moe-ref explain "
+         "CFG025)."],
+        "cfg = MoEConfig.from_hf_config('<checkpoint dir>')")
 
 
 class RepoNotCachedError(CheckpointNotFoundError):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import uuid
 import weakref
 
@@ -38,7 +39,7 @@ from moe_ref.ep.capacity import CapacityPlan, format_bytes
 from moe_ref.ep.distributed import comm_device, gather_ints, group_size_and_rank
 from moe_ref.kernels.ep.ep_regions import PeerBuffers
 from moe_ref.core.errors import (BufferTooSmallError, CapacityMismatchError, DistributedError, GroupDisagreementError,
-                                 MemoryBudgetError, UnknownNameError)
+                                 MemoryBudgetError, ShmDirectoryError, UnknownNameError)
 
 BUFFER_KINDS = ("private", "shm", "cuda")
 CUDA_BARRIER_TIMEOUT_MS = 30_000  # the longest a rank waits for its peers at a CUDA symmetric-memory barrier
@@ -92,6 +93,45 @@ def sweep_stale_shm_files(folder: str | None = None) -> list[str]:
     return removed
 
 
+def _filesystem_type(folder: str) -> str | None:
+    """The type of the filesystem ``folder`` lies on (``tmpfs``, ``proc``, ``ext4``, ...), from the longest mount
+    point above it in ``/proc/self/mounts``; None where that cannot be read."""
+    path = os.path.realpath(folder)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")  # the mounts file escapes spaces
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return None
+    return kind
+
+
+def shm_dir_problem(folder: str) -> str | None:
+    """Why ``folder`` (``MOE_REF_SHM_DIR``) cannot hold a shared-memory buffer file at all, or None: it is no
+    directory, no file can be created in it, or it has no free space (a tight but non-zero space is the
+    cap's problem, CAP004). The filesystem type is named when it is not tmpfs."""
+    if not os.path.isdir(folder):
+        return f"MOE_REF_SHM_DIR={folder!r} {'is not a directory' if os.path.exists(folder) else 'does not exist'}"
+    kind = _filesystem_type(folder)
+    what = f"MOE_REF_SHM_DIR={folder!r}" + (f" (filesystem {kind}, not tmpfs)" if kind not in (None, "tmpfs") else "")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        return f"{what}: no file can be created there ({err.strerror or err})"
+    stat = os.statvfs(folder)
+    if stat.f_bavail * stat.f_frsize == 0:
+        return f"{what} has no free space"
+    return None
+
+
 class SymmetricBuffer:
     """One rank's buffer, laid out by ``plan``; owns the memory and the peer views, released by ``destroy``.
 
@@ -107,6 +147,8 @@ class SymmetricBuffer:
 
     Raises:
         CapacityMismatchError (CAP002): ranks built different caps or plans (raised on every rank).
+        ShmDirectoryError (CAP005): kind ``shm`` and ``MOE_REF_SHM_DIR`` cannot hold a file (every rank).
+        MemoryBudgetError (CAP004): a rank's memory (or shm folder) has less room than the plan (every rank).
         DistributedError (ENV003): the peers' memory cannot be mapped (raised on every rank).
     """
 
@@ -144,8 +186,9 @@ class SymmetricBuffer:
     def _check_same_plan_everywhere(self) -> None:
         """Collective: every rank has the same cap and plan bytes, and its memory can hold them (else a coded
         error on every rank, before anything is allocated)."""
-        free = self._free_bytes()
-        mine = [self.plan.num_max_tokens_per_rank, self.plan.total_bytes, free]
+        folder_problem = shm_dir_problem(envs.shm_dir()) if self.kind == "shm" else None
+        free = self._free_bytes() if folder_problem is None else 0
+        mine = [self.plan.num_max_tokens_per_rank, self.plan.total_bytes, free, int(folder_problem is not None)]
         if self.world_size == 1:
             gathered = [mine]
         else:
@@ -167,10 +210,19 @@ class SymmetricBuffer:
                 f"the buffer plans differ across the EP group although the caps agree ({caps[0]}): plan bytes "
                 f"{per_rank}; every rank must use the same config, dtype, FP8 setting and alignment",
                 plan_bytes=plan_bytes)
+        need = self.plan.total_bytes
+        bad_folders = [r for r, g in enumerate(gathered) if g[3]]
+        if bad_folders:
+            ranks = "this rank" if bad_folders == [self.rank] else f"rank(s) {bad_folders}"
+            raise ShmDirectoryError(
+                f"the shared-memory buffer ({need} bytes, {format_bytes(need)}, per rank) cannot be created: "
+                f"{folder_problem or 'its folder fails there'} ({ranks}); point MOE_REF_SHM_DIR at a writable tmpfs "
+                f"folder with at least {format_bytes(need)} free (unset: /dev/shm), or use transport='a2a'",
+                folder=envs.shm_dir(), ranks=bad_folders, needed_bytes=need)
         short = [(r, g[2]) for r, g in enumerate(gathered) if 0 <= g[2] < g[1]]
         if short:
-            need = self.plan.total_bytes
-            where = ", ".join(f"rank {r} has {format_bytes(f)} free" for r, f in short)
+            folder = f" in {envs.shm_dir()} (MOE_REF_SHM_DIR)" if self.kind == "shm" else ""
+            where = ", ".join(f"rank {r} has {format_bytes(f)} free{folder}" for r, f in short)
             budget = min(f for _, f in short)
             plan = self.plan
             if plan.alignment > 1 and plan.with_cap(1).total_bytes > budget and \
@@ -185,7 +237,9 @@ class SymmetricBuffer:
             raise MemoryBudgetError(
                 f"the {self.kind} buffer for num_max_tokens_per_rank={caps[0]} needs {need} bytes "
                 f"({format_bytes(need)}) per rank, but {where}; lower the cap (`moe-ref plan --budget-gib G` prints "
-                f"the largest that fits) or use more EP ranks", needed_bytes=need, budget_bytes=min(f for _, f in short))
+                f"the largest that fits) or use more EP ranks"
+                f"{', or point MOE_REF_SHM_DIR at a larger tmpfs' if self.kind == 'shm' else ''}",
+                needed_bytes=need, budget_bytes=min(f for _, f in short))
 
     def _free_bytes(self) -> int:
         """Bytes this rank could allocate for its buffer, or -1 when unknown."""

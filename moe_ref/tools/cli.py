@@ -30,12 +30,15 @@ from moe_ref.ep.capacity import CapacityPlan, format_bytes
 from moe_ref.core.config import PRESETS, MoEConfig, ParallelConfig
 from moe_ref.core.errors import (
     CATALOGUE,
+    CheckpointFormatMismatchError,
+    CheckpointModelMismatchError,
     CommandLineError,
     DeviceUnavailableError,
-    FP8AlignmentError,
+    ExpertsNotDivisibleError,
     InsufficientMemoryError,
     MoERefError,
     PathNotWritableError,
+    UnsupportedQuantizationError,
     explain,
 )
 from moe_ref.ep.options import POOL_FORMATS, EPOptions
@@ -168,6 +171,82 @@ def writable_folder(path: str) -> str:
     return path
 
 
+def show_progress(stream=None) -> bool:
+    """Whether to draw progress bars on ``stream`` (default stderr): ``MOE_REF_PROGRESS`` when set, else only
+    when ``stream`` is a terminal (a bar redrawn into a log file or a pipe is noise)."""
+    forced = envs.progress()
+    if forced is not None:
+        return forced
+    stream = sys.stderr if stream is None else stream
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def synthetic_config(preset_name: str, quant: str | None) -> MoEConfig:
+    """The block the demo and ``moe_ref.tools.dist_check`` write and run for ``--preset`` and ``--quant``: the
+    preset, its sizes rounded up to the format (``quantizable_config``), checked as the synthetic writer checks
+    it (so no process starts for a pair it would refuse)."""
+    from moe_ref.core.config import preset
+    from moe_ref.checkpoint.synthetic import check_synthetic_layout, quantizable_config
+
+    cfg = preset(preset_name)
+    cfg = quantizable_config(cfg, quant) if quant else cfg
+    check_synthetic_layout(cfg, quant)
+    return cfg
+
+
+FRESH_FOLDER = "a new or empty one gets a fresh checkpoint for these flags"
+
+
+def check_checkpoint_folder(folder: str, cfg: MoEConfig, preset_name: str, quant: str | None) -> None:
+    """A ``--checkpoint`` folder that already holds a config.json is read, not written: refuse it when it holds
+    another format than ``--quant`` (LOAD016) or another model than ``--preset`` (LOAD017), naming what it holds
+    and the flags that would read it. A folder without config.json passes (it will be written)."""
+    from moe_ref.core.config import PRESETS
+    from moe_ref.checkpoint.synthetic import config_differences
+
+    config = os.path.join(folder, "config.json")
+    if not os.path.isfile(config):
+        return
+    wanted = f"--quant {quant}" if quant else "no --quant (plain weights)"
+    try:
+        spec = quant_spec_from_config(config)
+    except UnsupportedQuantizationError as err:
+        raise CheckpointFormatMismatchError(
+            f"--checkpoint {folder!r} already holds a checkpoint whose quantization_config moe_ref does not read "
+            f"({err.message.split(';')[0]}); pass another --checkpoint folder ({FRESH_FOLDER})", folder=folder) from None
+    held = spec.format.value if spec is not None else None
+    if held != quant:
+        holds = f"{held} routed experts" if held else "plain (unquantized) weights"
+        raise CheckpointFormatMismatchError(
+            f"--checkpoint {folder!r} already holds a checkpoint with {holds}, but this run asks for {wanted}; "
+            f"pass {f'--quant {held}' if held else 'no --quant'} to run that checkpoint, or another --checkpoint "
+            f"folder ({FRESH_FOLDER})", folder=folder, holds=held, quant=quant)
+    stored = MoEConfig.from_hf_config(config)
+    differ = config_differences(cfg, stored)
+    if not differ:
+        return
+    matches = [name for name in PRESETS if name != preset_name
+               and not config_differences(synthetic_config(name, quant), stored)]
+    shown = [f"{name} {theirs} there, {mine} here" for name, (mine, theirs) in list(differ.items())[:3]]
+    more = f" and {len(differ) - 3} more field(s)" if len(differ) > 3 else ""
+    fix = f"pass --preset {matches[0]} (the model it holds)" if matches else "pass the --preset it was written for"
+    raise CheckpointModelMismatchError(
+        f"--checkpoint {folder!r} holds another model than --preset {preset_name}"
+        f"{f' with --quant {quant}' if quant else ''} ({'; '.join(shown)}{more}); {fix}, or another --checkpoint "
+        f"folder ({FRESH_FOLDER})", folder=folder, fields=sorted(differ))
+
+
+def require_nproc_divides_experts(nproc: int, cfg: MoEConfig, preset_name: str) -> None:
+    """CFG002 in the demo's words: each of ``--nproc`` processes is one EP rank holding an equal block of experts."""
+    E = cfg.num_experts
+    if E % nproc:
+        choices = [n for n in range(1, min(E, 64) + 1) if E % n == 0]
+        raise ExpertsNotDivisibleError(
+            f"--nproc {nproc}: the {E} experts of --preset {preset_name} cannot be split into {nproc} equal blocks "
+            f"(one per process; {E} % {nproc} = {E % nproc}); pass --nproc in {choices}", nproc=nproc,
+            num_experts=E)
+
+
 def _add_model_args(p: argparse.ArgumentParser, default: str | None = "kimi-k2") -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=PRESETS, help=f"a built-in model{f' (default: {default})' if default else ''}")
@@ -217,22 +296,24 @@ def cmd_plan(args) -> int:
     for problem in parallel.problems(cfg):
         raise problem
     dtype = DTYPES[args.dtype]
-    print(f"{cfg.name}: E={cfg.num_experts}, K={cfg.num_topk}, D={cfg.hidden_size}, F={cfg.intermediate_size}"
-          f"{f', latent L={cfg.latent_dim}' if cfg.latent_dim else ''}; ep={args.ep}, dp={args.dp}, "
-          f"attention-dp={'on' if args.attention_dp else 'off'}")
     cap = resolve_cap(args.max_num_tokens, default=4096)
-    print(f"cap = {cap} rows fed by ONE rank per call (never multiplied by dp or ep size)")
     plan = CapacityPlan.build(cfg, args.ep, cap, dtype, dispatch_fp8=args.dispatch_fp8,
                               alignment=args.alignment, pool_format=args.pool_format)
-    print(plan.report())
-    print("\n" + "\n".join(expert_memory_lines(cfg, args.ep, _quant_spec(args), args.dtype)))
-    if args.budget_gib is not None:
+    memory_lines = expert_memory_lines(cfg, args.ep, _quant_spec(args), args.dtype)
+    best = None
+    if args.budget_gib is not None:  # CAP004 when no cap fits: before anything is printed
         best = max_tokens_for_budget(cfg, args.ep, int(args.budget_gib * 2**30), dtype,
                                      dispatch_fp8=args.dispatch_fp8, alignment=args.alignment,
                                      pool_format=args.pool_format)
-        best_plan = plan.with_cap(best)
+    print(f"{cfg.name}: E={cfg.num_experts}, K={cfg.num_topk}, D={cfg.hidden_size}, F={cfg.intermediate_size}"
+          f"{f', latent L={cfg.latent_dim}' if cfg.latent_dim else ''}; ep={args.ep}, dp={args.dp}, "
+          f"attention-dp={'on' if args.attention_dp else 'off'}")
+    print(f"cap = {cap} rows fed by ONE rank per call (never multiplied by dp or ep size)")
+    print(plan.report())
+    print("\n" + "\n".join(memory_lines))
+    if best is not None:
         print(f"\nlargest cap within {args.budget_gib} GiB per rank: {best} tokens "
-              f"({best_plan.total_bytes / 2**30:.3f} GiB)")
+              f"({plan.with_cap(best).total_bytes / 2**30:.3f} GiB)")
     return 0
 
 
@@ -242,20 +323,31 @@ def cmd_check(args) -> int:
     problems = list(cfg.problems())
     if not problems:
         problems += ParallelConfig(tp_size=args.tp, ep_size=args.ep, dp_size=args.dp).problems(cfg)
-        if args.dispatch_fp8:
-            bad = {n: v for n, v in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
-                                     ("expert_hidden_size", cfg.expert_hidden_size)) if v % 128}
-            if bad:
-                problems.append(FP8AlignmentError(f"FP8 needs multiples of 128; not: {bad}"))
     where = args.config or args.preset or "kimi-k2"
     if not problems:
+        num_local = cfg.num_experts // args.ep
         print(f"OK: {where} with tp={args.tp} ep={args.ep} dp={args.dp} "
-              f"({cfg.num_experts // args.ep} experts per EP rank)")
+              f"({num_local} expert{'s' if num_local != 1 else ''} per EP rank)")
+        if args.dispatch_fp8:
+            print(fp8_dispatch_note(cfg))
         return 0
     print(f"{len(problems)} problem(s) with {where} at tp={args.tp} ep={args.ep} dp={args.dp}:")
     for problem in problems:
         print(f"  - {problem}")
     return 1
+
+
+def fp8_dispatch_note(cfg: MoEConfig) -> str:
+    """What ``dispatch_fp8=True`` does at this shape, as the layer runs it: rows move as e4m3 with one fp32 scale
+    per 128 columns, the last group covering what is left of Dx, so any width runs (as the layer and
+    ``moe_ref.tools.dist_check --dispatch-fp8`` do); only the deep_gemm experts backend needs multiples of 128."""
+    Dx, F = cfg.expert_hidden_size, cfg.intermediate_size
+    line = (f"--dispatch-fp8 at Dx={Dx}: rows move as fp8 e4m3 with one fp32 scale per 128 columns "
+            f"({-(-Dx // 128)} per row{f', the last over {Dx % 128} columns' if Dx % 128 else ''})")
+    if Dx % 128 or F % 128:
+        line += (f"; the deep_gemm experts backend needs Dx and F multiples of 128 (F={F}): use the triton or "
+                 f"torch experts backend at this shape")
+    return line
 
 
 # --- explain ---------------------------------------------------------------------------------------------
@@ -265,28 +357,26 @@ def cmd_explain(args) -> int:
             print(f"{code}  {entry.title}")
         return 0
     try:
-        print(explain(args.code))
+        text = explain(args.code)
     except KeyError as err:
-        print(err.args[0], file=sys.stderr)
-        return 2
+        raise CommandLineError(f"moe-ref explain: {err.args[0]}; `moe-ref explain --list` lists them with their "
+                               f"titles") from None
+    print(text)
     return 0
 
 
 # --- demo ------------------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
-    from moe_ref.core.config import preset
-
     private = args.checkpoint is None
     step = _Steps("demo", 3 if private else 2)
-    step("checking flags, device and memory")
+    step("checking flags, checkpoint folder, device and memory")
     cap = resolve_cap(args.cap, default=DEMO_CAP)
-    cfg = preset(args.preset)
-    if args.quant:  # dist_check writes the checkpoint at these sizes
-        from moe_ref.checkpoint.synthetic import quantizable_config
-
-        cfg = quantizable_config(cfg, args.quant)
-    for problem in ParallelConfig(ep_size=args.nproc).problems(cfg):  # e.g. CFG002: --nproc must divide E
+    cfg = synthetic_config(args.preset, args.quant)  # the block dist_check writes (sizes rounded for --quant)
+    require_nproc_divides_experts(args.nproc, cfg, args.preset)
+    for problem in ParallelConfig(ep_size=args.nproc).problems(cfg):
         raise problem
+    if not private:  # a folder holding a checkpoint is read as it is: it must be the one these flags run
+        check_checkpoint_folder(args.checkpoint, cfg, args.preset, args.quant)
     require_devices(args.device, args.nproc)
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.device_count() >= args.nproc)
     device, dtype = ("cuda", "bf16") if on_gpu else ("cpu", "fp32")
@@ -399,7 +489,7 @@ def cmd_bench(args) -> int:
     print(f"experts e={e} D={D} F={F} rows={int(counts.sum())} on {device} ({dtype})")
     print(f"{'backend':>12} {'us':>10} {'TFLOP/s':>8} {'x torch':>8} {'calc_diff':>10}")
     base = None
-    for name in tqdm(backends, desc="backends", file=sys.stderr, ncols=80, leave=False):
+    for name in tqdm(backends, desc="backends", file=sys.stderr, ncols=80, leave=False, disable=not show_progress()):
         try:
             experts = make_experts(name, gate_up, down, activation)
             out = experts(x, layout)
@@ -442,6 +532,13 @@ def cmd_info(args) -> int:
 
     import moe_ref
 
+    model_lines = []
+    if args.config or args.preset:  # the model and --ep are checked before anything is printed
+        cfg = _load_cfg(args)
+        for problem in ParallelConfig(ep_size=args.ep).problems(cfg):
+            raise problem
+        model_lines = expert_memory_lines(cfg, args.ep, _quant_spec(args), "bf16")
+        model_lines[0] = f"{cfg.name} at ep={args.ep}: {model_lines[0]}"
     print(f"moe_ref {moe_ref.__version__}, torch {torch.__version__}, triton {triton.__version__}, "
           f"python {sys.version.split()[0]}")
     if torch.cuda.is_available():
@@ -468,11 +565,8 @@ def cmd_info(args) -> int:
 
     reason = tma_unavailable_reason()
     print(f"grouped MLP tile loads: {'TMA descriptors' if reason is None else f'pointers ({reason})'}")
-    if args.config or args.preset:
-        cfg = _load_cfg(args)
-        for problem in ParallelConfig(ep_size=args.ep).problems(cfg):
-            raise problem
-        print(f"{cfg.name} at ep={args.ep}: " + "\n".join(expert_memory_lines(cfg, args.ep, _quant_spec(args), "bf16")))
+    if model_lines:
+        print("\n".join(model_lines))
     return 0
 
 
@@ -524,8 +618,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"rows one rank feeds per call (default: MOE_REF_NUM_MAX_TOKENS_PER_RANK, else {DEMO_CAP})")
     p.add_argument("--runs", type=positive, default=5, help="timed forward calls after the checked one")
     p.add_argument("--checkpoint", default=None,
-                   help="checkpoint folder (written if it holds no config.json); default: a private temporary "
-                        "folder, removed at the end")
+                   help="checkpoint folder, written if it holds no config.json; one that holds a checkpoint is "
+                        "run as it is, and must hold --preset's model in --quant's format (LOAD016/LOAD017 "
+                        "otherwise); default: a private temporary folder, removed at the end")
     p.add_argument("--quant", default=None, choices=tuple(f.value for f in QuantFormat),
                    help="write the checkpoint's routed experts in this published format (sizes rounded up to it) and "
                         "load them as stored; the reference uses the dequantized weights")

@@ -8,7 +8,7 @@ its experts), feeds its own tokens (uneven counts: odd ranks get half), runs ``M
 and the single-process reference ``reference_moe`` on the same tokens with all experts, and rank 0
 prints the capacity plan, per-rank loads, errors, timings and PASS/FAIL (exit code 1 on FAIL).
 
-Rank 0 reports its steps and a progress bar on stderr. Flags are checked before any work (CFG015), the
+Rank 0 reports its steps on stderr, and progress bars there on a terminal (``MOE_REF_PROGRESS=1``: always). Flags are checked before any work (CFG015), the
 device before the process group (ENV006); the memory estimate (ENV016, unless ``--skip-memory-check``) and
 the checkpoint write (ENV015) are decided once and raised on every rank alike. A moe_ref error ends every
 rank with one line, ``moe_ref.tools.dist_check: [CODE] ...`` (printed by rank 0), and exit status 2;
@@ -29,11 +29,14 @@ import torch.distributed as dist
 from moe_ref.core import envs
 from moe_ref.tools.cli import (
     CommandLineParser,
+    check_checkpoint_folder,
     check_demo_memory,
     debug_requested,
     int_at_least,
     require_devices,
     resolve_cap,
+    show_progress,
+    synthetic_config,
 )
 from moe_ref.core.config import PRESETS
 from moe_ref.core.errors import MoERefError, PathNotWritableError
@@ -125,6 +128,7 @@ def _weights(args, cfg, dtype, device, rank):
 
     def write():
         if os.path.exists(os.path.join(args.checkpoint, "config.json")):
+            check_checkpoint_folder(args.checkpoint, cfg, args.preset, args.quant)  # read as it is: must match
             return
         _step(rank, 2, f"writing a synthetic {cfg.name} checkpoint to {args.checkpoint}"
                        f"{f' (routed experts in {args.quant})' if args.quant else ''}")
@@ -147,7 +151,6 @@ def _weights(args, cfg, dtype, device, rank):
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_ref.core.config import preset
     from moe_ref.layer import MegaMoE
     from moe_ref.reference import reference_moe
 
@@ -155,11 +158,7 @@ def run(args: argparse.Namespace) -> int:
     require_devices(args.device, 1)
     device = _init(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg, dtype = preset(args.preset), DTYPES[args.dtype]
-    if args.quant:
-        from moe_ref.checkpoint.synthetic import quantizable_config
-
-        cfg = quantizable_config(cfg, args.quant)
+    cfg, dtype = synthetic_config(args.preset, args.quant), DTYPES[args.dtype]
     _step(rank, 1, f"checking memory for {cfg.name} on {world} ranks ({args.device}, {args.dtype})")
     if not args.skip_memory_check:
         gpu_index = device.index if device.type == "cuda" else None
@@ -172,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
                   transport=args.transport, experts_backend=args.experts_backend, dispatch_fp8=args.dispatch_fp8,
                   dtype=dtype, device=device, mega=args.mega)
     if checkpoint:
-        moe.load_hf_weights(checkpoint, layer_idx=0)
+        moe.load_hf_weights(checkpoint, layer_idx=0, progress=rank == 0 and show_progress())
     else:
         moe.load_weights(full_weights)
     num_tokens = args.tokens_per_rank if rank % 2 == 0 else args.tokens_per_rank // 2
@@ -229,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
 def _progress(total: int, rank: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="forward calls", disable=rank != 0, file=sys.stderr, ncols=80)
+    return tqdm(total=total, desc="forward calls", disable=rank != 0 or not show_progress(), file=sys.stderr,
+                ncols=80)
 
 
 def _engine(moe) -> str:

@@ -1,5 +1,5 @@
-"""``python -m moe_ref`` in a subprocess: the console entry point's one coded line, and the whole MXFP4 demo on
-two processes (its torchrun). Moved from tests/unit/test_cli.py, whose tests call ``main([...])`` in-process:
+"""``python -m moe_ref`` in a subprocess: the console entry point's one coded line, and the whole quantized demo
+(MXFP4, INT4) on two processes (its torchrun). Moved from tests/unit/test_cli.py, whose tests call ``main([...])`` in-process:
 every test that starts a process is in the dist tier."""
 import os
 import subprocess
@@ -12,23 +12,28 @@ from moe_ref.core.config import preset
 pytestmark = pytest.mark.dist
 
 
-def _mxfp4_bytes(cfg, num_experts: int) -> int:
+def _expert_bytes(cfg, quant: str, num_experts: int) -> int:
     from moe_ref.checkpoint.formats import QuantSpec, expert_weight_bytes
     from moe_ref.checkpoint.synthetic import quantizable_config
 
-    cfg = quantizable_config(cfg, "mxfp4")
-    return expert_weight_bytes(QuantSpec.published("mxfp4"), cfg.expert_hidden_size, cfg.intermediate_size, num_experts)
+    cfg = quantizable_config(cfg, quant)
+    return expert_weight_bytes(QuantSpec.published(quant), cfg.expert_hidden_size, cfg.intermediate_size, num_experts)
 
 
-def test_make_demo_quant_mxfp4_on_two_processes():
-    """The whole demo: two ranks each load their half of an MXFP4 checkpoint through MegaMoE.load_hf_weights."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MOE_REF_DEBUG", "MOE_REF_NUM_MAX_TOKENS_PER_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "moe_ref", "demo", "--preset", "tiny-kimi-k3", "--quant", "mxfp4",
+@pytest.mark.parametrize("name, quant", [("tiny-kimi-k3", "mxfp4"), ("tiny-step3", "int4_group")])
+def test_make_demo_quant_on_two_processes(name, quant):
+    """The whole demo: two ranks each load their half of a quantized checkpoint through MegaMoE.load_hf_weights
+    (tiny-step3 int4_group: its quantized share_expert used to break the writer inside every process)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MOE_REF_DEBUG", "MOE_REF_NUM_MAX_TOKENS_PER_RANK", "MOE_REF_PROGRESS")}
+    proc = subprocess.run([sys.executable, "-m", "moe_ref", "demo", "--preset", name, "--quant", quant,
                            "--runs", "1", "--tokens-per-rank", "80"], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    held = _mxfp4_bytes(preset("tiny-kimi-k3"), num_experts=8)  # half of the 16 experts on each rank
+    cfg = preset(name)
+    held = _expert_bytes(cfg, quant, num_experts=cfg.num_experts // 2)  # half of the experts on each rank
     assert "on 2 ranks (cpu, fp32)" in proc.stdout and f"{held} bytes on the device" in proc.stdout
     assert proc.stdout.count("PASS") == 3 and "RESULT: PASS" in proc.stdout  # each rank, and the result
+    assert "%|" not in proc.stderr  # no tqdm bar (forward calls, experts read) drawn into a pipe
 
 
 def test_python_dash_m_prints_one_line_and_exits_2():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_ref.tools import cli, dist_check
-from moe_ref.core.config import preset
+from moe_ref.core.config import PRESETS, preset
 from moe_ref.testing import count_bytes
 from moe_ref.core.weights import MoEWeights
 
@@ -93,11 +93,36 @@ def test_bench_rows_fewer_than_experts_is_cfg015_naming_both(capsys):
     assert status == 2 and "--rows 4 < --experts 8" in line and "--rows >= 8" in line
 
 
-def test_bench_smallest_valid_run_prints_rows_and_progress(capsys):
+@pytest.mark.parametrize("progress", [None, "1"])
+def test_bench_smallest_valid_run_prints_rows_and_a_bar_only_when_asked(capsys, monkeypatch, progress):
+    """stderr is no terminal here: no bar drawn into the log unless MOE_REF_PROGRESS=1."""
+    if progress is None:
+        monkeypatch.delenv("MOE_REF_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("MOE_REF_PROGRESS", progress)
     status, out, err = _run(capsys, ["bench", "--experts", "1", "--hidden", "16", "--intermediate", "8",
                                      "--rows", "1", "--iters", "1"])
     assert status == 0, err
-    assert "e=1 D=16 F=8 rows=1" in out and "torch" in out and "backends" in err  # tqdm on stderr
+    assert "e=1 D=16 F=8 rows=1" in out and "torch" in out
+    assert ("backends" in err) == (progress == "1"), err  # tqdm's bar on stderr
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("value, tty, expected", [(None, True, True), (None, False, False), ("0", True, False),
+                                                  ("on", False, True)])
+def test_progress_bars_on_a_terminal_unless_the_variable_says(monkeypatch, value, tty, expected):
+    if value is None:
+        monkeypatch.delenv("MOE_REF_PROGRESS", raising=False)
+    else:
+        monkeypatch.setenv("MOE_REF_PROGRESS", value)
+    assert cli.show_progress(_Stream(tty)) is expected
 
 
 def _bench_shape(argv, device):
@@ -177,7 +202,8 @@ def test_demo_checkpoint_that_cannot_be_created_is_env015(capsys, no_spawn, tmp_
 def test_demo_nproc_that_does_not_divide_the_experts_is_cfg002_even_without_memory_check(capsys, no_spawn):
     status, _, err = _run(capsys, ["demo", "--nproc", "3", "--skip-memory-check"])  # tiny-kimi-k2: 16 experts
     line = _one_coded_line(err, "CFG002")
-    assert status == 2 and "16" in line and "3" in line and not no_spawn
+    assert status == 2 and "--nproc 3: the 16 experts of --preset tiny-kimi-k2" in line and not no_spawn
+    assert "pass --nproc in [1, 2, 4, 8, 16]" in line and "ep_size" not in line  # the command's flags
 
 
 def test_demo_memory_estimate_matches_what_dist_check_allocates():
@@ -326,6 +352,70 @@ def test_plan_and_info_mark_the_checkpoints_precision_with_the_bytes_the_layer_h
 
 
 # --- the quantized demo: MXFP4 checkpoint -> MegaMoE.load_hf_weights -> run -> dequantized reference --------
+@pytest.mark.parametrize("quant", [None, "fp8_block", "int4_group", "mxfp4"])
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_demo_preset_and_quant_pair_starts_or_is_refused_before_any_process(capsys, no_spawn, monkeypatch,
+                                                                                  name, quant):
+    """Every pair ``--help`` offers: the tiny presets start torchrun with the writer's checks passed (their
+    checkpoints load back: tests/unit/test_synthetic.py); the real ones are ENV016 on a 16 GiB CPU host."""
+    monkeypatch.setattr(cli, "available_memory_bytes", lambda gpu_index=None: (16 * GiB, "host memory"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    status, out, err = _run(capsys, ["demo", "--preset", name, "--nproc", "2"] + (["--quant", quant] if quant else []))
+    if name.startswith("tiny-"):
+        assert status == 0, f"{name=} {quant=} {err}"
+        command = no_spawn[0]["command"]
+        assert command[command.index("--preset") + 1] == name
+        assert ("--quant" in command) == (quant is not None) and (quant is None or quant in command), command
+    else:
+        assert status == 2 and "--preset tiny-" in _one_coded_line(err, "ENV016") and not no_spawn, (name, quant)
+
+
+@pytest.fixture
+def plain_checkpoint(tmp_path):
+    from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
+
+    write_synthetic_checkpoint(tmp_path, preset("tiny-kimi-k2"))
+    return tmp_path
+
+
+def test_demo_refuses_a_checkpoint_folder_of_another_format_before_any_process(capsys, no_spawn, mxfp4_checkpoint,
+                                                                              plain_checkpoint):
+    _, folder = mxfp4_checkpoint
+    for extra, asks in ((["--quant", "int4_group"], "--quant int4_group"), ([], "no --quant")):
+        status, _, err = _run(capsys, ["demo", "--preset", "tiny-kimi-k3", "--checkpoint", str(folder), *extra])
+        line = _one_coded_line(err, "LOAD016")
+        assert status == 2 and not no_spawn, line
+        assert f"'{folder}' already holds a checkpoint with mxfp4 routed experts" in line and asks in line
+        assert "pass --quant mxfp4" in line and "another --checkpoint folder" in line and "load_moe_weights" not in line
+    status, _, err = _run(capsys, ["demo", "--checkpoint", str(plain_checkpoint), "--quant", "fp8_block"])
+    line = _one_coded_line(err, "LOAD016")
+    assert status == 2 and "plain (unquantized) weights" in line and "pass no --quant" in line and not no_spawn
+
+
+def test_demo_refuses_a_checkpoint_folder_of_another_model_naming_its_preset(capsys, no_spawn, mxfp4_checkpoint):
+    _, folder = mxfp4_checkpoint
+    status, _, err = _run(capsys, ["demo", "--preset", "tiny-deepseek-v3", "--quant", "mxfp4", "--checkpoint",
+                                   str(folder)])
+    line = _one_coded_line(err, "LOAD017")
+    assert status == 2 and "holds another model than --preset tiny-deepseek-v3 with --quant mxfp4" in line
+    assert "pass --preset tiny-kimi-k3 (the model it holds)" in line and not no_spawn
+
+
+def test_demo_runs_a_checkpoint_folder_that_matches_its_flags(capsys, no_spawn, mxfp4_checkpoint):
+    _, folder = mxfp4_checkpoint
+    status, _, err = _run(capsys, ["demo", "--preset", "tiny-kimi-k3", "--quant", "mxfp4", "--checkpoint",
+                                   str(folder), "--nproc", "1"])
+    assert status == 0 and no_spawn[0]["folder"] == str(folder), err
+
+
+def test_dist_check_refuses_a_checkpoint_folder_of_another_format(capsys, one_rank, mxfp4_checkpoint):
+    _, folder = mxfp4_checkpoint
+    status, _, err = _run(capsys, ["--preset", "tiny-kimi-k3", "--quant", "fp8_block", "--checkpoint", str(folder)],
+                          dist_check.main)
+    line = _one_coded_line(err, "LOAD016", "moe_ref.tools.dist_check")
+    assert status == 2 and "pass --quant mxfp4" in line
+
+
 def test_demo_quant_passes_the_format_and_sizes_to_the_ranks(capsys, no_spawn):
     status, out, err = _run(capsys, ["demo", "--preset", "tiny-kimi-k3", "--quant", "mxfp4", "--nproc", "1"])
     assert status == 0, err
@@ -355,6 +445,51 @@ def test_dist_check_quant_mxfp4_in_one_process(capsys, one_rank, tmp_path):
     held = _mxfp4_bytes(preset("tiny-kimi-k3"), num_experts=16)
     assert f"routed experts of rank 0: mxfp4 as stored in the checkpoint, {held} bytes on the device" in out
     assert "RESULT: PASS" in out
+
+
+def test_dist_check_step3_int4_in_one_process(capsys, one_rank, tmp_path):
+    """Step3's share_expert is quantized too under the compressed-tensors config (its ignore list names Kimi's
+    shared_experts): the writer used to fail on its width (unflatten ... 40)."""
+    status, out, err = _run(capsys, ["--preset", "tiny-step3", "--quant", "int4_group", "--checkpoint",
+                                     str(tmp_path), "--tokens-per-rank", "40", "--runs", "1"], dist_check.main)
+    assert status == 0, err
+    assert "routed experts of rank 0: int4_group as stored in the checkpoint" in out and "RESULT: PASS" in out
+
+
+# --- check first, print after; plurals; the explain line -------------------------------------------------
+def test_info_and_plan_fail_before_printing_anything(capsys):
+    status, out, err = _run(capsys, ["info", "--preset", "kimi-k2", "--ep", "5"])
+    assert status == 2 and out == "" and "ep_size=5" in _one_coded_line(err, "CFG002")
+    status, out, err = _run(capsys, ["plan", "--preset", "kimi-k2", "--budget-gib", "0.0001"])
+    assert status == 2 and out == "" and "above the budget of 107374 bytes" in _one_coded_line(err, "CAP004")
+
+
+def test_check_says_one_expert_per_rank(capsys):
+    status, out, _ = _run(capsys, ["check", "--preset", "tiny-kimi-k2", "--ep", "16"])
+    assert status == 0 and "(1 expert per EP rank)" in out
+    status, out, _ = _run(capsys, ["check", "--preset", "tiny-kimi-k2", "--ep", "8"])
+    assert status == 0 and "(2 experts per EP rank)" in out
+
+
+def test_check_dispatch_fp8_accepts_what_the_layer_runs(capsys):
+    """D = 48 runs with dispatch_fp8 (the layer and dist_check --dispatch-fp8); only deep_gemm needs 128s."""
+    from moe_ref.layer import MegaMoE
+
+    layer = MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16, dispatch_fp8=True, seed=0)
+    with torch.inference_mode():
+        assert layer(torch.randn(5, 48)).shape == (5, 48)
+    layer.destroy()
+    status, out, err = _run(capsys, ["check", "--preset", "tiny-kimi-k2", "--dispatch-fp8"])
+    assert status == 0 and out.startswith("OK: tiny-kimi-k2") and "CFG005" not in out + err
+    assert "--dispatch-fp8 at Dx=48" in out and "the last over 48 columns" in out and "deep_gemm" in out
+    status, out, _ = _run(capsys, ["check", "--preset", "kimi-k2", "--ep", "8", "--dispatch-fp8"])
+    assert status == 0 and "(56 per row)" in out and "deep_gemm" not in out
+
+
+def test_explain_an_unknown_code_is_one_coded_line(capsys):
+    status, out, err = _run(capsys, ["explain", "XYZ999"])
+    line = _one_coded_line(err, "CFG015")
+    assert status == 2 and out == "" and "unknown error code 'XYZ999'" in line and "moe-ref explain --list" in line
 
 
 # --- one line, or the traceback with --debug / MOE_REF_DEBUG ---------------------------------------------

@@ -3,6 +3,8 @@
 only the dimension at fault."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -102,3 +104,43 @@ def test_max_num_tokens_of_the_wrong_type_under_compile():
     f = torch.compile(lambda x: moe(x, max_num_tokens="4"), fullgraph=True, backend="aot_eager")
     with torch.no_grad(), pytest.raises(ArgumentTypeError, match="max_num_tokens"):
         f(torch.randn(3, moe.cfg.hidden_size))
+
+@pytest.mark.parametrize("name", envs.SWITCHES)
+def test_a_cpu_layer_refuses_a_bad_value_of_every_switch(monkeypatch, name):
+    """Also the switches only a GPU path reads (MOE_REF_TMA, MOE_REF_BOUND_LAUNCH): a typo is no silent default."""
+    monkeypatch.setenv(name, "x")
+    with pytest.raises(EnvVarError) as err:
+        MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16)
+    assert err.value.code == "CFG017" and f"{name}='x'" in str(err.value)
+
+
+@pytest.mark.parametrize("name, value, option, expected", [
+    ("MOE_REF_OVERFLOW_POLICY", "Chunk", "overflow", "chunk"), ("MOE_REF_TRANSPORT", " LOCAL ", "transport", "local"),
+    ("MOE_REF_POOL_FORMAT", "Masked", "pool_format", "masked"),
+    ("MOE_REF_EXPERTS_BACKEND", "Torch", "experts_backend", "torch")])
+def test_named_choices_are_read_in_any_case_like_the_switches(monkeypatch, name, value, option, expected):
+    monkeypatch.setenv(name, value)
+    moe = MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16)
+    assert getattr(moe.options, option) == expected and moe.options.source[option] == name
+
+
+def test_a_shm_folder_that_cannot_hold_a_file_is_cap005_naming_it(monkeypatch, tmp_path):
+    from moe_ref.core.config import preset
+    from moe_ref.core.errors import ShmDirectoryError
+    from moe_ref.ep.buffer import SymmetricBuffer
+    from moe_ref.ep.capacity import CapacityPlan
+
+    plan = CapacityPlan.build(preset("tiny-kimi-k2"), 1, 16, torch.float32)
+    (tmp_path / "file").write_text("")
+    cases = [(str(tmp_path / "missing"), "does not exist"), (str(tmp_path / "file"), "is not a directory")]
+    if os.path.isdir("/proc"):  # no files can be created there; the free-space test used to blame the cap
+        cases.append(("/proc", "(filesystem proc, not tmpfs): no file can be created there"))
+    for folder, problem in cases:
+        monkeypatch.setenv("MOE_REF_SHM_DIR", folder)
+        with pytest.raises(ShmDirectoryError) as err:
+            SymmetricBuffer(plan, None, kind="shm")
+        message = str(err.value)
+        assert err.value.code == "CAP005" and isinstance(err.value, MemoryBudgetError), message
+        assert f"MOE_REF_SHM_DIR={folder!r}" in message and problem in message, message
+        assert f"{plan.total_bytes} bytes" in message and "transport='a2a'" in message
+        assert "lower the cap" not in message
