@@ -31,13 +31,16 @@ RoutedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoEConfig,
                     bias_E: torch.Tensor | None = None, *, check_values: bool = True,
-                    device_checks: DeviceChecks | None = None) -> tuple[RouterOutput, NonFiniteError | None]:
+                    device_checks: DeviceChecks | None = None,
+                    router_bias_E: torch.Tensor | None = None) -> tuple[RouterOutput, NonFiniteError | None]:
     """Route with ``cfg``'s family semantics, returning (not raising) the NaN/inf-logits problem.
 
     Args:
         x_TD: ``[T, D]`` hidden states (any float dtype; the gate GEMM sums in fp32: ``ops.router_logits``).
         gate_weight_ED: ``[E, D]``.
         bias_E: ``[E]`` fp32 selection-only bias (used when ``cfg.use_selection_bias``).
+        router_bias_E: ``[E]`` the gate Linear's bias, added to the logits in fp32 (``cfg.router_bias``: gpt-oss);
+            required then, ignored otherwise.
 
     Returns:
         ``RouterOutput(topk_ids_TK [T, K] int64, topk_weights_TK [T, K] fp32)`` and ``NonFiniteError`` (INP004)
@@ -51,6 +54,11 @@ def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoECo
     if not x_TD.is_floating_point():
         raise DTypeError(f"hidden states have dtype {x_TD.dtype}; expected a floating dtype")
     logits_TE = ops.router_logits(x_TD, gate_weight_ED)
+    if cfg.router_bias:
+        if router_bias_E is None:
+            raise ShapeError(f"{cfg.name} ({cfg.family}) has a router bias [{cfg.num_experts}] but none was given "
+                             f"(router_bias_E=None): pass the gate's bias (MoEWeights.router_bias_E)")
+        logits_TE = logits_TE + router_bias_E.float()[None, :]
     problem, nonfinite_flag = None, None
     if check_values and device_checks is not None:  # raised by the router kernel itself: no launch of its own
         nonfinite_flag = device_checks.slot(logits_TE.device, lambda: _flagged_logits_error(logits_TE))
@@ -58,7 +66,8 @@ def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoECo
         problem = non_finite_logits_error(logits_TE)
     topk_ids_TK, topk_weights_TK = ops.select_experts(
         logits_TE, cfg.num_topk, cfg.scoring, bias_E if cfg.use_selection_bias else None, cfg.num_groups,
-        cfg.num_topk_groups, cfg.renormalize, cfg.routed_scaling_factor, nonfinite_flag=nonfinite_flag)
+        cfg.num_topk_groups, cfg.renormalize, cfg.routed_scaling_factor, nonfinite_flag=nonfinite_flag,
+        group_score=cfg.group_score)
     return RouterOutput(topk_ids_TK, topk_weights_TK), problem
 
 
@@ -72,17 +81,34 @@ def _flagged_logits_error(logits_TE: torch.Tensor) -> NonFiniteError:
 
 
 def route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoEConfig, bias_E: torch.Tensor | None = None,
-          *, check_finite: bool = True) -> RouterOutput:
+          *, check_finite: bool = True, router_bias_E: torch.Tensor | None = None) -> RouterOutput:
     """``route_unchecked`` that raises ``NonFiniteError`` (INP004) on NaN/inf logits when ``check_finite``."""
-    output, problem = route_unchecked(x_TD, gate_weight_ED, cfg, bias_E)
+    output, problem = route_unchecked(x_TD, gate_weight_ED, cfg, bias_E, router_bias_E=router_bias_E)
     if check_finite and problem is not None:
         raise problem
     return output
 
 
 def expert_input(x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig) -> torch.Tensor:
-    """What the routed experts see: ``x_TD`` itself, or (Kimi-K3) ``x_TD @ latent_down^T`` ``[T, L]``."""
+    """What the routed experts see: ``x_TD`` itself, or (Kimi-K3) ``x_TD @ latent_down^T`` ``[T, L]``.
+
+    Raises ``ShapeError`` (INP001) when ``weights`` lacks a tensor ``cfg``'s family needs (gpt-oss's expert biases,
+    Qwen2-MoE's shared-expert gate): without it the block would compute another model."""
+    missing = missing_family_weights(weights, cfg)
+    if missing:
+        raise ShapeError(f"{cfg.name} ({cfg.family}) needs {', '.join(missing)}, which the weights do not hold "
+                         f"(None): load them with the checkpoint (load_moe_weights reads every family's names)")
     return x_TD if cfg.latent_dim is None else x_TD @ weights.latent_down_weight_LD.t().to(x_TD.dtype)
+
+
+def missing_family_weights(weights: MoEWeights, cfg: MoEConfig) -> list[str]:
+    """The ``MoEWeights`` fields ``cfg``'s family needs beyond the router and experts that ``weights`` holds as None:
+    ``router_bias_E`` (gpt-oss), ``gate_up_bias_E2F`` and ``down_bias_ED`` (gpt-oss's experts, checked where the
+    experts are held: ``weights.gate_up_weight_E2FD`` not None), ``shared_gate_weight_D`` (Qwen2-MoE)."""
+    needed = [("router_bias_E", cfg.router_bias), ("shared_gate_weight_D", cfg.shared_expert_gate)]
+    if weights.gate_up_weight_E2FD is not None:
+        needed += [("gate_up_bias_E2F", cfg.expert_bias), ("down_bias_ED", cfg.expert_bias)]
+    return [name for name, wanted in needed if wanted and getattr(weights, name) is None]
 
 
 def rms_norm(x_TL: torch.Tensor, weight_L: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,6 +129,11 @@ def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cf
         routed = routed @ weights.latent_up_weight_DL.t().to(routed.dtype)
     if not cfg.has_shared_experts:
         return routed
+    if cfg.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ w) scales the shared output per token, in fp32
+        shared_TD = ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS,
+                                  cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
+        gate_T1 = torch.sigmoid(x_TD.float() @ weights.shared_gate_weight_D.float()[:, None])
+        return (routed.float() + gate_T1 * shared_TD.float()).to(x_TD.dtype)
     # the shared experts' MLP with the routed output added (on CUDA in its last GEMM's epilogue: no launch of its own)
     return ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS, cfg.activation,
                          cfg.situ_beta, cfg.situ_linear_beta, add_TD=routed.to(x_TD.dtype))
@@ -111,5 +142,6 @@ def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cf
 def moe_block(x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, routed_fn: RoutedFn,
               *, check_finite: bool = True) -> torch.Tensor:
     """One MoE block in one process: ``route``, ``expert_input``, ``routed_fn``, ``finish``. Returns ``[T, D]``."""
-    topk_ids_TK, topk_weights_TK = route(x_TD, weights.gate_weight_ED, cfg, weights.bias_E, check_finite=check_finite)
+    topk_ids_TK, topk_weights_TK = route(x_TD, weights.gate_weight_ED, cfg, weights.bias_E, check_finite=check_finite,
+                                         router_bias_E=weights.router_bias_E)
     return finish(routed_fn(expert_input(x_TD, weights, cfg), topk_ids_TK, topk_weights_TK), x_TD, weights, cfg)

@@ -9,34 +9,39 @@
 Shape legend: E experts (all), e experts read (``count``), D hidden, F expert intermediate,
 S shared-MLP intermediate, L latent width (Kimi-K3), Dx = L for a latent MoE, else D.
 
-Names below are relative to ``{prefix}{layer_idx}.``; ``prefix`` is auto-detected among
-``KNOWN_PREFIXES`` (``model.layers.``, ``language_model.layers.``, ``model.language_model.layers.``,
-``language_model.model.layers.``) or given by the caller.
+Names are relative to ``{prefix}{layer_idx}.``; ``prefix`` is auto-detected among ``KNOWN_PREFIXES``
+(``model.layers.``, ``language_model.layers.``, ``model.language_model.layers.``, ``language_model.model.layers.``)
+or given by the caller. Each family's names in each published layout are data: ``moe_ref.core.families``
+(``Family.layouts``, one ``TensorLayout`` per layout: "hub" as published and as transformers' ``save_pretrained``
+writes it, "fused" as transformers 5.x holds its experts, ``mlp.experts.gate_up_proj [E, 2F, D]``). For example:
 
-=============  ==========================================================================================
-family         tensors
-=============  ==========================================================================================
-DeepSeek-V3,   router ``mlp.gate.weight [E, D]``, bias ``mlp.gate.e_score_correction_bias [E]``;
-Kimi-K2        layout "hub" (as published): ``mlp.experts.{e}.{gate_proj,up_proj}.weight [F, D]``,
-(and custom)   ``mlp.experts.{e}.down_proj.weight [D, F]``;
-               layout "fused" (transformers 5.x ``DeepseekV3Experts``, how it saves):
-               ``mlp.experts.gate_up_proj [E, 2F, D]`` (gate rows, then up rows), ``mlp.experts.down_proj
-               [E, D, F]``; shared ``mlp.shared_experts.{gate_proj,up_proj}.weight [S, D]``,
-               ``mlp.shared_experts.down_proj.weight [D, S]``.
-Kimi-K3        module ``block_sparse_moe.``: router ``gate.weight [E, D]``, ``gate.e_score_correction_bias
-               [E]``; experts ``experts.{e}.w1.weight`` (gate) and ``w3`` (up) ``[F, L]``, ``w2`` (down)
-               ``[L, F]``; shared ``shared_experts.{gate,up,down}_proj.weight``; latent
-               ``routed_expert_down_proj.weight [L, D]``, ``routed_expert_up_proj.weight [D, L]``,
-               ``routed_expert_norm.weight [L]``. The latent tensors sit under ``block_sparse_moe.``:
-               SGLang's ``KimiK3MoE`` owns them and its loader only renames ``block_sparse_moe`` to
-               ``mlp``. Real K3 checkpoints store the routed experts as MXFP4 ``weight_packed`` + scales:
-               this loader refuses them (LOAD003); ``moe_ref.checkpoint.quantized.load_quantized_experts`` reads them.
-Step3          router ``moe.gate.weight [E, D]`` (no bias); stacked experts ``moe.{gate_proj,up_proj}.weight
-               [E, F, D]``, ``moe.down_proj.weight [E, D, F]``; shared ``share_expert.{gate,up,down}_proj.weight``.
-=============  ==========================================================================================
+==============  ==========================================================================================
+family          tensors (hub layout)
+==============  ==========================================================================================
+DeepSeek-V3,    router ``mlp.gate.weight [E, D]``, bias ``mlp.gate.e_score_correction_bias [E]``; experts
+Kimi-K2, GLM    ``mlp.experts.{e}.{gate_proj,up_proj}.weight [F, D]``, ``mlp.experts.{e}.down_proj.weight [D, F]``;
+(and custom)    shared ``mlp.shared_experts.{gate,up,down}_proj.weight``.
+Qwen2-MoE       as above without the bias; shared ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate.weight [1, D]``
+Mixtral         ``block_sparse_moe.gate.weight``, ``block_sparse_moe.experts.{e}.w1`` (gate) / ``w3`` (up) / ``w2``
+gpt-oss         ``mlp.router.weight``, ``mlp.router.bias [E]``; ``mlp.experts.gate_up_proj [E, D, 2F]`` (for x @ W,
+                gate and up interleaved by column) + ``gate_up_proj_bias [E, 2F]``, ``mlp.experts.down_proj
+                [E, F, D]`` + ``down_proj_bias [E, D]``: transposed and de-interleaved into the canonical layout.
+Ernie-4.5       bias ``mlp.moe_statics.e_score_correction_bias [1, E]``
+HunYuan         router ``mlp.gate.wg.weight``; shared ``mlp.shared_mlp.*``
+Kimi-K3         module ``block_sparse_moe.``: ``experts.{e}.w1/w3/w2``, latent ``routed_expert_down_proj.weight
+                [L, D]``, ``routed_expert_up_proj.weight [D, L]``, ``routed_expert_norm.weight [L]``. Real K3
+                checkpoints store the routed experts as MXFP4 ``weight_packed`` + scales:
+                ``moe_ref.checkpoint.quantized.load_quantized_experts`` reads them.
+Step3           stacked ``moe.{gate_proj,up_proj}.weight [E, F, D]``, ``moe.down_proj.weight [E, D, F]``; shared
+                ``share_expert.{gate,up,down}_proj.weight``.
+==============  ==========================================================================================
+
+A Linear weight with a ``.bias`` beside it that the family's math has no place for is refused (LOAD019): dropping
+it would compute another model.
 
 Without ``quant``, quantized tensors (FP8/INT/packed dtypes, or ``*_scale_inv`` / ``weight_packed`` siblings)
-are refused with LOAD003 rather than read as if they were plain weights. With ``quant`` (the checkpoint's
+are refused with LOAD003 rather than read as if they were plain weights: the checkpoint's config.json lacks the
+``quantization_config`` it was published with, which tells how to read them. With ``quant`` (the checkpoint's
 ``QuantSpec``, from its ``quantization_config``), each Linear layer of the block (shared experts; routed
 experts when the config leaves them unquantized) is read in the precision the config decides
 (``QuantSpec.quantizes``): a quantized one (e.g. DeepSeek-V3 / Kimi-K2-Instruct / Step3 FP8 shared experts) is
@@ -60,6 +65,8 @@ from moe_ref.core.config import MoEConfig
 from moe_ref.core.errors import (
     DTypeError,
     InvalidConfigError,
+    LayerIndexError,
+    UnexpectedTensorError,
     MissingScaleError,
     MissingTensorError,
     QuantizationMismatchError,
@@ -68,6 +75,8 @@ from moe_ref.core.errors import (
     TensorShapeMismatchError,
     UnsupportedCheckpointError,
 )
+from moe_ref.core.families import FAMILIES, Family, TensorLayout, family_named
+from moe_ref.core.families.deepseek_v3 import DEEPSEEK_V3
 from moe_ref.core.weights import MoEWeights
 from moe_ref.checkpoint.reader import CheckpointReader
 
@@ -84,18 +93,24 @@ _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float1
 # builds them without a quant_config (DeepSeek-V3 inference ``Gate``; vLLM/SGLang ``quant_config=None``)
 _NEVER_QUANTIZED = ("the router gate and Kimi-K3's latent projections are not quantized Linear layers of the "
                     "published model (vLLM/SGLang build them with quant_config=None)")
+_NO_QUANT_CONFIG = ("It was read without a quantization_config, which says how a quantized checkpoint's tensors are "
+                    "stored: restore the quantization_config from the model's published config.json (MegaMoE."
+                    "load_hf_weights then reads FP8 128x128 blocks, compressed-tensors INT4 and MXFP4 as stored), or "
+                    "pass quant=checkpoint_quant_spec(path) to load_moe_weights")
 
 
 # --- names -----------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class LayerNames:
-    """Checkpoint names of one MoE layer in one layout.
+    """Checkpoint names of one MoE layer in one layout (a family's ``TensorLayout`` under one layer's prefix).
 
     ``expert_form``: ``"per_expert"`` (``gate``/``up``/``down`` hold ``{expert}``: one 2-D tensor each),
     ``"stacked"`` (``gate [E, F, Dx]``, ``up [E, F, Dx]``, ``down [E, Dx, F]``; Step3) or
-    ``"stacked_gate_up"`` (``gate_up [E, 2F, Dx]``, ``down [E, Dx, F]``; transformers 5.x).
-    Optional tensors are None when the family has no such tensor.
+    ``"stacked_gate_up"`` (``gate_up [E, 2F, Dx]``, ``down [E, Dx, F]``; transformers 5.x; gpt-oss stores them
+    ``transposed`` for ``x @ W`` with gate and up ``interleaved`` by column). ``bias`` is the selection-only
+    ``e_score_correction_bias``; ``router_bias`` the gate's logit bias. Optional tensors are None when the family
+    has no such tensor.
     """
 
     layout: str
@@ -106,61 +121,62 @@ class LayerNames:
     up: str | None
     down: str
     gate_up: str | None
-    shared_gate: str
-    shared_up: str
-    shared_down: str
+    shared_gate: str | None
+    shared_up: str | None
+    shared_down: str | None
     latent_down: str | None = None
     latent_up: str | None = None
     latent_norm: str | None = None
+    router_bias: str | None = None
+    gate_up_bias: str | None = None
+    down_bias: str | None = None
+    shared_expert_gate: str | None = None
+    transposed: bool = False
+    interleaved: bool = False
 
 
-FAMILY_LAYOUTS = {"deepseek_v3": ("hub", "fused"), "kimi_k2": ("hub", "fused"), "custom": ("hub", "fused"),
-                  "kimi_k3": ("hub",), "step3": ("hub",)}
+def names_family(family: str) -> Family:
+    """The family whose names a ``MoEConfig.family`` reads: its own, or DeepSeek-V3's for ``custom``."""
+    return family_named(family) or DEEPSEEK_V3
+
+
+def family_layouts(family: str) -> tuple[str, ...]:
+    """The layouts ``family`` is published in (``("hub", "fused")``, or ``("hub",)``), the Hub's first."""
+    return names_family(family).layout_names
 
 
 def layer_names(family: str, layout: str, layer_prefix: str) -> LayerNames:
     """The names of one MoE layer's tensors for ``family`` in ``layout``.
 
     Args:
-        family: ``MoEConfig.family`` (``deepseek_v3``, ``kimi_k2``, ``kimi_k3``, ``step3``, ``custom``).
-        layout: ``"hub"`` (as published on the Hugging Face Hub) or ``"fused"`` (transformers 5.x fused
-            experts; DeepSeek-V3/Kimi-K2 only).
+        family: ``MoEConfig.family`` (a ``moe_ref.core.families`` name, or ``custom``: DeepSeek-V3's names).
+        layout: ``"hub"`` (as published on the Hugging Face Hub) or ``"fused"`` (transformers 5.x fused experts).
         layer_prefix: e.g. ``"model.layers.3."``.
 
     Returns:
         ``LayerNames``; raises ``UnsupportedCheckpointError`` for a layout the family does not have.
     """
-    layouts = FAMILY_LAYOUTS.get(family, FAMILY_LAYOUTS["custom"])
-    if layout not in layouts:
+    fam = names_family(family)
+    found = fam.layout(layout)
+    if found is None:
         raise UnsupportedCheckpointError(
-            f"layout={layout!r} does not exist for family {family!r}; its layouts: {', '.join(layouts)}",
+            f"layout={layout!r} does not exist for family {family!r}; its layouts: {', '.join(fam.layout_names)}",
             layout=layout, family=family)
-    if family == "step3":
-        m, shared = f"{layer_prefix}moe.", f"{layer_prefix}share_expert."
-        return LayerNames("hub", "stacked", router=f"{m}gate.weight", bias=None, gate=f"{m}gate_proj.weight",
-                          up=f"{m}up_proj.weight", down=f"{m}down_proj.weight", gate_up=None,
-                          shared_gate=f"{shared}gate_proj.weight", shared_up=f"{shared}up_proj.weight",
-                          shared_down=f"{shared}down_proj.weight")
-    if family == "kimi_k3":
-        m = f"{layer_prefix}block_sparse_moe."
-        return LayerNames("hub", "per_expert", router=f"{m}gate.weight", bias=f"{m}gate.e_score_correction_bias",
-                          gate=f"{m}experts.{{expert}}.w1.weight", up=f"{m}experts.{{expert}}.w3.weight",
-                          down=f"{m}experts.{{expert}}.w2.weight", gate_up=None,
-                          shared_gate=f"{m}shared_experts.gate_proj.weight",
-                          shared_up=f"{m}shared_experts.up_proj.weight",
-                          shared_down=f"{m}shared_experts.down_proj.weight",
-                          latent_down=f"{m}routed_expert_down_proj.weight",
-                          latent_up=f"{m}routed_expert_up_proj.weight", latent_norm=f"{m}routed_expert_norm.weight")
-    m = f"{layer_prefix}mlp."
-    common = dict(router=f"{m}gate.weight", bias=f"{m}gate.e_score_correction_bias",
-                  shared_gate=f"{m}shared_experts.gate_proj.weight", shared_up=f"{m}shared_experts.up_proj.weight",
-                  shared_down=f"{m}shared_experts.down_proj.weight")
-    if layout == "fused":
-        return LayerNames("fused", "stacked_gate_up", gate=None, up=None, down=f"{m}experts.down_proj",
-                          gate_up=f"{m}experts.gate_up_proj", **common)
-    return LayerNames("hub", "per_expert", gate=f"{m}experts.{{expert}}.gate_proj.weight",
-                      up=f"{m}experts.{{expert}}.up_proj.weight", down=f"{m}experts.{{expert}}.down_proj.weight",
-                      gate_up=None, **common)
+    return _prefixed(found, layer_prefix)
+
+
+def _prefixed(layout: TensorLayout, layer_prefix: str) -> LayerNames:
+    def full(name: str | None) -> str | None:
+        return None if name is None else layer_prefix + name
+
+    return LayerNames(
+        layout.name, layout.experts, router=full(layout.router), bias=full(layout.selection_bias),
+        gate=full(layout.gate), up=full(layout.up), down=full(layout.down), gate_up=full(layout.gate_up),
+        shared_gate=full(layout.shared_gate), shared_up=full(layout.shared_up), shared_down=full(layout.shared_down),
+        latent_down=full(layout.latent_down), latent_up=full(layout.latent_up), latent_norm=full(layout.latent_norm),
+        router_bias=full(layout.router_bias), gate_up_bias=full(layout.gate_up_bias), down_bias=full(layout.down_bias),
+        shared_expert_gate=full(layout.shared_expert_gate), transposed=layout.transposed,
+        interleaved=layout.interleaved)
 
 
 # --- what a load read -----------------------------------------------------------------------------------
@@ -302,21 +318,26 @@ def load_moe_weights(
 
     Raises:
         MissingTensorError (LOAD001), TensorShapeMismatchError (LOAD002), UnsupportedCheckpointError (LOAD003),
-        CheckpointNotFoundError (LOAD004), InvalidConfigError (CFG007) for a bad ``expert_range``; with
-        ``quant``: QuantizationMismatchError (LOAD014), and LOAD005-LOAD007 for a quantized weight's tensors.
+        CheckpointNotFoundError (LOAD004), LayerIndexError (LOAD018) for a layer past the model's last one,
+        UnexpectedTensorError (LOAD019) for a bias the family has no place for, InvalidConfigError (CFG007) for a
+        bad ``expert_range``; with ``quant``: QuantizationMismatchError (LOAD014), and LOAD005-LOAD007 for a
+        quantized weight's tensors.
     """
     if dtype is not None and not dtype.is_floating_point:
         raise DTypeError(f"dtype={dtype} is not a floating dtype; pass torch.bfloat16, torch.float32, ... or None")
+    check_layer_index(cfg, layer_idx)
     first, count = _check_expert_range(expert_range, cfg)
+    E, D = cfg.num_experts, cfg.hidden_size
     with CheckpointReader(path) as ckpt:
         layer_prefix = f"{prefix if prefix is not None else _detect_prefix(ckpt, cfg, layer_idx)}{layer_idx}."
         names = _detect_layout(ckpt, cfg, layer_prefix, first)
         reader = _LayerReader(ckpt, cfg, layer_idx, names, dtype, device, quant, report)
         # the router first: when it is missing, the layer is most likely dense, which the error says
-        gate_weight_ED = reader.tensor(names.router, (cfg.num_experts, cfg.hidden_size))
-        bias_E = reader.tensor(names.bias, (cfg.num_experts,), torch.float32) if cfg.use_selection_bias else None
+        gate_weight_ED = reader.tensor(names.router, (E, D))
+        bias_E = reader.vector(names.bias, E, torch.float32) if cfg.use_selection_bias else None
+        expert_biases = (None, None)
         if experts:
-            gate_up_E2FD, down_EDF = reader.experts(first, count, progress)
+            gate_up_E2FD, down_EDF, *expert_biases = reader.experts(first, count, progress)
         else:
             empty_dtype = dtype or gate_weight_ED.dtype
             F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
@@ -328,6 +349,11 @@ def load_moe_weights(
             gate_up_weight_E2FD=gate_up_E2FD,
             down_weight_EDF=down_EDF,
             bias_E=bias_E,
+            router_bias_E=reader.tensor(names.router_bias, (E,)) if cfg.router_bias else None,
+            gate_up_bias_E2F=expert_biases[0],
+            down_bias_ED=expert_biases[1],
+            shared_gate_weight_D=reader.tensor(names.shared_expert_gate, (1, D)).reshape(D)
+            if cfg.shared_expert_gate else None,
             shared_gate_up_weight_2SD=shared[0],
             shared_down_weight_DS=shared[1],
             latent_down_weight_LD=reader.tensor(names.latent_down, (cfg.latent_dim, cfg.hidden_size))
@@ -352,10 +378,25 @@ def _check_expert_range(expert_range, cfg: MoEConfig) -> tuple[int, int]:
     return first, count
 
 
+def check_layer_index(cfg: MoEConfig, layer_idx: int) -> None:
+    """``LayerIndexError`` (LOAD018) when ``layer_idx`` is not a layer of the model (``cfg.num_layers``, when the
+    config says how many decoder layers it has), naming its layers and MoE layers."""
+    num_layers = cfg.num_layers
+    if num_layers is None or 0 <= layer_idx < num_layers:
+        return
+    moe = f"; its MoE layers are {_ranges(cfg.moe_layers)}" if cfg.moe_layers else ""
+    raise LayerIndexError(
+        f"layer {layer_idx} is past the model's last layer: {cfg.name} has num_hidden_layers={num_layers} (layers "
+        f"0..{num_layers - 1}){moe}; pass one of those as layer_idx", layer=layer_idx, num_layers=num_layers)
+
+
 def _detect_prefix(ckpt: CheckpointReader, cfg: MoEConfig, layer_idx: int) -> str:
-    """The first known prefix under which this layer's router exists; else the first one any key uses."""
+    """The first known prefix under which this layer's router exists (in any of the family's layouts); else the
+    first one any key uses."""
     for candidate in KNOWN_PREFIXES:
-        if layer_names(cfg.family, "hub", f"{candidate}{layer_idx}.").router in ckpt:
+        routers = {layer_names(cfg.family, layout, f"{candidate}{layer_idx}.").router
+                   for layout in family_layouts(cfg.family)}
+        if any(router in ckpt for router in routers):
             return candidate
     for candidate in KNOWN_PREFIXES:
         if any(name.startswith(candidate) for name in ckpt.names()):
@@ -366,7 +407,7 @@ def _detect_prefix(ckpt: CheckpointReader, cfg: MoEConfig, layer_idx: int) -> st
 def _detect_layout(ckpt: CheckpointReader, cfg: MoEConfig, layer_prefix: str, first: int) -> LayerNames:
     """The family's layout whose expert tensors exist for this layer (``hub`` when none does: its names
     then appear in the missing-tensor error)."""
-    layouts = FAMILY_LAYOUTS.get(cfg.family, FAMILY_LAYOUTS["custom"])
+    layouts = family_layouts(cfg.family)
     for layout in layouts:
         names = layer_names(cfg.family, layout, layer_prefix)
         probe = names.gate_up or names.gate.format(expert=first)
@@ -391,12 +432,33 @@ class _LayerReader:
         """Check ``name`` exists, is plain floating point and has shape ``expected``; read it (or ``rows``).
         ``rule``: why the quantization_config leaves it plain (a quantized checkpoint's message)."""
         self._check(name, expected, rule)
+        self._refuse_unexpected_bias(name)
         value = self.ckpt.read(name) if rows is None else self.ckpt.read_rows(name, *rows)
         out = value.to(device=self.device, dtype=dtype or self.dtype or value.dtype)
         self.report.add(LoadedTensor(name, self.ckpt.dtype(name), value.numel() * value.element_size(),
                                      str(out.dtype).removeprefix("torch."), out.numel() * out.element_size(),
                                      rule))
         return out
+
+    def vector(self, name: str, length: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A ``[length]`` vector stored ``[length]`` or ``[1, length]`` (Ernie's ``moe_statics`` bias), as
+        ``[length]``."""
+        stored = self.ckpt.shape(name) if name in self.ckpt else None
+        expected = (1, length) if stored == (1, length) else (length,)
+        return self.tensor(name, expected, dtype).reshape(length)
+
+    def _refuse_unexpected_bias(self, name: str) -> None:
+        """LOAD019 when the Linear weight ``name`` has a ``.bias`` beside it that the family's math has no place for
+        (the biases it has are read under their own names)."""
+        if not name.endswith(".weight"):
+            return
+        bias = name[:-len("weight")] + "bias"
+        if bias in self.ckpt and bias != self.names.router_bias:
+            raise UnexpectedTensorError(
+                f"{bias!r} (layer {self.layer_idx}) is a bias of {name!r}, but {self.cfg.name} ({self.cfg.family}) "
+                f"has no bias there: moe_ref would compute without it, a different model. Use the config.json that "
+                f"came with the checkpoint (a family whose Linear layers have biases is a different family, or a "
+                f"config value such as mlp_bias / use_bias that moe_ref refuses)", name=bias)
 
     def linear(self, name: str, expected: tuple[int, int], rows: tuple[int, int] | None = None) -> torch.Tensor:
         """A Linear layer's weight ``name`` (``...weight``) in the precision the checkpoint's quantization_config
@@ -473,10 +535,8 @@ class _LayerReader:
                 name=name, dtype=found_dtype)
         if found_dtype not in _PLAIN_DTYPES:
             raise UnsupportedCheckpointError(
-                f"tensor {name!r} has dtype {found_dtype} (quantized); moe_ref reads fp32/fp16/bf16 weights only. "
-                f"{self._quant_siblings(name)}Read quantized routed experts as stored with "
-                f"moe_ref.checkpoint.quantized.load_quantized_experts, or dequantize the checkpoint to bf16 first",
-                name=name, dtype=found_dtype)
+                f"tensor {name!r} has dtype {found_dtype} (quantized). {self._quant_siblings(name)}"
+                f"{_NO_QUANT_CONFIG}", name=name, dtype=found_dtype)
         found = self.ckpt.shape(name)
         if found != tuple(expected):
             raise TensorShapeMismatchError(
@@ -506,8 +566,7 @@ class _LayerReader:
         if packed:
             raise UnsupportedCheckpointError(
                 f"tensor {name!r} is stored packed/quantized as {packed[0]!r} (e.g. Kimi-K3's MXFP4 "
-                f"compressed-tensors experts); moe_ref reads plain fp32/fp16/bf16 weights only. Dequantize the "
-                f"checkpoint to bf16 first", name=name, found=packed[0])
+                f"compressed-tensors experts). {_NO_QUANT_CONFIG}", name=name, found=packed[0])
         raise MissingTensorError(
             f"tensor {name!r} (layer {self.layer_idx}, family {self.cfg.family}, layout {self.names.layout}) "
             f"is not in the checkpoint (searched {len(self.ckpt.files)} file(s): {self.ckpt.describe_files()}). "
@@ -515,30 +574,58 @@ class _LayerReader:
             name=name, layer=self.layer_idx, files=[str(f) for f in self.ckpt.files])
 
     # --- groups of tensors ---
-    def experts(self, first: int, count: int, progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``gate_up [count, 2F, Dx]`` and ``down [count, Dx, F]`` of experts ``[first, first + count)``."""
+    def experts(self, first: int, count: int, progress: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``gate_up [count, 2F, Dx]``, ``down [count, Dx, F]`` of experts ``[first, first + count)`` in the canonical
+        layout (gate rows, then up rows; nn.Linear's ``[out, in]``), and their biases ``[count, 2F]``,
+        ``[count, Dx]`` (None unless ``cfg.expert_bias``)."""
         from tqdm import tqdm
 
         n, E, F, Dx = self.names, self.cfg.num_experts, self.cfg.intermediate_size, self.cfg.expert_hidden_size
         rows = (first, count)
+        biases = self._expert_biases(rows) if self.cfg.expert_bias else (None, None)
         with tqdm(total=count, desc=f"layer {self.layer_idx} experts", unit="expert", file=sys.stderr,
                   disable=not progress, leave=False) as bar:
+            if n.expert_form == "stacked_gate_up" and n.transposed:  # gpt-oss: [E, Dx, 2F] and [E, F, Dx] for x @ W
+                gate_up = self.tensor(n.gate_up, (E, Dx, 2 * F), rows=rows).transpose(1, 2)
+                down = self.tensor(n.down, (E, F, Dx), rows=rows).transpose(1, 2).contiguous()
+                bar.update(count)
+                return self._gate_rows_first(gate_up, dim=1).contiguous(), down, *biases
             if n.expert_form == "stacked_gate_up":
                 gate_up, down = self.linear(n.gate_up, (E, 2 * F, Dx), rows=rows), self.linear(n.down, (E, Dx, F), rows=rows)
                 bar.update(count)
-                return gate_up, down
+                return self._gate_rows_first(gate_up, dim=1), down, *biases
             if n.expert_form == "stacked":
                 gate, up = self.linear(n.gate, (E, F, Dx), rows=rows), self.linear(n.up, (E, F, Dx), rows=rows)
                 down = self.linear(n.down, (E, Dx, F), rows=rows)
                 bar.update(count)
-                return torch.cat([gate, up], dim=1), down
+                return torch.cat([gate, up], dim=1), down, *biases
             gate_up, down = [], []
             for e in range(first, first + count):
                 gate_up.append(torch.cat([self.linear(n.gate.format(expert=e), (F, Dx)),
                                           self.linear(n.up.format(expert=e), (F, Dx))]))
                 down.append(self.linear(n.down.format(expert=e), (Dx, F)))
                 bar.update(1)
-            return torch.stack(gate_up), torch.stack(down)
+            return torch.stack(gate_up), torch.stack(down), *biases
+
+    def _gate_rows_first(self, gate_up: torch.Tensor, dim: int) -> torch.Tensor:
+        """``gate_up`` with its ``2F`` dim as gate rows then up rows: de-interleaved where the layout alternates
+        them (gpt-oss: gate j at 2j, up j at 2j + 1), else as is."""
+        if not self.names.interleaved:
+            return gate_up
+        width = gate_up.shape[dim]
+        order = torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)]).to(gate_up.device)
+        return gate_up.index_select(dim, order)
+
+    def _expert_biases(self, rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gate_up_bias [count, 2F]`` (gate, then up) and ``down_bias [count, Dx]`` of the experts in ``rows``."""
+        n, E, F, Dx = self.names, self.cfg.num_experts, self.cfg.intermediate_size, self.cfg.expert_hidden_size
+        if n.gate_up_bias is None or n.down_bias is None:
+            raise UnsupportedCheckpointError(
+                f"{self.cfg.name} ({self.cfg.family}) has expert biases, but its layout {n.layout!r} names none",
+                layout=n.layout, family=self.cfg.family)
+        gate_up_bias = self._gate_rows_first(self.tensor(n.gate_up_bias, (E, 2 * F), rows=rows), dim=1)
+        return gate_up_bias.contiguous(), self.tensor(n.down_bias, (E, Dx), rows=rows)
 
     def shared(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``shared_gate_up [2S, D]`` (gate rows, then up rows) and ``shared_down [D, S]``."""
@@ -580,7 +667,7 @@ def _missing_hint(ckpt: CheckpointReader, cfg: MoEConfig, layer_idx: int, name: 
         if "experts." in suffix and len(elsewhere) == 0:
             hints.append("Looked for the layouts " + " and ".join(
                 f"{layout!r} ({_expert_probe(cfg.family, layout, prefix + str(layer_idx) + '.')})"
-                for layout in FAMILY_LAYOUTS.get(cfg.family, FAMILY_LAYOUTS["custom"])) + ".")
+                for layout in family_layouts(cfg.family)) + ".")
     other_family = _other_family_router(ckpt, cfg.family, layer_idx)
     if other_family:
         hints.append(f"The checkpoint has {other_family[1]!r} ({other_family[0]} naming): is the config's family "
@@ -593,19 +680,17 @@ def _missing_hint(ckpt: CheckpointReader, cfg: MoEConfig, layer_idx: int, name: 
     return " ".join(hints)
 
 
-_NAMING_OF = {"DeepSeek-V3/Kimi-K2": "deepseek_v3", "Kimi-K3": "kimi_k3", "Step3": "step3"}
-
-
 def _other_family_router(ckpt: CheckpointReader, family: str, layer_idx: int) -> tuple[str, str] | None:
-    """``(naming, router name)`` of another family's router found for this layer, else None."""
-    own = layer_names(family, "hub", "").router
-    for naming, other in _NAMING_OF.items():
-        router_suffix = layer_names(other, "hub", "").router
-        if router_suffix == own:
-            continue
-        for prefix in KNOWN_PREFIXES:
-            if f"{prefix}{layer_idx}.{router_suffix}" in ckpt:
-                return naming, f"{prefix}{layer_idx}.{router_suffix}"
+    """``(naming, router name)`` of another family's router found for this layer, else None (the first family in
+    registry order whose router name differs from this family's and is in the checkpoint)."""
+    own = {layout.router for layout in names_family(family).layouts}
+    for other in FAMILIES:
+        for layout in other.layouts:
+            if layout.router in own:
+                continue
+            for prefix in KNOWN_PREFIXES:
+                if f"{prefix}{layer_idx}.{layout.router}" in ckpt:
+                    return other.models, f"{prefix}{layer_idx}.{layout.router}"
     return None
 
 

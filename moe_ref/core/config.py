@@ -1,7 +1,8 @@
 """Model and parallel configuration: what the MoE block computes and how it is spread over ranks.
 
-``MoEConfig`` holds the routed-expert block of one model family (Kimi-K2/K3, DeepSeek-V3, Step3 or a
-custom one); ``MoEConfig.from_hf_config`` reads each family's real ``config.json`` field names.
+``MoEConfig`` holds the routed-expert block of one model family (any family registered in
+``moe_ref.core.families``, or a custom one); ``MoEConfig.from_hf_config`` reads a config.json (path, folder, dict
+or a transformers ``PretrainedConfig``) with its family's field names, defaults and rules.
 ``ParallelConfig`` holds tp/ep/dp sizes. Both are frozen and checked on construction; ``problems()``
 lists every problem at once (used by ``moe-ref check``).
 
@@ -28,10 +29,14 @@ from moe_ref.core.errors import (
     TPExceedsExpertsError,
     UnknownFamilyError,
     UnknownNameError,
+    UnsupportedFamilyFeatureError,
 )
+from moe_ref.core.families import (FAMILIES, TOPK_METHODS, Family, Key, family_for_model_type, family_named,
+                                   supported_model_types)
 
-SCORING_FUNCS = ("softmax", "sigmoid")
-ACTIVATIONS = ("silu", "situ")
+SCORING_FUNCS = ("softmax", "sigmoid", "topk_softmax")
+GROUP_SCORES = ("top2_sum", "max")
+ACTIVATIONS = ("silu", "situ", "swigluoai")
 _PRESET_DIR = Path(__file__).parent / "presets"
 
 
@@ -39,12 +44,18 @@ _PRESET_DIR = Path(__file__).parent / "presets"
 class MoEConfig:
     """The routed-expert block of one model (one MoE layer; every MoE layer of a model shares it).
 
-    Router: ``scores = softmax|sigmoid(logits)``; selection adds ``e_score_correction_bias`` when
-    ``use_selection_bias``; grouped top-k keeps ``num_topk_groups`` of ``num_groups`` groups; the weights
-    are the unbiased scores of the chosen experts, renormalised if ``renormalize``, times
-    ``routed_scaling_factor``. Experts: ``down(act(gate(x), up(x)))`` with ``activation`` SiLU-gated or
-    SiTU. Kimi-K3 (``latent_dim`` set): experts run on ``latent_down(x)`` and the routed sum goes through
-    RMSNorm (if ``latent_norm``) and ``latent_up`` after the full cross-rank sum.
+    Router (``moe_ref.core.router``): ``logits = x @ gate^T`` (+ a router bias when ``router_bias``);
+    ``scores = softmax|sigmoid(logits)``, or the logits themselves for ``topk_softmax``; selection adds
+    ``e_score_correction_bias`` when ``use_selection_bias``; grouped top-k keeps ``num_topk_groups`` of
+    ``num_groups`` groups, each scored by ``group_score`` (``top2_sum``: DeepSeek-V3; ``max``: DeepSeek-V2's
+    group_limited_greedy); the weights are the unbiased scores of the chosen experts (``topk_softmax``: a softmax
+    over the K chosen logits, gpt-oss), renormalised if ``renormalize``, times ``routed_scaling_factor``.
+    Experts: ``down(act(gate(x), up(x)))`` with ``activation`` SiLU-gated, SiTU, or gpt-oss's clamped SwiGLU
+    (``swigluoai`` with ``swiglu_alpha``, ``swiglu_limit``); ``expert_bias``: the experts' Linear layers have
+    biases. Shared experts: one MLP of width ``shared_intermediate_size``, scaled by ``sigmoid(x @ w)`` when
+    ``shared_expert_gate`` (Qwen2-MoE). Kimi-K3 (``latent_dim`` set): experts run on ``latent_down(x)`` and the
+    routed sum goes through RMSNorm (if ``latent_norm``) and ``latent_up`` after the full cross-rank sum.
+    ``family``: the registered family (``moe_ref.core.families``) the config was read as, or ``custom``.
     """
 
     num_experts: int
@@ -65,9 +76,16 @@ class MoEConfig:
     latent_dim: int | None = None
     latent_norm: bool = True
     rms_norm_eps: float = 1e-6
-    family: str = "custom"  # deepseek_v3 | kimi_k2 | kimi_k3 | step3 | custom
+    family: str = "custom"  # a moe_ref.core.families name (deepseek_v3, qwen3_moe, ...) or custom
     name: str = "custom"
     moe_layers: tuple[int, ...] = field(default=(), compare=False)
+    group_score: str = "top2_sum"
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_expert_gate: bool = False
+    num_layers: int | None = field(default=None, compare=False)  # decoder layers (num_hidden_layers), if known
 
     def __post_init__(self):
         problems = self.problems()
@@ -109,6 +127,8 @@ class MoEConfig:
             out.append(UnknownNameError(f"scoring={self.scoring!r}; supported: {', '.join(SCORING_FUNCS)}"))
         if self.activation not in ACTIVATIONS:
             out.append(UnknownNameError(f"activation={self.activation!r}; supported: {', '.join(ACTIVATIONS)}"))
+        if self.group_score not in GROUP_SCORES:
+            out.append(UnknownNameError(f"group_score={self.group_score!r}; supported: {', '.join(GROUP_SCORES)}"))
         if self.num_topk > self.num_experts:
             out.append(TopKError(f"num_topk={self.num_topk} > num_experts={self.num_experts}: each token picks "
                                  f"num_topk distinct experts; lower num_topk to at most {self.num_experts}"))
@@ -117,6 +137,10 @@ class MoEConfig:
             out.append(InvalidConfigError(f"latent_dim={self.latent_dim} must be positive or None"))
         if self.num_shared_experts < 0 or self.shared_intermediate_size < 0:
             out.append(InvalidConfigError(f"{self.num_shared_experts=} and {self.shared_intermediate_size=} must be >= 0"))
+        if self.shared_expert_gate and not self.has_shared_experts:
+            out.append(InvalidConfigError(
+                f"shared_expert_gate=True gates the shared experts, but there are none ({self.num_shared_experts=}, "
+                f"{self.shared_intermediate_size=}): set both, or shared_expert_gate=False", field="shared_expert_gate"))
         return out
 
     def _group_problems(self) -> list[ConfigError]:
@@ -132,21 +156,27 @@ class MoEConfig:
             out.append(GroupConfigError(
                 f"the {kept} kept groups hold {kept * (E // G)} experts, fewer than num_topk={k}; "
                 f"raise num_topk_groups to at least {-(-k // (E // G))}"))
-        if self.scoring == "softmax" and G > 1 and E // G < 2:
+        if self.scoring == "softmax" and self.group_score == "top2_sum" and G > 1 and E // G < 2:
             out.append(GroupConfigError(f"groups of {E // G} expert cannot be scored by their top-2"))
         return out
 
     # --- HF config ------------------------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], *, validate: bool = True) -> "MoEConfig":
-        """Read a model's ``config.json`` (path, folder holding it, or dict) with its family's field names.
+    def from_hf_config(cls, path_or_dict: "str | os.PathLike | Mapping[str, Any] | Any", *,
+                       validate: bool = True) -> "MoEConfig":
+        """Read a model's config (config.json path, the folder holding it, its dict, or a transformers
+        ``PretrainedConfig`` such as ``model.config``) with its family's field names, defaults and rules.
 
-        Kimi-K2/DeepSeek-V3: ``n_routed_experts``, ``num_experts_per_tok``, ``n_group``, ``topk_group``,
-        ``scoring_func``, ``topk_method``, ``norm_topk_prob``, ``routed_scaling_factor``, ``n_shared_experts``.
-        Kimi-K3: ``text_config`` with ``num_experts``, ``num_experts_per_token``, ``num_expert_group``,
-        ``moe_router_activation_func``, ``moe_renormalize``, ``num_shared_experts``, ``use_latent_moe``,
-        ``latent_moe_dim``, ``hidden_act: situ``. Step3: ``moe_num_experts``, ``moe_top_k``,
-        ``norm_expert_weight``, ``share_expert_dim``, ``moe_layers_enum`` (softmax router).
+        The family is the one registered for the config's ``model_type`` (``moe_ref.core.families``; a
+        ``text_config``'s wins): e.g. DeepSeek-V3/Kimi-K2 ``n_routed_experts``, ``num_experts_per_tok``, ``n_group``,
+        ``topk_group``, ``scoring_func``, ``topk_method``, ``norm_topk_prob``, ``routed_scaling_factor``,
+        ``n_shared_experts``; Qwen3-MoE ``num_experts``, ``norm_topk_prob``, ``decoder_sparse_step``; Mixtral
+        ``num_local_experts``; gpt-oss ``swiglu_alpha``, ``swiglu_limit``; Ernie-4.5 ``moe_num_experts``, ``moe_k``.
+        A field the config.json leaves out takes the family's default (its configuration class's).
+
+        Raises:
+            ConfigFileError (CFG010), ConfigFieldError (CFG011), UnknownFamilyError (CFG018),
+            UnsupportedFamilyFeatureError (CFG025); with ``validate``, the first of ``problems()``.
         """
         raw = read_hf_config_json(path_or_dict)
         kwargs = hf_config_to_fields(raw, source=_source(path_or_dict))
@@ -154,25 +184,37 @@ class MoEConfig:
 
 
 def _source(path_or_dict) -> str:
-    """The config's file for messages (``<dict>`` for a dict)."""
+    """The config's file for messages (``<dict>`` for a dict, ``<ClassName>`` for a config object)."""
     if isinstance(path_or_dict, (str, os.PathLike)):
         path = Path(path_or_dict)
         return str(path / "config.json" if path.is_dir() else path)
-    return "<dict>"
+    return "<dict>" if isinstance(path_or_dict, Mapping) else f"<{type(path_or_dict).__name__}>"
 
 
-def read_hf_config_json(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict:
-    """The config dict of a config.json path, the folder holding it, or a dict.
+def _is_config_object(obj) -> bool:
+    """A transformers ``PretrainedConfig`` (duck-typed: core does not import transformers): its ``to_dict()``
+    holds the config.json's fields."""
+    return callable(getattr(obj, "to_dict", None)) and isinstance(getattr(obj, "model_type", None), str)
+
+
+def read_hf_config_json(path_or_dict: "str | os.PathLike | Mapping[str, Any] | Any") -> dict:
+    """The config dict of a config.json path, the folder holding it, a dict, or a transformers ``PretrainedConfig``
+    (its ``to_dict()``, which is what ``save_pretrained`` writes).
 
     Raises ``ConfigFileError`` (CFG010) naming the file: None or another type given, a missing file,
     a file that is not JSON, or JSON that is not an object.
     """
     if isinstance(path_or_dict, Mapping):
         return dict(path_or_dict)
+    if _is_config_object(path_or_dict):
+        return dict(path_or_dict.to_dict())
     if not isinstance(path_or_dict, (str, os.PathLike)):
+        shown = repr(path_or_dict)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise ConfigFileError(
-            f"the model config is {path_or_dict!r} ({type(path_or_dict).__name__}); pass a MoEConfig, a preset name, "
-            f"the path of config.json (or its folder) or its dict, e.g. MoEConfig.from_hf_config('<model dir>')")
+            f"the model config is {shown} ({type(path_or_dict).__name__}); pass a MoEConfig, a preset name, the path "
+            f"of config.json (or its folder), its dict, or a transformers PretrainedConfig (model.config), e.g. "
+            f"MoEConfig.from_hf_config('<model dir>')")
     path = Path(path_or_dict)
     if path.is_dir():
         path = path / "config.json"
@@ -205,19 +247,36 @@ class _Fields:
                 return name, self.d[name]
         return None, None
 
-    def _bad(self, key: str, value, want: str) -> ConfigFieldError:
+    def bad(self, key: str, value, want: str) -> ConfigFieldError:
+        """CFG011 (not raised): ``key`` holds ``value``, which is not ``want``."""
         return ConfigFieldError(f"{self.source}: {key!r} is {json.dumps(value)} ({type(value).__name__}); it must be "
                                 f"{want}: fix it in the file (e.g. from the model's published config.json)",
                                 field=key, path=self.source)
 
+    def read(self, key: Key, kind: type, what: str | None = None):
+        """The value of ``key`` (a family's ``Key``) as ``kind`` (int, float, bool or str); its default when absent,
+        CFG011 when absent and required (default None) or mistyped."""
+        if kind is int:
+            return self.required_int(*key.names, what=what or key.names[0]) if key.default is None \
+                else self.optional_int(*key.names, default=key.default)
+        if key.default is None and self._raw(key.names)[0] is None:
+            raise self._missing(key.names, what or key.names[0], {float: "a JSON number", bool: "true or false",
+                                                                   str: "a JSON string"}[kind])
+        reader = {float: self.number, bool: self.boolean, str: self.string}[kind]
+        return reader(*key.names, default=key.default)
+
+    def _missing(self, names: tuple[str, ...], what: str, want: str) -> ConfigFieldError:
+        null = [name for name in names if name in self.d]
+        found = (f"{null[0]!r} is null" if null else f"{names[0]!r} is missing" if len(names) == 1
+                 else f"none of {', '.join(repr(n) for n in names)} is present")
+        return ConfigFieldError(f"{self.source}: {found}; the config needs {what} as {want} (\"{names[0]}\": the "
+                                f"model's value, from its published config.json): fix it in the file",
+                                field=names[0], path=self.source)
+
     def required_int(self, *names: str, what: str) -> int:
         key, value = self._raw(names)
         if key is None:
-            null = [name for name in names if name in self.d]
-            found = (f"{null[0]!r} is null" if null else f"{names[0]!r} is missing" if len(names) == 1
-                     else f"none of {', '.join(repr(n) for n in names)} is present")
-            raise ConfigFieldError(f"{self.source}: {found}; the config needs {what} as a JSON integer (e.g. "
-                                   f"\"{names[0]}\": 7168): fix it in the file", field=names[0], path=self.source)
+            raise self._missing(names, what, "a JSON integer")
         return self._int(key, value)
 
     def optional_int(self, *names: str, default: int | None = None) -> int | None:
@@ -225,16 +284,31 @@ class _Fields:
         return default if key is None else self._int(key, value)
 
     def _int(self, key: str, value) -> int:
+        # per-layer lists (HunYuan's moe_topk, num_experts) are one value when every layer has the same
+        if isinstance(value, list) and value and len(set(map(repr, value))) == 1:
+            value = value[0]
+        elif isinstance(value, list) and value:
+            raise self.bad(key, value, "one integer for every layer (moe_ref builds one block shape for a model; "
+                                       "these per-layer values differ)")
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self._bad(key, value, "a JSON integer (write 7168, not \"7168\" or 7168.5)")
+            raise self.bad(key, value, "a JSON integer (write 7168, not \"7168\" or 7168.5)")
         return value
+
+    def int_list(self, key: Key) -> tuple[int, ...]:
+        """A list of integers (Qwen's ``mlp_only_layers``); the key's default when absent."""
+        name, value = self._raw(key.names)
+        if name is None:
+            return tuple(key.default)
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise self.bad(name, value, "a JSON list of layer numbers ([0, 1])")
+        return tuple(value)
 
     def number(self, *names: str, default: float) -> float:
         key, value = self._raw(names)
         if key is None:
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self._bad(key, value, "a JSON number")
+            raise self.bad(key, value, "a JSON number")
         return float(value)
 
     def boolean(self, *names: str, default: bool) -> bool:
@@ -248,114 +322,147 @@ class _Fields:
         if key is None:
             return default
         if not isinstance(value, kind):
-            raise self._bad(key, value, want)
+            raise self.bad(key, value, want)
         return value
 
 
 def hf_config_to_fields(raw: Mapping[str, Any], source: str = "<dict>") -> dict[str, Any]:
-    """Map an HF config dict (any supported family) to ``MoEConfig`` keyword arguments.
+    """Map an HF config dict of a registered family (``moe_ref.core.families``) to ``MoEConfig`` keyword arguments.
 
     Args:
-        raw: the parsed config.json.
+        raw: the parsed config.json (a ``text_config`` is merged over it: multimodal wrappers).
         source: where it came from, for messages.
 
     Raises:
-        ConfigFieldError (CFG011) for a missing, null or mistyped field; InvalidConfigError (CFG007) when the
-        config has no routed experts at all.
+        UnknownFamilyError (CFG018) for a model_type no family covers; ConfigFieldError (CFG011) for a missing,
+        null or mistyped field; UnsupportedFamilyFeatureError (CFG025) for a value that turns on a feature of the
+        family moe_ref does not compute (e.g. DeepSeek-V2 ``mlp_bias: true``, an unknown ``topk_method``).
     """
     text_config = raw.get("text_config")
     d = {**raw, **text_config} if isinstance(text_config, Mapping) else dict(raw)
     f = _Fields(d, source)
     model_type = f.string("model_type", default="")
-    expert_keys, topk_keys = ("n_routed_experts", "num_experts", "moe_num_experts", "num_local_experts"), \
-        ("num_experts_per_tok", "num_experts_per_token", "moe_top_k")
-    if all(d.get(k) is None for k in expert_keys) and all(d.get(k) is None for k in topk_keys):
-        raise InvalidConfigError(
-            f"{source}: config has no routed-expert count or top-k (looked for n_routed_experts/num_experts/"
-            "moe_num_experts and num_experts_per_tok/num_experts_per_token/moe_top_k); is it an MoE model?")
-    num_experts = f.required_int(*expert_keys, what="the routed-expert count")
-    num_topk = f.required_int(*topk_keys, what="the experts per token (top-k)")
-    family = _family(model_type, source)
-    is_step3 = family == "step3"
-    use_latent = f.boolean("use_latent_moe", default=family == "kimi_k3")
-    is_k3 = family == "kimi_k3" or (use_latent and family != "step3")
-    family = "kimi_k3" if is_k3 else family
-    # transformers' own DeepseekV3Config.to_dict() omits scoring_func: the family's router is sigmoid.
-    default_scoring = "sigmoid" if family in ("deepseek_v3", "kimi_k2", "kimi_k3") else "softmax"
-    scoring = f.string("scoring_func", "moe_router_activation_func", default=default_scoring)
-    topk_method = f.string("topk_method", default="noaux_tc" if is_k3 else None)
-    moe_intermediate = f.required_int("moe_intermediate_size", what="the routed expert's intermediate size")
-    if is_step3:
-        shared_size = f.optional_int("share_expert_dim", default=0)
-        num_shared = 1 if shared_size else 0
-        renorm = f.boolean("norm_expert_weight", default=False)
-    else:
-        num_shared = f.optional_int("n_shared_experts", "num_shared_experts", default=0)
-        shared_size = num_shared * moe_intermediate
-        renorm = f.boolean("norm_topk_prob", "moe_renormalize", default=scoring == "sigmoid")
-    latent_dim = f.optional_int("latent_moe_dim", "routed_expert_hidden_size", "latent_dim") if (is_k3 and use_latent) \
-        else None
+    family = _family(model_type, d, source)
+    _refuse_unsupported(family, d, source)
+    router, experts = _router_fields(f, family, source), _expert_fields(f, family)
+    latent = family.latent
+    latent_dim = f.read(latent.dim, int) if latent is not None and f.read(latent.enabled, bool) else None
     return dict(
-        num_experts=num_experts,
-        num_topk=num_topk,
-        hidden_size=f.required_int("hidden_size", what="the hidden size"),
-        intermediate_size=moe_intermediate,
-        scoring=scoring,
-        use_selection_bias=scoring == "sigmoid" and topk_method in ("noaux_tc", None) and not is_step3,
-        renormalize=renorm,
-        num_groups=f.optional_int("n_group", "num_expert_group", default=1),
-        num_topk_groups=f.optional_int("topk_group", default=1),
-        routed_scaling_factor=f.number("routed_scaling_factor", default=1.0),
-        activation=f.string("hidden_act", default="silu").lower(),
-        situ_beta=f.number("activation_situ_beta", default=4.0),
-        situ_linear_beta=f.number("activation_situ_linear_beta", default=25.0),
-        num_shared_experts=num_shared,
-        shared_intermediate_size=shared_size,
+        num_experts=f.read(family.num_experts, int, "the routed-expert count"),
+        num_topk=f.read(family.num_topk, int, "the experts per token (top-k)"),
+        hidden_size=f.read(family.hidden_size, int, "the hidden size"),
+        **router, **experts, **_shared_fields(f, family, experts["intermediate_size"]),
         latent_dim=latent_dim or None,
-        latent_norm=f.boolean("latent_moe_use_norm", default=True),
-        rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
-        family=family,
-        name=str(raw.get("_name", model_type or "custom")),
-        moe_layers=_moe_layers(f, is_step3),
+        latent_norm=f.read(latent.norm, bool) if latent is not None else True,
+        rms_norm_eps=f.read(family.rms_norm_eps, float),
+        family=family.name,
+        name=str(raw.get("_name", model_type)),
+        moe_layers=_moe_layers(f, family),
+        num_layers=f.optional_int("num_hidden_layers"),
     )
 
 
-# model_type -> family: the families whose field names and routing rule from_hf_config maps. Step3's text
-# config is "step3_text" (the VL wrapper "step3_vl" carries it as text_config, whose model_type wins).
-HF_MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "kimi_k2", "kimi_k3": "kimi_k3", "step3": "step3",
-                  "step3_text": "step3"}
+def _family(model_type: str, d: Mapping[str, Any], source: str) -> Family:
+    """The registered family of ``model_type``; UnknownFamilyError (CFG018) for any other (no guessing from field
+    names: families share field names but not their router, shared experts or tensor names). ``custom`` is for
+    MoEConfig(...) built in code only."""
+    family = family_for_model_type(model_type)
+    if family is not None:
+        return family
+    what = f"model_type {model_type!r}" if model_type else "no model_type"
+    expert_keys = sorted({n for fam in FAMILIES for n in fam.num_experts.names})
+    dense = "" if any(d.get(k) is not None for k in expert_keys) else (
+        f" It has none of the families' routed-expert counts ({', '.join(expert_keys)}): is it an MoE model?")
+    raise UnknownFamilyError(
+        f"{source}: {what}: moe_ref does not know this model family's routing rule and tensor names, and will not "
+        f"guess them from field names.{dense} Supported model_types: {', '.join(supported_model_types())}. To add "
+        f"a family, write moe_ref/core/families/<family>.py (one Family record: its config keys, router, experts, "
+        f"shared experts and tensor names, read from its modeling code) and list it in "
+        f"moe_ref.core.families.FAMILIES; for a block of your own, build MoEConfig(...) in code (family 'custom')",
+        field="model_type", model_type=model_type)
 
 
-def _family(model_type: str, source: str) -> str:
-    """The family of ``model_type``; UnknownFamilyError (CFG018) for any other (no guessing from field names:
-    a Qwen3-MoE config has ``num_experts`` and ``moe_intermediate_size`` too, but another router and no shared
-    expert). ``custom`` is for MoEConfig(...) built in code only."""
-    family = HF_MODEL_TYPES.get(model_type)
-    if family is None:
-        what = f"model_type {model_type!r}" if model_type else "no model_type"
-        raise UnknownFamilyError(
-            f"{source}: {what}: moe_ref does not know this model family's routing rule and tensor names, and "
-            f"will not guess them from field names; supported model_types: {', '.join(HF_MODEL_TYPES)} "
-            f"(DeepSeek-V3/R1, Kimi-K2, Kimi-K3, Step3). For a block of your own, build MoEConfig(...) in code "
-            f"(family 'custom')", field="model_type", model_type=model_type)
-    return family
+def _refuse_unsupported(family: Family, d: Mapping[str, Any], source: str) -> None:
+    """UnsupportedFamilyFeatureError (CFG025) for a config value that turns on a feature moe_ref does not compute."""
+    for key, wanted, feature in family.unsupported:
+        if d.get(key) is not None and d[key] != wanted:
+            raise UnsupportedFamilyFeatureError(
+                f"{source}: {key!r} is {json.dumps(d[key])}: {family.models} ({family.name}) with {feature}; moe_ref "
+                f"computes this family with {key}={json.dumps(wanted)} only, so it refuses rather than drop them",
+                field=key, family=family.name)
 
 
-def _moe_layers(f: _Fields, is_step3: bool) -> tuple[int, ...]:
-    num_layers = f.optional_int("num_hidden_layers")
-    layers_enum = f.string("moe_layers_enum", default=None) if is_step3 else None
-    if layers_enum:
+def _router_fields(f: _Fields, family: Family, source: str) -> dict[str, Any]:
+    rule = family.router
+    scoring = rule.scoring if isinstance(rule.scoring, str) else f.read(rule.scoring, str)
+    selection_bias, group_score = rule.selection_bias, rule.group_score
+    if rule.topk_method is not None:
+        method = rule.topk_method if isinstance(rule.topk_method, str) else f.read(rule.topk_method, str)
+        if method not in TOPK_METHODS:
+            raise UnsupportedFamilyFeatureError(
+                f"{source}: 'topk_method' is {json.dumps(method)}; {family.models} ({family.name}) routes with "
+                f"{', '.join(TOPK_METHODS)}: fix it from the model's published config.json",
+                field="topk_method", family=family.name)
+        selection_bias, group_score = TOPK_METHODS[method]
+    grouped = group_score is not None and rule.num_groups is not None
+    renorm = rule.renormalize if isinstance(rule.renormalize, bool) else f.read(rule.renormalize, bool)
+    scale = f.read(rule.routed_scaling_factor, float) if rule.routed_scaling_factor is not None else 1.0
+    return dict(scoring=scoring, use_selection_bias=selection_bias, group_score=group_score or "top2_sum",
+                num_groups=f.read(rule.num_groups, int) if grouped else 1,
+                num_topk_groups=f.read(rule.num_topk_groups, int) if grouped else 1,
+                renormalize=renorm, routed_scaling_factor=scale, router_bias=rule.router_bias)
+
+
+def _expert_fields(f: _Fields, family: Family) -> dict[str, Any]:
+    rule, defaults = family.experts, {fl.name: fl.default for fl in dataclasses.fields(MoEConfig)}
+    activation = rule.activation if isinstance(rule.activation, str) else f.read(rule.activation, str)
+    optional = {name: f.read(key, float) if key is not None else defaults[name]
+                for name, key in (("swiglu_alpha", rule.swiglu_alpha), ("swiglu_limit", rule.swiglu_limit),
+                                  ("situ_beta", rule.situ_beta), ("situ_linear_beta", rule.situ_linear_beta))}
+    return dict(intermediate_size=f.read(rule.intermediate_size, int, "the routed expert's intermediate size"),
+                activation=activation.lower(), expert_bias=rule.bias, **optional)
+
+
+def _shared_fields(f: _Fields, family: Family, intermediate_size: int) -> dict[str, Any]:
+    rule = family.shared
+    size = None if rule.size == "per_expert" else f.read(rule.size, int)
+    count = rule.count if isinstance(rule.count, int) else f.read(rule.count, int) if rule.count is not None \
+        else int(bool(size))
+    width = 0 if not count else count * intermediate_size if size is None else size
+    return dict(num_shared_experts=count if width else 0, shared_intermediate_size=width,
+                shared_expert_gate=rule.gate and bool(width))
+
+
+def _moe_layers(f: _Fields, family: Family) -> tuple[int, ...]:
+    """The MoE layers by the family's rule (``MoELayers``); () when the config does not say how many layers."""
+    rule = family.moe_layers
+    if rule.kind == "enum":
+        enum = f.read(rule.key("enum"), str)
         try:
-            return tuple(int(i) for i in layers_enum.split(",") if i.strip())
+            return tuple(int(i) for i in enum.split(",") if i.strip())
         except ValueError:
-            raise f._bad("moe_layers_enum", layers_enum, "comma-separated layer numbers (\"4,5,6\")") from None
+            raise f.bad(rule.key("enum").names[0], enum, "comma-separated layer numbers (\"4,5,6\")") from None
+    num_layers = f.optional_int("num_hidden_layers")
     if num_layers is None:
         return ()
-    first_dense = f.optional_int("first_k_dense_replace", default=0)
-    freq = f.optional_int("moe_layer_freq", default=1)
-    if freq < 1:
-        raise f._bad("moe_layer_freq", freq, "a positive integer")
-    return tuple(i for i in range(first_dense, num_layers) if (i - first_dense) % freq == 0)
+    if rule.kind == "first_k_dense":
+        first, freq = f.read(rule.key("first_dense"), int), f.read(rule.key("freq"), int)
+        if freq < 1:
+            raise f.bad(rule.key("freq").names[0], freq, "a positive integer")
+        return tuple(i for i in range(first, num_layers) if (i - first) % freq == 0)
+    if rule.kind == "sparse_step":
+        step, dense = f.read(rule.key("step"), int), f.int_list(rule.key("dense_list"))
+        if step < 1:
+            raise f.bad(rule.key("step").names[0], step, "a positive integer")
+        return tuple(i for i in range(num_layers) if (i + 1) % step == 0 and i not in dense)
+    if rule.kind == "interval":
+        start, end = f.read(rule.key("start"), int), f.read(rule.key("end"), int)
+        interval = f.read(rule.key("interval"), int)
+        if interval < 1:
+            raise f.bad(rule.key("interval").names[0], interval, "a positive integer")
+        end = num_layers - 1 if end == -1 else end
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0 and start <= i <= end)
+    return tuple(range(num_layers))
 
 
 @dataclass(frozen=True)
@@ -428,13 +535,16 @@ def preset(name: str) -> MoEConfig:
         raise UnknownNameError(f"preset={name!r}; available: {', '.join(PRESETS)}")
     cfg = MoEConfig.from_hf_config({**json.loads((_PRESET_DIR / f"{base}.json").read_text()), "_name": base})
     if name.startswith("tiny-"):
-        cfg = dataclasses.replace(cfg, name=name, moe_layers=(), **_TINY_OVERRIDES[base])
+        cfg = dataclasses.replace(cfg, name=name, moe_layers=(), num_layers=None, **_TINY_OVERRIDES[base])
     return cfg
 
 
 def hf_config_dict(cfg: MoEConfig) -> dict[str, Any]:
-    """A DeepSeek-V3/Kimi-K2/K3/Step3-style HF config dict for ``cfg`` (inverse of ``from_hf_config``;
-    used to write synthetic checkpoints next to their config.json)."""
+    """An HF config dict of ``cfg``'s family (inverse of ``from_hf_config``; used to write synthetic checkpoints
+    next to their config.json). ``custom`` is written as DeepSeek-V3; one decoder layer, an MoE layer."""
+    family = family_named(cfg.family)
+    if family is not None and family.name not in ("step3", "kimi_k3", "deepseek_v3", "kimi_k2"):
+        return _family_config_dict(cfg, family)
     if cfg.family == "step3":
         return {"model_type": "step3_text", "hidden_size": cfg.hidden_size, "moe_num_experts": cfg.num_experts,
                 "moe_top_k": cfg.num_topk, "moe_intermediate_size": cfg.intermediate_size,
@@ -459,3 +569,35 @@ def hf_config_dict(cfg: MoEConfig) -> dict[str, Any]:
             "norm_topk_prob": cfg.renormalize, "routed_scaling_factor": cfg.routed_scaling_factor,
             "hidden_act": cfg.activation, "num_hidden_layers": 1, "first_k_dense_replace": 0,
             "rms_norm_eps": cfg.rms_norm_eps}
+
+
+def _family_config_dict(cfg: MoEConfig, family: Family) -> dict[str, Any]:
+    """``cfg`` under ``family``'s config.json keys (each fact written under its first key name)."""
+    router, experts, shared = family.router, family.experts, family.shared
+    out: dict[str, Any] = {"model_type": family.model_types[0], "num_hidden_layers": 1,
+                           "rms_norm_eps": cfg.rms_norm_eps}
+    facts = [(family.hidden_size, cfg.hidden_size), (family.num_experts, cfg.num_experts),
+             (family.num_topk, cfg.num_topk), (experts.intermediate_size, cfg.intermediate_size),
+             (router.scoring, cfg.scoring), (router.renormalize, cfg.renormalize),
+             (router.routed_scaling_factor, cfg.routed_scaling_factor), (router.num_groups, cfg.num_groups),
+             (router.num_topk_groups, cfg.num_topk_groups), (experts.activation, cfg.activation),
+             (experts.swiglu_alpha, cfg.swiglu_alpha), (experts.swiglu_limit, cfg.swiglu_limit),
+             (experts.situ_beta, cfg.situ_beta), (experts.situ_linear_beta, cfg.situ_linear_beta)]
+    if isinstance(router.topk_method, Key):
+        grouping = None if cfg.num_groups == 1 and not cfg.use_selection_bias else cfg.group_score
+        method = next(m for m, rule in TOPK_METHODS.items() if rule == (cfg.use_selection_bias, grouping))
+        facts.append((router.topk_method, method))
+    if isinstance(shared.count, Key):
+        per_expert = cfg.shared_intermediate_size // max(cfg.intermediate_size, 1)
+        facts.append((shared.count, cfg.num_shared_experts if shared.size == "per_expert" else per_expert))
+    if isinstance(shared.size, Key):
+        facts.append((shared.size, cfg.shared_intermediate_size))
+    for key, value in facts:
+        if isinstance(key, Key):
+            out.setdefault(key.names[0], value)
+    # the MoE-layer rule's keys set so that the one layer is an MoE layer
+    first_layer = {"first_dense": 0, "freq": 1, "step": 1, "dense_list": [], "start": 0, "end": -1, "interval": 1,
+                   "enum": "0"}
+    for role, key in family.moe_layers.keys:
+        out[key.names[0]] = first_layer[role]
+    return out

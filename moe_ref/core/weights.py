@@ -5,7 +5,9 @@ F expert intermediate, S shared-MLP intermediate (all shared experts fused), L l
 then see L, not D: the expert weights' D is Dx, expert input width).
 
 ``gate_up_weight_E2FD`` stacks each expert's gate rows (0..F-1) then its up rows (F..2F-1), so one GEMM
-computes both; ``down_weight_EDF`` is the down projection. Loaders (``moe_ref.checkpoint.loading``) fill this from
+computes both; ``down_weight_EDF`` is the down projection. Families with biases keep them in the same order:
+``gate_up_bias_E2F`` (gate, then up) and ``down_bias_ED`` (gpt-oss), the gate's ``router_bias_E`` (gpt-oss);
+Qwen2-MoE's shared-expert gate is ``shared_gate_weight_D``. Loaders (``moe_ref.checkpoint.loading``) fill this from
 each family's checkpoint names; ``MoEWeights.random`` makes seeded weights for tests and demos.
 """
 from __future__ import annotations
@@ -16,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_ref.core.config import MoEConfig
+
+# the fields that hold one row per held expert (sliced by ``expert_slice``; the rest are whole)
+EXPERT_FIELDS = ("gate_up_weight_E2FD", "down_weight_EDF", "gate_up_bias_E2F", "down_bias_ED")
 
 
 @dataclass
@@ -33,6 +38,10 @@ class MoEWeights:
     latent_up_weight_DL: torch.Tensor | None = None  # [D, L]  Kimi-K3 routed_expert_up_proj
     latent_norm_weight_L: torch.Tensor | None = None  # [L]    Kimi-K3 routed_expert_norm
     first_expert: int = 0
+    router_bias_E: torch.Tensor | None = None  # [E] the gate Linear's bias, added to the logits (gpt-oss)
+    gate_up_bias_E2F: torch.Tensor | None = None  # [E_held, 2F] expert biases, gate then up (gpt-oss)
+    down_bias_ED: torch.Tensor | None = None  # [E_held, Dx]
+    shared_gate_weight_D: torch.Tensor | None = None  # [D] Qwen2-MoE shared_expert_gate: sigmoid(x @ w) scales shared
 
     @property
     def num_held_experts(self) -> int:
@@ -47,8 +56,9 @@ class MoEWeights:
             raise TensorShapeMismatchError(
                 f"experts [{first}, {first + count}) are not all held (held: [{self.first_expert}, "
                 f"{self.first_expert + self.num_held_experts})): the weights belong to another config or rank")
-        return dataclasses.replace(self, gate_up_weight_E2FD=self.gate_up_weight_E2FD[lo:lo + count],
-                                   down_weight_EDF=self.down_weight_EDF[lo:lo + count], first_expert=first)
+        held = {name: getattr(self, name) for name in EXPERT_FIELDS}
+        return dataclasses.replace(self, first_expert=first, **{
+            name: None if value is None else value[lo:lo + count] for name, value in held.items()})
 
     def to(self, *args, **kwargs) -> "MoEWeights":
         """Move/cast every tensor (the bias stays fp32)."""
@@ -82,4 +92,8 @@ class MoEWeights:
             latent_down_weight_LD=rand(L, D, fan_in=D) if L else None,
             latent_up_weight_DL=rand(D, L, fan_in=L) if L else None,
             latent_norm_weight_L=(1 + 0.1 * torch.randn(L, generator=gen)).to(dtype=dtype, device=device) if L else None,
+            router_bias_E=rand(E, fan_in=1) if cfg.router_bias else None,
+            gate_up_bias_E2F=rand(E, 2 * F, fan_in=Dx) if cfg.expert_bias else None,
+            down_bias_ED=rand(E, Dx, fan_in=F) if cfg.expert_bias else None,
+            shared_gate_weight_D=rand(D, fan_in=D) if cfg.shared_expert_gate else None,
         )

@@ -361,10 +361,13 @@ def test_kimi_k3_mxfp4_packed_experts_are_refused_clearly(tmp_path):
         return out
 
     rewrite(tmp_path, pack)
-    with pytest.raises(UnsupportedCheckpointError, match=r"experts\.0\.w1\.weight_packed.*MXFP4.*Dequantize") as info:
+    with pytest.raises(UnsupportedCheckpointError, match=r"experts\.0\.w1\.weight_packed.*MXFP4.*without a "
+                                                         r"quantization_config.*restore the quantization_config") as info:
         load_moe_weights(tmp_path, cfg, 0)
     assert info.value.code == "LOAD003" and isinstance(info.value, CheckpointError)
-    assert "MXFP4" in explain("LOAD003")
+    assert "reads plain" not in str(info.value)  # it reads quantized checkpoints, given their quantization_config
+    text = explain("LOAD003")
+    assert "MXFP4" in text and "Restore the quantization_config" in text and "not supported" not in text
 
 
 def test_fp8_weights_with_scales_are_refused_not_misread(tmp_path):

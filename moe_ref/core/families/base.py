@@ -6,7 +6,9 @@
 
 A fact is either a constant of the family (``scoring="softmax"``) or a ``Key``: the config.json field names that
 hold it (the first present with a non-null value wins) and the family's default for a config.json that leaves it
-out (the value the family's own configuration class uses). ``moe_ref.core.config`` reads a config.json through
+out (the value the family's own configuration class uses). Sizes (D, E, K, F, a shared MLP's width) have no
+default: a config.json without them is refused, since a configuration class's default size is some other model's.
+``moe_ref.core.config`` reads a config.json through
 these records; ``moe_ref.checkpoint.loading`` reads a checkpoint through ``TensorLayout``. Nothing here computes.
 
 Shape legend: E experts, D hidden width, Dx expert input width (D, or the latent width for Kimi-K3), F expert
@@ -30,6 +32,8 @@ class Key:
 
     ``default=None`` means required: a config.json without it is refused (CFG011), as the family's own code would
     fail without it. A key under ``text_config`` counts as present (multimodal wrappers such as Kimi-K2.5/K3).
+    ``names`` lists the published name first, then the aliases of the configuration class's ``attribute_map``
+    (transformers writes some fields under the alias: Qwen3-MoE's ``num_experts`` as ``num_local_experts``).
     """
 
     names: tuple[str, ...]

@@ -24,13 +24,13 @@ DEEPSEEK_V3 = Family(
     name="deepseek_v3",
     model_types=("deepseek_v3",),
     models="DeepSeek-V3/R1",
-    num_experts=Key(("n_routed_experts",), 256),
-    num_topk=Key(("num_experts_per_tok",), 8),
+    num_experts=Key(("n_routed_experts", "num_local_experts")),
+    num_topk=Key(("num_experts_per_tok",)),
     router=RouterRule(
         scoring=Key(("scoring_func",), "sigmoid"), topk_method=Key(("topk_method",), "noaux_tc"),
         num_groups=Key(("n_group",), 8), num_topk_groups=Key(("topk_group",), 4),
         renormalize=Key(("norm_topk_prob",), True), routed_scaling_factor=Key(("routed_scaling_factor",), 2.5)),
-    experts=ExpertRule(intermediate_size=Key(("moe_intermediate_size",), 2048)),
+    experts=ExpertRule(intermediate_size=Key(("moe_intermediate_size",))),
     shared=SharedRule(count=Key(("n_shared_experts",), 1)),
     moe_layers=MoELayers("first_k_dense", (("first_dense", Key(("first_k_dense_replace",), 3)),
                                            ("freq", Key(("moe_layer_freq",), 1)))),
@@ -43,12 +43,12 @@ KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, name="kimi_k2", model_types=("kimi_k2
 
 GLM4_MOE = dataclasses.replace(
     DEEPSEEK_V3, name="glm4_moe", model_types=("glm4_moe",), models="GLM-4.5/4.6",
-    num_experts=Key(("n_routed_experts",), 128),
+    num_experts=Key(("n_routed_experts", "num_local_experts")),
     router=RouterRule(
         scoring="sigmoid", topk_method="noaux_tc", num_groups=Key(("n_group",), 1),
         num_topk_groups=Key(("topk_group",), 1), renormalize=Key(("norm_topk_prob",), True),
         routed_scaling_factor=Key(("routed_scaling_factor",), 1.0)),
-    experts=ExpertRule(intermediate_size=Key(("moe_intermediate_size",), 1408)),
+    experts=ExpertRule(intermediate_size=Key(("moe_intermediate_size",))),
     moe_layers=MoELayers("first_k_dense", (("first_dense", Key(("first_k_dense_replace",), 1)),
                                            ("freq", Key(("moe_layer_freq",), 1)))),
 )

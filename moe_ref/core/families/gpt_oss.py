@@ -20,10 +20,10 @@ GPT_OSS = Family(
     name="gpt_oss",
     model_types=("gpt_oss",),
     models="gpt-oss",
-    num_experts=Key(("num_local_experts",), 128),
-    num_topk=Key(("num_experts_per_tok",), 4),
+    num_experts=Key(("num_local_experts", "num_experts")),
+    num_topk=Key(("num_experts_per_tok",)),
     router=RouterRule(scoring="topk_softmax", router_bias=True),
-    experts=ExpertRule(intermediate_size=Key(("intermediate_size",), 2880), activation="swigluoai", bias=True,
+    experts=ExpertRule(intermediate_size=Key(("intermediate_size",)), activation="swigluoai", bias=True,
                        swiglu_alpha=Key(("swiglu_alpha",), 1.702), swiglu_limit=Key(("swiglu_limit",), 7.0)),
     layouts=(TensorLayout(
         name="hub", module="mlp", router="mlp.router.weight", router_bias="mlp.router.bias",

@@ -17,10 +17,10 @@ MIXTRAL = Family(
     name="mixtral",
     model_types=("mixtral",),
     models="Mixtral",
-    num_experts=Key(("num_local_experts",), 8),
-    num_topk=Key(("num_experts_per_tok",), 2),
+    num_experts=Key(("num_local_experts", "num_experts")),
+    num_topk=Key(("num_experts_per_tok",)),
     router=RouterRule(scoring="softmax", renormalize=True),
-    experts=ExpertRule(intermediate_size=Key(("intermediate_size",), 14336)),
+    experts=ExpertRule(intermediate_size=Key(("intermediate_size",))),
     layouts=(
         TensorLayout(name="hub", module="block_sparse_moe", router="block_sparse_moe.gate.weight",
                      experts="per_expert", gate="block_sparse_moe.experts.{expert}.w1.weight",

@@ -15,9 +15,9 @@ OLMOE = Family(
     name="olmoe",
     model_types=("olmoe",),
     models="OLMoE",
-    num_experts=Key(("num_experts",), 64),
-    num_topk=Key(("num_experts_per_tok",), 8),
+    num_experts=Key(("num_experts", "num_local_experts")),
+    num_topk=Key(("num_experts_per_tok",)),
     router=RouterRule(scoring="softmax", renormalize=Key(("norm_topk_prob",), False)),
-    experts=ExpertRule(intermediate_size=Key(("intermediate_size",), 2048)),
+    experts=ExpertRule(intermediate_size=Key(("intermediate_size",))),
     layouts=mlp_layouts(router="mlp.gate.weight"),
 )

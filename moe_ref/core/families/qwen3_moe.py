@@ -18,10 +18,10 @@ QWEN3_MOE = Family(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
     models="Qwen3-MoE",
-    num_experts=Key(("num_experts",), 128),
-    num_topk=Key(("num_experts_per_tok",), 8),
+    num_experts=Key(("num_experts", "num_local_experts")),
+    num_topk=Key(("num_experts_per_tok",)),
     router=RouterRule(scoring="softmax", renormalize=Key(("norm_topk_prob",), False)),
-    experts=ExpertRule(intermediate_size=Key(("moe_intermediate_size",), 768)),
+    experts=ExpertRule(intermediate_size=Key(("moe_intermediate_size",))),
     moe_layers=SPARSE_STEP,
     layouts=mlp_layouts(router="mlp.gate.weight"),
 )
