@@ -158,6 +158,15 @@ def check_demo_memory(cfg: MoEConfig, num_ranks: int, cap: int, dtype: torch.dty
     require_memory(sum(parts.values()) * num_copies, what, fixes, gpu_index)
 
 
+def check_writer_memory(cfg: MoEConfig) -> None:
+    """ENV016 unless host memory holds what the synthetic writer (rank 0) makes: every expert of ``cfg`` in bf16."""
+    need = demo_memory_bytes(cfg, 1, 1, torch.bfloat16)["all experts"]
+    tiny = cfg.name if cfg.name.startswith("tiny-") else f"tiny-{cfg.name}"
+    require_memory(need, f"writing the synthetic {cfg.name} checkpoint (every expert in bf16 on the host, once)",
+                   f"use --preset {tiny} (the same routing at test sizes), or pass a --checkpoint folder that holds "
+                   f"the checkpoint already")
+
+
 def writable_folder(path: str) -> str:
     """``path`` as a folder this process can write (created if absent), else ENV015."""
     try:
@@ -380,8 +389,10 @@ def cmd_demo(args) -> int:
     require_devices(args.device, args.nproc)
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.device_count() >= args.nproc)
     device, dtype = ("cuda", "bf16") if on_gpu else ("cpu", "fp32")
-    if not args.skip_memory_check and not on_gpu:  # on GPUs each rank checks its own (no CUDA context here)
+    if not args.skip_memory_check and not on_gpu:
         check_demo_memory(cfg, args.nproc, cap, DTYPES[dtype])
+    elif not args.skip_memory_check and (private or not os.path.isfile(os.path.join(args.checkpoint, "config.json"))):
+        check_writer_memory(cfg)  # on GPUs each rank checks its own later (no CUDA context here)
     checkpoint = tempfile.mkdtemp(prefix="moe_ref_demo_") if private else writable_folder(args.checkpoint)
     try:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",

@@ -352,22 +352,28 @@ def test_plan_and_info_mark_the_checkpoints_precision_with_the_bytes_the_layer_h
 
 
 # --- the quantized demo: MXFP4 checkpoint -> MegaMoE.load_hf_weights -> run -> dequantized reference --------
+@pytest.mark.parametrize("num_gpus", [0, 2])
 @pytest.mark.parametrize("quant", [None, "fp8_block", "int4_group", "mxfp4"])
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_demo_preset_and_quant_pair_starts_or_is_refused_before_any_process(capsys, no_spawn, monkeypatch,
-                                                                                  name, quant):
+                                                                                  name, quant, num_gpus):
     """Every pair ``--help`` offers: the tiny presets start torchrun with the writer's checks passed (their
-    checkpoints load back: tests/unit/test_synthetic.py); the real ones are ENV016 on a 16 GiB CPU host."""
+    checkpoints load back: tests/unit/test_synthetic.py); the real ones are ENV016 on a 16 GiB host, on CPU (all
+    processes' bytes) and with GPUs (the writer's: every expert in bf16 on the host)."""
     monkeypatch.setattr(cli, "available_memory_bytes", lambda gpu_index=None: (16 * GiB, "host memory"))
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_gpus)
     status, out, err = _run(capsys, ["demo", "--preset", name, "--nproc", "2"] + (["--quant", quant] if quant else []))
-    if name.startswith("tiny-"):
+    writer_bytes = cli.demo_memory_bytes(cli.synthetic_config(name, quant), 1, 1, torch.bfloat16)["all experts"]
+    if name.startswith("tiny-") or (num_gpus and writer_bytes <= 16 * GiB):  # step3's experts: 10.6 GB in bf16
         assert status == 0, f"{name=} {quant=} {err}"
         command = no_spawn[0]["command"]
         assert command[command.index("--preset") + 1] == name
+        assert command[command.index("--device") + 1] == ("cuda" if num_gpus else "cpu")
         assert ("--quant" in command) == (quant is not None) and (quant is None or quant in command), command
     else:
-        assert status == 2 and "--preset tiny-" in _one_coded_line(err, "ENV016") and not no_spawn, (name, quant)
+        line = _one_coded_line(err, "ENV016")
+        assert status == 2 and "--preset tiny-" in line and not no_spawn, (name, quant)
+        assert ("writing the synthetic" in line) == bool(num_gpus), line
 
 
 @pytest.fixture
