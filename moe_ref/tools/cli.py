@@ -222,7 +222,8 @@ def check_checkpoint_folder(folder: str, cfg: MoEConfig, preset_name: str, quant
     except UnsupportedQuantizationError as err:
         raise CheckpointFormatMismatchError(
             f"--checkpoint {folder!r} already holds a checkpoint whose quantization_config moe_ref does not read "
-            f"({err.message.split(';')[0]}); pass another --checkpoint folder ({FRESH_FOLDER})", folder=folder) from None
+            f"({err.message.split(';')[0]}); pass another --checkpoint folder ({FRESH_FOLDER})",
+            folder=folder) from None
     held = spec.format.value if spec is not None else None
     if held != quant:
         holds = f"{held} routed experts" if held else "plain (unquantized) weights"

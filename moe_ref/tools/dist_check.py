@@ -8,9 +8,10 @@ its experts), feeds its own tokens (uneven counts: odd ranks get half), runs ``M
 and the single-process reference ``reference_moe`` on the same tokens with all experts, and rank 0
 prints the capacity plan, per-rank loads, errors, timings and PASS/FAIL (exit code 1 on FAIL).
 
-Rank 0 reports its steps on stderr, and progress bars there on a terminal (``MOE_REF_PROGRESS=1``: always). Flags are checked before any work (CFG015), the
-device before the process group (ENV006); the memory estimate (ENV016, unless ``--skip-memory-check``) and
-the checkpoint write (ENV015) are decided once and raised on every rank alike. A moe_ref error ends every
+Rank 0 reports its steps on stderr, and progress bars there on a terminal (``MOE_REF_PROGRESS=1``: always).
+Flags are checked before any work (CFG015), the device before the process group (ENV006); the memory estimate
+(ENV016, unless ``--skip-memory-check``), the checkpoint write (ENV015) and a ``--checkpoint`` folder holding
+another format or model (LOAD016, LOAD017) are decided once and raised on every rank alike. A moe_ref error ends every
 rank with one line, ``moe_ref.tools.dist_check: [CODE] ...`` (printed by rank 0), and exit status 2;
 ``--debug`` or ``MOE_REF_DEBUG=1`` adds the traceback.
 """

@@ -1,6 +1,6 @@
 """``python -m moe_ref`` in a subprocess: the console entry point's one coded line, and the whole quantized demo
-(MXFP4, INT4) on two processes (its torchrun). Moved from tests/unit/test_cli.py, whose tests call ``main([...])`` in-process:
-every test that starts a process is in the dist tier."""
+(MXFP4, INT4) on two processes (its torchrun). Moved from tests/unit/test_cli.py, whose tests call ``main([...])``
+in-process: every test that starts a process is in the dist tier."""
 import os
 import subprocess
 import sys
@@ -27,7 +27,8 @@ def test_make_demo_quant_on_two_processes(name, quant):
     env = {k: v for k, v in os.environ.items()
            if k not in ("MOE_REF_DEBUG", "MOE_REF_NUM_MAX_TOKENS_PER_RANK", "MOE_REF_PROGRESS")}
     proc = subprocess.run([sys.executable, "-m", "moe_ref", "demo", "--preset", name, "--quant", quant,
-                           "--runs", "1", "--tokens-per-rank", "80"], capture_output=True, text=True, timeout=240, env=env)
+                           "--runs", "1", "--tokens-per-rank", "80"], capture_output=True, text=True, timeout=240,
+                          env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cfg = preset(name)
     held = _expert_bytes(cfg, quant, num_experts=cfg.num_experts // 2)  # half of the experts on each rank

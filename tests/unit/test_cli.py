@@ -398,6 +398,18 @@ def test_demo_refuses_a_checkpoint_folder_of_another_format_before_any_process(c
     assert status == 2 and "plain (unquantized) weights" in line and "pass no --quant" in line and not no_spawn
 
 
+def test_demo_refuses_a_checkpoint_folder_of_a_format_moe_ref_does_not_read(capsys, no_spawn, plain_checkpoint):
+    import json
+
+    config = json.loads((plain_checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (plain_checkpoint / "config.json").write_text(json.dumps(config))
+    status, _, err = _run(capsys, ["demo", "--checkpoint", str(plain_checkpoint)])
+    line = _one_coded_line(err, "LOAD016")
+    assert status == 2 and "quant_method='awq' is not supported" in line and "another --checkpoint folder" in line
+    assert "load_moe_weights" not in line and "Dequantize" not in line and not no_spawn
+
+
 def test_demo_refuses_a_checkpoint_folder_of_another_model_naming_its_preset(capsys, no_spawn, mxfp4_checkpoint):
     _, folder = mxfp4_checkpoint
     status, _, err = _run(capsys, ["demo", "--preset", "tiny-deepseek-v3", "--quant", "mxfp4", "--checkpoint",
