@@ -90,9 +90,9 @@ def test_w4_kernel_vs_twin_bf16():
 def test_load_to_cuda_allocates_the_checkpoint_bytes(tmp_path):
     from moe_ref.core.config import preset
     from moe_ref.checkpoint.quantized import load_quantized_experts
-    from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
+    from moe_ref.checkpoint.synthetic import quantizable_config, write_synthetic_checkpoint
 
-    cfg = dataclasses.replace(preset("tiny-kimi-k3"), intermediate_size=32)
+    cfg = quantizable_config(dataclasses.replace(preset("tiny-kimi-k3"), intermediate_size=32), "mxfp4")
     written = write_synthetic_checkpoint(tmp_path, cfg, layer_idx=1, quant="mxfp4")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

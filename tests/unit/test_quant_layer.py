@@ -16,7 +16,7 @@ from moe_ref.layer import MegaMoE
 from moe_ref.checkpoint.formats import expert_weight_bytes, quant_spec_from_config
 from moe_ref.checkpoint.quantized import load_dequantized_weights
 from moe_ref.reference import reference_moe
-from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
+from moe_ref.checkpoint.synthetic import quantizable_config, write_synthetic_checkpoint
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_close, calc_diff
 from moe_ref.core.weights import MoEWeights
 
@@ -34,7 +34,7 @@ CASES = {
 
 def _checkpoint(tmp_path, case, **kwargs):
     name, fmt, overrides = CASES[case]
-    cfg = dataclasses.replace(preset(name), **overrides)
+    cfg = quantizable_config(dataclasses.replace(preset(name), **overrides), fmt)
     written = write_synthetic_checkpoint(tmp_path, cfg, layer_idx=LAYER, quant=fmt, seed=3, dtype=torch.float32,
                                          **kwargs)
     return cfg, written
