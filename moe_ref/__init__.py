@@ -14,6 +14,7 @@ The package is laid out by stage; a module imports only from its own stage or lo
     4 ep/          options, capacity, buffer, transport, dispatch (symm, a2a), routed_step, overflow, mega_deep_gemm
     5 block.py, layer.py (MegaMoE), custom_ops.py, reference.py (the single-process oracle)
     6 tools/       cli (moe-ref), dist_check (the torchrun harness)
+    6 bench/       benchmarking code scripts/ share (cases, timing, the engines' peer kernels read from wheels)
 
 Tensor names end in their shape, one legend letter per dim (``topk_ids_TK`` is ``[T, K]``; ``2F`` is gate rows
 then up rows). This legend is the package's only one: a module's ``Shape legend:`` line repeats the letters it

@@ -20,7 +20,8 @@ use (FP8 interleaved, bf16 stacked), on the cases' 128-aligned pool with the row
 layout the Triton experts use:
   A: segments start on multiples of 128 rows (the pool of the 128-aligned backends; the cases' own pool).
   B: the pool the layer builds for the Triton experts: segments on multiples of
-     `experts_class("triton").segment_alignment` (1: back to back, no padding rows; bench_experts' `_pool`).
+     `experts_class("triton").segment_alignment` (1: back to back, no padding rows;
+     `moe_ref.bench.cases.case_pool`).
   Both get the rows hint the layer passes, the routed rows (the device-side dispatch's T * K): the regime follows
   the hint, not the pool, so both tune over the same regime's tile list. Each pool autotunes on its own
   (`clear_tuned_configs` before its first call; the autotune key also holds the pool's rows bucket, which tells
@@ -30,10 +31,10 @@ layout the Triton experts use:
   the hint (rows_hint = P, `grouped_mlp`'s default, whose regime follows the padded pool), and its tiles on
   every pool. bf16 adds torch grouped_mm on the packed rows as an anchor. `--dry-run` prints the pools, hints,
   regimes and the tiles autotune would try, without a GPU.
-The cases are scripts/bench_experts.py's (`_make_case`: its per-rank EP8 shapes, routed rows spread randomly over
-the experts, 128-aligned segments), with `num_rows_hint` given and unused rows left unwritten (what the layer
-passes). bf16 and FP8 (e4m3, per-128 activation scales, 128x128 weight blocks). (The first recorded layout run,
-docs/results/ab_gate_up_layout_kimi_2026-12-01.*, built its cases in this script, the same way.)
+The cases are scripts/bench_experts.py's (`moe_ref.bench.cases.make_case`: its per-rank EP8 shapes, routed rows
+spread randomly over the experts, 128-aligned segments), with `num_rows_hint` given and unused rows left unwritten
+(what the layer passes). bf16 and FP8 (e4m3, per-128 activation scales, 128x128 weight blocks). (The first recorded
+layout run, docs/results/ab_gate_up_layout_kimi_2026-12-01.*, built its cases in this script, the same way.)
 
 Timing: `triton.testing.do_bench` (L2 flushed before each run), A and B alternated over `--rounds` rounds, the
 median of the rounds kept. Check: B's output vs A's on the rows inside segments (calc_diff < 1e-4 bf16,
@@ -60,8 +61,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_experts import (ALIGN, MODELS, _grouped_mm_path, _make_case, _make_weights, _pool,  # noqa: E402
-                           _routed_counts, _segment_rows)  # (same folder)
+from moe_ref.bench.cases import (ALIGN, MODELS, case_pool, grouped_mm_path, make_case, make_weights,  # noqa: E402
+                                 routed_counts, segment_rows)
 from moe_ref.experts import ExpertLayout, experts_class  # noqa: E402
 from moe_ref.kernels.experts import grouped_mlp_tiles as tiles  # noqa: E402
 from moe_ref.kernels.experts.grouped_mlp import grouped_mlp, interleave_gate_up  # noqa: E402
@@ -77,10 +78,10 @@ def run(case, precision: str, gate_up: torch.Tensor, interleaved: bool, gate_up_
         schedule: str | None = None, *, alignment: int = ALIGN, hint: bool = True, configs: tuple | None = None):
     """`grouped_mlp` on a bench_experts case as the Triton experts call it, with `gate_up` (FP8: and its block
     scales `gate_up_scale`) in the given layout:
-    the case's rows in its pool of segments aligned to `alignment` (`_pool`), rows hint = the routed rows
+    the case's rows in its pool of segments aligned to `alignment` (`case_pool`), rows hint = the routed rows
     (`hint=False`: none, i.e. the pool's rows), unused rows unwritten; `configs`: (gate_up, down) tiles forced.
     Returns y `[P, D]` (bf16) of that pool."""
-    pool = _pool(case, alignment)
+    pool = case_pool(case, alignment)
     if precision == "fp8":
         ops = case.fp8
         inputs, down = (pool.x_fp8,), ops["down"]
@@ -210,11 +211,11 @@ def alignment_case(case, precision: str, layout: dict, pools: dict[str, dict], r
             for (_, tiles_of), key in key_of.items()}
     outs = {}
     for key, fn in runs.items():
-        pool = _pool(case, key[0])
-        outs[key] = fn()[_segment_rows(pool.row_start_e, pool.num_rows_e, pool.x_PDx.shape[0])].float()
+        pool = case_pool(case, key[0])
+        outs[key] = fn()[segment_rows(pool.row_start_e, pool.num_rows_e, pool.x_PDx.shape[0])].float()
     first = next(iter(outs.values()))  # A's pool with A's tiles
     diff = max(calc_diff(out, first) for out in outs.values())
-    anchor = _grouped_mm_path(case) if precision == "bf16" else None
+    anchor = grouped_mm_path(case) if precision == "bf16" else None
     times = {key: [] for key in runs}
     anchor_times = []
     for _ in range(rounds):
@@ -230,7 +231,7 @@ def alignment_case(case, precision: str, layout: dict, pools: dict[str, dict], r
                          for pool in pools for tiles_of in pools},
            "grouped_mm_us": statistics.median(anchor_times) if anchor_times else None}
     for name, spec in pools.items():
-        pool_rows = _pool(case, spec["alignment"]).x_PDx.shape[0]
+        pool_rows = case_pool(case, spec["alignment"]).x_PDx.shape[0]
         rows_hint, regime = hint_and_regime(spec, case.num_rows, pool_rows, num_experts, fp8)
         row["pools"][name] = {"alignment": spec["alignment"], "pool_rows": pool_rows, "rows_hint": rows_hint,
                               "regime": regime, "tiles": dict(zip(("gate_up", "down"),
@@ -291,7 +292,7 @@ def dry_run(args) -> int:
     for model in args.models:
         num_experts, hidden, inter, _ = MODELS[model]
         for num_rows in args.rows:
-            counts = _routed_counts(model, num_rows, seed=0)
+            counts = routed_counts(model, num_rows, seed=0)
             print(f"{model} rows={num_rows}: {sum(c > 0 for c in counts)} of {num_experts} experts get rows, "
                   f"{max(counts)} at most")
             for name, spec in pools.items():
@@ -353,10 +354,10 @@ def main(argv=None) -> int:
             stored = {}  # precision -> gate_up as the Triton experts store it (--ab alignment)
             torch.cuda.empty_cache()
             num_experts, hidden, inter, _ = MODELS[model]
-            weights = _make_weights(num_experts, hidden, inter, with_fp8=True)
+            weights = make_weights(num_experts, hidden, inter, with_fp8=True)
         if case is None or case.num_rows != num_rows:
-            case = _make_case(model, num_rows, weights, seed=0, with_fp8=True)
-            valid = _segment_rows(case.row_start_e, case.num_rows_e, case.x_PDx.shape[0])
+            case = make_case(model, num_rows, weights, seed=0, with_fp8=True)
+            valid = segment_rows(case.row_start_e, case.num_rows_e, case.x_PDx.shape[0])
         if args.ab == "alignment":
             if precision not in stored:
                 stored[precision] = (triton_layout(precision, weights[2], weights[3]) if precision == "fp8" else

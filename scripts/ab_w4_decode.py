@@ -3,29 +3,33 @@
     python scripts/ab_w4_decode.py --tag NAME [--rows 64 512] [--tiles 16,64,4,3 16,128,4,3/16,64,4,2] [--out DIR]
 
 Run once per tree in one device session: for the last commit, unpack it with its scripts elsewhere and run that copy's
-script (``bench_w4a16.py`` puts its own tree first on sys.path). Each run times, on the Kimi-K2 per-rank shape of
-`bench_w4a16.py` (48 experts, D 7168, F 2048, its random rows and weights), the bf16 experts (make_experts("triton"),
-its anchor) and the INT4 and MXFP4 MLPs through `grouped_mlp_w4` at each forced tile (``A`` both GEMMs, ``A/B``
-gate_up A and down B), eagerly and replayed from a CUDA graph (`bench`: L2 flushed, median), with calc_diff against the
-dequantized fp32 reference (the torch backend of the same stored weights).
+script (it puts its own tree first on sys.path). Each run times, on the Kimi-K2 per-rank shape of `bench_w4a16.py`
+(`moe_ref.bench.w4_cases`: 48 experts, D 7168, F 2048, its random rows and weights), the bf16 experts
+(make_experts("triton"), its anchor) and the INT4 and MXFP4 MLPs through `grouped_mlp_w4` at each forced tile (``A``
+both GEMMs, ``A/B`` gate_up A and down B), eagerly and replayed from a CUDA graph (`bench`: L2 flushed, median), with
+calc_diff against the dequantized fp32 reference (the torch backend of the same stored weights).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_w4a16 as w4bench  # noqa: E402  (its shape, weights, rows and timer)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from moe_ref.bench.w4_cases import quantized_weights, random_weights, w4_case  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat  # noqa: E402
 from moe_ref.experts import make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
 from moe_ref.kernels.experts.grouped_mlp_w4 import grouped_mlp_w4  # noqa: E402
-from moe_ref.testing import calc_diff, graphed  # noqa: E402
+from moe_ref.testing import bench as bench_calls, calc_diff, graphed  # noqa: E402
+
+# bench_w4a16's timer: calls queued back to back as a model queues its layers (L2 flushed, median)
+bench = functools.partial(bench_calls, host_ahead=True)
 
 
 def main() -> int:
@@ -41,21 +45,19 @@ def main() -> int:
     import moe_ref
     print(f"moe_ref from {os.path.dirname(moe_ref.__file__)}", flush=True)
     tiles = [tuple(tuple(int(v) for v in part.split(",")) for part in (t.split("/") * 2)[:2]) for t in args.tiles]
-    experts_n, hidden, inter = w4bench.NUM_EXPERTS, w4bench.HIDDEN, w4bench.INTER
     gen = torch.Generator(device="cuda").manual_seed(0)
-    gate_up = (torch.randn(experts_n, 2 * inter, hidden, device="cuda", generator=gen) / hidden**0.5).bfloat16()
-    down = (torch.randn(experts_n, hidden, inter, device="cuda", generator=gen) / inter**0.5).bfloat16()
+    gate_up, down = random_weights(gen)
     bf16 = make_experts("triton", gate_up, down, "silu")
-    cases = {rows: w4bench._case(rows, gen) for rows in args.rows}
+    cases = {rows: w4_case(rows, gen) for rows in args.rows}
     rows_out = []
     for rows, case in cases.items():
-        us = w4bench.bench(lambda: bf16(case["x"], case["layout"]))
+        us = bench(lambda: bf16(case["x"], case["layout"]))
         row = dict(tag=args.tag, format="bf16", rows=rows, us=round(us, 1),
-                   graph_us=round(w4bench.bench(graphed(lambda: bf16(case["x"], case["layout"]))), 1))
+                   graph_us=round(bench(graphed(lambda: bf16(case["x"], case["layout"]))), 1))
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     for fmt in (QuantFormat.INT4_GROUP, QuantFormat.MXFP4):
-        q = w4bench._quantized(gate_up, down, fmt)
+        q = quantized_weights(gate_up, down, fmt)
         reference = make_quantized_experts(q, "silu", backend="torch")
         planes = q.group_planes()
         for rows, case in cases.items():
@@ -70,8 +72,8 @@ def main() -> int:
                 try:
                     y = call()
                     row["calc_diff"] = calc_diff(y[valid].float(), ref[valid].float())
-                    row["us"] = round(w4bench.bench(call), 1)
-                    row["graph_us"] = round(w4bench.bench(graphed(call)), 1)
+                    row["us"] = round(bench(call), 1)
+                    row["graph_us"] = round(bench(graphed(call)), 1)
                 except Exception as error:  # a tile that does not compile or launch is recorded, not fatal
                     row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                 rows_out.append(row)

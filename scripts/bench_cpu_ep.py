@@ -2,7 +2,10 @@
 4 processes, 128..16384 tokens per rank, a tiny and a mid-size shape. Writes JSON + markdown.
 
     python scripts/bench_cpu_ep.py [--world-sizes 2,4] [--tokens 128,512,2048,4096,16384] [--configs tiny,mid]
-                                   [--out docs/results/bench_cpu_ep]
+                                   [--out results/bench_cpu_ep | --record]
+
+Writes <out>.json and <out>.md (default results/bench_cpu_ep.*, outside the tracked tree); --record writes the
+recorded run docs/results/bench_cpu_ep.* instead.
 
 One chunk = ep_chunk's phases with fused signals (pre-dispatch + post, dispatch + wait, experts, combine push +
 post, combine reduce + wait); the experts are the identity on the pool (no time), so a chunk is the EP data
@@ -175,11 +178,15 @@ def main() -> int:
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--tokens", default="128,512,2048,4096,16384")
     parser.add_argument("--configs", default="tiny,mid")
-    parser.add_argument("--out", default=str(REPO / "docs" / "results" / "bench_cpu_ep"))
+    parser.add_argument("--out", default=None, help="path stem of the JSON and markdown (default results/bench_cpu_ep)")
+    parser.add_argument("--record", action="store_true", help="write docs/results/bench_cpu_ep.* (the recorded run)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per torchrun job")
     args, _ = parser.parse_known_args()
     if "LOCAL_RANK" in os.environ:  # started by torchrun: one rank
         return _worker(args)
+    if args.record and args.out is not None:
+        parser.error("--record writes docs/results/bench_cpu_ep: give --out or --record, not both")
+    args.out = str(REPO / "docs" / "results" / "bench_cpu_ep") if args.record else args.out or "results/bench_cpu_ep"
 
     from launch import torchrun  # tests/dist: private shm folder, wall-clock limit
 

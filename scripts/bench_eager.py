@@ -36,17 +36,16 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import profile_step  # noqa: E402  (its timing of back-to-back calls, its cProfile and its runtime API names)
 from moe_ref import MegaMoE  # noqa: E402
+from moe_ref.bench.timing import RUNTIME_KINDS, cprofile_text, host_and_wall_us  # noqa: E402
 from moe_ref.core.config import preset  # noqa: E402
 from moe_ref.kernels.runtime.launch import bound_launches  # noqa: E402
 from moe_ref.testing import graphed, sync_debug_mode  # noqa: E402
 
-LAUNCHES = profile_step.RUNTIME_KINDS["kernel launches"]
-SYNCS = profile_step.RUNTIME_KINDS["synchronizations"]
-COPIES = profile_step.RUNTIME_KINDS["copies (memcpy)"]
+LAUNCHES = RUNTIME_KINDS["kernel launches"]
+SYNCS = RUNTIME_KINDS["synchronizations"]
+COPIES = RUNTIME_KINDS["copies (memcpy)"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -150,7 +149,7 @@ def median_host_and_wall_us(fns: dict, x, args) -> dict:
     for _ in range(args.repeats):
         for name, fn in fns.items():
             with launch_path(name):
-                runs[name].append(profile_step.host_and_wall_us(fn, (x,), args.calls))
+                runs[name].append(host_and_wall_us(fn, (x,), args.calls))
     return {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
             for name, rs in runs.items()}
 
@@ -188,7 +187,7 @@ def profile_calls(row: dict, name: str, fn, x, args, dispatch: str, num_tokens: 
     row.update({prefix + key: value for key, value in counts.items()})
     row[prefix + "sync_sites"] = sync_sites(fn, x)
     with open(os.path.join(args.out, f"cprofile_{prefix}{dispatch}_{num_tokens}.txt"), "w") as f:
-        f.write(profile_step.cprofile_text(fn, (x,), args.calls, rank=0))
+        f.write(cprofile_text(fn, (x,), args.calls, rank=0))
 
 
 def build_layers(args, dispatch: str, cap: int) -> tuple[MegaMoE, MegaMoE | None]:

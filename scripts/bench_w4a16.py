@@ -34,7 +34,7 @@ with its error.
 The best per (format, rows, GEMM) goes into the JSON and the markdown.
 
 Peer anchor (--peer, default the first peer file): the INT4 W4A16 Triton kernel SGLang and vLLM ship (`fused_moe_kernel_gptq_awq`, read
-out of the files `make peers` puts in .whl/ by `scripts/peer_moe.py`, never installed) on the same INT4 weights
+out of the files `make peers` puts in .whl/ by `moe_ref.bench.peers`, never installed) on the same INT4 weights
 (words read as its bytes) and rows: per GEMM the fastest of `PEER_W4A16_CONFIGS` (a small search), then its MLP
 (GEMM1, the engine's act, GEMM2) with those configs, checked against our INT4 experts (calc_diff). Recorded as
 skipped, with the reason, when the files are absent or lack the kernel. There is no MXFP4 peer kernel.
@@ -57,14 +57,13 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-_SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(_SCRIPTS, ".."))
-sys.path.insert(0, _SCRIPTS)  # peer_moe
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from moe_ref.experts import ExpertLayout, make_experts  # noqa: E402
+from moe_ref.bench import peers  # noqa: E402
+from moe_ref.bench.w4_cases import HIDDEN, INTER, NUM_EXPERTS, quantized_weights, random_weights, w4_case  # noqa: E402
+from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights  # noqa: E402
+from moe_ref.experts import make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
-from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights, QuantSpec, quantize_weight  # noqa: E402
-from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128  # noqa: E402
 from moe_ref.kernels.experts.grouped_mlp_w4 import launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
 from moe_ref.kernels.experts.w4 import W4Weight  # noqa: E402
 from moe_ref.testing import bench as _bench_calls, calc_diff, graphed  # noqa: E402
@@ -74,7 +73,7 @@ def bench(fn) -> float:
     """us of ``fn()``'s GPU work: calls queued back to back as a model queues its layers (L2 flushed, median)."""
     return _bench_calls(fn, host_ahead=True)
 
-NUM_EXPERTS, HIDDEN, INTER = 48, 7168, 2048
+
 W4_PATHS = ("int4_w4a16", "mxfp4_w4a16")  # the 4-bit paths (INT4, MXFP4)
 GEMMS = ("gate_up", "down")
 SWEEP_CALC_DIFF_LIMIT = 1e-4
@@ -195,29 +194,6 @@ def markdown(results: dict) -> str:
 # ------------------------------------------------------------------------------------------------
 # setup
 # ------------------------------------------------------------------------------------------------
-def _quantized(gate_up, down, fmt: QuantFormat) -> QuantizedExpertWeights:
-    stored = []
-    for weight in (gate_up, down):
-        parts = [quantize_weight(w, fmt) for w in weight]  # one expert at a time: small temporaries
-        stored += [torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])]
-    return QuantizedExpertWeights(QuantSpec(fmt, 128 if fmt == QuantFormat.FP8_BLOCK else 32), *stored,
-                                  hidden_size=HIDDEN, intermediate_size=INTER)
-
-
-def _case(num_rows: int, gen) -> dict:
-    counts = torch.bincount(torch.multinomial(torch.ones(NUM_EXPERTS), num_rows, replacement=True,
-                                              generator=torch.Generator().manual_seed(num_rows)),
-                            minlength=NUM_EXPERTS)
-    packed = ExpertLayout.from_counts(counts.cuda(), alignment=1)
-    # as the layer's device-side dispatch hands it to the experts: a static rows hint, unused rows not zeroed
-    layout = ExpertLayout(packed.row_start_e, packed.num_rows_e, packed.num_pool_rows, 1, num_rows_hint=num_rows,
-                          zero_unused_rows=False)
-    x_PDx = torch.randn(layout.num_pool_rows, HIDDEN, device="cuda", generator=gen).bfloat16()
-    x_fp8, x_scale = quantize_fp8_per_128(x_PDx)
-    return dict(rows=num_rows, layout=layout, x=x_PDx, x_fp8=x_fp8, x_scale=x_scale,
-                touched=int((counts > 0).sum()) / NUM_EXPERTS)
-
-
 def _gemm_weights(q: QuantizedExpertWeights, gemm: str) -> tuple[torch.Tensor, torch.Tensor]:
     if gemm == "gate_up":
         return q.gate_up_qweight_e2FDq, q.gate_up_scale_e2FDs
@@ -327,20 +303,18 @@ def outcome(run: dict) -> str:
 def run_peer(cases: list[dict], q: QuantizedExpertWeights, ours: dict, args, results: dict) -> None:
     """The engines' INT4 W4A16 kernel per peer file (see the module docstring); `ours[rows]` = (our INT4 experts'
     us, y)."""
-    import peer_moe
-
-    files = peer_moe.default_peer_files()[:1 if args.peer == "first" else None]
+    files = peers.default_peer_files()[:1 if args.peer == "first" else None]
     if not files:
         results["peer"].append(dict(skipped="no peer file in .whl/ (`make peers` downloads them)"))
         _log("peer: skipped (no peer file in .whl/; `make peers`)")
         return
-    weights = {gemm: (peer_moe.int4_words_as_peer_bytes(_gemm_weights(q, gemm)[0]), _gemm_weights(q, gemm)[1])
+    weights = {gemm: (peers.int4_words_as_peer_bytes(_gemm_weights(q, gemm)[0]), _gemm_weights(q, gemm)[1])
                for gemm in GEMMS}
     for path in files:
         entry = dict(file=os.path.basename(path), rows=[], timed=[])
         results["peer"].append(entry)
         try:
-            w4 = peer_moe.load_peer_w4a16(path)
+            w4 = peers.load_peer_w4a16(path)
         except Exception as exc:  # noqa: BLE001 - a missing file, kernel or signature: recorded, the run goes on
             entry["skipped"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             _log(f"peer {entry['file']}: skipped ({entry['skipped']})")
@@ -348,7 +322,7 @@ def run_peer(cases: list[dict], q: QuantizedExpertWeights, ours: dict, args, res
         entry["label"] = w4.label
         for case in cases:
             layout = case["layout"]
-            routing = peer_moe.peer_routing(layout.row_start_e, layout.num_rows_e, case["x"].shape[0], 16,
+            routing = peers.peer_routing(layout.row_start_e, layout.num_rows_e, case["x"].shape[0], 16,
                                             w4.peer.engine)
             inputs = {"gate_up": case["x"], "down": torch.randn(case["x"].shape[0], INTER, device="cuda").bfloat16()}
             row, best = dict(rows=case["rows"]), {}
@@ -362,7 +336,7 @@ def run_peer(cases: list[dict], q: QuantizedExpertWeights, ours: dict, args, res
                         return
 
                     def fn(config=config, gemm=gemm, out=out):
-                        peer_moe.launch_w4a16_gemm(w4, inputs[gemm], *weights[gemm], out, routing, config)
+                        peers.launch_w4a16_gemm(w4, inputs[gemm], *weights[gemm], out, routing, config)
                     try:
                         us = bench(fn)
                     except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is skipped
@@ -376,7 +350,7 @@ def run_peer(cases: list[dict], q: QuantizedExpertWeights, ours: dict, args, res
                     row[gemm + "_us"], row[gemm + "_config"] = best[gemm][1], best[gemm][0]
             if len(best) == len(GEMMS):
                 def mlp():
-                    return peer_moe.run_peer_w4a16_mlp(w4, case["x"], *weights["gate_up"], *weights["down"], routing,
+                    return peers.run_peer_w4a16_mlp(w4, case["x"], *weights["gate_up"], *weights["down"], routing,
                                                        best["gate_up"][0], best["down"][0])
                 valid = layout.row_expert_P() >= 0
                 our_us, our_y = ours[case["rows"]]
@@ -417,9 +391,7 @@ def dry_run(args) -> int:
             print(f"sweep {rows} rows ({rows / NUM_EXPERTS:.1f} per expert), per format and GEMM: "
                   f"{[tile_label(t) for t in sweep_tiles(rows)]}")
     if args.peer != "none":
-        import peer_moe
-
-        files = peer_moe.default_peer_files()[:1 if args.peer == "first" else None]
+        files = peers.default_peer_files()[:1 if args.peer == "first" else None]
         print(f"peer files: {[os.path.basename(f) for f in files] or 'none (skipped: run `make peers`)'}")
         for gemm in GEMMS:
             print(f"peer configs {gemm}: {len(peer_configs(gemm))} "
@@ -436,13 +408,12 @@ def main(argv=None) -> int:
         print("bench_w4a16 needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(0)
-    gate_up = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen) / HIDDEN**0.5).bfloat16()
-    down = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) / INTER**0.5).bfloat16()
+    gate_up, down = random_weights(gen)
     paths = {"bf16": (make_experts("triton", gate_up, down, "silu"), gate_up.nbytes + down.nbytes, None)}
     quantized = {}
     for fmt, name in ((QuantFormat.FP8_BLOCK, "fp8_ckpt"), (QuantFormat.INT4_GROUP, "int4_w4a16"),
                       (QuantFormat.MXFP4, "mxfp4_w4a16")):
-        q = _quantized(gate_up, down, fmt)
+        q = quantized_weights(gate_up, down, fmt)
         if fmt == QuantFormat.FP8_BLOCK:
             q = q.with_interleaved_gate_up()  # as the layer holds an FP8 checkpoint's experts
         quantized[name] = q
@@ -457,7 +428,7 @@ def main(argv=None) -> int:
                "stopped_early": None}
     cases, ours = [], {}
     for num_rows in args.rows:
-        case = _case(num_rows, gen)
+        case = w4_case(num_rows, gen)
         cases.append(case)
         base = None
         for name, (experts, weight_bytes, reference) in paths.items():

@@ -7,8 +7,9 @@
 
 Without torchrun (no ``WORLD_SIZE``) it is one plain process on GPU 0 (world 1, ``group=None``: the ``local``
 transport, no barriers); ``--num-experts 192`` holds the experts of one rank of the 2-GPU run.
-The paths are bench_layer's (its builders, shapes and inputs). For each path and tokens/rank, on rank 0 (under
-torchrun the other ranks run the same calls, unprofiled, since every call is collective):
+The paths are bench_layer's (its builders, shapes and inputs: `moe_ref.bench.layer_paths`). For each path and
+tokens/rank, on rank 0 (under torchrun the other ranks run the same calls, unprofiled, since every call is
+collective):
 - ``host_us`` (eager host): wall time per eager call until Python returns, over ``--calls`` back-to-back calls, and
   ``wall_us`` (eager wall) until the GPU is done too: when the two are close the call is host bound; the same two
   for the graph replay (``graph_host_us``, ``graph_wall_us``).
@@ -24,27 +25,19 @@ Writes ``profile_step.json`` and ``profile_step.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
-import time
 from datetime import timedelta
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import bench_layer  # noqa: E402
-
-# runtime API names (CUDA runtime and driver) counted per eager call
-RUNTIME_KINDS = {
-    "kernel launches": ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"),
-    "synchronizations": ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"),
-    "copies (memcpy)": ("cudaMemcpyAsync", "cudaMemcpy"),
-}
+from moe_ref.bench import ranks  # noqa: E402
+from moe_ref.bench.layer_paths import (BUILDERS, DEFAULT_SHAPE, PATHS, graphed_step, make_inputs,  # noqa: E402
+                                       make_weights)
+from moe_ref.bench.timing import RUNTIME_KINDS, cprofile_text, host_and_wall_us  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,60 +45,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default="results/prof")
     parser.add_argument("--tokens", type=int, nargs="+", default=[128])
     parser.add_argument("--paths", nargs="+", default=["moe_ref_identity", "moe_ref_triton", "moe_ref_triton_fp8"],
-                        choices=[p for p in bench_layer.PATHS if p.startswith("moe_ref") and not p.endswith("_graph")])
+                        choices=[p for p in PATHS if p.startswith("moe_ref") and not p.endswith("_graph")])
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--num-experts", type=int, default=None,
                         help="experts over all ranks: bench_layer's by default (384); e.g. 192 on one GPU for EP 2's "
                              "experts per rank")
     args = parser.parse_args(argv)
     # bench_layer's shape and seed
-    defaults = bench_layer.parse_args([])
-    for name in ("num_experts", "num_topk", "hidden", "intermediate", "seed"):
+    for name, value in DEFAULT_SHAPE.items():
         if getattr(args, name, None) is None:
-            setattr(args, name, getattr(defaults, name))
+            setattr(args, name, value)
     return args
-
-
-def host_and_wall_us(fn, inputs, calls: int) -> tuple[float, float]:
-    """(host us per call until the calls return, wall us per call until the GPU is done)."""
-    bench_layer.barrier()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn(*inputs)
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - start
-    return host / calls * 1e6, wall / calls * 1e6
-
-
-def cprofile_text(fn, inputs, calls: int, rank: int) -> str:
-    """cProfile of ``calls`` eager calls on rank 0 (the others run them unprofiled): the top functions by cumulative
-    and by own time, every moe_ref function, and the callers of the calls that can synchronize."""
-    profiler = cProfile.Profile() if rank == 0 else None
-    bench_layer.barrier()
-    if profiler:
-        profiler.enable()
-    for _ in range(calls):
-        fn(*inputs)
-    torch.cuda.synchronize()
-    if not profiler:
-        return ""
-    profiler.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("cumulative").print_stats(45)
-    stats.sort_stats("tottime").print_stats(60)
-    stats.sort_stats("cumulative").print_stats("moe_ref", 120)  # every moe_ref function a call runs
-    stats.print_callers("synchronize|tolist|item|all_reduce|all_gather|_run|run\\b")
-    return text.getvalue()
 
 
 def torch_profile(fn, inputs, calls: int, rank: int):
     """Torch profiler (CPU + CUDA) over ``calls`` calls on rank 0; None on the others."""
     from torch.profiler import ProfilerActivity, profile
 
-    bench_layer.barrier()
+    ranks.barrier()
     torch.cuda.synchronize()
     if rank != 0:
         for _ in range(calls):
@@ -151,9 +108,9 @@ def gpu_span_us(prof, calls: int) -> float:
 
 
 def profile_path(name: str, args, cfg, group, num_tokens: int, weights, device) -> dict:
-    rank = bench_layer.rank()
-    inputs = bench_layer.make_inputs(args, rank, num_tokens, device)
-    fn, cleanup = bench_layer.BUILDERS[name](args, cfg, group, num_tokens, weights, device)
+    rank = ranks.rank()
+    inputs = make_inputs(args, rank, num_tokens, device)
+    fn, cleanup = BUILDERS[name](args, cfg, group, num_tokens, weights, device)
     for _ in range(3):  # compile and autotune outside the measurements
         fn(*inputs)
     torch.cuda.synchronize()
@@ -172,7 +129,7 @@ def profile_path(name: str, args, cfg, group, num_tokens: int, weights, device) 
         row["eager_gpu_busy_us"] = sum(r["us_per_call"] for r in row["eager_kernels"])
     cleanup()
     torch.cuda.synchronize()
-    build = bench_layer.graphed_step(bench_layer.BUILDERS[name])
+    build = graphed_step(BUILDERS[name])
     replay, cleanup = build(args, cfg, group, num_tokens, weights, device)
     for _ in range(3):
         replay(*inputs)
@@ -184,7 +141,7 @@ def profile_path(name: str, args, cfg, group, num_tokens: int, weights, device) 
         row["graph_gpu_busy_us"] = sum(r["us_per_call"] for r in row["graph_kernels"])
     cleanup()
     torch.cuda.synchronize()
-    bench_layer.barrier()
+    ranks.barrier()
     return row
 
 
@@ -222,9 +179,9 @@ def write_markdown(rows: list[dict], meta: dict, path: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device, group, rank, world, cfg = bench_layer.init_ranks(args, "profile-step", timedelta(minutes=5))
+    device, group, rank, world, cfg = ranks.init_ranks(args, "profile-step", timedelta(minutes=5))
     os.makedirs(args.out, exist_ok=True)
-    weights = bench_layer.make_weights(args, rank, args.num_experts // world, device)
+    weights = make_weights(args, rank, args.num_experts // world, device)
     meta = {"ranks": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__, "calls": args.calls}
     rows = []
@@ -238,7 +195,7 @@ def main(argv=None) -> int:
                 with open(os.path.join(args.out, "profile_step.json"), "w") as f:
                     json.dump({"meta": meta, "rows": rows}, f, indent=1)
                 write_markdown(rows, meta, os.path.join(args.out, "profile_step.md"))
-    bench_layer.finish_ranks()
+    ranks.finish_ranks()
     return 0
 
 

@@ -1,7 +1,10 @@
 """The long soak: N calls per transport at EP2 and EP4 on CPU, random T per rank (0 and > cap
 included), every output vs the oracle, RSS flat, no leaked shared memory. Writes JSON + markdown.
 
-    python scripts/soak.py [--calls 5000] [--world-sizes 2,4] [--out docs/results/soak]
+    python scripts/soak.py [--calls 5000] [--world-sizes 2,4] [--out results/soak | --record]
+
+Writes <out>.json and <out>.md (default results/soak.*, outside the tracked tree); --record writes the recorded run
+docs/results/soak.* instead.
 """
 from __future__ import annotations
 
@@ -24,9 +27,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5000, help="calls per transport (symm and a2a) per rank")
     parser.add_argument("--world-sizes", default="2,4")
-    parser.add_argument("--out", default=str(REPO / "docs" / "results" / "soak"))
+    parser.add_argument("--out", default=None, help="path stem of the JSON and markdown (default results/soak)")
+    parser.add_argument("--record", action="store_true", help="write docs/results/soak.* (the recorded run)")
     parser.add_argument("--timeout", type=float, default=7200)
     args = parser.parse_args()
+    if args.record and args.out is not None:
+        parser.error("--record writes docs/results/soak: give --out or --record, not both")
+    args.out = str(REPO / "docs" / "results" / "soak") if args.record else args.out or "results/soak"
     rows = []
     for world in (int(w) for w in args.world_sizes.split(",")):
         print(f"soak: {world} ranks, {args.calls} calls per transport ...", file=sys.stderr, flush=True)

@@ -2,14 +2,15 @@
 """Regenerate the table of ``experts_backend="auto"`` on this GPU: per call regime, the installed expert backends
 fastest first (``moe_ref/experts/auto_table.json``, read by ``moe_ref.experts.auto``; needs CUDA except --dry-run).
 
-    python scripts/tune_experts_auto.py [--out moe_ref/experts/auto_table.json] [--models kimi-k2,step3]
+    python scripts/tune_experts_auto.py [--out results/auto_table.json | --install] [--models kimi-k2,step3]
                                         [--rows 64,512,4096,32768] [--max-seconds 540] [--iters 20] [--dry-run]
 
 What it times, per regime and routed-row count (points run in this order: fp8 then bf16, contiguous then masked, rows
 ascending, every model shape at each point, so a run stopped by --max-seconds keeps whole points of the regimes
 that matter most):
-- model shapes: bench_experts' MODELS (per rank at EP 8: Kimi-K2 48 experts, D 7168, F 2048; Step3 48 experts,
-  D 7168, F 5120) and its cases (`_make_case`: routed rows spread uniformly at random over the experts);
+- model shapes: bench_experts' MODELS (`moe_ref.bench.cases`; per rank at EP 8: Kimi-K2 48 experts, D 7168,
+  F 2048; Step3 48 experts, D 7168, F 5120) and its cases (`make_case`: routed rows spread uniformly at random over
+  the experts);
 - dtype: bf16, or fp8 = the weights quantized once (`FP8ExpertWeights`, gate/up interleaved in 128-row blocks as
   `FP8ExpertWeights.quantize` lays them out) and shared by every backend, as `AutoExperts` shares them, fed the FP8
   pool as dispatched;
@@ -18,7 +19,7 @@ that matter most):
 - backends: triton and deep_gemm, plus grouped_mm for bf16 contiguous; each one installed here
   (`Experts.unavailable_reason`), built with the public `make_experts(name, ..., fp8_weights=...)` and called on
   the pool with the layout the layer's device-side dispatch hands it (`num_rows_hint` = the routed rows,
-  `zero_unused_rows=False`: bench_experts' `api_layout`, `api_call`);
+  `zero_unused_rows=False`: `moe_ref.bench.cases.api_layout`, `api_call`);
 - each backend's first call (Triton's autotune, DeepGEMM's JIT compile) is untimed and checked against Triton's
   output on the routed rows (calc_diff within `moe_ref.testing.CALC_DIFF_TOLERANCES`); a backend that fails, or
   cannot be built, is left out of that regime with the reason; then `moe_ref.testing.bench(host_ahead=True)`
@@ -31,13 +32,15 @@ shape are ordered by the SUM over model shapes of their us, fastest first. A poi
 rows / the experts (the models must share their expert count); its bucket reaches halfway (the geometric mean) to
 the next point's, and the last bucket of a dtype and pool format is unbounded.
 
-Writes: the table to --out (this GPU class's entry replaced, the other classes kept from --out, or from the
-package's table when --out does not exist yet; checked by
+Writes: the table to --out (default results/auto_table.json; --install: the package's table
+moe_ref/experts/auto_table.json, the one ``moe_ref.experts.auto`` reads) with this GPU class's entry replaced, the
+other classes kept from --out, or from the package's table when --out does not exist yet (checked by
 `moe_ref.experts.auto.validate_table` before writing), a markdown summary beside it (.md), and a progress line per
 measurement with the elapsed seconds. It stops cleanly once --max-seconds have passed (checked before every
 measurement), writing the points it finished (the header says which were left out). One H200 with DeepGEMM:
 
     python scripts/tune_experts_auto.py --out results/auto_table.json   # then copy it to moe_ref/experts/
+    python scripts/tune_experts_auto.py --install                       # or write the package's table directly
 """
 from __future__ import annotations
 
@@ -51,15 +54,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_experts import (ALIGN, MODELS, ROWS, Pool, _make_case, _make_weights, _pool, api_call,  # noqa: E402
-                           api_layout)
-
+from moe_ref.bench.cases import (ALIGN, MODELS, ROWS, Pool, api_call, api_layout, case_pool, make_case,  # noqa: E402
+                                 make_weights)
 from moe_ref.core.errors import MoERefError  # noqa: E402
 from moe_ref.experts import FP8ExpertWeights, experts_class, make_experts  # noqa: E402
-from moe_ref.experts.auto import TABLE_FORMAT, TABLE_PATH, format_regimes, validate_table  # noqa: E402
+from moe_ref.experts.auto import TABLE_FORMAT, TABLE_PATH, format_regimes, gpu_class_name, validate_table  # noqa: E402
 from moe_ref.kernels.ep.ep_regions import POOL_FORMATS  # noqa: E402  (contiguous, masked)
 from moe_ref.testing import CALC_DIFF_TOLERANCES, bench, calc_diff  # noqa: E402
 
@@ -71,6 +72,7 @@ CANDIDATES = {("fp8", "contiguous"): ("triton", "deep_gemm"), ("fp8", "masked"):
 ABOUT = ("experts_backend='auto': per GPU class (compute capability), the expert backends fastest first per call "
          "regime (dtype, pool format, rows per expert), measured by scripts/tune_experts_auto.py on that GPU; a GPU "
          "class not listed runs Triton")
+DEFAULT_OUT = "results/auto_table.json"  # outside the tracked tree: --install writes the package's table
 TOLERANCE = {"bf16": CALC_DIFF_TOLERANCES[torch.bfloat16], "fp8": CALC_DIFF_TOLERANCES[torch.float8_e4m3fn]}
 
 
@@ -178,7 +180,7 @@ class Tuner:
         for model in models:
             torch.manual_seed(seed)
             num_experts, hidden, inter, _ = MODELS[model]
-            self.weights[model] = _make_weights(num_experts, hidden, inter, True, device)
+            self.weights[model] = make_weights(num_experts, hidden, inter, True, device)
         self.log(f"weights of {', '.join(models)} ready")
 
     def elapsed(self) -> float:
@@ -213,8 +215,8 @@ class Tuner:
                 left_out[name] = f"not installed here: {reason}"
         us = {}
         for model in self.models:
-            case = _make_case(model, num_rows, self.weights[model], self.seed, True, self.device)
-            pool = _pool(case, ALIGN) if pool_format == "contiguous" else masked_pool_of(case)
+            case = make_case(model, num_rows, self.weights[model], self.seed, True, self.device)
+            pool = case_pool(case, ALIGN) if pool_format == "contiguous" else masked_pool_of(case)
             layout = api_layout(pool, num_rows)
             valid_P = (layout.row_expert_P() >= 0).to(pool.x_PDx.device)
             us[model], reference, reference_name = {}, None, None
@@ -292,7 +294,7 @@ def write_table(entry: dict, out: str) -> str:
         existing = json.load(f)
     validate_table(existing, base)  # an invalid file stops the run here, before anything is written
     table = {"format": TABLE_FORMAT, "about": ABOUT, "gpu_classes": dict(existing["gpu_classes"])}
-    gpu_class = entry["header"]["compute_capability"]
+    gpu_class = gpu_class_name(entry["header"]["compute_capability"], entry["header"]["gpu"])
     table["gpu_classes"][gpu_class] = entry
     checked = validate_table(table, out)  # never write a table moe_ref would refuse
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -320,7 +322,9 @@ def markdown(entry) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(TABLE_PATH), help="the table file (default: the package's)")
+    parser.add_argument("--out", default=None, help="the table file (default results/auto_table.json)")
+    parser.add_argument("--install", action="store_true",
+                        help="write the package's table (moe_ref/experts/auto_table.json) instead of --out")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma list of {sorted(MODELS)}")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma list of routed row counts")
     parser.add_argument("--max-seconds", type=float, default=540.0,
@@ -334,8 +338,11 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--models: unknown {unknown}; known: {sorted(MODELS)}")
     rows = sorted({int(r) for r in args.rows.split(",")})
+    if args.install and args.out is not None:
+        parser.error("--install writes the package's table: give --out or --install, not both")
+    out = str(TABLE_PATH) if args.install else args.out or DEFAULT_OUT
     if args.dry_run:
-        return dry_run(models, rows, args.out)
+        return dry_run(models, rows, out)
     if not torch.cuda.is_available():
         print("tune_experts_auto needs a CUDA GPU (--dry-run prints the plan without one)", file=sys.stderr)
         return 2
@@ -343,9 +350,9 @@ def main(argv=None) -> int:
     start = time.time()
     measured, notes = run(models, rows, args.seed, args.iters, args.max_seconds)
     entry = {"header": header(argv, notes, time.time() - start), "regimes": build_regimes(measured, num_experts)}
-    markdown_path = write_table(entry, args.out)
+    markdown_path = write_table(entry, out)
     print(open(markdown_path).read())
-    print(f"wrote {args.out} and {markdown_path} in {time.time() - start:.0f} s", flush=True)
+    print(f"wrote {out} and {markdown_path} in {time.time() - start:.0f} s", flush=True)
     return 0
 
 

@@ -85,11 +85,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-ALIGN = 128
-SHAPES = {  # name -> (local experts e, hidden D, intermediate F): per rank at EP8
-    "kimi-k2": (48, 7168, 2048),
-    "step3": (48, 7168, 5120),
-}
+from moe_ref.bench.cases import ALIGN, MODELS, grouped_mm_fn  # noqa: E402
+
+SHAPES = {name: shape[:3] for name, shape in MODELS.items()}  # name -> (local experts e, hidden D, intermediate F)
 ROWS = (4096, 32768)
 DECODE_ROWS = (64, 512)  # 1.3 and 10.7 rows per expert of 48
 GEMMS = ("gate_up", "down")
@@ -488,11 +486,6 @@ def layout(counts: list[int], alignment: int = ALIGN) -> tuple[list[int], int]:
     return starts, max(row, alignment)
 
 
-def _grouped_mm_fn():
-    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    return None if fn is None else (lambda a, b, offs: fn(a, b, offs=offs))
-
-
 def make_weights(shape: str) -> dict:
     num_experts, hidden, inter = SHAPES[shape]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -648,7 +641,7 @@ def run_anchor(case: dict, gemm: str, timer: Timer) -> dict | None:
     """The case's anchor: torch grouped_mm (bf16 sweep) or the bf16 kernel's best tile (--fp8)."""
     if case["fp8"]:
         return run_bf16_anchor(case, gemm, timer)
-    grouped_mm = _grouped_mm_fn()
+    grouped_mm = grouped_mm_fn()
     if grouped_mm is None:
         return None
     ops = case["ops"]

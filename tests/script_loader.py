@@ -1,5 +1,7 @@
-"""Repository scripts as modules for the tests: `load_script("bench_experts")` is scripts/bench_experts.py, loaded
-once per process, with scripts/ on sys.path first (the scripts import each other by name, as when run)."""
+"""Repository scripts as modules, for the tests of a script's own command line and report: `load_script("bench_w4a16")`
+is scripts/bench_w4a16.py, loaded once per process. The scripts import only moe_ref (their shared code is
+`moe_ref.bench`) and never each other, so scripts/ is not put on sys.path: a script that imported a sibling would fail
+to load here."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,8 +14,6 @@ SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 
 def load_script(name: str) -> ModuleType:
     """scripts/<name>.py as the module ``<name>_under_test`` (the first call executes it, later calls return it)."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
     key = f"{name}_under_test"
     if key not in sys.modules:
         spec = importlib.util.spec_from_file_location(key, SCRIPTS / f"{name}.py")

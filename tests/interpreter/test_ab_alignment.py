@@ -6,6 +6,7 @@ import pytest
 import torch
 import triton
 
+from moe_ref.bench import cases
 from moe_ref.kernels.experts import grouped_mlp_tiles as tiles
 from script_loader import load_script
 
@@ -36,8 +37,8 @@ def test_alignment_case_runs_every_pool_with_every_pools_tiles(precision, monkey
     monkeypatch.setattr(ab, "chosen_configs", chosen_configs)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
-    weights = ab._make_weights(4, 256, 128, with_fp8=True, device="cpu")
-    case = ab._make_case("tiny", 6, weights, seed=0, with_fp8=True, device="cpu")
+    weights = cases.make_weights(4, 256, 128, with_fp8=True, device="cpu")
+    case = cases.make_case("tiny", 6, weights, seed=0, with_fp8=True, device="cpu")
     layout = (ab.triton_layout(precision, weights[2], weights[3]) if precision == "fp8" else
               ab.triton_layout(precision, weights[0], None))
     row = ab.alignment_case(case, precision, layout, ab.alignment_pools(), rounds=2)

@@ -1,7 +1,8 @@
-"""scripts/bench_experts.py's peers at their best, on the CPU: the engines' tuner search spaces (scripts/peer_moe.py:
-counts, pruning, that every config can run), the small and full searches with a stand-in timer, the row labels,
-`--peer-search none` keeping the as-shipped rows of before, and (under TRITON_INTERPRET=1, with the peer files of
-`make peers`; skipped without them) that a searched config is the one the peer's kernel is launched with."""
+"""scripts/bench_experts.py's peers at their best, on the CPU (moe_ref.bench): the engines' tuner search spaces
+(moe_ref.bench.peers.search: counts, pruning, that every config can run), the small and full searches with a
+stand-in timer, the row labels, `--peer-search none` keeping the as-shipped rows of before, and (under
+TRITON_INTERPRET=1, with the peer files of `make peers`; skipped without them) that a searched config is the one the
+peer's kernel is launched with."""
 
 import dataclasses
 import importlib.util
@@ -12,16 +13,16 @@ import sys
 import pytest
 import torch
 
+import moe_ref.bench.peers as pm
+from moe_ref.bench import cases, expert_report, expert_rows, timing
+from moe_ref.bench.peers import search as peer_search
 from moe_ref.experts import ExpertLayout
-from script_loader import load_script
 
 pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-pm = load_script("peer_moe")
-be = load_script("bench_experts")
 ENGINES_DTYPES = [(e, d) for e in ("sglang", "vllm") for d in ("bf16", "fp8")]
 
 
@@ -123,47 +124,48 @@ def test_full_search_times_every_runnable_config_and_none_is_refused():
 # bench_experts: labels, rows, --peer-search
 # ------------------------------------------------------------------------------------------------
 def test_row_labels_say_what_each_row_times():
+    row_label = expert_report.row_label
     labels = {"sglang": "sglang 0.5.23"}
-    assert "as shipped" in be.row_label("peer_sglang_bf16", labels) and "sglang 0.5.23" in be.row_label(
+    assert "as shipped" in row_label("peer_sglang_bf16", labels) and "sglang 0.5.23" in row_label(
         "peer_sglang_bf16", labels)
-    tuned = be.row_label("peer_vllm_tuned_fp8", labels, "small")
+    tuned = row_label("peer_vllm_tuned_fp8", labels, "small")
     assert "tuned" in tuned and "small search" in tuned
-    assert "kernels only" in be.row_label("deep_gemm_kernels_fp8")
-    assert "kernels only" in be.row_label("deep_gemm_masked_kernels_bf16") and "masked" in be.row_label(
+    assert "kernels only" in row_label("deep_gemm_kernels_fp8")
+    assert "kernels only" in row_label("deep_gemm_masked_kernels_bf16") and "masked" in row_label(
         "deep_gemm_masked_kernels_bf16")
-    assert "whole MLP" in be.row_label("deep_gemm_fp8") and "FP8 quant of h" in be.row_label("deep_gemm_masked_fp8")
-    assert "FP8 quant" not in be.row_label("deep_gemm_bf16")
-    assert "without the rows hint" in be.row_label("api_triton_fp8_nohint")
-    assert "make_experts('deep_gemm')" in be.row_label("api_deep_gemm_fp8")
-    assert "make_experts('deep_gemm')" in be.row_label("api_deep_gemm_bf16_nohint")
-    assert "make_experts('triton')" in be.row_label("api_triton_bf16")
-    assert "rows hint" in be.row_label("api_triton_bf16") and "without" not in be.row_label("api_triton_bf16")
+    assert "whole MLP" in row_label("deep_gemm_fp8") and "FP8 quant of h" in row_label("deep_gemm_masked_fp8")
+    assert "FP8 quant" not in row_label("deep_gemm_bf16")
+    assert "without the rows hint" in row_label("api_triton_fp8_nohint")
+    assert "make_experts('deep_gemm')" in row_label("api_deep_gemm_fp8")
+    assert "make_experts('deep_gemm')" in row_label("api_deep_gemm_bf16_nohint")
+    assert "make_experts('triton')" in row_label("api_triton_bf16")
+    assert "rows hint" in row_label("api_triton_bf16") and "without" not in row_label("api_triton_bf16")
 
 
 def _cpu_case(counts=(5, 0, 19), hidden=256, inter=256, fp8=False):
     gen = torch.Generator().manual_seed(0)
-    layout = ExpertLayout.from_counts(torch.tensor(counts), be.ALIGN)
-    num_pool_rows = max(layout.num_pool_rows, be.ALIGN)
+    layout = ExpertLayout.from_counts(torch.tensor(counts), cases.ALIGN)
+    num_pool_rows = max(layout.num_pool_rows, cases.ALIGN)
     x_packed = torch.randn(sum(counts), hidden, generator=gen)
     x_PDx = torch.zeros(num_pool_rows, hidden)
-    x_PDx[be._segment_rows(layout.row_start_e, layout.num_rows_e, num_pool_rows)] = x_packed
+    x_PDx[cases.segment_rows(layout.row_start_e, layout.num_rows_e, num_pool_rows)] = x_packed
     gate_up = torch.randn(len(counts), 2 * inter, hidden, generator=gen) / hidden**0.5
     down = torch.randn(len(counts), hidden, inter, generator=gen) / inter**0.5
-    return be.Case("tiny", sum(counts), list(counts), x_PDx, layout.row_start_e, layout.num_rows_e.to(torch.int32),
-                   x_packed, gate_up, down)
+    return cases.Case("tiny", sum(counts), list(counts), x_PDx, layout.row_start_e, layout.num_rows_e.to(torch.int32),
+                      x_packed, gate_up, down)
 
 
 def test_pools_follow_the_backend_alignment():
     case = _cpu_case()
-    assert be._pool(case, be.ALIGN).x_PDx is case.x_PDx
-    packed = be._pool(case, 1)  # triton's segment_alignment: no padding rows at all
+    assert cases.case_pool(case, cases.ALIGN).x_PDx is case.x_PDx
+    packed = cases.case_pool(case, 1)  # triton's segment_alignment: no padding rows at all
     assert packed.x_PDx.shape[0] == 24 and torch.equal(packed.x_PDx, case.x_packed)
     assert packed.row_start_e.tolist() == [0, 5, 5] and packed.num_rows_e.tolist() == [5, 0, 19]
-    sixteen = be._pool(case, 16)
+    sixteen = cases.case_pool(case, 16)
     assert sixteen.row_start_e.tolist() == [0, 16, 16] and sixteen.x_PDx.shape[0] == 48
     case.path_pools["p"] = sixteen
     out = sixteen.x_PDx * 2
-    assert torch.equal(be._routed_rows(case, out, "p"), case.x_packed * 2)
+    assert torch.equal(cases.routed_rows(case, out, "p"), case.x_packed * 2)
 
 
 def test_api_paths_run_on_the_backends_pool_with_and_without_the_hint(monkeypatch):
@@ -177,11 +179,11 @@ def test_api_paths_run_on_the_backends_pool_with_and_without_the_hint(monkeypatc
             seen.append((x.shape[0], layout.alignment, layout.num_rows_hint))
             return x
 
-    monkeypatch.setattr(be, "_API_EXPERTS", {})
+    monkeypatch.setattr(expert_rows, "_API_EXPERTS", {})
     import moe_ref.experts as experts_module
 
     monkeypatch.setattr(experts_module, "make_experts", lambda *a, **k: Recorder())
-    paths = be._api_paths(case)
+    paths = expert_rows.api_paths(case)
     assert [name for name, _ in paths] == ["api_triton_bf16", "api_triton_bf16_nohint"]
     for _, fn in paths:
         fn()
@@ -205,12 +207,12 @@ def _peer(engine_name):
 def test_peer_search_none_keeps_the_as_shipped_rows(h200, engine_name):
     peer, case = _peer(engine_name), _cpu_case()
     log = {"searches": []}
-    paths = be._peer_paths(case, peer, "none", log=log)
+    paths = expert_rows.peer_paths(case, peer, "none", log=log)
     assert [name for name, _, _ in paths] == [f"peer_{engine_name}_bf16"]
     want = pm.peer_config(peer.wheel, 3, 256, "bf16", "NVIDIA H200", case.num_rows, hidden=256)
     assert paths[0][2].up == want.up and paths[0][2].source == want.source and log["searches"] == []
-    row = be.make_row(case, paths[0][0], 10.0, {"bf16_flops_per_s": 1e15, "hbm_bytes_per_s": 4e12},
-                      config=paths[0][2], peer_labels={engine_name: peer.label})
+    row = expert_report.make_row(case, paths[0][0], 10.0, {"bf16_flops_per_s": 1e15, "hbm_bytes_per_s": 4e12},
+                                 config=paths[0][2], peer_labels={engine_name: peer.label})
     assert row["tuned"] is False and "as shipped" in row["label"] and row["config"]["up"] == want.up
 
 
@@ -246,10 +248,10 @@ def test_searched_config_reaches_the_kernel(h200, monkeypatch, engine_name):
     def search(engine, dtype, mode, timer, **kwargs):  # the real search, with a timer that prefers `chosen`
         return pm.search_config(engine, dtype, mode, lambda c: 1.0 if c == chosen else 2.0, **kwargs)
 
-    monkeypatch.setattr(sys.modules["peer_moe"], "search_config", search)
-    monkeypatch.setattr(be, "_smem_limit", lambda: pm.SMEM_LIMIT_SM90)
+    monkeypatch.setattr(peer_search, "search_config", search)
+    monkeypatch.setattr(expert_rows, "smem_limit", lambda: pm.SMEM_LIMIT_SM90)
     log = {"searches": []}
-    paths = be._peer_paths(case, peer, "full", log=log)  # full: every runnable config, so `chosen` is timed
+    paths = expert_rows.peer_paths(case, peer, "full", log=log)  # full: every runnable config, so `chosen` is timed
     assert [name for name, _, _ in paths] == [f"peer_{engine_name}_bf16", f"peer_{engine_name}_tuned_bf16"]
     name, fn, config = paths[1]
     assert config.up == config.down == chosen and log["searches"][0]["best"] == chosen
@@ -257,14 +259,14 @@ def test_searched_config_reaches_the_kernel(h200, monkeypatch, engine_name):
     y = fn()
     assert spy.launches == [{k: chosen[k] for k in spy.launches[0]}] * 2  # GEMM1 and GEMM2 with the searched tiles
     want = grouped_mlp_ref(case.x_PDx, case.gate_up, case.down, case.row_start_e, case.num_rows_e)
-    valid = be._segment_rows(case.row_start_e, case.num_rows_e, case.x_PDx.shape[0])
+    valid = cases.segment_rows(case.row_start_e, case.num_rows_e, case.x_PDx.shape[0])
     assert calc_diff(y[valid], want[valid]) < 1e-4
-    row = be.make_row(case, name, 5.0, {"bf16_flops_per_s": 1e15, "hbm_bytes_per_s": 4e12}, config=config,
-                      search="full", peer_labels={engine_name: peer.label})
+    row = expert_report.make_row(case, name, 5.0, {"bf16_flops_per_s": 1e15, "hbm_bytes_per_s": 4e12},
+                                 config=config, search="full", peer_labels={engine_name: peer.label})
     assert row["tuned"] is True and row["config"]["up"] == chosen and "tuned (full search" in row["label"]
-    assert "tuned" in be._markdown({"env": {"gpu": "x", "torch": "t", "triton": "t", "peer_search": "full"},
-                                    "anchors": {"hbm_bytes_per_s": 4e12, "bf16_flops_per_s": 1e15},
-                                    "cases": [row]})
+    assert "tuned" in expert_report.markdown({"env": {"gpu": "x", "torch": "t", "triton": "t", "peer_search": "full"},
+                                               "anchors": {"hbm_bytes_per_s": 4e12, "bf16_flops_per_s": 1e15},
+                                               "cases": [row]})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,17 +333,17 @@ def test_deep_gemm_kernel_rows_time_only_the_two_gemms(fake_deep_gemm):
 
 
 def test_paths_selects_rows_by_name_or_prefix():
-    assert be.selected("api_deep_gemm_fp8", None)
-    assert be.selected("api_deep_gemm_fp8", "api_deep_gemm_,deep_gemm_kernels_")
-    assert be.selected("deep_gemm_kernels_fp8", "api_deep_gemm_,deep_gemm_kernels_")
-    assert not be.selected("deep_gemm_masked_fp8", "api_deep_gemm_,deep_gemm_kernels_")
-    assert not be.selected("api_triton_bf16", "api_triton_fp8")
+    assert expert_rows.selected("api_deep_gemm_fp8", None)
+    assert expert_rows.selected("api_deep_gemm_fp8", "api_deep_gemm_,deep_gemm_kernels_")
+    assert expert_rows.selected("deep_gemm_kernels_fp8", "api_deep_gemm_,deep_gemm_kernels_")
+    assert not expert_rows.selected("deep_gemm_masked_fp8", "api_deep_gemm_,deep_gemm_kernels_")
+    assert not expert_rows.selected("api_triton_bf16", "api_triton_fp8")
 
 
 def test_graph_rows_are_labelled_and_keep_their_dtype_suffix():
-    label = be.row_label("graph_api_auto_fp8")
+    label = expert_report.row_label("graph_api_auto_fp8")
     assert "make_experts('auto')" in label and "CUDA graph" in label
-    assert be.selected("graph_api_auto_fp8".removeprefix("graph_"), "api_auto_")
+    assert expert_rows.selected("graph_api_auto_fp8".removeprefix("graph_"), "api_auto_")
 
 
 def test_rounds_alternate_the_order_and_keep_every_round():
@@ -354,21 +356,21 @@ def test_rounds_alternate_the_order_and_keep_every_round():
         return float(next(clock)), f"timed {name}"
 
     paths = [("a", None), ("b", None), ("c", None)]
-    per_round, timing_of = be.time_rounds(paths, 3, time_path)
+    per_round, timing_of = timing.time_rounds(paths, 3, time_path)
     assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
     assert per_round == {"a": [100.0, 95.0, 94.0], "b": [99.0, 96.0, 93.0], "c": [98.0, 97.0, 92.0]}
     assert timing_of == {"a": "timed a", "b": "timed b", "c": "timed c"}
-    assert be.time_rounds(paths, 1, lambda name, fn: (1.0, "x"))[0] == {"a": [1.0], "b": [1.0], "c": [1.0]}
+    assert timing.time_rounds(paths, 1, lambda name, fn: (1.0, "x"))[0] == {"a": [1.0], "b": [1.0], "c": [1.0]}
 
 
 def test_fp8_rows_count_one_byte_per_weight_whatever_their_suffix():
     """The row metrics read a path's dtype from any part of its name: an FP8 row without the hint (`..._fp8_nohint`)
     moves the same one-byte weights as the hinted one, so at the same time its weight GB/s is the same."""
     counts = [3, 0, 5]
-    case = be.Case("tiny", sum(counts), counts, torch.zeros(8, 256), torch.zeros(3), torch.zeros(3),
-                   torch.zeros(8, 256), torch.zeros(3, 2 * 128, 256), torch.zeros(3, 256, 128))
+    case = cases.Case("tiny", sum(counts), counts, torch.zeros(8, 256), torch.zeros(3), torch.zeros(3),
+                      torch.zeros(8, 256), torch.zeros(3, 2 * 128, 256), torch.zeros(3, 256, 128))
     anchors = {"hbm_bytes_per_s": 4e12, "bf16_flops_per_s": 7e14}
-    metrics = {path: be._case_metrics(case, path, 100.0, anchors) for path in
+    metrics = {path: expert_report.case_metrics(case, path, 100.0, anchors) for path in
                ("api_triton_fp8", "api_auto_fp8_nohint", "graph_api_auto_fp8", "api_triton_bf16_nohint")}
     one_byte = 2 * 3 * 128 * 256 / 100e-6 / 1e9  # two experts with rows, gate_up + down, 1 byte each
     for path in ("api_triton_fp8", "api_auto_fp8_nohint", "graph_api_auto_fp8"):
@@ -401,10 +403,10 @@ def test_gpu_kernels_sums_per_call_and_measures_the_span():
     events = [_Event("A", "DeviceType.CUDA", _Range(0, 10)), _Event("B", "DeviceType.CUDA", _Range(10, 20)),
               _Event("A", "DeviceType.CUDA", _Range(25, 35)), _Event("B", "DeviceType.CUDA", _Range(35, 50)),
               _Event("cudaLaunchKernel", "DeviceType.CPU", _Range(-5, 100))]
-    kernels, span = be.gpu_kernels(events, calls=2)
+    kernels, span = timing.gpu_kernels(events, calls=2)
     assert kernels == {"B": 12.5, "A": 10.0} and list(kernels) == ["B", "A"]  # largest first
     assert span == 25.0
-    assert be.gpu_kernels([], calls=2) == ({}, 0.0)
+    assert timing.gpu_kernels([], calls=2) == ({}, 0.0)
 
 
 def test_runtime_calls_counts_the_host_side_cuda_calls_per_call():
@@ -413,5 +415,5 @@ def test_runtime_calls_counts_the_host_side_cuda_calls_per_call():
         _Event("cudaDeviceSynchronize", "DeviceType.CPU", _Range(300, 900)),  # the profile's own, left out
         _Event("aten::empty", "DeviceType.CPU", _Range(0, 50)),  # not a runtime call
         _Event("cudaFree", "DeviceType.CUDA", _Range(0, 1))]  # not a host event
-    assert be.runtime_calls(events, calls=2) == {"cudaFree": [0.5, 100.0], "cudaLaunchKernel": [3.0, 12.0],
-                                                 "cuLaunchKernelEx": [0.5, 1.0]}
+    assert timing.runtime_calls(events, calls=2) == {"cudaFree": [0.5, 100.0], "cudaLaunchKernel": [3.0, 12.0],
+                                                     "cuLaunchKernelEx": [0.5, 1.0]}

@@ -1,7 +1,7 @@
-"""scripts/peer_moe.py: the routing inputs it builds from our layout, the tuned-config file names and lookup, the
-default rule, the kernel extraction and the fused-moe zip, on fake wheels written to tmp_path; then the real
-engines' kernels under TRITON_INTERPRET=1 vs our twin, and vLLM's rules as read from its file in .whl/ (skipped, with
-the reason, when `make peers` has not put the file there)."""
+"""moe_ref.bench.peers (scripts/peer_moe.py's reader): the routing inputs it builds from our layout, the tuned-config
+file names and lookup, the default rule, the kernel extraction and the fused-moe zip, on fake wheels written to
+tmp_path; then the real engines' kernels under TRITON_INTERPRET=1 vs our twin, and vLLM's rules as read from its file
+in .whl/ (skipped, with the reason, when `make peers` has not put the file there)."""
 
 import json
 import pathlib
@@ -10,14 +10,11 @@ import zipfile
 import pytest
 import torch
 
+import moe_ref.bench.peers as pm
 from moe_ref.core.errors import BackendUnavailableError
 from moe_ref.experts import ExpertLayout
-from script_loader import load_script
 
 pytestmark = pytest.mark.unit
-
-
-pm = load_script("peer_moe")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -441,11 +438,11 @@ def test_swap_ab_rule_from_the_engines_file(monkeypatch, engine_name, capability
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.version, "cuda", "12.8")  # SGLang's is_sm90_supported also asks for CUDA >= 12.3
-    pm._swap_ab_rule.cache_clear()  # its namespace holds facts read when it was built
+    pm.swap_ab_rule.cache_clear()  # its namespace holds facts read when it was built
     try:
-        assert pm._swap_ab_rule(wheel)(block_m, block_n) is swap
+        assert pm.swap_ab_rule(wheel)(block_m, block_n) is swap
     finally:
-        pm._swap_ab_rule.cache_clear()
+        pm.swap_ab_rule.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------
