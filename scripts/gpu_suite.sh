@@ -44,7 +44,7 @@ LOG="$OUT/suite.log"
 # Keep NVLink multicast off (it can take a shared host's GPUs out of service).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-# The engine wheels (sglang/vllm) are only read with zipfile by scripts/peer_moe.py: never installed.
+# The engine wheels (sglang/vllm) are only read with zipfile (moe_ref.bench.peers, scripts/peer_moe.py): never installed.
 PEER_FILES=$(ls .whl/sglang-*.whl .whl/*-fused-moe.zip 2>/dev/null)  # the peer scripts read every one of them
 INSTALL_WHEELS=$(ls .whl/*.whl 2>/dev/null | grep -v -E '/(sglang|vllm)-')
 if [ -n "$INSTALL_WHEELS" ]; then  # optional DeepGEMM wheels carried from a CPU machine
