@@ -191,9 +191,9 @@ def _source(path_or_dict) -> str:
     return "<dict>" if isinstance(path_or_dict, Mapping) else f"<{type(path_or_dict).__name__}>"
 
 
-def _is_config_object(obj) -> bool:
-    """A transformers ``PretrainedConfig`` (duck-typed: core does not import transformers): its ``to_dict()``
-    holds the config.json's fields."""
+def is_hf_config_object(obj) -> bool:
+    """Whether ``obj`` is a transformers ``PretrainedConfig`` (duck-typed: core does not import transformers): its
+    ``to_dict()`` holds the config.json's fields and ``MoEConfig.from_hf_config`` reads it."""
     return callable(getattr(obj, "to_dict", None)) and isinstance(getattr(obj, "model_type", None), str)
 
 
@@ -206,7 +206,7 @@ def read_hf_config_json(path_or_dict: "str | os.PathLike | Mapping[str, Any] | A
     """
     if isinstance(path_or_dict, Mapping):
         return dict(path_or_dict)
-    if _is_config_object(path_or_dict):
+    if is_hf_config_object(path_or_dict):
         return dict(path_or_dict.to_dict())
     if not isinstance(path_or_dict, (str, os.PathLike)):
         shown = repr(path_or_dict)

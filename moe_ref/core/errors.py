@@ -513,6 +513,21 @@ class ShapeUnsupportedError(EnvironmentError_):
         "MegaMoE(step3_cfg, experts_backend='auto')")
 
 
+class ExpertsFeatureError(BackendUnavailableError):
+    code = _entry(
+        "ENV020", "the experts backend does not compute this model family's expert math",
+        "Families differ in their experts (moe_ref.core.families): gpt-oss's clamped SwiGLU (swigluoai, alpha and "
+        "limit) and expert biases are computed by the torch and grouped_mm backends; the Triton grouped MLP and "
+        "DeepGEMM fuse SwiGLU and SiTU without biases. Running the experts on a backend without the family's math "
+        "would compute another model, so the backend is refused when it is built, naming the family, the feature "
+        "and the backends that run it.",
+        "MegaMoE(gpt_oss_config, experts_backend='triton') on a GPU, or experts_backend='auto' where it picks Triton.",
+        ["Pass one of the backends the message names (experts_backend='grouped_mm' on a GPU, 'torch' anywhere).",
+         "Or add the feature to the backend's kernel and its capability attributes (Experts.activations, "
+         "Experts.supports_expert_bias)."],
+        "MegaMoE('/models/gpt-oss-20b-bf16', experts_backend='grouped_mm', dtype=torch.bfloat16, device='cuda')")
+
+
 class DistributedError(EnvironmentError_):
     code = _entry(
         "ENV003", "torch.distributed is not set up as the layer needs",

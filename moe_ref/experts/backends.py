@@ -22,6 +22,8 @@ class TorchLoopExperts(Experts):
     name = "torch"
     computes_whole_segments = True
     segment_alignment = 128  # whole 128-row segments keep chunked == unchunked bitwise (moe_ref.ep.dispatch NOTE)
+    activations = ("silu", "situ", "swigluoai")
+    supports_expert_bias = True
 
     def forward(self, x_PDx, layout, x_scale_PDb=None):
         y_PDx = torch.zeros_like(x_PDx)
@@ -29,7 +31,10 @@ class TorchLoopExperts(Experts):
             if count:
                 y_PDx[start:start + count] = dense_mlp(
                     x_PDx[start:start + count], self.gate_up_weight_e2FD[i], self.down_weight_eDF[i],
-                    self.activation, self.situ_beta, self.situ_linear_beta)
+                    self.activation, self.situ_beta, self.situ_linear_beta, swiglu_alpha=self.swiglu_alpha,
+                    swiglu_limit=self.swiglu_limit,
+                    gate_up_bias_2S=None if self.gate_up_bias_e2F is None else self.gate_up_bias_e2F[i],
+                    down_bias_D=None if self.down_bias_eD is None else self.down_bias_eD[i])
         return y_PDx
 
 
@@ -44,6 +49,8 @@ class GroupedMMExperts(Experts):
 
     name = "grouped_mm"
     segment_alignment = 16
+    activations = ("silu", "situ", "swigluoai")
+    supports_expert_bias = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -62,14 +69,19 @@ class GroupedMMExperts(Experts):
             return torch.zeros_like(x_PDx)
         aligned_e = (layout.num_rows_e + layout.alignment - 1) // layout.alignment * layout.alignment
         offs_e = (layout.row_start_e + aligned_e).clamp(max=num_rows).to(torch.int32)
-        x_in = x_PDx.to(self.gate_up_weight_e2FD.dtype)
-        gate_up_P2F = self._grouped_mm(x_in, self.gate_up_weight_e2FD.transpose(-2, -1), offs=offs_e)
-        gate_PF, up_PF = gate_up_P2F.chunk(2, dim=-1)
-        h_PF = gated_activation(gate_PF, up_PF, self.activation, self.situ_beta, self.situ_linear_beta)
-        y_PDx = self._grouped_mm(h_PF.to(self.down_weight_eDF.dtype).contiguous(),
-                                 self.down_weight_eDF.transpose(-2, -1), offs=offs_e)
         row_expert_P = ops.pool_row_experts(layout.row_start_e.to(x_PDx.device), layout.num_rows_e.to(x_PDx.device),
                                             num_rows)
+        x_in = x_PDx.to(self.gate_up_weight_e2FD.dtype)
+        gate_up_P2F = self._grouped_mm(x_in, self.gate_up_weight_e2FD.transpose(-2, -1), offs=offs_e)
+        if self.gate_up_bias_e2F is not None:  # each row its expert's bias (rows outside segments are zeroed below)
+            gate_up_P2F = gate_up_P2F.float() + self.gate_up_bias_e2F.float()[row_expert_P.long().clamp(min=0)]
+        gate_PF, up_PF = gate_up_P2F.chunk(2, dim=-1)
+        h_PF = gated_activation(gate_PF, up_PF, self.activation, self.situ_beta, self.situ_linear_beta,
+                                swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
+        y_PDx = self._grouped_mm(h_PF.to(self.down_weight_eDF.dtype).contiguous(),
+                                 self.down_weight_eDF.transpose(-2, -1), offs=offs_e)
+        if self.down_bias_eD is not None:
+            y_PDx = y_PDx + self.down_bias_eD.to(y_PDx.dtype)[row_expert_P.long().clamp(min=0)]
         return ops.zero_rows_outside_segments(y_PDx, row_expert_P).to(x_PDx.dtype)
 
 

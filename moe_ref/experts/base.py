@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moe_ref.core.errors import DTypeError, InvalidConfigError
+from moe_ref.core.errors import DTypeError, ExpertsFeatureError, InvalidConfigError
 from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE
 
 
@@ -130,7 +130,9 @@ class Experts(ABC):
     Args:
         gate_up_weight_e2FD: ``[e, 2F, Dx]`` gate rows then up rows of each local expert.
         down_weight_eDF: ``[e, Dx, F]``.
-        activation, situ_beta, situ_linear_beta: see ``moe_ref.core.activations``.
+        activation, situ_beta, situ_linear_beta, swiglu_alpha, swiglu_limit: see ``moe_ref.core.activations``.
+        gate_up_bias_e2F: ``[e, 2F]`` the experts' first-GEMM biases (gate, then up; gpt-oss), or None.
+        down_bias_eD: ``[e, Dx]`` the experts' down-GEMM biases, or None.
     """
 
     name = "abstract"
@@ -150,6 +152,10 @@ class Experts(ABC):
     # ``x_scale_PDb``) as dispatched. Backends set them per instance (they follow ``fp8``).
     fp8 = False
     accepts_fp8_input = False
+    # The gated activations (``moe_ref.core.activations``) this backend computes, and whether it adds the experts'
+    # biases (gpt-oss): ``make_experts`` refuses a model needing more (ENV020, ``expert_math_problem``).
+    activations: tuple[str, ...] = ("silu", "situ")
+    supports_expert_bias = False
 
     @classmethod
     def resolve_class(cls, device: torch.device) -> "type[Experts]":
@@ -169,10 +175,17 @@ class Experts(ABC):
         return cls.name
 
     def __init__(self, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor, activation: str = "silu",
-                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *, swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0, gate_up_bias_e2F: torch.Tensor | None = None,
+                 down_bias_eD: torch.Tensor | None = None):
+        problem = expert_math_problem(type(self), activation, gate_up_bias_e2F is not None or down_bias_eD is not None)
+        if problem is not None:
+            raise ExpertsFeatureError(f"experts backend {self.name!r} {problem}", backend=self.name)
         self.gate_up_weight_e2FD = gate_up_weight_e2FD
         self.down_weight_eDF = down_weight_eDF
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
+        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
+        self.gate_up_bias_e2F, self.down_bias_eD = gate_up_bias_e2F, down_bias_eD
 
     @abstractmethod
     def forward(self, x_PDx: torch.Tensor, layout: ExpertLayout, x_scale_PDb: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,6 +213,18 @@ class Experts(ABC):
             raise DTypeError(f"x_scale_PDb must be given exactly for fp8 rows: x_PDx is {x_PDx.dtype}, x_scale_PDb is "
                              f"{'None' if x_scale_PDb is None else tuple(x_scale_PDb.shape)}")
         return self.forward(x_PDx, layout, x_scale_PDb)
+
+
+def expert_math_problem(experts: "Experts | type[Experts]", activation: str, expert_bias: bool) -> str | None:
+    """What ``experts`` (a backend or its class) does not compute of a model whose experts use ``activation`` and
+    (``expert_bias``) biases, as the end of a sentence (``"does not compute activation='swigluoai' ..."``), or None
+    when it computes both."""
+    missing = []
+    if activation not in experts.activations:
+        missing.append(f"activation={activation!r} (it computes {', '.join(experts.activations)})")
+    if expert_bias and not experts.supports_expert_bias:
+        missing.append("expert biases")
+    return f"does not compute {' nor '.join(missing)}" if missing else None
 
 
 def check_pool_format(experts: "Experts | type[Experts]", pool_format: str, where: str = "the argument") -> None:

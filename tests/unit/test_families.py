@@ -275,3 +275,56 @@ def test_each_family_rule_changes_the_output(case_id, field_name, other, saved_m
     expected_TD = hf_block_output(model.model.layers[layer].mlp, x_TD)
     error = float((reference_moe(x_TD, weights, changed) - expected_TD).abs().max() / expected_TD.abs().max())
     assert error > 100 * REL_TOLERANCE, f"{case_id}: {field_name}={other!r} gives the same output ({error:.3g})"
+
+
+# --- the experts backends: who computes which family's experts ----------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
+def test_experts_backends_compute_gpt_oss_experts(backend, saved_models):
+    """gpt-oss's clamped SwiGLU and expert biases on the backends that run them, row by row against the oracle's
+    one-expert MLP (``activations.dense_mlp``), in a pool with an empty expert and alignment padding."""
+    from moe_ref.core.activations import dense_mlp
+    from moe_ref.experts import ExpertLayout, make_experts
+
+    case = next(c for c in CASES if c.id == "gpt_oss")
+    folder, model = saved_models(case)
+    cfg = MoEConfig.from_hf_config(folder)
+    weights = load_moe_weights(folder, cfg, moe_layers_of(model, case)[0])
+    experts = make_experts(backend, weights.gate_up_weight_E2FD, weights.down_weight_EDF, cfg.activation,
+                           swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
+                           gate_up_bias_e2F=weights.gate_up_bias_E2F, down_bias_eD=weights.down_bias_ED)
+    num_rows_e = torch.tensor([3, 0, 5, 1, 2, 4, 0, 6])
+    layout = ExpertLayout.from_counts(num_rows_e, experts.segment_alignment)
+    x_PDx = torch.randn(layout.num_pool_rows, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    y_PDx = experts(x_PDx, layout)
+    for e, (start, count) in enumerate(zip(layout.row_start_e.tolist(), num_rows_e.tolist())):
+        expected = dense_mlp(x_PDx[start:start + count], weights.gate_up_weight_E2FD[e], weights.down_weight_EDF[e],
+                             cfg.activation, swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
+                             gate_up_bias_2S=weights.gate_up_bias_E2F[e], down_bias_D=weights.down_bias_ED[e])
+        if count:
+            assert_relative_close(y_PDx[start:start + count], expected, backend=backend, expert=e)
+    valid_P = layout.row_expert_P() >= 0
+    assert not y_PDx[~valid_P].any(), f"padding rows must stay zero; {backend=}"
+
+
+def test_backends_without_the_family_math_are_refused_naming_family_feature_and_who_runs_it(saved_models):
+    from moe_ref.core.errors import ExpertsFeatureError, explain
+    from moe_ref.experts import make_experts
+    from moe_ref.experts.registry import check_experts_support
+
+    case = next(c for c in CASES if c.id == "gpt_oss")
+    folder, _ = saved_models(case)
+    cfg = MoEConfig.from_hf_config(folder)
+    with pytest.raises(ExpertsFeatureError, match=r"gpt_oss.*'triton' does not compute activation='swigluoai'.*"
+                                                  r"nor expert biases.*torch, grouped_mm") as info:
+        check_experts_support(cfg, "triton")
+    assert info.value.code == "ENV020" and "swigluoai" in explain("ENV020")
+    check_experts_support(cfg, "torch")  # these run it: no error
+    check_experts_support(cfg, "grouped_mm")
+    check_experts_support(MoEConfig.from_hf_config(saved_models(CASES[0])[0]), "triton")  # SwiGLU, no bias
+    weights = load_moe_weights(folder, cfg, 0)
+    with pytest.raises(ExpertsFeatureError, match="'triton' does not compute activation='swigluoai'"):
+        make_experts("triton", weights.gate_up_weight_E2FD, weights.down_weight_EDF, "swigluoai")
+    with pytest.raises(ExpertsFeatureError, match="'triton' does not compute expert biases"):
+        make_experts("triton", weights.gate_up_weight_E2FD, weights.down_weight_EDF, "silu",
+                     gate_up_bias_e2F=weights.gate_up_bias_E2F, down_bias_eD=weights.down_bias_ED)
