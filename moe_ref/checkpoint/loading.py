@@ -65,6 +65,7 @@ from moe_ref.core.config import MoEConfig
 from moe_ref.core.errors import (
     DTypeError,
     InvalidConfigError,
+    MoERefError,
     LayerIndexError,
     UnexpectedTensorError,
     MissingScaleError,
@@ -327,43 +328,76 @@ def load_moe_weights(
         raise DTypeError(f"dtype={dtype} is not a floating dtype; pass torch.bfloat16, torch.float32, ... or None")
     check_layer_index(cfg, layer_idx)
     first, count = _check_expert_range(expert_range, cfg)
-    E, D = cfg.num_experts, cfg.hidden_size
     with CheckpointReader(path) as ckpt:
         layer_prefix = f"{prefix if prefix is not None else _detect_prefix(ckpt, cfg, layer_idx)}{layer_idx}."
         names = _detect_layout(ckpt, cfg, layer_prefix, first)
         reader = _LayerReader(ckpt, cfg, layer_idx, names, dtype, device, quant, report)
-        # the router first: when it is missing, the layer is most likely dense, which the error says
-        gate_weight_ED = reader.tensor(names.router, (E, D))
-        bias_E = reader.vector(names.bias, E, torch.float32) if cfg.use_selection_bias else None
-        expert_biases = (None, None)
-        if experts:
-            gate_up_E2FD, down_EDF, *expert_biases = reader.experts(first, count, progress)
-        else:
-            empty_dtype = dtype or gate_weight_ED.dtype
-            F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
-            gate_up_E2FD = torch.empty(0, 2 * F, Dx, dtype=empty_dtype, device=device)
-            down_EDF = torch.empty(0, Dx, F, dtype=empty_dtype, device=device)
-        shared = reader.shared() if cfg.has_shared_experts else (None, None)
-        return MoEWeights(
-            gate_weight_ED=gate_weight_ED,
-            gate_up_weight_E2FD=gate_up_E2FD,
-            down_weight_EDF=down_EDF,
-            bias_E=bias_E,
-            router_bias_E=reader.tensor(names.router_bias, (E,)) if cfg.router_bias else None,
-            gate_up_bias_E2F=expert_biases[0],
-            down_bias_ED=expert_biases[1],
-            shared_gate_weight_D=reader.tensor(names.shared_expert_gate, (1, D)).reshape(D)
-            if cfg.shared_expert_gate else None,
-            shared_gate_up_weight_2SD=shared[0],
-            shared_down_weight_DS=shared[1],
-            latent_down_weight_LD=reader.tensor(names.latent_down, (cfg.latent_dim, cfg.hidden_size))
-            if cfg.latent_dim else None,
-            latent_up_weight_DL=reader.tensor(names.latent_up, (cfg.hidden_size, cfg.latent_dim))
-            if cfg.latent_dim else None,
-            latent_norm_weight_L=reader.tensor(names.latent_norm, (cfg.latent_dim,))
-            if cfg.latent_dim and cfg.latent_norm else None,
-            first_expert=first,
-        )
+        return _read_layer(reader, first, count, experts, progress)
+
+
+def check_moe_layer(path: str | os.PathLike, cfg: MoEConfig, layer_idx: int, *, prefix: str | None = None,
+                    quant: "QuantSpec | None" = None, experts: bool = True) -> list[MoERefError]:
+    """What ``load_moe_weights(path, cfg, layer_idx, prefix=prefix, quant=quant, experts=experts)`` would raise,
+    without reading any tensor's values (names, dtypes and shapes come from the safetensors headers): ``[]`` when it
+    would load, else ``[its error]``. For ``moe-ref check`` on a checkpoint folder, so that the check and
+    ``MegaMoE.load_hf_weights`` agree.
+
+    Args:
+        path, cfg, layer_idx, prefix, quant: as ``load_moe_weights`` (``quant``: the checkpoint's ``QuantSpec``,
+            ``moe_ref.checkpoint.quantized.checkpoint_quant_spec(path)``).
+        experts: False when the routed experts are read as stored (``load_quantized_experts`` checks them).
+
+    Returns:
+        The coded errors (``MoERefError``) the load would raise: at most one, the first.
+    """
+    try:
+        check_layer_index(cfg, layer_idx)
+        with CheckpointReader(path) as ckpt:
+            layer_prefix = f"{prefix if prefix is not None else _detect_prefix(ckpt, cfg, layer_idx)}{layer_idx}."
+            reader = _LayerReader(ckpt, cfg, layer_idx, _detect_layout(ckpt, cfg, layer_prefix, 0), None, "meta",
+                                  quant, headers_only=True)
+            _read_layer(reader, 0, cfg.num_experts, experts, progress=False)
+    except MoERefError as err:
+        return [err]
+    return []
+
+
+def _read_layer(reader: "_LayerReader", first: int, count: int, experts: bool, progress: bool) -> MoEWeights:
+    """Every tensor of the layer ``reader`` reads (``load_moe_weights``' body), experts ``[first, first + count)``."""
+    cfg, names, dtype, device = reader.cfg, reader.names, reader.dtype, reader.device
+    E, D = cfg.num_experts, cfg.hidden_size
+    # the router first: when it is missing, the layer is most likely dense, which the error says
+    gate_weight_ED = reader.tensor(names.router, (E, D))
+    bias_E = reader.vector(names.bias, E, torch.float32) if cfg.use_selection_bias else None
+    expert_biases = (None, None)
+    if experts:
+        gate_up_E2FD, down_EDF, *expert_biases = reader.experts(first, count, progress)
+    else:
+        empty_dtype = dtype or gate_weight_ED.dtype
+        F, Dx = cfg.intermediate_size, cfg.expert_hidden_size
+        gate_up_E2FD = torch.empty(0, 2 * F, Dx, dtype=empty_dtype, device=device)
+        down_EDF = torch.empty(0, Dx, F, dtype=empty_dtype, device=device)
+    shared = reader.shared() if cfg.has_shared_experts else (None, None)
+    return MoEWeights(
+        gate_weight_ED=gate_weight_ED,
+        gate_up_weight_E2FD=gate_up_E2FD,
+        down_weight_EDF=down_EDF,
+        bias_E=bias_E,
+        router_bias_E=reader.tensor(names.router_bias, (E,)) if cfg.router_bias else None,
+        gate_up_bias_E2F=expert_biases[0],
+        down_bias_ED=expert_biases[1],
+        shared_gate_weight_D=reader.tensor(names.shared_expert_gate, (1, D)).reshape(D)
+        if cfg.shared_expert_gate else None,
+        shared_gate_up_weight_2SD=shared[0],
+        shared_down_weight_DS=shared[1],
+        latent_down_weight_LD=reader.tensor(names.latent_down, (cfg.latent_dim, cfg.hidden_size))
+        if cfg.latent_dim else None,
+        latent_up_weight_DL=reader.tensor(names.latent_up, (cfg.hidden_size, cfg.latent_dim))
+        if cfg.latent_dim else None,
+        latent_norm_weight_L=reader.tensor(names.latent_norm, (cfg.latent_dim,))
+        if cfg.latent_dim and cfg.latent_norm else None,
+        first_expert=first,
+    )
 
 
 def _check_expert_range(expert_range, cfg: MoEConfig) -> tuple[int, int]:
@@ -385,8 +419,9 @@ def check_layer_index(cfg: MoEConfig, layer_idx: int) -> None:
     if num_layers is None or 0 <= layer_idx < num_layers:
         return
     moe = f"; its MoE layers are {_ranges(cfg.moe_layers)}" if cfg.moe_layers else ""
+    where = "is past the model's last layer" if layer_idx >= num_layers else "is not a layer of the model"
     raise LayerIndexError(
-        f"layer {layer_idx} is past the model's last layer: {cfg.name} has num_hidden_layers={num_layers} (layers "
+        f"layer {layer_idx} {where}: {cfg.name} has num_hidden_layers={num_layers} (layers "
         f"0..{num_layers - 1}){moe}; pass one of those as layer_idx", layer=layer_idx, num_layers=num_layers)
 
 
@@ -421,10 +456,12 @@ class _LayerReader:
 
     def __init__(self, ckpt: CheckpointReader, cfg: MoEConfig, layer_idx: int, names: LayerNames,
                  dtype: torch.dtype | None, device, quant: "QuantSpec | None" = None,
-                 report: LoadReport | None = None):
+                 report: LoadReport | None = None, headers_only: bool = False):
         self.ckpt, self.cfg, self.layer_idx, self.names = ckpt, cfg, layer_idx, names
         self.dtype, self.device, self.quant = dtype, device, quant
         self.report = report if report is not None else LoadReport()
+        # check every name, dtype and shape but read no values: the tensors come back empty on "meta"
+        self.headers_only = headers_only
 
     # --- one tensor ---
     def tensor(self, name: str, expected: tuple[int, ...], dtype: torch.dtype | None = None,
@@ -433,12 +470,20 @@ class _LayerReader:
         ``rule``: why the quantization_config leaves it plain (a quantized checkpoint's message)."""
         self._check(name, expected, rule)
         self._refuse_unexpected_bias(name)
+        if self.headers_only:
+            return self._empty(expected, rows, dtype or self.dtype or _TORCH_DTYPES[self.ckpt.dtype(name)])
         value = self.ckpt.read(name) if rows is None else self.ckpt.read_rows(name, *rows)
         out = value.to(device=self.device, dtype=dtype or self.dtype or value.dtype)
         self.report.add(LoadedTensor(name, self.ckpt.dtype(name), value.numel() * value.element_size(),
                                      str(out.dtype).removeprefix("torch."), out.numel() * out.element_size(),
                                      rule))
         return out
+
+    @staticmethod
+    def _empty(expected: tuple[int, ...], rows: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+        """A value-less stand-in of a tensor checked with ``headers_only`` (its rows ``rows``, if given)."""
+        shape = tuple(expected) if rows is None else (rows[1], *expected[1:])
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     def vector(self, name: str, length: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A ``[length]`` vector stored ``[length]`` or ``[1, length]`` (Ernie's ``moe_statics`` bias), as
@@ -514,6 +559,8 @@ class _LayerReader:
                     f"{list(self.ckpt.shape(tensor_name))}, expected {[*lead, *shape]} for this config and format; "
                     f"use the config.json that came with the checkpoint", name=tensor_name)
         check_recorded_shape(self.ckpt, spec, self.layer_idx, module, out_f, in_f)
+        if self.headers_only:
+            return self._empty(expected, rows, self.dtype or torch.bfloat16)
         read = (lambda n: self.ckpt.read(n)) if rows is None else (lambda n: self.ckpt.read_rows(n, *rows))
         qweight, scale = read(weight_name), read(scale_name)
         dtype = self.dtype or _TORCH_DTYPES.get(self.ckpt.dtype(self.names.router), torch.bfloat16)

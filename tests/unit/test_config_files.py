@@ -86,3 +86,56 @@ def test_megamoe_reports_the_same_coded_errors(tmp_path):
 
 def test_presets_still_parse():
     assert preset("kimi-k3").latent_dim == 3584 and preset("step3").moe_layers[0] == 4
+
+
+# --- families: unknown, unsupported features, PretrainedConfig objects -------------------------------------------------
+
+def test_a_missing_required_field_gives_no_made_up_example(tmp_path):
+    path = _write(tmp_path, {k: v for k, v in KIMI_K2.items() if k != "num_experts_per_tok"})
+    with pytest.raises(ConfigFieldError, match="'num_experts_per_tok' is missing") as info:
+        MoEConfig.from_hf_config(path)
+    message = str(info.value)
+    assert "7168" not in message and "\"num_experts_per_tok\": the model's value" in message
+
+
+def test_an_unknown_family_lists_the_model_types_and_how_to_add_one():
+    from moe_ref.core.errors import UnknownFamilyError
+    from moe_ref.core.families import supported_model_types
+
+    with pytest.raises(UnknownFamilyError, match="model_type 'dbrx'") as info:
+        MoEConfig.from_hf_config({"model_type": "dbrx", "hidden_size": 64, "num_experts": 8})
+    message = str(info.value)
+    assert info.value.code == "CFG018" and all(t in message for t in supported_model_types())
+    assert "moe_ref/core/families/<family>.py" in message and "is it an MoE model" not in message
+    with pytest.raises(UnknownFamilyError, match="is it an MoE model"):
+        MoEConfig.from_hf_config({"model_type": "llama", "hidden_size": 64})
+
+
+@pytest.mark.parametrize("edit,needle", [
+    ({"mlp_bias": True}, "'mlp_bias' is true: DeepSeek-V2.* with biases on every MLP's Linear layers"),
+    ({"topk_method": "sinkhorn"}, "'topk_method' is \"sinkhorn\"; DeepSeek-V2.* routes with noaux_tc, "
+                                  "group_limited_greedy, greedy"),
+])
+def test_a_feature_the_family_math_lacks_is_cfg025(tmp_path, edit, needle):
+    from moe_ref.core.errors import UnsupportedFamilyFeatureError
+
+    v2 = {"model_type": "deepseek_v2", "hidden_size": 64, "n_routed_experts": 8, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 32, "mlp_bias": False}
+    with pytest.raises(UnsupportedFamilyFeatureError, match=needle) as info:
+        MoEConfig.from_hf_config(_write(tmp_path, {**v2, **edit}))
+    assert info.value.code == "CFG025" and isinstance(info.value, InvalidConfigError)
+    assert MoEConfig.from_hf_config(v2).family == "deepseek_v2"
+
+
+def test_a_transformers_config_object_reads_as_its_config_json(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                            num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)
+    config.save_pretrained(tmp_path)
+    cfg = MoEConfig.from_hf_config(config)
+    assert cfg == MoEConfig.from_hf_config(tmp_path)
+    assert (cfg.family, cfg.num_experts, cfg.moe_layers, cfg.renormalize) == ("qwen3_moe", 8, (0, 2), True)
+    with pytest.raises(ConfigFileError) as info:  # another object: a short message, not its whole repr
+        MoEConfig.from_hf_config(object())
+    assert len(str(info.value)) < 400

@@ -14,11 +14,13 @@ from moe_ref.core.config import MoEConfig, preset
 from moe_ref.core.errors import (
     CheckpointError,
     InvalidConfigError,
+    LayerIndexError,
     MissingTensorError,
     TensorShapeMismatchError,
+    UnexpectedTensorError,
     explain,
 )
-from moe_ref.checkpoint.loading import UnsupportedCheckpointError, load_moe_weights
+from moe_ref.checkpoint.loading import UnsupportedCheckpointError, check_moe_layer, load_moe_weights
 from moe_ref.core.errors import CheckpointNotFoundError
 from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
 from moe_ref.core.weights import MoEWeights
@@ -400,3 +402,47 @@ def test_writer_refuses_layouts_a_family_does_not_have(tmp_path):
         write_synthetic_checkpoint(tmp_path, preset("tiny-kimi-k3"), layout="fused")
     with pytest.raises(InvalidConfigError, match="num_shards=99"):
         write_synthetic_checkpoint(tmp_path, preset("tiny-step3"), num_shards=99)
+
+
+# --- layer indices, stray biases, and the header-only check ----------------------------------------------------------
+
+def test_a_layer_past_the_last_is_named_so_not_called_dense(tmp_path):
+    write_synthetic_checkpoint(tmp_path, preset("tiny-kimi-k2"), layer_idx=2)
+    cfg = MoEConfig.from_hf_config(tmp_path)  # its config.json: 3 layers, 0-1 dense, 2 the MoE layer
+    assert (cfg.num_layers, cfg.moe_layers) == (3, (2,))
+    with pytest.raises(LayerIndexError, match=r"layer 99 is past the model's last layer: .*num_hidden_layers=3 "
+                                              r"\(layers 0\.\.2\); its MoE layers are 2") as info:
+        load_moe_weights(tmp_path, cfg, 99)
+    assert info.value.code == "LOAD018" and "dense" not in str(info.value)
+    with pytest.raises(LayerIndexError, match="layer -1 is not a layer of the model"):
+        load_moe_weights(tmp_path, cfg, -1)
+    with pytest.raises(MissingTensorError, match="Layer 1 is a dense layer in this config; its MoE layers are 2"):
+        load_moe_weights(tmp_path, cfg, 1)
+
+
+def test_a_bias_the_family_has_no_place_for_is_refused(tmp_path):
+    cfg = preset("tiny-kimi-k2")
+    write_synthetic_checkpoint(tmp_path, cfg, layer_idx=0)
+    name = "model.layers.0.mlp.shared_experts.down_proj.bias"
+    rewrite(tmp_path, lambda t: {**t, name: torch.zeros(cfg.hidden_size)})
+    with pytest.raises(UnexpectedTensorError, match=rf"'{re.escape(name)}' \(layer 0\) is a bias of .*no bias there"
+                                                    ) as info:
+        load_moe_weights(tmp_path, cfg, 0)
+    assert info.value.code == "LOAD019" and isinstance(info.value, CheckpointError)
+
+
+def test_check_moe_layer_agrees_with_the_loader_without_reading_values(tmp_path, monkeypatch):
+    write_synthetic_checkpoint(tmp_path, preset("tiny-kimi-k2"), layer_idx=2)
+    cfg = MoEConfig.from_hf_config(tmp_path)
+    monkeypatch.setattr(reader.CheckpointReader, "read", lambda *a: pytest.fail("check_moe_layer read a value"))
+    monkeypatch.setattr(reader.CheckpointReader, "read_rows", lambda *a: pytest.fail("check_moe_layer read rows"))
+    assert check_moe_layer(tmp_path, cfg, 2) == []
+    assert [p.code for p in check_moe_layer(tmp_path, cfg, 1)] == ["LOAD001"]  # a dense layer
+    assert [p.code for p in check_moe_layer(tmp_path, cfg, 9)] == ["LOAD018"]
+    monkeypatch.undo()
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    rewrite(tmp_path, lambda t: {k: v for k, v in t.items() if k != name})
+    (problem,) = check_moe_layer(tmp_path, cfg, 2)
+    with pytest.raises(MissingTensorError) as info:
+        load_moe_weights(tmp_path, cfg, 2)
+    assert (problem.code, str(problem)) == ("LOAD001", str(info.value)) and name in str(problem)

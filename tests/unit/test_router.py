@@ -9,18 +9,21 @@ from moe_ref.core.router import select_experts
 pytestmark = pytest.mark.unit
 
 
-def _per_token_oracle(logits, k, scoring, bias, groups, kept, renorm, scale):
+def _per_token_oracle(logits, k, scoring, bias, groups, kept, renorm, scale, group_rule="top2_sum"):
     """Plain-Python routing of one token at a time (independent of the vectorised version)."""
     ids, weights = [], []
     for row in logits.double():
-        scores = row.sigmoid() if scoring == "sigmoid" else row.softmax(-1)
+        scores = row.sigmoid() if scoring == "sigmoid" else row.softmax(-1) if scoring == "softmax" else row
         sel = scores + (bias.double() if bias is not None else 0)
         size = len(row) // groups
-        group_score = [sorted(sel[g * size:(g + 1) * size].tolist(), reverse=True)[:2] for g in range(groups)]
+        best = 2 if group_rule == "top2_sum" else 1  # top2_sum: the sum of the best two; max: the best one
+        group_score = [sorted(sel[g * size:(g + 1) * size].tolist(), reverse=True)[:best] for g in range(groups)]
         order = sorted(range(groups), key=lambda g: (-sum(group_score[g]), g))[:kept]
         allowed = [e for e in range(len(row)) if e // size in order]
         chosen = sorted(allowed, key=lambda e: (-float(sel[e]), e))[:k]
         w = [float(scores[e]) for e in chosen]
+        if scoring == "topk_softmax":  # gpt-oss: softmax over the chosen logits
+            w = torch.tensor(w).softmax(-1).tolist()
         if renorm:
             w = [v / (sum(w) + 1e-20) for v in w]
         ids.append(chosen)
@@ -28,19 +31,22 @@ def _per_token_oracle(logits, k, scoring, bias, groups, kept, renorm, scale):
     return torch.tensor(ids), torch.tensor(weights)
 
 
-@pytest.mark.parametrize("scoring, use_bias, groups, kept, renorm, scale", [
-    ("softmax", False, 1, 1, False, 1.0),     # Step3
-    ("softmax", False, 1, 1, True, 1.0),
-    ("sigmoid", True, 1, 1, True, 2.827),     # Kimi-K2/K3
-    ("sigmoid", True, 4, 2, True, 2.5),       # DeepSeek-V3 grouped
-    ("sigmoid", False, 8, 3, False, 1.0),
+@pytest.mark.parametrize("scoring, use_bias, groups, kept, renorm, scale, group_rule", [
+    ("softmax", False, 1, 1, False, 1.0, "top2_sum"),     # Step3, Qwen3-MoE, OLMoE
+    ("softmax", False, 1, 1, True, 1.0, "top2_sum"),      # Mixtral, HunYuan
+    ("softmax", True, 1, 1, True, 1.0, "top2_sum"),       # Ernie-4.5 (selection bias)
+    ("sigmoid", True, 1, 1, True, 2.827, "top2_sum"),     # Kimi-K2/K3
+    ("sigmoid", True, 4, 2, True, 2.5, "top2_sum"),       # DeepSeek-V3 grouped
+    ("sigmoid", False, 8, 3, False, 1.0, "top2_sum"),
+    ("softmax", False, 8, 1, False, 16.0, "max"),         # DeepSeek-V2 group_limited_greedy
+    ("topk_softmax", False, 1, 1, False, 1.0, "top2_sum"),  # gpt-oss
 ])
-def test_select_experts_matches_per_token_oracle(scoring, use_bias, groups, kept, renorm, scale):
+def test_select_experts_matches_per_token_oracle(scoring, use_bias, groups, kept, renorm, scale, group_rule):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(37, 32, generator=gen)
     bias = 0.2 * torch.rand(32, generator=gen) if use_bias else None
-    ids, weights = select_experts(logits, 4, scoring, bias, groups, kept, renorm, scale)
-    want_ids, want_weights = _per_token_oracle(logits, 4, scoring, bias, groups, kept, renorm, scale)
+    ids, weights = select_experts(logits, 4, scoring, bias, groups, kept, renorm, scale, group_score=group_rule)
+    want_ids, want_weights = _per_token_oracle(logits, 4, scoring, bias, groups, kept, renorm, scale, group_rule)
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
     assert torch.equal(ids, want_ids), f"{scoring=} {groups=} {kept=}"
     torch.testing.assert_close(weights.double(), want_weights.double(), rtol=1e-6, atol=1e-7)
