@@ -222,8 +222,12 @@ def quant_spec_from_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) 
     if method == "compressed-tensors":
         fmt, group_size, targets = _compressed_tensors_format(qc)
         return QuantSpec(fmt, group_size, ignore, ignore_key, targets)
-    raise UnsupportedQuantizationError(f"quantization_config.quant_method={method!r} is not supported; supported: "
-                                       f"{SUPPORTED_FORMATS}", quant_method=method)
+    # gpt-oss publishes transformers' own MXFP4 (gate_up_proj_blocks / _scales, quant_method 'mxfp4'), which is
+    # not compressed-tensors' mxfp4-pack-quantized: name the way to its plain weights
+    hint = (" (gpt-oss's transformers MXFP4, *_blocks + *_scales: read its bf16 weights instead, e.g. saved from "
+            "transformers with quantization_config=Mxfp4Config(dequantize=True))") if method == "mxfp4" else ""
+    raise UnsupportedQuantizationError(f"quantization_config.quant_method={method!r} is not supported{hint}; "
+                                       f"supported: {SUPPORTED_FORMATS}", quant_method=method)
 
 
 def _name_matches(entry: str, module: str) -> bool:

@@ -106,3 +106,24 @@ def test_cfg_from_json_string_keys_ignore_extra(tmp_path):
     raw = json.loads((MODELS / "deepseek-v3.json").read_text())
     raw["some_future_field"] = 1
     assert MoEConfig.from_hf_config(raw).num_experts == 256
+
+
+@pytest.mark.parametrize("raw", [
+    dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
+    dict(model_type="qwen2_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+         shared_expert_intermediate_size=24),
+    dict(model_type="deepseek_v2", n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+         topk_method="group_limited_greedy", n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=16.0),
+    dict(model_type="gpt_oss", num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, swiglu_limit=3.0),
+    dict(model_type="ernie4_5_moe", moe_num_experts=8, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1),
+    dict(model_type="hunyuan_v1_moe", num_experts=8, moe_topk=[2, 2], intermediate_size=16),
+    dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2, intermediate_size=16),
+    dict(model_type="olmoe", num_experts=8, num_experts_per_tok=2, intermediate_size=16),
+    dict(model_type="glm4_moe", n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_group=2,
+         topk_group=1),
+], ids=lambda raw: raw["model_type"])
+def test_every_family_round_trips_through_its_hf_dict(raw):
+    cfg = MoEConfig.from_hf_config({**raw, "hidden_size": 32, "num_hidden_layers": 1})
+    back = MoEConfig.from_hf_config(hf_config_dict(cfg))
+    assert back == cfg, (cfg, back)
+    assert back.family == raw["model_type"] and back.moe_layers == (0,)

@@ -446,3 +446,13 @@ def test_check_moe_layer_agrees_with_the_loader_without_reading_values(tmp_path,
     with pytest.raises(MissingTensorError) as info:
         load_moe_weights(tmp_path, cfg, 2)
     assert (problem.code, str(problem)) == ("LOAD001", str(info.value)) and name in str(problem)
+
+
+def test_gpt_oss_own_mxfp4_is_refused_naming_the_way_to_its_plain_weights():
+    from moe_ref.checkpoint.formats import quant_spec_from_config
+    from moe_ref.core.errors import UnsupportedQuantizationError
+
+    with pytest.raises(UnsupportedQuantizationError, match=r"'mxfp4' is not supported \(gpt-oss's transformers MXFP4"
+                                                           r".*Mxfp4Config\(dequantize=True\)") as info:
+        quant_spec_from_config({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}})
+    assert info.value.code == "LOAD008"
