@@ -3,40 +3,77 @@
 Every function here is collective over ``group`` (all ranks call it, in the same order) and is the
 identity for one process (``group`` None or of size 1). They carry the group's agreements:
 
-    construction  agree_on_fields   every option that must match, one all_gather_object
-    each call     gather_ints       call counter, row count, bound, problem code (moe_ref.ep.overflow), over the
-                                    group's host group (gloo, CPU tensors: the GPU stream is not waited for)
+    construction  agree_on_fields   every option that must match, one all_gather_object; claim_layer_index
+                                    numbers the group's MoE layers in the order they are built
+    each call     gather_ints       layer, call counter, row count, bound, problem code (moe_ref.ep.overflow),
+                                    over the group's host group (gloo, CPU tensors: the GPU stream is not waited
+                                    for; made with the EP group's own timeout)
     each chunk    agree_on_failure  did any rank fail inside the step, and (first chunk) the device-side checks
                                     (moe_ref.ep.routed_step): the call's one host sync on CUDA
 
 so one rank's bad input, option or exception becomes a coded error on EVERY rank, and none waits for a
-peer that has already left.
+peer that has already left, nor longer than the EP group's timeout for one that stays away.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import time
+from datetime import timedelta
 from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from moe_ref.core.errors import (CapacityMismatchError, GroupDisagreementError, MoERefError, PeerFailedError,
-                                 error_class)
+from moe_ref.core.errors import (CapacityMismatchError, GroupDisagreementError, GroupTimeoutError, MoERefError,
+                                 PeerFailedError, error_class)
 from moe_ref.ep.device_checks import DeviceChecks
 
 
 @contextlib.contextmanager
-def peer_errors(what: str):
-    """Turn a failed collective (a peer died, left or timed out: gloo and NCCL raise ``RuntimeError``) into
-    ``PeerFailedError`` (ENV005) naming ``what`` was running. The package's own coded errors pass through."""
+def peer_errors(what: str, group=None):
+    """Turn a failed collective of ``group`` (gloo and NCCL raise ``RuntimeError``) into a coded error naming
+    ``what`` was running: ``GroupTimeoutError`` (ENV018, naming the group's timeout) when it ended at that timeout
+    (a peer alive but away), else ``PeerFailedError`` (ENV005: a peer died or left). The package's own coded errors
+    pass through."""
+    start = time.monotonic()
     try:
         yield
     except MoERefError:
         raise
     except RuntimeError as err:
-        raise PeerFailedError(f"{what} failed: a peer of the EP group died, left or timed out ({type(err).__name__}: "
-                              f"{str(err)[:300]}); rebuild the process group and the layer") from err
+        waited = time.monotonic() - start
+        detail = f"{type(err).__name__}: {str(err)[:300]}"
+        timeout = group_timeout(group)
+        # gloo says "Timed out waiting 2000ms for recv operation" on the rank whose wait ran out; that rank then
+        # closes its connections, so a peer that waited about as long sees "Connection closed by peer" instead
+        # (its own wait began a little later). A dead peer's closed connection comes without that wait.
+        if "timed out" in str(err).lower() or (timeout is not None and waited >= timeout.total_seconds() / 2):
+            limit = "unknown" if timeout is None else f"{timeout.total_seconds():g} s"
+            raise GroupTimeoutError(
+                f"{what} ended after {waited:.1f} s without every peer: the EP group's timeout is {limit}, and a rank "
+                f"of the group is alive but did not make this call (it skipped a layer call, or is busy elsewhere) "
+                f"or is slower than that. Make every rank call every EP layer in the same order (T = 0 on a rank "
+                f"without tokens), or give the process group a longer timeout (init_process_group(..., "
+                f"timeout=timedelta(seconds=N)) or new_group(..., timeout=...)); the group's collectives are out of "
+                f"step now: rebuild the process group and the layers ({detail})",
+                timeout_s=None if timeout is None else timeout.total_seconds(), waited_s=round(waited, 3)) from err
+        raise PeerFailedError(f"{what} failed: a peer of the EP group died or left ({detail}); rebuild the process "
+                              f"group and the layer") from err
+
+
+def group_timeout(group) -> timedelta | None:
+    """The timeout of ``group``'s collectives (the ``timeout=`` of ``init_process_group`` or ``new_group``), or None
+    for one process or where torch does not say. NOTE: read from the backend's options (``_get_backend``,
+    ``options._timeout``: torch has no public getter)."""
+    if group is None:
+        return None
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
 
 
 def comm_device(group, device: torch.device | str = "cpu") -> torch.device:
@@ -67,12 +104,14 @@ def group_max(values: Sequence[int], group=None, device: torch.device | str = "c
 
 
 def gather_ints(values: Sequence[int], group=None, device: torch.device | str = "cpu",
-                device_values: torch.Tensor | None = None) -> list[list[int]]:
+                device_values: torch.Tensor | None = None, what: str = "the per-call agreement (all_gather)"
+                ) -> list[list[int]]:
     """Every rank's ``values`` (same length on every rank): one ``all_gather`` of an int64 vector.
 
     Args:
         device_values: ``[n]`` integers computed on the device (same n on every rank), appended to ``values``
             without a read of their own.
+        what: what the gather is, for the error when it fails (``peer_errors``).
 
     Returns ``[world][len(values) + n]``, rank order. NOTE: syncs the host (once).
     """
@@ -83,7 +122,7 @@ def gather_ints(values: Sequence[int], group=None, device: torch.device | str = 
     if device_values is not None:
         mine = torch.cat([mine, device_values.to(device=device, dtype=torch.int64).reshape(-1)])
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    with peer_errors("the per-call agreement (all_gather)"):
+    with peer_errors(what, group):
         dist.all_gather(gathered, mine, group=group)
         return torch.stack(gathered).tolist()
 
@@ -104,7 +143,7 @@ def gather_objects(obj, group=None) -> list:
     if world == 1:
         return [obj]
     out: list = [None] * world
-    with peer_errors("an agreement of the EP group (all_gather_object)"):
+    with peer_errors("an agreement of the EP group (all_gather_object)", group):
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -209,22 +248,41 @@ def agree_on_failure(failure: BaseException | None, group=None, device: torch.de
 # layer on that group): a group made with use_local_synchronization is named by its ranks, so one made again after
 # a destroy would meet the first one's stale addresses in the store. Destroyed at exit (destroy_host_groups).
 _HOST_GROUPS: dict = {}
+# NOTE: process-wide state: EP group -> how many MoE layers were built on it (claim_layer_index).
+_LAYER_COUNTS: dict = {}
+
+
+def _group_key(group) -> tuple:
+    return getattr(group, "group_name", None), id(group)
 
 
 def host_group(group):
     """A gloo group of ``group``'s ranks, for the per-call agreement on host integers: on CPU tensors, so it waits
-    for no GPU work (an NCCL all_gather read by the host waits for every kernel queued before it). Collective over
-    ``group``'s members the first time (``new_group(..., use_local_synchronization=True)``); None for one process."""
+    for no GPU work (an NCCL all_gather read by the host waits for every kernel queued before it). Made with
+    ``group``'s own timeout (``group_timeout``), so a peer that stays away is an error after the time the caller
+    chose, not torch's default 30 min. Collective over ``group``'s members the first time
+    (``new_group(..., use_local_synchronization=True)``); None for one process."""
     world, _ = group_size_and_rank(group)
     if world == 1:
         return None
-    key = (getattr(group, "group_name", None), id(group))
+    key = _group_key(group)
     host = _HOST_GROUPS.get(key)
     if host is None or not _alive(host):
-        with peer_errors("building the EP group's host group (new_group)"):
-            host = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
+        with peer_errors("building the EP group's host group (new_group)", group):
+            host = dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True,
+                                  timeout=group_timeout(group))
         _HOST_GROUPS[key] = host
     return host
+
+
+def claim_layer_index(group) -> int:
+    """The next index of a MoE layer built on ``group``: 0, 1, 2, ... in build order (not collective; building a
+    layer is, so the k-th layer built on the group has index k on every rank). The per-call agreement carries it,
+    so ranks calling different layers raise StepOutOfSyncError (ENV004) instead of pairing their calls."""
+    key = _group_key(group)
+    index = _LAYER_COUNTS.get(key, 0)
+    _LAYER_COUNTS[key] = index + 1
+    return index
 
 
 def _alive(process_group) -> bool:

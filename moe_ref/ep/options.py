@@ -22,7 +22,36 @@ from moe_ref.experts import check_pool_format, experts_class, registered_backend
 from moe_ref.kernels.ep.ep_regions import POOL_FORMATS
 
 OVERFLOW_POLICIES = ("error", "chunk")
-TRANSPORTS = ("auto", "local", "symm", "a2a")
+
+
+@dataclass(frozen=True)
+class Transport:
+    """One row of the transport registry ``TRANSPORTS``.
+
+    Attributes:
+        summary: what it is, in a few words (``--help``, ``moe-ref info``).
+        dispatcher: its ``Dispatcher`` subclass as ``"module:Class"``, imported by the factory
+            (``moe_ref.ep.transport.make_dispatcher``) when used; None for ``auto``, which picks another row.
+        symmetric_buffer: every rank maps every peer's buffer (CUDA symmetric memory, or shm files on CPU); else a
+            private buffer.
+        one_rank: runs one process only.
+    """
+
+    summary: str
+    dispatcher: str | None
+    symmetric_buffer: bool = False
+    one_rank: bool = False
+
+
+# The transports by name: the one list that EPOptions checks names against, the factory builds from
+# (moe_ref.ep.transport) and the command line offers. A new transport is a Dispatcher subclass and a row here.
+TRANSPORTS: dict[str, Transport] = {
+    "auto": Transport("local for one rank; symm where every rank can map every peer's memory; a2a otherwise", None),
+    "local": Transport("one process, a private buffer", "moe_ref.ep.symm:SymmDispatcher", one_rank=True),
+    "symm": Transport("peers' buffers mapped: CUDA symmetric memory, or shared memory on CPU",
+                      "moe_ref.ep.symm:SymmDispatcher", symmetric_buffer=True),
+    "a2a": Transport("all_to_all_single over the EP group, a private buffer", "moe_ref.ep.a2a:AllToAllDispatcher"),
+}
 MEGA_CHOICES = ("off", "deep_gemm", "auto")
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Used when neither the argument nor MOE_REF_NUM_MAX_TOKENS_PER_RANK gives a cap.
@@ -42,7 +71,8 @@ class EPOptions:
     Attributes:
         num_max_tokens_per_rank: the cap C, rows ONE rank feeds per call (1 .. 2**20).
         overflow: ``"error"`` or ``"chunk"`` when a rank's batch exceeds C.
-        transport: ``"auto"``, ``"local"``, ``"symm"`` or ``"a2a"`` (auto is decided collectively later).
+        transport: a name of ``TRANSPORTS`` (``auto``, ``local``, ``symm``, ``a2a``; auto is decided collectively
+            later).
         experts_backend: ``"torch"``, ``"grouped_mm"``, ``"triton"``, ``"deep_gemm"`` or ``"auto"`` (``resolve``
             turns ``auto`` into what ``experts_class("auto", device)`` is here: ``"torch"`` on CPU; on CUDA
             ``"triton"``, or ``"auto"`` where the measured table ranks another installed backend (DeepGEMM) first in
@@ -60,6 +90,10 @@ class EPOptions:
         eager_graph_max_tokens: one rank on CUDA: eager calls of 1 .. this many tokens replay a CUDA graph of their
             token count, captured on its second call (``moe_ref.eager_graphs``); 0: every call launches its kernels.
             ``resolve``'s default: ``min(1024, num_max_tokens_per_rank)``.
+        layer_index: which MoE layer of the EP group these options are for: its place in build order
+            (``moe_ref.ep.distributed.claim_layer_index``). Every per-call agreement carries it, so ranks calling
+            different layers raise ENV004 before any row moves; None: not known (calls of different layers are then
+            told apart only by their call counts).
         source: option name -> ``"the argument"``, the environment variable's name, or ``"the default"``.
     """
 
@@ -75,6 +109,7 @@ class EPOptions:
     device: torch.device = torch.device("cpu")
     debug_checks: bool = False
     eager_graph_max_tokens: int = 0
+    layer_index: int | None = None
     source: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -103,6 +138,10 @@ class EPOptions:
         if self.alignment is not None and (isinstance(self.alignment, bool) or not isinstance(self.alignment, int)
                                            or self.alignment <= 0):  # True is an int to Python, not a row count
             raise InvalidConfigError(f"alignment={self.alignment!r} must be a positive integer (rows)", field="alignment")
+        if self.layer_index is not None and (isinstance(self.layer_index, bool) or not isinstance(self.layer_index, int)
+                                             or self.layer_index < 0):
+            raise InvalidConfigError(f"layer_index={self.layer_index!r} must be None or an integer >= 0 (the layer's "
+                                     f"place in build order on its EP group)", field="layer_index")
         if self.dtype not in ACTIVATION_DTYPES:
             raise DTypeError(f"dtype={self.dtype}; MegaMoE parameters must be one of "
                              f"{', '.join(str(d) for d in ACTIVATION_DTYPES)}", field="dtype")
@@ -122,11 +161,13 @@ class EPOptions:
                 transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
                 alignment: int | None = None, pool_format: str | None = None, mega: str | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                debug_checks: bool | None = None, eager_graph_max_tokens: int | None = None) -> "EPOptions":
+                debug_checks: bool | None = None, eager_graph_max_tokens: int | None = None,
+                layer_index: int | None = None) -> "EPOptions":
         """Each option from the argument if given (not None; ``"auto"`` counts as given except for the
         transport, where an operator's ``MOE_REF_TRANSPORT`` still decides), else its environment variable,
         else the default. ``experts_backend="auto"`` becomes torch on CPU; on CUDA triton, or auto where it holds
-        more than Triton here (``experts_class``); ``alignment=None`` becomes that backend's ``segment_alignment``."""
+        more than Triton here (``experts_class``); ``alignment=None`` becomes that backend's ``segment_alignment``.
+        ``layer_index`` is taken as given (no environment variable)."""
         source: dict[str, str] = {}
 
         def pick(name, argument, env_name, env_value, default, argument_wins=lambda v: v is not None):
@@ -160,7 +201,8 @@ class EPOptions:
         return EPOptions(num_max_tokens_per_rank=cap, overflow=policy, transport=transport_name,
                          experts_backend=backend, dispatch_fp8=bool(dispatch_fp8), alignment=alignment,
                          pool_format=pool, mega=mega if mega is not None else "off", dtype=dtype, device=device,
-                         debug_checks=bool(debug), eager_graph_max_tokens=graph_tokens, source=source)
+                         debug_checks=bool(debug), eager_graph_max_tokens=graph_tokens, layer_index=layer_index,
+                         source=source)
 
     def replace(self, **changes) -> "EPOptions":
         """A copy with ``changes`` (checked again)."""
@@ -176,4 +218,4 @@ class EPOptions:
                 "dispatch_fp8": str(self.dispatch_fp8), "alignment": str(self.alignment),
                 "pool_format": self.pool_format, "mega": self.mega, "dtype": str(self.dtype),
                 "device_type": self.device.type, "debug_checks": str(self.debug_checks),
-                "eager_graph_max_tokens": str(self.eager_graph_max_tokens)}
+                "eager_graph_max_tokens": str(self.eager_graph_max_tokens), "layer_index": str(self.layer_index)}

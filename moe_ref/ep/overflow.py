@@ -1,9 +1,10 @@
 """The overflow policy: one small collective per call decides, for every rank alike, how the call runs.
 
-    per call, on every rank:  [call counter, T, max_num_tokens or -1, problem?, device checks' flags (where the
-                              routed step reads them here: not the modular step at EP >= 2, which reads them
-                              after its experts)] --gather_ints (one host sync; none over a gloo host group)-->
-      counters differ            -> StepOutOfSyncError (ENV004) on every rank
+    per call, on every rank:  [layer, 0, call counter, T, max_num_tokens or -1, problem?, device checks' flags
+                              (where the routed step reads them here: not the modular step at EP >= 2, which reads
+                              them after its experts)] --gather_ints (one host sync; none over a gloo host group)-->
+      a rank builds the step     -> StepBuiltOnSomeRanksError (ENV017) on every rank (it was destroyed there only)
+      layers or counters differ  -> StepOutOfSyncError (ENV004) on every rank; neither raises count the call
       max_num_tokens differs     -> GroupDisagreementError (CFG008) on every rank
       some rank has a problem    -> that problem's coded error on every rank (bad shape/dtype/device, NaN,
         or a failed device check    ids out of range, weights not loaded, a gradient requested, a peer that
@@ -15,6 +16,10 @@
 ``OverflowPolicy.agree`` is that collective; ``RoutedStep`` (moe_ref.ep.routed_step) runs the chunk loop for
 every kind of routed step. The collective runs even with ``max_num_tokens`` (the promised bound is then
 checked on every rank instead of trusted): it is what makes one rank's bad input an error on all ranks.
+Building a routed step starts with the same collective (``OverflowPolicy.agree_to_build``: [layer, 1, 0, ...]),
+before any collective of its own, so a rank building a step meets the peers' calls there and every rank raises.
+``layer`` is the layer's index in build order on the EP group (``EPOptions.layer_index``; -1 where unknown).
+A peer that never joins is ``GroupTimeoutError`` (ENV018) after the EP group's timeout (moe_ref.ep.distributed).
 
 Shape legend: T tokens of this rank, C cap (``num_max_tokens_per_rank``), R EP ranks.
 """
@@ -30,7 +35,7 @@ from moe_ref.ep.capacity import format_bytes
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import gather_ints, gather_objects, group_size_and_rank, problem_of, raise_agreed_problem
 from moe_ref.core.errors import (CapacityExceededError, GroupDisagreementError, MoERefError, ShapeError,
-                                 StepOutOfSyncError)
+                                 StepBuiltOnSomeRanksError, StepOutOfSyncError)
 from moe_ref.ep.options import OVERFLOW_POLICIES
 
 
@@ -40,6 +45,8 @@ class ChunkingWarning(UserWarning):
 
 # NOTE: the one piece of module state: chunking is announced once per process, not once per call.
 _ANNOUNCED: set[str] = set()
+# The agreement's row starts with [layer index or -1, 1 when building the step else 0, call counter]: the stamp.
+STAMP_LENGTH = 3
 
 
 @dataclass(frozen=True)
@@ -50,15 +57,38 @@ class OverflowPolicy:
         num_max_tokens_per_rank: C, the cap.
         mode: ``"error"`` or ``"chunk"``.
         buffer_bytes_for_cap: the per-rank buffer bytes a given cap would take (prices a larger cap in CAP001).
+        layer_index: the layer's index in build order on the EP group (``EPOptions.layer_index``), carried by every
+            agreement; None: unknown (-1 in the agreement).
     """
 
     num_max_tokens_per_rank: int
     mode: str
     buffer_bytes_for_cap: Callable[[int], int]
+    layer_index: int | None = None
 
     def __post_init__(self):
         if self.mode not in OVERFLOW_POLICIES:  # EPOptions validated it; a direct construction may not have
             raise ValueError(f"mode={self.mode!r}; supported: {', '.join(OVERFLOW_POLICIES)}")
+
+    def stamp(self, call_index: int, building: bool = False) -> list[int]:
+        """``[layer index or -1, building, call_index]``: which call of which layer this rank is in."""
+        return [-1 if self.layer_index is None else self.layer_index, int(building), call_index]
+
+    def agree_to_build(self, *, group=None, device: torch.device | str = "cpu") -> None:
+        """The first collective of building this layer's routed step, on the group (and device) of its per-call
+        agreement: a row of the same length, so it meets a peer's ``agree`` as well as a peer's build.
+
+        Raises on every rank, before the step's own collectives: ``StepBuiltOnSomeRanksError`` (ENV017) when the
+        peers are calling this layer (its step was destroyed on some ranks only), ``StepOutOfSyncError`` (ENV004)
+        when they build or call another layer. NOTE: syncs the host (one ``all_gather`` of 10 int64 per rank).
+        """
+        world, rank = group_size_and_rank(group)
+        if world == 1:
+            return
+        stamp = self.stamp(0, building=True)
+        rows = gather_ints(stamp + [0, -1, 0], group, device, device_values=DeviceChecks().flags(torch.device(device)),
+                           what=f"rank {rank}'s agreement to build the routed step of {_call_name(stamp)}")
+        check_same_call([r[:STAMP_LENGTH] for r in rows], rank)
 
     def agree(self, num_tokens: int, problem: MoERefError | None, *, call_index: int, group=None,
               device: torch.device | str = "cpu", max_num_tokens: int | None = None,
@@ -68,7 +98,8 @@ class OverflowPolicy:
         Args:
             num_tokens: T, this rank's rows in this call.
             problem: what is wrong with this rank's input (a coded error, not raised yet), or None.
-            call_index: how many calls this rank made before (the same on every rank when all are in step).
+            call_index: how many calls of this layer this rank made before (the same on every rank when all are in
+                step).
             group, device: the EP group and where its small collectives run.
             max_num_tokens: a bound on T the caller promises for every rank (checked, and it must be given
                 on every rank or none).
@@ -76,8 +107,11 @@ class OverflowPolicy:
                 rest; a failed one is this rank's problem when ``problem`` is None.
 
         Returns:
-            ``ceil(max_r T_r / C)`` (0 when no rank has rows). NOTE: syncs the host (one ``all_gather`` of 8
+            ``ceil(max_r T_r / C)`` (0 when no rank has rows). NOTE: syncs the host (one ``all_gather`` of 10
             int64 per rank; a second, object collective only when some rank reported a problem).
+
+        Raises on every rank alike: ENV017 / ENV004 when the ranks are not at the same call of the same layer
+        (``check_same_call``; the caller does not count such a call), then CFG008, the agreed problem, CAP001.
         """
         world, rank = group_size_and_rank(group)
         if problem is None and max_num_tokens is not None and num_tokens > max_num_tokens:
@@ -85,25 +119,22 @@ class OverflowPolicy:
                                  f"promised for every rank; pass a true bound or None")
         bound = -1 if max_num_tokens is None else int(max_num_tokens)
         checks = device_checks or DeviceChecks()
-        rows = gather_ints([call_index, num_tokens, bound, int(problem is not None)], group, device,
-                           device_values=checks.flags(torch.device(device)))
-        calls = [r[0] for r in rows]
-        if len(set(calls)) > 1:
-            raise StepOutOfSyncError(
-                f"rank {rank} is at call {call_index} of this layer, but the EP group's ranks are at calls "
-                f"{', '.join(f'rank {r}: {c}' for r, c in enumerate(calls))}: a rank skipped a call (it raised "
-                f"before the layer's collective and its caller went on); rebuild the layer on every rank",
-                calls=calls)
-        bounds = [r[2] for r in rows]
+        stamp = self.stamp(call_index)
+        rows = gather_ints(stamp + [num_tokens, bound, int(problem is not None)], group, device,
+                           device_values=checks.flags(torch.device(device)),
+                           what=f"rank {rank}'s per-call agreement ({_call_name(stamp)})")
+        check_same_call([r[:STAMP_LENGTH] for r in rows], rank)
+        rows = [r[STAMP_LENGTH:] for r in rows]
+        bounds = [r[1] for r in rows]
         if len(set(bounds)) > 1:
             raise GroupDisagreementError(
                 f"max_num_tokens differs across the EP group ({', '.join(f'rank {r}: {b if b >= 0 else None}' for r, b in enumerate(bounds))}); "
                 f"pass the same bound on every rank or None on every rank", bounds=bounds)
-        if any(any(r[3:]) for r in rows):
+        if any(any(r[2:]) for r in rows):
             if problem is None:
-                problem = checks.problem(rows[rank][4:])
+                problem = checks.problem(rows[rank][3:])
             raise_agreed_problem(gather_objects(problem_of(problem), group), rank)
-        group_max_tokens = max(r[1] for r in rows)
+        group_max_tokens = max(r[0] for r in rows)
         return self.num_chunks(num_tokens, group_max_tokens, rank=rank)
 
     def num_chunks(self, num_tokens: int, group_max_tokens: int, *, rank: int = 0) -> int:
@@ -148,3 +179,41 @@ class OverflowPolicy:
             f"(MOE_REF_OVERFLOW_POLICY=chunk) into {-(-group_max_tokens // cap)} chunks",
             rank=rank, num_tokens=num_tokens, group_max_tokens=group_max_tokens, cap=cap,
             needed_cap=group_max_tokens, needed_bytes=needed_bytes)
+
+
+def check_same_call(stamps: list[list[int]], rank: int) -> None:
+    """Raise unless every rank is at the same call of the same layer (each rank gets the same stamps, so each
+    raises the same error).
+
+    Args:
+        stamps: per rank, ``[layer index or -1, building, call counter]`` (``OverflowPolicy.stamp``), rank order.
+        rank: this rank.
+
+    Raises ``StepBuiltOnSomeRanksError`` (ENV017) when some ranks build the routed step of the layer the others
+    call, else ``StepOutOfSyncError`` (ENV004; also for a build beside calls of layers without an index, which may
+    be another layer's first call); both name each rank's layer and call.
+    """
+    if all(s == stamps[0] for s in stamps):
+        return
+    where = ", ".join(f"rank {r}: {_call_name(s)}" for r, s in enumerate(stamps))
+    details = dict(layers=[s[0] for s in stamps], calls=[None if s[1] else s[2] for s in stamps])
+    if len({s[0] for s in stamps}) == 1 and stamps[0][0] >= 0 and len({s[1] for s in stamps}) > 1:
+        builders = [str(r) for r, s in enumerate(stamps) if s[1]]
+        raise StepBuiltOnSomeRanksError(
+            f"rank {rank}: rank{'s' if len(builders) > 1 else ''} {', '.join(builders)} build the routed step of "
+            f"{_call_name(stamps[0][:1])} again while the others call the step they kept ({where}): destroy() was "
+            f"called on some ranks only. No row moved and no rank counted this call; call destroy() on every rank "
+            f"of the EP group or on none", **details)
+    raise StepOutOfSyncError(
+        f"rank {rank}: the ranks of the EP group are not at the same call of the same layer ({where}; MoE layers "
+        f"are numbered in the order they were built on the EP group). No row moved and no rank counted this call. "
+        f"Make every rank call the same layers in the same order, each as many times (T = 0 on a rank without "
+        f"tokens)", **details)
+
+
+def _call_name(stamp: list[int]) -> str:
+    """``layer 2 call 5``, ``layer 2 (building its routed step)`` or, for a bare index, ``layer 2``."""
+    layer = f"layer {stamp[0]}" if stamp[0] >= 0 else "a layer without an index"
+    if len(stamp) == 1:
+        return layer
+    return f"{layer} (building its routed step)" if stamp[1] else f"{layer} call {stamp[2]}"

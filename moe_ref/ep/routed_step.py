@@ -6,6 +6,8 @@
          (dispatch.add_routing_value_check), the caller's device checks (NaN logits) and what the device
          recorded in an earlier call (a silent peer, a pool overflow)
       2. OverflowPolicy.agree: ONE small collective on host integers -> a coded error on every rank, or n chunks.
+         It carries the layer's index and call count: ranks at different calls of different layers raise ENV004
+         (ENV017 where some build the step again) and count no call.
          Modular step at EP >= 2: over the group's gloo host group (waits for no GPU work); the device checks are
          read in step 3's first failure agreement. Monolithic step: over the EP group, reading the device checks
          too. One rank on CUDA has no one to agree with: the chunks follow from T, and the device checks are read
@@ -21,7 +23,9 @@
                            (DeepGEMM's SM90 FP8 mega-MoE, moe_ref.ep.mega_deep_gemm): run_chunk = engine.launch
 
 The layer holds exactly one ``RoutedStep``; a new transport goes into moe_ref.ep.transport, a new experts
-backend into moe_ref.experts' registry, a new fused engine behind ``MonolithicRoutedStep``.
+backend into moe_ref.experts' registry, a new fused engine behind ``MonolithicRoutedStep``. Building a modular
+step starts with ``OverflowPolicy.agree_to_build`` on the per-call agreement's group, before its own collectives, so
+a rank whose step was destroyed alone meets its peers' calls there (ENV017 on every rank) instead of a deadlock.
 
 CUDA-graph capture (decode): while the current CUDA stream is capturing, steps 1-2 keep only what needs no
 host sync (shapes, dtypes, devices; T <= cap, one chunk; the device checks only when the caller passes
@@ -46,7 +50,8 @@ from moe_ref.ep.device_checks import DeferredChecks, DeviceChecks
 from moe_ref.ep.dispatch import Dispatcher, add_routing_value_check, routed_input_problem
 from moe_ref.ep.distributed import (agree_on_failure, comm_device, gather_ints, group_size_and_rank, host_group,
                                     peer_errors)
-from moe_ref.core.errors import CapacityExceededError, ConservationError, MoERefError, NonFiniteError
+from moe_ref.core.errors import (CapacityExceededError, ConservationError, MoERefError, NonFiniteError,
+                                 StepOutOfSyncError)
 from moe_ref.experts import Experts, check_pool_format
 from moe_ref.kernels.ep.ep_combine import slot_owners_TR
 from moe_ref.ep.options import EPOptions
@@ -64,7 +69,8 @@ class RoutedStep(ABC):
         activation_dtype, device: of the rows this step takes.
 
     Attributes:
-        rank, world_size: in the group. calls: how many calls this rank has made (agreed every call).
+        rank, world_size: in the group. calls: how many calls of this layer this rank has made (agreed every
+            call, with the layer's index: ``policy.layer_index``).
         deferred_checks: ``DeferredChecks`` when the device checks are read by a later call (one rank on CUDA,
             without ``debug_checks``), else None (they are read in the call's agreement).
     """
@@ -109,8 +115,10 @@ class RoutedStep(ABC):
             ``routed_TD`` ``[T, Dx]`` in the activation dtype.
 
         Raises, on EVERY rank alike: any rank's input problem (its code), ``CapacityExceededError`` (CAP001)
-        under ``error``, ``StepOutOfSyncError`` (ENV004), ``GroupDisagreementError`` (CFG008), and, when a rank
-        fails inside a chunk, its own error there and ``PeerFailedError`` (ENV005) on the others.
+        under ``error``, ``StepOutOfSyncError`` (ENV004: ranks at different calls of different layers, not counted)
+        or its ``StepBuiltOnSomeRanksError`` (ENV017), ``GroupDisagreementError`` (CFG008), and, when a rank
+        fails inside a chunk, its own error there and ``PeerFailedError`` (ENV005) on the others. On the ranks that
+        called: ``GroupTimeoutError`` (ENV018) when a peer did not join within the EP group's timeout.
         NOTE: syncs the host once per chunk (plus the data path's own syncs off CUDA): in the modular step at
         EP >= 2, the failure agreement after the experts (the per-call agreement runs over the gloo host group);
         else the per-call agreement. One rank on CUDA does not sync: a failed device check (routing values, NaN
@@ -131,10 +139,17 @@ class RoutedStep(ABC):
         self.add_device_checks(checks)
         num_tokens = x_TD.shape[0] if problem is None else 0
         call_index, self.calls = self.calls, self.calls + 1
-        num_chunks = self.policy.agree(num_tokens, problem, call_index=call_index,
-                                       group=self.host_group if in_chunk else self.group,
-                                       device="cpu" if in_chunk else self.comm_device, max_num_tokens=max_num_tokens,
-                                       device_checks=None if deferred is not None or in_chunk else checks)
+        try:
+            num_chunks = self.policy.agree(num_tokens, problem, call_index=call_index,
+                                           group=self.host_group if in_chunk else self.group,
+                                           device="cpu" if in_chunk else self.comm_device,
+                                           max_num_tokens=max_num_tokens,
+                                           device_checks=None if deferred is not None or in_chunk else checks)
+        except StepOutOfSyncError:
+            # the ranks met at different calls: none ran, so none counts it (the next call in step runs); a call
+            # that fails otherwise (a peer that never came included) was made here, and stays counted
+            self.calls = call_index
+            raise
         if deferred is not None:
             deferred.record(checks, self.device)
         chunk_checks = checks if in_chunk else None
@@ -232,7 +247,7 @@ class ModularRoutedStep(RoutedStep):
 
     def run_chunk(self, x_TD, topk_ids_TK, topk_weights_TK, device_checks=None):
         capturing = self.capturing()
-        with peer_errors(f"dispatch over the {self.transport_name} transport"):
+        with peer_errors(f"dispatch over the {self.transport_name} transport", self.group):
             # NOTE: the values were checked (and agreed) by __call__; only the public dispatch() checks them itself
             handle = self.dispatcher.dispatch(x_TD, topk_ids_TK, topk_weights_TK, check_values=False)
         if self.debug_checks:
@@ -256,7 +271,7 @@ class ModularRoutedStep(RoutedStep):
         # Skipped in CUDA-graph capture (it syncs the host), where a failure aborts the capture on that rank instead.
         if not capturing:
             agree_on_failure(failure, self.group, self.comm_device, device_checks=device_checks)
-        with peer_errors(f"combine over the {self.transport_name} transport"):
+        with peer_errors(f"combine over the {self.transport_name} transport", self.group):
             routed_TD = self.dispatcher.combine(y_PDx, handle)
         if self.debug_checks:
             self._check_every_slot_returned(handle)
@@ -354,7 +369,7 @@ class MonolithicRoutedStep(RoutedStep):
         return self.engine.num_recv_tokens_per_expert_e.to(torch.int64)
 
     def run_chunk(self, x_TD, topk_ids_TK, topk_weights_TK, device_checks=None):
-        with peer_errors("the fused engine's launch"):
+        with peer_errors("the fused engine's launch", self.group):
             return self.engine.launch(x_TD, topk_ids_TK, topk_weights_TK).to(self.activation_dtype)
 
     def destroy(self) -> None:
@@ -367,11 +382,15 @@ def overflow_policy(cfg: MoEConfig, ep_size: int, options: EPOptions) -> Overflo
         return CapacityPlan.build(cfg, ep_size, cap, options.dtype, options.dispatch_fp8, options.alignment,
                                   options.pool_format).total_bytes
 
-    return OverflowPolicy(options.num_max_tokens_per_rank, options.overflow, buffer_bytes_for_cap)
+    return OverflowPolicy(options.num_max_tokens_per_rank, options.overflow, buffer_bytes_for_cap,
+                          layer_index=options.layer_index)
 
 
 def make_modular_step(cfg: MoEConfig, group, experts: Experts, options: EPOptions) -> ModularRoutedStep:
-    """Plan, allocate and connect the modular routed step (collective over ``group``)."""
-    dispatcher = make_dispatcher(cfg, group, options)
-    return ModularRoutedStep(dispatcher, experts, overflow_policy(cfg, dispatcher.world_size, options),
-                             debug_checks=options.debug_checks)
+    """Plan, allocate and connect the modular routed step (collective over ``group``).
+
+    First the build agreement (``OverflowPolicy.agree_to_build``, over the host group where the step's per-call
+    agreements run): raises ENV017 / ENV004 on every rank when the peers call this layer or build another one."""
+    policy = overflow_policy(cfg, group_size_and_rank(group)[0], options)
+    policy.agree_to_build(group=host_group(group), device="cpu")
+    return ModularRoutedStep(make_dispatcher(cfg, group, options), experts, policy, debug_checks=options.debug_checks)

@@ -1,5 +1,8 @@
 """Choosing a transport: which ``Dispatcher`` moves this EP group's rows, and the buffer it gets.
 
+The transports are the rows of ``moe_ref.ep.options.TRANSPORTS`` (name -> dispatcher class, buffer kind, summary):
+the one list that the options check names against, this factory builds from and the command line offers.
+
 | ``EPOptions.transport`` | dispatcher                                  | buffer                                  |
 |-------------------------|---------------------------------------------|-----------------------------------------|
 | ``local``               | ``SymmDispatcher`` (one rank)               | private                                 |
@@ -7,10 +10,12 @@
 | ``a2a``                 | ``AllToAllDispatcher``                      | private                                 |
 | ``auto``                | local for one rank; symm when every rank can map every peer's memory (one host, /dev/shm on CPU, CUDA symmetric memory on GPU); a2a otherwise |
 
-A new transport is a ``Dispatcher`` subclass (``moe_ref.ep.dispatch``) and one line here.
+With one rank every name builds ``local``. A new transport is a ``Dispatcher`` subclass (``moe_ref.ep.dispatch``) and
+one row of ``TRANSPORTS``.
 """
 from __future__ import annotations
 
+import importlib
 import socket
 
 import torch
@@ -20,8 +25,6 @@ from moe_ref.ep.buffer import acquire_buffer
 from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.core.config import MoEConfig
 from moe_ref.ep.dispatch import Dispatcher
-from moe_ref.ep.a2a import AllToAllDispatcher
-from moe_ref.ep.symm import SymmDispatcher
 from moe_ref.ep.distributed import group_size_and_rank
 from moe_ref.core.errors import DistributedError, UnknownNameError
 from moe_ref.ep.options import TRANSPORTS, EPOptions
@@ -66,15 +69,24 @@ def make_dispatcher(cfg: MoEConfig, group, options: EPOptions) -> Dispatcher:
     plan = CapacityPlan.build(cfg, world, options.num_max_tokens_per_rank, options.dtype, options.dispatch_fp8,
                               options.alignment, options.pool_format)
     if world == 1:
-        return SymmDispatcher(plan, acquire_buffer(plan, group, kind="private", device=device), group)
-    if name == "local":
-        raise DistributedError(f"transport='local' runs one process, but the group has {world} ranks; use "
-                               f"'auto', 'symm' or 'a2a'")
-    kind = "cuda" if device.type == "cuda" else "shm"
-    if name == "symm" or (name == "auto" and _same_host(group) and (kind == "shm" or _symm_cuda_importable())):
+        return _build("local", plan, group, device)
+    if TRANSPORTS[name].one_rank:
+        many = ", ".join(repr(n) for n, t in TRANSPORTS.items() if not t.one_rank)
+        raise DistributedError(f"transport={name!r} runs one process, but the group has {world} ranks; use {many}")
+    if name != "auto":
+        return _build(name, plan, group, device)
+    if _same_host(group) and (device.type == "cpu" or _symm_cuda_importable()):
         try:
-            return SymmDispatcher(plan, acquire_buffer(plan, group, kind=kind, device=device), group)
+            return _build("symm", plan, group, device)
         except DistributedError:
-            if name == "symm":
-                raise
-    return AllToAllDispatcher(plan, acquire_buffer(plan, group, kind="private", device=device), group)
+            pass  # peers cannot be mapped here: fall back to the collectives' transport
+    return _build("a2a", plan, group, device)
+
+
+def _build(name: str, plan: CapacityPlan, group, device: torch.device) -> Dispatcher:
+    """The dispatcher of ``TRANSPORTS[name]`` over the group's shared buffer of its kind (collective)."""
+    transport = TRANSPORTS[name]
+    kind = ("cuda" if device.type == "cuda" else "shm") if transport.symmetric_buffer else "private"
+    module_name, class_name = transport.dispatcher.split(":")
+    dispatcher_class = getattr(importlib.import_module(module_name), class_name)
+    return dispatcher_class(plan, acquire_buffer(plan, group, kind=kind, device=device), group)

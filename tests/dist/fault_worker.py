@@ -9,6 +9,12 @@ own timeout (``GROUP_TIMEOUT_S``) is far above the 10 s a case may take, so a ca
 itself turned the fault into an error on every rank. ``next_ok``: after the error, a correct call on every
 rank gave the single-process reference's output (the layer is usable again, nothing paired with a stale call).
 The last case kills one rank mid-run (``--kill``): the survivors must report a coded error too.
+``ORDER_CASES`` (run after ``CASES`` when not compiling): ranks call two layers out of step (crossed at their first
+call, crossed later, an MTP-like layer called on one rank only) or one rank destroys a layer alone; every rank must
+raise ENV004 / ENV017 before any row moves, and the next call in step must be correct.
+``--stop-calling TRANSPORT`` runs one case alone, the layer on an EP group made with a ``STOP_TIMEOUT_S`` timeout
+(``new_group(timeout=...)``; WORLD keeps 120 s): the last rank stays alive but stops calling the layer; the others
+must raise ENV018 within that timeout, naming it (the layer's own gloo group inherits the EP group's timeout).
 ``--compile BACKEND`` runs the cases that call a layer with every call going through
 ``torch.compile(..., fullgraph=True, dynamic=True, backend=BACKEND)`` (the layer as one custom op).
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import os
 import signal
 import sys
@@ -28,18 +35,21 @@ from launch import join_group  # noqa: E402  (tests/dist, beside this worker)
 from moe_ref import MegaMoE
 from moe_ref.core.config import preset
 from moe_ref.core.errors import MoERefError
+from moe_ref.ep.distributed import claim_layer_index
 from moe_ref.reference import reference_moe
 from moe_ref.core.weights import MoEWeights
 
 GROUP_TIMEOUT_S = 120
+STOP_TIMEOUT_S = 2  # the timeout of the EP group of the --stop-calling launch (WORLD keeps GROUP_TIMEOUT_S)
+STOP_AWAY_S = 8  # how long the last rank stays away there: far past the timeout, so waiting for it shows
 PRESET = "tiny-kimi-k2"
 CAP = 16
 
 
-def _layer(rank: int, **overrides) -> MegaMoE:
+def _layer(rank: int, group=None, **overrides) -> MegaMoE:
     options = dict(num_max_tokens_per_rank=CAP, overflow="chunk", transport="symm", seed=3)
     options.update(overrides)
-    return MegaMoE(PRESET, dist.group.WORLD, **options)
+    return MegaMoE(PRESET, dist.group.WORLD if group is None else group, **options)
 
 
 def _tokens(rank: int, num_tokens: int = 12) -> torch.Tensor:
@@ -186,6 +196,68 @@ def build_unloaded(rank, world):
     return _layer(rank, seed=_on(rank, 0, None, 3)), None
 
 
+def _named_layer(rank: int, group=None, **overrides) -> MegaMoE:
+    """A layer that knows its index in build order on the group (``EPOptions.layer_index``).
+
+    TODO(lead): MegaMoE's constructor is to claim the index itself (``layer_index=claim_layer_index(group)``); until
+    it does, the index is claimed here, right after the (collective) construction, in the same order on every rank.
+    """
+    layer = _layer(rank, group, **overrides)
+    if layer.options.layer_index is None:
+        layer.options = layer.options.replace(layer_index=claim_layer_index(layer.group))
+    return layer
+
+
+def _two_layers(transport: str, called_before: int):
+    """Layer A (returned) and layer B (held), same plan; the first ``called_before`` of them (0, 1 or 2) are called
+    once on every rank before the case (their routed steps built)."""
+    def build(rank, world):
+        layers = [_named_layer(rank, transport=transport), _named_layer(rank, transport=transport)]
+        with torch.no_grad():
+            for layer in layers[:called_before]:
+                layer(_tokens(rank))
+        _HELD["second"] = layers[1]
+        return layers[0], None
+    return build
+
+
+def call_crossed(layer, rank, world):
+    """Rank 0 calls layer A, the others layer B (at the same count of their own layer)."""
+    try:
+        with torch.no_grad():
+            (layer if rank == 0 else _HELD["second"])(_tokens(rank))
+    finally:
+        _HELD.pop("second").destroy()
+
+
+def call_second_on_rank_0(layer, rank, world):
+    """Rank 0 calls layer B for the first time (an MTP layer run on some ranks only); the others layer A again."""
+    try:
+        with torch.no_grad():
+            (_HELD["second"] if rank == 0 else layer)(_tokens(rank))
+    finally:
+        _HELD.pop("second").destroy()
+
+
+def build_destroyed_on_rank_0(transport: str):
+    def build(rank, world):
+        layer = _named_layer(rank, transport=transport)
+        with torch.no_grad():
+            layer(_tokens(rank))
+        if rank == 0:
+            layer.destroy()  # its next call builds the step again; the others' next call uses theirs
+        return layer, None
+    return build
+
+
+def call_then_destroy_everywhere(layer, rank, world):
+    try:
+        with torch.no_grad():
+            layer(_tokens(rank))
+    finally:  # the ranks agree again: the next call builds the step on every rank
+        layer.destroy()
+
+
 # name, build (None: the default layer), call (None: construction is the case), the rank at fault (0 or -1 for
 # the last), the code expected there, the code expected on every other rank.
 CASES = [
@@ -205,6 +277,15 @@ CASES = [
     ("weights_not_loaded_on_one_rank", build_unloaded, _call_with(lambda r, w: (_tokens(r),)), 0, "INP006", "INP006"),
     ("shared_buffer_destroyed_on_one_rank", build_after_uneven_destroy, call_then_release, 0, "CFG008", "CFG008"),
 ]
+# Calls out of step, in CASES' format, over both transports (not run under --compile: they add nothing below the op).
+ORDER_CASES = [case for transport in ("symm", "a2a") for case in (
+    (f"layers_crossed_at_first_call_{transport}", _two_layers(transport, 0), call_crossed, 0, "ENV004", "ENV004"),
+    (f"layers_crossed_after_first_calls_{transport}", _two_layers(transport, 2), call_crossed, 0, "ENV004", "ENV004"),
+    (f"layer_called_on_one_rank_only_{transport}", _two_layers(transport, 1), call_second_on_rank_0, 0, "ENV004",
+     "ENV004"),
+    (f"step_destroyed_on_one_rank_{transport}", build_destroyed_on_rank_0(transport), call_then_destroy_everywhere, 0,
+     "ENV017", "ENV017"),
+)]
 
 
 def _code(err: BaseException) -> str:
@@ -240,15 +321,47 @@ def run_case(name, build, call, rank, world, compile_backend: str | None = None)
     return {"case": name, "code": code, "message": message[:600], "seconds": round(seconds, 3), "next_ok": next_ok}
 
 
+def stop_calling(out_dir: str, transport: str) -> int:
+    """The last rank stays alive but makes no call for ``STOP_AWAY_S``; the others call the layer once more."""
+    rank, world, report = join_group(out_dir, GROUP_TIMEOUT_S)
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=STOP_TIMEOUT_S))
+    dist.barrier()  # ranks start the case together (WORLD's timeout: a slow start is no failure)
+    layer = _named_layer(rank, group, transport=transport)
+    with torch.no_grad():
+        layer(_tokens(rank))
+    dist.barrier()
+    back = time.time() + STOP_AWAY_S  # one moment for every rank (one host)
+    start = time.perf_counter()
+    code, message = None, "stayed alive without calling the layer"
+    if rank != world - 1:
+        try:
+            with torch.no_grad():
+                layer(_tokens(rank))
+        except BaseException as err:  # noqa: BLE001 - the error IS the result
+            code, message = _code(err), str(err)
+    else:
+        time.sleep(STOP_AWAY_S)
+    report({"case": "peer_stops_calling", "code": code, "message": message[:600],
+            "seconds": round(time.perf_counter() - start, 3), "next_ok": None})
+    # every rank stays alive until the absent one is back: a rank that left early would end its peers' waits
+    # with a closed connection (ENV005) instead of the timeout under test
+    time.sleep(max(0.0, back - time.time()))
+    os._exit(0)  # the group's collectives are out of step after a timeout: no clean teardown
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill", action="store_true", help="end with the dead-peer case")
     parser.add_argument("--compile", default=None, choices=["aot_eager", "inductor"],
                         help="call the layers through torch.compile with this backend (the cases that call one)")
+    parser.add_argument("--stop-calling", default=None, choices=["symm", "a2a"],
+                        help="run only the case of a live peer that stops calling, over this transport")
     args = parser.parse_args()
+    if args.stop_calling is not None:
+        return stop_calling(args.out, args.stop_calling)
     rank, world, report = join_group(args.out, GROUP_TIMEOUT_S)
-    for name, build, call, *_ in CASES:
+    for name, build, call, *_ in CASES + (ORDER_CASES if args.compile is None else []):
         if args.compile is not None and call is None:
             continue  # construction cases: nothing is called, so nothing is compiled
         report(run_case(name, build, call, rank, world, args.compile))

@@ -38,9 +38,9 @@ def main() -> int:
     gathers = []
     original = distributed.gather_ints
 
-    def recording(values, group=None, device="cpu", device_values=None):
+    def recording(values, group=None, device="cpu", device_values=None, **kwargs):
         gathers.append("world" if group is dist.group.WORLD else "host" if group is steps()[0].host_group else "other")
-        return original(values, group, device, device_values)
+        return original(values, group, device, device_values, **kwargs)
 
     def steps():
         return [layer.routed_step for layer in layers]

@@ -4,6 +4,10 @@ next call is correct. 2, 4 and 8 ranks, CPU (gloo, shared-memory transport), pub
 Each rank reports each case as soon as it ends (tests/dist/fault_worker.py); a rank that hangs never reports,
 and the launch is killed at ``LAUNCH_TIMEOUT_S``: such a case fails here for the missing rank, not later in
 torchrun. The process group's own timeout is 120 s, so nothing but the layer can end a case within 10 s.
+The same launch then runs calls out of step (two layers crossed, a layer called on one rank only, a step destroyed
+on one rank: ENV004 / ENV017 on every rank). A launch of its own per case, the layer on an EP group with a 2 s
+timeout, has one rank stay alive but stop calling: the others raise ENV018 within that timeout, not when the absent
+rank's process ends.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fault_worker import CASES  # noqa: E402
+from fault_worker import CASES, ORDER_CASES, STOP_AWAY_S, STOP_TIMEOUT_S  # noqa: E402
 from launch import read_reports, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -41,7 +45,8 @@ def fault_reports(tmp_path_factory):
     return get
 
 
-_CASES = [pytest.param(world, None, case, id=f"{world}ranks-{case[0]}") for world in WORLD_SIZES for case in CASES]
+_CASES = [pytest.param(world, None, case, id=f"{world}ranks-{case[0]}")
+          for world in WORLD_SIZES for case in CASES + ORDER_CASES]
 # The same table with every call through torch.compile(fullgraph=True, dynamic=True), 2 ranks, both backends: the
 # layer is one custom op there, and every call must still be collective (T = 0 and failures included). Compiling
 # happens inside the case, so these cases get a longer deadline; it still proves no rank waited for the group's
@@ -78,3 +83,24 @@ def test_a_dead_peer_is_a_coded_error_on_the_survivors(fault_reports, world_size
         assert report["code"] == "ENV005", f"{world_size=} {rank=}: {report}"
         assert report["seconds"] < CASE_DEADLINE_S, f"{world_size=} {rank=}: {report}"
     assert launch.leftovers == [], f"files left in MOE_REF_SHM_DIR: {launch.leftovers}"
+
+
+STOP_DEADLINE_S = STOP_TIMEOUT_S + 4.0  # the group's timeout plus room for a loaded machine, far below STOP_AWAY_S
+assert STOP_DEADLINE_S + 2 <= STOP_AWAY_S
+
+
+# The wait is in the per-call agreement, before the transport moves anything: each transport runs at one world size.
+@pytest.mark.parametrize("world_size, transport", [(2, "symm"), (4, "a2a")])
+def test_a_live_peer_that_stops_calling_is_a_coded_error_within_the_group_timeout(tmp_path, world_size, transport):
+    launch = torchrun(world_size, ["--stop-calling", transport], tmp_path, LAUNCH_TIMEOUT_S, worker=FAULT_WORKER)
+    reports = read_reports(tmp_path, world_size)
+    for rank in range(world_size):
+        report = reports[rank].get("peer_stops_calling")
+        assert report is not None, (f"{world_size=} {transport=} {rank=}: never reported; rc={launch.returncode}\n"
+                                    f"{launch.log[-3000:]}")
+        if rank == world_size - 1:  # the absent rank: alive all along, made no call
+            assert report["code"] is None and report["seconds"] >= STOP_AWAY_S, report
+            continue
+        assert report["code"] == "ENV018", f"{world_size=} {transport=} {rank=}: {report}"
+        assert report["seconds"] < STOP_DEADLINE_S, f"{world_size=} {transport=} {rank=}: too slow: {report}"
+        assert f"the EP group's timeout is {STOP_TIMEOUT_S} s" in report["message"], report
