@@ -41,7 +41,7 @@ from moe_ref.core.errors import (
     UnsupportedQuantizationError,
     explain,
 )
-from moe_ref.ep.options import POOL_FORMATS, EPOptions
+from moe_ref.ep.options import POOL_FORMATS, TRANSPORTS, EPOptions
 from moe_ref.checkpoint.formats import (QuantFormat, QuantSpec, expert_weight_bytes, quant_spec_from_config,
                                         shape_problem)
 
@@ -568,8 +568,7 @@ def cmd_info(args) -> int:
     except ImportError as err:
         print(f"deep_gemm: backend module not importable: {err}")
     print("\n".join(auto_backend_lines()))
-    print("transports: local; symm (CPU shared memory"
-          f"{', CUDA symmetric memory: Triton EP kernels' if torch.cuda.is_available() else ''}); a2a (all_to_all_single)")
+    print("transports: " + "; ".join(f"{name} ({row.summary})" for name, row in TRANSPORTS.items()))
     from moe_ref.kernels.runtime.native import native_status
 
     print(f"CPU EP data path: {native_status()}")

@@ -41,6 +41,7 @@ from moe_ref.tools.cli import (
 )
 from moe_ref.core.config import PRESETS
 from moe_ref.core.errors import MoERefError, PathNotWritableError
+from moe_ref.ep.options import TRANSPORTS
 from moe_ref.testing import CALC_DIFF_TOLERANCES, TOLERANCES, calc_diff
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cap", type=int_at_least(1), default=None,
                    help=f"num_max_tokens_per_rank (default: MOE_REF_NUM_MAX_TOKENS_PER_RANK, else {DEFAULT_CAP})")
     p.add_argument("--overflow", default="chunk", choices=("error", "chunk"))
-    p.add_argument("--transport", default="auto", choices=("auto", "symm", "a2a", "local"))
+    p.add_argument("--transport", default="auto", choices=tuple(TRANSPORTS))
     p.add_argument("--experts-backend", default="auto")
     p.add_argument("--dispatch-fp8", action="store_true")
     p.add_argument("--mega", default="off", choices=("off", "deep_gemm", "auto"),
