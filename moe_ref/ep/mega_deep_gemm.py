@@ -45,7 +45,7 @@ import torch.distributed as dist
 from moe_ref.kernels.runtime import ops
 from moe_ref.core.config import MoEConfig
 from moe_ref.experts.deep_gemm.probe import call_deep_gemm, deep_gemm_status, import_deep_gemm
-from moe_ref.ep.distributed import group_max
+from moe_ref.ep.distributed import comm_device, group_max, group_size_and_rank
 from moe_ref.core.errors import (BackendUnavailableError, CapacityMismatchError, DeviceError, ShapeError,
                                  ShapeUnsupportedError)
 from moe_ref.ep.options import EPOptions
@@ -231,11 +231,16 @@ class DeepGemmMegaMoE:
 def make_mega_step(cfg: MoEConfig, group, options: EPOptions, gate_up_weight_e2FD: torch.Tensor,
                    down_weight_eDF: torch.Tensor):
     """The monolithic routed step on DeepGEMM's mega-MoE, under ``options``' cap and overflow policy
-    (collective). Bf16 out of the fused kernel, cast to ``options.dtype``."""
+    (collective). Bf16 out of the fused kernel, cast to ``options.dtype``.
+
+    First the build agreement (``OverflowPolicy.agree_to_build``, on the group and device of the step's per-call
+    agreement), before the engine's own collectives, as the modular step does: a rank whose step was destroyed alone
+    meets its peers' calls there (ENV017 on every rank) instead of a deadlock."""
     from moe_ref.ep.routed_step import MonolithicRoutedStep, overflow_policy
 
-    engine = DeepGemmMegaMoE(cfg, group, options.num_max_tokens_per_rank, gate_up_weight_e2FD, down_weight_eDF)
     # moe_ref's FP8 plan prices a larger cap in CAP001 messages (DeepGEMM's own buffer has another layout;
     # ``engine.buffer_bytes`` is its real size).
-    policy = overflow_policy(cfg, engine.ep_size, options.replace(dispatch_fp8=True))
+    policy = overflow_policy(cfg, group_size_and_rank(group)[0], options.replace(dispatch_fp8=True))
+    policy.agree_to_build(group=group, device=comm_device(group, options.device))
+    engine = DeepGemmMegaMoE(cfg, group, options.num_max_tokens_per_rank, gate_up_weight_e2FD, down_weight_eDF)
     return MonolithicRoutedStep(cfg, engine.group, policy, options.dtype, engine.device, engine)
