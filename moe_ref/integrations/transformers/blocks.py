@@ -25,7 +25,7 @@ from torch import nn
 from moe_ref.checkpoint.loading import load_moe_weights
 from moe_ref.core.config import MoEConfig
 from moe_ref.core.errors import BlockWeightsUnavailableError, UnknownFamilyError, UnsupportedModelError
-from moe_ref.core.weights import MoEWeights
+from moe_ref.core.weights import EXPERT_FIELDS, MoEWeights
 from moe_ref.layer import MegaMoE
 
 _PLAIN_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -124,8 +124,8 @@ def block_weights(site: BlockSite, cfg: MoEConfig, layer: MegaMoE) -> MoEWeights
     weights = load_moe_weights(tensors, cfg, site.layer_idx, prefix=site.prefix, expert_range=(first, count),
                                dtype=layer.options.dtype, device=layer.options.device)
     if count < cfg.num_experts:  # a view would keep every rank's experts alive through the block's storage
-        weights = dataclasses.replace(weights, gate_up_weight_E2FD=weights.gate_up_weight_E2FD.clone(),
-                                      down_weight_EDF=weights.down_weight_EDF.clone())
+        weights = dataclasses.replace(weights, **{name: getattr(weights, name).clone() for name in EXPERT_FIELDS
+                                                  if getattr(weights, name) is not None})
     return weights
 
 

@@ -12,7 +12,12 @@ tensors, in place; attention, norms, dense MLP layers, the cache and ``generate`
 
     PatchedMoEBlock.forward(hidden_states [..., D]) -> [..., D]  (flattened to [T, D] for the layer and back)
       the block's router is run too only where transformers records router logits (output_router_logits=True),
-      so its recording hooks fire as in the unpatched model
+      so its recording hooks fire as in the unpatched model, or where the block also returned its router's
+      weights (gpt-oss: ``(hidden, router_scores)``, which its decoder layer unpacks): then -> (y, router_scores)
+
+What a block returns is found by calling it once on one token before it is replaced (``block_returns``): a tensor,
+or a pair whose second item is its router's second output; anything else is refused (CFG030), since a decoder
+layer that unpacks a pair would silently unpack a tensor's batch rows instead.
 
 Shape legend: T tokens of this rank, D hidden width, E experts, e local experts.
 """
@@ -62,25 +67,29 @@ class PatchedMoEBlock(nn.Module):
         name: the block's module name (for the repr and the report).
     """
 
-    def __init__(self, moe: MegaMoE, router: nn.Module | None, name: str):
+    def __init__(self, moe: MegaMoE, router: nn.Module | None, name: str, returns_router_weights: bool = False):
         super().__init__()
         self.moe = moe
         self.router = router
         self.name = name
+        self.returns_router_weights = returns_router_weights
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``hidden_states [..., D]`` (``[batch, seq, D]`` from the decoder layer) -> the same shape and dtype.
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``hidden_states [..., D]`` (``[batch, seq, D]`` from the decoder layer) -> the same shape and dtype, and
+        the router's weights ``[T, K]`` as the block returned them where it did (``returns_router_weights``).
 
         Collective over the layer's group (every rank calls it, with T = 0 where it has no tokens). Raises the
         layer's coded errors; with autograd on (``requires_grad`` input) ``GradientNotSupportedError`` (INP007):
         inference only."""
         x_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
-        if self.router is not None and _router_logits_requested():
-            self.router(x_TD)  # its forward hook records the logits, as in the unpatched model
-        return self.moe(x_TD).view(hidden_states.shape)
+        routed = None
+        if self.router is not None and (self.returns_router_weights or _router_logits_requested()):
+            routed = self.router(x_TD)  # its forward hook records the logits, as in the unpatched model
+        y = self.moe(x_TD).view(hidden_states.shape)
+        return (y, routed[1]) if self.returns_router_weights else y
 
     def extra_repr(self) -> str:
-        return f"name={self.name!r}"
+        return f"name={self.name!r}" + (", returns_router_weights=True" if self.returns_router_weights else "")
 
 
 @dataclass(frozen=True)
@@ -185,11 +194,38 @@ def _patch_block(site: BlockSite, cfg, group, options: dict) -> PatchedBlockInfo
     take_weights(layer, weights)
     gate_up = getattr(experts, "gate_up_proj", None)
     shares = gate_up is not None and layer.gate_up_weight.data_ptr() == gate_up.data_ptr()
-    router = next((getattr(site.block, a) for a in _ROUTER_ATTRS if isinstance(getattr(site.block, a, None),
-                                                                                nn.Module)), None)
-    setattr(site.parent, site.attr, PatchedMoEBlock(layer, router, site.name))
+    router = router_of(site)
+    setattr(site.parent, site.attr, PatchedMoEBlock(layer, router, site.name,
+                                                    block_returns(site, router, cfg.hidden_size)))
     return PatchedBlockInfo(site.name, site.layer_idx, type(site.block).__name__, cfg.num_experts,
                             layer.num_local_experts, cfg.has_shared_experts, shares)
+
+
+def router_of(site: BlockSite) -> nn.Module | None:
+    """The block's router module (its child ``gate`` or ``router``), or None."""
+    return next((getattr(site.block, a) for a in _ROUTER_ATTRS if isinstance(getattr(site.block, a, None), nn.Module)),
+                None)
+
+
+def block_returns(site: BlockSite, router: nn.Module | None, hidden_size: int) -> bool:
+    """Whether the block returns ``(hidden, router weights)`` rather than a tensor: found by calling it (and its
+    router) once on one seeded token ``[1, 1, hidden_size]``. ``UnsupportedModelError`` (CFG030) for any other
+    output."""
+    weight = site.experts.down_proj
+    x = torch.randn(1, 1, hidden_size, generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        out = site.block(x)
+        if isinstance(out, torch.Tensor):
+            return False
+        pair = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor) and router is not None
+        if pair:
+            routed = router(x.reshape(-1, x.shape[-1]))
+            if isinstance(routed, tuple) and len(routed) > 1 and torch.equal(routed[1], out[1]):
+                return True
+    raise UnsupportedModelError(
+        f"{site.name} ({type(site.block).__name__}) returns {type(out).__name__}"
+        f"{f' of {len(out)}' if isinstance(out, tuple) else ''}, not a tensor nor (hidden, its router's weights): "
+        f"patch_model cannot return what this block returns", block=site.name)
 
 
 def _dense_layers(model: nn.Module, sites: list[BlockSite]) -> tuple[int, ...]:
