@@ -153,3 +153,13 @@ def test_a_local_folder_and_a_missing_path(tmp_path):
     for missing in (tmp_path / "nope", "./nope", str(tmp_path / "a" / "b")):
         with pytest.raises(CheckpointNotFoundError, match="LOAD004"):
             resolve_checkpoint(missing)
+
+
+def test_a_repo_id_without_huggingface_hub_is_env022(monkeypatch):
+    import sys
+
+    from moe_ref.core.errors import OptionalDependencyError
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import huggingface_hub now raises ImportError
+    with pytest.raises(OptionalDependencyError, match="ENV022.*huggingface_hub.*local folder"):
+        resolve_checkpoint("org/tiny")
