@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from moe_ref.core.config import preset
-from moe_ref.core.errors import (DTypeError, GradientNotSupportedError, InvalidConfigError, ShapeError,
-                                 TensorShapeMismatchError, UnknownNameError, WeightsNotLoadedError)
+from moe_ref.core.errors import (ArgumentTypeError, ConfigFileError, ConstructorArgumentTypeError, DTypeError,
+                                 GradientNotSupportedError, InvalidConfigError, ShapeError, TensorShapeMismatchError,
+                                 UnknownNameError, WeightsNotLoadedError)
 from moe_ref.layer import MegaMoE
 from moe_ref.reference import reference_moe
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_close, calc_diff
@@ -162,3 +163,55 @@ def test_unloaded_weights_are_a_coded_error_until_loaded():
 def test_config_of_the_wrong_type_is_a_coded_error(bad):
     with pytest.raises(InvalidConfigError, match=r"\[CFG0"):
         MegaMoE(bad)
+
+
+@pytest.mark.parametrize("arguments, name", [(dict(group="WORLD"), "group"), (dict(group=0), "group"),
+                                             (dict(seed="a"), "seed"), (dict(seed=1.5), "seed"),
+                                             (dict(seed=True), "seed"), (dict(device=None), "device")])
+def test_constructor_arguments_of_the_wrong_type_are_coded(arguments, name):
+    with pytest.raises(ConstructorArgumentTypeError) as err:
+        MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=8, **arguments)
+    assert err.value.code == "INP009" and isinstance(err.value, TypeError)
+    assert f"{name}={arguments[name]!r}" in str(err.value)
+
+
+def test_a_cpu_device_index_is_the_cpu():
+    """device='cpu:0' was kept as is; every input (on 'cpu') then failed INP003 'move it with .to('cpu:0')'."""
+    cfg = preset("tiny-kimi-k2")
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=8, seed=3, device="cpu:0")
+    assert layer.options.device == torch.device("cpu")
+    assert torch.equal(layer(x), MegaMoE(cfg, num_max_tokens_per_rank=8, seed=3)(x))
+
+
+def test_triton_experts_off_cuda_are_refused_at_construction_outside_the_interpreter(monkeypatch):
+    """They were built, and the first call failed with INP003 naming an internal tensor. The interpreter tier
+    (TRITON_INTERPRET=1, on in this suite without a GPU) runs Triton on the CPU and keeps building them."""
+    from moe_ref.core.errors import BackendUnavailableError
+    from moe_ref.layer import construction
+
+    cfg = preset("tiny-kimi-k2")
+    monkeypatch.setattr(construction, "is_interpreter", lambda: False)
+    with pytest.raises(BackendUnavailableError, match=r"\[ENV001\] experts_backend='triton'.*'auto'.*'torch'"):
+        MegaMoE(cfg, num_max_tokens_per_rank=8, experts_backend="triton", seed=0)
+    monkeypatch.setattr(construction, "is_interpreter", lambda: True)
+    assert MegaMoE(cfg, num_max_tokens_per_rank=8, experts_backend="triton").experts.name.startswith("triton")
+
+
+@pytest.mark.parametrize("missing", ["nonexistent/models/kimi-k2", "kimi-k2/config.json", "absolute"])
+def test_a_missing_config_path_is_named_as_a_path_not_a_preset(tmp_path, missing):
+    path = str(tmp_path / "models" / "kimi-k2") if missing == "absolute" else missing
+    with pytest.raises(ConfigFileError) as err:
+        MegaMoE(path)
+    assert err.value.code == "CFG010" and repr(path) in str(err.value) and "tiny-kimi-k2" in str(err.value)
+    assert MegaMoE("tiny-kimi-k2").cfg.name == "tiny-kimi-k2"  # preset names still work
+
+
+@pytest.mark.parametrize("bound", [-1, -5])
+def test_a_negative_max_num_tokens_is_an_argument_error(bound):
+    """-1 was taken as a promise ('num_tokens=3 > the max_num_tokens=-1 promised', INP001)."""
+    layer = MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=8, seed=0)
+    x = torch.randn(3, layer.cfg.hidden_size)
+    with pytest.raises(ArgumentTypeError, match=rf"\[INP008\] max_num_tokens={bound} .*>= 0"):
+        layer(x, max_num_tokens=bound)
+    assert layer(x, max_num_tokens=3).shape == x.shape

@@ -1,15 +1,18 @@
 """MegaMoE keeps nn.Module's conventions: state_dict round trips into a fresh layer (plain and quantized experts),
-dtype/device conversions are a coded refusal (CFG016) naming how to build the layer wanted, the repr names
-dtype, device, EP size, cap and policy."""
+a partial one leaves it refusing calls (INP006), nothing is allocated for the experts before a load, it pickles,
+dtype/device conversions are a coded refusal (CFG016) naming how to build the layer wanted, an error raised under
+torch.compile leaves grad mode as it was, the repr names dtype, device, EP size, cap and policy."""
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_ref.core.config import preset
-from moe_ref.core.errors import LayerConversionError
+from moe_ref.core.errors import LayerConversionError, LayerNotPicklableError, WeightsNotLoadedError
 from moe_ref.layer import MegaMoE
 
 pytestmark = pytest.mark.unit
@@ -124,3 +127,146 @@ def test_a_layer_whose_experts_raised_is_freed_without_gc():
         assert live_shared_buffers() == held_before
     finally:
         gc.enable()
+
+
+# --- the nn.Module contract: grad mode, partial loads, nothing allocated before a load, pickling, conversions ------
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_an_error_raised_under_torch_compile_leaves_grad_mode_on(backend):
+    """The op used to run inside a no_grad() block, which dynamo compiles to grad-off / op / grad-on: an error from
+    the op skipped the grad-on and left autograd off for the rest of the process."""
+    from moe_ref.core.errors import MoERefError
+
+    cfg = preset("tiny-kimi-k2")
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=8, seed=4)
+    compiled = torch.compile(layer, backend=backend)
+    x = _x(cfg, T=3)
+    calls = {"INP002": lambda: compiled(x.bfloat16()), "INP007": lambda: compiled(x.clone().requires_grad_()),
+             "CAP001": lambda: compiled(_x(cfg, T=9)), "INP008": lambda: compiled(x, max_num_tokens=-1)}
+    try:
+        for code, call in calls.items():
+            with pytest.raises(MoERefError) as err:
+                call()
+            assert err.value.code == code and torch.is_grad_enabled(), (backend, code, str(err.value))
+        assert "max_num_tokens=-1" in str(err.value)  # the compiled op names the negative bound it was given
+        y = compiled(x)
+        assert torch.is_grad_enabled() and not y.requires_grad
+        with torch.no_grad():
+            assert torch.equal(y, layer(x))
+    finally:
+        torch.set_grad_enabled(True)  # never leave the rest of the suite without autograd
+
+
+@pytest.mark.parametrize("missing", ["down_weight", "gate_up_weight", "gate_weight", "shared_down_weight",
+                                     "e_score_correction_bias"])
+def test_a_partial_state_dict_leaves_the_layer_unloaded(missing):
+    cfg = preset("tiny-kimi-k2")
+    source = MegaMoE(cfg, num_max_tokens_per_rank=16, seed=4)
+    state = source.state_dict()
+    fresh = MegaMoE(cfg, num_max_tokens_per_rank=16)
+    result = fresh.load_state_dict({k: v for k, v in state.items() if k != missing}, strict=False)
+    assert result.missing_keys == [missing]
+    with pytest.raises(WeightsNotLoadedError, match=rf"\[INP006\].*{missing}"):
+        with torch.no_grad():
+            fresh(_x(cfg))
+    fresh.load_state_dict({missing: state[missing]}, strict=False)  # the rest of the weights: now it runs
+    with torch.no_grad():
+        assert torch.equal(fresh(_x(cfg)), source(_x(cfg)))
+    source.load_state_dict({"gate_weight": state["gate_weight"]}, strict=False)  # a loaded layer stays loaded
+    with torch.no_grad():
+        assert torch.equal(fresh(_x(cfg)), source(_x(cfg)))
+
+
+def test_a_strict_load_that_fails_leaves_the_layer_unloaded():
+    cfg = preset("tiny-kimi-k2")
+    state = {k: v for k, v in MegaMoE(cfg, seed=4).state_dict().items() if k != "down_weight"}
+    fresh = MegaMoE(cfg)
+    with pytest.raises(RuntimeError, match="down_weight"):
+        fresh.load_state_dict(state)
+    with pytest.raises(WeightsNotLoadedError, match="down_weight"), torch.no_grad():
+        fresh(_x(cfg))
+
+
+class _AllocationLimit(TorchDispatchMode):
+    """Refuses, before allocating it, any tensor of more than ``limit`` bytes off the meta device; ``largest`` is
+    the largest one allocated."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.largest = limit, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                    torch.ops.aten.zeros.default, torch.ops.aten.full.default):
+            device = torch.device(kwargs.get("device") or "cpu")
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            nbytes = math.prod(args[0]) * dtype.itemsize
+            if device.type != "meta":
+                if nbytes > self.limit:
+                    raise MemoryError(f"{func}: {nbytes} bytes ({list(args[0])} {dtype}) > the test's limit")
+                self.largest = max(self.largest, nbytes)
+        return func(*args, **kwargs)
+
+
+def test_a_kimi_k2_sized_layer_raises_inp006_before_allocating_its_experts():
+    """Kimi-K2 at EP 1: gate_up alone is 384 x 4096 x 7168 bf16 = 22.5 GB. A call before any load used to allocate
+    every local expert first (a bare allocator error where that fails); now neither construction nor the call
+    allocates them, and the call raises INP006. The largest legitimate tensor is the shared gate_up, 59 MB."""
+    limit = 256 << 20
+    with _AllocationLimit(limit) as allocations:
+        layer = MegaMoE("kimi-k2", num_max_tokens_per_rank=1, dtype=torch.bfloat16, alignment=1)
+        x = torch.zeros(1, layer.cfg.hidden_size, dtype=torch.bfloat16)
+        with pytest.raises(WeightsNotLoadedError, match=r"\[INP006\].*routed experts"), torch.no_grad():
+            layer(x)
+    assert 0 < allocations.largest <= limit
+    assert layer.gate_up_weight is None and layer.down_weight is None and layer.expert_nbytes() == 0
+    stand_in = layer.experts  # what the routed step was built with: meta tensors of the experts' shapes
+    assert stand_in.gate_up_weight_e2FD.is_meta and stand_in.gate_up_weight_e2FD.shape == (384, 4096, 7168)
+    layer.destroy()
+
+
+def test_the_layer_pickles_after_a_call_and_stays_usable():
+    """pickle.dumps used to fail on the routed step's overflow policy (a local function); the copy leaves the
+    runtime objects out and builds its own, and pickling does not tear down the live layer."""
+    import copy
+    import pickle
+
+    cfg = preset("tiny-kimi-k2")
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=16, seed=4)
+    with torch.no_grad():
+        y = layer(_x(cfg))
+        step = layer.routed_step
+        restored = pickle.loads(pickle.dumps(layer))
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=False)
+        for other in (restored, saved, copy.deepcopy(layer)):
+            assert other._routed_step is None and other._op_id != layer._op_id
+            assert torch.equal(other(_x(cfg)), y)
+            other.destroy()
+        assert layer.routed_step is step and torch.equal(layer(_x(cfg)), y)
+        assert torch.equal(torch.compile(restored, backend="eager")(_x(cfg)), y)  # its own op id works
+    layer.destroy()
+
+
+def test_a_layer_over_a_process_group_refuses_to_pickle():
+    import pickle
+
+    layer = MegaMoE("tiny-kimi-k2", num_max_tokens_per_rank=16, seed=4)
+    layer.group = object()  # stands for a ProcessGroup: what the check looks at, without starting one in pytest
+    with pytest.raises(LayerNotPicklableError, match=r"\[CFG020\].*state_dict"):
+        pickle.dumps(layer)
+
+
+def test_cuda_and_meta_conversions_are_a_coded_refusal_with_a_fix_that_works():
+    cfg = preset("tiny-kimi-k2")
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=16, seed=4)
+    with pytest.raises(LayerConversionError, match=r"\[CFG016\].*load_state_dict"):
+        layer.cuda()  # a torch without CUDA failed the probe with a bare AssertionError
+    with pytest.raises(LayerConversionError) as err:
+        layer.to("meta")
+    assert "device='meta'" not in str(err.value) and "device='cpu'" in str(err.value)
+    assert layer.gate_weight.device.type == "cpu"
+    MegaMoE(cfg, num_max_tokens_per_rank=16, dtype=torch.float32, device="cpu")  # the message's suggestion builds
