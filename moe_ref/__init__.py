@@ -12,7 +12,8 @@ The package is laid out by stage; a module imports only from its own stage or lo
     2 checkpoint/  loading, formats (FP8 / INT4 / MXFP4 as published), quantized, synthetic
     3 experts/     the Experts contract, registry, built-in backends, quantized experts, deep_gemm/
     4 ep/          options, capacity, buffer, transport, dispatch (symm, a2a), routed_step, overflow, mega_deep_gemm
-    5 block.py, layer.py (MegaMoE), custom_ops.py, reference.py (the single-process oracle)
+    5 block.py, layer/ (MegaMoE: the class, construction, weights, calls, runtime), custom_ops.py,
+      reference.py (the single-process oracle)
     6 tools/       cli (moe-ref), dist_check (the torchrun harness)
     6 bench/       benchmarking code scripts/ share (cases, timing, the engines' peer kernels read from wheels)
 

@@ -35,7 +35,6 @@ from launch import join_group  # noqa: E402  (tests/dist, beside this worker)
 from moe_ref import MegaMoE
 from moe_ref.core.config import preset
 from moe_ref.core.errors import MoERefError
-from moe_ref.ep.distributed import claim_layer_index
 from moe_ref.reference import reference_moe
 from moe_ref.core.weights import MoEWeights
 
@@ -197,14 +196,10 @@ def build_unloaded(rank, world):
 
 
 def _named_layer(rank: int, group=None, **overrides) -> MegaMoE:
-    """A layer that knows its index in build order on the group (``EPOptions.layer_index``).
-
-    TODO(lead): MegaMoE's constructor is to claim the index itself (``layer_index=claim_layer_index(group)``); until
-    it does, the index is claimed here, right after the (collective) construction, in the same order on every rank.
-    """
+    """A layer whose constructor claimed its index in build order on the group (``EPOptions.layer_index``): the
+    identity the per-call agreement compares (the out-of-order cases fail without it)."""
     layer = _layer(rank, group, **overrides)
-    if layer.options.layer_index is None:
-        layer.options = layer.options.replace(layer_index=claim_layer_index(layer.group))
+    assert layer.options.layer_index is not None, "MegaMoE did not claim its layer index"
     return layer
 
 
