@@ -212,7 +212,8 @@ def check_same_call(stamps: list[list[int]], rank: int) -> None:
 
 
 def _call_name(stamp: list[int]) -> str:
-    """``layer 2 call 5``, ``layer 2 (building its routed step)`` or, for a bare index, ``layer 2``."""
+    """``layer L call N`` (layer index L at its call index N), ``layer L (building its routed step)`` or, for a bare
+    index, ``layer L``."""
     layer = f"layer {stamp[0]}" if stamp[0] >= 0 else "a layer without an index"
     if len(stamp) == 1:
         return layer
