@@ -212,9 +212,9 @@ def check_same_call(stamps: list[list[int]], rank: int) -> None:
 
 
 def _call_name(stamp: list[int]) -> str:
-    """``layer L call N`` (layer index L at its call index N), ``layer L (building its routed step)`` or, for a bare
+    """``layer L call #N`` (layer index L at its call index N), ``layer L (building its routed step)`` or, for a bare
     index, ``layer L``."""
     layer = f"layer {stamp[0]}" if stamp[0] >= 0 else "a layer without an index"
     if len(stamp) == 1:
         return layer
-    return f"{layer} (building its routed step)" if stamp[1] else f"{layer} call {stamp[2]}"
+    return f"{layer} (building its routed step)" if stamp[1] else f"{layer} call #{stamp[2]}"

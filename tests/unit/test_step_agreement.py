@@ -34,11 +34,11 @@ def test_ranks_at_the_same_call_of_the_same_layer_pass():
 
 
 @pytest.mark.parametrize("stamps, named", [
-    ([[0, 0, 3], [1, 0, 3]], ["rank 0: layer 0 call 3", "rank 1: layer 1 call 3"]),  # crossed layers, same count
+    ([[0, 0, 3], [1, 0, 3]], ["rank 0: layer 0 call #3", "rank 1: layer 1 call #3"]),  # crossed layers, same count
     ([[0, 1, 0], [1, 1, 0]], ["rank 0: layer 0 (building", "rank 1: layer 1 (building"]),  # crossed at first call
-    ([[0, 0, 1], [1, 1, 0]], ["rank 0: layer 0 call 1", "rank 1: layer 1 (building"]),  # one rank's first call of B
-    ([[4, 0, 7], [4, 0, 6]], ["rank 0: layer 4 call 7", "rank 1: layer 4 call 6"]),  # one layer, counts differ
-    ([[-1, 0, 2], [-1, 1, 0]], ["rank 0: a layer without an index call 2", "rank 1: a layer without an index"]),
+    ([[0, 0, 1], [1, 1, 0]], ["rank 0: layer 0 call #1", "rank 1: layer 1 (building"]),  # one rank's first call of B
+    ([[4, 0, 7], [4, 0, 6]], ["rank 0: layer 4 call #7", "rank 1: layer 4 call #6"]),  # one layer, counts differ
+    ([[-1, 0, 2], [-1, 1, 0]], ["rank 0: a layer without an index call #2", "rank 1: a layer without an index"]),
 ])
 def test_ranks_out_of_step_raise_env004_naming_each_rank_layer_and_call(stamps, named):
     for rank in range(len(stamps)):
@@ -59,7 +59,7 @@ def test_a_step_built_again_on_some_ranks_only_is_env017_on_every_rank():
             check_same_call(stamps, rank)
         err = info.value
         assert err.code == "ENV017" and isinstance(err, StepOutOfSyncError), err
-        for needle in (f"rank {rank}:", "ranks 1, 3 build the routed step of layer 3", "rank 0: layer 3 call 9",
+        for needle in (f"rank {rank}:", "ranks 1, 3 build the routed step of layer 3", "rank 0: layer 3 call #9",
                        "destroy() was called on some ranks only", "call destroy() on every rank"):
             assert needle in err.message, (needle, err.message)
 
@@ -135,11 +135,11 @@ def test_the_group_timeout_is_read_from_the_group():
 
 def test_a_collective_that_timed_out_is_env018_naming_the_group_timeout():
     with pytest.raises(GroupTimeoutError) as info:
-        with distributed.peer_errors("rank 0's per-call agreement (layer 2 call 5)", _fake_group(3)):
+        with distributed.peer_errors("rank 0's per-call agreement (layer 2 call #5)", _fake_group(3)):
             raise RuntimeError("[pair.cc:553] Timed out waiting 3000ms for recv operation to complete")
     err = info.value
     assert err.code == "ENV018" and isinstance(err, RuntimeError)
-    for needle in ("rank 0's per-call agreement (layer 2 call 5)", "the EP group's timeout is 3 s",
+    for needle in ("rank 0's per-call agreement (layer 2 call #5)", "the EP group's timeout is 3 s",
                    "did not make this call", "timeout=timedelta(seconds=N)", "rebuild the process group"):
         assert needle in err.message, (needle, err.message)
     assert err.details["timeout_s"] == 3
