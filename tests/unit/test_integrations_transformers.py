@@ -204,6 +204,22 @@ def test_a_model_type_moe_ref_does_not_read_is_cfg030(monkeypatch):
         patch_model(model)
 
 
+def test_what_a_block_returns_is_found_before_it_is_replaced():
+    """gpt-oss's block returns (hidden, router scores), which its decoder layer unpacks: the patched block must too
+    (a tensor would be unpacked along its batch rows, silently); another tuple is refused."""
+    from moe_ref.integrations.transformers.blocks import find_moe_blocks
+    from moe_ref.integrations.transformers.patch import block_returns, router_of
+
+    for model_type, pair in (("gpt_oss", True), ("deepseek_v3", False), ("mixtral", False)):
+        site = find_moe_blocks(tiny.tiny_model(model_type))[0]
+        assert block_returns(site, router_of(site), tiny.HIDDEN) is pair, model_type
+    site = find_moe_blocks(tiny.tiny_model("mixtral"))[0]
+    forward = site.block.forward
+    site.block.forward = lambda x: (forward(x), None, None)
+    with pytest.raises(UnsupportedModelError, match="CFG030.*returns tuple of 3"):
+        block_returns(site, router_of(site), tiny.HIDDEN)
+
+
 def test_an_offloaded_block_is_load022():
     model = tiny.tiny_model("deepseek_v3")
     experts = model.model.layers[1].mlp.experts

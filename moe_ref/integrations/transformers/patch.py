@@ -173,10 +173,13 @@ def patch_model(model: nn.Module, group: dist.ProcessGroup | None = None, *, ver
             f"{type(model).__name__} has no sparse MoE block (a decoder layer child with a transformers 5.x fused "
             f"experts module){': it is patched already' if already else ''}", model_class=type(model).__name__)
     cfg = block_config(model)
-    for site in sites:  # before any layer is built (construction is collective)
+    for site in sites:  # every refusal before any layer is built (construction is collective)
         check_block_tensors(site)
+    routers = [router_of(site) for site in sites]
+    returns = [block_returns(site, router, cfg.hidden_size) for site, router in zip(sites, routers)]
     options = {**_DEFAULT_OPTIONS, **layer_options}
-    infos = tuple(_patch_block(site, cfg, group, options) for site in sites)
+    infos = tuple(_patch_block(site, cfg, group, options, router, pair)
+                  for site, router, pair in zip(sites, routers, returns))
     report = PatchReport(type(model).__name__, str(getattr(text_config(model), "model_type", "")), cfg.family,
                          infos, _dense_layers(model, sites), *group_size_and_rank(group))
     logger.info("%s", report)
@@ -185,7 +188,8 @@ def patch_model(model: nn.Module, group: dist.ProcessGroup | None = None, *, ver
     return report
 
 
-def _patch_block(site: BlockSite, cfg, group, options: dict) -> PatchedBlockInfo:
+def _patch_block(site: BlockSite, cfg, group, options: dict, router: nn.Module | None,
+                 returns_router_weights: bool) -> PatchedBlockInfo:
     """Build the block's MegaMoE, hand it the block's tensors and put it in the block's place."""
     experts = site.experts
     reference = experts.down_proj
@@ -194,9 +198,7 @@ def _patch_block(site: BlockSite, cfg, group, options: dict) -> PatchedBlockInfo
     take_weights(layer, weights)
     gate_up = getattr(experts, "gate_up_proj", None)
     shares = gate_up is not None and layer.gate_up_weight.data_ptr() == gate_up.data_ptr()
-    router = router_of(site)
-    setattr(site.parent, site.attr, PatchedMoEBlock(layer, router, site.name,
-                                                    block_returns(site, router, cfg.hidden_size)))
+    setattr(site.parent, site.attr, PatchedMoEBlock(layer, router, site.name, returns_router_weights))
     return PatchedBlockInfo(site.name, site.layer_idx, type(site.block).__name__, cfg.num_experts,
                             layer.num_local_experts, cfg.has_shared_experts, shares)
 
