@@ -34,7 +34,7 @@ layout the Triton experts use:
 The cases are scripts/bench_experts.py's (`moe_ref.bench.cases.make_case`: its per-rank EP8 shapes, routed rows
 spread randomly over the experts, 128-aligned segments), with `num_rows_hint` given and unused rows left unwritten
 (what the layer passes). bf16 and FP8 (e4m3, per-128 activation scales, 128x128 weight blocks). (The first recorded
-layout run, docs/results/ab_gate_up_layout_kimi_2026-12-01.*, built its cases in this script, the same way.)
+layout run, 2026-12-01, built its cases in this script, the same way; its files are in git history.)
 
 Timing: `triton.testing.do_bench` (L2 flushed before each run), A and B alternated over `--rounds` rounds, the
 median of the rounds kept. Check: B's output vs A's on the rows inside segments (calc_diff < 1e-4 bf16,

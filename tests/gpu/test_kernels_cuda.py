@@ -79,7 +79,7 @@ def test_grouped_mlp_half(name, dtype):
         assert _padding_is_zero(y_PDx, row_start_e, num_rows_e), f"{name=} {dtype=} {hint=}"
 
 
-# slow: every shape but decode, 11-28 s each on an H200 (docs/results/gpu_tests_1gpu_pool_formats_later_calls_2026-12-01.txt):
+# slow: every shape but decode, 11-28 s each on an H200 (2026-12-01, `make test-gpu-full --durations`):
 # each new (rows, N, K) autotunes the FP8 kernel over its tile list, one Triton compile per tile
 SLOW_FP8_CASES = ("kimi_k2_prefill", "step3_mixed", "k3_latent_situ", "odd_dims")
 

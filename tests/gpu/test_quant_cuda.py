@@ -38,7 +38,7 @@ def _qweights(fmt, num_experts, hidden, inter, seed=0):
     return QuantizedExpertWeights(spec, *stored, hidden_size=hidden, intermediate_size=inter)
 
 
-# slow: the mid and K3 shapes, 11-26 s each on an H200 (docs/results/gpu_tests_1gpu_pool_formats_later_calls_2026-12-01.txt):
+# slow: the mid and K3 shapes, 11-26 s each on an H200 (2026-12-01, `make test-gpu-full --durations`):
 # each (shape, format) autotunes the W4/FP8 kernels anew; decode keeps every format in make test-gpu
 SLOW_CASES = ("kimi_k2_mid", "k3_latent_situ")
 

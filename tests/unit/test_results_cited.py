@@ -112,3 +112,13 @@ def test_no_work_log_references_or_machine_paths():
             if _LOG.search(line) or (not raw_output and _PATH.search(line)):
                 found.append(f"{name}:{lineno}: {line.strip()[:120]}")
     assert not found, "work-log references or machine paths:\n" + "\n".join(found)
+
+
+def test_every_results_file_the_code_names_exists():
+    """The package, tests and csrc may point at a raw file (e.g. the tuner run behind a tile list): it must be there.
+    (scripts/ are left out: a benchmark's ``--record`` names the file it would write.)"""
+    files = [p.name for p in RESULTS.iterdir()]
+    missing = [f"{name}: docs/results/{m.group(1)}" for name, text in _tracked_text_files()
+               if name.startswith(("moe_ref/", "tests/", "csrc/")) and name != "tests/unit/test_results_cited.py"
+               for m in _CITE.finditer(text) if not fnmatch.filter(files, m.group(1))]
+    assert not missing, "raw files named in code but absent from docs/results/:\n" + "\n".join(missing)
