@@ -20,7 +20,8 @@ Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(...
 rows, `MOE_REF_TMA=0`).
 FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
 shares one weight scale). FP8 row blocks under 64 rows (decode) swap the MMA's operands, `acc.T = W @ x.T`, so the
-weights fill the 64-row side of Hopper's FP8 wgmma (docs/RESULTS.md, "FP8 decode tiles swap the MMA's operands").
+weights fill the 64-row side of Hopper's FP8 wgmma (docs/RESULTS.md, "Defaults, and the measurement
+that decided each").
 4-bit weights have a kernel of their own: `moe_ref.kernels.experts.grouped_mlp_w4`.
 
 Shape legend: P receive-pool rows, Dx expert input width, F expert intermediate, e local experts, O and I one
@@ -374,8 +375,7 @@ def autotuned_kernel():
     rows bucket, N, K, num_experts and the kernel flags) to the `triton.Config` that won, which the benchmarks report.
     The pool's rows are in the key because the upper-bound grid grows with them: a pool of 128-aligned segments at
     decode holds ~12x the rows it uses, and the tiles tuned on a back-to-back pool of the same rows hint ran 3-5%
-    slower there than on their own pool (docs/RESULTS.md, "The alignment-1 pool at decode, the same tiles on both
-    pools").
+    slower there than on their own pool (2026-12-01, one H200; git history of docs/RESULTS.md).
 
     Args:
         none.

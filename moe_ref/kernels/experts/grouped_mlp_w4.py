@@ -13,9 +13,9 @@ GEMM1 and the activation are one launch, GEMM2 the other. A GEMM1 program's BLOC
 rows and the up rows of the same output features: its main loop is the plain GEMM's (one weight stream, one
 accumulator), and the epilogue pairs the accumulator's two halves. A program with a gate tile and an up tile (two
 streams, two accumulators) ran 1-6% slower at decode than the plain GEMM with the activation a kernel of its own
-(docs/RESULTS.md, "The 4-bit GEMM1 without its fused activation"); this one saves that kernel and the fp32 round
+(docs/RESULTS.md, "Tried and not kept"); this one saves that kernel and the fp32 round
 trip of ``[P, 2F]``: 386.2 -> 363.8 us for MXFP4 at 512 rows of 48 Kimi-K2 experts, both GEMMs at (16, 64, 4, 3)
-(2026-12-02, one H200; docs/RESULTS.md, "GEMM1's activation in its epilogue, one weight stream").
+(2026-12-02, one H200; docs/RESULTS.md, "Tried and not kept").
 
 Why a kernel of its own, and its weight layout. Decoding 4-bit weights is cheap only where it happens in the
 registers the tensor cores read; a decoded tile that goes back through shared memory costs more than the bytes it
