@@ -20,13 +20,15 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from moe_ref.core.config import PRESETS, MoEConfig, preset
+from moe_ref.core.config import PRESETS, MoEConfig, is_hf_config_object, preset
 from moe_ref.core.errors import (BackendUnavailableError, ConfigFileError, ConstructorArgumentTypeError,
                                  InvalidConfigError, MoERefError, ShapeUnsupportedError)
 from moe_ref.ep.distributed import (check_fields_agree, gather_objects, group_size_and_rank, problem_of,
                                     raise_agreed_problem)
 from moe_ref.ep.options import EPOptions
 from moe_ref.experts import experts_class
+from moe_ref.experts.registry import check_experts_support
+from moe_ref.core.errors import ExpertsFeatureError
 from moe_ref.kernels.runtime._triton_utils import is_interpreter
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ def as_config(cfg: MoEConfig | str | os.PathLike | Mapping[str, Any]) -> MoEConf
     unknown preset."""
     if isinstance(cfg, MoEConfig):
         return cfg
-    if not isinstance(cfg, (str, os.PathLike, Mapping)):
+    if not isinstance(cfg, (str, os.PathLike, Mapping)) and not is_hf_config_object(cfg):
         raise InvalidConfigError(f"cfg={cfg!r} ({type(cfg).__name__}); pass a MoEConfig, a preset name "
                                  f"(e.g. 'tiny-kimi-k2'), a config.json path or folder, or an HF config dict",
                                  field="cfg")
@@ -81,7 +83,7 @@ def layer_device(device: Any) -> torch.device:
     return torch.device("cpu") if resolved.type == "cpu" else resolved
 
 
-def local_problem(seed: Any, options: EPOptions) -> MoERefError | None:
+def local_problem(seed: Any, options: EPOptions, cfg: MoEConfig | None = None) -> MoERefError | None:
     """What this rank cannot build (not raised: ``agree_on_construction`` raises it on every rank): a ``seed`` that
     is not an int (INP009), or an experts backend that cannot run here (ENV001): its package is missing, or Triton on
     a device other than CUDA outside the interpreter (``TRITON_INTERPRET=1``, which runs Triton on the CPU)."""
@@ -94,6 +96,11 @@ def local_problem(seed: Any, options: EPOptions) -> MoERefError | None:
     if reason is None and runs_on.name == "triton" and device.type != "cuda" and not is_interpreter():
         reason = (f"Triton kernels take CUDA tensors and the layer is on {device} (TRITON_INTERPRET=1, set before "
                   f"triton is imported, runs them on the CPU interpreter: slow, for tests)")
+    if reason is None and cfg is not None:
+        try:  # the family's expert math (gpt-oss's clamped SwiGLU and biases) on this backend: ENV020 if not
+            check_experts_support(cfg, backend, device)
+        except ExpertsFeatureError as err:
+            return err
     if reason is None:
         return None
     return BackendUnavailableError(f"experts_backend={backend!r} cannot run on {device} here: {reason}; use "

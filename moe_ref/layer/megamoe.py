@@ -145,7 +145,7 @@ class MegaMoE(nn.Module):
         self.num_local_experts = ParallelConfig(ep_size=self.world_size).num_local_experts(cfg)
         self.first_local_expert = self.rank * self.num_local_experts
         self.uses_mega = construction.agree_on_construction(
-            cfg, self.options, group, construction.local_problem(seed, self.options), self._mega_supported_here())
+            cfg, self.options, group, construction.local_problem(seed, self.options, cfg), self._mega_supported_here())
         runtime.start(self)
         layer_weights.register_parameters(self)
         if seed is not None:
@@ -222,7 +222,8 @@ class MegaMoE(nn.Module):
         none (inside a user's CUDA-graph capture). Raises only the routed step's agreed errors."""
         moe_weights = self.weights()
         (topk_ids_TK, topk_weights_TK), _ = route_unchecked(  # step 2
-            x_TD, self.gate_weight, self.cfg, self.e_score_correction_bias, check_values=checks is not None,
+            x_TD, self.gate_weight, self.cfg, self.e_score_correction_bias, router_bias_E=self.router_bias,
+            check_values=checks is not None,
             device_checks=checks)
         routed_TDx = step(expert_input(x_TD, moe_weights, self.cfg), topk_ids_TK, topk_weights_TK,  # steps 3-4
                           max_num_tokens=max_num_tokens, device_checks=checks, read_checks_now=read_checks_now)

@@ -94,7 +94,8 @@ def build_experts(layer: nn.Module) -> Experts:
             backend = quantized_backend(layer, layer.quantized_experts.spec)
             return make_quantized_experts(layer.quantized_experts, *activation, backend=backend)
         return make_experts(options.experts_backend, layer.gate_up_weight, layer.down_weight, *activation,
-                            fp8=fp8_experts(layer))
+                            fp8=fp8_experts(layer), swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
+                            gate_up_bias_e2F=layer.gate_up_bias, down_bias_eD=layer.down_bias)
 
 
 def build_routed_step(layer: nn.Module) -> RoutedStep:

@@ -40,7 +40,8 @@ from moe_ref.experts.quantized import QUANT_BACKENDS, QuantTorchExperts, W4A16Ex
 logger = logging.getLogger(__name__)
 
 EXPERT_NAMES = ("gate_up_weight", "down_weight")
-_EXPERT_FIELDS = ("gate_up_weight_E2FD", "down_weight_EDF")
+BIAS_NAMES = ("gate_up_bias", "down_bias")  # the experts' biases (gpt-oss), held with the plain experts
+_EXPERT_FIELDS = ("gate_up_weight_E2FD", "down_weight_EDF", "gate_up_bias_E2F", "down_bias_ED")
 # state_dict keys of quantized experts kept as stored: "quantized_experts.<field>" (+ ".spec", the format as JSON bytes)
 QUANT_PREFIX = "quantized_experts."
 
@@ -55,8 +56,10 @@ def register_parameters(layer: nn.Module) -> None:
         layer.gate_weight = new(cfg.num_experts, D)
         bias = torch.zeros(cfg.num_experts, dtype=torch.float32, device=device) if cfg.use_selection_bias else None
         layer.register_buffer("e_score_correction_bias", bias)
-        layer.register_parameter("gate_up_weight", None)
-        layer.register_parameter("down_weight", None)
+        for name in EXPERT_NAMES + BIAS_NAMES:
+            layer.register_parameter(name, None)
+        layer.router_bias = new(cfg.num_experts) if cfg.router_bias else None
+        layer.shared_gate_weight = new(D) if cfg.shared_expert_gate else None
         layer.shared_gate_up_weight = new(2 * S, D) if shared else None
         layer.shared_down_weight = new(D, S) if shared else None
         layer.latent_down_weight = new(L, D) if L else None
@@ -89,13 +92,16 @@ def expert_parameters(layer: nn.Module) -> tuple[nn.Parameter, nn.Parameter]:
         with torch.inference_mode(False):
             layer.gate_up_weight = _new_parameter(layer, *gate_up_shape)
             layer.down_weight = _new_parameter(layer, *down_shape)
-        layer._unwritten.update(EXPERT_NAMES)
+            if layer.cfg.expert_bias:
+                layer.gate_up_bias = _new_parameter(layer, *gate_up_shape[:2])
+                layer.down_bias = _new_parameter(layer, *down_shape[:2])
+        layer._unwritten.update(name for name in EXPERT_NAMES + BIAS_NAMES if getattr(layer, name) is not None)
     return layer.gate_up_weight, layer.down_weight
 
 
 def _drop_plain_experts(layer: nn.Module) -> None:
-    layer.gate_up_weight = layer.down_weight = None
-    layer._unwritten.difference_update(EXPERT_NAMES)
+    layer.gate_up_weight = layer.down_weight = layer.gate_up_bias = layer.down_bias = None
+    layer._unwritten.difference_update(EXPERT_NAMES + BIAS_NAMES)
 
 
 def missing_weights(layer: nn.Module) -> list[str]:
@@ -114,7 +120,9 @@ def as_moe_weights(layer: nn.Module) -> MoEWeights:
         down_weight_EDF=layer.down_weight, bias_E=layer.e_score_correction_bias,
         shared_gate_up_weight_2SD=layer.shared_gate_up_weight, shared_down_weight_DS=layer.shared_down_weight,
         latent_down_weight_LD=layer.latent_down_weight, latent_up_weight_DL=layer.latent_up_weight,
-        latent_norm_weight_L=layer.latent_norm_weight, first_expert=layer.first_local_expert)
+        latent_norm_weight_L=layer.latent_norm_weight, first_expert=layer.first_local_expert,
+        router_bias_E=layer.router_bias, gate_up_bias_E2F=layer.gate_up_bias, down_bias_ED=layer.down_bias,
+        shared_gate_weight_D=layer.shared_gate_weight)
 
 
 def expert_nbytes(layer: nn.Module) -> int:
@@ -137,12 +145,15 @@ def load_weights(layer: nn.Module, weights: MoEWeights) -> None:
     """Check every shape (LOAD002), then copy ``weights`` (all experts, or a block holding this rank's)."""
     source = weights.expert_slice(layer.first_local_expert, layer.num_local_experts)
     gate_up_shape, down_shape = expert_shapes(layer)
+    biases = [("gate_up_bias_E2F", gate_up_shape[:2], source.gate_up_bias_E2F),
+              ("down_bias_ED", down_shape[:2], source.down_bias_ED)] if layer.cfg.expert_bias else []
     _check_shapes([("gate_up_weight_E2FD", gate_up_shape, source.gate_up_weight_E2FD),
-                   ("down_weight_EDF", down_shape, source.down_weight_EDF)] + _dense_targets(layer, source))
+                   ("down_weight_EDF", down_shape, source.down_weight_EDF)] + biases + _dense_targets(layer, source))
     layer.quantized_experts = None
     gate_up, down = layer._expert_parameters()
+    held_biases = [(layer.gate_up_bias, source.gate_up_bias_E2F), (layer.down_bias, source.down_bias_ED)]
     _copy([(gate_up, source.gate_up_weight_E2FD), (down, source.down_weight_EDF)]
-          + [(dst, src) for _, dst, src in _dense_pairs(layer, source)])
+          + (held_biases if layer.cfg.expert_bias else []) + [(dst, src) for _, dst, src in _dense_pairs(layer, source)])
     layer._unwritten.clear()
 
 

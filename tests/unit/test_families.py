@@ -23,7 +23,6 @@ from transformers.utils import logging as hf_logging
 from moe_ref.block import route
 from moe_ref.checkpoint.loading import load_moe_weights
 from moe_ref.core.config import MoEConfig
-from moe_ref.core.errors import ShapeError
 from moe_ref.core.families import FAMILIES, family_for_model_type, family_named, supported_model_types
 from moe_ref.layer import MegaMoE
 from moe_ref.reference import reference_moe
@@ -44,13 +43,9 @@ class Case:
     config_class: str
     fields: dict[str, Any]
     block_class: str
-    # why MegaMoE cannot run it yet (it raises ShapeError, not a wrong answer), or None
-    layer_pending: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-LAYER_PENDING = ("MegaMoE registers no parameter for this family's extra weights yet (router/expert biases or the "
-                 "shared-expert gate): the block raises ShapeError instead of computing without them")
 CASES = [
     Case("deepseek_v3", "DeepseekV3Config", dict(
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
@@ -70,12 +65,12 @@ CASES = [
         head_dim=16), "Qwen3MoeSparseMoeBlock"),
     Case("qwen2_moe", "Qwen2MoeConfig", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
-        "Qwen2MoeSparseMoeBlock", layer_pending=LAYER_PENDING),
+        "Qwen2MoeSparseMoeBlock"),
     Case("mixtral", "MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
                                           head_dim=16), "MixtralSparseMoeBlock"),
     # swiglu_limit 0.5 so that the clamps bite (pre-activations are O(1))
     Case("gpt_oss", "GptOssConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
-                                         head_dim=16, swiglu_limit=0.5), "GptOssMLP", layer_pending=LAYER_PENDING),
+                                         head_dim=16, swiglu_limit=0.5), "GptOssMLP"),
     Case("olmoe", "OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
          "OlmoeSparseMoeBlock"),
     Case("ernie4_5_moe", "Ernie4_5_MoeConfig", dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
@@ -230,13 +225,7 @@ def test_reference_block_loaded_from_save_pretrained_matches_transformers(case, 
         assert_relative_close(actual_TD, expected_TD, family=case.id, layer=layer, path="reference_moe")
 
 
-def _layer_case(case: Case):
-    if case.layer_pending is None:
-        return case
-    return pytest.param(case, marks=pytest.mark.xfail(strict=True, raises=ShapeError, reason=case.layer_pending))
-
-
-@pytest.mark.parametrize("case", [_layer_case(c) for c in CASES], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_mega_moe_built_from_save_pretrained_matches_transformers(case, saved_models):
     folder, model = saved_models(case)
     for layer in moe_layers_of(model, case):

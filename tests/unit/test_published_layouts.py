@@ -337,22 +337,23 @@ def test_the_writer_uses_the_published_configs():
 
 # --- families are named, not guessed ------------------------------------------------------------------------
 
-QWEN3_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
-             "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
-             "num_hidden_layers": 48, "decoder_sparse_step": 1, "mlp_only_layers": []}
+# DBRX: a MoE family moe_ref has no module for (a real model_type, published config fields)
+DBRX = {"model_type": "dbrx", "architectures": ["DbrxForCausalLM"], "d_model": 6144, "n_layers": 40,
+        "ffn_config": {"moe_num_experts": 16, "moe_top_k": 4, "ffn_hidden_size": 10752}}
 
 
 def test_an_unknown_family_is_refused_by_name(tmp_path):
-    with pytest.raises(UnknownFamilyError, match="qwen3_moe") as info:
-        MoEConfig.from_hf_config(QWEN3_MOE)
+    with pytest.raises(UnknownFamilyError, match="dbrx") as info:
+        MoEConfig.from_hf_config(DBRX)
     message = str(info.value)
     assert info.value.code == "CFG018" and isinstance(info.value, InvalidConfigError)
-    assert all(t in message for t in ("deepseek_v3", "kimi_k2", "kimi_k3", "step3_text"))
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
-    with pytest.raises(UnknownFamilyError, match="qwen3_moe"):
+    assert all(t in message for t in ("deepseek_v3", "kimi_k2", "kimi_k3", "step3_text", "qwen3_moe", "gpt_oss"))
+    assert "moe_ref/core/families" in message  # how to add one
+    (tmp_path / "config.json").write_text(json.dumps(DBRX))
+    with pytest.raises(UnknownFamilyError, match="dbrx"):
         MegaMoE(tmp_path, None)
     with pytest.raises(UnknownFamilyError, match="no model_type"):
-        MoEConfig.from_hf_config({k: v for k, v in QWEN3_MOE.items() if k != "model_type"})
+        MoEConfig.from_hf_config({k: v for k, v in DBRX.items() if k != "model_type"})
 
 
 def test_custom_stays_for_configs_built_in_code():
