@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -42,6 +43,7 @@ from moe_ref.core.errors import (
     explain,
 )
 from moe_ref.ep.options import POOL_FORMATS, TRANSPORTS, EPOptions
+from moe_ref.eplb.cli import add_simulate_arguments, run_simulate
 from moe_ref.checkpoint.formats import (QuantFormat, QuantSpec, expert_weight_bytes, quant_spec_from_config,
                                         shape_problem)
 
@@ -333,6 +335,8 @@ def cmd_check(args) -> int:
     problems = list(cfg.problems())
     if not problems:
         problems += ParallelConfig(tp_size=args.tp, ep_size=args.ep, dp_size=args.dp).problems(cfg)
+    if not problems and args.config:
+        problems += checkpoint_problems(args.config, cfg)
     where = args.config or args.preset or "kimi-k2"
     if not problems:
         num_local = cfg.num_experts // args.ep
@@ -345,6 +349,30 @@ def cmd_check(args) -> int:
     for problem in problems:
         print(f"  - {problem}")
     return 1
+
+
+def checkpoint_problems(config_path: str, cfg: MoEConfig) -> list[MoERefError]:
+    """What ``MegaMoE.load_hf_weights(folder, layer)`` would raise for the checkpoint beside ``config_path`` (a
+    config.json or its folder), for every MoE layer, from the safetensors headers alone (no tensor is read):
+    ``[]`` when every layer would load or the folder holds no safetensors; else the first layer's error. The same
+    checks as the loader (``moe_ref.checkpoint.loading.check_moe_layer``), so check and load agree."""
+    from moe_ref.checkpoint.loading import check_moe_layer
+    from moe_ref.checkpoint.quantized import checkpoint_quant_spec, routed_experts_quantized
+
+    folder = Path(config_path)
+    folder = folder if folder.is_dir() else folder.parent
+    if not any(folder.glob("*.safetensors")):
+        return []
+    try:
+        spec = checkpoint_quant_spec(folder)
+        for layer in cfg.moe_layers:
+            stored = spec is not None and routed_experts_quantized(folder, spec, cfg, layer)[0]
+            found = check_moe_layer(folder, cfg, layer, quant=spec, experts=not stored)
+            if found:
+                return found
+    except MoERefError as err:
+        return [err]
+    return []
 
 
 def fp8_dispatch_note(cfg: MoEConfig) -> str:
@@ -664,6 +692,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, default=None)
     p.add_argument("--ep", type=positive, default=8, help="expert-parallel size of the per-rank expert bytes")
     p.set_defaults(fn=cmd_info)
+
+    p = sub.add_parser("eplb", parents=[debug], help="expert-parallel load balancing on CPU: placement planner, "
+                                                     "simulator")
+    eplb = p.add_subparsers(dest="eplb_command", required=True)
+    p = eplb.add_parser("simulate", parents=[debug], help="plan a placement for a load trace; balance before/after")
+    add_simulate_arguments(p)
+    p.set_defaults(fn=run_simulate)
     return parser
 
 

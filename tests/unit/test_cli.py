@@ -4,6 +4,7 @@ Every test calls ``main([...])`` in-process and checks the exit status, the code
 torchrun is replaced by a recorder (``subprocess.call``) so nothing is spawned. The tests that run ``python -m
 moe_ref`` in a subprocess are in tests/dist/test_cli_dist.py.
 """
+import json
 import os
 import socket
 import stat
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from moe_ref.tools import cli, dist_check
-from moe_ref.core.config import PRESETS, preset
+from moe_ref.core.config import PRESETS, MoEConfig, preset
+from moe_ref.core.errors import MoERefError
 from moe_ref.testing import count_bytes
 from moe_ref.core.weights import MoEWeights
 
@@ -588,3 +590,34 @@ def test_info_says_which_cpu_ep_path_runs(capsys, monkeypatch):
     status, out, _ = _run(capsys, ["info"])
     assert status == 0 and f"CPU EP data path: {native.native_status()}" in out
     assert ("compiled ops: active" in out) == native.is_active()
+
+
+def test_check_on_a_checkpoint_folder_agrees_with_the_loader(capsys, plain_checkpoint):
+    """`moe-ref check --config <folder>` reports what load_hf_weights would raise (headers only), and OK when it
+    would load."""
+    from moe_ref import MegaMoE
+
+    cfg = MoEConfig.from_hf_config(plain_checkpoint)
+    assert cli.main(["check", "--config", str(plain_checkpoint)]) == 0
+    assert capsys.readouterr().out.startswith("OK:")
+    # drop one expert's tensor from the checkpoint: the loader and the check name the same code
+    index = plain_checkpoint / "model.safetensors.index.json"
+    layer = cfg.moe_layers[-1]
+    if index.exists():
+        data = json.loads(index.read_text())
+        name = next(n for n in data["weight_map"] if f"layers.{layer}.mlp.experts.1." in n)
+        del data["weight_map"][name]
+        index.write_text(json.dumps(data))
+    else:
+        from safetensors.torch import load_file, save_file
+
+        path = next(plain_checkpoint.glob("*.safetensors"))
+        tensors = load_file(path)
+        name = next(n for n in tensors if f"layers.{layer}.mlp.experts.1." in n)
+        del tensors[name]
+        save_file(tensors, path)
+    with pytest.raises(MoERefError) as loaded:
+        MegaMoE(plain_checkpoint, None).load_hf_weights(plain_checkpoint, layer)
+    assert cli.main(["check", "--config", str(plain_checkpoint)]) == 1
+    out = capsys.readouterr().out
+    assert f"[{loaded.value.code}]" in out and name.rsplit(".", 1)[0] in out, out
