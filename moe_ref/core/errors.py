@@ -320,6 +320,46 @@ class ExpertsInterfaceParallelError(ConfigError):
         "model = AutoModelForCausalLM.from_pretrained(name)\npatch_model(model, group=dist.group.WORLD)")
 
 
+class PlacementError(ConfigError):
+    code = _entry(
+        "CFG033", "an expert placement (EPLB physical-to-logical map) is invalid",
+        "A placement maps each of P physical expert slots to a logical expert, per layer; rank r owns slots "
+        "[r * P / R, (r + 1) * P / R). Every logical expert needs at least one replica, every slot must name an "
+        "expert in [0, E), and P must split evenly over the R ranks.",
+        "A hand-edited placement JSON that drops an expert, a slot id of 256 with 256 experts, 290 slots on 8 "
+        "ranks, or a file that is not a moe_ref placement.",
+        ["Rebuild the placement with moe_ref.eplb.planner.plan_global / plan_hierarchical.",
+         "Make P a multiple of the ranks (E + redundant slots, redundant chosen so) and give every expert a slot."],
+        "placement = plan_global(load_LE, num_physical=288, num_ranks=8); placement.save('placement.json')")
+
+
+class PlacementTopologyError(ConfigError):
+    code = _entry(
+        "CFG034", "EPLB planner settings that cannot be placed",
+        "The planner packs E experts in G groups onto N nodes of R ranks with P physical slots: groups must split "
+        "the experts (E % G == 0) and the nodes (G % N == 0), ranks must split over nodes (R % N == 0), slots over "
+        "ranks (P % R == 0), and there must be a slot per expert (P >= E); the before-placement puts E / R experts "
+        "on each rank (E % R == 0).",
+        "moe-ref eplb simulate --experts 256 --ep 8 --redundant 30 (P = 286 is not a multiple of 8), or "
+        "--groups 6 with 256 experts.",
+        ["Pick --redundant so that experts + redundant is a multiple of --ep.",
+         "Pick --groups dividing the experts and divisible by --nodes; --nodes dividing --ep."],
+        "moe-ref eplb simulate --zipf 1.0 --experts 256 --ep 8 --redundant 32 --nodes 2 --groups 8")
+
+
+class LoadTraceError(ConfigError):
+    code = _entry(
+        "CFG035", "an expert-load trace is not a [windows, layers, experts] table of non-negative counts",
+        "The EPLB planner and simulator read per-expert load: routed rows per (layer, expert), one [L, E] table per "
+        "window, stored as JSON ({'format': 'moe_ref.eplb.loads', 'loads': [[[...]]]}) or a torch .pt tensor "
+        "[W, L, E] or [L, E]. Counts must be finite and >= 0, and every window must have the same shape.",
+        "A .pt file holding a dict, a 1-D tensor, negative counts, windows of different layer counts, or a JSON "
+        "without 'loads'.",
+        ["Write the trace with moe_ref.eplb.trace.save_loads(path, loads).",
+         "Check that the table's last dim is the number of experts the simulation is asked for."],
+        "save_loads('loads.json', torch.tensor(counts).reshape(1, 61, 256))")
+
+
 # --- capacity --------------------------------------------------------------------------------------------
 
 class CapacityError(MoERefError, RuntimeError):

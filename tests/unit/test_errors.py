@@ -49,3 +49,10 @@ def test_explain_unknown_code_lists_known(capsys):
 def test_explain_list(capsys):
     assert main(["explain", "--list"]) == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == len(errors.CATALOGUE)
+
+
+def test_eplb_errors_are_config_errors_with_entries():
+    for cls, code in ((errors.PlacementError, "CFG033"), (errors.PlacementTopologyError, "CFG034"),
+                      (errors.LoadTraceError, "CFG035")):
+        assert cls.code == code and issubclass(cls, errors.ConfigError) and issubclass(cls, ValueError)
+        assert errors.error_class(code) is cls and "eplb" in errors.explain(code).lower(), code

@@ -18,7 +18,7 @@ STAGES = {
     "moe_ref.kernels": 1,
     "moe_ref.checkpoint": 2,
     "moe_ref.experts": 3,
-    "moe_ref.ep": 4,
+    "moe_ref.ep": 4, "moe_ref.eplb": 4,
     "moe_ref.block": 5, "moe_ref.eager_graphs": 5, "moe_ref.layer": 5, "moe_ref.custom_ops": 5, "moe_ref.reference": 5,
     "moe_ref.tools": 6, "moe_ref.__main__": 6, "moe_ref.bench": 6,
     "moe_ref.integrations": 6,

@@ -1,0 +1,178 @@
+"""``moe-ref eplb simulate``: plan a placement for a load trace and report each layer's balance before and after.
+
+    --loads FILE | --zipf S -> load [L, E] (summed over the trace's windows) -> plan_global / plan_hierarchical
+      -> balancedness (moe_ref.eplb.simulate) -> summary on stdout, JSON (+ PNG with matplotlib) under --out
+
+The placement is planned on the same load it is judged on (the trace's windows summed): the best case a
+placement made from that trace can reach. ``moe_ref.tools.cli`` mounts ``add_simulate_arguments`` and
+``run_simulate`` as ``moe-ref eplb simulate``; ``main`` runs the same command on its own.
+
+Shape legend: E experts (the model's logical experts).
+
+``L`` in ``_LE``/``_L`` is MoE layers, as in moe_ref.eplb.placement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from moe_ref.core.errors import CommandLineError, LoadTraceError
+from moe_ref.eplb.planner import check_topology, plan_global, plan_hierarchical
+from moe_ref.eplb.simulate import Balancedness, balancedness, identity_placement, zipf_loads
+from moe_ref.eplb.trace import load_loads
+
+NUM_WORST_LAYERS = 5
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``eplb simulate`` (values are checked by ``run_simulate``, CFG015)."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--loads", default=None, help="load trace: .json or .pt, [windows, layers, experts] counts")
+    source.add_argument("--zipf", type=float, default=None, metavar="S",
+                        help="synthetic trace: Zipf exponent S over a per-layer random permutation of the experts")
+    parser.add_argument("--experts", type=int, default=None, help="logical experts E (default: the trace's, or 256)")
+    parser.add_argument("--top-k", type=int, default=8, help="experts per token (--zipf)")
+    parser.add_argument("--layers", type=int, default=None, help="MoE layers (default: the trace's, or 61)")
+    parser.add_argument("--tokens-per-rank", type=int, default=4096, help="tokens per rank per layer (--zipf)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace (--zipf)")
+    parser.add_argument("--ep", type=int, default=8, help="EP ranks R")
+    parser.add_argument("--redundant", type=int, default=32, help="redundant slots: P = experts + redundant")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes (hierarchical policy when > 1 or --groups > 1)")
+    parser.add_argument("--groups", type=int, default=1, help="expert groups kept on one node")
+    parser.add_argument("--out", default=None, help="folder for eplb_simulate.json, placement.json (+ .png)")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    minimum = {"top_k": 1, "tokens_per_rank": 0, "ep": 1, "redundant": 0, "nodes": 1, "groups": 1,
+               "experts": 1, "layers": 1}
+    for name, low in minimum.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise CommandLineError(f"eplb simulate: --{name.replace('_', '-')} {value} is out of range: needs an "
+                                   f"integer >= {low}")
+    if args.zipf is not None and not 0 <= args.zipf < math.inf:
+        raise CommandLineError(f"eplb simulate: --zipf {args.zipf} is out of range: needs a finite number >= 0")
+
+
+def _load(args: argparse.Namespace) -> tuple[torch.Tensor, str]:
+    """The ``[L, E]`` load and a words description of where it came from."""
+    if args.zipf is None:
+        load_LE = load_loads(args.loads).sum(dim=0)
+        wanted = {"--layers": (args.layers, load_LE.shape[0]), "--experts": (args.experts, load_LE.shape[1])}
+        for flag, (given, found) in wanted.items():
+            if given is not None and given != found:
+                raise LoadTraceError(f"{args.loads}: the trace has {found} for {flag}, the command asked {given}; "
+                                     f"drop {flag} or pass the trace's value")
+        return load_LE, f"trace {args.loads}"
+    num_layers, num_experts = args.layers or 61, args.experts or 256
+    # refuse sizes before the (seconds-long) sampling; a trace's sizes are known only once it is read
+    check_topology(num_experts, num_experts + args.redundant, args.groups, args.nodes, args.ep)
+    identity_placement(1, num_experts, args.ep)
+    tokens = args.tokens_per_rank * args.ep
+    load_LE = zipf_loads(num_layers, num_experts, args.top_k, tokens, args.zipf, args.seed)
+    return load_LE, (f"zipf s={args.zipf}, top-{args.top_k}, {args.tokens_per_rank} tokens/rank "
+                     f"({tokens} tokens/layer), seed {args.seed}")
+
+
+def summarize(result: Balancedness) -> dict:
+    """Means and minima over layers of balancedness, mean max-rank rows and their reduction (plain floats)."""
+    before_L, after_L = result.balancedness_before_L, result.balancedness_after_L
+    max_before, max_after = float(result.max_rank_rows_before_L.mean()), float(result.max_rank_rows_after_L.mean())
+    return {"balancedness_before_mean": float(before_L.mean()), "balancedness_before_min": float(before_L.min()),
+            "balancedness_after_mean": float(after_L.mean()), "balancedness_after_min": float(after_L.min()),
+            "max_rank_rows_before_mean": max_before, "max_rank_rows_after_mean": max_after,
+            "max_rank_rows_reduction": 1.0 - max_after / max_before if max_before > 0 else 0.0}
+
+
+def _report_lines(header: str, result: Balancedness, summary: dict) -> list[str]:
+    lines = [header,
+             f"balancedness (mean / max rows per rank; 1 = even), over layers: "
+             f"before mean {summary['balancedness_before_mean']:.3f} min {summary['balancedness_before_min']:.3f}"
+             f" | after mean {summary['balancedness_after_mean']:.3f} min {summary['balancedness_after_min']:.3f}",
+             f"max-rank rows, mean over layers: before {summary['max_rank_rows_before_mean']:.1f} -> after "
+             f"{summary['max_rank_rows_after_mean']:.1f} ({100 * summary['max_rank_rows_reduction']:.1f}% fewer)",
+             f"worst layers after: layer | balancedness before -> after | max-rank rows before -> after"]
+    after_L = result.balancedness_after_L
+    for layer in torch.argsort(after_L)[:NUM_WORST_LAYERS].tolist():
+        lines.append(f"  {layer:5d} | {float(result.balancedness_before_L[layer]):.3f} -> {float(after_L[layer]):.3f}"
+                     f" | {float(result.max_rank_rows_before_L[layer]):.1f} -> "
+                     f"{float(result.max_rank_rows_after_L[layer]):.1f}")
+    return lines
+
+
+def _write_png(path: Path, result: Balancedness) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(result.balancedness_before_L.numpy(), label="before (E / R experts per rank)")
+    ax.plot(result.balancedness_after_L.numpy(), label="after EPLB")
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("mean / max rows per rank")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Run ``eplb simulate`` for parsed flags: print the summary, write the files under ``--out``; returns 0."""
+    _check_flags(args)
+    load_LE, source = _load(args)
+    num_layers, num_experts = load_LE.shape
+    num_physical = num_experts + args.redundant
+    hierarchical = args.nodes > 1 or args.groups > 1
+    if hierarchical:
+        placement = plan_hierarchical(load_LE, num_physical, args.groups, args.nodes, args.ep)
+    else:
+        placement = plan_global(load_LE, num_physical, args.ep)
+    result = balancedness(load_LE, placement)
+    summary = summarize(result)
+    policy = f"hierarchical ({args.nodes} nodes, {args.groups} groups)" if hierarchical else "global"
+    header = (f"EPLB simulate (CPU): {num_layers} layers, {num_experts} experts, EP {args.ep}, {num_physical} slots "
+              f"({args.redundant} redundant, {placement.slots_per_rank} per rank), {policy} policy; load: {source}")
+    print("\n".join(_report_lines(header, result, summary)))
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {"command": {k: v for k, v in vars(args).items() if k not in ("fn", "command", "eplb_command")},
+                  "num_layers": num_layers, "num_experts": num_experts, "num_physical": num_physical,
+                  "policy": policy, "load": source, "summary": summary,
+                  "per_layer": {"balancedness_before": result.balancedness_before_L.tolist(),
+                                "balancedness_after": result.balancedness_after_L.tolist(),
+                                "max_rank_rows_before": result.max_rank_rows_before_L.tolist(),
+                                "max_rank_rows_after": result.max_rank_rows_after_L.tolist(),
+                                "mean_rank_rows": result.mean_rank_rows_L.tolist()}}
+        (out / "eplb_simulate.json").write_text(json.dumps(record, indent=1))
+        placement.save(out / "placement.json")
+        written = "eplb_simulate.json, placement.json" + (", eplb_simulate.png"
+                                                           if _write_png(out / "eplb_simulate.png", result) else "")
+        print(f"wrote {written} under {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``eplb simulate ...`` on its own (``moe-ref eplb`` mounts the same flags); returns the exit status.
+
+    Args:
+        argv: the words after ``eplb`` (default: ``sys.argv[1:]``).
+    """
+    parser = argparse.ArgumentParser(prog="moe-ref eplb")
+    sub = parser.add_subparsers(dest="eplb_command", required=True)
+    add_simulate_arguments(sub.add_parser("simulate", help="plan a placement for a load trace and report balance"))
+    args = parser.parse_args(argv)
+    return run_simulate(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

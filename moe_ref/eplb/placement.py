@@ -1,0 +1,182 @@
+"""Placement: which logical expert each physical expert slot holds, per MoE layer (the EPLB map).
+
+    load per (layer, expert) -> planner (moe_ref.eplb.planner) -> Placement -> simulate / save -> (later) the layer
+
+``Placement`` owns the map and everything derived from it: the padded logical -> physical table, the replica
+counts, the rank of each slot, the per-token replica choice (``replica_for``) and the JSON file format.
+
+Shape legend: E experts (the model's logical experts), R EP ranks, T tokens of this rank, K top-k.
+
+Two dims here are EPLB's own and not in the package legend yet: ``L`` in ``_LP``/``_LE`` is MoE layers (not
+latent width) and ``P`` is physical expert slots, E + redundant (not receive-pool rows). Rank r owns slots
+[r * P / R, (r + 1) * P / R).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from moe_ref.core.errors import PlacementError
+
+FILE_FORMAT = "moe_ref.eplb.placement"
+FILE_VERSION = 1
+# replica_for's hash: Knuth's multiplicative constant (odd, so token -> hash is a bijection mod 2^32) and a second
+# odd constant that moves the top-k slot to another replica.
+_TOKEN_MULTIPLIER = 2654435761
+_SLOT_MULTIPLIER = 40503
+_HASH_MASK = (1 << 32) - 1
+_HASH_SHIFT = 16
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The physical slots of every MoE layer and the logical expert each holds (checked on construction).
+
+    Args:
+        physical_to_logical_LP: ``[L, P]`` ``torch.int64`` (CPU): the logical expert in ``[0, E)`` held by physical
+            slot p of layer l; rank r owns slots ``[r * P / R, (r + 1) * P / R)``.
+        num_experts: E, the logical experts; each needs at least one slot in every layer.
+        num_ranks: R, the EP ranks the slots are split over (P % R == 0).
+    """
+
+    physical_to_logical_LP: torch.Tensor
+    num_experts: int
+    num_ranks: int
+
+    def __post_init__(self):
+        self.validate()
+
+    # --- checks ------------------------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Raise ``PlacementError`` (CFG033) naming the numbers when the map is not a placement: not a 2-D integer
+        tensor, P not a multiple of R, an id outside ``[0, E)``, or a logical expert without a slot in some layer."""
+        table = self.physical_to_logical_LP
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.dtype != torch.int64:
+            got = f"{table.dtype} {list(table.shape)}" if isinstance(table, torch.Tensor) else type(table).__name__
+            raise PlacementError(f"physical_to_logical_LP must be an int64 [layers, slots] tensor, got {got}; "
+                                 "build it with torch.tensor(..., dtype=torch.int64)")
+        num_layers, num_physical = table.shape
+        num_experts, num_ranks = self.num_experts, self.num_ranks
+        if num_experts < 1 or num_ranks < 1 or num_layers < 1:
+            raise PlacementError(f"{num_experts=}, {num_ranks=} and {num_layers=} must be >= 1")
+        if num_physical % num_ranks:
+            raise PlacementError(f"{num_physical=} slots do not split over {num_ranks=} ranks "
+                                 f"({num_physical} % {num_ranks} = {num_physical % num_ranks}); use a multiple of "
+                                 f"{num_ranks} slots (e.g. {num_physical + num_ranks - num_physical % num_ranks})")
+        bad = (table < 0) | (table >= num_experts)
+        if bool(bad.any()):
+            layer, slot = (int(i) for i in bad.nonzero()[0])
+            raise PlacementError(f"layer {layer} slot {slot} holds expert {int(table[layer, slot])}, outside "
+                                 f"[0, {num_experts=}); every slot must name a logical expert")
+        missing = self.replica_count_LE == 0
+        if bool(missing.any()):
+            layer, expert = (int(i) for i in missing.nonzero()[0])
+            raise PlacementError(f"layer {layer}: logical expert {expert} has no physical slot "
+                                 f"({int(missing.sum())} (layer, expert) pairs without one, {num_physical=}, "
+                                 f"{num_experts=}); give every expert at least one slot (num_physical >= num_experts)")
+
+    # --- sizes and derived tables ---------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self.physical_to_logical_LP.shape[0]
+
+    @property
+    def num_physical(self) -> int:
+        return self.physical_to_logical_LP.shape[1]
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_physical // self.num_ranks
+
+    @cached_property
+    def replica_count_LE(self) -> torch.Tensor:
+        """``[L, E]`` ``torch.int64``: the physical slots holding each logical expert, per layer."""
+        counts_LE = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64)
+        in_range_LP = self.physical_to_logical_LP.clamp(0, self.num_experts - 1)  # validate() reports bad ids
+        return counts_LE.scatter_add_(1, in_range_LP, torch.ones_like(in_range_LP))
+
+    @cached_property
+    def logical_to_physical_LE_(self) -> torch.Tensor:
+        """``[L, E, max replicas]`` ``torch.int64``: the physical slots of each logical expert in increasing order,
+        padded with ``-1`` after its ``replica_count_LE`` entries."""
+        num_layers, num_physical = self.physical_to_logical_LP.shape
+        width = int(self.replica_count_LE.max())
+        table = torch.full((num_layers, self.num_experts, width), -1, dtype=torch.int64)
+        # a stable sort by expert keeps each expert's slots in increasing order
+        order_LP = torch.sort(self.physical_to_logical_LP, dim=1, stable=True).indices
+        experts_LP = torch.gather(self.physical_to_logical_LP, 1, order_LP)
+        first_LE = torch.cumsum(self.replica_count_LE, dim=1) - self.replica_count_LE
+        replica_LP = torch.arange(num_physical).expand(num_layers, -1) - torch.gather(first_LE, 1, experts_LP)
+        layer_LP = torch.arange(num_layers).unsqueeze(1).expand(-1, num_physical)
+        table[layer_LP, experts_LP, replica_LP] = order_LP
+        return table
+
+    def rank_of_slot(self, slot_idx: torch.Tensor) -> torch.Tensor:
+        """The rank owning each physical slot.
+
+        Args:
+            slot_idx: physical slot ids in ``[0, P)``, any shape, ``torch.int64``.
+
+        Returns:
+            rank_idx: same shape, ``torch.int64``: ``slot_idx // (P / R)``.
+        """
+        return slot_idx // self.slots_per_rank
+
+    # --- per-token replica choice ------------------------------------------------------------------------
+
+    def replica_for(self, token_idx: torch.Tensor, slot_idx: torch.Tensor, logical_expert: torch.Tensor,
+                    layer_idx: int = 0) -> torch.Tensor:
+        """The physical slot that serves one routed entry, chosen from the entry alone.
+
+        Rule: ``h = ((t mod 2^31) * 2654435761 + k * 40503) mod 2^32``, ``replica = (h >> 16) mod c``, with t the
+        token's global index within the step (its position in the whole step's token order, the same on whichever
+        rank or micro-batch it sits), k its top-k slot and c the expert's replica count in this layer; the answer
+        is that replica's entry of ``logical_to_physical_LE_`` (replicas in slot order). It depends on
+        (t, k, expert) only, never on where the token sits in a batch, so every rank and chunking agree, and
+        consecutive token indices cycle through all replicas about evenly.
+
+        Args:
+            token_idx: global token indices within the step, ``>= 0``, ``torch.int64``; any shape broadcastable
+                with the other two (e.g. ``[T, 1]``).
+            slot_idx: top-k slots ``k`` in ``[0, K)``, ``torch.int64`` (e.g. ``[1, K]``).
+            logical_expert: logical expert ids in ``[0, E)``, ``torch.int64`` (e.g. ``topk_ids_TK`` ``[T, K]``).
+            layer_idx: the MoE layer whose placement is used.
+
+        Returns:
+            physical_slot: the broadcast shape (e.g. ``[T, K]``), ``torch.int64`` in ``[0, P)``.
+        """
+        token_idx, slot_idx, logical_expert = (torch.as_tensor(v, dtype=torch.int64)
+                                               for v in (token_idx, slot_idx, logical_expert))
+        mixed = ((token_idx & 0x7FFFFFFF) * _TOKEN_MULTIPLIER + slot_idx * _SLOT_MULTIPLIER) & _HASH_MASK
+        counts = self.replica_count_LE[layer_idx][logical_expert]
+        replica = (mixed >> _HASH_SHIFT) % counts
+        return self.logical_to_physical_LE_[layer_idx][logical_expert, replica]
+
+    # --- file format -------------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Write the placement as JSON: ``{"format", "version", "num_experts", "num_ranks",
+        "physical_to_logical": [[...] per layer]}``."""
+        record = {"format": FILE_FORMAT, "version": FILE_VERSION, "num_experts": self.num_experts,
+                  "num_ranks": self.num_ranks, "physical_to_logical": self.physical_to_logical_LP.tolist()}
+        Path(path).write_text(json.dumps(record))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Placement:
+        """Read a file ``save`` wrote; anything else is ``PlacementError`` (CFG033) naming the path."""
+        try:
+            record = json.loads(Path(path).read_text())
+            if record.get("format") != FILE_FORMAT or record.get("version") != FILE_VERSION:
+                raise ValueError(f"format {record.get('format')!r} version {record.get('version')!r}")
+            table = torch.tensor(record["physical_to_logical"], dtype=torch.int64)
+            num_experts, num_ranks = int(record["num_experts"]), int(record["num_ranks"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise PlacementError(f"{str(path)!r} is not a {FILE_FORMAT} version {FILE_VERSION} file ({err}); "
+                                 "write it with Placement.save") from err
+        return cls(table, num_experts, num_ranks)
