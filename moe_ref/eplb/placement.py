@@ -32,7 +32,7 @@ _HASH_MASK = (1 << 32) - 1
 _HASH_SHIFT = 16
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors have no truth value: compare physical_to_logical_LP
 class Placement:
     """The physical slots of every MoE layer and the logical expert each holds (checked on construction).
 

@@ -59,7 +59,7 @@ def rank_rows(load_LE: torch.Tensor, placement: Placement) -> torch.Tensor:
     return slot_rows_LP.view(placement.num_layers, placement.num_ranks, placement.slots_per_rank).sum(dim=2)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Balancedness:
     """Per-layer rank rows before (identity placement) and after (the given placement), all ``[L]`` float64.
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moe_ref.core.errors import CommandLineError, LoadTraceError, PlacementError, PlacementTopologyError, TopKError
+from moe_ref.eplb.cli import main as eplb_main
 from moe_ref.eplb.placement import Placement
 from moe_ref.eplb.planner import balanced_packing, plan_global, plan_hierarchical, replicate
 from moe_ref.eplb.simulate import balancedness, identity_placement, rank_rows, zipf_loads
@@ -259,5 +260,4 @@ def test_cli_zipf_hierarchical_and_refusals(tmp_path, capsys):
     assert main(["eplb", "simulate", "--zipf", "1.0", "--redundant", "30"]) == 2
     assert "CFG034" in capsys.readouterr().err
     with pytest.raises(CommandLineError, match="--zipf -1.0"):
-        from moe_ref.eplb.cli import main as eplb_main
         eplb_main(["simulate", "--zipf", "-1.0"])
