@@ -1,8 +1,8 @@
 """A transformers model patched by ``moe_ref.integrations.transformers.patch_model`` over 2 CPU ranks (torchrun,
 gloo; tests/dist/patch_worker.py): each rank keeps half the experts and runs its own prompt; its logits equal the
 same model patched at one rank and transformers' own model within fp32 rounding, and greedy ``generate`` gives the
-same tokens. Every family moe_ref reads and MegaMoE holds the tensors of (tests/unit/hf_tiny_models.py) over the
-default transport, DeepSeek-V3 over ``a2a`` too. Plus: ``import moe_ref`` imports neither transformers nor huggingface_hub (a fresh process)."""
+same tokens. Every family moe_ref reads (tests/unit/hf_tiny_models.py) over the default transport, DeepSeek-V3 over
+``a2a`` too. Plus: ``import moe_ref`` imports neither transformers nor huggingface_hub (a fresh process)."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "unit"))
 
 from launch import read_reports, torchrun  # noqa: E402
-from test_integrations_transformers import FAMILIES, _layer_lacks  # noqa: E402
+from test_integrations_transformers import FAMILIES  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -24,8 +24,7 @@ WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 300
 RTOL = 1e-5  # fp32: relative to the largest logit
 WORKER = os.path.join(HERE, "patch_worker.py")
-# families whose block needs a tensor MegaMoE does not hold yet are expected failures in the unit tier; not run here
-CASES = [f"{t}:auto" for t in FAMILIES if not _layer_lacks(t)] + ["deepseek_v3:a2a"]
+CASES = [f"{t}:auto" for t in FAMILIES] + ["deepseek_v3:a2a"]
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ of each family built from its config class, seed 0):
 - the refusals: unsupported models (CFG030), transformers' expert parallelism (CFG031), offloaded blocks (LOAD022),
   transformers missing (ENV022).
 
-Parametrized by every family whose config moe_ref reads (``MoEConfig.from_hf_config``): a family the table gains is
-covered here, and ``test_every_family_moe_ref_reads_has_a_tiny_model`` fails until it has a tiny model."""
+Parametrized by every MoE family moe_ref reads (``moe_ref.core.families``) that transformers has:
+``test_every_family_moe_ref_reads_has_a_tiny_model`` fails until a family the table gains has a tiny model here."""
 from __future__ import annotations
 
 import gc
@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import hf_tiny_models as tiny
-from moe_ref.core.config import MoEConfig
-from moe_ref.core.errors import (BlockWeightsUnavailableError, ConfigError, ExpertsInterfaceParallelError,
+from moe_ref.core.errors import (BlockWeightsUnavailableError, ExpertsInterfaceParallelError,
                                  GradientNotSupportedError, InvalidConfigError, OptionalDependencyError,
                                  UnsupportedModelError)
 from moe_ref.integrations.transformers import PatchedMoEBlock, patch_model
@@ -31,32 +30,8 @@ pytestmark = pytest.mark.unit
 RTOL = 1e-5  # fp32: relative to the largest logit
 
 
-def _reads(model_type: str) -> bool:
-    """Whether moe_ref's family table reads this model_type's config (else patch_model refuses it: CFG030)."""
-    try:
-        MoEConfig.from_hf_config(tiny.tiny_config(model_type).to_dict())
-    except ConfigError:
-        return False
-    return True
-
-
-FAMILIES = [t for t in tiny.MODEL_TYPES if _reads(t)]
-
-
-def _layer_lacks(model_type: str) -> list[str]:
-    """The tensors the family's block needs that a ``MegaMoE`` of it does not hold (its ``weights()`` gives None):
-    patch_model hands the layer every tensor the layer holds, so such a family cannot match transformers yet."""
-    from moe_ref.block import missing_family_weights
-    from moe_ref.layer import MegaMoE
-
-    cfg = MoEConfig.from_hf_config(tiny.tiny_config(model_type).to_dict())
-    return missing_family_weights(MegaMoE(cfg).weights(), cfg)
-
-
-# a family whose block needs a tensor MegaMoE does not hold is an expected failure (strict: it must fail), named with
-# the missing tensors; the mark goes away by itself when the layer holds them
-PATCH_FAMILIES = [pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=f"MegaMoE holds no {_layer_lacks(t)}"))
-                  if _layer_lacks(t) else t for t in FAMILIES]
+# every family moe_ref reads (test_every_family_moe_ref_reads_has_a_tiny_model keeps the list whole)
+FAMILIES = tiny.MODEL_TYPES
 
 
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, **case) -> None:
@@ -74,18 +49,14 @@ def patched_and_reference(model_type: str, **options):
 def test_every_family_moe_ref_reads_has_a_tiny_model():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    try:
-        from moe_ref.core.families import supported_model_types
-        known = supported_model_types()
-    except ImportError:
-        from moe_ref.core.config import HF_MODEL_TYPES
-        known = tuple(HF_MODEL_TYPES)
+    from moe_ref.core.families import supported_model_types
+
+    known = supported_model_types()
     in_transformers = [t for t in known if t in CONFIG_MAPPING_NAMES]
     assert [t for t in in_transformers if t not in tiny.MODEL_TYPES] == []
-    assert "deepseek_v3" in FAMILIES  # the parity tests below run at least this family
 
 
-@pytest.mark.parametrize("model_type", PATCH_FAMILIES)
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_patched_model_matches_transformers(model_type):
     reference, patched, report = patched_and_reference(model_type)
     moe_layers = [i for i, layer in enumerate(patched.model.layers) if isinstance(layer.mlp, PatchedMoEBlock)]
@@ -106,7 +77,7 @@ def test_patched_model_matches_transformers(model_type):
     assert_logits_close(actual, expected, model_type=model_type)
 
 
-@pytest.mark.parametrize("model_type", PATCH_FAMILIES)
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_greedy_generate_is_identical(model_type):
     reference, patched, report = patched_and_reference(model_type)
     assert report.blocks
@@ -117,7 +88,7 @@ def test_greedy_generate_is_identical(model_type):
     assert torch.equal(actual, expected), f"{model_type=}\n{expected=}\n{actual=}"
 
 
-@pytest.mark.parametrize("model_type", PATCH_FAMILIES)
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_router_logits_are_recorded_as_transformers_records_them(model_type):
     reference, patched, _ = patched_and_reference(model_type)
     x = tiny.prompt()

@@ -29,6 +29,9 @@ from moe_ref.core.weights import EXPERT_FIELDS, MoEWeights
 from moe_ref.layer import MegaMoE
 
 _PLAIN_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# MegaMoE's expert parameters (allocated by a load), by MoEWeights field
+_EXPERT_PARAMETERS = {"gate_up_weight_E2FD": "gate_up_weight", "down_weight_EDF": "down_weight",
+                      "gate_up_bias_E2F": "gate_up_bias", "down_bias_ED": "down_bias"}
 # "<prefix><layer index>.<child>": the block sits directly under a numbered decoder layer
 _SITE = re.compile(r"^(?P<prefix>(?:.*\.)?)(?P<layer>\d+)\.(?P<attr>\w+)$")
 
@@ -132,10 +135,11 @@ def block_weights(site: BlockSite, cfg: MoEConfig, layer: MegaMoE) -> MoEWeights
 def take_weights(layer: MegaMoE, weights: MoEWeights) -> None:
     """Make ``weights``' tensors the layer's parameters and buffers themselves (no copy: ``load_state_dict`` with
     ``assign=True``, which checks every shape and name strictly and marks the layer loaded). The expert parameters
-    are set first, so the load allocates no experts of its own."""
+    (the layer allocates them at a load) are set first, so the load allocates no experts of its own."""
     with torch.no_grad():
-        layer.gate_up_weight = nn.Parameter(weights.gate_up_weight_E2FD, requires_grad=False)
-        layer.down_weight = nn.Parameter(weights.down_weight_EDF, requires_grad=False)
+        for field, attribute in _EXPERT_PARAMETERS.items():
+            if getattr(weights, field) is not None:
+                setattr(layer, attribute, nn.Parameter(getattr(weights, field), requires_grad=False))
     held = layer.weights()  # the layer's own tensors, by MoEWeights field
     key_of = {id(tensor): key for key, tensor in layer.state_dict(keep_vars=True).items()}
     state = {}
