@@ -164,12 +164,16 @@ def test_experts_refuse_with_env001_and_the_status_reason(monkeypatch):
 
 
 def test_experts_signature_extends_the_base_with_keyword_fp8_and_fp8_weights():
-    base = list(inspect.signature(Experts.__init__).parameters.values())
-    ours = list(inspect.signature(DeepGemmExperts.__init__).parameters.values())
-    assert [(p.name, p.default, p.kind) for p in ours[:len(base)]] == [(p.name, p.default, p.kind) for p in base]
-    extra = ours[len(base):]
-    assert [(p.name, p.default, p.kind) for p in extra] == [("fp8", False, inspect.Parameter.KEYWORD_ONLY),
-                                                             ("fp8_weights", None, inspect.Parameter.KEYWORD_ONLY)]
+    """The base's positional parameters, then fp8 and fp8_weights by keyword. The base's keyword-only family math
+    (gpt-oss's clamped SwiGLU and expert biases) is not taken: make_experts refuses that math for DeepGEMM (ENV020)
+    before building it."""
+    def described(fn, keyword_only):
+        return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()
+                if (p.kind == inspect.Parameter.KEYWORD_ONLY) == keyword_only]
+
+    assert described(DeepGemmExperts.__init__, False) == described(Experts.__init__, False)
+    assert described(DeepGemmExperts.__init__, True) == [("fp8", False, inspect.Parameter.KEYWORD_ONLY),
+                                                         ("fp8_weights", None, inspect.Parameter.KEYWORD_ONLY)]
 
 
 def test_bench_hook_returns_nothing_when_unusable(monkeypatch):
@@ -411,9 +415,11 @@ def _stub_mega(cap: int, overflow: str) -> MonolithicRoutedStep:
 
 def _peer_reports(monkeypatch, num_tokens: int, problem: tuple[str, str] | None = None) -> None:
     """Pretend a second rank reported ``num_tokens`` rows (and ``problem``) in the per-call collective."""
-    def gather_ints(values, group, device, device_values=None):  # this rank's device checks all passed
+    def gather_ints(values, group, device, device_values=None, what=None):  # this rank's device checks all passed
         no_flags = [0] * len(device_values)
-        return [list(values) + no_flags, [values[0], num_tokens, values[2], int(bool(problem)), *no_flags]]
+        stamp = list(values[:overflow.STAMP_LENGTH])  # the same layer at the same call: the peer is in step
+        bound = values[overflow.STAMP_LENGTH + 1]
+        return [list(values) + no_flags, [*stamp, num_tokens, bound, int(bool(problem)), *no_flags]]
 
     monkeypatch.setattr(overflow, "gather_ints", gather_ints)
     monkeypatch.setattr(overflow, "gather_objects", lambda obj, group: [obj, problem])

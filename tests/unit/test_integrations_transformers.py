@@ -105,7 +105,10 @@ def test_router_logits_are_recorded_as_transformers_records_them(model_type):
     assert getattr(plain, "router_logits", None) is None
 
 
-def test_a_prefill_above_the_cap_is_chunked_by_default():
+def test_a_prefill_above_the_cap_is_chunked_by_default(monkeypatch):
+    from moe_ref.ep import overflow
+
+    monkeypatch.setattr(overflow, "_ANNOUNCED", set())  # chunking is announced once per process
     reference, patched, _ = patched_and_reference("deepseek_v3", num_max_tokens_per_rank=8)
     x = tiny.prompt(batch=2, length=20)  # 40 rows per call, cap 8: 5 chunks
     with torch.no_grad(), pytest.warns(Warning, match="chunks"):

@@ -131,7 +131,12 @@ def test_a_layer_whose_experts_raised_is_freed_without_gc():
 
 # --- the nn.Module contract: grad mode, partial loads, nothing allocated before a load, pickling, conversions ------
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+# backends that start no compile workers, spelled as literals (tests/unit/test_tiers.py reads them)
+NO_WORKER_COMPILES = {"eager": lambda module: torch.compile(module, backend="eager"),
+                      "aot_eager": lambda module: torch.compile(module, backend="aot_eager")}
+
+
+@pytest.mark.parametrize("backend", sorted(NO_WORKER_COMPILES))
 def test_an_error_raised_under_torch_compile_leaves_grad_mode_on(backend):
     """The op used to run inside a no_grad() block, which dynamo compiles to grad-off / op / grad-on: an error from
     the op skipped the grad-on and left autograd off for the rest of the process."""
@@ -139,7 +144,7 @@ def test_an_error_raised_under_torch_compile_leaves_grad_mode_on(backend):
 
     cfg = preset("tiny-kimi-k2")
     layer = MegaMoE(cfg, num_max_tokens_per_rank=8, seed=4)
-    compiled = torch.compile(layer, backend=backend)
+    compiled = NO_WORKER_COMPILES[backend](layer)
     x = _x(cfg, T=3)
     calls = {"INP002": lambda: compiled(x.bfloat16()), "INP007": lambda: compiled(x.clone().requires_grad_()),
              "CAP001": lambda: compiled(_x(cfg, T=9)), "INP008": lambda: compiled(x, max_num_tokens=-1)}
