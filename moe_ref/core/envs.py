@@ -14,7 +14,7 @@
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
 | MOE_REF_EAGER_GRAPH_MAX_TOKENS     | largest T whose eager calls replay a CUDA graph of their shape (one rank on CUDA; 0: never) | min(1024, cap) |
 | MOE_REF_BOUND_LAUNCH               | ``0``: Triton launches go through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key); read at the process's first Triton launch (``moe_ref.kernels.runtime.launch.bound_launches(False)`` switches it in code) | 1 |
-| MOE_REF_PROGRESS                   | ``1``: the CLI's progress bars always; ``0``: never  | on a terminal only |
+| MOE_REF_PROGRESS                   | ``1``: progress bars always; ``0``: never            | on a terminal only |
 
 Switches (``SWITCHES``: ``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
 ``MOE_REF_BOUND_LAUNCH``, ``MOE_REF_PROGRESS``) take ``1``, ``true``,
@@ -28,6 +28,7 @@ switches: ``MOE_REF_OVERFLOW_POLICY=Chunk`` is ``chunk``.
 from __future__ import annotations
 
 import os
+import sys
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
@@ -154,8 +155,18 @@ def debug() -> bool:
 
 
 def progress() -> bool | None:
-    """``MOE_REF_PROGRESS``: True draws the CLI's progress bars, False never; None (unset): on a terminal only."""
+    """``MOE_REF_PROGRESS``: True draws progress bars, False never; None (unset): on a terminal only."""
     return _switch("MOE_REF_PROGRESS")
+
+
+def show_progress(stream=None) -> bool:
+    """Whether to draw progress bars on ``stream`` (default stderr): ``MOE_REF_PROGRESS`` when set, else only
+    when ``stream`` is a terminal (a bar redrawn into a log file or a pipe is noise)."""
+    forced = progress()
+    if forced is not None:
+        return forced
+    stream = sys.stderr if stream is None else stream
+    return bool(getattr(stream, "isatty", lambda: False)())
 
 
 def launcher_rank() -> int:

@@ -65,7 +65,7 @@ from moe_ref.layer import weights as layer_weights
 
 
 class MegaMoE(nn.Module):
-    """The expert-parallel MoE block of Kimi-K2/K3, DeepSeek-V3 and Step3-style models.
+    """The expert-parallel MoE block of every registered family (``moe_ref.core.families``).
 
     Construction is collective over ``group``: every rank must build the layer with the same config and
     options (checked in one collective; a difference raises ``GroupDisagreementError`` (CFG008), or
@@ -86,7 +86,7 @@ class MegaMoE(nn.Module):
     Under ``torch.compile`` steps 1-5 are one custom op (``moe_ref.custom_ops``: no graph break).
 
     Args:
-        cfg: ``MoEConfig``, a preset name (``"kimi-k2"``, ``"tiny-step3"``...), an HF config.json path or dict.
+        cfg: ``MoEConfig``, a preset name (``"kimi-k2"``...), an HF config.json path or dict, or ``model.config``.
         group: the EP process group (``dist.group.WORLD``...), or None for one process.
         num_max_tokens_per_rank: the cap: rows ONE rank feeds per call (``MOE_REF_NUM_MAX_TOKENS_PER_RANK``, else
             4096).
@@ -98,10 +98,9 @@ class MegaMoE(nn.Module):
             fastest for the call's regime among those installed, Triton where the table has no entry for this GPU class
             or DeepGEMM is absent; ``moe_ref.experts.auto``, ``moe-ref info`` prints the table). One that cannot run
             here (not installed; Triton off CUDA outside ``TRITON_INTERPRET=1``) raises ENV001 at once.
-        dispatch_fp8: FP8 end to end where the backend allows: tokens move as FP8 e4m3 with per-128 scales (halves
-            dispatch bytes; lossy), and a backend with fp8 weights (``supports_fp8``: triton, deep_gemm) runs them,
-            quantized once to 128x128 blocks, and takes the FP8 pool as is. The torch and grouped_mm backends run the
-            dequantized pool with the layer's weights.
+        dispatch_fp8: tokens move as FP8 e4m3 with per-128 scales (half the bytes; lossy); a backend with fp8 weights
+            (``supports_fp8``: triton, deep_gemm) runs them, quantized once to 128x128 blocks, on the FP8 pool as is;
+            torch and grouped_mm run the dequantized pool with the layer's weights.
         dtype, device: of the parameters; inputs must match them (``'cpu:N'`` is ``'cpu'``).
         alignment: rows each expert segment of the receive pool is aligned to; None (default): the backend's
             ``segment_alignment`` (torch 128, grouped_mm 16, triton 1, deep_gemm 128, auto 128 when it holds deep_gemm).
@@ -329,7 +328,7 @@ class MegaMoE(nn.Module):
             path: a ``.safetensors`` file or a checkpoint folder.
             layer_idx: the decoder layer.
             prefix: the text before the layer number; None tries ``moe_ref.checkpoint.loading.KNOWN_PREFIXES``.
-            progress: a progress bar over this rank's experts on stderr; None: on rank 0 only.
+            progress: a bar over this rank's experts on stderr; None: rank 0, on a terminal (``MOE_REF_PROGRESS``).
 
         Raises:
             The loaders' LOAD* errors (LOAD014: a module stored in another precision than the config says);

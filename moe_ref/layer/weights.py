@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from moe_ref.checkpoint.formats import QUANTIZED_TENSOR_FIELDS, QuantFormat, QuantizedExpertWeights, QuantSpec
+from moe_ref.core import envs
 from moe_ref.core.errors import BackendUnavailableError, LayerConversionError, TensorShapeMismatchError
 from moe_ref.core.weights import MoEWeights
 from moe_ref.experts.quantized import QUANT_BACKENDS, QuantTorchExperts, W4A16Experts, quantized_experts_class
@@ -171,7 +172,7 @@ def _load_hf_weights(layer: nn.Module, path: str | os.PathLike, layer_idx: int, 
     from moe_ref.checkpoint.quantized import checkpoint_quant_spec, load_quantized_experts, routed_experts_quantized
 
     spec = checkpoint_quant_spec(path)
-    progress = layer.rank == 0 if progress is None else progress
+    progress = layer.rank == 0 and envs.show_progress() if progress is None else progress
     expert_range = (layer.first_local_expert, layer.num_local_experts)
     report = LoadReport()
     dense_args = dict(prefix=prefix, dtype=layer.options.dtype, device=layer.options.device, progress=progress,

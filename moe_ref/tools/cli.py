@@ -182,16 +182,6 @@ def writable_folder(path: str) -> str:
     return path
 
 
-def show_progress(stream=None) -> bool:
-    """Whether to draw progress bars on ``stream`` (default stderr): ``MOE_REF_PROGRESS`` when set, else only
-    when ``stream`` is a terminal (a bar redrawn into a log file or a pipe is noise)."""
-    forced = envs.progress()
-    if forced is not None:
-        return forced
-    stream = sys.stderr if stream is None else stream
-    return bool(getattr(stream, "isatty", lambda: False)())
-
-
 def synthetic_config(preset_name: str, quant: str | None) -> MoEConfig:
     """The block the demo and ``moe_ref.tools.dist_check`` write and run for ``--preset`` and ``--quant``: the
     preset, its sizes rounded up to the format (``quantizable_config``), checked as the synthetic writer checks
@@ -529,7 +519,7 @@ def cmd_bench(args) -> int:
     print(f"experts e={e} D={D} F={F} rows={int(counts.sum())} on {device} ({dtype})")
     print(f"{'backend':>12} {'us':>10} {'TFLOP/s':>8} {'x torch':>8} {'calc_diff':>10}")
     base = None
-    for name in tqdm(backends, desc="backends", file=sys.stderr, ncols=80, leave=False, disable=not show_progress()):
+    for name in tqdm(backends, desc="backends", file=sys.stderr, ncols=80, leave=False, disable=not envs.show_progress()):
         try:
             experts = make_experts(name, gate_up, down, activation)
             out = experts(x, layout)

@@ -36,7 +36,6 @@ from moe_ref.tools.cli import (
     int_at_least,
     require_devices,
     resolve_cap,
-    show_progress,
     synthetic_config,
 )
 from moe_ref.core.config import PRESETS
@@ -173,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
                   transport=args.transport, experts_backend=args.experts_backend, dispatch_fp8=args.dispatch_fp8,
                   dtype=dtype, device=device, mega=args.mega)
     if checkpoint:
-        moe.load_hf_weights(checkpoint, layer_idx=0, progress=rank == 0 and show_progress())
+        moe.load_hf_weights(checkpoint, layer_idx=0, progress=rank == 0 and envs.show_progress())
     else:
         moe.load_weights(full_weights)
     num_tokens = args.tokens_per_rank if rank % 2 == 0 else args.tokens_per_rank // 2
@@ -230,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
 def _progress(total: int, rank: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="forward calls", disable=rank != 0 or not show_progress(), file=sys.stderr,
+    return tqdm(total=total, desc="forward calls", disable=rank != 0 or not envs.show_progress(), file=sys.stderr,
                 ncols=80)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moe_ref.tools import cli, dist_check
+from moe_ref.core import envs
 from moe_ref.core.config import PRESETS, MoEConfig, preset
 from moe_ref.core.errors import MoERefError
 from moe_ref.testing import count_bytes
@@ -124,7 +125,7 @@ def test_progress_bars_on_a_terminal_unless_the_variable_says(monkeypatch, value
         monkeypatch.delenv("MOE_REF_PROGRESS", raising=False)
     else:
         monkeypatch.setenv("MOE_REF_PROGRESS", value)
-    assert cli.show_progress(_Stream(tty)) is expected
+    assert envs.show_progress(_Stream(tty)) is expected
 
 
 def _bench_shape(argv, device):
