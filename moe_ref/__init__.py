@@ -31,7 +31,8 @@ layout, D hidden width (``hidden_size``), L latent width (Kimi-K3), Dx expert in
 dispatched, run through the experts and combined: D, or L for a latent MoE), F expert intermediate, S shared-MLP
 intermediate (all shared experts fused), O output features of one weight matrix ``[O, I]`` (``nn.Linear``
 order), I input features of one weight matrix, Db = ceil(Dx / 128) FP8 scale blocks of an expert input row,
-Fb = ceil(F / 128), Ob = ceil(O / 128), Ib = ceil(I / 128) FP8 scale blocks.
+Fb = ceil(F / 128), Ob = ceil(O / 128), Ib = ceil(I / 128) FP8 scale blocks, Ly MoE layers of a model, Ph physical
+expert slots of a layer (E + redundant replicas; EPLB's tables).
 """
 from moe_ref.core.config import MoEConfig, ParallelConfig, preset
 from moe_ref.core.errors import MoERefError

@@ -1,6 +1,6 @@
 """Expert-parallel load balancing (EPLB), the CPU half: placements, the planner and the simulator.
 
-    load [L, E] per window -> planner (plan_global / plan_hierarchical) -> Placement -> simulate (balancedness)
+    load [Ly, E] per window -> planner (plan_global / plan_hierarchical) -> Placement -> simulate (balancedness)
 
 Owners: ``placement.Placement`` (the physical -> logical map, replica choice, file format), ``planner`` (DeepSeek's
 EPLB algorithm), ``simulate`` (rows per rank before/after, synthetic Zipf loads), ``trace`` (load-trace files),

@@ -1,15 +1,13 @@
 """``moe-ref eplb simulate``: plan a placement for a load trace and report each layer's balance before and after.
 
-    --loads FILE | --zipf S -> load [L, E] (summed over the trace's windows) -> plan_global / plan_hierarchical
+    --loads FILE | --zipf S -> load [Ly, E] (summed over the trace's windows) -> plan_global / plan_hierarchical
       -> balancedness (moe_ref.eplb.simulate) -> summary on stdout, JSON (+ PNG with matplotlib) under --out
 
 The placement is planned on the same load it is judged on (the trace's windows summed): the best case a
 placement made from that trace can reach. ``moe_ref.tools.cli`` mounts ``add_simulate_arguments`` and
 ``run_simulate`` as ``moe-ref eplb simulate``; ``main`` runs the same command on its own.
 
-Shape legend: E experts (the model's logical experts).
-
-``L`` in ``_LE``/``_L`` is MoE layers, as in moe_ref.eplb.placement.
+Shape legend: E experts (the model's logical experts), Ly MoE layers of a model.
 """
 from __future__ import annotations
 
@@ -59,31 +57,31 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple[torch.Tensor, str]:
-    """The ``[L, E]`` load and a words description of where it came from."""
+    """The ``[Ly, E]`` load and a words description of where it came from."""
     if args.zipf is None:
-        load_LE = load_loads(args.loads).sum(dim=0)
-        wanted = {"--layers": (args.layers, load_LE.shape[0]), "--experts": (args.experts, load_LE.shape[1])}
+        load_LyE = load_loads(args.loads).sum(dim=0)
+        wanted = {"--layers": (args.layers, load_LyE.shape[0]), "--experts": (args.experts, load_LyE.shape[1])}
         for flag, (given, found) in wanted.items():
             if given is not None and given != found:
                 raise LoadTraceError(f"{args.loads}: the trace has {found} for {flag}, the command asked {given}; "
                                      f"drop {flag} or pass the trace's value")
-        return load_LE, f"trace {args.loads}"
+        return load_LyE, f"trace {args.loads}"
     num_layers, num_experts = args.layers or 61, args.experts or 256
     # refuse sizes before the (seconds-long) sampling; a trace's sizes are known only once it is read
     check_topology(num_experts, num_experts + args.redundant, args.groups, args.nodes, args.ep)
     identity_placement(1, num_experts, args.ep)
     tokens = args.tokens_per_rank * args.ep
-    load_LE = zipf_loads(num_layers, num_experts, args.top_k, tokens, args.zipf, args.seed)
-    return load_LE, (f"zipf s={args.zipf}, top-{args.top_k}, {args.tokens_per_rank} tokens/rank "
+    load_LyE = zipf_loads(num_layers, num_experts, args.top_k, tokens, args.zipf, args.seed)
+    return load_LyE, (f"zipf s={args.zipf}, top-{args.top_k}, {args.tokens_per_rank} tokens/rank "
                      f"({tokens} tokens/layer), seed {args.seed}")
 
 
 def summarize(result: Balancedness) -> dict:
     """Means and minima over layers of balancedness, mean max-rank rows and their reduction (plain floats)."""
-    before_L, after_L = result.balancedness_before_L, result.balancedness_after_L
-    max_before, max_after = float(result.max_rank_rows_before_L.mean()), float(result.max_rank_rows_after_L.mean())
-    return {"balancedness_before_mean": float(before_L.mean()), "balancedness_before_min": float(before_L.min()),
-            "balancedness_after_mean": float(after_L.mean()), "balancedness_after_min": float(after_L.min()),
+    before_Ly, after_Ly = result.balancedness_before_Ly, result.balancedness_after_Ly
+    max_before, max_after = float(result.max_rank_rows_before_Ly.mean()), float(result.max_rank_rows_after_Ly.mean())
+    return {"balancedness_before_mean": float(before_Ly.mean()), "balancedness_before_min": float(before_Ly.min()),
+            "balancedness_after_mean": float(after_Ly.mean()), "balancedness_after_min": float(after_Ly.min()),
             "max_rank_rows_before_mean": max_before, "max_rank_rows_after_mean": max_after,
             "max_rank_rows_reduction": 1.0 - max_after / max_before if max_before > 0 else 0.0}
 
@@ -96,11 +94,11 @@ def _report_lines(header: str, result: Balancedness, summary: dict) -> list[str]
              f"max-rank rows, mean over layers: before {summary['max_rank_rows_before_mean']:.1f} -> after "
              f"{summary['max_rank_rows_after_mean']:.1f} ({100 * summary['max_rank_rows_reduction']:.1f}% fewer)",
              f"worst layers after: layer | balancedness before -> after | max-rank rows before -> after"]
-    after_L = result.balancedness_after_L
-    for layer in torch.argsort(after_L)[:NUM_WORST_LAYERS].tolist():
-        lines.append(f"  {layer:5d} | {float(result.balancedness_before_L[layer]):.3f} -> {float(after_L[layer]):.3f}"
-                     f" | {float(result.max_rank_rows_before_L[layer]):.1f} -> "
-                     f"{float(result.max_rank_rows_after_L[layer]):.1f}")
+    after_Ly = result.balancedness_after_Ly
+    for layer in torch.argsort(after_Ly)[:NUM_WORST_LAYERS].tolist():
+        lines.append(f"  {layer:5d} | {float(result.balancedness_before_Ly[layer]):.3f} -> {float(after_Ly[layer]):.3f}"
+                     f" | {float(result.max_rank_rows_before_Ly[layer]):.1f} -> "
+                     f"{float(result.max_rank_rows_after_Ly[layer]):.1f}")
     return lines
 
 
@@ -113,8 +111,8 @@ def _write_png(path: Path, result: Balancedness) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.plot(result.balancedness_before_L.numpy(), label="before (E / R experts per rank)")
-    ax.plot(result.balancedness_after_L.numpy(), label="after EPLB")
+    ax.plot(result.balancedness_before_Ly.numpy(), label="before (E / R experts per rank)")
+    ax.plot(result.balancedness_after_Ly.numpy(), label="after EPLB")
     ax.set_xlabel("MoE layer")
     ax.set_ylabel("mean / max rows per rank")
     ax.set_ylim(0, 1.05)
@@ -128,15 +126,15 @@ def _write_png(path: Path, result: Balancedness) -> bool:
 def run_simulate(args: argparse.Namespace) -> int:
     """Run ``eplb simulate`` for parsed flags: print the summary, write the files under ``--out``; returns 0."""
     _check_flags(args)
-    load_LE, source = _load(args)
-    num_layers, num_experts = load_LE.shape
+    load_LyE, source = _load(args)
+    num_layers, num_experts = load_LyE.shape
     num_physical = num_experts + args.redundant
     hierarchical = args.nodes > 1 or args.groups > 1
     if hierarchical:
-        placement = plan_hierarchical(load_LE, num_physical, args.groups, args.nodes, args.ep)
+        placement = plan_hierarchical(load_LyE, num_physical, args.groups, args.nodes, args.ep)
     else:
-        placement = plan_global(load_LE, num_physical, args.ep)
-    result = balancedness(load_LE, placement)
+        placement = plan_global(load_LyE, num_physical, args.ep)
+    result = balancedness(load_LyE, placement)
     summary = summarize(result)
     policy = f"hierarchical ({args.nodes} nodes, {args.groups} groups)" if hierarchical else "global"
     header = (f"EPLB simulate (CPU): {num_layers} layers, {num_experts} experts, EP {args.ep}, {num_physical} slots "
@@ -148,11 +146,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         record = {"command": {k: v for k, v in vars(args).items() if k not in ("fn", "command", "eplb_command")},
                   "num_layers": num_layers, "num_experts": num_experts, "num_physical": num_physical,
                   "policy": policy, "load": source, "summary": summary,
-                  "per_layer": {"balancedness_before": result.balancedness_before_L.tolist(),
-                                "balancedness_after": result.balancedness_after_L.tolist(),
-                                "max_rank_rows_before": result.max_rank_rows_before_L.tolist(),
-                                "max_rank_rows_after": result.max_rank_rows_after_L.tolist(),
-                                "mean_rank_rows": result.mean_rank_rows_L.tolist()}}
+                  "per_layer": {"balancedness_before": result.balancedness_before_Ly.tolist(),
+                                "balancedness_after": result.balancedness_after_Ly.tolist(),
+                                "max_rank_rows_before": result.max_rank_rows_before_Ly.tolist(),
+                                "max_rank_rows_after": result.max_rank_rows_after_Ly.tolist(),
+                                "mean_rank_rows": result.mean_rank_rows_Ly.tolist()}}
         (out / "eplb_simulate.json").write_text(json.dumps(record, indent=1))
         placement.save(out / "placement.json")
         written = "eplb_simulate.json, placement.json" + (", eplb_simulate.png"

@@ -5,11 +5,10 @@
 ``Placement`` owns the map and everything derived from it: the padded logical -> physical table, the replica
 counts, the rank of each slot, the per-token replica choice (``replica_for``) and the JSON file format.
 
-Shape legend: E experts (the model's logical experts), R EP ranks, T tokens of this rank, K top-k.
+Shape legend: E experts (the model's logical experts), R EP ranks, T tokens of this rank, K top-k, Ly MoE layers of a
+model, Ph physical expert slots of a layer (E + redundant replicas).
 
-Two dims here are EPLB's own and not in the package legend yet: ``L`` in ``_LP``/``_LE`` is MoE layers (not
-latent width) and ``P`` is physical expert slots, E + redundant (not receive-pool rows). Rank r owns slots
-[r * P / R, (r + 1) * P / R).
+Rank r owns slots [r * Ph / R, (r + 1) * Ph / R).
 """
 from __future__ import annotations
 
@@ -32,18 +31,18 @@ _HASH_MASK = (1 << 32) - 1
 _HASH_SHIFT = 16
 
 
-@dataclass(frozen=True, eq=False)  # tensors have no truth value: compare physical_to_logical_LP
+@dataclass(frozen=True, eq=False)  # tensors have no truth value: compare physical_to_logical_LyPh
 class Placement:
     """The physical slots of every MoE layer and the logical expert each holds (checked on construction).
 
     Args:
-        physical_to_logical_LP: ``[L, P]`` ``torch.int64`` (CPU): the logical expert in ``[0, E)`` held by physical
+        physical_to_logical_LyPh: ``[Ly, Ph]`` ``torch.int64`` (CPU): the logical expert in ``[0, E)`` held by physical
             slot p of layer l; rank r owns slots ``[r * P / R, (r + 1) * P / R)``.
         num_experts: E, the logical experts; each needs at least one slot in every layer.
         num_ranks: R, the EP ranks the slots are split over (P % R == 0).
     """
 
-    physical_to_logical_LP: torch.Tensor
+    physical_to_logical_LyPh: torch.Tensor
     num_experts: int
     num_ranks: int
 
@@ -55,10 +54,10 @@ class Placement:
     def validate(self) -> None:
         """Raise ``PlacementError`` (CFG033) naming the numbers when the map is not a placement: not a 2-D integer
         tensor, P not a multiple of R, an id outside ``[0, E)``, or a logical expert without a slot in some layer."""
-        table = self.physical_to_logical_LP
+        table = self.physical_to_logical_LyPh
         if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.dtype != torch.int64:
             got = f"{table.dtype} {list(table.shape)}" if isinstance(table, torch.Tensor) else type(table).__name__
-            raise PlacementError(f"physical_to_logical_LP must be an int64 [layers, slots] tensor, got {got}; "
+            raise PlacementError(f"physical_to_logical_LyPh must be an int64 [layers, slots] tensor, got {got}; "
                                  "build it with torch.tensor(..., dtype=torch.int64)")
         num_layers, num_physical = table.shape
         num_experts, num_ranks = self.num_experts, self.num_ranks
@@ -73,7 +72,7 @@ class Placement:
             layer, slot = (int(i) for i in bad.nonzero()[0])
             raise PlacementError(f"layer {layer} slot {slot} holds expert {int(table[layer, slot])}, outside "
                                  f"[0, {num_experts=}); every slot must name a logical expert")
-        missing = self.replica_count_LE == 0
+        missing = self.replica_count_LyE == 0
         if bool(missing.any()):
             layer, expert = (int(i) for i in missing.nonzero()[0])
             raise PlacementError(f"layer {layer}: logical expert {expert} has no physical slot "
@@ -84,37 +83,37 @@ class Placement:
 
     @property
     def num_layers(self) -> int:
-        return self.physical_to_logical_LP.shape[0]
+        return self.physical_to_logical_LyPh.shape[0]
 
     @property
     def num_physical(self) -> int:
-        return self.physical_to_logical_LP.shape[1]
+        return self.physical_to_logical_LyPh.shape[1]
 
     @property
     def slots_per_rank(self) -> int:
         return self.num_physical // self.num_ranks
 
     @cached_property
-    def replica_count_LE(self) -> torch.Tensor:
-        """``[L, E]`` ``torch.int64``: the physical slots holding each logical expert, per layer."""
-        counts_LE = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64)
-        in_range_LP = self.physical_to_logical_LP.clamp(0, self.num_experts - 1)  # validate() reports bad ids
-        return counts_LE.scatter_add_(1, in_range_LP, torch.ones_like(in_range_LP))
+    def replica_count_LyE(self) -> torch.Tensor:
+        """``[Ly, E]`` ``torch.int64``: the physical slots holding each logical expert, per layer."""
+        counts_LyE = torch.zeros(self.num_layers, self.num_experts, dtype=torch.int64)
+        in_range_LyPh = self.physical_to_logical_LyPh.clamp(0, self.num_experts - 1)  # validate() reports bad ids
+        return counts_LyE.scatter_add_(1, in_range_LyPh, torch.ones_like(in_range_LyPh))
 
     @cached_property
     def logical_to_physical_LE_(self) -> torch.Tensor:
-        """``[L, E, max replicas]`` ``torch.int64``: the physical slots of each logical expert in increasing order,
-        padded with ``-1`` after its ``replica_count_LE`` entries."""
-        num_layers, num_physical = self.physical_to_logical_LP.shape
-        width = int(self.replica_count_LE.max())
+        """``[Ly, E, max replicas]`` ``torch.int64``: the physical slots of each logical expert in increasing order,
+        padded with ``-1`` after its ``replica_count_LyE`` entries."""
+        num_layers, num_physical = self.physical_to_logical_LyPh.shape
+        width = int(self.replica_count_LyE.max())
         table = torch.full((num_layers, self.num_experts, width), -1, dtype=torch.int64)
         # a stable sort by expert keeps each expert's slots in increasing order
-        order_LP = torch.sort(self.physical_to_logical_LP, dim=1, stable=True).indices
-        experts_LP = torch.gather(self.physical_to_logical_LP, 1, order_LP)
-        first_LE = torch.cumsum(self.replica_count_LE, dim=1) - self.replica_count_LE
-        replica_LP = torch.arange(num_physical).expand(num_layers, -1) - torch.gather(first_LE, 1, experts_LP)
-        layer_LP = torch.arange(num_layers).unsqueeze(1).expand(-1, num_physical)
-        table[layer_LP, experts_LP, replica_LP] = order_LP
+        order_LyPh = torch.sort(self.physical_to_logical_LyPh, dim=1, stable=True).indices
+        experts_LyPh = torch.gather(self.physical_to_logical_LyPh, 1, order_LyPh)
+        first_LyE = torch.cumsum(self.replica_count_LyE, dim=1) - self.replica_count_LyE
+        replica_LyPh = torch.arange(num_physical).expand(num_layers, -1) - torch.gather(first_LyE, 1, experts_LyPh)
+        layer_LyPh = torch.arange(num_layers).unsqueeze(1).expand(-1, num_physical)
+        table[layer_LyPh, experts_LyPh, replica_LyPh] = order_LyPh
         return table
 
     def rank_of_slot(self, slot_idx: torch.Tensor) -> torch.Tensor:
@@ -154,7 +153,7 @@ class Placement:
         token_idx, slot_idx, logical_expert = (torch.as_tensor(v, dtype=torch.int64)
                                                for v in (token_idx, slot_idx, logical_expert))
         mixed = ((token_idx & 0x7FFFFFFF) * _TOKEN_MULTIPLIER + slot_idx * _SLOT_MULTIPLIER) & _HASH_MASK
-        counts = self.replica_count_LE[layer_idx][logical_expert]
+        counts = self.replica_count_LyE[layer_idx][logical_expert]
         replica = (mixed >> _HASH_SHIFT) % counts
         return self.logical_to_physical_LE_[layer_idx][logical_expert, replica]
 
@@ -164,7 +163,7 @@ class Placement:
         """Write the placement as JSON: ``{"format", "version", "num_experts", "num_ranks",
         "physical_to_logical": [[...] per layer]}``."""
         record = {"format": FILE_FORMAT, "version": FILE_VERSION, "num_experts": self.num_experts,
-                  "num_ranks": self.num_ranks, "physical_to_logical": self.physical_to_logical_LP.tolist()}
+                  "num_ranks": self.num_ranks, "physical_to_logical": self.physical_to_logical_LyPh.tolist()}
         Path(path).write_text(json.dumps(record))
 
     @classmethod

@@ -1,6 +1,6 @@
 """EPLB planner: from per-expert load to a Placement that evens the rows each rank computes (CPU, pure functions).
 
-    load [L, E] -> (a) pack expert groups onto nodes -> (b) replicate the heaviest experts within each node
+    load [Ly, E] -> (a) pack expert groups onto nodes -> (b) replicate the heaviest experts within each node
       -> (c) pack the replicas onto the node's ranks -> Placement (moe_ref.eplb.placement)
 
 The algorithm is DeepSeek's EPLB as described in its README (hierarchical policy; the global policy is the same
@@ -18,9 +18,8 @@ Balanced packing: items in decreasing weight order (ties: lower index first) eac
 still has room (ties: the lower bin). Ranks are numbered node by node: node n owns ranks
 [n * R / N, (n + 1) * R / N).
 
-Shape legend: E experts (the model's logical experts), G expert groups, Eg experts per group (E / G), R EP ranks.
-
-``L`` in ``load_LE`` is MoE layers and ``P`` (``num_physical``) physical expert slots, as in moe_ref.eplb.placement.
+Shape legend: E experts (the model's logical experts), G expert groups, Eg experts per group (E / G), R EP ranks,
+Ly MoE layers of a model, Ph physical expert slots of a layer (``num_physical``: E + redundant replicas).
 """
 from __future__ import annotations
 
@@ -30,25 +29,25 @@ from moe_ref.core.errors import LoadTraceError, PlacementTopologyError
 from moe_ref.eplb.placement import Placement
 
 
-def check_load(load_LE: torch.Tensor) -> torch.Tensor:
-    """The load as a float64 ``[L, E]`` table, or ``LoadTraceError`` (CFG035) naming what is wrong.
+def check_load(load_LyE: torch.Tensor) -> torch.Tensor:
+    """The load as a float64 ``[Ly, E]`` table, or ``LoadTraceError`` (CFG035) naming what is wrong.
 
     Args:
-        load_LE: ``[L, E]``, any real dtype: rows routed to each logical expert per layer (finite, ``>= 0``).
+        load_LyE: ``[Ly, E]``, any real dtype: rows routed to each logical expert per layer (finite, ``>= 0``).
 
     Returns:
-        load_LE: ``[L, E]`` ``torch.float64`` on CPU.
+        load_LyE: ``[Ly, E]`` ``torch.float64`` on CPU.
     """
-    if not isinstance(load_LE, torch.Tensor) or load_LE.dim() != 2 or load_LE.numel() == 0:
-        got = list(load_LE.shape) if isinstance(load_LE, torch.Tensor) else type(load_LE).__name__
+    if not isinstance(load_LyE, torch.Tensor) or load_LyE.dim() != 2 or load_LyE.numel() == 0:
+        got = list(load_LyE.shape) if isinstance(load_LyE, torch.Tensor) else type(load_LyE).__name__
         raise LoadTraceError(f"expert load must be a non-empty [layers, experts] tensor, got {got}")
-    if load_LE.is_complex() or load_LE.dtype == torch.bool:
-        raise LoadTraceError(f"expert load must be real counts, got dtype {load_LE.dtype}")
-    load_LE = load_LE.detach().to("cpu", torch.float64)
-    if not bool(torch.isfinite(load_LE).all()) or bool((load_LE < 0).any()):
-        raise LoadTraceError(f"expert load must be finite and >= 0; min {float(load_LE.min())}, "
-                             f"max {float(load_LE.max())}")
-    return load_LE
+    if load_LyE.is_complex() or load_LyE.dtype == torch.bool:
+        raise LoadTraceError(f"expert load must be real counts, got dtype {load_LyE.dtype}")
+    load_LyE = load_LyE.detach().to("cpu", torch.float64)
+    if not bool(torch.isfinite(load_LyE).all()) or bool((load_LyE < 0).any()):
+        raise LoadTraceError(f"expert load must be finite and >= 0; min {float(load_LyE.min())}, "
+                             f"max {float(load_LyE.max())}")
+    return load_LyE
 
 
 def check_topology(num_experts: int, num_physical: int, num_groups: int, num_nodes: int, num_ranks: int) -> None:
@@ -147,40 +146,40 @@ def _plan_layer(load_E: torch.Tensor, num_physical: int, num_groups: int, num_no
     return physical_to_logical
 
 
-def plan_hierarchical(load_LE: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int,
+def plan_hierarchical(load_LyE: torch.Tensor, num_physical: int, num_groups: int, num_nodes: int,
                       num_ranks: int) -> Placement:
     """Place every layer's experts: groups onto nodes, replicas within nodes, replicas onto ranks (module doc).
 
     Args:
-        load_LE: ``[L, E]``, real, finite, ``>= 0``: rows routed to each logical expert per layer (CFG035 if not).
+        load_LyE: ``[Ly, E]``, real, finite, ``>= 0``: rows routed to each logical expert per layer (CFG035 if not).
         num_physical: P physical slots per layer, E + redundant.
         num_groups: G expert groups (experts ``[g * E / G, (g + 1) * E / G)``); a group's replicas stay on one node.
         num_nodes: N nodes; node n owns ranks ``[n * R / N, (n + 1) * R / N)``.
         num_ranks: R EP ranks, P / R slots each.
 
     Returns:
-        placement: the ``Placement`` (``physical_to_logical_LP`` ``[L, P]`` int64) over ``num_ranks`` ranks.
+        placement: the ``Placement`` (``physical_to_logical_LyPh`` ``[Ly, Ph]`` int64) over ``num_ranks`` ranks.
 
     Raises ``PlacementTopologyError`` (CFG034) for sizes it cannot place (``check_topology``).
     """
-    load_LE = check_load(load_LE)
-    num_experts = load_LE.shape[1]
+    load_LyE = check_load(load_LyE)
+    num_experts = load_LyE.shape[1]
     check_topology(num_experts, num_physical, num_groups, num_nodes, num_ranks)
-    physical_to_logical_LP = torch.tensor(
-        [_plan_layer(load_E, num_physical, num_groups, num_nodes, num_ranks) for load_E in load_LE],
+    physical_to_logical_LyPh = torch.tensor(
+        [_plan_layer(load_E, num_physical, num_groups, num_nodes, num_ranks) for load_E in load_LyE],
         dtype=torch.int64)
-    return Placement(physical_to_logical_LP, num_experts, num_ranks)
+    return Placement(physical_to_logical_LyPh, num_experts, num_ranks)
 
 
-def plan_global(load_LE: torch.Tensor, num_physical: int, num_ranks: int) -> Placement:
+def plan_global(load_LyE: torch.Tensor, num_physical: int, num_ranks: int) -> Placement:
     """Place every layer's experts over all ranks at once: ``plan_hierarchical`` with one node and one group.
 
     Args:
-        load_LE: ``[L, E]``, real, finite, ``>= 0``: rows routed to each logical expert per layer.
+        load_LyE: ``[Ly, E]``, real, finite, ``>= 0``: rows routed to each logical expert per layer.
         num_physical: P physical slots per layer, E + redundant.
         num_ranks: R EP ranks, P / R slots each.
 
     Returns:
         placement: the ``Placement`` over ``num_ranks`` ranks.
     """
-    return plan_hierarchical(load_LE, num_physical, num_groups=1, num_nodes=1, num_ranks=num_ranks)
+    return plan_hierarchical(load_LyE, num_physical, num_groups=1, num_nodes=1, num_ranks=num_ranks)

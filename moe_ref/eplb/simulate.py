@@ -1,15 +1,14 @@
 """EPLB simulator: the rows each rank would compute under a placement, and a synthetic skewed load to feed it.
 
-    load [L, E] (trace file or zipf_loads) -> planner -> Placement -> balancedness (before: E / R experts per rank,
+    load [Ly, E] (trace file or zipf_loads) -> planner -> Placement -> balancedness (before: E / R experts per rank,
       after: the placement) -> moe-ref eplb simulate's report (moe_ref.eplb.cli)
 
 A rank's rows are the sum over its slots of (expert load / expert replica count): ``Placement.replica_for``
 spreads an expert's rows about evenly over its replicas. Balancedness of a layer = mean rows per rank / max rows
 per rank (1 = perfectly even; the slowest rank sets the step time).
 
-Shape legend: E experts (the model's logical experts), R EP ranks, T tokens of this rank, K top-k.
-
-``L`` in ``_LE``/``_LR``/``_L`` is MoE layers and ``P`` physical expert slots, as in moe_ref.eplb.placement.
+Shape legend: E experts (the model's logical experts), R EP ranks, T tokens of this rank, K top-k, Ly MoE layers of a
+model, Ph physical expert slots of a layer (E + redundant replicas).
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ def identity_placement(num_layers: int, num_experts: int, num_ranks: int) -> Pla
         num_ranks: R EP ranks.
 
     Returns:
-        placement: ``physical_to_logical_LP[l] = arange(E)`` for every layer.
+        placement: ``physical_to_logical_LyPh[l] = arange(E)`` for every layer.
     """
     if num_experts % num_ranks:
         raise PlacementTopologyError(f"{num_experts=} % {num_ranks=} = {num_experts % num_ranks}: the placement "
@@ -40,65 +39,65 @@ def identity_placement(num_layers: int, num_experts: int, num_ranks: int) -> Pla
     return Placement(torch.arange(num_experts).expand(num_layers, -1).clone(), num_experts, num_ranks)
 
 
-def rank_rows(load_LE: torch.Tensor, placement: Placement) -> torch.Tensor:
+def rank_rows(load_LyE: torch.Tensor, placement: Placement) -> torch.Tensor:
     """Rows each rank computes per layer, each expert's rows split evenly over its replicas.
 
     Args:
-        load_LE: ``[L, E]``, real, finite, ``>= 0``: rows routed to each logical expert per layer.
+        load_LyE: ``[Ly, E]``, real, finite, ``>= 0``: rows routed to each logical expert per layer.
         placement: a ``Placement`` with the same L and E.
 
     Returns:
-        rows_LR: ``[L, R]`` ``torch.float64``.
+        rows_LyR: ``[Ly, R]`` ``torch.float64``.
     """
-    load_LE = check_load(load_LE)
-    if tuple(load_LE.shape) != (placement.num_layers, placement.num_experts):
-        raise LoadTraceError(f"load is {list(load_LE.shape)} but the placement is for {placement.num_layers} "
+    load_LyE = check_load(load_LyE)
+    if tuple(load_LyE.shape) != (placement.num_layers, placement.num_experts):
+        raise LoadTraceError(f"load is {list(load_LyE.shape)} but the placement is for {placement.num_layers} "
                              f"layers x {placement.num_experts} experts; simulate with matching sizes")
-    per_replica_LE = load_LE / placement.replica_count_LE
-    slot_rows_LP = torch.gather(per_replica_LE, 1, placement.physical_to_logical_LP)
-    return slot_rows_LP.view(placement.num_layers, placement.num_ranks, placement.slots_per_rank).sum(dim=2)
+    per_replica_LyE = load_LyE / placement.replica_count_LyE
+    slot_rows_LyPh = torch.gather(per_replica_LyE, 1, placement.physical_to_logical_LyPh)
+    return slot_rows_LyPh.view(placement.num_layers, placement.num_ranks, placement.slots_per_rank).sum(dim=2)
 
 
 @dataclass(frozen=True, eq=False)
 class Balancedness:
-    """Per-layer rank rows before (identity placement) and after (the given placement), all ``[L]`` float64.
+    """Per-layer rank rows before (identity placement) and after (the given placement), all ``[Ly]`` float64.
 
-    ``balancedness_*_L`` = ``mean_rank_rows_L / max_rank_rows_*_L`` (1.0 for a layer without load).
+    ``balancedness_*_Ly`` = ``mean_rank_rows_Ly / max_rank_rows_*_Ly`` (1.0 for a layer without load).
     """
 
-    mean_rank_rows_L: torch.Tensor
-    max_rank_rows_before_L: torch.Tensor
-    max_rank_rows_after_L: torch.Tensor
+    mean_rank_rows_Ly: torch.Tensor
+    max_rank_rows_before_Ly: torch.Tensor
+    max_rank_rows_after_Ly: torch.Tensor
 
     @property
-    def balancedness_before_L(self) -> torch.Tensor:
-        return _ratio(self.mean_rank_rows_L, self.max_rank_rows_before_L)
+    def balancedness_before_Ly(self) -> torch.Tensor:
+        return _ratio(self.mean_rank_rows_Ly, self.max_rank_rows_before_Ly)
 
     @property
-    def balancedness_after_L(self) -> torch.Tensor:
-        return _ratio(self.mean_rank_rows_L, self.max_rank_rows_after_L)
+    def balancedness_after_Ly(self) -> torch.Tensor:
+        return _ratio(self.mean_rank_rows_Ly, self.max_rank_rows_after_Ly)
 
 
-def _ratio(mean_L: torch.Tensor, max_L: torch.Tensor) -> torch.Tensor:
-    return torch.where(max_L > 0, mean_L / max_L.clamp_min(1e-300), torch.ones_like(mean_L))
+def _ratio(mean_Ly: torch.Tensor, max_Ly: torch.Tensor) -> torch.Tensor:
+    return torch.where(max_Ly > 0, mean_Ly / max_Ly.clamp_min(1e-300), torch.ones_like(mean_Ly))
 
 
-def balancedness(load_LE: torch.Tensor, placement: Placement) -> Balancedness:
+def balancedness(load_LyE: torch.Tensor, placement: Placement) -> Balancedness:
     """Mean and max rows per rank per layer without EPLB (expert e on rank ``e // (E / R)``) and with ``placement``.
 
     Args:
-        load_LE: ``[L, E]``, real, finite, ``>= 0``: rows routed to each logical expert per layer.
+        load_LyE: ``[Ly, E]``, real, finite, ``>= 0``: rows routed to each logical expert per layer.
         placement: the placement to judge (same L, E; its R is used for both sides).
 
     Returns:
-        result: a ``Balancedness`` (``[L]`` float64 fields; balancedness = mean / max rows per rank).
+        result: a ``Balancedness`` (``[Ly]`` float64 fields; balancedness = mean / max rows per rank).
     """
     before = identity_placement(placement.num_layers, placement.num_experts, placement.num_ranks)
-    rows_before_LR = rank_rows(load_LE, before)
-    rows_after_LR = rank_rows(load_LE, placement)
-    return Balancedness(mean_rank_rows_L=rows_before_LR.mean(dim=1),
-                        max_rank_rows_before_L=rows_before_LR.max(dim=1).values,
-                        max_rank_rows_after_L=rows_after_LR.max(dim=1).values)
+    rows_before_LyR = rank_rows(load_LyE, before)
+    rows_after_LyR = rank_rows(load_LyE, placement)
+    return Balancedness(mean_rank_rows_Ly=rows_before_LyR.mean(dim=1),
+                        max_rank_rows_before_Ly=rows_before_LyR.max(dim=1).values,
+                        max_rank_rows_after_Ly=rows_after_LyR.max(dim=1).values)
 
 
 def _sample_without_replacement(cdf_E: torch.Tensor, num_tokens: int, top_k: int,
@@ -133,7 +132,7 @@ def zipf_loads(num_layers: int, num_experts: int, top_k: int, tokens: int, s: fl
         seed: seed of the private generator (same arguments -> same trace).
 
     Returns:
-        load_LE: ``[L, E]`` ``torch.int64`` rows per expert; each layer sums to ``tokens * top_k``.
+        load_LyE: ``[Ly, E]`` ``torch.int64`` rows per expert; each layer sums to ``tokens * top_k``.
     """
     if not 1 <= top_k <= num_experts:
         raise TopKError(f"{top_k=} must lie in [1, {num_experts=}]")
@@ -141,11 +140,11 @@ def zipf_loads(num_layers: int, num_experts: int, top_k: int, tokens: int, s: fl
         raise LoadTraceError(f"zipf_loads needs {tokens=} >= 0, {num_layers=} >= 1 and a Zipf exponent {s=} >= 0")
     generator = torch.Generator().manual_seed(seed)
     weights_E = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -float(s)
-    load_LE = torch.empty(num_layers, num_experts, dtype=torch.int64)
+    load_LyE = torch.empty(num_layers, num_experts, dtype=torch.int64)
     for layer in range(num_layers):
         expert_of_rank_E = torch.randperm(num_experts, generator=generator)
         layer_weights_E = torch.empty_like(weights_E)
         layer_weights_E[expert_of_rank_E] = weights_E
         ids_TK = _sample_without_replacement(torch.cumsum(layer_weights_E, 0), tokens, top_k, generator)
-        load_LE[layer] = torch.bincount(ids_TK.flatten(), minlength=num_experts)
-    return load_LE
+        load_LyE[layer] = torch.bincount(ids_TK.flatten(), minlength=num_experts)
+    return load_LyE

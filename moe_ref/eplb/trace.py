@@ -4,12 +4,12 @@
 
 Formats (chosen by the suffix):
 - ``.json``: ``{"format": "moe_ref.eplb.loads", "version": 1, "loads": [window][layer][expert]}``.
-- ``.pt``: a ``torch.save``d tensor ``[W, L, E]`` (or ``[L, E]``: one window).
+- ``.pt``: a ``torch.save``d tensor ``[W, Ly, E]`` (or ``[Ly, E]``: one window).
 Counts are finite and ``>= 0``; anything else is ``LoadTraceError`` (CFG035).
 
-Shape legend: E experts (the model's logical experts).
+Shape legend: E experts (the model's logical experts), Ly MoE layers of a model.
 
-A trace is ``[W, L, E]``: W windows, L MoE layers (EPLB's own dims, as in moe_ref.eplb.placement), E experts.
+A trace is ``[W, Ly, E]``: W windows of steps, Ly MoE layers, E experts.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ FILE_VERSION = 1
 
 
 def _as_windows(table, source: str) -> torch.Tensor:
-    """``[W, L, E]`` float64 from a tensor or nested lists, or ``LoadTraceError`` naming ``source``."""
+    """``[W, Ly, E]`` float64 from a tensor or nested lists, or ``LoadTraceError`` naming ``source``."""
     try:
         loads = torch.as_tensor(table, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError) as err:  # ragged lists, strings
@@ -45,7 +45,7 @@ def save_loads(path: str | Path, loads: torch.Tensor) -> None:
 
     Args:
         path: the file to write.
-        loads: ``[W, L, E]`` (or ``[L, E]``) non-negative counts, any real dtype.
+        loads: ``[W, Ly, E]`` (or ``[Ly, E]``) non-negative counts, any real dtype.
     """
     loads = _as_windows(loads, str(path))
     if Path(path).suffix == ".pt":
@@ -63,7 +63,7 @@ def load_loads(path: str | Path) -> torch.Tensor:
         path: the ``.json`` or ``.pt`` file.
 
     Returns:
-        loads: ``[W, L, E]`` ``torch.float64`` (windows, layers, experts).
+        loads: ``[W, Ly, E]`` ``torch.float64`` (windows, layers, experts).
     """
     source = str(path)
     try:

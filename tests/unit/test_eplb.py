@@ -18,30 +18,30 @@ pytestmark = pytest.mark.unit
 # --- hand-made loads with known placements ---------------------------------------------------------------
 
 def test_one_hot_expert_gets_every_redundant_replica():
-    load_LE = torch.tensor([[100.0, 1, 1, 1, 1, 1, 1, 1]])
-    placement = plan_global(load_LE, num_physical=10, num_ranks=2)
-    assert placement.replica_count_LE.tolist() == [[3, 1, 1, 1, 1, 1, 1, 1]]
+    load_LyE = torch.tensor([[100.0, 1, 1, 1, 1, 1, 1, 1]])
+    placement = plan_global(load_LyE, num_physical=10, num_ranks=2)
+    assert placement.replica_count_LyE.tolist() == [[3, 1, 1, 1, 1, 1, 1, 1]]
     # the three replicas (33.3 rows each) are spread so no rank holds more than two of them
     ranks_of_hot = placement.rank_of_slot(placement.logical_to_physical_LE_[0, 0])
     assert sorted(torch.bincount(ranks_of_hot, minlength=2).tolist()) == [1, 2]
 
 
 def test_uniform_load_stays_balanced_with_and_without_redundancy():
-    load_LE = torch.full((2, 8), 5.0)
+    load_LyE = torch.full((2, 8), 5.0)
     for num_physical in (8, 12):
-        result = balancedness(load_LE, plan_global(load_LE, num_physical, num_ranks=4))
-        assert torch.equal(result.balancedness_after_L, torch.ones(2)), f"{num_physical=}"
-        assert torch.equal(result.balancedness_before_L, torch.ones(2))
+        result = balancedness(load_LyE, plan_global(load_LyE, num_physical, num_ranks=4))
+        assert torch.equal(result.balancedness_after_Ly, torch.ones(2)), f"{num_physical=}"
+        assert torch.equal(result.balancedness_before_Ly, torch.ones(2))
 
 
 def test_four_experts_two_ranks_pairs_heaviest_with_lightest():
-    load_LE = torch.tensor([[4.0, 3, 2, 1]])
-    placement = plan_global(load_LE, num_physical=4, num_ranks=2)
-    assert placement.physical_to_logical_LP.tolist() == [[0, 3, 1, 2]]
-    assert rank_rows(load_LE, placement).tolist() == [[5.0, 5.0]]
+    load_LyE = torch.tensor([[4.0, 3, 2, 1]])
+    placement = plan_global(load_LyE, num_physical=4, num_ranks=2)
+    assert placement.physical_to_logical_LyPh.tolist() == [[0, 3, 1, 2]]
+    assert rank_rows(load_LyE, placement).tolist() == [[5.0, 5.0]]
     # before: experts {0, 1} on rank 0 (7 rows), {2, 3} on rank 1 (3 rows)
-    result = balancedness(load_LE, placement)
-    assert result.max_rank_rows_before_L.tolist() == [7.0] and result.max_rank_rows_after_L.tolist() == [5.0]
+    result = balancedness(load_LyE, placement)
+    assert result.max_rank_rows_before_Ly.tolist() == [7.0] and result.max_rank_rows_after_Ly.tolist() == [5.0]
 
 
 def test_balanced_packing_worked_example_and_ties():
@@ -57,12 +57,12 @@ def test_replicate_gives_spare_slots_by_load_per_replica():
 def test_hierarchical_keeps_each_group_on_its_node_with_the_node_s_slots():
     # 2 groups of 4 experts on 2 nodes of 2 ranks, 6 slots per node: the hot group 1 goes first (to node 0) and its
     # 2 spare slots go to expert 4 (40 -> 20 -> 13.3 per replica); the cold node's spares go to its first experts
-    load_LE = torch.tensor([[1.0, 1, 1, 1, 40, 10, 10, 10]])
-    placement = plan_hierarchical(load_LE, num_physical=12, num_groups=2, num_nodes=2, num_ranks=4)
-    assert placement.replica_count_LE[0].tolist() == [2, 2, 1, 1, 3, 1, 1, 1]
-    node_P = placement.rank_of_slot(torch.arange(12)) // 2
-    assert set(placement.physical_to_logical_LP[0][node_P == 0].tolist()) == {4, 5, 6, 7}
-    assert set(placement.physical_to_logical_LP[0][node_P == 1].tolist()) == {0, 1, 2, 3}
+    load_LyE = torch.tensor([[1.0, 1, 1, 1, 40, 10, 10, 10]])
+    placement = plan_hierarchical(load_LyE, num_physical=12, num_groups=2, num_nodes=2, num_ranks=4)
+    assert placement.replica_count_LyE[0].tolist() == [2, 2, 1, 1, 3, 1, 1, 1]
+    node_Ph = placement.rank_of_slot(torch.arange(12)) // 2
+    assert set(placement.physical_to_logical_LyPh[0][node_Ph == 0].tolist()) == {4, 5, 6, 7}
+    assert set(placement.physical_to_logical_LyPh[0][node_Ph == 1].tolist()) == {0, 1, 2, 3}
 
 
 # --- properties over random loads ---------------------------------------------------------------------------
@@ -75,29 +75,29 @@ CASES = [  # (E, P, G, N, R)
 @pytest.mark.parametrize("num_experts, num_physical, num_groups, num_nodes, num_ranks", CASES)
 def test_random_loads_give_valid_balanced_placements(num_experts, num_physical, num_groups, num_nodes, num_ranks):
     generator = torch.Generator().manual_seed(num_experts * 1000 + num_physical)
-    load_LE = (torch.rand(6, num_experts, generator=generator) ** 4 * 1000).round()
-    placement = plan_hierarchical(load_LE, num_physical, num_groups, num_nodes, num_ranks)
+    load_LyE = (torch.rand(6, num_experts, generator=generator) ** 4 * 1000).round()
+    placement = plan_hierarchical(load_LyE, num_physical, num_groups, num_nodes, num_ranks)
     case = f"{num_experts=} {num_physical=} {num_groups=} {num_nodes=} {num_ranks=}"
-    assert placement.physical_to_logical_LP.shape == (6, num_physical), case
-    assert bool((placement.replica_count_LE >= 1).all()), case
-    assert placement.replica_count_LE.sum(dim=1).tolist() == [num_physical] * 6, case
+    assert placement.physical_to_logical_LyPh.shape == (6, num_physical), case
+    assert bool((placement.replica_count_LyE >= 1).all()), case
+    assert placement.replica_count_LyE.sum(dim=1).tolist() == [num_physical] * 6, case
     # each group's replicas on one node, and each node holds P / N slots worth of its groups' experts
-    group_LP = placement.physical_to_logical_LP // (num_experts // num_groups)
-    node_LP = placement.rank_of_slot(torch.arange(num_physical)) // (num_ranks // num_nodes)
+    group_LyPh = placement.physical_to_logical_LyPh // (num_experts // num_groups)
+    node_LyPh = placement.rank_of_slot(torch.arange(num_physical)) // (num_ranks // num_nodes)
     for layer in range(6):
         for group in range(num_groups):
-            assert len(set(node_LP[group_LP[layer] == group].tolist())) == 1, f"{case} {layer=} {group=}"
-    result = balancedness(load_LE, placement)
-    assert bool((result.balancedness_after_L >= result.balancedness_before_L - 1e-12).all()), case
-    assert bool((result.balancedness_after_L <= 1 + 1e-12).all()), case
+            assert len(set(node_LyPh[group_LyPh[layer] == group].tolist())) == 1, f"{case} {layer=} {group=}"
+    result = balancedness(load_LyE, placement)
+    assert bool((result.balancedness_after_Ly >= result.balancedness_before_Ly - 1e-12).all()), case
+    assert bool((result.balancedness_after_Ly <= 1 + 1e-12).all()), case
     # the rows are conserved: every rank's rows add up to the layer's load
-    assert torch.allclose(rank_rows(load_LE, placement).sum(dim=1), load_LE.double().sum(dim=1)), case
+    assert torch.allclose(rank_rows(load_LyE, placement).sum(dim=1), load_LyE.double().sum(dim=1)), case
 
 
 def test_plan_global_is_hierarchical_with_one_node_and_group():
-    load_LE = zipf_loads(3, 32, 4, 500, 1.2, seed=3)
-    assert torch.equal(plan_global(load_LE, 40, 8).physical_to_logical_LP,
-                       plan_hierarchical(load_LE, 40, 1, 1, 8).physical_to_logical_LP)
+    load_LyE = zipf_loads(3, 32, 4, 500, 1.2, seed=3)
+    assert torch.equal(plan_global(load_LyE, 40, 8).physical_to_logical_LyPh,
+                       plan_hierarchical(load_LyE, 40, 1, 1, 8).physical_to_logical_LyPh)
 
 
 # --- replica choice ---------------------------------------------------------------------------------------
@@ -109,12 +109,12 @@ def _hot_placement() -> Placement:
 
 def test_replica_for_lands_on_a_slot_of_the_expert():
     placement = _hot_placement()
-    assert placement.replica_count_LE[0, :2].tolist() == [3, 2]
+    assert placement.replica_count_LyE[0, :2].tolist() == [3, 2]
     token_idx_T1 = torch.arange(1000).unsqueeze(1)
     topk_ids_TK = torch.randint(0, 8, (1000, 4), generator=torch.Generator().manual_seed(0))
     slots_TK = placement.replica_for(token_idx_T1, torch.arange(4).unsqueeze(0), topk_ids_TK)
     assert slots_TK.shape == (1000, 4) and bool(((slots_TK >= 0) & (slots_TK < 11)).all())
-    assert torch.equal(placement.physical_to_logical_LP[0][slots_TK], topk_ids_TK)
+    assert torch.equal(placement.physical_to_logical_LyPh[0][slots_TK], topk_ids_TK)
 
 
 def test_replica_for_is_deterministic_and_independent_of_batch_position():
@@ -145,7 +145,7 @@ def test_replica_for_spreads_evenly_over_many_tokens():
 def test_logical_to_physical_is_padded_with_minus_one():
     placement = Placement(torch.tensor([[2, 0, 2, 1]]), num_experts=3, num_ranks=2)
     assert placement.logical_to_physical_LE_.tolist() == [[[1, -1], [3, -1], [0, 2]]]
-    assert placement.replica_count_LE.tolist() == [[1, 1, 2]]
+    assert placement.replica_count_LyE.tolist() == [[1, 1, 2]]
     assert placement.rank_of_slot(torch.tensor([0, 1, 2, 3])).tolist() == [0, 0, 1, 1]
 
 
@@ -167,7 +167,7 @@ def test_placement_file_round_trip(tmp_path):
     placement = plan_hierarchical(zipf_loads(4, 16, 2, 300, 1.0, seed=5), 24, 4, 2, 4)
     placement.save(tmp_path / "p.json")
     again = Placement.load(tmp_path / "p.json")
-    assert torch.equal(again.physical_to_logical_LP, placement.physical_to_logical_LP)
+    assert torch.equal(again.physical_to_logical_LyPh, placement.physical_to_logical_LyPh)
     assert (again.num_experts, again.num_ranks) == (16, 4)
     (tmp_path / "bad.json").write_text(json.dumps({"format": "something else"}))
     with pytest.raises(PlacementError, match="bad.json"):
@@ -207,12 +207,12 @@ def test_identity_placement_needs_experts_divisible_by_ranks():
 # --- synthetic loads and trace files ---------------------------------------------------------------------
 
 def test_zipf_loads_sum_skew_and_seed():
-    load_LE = zipf_loads(3, 64, 8, 2000, 1.0, seed=7)
-    assert load_LE.dtype == torch.int64 and load_LE.sum(dim=1).tolist() == [16000] * 3
-    assert bool((load_LE <= 2000).all())  # top-k experts are distinct: at most one row per token per expert
-    assert torch.equal(load_LE, zipf_loads(3, 64, 8, 2000, 1.0, seed=7))
-    assert not torch.equal(load_LE[0], load_LE[1])  # each layer its own permutation
-    skewed, uniform = load_LE[0].double(), zipf_loads(1, 64, 8, 2000, 0.0, seed=7)[0].double()
+    load_LyE = zipf_loads(3, 64, 8, 2000, 1.0, seed=7)
+    assert load_LyE.dtype == torch.int64 and load_LyE.sum(dim=1).tolist() == [16000] * 3
+    assert bool((load_LyE <= 2000).all())  # top-k experts are distinct: at most one row per token per expert
+    assert torch.equal(load_LyE, zipf_loads(3, 64, 8, 2000, 1.0, seed=7))
+    assert not torch.equal(load_LyE[0], load_LyE[1])  # each layer its own permutation
+    skewed, uniform = load_LyE[0].double(), zipf_loads(1, 64, 8, 2000, 0.0, seed=7)[0].double()
     assert skewed.max() > 4 * skewed.mean() and uniform.max() < 1.5 * uniform.mean()
     with pytest.raises(TopKError):
         zipf_loads(1, 4, 5, 10, 1.0)
@@ -220,9 +220,9 @@ def test_zipf_loads_sum_skew_and_seed():
 
 @pytest.mark.parametrize("suffix", [".json", ".pt"])
 def test_load_trace_round_trip(tmp_path, suffix):
-    loads_WLE = torch.stack([zipf_loads(2, 16, 2, 100, 1.0, seed=s) for s in range(3)])
-    save_loads(tmp_path / f"trace{suffix}", loads_WLE)
-    assert torch.equal(load_loads(tmp_path / f"trace{suffix}"), loads_WLE.double())
+    loads_WLyE = torch.stack([zipf_loads(2, 16, 2, 100, 1.0, seed=s) for s in range(3)])
+    save_loads(tmp_path / f"trace{suffix}", loads_WLyE)
+    assert torch.equal(load_loads(tmp_path / f"trace{suffix}"), loads_WLyE.double())
 
 
 def test_load_trace_refuses_bad_files(tmp_path):
