@@ -146,8 +146,14 @@ def test_a_bad_dense_tensor_leaves_the_layer_as_it_was(tmp_path):
     assert layer.gate_up_weight is not None
 
 
-def test_progress_bar_on_rank_0_by_default(tmp_path, capsys):
+def test_progress_bar_on_rank_0_on_a_terminal_or_as_moe_ref_progress_says(tmp_path, capsys, monkeypatch):
+    """By default rank 0 draws the bar only on a terminal (pytest's captured stderr is none: no bar redrawn into
+    a log); MOE_REF_PROGRESS=1 forces it; progress=False never draws."""
     cfg, _ = _checkpoint(tmp_path, "kimi-k3-mxfp4")
+    monkeypatch.delenv("MOE_REF_PROGRESS", raising=False)
+    MegaMoE(cfg).load_hf_weights(tmp_path, layer_idx=LAYER)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("MOE_REF_PROGRESS", "1")
     MegaMoE(cfg).load_hf_weights(tmp_path, layer_idx=LAYER)
     assert f"layer {LAYER} experts" in capsys.readouterr().err
     MegaMoE(cfg).load_hf_weights(tmp_path, layer_idx=LAYER, progress=False)
