@@ -165,11 +165,12 @@ def main(argv=None) -> int:
              "ms per capture | 1st pass: first calls of each T, ms (max) | reserved MiB |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        f, s = r["first"], r["second"]
-        lines.append(f"| {r['sequence']} | {r['distinct_t']} | {r['mode']} | {f['mean_us']:.0f} | {s['mean_us']:.0f} | "
-                     f"{f['mean_us'] / s['mean_us']:.2f} | {f['captures']} + {s['captures']} | "
-                     f"{f['capture_ms_mean']:.1f} | {f['first_call_of_t_ms_total']:.0f} "
-                     f"({f['first_call_of_t_ms_max']:.0f}) | {s['reserved_mib']:.0f} |")
+        first, second = r["first"], r["second"]
+        lines.append(f"| {r['sequence']} | {r['distinct_t']} | {r['mode']} | {first['mean_us']:.0f} | "
+                     f"{second['mean_us']:.0f} | {first['mean_us'] / second['mean_us']:.2f} | "
+                     f"{first['captures']} + {second['captures']} | {first['capture_ms_mean']:.1f} | "
+                     f"{first['first_call_of_t_ms_total']:.0f} ({first['first_call_of_t_ms_max']:.0f}) | "
+                     f"{second['reserved_mib']:.0f} |")
     with open(os.path.join(args.out, "bench_warmup.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

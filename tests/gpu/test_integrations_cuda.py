@@ -36,14 +36,7 @@ def _model(model_type: str, dtype: torch.dtype):
 def saved(tmp_path_factory):
     import hf_tiny_models as tiny
 
-    folder = tmp_path_factory.mktemp("hf_cuda")
-
-    def save(model_type: str):
-        path = folder / model_type
-        if not path.exists():
-            tiny.tiny_model(model_type).save_pretrained(path)
-        return path
-    return save
+    return tiny.saved_once(tmp_path_factory.mktemp("hf_cuda"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

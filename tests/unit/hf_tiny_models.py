@@ -5,6 +5,9 @@ decoder layers where the family has a dense-layer rule (layer 0 dense, layer 1 M
 (``tests/unit/test_integrations_transformers.py``) and their torchrun worker."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable
+
 import torch
 
 import transformers
@@ -62,6 +65,17 @@ def tiny_model(model_type: str, seed: int = 0, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides),
                                                           dtype=torch.float32)
     return model.eval()
+
+
+def saved_once(folder: Path) -> Callable[[str], Path]:
+    """``save(model_type)``: the family's tiny model written with ``save_pretrained`` under ``folder`` (once per
+    type; later calls return the same folder)."""
+    def save(model_type: str) -> Path:
+        path = folder / model_type
+        if not path.exists():
+            tiny_model(model_type).save_pretrained(path)
+        return path
+    return save
 
 
 def prompt(batch: int = 2, length: int = 12, seed: int = 1) -> torch.Tensor:

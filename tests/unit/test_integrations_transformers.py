@@ -216,14 +216,7 @@ def _interface_families() -> list[str]:
 
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hf_models")
-
-    def save(model_type: str):
-        path = folder / model_type
-        if not path.exists():
-            tiny.tiny_model(model_type).save_pretrained(path)
-        return path
-    return save
+    return tiny.saved_once(tmp_path_factory.mktemp("hf_models"))
 
 
 @pytest.mark.parametrize("model_type", _interface_families())
