@@ -7,7 +7,9 @@
 Triton experts, cap 512) is called ``--calls`` times with T drawn per call from a sequence (seed 0), then the same
 sequence again. Each (sequence, mode) runs in a fresh process after one process has compiled every kernel (Triton's
 disk cache is warm, as on a serving host after its first start). Modes: ``default`` (the layer as built by default:
-eager graphs per T) and ``launch`` (``eager_graph_max_tokens=0``). Per pass: mean wall us per call (one sync at the
+eager graphs per T, the grouped MLP's tiles from the recorded table of this GPU class), ``launch``
+(``eager_graph_max_tokens=0``) and ``autotune`` (the default layer with ``MOE_REF_AUTOTUNE=1``: the tiles autotuned at
+the first call of each rows bucket, as before the table). Per pass: mean wall us per call (one sync at the
 end), the calls that captured a graph and their host ms, the layer's reserved memory. ``--profile`` adds a cProfile
 of the first capture (``cprofile_capture.txt``). Writes ``bench_warmup.json`` and ``bench_warmup.md`` under ``--out``.
 """
@@ -33,7 +35,7 @@ from moe_ref import MegaMoE  # noqa: E402
 from moe_ref.core.config import preset  # noqa: E402
 
 SEQUENCES = ("walk256", "uniform512", "fixed64")
-MODES = ("default", "launch")
+MODES = ("default", "launch", "autotune")
 
 
 def token_counts(name: str, calls: int, seed: int = 0) -> list[int]:
@@ -145,14 +147,17 @@ def main(argv=None) -> int:
         return 0
     me = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--calls", str(args.calls)]
     # compile every kernel once, so each measured process starts with Triton's disk cache warm
-    subprocess.run(me + ["--sequence", "uniform512", "--mode", "launch", "--calls", "600"], check=True,
-                   stdout=subprocess.DEVNULL)
+    # (with the recorded tiles, and with every tile the autotuner tries where the autotune mode is measured)
+    for autotune in ("0", "1") if "autotune" in args.modes else ("0",):
+        subprocess.run(me + ["--sequence", "uniform512", "--mode", "launch", "--calls", "600"], check=True,
+                       stdout=subprocess.DEVNULL, env=dict(os.environ, MOE_REF_AUTOTUNE=autotune))
     rows = []
     for sequence in args.sequences:
         for mode in args.modes:
             extra = ["--profile"] if args.profile else []
+            env = dict(os.environ, MOE_REF_AUTOTUNE="1" if mode == "autotune" else "0")
             out = subprocess.run(me + ["--sequence", sequence, "--mode", mode] + extra, check=True,
-                                 capture_output=True, text=True).stdout
+                                 capture_output=True, text=True, env=env).stdout
             row = json.loads(next(line[4:] for line in out.splitlines() if line.startswith("ROW ")))
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -13,11 +13,13 @@
 | MOE_REF_NATIVE                     | ``0``: the CPU EP path runs the torch twins, not the compiled ops | 1 |
 | MOE_REF_TMA                        | ``0``: the grouped MLP kernel loads tiles with pointers, not TMA descriptors | 1 |
 | MOE_REF_EAGER_GRAPH_MAX_TOKENS     | largest T whose eager calls replay a CUDA graph of their shape (one rank on CUDA; 0: never) | min(1024, cap) |
-| MOE_REF_BOUND_LAUNCH               | ``0``: Triton launches go through Triton's own launcher, and the grouped MLP's through its autotuner (not the kernel and config bound for the shape key); read at the process's first Triton launch (``moe_ref.kernels.runtime.launch.bound_launches(False)`` switches it in code) | 1 |
+| MOE_REF_BOUND_LAUNCH               | ``0``: Triton launches go through Triton's own launcher, and the grouped MLP's through its autotuner where no tile table applies (not the kernel and config bound for the shape key); read at the process's first Triton launch (``moe_ref.kernels.runtime.launch.bound_launches(False)`` switches it in code) | 1 |
+| MOE_REF_AUTOTUNE                   | ``1``: the grouped MLP kernel autotunes at the first launch of each shape key, also where its GPU class has a recorded tile table (``moe_ref.kernels.experts.tile_table``) | 0 |
 | MOE_REF_PROGRESS                   | ``1``: progress bars always; ``0``: never            | on a terminal only |
+| MOE_REF_BATCH_INVARIANT            | ``1``: batch-invariant layers when the caller passes none (docs/batch_invariance.md) | 0 |
 
 Switches (``SWITCHES``: ``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
-``MOE_REF_BOUND_LAUNCH``, ``MOE_REF_PROGRESS``) take ``1``, ``true``,
+``MOE_REF_BOUND_LAUNCH``, ``MOE_REF_AUTOTUNE``, ``MOE_REF_PROGRESS``, ``MOE_REF_BATCH_INVARIANT``) take ``1``, ``true``,
 ``yes``, ``on`` or ``0``, ``false``, ``no``, ``off`` (any case, surrounding spaces ignored); an empty value is
 unset. Anything else raises ``EnvVarError`` (CFG017) naming the variable: a typo must not silently pick a side.
 Reading an option (the policy, transport, backend, pool format, cap: every layer construction does) checks every
@@ -33,7 +35,7 @@ import sys
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 SWITCHES = ("MOE_REF_DEBUG", "MOE_REF_DEBUG_CHECKS", "MOE_REF_NATIVE", "MOE_REF_TMA", "MOE_REF_BOUND_LAUNCH",
-            "MOE_REF_PROGRESS")
+            "MOE_REF_AUTOTUNE", "MOE_REF_PROGRESS", "MOE_REF_BATCH_INVARIANT")
 
 
 def _get(name: str) -> str | None:
@@ -132,6 +134,10 @@ def debug_checks() -> bool | None:
     return _switch("MOE_REF_DEBUG_CHECKS")
 
 
+def batch_invariant() -> bool | None:
+    return _switch("MOE_REF_BATCH_INVARIANT")
+
+
 def native_ops() -> tuple[bool, str | None]:
     """(whether the compiled CPU ops may be used, the raw value): ``MOE_REF_NATIVE=0`` forces the torch twins."""
     return _switch("MOE_REF_NATIVE") is not False, _get("MOE_REF_NATIVE")
@@ -147,6 +153,12 @@ def bound_launch() -> bool:
     through its autotuner; by default later launches of a shape key call the compiled kernel (and the config the
     autotuner chose) directly (``moe_ref.kernels.runtime.launch``, which reads the switch at the process's first launch)."""
     return _switch("MOE_REF_BOUND_LAUNCH") is not False
+
+
+def autotune() -> bool:
+    """``MOE_REF_AUTOTUNE=1``: the grouped MLP kernel autotunes each new shape key, ignoring the recorded tile table
+    (how ``scripts/tune_tiles.py`` records one); by default a GPU class with a table launches its tiles."""
+    return _switch("MOE_REF_AUTOTUNE") is True
 
 
 def debug() -> bool:

@@ -207,6 +207,36 @@ class UnsupportedFamilyFeatureError(InvalidConfigError):
         "\"mlp_bias\": false")
 
 
+class BatchInvariantUnsupportedError(InvalidConfigError):
+    code = _entry(
+        "CFG026", "batch_invariant=True with an option that cannot hold the batch-invariance contract",
+        "A batch-invariant layer promises that a token's output bits do not depend on its batch, its row order in an "
+        "expert segment, the chunk count or the EP size (docs/batch_invariance.md). Only paths whose every GEMM runs "
+        "one fixed order per row hold that: the torch experts loop on the CPU (fixed 16-row blocks), the Triton "
+        "grouped MLP on CUDA (one tile per precision, no autotune), moe_ref's own routed step (mega='off'). cuBLAS, "
+        "CUTLASS and DeepGEMM pick kernels by the row count, so grouped_mm, deep_gemm, auto holding DeepGEMM and "
+        "DeepGEMM's fused mega-MoE are refused.",
+        "MegaMoE(cfg, batch_invariant=True, experts_backend='deep_gemm'), MOE_REF_BATCH_INVARIANT=1 with "
+        "mega='auto', experts_backend='torch' on CUDA.",
+        ["Use experts_backend='auto' (it resolves to torch on the CPU and triton on CUDA in this mode), and "
+         "mega='off'.", "Or turn the mode off (batch_invariant=False, MOE_REF_BATCH_INVARIANT=0) for the fastest "
+         "kernels."],
+        "MegaMoE(cfg, group, batch_invariant=True, experts_backend='auto', mega='off')")
+
+
+class BatchInvariantExpertsError(InvalidConfigError):
+    code = _entry(
+        "CFG027", "quantized checkpoint experts loaded into a batch-invariant layer",
+        "The experts of a quantized checkpoint (FP8 blocks, INT4, MXFP4) run on kernels whose tiles are still chosen "
+        "per row count (the W4A16 kernel, the FP8-block experts), so a batch-invariant layer cannot hold its contract "
+        "on them; the load is refused after reading, on every rank alike (every rank loads the same checkpoint).",
+        "MegaMoE(cfg, batch_invariant=True).load_hf_weights('/models/kimi-k2-thinking', 5) (INT4 experts).",
+        ["Load a bf16 checkpoint (or dequantize the experts) into the batch-invariant layer; FP8 dispatch "
+         "(dispatch_fp8=True) with bf16 weights holds the contract on Triton.",
+         "Or build the layer with batch_invariant=False to run the quantized experts as stored."],
+        "MegaMoE(cfg, batch_invariant=True, dispatch_fp8=True).load_hf_weights(bf16_checkpoint, 5)")
+
+
 class AutoTableError(InvalidConfigError):
     code = _entry(
         "CFG019", "the experts backend table of experts_backend='auto' is malformed",
@@ -220,6 +250,20 @@ class AutoTableError(InvalidConfigError):
          "GPU: python scripts/tune_experts_auto.py",
          "Or run with an explicit experts_backend ('triton', 'deep_gemm') until the table is fixed."],
         "python scripts/tune_experts_auto.py --out moe_ref/experts/auto_table.json")
+
+
+class TileTableError(InvalidConfigError):
+    code = _entry(
+        "CFG036", "the grouped MLP kernel's tile table is malformed",
+        "On a GPU class the table holds (moe_ref/kernels/experts/tile_table.json, recorded by scripts/tune_tiles.py), "
+        "the grouped MLP kernel launches the tile recorded for its shape instead of autotuning at the first call of "
+        "each token-count bucket. The file is not JSON, or a field is missing or has the wrong type (the message "
+        "names the file and the field): a hand edit or a partial copy.",
+        "A truncated file, an entry without 'tile', a tile of four numbers, a 'format' other than 1.",
+        ["Restore the file from the package (git checkout moe_ref/kernels/experts/tile_table.json) or record it "
+         "again on the GPU: python scripts/tune_tiles.py --install",
+         "Or autotune at the first call of each bucket instead (MOE_REF_AUTOTUNE=1) until the table is fixed."],
+        "python scripts/tune_tiles.py --install")
 
 
 class ConfigNotExpressibleError(InvalidConfigError):
@@ -358,6 +402,75 @@ class LoadTraceError(ConfigError):
         ["Write the trace with moe_ref.eplb.trace.save_loads(path, loads).",
          "Check that the table's last dim is the number of experts the simulation is asked for."],
         "save_loads('loads.json', torch.tensor(counts).reshape(1, 61, 256))")
+
+
+class ExpertSlotsError(ConfigError):
+    code = _entry(
+        "CFG021", "num_redundant_experts does not give every rank the same number of expert slots",
+        "With EPLB a layer holds Ph = E + num_redundant_experts physical expert slots, Ph / R on each of the R EP "
+        "ranks; each slot holds one logical expert (a replica), and the capacity plan, the shared buffer and "
+        "moe-ref plan count slots. num_redundant_experts must be an int >= 0 with (E + redundant) % R == 0.",
+        "MegaMoE('tiny-kimi-k2', group, num_redundant_experts=3) at EP 4 (64 + 3 = 67 slots over 4 ranks), or a "
+        "negative count.",
+        ["Pick num_redundant_experts so that E + redundant is a multiple of the EP size (the message names the "
+         "nearest ones).",
+         "Leave it at 0 (and placement None) to run without EPLB."],
+        "MegaMoE(cfg, group, num_redundant_experts=4)  # E = 64, EP 4: 68 slots, 17 per rank")
+
+
+class PlacementMismatchError(ConfigError):
+    code = _entry(
+        "CFG023", "an expert placement does not fit the layer it is given to",
+        "A layer's placement (constructor argument placement=, or rebalance(new_placement)) maps the layer's Ph "
+        "physical slots to its E logical experts over its R EP ranks, for one MoE layer. A placement made for "
+        "another expert count, slot count or EP size, or one holding several layers, cannot say which expert each "
+        "of this layer's slots holds.",
+        "MegaMoE(cfg, group, placement=plan_global(load, 72, 8)) at EP 4, a placement file of 61 layers given "
+        "as is, or num_redundant_experts=8 with a placement of 4 redundant slots.",
+        ["Plan for the layer's sizes: plan_global(load_LyE, num_physical=E + redundant, num_ranks=ep_size).",
+         "Give one layer of a multi-layer placement: placement.layer(i) (or Placement.load(path).layer(i))."],
+        "MegaMoE(cfg, group, num_redundant_experts=8, placement=Placement.load('placement.json').layer(3))")
+
+
+class PlacementDisagreementError(ConfigError):
+    code = _entry(
+        "CFG024", "the ranks of the EP group were given different placements to move to",
+        "rebalance(new_placement) is collective: every rank moves its slots' weights to where the placement puts "
+        "them, so every rank must be given the same placement. The ranks first exchange a digest of theirs; on a "
+        "difference every rank raises this before any weight moves, and the layer keeps its old placement.",
+        "Each rank planning from its own local telemetry instead of the gathered expert_load(), or a placement "
+        "file read from a node-local path that differs between nodes.",
+        ["Plan once from the gathered load (layer.expert_load() is the same on every rank) or on rank 0 and "
+         "broadcast it (dist.broadcast_object_list).",
+         "Read the placement from a path every rank sees alike."],
+        "load = layer.expert_load()  # collective, the same on every rank\n"
+        "layer.rebalance(plan_global(load.logical_rows_E[None], layer.num_physical_experts, layer.world_size))")
+
+
+class ConformanceImplError(ConfigError):
+    code = _entry(
+        "CFG028", "a conformance implementation cannot be loaded, or declares impossible capabilities",
+        "moe-ref conform loads the implementation under test from --impl (module:attribute, or a registered name) "
+        "and checks what it declares (moe_ref.conformance.Capabilities: dtypes, quant recipes, overflow behaviour "
+        "and its cap, the kind) before any case runs.",
+        "--impl pkg.mod:factory where the module does not import, the attribute is a plain function not wrapped by "
+        "@implementation, overflow='error' without max_tokens_per_rank, or kind 'experts' with ep_sizes (2,).",
+        ["Decorate the factory with moe_ref.conformance.implementation(name, kind=..., caps=Capabilities(...)).",
+         "Declare the cap (max_tokens_per_rank) whenever overflow is 'error' or 'chunk'.",
+         "`moe-ref conform --list` names the registered implementations."],
+        "@implementation('mine', kind='experts', caps=Capabilities(dtypes=('bf16',)))\ndef mine(problem): ...")
+
+
+class ConformanceLedgerError(ConfigError):
+    code = _entry(
+        "CFG029", "the conformance ledger of known failures or the case filter is malformed",
+        "moe-ref conform reads a JSON ledger {\"impl/case\": \"why it fails\"} of known failures (an entry that "
+        "passes fails the run: the ledger must be kept current) and a --cases filter (fnmatch patterns); an entry "
+        "must be an object of strings, a filter must match at least one case.",
+        "--ledger known.json holding a list, or --cases 'tiny/nope*' matching nothing.",
+        ["Write the ledger as {\"torch/tiny/bf16/base\": \"reason\"}; run with --list-cases to see the ids.",
+         "Remove entries that now pass."],
+        "moe-ref conform --impl torch --ledger docs/conform_ledger.json --cases 'tiny/*'")
 
 
 # --- capacity --------------------------------------------------------------------------------------------
@@ -688,6 +801,20 @@ class StepBuiltOnSomeRanksError(StepOutOfSyncError):
         "for moe in moe_layers:  # on every rank alike\n    moe.destroy()")
 
 
+class RebalanceCanaryError(EnvironmentError_):
+    code = _entry(
+        "ENV019", "after an EPLB rebalance a slot does not hold the expert its placement names",
+        "rebalance() moves experts' weights between ranks by point-to-point sends, then checks a canary: a digest of "
+        "sampled bytes of every slot's tensors, taken before the move for each logical expert, compared after it "
+        "with every slot's. The ranks agree on the result, so every rank raises this, naming the slots that differ. "
+        "The layer's weights are then not what its placement says: do not call it.",
+        "A transport that lost or reordered messages, a rank that changed its experts' weights between the "
+        "digest and the move, or replicas of one expert that were never equal (weights loaded differently per rank).",
+        ["Load the weights again (load_hf_weights / load_state_dict on every rank) and rebalance again.",
+         "Check that every rank loaded the same checkpoint: replicas of one expert must be equal before a move."],
+        "layer.load_hf_weights(path, layer_idx)  # every rank\nlayer.rebalance(placement)")
+
+
 class GroupTimeoutError(EnvironmentError_):
     code = _entry(
         "ENV018", "a peer of the EP group did not join a collective within the group's timeout",
@@ -718,6 +845,17 @@ class OptionalDependencyError(EnvironmentError_):
         ["Install the package the message names (pip install 'transformers>=5' huggingface_hub).",
          "Or pass a local checkpoint folder instead of a repo id (no huggingface_hub needed)."],
         "pip install 'transformers>=5' huggingface_hub")
+
+
+class ConformanceSpawnError(EnvironmentError_):
+    code = _entry(
+        "ENV021", "the conformance harness could not start its rank processes",
+        "moe-ref conform runs each rank count in its own processes (gloo on CPU, NCCL on GPUs), joined over a local "
+        "TCP port; a process that cannot start, or a group that cannot form, ends the run before any case.",
+        "--ranks 4 --device cuda on a machine with fewer GPUs, or a sandbox that forbids local TCP ports.",
+        ["Lower --ranks to the GPUs present (torch.cuda.device_count()), or run on --device cpu.",
+         "The message carries each rank's last output lines."],
+        "moe-ref conform --impl torch --ranks 2 --device cpu")
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------
@@ -958,6 +1096,18 @@ class UnexpectedTensorError(CheckpointError):
          "If the model really has the bias, its family must say so: see moe_ref/core/families/ (moe-ref explain "
          "CFG025)."],
         "cfg = MoEConfig.from_hf_config('<checkpoint dir>')")
+
+
+class SlotWeightsError(CheckpointError):
+    code = _entry(
+        "LOAD020", "the weights given do not hold every logical expert this rank's EPLB slots need",
+        "With EPLB each physical slot of a rank holds a logical expert named by the placement, not a contiguous "
+        "block of experts; load_weights(weights) takes each slot's expert from the block given, so the block must "
+        "hold every expert the rank's slots name.",
+        "load_weights(MoEWeights of experts 0..7) on a rank whose slots hold experts 3, 9 and 12.",
+        ["Pass all experts (MoEWeights.random(cfg) or the full checkpoint block), or a block covering the experts "
+         "listed in the message (layer.slot_experts())."],
+        "layer.load_weights(MoEWeights.random(cfg, seed=0))")
 
 
 class RepoNotCachedError(CheckpointNotFoundError):

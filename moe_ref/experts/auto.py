@@ -52,6 +52,7 @@ from moe_ref.core.errors import AutoTableError, MoERefError
 from moe_ref.experts.base import ExpertLayout, Experts, FP8ExpertWeights
 from moe_ref.experts.registry import experts_class, make_experts, register_experts, registered_backends
 from moe_ref.kernels.ep.ep_regions import POOL_FORMATS
+from moe_ref.kernels.runtime.gpu_class import gpu_class_name, gpu_class_of  # noqa: F401  (re-exported: the table's keys)
 
 __all__ = ["AutoExperts", "AutoPlan", "AutoTable", "GpuClassTable", "Regime", "TABLE_PATH", "auto_plan",
            "auto_table", "find_regime", "format_regimes", "gpu_class_name", "gpu_class_of", "validate_table"]
@@ -207,20 +208,6 @@ def find_regime(regimes: tuple[Regime, ...], dtype: str | None, pool_format: str
 # --------------------------------------------------------------------------------------------------
 # what auto holds on this machine
 # --------------------------------------------------------------------------------------------------
-def gpu_class_name(compute_capability: str, device_name: str) -> str:
-    """The table's key of a GPU class: ``"9.0/NVIDIA H200"`` from ``("9.0", "NVIDIA H200")``."""
-    return f"{compute_capability}/{device_name}"
-
-
-def gpu_class_of(device: torch.device | str) -> str | None:
-    """The GPU class of a CUDA ``device`` (``gpu_class_name`` of its compute capability and name), None off CUDA."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return gpu_class_name(f"{major}.{minor}", torch.cuda.get_device_name(device))
-
-
 @dataclass(frozen=True)
 class AutoPlan:
     """What ``experts_backend="auto"`` runs on one device.

@@ -557,6 +557,28 @@ def auto_backend_lines() -> list[str]:
     return lines
 
 
+def tile_table_lines() -> list[str]:
+    """Where the grouped MLP kernel's tiles come from on this machine's current GPU: the recorded table of its GPU
+    class (``moe_ref.kernels.experts.tile_table``), or the autotuner at each new token-count bucket."""
+    from moe_ref.core import envs
+    from moe_ref.kernels.experts import tile_table
+    from moe_ref.kernels.runtime.gpu_class import gpu_class_of
+
+    if not torch.cuda.is_available():
+        return []
+    gpu_class = gpu_class_of("cuda")
+    recorded = tile_table.header_of(gpu_class)
+    if envs.autotune():
+        return ["grouped MLP tiles: MOE_REF_AUTOTUNE=1: autotuned at the first launch of each shape key"]
+    if recorded is None:
+        return [f"grouped MLP tiles: GPU class {gpu_class} has no recorded tile table ({tile_table.TABLE_PATH}): "
+                "autotuned at the first launch of each token-count bucket (seconds each); record one with "
+                "python scripts/tune_tiles.py --install"]
+    header, count = recorded
+    about = ", ".join(f"{field} {header[field]}" for field in ("date", "command", "torch", "triton") if field in header)
+    return [f"grouped MLP tiles: {count} recorded for {gpu_class} ({about}); no autotune in a call"]
+
+
 def cmd_info(args) -> int:
     import triton
 
@@ -585,7 +607,7 @@ def cmd_info(args) -> int:
               f"{f' (version {status.version})' if status.version else ''}: {status.reason}")
     except ImportError as err:
         print(f"deep_gemm: backend module not importable: {err}")
-    print("\n".join(auto_backend_lines()))
+    print("\n".join(auto_backend_lines() + tile_table_lines()))
     print("transports: " + "; ".join(f"{name} ({row.summary})" for name, row in TRANSPORTS.items()))
     from moe_ref.kernels.runtime.native import native_status
 

@@ -131,3 +131,91 @@ def test_the_default_schedule_follows_the_rows_hints_regime(gpu_path):
     _launch(rows_hint=24)  # 8 rows per expert: decode
     _launch(rows_hint=3 * 512)  # 512 rows per expert: prefill
     assert [call["PERSISTENT"] for call in tuner.calls] == [True, False]
+
+
+# --- the recorded tile table (moe_ref.kernels.experts.tile_table) ---------------------------------------------------
+from moe_ref.core.errors import TileTableError  # noqa: E402
+from moe_ref.kernels.experts import tile_table  # noqa: E402
+
+STAND_IN_CLASS = "9.0/Stand-in GPU"
+
+
+def _entry(rows: int, tile: tuple, n: int = 32, k: int = 64, activation: int = 1) -> tile_table.TileEntry:
+    flags = tile_table.matched_flags({"ACTIVATION": activation, "USE_TMA": False, "PERSISTENT": True})
+    return tile_table.TileEntry(n=n, k=k, experts=3, rows=rows, flags=flags, tile=tile)
+
+
+@pytest.fixture
+def with_table(gpu_path, monkeypatch):
+    """The GPU path on a stand-in GPU class whose table the test fills (``entries.extend(...)``)."""
+    entries: list = []
+    monkeypatch.setattr(gm, "gpu_class_of", lambda device: STAND_IN_CLASS)
+    monkeypatch.setattr(tile_table, "load_table", lambda: {STAND_IN_CLASS: entries})
+    monkeypatch.setattr(gm, "_CHOSEN_BY", {})
+    monkeypatch.delenv("MOE_REF_AUTOTUNE", raising=False)
+    return (*gpu_path, entries)
+
+
+def _tile_of_call(call: dict) -> tuple:
+    return tuple(call[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+
+
+def test_a_recorded_tile_is_launched_without_autotune(with_table):
+    """rows hint 24 (bucket 32, 10.7 rows per expert): of the entries at rows 16 and 256 the nearer in log2 rows per
+    expert (16) wins; no autotuner call, and chosen_tiles says the table chose."""
+    tuner, kernel, entries = with_table
+    entries.extend([_entry(256, (64, 32, 64, 4, 3)), _entry(16, (16, 32, 32, 4, 2))])
+    _launch()
+    assert not tuner.calls and _tile_of_call(kernel.calls[0]) == (16, 32, 32, 4, 2)
+    assert [row["source"] for row in gm.chosen_tiles()] == ["table"]
+
+
+def test_a_tile_the_launch_cannot_take_is_skipped(with_table):
+    """The nearest entry's tile is wider than the problem (BLOCK_N 256 > n 32): the next candidate is launched."""
+    tuner, kernel, entries = with_table
+    entries.extend([_entry(32, (16, 256, 64, 4, 3)), _entry(4096, (32, 32, 64, 4, 3))])
+    _launch()
+    assert not tuner.calls and _tile_of_call(kernel.calls[0]) == (32, 32, 64, 4, 3)
+
+
+@pytest.mark.parametrize("why", ["other flags", "MOE_REF_AUTOTUNE=1", "another GPU class"])
+def test_without_a_usable_entry_the_autotuner_chooses(with_table, monkeypatch, why):
+    tuner, kernel, entries = with_table
+    entries.append(_entry(32, (16, 32, 32, 4, 2), activation=0 if why == "other flags" else 1))
+    if why == "MOE_REF_AUTOTUNE=1":
+        monkeypatch.setenv("MOE_REF_AUTOTUNE", "1")
+    if why == "another GPU class":
+        monkeypatch.setattr(gm, "gpu_class_of", lambda device: "9.0/Another GPU")
+    _launch()
+    assert len(tuner.calls) == 1 and not kernel.calls
+    assert [row["source"] for row in gm.chosen_tiles()] == ["autotune"]
+
+
+def test_candidates_prefer_the_launch_shape_then_its_rows_per_expert():
+    entries = [_entry(4096, (1, 1, 1, 1, 1), n=64), _entry(8192, (2, 2, 2, 2, 2)), _entry(2048, (3, 3, 3, 3, 3)),
+               _entry(64, (4, 4, 4, 4, 4))]
+    order = tile_table.candidates(entries, n=32, k=64, num_experts=3, flags={"ACTIVATION": 1, "PERSISTENT": True},
+                                  rows_bucket=4096)
+    # same shape first; 2048 and 8192 are one log2 step away (the smaller wins the tie), 64 six; the other shape last
+    assert [tile[0] for tile in order] == [3, 2, 4, 1]
+
+
+@pytest.mark.parametrize("text, field", [
+    ("{", "not JSON"), ('{"format": 2, "gpu_classes": {}}', "format"),
+    ('{"format": 1, "gpu_classes": {"9.0/X": {"entries": []}}}', "entries"),
+    ('{"format": 1, "gpu_classes": {"9.0/X": {"entries": [{"n": 1, "k": 1, "experts": 1, "rows": 1, "tile": [1]}]}}}',
+     "entries[0]"),
+])
+def test_a_malformed_table_is_cfg036_naming_the_field(text, field):
+    with pytest.raises(TileTableError, match="CFG036") as err:
+        tile_table.parse_table(text, "tile_table.json")
+    assert field in str(err.value) and "tune_tiles.py" in str(err.value)
+
+
+def test_the_shipped_table_parses():
+    """Every GPU class recorded in the package's file (none until a GPU run records one) parses and names tiles of
+    five or six ints."""
+    if not tile_table.TABLE_PATH.exists():
+        pytest.skip("no tile table recorded yet (scripts/tune_tiles.py --install on a GPU writes it)")
+    table = tile_table.parse_table(tile_table.TABLE_PATH.read_text(), str(tile_table.TABLE_PATH))
+    assert table and all(len(entry.tile) in (5, 6) for entries in table.values() for entry in entries)

@@ -56,7 +56,9 @@ from moe_ref.kernels.runtime._triton_utils import (
     split_halves,
 )
 from moe_ref.kernels.experts import grouped_mlp_tiles as tiles
+from moe_ref.kernels.experts import tile_table
 from moe_ref.kernels.experts.grouped_mlp_tiles import GATE_UP_BLOCK
+from moe_ref.kernels.runtime.gpu_class import gpu_class_of
 from moe_ref.kernels.runtime.launch import bound_launches_on, launch
 from moe_ref.kernels.ep.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
 
@@ -65,8 +67,8 @@ try:  # host-side TMA descriptors (triton >= 3.4)
 except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
-__all__ = ["GATE_UP_BLOCK", "SCHEDULES", "autotuned_kernel", "clear_tuned_configs", "deinterleave_gate_up", "grouped_mlp",
-           "grouped_mlp_ref", "interleave_gate_up", "launch_gemm"]
+__all__ = ["GATE_UP_BLOCK", "SCHEDULES", "autotuned_kernel", "chosen_tiles", "clear_tuned_configs", "deinterleave_gate_up",
+           "grouped_mlp", "grouped_mlp_ref", "interleave_gate_up", "launch_gemm", "table_config"]
 
 SCHEDULES = ("grid", "hinted", "persistent")  # how many programs a launch has (module docstring)
 
@@ -567,21 +569,60 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     # it chose and its launch keywords, merged once (no autotuner key work or pre-hook per call). The key holds
     # everything the autotuner's does (its key arguments and every tensor's dtype), and more;
     # MOE_REF_BOUND_LAUNCH=0 keeps the autotuner.
+    # A GPU class with a recorded tile table launches the recorded tile (no autotune at a new token count:
+    # moe_ref.kernels.experts.tile_table); where it has none, or MOE_REF_AUTOTUNE=1, the autotuner chooses.
     tensors = (a, a_scale, b, b_scale, c, c_scale)
     key = tuned_launch_key((rows_bucket, pool_bucket), n, k, num_experts, flags, tensors)
     tuned = _TUNED.get(key) if bound_launches_on() else None
+    if tuned is None:
+        recorded = table_config(a.device, n=n, k=k, num_experts=num_experts, flags=flags, rows_bucket=rows_bucket)
+        if recorded is not None:
+            tuned = recorded, keywords(tiles.forced_options(recorded))
+            _TUNED[key], _CHOSEN_BY[key] = tuned, ("table", flags)
     if tuned is not None:
         chosen, keywords = tuned
         return launch(_grouped_gemm_kernel, grid(keywords), *arguments(chosen.kwargs), **keywords)
     tuner = autotuned_kernel()
     out = tuner[grid](*arguments(None), **keywords({}))
     _TUNED[key] = tuner.best_config, keywords(tiles.forced_options(tuner.best_config))
+    _CHOSEN_BY[key] = ("autotune", flags)
     return out
 
 
-# shape key -> (the config the autotuner chose for it, every keyword of its launch: the kernel's flags, the tile, the
-# compile options); filled by launch_gemm
+def table_config(device: torch.device, *, n: int, k: int, num_experts: int, flags: dict,
+                 rows_bucket: int) -> triton.Config | None:
+    """The recorded tile of a launch (``tile_table.candidates``' first one the kernel accepts for it), or None: no
+    table for ``device``'s GPU class, no entry with the launch's flags, none legal, or ``MOE_REF_AUTOTUNE=1``."""
+    entries = tile_table.load_table().get(gpu_class_of(device))
+    if entries is None or envs.autotune():
+        return None
+    facts = dict(n=n, k=k, gated=flags["ACTIVATION"] != 0, fp8=flags["FP8"], quant_out=flags["QUANT_OUT"],
+                 ieee_fp32=flags["IEEE_FP32"], interleaved=flags["INTERLEAVED"] and flags["ACTIVATION"] != 0)
+    for tile in tile_table.candidates(entries, n=n, k=k, num_experts=num_experts, flags=flags,
+                                      rows_bucket=rows_bucket):
+        config = tiles.config_of_tile(tile)
+        if tiles.config_problem(config, **facts) is None:
+            return config
+    return None
+
+
+# shape key -> (the config the autotuner or the tile table chose for it, every keyword of its launch: the kernel's
+# flags, the tile, the compile options); filled by launch_gemm, with who chose (``"table"`` or ``"autotune"``) and the
+# launch's kernel flags
 _TUNED: dict[tuple, tuple[triton.Config, dict]] = {}
+_CHOSEN_BY: dict[tuple, tuple[str, dict]] = {}
+
+
+def chosen_tiles() -> list[dict]:
+    """What each shape key launched so far: ``{"rows", "pool", "n", "k", "experts", "flags", "tile", "source"}``
+    (rows and pool: the key's power-of-2 buckets; flags: the kernel flags; tile: ``tiles.tile_of``; source: "table"
+    or "autotune"). ``scripts/tune_tiles.py`` records the autotuned ones as a GPU class's table."""
+    rows = []
+    for key, (source, flags) in _CHOSEN_BY.items():
+        rows_bucket, pool_bucket, n, k, num_experts = key[:5]
+        rows.append({"rows": rows_bucket, "pool": pool_bucket, "n": n, "k": k, "experts": num_experts,
+                     "flags": dict(flags), "tile": tiles.tile_of(_TUNED[key][0]), "source": source})
+    return rows
 
 
 def clear_tuned_configs() -> None:
@@ -599,6 +640,7 @@ def clear_tuned_configs() -> None:
         None.
     """
     _TUNED.clear()
+    _CHOSEN_BY.clear()
     autotuned_kernel().cache.clear()
 
 
