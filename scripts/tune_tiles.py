@@ -94,6 +94,11 @@ def main() -> None:
         for precision in args.precisions:
             seconds = record(model, precision == "fp8", args.max_tokens)
             print(f"{model} {precision}: {seconds:.0f} s, {len(gm.chosen_tiles())} keys so far", flush=True)
+            write_table(args)  # after each: a run cut short keeps what it recorded
+
+
+def write_table(args) -> None:
+    """This GPU class's entries (what the autotuner chose so far) into the table, every other class kept."""
     gpu_class = gpu_class_of("cuda")
     entries = {}  # one entry per table key (the pool's bucket is not in it: the first choice of the key stays)
     for row in gm.chosen_tiles():
@@ -118,8 +123,7 @@ def main() -> None:
             f.write(text)
     with open(os.path.join(args.out, "tile_table.md"), "w") as f:
         f.write(markdown(gpu_class, rows, header))
-    print(f"{gpu_class}: {len(rows)} entries -> {', '.join(targets)}")
-
+    print(f"{gpu_class}: {len(rows)} entries -> {', '.join(targets)}", flush=True)
 
 if __name__ == "__main__":
     main()
