@@ -20,6 +20,7 @@ import torch
 
 from moe_ref.kernels.runtime import ops
 from moe_ref.core.config import MoEConfig
+from moe_ref.ep import batch_invariant as batch_invariant_ops
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.core.errors import DTypeError, NonFiniteError, ShapeError
 from moe_ref.core.router import RouterOutput, non_finite_logits_error
@@ -31,8 +32,8 @@ RoutedFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoEConfig,
                     bias_E: torch.Tensor | None = None, *, check_values: bool = True,
-                    device_checks: DeviceChecks | None = None,
-                    router_bias_E: torch.Tensor | None = None) -> tuple[RouterOutput, NonFiniteError | None]:
+                    device_checks: DeviceChecks | None = None, router_bias_E: torch.Tensor | None = None,
+                    batch_invariant: bool = False) -> tuple[RouterOutput, NonFiniteError | None]:
     """Route with ``cfg``'s family semantics, returning (not raising) the NaN/inf-logits problem.
 
     Args:
@@ -41,6 +42,7 @@ def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoECo
         bias_E: ``[E]`` fp32 selection-only bias (used when ``cfg.use_selection_bias``).
         router_bias_E: ``[E]`` the gate Linear's bias, added to the logits in fp32 (``cfg.router_bias``: gpt-oss);
             required then, ignored otherwise.
+        batch_invariant: the gate GEMM on fixed tiles (``moe_ref.ep.batch_invariant``); top-k is row-wise anyway.
 
     Returns:
         ``RouterOutput(topk_ids_TK [T, K] int64, topk_weights_TK [T, K] fp32)`` and ``NonFiniteError`` (INP004)
@@ -53,7 +55,7 @@ def route_unchecked(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoECo
                          f"{tuple(gate_weight_ED.shape)}: expected [T, {gate_weight_ED.shape[1]}]")
     if not x_TD.is_floating_point():
         raise DTypeError(f"hidden states have dtype {x_TD.dtype}; expected a floating dtype")
-    logits_TE = ops.router_logits(x_TD, gate_weight_ED)
+    logits_TE = (batch_invariant_ops.router_logits if batch_invariant else ops.router_logits)(x_TD, gate_weight_ED)
     if cfg.router_bias:
         if router_bias_E is None:
             raise ShapeError(f"{cfg.name} ({cfg.family}) has a router bias [{cfg.num_experts}] but none was given "
@@ -89,8 +91,10 @@ def route(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor, cfg: MoEConfig, bias
     return output
 
 
-def expert_input(x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig) -> torch.Tensor:
-    """What the routed experts see: ``x_TD`` itself, or (Kimi-K3) ``x_TD @ latent_down^T`` ``[T, L]``.
+def expert_input(x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, *,
+                 batch_invariant: bool = False) -> torch.Tensor:
+    """What the routed experts see: ``x_TD`` itself, or (Kimi-K3) ``x_TD @ latent_down^T`` ``[T, L]`` (on fixed
+    tiles when ``batch_invariant``).
 
     Raises ``ShapeError`` (INP001) when ``weights`` lacks a tensor ``cfg``'s family needs (gpt-oss's expert biases,
     Qwen2-MoE's shared-expert gate): without it the block would compute another model."""
@@ -98,7 +102,16 @@ def expert_input(x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig) -> tor
     if missing:
         raise ShapeError(f"{cfg.name} ({cfg.family}) needs {', '.join(missing)}, which the weights do not hold "
                          f"(None): load them with the checkpoint (load_moe_weights reads every family's names)")
-    return x_TD if cfg.latent_dim is None else x_TD @ weights.latent_down_weight_LD.t().to(x_TD.dtype)
+    if cfg.latent_dim is None:
+        return x_TD
+    return _linear(x_TD, weights.latent_down_weight_LD, x_TD.dtype, batch_invariant)
+
+
+def _linear(x_TI: torch.Tensor, weight_OI: torch.Tensor, out_dtype: torch.dtype, batch_invariant: bool) -> torch.Tensor:
+    """``x @ weight^T`` ``[T, O]``: torch's GEMM in ``out_dtype``, or on fixed tiles (``batch_invariant``)."""
+    if batch_invariant:
+        return batch_invariant_ops.matmul(x_TI.to(out_dtype), weight_OI, out_dtype)
+    return x_TI.to(out_dtype) @ weight_OI.t().to(out_dtype)
 
 
 def missing_family_weights(weights: MoEWeights, cfg: MoEConfig) -> list[str]:
@@ -117,8 +130,10 @@ def rms_norm(x_TL: torch.Tensor, weight_L: torch.Tensor, eps: float) -> torch.Te
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight_L.float()).to(x_TL.dtype)
 
 
-def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig) -> torch.Tensor:
-    """After the routed step: (Kimi-K3) RMSNorm of the full sum + latent up-projection, + shared experts.
+def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, *,
+           batch_invariant: bool = False) -> torch.Tensor:
+    """After the routed step: (Kimi-K3) RMSNorm of the full sum + latent up-projection, + shared experts (every GEMM
+    on fixed tiles when ``batch_invariant``: ``moe_ref.ep.batch_invariant``).
 
     Returns ``[T, D]`` in ``x_TD``'s dtype.
     """
@@ -126,9 +141,17 @@ def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cf
     if cfg.latent_dim is not None:
         if cfg.latent_norm:
             routed = rms_norm(routed, weights.latent_norm_weight_L, cfg.rms_norm_eps)
-        routed = routed @ weights.latent_up_weight_DL.t().to(routed.dtype)
+        routed = _linear(routed, weights.latent_up_weight_DL, routed.dtype, batch_invariant)
     if not cfg.has_shared_experts:
         return routed
+    if batch_invariant:  # the shared MLP on fixed tiles, then one add in x's dtype (fp32 inside, rounded once)
+        shared_TD = batch_invariant_ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD,
+                                                  weights.shared_down_weight_DS, cfg.activation, cfg.situ_beta,
+                                                  cfg.situ_linear_beta)
+        if cfg.shared_expert_gate:
+            gate_T1 = torch.sigmoid(_linear(x_TD, weights.shared_gate_weight_D[None, :], torch.float32, True))
+            return (routed.float() + gate_T1 * shared_TD.float()).to(x_TD.dtype)
+        return routed.to(x_TD.dtype) + shared_TD
     if cfg.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ w) scales the shared output per token, in fp32
         shared_TD = ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS,
                                   cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)

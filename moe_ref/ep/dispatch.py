@@ -50,6 +50,7 @@ from moe_ref.kernels.runtime import ops
 from moe_ref.ep.buffer import SymmetricBuffer, release_buffer
 from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.core.config import MoEConfig
+from moe_ref.ep.batch_invariant import sum_slots
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import comm_device
 from moe_ref.core.errors import (CapacityExceededError, DeviceError, DTypeError, ExpertIdError, InputError,
@@ -331,6 +332,54 @@ class Dispatcher(ABC):
 
     def __enter__(self) -> "Dispatcher":
         return self
+    def combine_slots(self, y_PD: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """The batch-invariant combine (``moe_ref.ep.batch_invariant``): every (token, slot) expert row comes back
+        unreduced and MY tokens' K rows are summed here in slot order in fp32 (``sum_slots``), so the sum is the
+        same bits at any EP size (collective; one chunk; arguments and result as ``combine``).
+
+        One rank reads the rows straight from the pool. Several run K rounds of the transport's own partials and
+        reduce, round j with every slot but j masked and weight 1: a partial is then ONE expert row, exact in the
+        activation dtype, and lands at ``combine_partial[owner, token]``; a barrier ends each round (the next
+        overwrites those rows). NOTE: K times the combine traffic of ``combine``."""
+        view, num_tokens = self.buffer.view, handle.num_tokens
+        y_PD = y_PD.to(self.plan.activation_dtype).contiguous()  # the rows travel exactly in the activation dtype
+        ids_TK = view("topk_ids")[:num_tokens]
+        if self.world_size == 1:
+            rows_TKD = _rows_at(y_PD, view("recv_pos")[0, :num_tokens].long())
+        else:
+            rows_TKD = self._slot_rows_in_rounds(y_PD, handle, ids_TK)
+        return sum_slots(rows_TKD, ids_TK, view("topk_weights")[:num_tokens], self.plan.activation_dtype)
+
+    def _slot_rows_in_rounds(self, y_PD: torch.Tensor, handle: DispatchHandle, ids_TK: torch.Tensor) -> torch.Tensor:
+        """``[T, K, Dx]``: each slot's expert row, brought back one slot per round (``combine_slots``)."""
+        pos_RCK, weight_RCK = self.buffer.view("recv_pos"), self.buffer.view("recv_weight")
+        saved_pos_RCK, saved_weight_RCK = pos_RCK.clone(), weight_RCK.clone()
+        partial_RCD = self.buffer.view("combine_partial")
+        slot_K = torch.arange(ids_TK.shape[1], device=ids_TK.device)
+        token_T = torch.arange(handle.num_tokens, device=ids_TK.device)
+        owner_TK = torch.where(ids_TK >= 0, ids_TK // self.num_local_experts, 0)
+        weight_RCK.fill_(1.0)
+        rows = []
+        for slot in range(ids_TK.shape[1]):
+            if slot:
+                self._round_barrier()  # every rank has read round slot - 1's rows before they are overwritten
+            pos_RCK.copy_(torch.where(slot_K == slot, saved_pos_RCK, -1))  # my pool rows of this slot only
+            self._return_partials(y_PD, handle)
+            self._await_partials()
+            row_TD = partial_RCD[owner_TK[:, slot], token_T]
+            rows.append(torch.where(ids_TK[:, slot:slot + 1] >= 0, row_TD, 0))
+        pos_RCK.copy_(saved_pos_RCK)
+        weight_RCK.copy_(saved_weight_RCK)
+        return torch.stack(rows, dim=1) if rows else partial_RCD.new_zeros(handle.num_tokens, 0, self.regions.hidden)
+
+    def _await_partials(self) -> None:
+        """After ``_return_partials``: wait until every partial of mine has landed in MY ``combine_partial`` (the
+        ``symm`` transport's barrier; a transport that writes them itself has nothing to wait for)."""
+
+    def _round_barrier(self) -> None:
+        """Between two rounds of ``combine_slots``: no rank writes round j + 1 before every rank has read round j
+        (the ``symm`` transport's barrier; a private buffer needs none)."""
+
 
     def __exit__(self, *exc) -> None:
         self.destroy()

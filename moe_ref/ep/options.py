@@ -62,6 +62,9 @@ DEFAULT_NUM_MAX_TOKENS_PER_RANK = 4096
 DEFAULT_EAGER_GRAPH_MAX_TOKENS = 1024
 # Receive-pool rows are addressed with int32 (recv_src); R * cap * K stays far below 2**31 with this bound.
 MAX_NUM_MAX_TOKENS_PER_RANK = 1 << 20
+# The experts backend that holds the batch-invariance contract on each device type (docs/batch_invariance.md):
+# experts_backend='auto' resolves to it in that mode; moe_ref.ep.batch_invariant refuses the others (CFG026).
+BATCH_INVARIANT_BACKENDS = {"cpu": "torch", "cuda": "triton"}
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class EPOptions:
             (``moe_ref.ep.distributed.claim_layer_index``). Every per-call agreement carries it, so ranks calling
             different layers raise ENV004 before any row moves; None: not known (calls of different layers are then
             told apart only by their call counts).
+        batch_invariant: a token's output bits do not depend on its batch, row order, chunks or the EP size
+            (``moe_ref.ep.batch_invariant``, docs/batch_invariance.md).
         source: option name -> ``"the argument"``, the environment variable's name, or ``"the default"``.
     """
 
@@ -110,6 +115,7 @@ class EPOptions:
     debug_checks: bool = False
     eager_graph_max_tokens: int = 0
     layer_index: int | None = None
+    batch_invariant: bool = False
     source: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -162,7 +168,7 @@ class EPOptions:
                 alignment: int | None = None, pool_format: str | None = None, mega: str | None = None,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                 debug_checks: bool | None = None, eager_graph_max_tokens: int | None = None,
-                layer_index: int | None = None) -> "EPOptions":
+                layer_index: int | None = None, batch_invariant: bool | None = None) -> "EPOptions":
         """Each option from the argument if given (not None; ``"auto"`` counts as given except for the
         transport, where an operator's ``MOE_REF_TRANSPORT`` still decides), else its environment variable,
         else the default. ``experts_backend="auto"`` becomes torch on CPU; on CUDA triton, or auto where it holds
@@ -187,6 +193,10 @@ class EPOptions:
                               argument_wins=lambda v: v not in (None, "auto"))
         backend = pick("experts_backend", experts_backend, "MOE_REF_EXPERTS_BACKEND", envs.experts_backend(), "auto")
         device = torch.device(device)
+        invariant = bool(pick("batch_invariant", batch_invariant, "MOE_REF_BATCH_INVARIANT", envs.batch_invariant(),
+                              False))
+        if backend == "auto" and invariant:
+            backend = BATCH_INVARIANT_BACKENDS.get(device.type, backend)  # the one that holds the contract here
         if backend == "auto":
             backend = experts_class("auto", device).name  # torch, triton, or auto holding more than Triton here
         if alignment is None and backend in registered_backends():
@@ -202,7 +212,7 @@ class EPOptions:
                          experts_backend=backend, dispatch_fp8=bool(dispatch_fp8), alignment=alignment,
                          pool_format=pool, mega=mega if mega is not None else "off", dtype=dtype, device=device,
                          debug_checks=bool(debug), eager_graph_max_tokens=graph_tokens, layer_index=layer_index,
-                         source=source)
+                         batch_invariant=invariant, source=source)
 
     def replace(self, **changes) -> "EPOptions":
         """A copy with ``changes`` (checked again)."""
@@ -218,4 +228,5 @@ class EPOptions:
                 "dispatch_fp8": str(self.dispatch_fp8), "alignment": str(self.alignment),
                 "pool_format": self.pool_format, "mega": self.mega, "dtype": str(self.dtype),
                 "device_type": self.device.type, "debug_checks": str(self.debug_checks),
-                "eager_graph_max_tokens": str(self.eager_graph_max_tokens), "layer_index": str(self.layer_index)}
+                "eager_graph_max_tokens": str(self.eager_graph_max_tokens), "layer_index": str(self.layer_index),
+                "batch_invariant": str(self.batch_invariant)}

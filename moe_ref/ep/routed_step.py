@@ -219,15 +219,17 @@ class ModularRoutedStep(RoutedStep):
         dispatcher: plan, buffer and transport of this rank (``make_dispatcher``).
         experts: this rank's experts (built over the local weight slices).
         policy: the overflow policy.
+        batch_invariant: combine with ``Dispatcher.combine_slots`` (``moe_ref.ep.batch_invariant``).
     """
 
     def __init__(self, dispatcher: Dispatcher, experts: Experts, policy: OverflowPolicy, *,
-                 debug_checks: bool = False):
+                 debug_checks: bool = False, batch_invariant: bool = False):
         plan = dispatcher.plan
         check_pool_format(experts, plan.pool_format)
         super().__init__(plan.cfg, dispatcher.group, policy, plan.activation_dtype, dispatcher.buffer.device,
                          debug_checks=debug_checks)
         self.dispatcher, self.experts = dispatcher, experts
+        self.batch_invariant = batch_invariant
         self.host_group = host_group(self.group)
 
     @property
@@ -272,7 +274,8 @@ class ModularRoutedStep(RoutedStep):
         if not capturing:
             agree_on_failure(failure, self.group, self.comm_device, device_checks=device_checks)
         with peer_errors(f"combine over the {self.transport_name} transport", self.group):
-            routed_TD = self.dispatcher.combine(y_PDx, handle)
+            combine = self.dispatcher.combine_slots if self.batch_invariant else self.dispatcher.combine
+            routed_TD = combine(y_PDx, handle)
         if self.debug_checks:
             self._check_every_slot_returned(handle)
         return routed_TD
@@ -393,4 +396,5 @@ def make_modular_step(cfg: MoEConfig, group, experts: Experts, options: EPOption
     agreements run): raises ENV017 / ENV004 on every rank when the peers call this layer or build another one."""
     policy = overflow_policy(cfg, group_size_and_rank(group)[0], options)
     policy.agree_to_build(group=host_group(group), device="cpu")
-    return ModularRoutedStep(make_dispatcher(cfg, group, options), experts, policy, debug_checks=options.debug_checks)
+    return ModularRoutedStep(make_dispatcher(cfg, group, options), experts, policy, debug_checks=options.debug_checks,
+                             batch_invariant=options.batch_invariant)

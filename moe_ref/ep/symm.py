@@ -19,7 +19,7 @@ from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.ep.dispatch import DispatchHandle, Dispatcher
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.core.errors import DistributedError
-from moe_ref.kernels.ep.symm_signal import DEFAULT_TIMEOUT_US, check_ep_status, ep_status_problem
+from moe_ref.kernels.ep.symm_signal import DEFAULT_TIMEOUT_US, check_ep_status, ep_status_problem, symm_barrier
 
 
 class SymmDispatcher(Dispatcher):
@@ -40,6 +40,11 @@ class SymmDispatcher(Dispatcher):
         self.peers = buffer.peer_buffers()
         self.ops = ops.ep_ops(buffer.device)
         self.timeout_us = timeout_us
+        self._barrier = symm_barrier  # the barrier of the EP phases self.ops runs (the combine_slots rounds')
+        if not self.ops.on_device:
+            from moe_ref.kernels.runtime import native  # as ops.ep_ops: the compiled CPU ops, or their twins
+
+            self._barrier = native.symm_barrier
 
     def _raise_recorded(self) -> None:
         """On the host path (twins), raise what a wait or the layout recorded in MY status right away."""
@@ -63,6 +68,14 @@ class SymmDispatcher(Dispatcher):
 
     def _return_partials(self, y_PD, handle: DispatchHandle) -> None:
         self.ops.combine_push(y_PD, self.peers, self.regions, post=True)
+
+    def _await_partials(self) -> None:
+        self._barrier(self.peers, self.regions, post=False, wait=True, timeout_us=self.timeout_us)  # the push posted
+        self._raise_recorded()
+
+    def _round_barrier(self) -> None:
+        self._barrier(self.peers, self.regions, timeout_us=self.timeout_us)
+        self._raise_recorded()
 
     def _reduce(self, num_tokens):
         routed_TD = self.ops.combine_reduce(num_tokens, self.peers, self.regions, wait=True,

@@ -31,6 +31,25 @@ _HASH_MASK = (1 << 32) - 1
 _HASH_SHIFT = 16
 
 
+def replica_index(token_key: torch.Tensor, slot_idx: torch.Tensor, replica_count: torch.Tensor) -> torch.Tensor:
+    """Which of an expert's replicas serves one (token, k) entry: the one rule of EPLB's replica choice.
+
+    ``h = ((key mod 2^31) * 2654435761 + k * 40503) mod 2^32``, ``replica = (h >> 16) mod c``: a function of the
+    token's key, its top-k slot k and the expert's replica count c only, never of where the token sits in a batch,
+    so every rank, chunking and micro-batching agree; distinct keys spread about evenly over the replicas.
+
+    Args:
+        token_key: ``>= 0`` int64 (any shape broadcastable with the others).
+        slot_idx: top-k slots in ``[0, K)``, int64.
+        replica_count: the expert's replica count, ``>= 1``, int64.
+
+    Returns:
+        replica: the broadcast shape, int64 in ``[0, c)``.
+    """
+    mixed = ((token_key & 0x7FFFFFFF) * _TOKEN_MULTIPLIER + slot_idx * _SLOT_MULTIPLIER) & _HASH_MASK
+    return (mixed >> _HASH_SHIFT) % replica_count
+
+
 @dataclass(frozen=True, eq=False)  # tensors have no truth value: compare physical_to_logical_LyPh
 class Placement:
     """The physical slots of every MoE layer and the logical expert each holds (checked on construction).
@@ -129,20 +148,14 @@ class Placement:
 
     # --- per-token replica choice ------------------------------------------------------------------------
 
-    def replica_for(self, token_idx: torch.Tensor, slot_idx: torch.Tensor, logical_expert: torch.Tensor,
+    def replica_for(self, token_key: torch.Tensor, slot_idx: torch.Tensor, logical_expert: torch.Tensor,
                     layer_idx: int = 0) -> torch.Tensor:
-        """The physical slot that serves one routed entry, chosen from the entry alone.
-
-        Rule: ``h = ((t mod 2^31) * 2654435761 + k * 40503) mod 2^32``, ``replica = (h >> 16) mod c``, with t the
-        token's global index within the step (its position in the whole step's token order, the same on whichever
-        rank or micro-batch it sits), k its top-k slot and c the expert's replica count in this layer; the answer
-        is that replica's entry of ``logical_to_physical_LE_`` (replicas in slot order). It depends on
-        (t, k, expert) only, never on where the token sits in a batch, so every rank and chunking agree, and
-        consecutive token indices cycle through all replicas about evenly.
+        """The physical slot that serves one routed entry, chosen from the entry alone (``replica_index``'s rule,
+        replicas in slot order as in ``logical_to_physical_LE_``).
 
         Args:
-            token_idx: global token indices within the step, ``>= 0``, ``torch.int64``; any shape broadcastable
-                with the other two (e.g. ``[T, 1]``).
+            token_key: an integer key of each token, ``>= 0``, ``torch.int64`` (the layer's: ``routing.token_key``, a
+                hash of the token's hidden-state bits); any shape broadcastable with the other two (e.g. ``[T, 1]``).
             slot_idx: top-k slots ``k`` in ``[0, K)``, ``torch.int64`` (e.g. ``[1, K]``).
             logical_expert: logical expert ids in ``[0, E)``, ``torch.int64`` (e.g. ``topk_ids_TK`` ``[T, K]``).
             layer_idx: the MoE layer whose placement is used.
@@ -150,12 +163,17 @@ class Placement:
         Returns:
             physical_slot: the broadcast shape (e.g. ``[T, K]``), ``torch.int64`` in ``[0, P)``.
         """
-        token_idx, slot_idx, logical_expert = (torch.as_tensor(v, dtype=torch.int64)
-                                               for v in (token_idx, slot_idx, logical_expert))
-        mixed = ((token_idx & 0x7FFFFFFF) * _TOKEN_MULTIPLIER + slot_idx * _SLOT_MULTIPLIER) & _HASH_MASK
-        counts = self.replica_count_LyE[layer_idx][logical_expert]
-        replica = (mixed >> _HASH_SHIFT) % counts
+        token_key, slot_idx, logical_expert = (torch.as_tensor(v, dtype=torch.int64)
+                                               for v in (token_key, slot_idx, logical_expert))
+        replica = replica_index(token_key, slot_idx, self.replica_count_LyE[layer_idx][logical_expert])
         return self.logical_to_physical_LE_[layer_idx][logical_expert, replica]
+
+    def layer(self, layer_idx: int) -> Placement:
+        """The one-layer placement of MoE layer ``layer_idx`` (what a ``MegaMoE`` takes)."""
+        if not 0 <= layer_idx < self.num_layers:
+            raise PlacementError(f"{layer_idx=} is not a layer of this placement (it has {self.num_layers})")
+        return Placement(self.physical_to_logical_LyPh[layer_idx:layer_idx + 1].clone(), self.num_experts,
+                         self.num_ranks)
 
     # --- file format -------------------------------------------------------------------------------------
 

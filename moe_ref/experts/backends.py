@@ -13,6 +13,7 @@ from moe_ref.experts.base import ExpertLayout, Experts, FP8ExpertWeights
 from moe_ref.experts.registry import register_experts
 from moe_ref.kernels.runtime import ops
 from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE
+from moe_ref.kernels.runtime.fixed_tiles import GROUPED_MLP_TILES, in_row_blocks
 
 
 class TorchLoopExperts(Experts):
@@ -29,12 +30,16 @@ class TorchLoopExperts(Experts):
         y_PDx = torch.zeros_like(x_PDx)
         for i, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
             if count:
-                y_PDx[start:start + count] = dense_mlp(
-                    x_PDx[start:start + count], self.gate_up_weight_e2FD[i], self.down_weight_eDF[i],
-                    self.activation, self.situ_beta, self.situ_linear_beta, swiglu_alpha=self.swiglu_alpha,
-                    swiglu_limit=self.swiglu_limit,
-                    gate_up_bias_2S=None if self.gate_up_bias_e2F is None else self.gate_up_bias_e2F[i],
-                    down_bias_D=None if self.down_bias_eD is None else self.down_bias_eD[i])
+                def expert_mlp(x_MDx, i=i):
+                    return dense_mlp(
+                        x_MDx, self.gate_up_weight_e2FD[i], self.down_weight_eDF[i],
+                        self.activation, self.situ_beta, self.situ_linear_beta, swiglu_alpha=self.swiglu_alpha,
+                        swiglu_limit=self.swiglu_limit,
+                        gate_up_bias_2S=None if self.gate_up_bias_e2F is None else self.gate_up_bias_e2F[i],
+                        down_bias_D=None if self.down_bias_eD is None else self.down_bias_eD[i])
+
+                rows = x_PDx[start:start + count]  # batch-invariant: one GEMM shape for any segment length
+                y_PDx[start:start + count] = in_row_blocks(expert_mlp, rows) if self.batch_invariant else expert_mlp(rows)
         return y_PDx
 
 
@@ -131,7 +136,7 @@ class TritonExperts(Experts):
 
         options = dict(activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
                        num_rows_hint=layout.rows_hint(),  # picks GPU tiles
-                       zero_unused_rows=layout.zero_unused_rows)
+                       zero_unused_rows=layout.zero_unused_rows, configs=self._forced_configs())
         if not self.fp8:
             return grouped_mlp(x_PDx, self.gate_up_weight_e2FD, self.down_weight_eDF, layout.row_start_e,
                                layout.num_rows_e, **options)
@@ -145,6 +150,17 @@ class TritonExperts(Experts):
                             down_scale=weights.down_scale_eDbFb, gate_up_interleaved=weights.gate_up_interleaved,
                             **options)
         return y_PDx.to(out_dtype)
+
+    def _forced_configs(self):
+        """None (autotune by the rows hint), or in the batch-invariant mode the precision's one (GEMM1, GEMM2) tile
+        pair (``kernels.runtime.fixed_tiles.GROUPED_MLP_TILES``) for every row count."""
+        if not self.batch_invariant:
+            return None
+        from moe_ref.kernels.experts.grouped_mlp_tiles import config_of_tile
+
+        dtype = self.gate_up_weight_e2FD.dtype
+        precision = "fp8" if self.fp8 else "fp32" if dtype == torch.float32 else "16bit"
+        return tuple(config_of_tile(tile) for tile in GROUPED_MLP_TILES[precision])
 
 
 register_experts("torch", TorchLoopExperts)

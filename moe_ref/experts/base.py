@@ -156,6 +156,9 @@ class Experts(ABC):
     # biases (gpt-oss): ``make_experts`` refuses a model needing more (ENV020, ``expert_math_problem``).
     activations: tuple[str, ...] = ("silu", "situ")
     supports_expert_bias = False
+    # Set per instance by the layer (moe_ref.layer.runtime) in the batch-invariant mode: every row's GEMMs run one
+    # fixed order whatever the rows beside it (moe_ref.ep.batch_invariant names the backends that honour it).
+    batch_invariant = False
 
     @classmethod
     def resolve_class(cls, device: torch.device) -> "type[Experts]":

@@ -25,6 +25,7 @@ from moe_ref.core.errors import (BackendUnavailableError, ConfigFileError, Const
                                  InvalidConfigError, MoERefError, ShapeUnsupportedError)
 from moe_ref.ep.distributed import (check_fields_agree, gather_objects, group_size_and_rank, problem_of,
                                     raise_agreed_problem)
+from moe_ref.ep import batch_invariant
 from moe_ref.ep.options import EPOptions
 from moe_ref.experts import experts_class
 from moe_ref.experts.registry import check_experts_support
@@ -86,7 +87,8 @@ def layer_device(device: Any) -> torch.device:
 def local_problem(seed: Any, options: EPOptions, cfg: MoEConfig | None = None) -> MoERefError | None:
     """What this rank cannot build (not raised: ``agree_on_construction`` raises it on every rank): a ``seed`` that
     is not an int (INP009), or an experts backend that cannot run here (ENV001): its package is missing, or Triton on
-    a device other than CUDA outside the interpreter (``TRITON_INTERPRET=1``, which runs Triton on the CPU)."""
+    a device other than CUDA outside the interpreter (``TRITON_INTERPRET=1``, which runs Triton on the CPU); options
+    the batch-invariant mode cannot hold (CFG026)."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
         return ConstructorArgumentTypeError(f"seed={seed!r} ({type(seed).__name__}): pass an int (the same on every "
                                             f"rank) for random test weights, or None to load weights", field="seed")
@@ -96,6 +98,9 @@ def local_problem(seed: Any, options: EPOptions, cfg: MoEConfig | None = None) -
     if reason is None and runs_on.name == "triton" and device.type != "cuda" and not is_interpreter():
         reason = (f"Triton kernels take CUDA tensors and the layer is on {device} (TRITON_INTERPRET=1, set before "
                   f"triton is imported, runs them on the CPU interpreter: slow, for tests)")
+    invariance_problem = batch_invariant.options_problem(options)  # CFG026
+    if reason is None and invariance_problem is not None:
+        return invariance_problem
     if reason is None and cfg is not None:
         try:  # the family's expert math (gpt-oss's clamped SwiGLU and biases) on this backend: ENV020 if not
             check_experts_support(cfg, backend, device)
@@ -109,7 +114,7 @@ def local_problem(seed: Any, options: EPOptions, cfg: MoEConfig | None = None) -
 
 
 def agree_on_construction(cfg: MoEConfig, options: EPOptions, group, problem: MoERefError | None,
-                          mega_here: tuple[bool, str]) -> bool:
+                          mega_here: tuple[bool, str], extra_fields: Mapping[str, str] | None = None) -> bool:
     """The construction's one collective: returns the agreed mega choice (True: the fused engine runs the step).
 
     Args:
@@ -117,6 +122,7 @@ def agree_on_construction(cfg: MoEConfig, options: EPOptions, group, problem: Mo
         group: the EP group (None: one process).
         problem: this rank's ``local_problem``, raised on every rank alike (INP009, ENV001).
         mega_here: ``(ok, reason)``: whether the fused engine can run on this rank (``mega_supported_here``).
+        extra_fields: more name -> text that must match on every rank (the EPLB placement's digest).
 
     Raises, on every rank: any rank's problem; ``CapacityMismatchError`` (CAP002) / ``GroupDisagreementError``
     (CFG008) when ranks differ; ``ShapeUnsupportedError`` (ENV002) for ``mega='deep_gemm'`` some rank refuses.
@@ -124,6 +130,7 @@ def agree_on_construction(cfg: MoEConfig, options: EPOptions, group, problem: Mo
     world, rank = group_size_and_rank(group)
     fields = {f"cfg.{k}": str(v) for k, v in dataclasses.asdict(cfg).items()}
     fields.update(options.fingerprint())
+    fields.update(extra_fields or {})
     everyone = gather_objects((problem_of(problem), fields, *mega_here), group)
     raise_agreed_problem([p for p, _, _, _ in everyone], rank)
     check_fields_agree([f for _, f, _, _ in everyone], rank, what="MegaMoE")

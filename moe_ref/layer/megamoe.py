@@ -59,6 +59,9 @@ from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import claim_layer_index, group_size_and_rank
 from moe_ref.ep.options import EPOptions
 from moe_ref.ep.routed_step import RoutedStep
+from moe_ref.eplb import mover as eplb_mover
+from moe_ref.eplb import slots as eplb_slots
+from moe_ref.eplb import telemetry as eplb_telemetry
 from moe_ref.experts import Experts
 from moe_ref.layer import calls, construction, runtime
 from moe_ref.layer import weights as layer_weights
@@ -119,6 +122,11 @@ class MegaMoE(nn.Module):
             token count, captured on its second call (``moe_ref.eager_graphs``; default:
             ``MOE_REF_EAGER_GRAPH_MAX_TOKENS``, else ``min(1024, num_max_tokens_per_rank)``); 0: every call launches its
             kernels from Python.
+        batch_invariant: a token's output bits do not depend on its batch, row order, chunks or the EP size (default:
+            ``MOE_REF_BATCH_INVARIANT``, else off; docs/batch_invariance.md; CFG026 for options that cannot hold it).
+        num_redundant_experts, placement: EPLB (docs/eplb.md): Ph = E + redundant physical expert slots, Ph / R per
+            rank, each holding the logical expert ``placement`` (a one-layer ``moe_ref.eplb.Placement`` or its file;
+            None: the planner's for an even load) names; the routed step counts slots. Both None: no EPLB.
 
     Attributes:
         options: the resolved ``EPOptions``. uses_mega: the agreed engine choice. routed_step: the one
@@ -130,7 +138,9 @@ class MegaMoE(nn.Module):
                  transport: str | None = None, experts_backend: str | None = None, dispatch_fp8: bool = False,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", alignment: int | None = None,
                  seed: int | None = None, mega: str | None = None, debug_checks: bool | None = None,
-                 pool_format: str | None = None, eager_graph_max_tokens: int | None = None):
+                 pool_format: str | None = None, eager_graph_max_tokens: int | None = None,
+                 batch_invariant: bool | None = None,
+                 num_redundant_experts: int | None = None, placement=None):
         super().__init__()
         self.cfg = cfg = construction.as_config(cfg)
         construction.check_group(group)
@@ -138,15 +148,25 @@ class MegaMoE(nn.Module):
             num_max_tokens_per_rank=num_max_tokens_per_rank, overflow=overflow, transport=transport,
             experts_backend=experts_backend, dispatch_fp8=dispatch_fp8, alignment=alignment, pool_format=pool_format,
             mega=mega, dtype=dtype, device=construction.layer_device(device), debug_checks=debug_checks,
-            eager_graph_max_tokens=eager_graph_max_tokens, layer_index=claim_layer_index(group))
+            eager_graph_max_tokens=eager_graph_max_tokens, layer_index=claim_layer_index(group),
+            batch_invariant=batch_invariant)
         self.group = group
         self.world_size, self.rank = group_size_and_rank(group)
-        self.num_local_experts = ParallelConfig(ep_size=self.world_size).num_local_experts(cfg)
+        # EPLB: e = Ph / R physical slots here, numbered rank * e ...; a problem is raised by the agreement below
+        self.expert_slots, slots_problem = eplb_slots.resolve_slots(cfg, self.world_size, self.rank,
+                                                                    num_redundant_experts, placement, self.options.device)
+        self.num_local_experts = (self.expert_slots.num_local if self.expert_slots is not None else 0 if slots_problem
+                                  else ParallelConfig(ep_size=self.world_size).num_local_experts(cfg))
         self.first_local_expert = self.rank * self.num_local_experts
+        slot_fields = {} if self.expert_slots is None else {"eplb.placement": eplb_slots.placement_digest(
+            self.expert_slots.placement)}
         self.uses_mega = construction.agree_on_construction(
-            cfg, self.options, group, construction.local_problem(seed, self.options, cfg), self._mega_supported_here())
+            cfg, self.options, group, construction.local_problem(seed, self.options, cfg) or slots_problem,
+            self._mega_supported_here(), extra_fields=slot_fields)
         runtime.start(self)
         layer_weights.register_parameters(self)
+        if self.expert_slots is not None:  # the slot map travels with the weights in state_dict
+            self.register_buffer("expert_slot_map", self.expert_slots.map_Ph)
         if seed is not None:
             self.load_weights(MoEWeights.random(cfg, seed=seed, dtype=self.options.dtype))
 
@@ -223,10 +243,14 @@ class MegaMoE(nn.Module):
         (topk_ids_TK, topk_weights_TK), _ = route_unchecked(  # step 2
             x_TD, self.gate_weight, self.cfg, self.e_score_correction_bias, router_bias_E=self.router_bias,
             check_values=checks is not None,
-            device_checks=checks)
-        routed_TDx = step(expert_input(x_TD, moe_weights, self.cfg), topk_ids_TK, topk_weights_TK,  # steps 3-4
-                          max_num_tokens=max_num_tokens, device_checks=checks, read_checks_now=read_checks_now)
-        return finish(routed_TDx, x_TD, moe_weights, self.cfg), checks  # step 5
+            device_checks=checks, batch_invariant=self.options.batch_invariant)
+        if self.expert_slots is not None:  # logical ids -> the replica serving each (token, k), on the device
+            topk_ids_TK = self.expert_slots.to_physical(x_TD, topk_ids_TK)
+        invariant = self.options.batch_invariant
+        routed_TDx = step(expert_input(x_TD, moe_weights, self.cfg, batch_invariant=invariant),  # steps 3-4
+                          topk_ids_TK, topk_weights_TK, max_num_tokens=max_num_tokens, device_checks=checks,
+                          read_checks_now=read_checks_now)
+        return finish(routed_TDx, x_TD, moe_weights, self.cfg, batch_invariant=invariant), checks  # step 5
 
     # --- runtime objects (moe_ref.layer.runtime) ------------------------------------------------------------------
     @property
@@ -257,8 +281,33 @@ class MegaMoE(nn.Module):
 
     @property
     def num_recv_tokens_per_expert(self) -> torch.Tensor:
-        """``[e]`` int64: rows each local expert received, summed over all calls (for load balancers)."""
+        """``[e]`` int64: rows each local expert (EPLB: slot) received, summed over all calls (for load balancers)."""
         return self.routed_step.num_recv_tokens_per_expert
+
+    # --- EPLB (moe_ref.eplb, docs/eplb.md) --------------------------------------------------------------------------
+    def expert_load(self) -> "eplb_telemetry.ExpertLoad":
+        """Rows each physical slot received since the last ``reset_expert_load`` (or build, or rebalance), gathered
+        from every rank: per slot, per rank, balancedness, max-rank rows (collective; one host sync)."""
+        return eplb_telemetry.gather_expert_load(self._slots(), self.num_recv_tokens_per_expert, self.group)
+
+    def reset_expert_load(self) -> None:
+        """Start a new telemetry window (call on every rank; no host sync)."""
+        if self._routed_step is not None:
+            self._slots().reset_window(self.num_recv_tokens_per_expert)
+
+    def rebalance(self, placement) -> None:
+        """Move the experts to ``placement`` (a one-layer ``Placement`` or its file, the same on every rank):
+        collective over the EP group, called between calls of the layer on every rank (``moe_ref.eplb.mover``).
+        Raises, on every rank: CFG023/CFG033 (misfit), CFG024 (ranks given different placements), ENV019 (canary)."""
+        eplb_mover.rebalance_slots(self._slots(), placement, layer_weights.local_expert_tensors(self), self.group)
+        runtime.weights_changed(self)
+        self.reset_expert_load()
+
+    def _slots(self) -> "eplb_slots.ExpertSlots":
+        if self.expert_slots is None:
+            raise eplb_slots.ExpertSlotsError("this MegaMoE was built without EPLB; build it with "
+                                              "num_redundant_experts=N and/or placement=... for physical slots")
+        return self.expert_slots
 
     def check(self) -> None:
         """Wait for the calls made so far and raise the first device check they failed (routing values, NaN
@@ -275,6 +324,8 @@ class MegaMoE(nn.Module):
 
     # seams (tests patch them): whether the fused engine can run here; allocating plain experts
     def _mega_supported_here(self) -> tuple[bool, str]:
+        if self.expert_slots is not None:
+            return False, "EPLB's physical slots run on moe_ref's own EP path"
         return construction.mega_supported_here(self.cfg, self.options, self.world_size)
 
     def _expert_parameters(self) -> tuple[nn.Parameter, nn.Parameter]:
@@ -357,6 +408,8 @@ class MegaMoE(nn.Module):
         if layer_weights.load_state_dict_into(self, load_module_tensors, state_dict, prefix, missing_keys,
                                               unexpected_keys, error_msgs):
             runtime.weights_changed(self)
+        if self.expert_slots is not None:
+            self.expert_slots.take_map()  # the state dict's slot map (CFG033 if it is no placement)
 
     def _apply(self, fn, recurse=True):
         layer_weights.check_conversion(self, fn)  # CFG016 for a change of dtype or device, before anything is converted

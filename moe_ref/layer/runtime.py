@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from moe_ref import custom_ops
-from moe_ref.core.errors import LayerNotPicklableError, WeightsNotLoadedError
+from moe_ref.core.errors import BatchInvariantExpertsError, LayerNotPicklableError, WeightsNotLoadedError
 from moe_ref.eager_graphs import EagerGraphs
 from moe_ref.ep.routed_step import RoutedStep, make_modular_step
 from moe_ref.experts import Experts, ExpertLayout, experts_class, make_experts
@@ -91,11 +91,18 @@ def build_experts(layer: nn.Module) -> Experts:
             meta = [torch.empty(shape, dtype=options.dtype, device="meta") for shape in expert_shapes(layer)]
             return UnloadedExperts(experts_class(options.experts_backend, options.device), *meta)
         if layer.quantized_experts is not None:
+            if options.batch_invariant:  # every rank loads the same checkpoint: every rank raises here alike
+                raise BatchInvariantExpertsError(
+                    f"batch_invariant=True, but the routed experts were loaded quantized as stored "
+                    f"({layer.quantized_experts.spec}); their kernels pick tiles by the row count: load bf16 experts, "
+                    f"or build the layer with batch_invariant=False")
             backend = quantized_backend(layer, layer.quantized_experts.spec)
             return make_quantized_experts(layer.quantized_experts, *activation, backend=backend)
-        return make_experts(options.experts_backend, layer.gate_up_weight, layer.down_weight, *activation,
-                            fp8=fp8_experts(layer), swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
-                            gate_up_bias_e2F=layer.gate_up_bias, down_bias_eD=layer.down_bias)
+        experts = make_experts(options.experts_backend, layer.gate_up_weight, layer.down_weight, *activation,
+                               fp8=fp8_experts(layer), swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
+                               gate_up_bias_e2F=layer.gate_up_bias, down_bias_eD=layer.down_bias)
+        experts.batch_invariant = options.batch_invariant
+        return experts
 
 
 def build_routed_step(layer: nn.Module) -> RoutedStep:
@@ -106,7 +113,9 @@ def build_routed_step(layer: nn.Module) -> RoutedStep:
 
             # NOTE: the fused engine quantizes the weights it is built from: an unloaded layer allocates them here
             return make_mega_step(layer.cfg, layer.group, layer.options, *layer._expert_parameters())
-        return make_modular_step(layer.cfg, layer.group, layer.experts, layer.options)
+        # EPLB: the step sees the Ph physical slots as its experts (plan, buffer, transport, telemetry)
+        cfg = layer.cfg if layer.expert_slots is None else layer.expert_slots.step_config(layer.cfg)
+        return make_modular_step(cfg, layer.group, layer.experts, layer.options)
 
 
 def eager_graphs_for(layer: nn.Module, step: RoutedStep) -> EagerGraphs | None:

@@ -126,6 +126,15 @@ def as_moe_weights(layer: nn.Module) -> MoEWeights:
         shared_gate_weight_D=layer.shared_gate_weight)
 
 
+def local_expert_tensors(layer: nn.Module) -> list[torch.Tensor]:
+    """Every tensor of this rank's routed experts, ``[e, ...]`` each, as held (plain weights and biases, or a
+    quantized block's fields); empty before loading. What EPLB's mover moves."""
+    if layer.quantized_experts is not None:
+        return [getattr(layer.quantized_experts, f) for f in QUANTIZED_TENSOR_FIELDS]
+    plain = (layer.gate_up_weight, layer.down_weight, layer.gate_up_bias, layer.down_bias)
+    return [t.data for t in plain if t is not None]
+
+
 def expert_nbytes(layer: nn.Module) -> int:
     """Bytes of this rank's routed experts on the device (plain, or quantized as stored); 0 before loading."""
     if layer.quantized_experts is not None:
@@ -144,7 +153,8 @@ def experts_precision(layer: nn.Module, fp8: bool) -> str:
 # --- loading ---------------------------------------------------------------------------------------------------
 def load_weights(layer: nn.Module, weights: MoEWeights) -> None:
     """Check every shape (LOAD002), then copy ``weights`` (all experts, or a block holding this rank's)."""
-    source = weights.expert_slice(layer.first_local_expert, layer.num_local_experts)
+    source = (weights.expert_slice(layer.first_local_expert, layer.num_local_experts) if layer.expert_slots is None
+              else layer.expert_slots.local_weights(weights))  # EPLB: each slot's logical expert (LOAD020)
     gate_up_shape, down_shape = expert_shapes(layer)
     biases = [("gate_up_bias_E2F", gate_up_shape[:2], source.gate_up_bias_E2F),
               ("down_bias_ED", down_shape[:2], source.down_bias_ED)] if layer.cfg.expert_bias else []
@@ -173,14 +183,15 @@ def _load_hf_weights(layer: nn.Module, path: str | os.PathLike, layer_idx: int, 
 
     spec = checkpoint_quant_spec(path)
     progress = layer.rank == 0 and envs.show_progress() if progress is None else progress
-    expert_range = (layer.first_local_expert, layer.num_local_experts)
+    slots = layer.expert_slots  # EPLB: the block of logical experts holding the slots' experts, selected after
+    expert_range = (layer.first_local_expert, layer.num_local_experts) if slots is None else slots.local_span()
     report = LoadReport()
     dense_args = dict(prefix=prefix, dtype=layer.options.dtype, device=layer.options.device, progress=progress,
                       quant=spec, report=report)
     routed_quantized, rule = False, None
     if spec is not None:
         routed_quantized, rule = routed_experts_quantized(path, spec, layer.cfg, layer_idx, prefix=prefix,
-                                                          expert=layer.first_local_expert)
+                                                          expert=expert_range[0])
     if not routed_quantized:  # plain checkpoint, or a config that leaves the routed experts unquantized
         load_weights(layer, load_moe_weights(path, layer.cfg, layer_idx, expert_range=expert_range, **dense_args))
         return report
@@ -188,6 +199,8 @@ def _load_hf_weights(layer: nn.Module, path: str | os.PathLike, layer_idx: int, 
     dense = load_moe_weights(path, layer.cfg, layer_idx, experts=False, **dense_args)
     quantized = load_quantized_experts(path, layer.cfg, layer_idx, expert_range, layer.options.device, spec=spec,
                                        prefix=prefix, progress=progress)
+    if slots is not None:
+        quantized = slots.local_quantized(quantized)
     report.add(LoadedTensor(f"layer {layer_idx} routed experts {expert_range[0]}..{sum(expert_range) - 1}",
                             spec.format.value, quantized.nbytes(), "as stored", quantized.nbytes(), rule))
     _check_shapes(_dense_targets(layer, dense))

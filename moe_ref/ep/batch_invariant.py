@@ -1,0 +1,91 @@
+"""The batch-invariant mode (``MegaMoE(..., batch_invariant=True)``, ``MOE_REF_BATCH_INVARIANT=1``): for fixed
+weights, a token's output bits do not depend on the other tokens of its batch, its row order in an expert segment,
+the chunk count or the EP size. The contract, what holds it and what it costs: docs/batch_invariance.md.
+
+    route:   gate GEMM (fixed tiles, fp32 sums) -> the family's top-k (row-wise; ties: the lowest expert id)
+    experts: the torch loop in FIXED_ROW_BLOCK-row blocks (CPU) | the Triton grouped MLP on GROUPED_MLP_TILES (CUDA)
+    combine: every (token, slot) expert row comes back unreduced (Dispatcher.combine_slots) and the token's home
+             rank sums its K weighted rows in slot order in fp32, rounding once (sum_slots): the same sum at any EP
+    finish:  latent projections, shared experts and their gate on fixed tiles; RMSNorm and the activation row-wise
+
+Each GEMM outside the routed experts goes through ``matmul``: ``kernels.runtime.fixed_tiles``' Triton kernel on
+CUDA, its twin (BLAS on fixed row blocks) elsewhere.
+
+Shape legend: T tokens, K top-k, D hidden, Dx expert input width, E experts, S shared intermediate, N output columns.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_ref.core.activations import gated_activation
+from moe_ref.core.errors import BatchInvariantUnsupportedError, MoERefError
+from moe_ref.ep.options import BATCH_INVARIANT_BACKENDS, EPOptions
+from moe_ref.kernels.runtime._triton_utils import is_interpreter
+from moe_ref.kernels.runtime.fixed_tiles import fixed_tile_matmul, fixed_tile_matmul_ref
+
+
+def options_problem(options: EPOptions) -> MoERefError | None:
+    """Why ``options`` cannot hold the contract (CFG026, not raised: the construction agrees on it), or None.
+
+    Held: ``mega='off'`` with the torch experts loop on the CPU, the Triton grouped MLP on CUDA (bf16, fp16, fp32;
+    FP8 dispatch included), any transport, pool format and alignment."""
+    if not options.batch_invariant:
+        return None
+    where = options.source.get("batch_invariant", "the argument")
+    holder = BATCH_INVARIANT_BACKENDS.get(options.device.type)
+    # the Triton interpreter runs the CUDA path's kernels on the CPU (the tests of its invariance)
+    interpreted_triton = options.experts_backend == "triton" and is_interpreter()
+    if options.experts_backend != holder and not interpreted_triton:
+        return BatchInvariantUnsupportedError(
+            f"batch_invariant=True (from {where}) with experts_backend={options.experts_backend!r} (from "
+            f"{options.source.get('experts_backend', 'the argument')}) on {options.device.type}: only "
+            f"experts_backend={holder!r} holds the contract there (one fixed tile per row); pass "
+            f"experts_backend='auto' (it resolves to {holder!r} in this mode) or turn the mode off",
+            field="experts_backend")
+    if options.mega != "off":
+        return BatchInvariantUnsupportedError(
+            f"batch_invariant=True (from {where}) with mega={options.mega!r}: DeepGEMM's fused mega-MoE picks its "
+            f"kernels by the row count; pass mega='off' (moe_ref's own routed step holds the contract)", field="mega")
+    return None
+
+
+def matmul(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a_MK @ b_NK.T`` ``[M, N]`` in ``out_dtype`` with a per-row order that does not depend on M: the fixed-tile
+    Triton kernel on CUDA, its twin elsewhere."""
+    return (fixed_tile_matmul if a_MK.is_cuda else fixed_tile_matmul_ref)(a_MK, b_NK, out_dtype)
+
+
+def router_logits(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor) -> torch.Tensor:
+    """``[T, D] x [E, D] -> [T, E]`` fp32 gate logits (``ops.router_logits``' numerics, fixed tiles)."""
+    return matmul(x_TD, gate_weight_ED, torch.float32)
+
+
+def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_DS: torch.Tensor,
+              activation: str = "silu", situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
+    """The shared experts' gated MLP ``[T, D] -> [T, D]`` in x's dtype, ``activations.dense_mlp``'s roundings (each
+    GEMM rounded to the weights' dtype, the activation in fp32) on fixed tiles."""
+    weights_dtype = gate_up_weight_2SD.dtype
+    gate_up_T2S = matmul(x_TD.to(weights_dtype), gate_up_weight_2SD, weights_dtype).float()
+    gate_TS, up_TS = gate_up_T2S.chunk(2, dim=-1)
+    h_TS = gated_activation(gate_TS, up_TS, activation, situ_beta, situ_linear_beta)
+    return matmul(h_TS.to(weights_dtype), down_weight_DS, weights_dtype).to(x_TD.dtype)
+
+
+def sum_slots(rows_TKDx: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """A token's routed output at its home rank: ``sum_j w[t, j] * rows[t, j]`` over its live slots (id >= 0), j in
+    order, fp32 with separate multiply and add roundings, rounded once to ``out_dtype``.
+
+    Args:
+        rows_TKDx: ``[T, K, Dx]`` each slot's expert output, unweighted (masked slots: any finite value).
+        topk_ids_TK: ``[T, K]`` int64, -1 = masked. topk_weights_TK: ``[T, K]`` fp32.
+
+    Returns:
+        ``[T, Dx]`` out_dtype. The rows are the same bits at any EP size, so is this sum.
+    """
+    acc_TDx = torch.zeros(rows_TKDx.shape[0], rows_TKDx.shape[2], dtype=torch.float32, device=rows_TKDx.device)
+    live_TK = topk_ids_TK >= 0
+    for slot in range(rows_TKDx.shape[1]):
+        product_TDx = topk_weights_TK[:, slot:slot + 1] * rows_TKDx[:, slot].float()
+        acc_TDx = torch.where(live_TK[:, slot:slot + 1], acc_TDx + product_TDx, acc_TDx)
+    return acc_TDx.to(out_dtype)

@@ -1,0 +1,155 @@
+"""Fixed tiles: GEMMs whose order of additions for a row does not depend on how many rows the call has, or where
+the row sits among them (the batch-invariant mode's GEMMs: ``moe_ref.ep.batch_invariant``, docs/batch_invariance.md).
+
+    fixed_tile_matmul(a_MK, b_NK, out_dtype)      -> [M, N]   one Triton tile for every M, no split-K (CUDA)
+    fixed_tile_matmul_ref(a_MK, b_NK, out_dtype)  -> [M, N]   the torch twin: BLAS on blocks of FIXED_ROW_BLOCK rows
+    in_row_blocks(fn, x_MK)                       -> fn's rows, fn called on zero-padded [FIXED_ROW_BLOCK, K] copies
+    GROUPED_MLP_TILES[precision]                  -> the grouped MLP's (GEMM1, GEMM2) tiles in this mode
+
+Why: a GEMM library picks its kernel by the problem's shape (MKL takes another code path for 1-3 rows; cuBLAS and
+the grouped MLP's autotuner pick tiles and split-K by M), and another kernel adds a row's products in another order.
+How: on CUDA one Triton tile config per precision, a program owning a BLOCK_M x BLOCK_N output tile and the whole K
+loop (a row's sum is the same for any row of any tile). On the CPU every call the BLAS sees has the same shape: the
+rows are copied into zero-padded blocks of FIXED_ROW_BLOCK rows. The assumption, checked on the machine by
+tests/unit/test_batch_invariant.py: a BLAS call of one fixed shape gives a row the same bits wherever it sits in the
+block and whatever the other rows hold.
+
+The twin is not bitwise equal to the kernel (another order of additions); each is invariant on its own.
+
+Shape legend: M rows, K reduced width, N output columns.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_ref.core.errors import DTypeError, ShapeError
+from moe_ref.kernels.runtime._triton_utils import cdiv, check_device, is_interpreter
+from moe_ref.kernels.runtime.launch import launch
+
+__all__ = ["FIXED_ROW_BLOCK", "GROUPED_MLP_TILES", "fixed_tile_matmul", "fixed_tile_matmul_ref", "in_row_blocks"]
+
+# Rows of every BLAS call on the CPU path: small, so a decode step pads few rows.
+FIXED_ROW_BLOCK = 16
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of fixed_tile_matmul: 16-bit operands, fp32 (IEEE) operands
+_MATMUL_TILES = {"16bit": (64, 64, 64, 4, 3), "fp32": (32, 64, 32, 4, 2)}
+_INTERPRETER_TILE = (16, 32, 32, 1, 1)  # small and fast on the CPU interpreter (its own fixed tile)
+# The grouped MLP's tiles in this mode, (GEMM1, GEMM2) per precision, as its tile lists write them (BLOCK_M, BLOCK_N,
+# BLOCK_K, num_warps, num_stages): entries of its own lists, legal for each GEMM (fp8: BLOCK_N 128 for GEMM1's fp8
+# epilogue and the interleaved gate/up blocks, BLOCK_K dividing 128), one per precision whatever the row count.
+GROUPED_MLP_TILES = {
+    "16bit": ((64, 128, 64, 4, 4), (64, 128, 64, 4, 4)),
+    "fp8": ((64, 128, 128, 8, 3), (64, 128, 128, 8, 3)),
+    "fp32": ((32, 64, 32, 4, 2), (32, 64, 32, 4, 2)),
+}
+_TL_OUT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit(do_not_specialize=["M"])  # M == 1 or M % 16 == 0 must not compile another kernel
+def _fixed_tile_matmul_kernel(
+    a_ptr, b_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    OUT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,            # fp32 operands: IEEE products (no TF32)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program = one BLOCK_M x BLOCK_N tile of c = a @ b.T over the whole K loop (no split-K), fp32 sums.
+
+    Example: M=3, N=2, K=4, a = ones, b = [[1, 2, 3, 4], [0, 0, 0, 1]] -> every row of c is [10, 1]."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
+                    mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(OUT_DTYPE),
+             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _check_args(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> None:
+    if a_MK.dim() != 2 or b_NK.dim() != 2 or a_MK.shape[1] != b_NK.shape[1]:
+        raise ShapeError(f"fixed-tile matmul takes a [M, K] and b [N, K]; got {tuple(a_MK.shape)} and "
+                         f"{tuple(b_NK.shape)}")
+    for name, dtype in (("a_MK", a_MK.dtype), ("b_NK", b_NK.dtype), ("out_dtype", out_dtype)):
+        if dtype not in _TL_OUT:
+            raise DTypeError(f"{name} must be fp32/fp16/bf16, got {dtype}")
+
+
+def fixed_tile_matmul(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a_MK @ b_NK.T`` with fp32 sums, rounded once to ``out_dtype``: one tile for every M (module doc).
+
+    Args:
+        a_MK: ``[M, K]`` fp32/fp16/bf16 (CUDA, or the CPU under the interpreter).
+        b_NK: ``[N, K]``; cast to a's dtype when it differs (a product of two 16-bit values is exact in fp32).
+        out_dtype: fp32, fp16 or bf16.
+
+    Returns:
+        ``[M, N]`` out_dtype. No host sync.
+    """
+    _check_args(a_MK, b_NK, out_dtype)
+    check_device("a_MK", a_MK)
+    b_NK = b_NK.to(a_MK.dtype)
+    num_rows, num_cols = a_MK.shape[0], b_NK.shape[0]
+    c_MN = torch.empty(num_rows, num_cols, dtype=out_dtype, device=a_MK.device)
+    if num_rows == 0 or num_cols == 0:
+        return c_MN
+    if a_MK.shape[1] == 0:
+        return c_MN.zero_()
+    ieee = a_MK.dtype == torch.float32
+    block_m, block_n, block_k, warps, stages = (_INTERPRETER_TILE if is_interpreter()
+                                                else _MATMUL_TILES["fp32" if ieee else "16bit"])
+    launch(_fixed_tile_matmul_kernel, (cdiv(num_rows, block_m), cdiv(num_cols, block_n)),
+           a_MK, b_NK, c_MN, num_rows, num_cols, a_MK.shape[1],
+           a_MK.stride(0), a_MK.stride(1), b_NK.stride(0), b_NK.stride(1), c_MN.stride(0), c_MN.stride(1),
+           OUT_DTYPE=_TL_OUT[out_dtype], IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+           num_warps=warps, num_stages=stages)
+    return c_MN
+
+
+def fixed_tile_matmul_ref(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Torch twin of ``fixed_tile_matmul`` (same arguments): ``torch.matmul`` on FIXED_ROW_BLOCK-row blocks
+    (``in_row_blocks``), in ``out_dtype`` when both operands have it (the weights' dtype, as
+    ``activations.dense_mlp``), else in fp32 with both cast (as ``router.router_logits``)."""
+    _check_args(a_MK, b_NK, out_dtype)
+    compute = out_dtype if a_MK.dtype == b_NK.dtype == out_dtype else torch.float32
+    b_KN = b_NK.to(compute).t()
+    return in_row_blocks(lambda a_block: a_block.to(compute) @ b_KN, a_MK).to(out_dtype)
+
+
+def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x_MK: torch.Tensor) -> torch.Tensor:
+    """``fn`` (a row-wise function: row i of its output depends on row i of its input only) over ``x_MK``, called
+    on fresh zero-padded copies of FIXED_ROW_BLOCK rows each, so every GEMM inside ``fn`` has one shape.
+
+    Args:
+        fn: ``[FIXED_ROW_BLOCK, K] -> [FIXED_ROW_BLOCK, N]``.
+        x_MK: ``[M, K]`` any dtype.
+
+    Returns:
+        ``[M, N]``: fn's rows for x's rows (the padding rows' results dropped); ``fn(x_MK)`` itself when M == 0.
+    """
+    num_rows = x_MK.shape[0]
+    if num_rows == 0:
+        return fn(x_MK)
+    outputs = []
+    for lo in range(0, num_rows, FIXED_ROW_BLOCK):
+        rows = x_MK[lo:lo + FIXED_ROW_BLOCK]
+        # a fresh allocation: the BLAS sees one shape AND one alignment, whatever x's offset
+        block = x_MK.new_zeros(FIXED_ROW_BLOCK, *x_MK.shape[1:])
+        block[:rows.shape[0]] = rows
+        outputs.append(fn(block)[:rows.shape[0]])
+    return torch.cat(outputs)
