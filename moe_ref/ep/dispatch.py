@@ -150,6 +150,12 @@ def zero_padding_rows(layout: ExpertLayout, pools: list[torch.Tensor]) -> Expert
     return ExpertLayout(layout.row_start_e, aligned_e, layout.num_pool_rows, layout.alignment)
 
 
+def _rows_at(y_PD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
+    """``[T, K, Dx]``: ``y_PD[pos]``, a zero row where ``pos < 0``."""
+    rows_TKD = y_PD[pos_TK.clamp(min=0)]
+    return torch.where((pos_TK >= 0)[:, :, None], rows_TKD, 0)
+
+
 # --- the handle ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -326,12 +332,6 @@ class Dispatcher(ABC):
         self._return_partials(y_PD, handle)
         return self._reduce(handle.num_tokens)
 
-    def destroy(self) -> None:
-        """Release my use of the shared buffer (freed with its last user; not collective; idempotent)."""
-        self._release()
-
-    def __enter__(self) -> "Dispatcher":
-        return self
     def combine_slots(self, y_PD: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """The batch-invariant combine (``moe_ref.ep.batch_invariant``): every (token, slot) expert row comes back
         unreduced and MY tokens' K rows are summed here in slot order in fp32 (``sum_slots``), so the sum is the
@@ -380,6 +380,12 @@ class Dispatcher(ABC):
         """Between two rounds of ``combine_slots``: no rank writes round j + 1 before every rank has read round j
         (the ``symm`` transport's barrier; a private buffer needs none)."""
 
+    def destroy(self) -> None:
+        """Release my use of the shared buffer (freed with its last user; not collective; idempotent)."""
+        self._release()
+
+    def __enter__(self) -> "Dispatcher":
+        return self
 
     def __exit__(self, *exc) -> None:
         self.destroy()
