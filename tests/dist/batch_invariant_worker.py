@@ -1,0 +1,56 @@
+"""torchrun worker of tests/dist/test_batch_invariant_dist.py: the same global tokens through a batch-invariant layer
+at this EP size, over ``symm`` and ``a2a``, in fp32 and bf16.
+
+    python -m torch.distributed.run --standalone --nproc-per-node R tests/dist/batch_invariant_worker.py --out OUT
+
+The G = 64 global tokens are split unevenly over the ranks (the last rank gets none at R = 4) and chunked by a cap of
+16 rows. Each rank reports, per case, the bytes of its output rows as hex, with the global token index of each; the
+test compares them with one process's output on all 64 tokens, bitwise.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from launch import join_group  # noqa: E402  (tests/dist, beside this worker)
+from moe_ref import MegaMoE
+
+PRESET, NUM_TOKENS, SEED = "tiny-kimi-k2", 64, 0
+SPLITS = {1: [64], 2: [40, 24], 4: [20, 24, 20, 0]}
+
+
+def global_tokens(hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[G, D]`` the tokens every EP size runs (the test builds the same)."""
+    return torch.randn(NUM_TOKENS, hidden, generator=torch.Generator().manual_seed(7)).to(dtype)
+
+
+def row_bytes(y_TD: torch.Tensor) -> list[str]:
+    """Each row's bytes as hex (bf16 viewed as int16, fp32 as int32)."""
+    as_int = y_TD.view(torch.int16 if y_TD.element_size() == 2 else torch.int32)
+    return [row.numpy().tobytes().hex() for row in as_int]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank, world, report = join_group(args.out, 60)
+    lo = sum(SPLITS[world][:rank])
+    hi = lo + SPLITS[world][rank]
+    for transport in ("symm", "a2a"):
+        for dtype in (torch.float32, torch.bfloat16):
+            moe = MegaMoE(PRESET, dist.group.WORLD, transport=transport, dtype=dtype, seed=SEED, batch_invariant=True,
+                          num_max_tokens_per_rank=16, overflow="chunk", alignment=1)
+            with torch.no_grad():
+                y = moe(global_tokens(moe.cfg.hidden_size, dtype)[lo:hi])
+            report({"case": f"{transport}/{str(dtype).removeprefix('torch.')}", "tokens": list(range(lo, hi)),
+                    "rows": row_bytes(y)})
+            moe.destroy()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""The batch-invariant mode at EP 2 and 4 (torchrun, gloo, CPU ranks): every token's output bits equal one process's
+output on the same 64 global tokens, over ``symm`` and ``a2a``, fp32 and bf16 (``batch_invariant_worker.py``)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batch_invariant_worker import NUM_TOKENS, PRESET, SEED, global_tokens, row_bytes  # noqa: E402
+from launch import read_reports, torchrun  # noqa: E402
+
+from moe_ref import MegaMoE  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "batch_invariant_worker.py"
+
+
+def one_process_rows(dtype: torch.dtype) -> list[str]:
+    """EP 1 on all tokens, with the workers' one BLAS thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        moe = MegaMoE(PRESET, dtype=dtype, seed=SEED, batch_invariant=True, num_max_tokens_per_rank=NUM_TOKENS)
+        with torch.no_grad():
+            return row_bytes(moe(global_tokens(moe.cfg.hidden_size, dtype)))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ep_size_does_not_change_a_token_bits(world_size, tmp_path):
+    launch = torchrun(world_size, [], tmp_path, 90, worker=WORKER)
+    assert launch.returncode == 0, f"{launch.returncode=} after {launch.seconds:.0f} s\n{launch.log[-4000:]}"
+    reports = read_reports(tmp_path, world_size)
+    expected = {dtype: one_process_rows(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    for transport in ("symm", "a2a"):
+        for dtype, rows in expected.items():
+            case = f"{transport}/{str(dtype).removeprefix('torch.')}"
+            seen = []
+            for rank in range(world_size):
+                assert case in reports[rank], f"rank {rank} did not report {case}\n{launch.log[-4000:]}"
+                got = reports[rank][case]
+                seen += got["tokens"]
+                mismatched = [t for t, row in zip(got["tokens"], got["rows"]) if row != rows[t]]
+                assert not mismatched, f"{case} EP {world_size} rank {rank}: tokens {mismatched} differ from EP 1"
+            assert sorted(seen) == list(range(NUM_TOKENS)), f"{case}: tokens reported {sorted(seen)}"
+    assert not launch.leftovers, f"files left in the shm folder: {launch.leftovers}"
