@@ -1,7 +1,7 @@
 """Meeting users where their models already are: checkpoints by repo id from the local hub cache, and loaded
 transformers models.
 
-    from_pretrained("org/name" | folder, layer_idx, group=..., **layer_options)   (moe_ref.integrations.pretrained)
+    from_pretrained("org/name" | folder, layer_idx, group=..., **layer_options)   (MegaMoE.from_pretrained)
       --moe_ref.checkpoint.hub: the snapshot folder, offline--> MegaMoE(config.json) --load_hf_weights--> layer
     moe_ref.integrations.transformers (imports transformers; registers experts_implementation="moe_ref"):
       patch_model(model, group=..., **layer_options): every sparse MoE block -> a MegaMoE over the block's own tensors
@@ -14,7 +14,7 @@ __all__ = ["from_pretrained"]
 
 def __getattr__(name):
     if name == "from_pretrained":
-        from moe_ref.integrations.pretrained import from_pretrained
+        from moe_ref.layer.pretrained import from_pretrained
 
         return from_pretrained
     raise AttributeError(f"module 'moe_ref.integrations' has no attribute {name!r}")

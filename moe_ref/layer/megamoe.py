@@ -339,6 +339,15 @@ class MegaMoE(nn.Module):
         runtime.start(self)
 
     # --- weights (moe_ref.layer.weights) ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, layer_idx: int, **options) -> "MegaMoE":
+        """Build and load MoE layer ``layer_idx`` of a checkpoint folder, or of a repo id already in the local Hugging
+        Face hub cache (offline), collectively over ``group=``; ``options``: this class's keyword options and
+        ``revision``, ``cache_dir``, ``prefix``, ``progress`` (``moe_ref.layer.pretrained.from_pretrained``)."""
+        from moe_ref.layer.pretrained import from_pretrained
+
+        return from_pretrained(name_or_path, layer_idx, **options)
+
     def weights(self) -> MoEWeights:
         """This rank's parameters as ``MoEWeights`` (views, no copy). The expert tensors are None unless the
         experts are held as plain parameters (not loaded yet, or kept quantized in ``quantized_experts``)."""

@@ -20,7 +20,7 @@ from moe_ref.checkpoint.synthetic import write_synthetic_checkpoint
 from moe_ref.core.config import MoEConfig, preset
 from moe_ref.core.errors import (CheckpointNotFoundError, IncompleteSnapshotError, RepoNotCachedError,
                                  UnsafeShardPathError)
-from moe_ref import integrations
+from moe_ref import MegaMoE, integrations
 from moe_ref.reference import reference_moe
 from moe_ref.testing import assert_close
 
@@ -109,9 +109,11 @@ def test_a_shard_in_a_subfolder_of_the_checkpoint_is_allowed(tmp_path):
 
 
 def test_from_pretrained_resolves_a_repo_id_through_the_cache_offline(tmp_path, offline_cache):
+    """``MegaMoE.from_pretrained`` (the class's own door; ``moe_ref.integrations.from_pretrained`` is the same
+    function, used by the other tests here)."""
     cache, snapshot, cfg, weights = hub_cache(tmp_path)
     assert resolve_checkpoint("org/tiny") == snapshot
-    layer = integrations.from_pretrained("org/tiny", layer_idx=LAYER, num_max_tokens_per_rank=16, overflow="chunk")
+    layer = MegaMoE.from_pretrained("org/tiny", layer_idx=LAYER, num_max_tokens_per_rank=16, overflow="chunk")
     x_TD = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert_close(layer(x_TD), reference_moe(x_TD, weights, cfg), repo_id="org/tiny")

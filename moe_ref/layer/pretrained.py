@@ -1,4 +1,5 @@
-"""``from_pretrained``: a loaded ``MegaMoE`` for one MoE layer of a checkpoint named by a folder or a repo id.
+"""``MegaMoE.from_pretrained``: a loaded ``MegaMoE`` for one MoE layer of a checkpoint named by a folder or a repo id
+(also ``moe_ref.integrations.from_pretrained``).
 
     name_or_path --checkpoint.hub.resolve_checkpoint (offline: the hub cache, never the network)--> folder
       --every rank of the group agrees it resolved (else the same coded error on every rank)-->
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from moe_ref.checkpoint.hub import resolve_checkpoint
 from moe_ref.core.errors import MoERefError, error_class
 from moe_ref.ep.distributed import gather_objects
-from moe_ref.layer import MegaMoE
+from moe_ref.layer.megamoe import MegaMoE
 
 
 def from_pretrained(name_or_path: str | os.PathLike, layer_idx: int, *, group: dist.ProcessGroup | None = None,
