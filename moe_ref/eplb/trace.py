@@ -5,6 +5,8 @@
 Formats (chosen by the suffix):
 - ``.json``: ``{"format": "moe_ref.eplb.loads", "version": 1, "loads": [window][layer][expert]}``.
 - ``.pt``: a ``torch.save``d tensor ``[W, Ly, E]`` (or ``[Ly, E]``: one window).
+- the layer's telemetry dump (``moe_ref.eplb.telemetry.save_expert_loads``, ``"format": "moe_ref.eplb.telemetry"``):
+  one window, each layer's per-slot rows summed per logical expert.
 Counts are finite and ``>= 0``; anything else is ``LoadTraceError`` (CFG035).
 
 Shape legend: E experts (the model's logical experts), Ly MoE layers of a model.
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from moe_ref.core.errors import LoadTraceError
+from moe_ref.eplb import telemetry
 
 FILE_FORMAT = "moe_ref.eplb.loads"
 FILE_VERSION = 1
@@ -71,10 +74,13 @@ def load_loads(path: str | Path) -> torch.Tensor:
             table = torch.load(path, map_location="cpu", weights_only=True)
         else:
             record = json.loads(Path(path).read_text())
-            if not isinstance(record, dict) or record.get("format") != FILE_FORMAT or "loads" not in record:
-                raise ValueError(f"not a {FILE_FORMAT} record (keys: format, version, loads)")
-            table = record["loads"]
-    except (OSError, ValueError, RuntimeError, EOFError) as err:
+            if isinstance(record, dict) and record.get("format") == telemetry.FILE_FORMAT:
+                table = [telemetry.logical_rows_from_record(record)]
+            elif not isinstance(record, dict) or record.get("format") != FILE_FORMAT or "loads" not in record:
+                raise ValueError(f"not a {FILE_FORMAT} or {telemetry.FILE_FORMAT} record")
+            else:
+                table = record["loads"]
+    except (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError) as err:
         raise LoadTraceError(f"{source}: cannot read a load trace ({err})") from err
     if isinstance(table, (dict, str)):
         raise LoadTraceError(f"{source}: holds a {type(table).__name__}, not a [windows, layers, experts] table")
