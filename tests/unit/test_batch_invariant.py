@@ -1,0 +1,138 @@
+"""The batch-invariant mode on one process (docs/batch_invariance.md): a token's output bits do not depend on its
+batch, its row order, or the chunk count; the CPU scheme's assumption about the BLAS; the tie rule; the refusals."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from moe_ref import MegaMoE
+from moe_ref.core.errors import BatchInvariantUnsupportedError
+from moe_ref.core.router import select_experts
+from moe_ref.ep.batch_invariant import sum_slots
+from moe_ref.experts import ExpertLayout, make_experts
+from moe_ref.kernels.runtime.fixed_tiles import FIXED_ROW_BLOCK, fixed_tile_matmul_ref
+
+SIZES = (1, 2, 3, 17, 64, 129)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def rows_differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((bits(a) != bits(b)).any(dim=-1).sum())
+
+
+def tokens(num: int, hidden: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    return torch.randn(num, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fixed_shape_blas_call_gives_a_row_the_same_bits_anywhere(dtype):
+    """The CPU scheme's assumption, on this machine: a row's result does not depend on T or its place in a block."""
+    weight = tokens(80, 48, dtype, seed=2)
+    x = tokens(160, 48, dtype)
+    full = fixed_tile_matmul_ref(x, weight, torch.float32)
+    for size in SIZES:
+        for offset in (0, 5, FIXED_ROW_BLOCK - 1):
+            assert rows_differing(fixed_tile_matmul_ref(x[offset:offset + size], weight, torch.float32),
+                                  full[offset:offset + size]) == 0, (size, offset)
+
+
+@pytest.mark.parametrize("preset", ["tiny-kimi-k2", "tiny-kimi-k3", "tiny-step3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_alone_equals_the_token_in_a_batch(preset, dtype):
+    moe = MegaMoE(preset, seed=0, dtype=dtype, batch_invariant=True, num_max_tokens_per_rank=256, alignment=1)
+    x = tokens(160, moe.cfg.hidden_size, dtype)
+    with torch.no_grad():
+        full = moe(x)
+        for size in SIZES:
+            offset = 160 - size if size > 3 else 7 * size
+            assert rows_differing(moe(x[offset:offset + size]), full[offset:offset + size]) == 0, size
+        assert moe(x[:0]).shape == (0, moe.cfg.hidden_size)
+
+
+def test_positive_control_the_default_mode_differs_for_a_lone_token_in_fp32():
+    """Where the default mode is not invariant (a token alone: MKL's small-M path), the test above would see it."""
+    moe = MegaMoE("tiny-kimi-k2", seed=0, num_max_tokens_per_rank=256, alignment=1)
+    x = tokens(48, moe.cfg.hidden_size, torch.float32)
+    with torch.no_grad():
+        full = moe(x)
+        alone = torch.cat([moe(x[i:i + 1]) for i in range(8)])
+    assert rows_differing(alone, full[:8]) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_derangement_of_rows_inside_expert_segments_keeps_every_row(dtype):
+    """(b): each expert segment's rows rotated by one (every row of a segment of >= 2 rows moves)."""
+    gate_up = tokens(4 * 80, 48, dtype, seed=3).reshape(4, 80, 48)
+    down = tokens(4 * 48, 40, dtype, seed=4).reshape(4, 48, 40)
+    experts = make_experts("torch", gate_up, down)
+    experts.batch_invariant = True
+    counts = torch.tensor([37, 1, 0, 90])
+    layout = ExpertLayout.from_counts(counts, alignment=1)
+    x = tokens(int(counts.sum()), 48, dtype)
+    perm = torch.cat([start + torch.roll(torch.arange(n), 1) for start, n in zip(layout.row_start_e.tolist(),
+                                                                                   counts.tolist())])
+    moved = float((perm != torch.arange(perm.numel())).float().mean())
+    assert moved > 0.9, f"only {moved:.0%} of the rows moved"
+    y = experts(x, layout)
+    assert rows_differing(experts(x[perm], layout), y[perm]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_permutation_permutes_the_output_bitwise(dtype):
+    moe = MegaMoE("tiny-deepseek-v3", seed=0, dtype=dtype, batch_invariant=True, num_max_tokens_per_rank=128)
+    x = tokens(96, moe.cfg.hidden_size, dtype)
+    perm = torch.roll(torch.arange(96), 17)
+    with torch.no_grad():
+        assert rows_differing(moe(x[perm]), moe(x)[perm]) == 0
+
+
+@pytest.mark.parametrize("alignment", [1, 128])
+def test_chunked_equals_unchunked(alignment):
+    def run(cap, invariant):
+        moe = MegaMoE("tiny-kimi-k2", seed=0, batch_invariant=invariant, num_max_tokens_per_rank=cap,
+                      overflow="chunk", alignment=alignment)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the chunk policy's one warning
+            return moe(tokens(100, moe.cfg.hidden_size, torch.float32))
+
+    unchunked = run(128, True)
+    for cap in (16, 1) if alignment == 1 else (16,):  # 100 chunks of 128-row segments would take seconds
+        assert rows_differing(run(cap, True), unchunked) == 0, cap
+    if alignment == 1:  # positive control: the default mode chunks differently there
+        assert rows_differing(run(16, False), run(128, False)) > 0
+
+
+def test_ties_in_top_k_go_to_the_lowest_expert_id():
+    logits = torch.zeros(3, 8)
+    logits[0, [6, 2, 5]] = 1.0  # three-way tie for the top 2
+    logits[1] = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5])
+    logits[2, [7, 1]] = 2.0
+    ids, _ = select_experts(logits, 2, "softmax")
+    assert ids.tolist() == [[2, 5], [0, 1], [1, 7]]
+
+
+def test_sum_slots_adds_live_slots_in_order_in_fp32():
+    rows = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [99.0, 99.0]]], dtype=torch.bfloat16)
+    ids = torch.tensor([[4, 0, -1]])
+    weights = torch.tensor([[0.5, 0.25, 7.0]])
+    assert sum_slots(rows, ids, weights, torch.float32).tolist() == [[1.25, 2.0]]
+    assert sum_slots(rows[:0], ids[:0], weights[:0], torch.bfloat16).shape == (0, 2)
+
+
+def test_the_environment_switches_it_on_and_auto_resolves_to_the_holder(monkeypatch):
+    monkeypatch.setenv("MOE_REF_BATCH_INVARIANT", "1")
+    moe = MegaMoE("tiny-kimi-k2", seed=0)
+    assert moe.options.batch_invariant and moe.options.experts_backend == "torch"
+    assert moe.options.fingerprint()["batch_invariant"] == "True"
+
+
+@pytest.mark.parametrize("option", [dict(experts_backend="grouped_mm"), dict(mega="auto")])
+def test_options_that_cannot_hold_it_are_refused(option):
+    with pytest.raises(BatchInvariantUnsupportedError, match="batch_invariant=True") as err:
+        MegaMoE("tiny-kimi-k2", batch_invariant=True, **option)
+    assert err.value.code == "CFG026" and next(iter(option)) in str(err.value)
