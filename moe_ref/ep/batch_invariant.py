@@ -89,3 +89,11 @@ def sum_slots(rows_TKDx: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_T
         product_TDx = topk_weights_TK[:, slot:slot + 1] * rows_TKDx[:, slot].float()
         acc_TDx = torch.where(live_TK[:, slot:slot + 1], acc_TDx + product_TDx, acc_TDx)
     return acc_TDx.to(out_dtype)
+
+
+def rows_with_other_bits(a_TN: torch.Tensor, b_TN: torch.Tensor) -> int:
+    """How many rows of two same-shape float tensors differ in any bit (NaNs with equal bits count as equal): the
+    check the contract is tested with."""
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    a_bits, b_bits = a_TN.view(as_int[a_TN.element_size()]), b_TN.view(as_int[b_TN.element_size()])
+    return int((a_bits != b_bits).reshape(a_TN.shape[0], -1).any(dim=1).sum())

@@ -14,6 +14,7 @@ from launch import read_reports, torchrun  # noqa: E402
 
 from moe_ref import MegaMoE  # noqa: E402
 
+pytestmark = pytest.mark.dist
 WORKER = Path(__file__).resolve().parent / "batch_invariant_worker.py"
 
 

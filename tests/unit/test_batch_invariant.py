@@ -10,19 +10,12 @@ import torch
 from moe_ref import MegaMoE
 from moe_ref.core.errors import BatchInvariantUnsupportedError
 from moe_ref.core.router import select_experts
-from moe_ref.ep.batch_invariant import sum_slots
+from moe_ref.ep.batch_invariant import rows_with_other_bits, sum_slots
 from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.kernels.runtime.fixed_tiles import FIXED_ROW_BLOCK, fixed_tile_matmul_ref
 
+pytestmark = pytest.mark.unit
 SIZES = (1, 2, 3, 17, 64, 129)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-def rows_differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    return int((bits(a) != bits(b)).any(dim=-1).sum())
 
 
 def tokens(num: int, hidden: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
@@ -37,7 +30,7 @@ def test_a_fixed_shape_blas_call_gives_a_row_the_same_bits_anywhere(dtype):
     full = fixed_tile_matmul_ref(x, weight, torch.float32)
     for size in SIZES:
         for offset in (0, 5, FIXED_ROW_BLOCK - 1):
-            assert rows_differing(fixed_tile_matmul_ref(x[offset:offset + size], weight, torch.float32),
+            assert rows_with_other_bits(fixed_tile_matmul_ref(x[offset:offset + size], weight, torch.float32),
                                   full[offset:offset + size]) == 0, (size, offset)
 
 
@@ -50,7 +43,7 @@ def test_a_token_alone_equals_the_token_in_a_batch(preset, dtype):
         full = moe(x)
         for size in SIZES:
             offset = 160 - size if size > 3 else 7 * size
-            assert rows_differing(moe(x[offset:offset + size]), full[offset:offset + size]) == 0, size
+            assert rows_with_other_bits(moe(x[offset:offset + size]), full[offset:offset + size]) == 0, size
         assert moe(x[:0]).shape == (0, moe.cfg.hidden_size)
 
 
@@ -61,7 +54,7 @@ def test_positive_control_the_default_mode_differs_for_a_lone_token_in_fp32():
     with torch.no_grad():
         full = moe(x)
         alone = torch.cat([moe(x[i:i + 1]) for i in range(8)])
-    assert rows_differing(alone, full[:8]) > 0
+    assert rows_with_other_bits(alone, full[:8]) > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -79,7 +72,7 @@ def test_a_derangement_of_rows_inside_expert_segments_keeps_every_row(dtype):
     moved = float((perm != torch.arange(perm.numel())).float().mean())
     assert moved > 0.9, f"only {moved:.0%} of the rows moved"
     y = experts(x, layout)
-    assert rows_differing(experts(x[perm], layout), y[perm]) == 0
+    assert rows_with_other_bits(experts(x[perm], layout), y[perm]) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,7 +81,7 @@ def test_a_token_permutation_permutes_the_output_bitwise(dtype):
     x = tokens(96, moe.cfg.hidden_size, dtype)
     perm = torch.roll(torch.arange(96), 17)
     with torch.no_grad():
-        assert rows_differing(moe(x[perm]), moe(x)[perm]) == 0
+        assert rows_with_other_bits(moe(x[perm]), moe(x)[perm]) == 0
 
 
 @pytest.mark.parametrize("alignment", [1, 128])
@@ -102,9 +95,9 @@ def test_chunked_equals_unchunked(alignment):
 
     unchunked = run(128, True)
     for cap in (16, 1) if alignment == 1 else (16,):  # 100 chunks of 128-row segments would take seconds
-        assert rows_differing(run(cap, True), unchunked) == 0, cap
+        assert rows_with_other_bits(run(cap, True), unchunked) == 0, cap
     if alignment == 1:  # positive control: the default mode chunks differently there
-        assert rows_differing(run(16, False), run(128, False)) > 0
+        assert rows_with_other_bits(run(16, False), run(128, False)) > 0
 
 
 def test_ties_in_top_k_go_to_the_lowest_expert_id():
