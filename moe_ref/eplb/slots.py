@@ -8,7 +8,8 @@ tables that send each routed (token, k) to one replica of its logical expert.
                                       transport and telemetry count slots, Ph / R per rank
       local_weights(weights)       each local slot's logical expert, taken from a block of experts (LOAD020)
       to_physical(x_TD, ids_TK)    router's logical ids -> physical slots, on the device (no host sync, graph-safe)
-      set_placement(placement)     the tables rewritten in place (after a rebalance: captured graphs stay valid)
+      set_placement(placement)     the tables rewritten in place (a rebalance; the layer then rebuilds its experts and
+                                      drops its graphs: a graph a caller captured must be captured again, as after a load)
 
 Replica choice (``to_physical``): ``placement.replica_index(token_key(x), k, replica count)``. The key is a hash of
 the bits of ``NUM_KEY_COLUMNS`` fixed, evenly spaced columns of the token's hidden state: a function of the token's
