@@ -7,6 +7,7 @@
     moe-ref demo --preset tiny-kimi-k3 --quant mxfp4   # the same from a quantized checkpoint, kept as stored
     moe-ref bench                     # expert backends: GPU, Kimi-K2's experts per rank at EP 8; CPU, a tiny shape
     moe-ref info                      # versions, devices, backends and why not
+    moe-ref conform --impl pkg.mod:factory   # your kernel over the conformance matrix (docs/conform.md)
 
 Every moe_ref error ends the command with one line on stderr, ``moe-ref: [CODE] message (see: moe-ref
 explain CODE)``, and exit status 2; ``--debug`` (or ``MOE_REF_DEBUG=1``) adds the traceback. Flags are
@@ -704,6 +705,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, default=None)
     p.add_argument("--ep", type=positive, default=8, help="expert-parallel size of the per-rank expert bytes")
     p.set_defaults(fn=cmd_info)
+
+    p = sub.add_parser("conform", parents=[debug], help="check a dispatch/combine or fused-MoE implementation against "
+                                                        "the oracle over the scenario matrix (docs/conform.md)")
+    from moe_ref.conformance.cli import add_arguments as add_conform_arguments, run as run_conform
+
+    add_conform_arguments(p)
+    p.set_defaults(fn=run_conform)
 
     p = sub.add_parser("eplb", parents=[debug], help="expert-parallel load balancing on CPU: placement planner, "
                                                      "simulator")

@@ -22,6 +22,7 @@ STAGES = {
     "moe_ref.block": 5, "moe_ref.eager_graphs": 5, "moe_ref.layer": 5, "moe_ref.custom_ops": 5, "moe_ref.reference": 5,
     "moe_ref.tools": 6, "moe_ref.__main__": 6, "moe_ref.bench": 6,
     "moe_ref.integrations": 6,
+    "moe_ref.conformance": 6,
 }
 STAGE_NAMES = ["core", "kernels", "checkpoint", "experts", "ep", "layer", "tools"]
 

@@ -1,0 +1,96 @@
+"""moe_ref itself under test, from outside: each experts backend through the modular routed step
+(``routed_step`` kind: the transport, the overflow policy, the chunk loop and the backend together) and each
+transport's dispatch/combine on its own (``dispatch_combine`` kind). Names: ``moe_ref/<backend>`` (overflow
+``error``), ``moe_ref/torch+chunk`` (overflow ``chunk``), ``moe_ref/dispatch/<transport>``.
+
+Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, F expert intermediate,
+P receive-pool rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_ref.conformance.api import Capabilities, Implementation, Problem, Received, register
+from moe_ref.core.config import MoEConfig
+
+CAP = 160  # the cap every moe_ref adapter runs with: above the torch loop's 128-row tile + 1 (cap+1 feeds 161 rows)
+
+
+def _config(problem: Problem) -> MoEConfig:
+    return MoEConfig(num_experts=problem.num_experts, num_topk=problem.num_topk, hidden_size=problem.hidden,
+                     intermediate_size=problem.intermediate)
+
+
+def _options(problem: Problem, backend: str, transport: str, overflow: str):
+    from moe_ref.ep.options import EPOptions
+
+    return EPOptions.resolve(num_max_tokens_per_rank=problem.max_tokens_per_rank, overflow=overflow,
+                             transport=transport, experts_backend=backend, dtype=problem.dtype,
+                             device=problem.device)
+
+
+def routed_step_factory(backend: str, overflow: str = "error", transport: str = "auto"):
+    """``Problem -> run``: moe_ref's ``ModularRoutedStep`` over ``backend`` and ``transport``."""
+    def factory(problem: Problem):
+        from moe_ref.ep.routed_step import make_modular_step
+        from moe_ref.experts import FP8ExpertWeights, make_experts
+
+        w = problem.weights
+        fp8 = None if w.quant == "none" else FP8ExpertWeights(w.gate_up_q, w.gate_up_scale, w.down_q, w.down_scale)
+        experts = make_experts(backend, w.gate_up_e2FD, w.down_eDF, fp8_weights=fp8)
+        step = make_modular_step(_config(problem), problem.group, experts,
+                                 _options(problem, backend, transport, overflow))
+
+        def run(x_TD, topk_ids_TK, topk_weights_TK, out_TD):
+            out_TD.copy_(step(x_TD, topk_ids_TK, topk_weights_TK))
+
+        run.close = step.destroy
+        return run
+
+    return factory
+
+
+class _Dispatch:
+    """A moe_ref ``Dispatcher`` in the ``DispatchCombine`` protocol."""
+
+    def __init__(self, problem: Problem, transport: str):
+        from moe_ref.ep.transport import make_dispatcher
+
+        self.dispatcher = make_dispatcher(_config(problem), problem.group, _options(problem, "torch", transport,
+                                                                                    "error"))
+
+    def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK) -> Received:
+        handle = self.dispatcher.dispatch(x_TD, topk_ids_TK, topk_weights_TK)
+        layout = handle.layout
+        return Received(handle.recv_x_PD[:layout.num_pool_rows], layout.row_start_e, layout.num_rows_e, handle)
+
+    def combine(self, y_PD, received: Received, out_TD) -> None:
+        out_TD.copy_(self.dispatcher.combine(y_PD, received.handle))
+
+    def close(self) -> None:
+        self.dispatcher.destroy()
+
+
+def _add(name: str, kind: str, caps: Capabilities, factory, label: str = "") -> None:
+    register(Implementation(name, kind, caps, factory, label, spec=name))
+
+
+_BASE = dict(dtypes=("fp32", "bf16"), ep_sizes=(1, 2, 4), max_tokens_per_rank=CAP, overflow="error",
+             deterministic=True, duplicate_experts=False, masked_slots=True)
+# the torch loop computes whole 128-row segments, so a row's bits never depend on its neighbours (CPU)
+_add("moe_ref/torch", "routed_step", Capabilities(**_BASE, batch_invariant=True, devices=("cpu",), tile_rows=128),
+     routed_step_factory("torch"))
+_add("moe_ref/torch+chunk", "routed_step",
+     Capabilities(**{**_BASE, "overflow": "chunk"}, batch_invariant=True, devices=("cpu",), tile_rows=128),
+     routed_step_factory("torch", overflow="chunk"))
+_add("moe_ref/grouped_mm", "routed_step", Capabilities(**_BASE, tile_rows=16), routed_step_factory("grouped_mm"))
+_add("moe_ref/triton", "routed_step",
+     Capabilities(**{**_BASE, "dtypes": ("bf16",)}, quants=("none", "fp8_block"), devices=("cuda",), tile_rows=64,
+                  graph_safe=True), routed_step_factory("triton"))
+_add("moe_ref/deep_gemm", "routed_step",
+     Capabilities(**{**_BASE, "dtypes": ("bf16",)}, quants=("none", "fp8_block"), devices=("cuda",), tile_rows=128),
+     routed_step_factory("deep_gemm"), "DeepGEMM's grouped GEMMs (SM90)")
+for _transport, _sizes in (("local", (1,)), ("symm", (2, 4)), ("a2a", (2, 4))):
+    _add(f"moe_ref/dispatch/{_transport}", "dispatch_combine",
+         Capabilities(dtypes=("fp32", "bf16"), ep_sizes=_sizes, max_tokens_per_rank=CAP, overflow="error"),
+         lambda problem, transport=_transport: _Dispatch(problem, transport))

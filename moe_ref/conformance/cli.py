@@ -1,0 +1,100 @@
+"""``moe-ref conform``: run the scenario matrix on one or more implementations at the given rank counts.
+
+    moe-ref conform --impl pkg.module:factory [--ranks 1,2,4] [--device cpu|cuda] [--cases 'tiny/*'] [--speed]
+                    [--jsonl out.jsonl] [--matrix out.md] [--csv out.csv] [--plot out.png] [--ledger known.json]
+    moe-ref conform --mutants [--write-doc docs/conform.md]   # every mutant at 1, 2, 4 ranks: the caught-by table
+    moe-ref conform --list                                    # registered implementations and case ids
+
+Exit status 1 when a case FAILs or a ledgered case passes (XPASS); 0 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from fnmatch import fnmatchcase
+
+from moe_ref.conformance.registry import registered, resolve
+from moe_ref.conformance.report import apply_ledger, caught_by, matrix, plot, read_ledger, record
+from moe_ref.conformance.runner import skip_reason
+from moe_ref.conformance.scenarios import all_cases
+from moe_ref.conformance.spawn import run_cases
+from moe_ref.core.errors import ConformanceLedgerError
+
+DOC_BEGIN, DOC_END = "<!-- caught-by: begin (moe-ref conform --mutants --write-doc) -->", "<!-- caught-by: end -->"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--impl", action="append", default=[], help="module:attribute or a registered name (repeatable)")
+    p.add_argument("--mutants", action="store_true", help="run the shipped mutants (and their correct base)")
+    p.add_argument("--ranks", default="1", help="comma-separated rank counts (default 1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--cases", default="*", help="fnmatch pattern(s) of case ids, comma-separated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=120.0, help="seconds per case before it is a hang (FAIL)")
+    p.add_argument("--speed", action="store_true", help="time each passing case (us, GB/s, TFLOP/s)")
+    p.add_argument("--ledger", default=None, help="JSON {'impl@ranks/case': 'reason'} of known failures")
+    p.add_argument("--jsonl", default=None)
+    p.add_argument("--matrix", default=None)
+    p.add_argument("--csv", default=None)
+    p.add_argument("--plot", default=None, help="a PNG of the speed columns (needs matplotlib)")
+    p.add_argument("--write-doc", default=None, help="with --mutants: rewrite the caught-by table in this file")
+    p.add_argument("--list", action="store_true")
+
+
+def run(args) -> int:
+    from moe_ref.conformance.mutants import MUTANT_NAMES
+
+    cases = all_cases(args.seed)
+    if args.list:
+        for name, impl in sorted(registered().items()):
+            print(f"{name:28s} {impl.kind:17s} {impl.label}")
+        print("\n".join(c.id for c in cases))
+        return 0
+    patterns = args.cases.split(",")
+    chosen = [c for c in cases if any(fnmatchcase(c.id, p) for p in patterns)]
+    if not chosen:
+        raise ConformanceLedgerError(f"--cases {args.cases!r} matches no case; `moe-ref conform --list` names them")
+    specs = list(args.impl) + (["correct", *MUTANT_NAMES, "dispatch:correct"] if args.mutants else [])
+    ranks = [int(r) for r in re.split(r"[ ,]+", "1,2,4" if args.mutants and args.ranks == "1" else args.ranks) if r]
+    ledger = read_ledger(args.ledger)
+    records = []
+    for spec in specs:
+        impl = resolve(spec)
+        for world in ranks:
+            skips = {c.id: skip_reason(impl, c, world, args.device) for c in chosen}
+            ran = run_cases(impl.spec or impl.name, [c.id for c in chosen if not skips[c.id]], world, args.device,
+                            args.deadline, args.seed, args.speed)
+            for case in chosen:
+                rec = apply_ledger(record(impl, case, world, args.device, ran.get(case.id), skips[case.id]), ledger)
+                records.append(rec)
+                if rec["status"] in ("FAIL", "XPASS"):
+                    print(f"{rec['status']} {rec['id']}: {rec['reason'][:300]}\n  REPRO: {rec['repro']}",
+                          file=sys.stderr)
+    _write(args, records)
+    return 1 if any(r["status"] in ("FAIL", "XPASS") for r in records) and not args.mutants else 0
+
+
+def _write(args, records: list[dict]) -> None:
+    if args.jsonl:
+        with open(args.jsonl, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    for path, fmt in ((args.matrix, "md"), (args.csv, "csv")):
+        if path:
+            with open(path, "w") as f:
+                f.write(matrix(records, fmt) + "\n")
+    if args.plot and not plot(records, args.plot):
+        print(f"--plot {args.plot}: not written (matplotlib not installed, or no timed case)", file=sys.stderr)
+    counts = {s: sum(r["status"] == s for r in records) for s in ("PASS", "FAIL", "SKIP", "XFAIL", "XPASS")}
+    print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    if args.mutants:
+        table = caught_by([r for r in records if r["status"] != "SKIP"])
+        print(table)
+        if args.write_doc:
+            with open(args.write_doc) as f:
+                text = f.read()
+            head, _, rest = text.partition(DOC_BEGIN)
+            _, _, tail = rest.partition(DOC_END)
+            with open(args.write_doc, "w") as f:
+                f.write(f"{head}{DOC_BEGIN}\n{table}\n{DOC_END}{tail}")

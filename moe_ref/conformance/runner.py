@@ -1,0 +1,275 @@
+"""One case on one rank: build the implementation for the case's ``Problem``, run it adversarially, return the
+verdict. Every rank makes the same calls in the same order (the implementations under test are collective).
+
+Checks, by kind (each names the planted bug it exists to catch; ``moe_ref.conformance.mutants``):
+
+| check     | experts / routed_step                                                  | dispatch_combine                     |
+|-----------|------------------------------------------------------------------------|--------------------------------------|
+| poison    | the output buffer is NaN-filled first: a row left unwritten shows      | the same, for combine's output       |
+| guard     | NaN rows past T in the same allocation stay NaN (no write outside)     | the same                             |
+| oracle    | calc_diff and per-row max-abs against the float64 oracle (finite rows) | combine of a known expert function   |
+| rerun     | a second call gives the same bits (``deterministic``)                  | the same                             |
+| permute   | tokens deranged: each row as before (bitwise if ``batch_invariant``,   | -                                    |
+|           | else against the oracle)                                               |                                      |
+| alone     | one token alone per rank: its row as in the batch (likewise)           | -                                    |
+| overflow  | C + 1 rows: the declared error on every rank, or the chunked result    | -                                    |
+| counts    | -                                                                      | rows per local expert, exactly       |
+| payload   | -                                                                      | each received row is the sent row, bit for bit, and (rank, token) pairs exactly the routed ones (rank and token id ride in the last two columns) |
+
+Shape legend: T tokens of this rank, K top-k, E experts, e local experts, D hidden width, P receive-pool rows.
+"""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from moe_ref.conformance.api import Implementation, Problem
+from moe_ref.conformance.oracle import compare, oracle_moe
+from moe_ref.conformance.scenarios import Case, global_weights, local_weights, rank_inputs, tokens_per_rank
+
+GUARD_ROWS = 4
+SPEED_ITERS = 10
+
+
+@dataclass
+class Verdict:
+    """One rank's outcome of one case: ``failed`` maps a check to why it failed (empty: PASS)."""
+
+    failed: dict[str, str] = field(default_factory=dict)
+    skip: str | None = None
+    error: str | None = None
+    us: float | None = None
+    bytes: int = 0
+    flops: int = 0
+
+    def status(self) -> str:
+        return "SKIP" if self.skip else "FAIL" if self.failed or self.error else "PASS"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status(), "failed": self.failed, "skip": self.skip, "error": self.error,
+                "us": self.us, "bytes": self.bytes, "flops": self.flops}
+
+
+def skip_reason(impl: Implementation, case: Case, world: int, device: str) -> str | None:
+    """Why ``impl`` does not run ``case`` at ``world`` ranks on ``device`` (its capabilities), or None."""
+    caps, name = impl.caps, case.scenario
+    reasons = [
+        (case.shape.cuda_only and device != "cuda", "a real model's shape: CUDA only"),
+        (device not in caps.devices, f"runs on {', '.join(caps.devices)}"),
+        (world not in caps.ep_sizes, f"ep_sizes {caps.ep_sizes}"),
+        (case.dtype not in caps.dtypes, f"dtypes {caps.dtypes}"),
+        (case.quant not in caps.quants, f"quants {caps.quants}"),
+        (impl.kind == "dispatch_combine" and case.quant != "none", "dispatch moves activation rows: no weight recipe"),
+        (name == "duplicates" and not caps.duplicate_experts, "duplicate_experts=False"),
+        (name.startswith("mask") and name != "mask0" and not caps.masked_slots, "masked_slots=False"),
+        (name in ("cap", "cap+1") and caps.max_tokens_per_rank is None, "no max_tokens_per_rank declared"),
+        (name.startswith("tile") and impl.kind == "dispatch_combine", "tile edges are the experts' concern"),
+        (name == "cap+1" and impl.kind == "dispatch_combine", "the overflow policy is the routed step's"),
+    ]
+    return next((why for hit, why in reasons if hit), None)
+
+
+def run_case(impl: Implementation, case: Case, rank: int, world: int, group, device: torch.device,
+             progress: Callable[[str], None] = lambda step: None, speed: bool = False) -> Verdict:
+    """Run ``case`` on this rank (collective over ``group``); an exception of the implementation is a FAIL."""
+    caps = impl.caps
+    cap = caps.max_tokens_per_rank
+    inputs = rank_inputs(case, world, cap, caps.tile_rows)
+    x_TD, ids_TK, w_TK = (t.to(device) for t in inputs[rank])
+    shape = case.shape
+    weights = global_weights(case, world)
+    num_local = shape.experts_per_rank if impl.kind != "experts" else shape.experts_per_rank * world
+    first = rank * num_local if impl.kind != "experts" else 0
+    problem = Problem(num_experts=shape.experts_per_rank * world, num_topk=shape.topk, hidden=shape.hidden,
+                      intermediate=shape.intermediate, dtype=case.torch_dtype,
+                      weights=local_weights(weights, first, num_local, device), first_expert=first, rank=rank,
+                      world_size=world, group=group, device=device,
+                      max_tokens_per_rank=cap or max(tokens_per_rank(case, world, cap, caps.tile_rows)) or 1)
+    verdict = Verdict()
+    built = None
+    try:
+        progress("build")
+        built = impl.factory(problem)
+        if impl.kind == "dispatch_combine":
+            _check_dispatch(built, case, inputs, rank, problem, verdict, progress)
+        elif case.scenario == "cap+1":
+            _check_overflow(built, impl, case, (x_TD, ids_TK, w_TK), inputs, weights, verdict, progress)
+        else:
+            _check_moe(built, impl, case, (x_TD, ids_TK, w_TK), weights, verdict, progress)
+        if speed and not verdict.failed:
+            progress("speed")
+            _time(built, impl, (x_TD, ids_TK, w_TK), problem, verdict)
+    except Exception as err:  # noqa: BLE001 - the implementation's failure is the case's verdict
+        verdict.error = f"{type(err).__name__}: {err}".splitlines()[0][:400]
+        verdict.failed.setdefault("raised", traceback.format_exc(limit=-3)[-600:])
+    finally:
+        close = getattr(built, "close", None)
+        if close is not None:
+            close()
+    return verdict
+
+
+def _call(built, x_TD, ids_TK, w_TK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_TD, storage)``: the output written into a NaN-filled allocation with guard rows past T."""
+    storage = torch.full((x_TD.shape[0] + GUARD_ROWS, x_TD.shape[1]), float("nan"), dtype=x_TD.dtype,
+                         device=x_TD.device)
+    out_TD = storage[:x_TD.shape[0]]
+    built(x_TD, ids_TK, w_TK, out_TD)
+    return out_TD, storage
+
+
+def _buffer_checks(out_TD, storage, expected_TD, verdict: Verdict, what: str = "") -> None:
+    """poison: rows the oracle has finite but the output left NaN; guard: any write past T."""
+    unwritten = torch.isnan(out_TD.float()).any(-1).cpu() & torch.isfinite(expected_TD.cpu()).all(-1)
+    if bool(unwritten.any()):
+        verdict.failed.setdefault("poison", f"{what}{int(unwritten.sum())} of {out_TD.shape[0]} output rows never "
+                                            f"written (first {unwritten.nonzero().flatten()[:5].tolist()})")
+    touched = ~torch.isnan(storage[out_TD.shape[0]:].float()).all(-1)
+    if bool(touched.any()):
+        verdict.failed.setdefault("guard", f"{what}wrote {int(touched.sum())} rows past T={out_TD.shape[0]}")
+
+
+def _oracle_check(out_TD, expected_TD, key: str, verdict: Verdict, name: str = "oracle") -> None:
+    finite = torch.isfinite(out_TD.float()).all(-1).cpu()
+    why = compare(out_TD.cpu()[finite], expected_TD.cpu()[finite], key)
+    if why:
+        verdict.failed.setdefault(name, why)
+
+
+def _same_rows(check: str, actual, base, expected, key: str, bitwise: bool, verdict: Verdict) -> None:
+    """``actual`` against the earlier rows ``base`` bit for bit, else (not batch invariant) against the oracle."""
+    if bitwise:
+        if not torch.equal(actual.view(torch.uint8), base.view(torch.uint8)):
+            differ = (actual.view(torch.uint8) != base.view(torch.uint8)).any(-1).nonzero().flatten()
+            verdict.failed.setdefault(check, f"{differ.numel()} rows differ in bits from the batch run (first "
+                                             f"{differ[:5].tolist()})")
+    else:
+        _oracle_check(actual, expected, key, verdict, check)
+
+
+def _check_moe(built, impl, case, inputs, weights, verdict: Verdict, progress) -> None:
+    x_TD, ids_TK, w_TK = inputs
+    key = case.quant if case.quant != "none" else case.dtype
+    expected_TD = oracle_moe(x_TD, ids_TK, w_TK, weights)
+    progress("run")
+    out_TD, storage = _call(built, x_TD, ids_TK, w_TK)
+    _buffer_checks(out_TD, storage, expected_TD, verdict)
+    _oracle_check(out_TD, expected_TD, key, verdict)
+    caps = impl.caps
+    if caps.deterministic:
+        progress("rerun")
+        again, _ = _call(built, x_TD, ids_TK, w_TK)
+        if not torch.equal(again.view(torch.uint8), out_TD.view(torch.uint8)):
+            verdict.failed.setdefault("rerun", "a second call on the same inputs gave other bits")
+    num_tokens = x_TD.shape[0]
+    progress("permute")
+    # a derangement (no token keeps its place) when there are two tokens to swap; the guard makes the check real
+    perm = (torch.arange(num_tokens) + max(1, num_tokens // 2)) % max(num_tokens, 1)
+    assert num_tokens < 2 or bool((perm != torch.arange(num_tokens)).all())
+    perm = perm.to(x_TD.device)
+    permuted, _ = _call(built, x_TD[perm], ids_TK[perm], w_TK[perm])
+    restored = torch.empty_like(permuted)
+    restored[perm] = permuted
+    _same_rows("permute", restored, out_TD, expected_TD, key, caps.batch_invariant, verdict)
+    progress("alone")
+    last = slice(num_tokens - 1, num_tokens) if num_tokens else slice(0, 0)
+    alone, _ = _call(built, x_TD[last], ids_TK[last], w_TK[last])
+    _same_rows("alone", alone, out_TD[last], expected_TD[last.start:last.stop], key, caps.batch_invariant, verdict)
+
+
+def _check_overflow(built, impl, case, mine, inputs, weights, verdict: Verdict, progress) -> None:
+    """C + 1 rows on rank 0: the declared error on every rank (``error``), or the result of the rows split into
+    chunks of C by the harness (``chunk``). ``mine``: this rank's inputs on its device; ``inputs``: every rank's."""
+    caps = impl.caps
+    x_TD, ids_TK, w_TK = mine
+    progress("overflow")
+    if caps.overflow == "error":
+        try:
+            _call(built, x_TD, ids_TK, w_TK)
+        except caps.overflow_error:
+            return
+        verdict.failed["overflow"] = (f"declared overflow='error' (max_tokens_per_rank={caps.max_tokens_per_rank}) but "
+                                      f"a call with {inputs[0][0].shape[0]} rows on rank 0 returned")
+        return
+    cap = caps.max_tokens_per_rank
+    out_TD, storage = _call(built, x_TD, ids_TK, w_TK)
+    expected_TD = oracle_moe(x_TD, ids_TK, w_TK, weights)
+    _buffer_checks(out_TD, storage, expected_TD, verdict)
+    key = case.quant if case.quant != "none" else case.dtype
+    num_chunks = -(-max(x.shape[0] for x, _, _ in inputs) // cap)
+    pieces = [_call(built, x_TD[i * cap:(i + 1) * cap], ids_TK[i * cap:(i + 1) * cap], w_TK[i * cap:(i + 1) * cap])[0]
+              for i in range(num_chunks)]
+    _same_rows("overflow", out_TD, torch.cat(pieces), expected_TD, key, caps.batch_invariant, verdict)
+
+
+def _check_dispatch(built, case, inputs, rank, problem: Problem, verdict: Verdict, progress) -> None:
+    """Structured rows: column D-2 = source rank, D-1 = token id (exact in every dtype up to 256 tokens)."""
+    device, dtype, world = problem.device, problem.dtype, problem.world_size
+    xs = []
+    for src, (x_TD, _, _) in enumerate(inputs):
+        x_TD = x_TD.clone()
+        x_TD[:, -2] = src
+        x_TD[:, -1] = torch.arange(x_TD.shape[0], dtype=x_TD.dtype)
+        xs.append(x_TD)
+    _, ids_TK, w_TK = inputs[rank]
+    mine = (xs[rank].to(device), ids_TK.to(device), w_TK.to(device))
+    progress("dispatch")
+    received = built.dispatch(*mine)
+    first, e = problem.first_expert, problem.num_local_experts
+    want_rows = {i: sorted((src, t) for src, (_, ids, _) in enumerate(inputs)
+                           for t, j in (ids == first + i).nonzero().tolist()) for i in range(e)}
+    got_counts = received.num_rows_e.cpu().long()
+    want_counts = torch.tensor([len(want_rows[i]) for i in range(e)])
+    if not torch.equal(got_counts, want_counts):
+        verdict.failed["counts"] = f"rows per local expert {got_counts.tolist()}, routed {want_counts.tolist()}"
+    starts = received.row_start_e.cpu().long().tolist()
+    for i in range(e):
+        rows = received.x_PD[starts[i]:starts[i] + int(got_counts[i])].cpu()
+        pairs = sorted((int(r[-2]), int(r[-1])) for r in rows.float())
+        sent = torch.stack([xs[s][t] for s, t in pairs]) if pairs else rows
+        if pairs != want_rows[i] or not torch.equal(rows.view(torch.uint8), sent.view(torch.uint8)
+                                                    if rows.dtype == sent.dtype else rows):
+            verdict.failed.setdefault("payload", f"local expert {i}: received (rank, token) {pairs[:6]}..., routed "
+                                                 f"{want_rows[i][:6]}... (or rows not the sent bits)")
+    # the experts' stand-in: rows of global expert g scaled by (g + 1) / E; rows outside every segment NaN
+    y_PD = torch.full_like(received.x_PD, float("nan"))
+    for i in range(e):
+        rows = slice(starts[i], starts[i] + int(got_counts[i]))
+        y_PD[rows] = (received.x_PD[rows].float() * (first + i + 1) / problem.num_experts).to(dtype)
+    x_TD, ids_TK, w_TK = (t.cpu() for t in mine)
+    scale_TK = torch.where(ids_TK >= 0, (ids_TK + 1).double() / problem.num_experts, 0.0)
+    expert_out_TKD = (x_TD.float()[:, None, :] * scale_TK.float()[..., None]).to(dtype).double()
+    expected_TD = (w_TK.double()[..., None] * expert_out_TKD * (ids_TK >= 0)[..., None]).sum(1)
+    progress("combine")
+    storage = torch.full((x_TD.shape[0] + GUARD_ROWS, x_TD.shape[1]), float("nan"), dtype=dtype, device=device)
+    out_TD = storage[:x_TD.shape[0]]
+    built.combine(y_PD, received, out_TD)
+    _buffer_checks(out_TD, storage, expected_TD, verdict)
+    _oracle_check(out_TD, expected_TD, case.dtype, verdict, "combine")
+
+
+def _time(built, impl, inputs, problem: Problem, verdict: Verdict) -> None:
+    """us per call (median, CUDA events with L2 flushed on a GPU), bytes moved and FLOPs of the experts."""
+    from moe_ref.testing import bench
+
+    x_TD, ids_TK, w_TK = inputs
+    out_TD = torch.empty_like(x_TD)
+    if impl.kind == "dispatch_combine":
+        def call():
+            received = built.dispatch(x_TD, ids_TK, w_TK)
+            built.combine(received.x_PD, received, out_TD)
+    else:
+        def call():
+            built(x_TD, ids_TK, w_TK, out_TD)
+    verdict.us = bench(call, warmup=2, iters=SPEED_ITERS)
+    live = int((ids_TK >= 0).sum())
+    weights = problem.weights
+    # a quantized kernel reads the codes (and scales), a plain one the activation-dtype weights
+    read = (weights.gate_up_q, weights.down_q, weights.gate_up_scale, weights.down_scale) \
+        if weights.gate_up_q is not None else (weights.gate_up_e2FD, weights.down_eDF)
+    weight_bytes = sum(t.numel() * t.element_size() for t in read)
+    verdict.bytes = 2 * x_TD.numel() * x_TD.element_size() + weight_bytes
+    verdict.flops = 0 if impl.kind == "dispatch_combine" else 6 * live * problem.hidden * problem.intermediate

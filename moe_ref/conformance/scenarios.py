@@ -1,0 +1,207 @@
+"""The seeded, named scenarios: a shape, a dtype and weight recipe, how many tokens each rank feeds and where they go.
+Every rank rebuilds every rank's inputs from the case's seed alone, so a case id and a seed reproduce it anywhere.
+
+Case ids read ``<shape>/<dtype>[-<quant>]/<scenario>``, e.g. ``tiny/bf16/mask0.3``, ``kimi-k2/bf16-fp8_block/base``.
+
+| scenario        | tokens per rank (base T)            | routing                                               |
+|-----------------|-------------------------------------|-------------------------------------------------------|
+| base            | T                                   | K distinct random experts, random weights             |
+| zero_one        | 0 on rank 0, T elsewhere            | random                                                |
+| zero_all        | 0 everywhere                        | -                                                     |
+| uneven          | max(1, T // (rank + 1))             | random                                                |
+| one_expert      | T                                   | slot 0 of every token on expert 0                     |
+| one_rank        | T                                   | every slot on rank 0's experts                        |
+| mask0/0.3/1     | T                                   | that share of slots masked (-1)                       |
+| tile-1/tile/tile+1 | tile + d on rank 0, 0 elsewhere  | slot 0 on expert 0: it receives exactly tile + d rows |
+| cap             | C on every rank                     | random                                                |
+| cap+1           | C + 1 on rank 0, C elsewhere        | random: must raise the agreed error or chunk           |
+| duplicates      | T                                   | slot 1 repeats slot 0's expert (where allowed)        |
+
+Shape legend: T tokens of this rank, K top-k, E experts, e local experts, D hidden width, F expert intermediate,
+Db = ceil(D / 128), Fb = ceil(F / 128).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from moe_ref.conformance.api import DTYPES, ExpertWeights
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP8_MAX = 448.0
+QUANT_GROUP = 32  # int4 and mxfp4: input columns per scale
+
+
+@dataclass(frozen=True)
+class Shape:
+    """E_local experts per rank (the model's per-rank share at its deployed EP size), top-k, widths."""
+
+    name: str
+    experts_per_rank: int
+    topk: int
+    hidden: int
+    intermediate: int
+    tokens: int  # the base T per rank
+    cuda_only: bool = False
+
+
+SHAPES = {
+    "tiny": Shape("tiny", 4, 3, 64, 32, 24),
+    "tiny128": Shape("tiny128", 4, 3, 256, 128, 20),  # the quantized recipes need multiples of 128
+    # the per-rank share of each model at EP 8 (Kimi-K3's experts run on its latent width)
+    "kimi-k2": Shape("kimi-k2", 48, 8, 7168, 2048, 64, cuda_only=True),
+    "kimi-k3": Shape("kimi-k3", 112, 16, 3584, 3072, 64, cuda_only=True),
+    "deepseek-v3": Shape("deepseek-v3", 32, 8, 7168, 2048, 64, cuda_only=True),
+    "step3": Shape("step3", 6, 3, 7168, 5120, 64, cuda_only=True),
+}
+SCENARIOS = ("base", "zero_one", "zero_all", "uneven", "one_expert", "one_rank", "mask0", "mask0.3", "mask1",
+             "tile-1", "tile", "tile+1", "cap", "cap+1", "duplicates")
+# (shape, dtype, quant) -> the scenarios run there; the tiny shape runs them all
+RECIPES = [(("tiny", "fp32", "none"), SCENARIOS), (("tiny", "bf16", "none"), SCENARIOS)] + \
+          [(("tiny128", "bf16", q), ("base", "uneven", "mask0.3")) for q in ("fp8_block", "int4", "mxfp4")] + \
+          [((s, "bf16", q), ("base",)) for s in ("kimi-k2", "kimi-k3", "deepseek-v3", "step3")
+           for q in ("none", "fp8_block")]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One scenario on one shape and recipe; ``seed`` makes every tensor of it."""
+
+    shape: Shape
+    dtype: str
+    quant: str
+    scenario: str
+    seed: int
+
+    @property
+    def id(self) -> str:
+        recipe = self.dtype if self.quant == "none" else f"{self.dtype}-{self.quant}"
+        return f"{self.shape.name}/{recipe}/{self.scenario}"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def all_cases(seed: int = 0) -> list[Case]:
+    """Every case of the matrix, each seeded from ``seed`` and its position (stable as long as ``RECIPES`` is)."""
+    cases = [Case(SHAPES[shape], dtype, quant, scenario, 0) for (shape, dtype, quant), names in RECIPES
+             for scenario in names]
+    return [Case(c.shape, c.dtype, c.quant, c.scenario, seed * 1000 + i) for i, c in enumerate(cases)]
+
+
+def tokens_per_rank(case: Case, world: int, cap: int | None, tile: int) -> list[int]:
+    """T of each rank (see the module table); ``cap`` is the implementation's C (None: no bound)."""
+    base = case.shape.tokens
+    name = case.scenario
+    if name == "zero_all":
+        return [0] * world
+    if name == "zero_one":
+        return [0] + [base] * (world - 1)
+    if name == "uneven":
+        return [max(1, base // (rank + 1)) for rank in range(world)]
+    if name.startswith("tile"):
+        return [tile + {"tile-1": -1, "tile": 0, "tile+1": 1}[name]] + [0] * (world - 1)
+    if name in ("cap", "cap+1"):
+        limit = cap if cap is not None else base
+        return [limit + (name == "cap+1")] + [limit] * (world - 1)
+    return [base] * world
+
+
+def routing(case: Case, num_tokens: int, rank: int, world: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_ids_TK int64, topk_weights_TK fp32)`` of one rank's tokens (see the module table)."""
+    shape, name = case.shape, case.scenario
+    num_experts, topk = shape.experts_per_rank * world, shape.topk
+    pool = shape.experts_per_rank if name == "one_rank" else num_experts
+    ids_TK = torch.stack([torch.randperm(pool, generator=gen)[:topk] for _ in range(num_tokens)]) \
+        if num_tokens else torch.zeros(0, topk, dtype=torch.int64)
+    if name == "one_expert" or name.startswith("tile"):
+        # slot 0 on expert 0; the other slots keep distinct experts other than 0
+        others = torch.stack([1 + torch.randperm(num_experts - 1, generator=gen)[:topk - 1] for _ in range(num_tokens)]) \
+            if num_tokens else torch.zeros(0, topk - 1, dtype=torch.int64)
+        ids_TK = torch.cat([torch.zeros(num_tokens, 1, dtype=torch.int64), others], dim=1)
+    if name == "duplicates" and topk > 1:
+        ids_TK[:, 1] = ids_TK[:, 0]
+    ratio = {"mask0.3": 0.3, "mask1": 1.0}.get(name, 0.0)
+    if ratio:
+        ids_TK = torch.where(torch.rand(ids_TK.shape, generator=gen) < ratio, -1, ids_TK)
+    weights_TK = 0.1 + 0.9 * torch.rand(num_tokens, topk, generator=gen)
+    return ids_TK, weights_TK
+
+
+def rank_inputs(case: Case, world: int, cap: int | None, tile: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every rank's ``(x_TD, topk_ids_TK, topk_weights_TK)`` on the CPU, ``x`` in the case's dtype (rank r's at [r])."""
+    gen = torch.Generator().manual_seed(case.seed)
+    out = []
+    for rank, num_tokens in enumerate(tokens_per_rank(case, world, cap, tile)):
+        x_TD = torch.randn(num_tokens, case.shape.hidden, generator=gen).to(case.torch_dtype)
+        out.append((x_TD, *routing(case, num_tokens, rank, world, gen)))
+    return out
+
+
+# --- weights in each recipe (the harness's own quantizers: nothing shared with the code under test) ------------
+
+def quantize_fp8_blocks(w_eOI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[e, O, I]`` -> (e4m3 codes ``[e, O, I]``, fp32 scales ``[e, ceil(O/128), ceil(I/128)]``), amax / 448 per
+    128x128 block."""
+    e, rows, cols = w_eOI.shape
+    ob, ib = -(-rows // 128), -(-cols // 128)
+    padded = torch.zeros(e, ob * 128, ib * 128, dtype=torch.float32)
+    padded[:, :rows, :cols] = w_eOI.float()
+    blocks = padded.view(e, ob, 128, ib, 128)
+    scale = (blocks.abs().amax(dim=(2, 4)) / FP8_MAX).clamp(min=1e-12)
+    codes = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn).view(e, ob * 128, ib * 128)
+    return codes[:, :rows, :cols].contiguous(), scale
+
+
+def _grid_weights(w_eOI: torch.Tensor, quant: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only recipes: (codes int8 ``[e, O, I]``, fp32 scales ``[e, O, I / 32]``) drawn on the format's grid
+    at ``w_eOI``'s magnitude."""
+    e, rows, cols = w_eOI.shape
+    amax = w_eOI.abs().reshape(e, rows, cols // QUANT_GROUP, QUANT_GROUP).amax(-1)
+    if quant == "int4":
+        return torch.randint(-8, 8, (e, rows, cols), generator=gen, dtype=torch.int8), amax / 8
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-12) / 6)))  # a power of two, as MX scales are
+    return torch.randint(0, 16, (e, rows, cols), generator=gen, dtype=torch.int8), scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, quant: str) -> torch.Tensor:
+    """The values a recipe's codes and scales stand for, in float64 (``[e, O, I]``)."""
+    if quant == "fp8_block":
+        full = scale.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+        return codes.double() * full[:, :codes.shape[1], :codes.shape[2]]
+    per_col = scale.double().repeat_interleave(QUANT_GROUP, -1)
+    if quant == "int4":
+        return codes.double() * per_col
+    magnitude = torch.tensor(E2M1_VALUES, dtype=torch.float64)[(codes & 7).long()]
+    return torch.where(codes >= 8, -magnitude, magnitude) * per_col
+
+
+@lru_cache(maxsize=4)
+def global_weights(case: Case, world: int) -> ExpertWeights:
+    """All E experts of the case in its recipe, on the CPU (every rank makes the same ones)."""
+    shape = case.shape
+    gen = torch.Generator().manual_seed(case.seed + 7919)
+    num_experts = shape.experts_per_rank * world
+    gate_up = torch.randn(num_experts, 2 * shape.intermediate, shape.hidden, generator=gen) / shape.hidden ** 0.5
+    down = torch.randn(num_experts, shape.hidden, shape.intermediate, generator=gen) / shape.intermediate ** 0.5
+    if case.quant == "none":
+        return ExpertWeights(gate_up.to(case.torch_dtype), down.to(case.torch_dtype))
+    if case.quant == "fp8_block":
+        (gq, gs), (dq, ds) = quantize_fp8_blocks(gate_up), quantize_fp8_blocks(down)
+    else:
+        (gq, gs), (dq, ds) = _grid_weights(gate_up, case.quant, gen), _grid_weights(down, case.quant, gen)
+    return ExpertWeights(dequantize(gq, gs, case.quant).to(case.torch_dtype),
+                         dequantize(dq, ds, case.quant).to(case.torch_dtype), case.quant, gq, gs, dq, ds)
+
+
+def local_weights(weights: ExpertWeights, first: int, count: int, device: torch.device) -> ExpertWeights:
+    """Experts ``first .. first + count - 1`` of ``weights`` on ``device``."""
+    def part(t):
+        return None if t is None else t[first:first + count].to(device)
+
+    return ExpertWeights(part(weights.gate_up_e2FD), part(weights.down_eDF), weights.quant,
+                         part(weights.gate_up_q), part(weights.gate_up_scale), part(weights.down_q),
+                         part(weights.down_scale))

@@ -1,0 +1,22 @@
+"""The conformance matrix on a GPU: moe_ref's Triton and DeepGEMM backends and the SGLang/vLLM peers (read from
+their wheels in .whl/) over the quantized tiny shape and the real per-rank shapes, at one rank, in the rank
+processes of a real run. A peer without its wheel FAILs with ENV001 in its record (run `make peers` first)."""
+import pytest
+import torch
+
+from moe_ref.conformance import registered
+from moe_ref.conformance.runner import skip_reason
+from moe_ref.conformance.scenarios import all_cases
+from moe_ref.conformance.spawn import run_cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("name", ["moe_ref/triton", "moe_ref/deep_gemm", "peer:sglang", "peer:vllm"])
+def test_gpu_implementations_pass_their_cases(name):
+    impl = registered()[name]
+    ids = [c.id for c in all_cases() if c.shape.name != "tiny" and skip_reason(impl, c, 1, "cuda") is None]
+    assert ids, f"{name} declares no case here"
+    results = run_cases(name, ids, 1, "cuda", deadline_s=300)
+    failed = {c: r["failed"] or r["errors"] for c, r in results.items() if r["status"] != "PASS"}
+    assert failed == {}

@@ -1,0 +1,85 @@
+"""The conformance harness: every mutant is caught by the check made for it, the correct base and moe_ref's own
+backends and transports pass, a hang is a FAIL naming each rank's last step, and the ledger turns a pass into XPASS."""
+import json
+
+import pytest
+import torch
+
+from moe_ref.conformance import Capabilities, implementation, registered, resolve
+from moe_ref.conformance.report import apply_ledger, record
+from moe_ref.conformance.runner import run_case, skip_reason
+from moe_ref.conformance.scenarios import all_cases
+from moe_ref.conformance.spawn import run_cases
+from moe_ref.core.errors import ConformanceImplError
+
+pytestmark = pytest.mark.unit
+CASES = {c.id: c for c in all_cases()}
+
+
+def _failed(name, case_id):
+    impl = registered()[name]
+    assert skip_reason(impl, CASES[case_id], 1, "cpu") is None
+    verdict = run_case(impl, CASES[case_id], 0, 1, None, torch.device("cpu"))
+    return set(verdict.failed)
+
+
+# (mutant, a case that must catch it, the check that must)
+CAUGHT = [("mutant:segment_offset", "tiny/fp32/base", "oracle"),
+          ("mutant:masked_row_dropped", "tiny/fp32/mask1", "poison"),
+          ("mutant:wrong_scale", "tiny128/bf16-fp8_block/base", "oracle"),
+          ("mutant:atomic_combine", "tiny/fp32/base", "rerun"),
+          ("mutant:write_past_t", "tiny/fp32/base", "guard"),
+          ("mutant:no_capacity_check", "tiny/fp32/cap+1", "overflow"),
+          ("mutant:masked_to_last_rank", "tiny/fp32/mask0.3", "counts"),
+          ("mutant:masked_to_last_rank", "tiny/fp32/mask0.3", "payload")]
+
+
+@pytest.mark.parametrize("name,case_id,check", CAUGHT)
+def test_each_mutant_is_caught_by_its_check_and_the_correct_base_passes_there(name, case_id, check):
+    assert check in _failed(name, case_id)
+    base = "dispatch:correct" if registered()[name].kind == "dispatch_combine" else "correct"
+    assert _failed(base, case_id) == set()  # the positive control: the same case passes without the bug
+
+
+@pytest.mark.parametrize("name", ["moe_ref/torch", "moe_ref/torch+chunk", "moe_ref/dispatch/local",
+                                  "example:sglang-style"])
+def test_moe_ref_and_the_worked_example_pass_the_tiny_matrix_at_one_rank(name):
+    impl = registered()[name]
+    failures = {}
+    for case in CASES.values():
+        if case.shape.name == "tiny" and case.dtype == "bf16" and skip_reason(impl, case, 1, "cpu") is None:
+            verdict = run_case(impl, case, 0, 1, None, torch.device("cpu"))
+            if verdict.status() != "PASS":
+                failures[case.id] = verdict.failed or verdict.error
+    assert failures == {}
+
+
+def test_two_ranks_pass_and_a_hang_fails_with_every_ranks_last_step(tmp_path, monkeypatch):
+    ok = run_cases("moe_ref/torch", ["tiny/bf16/uneven", "tiny/fp32/cap+1"], 2, "cpu", 60)
+    assert {c: r["status"] for c, r in ok.items()} == {"tiny/bf16/uneven": "PASS", "tiny/fp32/cap+1": "PASS"}
+    (tmp_path / "hang_impl.py").write_text(
+        "import time\nfrom moe_ref.conformance import Capabilities, implementation\n"
+        "@implementation('hangs', kind='routed_step', caps=Capabilities(dtypes=('fp32',), ep_sizes=(2,)))\n"
+        "def hangs(problem):\n"
+        "    def run(x, ids, w, out):\n"
+        "        if problem.rank == 1:\n            time.sleep(1000)\n        out.zero_()\n    return run\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    hung = run_cases("hang_impl:hangs", ["tiny/fp32/base"], 2, "cpu", 6)["tiny/fp32/base"]
+    assert hung["status"] == "FAIL"
+    assert "rank 0: verdict" in hung["failed"]["deadline"] and "rank 1: run" in hung["failed"]["deadline"]
+
+
+def test_ledger_marks_known_failures_and_unexpected_passes():
+    impl, case = registered()["correct"], CASES["tiny/fp32/base"]
+    passed = record(impl, case, 1, "cpu", {"status": "PASS", "failed": {}, "errors": [], "us": None}, None)
+    assert apply_ledger(passed, {"correct@1/tiny/*": "known"})["status"] == "XPASS"
+    assert "--cases 'tiny/fp32/base'" in passed["repro"] and json.dumps(passed)
+
+
+def test_bad_declarations_are_coded_errors():
+    with pytest.raises(ConformanceImplError):
+        Capabilities(overflow="error")  # no cap declared
+    with pytest.raises(ConformanceImplError):
+        implementation("x", kind="experts", caps=Capabilities(ep_sizes=(2,)))(lambda problem: None)
+    with pytest.raises(ConformanceImplError):
+        resolve("no_such_module_here:factory")
