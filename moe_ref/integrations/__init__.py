@@ -14,7 +14,7 @@ __all__ = ["from_pretrained"]
 
 def __getattr__(name):
     if name == "from_pretrained":
-        from moe_ref.layer.pretrained import from_pretrained
+        from moe_ref.layer import MegaMoE
 
-        return from_pretrained
+        return MegaMoE.from_pretrained
     raise AttributeError(f"module 'moe_ref.integrations' has no attribute {name!r}")

@@ -63,7 +63,7 @@ from moe_ref.eplb import mover as eplb_mover
 from moe_ref.eplb import slots as eplb_slots
 from moe_ref.eplb import telemetry as eplb_telemetry
 from moe_ref.experts import Experts
-from moe_ref.layer import calls, construction, runtime
+from moe_ref.layer import calls, construction, pretrained, runtime
 from moe_ref.layer import weights as layer_weights
 
 
@@ -343,10 +343,8 @@ class MegaMoE(nn.Module):
     def from_pretrained(cls, name_or_path: str | os.PathLike, layer_idx: int, **options) -> "MegaMoE":
         """Build and load MoE layer ``layer_idx`` of a checkpoint folder, or of a repo id already in the local Hugging
         Face hub cache (offline), collectively over ``group=``; ``options``: this class's keyword options and
-        ``revision``, ``cache_dir``, ``prefix``, ``progress`` (``moe_ref.layer.pretrained.from_pretrained``)."""
-        from moe_ref.layer.pretrained import from_pretrained
-
-        return from_pretrained(name_or_path, layer_idx, **options)
+        ``group``, ``revision``, ``cache_dir``, ``prefix``, ``progress`` (``moe_ref.layer.pretrained``)."""
+        return pretrained.from_pretrained(cls, name_or_path, layer_idx, **options)
 
     def weights(self) -> MoEWeights:
         """This rank's parameters as ``MoEWeights`` (views, no copy). The expert tensors are None unless the

@@ -15,15 +15,16 @@ import torch.distributed as dist
 from moe_ref.checkpoint.hub import resolve_checkpoint
 from moe_ref.core.errors import MoERefError, error_class
 from moe_ref.ep.distributed import gather_objects
-from moe_ref.layer.megamoe import MegaMoE
 
 
-def from_pretrained(name_or_path: str | os.PathLike, layer_idx: int, *, group: dist.ProcessGroup | None = None,
-                    revision: str | None = None, cache_dir: str | os.PathLike | None = None,
-                    prefix: str | None = None, progress: bool | None = None, **layer_options) -> MegaMoE:
+def from_pretrained(layer_class: type, name_or_path: str | os.PathLike, layer_idx: int, *,
+                    group: dist.ProcessGroup | None = None, revision: str | None = None,
+                    cache_dir: str | os.PathLike | None = None, prefix: str | None = None,
+                    progress: bool | None = None, **layer_options):
     """Build and load MoE layer ``layer_idx`` of a checkpoint (collective over ``group``, like ``MegaMoE``).
 
     Args:
+        layer_class: ``MegaMoE`` (or a subclass: ``MegaMoE.from_pretrained`` passes its class).
         name_or_path: a checkpoint folder (config.json + safetensors, sharded or not) or ``.safetensors`` file with
             its config.json beside it, or a repo id (``"org/name"``) already in the local hub cache.
         layer_idx: the decoder layer (an MoE layer).
@@ -45,7 +46,7 @@ def from_pretrained(name_or_path: str | os.PathLike, layer_idx: int, *, group: d
     """
     path = _resolve_on_every_rank(name_or_path, revision, cache_dir, group)
     folder = path if path.is_dir() else path.parent
-    layer = MegaMoE(folder, group, **layer_options)
+    layer = layer_class(folder, group, **layer_options)
     return layer.load_hf_weights(path, layer_idx, prefix=prefix, progress=progress)
 
 
