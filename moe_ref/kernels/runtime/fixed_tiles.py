@@ -55,6 +55,7 @@ def _fixed_tile_matmul_kernel(
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     OUT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,            # fp32 operands: IEEE products (no TF32)
+    UPCAST: tl.constexpr,          # interpreter: dot in fp32 (its dot reads bf16 as raw 16-bit integers)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -73,6 +74,9 @@ def _fixed_tile_matmul_kernel(
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
         b = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
                     mask=(offs_n[None, :] < N) & (offs_k[:, None] < K), other=0.0)
+        if UPCAST:  # exact: a product of two 16-bit floats is exact in fp32, and the sums are fp32 either way
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -116,8 +120,8 @@ def fixed_tile_matmul(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.d
     launch(_fixed_tile_matmul_kernel, (cdiv(num_rows, block_m), cdiv(num_cols, block_n)),
            a_MK, b_NK, c_MN, num_rows, num_cols, a_MK.shape[1],
            a_MK.stride(0), a_MK.stride(1), b_NK.stride(0), b_NK.stride(1), c_MN.stride(0), c_MN.stride(1),
-           OUT_DTYPE=_TL_OUT[out_dtype], IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-           num_warps=warps, num_stages=stages)
+           OUT_DTYPE=_TL_OUT[out_dtype], IEEE=ieee, UPCAST=is_interpreter(), BLOCK_M=block_m, BLOCK_N=block_n,
+           BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return c_MN
 
 
