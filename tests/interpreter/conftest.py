@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 _KERNEL_MODULES = (  # dependency order
     "moe_ref.kernels.runtime._triton_utils",
     "moe_ref.kernels.runtime.launch",
+    "moe_ref.kernels.runtime.fixed_tiles",
     "moe_ref.kernels.ep.pre_dispatch",
     "moe_ref.kernels.router.router_topk",
     "moe_ref.kernels.router.routing_check",

@@ -19,6 +19,8 @@ from moe_ref.eplb.slots import ExpertSlots, resolve_slots
 from moe_ref.eplb.telemetry import save_expert_loads
 from moe_ref.eplb.trace import load_loads
 
+pytestmark = pytest.mark.unit
+
 PRESET = "tiny-kimi-k2"  # E = 16, K = 4, D = 48
 CFG = preset(PRESET)
 E, K, D = CFG.num_experts, CFG.num_topk, CFG.hidden_size
