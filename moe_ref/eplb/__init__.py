@@ -5,7 +5,8 @@
 
 Owners: ``placement.Placement`` (the physical -> logical map, the replica rule, file format), ``planner`` (DeepSeek's
 EPLB algorithm), ``simulate`` (rows per rank before/after, synthetic Zipf loads), ``trace`` (load-trace files),
-``cli`` (``moe-ref eplb simulate``), ``slots`` (a layer's physical slots and replica routing on the device),
+``expert_times`` (the simulator's modelled step: measured expert MLP times, the slowest rank), ``cli`` (``moe-ref eplb
+simulate``), ``slots`` (a layer's physical slots and replica routing on the device),
 ``telemetry`` (rows per slot gathered into ``ExpertLoad``, the dump format), ``mover`` (``rebalance``: weights moved
 point to point, canary). Stage 4, beside ``moe_ref.ep`` (docs/eplb.md).
 """

@@ -39,8 +39,26 @@ def identity_placement(num_layers: int, num_experts: int, num_ranks: int) -> Pla
     return Placement(torch.arange(num_experts).expand(num_layers, -1).clone(), num_experts, num_ranks)
 
 
+def slot_rows(load_LyE: torch.Tensor, placement: Placement) -> torch.Tensor:
+    """Rows each physical slot computes per layer: its expert's rows split evenly over the expert's replicas.
+
+    Args:
+        load_LyE: ``[Ly, E]``, real, finite, ``>= 0``: rows routed to each logical expert per layer.
+        placement: a ``Placement`` with the same L and E.
+
+    Returns:
+        rows_LyPh: ``[Ly, Ph]`` ``torch.float64`` (rank r's slots are ``[r * Ph / R, (r + 1) * Ph / R)``).
+    """
+    load_LyE = check_load(load_LyE)
+    if tuple(load_LyE.shape) != (placement.num_layers, placement.num_experts):
+        raise LoadTraceError(f"load is {list(load_LyE.shape)} but the placement is for {placement.num_layers} "
+                             f"layers x {placement.num_experts} experts; simulate with matching sizes")
+    per_replica_LyE = load_LyE / placement.replica_count_LyE
+    return torch.gather(per_replica_LyE, 1, placement.physical_to_logical_LyPh)
+
+
 def rank_rows(load_LyE: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """Rows each rank computes per layer, each expert's rows split evenly over its replicas.
+    """Rows each rank computes per layer (the sum of its slots' ``slot_rows``).
 
     Args:
         load_LyE: ``[Ly, E]``, real, finite, ``>= 0``: rows routed to each logical expert per layer.
@@ -49,12 +67,7 @@ def rank_rows(load_LyE: torch.Tensor, placement: Placement) -> torch.Tensor:
     Returns:
         rows_LyR: ``[Ly, R]`` ``torch.float64``.
     """
-    load_LyE = check_load(load_LyE)
-    if tuple(load_LyE.shape) != (placement.num_layers, placement.num_experts):
-        raise LoadTraceError(f"load is {list(load_LyE.shape)} but the placement is for {placement.num_layers} "
-                             f"layers x {placement.num_experts} experts; simulate with matching sizes")
-    per_replica_LyE = load_LyE / placement.replica_count_LyE
-    slot_rows_LyPh = torch.gather(per_replica_LyE, 1, placement.physical_to_logical_LyPh)
+    slot_rows_LyPh = slot_rows(load_LyE, placement)
     return slot_rows_LyPh.view(placement.num_layers, placement.num_ranks, placement.slots_per_rank).sum(dim=2)
 
 

@@ -10,6 +10,8 @@ tables that send each routed (token, k) to one replica of its logical expert.
       to_physical(x_TD, ids_TK)    router's logical ids -> physical slots, on the device (no host sync, graph-safe)
       set_placement(placement)     the tables rewritten in place (a rebalance; the layer then rebuilds its experts and
                                       drops its graphs: a graph a caller captured must be captured again, as after a load)
+      deployment_slots(cfg, R, N, placement)   the same two calls (resolve_slots, step_config) without a group:
+                                      what moe-ref plan / check count (Ph / R slots per rank, the layer's coded errors)
 
 Replica choice (``to_physical``): ``placement.replica_index(token_key(x), k, replica count)``. The key is a hash of
 the bits of ``NUM_KEY_COLUMNS`` fixed, evenly spaced columns of the token's hidden state: a function of the token's
@@ -22,7 +24,7 @@ differ too, and so can the router's own top-k; either way the output is the same
 replica holds the same weights), bitwise where the experts are row-invariant.
 
 Shape legend: T tokens of this rank, K top-k, D hidden width, E experts, e local slots (Ph / R), R EP ranks, Ph
-physical slots (E + redundant), W the most replicas an expert can have (Ph - E + 1), S key columns.
+physical slots (E + redundant).
 """
 from __future__ import annotations
 
@@ -46,17 +48,17 @@ NUM_KEY_COLUMNS = 16
 _KEY_MULTIPLIER, _KEY_OFFSET, _KEY_MASK = 0x2545F49, 0x1B873593, (1 << 26) - 1
 
 
-def token_key(x_TD: torch.Tensor, columns_S: torch.Tensor, multipliers_S: torch.Tensor) -> torch.Tensor:
-    """A hash of each row's bits at ``columns_S``: ``[T]`` int64 in ``[0, 2^31)``, a function of the row alone.
+def token_key(x_TD: torch.Tensor, key_columns: torch.Tensor, key_multipliers: torch.Tensor) -> torch.Tensor:
+    """A hash of each row's bits at ``key_columns``: ``[T]`` int64 in ``[0, 2^31)``, a function of the row alone.
 
     Args:
         x_TD: ``[T, D]`` fp32, fp16 or bf16 hidden states.
-        columns_S: ``[S]`` int64 column indices in ``[0, D)``.
-        multipliers_S: ``[S]`` int64 odd multipliers ``< 2^26``.
+        key_columns: ``[min(NUM_KEY_COLUMNS, D)]`` int64 column indices in ``[0, D)``.
+        key_multipliers: int64 odd multipliers ``< 2^26``, one per column.
     """
-    sampled_TS = x_TD.index_select(1, columns_S)
-    bits_TS = sampled_TS.view(torch.int16 if sampled_TS.element_size() == 2 else torch.int32).to(torch.int64)
-    mixed_T = ((bits_TS & 0xFFFFFFFF) * multipliers_S).sum(dim=1)
+    sampled_T_ = x_TD.index_select(1, key_columns)
+    bits_T_ = sampled_T_.view(torch.int16 if sampled_T_.element_size() == 2 else torch.int32).to(torch.int64)
+    mixed_T = ((bits_T_ & 0xFFFFFFFF) * key_multipliers).sum(dim=1)
     return (mixed_T ^ (mixed_T >> 31)) & 0x7FFFFFFF
 
 
@@ -81,8 +83,8 @@ class ExpertSlots:
     Attributes:
         placement: the current placement. num_physical: Ph. num_local: e. first_slot: ``rank * e``.
         map_Ph: ``[Ph]`` int64 (device): the placement's map, which the layer saves in its state dict.
-        replica_count_E: ``[E]`` int64 (device). logical_to_physical_EW: ``[E, W]`` int64 (device), row ``l``'s first
-            ``replica_count_E[l]`` entries are expert l's slots in increasing order, the rest 0.
+        replica_count_E: ``[E]`` int64 (device). logical_to_physical_E_: ``[E, Ph - E + 1]`` int64 (device), row
+            ``l``'s first ``replica_count_E[l]`` entries are expert l's slots in increasing order, the rest 0.
     """
 
     def __init__(self, placement: Placement, rank: int, num_topk: int, hidden_size: int, device: torch.device):
@@ -94,11 +96,11 @@ class ExpertSlots:
         num_columns = min(NUM_KEY_COLUMNS, hidden_size)
         with torch.inference_mode(False):
             self.replica_count_E = torch.ones(self.num_experts, dtype=torch.int64, device=device)
-            self.logical_to_physical_EW = torch.zeros(self.num_experts, width, dtype=torch.int64, device=device)
+            self.logical_to_physical_E_ = torch.zeros(self.num_experts, width, dtype=torch.int64, device=device)
             self.map_Ph = torch.zeros(self.num_physical, dtype=torch.int64, device=device)
             self.slot_idx_1K = torch.arange(num_topk, device=device).unsqueeze(0)
-            self.columns_S = torch.linspace(0, hidden_size - 1, num_columns).round().to(torch.int64).to(device)
-            self.multipliers_S = (torch.arange(num_columns) * _KEY_MULTIPLIER + _KEY_OFFSET & _KEY_MASK | 1).to(device)
+            self.key_columns = torch.linspace(0, hidden_size - 1, num_columns).round().to(torch.int64).to(device)
+            self.key_multipliers = (torch.arange(num_columns) * _KEY_MULTIPLIER + _KEY_OFFSET & _KEY_MASK | 1).to(device)
         self._counter, self._baseline = None, None
         self.set_placement(placement)
 
@@ -106,12 +108,12 @@ class ExpertSlots:
     def set_placement(self, placement: Placement) -> None:
         """Take ``placement`` (already checked to fit): the device tables are rewritten in place."""
         self.placement = placement
-        table_EW = torch.zeros_like(self.logical_to_physical_EW, device="cpu")
+        table_E_ = torch.zeros_like(self.logical_to_physical_E_, device="cpu")
         slots_LE_ = placement.logical_to_physical_LE_[0]
-        table_EW[:, :slots_LE_.shape[1]] = slots_LE_.clamp_min(0)
+        table_E_[:, :slots_LE_.shape[1]] = slots_LE_.clamp_min(0)
         with torch.inference_mode(False), torch.no_grad():
             self.replica_count_E.copy_(placement.replica_count_LyE[0])
-            self.logical_to_physical_EW.copy_(table_EW)
+            self.logical_to_physical_E_.copy_(table_E_)
             self.map_Ph.copy_(placement.physical_to_logical_LyPh[0])
 
     def take_map(self) -> None:
@@ -166,9 +168,9 @@ class ExpertSlots:
         ids_TK = topk_ids_TK.to(torch.int64)
         valid_TK = (ids_TK >= 0) & (ids_TK < self.num_experts)
         safe_TK = ids_TK.clamp(0, self.num_experts - 1)
-        key_T1 = token_key(x_TD, self.columns_S, self.multipliers_S).unsqueeze(1)
+        key_T1 = token_key(x_TD, self.key_columns, self.key_multipliers).unsqueeze(1)
         replica_TK = replica_index(key_T1, self.slot_idx_1K[:, :ids_TK.shape[1]], self.replica_count_E[safe_TK])
-        physical_TK = self.logical_to_physical_EW.view(-1)[safe_TK * self.logical_to_physical_EW.shape[1] + replica_TK]
+        physical_TK = self.logical_to_physical_E_.view(-1)[safe_TK * self.logical_to_physical_E_.shape[1] + replica_TK]
         invalid_TK = torch.where(ids_TK < 0, ids_TK, torch.full_like(ids_TK, self.num_physical))
         return torch.where(valid_TK, physical_TK, invalid_TK)
 
@@ -265,3 +267,36 @@ def resolve_slots(cfg: MoEConfig, world_size: int, rank: int, num_redundant_expe
     if problem is not None:
         return None, problem
     return ExpertSlots(placement, rank, cfg.num_topk, cfg.hidden_size, device), None
+
+
+def deployment_slots(cfg: MoEConfig, ep_size: int, num_redundant_experts=None,
+                     placement=None) -> tuple[MoEConfig, ExpertSlots | None]:
+    """The config the routed step of a ``MegaMoE(cfg, group, num_redundant_experts=, placement=)`` at EP
+    ``ep_size`` is built for, and its slots: ``resolve_slots`` and ``ExpertSlots.step_config``, the layer's own two
+    calls, for ``moe-ref plan`` / ``check`` (no process group; rank 0's view, which every rank shares).
+
+    Args:
+        num_redundant_experts, placement: as ``MegaMoE`` takes them; ``placement`` may also be a file of Ly layers,
+            each checked as the layer checks its one (all of a file's layers have the same Ph).
+
+    Returns:
+        ``(cfg, None)`` without EPLB; else ``(cfg with num_experts = Ph, slots)`` (Ph / R slots per rank).
+
+    Raises:
+        the problem the layer's construction raises: ``ExpertSlotsError`` (CFG021), ``PlacementMismatchError``
+        (CFG023), ``PlacementError`` (CFG033); a file's layer is named in the message.
+    """
+    source = placement
+    if isinstance(placement, (str, os.PathLike)):
+        placement = Placement.load(placement)  # CFG033, as resolve_slots returns it
+    layers = [placement] if placement is None or placement.num_layers == 1 else [
+        placement.layer(i) for i in range(placement.num_layers)]
+    resolved = None
+    for index, one_layer in enumerate(layers):
+        slots, problem = resolve_slots(cfg, ep_size, 0, num_redundant_experts, one_layer, torch.device("cpu"))
+        if problem is not None:
+            if len(layers) > 1:
+                raise type(problem)(f"{str(source)!r} layer {index} of {len(layers)}: {problem.message}")
+            raise problem
+        resolved = resolved or slots
+    return (cfg, None) if resolved is None else (resolved.step_config(cfg), resolved)

@@ -290,27 +290,59 @@ def _quant_spec(args) -> QuantSpec | None:
     return quant_spec_from_config(args.config) if args.config else None
 
 
+# --- EPLB slots (plan, check) ---------------------------------------------------------------------------
+def _add_eplb_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redundant-experts", type=int, default=None, metavar="N",
+                   help="EPLB: Ph = E + N physical expert slots, Ph / R per rank (MegaMoE(num_redundant_experts=N); "
+                        "default: the --placement's, else no EPLB)")
+    p.add_argument("--placement", default=None, metavar="FILE",
+                   help="EPLB: a placement file (Placement.save, moe-ref eplb simulate --out), each layer checked as "
+                        "MegaMoE(placement=) checks its one")
+
+
+def _eplb_requested(args) -> bool:
+    return args.redundant_experts not in (None, 0) or args.placement is not None
+
+
+def _parallel_problems(parallel: ParallelConfig, cfg: MoEConfig, args) -> list[MoERefError]:
+    """``parallel.problems(cfg)``; with EPLB the slots, not E, split over the EP ranks (CFG021 instead of CFG002)."""
+    return [p for p in parallel.problems(cfg)
+            if not (_eplb_requested(args) and isinstance(p, ExpertsNotDivisibleError))]
+
+
+def _eplb_line(cfg: MoEConfig, slots, placement_file: str | None) -> str:
+    """One line naming the slots ``deployment_slots`` resolved for the logical ``cfg``."""
+    source = repr(placement_file) if placement_file is not None else "the planner's for an even load"
+    return (f"EPLB: Ph = E + redundant = {cfg.num_experts} + {slots.num_physical - cfg.num_experts} = "
+            f"{slots.num_physical} physical expert slots, {slots.num_local} per rank (Ph / R); placement {source}")
+
+
 # --- plan ------------------------------------------------------------------------------------------------
 def cmd_plan(args) -> int:
     from moe_ref.ep.capacity import max_tokens_for_budget
+    from moe_ref.eplb.slots import deployment_slots
 
     cfg = _load_cfg(args)
     parallel = ParallelConfig(ep_size=args.ep, dp_size=args.dp, attention_dp=args.attention_dp)
-    for problem in parallel.problems(cfg):
+    for problem in _parallel_problems(parallel, cfg, args):
         raise problem
+    # EPLB: the config the layer's routed step is built for (num_experts = Ph), by the layer's own calls
+    step_cfg, slots = deployment_slots(cfg, args.ep, args.redundant_experts, args.placement)
     dtype = DTYPES[args.dtype]
     cap = resolve_cap(args.max_num_tokens, default=4096)
-    plan = CapacityPlan.build(cfg, args.ep, cap, dtype, dispatch_fp8=args.dispatch_fp8,
+    plan = CapacityPlan.build(step_cfg, args.ep, cap, dtype, dispatch_fp8=args.dispatch_fp8,
                               alignment=args.alignment, pool_format=args.pool_format)
-    memory_lines = expert_memory_lines(cfg, args.ep, _quant_spec(args), args.dtype)
+    memory_lines = expert_memory_lines(step_cfg, args.ep, _quant_spec(args), args.dtype)
     best = None
     if args.budget_gib is not None:  # CAP004 when no cap fits: before anything is printed
-        best = max_tokens_for_budget(cfg, args.ep, int(args.budget_gib * 2**30), dtype,
+        best = max_tokens_for_budget(step_cfg, args.ep, int(args.budget_gib * 2**30), dtype,
                                      dispatch_fp8=args.dispatch_fp8, alignment=args.alignment,
                                      pool_format=args.pool_format)
     print(f"{cfg.name}: E={cfg.num_experts}, K={cfg.num_topk}, D={cfg.hidden_size}, F={cfg.intermediate_size}"
           f"{f', latent L={cfg.latent_dim}' if cfg.latent_dim else ''}; ep={args.ep}, dp={args.dp}, "
           f"attention-dp={'on' if args.attention_dp else 'off'}")
+    if slots is not None:
+        print(_eplb_line(cfg, slots, args.placement) + "; the buffer and the routed experts' bytes below count slots")
     print(f"cap = {cap} rows fed by ONE rank per call (never multiplied by dp or ep size)")
     print(plan.report())
     print("\n" + "\n".join(memory_lines))
@@ -323,16 +355,25 @@ def cmd_plan(args) -> int:
 # --- check -----------------------------------------------------------------------------------------------
 def cmd_check(args) -> int:
     cfg = _load_cfg(args, validate=False)
-    problems = list(cfg.problems())
+    problems, slots = list(cfg.problems()), None
     if not problems:
-        problems += ParallelConfig(tp_size=args.tp, ep_size=args.ep, dp_size=args.dp).problems(cfg)
+        problems += _parallel_problems(ParallelConfig(tp_size=args.tp, ep_size=args.ep, dp_size=args.dp), cfg, args)
+        try:  # EPLB: the layer's own calls and coded errors (CFG021, CFG023, CFG033)
+            from moe_ref.eplb.slots import deployment_slots
+
+            _, slots = deployment_slots(cfg, args.ep, args.redundant_experts, args.placement)
+        except MoERefError as err:
+            problems.append(err)
     if not problems and args.config:
         problems += checkpoint_problems(args.config, cfg)
     where = args.config or args.preset or "kimi-k2"
     if not problems:
-        num_local = cfg.num_experts // args.ep
+        num_local = cfg.num_experts // args.ep if slots is None else slots.num_local
+        what = "expert" if slots is None else "expert slot"
         print(f"OK: {where} with tp={args.tp} ep={args.ep} dp={args.dp} "
-              f"({num_local} expert{'s' if num_local != 1 else ''} per EP rank)")
+              f"({num_local} {what}{'s' if num_local != 1 else ''} per EP rank)")
+        if slots is not None:
+            print(_eplb_line(cfg, slots, args.placement))
         if args.dispatch_fp8:
             print(fp8_dispatch_note(cfg))
         return 0
@@ -646,6 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="receive pool: contiguous (prefill) or masked (decode: M rows per local expert)")
     p.add_argument("--budget-gib", type=positive_float, default=None,
                    help="also print the largest cap within this budget")
+    _add_eplb_args(p)
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("check", parents=[debug], help="validate a deployment; prints every problem at once")
@@ -654,6 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=positive, default=1)
     p.add_argument("--dp", type=positive, default=1)
     p.add_argument("--dispatch-fp8", action="store_true")
+    _add_eplb_args(p)
     p.set_defaults(fn=cmd_check)
 
     p = sub.add_parser("explain", parents=[debug], help="explain an error code (no code: list them)")
