@@ -11,7 +11,7 @@ the chunk count or the EP size. The contract, what holds it and what it costs: d
 Each GEMM outside the routed experts goes through ``matmul``: ``kernels.runtime.fixed_tiles``' Triton kernel on
 CUDA, its twin (BLAS on fixed row blocks) elsewhere.
 
-Shape legend: T tokens, K top-k, D hidden, Dx expert input width, E experts, S shared intermediate, N output columns.
+Shape legend: T tokens, K top-k, D hidden, Dx expert input width, E experts, S shared intermediate, I input and O output features of one weight matrix.
 """
 from __future__ import annotations
 
@@ -49,10 +49,10 @@ def options_problem(options: EPOptions) -> MoERefError | None:
     return None
 
 
-def matmul(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a_MK @ b_NK.T`` ``[M, N]`` in ``out_dtype`` with a per-row order that does not depend on M: the fixed-tile
+def matmul(x_TI: torch.Tensor, w_OI: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x_TI @ w_OI.T`` ``[T, O]`` in ``out_dtype`` with a per-row order that does not depend on T: the fixed-tile
     Triton kernel on CUDA, its twin elsewhere."""
-    return (fixed_tile_matmul if a_MK.is_cuda else fixed_tile_matmul_ref)(a_MK, b_NK, out_dtype)
+    return (fixed_tile_matmul if x_TI.is_cuda else fixed_tile_matmul_ref)(x_TI, w_OI, out_dtype)
 
 
 def router_logits(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor) -> torch.Tensor:

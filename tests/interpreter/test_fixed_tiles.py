@@ -87,10 +87,10 @@ def randn(*shape, dtype, device, seed, scale=1.0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(device)
 
 
-def error_bound(a_MK, b_NK, exact_MN, out_dtype, roundings):
+def error_bound(x_TI, w_OI, exact_MN, out_dtype, roundings):
     """A bound on |c - a @ b.T| for fp32 sums of the K products (gamma_K = K u of the absolute products, K + 1 to
     cover products of fp32 operands rounded on their own), then ``roundings`` roundings to ``out_dtype``."""
-    sums = (K_WIDTH + 1) * UNIT_ROUNDOFF[torch.float32] * (a_MK.double().abs() @ b_NK.double().abs().T)
+    sums = (K_WIDTH + 1) * UNIT_ROUNDOFF[torch.float32] * (x_TI.double().abs() @ w_OI.double().abs().T)
     return sums + roundings * UNIT_ROUNDOFF[out_dtype] * (exact_MN.abs() + sums)
 
 
@@ -113,15 +113,15 @@ def test_fixed_tile_matmul_is_close_to_fp64_and_to_its_twin(operand_dtype, out_d
     fp32 -> bf16 cast truncates. Kernel vs ``fixed_tile_matmul_ref`` within the sum of both bounds, the twin's with
     two output roundings (MKL's bf16 GEMM lands one bf16 ulp off, not half). A dot that reads bf16 as integers (the
     stock interpreter's, before the kernel's UPCAST) is off by ~1e11 here."""
-    a_MK = randn(num_rows, K_WIDTH, dtype=operand_dtype, device=device, seed=1)
-    b_NK = randn(N_COLS, K_WIDTH, dtype=operand_dtype, device=device, seed=2)
-    exact_MN = a_MK.double() @ b_NK.double().T
-    got_MN = fixed_tile_matmul(a_MK, b_NK, out_dtype)
-    twin_MN = fixed_tile_matmul_ref(a_MK.cpu(), b_NK.cpu(), out_dtype)
+    x_TI = randn(num_rows, K_WIDTH, dtype=operand_dtype, device=device, seed=1)
+    w_OI = randn(N_COLS, K_WIDTH, dtype=operand_dtype, device=device, seed=2)
+    exact_MN = x_TI.double() @ w_OI.double().T
+    got_MN = fixed_tile_matmul(x_TI, w_OI, out_dtype)
+    twin_MN = fixed_tile_matmul_ref(x_TI.cpu(), w_OI.cpu(), out_dtype)
     assert got_MN.dtype == twin_MN.dtype == out_dtype and got_MN.shape == (num_rows, N_COLS)
-    kernel_bound = error_bound(a_MK, b_NK, exact_MN, out_dtype, roundings=2 if is_interpreter() else 1)
+    kernel_bound = error_bound(x_TI, w_OI, exact_MN, out_dtype, roundings=2 if is_interpreter() else 1)
     assert_within(got_MN, exact_MN, kernel_bound, vs="fp64", operand=operand_dtype, out=out_dtype, rows=num_rows)
-    twin_bound = kernel_bound + error_bound(a_MK, b_NK, exact_MN, out_dtype, roundings=2)
+    twin_bound = kernel_bound + error_bound(x_TI, w_OI, exact_MN, out_dtype, roundings=2)
     assert_within(got_MN, twin_MN, twin_bound, vs="twin", operand=operand_dtype, out=out_dtype, rows=num_rows)
 
 
@@ -132,13 +132,13 @@ def test_fixed_tile_matmul_rows_do_not_depend_on_the_batch(operand_dtype, out_dt
     another batch of 2M + 19 rows (other rows around it, the batch reversed and shifted by 7, so its place in the
     tile and its tile differ). bf16 operands with an fp32 output cover bf16 outputs too: those are the same fp32
     sums, rounded element by element."""
-    a_MK = randn(num_rows, K_WIDTH, dtype=operand_dtype, device=device, seed=3)
-    b_NK = randn(N_COLS, K_WIDTH, dtype=operand_dtype, device=device, seed=4)
+    x_TI = randn(num_rows, K_WIDTH, dtype=operand_dtype, device=device, seed=3)
+    w_OI = randn(N_COLS, K_WIDTH, dtype=operand_dtype, device=device, seed=4)
     filler = randn(num_rows + 19, K_WIDTH, dtype=operand_dtype, device=device, seed=5)
-    batch_MN = fixed_tile_matmul(a_MK, b_NK, out_dtype)
-    alone_MN = torch.cat([fixed_tile_matmul(a_MK[i:i + 1], b_NK, out_dtype) for i in range(num_rows)])
-    host = torch.cat([filler[:7], a_MK.flip(0), filler[7:]])
-    in_other_MN = fixed_tile_matmul(host, b_NK, out_dtype)[7:7 + num_rows].flip(0)
+    batch_MN = fixed_tile_matmul(x_TI, w_OI, out_dtype)
+    alone_MN = torch.cat([fixed_tile_matmul(x_TI[i:i + 1], w_OI, out_dtype) for i in range(num_rows)])
+    host = torch.cat([filler[:7], x_TI.flip(0), filler[7:]])
+    in_other_MN = fixed_tile_matmul(host, w_OI, out_dtype)[7:7 + num_rows].flip(0)
     case = dict(operand=operand_dtype, out=out_dtype, rows=num_rows)
     assert rows_with_other_bits(alone_MN, batch_MN) == 0, f"alone vs batch: {case}"
     assert rows_with_other_bits(in_other_MN, batch_MN) == 0, f"in another batch vs batch: {case}"
@@ -151,14 +151,14 @@ def test_the_emulated_dot_is_in_use_and_agrees_with_numpy_matmul(row_invariant_d
         pytest.skip("the interpreter's dot: only under TRITON_INTERPRET=1 (a GPU runs its own MMA)")
     from triton.runtime import interpreter
 
-    a_MK = randn(33, K_WIDTH, dtype=torch.float32, device="cpu", seed=6)
-    b_NK = randn(N_COLS, K_WIDTH, dtype=torch.float32, device="cpu", seed=7)
-    emulated_MN = fixed_tile_matmul(a_MK, b_NK, torch.float32)
+    x_TI = randn(33, K_WIDTH, dtype=torch.float32, device="cpu", seed=6)
+    w_OI = randn(N_COLS, K_WIDTH, dtype=torch.float32, device="cpu", seed=7)
+    emulated_MN = fixed_tile_matmul(x_TI, w_OI, torch.float32)
     assert row_invariant_dot.calls == 3 * 2 * 3  # (M tiles) x (N tiles) x (K steps) of the 16x32x32 tile
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", row_invariant_dot.stock)
-    stock_MN = fixed_tile_matmul(a_MK, b_NK, torch.float32)
-    exact_MN = a_MK.double() @ b_NK.double().T
-    bound = 2 * error_bound(a_MK, b_NK, exact_MN, torch.float32, roundings=1)
+    stock_MN = fixed_tile_matmul(x_TI, w_OI, torch.float32)
+    exact_MN = x_TI.double() @ w_OI.double().T
+    bound = 2 * error_bound(x_TI, w_OI, exact_MN, torch.float32, roundings=1)
     assert_within(emulated_MN, stock_MN, bound, vs="stock interpreter dot")
 
 

@@ -1,13 +1,13 @@
 """Fixed tiles: GEMMs whose order of additions for a row does not depend on how many rows the call has, or where
 the row sits among them (the batch-invariant mode's GEMMs: ``moe_ref.ep.batch_invariant``, docs/batch_invariance.md).
 
-    fixed_tile_matmul(a_MK, b_NK, out_dtype)      -> [M, N]   one Triton tile for every M, no split-K (CUDA)
-    fixed_tile_matmul_ref(a_MK, b_NK, out_dtype)  -> [M, N]   the torch twin: BLAS on blocks of FIXED_ROW_BLOCK rows
-    in_row_blocks(fn, x_MK)                       -> fn's rows, fn called on zero-padded [FIXED_ROW_BLOCK, K] copies
+    fixed_tile_matmul(x_TI, w_OI, out_dtype)      -> [T, O]   one Triton tile for every T, no split-K (CUDA)
+    fixed_tile_matmul_ref(x_TI, w_OI, out_dtype)  -> [T, O]   the torch twin: BLAS on blocks of FIXED_ROW_BLOCK rows
+    in_row_blocks(fn, x_TI)                       -> fn's rows, fn called on zero-padded [FIXED_ROW_BLOCK, I] copies
     GROUPED_MLP_TILES[precision]                  -> the grouped MLP's (GEMM1, GEMM2) tiles in this mode
 
 Why: a GEMM library picks its kernel by the problem's shape (MKL takes another code path for 1-3 rows; cuBLAS and
-the grouped MLP's autotuner pick tiles and split-K by M), and another kernel adds a row's products in another order.
+the grouped MLP's autotuner pick tiles and split-K by the row count), and another kernel adds a row's products in another order.
 How: on CUDA one Triton tile config per precision, a program owning a BLOCK_M x BLOCK_N output tile and the whole K
 loop (a row's sum is the same for any row of any tile). On the CPU every call the BLAS sees has the same shape: the
 rows are copied into zero-padded blocks of FIXED_ROW_BLOCK rows. The assumption, checked on the machine by
@@ -16,7 +16,7 @@ block and whatever the other rows hold.
 
 The twin is not bitwise equal to the kernel (another order of additions); each is invariant on its own.
 
-Shape legend: M rows, K reduced width, N output columns.
+Shape legend: T rows (tokens, or pool rows), I input features (the reduced width), O output features.
 """
 from __future__ import annotations
 
@@ -85,75 +85,75 @@ def _fixed_tile_matmul_kernel(
              mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def _check_args(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> None:
-    if a_MK.dim() != 2 or b_NK.dim() != 2 or a_MK.shape[1] != b_NK.shape[1]:
-        raise ShapeError(f"fixed-tile matmul takes a [M, K] and b [N, K]; got {tuple(a_MK.shape)} and "
-                         f"{tuple(b_NK.shape)}")
-    for name, dtype in (("a_MK", a_MK.dtype), ("b_NK", b_NK.dtype), ("out_dtype", out_dtype)):
+def _check_args(x_TI: torch.Tensor, w_OI: torch.Tensor, out_dtype: torch.dtype) -> None:
+    if x_TI.dim() != 2 or w_OI.dim() != 2 or x_TI.shape[1] != w_OI.shape[1]:
+        raise ShapeError(f"fixed-tile matmul takes x [T, I] and w [O, I]; got {tuple(x_TI.shape)} and "
+                         f"{tuple(w_OI.shape)}")
+    for name, dtype in (("x_TI", x_TI.dtype), ("w_OI", w_OI.dtype), ("out_dtype", out_dtype)):
         if dtype not in _TL_OUT:
             raise DTypeError(f"{name} must be fp32/fp16/bf16, got {dtype}")
 
 
-def fixed_tile_matmul(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a_MK @ b_NK.T`` with fp32 sums, rounded once to ``out_dtype``: one tile for every M (module doc).
+def fixed_tile_matmul(x_TI: torch.Tensor, w_OI: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x_TI @ w_OI.T`` with fp32 sums, rounded once to ``out_dtype``: one tile for every T (module doc).
 
     Args:
-        a_MK: ``[M, K]`` fp32/fp16/bf16 (CUDA, or the CPU under the interpreter).
-        b_NK: ``[N, K]``; cast to a's dtype when it differs (a product of two 16-bit values is exact in fp32).
+        x_TI: ``[T, I]`` fp32/fp16/bf16 (CUDA, or the CPU under the interpreter).
+        w_OI: ``[O, I]``; cast to a's dtype when it differs (a product of two 16-bit values is exact in fp32).
         out_dtype: fp32, fp16 or bf16.
 
     Returns:
-        ``[M, N]`` out_dtype. No host sync.
+        ``[T, O]`` out_dtype. No host sync.
     """
-    _check_args(a_MK, b_NK, out_dtype)
-    check_device("a_MK", a_MK)
-    b_NK = b_NK.to(a_MK.dtype)
-    num_rows, num_cols = a_MK.shape[0], b_NK.shape[0]
-    c_MN = torch.empty(num_rows, num_cols, dtype=out_dtype, device=a_MK.device)
+    _check_args(x_TI, w_OI, out_dtype)
+    check_device("x_TI", x_TI)
+    w_OI = w_OI.to(x_TI.dtype)
+    num_rows, num_cols = x_TI.shape[0], w_OI.shape[0]
+    y_TO = torch.empty(num_rows, num_cols, dtype=out_dtype, device=x_TI.device)
     if num_rows == 0 or num_cols == 0:
-        return c_MN
-    if a_MK.shape[1] == 0:
-        return c_MN.zero_()
-    ieee = a_MK.dtype == torch.float32
+        return y_TO
+    if x_TI.shape[1] == 0:
+        return y_TO.zero_()
+    ieee = x_TI.dtype == torch.float32
     block_m, block_n, block_k, warps, stages = (_INTERPRETER_TILE if is_interpreter()
                                                 else _MATMUL_TILES["fp32" if ieee else "16bit"])
     launch(_fixed_tile_matmul_kernel, (cdiv(num_rows, block_m), cdiv(num_cols, block_n)),
-           a_MK, b_NK, c_MN, num_rows, num_cols, a_MK.shape[1],
-           a_MK.stride(0), a_MK.stride(1), b_NK.stride(0), b_NK.stride(1), c_MN.stride(0), c_MN.stride(1),
+           x_TI, w_OI, y_TO, num_rows, num_cols, x_TI.shape[1],
+           x_TI.stride(0), x_TI.stride(1), w_OI.stride(0), w_OI.stride(1), y_TO.stride(0), y_TO.stride(1),
            OUT_DTYPE=_TL_OUT[out_dtype], IEEE=ieee, UPCAST=is_interpreter(), BLOCK_M=block_m, BLOCK_N=block_n,
            BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    return c_MN
+    return y_TO
 
 
-def fixed_tile_matmul_ref(a_MK: torch.Tensor, b_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def fixed_tile_matmul_ref(x_TI: torch.Tensor, w_OI: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Torch twin of ``fixed_tile_matmul`` (same arguments): ``torch.matmul`` on FIXED_ROW_BLOCK-row blocks
     (``in_row_blocks``), in ``out_dtype`` when both operands have it (the weights' dtype, as
     ``activations.dense_mlp``), else in fp32 with both cast (as ``router.router_logits``)."""
-    _check_args(a_MK, b_NK, out_dtype)
-    compute = out_dtype if a_MK.dtype == b_NK.dtype == out_dtype else torch.float32
-    b_KN = b_NK.to(compute).t()
-    return in_row_blocks(lambda a_block: a_block.to(compute) @ b_KN, a_MK).to(out_dtype)
+    _check_args(x_TI, w_OI, out_dtype)
+    compute = out_dtype if x_TI.dtype == w_OI.dtype == out_dtype else torch.float32
+    b_KN = w_OI.to(compute).t()
+    return in_row_blocks(lambda a_block: a_block.to(compute) @ b_KN, x_TI).to(out_dtype)
 
 
-def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x_MK: torch.Tensor) -> torch.Tensor:
-    """``fn`` (a row-wise function: row i of its output depends on row i of its input only) over ``x_MK``, called
+def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x_TI: torch.Tensor) -> torch.Tensor:
+    """``fn`` (a row-wise function: row i of its output depends on row i of its input only) over ``x_TI``, called
     on fresh zero-padded copies of FIXED_ROW_BLOCK rows each, so every GEMM inside ``fn`` has one shape.
 
     Args:
         fn: ``[FIXED_ROW_BLOCK, K] -> [FIXED_ROW_BLOCK, N]``.
-        x_MK: ``[M, K]`` any dtype.
+        x_TI: ``[T, I]`` any dtype.
 
     Returns:
-        ``[M, N]``: fn's rows for x's rows (the padding rows' results dropped); ``fn(x_MK)`` itself when M == 0.
+        ``[T, O]``: fn's rows for x's rows (the padding rows' results dropped); ``fn(x_TI)`` itself when T == 0.
     """
-    num_rows = x_MK.shape[0]
+    num_rows = x_TI.shape[0]
     if num_rows == 0:
-        return fn(x_MK)
+        return fn(x_TI)
     outputs = []
     for lo in range(0, num_rows, FIXED_ROW_BLOCK):
-        rows = x_MK[lo:lo + FIXED_ROW_BLOCK]
+        rows = x_TI[lo:lo + FIXED_ROW_BLOCK]
         # a fresh allocation: the BLAS sees one shape AND one alignment, whatever x's offset
-        block = x_MK.new_zeros(FIXED_ROW_BLOCK, *x_MK.shape[1:])
+        block = x_TI.new_zeros(FIXED_ROW_BLOCK, *x_TI.shape[1:])
         block[:rows.shape[0]] = rows
         outputs.append(fn(block)[:rows.shape[0]])
     return torch.cat(outputs)
