@@ -12,6 +12,8 @@ so both transports give bitwise-identical pools and outputs:
     experts
     -> partials: ONE row per (source, token) on the owner -> all_to_all back -> my combine_partial[owner, token]
     -> reduce (owners in rank order)
+    batch-invariant combine instead: every live slot row on the owner, unweighted -> ONE all_to_all back -> my
+    combine_slots[token, slot] -> sum_slots (slots in order, fp32)
 
 Rows travel as raw bytes (``uint8`` views), so any dtype (bf16, fp8) crosses gloo and NCCL alike.
 
@@ -31,6 +33,7 @@ from moe_ref.ep.buffer import SymmetricBuffer
 from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.ep.dispatch import DispatchHandle, Dispatcher
 from moe_ref.kernels.ep.ep_combine import slot_owners_TR, sum_partials_ref, weighted_partials_ref
+from moe_ref.kernels.ep.ep_combine_slots import slot_rows_of_tokens
 from moe_ref.kernels.ep.ep_dispatch import receive_layout_ref, receive_rows_ref
 from moe_ref.kernels.ep.ep_regions import PeerBuffers
 from moe_ref.kernels.ep.symm_signal import check_ep_status
@@ -133,6 +136,22 @@ class AllToAllDispatcher(Dispatcher):
         for owner, token_U in enumerate(routes.sent):
             partial_RCD[owner, token_U] = back[start:start + token_U.numel()]
             start += token_U.numel()
+
+    def _return_slot_rows(self, y_PD, handle: DispatchHandle) -> None:
+        # ONE all_to_all of exactly the live slot rows: to source s, its tokens on my experts in order, each
+        # token's slots here in order; the source knows which of its slots each owner holds from its own ids, so
+        # it scatters them back in the same order with no counts exchanged
+        view, routes, e = self.buffer.view, handle.routes, self.num_local_experts
+        parts = [slot_rows_of_tokens(y_PD, view("recv_pos")[src][token_U]) for src, token_U in
+                 enumerate(routes.received)]
+        ids_TK = view("topk_ids")[:handle.num_tokens]
+        owner_TK = torch.where(ids_TK >= 0, ids_TK // e, -1)
+        recv_counts = torch.bincount(owner_TK[owner_TK >= 0], minlength=self.world_size).tolist()  # NOTE: host sync
+        back = self._all_to_all(torch.cat(parts), [part.shape[0] for part in parts], recv_counts)
+        slots_TKDx, start = view("combine_slots")[:handle.num_tokens], 0
+        for owner, count in enumerate(recv_counts):
+            slots_TKDx[owner_TK == owner] = back[start:start + count]
+            start += count
 
     def _reduce(self, num_tokens):
         return sum_partials_ref(self.buffer.view("topk_ids")[:num_tokens], self.buffer.view("combine_partial"),

@@ -4,7 +4,7 @@ the chunk count or the EP size. The contract, what holds it and what it costs: d
 
     route:   gate GEMM (fixed tiles, fp32 sums) -> the family's top-k (row-wise; ties: the lowest expert id)
     experts: the torch loop in FIXED_ROW_BLOCK-row blocks (CPU) | the Triton grouped MLP on GROUPED_MLP_TILES (CUDA)
-    combine: every (token, slot) expert row comes back unreduced (Dispatcher.combine_slots) and the token's home
+    combine: every (token, slot) expert row comes back unreduced, one exchange (Dispatcher.combine_slots); the home
              rank sums its K weighted rows in slot order in fp32, rounding once (sum_slots): the same sum at any EP
     finish:  latent projections, shared experts and their gate on fixed tiles; RMSNorm and the activation row-wise
 

@@ -17,6 +17,10 @@ The receive pool is laid out in one of two formats (``POOL_FORMATS``, chosen wit
 - ``masked`` (decode): ``P = e * M`` with ``M = align(R * C, alignment)`` rows per local expert at fixed starts
   ``i * M`` (DeepGEMM's masked layout ``[e, M, Dx]``); no expert can receive more than M rows.
 
+With ``batch_invariant`` at R >= 2 the plan adds ``combine_slots`` ``[C, K, Dx]`` in the activation dtype (the
+invariant combine's receive region: every slot's expert row comes back unreduced, ``Dispatcher.combine_slots``);
+the default plan has no such region, so its bytes do not change.
+
 Shape legend: C = cap = ``num_max_tokens_per_rank`` (rows ONE rank feeds per call), Dx expert input width
 (hidden, or latent for Kimi-K3), K top-k, E experts, e local experts, R EP ranks, P receive-pool rows.
 
@@ -82,11 +86,13 @@ class CapacityPlan:
     regions: tuple[Region, ...]
     total_bytes: int
     ep_regions: EPRegions
+    batch_invariant: bool = False
 
     @staticmethod
     def build(cfg: MoEConfig, ep_size: int, num_max_tokens_per_rank: int,
               activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
-              alignment: int = 128, pool_format: str = "contiguous") -> "CapacityPlan":
+              alignment: int = 128, pool_format: str = "contiguous",
+              batch_invariant: bool = False) -> "CapacityPlan":
         """Lay out one rank's buffer.
 
         Args:
@@ -97,6 +103,8 @@ class CapacityPlan:
             dispatch_fp8: ship rows as fp8 e4m3 + fp32 per-128-column scales (``x``/``recv_x`` become fp8).
             alignment: rows each expert segment of the pool starts on (128 for the grouped GEMMs).
             pool_format: ``"contiguous"`` or ``"masked"`` (module doc).
+            batch_invariant: the batch-invariant mode's plan: at R >= 2 it adds ``combine_slots`` ``[C, K, Dx]``
+                (module doc); one rank reads its pool directly and needs none.
 
         Returns:
             The plan. Raises ``InvalidConfigError`` (CFG007) for a non-positive cap/alignment, an
@@ -108,12 +116,13 @@ class CapacityPlan:
         ep_regions = EPRegions.build(ep_size, num_local, cfg.num_topk, cap, cfg.expert_hidden_size,
                                      activation_dtype=activation_dtype, fp8=dispatch_fp8, alignment=alignment,
                                      masked_rows=masked_segment_rows(ep_size, cap, alignment)
-                                     if pool_format == "masked" else 0)
+                                     if pool_format == "masked" else 0,
+                                     slot_rows=bool(batch_invariant) and ep_size > 1)
         regions = [Region(name, ep_regions.offsets[name], *ep_regions.spec(name), ep_regions.nbytes(name))
                    for name in ep_regions.offsets]
         offset = _align(regions[-1].end, REGION_ALIGN_BYTES)
         return CapacityPlan(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment, tuple(regions), offset,
-                            ep_regions)
+                            ep_regions, bool(batch_invariant))
 
     # --- queries ---------------------------------------------------------------------------------------
     @property
@@ -142,7 +151,7 @@ class CapacityPlan:
     def with_cap(self, num_max_tokens_per_rank: int) -> "CapacityPlan":
         """The same plan for another cap (used to price the cap an overflow error asks for)."""
         return CapacityPlan.build(self.cfg, self.ep_size, num_max_tokens_per_rank, self.activation_dtype,
-                                  self.dispatch_fp8, self.alignment, self.pool_format)
+                                  self.dispatch_fp8, self.alignment, self.pool_format, self.batch_invariant)
 
     def group_bytes(self) -> dict[str, int]:
         """Bytes per part: signals, send, receive, combine (region bytes plus the alignment gaps after them)."""
@@ -150,7 +159,7 @@ class CapacityPlan:
                  "send": ("num_tokens", "send_count", "topk_ids", "topk_weights", "slot_rank", "x", "x_scale"),
                  "receive": ("recv_num_tokens", "num_rows", "row_start", "recv_base", "pool_end", "recv_pos",
                              "recv_weight", "recv_src", "recv_x", "recv_x_scale"),
-                 "combine": ("combine_partial",)}
+                 "combine": ("combine_partial", "combine_slots")}
         ends = [r.offset for r in self.regions[1:]] + [self.total_bytes]
         out = {part: 0 for part in parts}
         for region, end in zip(self.regions, ends):
@@ -165,7 +174,8 @@ class CapacityPlan:
         lines = [
             f"Symmetric buffer of ONE rank: {cfg.name}, EP {self.ep_size} (local experts {self.num_local_experts} of "
             f"{cfg.num_experts}, top-{cfg.num_topk}), cap {self.num_max_tokens_per_rank} rows/rank, "
-            f"width {cfg.expert_hidden_size}, dispatch {wire}, alignment {self.alignment}, pool {self.pool_format}",
+            f"width {cfg.expert_hidden_size}, dispatch {wire}, alignment {self.alignment}, pool {self.pool_format}"
+            f"{', batch-invariant combine' if self.batch_invariant else ''}",
             self._pool_rows_line(),
             "",
             f"{'region':<28} {'offset':>14} {'shape':<22} {'dtype':<14} {'bytes':>16} {'':>11}",
@@ -238,7 +248,8 @@ def num_recv_pool_rows(cfg: MoEConfig, ep_size: int, num_max_tokens_per_rank: in
 
 def plan_for_topology(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: int, *,
                       activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
-                      alignment: int = 128, pool_format: str = "contiguous") -> CapacityPlan:
+                      alignment: int = 128, pool_format: str = "contiguous",
+                      batch_invariant: bool = False) -> CapacityPlan:
     """The plan of one rank for a deployment.
 
     Args:
@@ -249,7 +260,7 @@ def plan_for_topology(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: 
     """
     parallel.num_local_experts(cfg)  # raises CFG001/CFG002 for an impossible topology
     return CapacityPlan.build(cfg, parallel.ep_size, max_num_tokens, activation_dtype, dispatch_fp8, alignment,
-                              pool_format)
+                              pool_format, batch_invariant)
 
 
 def _model_total_line(cfg: MoEConfig, plan: CapacityPlan) -> str:
@@ -264,13 +275,15 @@ def _model_total_line(cfg: MoEConfig, plan: CapacityPlan) -> str:
 
 def max_tokens_for_budget(cfg: MoEConfig, ep_size: int, budget_bytes: int,
                           activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
-                          alignment: int = 128, pool_format: str = "contiguous") -> int:
+                          alignment: int = 128, pool_format: str = "contiguous",
+                          batch_invariant: bool = False) -> int:
     """The largest cap whose per-rank plan fits ``budget_bytes`` (binary search; bytes grow with the cap).
 
     Raises ``MemoryBudgetError`` (CAP004) when even a cap of 1 does not fit, naming both byte counts.
     """
     def cost(cap: int) -> int:
-        return CapacityPlan.build(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment, pool_format).total_bytes
+        return CapacityPlan.build(cfg, ep_size, cap, activation_dtype, dispatch_fp8, alignment, pool_format,
+                                  batch_invariant).total_bytes
 
     smallest = cost(1)
     if smallest > budget_bytes:
@@ -289,11 +302,13 @@ def max_tokens_for_budget(cfg: MoEConfig, ep_size: int, budget_bytes: int,
 
 def plan_report(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: int, *,
                 activation_dtype: torch.dtype = torch.bfloat16, dispatch_fp8: bool = False,
-                alignment: int = 128, pool_format: str = "contiguous", budget_bytes: int | None = None) -> str:
+                alignment: int = 128, pool_format: str = "contiguous", budget_bytes: int | None = None,
+                batch_invariant: bool = False) -> str:
     """The text ``moe-ref plan`` prints: topology, the per-rank region table with totals, and (with a
     budget) the largest cap that fits it."""
     plan = plan_for_topology(cfg, parallel, max_num_tokens, activation_dtype=activation_dtype,
-                             dispatch_fp8=dispatch_fp8, alignment=alignment, pool_format=pool_format)
+                             dispatch_fp8=dispatch_fp8, alignment=alignment, pool_format=pool_format,
+                             batch_invariant=batch_invariant)
     feeders = "each attention-DP rank feeds its own batch" if parallel.attention_dp else "rows each rank feeds"
     lines = [
         f"Topology: tp {parallel.tp_size}, ep {parallel.ep_size}, dp {parallel.dp_size}, attention-dp "
@@ -307,7 +322,7 @@ def plan_report(cfg: MoEConfig, parallel: ParallelConfig, max_num_tokens: int, *
         lines.append("")
         try:
             best = max_tokens_for_budget(cfg, parallel.ep_size, budget_bytes, activation_dtype, dispatch_fp8, alignment,
-                                         pool_format)
+                                         pool_format, batch_invariant)
             best_bytes = plan.with_cap(best).total_bytes
             lines.append(f"Largest cap within {format_bytes(budget_bytes)} per rank: {best} rows/rank "
                          f"({format_bytes(best_bytes)}); set num_max_tokens_per_rank={best} or "

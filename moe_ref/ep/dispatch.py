@@ -14,6 +14,10 @@ routed step's transport half; ``moe_ref.ep.routed_step`` runs the overflow polic
                          slots in order, sent back to the source                       (the transport's own)
         4. reduce        on the source: the partials of the owning ranks, summed in rank order in fp32
                                                                                  (kernels.ep_combine_reduce)
+      combine_slots(y, handle) -> routed_TD [T, Dx]          (batch_invariant; EP >= 2: ONE exchange per chunk)
+        3'. slot rows    on the expert owner: every (source, token, slot) row, unweighted, exact in the activation
+                         dtype -> the source's combine_slots[token, slot]       (the transport's own)
+        4'. sum          on the source: sum_j w[t, j] * row[t, j], slots in order, fp32, rounded once (sum_slots)
 
 Both transports fill the same regions (``CapacityPlan``, ``kernels.ep_regions``) with the same values, so the
 pool, the partials and the output are bitwise the same whichever transport runs:
@@ -54,7 +58,7 @@ from moe_ref.ep.batch_invariant import sum_slots
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.distributed import comm_device
 from moe_ref.core.errors import (CapacityExceededError, DeviceError, DTypeError, ExpertIdError, InputError,
-                                 NonFiniteError, ShapeError)
+                                 InvalidConfigError, NonFiniteError, ShapeError)
 from moe_ref.experts import ExpertLayout, Experts
 from moe_ref.kernels.ep.ep_regions import EPRegions
 from moe_ref.kernels.router.routing_check import routing_faults_T
@@ -190,7 +194,8 @@ class Dispatcher(ABC):
     modular routed step, ``moe_ref.ep.routed_step.ModularRoutedStep``). Build with ``transport.make_dispatcher``.
 
     Subclasses implement the transport: ``_pre_dispatch_and_exchange`` (steps 1-2), ``_return_partials`` (step 3,
-    leaving every partial of my tokens in MY ``combine_partial``) and ``_reduce`` (step 4).
+    leaving every partial of my tokens in MY ``combine_partial``) and ``_reduce`` (step 4); the batch-invariant
+    combine's one exchange is ``_return_slot_rows`` (into MY ``combine_slots``).
 
     Attributes:
         plan: the buffer plan; regions: its ``EPRegions``. rank, world_size: in the EP group.
@@ -337,48 +342,29 @@ class Dispatcher(ABC):
         unreduced and MY tokens' K rows are summed here in slot order in fp32 (``sum_slots``), so the sum is the
         same bits at any EP size (collective; one chunk; arguments and result as ``combine``).
 
-        One rank reads the rows straight from the pool. Several run K rounds of the transport's own partials and
-        reduce, round j with every slot but j masked and weight 1: a partial is then ONE expert row, exact in the
-        activation dtype, and lands at ``combine_partial[owner, token]``; a barrier ends each round (the next
-        overwrites those rows). NOTE: K times the combine traffic of ``combine``."""
+        One rank reads the rows straight from the pool. Several make ONE exchange (``_return_slot_rows``): each
+        owner sends every slot row it computed, exact in the activation dtype, into the source's ``combine_slots``
+        ``[C, K, Dx]`` (the batch-invariant plan's region). NOTE: K x Dx values per token travel back, where
+        ``combine`` sends one partial per owning rank."""
         view, num_tokens = self.buffer.view, handle.num_tokens
         y_PD = y_PD.to(self.plan.activation_dtype).contiguous()  # the rows travel exactly in the activation dtype
         ids_TK = view("topk_ids")[:num_tokens]
         if self.world_size == 1:
             rows_TKD = _rows_at(y_PD, view("recv_pos")[0, :num_tokens].long())
         else:
-            rows_TKD = self._slot_rows_in_rounds(y_PD, handle, ids_TK)
+            if not self.plan.has_region("combine_slots"):
+                raise InvalidConfigError(
+                    f"combine_slots at EP {self.world_size} needs the batch-invariant plan (its combine_slots "
+                    f"region); build the dispatcher with batch_invariant=True", field="batch_invariant")
+            self._return_slot_rows(y_PD, handle)
+            rows_TKD = view("combine_slots")[:num_tokens]
         return sum_slots(rows_TKD, ids_TK, view("topk_weights")[:num_tokens], self.plan.activation_dtype)
 
-    def _slot_rows_in_rounds(self, y_PD: torch.Tensor, handle: DispatchHandle, ids_TK: torch.Tensor) -> torch.Tensor:
-        """``[T, K, Dx]``: each slot's expert row, brought back one slot per round (``combine_slots``)."""
-        pos_RCK, weight_RCK = self.buffer.view("recv_pos"), self.buffer.view("recv_weight")
-        saved_pos_RCK, saved_weight_RCK = pos_RCK.clone(), weight_RCK.clone()
-        partial_RCD = self.buffer.view("combine_partial")
-        slot_K = torch.arange(ids_TK.shape[1], device=ids_TK.device)
-        token_T = torch.arange(handle.num_tokens, device=ids_TK.device)
-        owner_TK = torch.where(ids_TK >= 0, ids_TK // self.num_local_experts, 0)
-        weight_RCK.fill_(1.0)
-        rows = []
-        for slot in range(ids_TK.shape[1]):
-            if slot:
-                self._round_barrier()  # every rank has read round slot - 1's rows before they are overwritten
-            pos_RCK.copy_(torch.where(slot_K == slot, saved_pos_RCK, -1))  # my pool rows of this slot only
-            self._return_partials(y_PD, handle)
-            self._await_partials()
-            row_TD = partial_RCD[owner_TK[:, slot], token_T]
-            rows.append(torch.where(ids_TK[:, slot:slot + 1] >= 0, row_TD, 0))
-        pos_RCK.copy_(saved_pos_RCK)
-        weight_RCK.copy_(saved_weight_RCK)
-        return torch.stack(rows, dim=1) if rows else partial_RCD.new_zeros(handle.num_tokens, 0, self.regions.hidden)
-
-    def _await_partials(self) -> None:
-        """After ``_return_partials``: wait until every partial of mine has landed in MY ``combine_partial`` (the
-        ``symm`` transport's barrier; a transport that writes them itself has nothing to wait for)."""
-
-    def _round_barrier(self) -> None:
-        """Between two rounds of ``combine_slots``: no rank writes round j + 1 before every rank has read round j
-        (the ``symm`` transport's barrier; a private buffer needs none)."""
+    def _return_slot_rows(self, y_PD: torch.Tensor, handle: DispatchHandle) -> None:
+        """``combine_slots``' exchange (collective, ONE per chunk): every slot row of my pool to its source's
+        ``combine_slots[token, slot]``, unweighted, in the activation dtype. On return MY ``combine_slots[:T]``
+        holds the row of every live slot of my tokens (a transport that signals waits for its peers here)."""
+        raise NotImplementedError(f"the {self.transport_name} transport has no batch-invariant combine")
 
     def destroy(self) -> None:
         """Release my use of the shared buffer (freed with its last user; not collective; idempotent)."""

@@ -383,7 +383,7 @@ def overflow_policy(cfg: MoEConfig, ep_size: int, options: EPOptions) -> Overflo
     """The overflow policy of ``options``, pricing caps with moe_ref's own buffer plan."""
     def buffer_bytes_for_cap(cap: int) -> int:
         return CapacityPlan.build(cfg, ep_size, cap, options.dtype, options.dispatch_fp8, options.alignment,
-                                  options.pool_format).total_bytes
+                                  options.pool_format, options.batch_invariant).total_bytes
 
     return OverflowPolicy(options.num_max_tokens_per_rank, options.overflow, buffer_bytes_for_cap,
                           layer_index=options.layer_index)

@@ -3,6 +3,7 @@
     pre-dispatch (+ post)  ->  dispatch (wait; pull rows routed to my experts from each source, once per token,
     expanded into my pool)  ->  experts  ->  combine push (one partial per (source, token) into the source's
     buffer, + post)  ->  reduce (wait; partials in rank order)
+    batch-invariant combine: slot push (every slot row into the source's combine_slots)  ->  barrier  ->  sum_slots
 
 On CUDA these are the Triton kernels of ``kernels.ep_*`` over torch symmetric memory: no host sync inside a call,
 every wait bounded (a silent peer is recorded in MY ``status``, never an endless spin), so a decode call can be
@@ -19,6 +20,7 @@ from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.ep.dispatch import DispatchHandle, Dispatcher
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.core.errors import DistributedError
+from moe_ref.kernels.ep.ep_combine_slots import ep_combine_slots_push, ep_combine_slots_push_ref
 from moe_ref.kernels.ep.symm_signal import DEFAULT_TIMEOUT_US, check_ep_status, ep_status_problem, symm_barrier
 
 
@@ -40,11 +42,13 @@ class SymmDispatcher(Dispatcher):
         self.peers = buffer.peer_buffers()
         self.ops = ops.ep_ops(buffer.device)
         self.timeout_us = timeout_us
-        self._barrier = symm_barrier  # the barrier of the EP phases self.ops runs (the combine_slots rounds')
+        # the batch-invariant combine's exchange (combine_slots): its push kernel, or the twin on the CPU, and the
+        # barrier of the EP phases self.ops runs
+        self._slots_push, self._barrier = ep_combine_slots_push, symm_barrier
         if not self.ops.on_device:
             from moe_ref.kernels.runtime import native  # as ops.ep_ops: the compiled CPU ops, or their twins
 
-            self._barrier = native.symm_barrier
+            self._slots_push, self._barrier = ep_combine_slots_push_ref, native.symm_barrier
 
     def _raise_recorded(self) -> None:
         """On the host path (twins), raise what a wait or the layout recorded in MY status right away."""
@@ -69,11 +73,11 @@ class SymmDispatcher(Dispatcher):
     def _return_partials(self, y_PD, handle: DispatchHandle) -> None:
         self.ops.combine_push(y_PD, self.peers, self.regions, post=True)
 
-    def _await_partials(self) -> None:
-        self._barrier(self.peers, self.regions, post=False, wait=True, timeout_us=self.timeout_us)  # the push posted
-        self._raise_recorded()
-
-    def _round_barrier(self) -> None:
+    def _return_slot_rows(self, y_PD, handle: DispatchHandle) -> None:
+        # one push of every slot row into its source's combine_slots, then one barrier (post + bounded wait): after
+        # it every peer's rows for my tokens have landed (the next writer of combine_slots is the next chunk's
+        # push, which follows that chunk's dispatch barrier, so my read here is never overwritten)
+        self._slots_push(y_PD, self.peers, self.regions)
         self._barrier(self.peers, self.regions, timeout_us=self.timeout_us)
         self._raise_recorded()
 

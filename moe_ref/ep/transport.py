@@ -52,7 +52,8 @@ def make_dispatcher(cfg: MoEConfig, group, options: EPOptions) -> Dispatcher:
     Args:
         cfg: the MoE block (``E`` must divide by the group size: CFG002).
         group: the EP process group, or None for one process.
-        options: resolved options; uses the cap, transport, dtype, device, ``dispatch_fp8``, ``pool_format`` and
+        options: resolved options; uses the cap, transport, dtype, device, ``dispatch_fp8``, ``pool_format``,
+            ``batch_invariant`` (its plan's ``combine_slots``) and
             ``alignment`` (which must be set: ``EPOptions.resolve`` sets it from the experts backend).
 
     Returns:
@@ -67,7 +68,7 @@ def make_dispatcher(cfg: MoEConfig, group, options: EPOptions) -> Dispatcher:
         raise UnknownNameError(f"transport={name!r}; supported: {', '.join(TRANSPORTS)}")
     world, _ = group_size_and_rank(group)
     plan = CapacityPlan.build(cfg, world, options.num_max_tokens_per_rank, options.dtype, options.dispatch_fp8,
-                              options.alignment, options.pool_format)
+                              options.alignment, options.pool_format, options.batch_invariant)
     if world == 1:
         return _build("local", plan, group, device)
     if TRANSPORTS[name].one_rank:

@@ -5,7 +5,8 @@ at this EP size, over ``symm`` and ``a2a``, in fp32 and bf16.
 
 The G = 64 global tokens are split unevenly over the ranks (the last rank gets none at R = 4) and chunked by a cap of
 16 rows. Each rank reports, per case, the bytes of its output rows as hex, with the global token index of each; the
-test compares them with one process's output on all 64 tokens, bitwise.
+test compares them with one process's output on all 64 tokens, bitwise. It also reports what each chunk's combine
+cost in transport calls (``count_combine_exchanges``), so the test can require ONE exchange per chunk.
 """
 from __future__ import annotations
 
@@ -32,6 +33,40 @@ def row_bytes(y_TD: torch.Tensor) -> list[str]:
     return [row.numpy().tobytes().hex() for row in as_int]
 
 
+def count_combine_exchanges(dispatcher) -> dict:
+    """Count, inside ``dispatcher.combine_slots`` only, the chunks, the transport's exchanges (``a2a``: calls of
+    ``all_to_all_single``; ``symm``: slot-row pushes), the ``symm`` barriers and the default combine's partial pushes
+    (the K-round combine ran one per slot). Returns the live counters."""
+    counts = {"chunks": 0, "exchanges": 0, "barriers": 0, "partial_pushes": 0}
+    inside = [False]
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            if inside[0]:
+                counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    combine_slots = dispatcher.combine_slots
+
+    def combine_slots_counted(*args, **kwargs):
+        counts["chunks"] += 1
+        inside[0] = True
+        try:
+            return combine_slots(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    dispatcher.combine_slots = combine_slots_counted
+    dispatcher._return_partials = counted("partial_pushes", dispatcher._return_partials)
+    if dispatcher.transport_name == "a2a":
+        dist.all_to_all_single = counted("exchanges", dist.all_to_all_single)
+    else:
+        dispatcher._slots_push = counted("exchanges", dispatcher._slots_push)
+        dispatcher._barrier = counted("barriers", dispatcher._barrier)
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -43,10 +78,15 @@ def main() -> int:
         for dtype in (torch.float32, torch.bfloat16):
             moe = MegaMoE(PRESET, dist.group.WORLD, transport=transport, dtype=dtype, seed=SEED, batch_invariant=True,
                           num_max_tokens_per_rank=16, overflow="chunk", alignment=1)
-            with torch.no_grad():
-                y = moe(global_tokens(moe.cfg.hidden_size, dtype)[lo:hi])
+            all_to_all_single = dist.all_to_all_single
+            counts = count_combine_exchanges(moe.routed_step.dispatcher)  # collective: builds the step
+            try:
+                with torch.no_grad():
+                    y = moe(global_tokens(moe.cfg.hidden_size, dtype)[lo:hi])
+            finally:
+                dist.all_to_all_single = all_to_all_single
             report({"case": f"{transport}/{str(dtype).removeprefix('torch.')}", "tokens": list(range(lo, hi)),
-                    "rows": row_bytes(y)})
+                    "rows": row_bytes(y), "combine": counts})
             moe.destroy()
     dist.destroy_process_group()
     return 0

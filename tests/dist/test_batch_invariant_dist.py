@@ -1,5 +1,6 @@
 """The batch-invariant mode at EP 2 and 4 (torchrun, gloo, CPU ranks): every token's output bits equal one process's
-output on the same 64 global tokens, over ``symm`` and ``a2a``, fp32 and bf16 (``batch_invariant_worker.py``)."""
+output on the same 64 global tokens, over ``symm`` and ``a2a``, fp32 and bf16 (``batch_invariant_worker.py``), and
+each chunk's combine is ONE exchange (one ``all_to_all_single``, or one slot push and one barrier over ``symm``)."""
 from __future__ import annotations
 
 import sys
@@ -16,6 +17,7 @@ from moe_ref import MegaMoE  # noqa: E402
 
 pytestmark = pytest.mark.dist
 WORKER = Path(__file__).resolve().parent / "batch_invariant_worker.py"
+NUM_CHUNKS = {2: 3, 4: 2}  # ceil(largest split / the workers' cap of 16)
 
 
 def one_process_rows(dtype: torch.dtype) -> list[str]:
@@ -47,4 +49,14 @@ def test_ep_size_does_not_change_a_token_bits(world_size, tmp_path):
                 mismatched = [t for t, row in zip(got["tokens"], got["rows"]) if row != rows[t]]
                 assert not mismatched, f"{case} EP {world_size} rank {rank}: tokens {mismatched} differ from EP 1"
             assert sorted(seen) == list(range(NUM_TOKENS)), f"{case}: tokens reported {sorted(seen)}"
+            chunks = {reports[rank][case]["combine"]["chunks"] for rank in range(world_size)}
+            # every rank runs the group's chunk count (40 rows at EP 2, 24 at EP 4, over a cap of 16)
+            assert chunks == {NUM_CHUNKS[world_size]}, f"{case} EP {world_size}: combine_slots calls {chunks}"
+            for rank in range(world_size):
+                counts = reports[rank][case]["combine"]
+                # ONE exchange per chunk (the K-round combine made K, through the default combine's partial pushes)
+                assert counts["exchanges"] == counts["chunks"], f"{case} EP {world_size} rank {rank}: {counts}"
+                assert counts["partial_pushes"] == 0, f"{case} EP {world_size} rank {rank}: {counts}"
+                want_barriers = counts["chunks"] if transport == "symm" else 0
+                assert counts["barriers"] == want_barriers, f"{case} EP {world_size} rank {rank}: {counts}"
     assert not launch.leftovers, f"files left in the shm folder: {launch.leftovers}"

@@ -1,5 +1,6 @@
 """The batch-invariant mode on one process (docs/batch_invariance.md): a token's output bits do not depend on its
-batch, its row order, or the chunk count; the CPU scheme's assumption about the BLAS; the tie rule; the refusals."""
+batch, its row order, or the chunk count; the CPU scheme's assumption about the BLAS; the tie rule; the refusals;
+the buffer plan's ``combine_slots`` region (invariant mode only)."""
 from __future__ import annotations
 
 import warnings
@@ -8,9 +9,11 @@ import pytest
 import torch
 
 from moe_ref import MegaMoE
-from moe_ref.core.errors import BatchInvariantUnsupportedError
+from moe_ref.core.config import preset
+from moe_ref.core.errors import BatchInvariantUnsupportedError, InvalidConfigError
 from moe_ref.core.router import select_experts
 from moe_ref.ep.batch_invariant import rows_with_other_bits, sum_slots
+from moe_ref.ep.capacity import CapacityPlan
 from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.kernels.runtime.fixed_tiles import FIXED_ROW_BLOCK, fixed_tile_matmul_ref
 
@@ -129,3 +132,42 @@ def test_options_that_cannot_hold_it_are_refused(option):
     with pytest.raises(BatchInvariantUnsupportedError, match="batch_invariant=True") as err:
         MegaMoE("tiny-kimi-k2", batch_invariant=True, **option)
     assert err.value.code == "CFG026" and next(iter(option)) in str(err.value)
+
+
+@pytest.mark.parametrize("name,ep_size,cap,dtype,fp8", [("kimi-k2", 8, 256, torch.bfloat16, False),
+                                                         ("tiny-kimi-k2", 2, 16, torch.float32, False),
+                                                         ("deepseek-v3", 4, 64, torch.bfloat16, True)])
+def test_the_plan_grows_by_the_slot_region_only_in_invariant_mode(name, ep_size, cap, dtype, fp8):
+    cfg = preset(name)
+    default = CapacityPlan.build(cfg, ep_size, cap, dtype, fp8, 1)
+    invariant = CapacityPlan.build(cfg, ep_size, cap, dtype, fp8, 1, batch_invariant=True)
+    slots = invariant.region("combine_slots")
+    assert slots.shape == (cap, cfg.num_topk, cfg.expert_hidden_size) and slots.dtype == dtype
+    assert slots.nbytes == cap * cfg.num_topk * cfg.expert_hidden_size * dtype.itemsize
+    # the default plan is unchanged: no such region, and every region of it at the same place in the invariant one
+    assert not default.has_region("combine_slots") and "combine_slots" not in default.report()
+    assert [(r.name, r.offset, r.nbytes) for r in default.regions] == \
+        [(r.name, r.offset, r.nbytes) for r in invariant.regions[:-1]]
+    assert invariant.regions[-1].name == "combine_slots" and slots.offset == default.total_bytes
+    assert invariant.total_bytes - default.total_bytes == -(-slots.nbytes // 128) * 128
+    assert invariant.group_bytes()["combine"] - default.group_bytes()["combine"] == \
+        invariant.total_bytes - default.total_bytes
+    assert "combine_slots" in invariant.report()
+    assert invariant.with_cap(2 * cap).has_region("combine_slots")  # the overflow error prices the same plan
+    # one rank reads its pool directly: no region, no bytes
+    one = CapacityPlan.build(cfg, 1, cap, dtype, fp8, 1, batch_invariant=True)
+    assert one.total_bytes == CapacityPlan.build(cfg, 1, cap, dtype, fp8, 1).total_bytes
+
+
+def test_a_dispatcher_without_the_slot_region_refuses_the_invariant_combine_at_ep_2():
+    from moe_ref.ep.dispatch import Dispatcher
+
+    class TwoRanks:  # just what combine_slots reads before the exchange
+        world_size = 2
+        plan = CapacityPlan.build(preset("tiny-kimi-k2"), 2, 4, torch.float32, alignment=1)
+        buffer = type("Buffer", (), {"view": staticmethod(lambda name: torch.zeros(4, 8, dtype=torch.int64))})()
+
+    handle = type("Handle", (), {"num_tokens": 0})()
+    with pytest.raises(InvalidConfigError, match="batch_invariant=True") as err:
+        Dispatcher.combine_slots(TwoRanks(), torch.zeros(0, 8), handle)
+    assert err.value.code == "CFG007"

@@ -35,6 +35,7 @@ process that simulates R ranks with R separately allocated buffers (the interpre
 | `recv_x`          | `[P, Dx]`      | wire             | the receive pool, expert-major                               |
 | `recv_x_scale`    | `[P, Db]`      | fp32             | its scales (fp8)                                             |
 | `combine_partial` | `[R, C, Dx]`   | activation       | partial[s, t] = sum of token t's slots on rank s (s writes)  |
+| `combine_slots`   | `[C, K, Dx]`   | activation       | [t, j] = t's slot-j row unweighted (owner writes; slot_rows) |
 
 The pool is `contiguous` (segments back to back, each start aligned) or `masked` (`masked_rows` = M > 0: expert i
 owns rows [i * M, (i + 1) * M), P = e * M); see `POOL_FORMATS`. In both, a segment's padding rows are those from
@@ -42,6 +43,9 @@ its last received row up to the next multiple of `alignment`. Rows of `recv_src`
 rows of a masked segment past its padding, and padding rows of `recv_x` hold stale data.
 `signal`, `epoch`, `status` and `counter` must be zero on every rank before the first barrier
 (`zero_signal_regions` + a host barrier).
+`combine_slots` exists only with `slot_rows=True` (the batch-invariant combine at R >= 2, `ep_combine_slots`): every
+slot of a token has one owner, so the K rows of a token land unreduced and never collide; the default combine
+neither has nor reads it, so its layout and bytes do not change.
 
 Shape legend: R ranks, e local experts, K top-k, C cap (rows one rank feeds per call), Dx row width,
 Db = ceil(Dx / 128), P receive-pool rows.
@@ -101,11 +105,13 @@ def default_pool_rows(num_ranks: int, cap: int, num_topk: int, num_local_experts
     return _align(rows, alignment)
 
 
-def region_names(fp8: bool) -> tuple[str, ...]:
+def region_names(fp8: bool, slot_rows: bool = False) -> tuple[str, ...]:
+    """The regions in buffer order: `x_scale`/`recv_x_scale` with `fp8`, `combine_slots` (last) with `slot_rows`."""
     names = ["signal", "epoch", "status", "counter", "num_tokens", "send_count", "topk_ids", "topk_weights", "slot_rank", "x",
              "x_scale", "recv_num_tokens", "num_rows", "row_start", "recv_base", "pool_end", "recv_pos",
-             "recv_weight", "recv_src", "recv_x", "recv_x_scale", "combine_partial"]
-    return tuple(n for n in names if fp8 or n not in ("x_scale", "recv_x_scale"))
+             "recv_weight", "recv_src", "recv_x", "recv_x_scale", "combine_partial", "combine_slots"]
+    return tuple(n for n in names if (fp8 or n not in ("x_scale", "recv_x_scale"))
+                 and (slot_rows or n != "combine_slots"))
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,7 @@ class EPRegions:
         masked_rows: M, rows of each expert segment in the masked pool format (P = e * M); 0 = contiguous.
         activation_dtype: dtype of expert rows and `combine_partial` (fp32, fp16, bf16).
         fp8: rows travel as fp8 e4m3 + fp32 per-128 scales.
+        slot_rows: the buffer has `combine_slots` (the batch-invariant combine's receive region).
         offsets: region name -> byte offset. end: first byte after the last region.
     """
 
@@ -136,11 +143,13 @@ class EPRegions:
     end: int
     specs: dict = None  # name -> (shape, dtype, nbytes), filled by build (views are made on every call)
     masked_rows: int = 0
+    slot_rows: bool = False
 
     @staticmethod
     def build(num_ranks: int, num_local_experts: int, num_topk: int, cap: int, hidden: int, *,
               activation_dtype: torch.dtype = torch.bfloat16, fp8: bool = False, alignment: int = 1,
-              num_pool_rows: int | None = None, masked_rows: int = 0, base_offset: int = 0) -> "EPRegions":
+              num_pool_rows: int | None = None, masked_rows: int = 0, base_offset: int = 0,
+              slot_rows: bool = False) -> "EPRegions":
         """Lay the regions out back to back from `base_offset` (a multiple of 128).
 
         Args:
@@ -152,6 +161,7 @@ class EPRegions:
             masked_rows: M > 0 lays the pool out masked (module doc; `masked_segment_rows` gives the M that never
                 overflows), a multiple of `alignment`; 0: contiguous.
             base_offset: byte offset of the first region (lets a larger plan embed this block).
+            slot_rows: add `combine_slots` `[C, K, Dx]` after every other region (the batch-invariant combine).
 
         Returns:
             The layout. Example: R=2, e=2, K=2, C=4, Dx=8, fp32 -> `signal` at 0, `epoch` at 128, ...
@@ -169,8 +179,8 @@ class EPRegions:
                 num_pool_rows or default_pool_rows(num_ranks, cap, num_topk, num_local_experts, alignment))
         offsets, offset, specs = {}, base_offset, {}
         regions = EPRegions(num_ranks, num_local_experts, num_topk, cap, hidden, pool, alignment, activation_dtype,
-                            fp8, offsets, 0, specs, masked_rows)
-        for name in region_names(fp8):
+                            fp8, offsets, 0, specs, masked_rows, bool(slot_rows))
+        for name in region_names(fp8, slot_rows):
             shape, dtype = regions._spec(name)
             specs[name] = (shape, dtype, math.prod(shape) * dtype.itemsize)
             offsets[name] = offset
@@ -213,6 +223,7 @@ class EPRegions:
             "recv_weight": ((R, C, K), torch.float32), "recv_src": ((P, 3), torch.int32),
             "recv_x": ((P, D), self.wire_dtype), "recv_x_scale": ((P, Db), torch.float32),
             "combine_partial": ((R, C, D), self.activation_dtype),
+            "combine_slots": ((C, K, D), self.activation_dtype),
         }
         return specs[name]
 
