@@ -736,7 +736,8 @@ def test_layer_keeps_one_copy_of_its_4bit_experts_and_saves_them_as_stored(tmp_p
     from moe_ref.layer import MegaMoE
     from moe_ref.checkpoint.synthetic import quantizable_config, write_synthetic_checkpoint
 
-    cfg = quantizable_config(dataclasses.replace(preset("tiny-kimi-k2"), hidden_size=256, intermediate_size=256),
+    cfg = quantizable_config(dataclasses.replace(preset("tiny-kimi-k2"), hidden_size=256, intermediate_size=256,
+                                                 num_experts=4, num_topk=2),
                              "int4_group")
     write_synthetic_checkpoint(tmp_path, cfg, layer_idx=0, quant="int4_group", seed=13, dtype=torch.float32)
     layer = MegaMoE(cfg, num_max_tokens_per_rank=16, experts_backend="triton", device=device)
@@ -771,7 +772,8 @@ def test_layer_interleaves_its_fp8_experts_in_place_and_saves_them_as_stored(tmp
     from moe_ref.checkpoint.reader import CheckpointReader
     from moe_ref.checkpoint.synthetic import quantizable_config, write_synthetic_checkpoint
 
-    cfg = quantizable_config(dataclasses.replace(preset("tiny-kimi-k2"), hidden_size=256, intermediate_size=256),
+    cfg = quantizable_config(dataclasses.replace(preset("tiny-kimi-k2"), hidden_size=256, intermediate_size=256,
+                                                 num_experts=4, num_topk=2),
                              "fp8_block")
     write_synthetic_checkpoint(tmp_path, cfg, layer_idx=0, quant="fp8_block", seed=15, dtype=torch.float32)
     layer = MegaMoE(cfg, num_max_tokens_per_rank=16, experts_backend="triton", device=device)
