@@ -171,3 +171,25 @@ def test_a_dispatcher_without_the_slot_region_refuses_the_invariant_combine_at_e
     with pytest.raises(InvalidConfigError, match="batch_invariant=True") as err:
         Dispatcher.combine_slots(TwoRanks(), torch.zeros(0, 8), handle)
     assert err.value.code == "CFG007"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_which_replica_serves_a_token_does_not_change_its_bits(dtype):
+    """Contract (e): with redundant expert slots (EPLB: 16 logical experts in 32 slots, two replicas each) a token's
+    output equals the invariant layer's without replicas, bitwise, whichever replica the slot hash sends it to. The
+    guard: every expert's two replicas both served rows (the hash really split them), so the equality covers rows
+    computed on either copy."""
+    cfg = preset("tiny-kimi-k2")
+    plain = MegaMoE(cfg, seed=0, dtype=dtype, batch_invariant=True, num_max_tokens_per_rank=64)
+    replicated = MegaMoE(cfg, seed=0, dtype=dtype, batch_invariant=True, num_max_tokens_per_rank=64,
+                         num_redundant_experts=cfg.num_experts)
+    x_TD = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        y_plain, y_replicated = plain(x_TD), replicated(x_TD)
+    load = replicated.expert_load()
+    rows_per_replica = load.rows_Ph.view(cfg.num_experts, 2)  # slots 2e and 2e + 1 hold expert e (the even plan)
+    assert torch.equal(load.physical_to_logical_Ph.view(cfg.num_experts, 2)[:, 1], torch.arange(cfg.num_experts))
+    assert int((rows_per_replica > 0).all(dim=1).sum()) >= cfg.num_experts - 2, rows_per_replica.tolist()
+    assert torch.equal(y_plain, y_replicated)
+    plain.destroy()
+    replicated.destroy()
