@@ -331,13 +331,14 @@ def cmd_plan(args) -> int:
     dtype = DTYPES[args.dtype]
     cap = resolve_cap(args.max_num_tokens, default=4096)
     plan = CapacityPlan.build(step_cfg, args.ep, cap, dtype, dispatch_fp8=args.dispatch_fp8,
-                              alignment=args.alignment, pool_format=args.pool_format)
+                              alignment=args.alignment, pool_format=args.pool_format,
+                              batch_invariant=args.batch_invariant)
     memory_lines = expert_memory_lines(step_cfg, args.ep, _quant_spec(args), args.dtype)
     best = None
     if args.budget_gib is not None:  # CAP004 when no cap fits: before anything is printed
         best = max_tokens_for_budget(step_cfg, args.ep, int(args.budget_gib * 2**30), dtype,
                                      dispatch_fp8=args.dispatch_fp8, alignment=args.alignment,
-                                     pool_format=args.pool_format)
+                                     pool_format=args.pool_format, batch_invariant=args.batch_invariant)
     print(f"{cfg.name}: E={cfg.num_experts}, K={cfg.num_topk}, D={cfg.hidden_size}, F={cfg.intermediate_size}"
           f"{f', latent L={cfg.latent_dim}' if cfg.latent_dim else ''}; ep={args.ep}, dp={args.dp}, "
           f"attention-dp={'on' if args.attention_dp else 'off'}")
@@ -687,6 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="receive pool: contiguous (prefill) or masked (decode: M rows per local expert)")
     p.add_argument("--budget-gib", type=positive_float, default=None,
                    help="also print the largest cap within this budget")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="the batch-invariant layer's plan (its combine_slots region at ep >= 2: docs/batch_invariance.md)")
     _add_eplb_args(p)
     p.set_defaults(fn=cmd_plan)
 

@@ -622,3 +622,18 @@ def test_check_on_a_checkpoint_folder_agrees_with_the_loader(capsys, plain_check
     assert cli.main(["check", "--config", str(plain_checkpoint)]) == 1
     out = capsys.readouterr().out
     assert f"[{loaded.value.code}]" in out and name.rsplit(".", 1)[0] in out, out
+
+
+def test_plan_batch_invariant_adds_the_combine_slots_region(capsys):
+    """`plan --batch-invariant` at ep 8: the combine_slots region [cap, K, D] in bf16 (256 x 8 x 7168 x 2 B = 28 MiB)
+    joins the plan and the total grows by exactly it; the default plan has no such region."""
+    argv = ["plan", "--preset", "kimi-k2", "--ep", "8", "--max-num-tokens", "256"]
+    default_code, default_out, _ = _run(capsys, argv)
+    invariant_code, invariant_out, _ = _run(capsys, argv + ["--batch-invariant"])
+    assert default_code == invariant_code == 0
+    assert "combine_slots" not in default_out and "[256, 8, 7168]" in invariant_out
+
+    def total(out: str) -> int:
+        return int(next(line.split()[3] for line in out.splitlines() if line.startswith("TOTAL per rank")))
+
+    assert total(invariant_out) - total(default_out) == 256 * 8 * 7168 * 2
