@@ -49,6 +49,14 @@ demo-quant: $(INSTALLED)
 bench: $(INSTALLED)
 	$(PY) -m moe_ref bench
 
+# The CPU conformance matrix (docs/conform.md): every moe_ref adapter that runs on a CPU and the mutants, at 1, 2 and
+# 4 ranks over the tiny cases; exit 1 on a FAIL (the mutants' excepted) or on a mutant that no check catches.
+.PHONY: conform
+conform: $(INSTALLED)
+	$(PY) -m moe_ref conform --impl moe_ref/torch --impl moe_ref/torch+chunk --impl moe_ref/grouped_mm \
+		--impl moe_ref/quant/torch --impl moe_ref/dispatch/local --impl moe_ref/dispatch/symm \
+		--impl moe_ref/dispatch/a2a --mutants --ranks 1,2,4 --cases 'tiny*'
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache results
 

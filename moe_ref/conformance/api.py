@@ -191,6 +191,8 @@ class Implementation:
         factory: ``Problem -> ExpertsFn | DispatchCombine``.
         label: a note shown beside the name (``peer at its best``, ``mutant: ...``).
         spec: how a worker process finds it again (``module:attribute``), filled in by ``implementation``.
+        unavailable: ``() -> why it cannot run in this environment (one line) | None``: its cases SKIP with that
+            reason instead of FAILing (e.g. a torch without ``grouped_mm``); None: always available.
     """
 
     name: str
@@ -199,6 +201,7 @@ class Implementation:
     factory: Callable[[Problem], Any]
     label: str = ""
     spec: str = field(default="", compare=False)
+    unavailable: Callable[[], str | None] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:

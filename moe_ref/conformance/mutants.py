@@ -20,6 +20,8 @@ Shape legend: T tokens of this rank, K top-k, E experts, e local experts, D hidd
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -35,11 +37,33 @@ CAPS = Capabilities(dtypes=("fp32", "bf16"), quants=("none", "fp8_block", "int4"
 DISPATCH_CAPS = Capabilities(dtypes=("fp32", "bf16"), ep_sizes=(1, 2, 4), deterministic=True, devices=("cpu",))
 
 
-def _gather(tensor: torch.Tensor, problem: Problem) -> list[torch.Tensor]:
+def _gather_counts(num_rows: int, problem: Problem) -> list[int]:
+    """Every rank's row count (one collective)."""
     if problem.world_size == 1:
-        return [tensor]
-    out: list = [None] * problem.world_size
-    dist.all_gather_object(out, tensor.cpu(), group=problem.group)
+        return [num_rows]
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(problem.world_size)]
+    dist.all_gather(counts, torch.tensor([num_rows]), group=problem.group)
+    return [int(c) for c in counts]
+
+
+def _gather(tensors: list[torch.Tensor], counts: list[int], problem: Problem) -> list[list[torch.Tensor]]:
+    """Every rank's ``tensors`` (each ``[counts[rank], ...]``): ``out[i][rank]``, bit for bit. One collective: the
+    rows' bytes side by side, padded to the longest rank (gloo moves bytes of any dtype)."""
+    if problem.world_size == 1:
+        return [[t] for t in tensors]
+    num_rows = tensors[0].shape[0]
+    parts = [t.contiguous().view(num_rows, math.prod(t.shape[1:])).view(torch.uint8) for t in tensors]
+    widths = [part.shape[1] for part in parts]
+    packed = torch.zeros(max(counts), sum(widths), dtype=torch.uint8)
+    packed[:num_rows] = torch.cat(parts, dim=1)
+    everyone = [torch.empty_like(packed) for _ in counts]
+    dist.all_gather(everyone, packed, group=problem.group)
+    out = []
+    for i, t in enumerate(tensors):
+        lo = sum(widths[:i])
+        # a fresh [n, width] byte tensor (a slice of one row counts as contiguous but keeps the packed stride)
+        out.append([torch.empty(n, widths[i], dtype=torch.uint8).copy_(rows[:n, lo:lo + widths[i]]).view(t.dtype)
+                    .view(n, *t.shape[1:]) for rows, n in zip(everyone, counts)])
     return out
 
 
@@ -56,19 +80,19 @@ class GatherMoE:
             self.gate_up = dequantize(w.gate_up_q, w.gate_up_scale.flip(-1) if flip else w.gate_up_scale, w.quant)
             self.down = dequantize(w.down_q, w.down_scale.flip(-1) if flip else w.down_scale, w.quant)
         self.staging = torch.empty(MUTANT_CAP, problem.hidden, dtype=problem.dtype)
+        self.calls = 0
 
     def __call__(self, x_TD, topk_ids_TK, topk_weights_TK, out_TD) -> None:
         p = self.problem
         num_tokens = x_TD.shape[0]
-        counts = [int(t) for t in _gather(torch.tensor([num_tokens]), p)]
+        counts = _gather_counts(num_tokens, p)
         if max(counts) > MUTANT_CAP and self.bug != "no_capacity_check":
             raise CapacityExceededError(f"T={max(counts)} > C={MUTANT_CAP}", num_tokens=max(counts), cap=MUTANT_CAP)
         if self.bug == "no_capacity_check":  # staged without a bound check: row C overwrites row 0
             self.staging[torch.arange(num_tokens) % MUTANT_CAP] = x_TD
             x_TD = self.staging[torch.arange(num_tokens) % MUTANT_CAP]
-        x_all = torch.cat(_gather(x_TD, p))
-        ids_all = torch.cat(_gather(topk_ids_TK, p)).long()
-        w_all = torch.cat(_gather(topk_weights_TK, p)).double()
+        xs, ids, ws = _gather([x_TD, topk_ids_TK.long(), topk_weights_TK], counts, p)
+        x_all, ids_all, w_all = torch.cat(xs), torch.cat(ids), torch.cat(ws).double()
         x64 = fake_quant_fp8_rows(x_all) if p.weights.quant == "fp8_block" else x_all.double()
         local_TK = ids_all - p.first_expert
         mine_TK = (ids_all >= 0) & (local_TK < p.num_local_experts) & (local_TK >= 0)
@@ -89,12 +113,18 @@ class GatherMoE:
             start += count
         contrib_ND = w_all[token_N, slot_N, None] * y_ND
         # per token, the partials summed in slot order (or, for the mutant, in whatever order they arrive)
-        order = torch.randperm(token_N.numel()) if self.bug == "atomic_combine" else \
-            torch.argsort(token_N * p.num_topk + slot_N, stable=True)
         partial_TD = torch.zeros(x_all.shape[0], p.hidden, dtype=torch.float32)
-        for n in order.tolist():
-            partial_TD[token_N[n]] += contrib_ND[n].float()
-        total_TD = torch.stack(_gather(partial_TD, p)).sum(0)
+        if self.bug == "atomic_combine":  # another order on each call, the same in every run (seeded by the call)
+            self.calls += 1
+            arrival = torch.randperm(token_N.numel(), generator=torch.Generator().manual_seed(self.calls))
+            for n in arrival.tolist():
+                partial_TD[token_N[n]] += contrib_ND[n].float()
+        else:
+            for slot in range(p.num_topk):  # a token has one row per slot: slot j adds after slot j - 1
+                rows = slot_N == slot
+                partial_TD[token_N[rows]] += contrib_ND[rows].float()
+        (partials,) = _gather([partial_TD], [partial_TD.shape[0]] * p.world_size, p)
+        total_TD = torch.stack(partials).sum(0)
         mine = slice(sum(counts[:p.rank]), sum(counts[:p.rank + 1]))
         result_TD = total_TD[mine].to(out_TD.dtype)
         if self.bug == "masked_row_dropped":
@@ -115,7 +145,7 @@ class GatherDispatch:
 
     def dispatch(self, x_TD, topk_ids_TK, topk_weights_TK) -> Received:
         p = self.problem
-        xs, ids, ws = _gather(x_TD, p), _gather(topk_ids_TK, p), _gather(topk_weights_TK, p)
+        xs, ids, ws = _gather([x_TD, topk_ids_TK.long(), topk_weights_TK], _gather_counts(x_TD.shape[0], p), p)
         rows, experts, routes = [], [], []
         for src in range(p.world_size):
             for t, j in (ids[src] != -2).nonzero().tolist():
@@ -139,8 +169,9 @@ class GatherDispatch:
         partials = [torch.zeros(n, p.hidden, dtype=torch.float64) for n in counts]
         for (src, t, weight), y_D in zip(routes, y_PD):
             partials[src][t] += weight * y_D.double()
-        gathered = _gather(torch.stack([torch.cat(partials)]), p)
-        total = torch.cat(gathered).sum(0)
+        mine_all = torch.cat(partials)
+        (gathered,) = _gather([mine_all], [mine_all.shape[0]] * p.world_size, p)
+        total = torch.stack(gathered).sum(0)
         mine = slice(sum(counts[:p.rank]), sum(counts[:p.rank + 1]))
         out_TD.copy_(total[mine].to(out_TD.dtype))
 

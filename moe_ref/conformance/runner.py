@@ -56,9 +56,11 @@ class Verdict:
 def skip_reason(impl: Implementation, case: Case, world: int, device: str) -> str | None:
     """Why ``impl`` does not run ``case`` at ``world`` ranks on ``device`` (its capabilities), or None."""
     caps, name = impl.caps, case.scenario
+    why_not = impl.unavailable() if impl.unavailable is not None and device in caps.devices else None
     reasons = [
         (case.shape.cuda_only and device != "cuda", "a real model's shape: CUDA only"),
         (device not in caps.devices, f"runs on {', '.join(caps.devices)}"),
+        (why_not is not None, f"unavailable here: {why_not}"),
         (world not in caps.ep_sizes, f"ep_sizes {caps.ep_sizes}"),
         (case.dtype not in caps.dtypes, f"dtypes {caps.dtypes}"),
         (case.quant not in caps.quants, f"quants {caps.quants}"),
@@ -78,9 +80,9 @@ def run_case(impl: Implementation, case: Case, rank: int, world: int, group, dev
     caps = impl.caps
     cap = caps.max_tokens_per_rank
     inputs = rank_inputs(case, world, cap, caps.tile_rows)
-    x_TD, ids_TK, w_TK = (t.to(device) for t in inputs[rank])
+    x_TD, ids_TK, w_TK = (t.to(device, copy=True) for t in inputs[rank])  # cached: the implementation gets a copy
     shape = case.shape
-    weights = global_weights(case, world)
+    weights = global_weights(case, world, device)
     num_local = shape.experts_per_rank if impl.kind != "experts" else shape.experts_per_rank * world
     first = rank * num_local if impl.kind != "experts" else 0
     problem = Problem(num_experts=shape.experts_per_rank * world, num_topk=shape.topk, hidden=shape.hidden,
@@ -215,7 +217,7 @@ def _check_dispatch(built, case, inputs, rank, problem: Problem, verdict: Verdic
         x_TD[:, -1] = torch.arange(x_TD.shape[0], dtype=x_TD.dtype)
         xs.append(x_TD)
     _, ids_TK, w_TK = inputs[rank]
-    mine = (xs[rank].to(device), ids_TK.to(device), w_TK.to(device))
+    mine = (xs[rank].to(device), ids_TK.to(device, copy=True), w_TK.to(device, copy=True))
     progress("dispatch")
     received = built.dispatch(*mine)
     first, e = problem.first_expert, problem.num_local_experts

@@ -131,8 +131,11 @@ def routing(case: Case, num_tokens: int, rank: int, world: int, gen: torch.Gener
     return ids_TK, weights_TK
 
 
+@lru_cache(maxsize=8)
 def rank_inputs(case: Case, world: int, cap: int | None, tile: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Every rank's ``(x_TD, topk_ids_TK, topk_weights_TK)`` on the CPU, ``x`` in the case's dtype (rank r's at [r])."""
+    """Every rank's ``(x_TD, topk_ids_TK, topk_weights_TK)`` on the CPU, ``x`` in the case's dtype (rank r's at [r]).
+    Made on the CPU on every device (a few rows), so a case routes alike everywhere. Cached: callers copy before
+    handing them to an implementation."""
     gen = torch.Generator().manual_seed(case.seed)
     out = []
     for rank, num_tokens in enumerate(tokens_per_rank(case, world, cap, tile)):
@@ -145,10 +148,10 @@ def rank_inputs(case: Case, world: int, cap: int | None, tile: int) -> list[tupl
 
 def quantize_fp8_blocks(w_eOI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[e, O, I]`` -> (e4m3 codes ``[e, O, I]``, fp32 scales ``[e, ceil(O/128), ceil(I/128)]``), amax / 448 per
-    128x128 block."""
+    128x128 block (on ``w_eOI``'s device)."""
     e, rows, cols = w_eOI.shape
     ob, ib = -(-rows // 128), -(-cols // 128)
-    padded = torch.zeros(e, ob * 128, ib * 128, dtype=torch.float32)
+    padded = torch.zeros(e, ob * 128, ib * 128, dtype=torch.float32, device=w_eOI.device)
     padded[:, :rows, :cols] = w_eOI.float()
     blocks = padded.view(e, ob, 128, ib, 128)
     scale = (blocks.abs().amax(dim=(2, 4)) / FP8_MAX).clamp(min=1e-12)
@@ -158,49 +161,95 @@ def quantize_fp8_blocks(w_eOI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def _grid_weights(w_eOI: torch.Tensor, quant: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-only recipes: (codes int8 ``[e, O, I]``, fp32 scales ``[e, O, I / 32]``) drawn on the format's grid
-    at ``w_eOI``'s magnitude."""
+    at ``w_eOI``'s magnitude (on its device, from ``gen``, a generator of that device)."""
     e, rows, cols = w_eOI.shape
     amax = w_eOI.abs().reshape(e, rows, cols // QUANT_GROUP, QUANT_GROUP).amax(-1)
     if quant == "int4":
-        return torch.randint(-8, 8, (e, rows, cols), generator=gen, dtype=torch.int8), amax / 8
+        return torch.randint(-8, 8, (e, rows, cols), generator=gen, dtype=torch.int8, device=w_eOI.device), amax / 8
     scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-12) / 6)))  # a power of two, as MX scales are
-    return torch.randint(0, 16, (e, rows, cols), generator=gen, dtype=torch.int8), scale
+    return torch.randint(0, 16, (e, rows, cols), generator=gen, dtype=torch.int8, device=w_eOI.device), scale
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, quant: str) -> torch.Tensor:
-    """The values a recipe's codes and scales stand for, in float64 (``[e, O, I]``)."""
+    """The values a recipe's codes and scales stand for, in float64 (``[e, O, I]``, on the codes' device)."""
     if quant == "fp8_block":
         full = scale.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
         return codes.double() * full[:, :codes.shape[1], :codes.shape[2]]
     per_col = scale.double().repeat_interleave(QUANT_GROUP, -1)
     if quant == "int4":
         return codes.double() * per_col
-    magnitude = torch.tensor(E2M1_VALUES, dtype=torch.float64)[(codes & 7).long()]
+    magnitude = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=codes.device)[(codes & 7).long()]
     return torch.where(codes >= 8, -magnitude, magnitude) * per_col
 
 
-@lru_cache(maxsize=4)
-def global_weights(case: Case, world: int) -> ExpertWeights:
-    """All E experts of the case in its recipe, on the CPU (every rank makes the same ones)."""
-    shape = case.shape
-    gen = torch.Generator().manual_seed(case.seed + 7919)
+def dequantized_as(codes: torch.Tensor, scale: torch.Tensor, quant: str, dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize(...).to(dtype)`` one expert at a time (the same values; float64 for one expert, not all E:
+    Kimi-K3's experts at one rank would take 30 GB)."""
+    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    for i in range(codes.shape[0]):
+        out[i] = dequantize(codes[i:i + 1], scale[i:i + 1], quant)[0].to(dtype)
+    return out
+
+
+MXFP4_SCALE_BIAS = 125  # compressed-tensors' mxfp4-pack-quantized stores a scale 2**k as the byte k + 125
+
+
+def published_form(codes_eOI: torch.Tensor, scale: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One weight's codes and scales as the published checkpoints store them (the layouts of
+    ``moe_ref.checkpoint.formats``; packed here, from the formats' documentation, not by moe_ref's packers):
+
+    - fp8_block: e4m3 ``[e, O, I]`` (``weight``) and fp32 ``[e, ceil(O/128), ceil(I/128)]`` (``weight_scale_inv``),
+      as held.
+    - int4: int32 words ``[e, O, I/8]`` (``weight_packed``): element k of a row is the nibble ``k % 8`` (bits
+      ``4 * (k % 8)``) of word ``k // 8``, stored offset-binary ``q + 8``; the fp32 scales ``[e, O, I/32]``
+      (``weight_scale``; compressed-tensors writes the model dtype, the loaders take fp32 too: the values stay
+      exact).
+    - mxfp4: bytes ``[e, O, I/2]`` (``weight_packed``): element 2j is the low nibble of byte j, 2j+1 the high one;
+      the scale ``2**k`` as the byte ``k + 125`` ``[e, O, I/32]`` (``weight_scale``).
+    """
+    if quant == "fp8_block":
+        return codes_eOI, scale
+    e, rows, cols = codes_eOI.shape
+    if quant == "int4":
+        nibbles = (codes_eOI.long() + 8).view(e, rows, cols // 8, 8)
+        words = (nibbles << (4 * torch.arange(8, device=codes_eOI.device))).sum(-1)  # 0 .. 2**32 - 1
+        return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32), scale.float()
+    nibbles = codes_eOI.to(torch.uint8)
+    exponent = torch.log2(scale.double()).round()
+    assert bool((torch.exp2(exponent) == scale.double()).all()), "mxfp4 scales must be powers of two"
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), (exponent + MXFP4_SCALE_BIAS).to(torch.uint8)
+
+
+@lru_cache(maxsize=1)
+def global_weights(case: Case, world: int, device: torch.device = torch.device("cpu")) -> ExpertWeights:
+    """All E experts of the case in its recipe, made on ``device`` from a seeded generator of that device (every
+    rank makes the same ones). On the CPU the values are those of every earlier release for the same seed; CUDA's
+    generator (Philox) draws other numbers than the CPU's (Mersenne twister), so on a GPU the seed defines the case
+    for that device type: ``--device`` belongs to a REPRO as much as ``--seed``. Cached for the case being run (one:
+    the real shapes' experts take GBs), so the implementations of one case share it: ``local_weights`` copies."""
+    shape, device = case.shape, torch.device(device)
+    gen = torch.Generator(device).manual_seed(case.seed + 7919)
     num_experts = shape.experts_per_rank * world
-    gate_up = torch.randn(num_experts, 2 * shape.intermediate, shape.hidden, generator=gen) / shape.hidden ** 0.5
-    down = torch.randn(num_experts, shape.hidden, shape.intermediate, generator=gen) / shape.intermediate ** 0.5
+    gate_up = torch.randn(num_experts, 2 * shape.intermediate, shape.hidden, generator=gen, device=device) \
+        / shape.hidden ** 0.5
+    down = torch.randn(num_experts, shape.hidden, shape.intermediate, generator=gen, device=device) \
+        / shape.intermediate ** 0.5
     if case.quant == "none":
         return ExpertWeights(gate_up.to(case.torch_dtype), down.to(case.torch_dtype))
     if case.quant == "fp8_block":
         (gq, gs), (dq, ds) = quantize_fp8_blocks(gate_up), quantize_fp8_blocks(down)
     else:
         (gq, gs), (dq, ds) = _grid_weights(gate_up, case.quant, gen), _grid_weights(down, case.quant, gen)
-    return ExpertWeights(dequantize(gq, gs, case.quant).to(case.torch_dtype),
-                         dequantize(dq, ds, case.quant).to(case.torch_dtype), case.quant, gq, gs, dq, ds)
+    del gate_up, down
+    return ExpertWeights(dequantized_as(gq, gs, case.quant, case.torch_dtype),
+                         dequantized_as(dq, ds, case.quant, case.torch_dtype), case.quant, gq, gs, dq, ds)
 
 
 def local_weights(weights: ExpertWeights, first: int, count: int, device: torch.device) -> ExpertWeights:
-    """Experts ``first .. first + count - 1`` of ``weights`` on ``device``."""
+    """Experts ``first .. first + count - 1`` of ``weights`` on ``device``: a copy (an implementation may rewrite
+    its weights in place; the cached ones serve the next implementation and the oracle)."""
     def part(t):
-        return None if t is None else t[first:first + count].to(device)
+        return None if t is None else t[first:first + count].to(device, copy=True)
 
     return ExpertWeights(part(weights.gate_up_e2FD), part(weights.down_eDF), weights.quant,
                          part(weights.gate_up_q), part(weights.gate_up_scale), part(weights.down_q),

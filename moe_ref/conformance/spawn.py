@@ -1,8 +1,13 @@
-"""The rank processes of a conformance run: one process per rank (gloo on CPU, NCCL on GPUs), the cases in order,
-one deadline per case. A case that passes its deadline is a FAIL naming every rank's last step, never a stuck run:
-the group is killed and started again at the next case; so is a group whose rank exited mid-case.
+"""The rank processes of a conformance run: one process per rank (gloo on CPU, NCCL on GPUs) that stays alive across
+the jobs of a run (every implementation and case at that rank count, in order), one deadline per job. A job that
+passes its deadline is a FAIL naming every rank's last step, never a stuck run: the group is killed and started
+again at the next job; so is a group whose rank exited mid-job.
 
-    run_cases(impl, cases, world, device, deadline_s) -> {case id: merged record}
+    run_jobs([(impl, case id), ...], world, device, deadline_s) -> {(impl, case id): merged record}
+    run_cases(impl, case_ids, world, device, deadline_s)        -> {case id: merged record}
+
+One group per rank count, not per implementation: starting the ranks (importing torch and moe_ref, joining the
+group) costs seconds per process, more than the tiny cases themselves.
 """
 from __future__ import annotations
 
@@ -28,12 +33,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _read_lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    # a line being written has no newline yet: keep only whole lines
-    text = path.read_text()
-    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line]
+class _Tail:
+    """The whole JSON lines appended to one rank's file since the last ``poll`` (a line being written has no
+    newline yet: it waits for the next poll), so each poll reads only what is new."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        return [json.loads(line) for line in data[:end].decode().splitlines() if line]
 
 
 def merge(per_rank: dict[int, dict]) -> dict:
@@ -49,56 +64,89 @@ def merge(per_rank: dict[int, dict]) -> dict:
             "bytes": first.get("bytes", 0), "flops": first.get("flops", 0)}
 
 
-def run_cases(impl_spec: str, case_ids: list[str], world: int, device: str, deadline_s: float, seed: int = 0,
-              speed: bool = False) -> dict[str, dict]:
-    """Run ``case_ids`` of ``impl_spec`` (a registered name or ``module:attribute``) at ``world`` ranks; returns each
-    case's merged record (``merge``; a hang: FAIL with ``errors`` naming each rank's last step)."""
-    results: dict[str, dict] = {}
-    pending = list(case_ids)
+def run_jobs(jobs: list[tuple[str, str]], world: int, device: str, deadline_s: float, seed: int = 0,
+             speed: bool = False) -> dict[tuple[str, str], dict]:
+    """Run ``jobs`` (``(implementation, case id)`` pairs: a registered name or ``module:attribute``, and a case of
+    ``scenarios.all_cases(seed)``) at ``world`` ranks in one group of rank processes, restarted only after a hang or
+    a rank's exit; returns each job's merged record (``merge``; a hang: FAIL with ``errors`` naming each rank's last
+    step)."""
+    results: dict[tuple[str, str], dict] = {}
+    pending = list(dict.fromkeys(tuple(job) for job in jobs))
     while pending:
-        results.update(_one_group(impl_spec, pending, world, device, deadline_s, seed, speed))
-        pending = [c for c in pending if c not in results]
+        results.update(_one_group(pending, world, device, deadline_s, seed, speed))
+        pending = [job for job in pending if job not in results]
     return results
 
 
-def _one_group(impl_spec, case_ids, world, device, deadline_s, seed, speed) -> dict[str, dict]:
-    """Start the group on ``case_ids``; return the records of the cases it finished, plus the one it failed on."""
+def run_cases(impl_spec: str, case_ids: list[str], world: int, device: str, deadline_s: float, seed: int = 0,
+              speed: bool = False) -> dict[str, dict]:
+    """``run_jobs`` for one implementation: ``{case id: merged record}``."""
+    done = run_jobs([(impl_spec, case_id) for case_id in case_ids], world, device, deadline_s, seed, speed)
+    return {case_id: done[(impl_spec, case_id)] for case_id in case_ids}
+
+
+class _RankState:
+    """What one rank reported: the verdict of each job index, and the last step of each job begun."""
+
+    def __init__(self, path: Path):
+        self.tail, self.verdicts, self.steps = _Tail(path), {}, {}
+
+    def poll(self) -> None:
+        for rec in self.tail.poll():
+            if "verdict" in rec:
+                self.verdicts[rec["job"]] = rec["verdict"]
+            else:
+                self.steps[rec["job"]] = rec["step"]
+
+
+def _one_group(jobs, world, device, deadline_s, seed, speed) -> dict[tuple[str, str], dict]:
+    """Start the group on ``jobs``; return the records of the jobs it finished, plus the one it failed on."""
     out = Path(tempfile.mkdtemp(prefix="moe_ref_conform_"))
     shm = tempfile.mkdtemp(prefix="moe_ref_conform_", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-    spec = {"impl": impl_spec, "cases": case_ids, "world": world, "device": device, "deadline_s": deadline_s,
+    spec = {"jobs": [list(job) for job in jobs], "world": world, "device": device, "deadline_s": deadline_s,
             "seed": seed, "speed": speed, "out": str(out), "init": f"tcp://127.0.0.1:{_free_port()}"}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_REF_SHM_DIR": shm}
     procs = [subprocess.Popen([sys.executable, "-m", "moe_ref.conformance.worker", str(out / "spec.json"), str(r)],
                               stdout=open(out / f"rank{r}.log", "w"), stderr=subprocess.STDOUT, env=env,
                               start_new_session=True) for r in range(world)]
-    results: dict[str, dict] = {}
-    begun: dict[str, float] = {}  # when the parent first saw each case begin
+    ranks = [_RankState(out / f"rank{r}.jsonl") for r in range(world)]
+    results: dict[tuple[str, str], dict] = {}
+    begun: dict[int, float] = {}  # when the parent first saw each job begin
+    current = 0  # the index of the first job without a merged record (the jobs run in order)
     try:
-        started = time.monotonic()
         while True:
             time.sleep(POLL_S)
-            lines = {r: _read_lines(out / f"rank{r}.jsonl") for r in range(world)}
-            verdicts = {r: {rec["case"]: rec["verdict"] for rec in recs if "verdict" in rec} for r, recs in lines.items()}
-            for case_id in case_ids:
-                if case_id not in results and all(case_id in verdicts[r] for r in range(world)):
-                    results[case_id] = merge({r: verdicts[r][case_id] for r in range(world)})
-            current = next((c for c in case_ids if c not in results), None)
-            if current is None:
+            for rank in ranks:
+                rank.poll()
+            while current < len(jobs) and all(current in rank.verdicts for rank in ranks):
+                results[jobs[current]] = merge({r: rank.verdicts[current] for r, rank in enumerate(ranks)})
+                current += 1
+            if current == len(jobs):
                 return results
-            begins = [rec for recs in lines.values() for rec in recs if rec.get("case") == current]
+            began = any(current in rank.steps for rank in ranks)
             exited = {r: p.poll() for r, p in enumerate(procs) if p.poll() is not None}
-            since = time.monotonic() - started if not begins else None
-            if not begins and exited and since is not None:
-                raise ConformanceSpawnError(f"the {world} rank processes of {impl_spec} ended before case {current} "
+            if results and _left_before(current, ranks, exited):
+                return results
+            if not began and exited:
+                impl_spec, case_id = jobs[current]
+                raise ConformanceSpawnError(f"the {world} rank processes ended before {impl_spec} case {case_id} "
                                             f"began (exit {exited}): " + _tails(out, world))
-            if begins:
+            if began:
                 timed_out = time.monotonic() - begun.setdefault(current, time.monotonic()) > deadline_s
                 failed_rank = any(code != 0 for code in exited.values())
                 if timed_out or failed_rank or len(exited) == world:
                     if failed_rank and not timed_out:
                         time.sleep(0.5)  # the failing rank's verdict is written before it exits
-                    results[current] = _abandoned(current, out, world, deadline_s, timed_out, exited)
+                        for rank in ranks:
+                            rank.poll()
+                        if all(current in rank.verdicts for rank in ranks):  # every rank finished it: no hang
+                            results[jobs[current]] = merge({r: rank.verdicts[current] for r, rank in enumerate(ranks)})
+                            return results
+                        exited = {r: p.poll() for r, p in enumerate(procs) if p.poll() is not None}
+                        if results and _left_before(current, ranks, exited):
+                            return results
+                    results[jobs[current]] = _abandoned(current, ranks, deadline_s, timed_out, exited)
                     return results
     finally:
         for p in procs:
@@ -109,16 +157,17 @@ def _one_group(impl_spec, case_ids, world, device, deadline_s, seed, speed) -> d
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _abandoned(case_id: str, out: Path, world: int, deadline_s: float, timed_out: bool, exited: dict) -> dict:
-    """The record of a case the group did not finish: each rank's verdict where written, else its last step."""
-    per_rank, last_steps = {}, []
-    for r in range(world):
-        recs = [rec for rec in _read_lines(out / f"rank{r}.jsonl") if rec.get("case") == case_id]
-        verdict = next((rec["verdict"] for rec in recs if "verdict" in rec), None)
-        if verdict is not None:
-            per_rank[r] = verdict
-        last_steps.append(f"rank {r}: {recs[-1]['step'] if recs and 'step' in recs[-1] else 'verdict' if verdict else 'not begun'}"
-                          + (f" (exit {exited[r]})" if r in exited else ""))
+def _left_before(job: int, ranks: list[_RankState], exited: dict[int, int]) -> bool:
+    """A rank left on purpose after the previous job raised (worker exit 3) without beginning ``job``: whatever its
+    peers met in ``job`` (a dead peer in a collective) is no fault of ``job``; the group starts again at it."""
+    return any(code == 3 and job not in ranks[r].steps for r, code in exited.items())
+
+
+def _abandoned(job: int, ranks: list[_RankState], deadline_s: float, timed_out: bool, exited: dict) -> dict:
+    """The record of a job the group did not finish: each rank's verdict where written, else its last step."""
+    per_rank = {r: rank.verdicts[job] for r, rank in enumerate(ranks) if job in rank.verdicts}
+    last_steps = [f"rank {r}: {'verdict' if r in per_rank else rank.steps.get(job, 'not begun')}"
+                  + (f" (exit {exited[r]})" if r in exited else "") for r, rank in enumerate(ranks)]
     record = merge(per_rank) if per_rank else {"status": "FAIL", "failed": {}, "errors": [], "us": None, "bytes": 0,
                                                "flops": 0}
     record["status"] = "FAIL"

@@ -1,5 +1,6 @@
 """One rank of a conformance run (``python -m moe_ref.conformance.worker SPEC.json RANK``): join the group, run the
-cases in order, append one JSON line per step and per verdict to ``<out>/rank<r>.jsonl`` (what ``spawn`` watches).
+jobs (``(implementation, case id)`` pairs) in order, append one JSON line per step and per verdict, keyed by the job's
+index, to ``<out>/rank<r>.jsonl`` (what ``spawn`` watches).
 An exception outside a case's checks, or one that may leave the peers inside a collective, ends the process (exit
 3) after its verdict is written: the parent restarts the group at the next case."""
 from __future__ import annotations
@@ -34,15 +35,20 @@ def main(spec_path: str, rank: int) -> int:
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=spec["init"], rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=spec["deadline_s"]))
         group = dist.group.WORLD
-    impl = resolve(spec["impl"])
+    impls = {}
     cases = {c.id: c for c in all_cases(spec["seed"])}
-    for case_id in spec["cases"]:
-        emit(case=case_id, step="begin")
-        verdict = run_case(impl, cases[case_id], rank, world, group, device,
-                           progress=lambda step, c=case_id: emit(case=c, step=step), speed=spec["speed"])
-        emit(case=case_id, verdict=verdict.as_dict())
+    for job, (impl_spec, case_id) in enumerate(spec["jobs"]):
+        emit(job=job, step="begin")
+        if impl_spec not in impls:
+            impls[impl_spec] = resolve(impl_spec)
+        verdict = run_case(impls[impl_spec], cases[case_id], rank, world, group, device,
+                           progress=lambda step, j=job: emit(job=j, step=step), speed=spec["speed"])
+        emit(job=job, verdict=verdict.as_dict())
         if verdict.error is not None and world > 1:
-            return 3  # the peers may be waiting inside a collective this rank left
+            # the peers may be waiting inside a collective this rank left: leave now, without the process group's
+            # teardown (which waits on them, or aborts the process)
+            out.flush()
+            os._exit(3)
     if group is not None:
         dist.destroy_process_group()
     return 0

@@ -1,6 +1,7 @@
-"""The conformance matrix on a GPU: moe_ref's Triton and DeepGEMM backends and the SGLang/vLLM peers (read from
-their wheels in .whl/) over the quantized tiny shape and the real per-rank shapes, at one rank, in the rank
-processes of a real run. A peer without its wheel FAILs with ENV001 in its record (run `make peers` first)."""
+"""The conformance matrix on a GPU: moe_ref's Triton and DeepGEMM backends, its quantized experts as stored (W4A16
+and FP8-block kernels, read through its checkpoint loader) and the SGLang/vLLM peers (read from their wheels in
+.whl/) over the quantized tiny shape and the real per-rank shapes, at one rank, in the rank processes of a real run.
+A peer without its wheel FAILs with ENV001 in its record (run `make peers` first)."""
 import pytest
 import torch
 
@@ -9,12 +10,13 @@ from moe_ref.conformance.runner import skip_reason
 from moe_ref.conformance.scenarios import all_cases
 from moe_ref.conformance.spawn import run_cases
 
-# slow: the real per-rank shapes generate their weights on the CPU per case (minutes); make test-gpu-full runs it
+# slow: the real per-rank shapes (GBs of experts, made on the GPU from a CUDA generator); make test-gpu-full runs it
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("name", ["moe_ref/triton", "moe_ref/deep_gemm", "peer:sglang", "peer:vllm"])
+@pytest.mark.parametrize("name", ["moe_ref/triton", "moe_ref/deep_gemm", "moe_ref/quant/triton", "peer:sglang",
+                                  "peer:vllm"])
 def test_gpu_implementations_pass_their_cases(name):
     impl = registered()[name]
     ids = [c.id for c in all_cases() if c.shape.name != "tiny" and skip_reason(impl, c, 1, "cuda") is None]

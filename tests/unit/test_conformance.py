@@ -9,7 +9,7 @@ from moe_ref.conformance import Capabilities, implementation, registered, resolv
 from moe_ref.conformance.report import apply_ledger, record
 from moe_ref.conformance.runner import run_case, skip_reason
 from moe_ref.conformance.scenarios import all_cases
-from moe_ref.conformance.spawn import run_cases
+from moe_ref.conformance.spawn import run_cases, run_jobs
 from moe_ref.core.errors import ConformanceImplError
 
 pytestmark = pytest.mark.unit
@@ -54,17 +54,30 @@ def test_moe_ref_and_the_worked_example_pass_the_tiny_matrix_at_one_rank(name):
     assert failures == {}
 
 
-def test_two_ranks_pass_and_a_hang_fails_with_every_ranks_last_step(tmp_path, monkeypatch):
-    ok = run_cases("moe_ref/torch", ["tiny/bf16/uneven", "tiny/fp32/cap+1"], 2, "cpu", 60)
-    assert {c: r["status"] for c, r in ok.items()} == {"tiny/bf16/uneven": "PASS", "tiny/fp32/cap+1": "PASS"}
-    (tmp_path / "hang_impl.py").write_text(
+def test_one_group_runs_every_job_a_raise_restarts_it_and_a_hang_fails_with_every_ranks_last_step(tmp_path,
+                                                                                                    monkeypatch):
+    (tmp_path / "bad_impls.py").write_text(
         "import time\nfrom moe_ref.conformance import Capabilities, implementation\n"
-        "@implementation('hangs', kind='routed_step', caps=Capabilities(dtypes=('fp32',), ep_sizes=(2,)))\n"
+        "CAPS = Capabilities(dtypes=('fp32', 'bf16'), ep_sizes=(2,))\n"
+        "@implementation('hangs', kind='routed_step', caps=CAPS)\n"
         "def hangs(problem):\n"
         "    def run(x, ids, w, out):\n"
-        "        if problem.rank == 1:\n            time.sleep(1000)\n        out.zero_()\n    return run\n")
+        "        if problem.rank == 1:\n            time.sleep(1000)\n        out.zero_()\n    return run\n"
+        "@implementation('raises', kind='routed_step', caps=CAPS)\n"
+        "def raises(problem):\n"
+        "    def run(x, ids, w, out):\n"
+        "        if problem.rank == 1:\n            raise RuntimeError('planted')\n        out.zero_()\n    return run\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    hung = run_cases("hang_impl:hangs", ["tiny/fp32/base"], 2, "cpu", 6)["tiny/fp32/base"]
+    # rank 1 leaves after the raise (its peers may sit in a collective): the group starts again at the next job,
+    # which is not blamed for it
+    jobs = [("moe_ref/torch", "tiny/bf16/uneven"), ("bad_impls:raises", "tiny/bf16/uneven"),
+            ("moe_ref/torch", "tiny/fp32/cap+1")]
+    done = run_jobs(jobs, 2, "cpu", 60)
+    assert {job: r["status"] for job, r in done.items()} == {jobs[0]: "PASS", jobs[1]: "FAIL", jobs[2]: "PASS"}
+    assert done[jobs[1]]["errors"] == ["rank 1: RuntimeError: planted"]
+    failed = set(done[jobs[1]]["failed"])  # rank 0 zeroed its rows: its oracle checks fail; no hang or exit blamed
+    assert "raised@rank1" in failed and not {"exit", "deadline"} & {check.split("@")[0] for check in failed}
+    hung = run_cases("bad_impls:hangs", ["tiny/fp32/base"], 2, "cpu", 6)["tiny/fp32/base"]
     assert hung["status"] == "FAIL"
     assert "rank 0: verdict" in hung["failed"]["deadline"] and "rank 1: run" in hung["failed"]["deadline"]
 

@@ -71,8 +71,15 @@ class _Dispatch:
         self.dispatcher.destroy()
 
 
-def _add(name: str, kind: str, caps: Capabilities, factory, label: str = "") -> None:
-    register(Implementation(name, kind, caps, factory, label, spec=name))
+def _add(name: str, kind: str, caps: Capabilities, factory, label: str = "", unavailable=None) -> None:
+    register(Implementation(name, kind, caps, factory, label, spec=name, unavailable=unavailable))
+
+
+def _grouped_mm_missing() -> str | None:
+    """Why torch's ``grouped_mm`` is not here (``GroupedMMExperts.unavailable_reason``), or None."""
+    from moe_ref.experts import GroupedMMExperts
+
+    return GroupedMMExperts.unavailable_reason()
 
 
 _BASE = dict(dtypes=("fp32", "bf16"), ep_sizes=(1, 2, 4), max_tokens_per_rank=CAP, overflow="error",
@@ -83,7 +90,8 @@ _add("moe_ref/torch", "routed_step", Capabilities(**_BASE, batch_invariant=True,
 _add("moe_ref/torch+chunk", "routed_step",
      Capabilities(**{**_BASE, "overflow": "chunk"}, batch_invariant=True, devices=("cpu",), tile_rows=128),
      routed_step_factory("torch", overflow="chunk"))
-_add("moe_ref/grouped_mm", "routed_step", Capabilities(**_BASE, tile_rows=16), routed_step_factory("grouped_mm"))
+_add("moe_ref/grouped_mm", "routed_step", Capabilities(**_BASE, tile_rows=16), routed_step_factory("grouped_mm"),
+     unavailable=_grouped_mm_missing)
 _add("moe_ref/triton", "routed_step",
      Capabilities(**{**_BASE, "dtypes": ("bf16",)}, quants=("none", "fp8_block"), devices=("cuda",), tile_rows=64,
                   graph_safe=True), routed_step_factory("triton"))
