@@ -42,7 +42,7 @@ setup(
     version="0.1.0",
     description="Reference expert-parallel MoE layer: routing, capacity plan, dispatch/combine, expert GEMMs",
     packages=find_packages(include=["moe_ref", "moe_ref.*"]),
-    package_data={"moe_ref": ["core/presets/*.json", "experts/auto_table.json"]},
+    package_data={"moe_ref": ["core/presets/*.json", "experts/auto_table.json", "kernels/experts/tile_table.json"]},
     python_requires=">=3.10",
     # Ranges, not pins: the CPU test environment pins (see Makefile), the GPU image brings torch 2.11 / triton 3.6.
     install_requires=["torch>=2.9", "triton>=3.4", "safetensors>=0.4", "tqdm>=4.60"],
