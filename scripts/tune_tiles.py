@@ -107,7 +107,9 @@ def write_table(args) -> None:
         entries.setdefault((entry.n, entry.k, entry.experts, entry.rows, entry.flags), entry)
     header = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__,
-              "command": "python scripts/tune_tiles.py " + " ".join(sys.argv[1:])}
+              # an absolute --out names the machine's folders, not the command: written as the default
+              "command": "python scripts/tune_tiles.py " + " ".join(
+                  "results/tiles" if os.path.isabs(arg) else arg for arg in sys.argv[1:])}
     table = {"format": tile_table.TABLE_FORMAT, "about": "grouped MLP tiles per GPU class: scripts/tune_tiles.py",
              "gpu_classes": {}}
     if tile_table.TABLE_PATH.exists():
