@@ -6,7 +6,7 @@ the chunk count or the EP size. The contract, what holds it and what it costs: d
     experts: the torch loop in FIXED_ROW_BLOCK-row blocks (CPU) | the Triton grouped MLP on GROUPED_MLP_TILES (CUDA)
     combine: every (token, slot) expert row comes back unreduced, one exchange (Dispatcher.combine_slots); the home
              rank sums its K weighted rows in slot order in fp32, rounding once (sum_slots): the same sum at any EP
-    finish:  latent projections, shared experts and their gate on fixed tiles; RMSNorm and the activation row-wise
+    finish:  latent projections, shared experts (CUDA: the grouped MLP on the experts' tiles) and their gate on fixed tiles; RMSNorm and the activation row-wise
 
 Each GEMM outside the routed experts goes through ``matmul``: ``kernels.runtime.fixed_tiles``' Triton kernel on
 CUDA, its twin (BLAS on fixed row blocks) elsewhere.
@@ -21,7 +21,8 @@ from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import BatchInvariantUnsupportedError, MoERefError
 from moe_ref.ep.options import BATCH_INVARIANT_BACKENDS, EPOptions
 from moe_ref.kernels.runtime._triton_utils import is_interpreter
-from moe_ref.kernels.runtime.fixed_tiles import fixed_tile_matmul, fixed_tile_matmul_ref
+from moe_ref.kernels.runtime import ops
+from moe_ref.kernels.runtime.fixed_tiles import fixed_tile_matmul, fixed_tile_matmul_ref, grouped_mlp_configs
 
 
 def options_problem(options: EPOptions) -> MoERefError | None:
@@ -62,9 +63,14 @@ def router_logits(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor) -> torch.Ten
 
 def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_DS: torch.Tensor,
               activation: str = "silu", situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
-    """The shared experts' gated MLP ``[T, D] -> [T, D]`` in x's dtype, ``activations.dense_mlp``'s roundings (each
-    GEMM rounded to the weights' dtype, the activation in fp32) on fixed tiles."""
+    """The shared experts' gated MLP ``[T, D] -> [T, D]`` in x's dtype on fixed tiles: with 16-bit weights on CUDA
+    the default mode's kernel (``ops.dense_mlp``: the grouped MLP, one expert owning every row) on the routed
+    experts' one tile pair of this mode; elsewhere ``activations.dense_mlp``'s roundings (each GEMM rounded to the
+    weights' dtype, the activation in fp32) through ``matmul``."""
     weights_dtype = gate_up_weight_2SD.dtype
+    if x_TD.is_cuda and weights_dtype in (torch.bfloat16, torch.float16):
+        return ops.dense_mlp(x_TD, gate_up_weight_2SD, down_weight_DS, activation, situ_beta, situ_linear_beta,
+                             configs=grouped_mlp_configs("16bit"))
     gate_up_T2S = matmul(x_TD.to(weights_dtype), gate_up_weight_2SD, weights_dtype).float()
     gate_TS, up_TS = gate_up_T2S.chunk(2, dim=-1)
     h_TS = gated_activation(gate_TS, up_TS, activation, situ_beta, situ_linear_beta)

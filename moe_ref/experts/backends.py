@@ -13,7 +13,7 @@ from moe_ref.experts.base import ExpertLayout, Experts, FP8ExpertWeights
 from moe_ref.experts.registry import register_experts
 from moe_ref.kernels.runtime import ops
 from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE
-from moe_ref.kernels.runtime.fixed_tiles import GROUPED_MLP_TILES, in_row_blocks
+from moe_ref.kernels.runtime.fixed_tiles import grouped_mlp_configs, in_row_blocks
 
 
 class TorchLoopExperts(Experts):
@@ -156,11 +156,8 @@ class TritonExperts(Experts):
         pair (``kernels.runtime.fixed_tiles.GROUPED_MLP_TILES``) for every row count."""
         if not self.batch_invariant:
             return None
-        from moe_ref.kernels.experts.grouped_mlp_tiles import config_of_tile
-
         dtype = self.gate_up_weight_e2FD.dtype
-        precision = "fp8" if self.fp8 else "fp32" if dtype == torch.float32 else "16bit"
-        return tuple(config_of_tile(tile) for tile in GROUPED_MLP_TILES[precision])
+        return grouped_mlp_configs("fp8" if self.fp8 else "fp32" if dtype == torch.float32 else "16bit")
 
 
 register_experts("torch", TorchLoopExperts)

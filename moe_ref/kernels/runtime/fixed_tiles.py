@@ -30,7 +30,8 @@ from moe_ref.core.errors import DTypeError, ShapeError
 from moe_ref.kernels.runtime._triton_utils import cdiv, check_device, is_interpreter
 from moe_ref.kernels.runtime.launch import launch
 
-__all__ = ["FIXED_ROW_BLOCK", "GROUPED_MLP_TILES", "fixed_tile_matmul", "fixed_tile_matmul_ref", "in_row_blocks"]
+__all__ = ["FIXED_ROW_BLOCK", "GROUPED_MLP_TILES", "fixed_tile_matmul", "fixed_tile_matmul_ref", "grouped_mlp_configs",
+           "in_row_blocks"]
 
 # Rows of every BLAS call on the CPU path: small, so a decode step pads few rows.
 FIXED_ROW_BLOCK = 16
@@ -45,6 +46,16 @@ GROUPED_MLP_TILES = {
     "fp8": ((64, 128, 128, 8, 3), (64, 128, 128, 8, 3)),
     "fp32": ((32, 64, 32, 4, 2), (32, 64, 32, 4, 2)),
 }
+
+
+def grouped_mlp_configs(precision: str) -> tuple:
+    """``GROUPED_MLP_TILES[precision]`` as the grouped MLP's forced (GEMM1, GEMM2) ``triton.Config`` pair
+    (``"16bit"``, ``"fp8"`` or ``"fp32"``)."""
+    from moe_ref.kernels.experts.grouped_mlp_tiles import config_of_tile
+
+    return tuple(config_of_tile(tile) for tile in GROUPED_MLP_TILES[precision])
+
+
 _TL_OUT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
