@@ -116,8 +116,10 @@ def ep_combine_slots_push_ref(y_PD: torch.Tensor, peers: PeerBuffers, regions: E
         pos_CK = regions.view(my, "recv_pos")[s]
         send_CK = (torch.arange(C, device=my.device) < num_tokens_R[s])[:, None] & (pos_CK >= 0)  # t >= T_s: stale
         rows_CKD = y_pad[torch.where(send_CK, pos_CK.to(torch.int64), -1)]
-        slots_dst = regions.view(dst, "combine_slots")
-        slots_dst.copy_(torch.where(send_CK[:, :, None].to(dst.device), rows_CKD.to(dst.device), slots_dst))
+        # only the slots this rank owns: rewriting the whole region (torch.where + copy_) would also write back
+        # what it read of the slots the other owners are pushing at the same time (a race: stale rows)
+        send_CK = send_CK.to(dst.device)
+        regions.view(dst, "combine_slots")[send_CK] = rows_CKD.to(dst.device)[send_CK]
 
 
 def slot_rows_of_tokens(y_PD: torch.Tensor, pos_UK: torch.Tensor) -> torch.Tensor:
