@@ -144,22 +144,16 @@ def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cf
         routed = _linear(routed, weights.latent_up_weight_DL, routed.dtype, batch_invariant)
     if not cfg.has_shared_experts:
         return routed
-    if batch_invariant:  # the shared MLP on fixed tiles, then one add in x's dtype (fp32 inside, rounded once)
-        shared_TD = batch_invariant_ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD,
-                                                  weights.shared_down_weight_DS, cfg.activation, cfg.situ_beta,
-                                                  cfg.situ_linear_beta)
-        if cfg.shared_expert_gate:
-            gate_T1 = torch.sigmoid(_linear(x_TD, weights.shared_gate_weight_D[None, :], torch.float32, True))
-            return (routed.float() + gate_T1 * shared_TD.float()).to(x_TD.dtype)
-        return routed.to(x_TD.dtype) + shared_TD
+    shared_mlp = batch_invariant_ops.dense_mlp if batch_invariant else ops.dense_mlp  # the former: fixed tiles
+    shared_args = (x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS, cfg.activation,
+                   cfg.situ_beta, cfg.situ_linear_beta)
     if cfg.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ w) scales the shared output per token, in fp32
-        shared_TD = ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS,
-                                  cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
-        gate_T1 = torch.sigmoid(x_TD.float() @ weights.shared_gate_weight_D.float()[:, None])
-        return (routed.float() + gate_T1 * shared_TD.float()).to(x_TD.dtype)
+        gate_T1 = torch.sigmoid(_linear(x_TD, weights.shared_gate_weight_D[None, :], torch.float32, batch_invariant))
+        return (routed.float() + gate_T1 * shared_mlp(*shared_args).float()).to(x_TD.dtype)
+    if batch_invariant:  # one add in x's dtype (fp32 inside, rounded once)
+        return routed.to(x_TD.dtype) + shared_mlp(*shared_args)
     # the shared experts' MLP with the routed output added (on CUDA in its last GEMM's epilogue: no launch of its own)
-    return ops.dense_mlp(x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS, cfg.activation,
-                         cfg.situ_beta, cfg.situ_linear_beta, add_TD=routed.to(x_TD.dtype))
+    return ops.dense_mlp(*shared_args, add_TD=routed.to(x_TD.dtype))
 
 
 def moe_block(x_TD: torch.Tensor, weights: MoEWeights, cfg: MoEConfig, routed_fn: RoutedFn,
