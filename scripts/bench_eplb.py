@@ -7,9 +7,9 @@
 F 2048, bf16, the default experts backend), three layers holding the same weights:
 - ``base``: no EPLB;
 - ``replicas``: EPLB with the identity placement (``num_redundant_experts=0``, slot p holds expert p): every call
-  maps the router's ids to slots (``ExpertSlots.to_physical``: the hidden-state key, the replica hash, two gathers)
-  and the step is otherwise the base's, so ``replicas - base`` is the cost of replica routing; its output must equal
-  the base's bitwise;
+  maps the router's ids to slots (``ExpertSlots.to_physical``, one launch of ``kernels.router.replica_route``: the
+  hidden-state key, the replica hash and the table gather) and the step is otherwise the base's, so
+  ``replicas - base`` is the cost of replica routing; its output must equal the base's bitwise;
 - ``redundant``: ``num_redundant_experts = E / 8`` (the planner's placement for an even load): more, smaller
   expert segments (reported; not part of the cost).
 Telemetry adds nothing to a call: it is the routed step's own per-slot row counter (``num_recv_tokens_per_expert``,
@@ -17,7 +17,8 @@ added to by the dispatch on the device); ``expert_load_us`` is the report's cost
 Per T and route (``eager``: kernels launched from Python, ``eager_graph_max_tokens=0``; ``graph``: the call captured
 once in a ``torch.cuda.CUDAGraph`` and replayed), each layer's time per call (median of ``--repeats`` runs of
 ``--calls`` calls, the layers alternating run by run) and ``overhead_pct = (replicas - base) / base``; also
-``to_physical_us``, the mapping alone. Goal: <= 2 % at T = 128 and 4096. Writes ``bench_eplb.json`` and ``.md``.
+``to_physical_us``, the mapping alone (that one launch, eager). Goal: <= 2 % at T = 128 and 4096. Writes
+``bench_eplb.json`` and ``.md``.
 """
 from __future__ import annotations
 

@@ -13,15 +13,16 @@ tables that send each routed (token, k) to one replica of its logical expert.
       deployment_slots(cfg, R, N, placement)   the same two calls (resolve_slots, step_config) without a group:
                                       what moe-ref plan / check count (Ph / R slots per rank, the layer's coded errors)
 
-Replica choice (``to_physical``): ``placement.replica_index(token_key(x), k, replica count)``. The key is a hash of
-the bits of ``NUM_KEY_COLUMNS`` fixed, evenly spaced columns of the token's hidden state: a function of the token's
-content only, so a token gets the same replica whichever rank, batch position, chunk or micro-batch it is in, and no
-collective (a global token index would need every rank's offset) and no reduction over D (a hash of all D columns
-would cost a pass over x) is needed. Tokens with identical hidden states share a replica (a padding row, the same
-prompt prefix twice): their rows pile on one replica, which the telemetry shows. Where the hidden state differs
-between two batchings in the last bit (experts or earlier layers that are not batch-invariant) the replica can
-differ too, and so can the router's own top-k; either way the output is the same whichever replica serves (every
-replica holds the same weights), bitwise where the experts are row-invariant.
+Replica choice (``to_physical``): ``placement.replica_index(token_key(x), k, replica count)``, one Triton launch on
+CUDA, its torch twin elsewhere (both, and ``token_key``, in ``moe_ref.kernels.router.replica_route``). The key is a
+hash of the bits of ``NUM_KEY_COLUMNS`` fixed, evenly spaced columns of the token's hidden state: a function of the
+token's content only, so a token gets the same replica whichever rank, batch position, chunk or micro-batch it is
+in, and no collective (a global token index would need every rank's offset) and no reduction over D (a hash of all
+D columns would cost a pass over x) is needed. Tokens with identical hidden states share a replica (a padding row,
+the same prompt prefix twice): their rows pile on one replica, which the telemetry shows. Where the hidden state
+differs between two batchings in the last bit (experts or earlier layers that are not batch-invariant) the replica
+can differ too, and so can the router's own top-k; either way the output is the same whichever replica serves
+(every replica holds the same weights), bitwise where the experts are row-invariant.
 
 Shape legend: T tokens of this rank, K top-k, D hidden width, E experts, e local slots (Ph / R), R EP ranks, Ph
 physical slots (E + redundant).
@@ -40,26 +41,14 @@ from moe_ref.core.config import MoEConfig
 from moe_ref.core.errors import (ExpertSlotsError, MoERefError, PlacementError, PlacementMismatchError,
                                  SlotWeightsError)
 from moe_ref.core.weights import EXPERT_FIELDS, MoEWeights
-from moe_ref.eplb.placement import Placement, replica_index
+from moe_ref.eplb.placement import Placement
 from moe_ref.eplb.planner import plan_global
+from moe_ref.kernels.router.replica_route import replica_route, replica_route_ref
+from moe_ref.kernels.runtime.ops import uses_triton
 
 NUM_KEY_COLUMNS = 16
 # odd multipliers below 2**26: 16 products of a 32-bit column and a multiplier sum below 2**63 (no int64 overflow)
 _KEY_MULTIPLIER, _KEY_OFFSET, _KEY_MASK = 0x2545F49, 0x1B873593, (1 << 26) - 1
-
-
-def token_key(x_TD: torch.Tensor, key_columns: torch.Tensor, key_multipliers: torch.Tensor) -> torch.Tensor:
-    """A hash of each row's bits at ``key_columns``: ``[T]`` int64 in ``[0, 2^31)``, a function of the row alone.
-
-    Args:
-        x_TD: ``[T, D]`` fp32, fp16 or bf16 hidden states.
-        key_columns: ``[min(NUM_KEY_COLUMNS, D)]`` int64 column indices in ``[0, D)``.
-        key_multipliers: int64 odd multipliers ``< 2^26``, one per column.
-    """
-    sampled_T_ = x_TD.index_select(1, key_columns)
-    bits_T_ = sampled_T_.view(torch.int16 if sampled_T_.element_size() == 2 else torch.int32).to(torch.int64)
-    mixed_T = ((bits_T_ & 0xFFFFFFFF) * key_multipliers).sum(dim=1)
-    return (mixed_T ^ (mixed_T >> 31)) & 0x7FFFFFFF
 
 
 def placement_digest(placement: Placement) -> str:
@@ -81,14 +70,14 @@ class ExpertSlots:
         device: where the tables live (the layer's device).
 
     Attributes:
-        placement: the current placement. num_physical: Ph. num_local: e. first_slot: ``rank * e``.
+        placement: the current placement. num_physical: Ph. num_local: e. first_slot: ``rank * e``. num_topk: K.
         map_Ph: ``[Ph]`` int64 (device): the placement's map, which the layer saves in its state dict.
         replica_count_E: ``[E]`` int64 (device). logical_to_physical_E_: ``[E, Ph - E + 1]`` int64 (device), row
             ``l``'s first ``replica_count_E[l]`` entries are expert l's slots in increasing order, the rest 0.
     """
 
     def __init__(self, placement: Placement, rank: int, num_topk: int, hidden_size: int, device: torch.device):
-        self.rank, self.num_physical = rank, placement.num_physical
+        self.rank, self.num_physical, self.num_topk = rank, placement.num_physical, num_topk
         self.num_experts, self.num_ranks = placement.num_experts, placement.num_ranks
         self.num_local = placement.slots_per_rank
         self.first_slot = rank * self.num_local
@@ -98,7 +87,6 @@ class ExpertSlots:
             self.replica_count_E = torch.ones(self.num_experts, dtype=torch.int64, device=device)
             self.logical_to_physical_E_ = torch.zeros(self.num_experts, width, dtype=torch.int64, device=device)
             self.map_Ph = torch.zeros(self.num_physical, dtype=torch.int64, device=device)
-            self.slot_idx_1K = torch.arange(num_topk, device=device).unsqueeze(0)
             self.key_columns = torch.linspace(0, hidden_size - 1, num_columns).round().to(torch.int64).to(device)
             self.key_multipliers = (torch.arange(num_columns) * _KEY_MULTIPLIER + _KEY_OFFSET & _KEY_MASK | 1).to(device)
         self._counter, self._baseline = None, None
@@ -154,25 +142,21 @@ class ExpertSlots:
 
     # --- routing ----------------------------------------------------------------------------------------------
     def to_physical(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor) -> torch.Tensor:
-        """The router's logical ids -> the physical slot serving each (token, k) (module doc); on the device, no
-        host sync. Masked slots (-1) stay -1; an id outside ``[-1, E)`` becomes one outside ``[-1, Ph)`` (Ph, or
-        itself below -1), which the routed step's routing-value check reports.
+        """The router's logical ids -> the physical slot serving each (token, k) (module doc): one Triton launch
+        (``replica_route``) when ``x_TD`` is on CUDA, the torch twin (``replica_route_ref``) elsewhere, bitwise the
+        same; no host sync. Masked slots (-1) stay -1; an id outside ``[-1, E)`` becomes one outside ``[-1, Ph)``
+        (Ph, or itself below -1), which the routed step's routing-value check reports.
 
         Args:
-            x_TD: ``[T, D]`` the layer's input (the replica key's bits).
+            x_TD: ``[T, D]`` bf16, fp16 or fp32, the layer's input (the replica key's bits).
             topk_ids_TK: ``[T, K]`` int64 (int32 accepted) logical ids.
 
         Returns:
             physical_ids_TK: ``[T, K]`` int64.
         """
-        ids_TK = topk_ids_TK.to(torch.int64)
-        valid_TK = (ids_TK >= 0) & (ids_TK < self.num_experts)
-        safe_TK = ids_TK.clamp(0, self.num_experts - 1)
-        key_T1 = token_key(x_TD, self.key_columns, self.key_multipliers).unsqueeze(1)
-        replica_TK = replica_index(key_T1, self.slot_idx_1K[:, :ids_TK.shape[1]], self.replica_count_E[safe_TK])
-        physical_TK = self.logical_to_physical_E_.view(-1)[safe_TK * self.logical_to_physical_E_.shape[1] + replica_TK]
-        invalid_TK = torch.where(ids_TK < 0, ids_TK, torch.full_like(ids_TK, self.num_physical))
-        return torch.where(valid_TK, physical_TK, invalid_TK)
+        route = replica_route if uses_triton(x_TD.device) else replica_route_ref
+        return route(x_TD, topk_ids_TK, self.key_columns, self.key_multipliers, self.replica_count_E,
+                     self.logical_to_physical_E_, self.num_experts, self.num_physical)
 
     # --- weights ----------------------------------------------------------------------------------------------
     def local_weights(self, weights: MoEWeights) -> MoEWeights:

@@ -23,6 +23,7 @@ _KERNEL_MODULES = (  # dependency order
     "moe_ref.kernels.ep.pre_dispatch",
     "moe_ref.kernels.router.router_topk",
     "moe_ref.kernels.router.routing_check",
+    "moe_ref.kernels.router.replica_route",
     "moe_ref.kernels.experts.gated_act",
     "moe_ref.kernels.experts.grouped_mlp",
     "moe_ref.kernels.experts.grouped_mlp_w4",
