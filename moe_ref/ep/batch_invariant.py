@@ -5,7 +5,8 @@ the chunk count or the EP size. The contract, what holds it and what it costs: d
     route:   gate GEMM (fixed tiles, fp32 sums) -> the family's top-k (row-wise; ties: the lowest expert id)
     experts: the torch loop in FIXED_ROW_BLOCK-row blocks (CPU) | the Triton grouped MLP on GROUPED_MLP_TILES (CUDA)
     combine: every (token, slot) expert row comes back unreduced, one exchange (Dispatcher.combine_slots); the home
-             rank sums its K weighted rows in slot order in fp32, rounding once (sum_slots): the same sum at any EP
+             rank sums its K weighted rows in slot order in fp32, rounding once (sum_slots: one Triton launch on
+             CUDA, its torch twin elsewhere): the same sum at any EP
     finish:  latent projections, shared experts (CUDA: the grouped MLP on the experts' tiles) and their gate on fixed tiles; RMSNorm and the activation row-wise
 
 Each GEMM outside the routed experts goes through ``matmul``: ``kernels.runtime.fixed_tiles``' Triton kernel on
@@ -20,6 +21,7 @@ import torch
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import BatchInvariantUnsupportedError, MoERefError
 from moe_ref.ep.options import BATCH_INVARIANT_BACKENDS, EPOptions
+from moe_ref.kernels.ep.ep_combine_slots import sum_slots_kernel
 from moe_ref.kernels.runtime._triton_utils import is_interpreter
 from moe_ref.kernels.runtime import ops
 from moe_ref.kernels.runtime.fixed_tiles import fixed_tile_matmul, fixed_tile_matmul_ref, grouped_mlp_configs
@@ -80,15 +82,28 @@ def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_
 def sum_slots(rows_TKDx: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
               out_dtype: torch.dtype) -> torch.Tensor:
     """A token's routed output at its home rank: ``sum_j w[t, j] * rows[t, j]`` over its live slots (id >= 0), j in
-    order, fp32 with separate multiply and add roundings, rounded once to ``out_dtype``.
+    order, fp32 from +0.0 with separate multiply and add roundings, rounded once to ``out_dtype``. On CUDA one Triton
+    launch (``kernels.ep.ep_combine_slots.sum_slots_kernel``, no host sync), elsewhere its torch twin
+    ``sum_slots_ref``: the same roundings in the same order, so the two agree bitwise (tested:
+    tests/interpreter/test_combine_slots.py, tests/gpu/test_batch_invariant_cuda.py).
 
     Args:
-        rows_TKDx: ``[T, K, Dx]`` each slot's expert output, unweighted (masked slots: any finite value).
+        rows_TKDx: ``[T, K, Dx]`` each slot's expert output, unweighted (masked slots: any bytes, never summed).
         topk_ids_TK: ``[T, K]`` int64, -1 = masked. topk_weights_TK: ``[T, K]`` fp32.
 
     Returns:
         ``[T, Dx]`` out_dtype. The rows are the same bits at any EP size, so is this sum.
     """
+    if rows_TKDx.is_cuda:
+        return sum_slots_kernel(rows_TKDx, topk_ids_TK, topk_weights_TK, out_dtype)
+    return sum_slots_ref(rows_TKDx, topk_ids_TK, topk_weights_TK, out_dtype)
+
+
+def sum_slots_ref(rows_TKDx: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """Torch twin of ``sum_slots``' kernel (same arguments and result, bitwise; any device): a loop over the K slots,
+    ``torch.where`` keeping acc where a slot is masked (its product is computed and dropped, so its row's bytes never
+    reach acc)."""
     acc_TDx = torch.zeros(rows_TKDx.shape[0], rows_TKDx.shape[2], dtype=torch.float32, device=rows_TKDx.device)
     live_TK = topk_ids_TK >= 0
     for slot in range(rows_TKDx.shape[1]):

@@ -1,14 +1,15 @@
 """The batch-invariant mode on one GPU (docs/batch_invariance.md): the fixed-tile GEMM against its twin; a token alone
 equals the token in a batch (bf16, fp32, FP8 dispatch; Kimi-K2, Kimi-K3's latent path, Step3); eager launches,
 the layer's eager-graph replays, a user's CUDA graph and torch.compile give the same bits; the default mode's lone
-token differs where it does (positive control, reported, not asserted: cuBLAS and the autotuner may agree)."""
+token differs where it does (positive control, reported, not asserted: cuBLAS and the autotuner may agree); the slot
+sum's one-launch kernel equals its torch loop bitwise at Kimi-K2's sizes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from moe_ref import MegaMoE
-from moe_ref.ep.batch_invariant import rows_with_other_bits
+from moe_ref.ep.batch_invariant import rows_with_other_bits, sum_slots, sum_slots_ref
 from moe_ref.kernels.runtime.fixed_tiles import fixed_tile_matmul, fixed_tile_matmul_ref
 
 pytestmark = pytest.mark.cuda
@@ -65,3 +66,25 @@ def test_eager_replay_graph_and_compile_agree_bitwise():
     for name, y in (("eager graph", replayed), ("user graph", captured), ("torch.compile", compiled)):
         assert rows_with_other_bits(y, launched) == 0, name
     moe.destroy()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 128, 4096])
+def test_slot_sum_kernel_equals_the_torch_loop_bitwise_at_kimi_k2_sizes(num_tokens):
+    """K = 8, Dx = 7168, bf16 rows: about a quarter of the slots masked (their rows NaN, never summed), token 0 wholly
+    masked where T > 1, a few zero and subnormal weights (the kernel must not flush them)."""
+    K, Dx = 8, 7168
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    rows_TKDx = (torch.randn(num_tokens, K, Dx, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    ids_TK = torch.randint(0, 384, (num_tokens, K), device="cuda", generator=gen)
+    ids_TK[torch.rand(num_tokens, K, device="cuda", generator=gen) < 0.25] = -1
+    if num_tokens > 1:
+        ids_TK[0] = -1
+    rows_TKDx[ids_TK < 0] = float("nan")
+    weights_TK = torch.rand(num_tokens, K, device="cuda", generator=gen)
+    special_TK = torch.randint(0, 8, (num_tokens, K), device="cuda", generator=gen)
+    weights_TK = torch.where(special_TK == 0, 0.0, torch.where(special_TK == 1, weights_TK * 1e-39, weights_TK))
+    got_TDx = sum_slots(rows_TKDx, ids_TK, weights_TK, torch.bfloat16)  # CUDA: the kernel
+    assert rows_with_other_bits(got_TDx, sum_slots_ref(rows_TKDx, ids_TK, weights_TK, torch.bfloat16)) == 0
+    assert not got_TDx.isnan().any()
+    got_fp32_TDx = sum_slots(rows_TKDx, ids_TK, weights_TK, torch.float32)
+    assert rows_with_other_bits(got_fp32_TDx, sum_slots_ref(rows_TKDx, ids_TK, weights_TK, torch.float32)) == 0

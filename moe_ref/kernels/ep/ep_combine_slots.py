@@ -1,20 +1,25 @@
 """The batch-invariant combine's exchange: the expert owner pushes every (source, token, slot) expert row it
 computed, unweighted and unreduced, into the source's `combine_slots [C, K, Dx]` (one launch), and the source sums
-its tokens' K rows itself in slot order (`moe_ref.ep.batch_invariant.sum_slots`).
+its tokens' K rows itself in slot order (`moe_ref.ep.batch_invariant.sum_slots`; on CUDA `sum_slots_kernel`).
 
-    ... ep_dispatch -> experts (y_PD) -> [ep_combine_slots_push] -> symm_barrier -> sum_slots (source, torch)
+    ... ep_dispatch -> experts (y_PD) -> [ep_combine_slots_push] -> symm_barrier -> [sum_slots_kernel] -> out_TDx
 
 push, on expert owner r, for every source s, token t < T_s and slot j with recv_pos[s, t, j] >= 0:
     combine_slots_s[t, j] = y[recv_pos[s, t, j]]                       (a copy to rank s, activation dtype, exact)
 Every slot of a token has ONE owner (the rank of its expert), so no two ranks write one row; a masked slot (id -1)
 is written by nobody and holds stale bytes that the sum never reads.
 
-The kernel copies rows bit for bit (no arithmetic), so it and its twin agree bitwise. Against the default combine
-(`ep_combine`), a token sends K rows back instead of one partial per owning rank: K x Dx values in the activation
-dtype per token.
+sum, on source s, for every token t < T (`sum_slots_kernel`, one launch; its twin `batch_invariant.sum_slots_ref`):
+    out[t] = (sum_{j = 0..K-1 in order, topk_ids[t, j] >= 0} topk_weights[t, j] * float(rows[t, j])).to(out dtype)
+with acc starting at +0.0, separate fp32 multiply and add roundings (no FMA) and one rounding at the end; a
+masked slot's row is never read, so stale bytes (NaN, Inf) there cannot reach the sum.
 
-Shape legend: R ranks, K top-k, C cap, Dx row width, P pool rows, U tokens exchanged with one rank, N routed entries
-(the live slots among them).
+The push copies rows bit for bit (no arithmetic), so it and its twin agree bitwise; so do the sum and its twin (the
+same roundings in the same order). Against the default combine (`ep_combine`), a token sends K rows back instead of
+one partial per owning rank: K x Dx values in the activation dtype per token.
+
+Shape legend: R ranks, K top-k, C cap, T tokens of this rank, Dx row width, P pool rows, U tokens exchanged with one
+rank, N routed entries (the live slots among them).
 """
 
 from __future__ import annotations
@@ -27,12 +32,17 @@ from moe_ref.core.errors import DTypeError, ShapeError
 from moe_ref.kernels.ep.ep_dispatch import source_token
 from moe_ref.kernels.ep.ep_launch import EP_LAUNCH
 from moe_ref.kernels.ep.ep_regions import EPRegions, PeerBuffers, check_peers
-from moe_ref.kernels.runtime._triton_utils import check_device, is_interpreter, launch_options, next_power_of_2
+from moe_ref.kernels.runtime._triton_utils import (check_device, cdiv, is_interpreter, launch_options,
+                                                    next_power_of_2)
 from moe_ref.kernels.runtime.launch import launch
 
-__all__ = ["ep_combine_slots_push", "ep_combine_slots_push_ref"]
+__all__ = ["ep_combine_slots_push", "ep_combine_slots_push_ref", "sum_slots_kernel"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# columns per program of the slot sum: a 2-D grid (token, column block) so that a decode step (T = 1) still spreads
+# its K rows over several SMs (Dx 7168: 14 programs); the interpreter's smaller block exercises the tail mask
+_SUM_BLOCK_COLS = 512
+_SUM_BLOCK_COLS_INTERPRETED = 128
 
 
 @triton.jit
@@ -65,6 +75,94 @@ def _combine_slots_push_kernel(
                     mask_d = offs_d < D
                     row = tl.load(y_ptr + pos_j * stride_y_p + offs_d, mask=mask_d)
                     tl.store(out_ptr + j * D + offs_d, row, mask=mask_d)
+
+
+@triton.jit
+def _round_rn(x, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE rounding to nearest even, subnormals included, on the GPU and under the interpreter alike. For
+    bf16 the rounded high half of the bits is bitcast: the interpreter's fp32 -> bf16 cast (which
+    ``ep_combine._cast_rn`` ends with) turns a bf16 subnormal into 0 or a wrong value (Triton 3.9); a NaN is cast."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        high = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)  # arithmetic shift: the sign bit survives
+        return tl.where(x != x, x.to(DTYPE), high.to(DTYPE, bitcast=True))
+    return x.to(DTYPE)
+
+
+@triton.jit
+def _sum_slots_kernel(
+    # pointers
+    rows_ptr, ids_ptr, weights_ptr, out_ptr,
+    # sizes
+    Dx,
+    # strides
+    stride_rows_t, stride_rows_k, stride_ids_t, stride_ids_k, stride_w_t, stride_w_k, stride_out_t,
+    # meta
+    K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program = one token t, BLOCK_D columns: its live slots' weighted rows summed in slot order in fp32.
+
+    Example: K=3, ids[t] = [4, -1, 9], w[t] = [0.5, 2.0, 0.25], rows[t] = [[2.0], [NaN], [-4.0]]
+        -> out[t] = [(+0.0 + 0.5 * 2.0) + 0.25 * -4.0] = [0.0]; slot 1's row is not read.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < Dx
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):
+        id_j = tl.load(ids_ptr + t * stride_ids_t + j * stride_ids_k)
+        w_j = tl.load(weights_ptr + t * stride_w_t + j * stride_w_k)
+        live = (tl.full([BLOCK_D], 0, tl.int64) + id_j) >= 0  # a tensor (the interpreter needs it)
+        row = tl.load(rows_ptr + t * stride_rows_t + j * stride_rows_k + offs_d, mask=mask_d & live,
+                      other=0.0).to(tl.float32)
+        # where() on the sum, not a product with 0: a masked slot leaves acc bit-identical whatever w_j is
+        acc = tl.where(live, acc + w_j * row, acc)
+    tl.store(out_ptr + t * stride_out_t + offs_d, _round_rn(acc, OUT_DTYPE), mask=mask_d)
+
+
+def sum_slots_kernel(rows_TKDx: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """``moe_ref.ep.batch_invariant.sum_slots`` in one launch (no host sync, CUDA-graph safe), bitwise equal to its
+    torch loop: ``sum_j w[t, j] * rows[t, j]`` over the live slots (id >= 0), j in order, fp32 from +0.0 with
+    separate multiply and add roundings, rounded once to ``out_dtype``.
+
+    Args:
+        rows_TKDx: ``[T, K, Dx]`` fp32/fp16/bf16, each slot's expert row unweighted; any strides along T and K, unit
+            stride along Dx. A masked slot's row is never read (it may hold any bytes).
+        topk_ids_TK: ``[T, K]`` int64 or int32, -1 = masked. topk_weights_TK: ``[T, K]`` fp32.
+        out_dtype: fp32, fp16 or bf16.
+
+    Returns:
+        ``[T, Dx]`` out_dtype, contiguous (a masked token: +0.0).
+    """
+    if rows_TKDx.dim() != 3:
+        raise ShapeError(f"rows_TKDx must be [T, K, Dx], got {tuple(rows_TKDx.shape)}")
+    T, K, Dx = rows_TKDx.shape
+    for name, t in (("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK)):
+        if tuple(t.shape) != (T, K):
+            raise ShapeError(f"{name} must be [T={T}, K={K}] (rows_TKDx's), got {tuple(t.shape)}")
+    if rows_TKDx.dtype not in _TL_DTYPES or out_dtype not in _TL_DTYPES:
+        raise DTypeError(f"rows_TKDx and out_dtype must be fp32/fp16/bf16, got {rows_TKDx.dtype} and {out_dtype}")
+    if topk_ids_TK.dtype not in (torch.int64, torch.int32) or topk_weights_TK.dtype != torch.float32:
+        raise DTypeError(f"topk_ids_TK must be int64/int32 and topk_weights_TK fp32, got {topk_ids_TK.dtype} and "
+                         f"{topk_weights_TK.dtype}")
+    if rows_TKDx.numel() and rows_TKDx.stride(2) != 1:
+        raise ShapeError(f"rows_TKDx must have a contiguous last dimension, got strides {rows_TKDx.stride()}")
+    for name, t in (("rows_TKDx", rows_TKDx), ("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK)):
+        check_device(name, t)
+    out_TDx = torch.empty(T, Dx, dtype=out_dtype, device=rows_TKDx.device)
+    if out_TDx.numel() == 0:
+        return out_TDx
+    block_d = min(next_power_of_2(Dx), _SUM_BLOCK_COLS_INTERPRETED if is_interpreter() else _SUM_BLOCK_COLS)
+    launch(_sum_slots_kernel, (T, cdiv(Dx, block_d)),
+        rows_TKDx, topk_ids_TK, topk_weights_TK, out_TDx, Dx,
+        rows_TKDx.stride(0), rows_TKDx.stride(1), *topk_ids_TK.stride(), *topk_weights_TK.stride(), out_TDx.stride(0),
+        K=K, OUT_DTYPE=_TL_DTYPES[out_dtype], BLOCK_D=block_d,
+        num_warps=4, **launch_options(fp_fusion=False),
+    )
+    return out_TDx
 
 
 def _check_args(y_PD: torch.Tensor, peers: PeerBuffers, regions: EPRegions) -> None:
