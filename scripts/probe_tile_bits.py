@@ -1,0 +1,190 @@
+"""Which GEMM tiles give a row the same bits (a GPU question the batch-invariant mode depends on).
+
+For one pool of expert rows (segments of 0-300 rows at 128-aligned starts) every candidate tile of the grouped MLP's
+lists runs GEMM1 and GEMM2 alone (`launch_gemm(..., config=...)`), and every candidate tile of the fixed-tile
+matmul runs the router and shared-expert shapes; outputs are grouped by their bits. Tiles of one group are
+interchangeable in the batch-invariant mode (a token's sum has the same order whichever of them runs), so the mode
+may pick among them by the row count. Each candidate is also timed at the layer's row counts.
+
+    python3 scripts/probe_tile_bits.py --out results/probe   (a GPU; writes probe.json, prints the groups)
+
+Shape legend: P pool rows, D hidden, F expert intermediate, e experts, T tokens, O output features.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+
+import torch
+import triton
+
+from moe_ref.kernels.experts import grouped_mlp_tiles as tiles
+from moe_ref.kernels.experts.grouped_mlp import launch_gemm
+from moe_ref.kernels.runtime import fixed_tiles
+from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE, cdiv
+from moe_ref.kernels.runtime.launch import launch
+
+SEGMENT_ROWS = [0, 1, 2, 3, 15, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 200, 255, 256, 257, 300]
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:12]
+
+
+def pool(num_experts: int, seed: int):
+    counts = [SEGMENT_ROWS[(i * 7 + seed) % len(SEGMENT_ROWS)] for i in range(num_experts)]
+    starts, row = [], 0
+    for c in counts:
+        starts.append(row)
+        row += cdiv(max(c, 1), 128) * 128
+    return (torch.tensor(starts, dtype=torch.int64, device="cuda"), torch.tensor(counts, dtype=torch.int32,
+            device="cuda"), row)
+
+
+def live_rows(t: torch.Tensor, starts, counts) -> torch.Tensor:
+    return torch.cat([t[s:s + c] for s, c in zip(starts.tolist(), counts.tolist()) if c])
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=3, rep=15) * 1e3  # us
+
+
+def grouped(precision: str, results: dict, num_experts=48, hidden=7168, inter=2048) -> None:
+    fp8 = precision == "fp8"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    starts, counts, num_rows = pool(num_experts, 0)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device="cuda") * scale
+
+    if fp8:
+        x = rand(num_rows, hidden).to(FP8_DTYPE)
+        x_scale = rand(num_rows, cdiv(hidden, 128)).abs() * 1e-2 + 1e-3
+        w1 = rand(num_experts, 2 * inter, hidden).to(FP8_DTYPE)
+        w1_scale = rand(num_experts, cdiv(2 * inter, 128), cdiv(hidden, 128)).abs() * 1e-2 + 1e-3
+        w2 = rand(num_experts, hidden, inter).to(FP8_DTYPE)
+        w2_scale = rand(num_experts, cdiv(hidden, 128), cdiv(inter, 128)).abs() * 1e-2 + 1e-3
+        h = torch.empty(num_rows, inter, dtype=FP8_DTYPE, device="cuda")
+        h_scale = torch.empty(num_rows, cdiv(inter, 128), dtype=torch.float32, device="cuda")
+        out_dtype = torch.bfloat16
+        tile_list = tiles.DECODE_TILES_FP8 + tiles.MID_TILES_FP8 + tiles.PREFILL_TILES_FP8
+    else:
+        x = rand(num_rows, hidden).bfloat16()
+        x_scale = w1_scale = w2_scale = h_scale = None
+        w1 = (rand(num_experts, 2 * inter, hidden) * hidden ** -0.5).bfloat16()
+        w2 = (rand(num_experts, hidden, inter) * inter ** -0.5).bfloat16()
+        h = torch.empty(num_rows, inter, dtype=torch.bfloat16, device="cuda")
+        out_dtype = torch.bfloat16
+        tile_list = tiles.DECODE_TILES + tiles.MID_TILES + tiles.PREFILL_TILES
+    y = torch.empty(num_rows, hidden, dtype=out_dtype, device="cuda")
+    candidates = list(dict.fromkeys(tiles.normalize_tile(t) for t in tile_list))
+    common = dict(situ_beta=4.0, situ_linear_beta=25.0, fp8=fp8)
+    gemm1 = lambda cfg, hint, sched=None, tma=None: launch_gemm(  # noqa: E731
+        x, x_scale, w1, w1_scale, h, h_scale, starts, counts, n=inter, k=hidden, activation="silu",
+        quant_out=fp8, rows_hint=hint, interleaved=fp8, config=cfg, schedule=sched, tma=tma, **common)
+    gemm2 = lambda cfg, hint, sched=None, tma=None: launch_gemm(  # noqa: E731
+        h, h_scale, w2, w2_scale, y, None, starts, counts, n=hidden, k=inter, activation="none",
+        quant_out=False, rows_hint=hint, config=cfg, schedule=sched, tma=tma, **common)
+    total = int(counts.sum())
+    for name, run, out, n, k, gated in (("gemm1", gemm1, h, inter, hidden, True), ("gemm2", gemm2, y, hidden, inter,
+                                                                                          False)):
+        if name == "gemm2":  # GEMM2's input: GEMM1 on one fixed legal tile
+            gemm1(tiles.config_of_tile((64, 128, 64, 4, 4) if not fp8 else (64, 128, 128, 8, 3)), total)
+        groups: dict[str, list] = {}
+        for tile in candidates:
+            cfg = tiles.config_of_tile(tile)
+            problem = tiles.config_problem(cfg, n=n, k=k, gated=gated, fp8=fp8, quant_out=fp8 and gated,
+                                           ieee_fp32=False, interleaved=fp8 and gated)
+            if problem:
+                continue
+            for sched, tma in ((None, None), ("persistent", None), (None, False)):
+                out.fill_(0)
+                try:
+                    run(cfg, total, sched, tma)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit this GPU
+                    print(f"{precision} {name} {tile} {sched} tma={tma}: {type(exc).__name__}", flush=True)
+                    break
+                key = digest(live_rows(out, starts, counts))
+                groups.setdefault(key, []).append([list(tile), sched or "default", "ptr" if tma is False else "tma"])
+                if sched is None and tma is None:
+                    results["grouped_time"].append(dict(precision=precision, gemm=name, tile=list(tile),
+                                                        us=round(bench(lambda: run(cfg, total)), 1), rows=total))
+        results["grouped_groups"][f"{precision}/{name}"] = groups
+        print(f"{precision} {name}: {len(groups)} group(s) of bits over {sum(map(len, groups.values()))} runs",
+              flush=True)
+        for key, members in groups.items():
+            print(f"  {key}: {sorted({tuple(m[0]) for m in members})}", flush=True)
+
+
+def fixed(results: dict) -> None:
+    shapes = {"router": (7168, 384, torch.bfloat16, torch.float32), "shared_gate_up": (7168, 4096, torch.bfloat16,
+              torch.bfloat16), "shared_down": (2048, 7168, torch.bfloat16, torch.bfloat16),
+              "router_fp32": (7168, 384, torch.float32, torch.float32)}
+    kernel = fixed_tiles._fixed_tile_matmul_kernel
+    for name, (k, o, dtype, out_dtype) in shapes.items():
+        g = torch.Generator(device="cuda").manual_seed(1)
+        w = torch.randn(o, k, generator=g, device="cuda").to(dtype)
+        x_all = torch.randn(4096, k, generator=g, device="cuda").to(dtype)
+        ieee = dtype == torch.float32
+        if ieee:
+            cands = [(bm, bn, bk, 4, 2) for bm in (16, 32, 64) for bn in (16, 32, 64) for bk in (16, 32)]
+        else:
+            cands = [(bm, bn, bk, w_, s) for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128)
+                     for bk in (64, 128) for w_, s in ((4, 3), (8, 3), (4, 5))]
+        groups: dict[str, list] = {}
+        for tile in cands:
+            bm, bn, bk, warps, stages = tile
+
+            def run(x, y):
+                launch(kernel, (cdiv(x.shape[0], bm), cdiv(o, bn)), x, w, y, x.shape[0], o, k, x.stride(0),
+                       x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+                       OUT_DTYPE=fixed_tiles._TL_OUT[out_dtype], IEEE=ieee, UPCAST=False, BLOCK_M=bm, BLOCK_N=bn,
+                       BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+            y = torch.empty(200, o, dtype=out_dtype, device="cuda")
+            try:
+                run(x_all[:200], y)
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001
+                print(f"fixed {name} {tile}: {type(exc).__name__}", flush=True)
+                continue
+            groups.setdefault(digest(y), []).append(list(tile))
+            for t in (1, 16, 128, 1024, 4096):
+                yt = torch.empty(t, o, dtype=out_dtype, device="cuda")
+                results["fixed_time"].append(dict(shape=name, tile=list(tile), T=t,
+                                                  us=round(bench(lambda: run(x_all[:t], yt)), 2)))
+        results["fixed_groups"][name] = groups
+        print(f"fixed {name}: {len(groups)} group(s)", flush=True)
+        for key, members in groups.items():
+            print(f"  {key}: {members}", flush=True)
+        for t in (1, 16, 128, 1024, 4096):
+            rows = sorted((r for r in results["fixed_time"] if r["shape"] == name and r["T"] == t),
+                          key=lambda r: r["us"])[:3]
+            cublas = bench(lambda: torch.matmul(x_all[:t], w.t()))
+            print(f"  T={t}: cuBLAS {cublas:.1f} us; best {[(tuple(r['tile']), r['us']) for r in rows]}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/probe")
+    parser.add_argument("--only", choices=("grouped", "fixed"), default=None)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "date": time.strftime("%Y-%m-%d"), "grouped_groups": {}, "grouped_time": [], "fixed_groups": {},
+               "fixed_time": []}
+    if args.only in (None, "fixed"):
+        fixed(results)
+    if args.only in (None, "grouped"):
+        for precision in ("bf16", "fp8"):
+            grouped(precision, results)
+    with open(os.path.join(args.out, "probe.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
