@@ -2,12 +2,14 @@
 weights, a token's output bits do not depend on the other tokens of its batch, its row order in an expert segment,
 the chunk count or the EP size. The contract, what holds it and what it costs: docs/batch_invariance.md.
 
-    route:   gate GEMM (fixed tiles, fp32 sums) -> the family's top-k (row-wise; ties: the lowest expert id)
-    experts: the torch loop in FIXED_ROW_BLOCK-row blocks (CPU) | the Triton grouped MLP on GROUPED_MLP_TILES (CUDA)
+    route:   gate GEMM (tiles of one bits class, fp32 sums) -> the family's top-k (row-wise; ties: the lowest id)
+    experts: the torch loop in FIXED_ROW_BLOCK-row blocks (CPU) | the Triton grouped MLP on tiles of one bits
+             class (CUDA: kernels.runtime.fixed_tiles.same_bits_tile; a GPU not probed: one tile pair)
     combine: every (token, slot) expert row comes back unreduced, one exchange (Dispatcher.combine_slots); the home
              rank sums its K weighted rows in slot order in fp32, rounding once (sum_slots: one Triton launch on
              CUDA, its torch twin elsewhere): the same sum at any EP
-    finish:  latent projections, shared experts (CUDA: the grouped MLP on the experts' tiles) and their gate on fixed tiles; RMSNorm and the activation row-wise
+    finish:  latent projections, shared experts (CUDA: the grouped MLP as the routed experts run it) and their gate
+             through matmul; RMSNorm and the activation row-wise
 
 Each GEMM outside the routed experts goes through ``matmul``: ``kernels.runtime.fixed_tiles``' Triton kernel on
 CUDA, its twin (BLAS on fixed row blocks) elsewhere.
@@ -24,7 +26,7 @@ from moe_ref.ep.options import BATCH_INVARIANT_BACKENDS, EPOptions
 from moe_ref.kernels.ep.ep_combine_slots import sum_slots_kernel
 from moe_ref.kernels.runtime._triton_utils import is_interpreter
 from moe_ref.kernels.runtime import ops
-from moe_ref.kernels.runtime.fixed_tiles import fixed_tile_matmul, fixed_tile_matmul_ref, grouped_mlp_configs
+from moe_ref.kernels.runtime.fixed_tiles import fixed_tile_matmul, fixed_tile_matmul_ref
 
 
 def options_problem(options: EPOptions) -> MoERefError | None:
@@ -42,7 +44,7 @@ def options_problem(options: EPOptions) -> MoERefError | None:
         return BatchInvariantUnsupportedError(
             f"batch_invariant=True (from {where}) with experts_backend={options.experts_backend!r} (from "
             f"{options.source.get('experts_backend', 'the argument')}) on {options.device.type}: only "
-            f"experts_backend={holder!r} holds the contract there (one fixed tile per row); pass "
+            f"experts_backend={holder!r} holds the contract there (tiles of one bits class for every row count); pass "
             f"experts_backend='auto' (it resolves to {holder!r} in this mode) or turn the mode off",
             field="experts_backend")
     if options.mega != "off":
@@ -59,20 +61,20 @@ def matmul(x_TI: torch.Tensor, w_OI: torch.Tensor, out_dtype: torch.dtype) -> to
 
 
 def router_logits(x_TD: torch.Tensor, gate_weight_ED: torch.Tensor) -> torch.Tensor:
-    """``[T, D] x [E, D] -> [T, E]`` fp32 gate logits (``ops.router_logits``' numerics, fixed tiles)."""
+    """``[T, D] x [E, D] -> [T, E]`` fp32 gate logits (``ops.router_logits``' numerics, tiles of one bits class)."""
     return matmul(x_TD, gate_weight_ED, torch.float32)
 
 
 def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_DS: torch.Tensor,
               activation: str = "silu", situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
-    """The shared experts' gated MLP ``[T, D] -> [T, D]`` in x's dtype on fixed tiles: with 16-bit weights on CUDA
-    the default mode's kernel (``ops.dense_mlp``: the grouped MLP, one expert owning every row) on the routed
-    experts' one tile pair of this mode; elsewhere ``activations.dense_mlp``'s roundings (each GEMM rounded to the
+    """The shared experts' gated MLP ``[T, D] -> [T, D]`` in x's dtype, batch-invariant: with 16-bit weights on CUDA
+    the default mode's kernel (``ops.dense_mlp``: the grouped MLP, one expert owning every row) on tiles of one bits
+    class, as the routed experts; elsewhere ``activations.dense_mlp``'s roundings (each GEMM rounded to the
     weights' dtype, the activation in fp32) through ``matmul``."""
     weights_dtype = gate_up_weight_2SD.dtype
     if x_TD.is_cuda and weights_dtype in (torch.bfloat16, torch.float16):
         return ops.dense_mlp(x_TD, gate_up_weight_2SD, down_weight_DS, activation, situ_beta, situ_linear_beta,
-                             configs=grouped_mlp_configs("16bit"))
+                             batch_invariant=True)
     gate_up_T2S = matmul(x_TD.to(weights_dtype), gate_up_weight_2SD, weights_dtype).float()
     gate_TS, up_TS = gate_up_T2S.chunk(2, dim=-1)
     h_TS = gated_activation(gate_TS, up_TS, activation, situ_beta, situ_linear_beta)

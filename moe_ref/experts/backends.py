@@ -13,7 +13,7 @@ from moe_ref.experts.base import ExpertLayout, Experts, FP8ExpertWeights
 from moe_ref.experts.registry import register_experts
 from moe_ref.kernels.runtime import ops
 from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE
-from moe_ref.kernels.runtime.fixed_tiles import grouped_mlp_configs, in_row_blocks
+from moe_ref.kernels.runtime.fixed_tiles import in_row_blocks
 
 
 class TorchLoopExperts(Experts):
@@ -136,7 +136,7 @@ class TritonExperts(Experts):
 
         options = dict(activation=self.activation, situ_beta=self.situ_beta, situ_linear_beta=self.situ_linear_beta,
                        num_rows_hint=layout.rows_hint(),  # picks GPU tiles
-                       zero_unused_rows=layout.zero_unused_rows, configs=self._forced_configs())
+                       zero_unused_rows=layout.zero_unused_rows, batch_invariant=self.batch_invariant)
         if not self.fp8:
             return grouped_mlp(x_PDx, self.gate_up_weight_e2FD, self.down_weight_eDF, layout.row_start_e,
                                layout.num_rows_e, **options)
@@ -150,14 +150,6 @@ class TritonExperts(Experts):
                             down_scale=weights.down_scale_eDbFb, gate_up_interleaved=weights.gate_up_interleaved,
                             **options)
         return y_PDx.to(out_dtype)
-
-    def _forced_configs(self):
-        """None (autotune by the rows hint), or in the batch-invariant mode the precision's one (GEMM1, GEMM2) tile
-        pair (``kernels.runtime.fixed_tiles.GROUPED_MLP_TILES``) for every row count."""
-        if not self.batch_invariant:
-            return None
-        dtype = self.gate_up_weight_e2FD.dtype
-        return grouped_mlp_configs("fp8" if self.fp8 else "fp32" if dtype == torch.float32 else "16bit")
 
 
 register_experts("torch", TorchLoopExperts)

@@ -223,6 +223,7 @@ class MegaMoE(nn.Module):
             step(torch.empty(0, self.cfg.expert_hidden_size, dtype=self.options.dtype, device=self.options.device),
                  empty.long(), empty, problem=problem, max_num_tokens=max_num_tokens)
             raise AssertionError("unreachable: the routed step raises the agreed problem")
+        runtime.warm_up(self, step, lambda x_warm_TD: self._device_work(x_warm_TD, step, None))
         graphs = runtime.eager_graphs_for(self, step)
         if graphs is not None and not read_checks_now and graphs.covers(x_TD, max_num_tokens):
             replayed = graphs(x_TD, step, lambda x_graph_TD: self._device_work(x_graph_TD, step, DeviceChecks()))

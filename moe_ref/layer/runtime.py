@@ -6,6 +6,8 @@ left out of pickles.
     layer.routed_step    build_routed_step: ``ModularRoutedStep`` (transport x experts) or ``MonolithicRoutedStep``
                          (DeepGEMM's mega engine); collective: every rank builds it on its first call
     layer.eager_graphs   eager_graphs_for: the CUDA graphs one rank on CUDA replays (``moe_ref.eager_graphs``)
+    first eager call     warm_up: one rank on CUDA runs the layer's work once per token count of WARM_UP_COUNTS first,
+                         so that no later call of a new T loads a kernel variant
     after a load         weights_changed: the experts rebuilt on next use and swapped into a built modular step (its
                          plan and buffers stay); a fused engine (it holds fp8 copies of the weights) rebuilt
     destroy()            the step and its share of the group's symmetric buffer released, the graphs dropped
@@ -30,12 +32,13 @@ from moe_ref.eager_graphs import EagerGraphs
 from moe_ref.ep.routed_step import RoutedStep, make_modular_step
 from moe_ref.experts import Experts, ExpertLayout, experts_class, make_experts
 from moe_ref.experts.quantized import make_quantized_experts
+from moe_ref.kernels.experts.grouped_mlp import tiles_recorded
 from moe_ref.layer.weights import expert_shapes, missing_weights, quantized_backend
 
 logger = logging.getLogger(__name__)
 
 # what a layer builds while it runs; never pickled (a copy builds its own)
-_RUNTIME_FIELDS = ("_routed_step", "_experts", "_graphs", "_op_id")
+_RUNTIME_FIELDS = ("_routed_step", "_experts", "_graphs", "_op_id", "_warm")
 _LIVE_LAYERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
@@ -43,6 +46,7 @@ def start(layer: nn.Module) -> None:
     """No runtime objects yet (built on first use), a fresh id for torch.compile's op (``moe_ref.custom_ops``) and its
     call counter, and a place among the layers released at exit: what a new layer and an unpickled copy both need."""
     layer._routed_step = layer._experts = layer._graphs = None
+    layer._warm = False
     layer._op_id = custom_ops.register(layer)
     if "_op_calls" not in layer._buffers:  # an unpickled copy has its own
         # calls of the compiled op; the op mutates it, so no call is ever dropped from a graph (custom_ops). A
@@ -127,6 +131,46 @@ def eager_graphs_for(layer: nn.Module, step: RoutedStep) -> EagerGraphs | None:
             and step.deferred_checks is not None and not layer.uses_mega:
         layer._graphs = EagerGraphs(o.eager_graph_max_tokens, o.device)
     return layer._graphs
+
+
+# The first eager call of one rank on CUDA runs the layer's work on these token counts (up to the cap) before its
+# own: each power of 2 (every rows bucket the grouped MLP's tile table keys on, T * K rows) and each of Triton's
+# integer specializations of T (1, a multiple of 16, other), so each kernel variant a later call can take is
+# loaded once, up front. Only for the Triton grouped MLP on recorded tiles (a GPU class with a tile table): where
+# tiles are autotuned, or for other expert kernels, a bucket's first launch costs seconds, left to the calls that
+# meet it. On one H100 (2026-12-07, scripts/bench_warmup.py, Triton's disk cache warm) the first call
+# of a new T cost up to 18-26 ms more than its later calls, loading variants, in both eager modes.
+WARM_UP_MAX_TOKENS = 1024  # above it calls are long and variants few: loaded lazily (the allocator stays small)
+
+
+def warm_up_counts(cap: int) -> list[int]:
+    """The token counts ``warm_up`` runs: 1, 3 and the powers of 2 up to ``min(cap, WARM_UP_MAX_TOKENS)``."""
+    bound = min(cap, WARM_UP_MAX_TOKENS)
+    return sorted({t for t in (1, 3) if t <= bound} | {1 << i for i in range(bound.bit_length())})
+
+
+def warm_up(layer: nn.Module, step: RoutedStep, device_work) -> None:
+    """Once per layer, on its first eager call where calls have no collective (one rank on CUDA, the modular routed
+    step, not inside a capture): ``device_work(x_TD)`` on zero tokens for each of ``warm_up_counts``; the step's call
+    count and per-expert row counter (EPLB telemetry) restored after, so the warm-up leaves no trace but the loaded
+    kernels (and the allocator's cached blocks)."""
+    if layer._warm:
+        return
+    layer._warm = True
+    o = layer.options
+    if o.device.type != "cuda" or step.deferred_checks is None or layer.uses_mega or step.capturing():
+        return
+    if layer.experts.name != "triton" or not tiles_recorded(o.device):
+        return  # each new rows bucket would autotune (seconds): left to the calls that meet it
+    counts = warm_up_counts(o.num_max_tokens_per_rank)
+    counter_e, calls = step.num_recv_tokens_per_expert, step.calls
+    saved_e = counter_e.clone()
+    x_TD = torch.zeros(counts[-1], layer.cfg.hidden_size, dtype=o.dtype, device=o.device)
+    with torch.no_grad():
+        for num_tokens in counts:
+            device_work(x_TD[:num_tokens])
+    counter_e.copy_(saved_e)
+    step.calls = calls
 
 
 def weights_changed(layer: nn.Module) -> None:

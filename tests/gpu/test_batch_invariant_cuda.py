@@ -2,7 +2,8 @@
 equals the token in a batch (bf16, fp32, FP8 dispatch; Kimi-K2, Kimi-K3's latent path, Step3); eager launches,
 the layer's eager-graph replays, a user's CUDA graph and torch.compile give the same bits; the default mode's lone
 token differs where it does (positive control, reported, not asserted: cuBLAS and the autotuner may agree); the slot
-sum's one-launch kernel equals its torch loop bitwise at Kimi-K2's sizes."""
+sum's one-launch kernel equals its torch loop bitwise at Kimi-K2's sizes; every tile of a bits class gives a row the
+same bits on this GPU (the assumption that lets the mode pick tiles by the row count)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 
 from moe_ref import MegaMoE
 from moe_ref.ep.batch_invariant import rows_with_other_bits, sum_slots, sum_slots_ref
-from moe_ref.kernels.runtime.fixed_tiles import fixed_tile_matmul, fixed_tile_matmul_ref
+from moe_ref.kernels.runtime import fixed_tiles
+from moe_ref.kernels.runtime.fixed_tiles import classes_probed, fixed_tile_matmul, fixed_tile_matmul_ref
 
 pytestmark = pytest.mark.cuda
 SIZES = (1, 2, 3, 17, 64, 129)
@@ -88,3 +90,90 @@ def test_slot_sum_kernel_equals_the_torch_loop_bitwise_at_kimi_k2_sizes(num_toke
     assert not got_TDx.isnan().any()
     got_fp32_TDx = sum_slots(rows_TKDx, ids_TK, weights_TK, torch.float32)
     assert rows_with_other_bits(got_fp32_TDx, sum_slots_ref(rows_TKDx, ids_TK, weights_TK, torch.float32)) == 0
+
+
+# --- the bits classes the mode picks its tiles from (kernels.runtime.fixed_tiles) -------------------------------------
+def needs_probed_classes() -> None:
+    if not classes_probed(torch.device("cuda")):
+        pytest.skip(f"compute capability {torch.cuda.get_device_capability()} is not in SAME_BITS_CAPABILITIES: the "
+                    "mode keeps one tile per precision on this GPU, no class to check")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_tile_of_the_matmul_rules_gives_a_row_the_same_bits(dtype):
+    """The fixed-tile matmul's rules pick another tile as T or O grows; every tile they can pick (and the one tile
+    of a GPU not probed) gives the same output bits on one input, so a row's bits do not depend on T."""
+    needs_probed_classes()
+    precision = "fp32" if dtype == torch.float32 else "16bit"
+    tiles = {rule[2] for rule in fixed_tiles._MATMUL_TILE_RULES[precision]} | {fixed_tiles._MATMUL_TILES[precision]}
+    a, b = tokens(300, 1024, dtype), tokens(2048, 1024, dtype, seed=2)
+    outputs = {}
+    for tile in sorted(tiles):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fixed_tiles, "matmul_tile", lambda *args, tile=tile: tile)
+            outputs[tile] = fixed_tile_matmul(a, b, torch.float32)
+    first = next(iter(outputs.values()))
+    differing = [tile for tile, out in outputs.items() if rows_with_other_bits(out, first)]
+    assert not differing, f"tiles with other bits than {sorted(tiles)[0]}: {differing}"
+
+
+@pytest.mark.slow  # one compile per tile: ~40 tiles per precision
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_every_tile_of_a_grouped_bits_class_gives_a_row_the_same_bits(fp8):
+    """Every tile of the grouped MLP's lists that ``same_bits_tile`` admits, run alone for GEMM1 (interleaved
+    gate/up rows and the FP8 epilogue where FP8) and for GEMM2 on one pool (segments of 0-300 rows): one set of bits
+    per GEMM (what scripts/probe_tile_bits.py found on an H100 at Kimi-K2's sizes, here on this GPU)."""
+    from moe_ref.kernels.experts import grouped_mlp_tiles as tile_lists
+    from moe_ref.kernels.experts.fp8 import quantize_fp8_per_block_128
+    from moe_ref.kernels.experts.grouped_mlp import interleave_gate_up, launch_gemm
+    from moe_ref.kernels.ep.pre_dispatch import quantize_fp8_per_128
+
+    needs_probed_classes()
+    precision, experts, hidden, inter = ("fp8" if fp8 else "16bit"), 6, 1024, 512
+    counts = torch.tensor([0, 1, 17, 64, 129, 300], dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0, 128, 256, 384, 512, 768], dtype=torch.int64, device="cuda")
+    num_rows = 1152
+    x = tokens(num_rows, hidden, torch.bfloat16)
+    gate_up = tokens(experts * 2 * inter, hidden, torch.bfloat16, seed=3).view(experts, 2 * inter, hidden) * 0.03
+    down = tokens(experts * hidden, inter, torch.bfloat16, seed=4).view(experts, hidden, inter) * 0.04
+    x_scale = w1_scale = w2_scale = h_scale = None
+    if fp8:
+        x, x_scale = quantize_fp8_per_128(x)
+        gate_up, w1_scale = quantize_fp8_per_block_128(gate_up)
+        gate_up, w1_scale = interleave_gate_up(gate_up), interleave_gate_up(w1_scale, rows_per_block=1)
+        down, w2_scale = quantize_fp8_per_block_128(down)
+        h = torch.empty(num_rows, inter, dtype=x.dtype, device="cuda")
+        h_scale = torch.empty(num_rows, inter // 128, dtype=torch.float32, device="cuda")
+        lists = tile_lists.DECODE_TILES_FP8 + tile_lists.MID_TILES_FP8 + tile_lists.PREFILL_TILES_FP8
+    else:
+        h = torch.empty(num_rows, inter, dtype=torch.bfloat16, device="cuda")
+        lists = tile_lists.DECODE_TILES + tile_lists.MID_TILES + tile_lists.PREFILL_TILES
+    y = torch.empty(num_rows, hidden, dtype=torch.bfloat16, device="cuda")
+    live = torch.cat([torch.arange(s, s + c) for s, c in zip(starts.tolist(), counts.tolist())]).cuda()
+    common = dict(situ_beta=4.0, situ_linear_beta=25.0, fp8=fp8, rows_hint=int(counts.sum()))
+
+    def gemm1(config):
+        launch_gemm(x, x_scale, gate_up, w1_scale, h, h_scale, starts, counts, n=inter, k=hidden,
+                    activation="silu", quant_out=fp8, interleaved=fp8, config=config, **common)
+
+    def gemm2(config):
+        launch_gemm(h, h_scale, down, w2_scale, y, None, starts, counts, n=hidden, k=inter, activation="none",
+                    quant_out=False, config=config, **common)
+
+    for name, run, out, n, k, gated in (("GEMM1", gemm1, h, inter, hidden, True),
+                                        ("GEMM2", gemm2, y, hidden, inter, False)):
+        if name == "GEMM2":  # its input: GEMM1 on the mode's one tile
+            gemm1(tile_lists.config_of_tile(fixed_tiles.GROUPED_MLP_TILES[precision][0]))
+        bits = {}
+        for tile in dict.fromkeys(tile_lists.normalize_tile(t) for t in lists):
+            config = tile_lists.config_of_tile(tile)
+            if not fixed_tiles.same_bits_tile(tile, precision) or tile_lists.config_problem(
+                    config, n=n, k=k, gated=gated, fp8=fp8, quant_out=fp8 and gated, ieee_fp32=False,
+                    interleaved=fp8 and gated):
+                continue
+            out.fill_(0)
+            run(config)
+            bits[tile] = out[live].view(torch.int8 if fp8 and gated else torch.int16).clone()
+        first_tile, first = next(iter(bits.items()))
+        differing = [tile for tile, b in bits.items() if not torch.equal(b, first)]
+        assert len(bits) > 3 and not differing, f"{name}: tiles with other bits than {first_tile}: {differing}"

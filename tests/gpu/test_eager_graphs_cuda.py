@@ -144,3 +144,31 @@ def test_calls_in_and_out_of_inference_mode_mix():
         b = moe(x)  # replayed outside it
     assert torch.equal(a, b)
     moe.destroy()
+
+
+def test_the_first_call_warms_every_token_count_up_and_leaves_no_trace():
+    """One rank on CUDA, Triton experts on recorded tiles: the first eager call runs the layer on zero tokens of each
+    ``runtime.warm_up_counts`` first (the kernel variants of every rows bucket loaded up front); afterwards the call
+    count and the per-expert rows are those of the user's calls alone, and the outputs equal a layer that skipped the
+    warm-up, bit for bit."""
+    from moe_ref.kernels.experts.grouped_mlp import tiles_recorded
+    from moe_ref.layer import runtime
+
+    warmed, cold = _layer(), _layer()
+    cold._warm = True  # as if warmed already: its first call runs only the user's tokens
+    seen = []
+    device_work = warmed._device_work
+    warmed._device_work = lambda x_TD, *args, **kwargs: (seen.append(x_TD.shape[0]), device_work(x_TD, *args,
+                                                                                                    **kwargs))[1]
+    width = warmed.cfg.hidden_size
+    with torch.no_grad():
+        for num_tokens in (5, 5, 17):
+            x = _inputs(num_tokens, width, seed=num_tokens)
+            assert torch.equal(warmed(x), cold(x)), num_tokens
+    if tiles_recorded(torch.device("cuda")) and warmed.experts.name == "triton":
+        assert seen[:8] == runtime.warm_up_counts(64) == [1, 2, 3, 4, 8, 16, 32, 64]
+    else:  # tiles autotuned here (no table for this GPU class): each bucket is left to the call that meets it
+        assert seen[0] == 5, seen
+    assert warmed.routed_step.calls == cold.routed_step.calls == 3
+    assert torch.equal(warmed.num_recv_tokens_per_expert, cold.num_recv_tokens_per_expert)
+    assert int(warmed.num_recv_tokens_per_expert.sum()) == (5 + 5 + 17) * warmed.cfg.num_topk

@@ -38,14 +38,17 @@ def _qweights(fmt, num_experts, hidden, inter, seed=0):
     return QuantizedExpertWeights(spec, *stored, hidden_size=hidden, intermediate_size=inter)
 
 
-# slow: the mid and K3 shapes, 11-26 s each on an H200 (2026-12-01, `make test-gpu-full --durations`):
-# each (shape, format) autotunes the W4/FP8 kernels anew; decode keeps every format in make test-gpu
-SLOW_CASES = ("kimi_k2_mid", "k3_latent_situ")
+# slow: the mid and K3 shapes, 11-26 s each on an H200 (2026-12-01, `make test-gpu-full --durations`): each (shape,
+# format) autotunes the W4/FP8 kernels anew; and MXFP4 at decode (51 s on an H100, 2026-12-07: the same 4-bit kernel
+# as INT4 with another scale decode, which the interpreter tier checks), so that make test-gpu stays under 240 s;
+# decode keeps INT4 and FP8 blocks there
+def _is_slow(case: str, fmt_name: str) -> bool:
+    return case in ("kimi_k2_mid", "k3_latent_situ") or (case, fmt_name) == ("kimi_k2_decode", "mxfp4")
 
 
-@pytest.mark.parametrize("fmt_name", ["int4_group", "mxfp4", "fp8_block"])
-@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case in SLOW_CASES else case
-                                  for case in CASES])
+@pytest.mark.parametrize("case, fmt_name", [
+    pytest.param(case, fmt_name, marks=pytest.mark.slow) if _is_slow(case, fmt_name) else (case, fmt_name)
+    for case in CASES for fmt_name in ("int4_group", "mxfp4", "fp8_block")])
 def test_quantized_experts_vs_dequantized_fp32_reference(case, fmt_name):
     from moe_ref.experts.quantized import make_quantized_experts
     from moe_ref.checkpoint.formats import QuantFormat

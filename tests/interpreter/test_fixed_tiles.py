@@ -1,6 +1,6 @@
 """The batch-invariant mode's Triton code paths under the interpreter (docs/batch_invariance.md): the fixed-tile GEMM
-``fixed_tile_matmul`` (close to its torch twin and to fp64, and row-invariant), the grouped MLP on the mode's forced
-tiles (``GROUPED_MLP_TILES``, through ``TritonExperts`` as the layer runs it), the Triton router's tie rule (the
+``fixed_tile_matmul`` (close to its torch twin and to fp64, and row-invariant), the grouped MLP on the mode's tiles
+(under the interpreter its one ``GROUPED_MLP_TILES`` pair, through ``TritonExperts`` as the layer runs it), the Triton router's tie rule (the
 lowest expert id, as the torch router), and the layer with ``experts_backend='triton'`` (a token alone vs in a batch).
 
 The interpreter's ``tl.dot`` is ``numpy.matmul`` (OpenBLAS sgemm), and that GEMM's order of additions for a row
@@ -27,7 +27,8 @@ from moe_ref.kernels.experts import grouped_mlp as gm
 from moe_ref.kernels.experts.grouped_mlp_tiles import tile_of
 from moe_ref.kernels.router.router_topk import router_topk
 from moe_ref.kernels.runtime._triton_utils import is_interpreter
-from moe_ref.kernels.runtime.fixed_tiles import GROUPED_MLP_TILES, fixed_tile_matmul, fixed_tile_matmul_ref
+from moe_ref.kernels.runtime.fixed_tiles import (GROUPED_MLP_TILES, fixed_tile_matmul, fixed_tile_matmul_ref,
+                                                 forced_grouped_configs, same_bits_tile)
 
 pytestmark = pytest.mark.interpreter
 
@@ -70,17 +71,30 @@ def row_invariant_dot(monkeypatch):
 
 
 @pytest.fixture
-def forced_launches(monkeypatch):
-    """The ``config`` of every grouped-GEMM launch (``grouped_mlp.launch_gemm``), recorded, the launch run as is."""
+def grouped_launches(monkeypatch):
+    """The (BLOCK_M, BLOCK_N, BLOCK_K) of every grouped-GEMM kernel launch (``grouped_mlp``'s ``launch``: a forced or
+    recorded tile; an autotuned one is not seen), recorded, the launch run as is."""
     seen = []
-    launch_gemm = gm.launch_gemm
+    launch = gm.launch
 
-    def spy(*args, config=None, **kwargs):
-        seen.append(config)
-        return launch_gemm(*args, config=config, **kwargs)
+    def spy(kernel, grid, *args, **keywords):
+        if kernel is gm._grouped_gemm_kernel:
+            seen.append(tuple(keywords[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")))
+        return launch(kernel, grid, *args, **keywords)
 
-    monkeypatch.setattr(gm, "launch_gemm", spy)
+    monkeypatch.setattr(gm, "launch", spy)
     return seen
+
+
+def assert_mode_tiles(launched: list, precision: str, device) -> None:
+    """Every grouped launch of the mode took a tile it may take: the precision's one pair where the class is that
+    pair (the interpreter, a GPU not probed), else a tile of its bits class."""
+    forced = forced_grouped_configs(precision, torch.device(device))
+    if forced is not None:
+        pair = {tile_of(config)[:3] for config in forced}
+        assert launched and all(tile in pair for tile in launched), (launched, pair)
+    else:
+        assert all(same_bits_tile(tile, precision) for tile in launched), launched
 
 
 def randn(*shape, dtype, device, seed, scale=1.0):
@@ -167,8 +181,8 @@ NUM_EXPERTS, HIDDEN, INTER = 3, 48, 40  # tiny-kimi-k2's D and F: not multiples 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_grouped_mlp_rows_do_not_depend_on_their_segment(dtype, device, assert_close, forced_launches):
-    """``TritonExperts`` in the batch-invariant mode (its ``GROUPED_MLP_TILES`` pair reaches both launches): a row's
+def test_grouped_mlp_rows_do_not_depend_on_their_segment(dtype, device, assert_close, grouped_launches):
+    """``TritonExperts`` in the batch-invariant mode (here its ``GROUPED_MLP_TILES`` pair reaches both launches): a row's
     output bits are the same in its base segment (counts 21, 70, 9), after every segment's rows are reversed inside
     a pool with other rows in the gaps between the segments (other starts, other place in the tile and other tile),
     with each segment cut to its first 1, 3 or 17 rows, and alone (six rows of expert 1, at segment positions on both
@@ -183,7 +197,8 @@ def test_grouped_mlp_rows_do_not_depend_on_their_segment(dtype, device, assert_c
     x = randn(int(counts.sum()), HIDDEN, dtype=dtype, device=device, seed=12)
     y = experts(x, base)
     precision = "fp32" if dtype == torch.float32 else "16bit"
-    assert [tile_of(c) for c in forced_launches] == list(GROUPED_MLP_TILES[precision]), forced_launches
+    if forced_grouped_configs(precision, torch.device(device)) is not None:
+        assert grouped_launches == [tile[:3] for tile in GROUPED_MLP_TILES[precision]], grouped_launches
     assert_close(y, gm.grouped_mlp_ref(x, gate_up, down, base.row_start_e, counts), dtype, dtype=dtype)
 
     segments = [torch.arange(s, s + n) for s, n in zip(base.row_start_e.tolist(), counts.tolist())]
@@ -209,7 +224,7 @@ def test_grouped_mlp_rows_do_not_depend_on_their_segment(dtype, device, assert_c
         lone = ExpertLayout(torch.tensor([0, 0, 1], device=device), torch.tensor([0, 1, 0], device=device), 1, 1)
         alone = experts(x[row:row + 1], lone)
         assert rows_with_other_bits(alone, y[row:row + 1]) == 0, f"row {position} of expert 1 alone"
-    assert all(config is not None for config in forced_launches), "a launch without the forced tiles"
+    assert_mode_tiles(grouped_launches, precision, device)
 
 
 # --- the Triton router's ties -----------------------------------------------------------------------------------------
@@ -283,7 +298,7 @@ def test_router_kernel_breaks_exact_ties_toward_the_lowest_expert_id(name, devic
 
 
 # --- the layer --------------------------------------------------------------------------------------------------------
-def test_layer_a_token_alone_equals_the_token_in_a_batch_of_17(device, forced_launches):
+def test_layer_a_token_alone_equals_the_token_in_a_batch_of_17(device, grouped_launches):
     """``MegaMoE(..., experts_backend='triton', batch_invariant=True)`` (the interpreter tier's Triton grouped MLP on
     the forced tiles; the gate GEMM on the CPU twin's fixed row blocks), fp32 (no output rounding to bf16 hides a
     difference in the last bits of the sums): tokens 0, 6, 11 and 16 alone give the bits they have inside a batch
@@ -297,4 +312,4 @@ def test_layer_a_token_alone_equals_the_token_in_a_batch_of_17(device, forced_la
         batch = moe(x)
         for i in (0, 6, 11, 16):
             assert rows_with_other_bits(moe(x[i:i + 1]), batch[i:i + 1]) == 0, f"token {i} alone, {dtype}"
-    assert forced_launches and all(config is not None for config in forced_launches), "not the forced tiles"
+    assert_mode_tiles(grouped_launches, "fp32", device)

@@ -155,3 +155,27 @@ def test_a_cpu_layer_has_no_eager_graphs():
             moe(torch.randn(4, moe.cfg.hidden_size))
     assert moe.eager_graphs is None
     moe.destroy()
+
+
+def test_warm_up_counts_cover_every_rows_bucket_and_each_specialization_of_t():
+    from moe_ref.layer.runtime import WARM_UP_MAX_TOKENS, warm_up_counts
+
+    assert warm_up_counts(1) == [1]
+    assert warm_up_counts(2) == [1, 2]
+    assert warm_up_counts(6) == [1, 2, 3, 4]
+    assert warm_up_counts(512) == [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert warm_up_counts(1 << 20)[-1] == WARM_UP_MAX_TOKENS
+
+
+def test_no_warm_up_on_the_cpu():
+    """The warm-up runs only where calls have no collective on CUDA: a CPU layer's first call runs its own tokens."""
+    from moe_ref import MegaMoE
+
+    moe = MegaMoE("tiny-kimi-k2", seed=0, dtype=torch.float32, num_max_tokens_per_rank=32)
+    seen = []
+    device_work = moe._device_work
+    moe._device_work = lambda x_TD, *args, **kwargs: (seen.append(x_TD.shape[0]), device_work(x_TD, *args,
+                                                                                                **kwargs))[1]
+    with torch.no_grad():
+        moe(torch.randn(5, moe.cfg.hidden_size))
+    assert seen == [5] and moe._warm and moe.routed_step.calls == 1

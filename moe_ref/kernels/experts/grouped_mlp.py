@@ -16,8 +16,9 @@ so a pool much bigger than its rows (the layer's whole pool, 128-aligned segment
 regime (<= 32 rows per expert: 0.9-1.6% faster than "grid" on one H200, docs/RESULTS.md) and "grid" above it (not
 measured there; a pool's padding is a small share of its rows).
 Tiles: autotuned per regime (`grouped_mlp_tiles`) or forced via `launch_gemm(..., config=...)`
-(`grouped_mlp(..., configs=...)` for both GEMMs). Loads: TMA descriptors on Hopper+ (pointer loads for unaligned
-rows, `MOE_REF_TMA=0`).
+(`grouped_mlp(..., configs=...)` for both GEMMs); in the batch-invariant mode (`batch_invariant=True`) only tiles
+that give a row the same bits (`moe_ref.kernels.runtime.fixed_tiles`). Loads: TMA descriptors on Hopper+ (pointer
+loads for unaligned rows, `MOE_REF_TMA=0`).
 FP8: per-row per-128 x scales times 128x128 weight block scales, applied per k-step (one FMA when the tile
 shares one weight scale). FP8 row blocks under 64 rows (decode) swap the MMA's operands, `acc.T = W @ x.T`, so the
 weights fill the 64-row side of Hopper's FP8 wgmma (docs/RESULTS.md, "Defaults, and the measurement
@@ -58,6 +59,7 @@ from moe_ref.kernels.runtime._triton_utils import (
 from moe_ref.kernels.experts import grouped_mlp_tiles as tiles
 from moe_ref.kernels.experts import tile_table
 from moe_ref.kernels.experts.grouped_mlp_tiles import GATE_UP_BLOCK
+from moe_ref.kernels.runtime import fixed_tiles
 from moe_ref.kernels.runtime.gpu_class import gpu_class_of
 from moe_ref.kernels.runtime.launch import bound_launches_on, launch
 from moe_ref.kernels.ep.pre_dispatch import dequantize_fp8_per_128, quantize_fp8_per_128
@@ -68,7 +70,7 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
 __all__ = ["GATE_UP_BLOCK", "SCHEDULES", "autotuned_kernel", "chosen_tiles", "clear_tuned_configs", "deinterleave_gate_up",
-           "grouped_mlp", "grouped_mlp_ref", "interleave_gate_up", "launch_gemm", "table_config"]
+           "grouped_mlp", "grouped_mlp_ref", "interleave_gate_up", "launch_gemm", "table_config", "tiles_recorded"]
 
 SCHEDULES = ("grid", "hinted", "persistent")  # how many programs a launch has (module docstring)
 
@@ -370,8 +372,10 @@ PERSISTENT_PROGRAMS_PER_SM = 2
 # autotune (the tile lists and their pruning live in moe_ref.kernels.experts.grouped_mlp_tiles)
 # --------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def autotuned_kernel():
-    """The grouped GEMM kernel wrapped in `triton.autotune` over `tiles.gpu_configs()` (built once, cached).
+def autotuned_kernel(same_bits: bool = False):
+    """The grouped GEMM kernel wrapped in `triton.autotune` over `tiles.gpu_configs()` (built once, cached); with
+    `same_bits` (the batch-invariant mode) over the tiles of the launch's bits class only
+    (`moe_ref.kernels.runtime.fixed_tiles.same_bits_tile`), so that its choice never changes a row's bits.
 
     What `launch_gemm(config=None)` launches on a GPU; its `.cache` maps each autotune key (rows_hint, the pool's
     rows bucket, N, K, num_experts and the kernel flags) to the `triton.Config` that won, which the benchmarks report.
@@ -380,7 +384,7 @@ def autotuned_kernel():
     slower there than on their own pool (2026-12-01, one H200; git history of docs/RESULTS.md).
 
     Args:
-        none.
+        same_bits: prune to the launch's bits class.
 
     Returns:
         the `triton.runtime.Autotuner` around `_grouped_gemm_kernel` (call as `autotuned_kernel()[grid](...)`).
@@ -389,7 +393,7 @@ def autotuned_kernel():
         configs=tiles.gpu_configs(),
         key=["rows_hint", "pool_rows_bucket", "N", "K", "num_experts", "ACTIVATION", "INTERLEAVED", "FP8", "QUANT_OUT",
              "USE_TMA", "PERSISTENT"],
-        prune_configs_by={"early_config_prune": tiles.prune_configs},
+        prune_configs_by={"early_config_prune": functools.partial(tiles.prune_configs, same_bits=same_bits)},
     )(_grouped_gemm_kernel)
 
 
@@ -440,7 +444,7 @@ def _tma_reason(device: torch.device, tma_switch: bool, interpreter: bool) -> st
 def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, n, k, activation,
                 situ_beta, situ_linear_beta, fp8, quant_out, rows_hint, interleaved: bool = False,
                 config: triton.Config | None = None, tma: bool | None = None, schedule: str | None = None,
-                add: torch.Tensor | None = None):
+                add: torch.Tensor | None = None, batch_invariant: bool = False):
     """One grouped GEMM: GEMM1 (`activation` "silu"/"situ", b = gate_up, its rows stacked or `interleaved`)
     or GEMM2 (`activation` "none"). `grouped_mlp` runs it twice; the tuner and the tests call it alone.
 
@@ -470,6 +474,9 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
             the decode regime of `rows_hint`, "grid" above it.
         add: None, or `[P, n]` of c's dtype (unit stride along n): c = a @ b.T + add on the rows inside segments,
             summed in fp32 and rounded once (GEMM2 only: `activation="none"`, not `quant_out`).
+        batch_invariant: launch only tiles of the precision's bits class (`fixed_tiles.same_bits_tile`: the tile
+            table's first in the class, else the autotuner over the class), or the one forced tile where the class is
+            one (`fixed_tiles.forced_grouped_configs`), so a row's bits do not depend on the row count.
 
     Returns:
         what the Triton launch returns (c and c_scale are written in place).
@@ -491,6 +498,10 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
     rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
+    precision = "fp8" if fp8 else "fp32" if a.dtype == torch.float32 else "16bit"
+    if batch_invariant and config is None:
+        forced = fixed_tiles.forced_grouped_configs(precision, a.device)
+        config = None if forced is None else forced[0 if activation != "none" else 1]
     if schedule is None:
         schedule = "hinted" if tiles.regime(rows_bucket, num_experts)[0] == "decode" else "grid"
     if schedule not in SCHEDULES:
@@ -572,36 +583,45 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     # A GPU class with a recorded tile table launches the recorded tile (no autotune at a new token count:
     # moe_ref.kernels.experts.tile_table); where it has none, or MOE_REF_AUTOTUNE=1, the autotuner chooses.
     tensors = (a, a_scale, b, b_scale, c, c_scale)
-    key = tuned_launch_key((rows_bucket, pool_bucket), n, k, num_experts, flags, tensors)
+    key = (*tuned_launch_key((rows_bucket, pool_bucket), n, k, num_experts, flags, tensors), batch_invariant)
     tuned = _TUNED.get(key) if bound_launches_on() else None
     if tuned is None:
-        recorded = table_config(a.device, n=n, k=k, num_experts=num_experts, flags=flags, rows_bucket=rows_bucket)
+        recorded = table_config(a.device, n=n, k=k, num_experts=num_experts, flags=flags, rows_bucket=rows_bucket,
+                                same_bits=precision if batch_invariant else None)
         if recorded is not None:
             tuned = recorded, keywords(tiles.forced_options(recorded))
             _TUNED[key], _CHOSEN_BY[key] = tuned, ("table", flags)
     if tuned is not None:
         chosen, keywords = tuned
         return launch(_grouped_gemm_kernel, grid(keywords), *arguments(chosen.kwargs), **keywords)
-    tuner = autotuned_kernel()
+    tuner = autotuned_kernel(same_bits=batch_invariant)
     out = tuner[grid](*arguments(None), **keywords({}))
     _TUNED[key] = tuner.best_config, keywords(tiles.forced_options(tuner.best_config))
     _CHOSEN_BY[key] = ("autotune", flags)
     return out
 
 
+def tiles_recorded(device: torch.device) -> bool:
+    """Whether launches on ``device`` take recorded tiles (``tile_table``): a table for its GPU class, and
+    ``MOE_REF_AUTOTUNE`` unset. Where not, the first launch of each shape key autotunes (seconds)."""
+    return gpu_class_of(device) in tile_table.load_table() and not envs.autotune()
+
+
 def table_config(device: torch.device, *, n: int, k: int, num_experts: int, flags: dict,
-                 rows_bucket: int) -> triton.Config | None:
-    """The recorded tile of a launch (``tile_table.candidates``' first one the kernel accepts for it), or None: no
-    table for ``device``'s GPU class, no entry with the launch's flags, none legal, or ``MOE_REF_AUTOTUNE=1``."""
-    entries = tile_table.load_table().get(gpu_class_of(device))
-    if entries is None or envs.autotune():
+                 rows_bucket: int, same_bits: str | None = None) -> triton.Config | None:
+    """The recorded tile of a launch (``tile_table.candidates``' first one the kernel accepts for it, and with
+    ``same_bits``, a precision, one of its bits class: ``fixed_tiles.same_bits_tile``), or None: no table for
+    ``device``'s GPU class, no entry with the launch's flags, none legal, or ``MOE_REF_AUTOTUNE=1``."""
+    if not tiles_recorded(device):
         return None
+    entries = tile_table.load_table()[gpu_class_of(device)]
     facts = dict(n=n, k=k, gated=flags["ACTIVATION"] != 0, fp8=flags["FP8"], quant_out=flags["QUANT_OUT"],
                  ieee_fp32=flags["IEEE_FP32"], interleaved=flags["INTERLEAVED"] and flags["ACTIVATION"] != 0)
     for tile in tile_table.candidates(entries, n=n, k=k, num_experts=num_experts, flags=flags,
                                       rows_bucket=rows_bucket):
         config = tiles.config_of_tile(tile)
-        if tiles.config_problem(config, **facts) is None:
+        if tiles.config_problem(config, **facts) is None and (same_bits is None
+                                                               or fixed_tiles.same_bits_tile(tile, same_bits)):
             return config
     return None
 
@@ -641,7 +661,8 @@ def clear_tuned_configs() -> None:
     """
     _TUNED.clear()
     _CHOSEN_BY.clear()
-    autotuned_kernel().cache.clear()
+    for same_bits in (False, True):
+        autotuned_kernel(same_bits).cache.clear()
 
 
 def tuned_launch_key(rows_buckets: tuple[int, int], n: int, k: int, num_experts: int, flags: dict,
@@ -728,6 +749,7 @@ def grouped_mlp(
     schedule: str | None = None,
     configs: tuple[triton.Config, triton.Config] | None = None,
     add_PDx: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Run every local expert's gated MLP on its rows of the receive pool (two Triton launches).
 
@@ -759,6 +781,8 @@ def grouped_mlp(
             `launch_gemm(..., config=...)` does (benchmarks comparing one tile on several inputs).
         add_PDx: None, or `[P, Dx]` of y's dtype added to the MLP's output in GEMM2's epilogue (its fp32 sums plus
             add, rounded once): the shared experts' output and the routed one summed without a launch of its own.
+        batch_invariant: tiles of the precision's bits class only (`launch_gemm`): a row's bits do not depend on
+            the rows hint or the other rows (the batch-invariant mode).
 
     Returns:
         y_PDx: `[P, Dx]` in x's dtype (bf16 for fp8 x), plus `add_PDx` on the rows inside segments; rows outside
@@ -795,12 +819,12 @@ def grouped_mlp(
     launch_gemm(x_PDx, x_scale_PDb, gate_up_weight_e2FD, gate_up_scale, h_PF, h_scale_PFb, row_start_e, num_rows_e,
                 n=inter, k=hidden, activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                 fp8=fp8, quant_out=fp8, rows_hint=rows_hint, interleaved=gate_up_interleaved,
-                config=gate_up_config, schedule=schedule)
+                config=gate_up_config, schedule=schedule, batch_invariant=batch_invariant)
     # GEMM2: y = h @ down.T
     launch_gemm(h_PF, h_scale_PFb, down_weight_eDF, down_scale, y_PDx, None, row_start_e, num_rows_e,
                 n=hidden, k=inter, activation="none", situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                 fp8=fp8, quant_out=False, rows_hint=rows_hint, config=down_config, schedule=schedule,
-                add=add_PDx)
+                add=add_PDx, batch_invariant=batch_invariant)
     return y_PDx
 
 

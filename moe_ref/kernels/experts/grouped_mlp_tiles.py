@@ -183,9 +183,10 @@ def config_problem(config: triton.Config, *, n: int, k: int, gated: bool, fp8: b
     return None
 
 
-def prune_configs(configs, named_args, **kwargs):
+def prune_configs(configs, named_args, same_bits: bool = False, **kwargs):
     """Keep the configs of this launch's regime (its FP8 list for FP8) that are legal (fp8 groups) and fit shared
-    memory."""
+    memory; with ``same_bits`` (the batch-invariant mode) only those of the launch's bits class
+    (``fixed_tiles.same_bits_tile``)."""
     _, tile_list = regime(named_args["rows_hint"], named_args["num_experts"], fp8=kwargs.get("FP8", False))
     allowed = {normalize_tile(tile) for tile in tile_list}
     ieee_fp32 = kwargs.get("IEEE_FP32", False)
@@ -193,6 +194,13 @@ def prune_configs(configs, named_args, **kwargs):
                  fp8=kwargs.get("FP8", False), quant_out=kwargs.get("QUANT_OUT", False), ieee_fp32=ieee_fp32,
                  interleaved=kwargs.get("INTERLEAVED", False) and kwargs.get("ACTIVATION", 0) != 0)
     kept = [config for config in configs if tile_of(config) in allowed and config_problem(config, **facts) is None]
+    if same_bits:
+        from moe_ref.kernels.runtime.fixed_tiles import GROUPED_MLP_TILES, same_bits_tile
+
+        precision = "fp8" if facts["fp8"] else "fp32" if ieee_fp32 else "16bit"
+        kept = [config for config in kept if same_bits_tile(tile_of(config), precision)]
+        if not kept:
+            return [config_of_tile(GROUPED_MLP_TILES[precision][0 if facts["gated"] else 1])]
     fallback_fp32 = (32, GATE_UP_BLOCK if facts["interleaved"] else 64, 32, 4, 2)
     fallback = config_of_tile(fallback_fp32 if ieee_fp32 else (64, GATE_UP_BLOCK, 64, 4, 3))
     return kept or [fallback]

@@ -1,18 +1,28 @@
-"""Fixed tiles: GEMMs whose order of additions for a row does not depend on how many rows the call has, or where
-the row sits among them (the batch-invariant mode's GEMMs: ``moe_ref.ep.batch_invariant``, docs/batch_invariance.md).
+"""Batch-invariant GEMMs: a row's order of additions does not depend on how many rows the call has, or where the
+row sits among them (the batch-invariant mode's GEMMs: ``moe_ref.ep.batch_invariant``, docs/batch_invariance.md).
 
-    fixed_tile_matmul(x_TI, w_OI, out_dtype)      -> [T, O]   one Triton tile for every T, no split-K (CUDA)
+    fixed_tile_matmul(x_TI, w_OI, out_dtype)      -> [T, O]   Triton, a tile of one bits class per T, no split-K (CUDA)
     fixed_tile_matmul_ref(x_TI, w_OI, out_dtype)  -> [T, O]   the torch twin: BLAS on blocks of FIXED_ROW_BLOCK rows
     in_row_blocks(fn, x_TI)                       -> fn's rows, fn called on zero-padded [FIXED_ROW_BLOCK, I] copies
-    GROUPED_MLP_TILES[precision]                  -> the grouped MLP's (GEMM1, GEMM2) tiles in this mode
+    same_bits_tile(tile, precision)               -> may the grouped MLP launch this tile in the mode (its bits class)
+    forced_grouped_configs(precision, device)     -> the grouped MLP's (GEMM1, GEMM2) configs where the class is one pair
 
 Why: a GEMM library picks its kernel by the problem's shape (MKL takes another code path for 1-3 rows; cuBLAS and
-the grouped MLP's autotuner pick tiles and split-K by the row count), and another kernel adds a row's products in another order.
-How: on CUDA one Triton tile config per precision, a program owning a BLOCK_M x BLOCK_N output tile and the whole K
-loop (a row's sum is the same for any row of any tile). On the CPU every call the BLAS sees has the same shape: the
-rows are copied into zero-padded blocks of FIXED_ROW_BLOCK rows. The assumption, checked on the machine by
-tests/unit/test_batch_invariant.py: a BLAS call of one fixed shape gives a row the same bits wherever it sits in the
-block and whatever the other rows hold.
+the grouped MLP's autotuner pick tiles and split-K by the row count), and another kernel adds a row's products in
+another order.
+How, on CUDA: a program owns a BLOCK_M x BLOCK_N output tile and the whole K loop (no split-K), so a row's sum is a
+chain of MMA steps along K whatever tile holds it. Where the MMA instructions' chain is the same for several tiles,
+those tiles give a row the same bits, and the mode may pick among them by the row count (fast at every T) without
+breaking the contract. Probed on one H100 (sm_90; 2026-12-07, ``scripts/probe_tile_bits.py``, docs/RESULTS.md): one
+set of bits over every tile tried (bf16 and fp32 matmul: BLOCK_M and BLOCK_N 16-128, BLOCK_K 16-128, 4 or 8 warps,
+3 or 5 stages; the bf16 grouped MLP: every tile of its lists, each schedule, TMA or pointer loads). The FP8 grouped
+MLP scales each k-step's partial product before adding it, so its BLOCK_K is part of the order: its class is
+BLOCK_K 128 (one scale group per step) with BLOCK_N <= 128 (BLOCK_N 256 gave other bits). On a GPU not probed
+(``SAME_BITS_CAPABILITIES``) and under the interpreter every GEMM keeps one tile per precision. The GPU suite checks
+the class on the GPU it runs on (tests/gpu/test_batch_invariant_cuda.py).
+How, on the CPU: every call the BLAS sees has the same shape: the rows are copied into zero-padded blocks of
+FIXED_ROW_BLOCK rows. The assumption, checked on the machine by tests/unit/test_batch_invariant.py: a BLAS call of
+one fixed shape gives a row the same bits wherever it sits in the block and whatever the other rows hold.
 
 The twin is not bitwise equal to the kernel (another order of additions); each is invariant on its own.
 
@@ -30,17 +40,30 @@ from moe_ref.core.errors import DTypeError, ShapeError
 from moe_ref.kernels.runtime._triton_utils import cdiv, check_device, is_interpreter
 from moe_ref.kernels.runtime.launch import launch
 
-__all__ = ["FIXED_ROW_BLOCK", "GROUPED_MLP_TILES", "fixed_tile_matmul", "fixed_tile_matmul_ref", "grouped_mlp_configs",
-           "in_row_blocks"]
+__all__ = ["FIXED_ROW_BLOCK", "GROUPED_MLP_TILES", "SAME_BITS_CAPABILITIES", "classes_probed", "fixed_tile_matmul",
+           "fixed_tile_matmul_ref", "forced_grouped_configs", "in_row_blocks", "matmul_tile", "same_bits_tile"]
 
 # Rows of every BLAS call on the CPU path: small, so a decode step pads few rows.
 FIXED_ROW_BLOCK = 16
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of fixed_tile_matmul: 16-bit operands, fp32 (IEEE) operands
+# Compute capabilities where the bits classes below were probed (module doc); elsewhere one tile per precision.
+SAME_BITS_CAPABILITIES = ((9, 0),)
+# fixed_tile_matmul's tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): per operand precision, rules
+# (largest T, largest O, tile), the first that fits the call; all of one bits class where probed. The fastest of
+# the probe's candidates on one H100 (us per GEMM, 2026-12-07): the router's [T, 7168] x [384, 7168] at T <= 128
+# 18 us on (64, 16, 128) against 49 on the single tile (64, 64, 64) and 11-13 for cuBLAS; at T = 4096 65 against 69
+# and 44; a shared expert's [T, 7168] x [4096, 7168] 35-37 us at T <= 128, level with cuBLAS.
+_MATMUL_TILE_RULES = {
+    "16bit": ((256, 1024, (64, 16, 128, 4, 5)), (2048, 1024, (64, 64, 128, 4, 5)), (None, 1024, (128, 128, 64, 4, 5)),
+              (32, None, (16, 32, 128, 4, 5)), (256, None, (64, 64, 128, 4, 5)), (None, None, (128, 128, 64, 8, 3))),
+    "fp32": ((256, None, (16, 16, 32, 4, 2)), (None, None, (64, 64, 32, 4, 2))),
+}
+# the one tile per precision where no class was probed (the first mode's tiles)
 _MATMUL_TILES = {"16bit": (64, 64, 64, 4, 3), "fp32": (32, 64, 32, 4, 2)}
 _INTERPRETER_TILE = (16, 32, 32, 1, 1)  # small and fast on the CPU interpreter (its own fixed tile)
-# The grouped MLP's tiles in this mode, (GEMM1, GEMM2) per precision, as its tile lists write them (BLOCK_M, BLOCK_N,
-# BLOCK_K, num_warps, num_stages): entries of its own lists, legal for each GEMM (fp8: BLOCK_N 128 for GEMM1's fp8
-# epilogue and the interleaved gate/up blocks, BLOCK_K dividing 128), one per precision whatever the row count.
+# The grouped MLP's one (GEMM1, GEMM2) tile pair per precision, as its tile lists write them (BLOCK_M, BLOCK_N,
+# BLOCK_K, num_warps, num_stages): legal for each GEMM (fp8: BLOCK_N 128 for GEMM1's fp8 epilogue and the
+# interleaved gate/up blocks, BLOCK_K dividing 128). Where a precision's class was probed the mode launches any tile
+# of the class (``same_bits_tile``); elsewhere this pair, whatever the row count.
 GROUPED_MLP_TILES = {
     "16bit": ((64, 128, 64, 4, 4), (64, 128, 64, 4, 4)),
     "fp8": ((64, 128, 128, 8, 3), (64, 128, 128, 8, 3)),
@@ -48,12 +71,45 @@ GROUPED_MLP_TILES = {
 }
 
 
-def grouped_mlp_configs(precision: str) -> tuple:
-    """``GROUPED_MLP_TILES[precision]`` as the grouped MLP's forced (GEMM1, GEMM2) ``triton.Config`` pair
-    (``"16bit"``, ``"fp8"`` or ``"fp32"``)."""
+def classes_probed(device: torch.device) -> bool:
+    """Whether the bits classes hold on ``device``: a CUDA device of ``SAME_BITS_CAPABILITIES``, not interpreted."""
+    return (device.type == "cuda" and not is_interpreter()
+            and tuple(torch.cuda.get_device_capability(device)) in SAME_BITS_CAPABILITIES)
+
+
+def same_bits_tile(tile: tuple, precision: str) -> bool:
+    """Whether the grouped MLP's ``tile`` (BLOCK_M, BLOCK_N, BLOCK_K, ...) is in the bits class of ``precision``
+    (``"16bit"``, ``"fp8"``, ``"fp32"``) on a probed GPU (module doc): any tile for 16-bit operands; BLOCK_K 128 and
+    BLOCK_N <= 128 for FP8; for fp32 (not probed) only ``GROUPED_MLP_TILES``' pair."""
+    if precision == "16bit":
+        return True
+    if precision == "fp8":
+        return tile[2] == 128 and tile[1] <= 128
+    return tuple(tile[:5]) in GROUPED_MLP_TILES[precision]
+
+
+def forced_grouped_configs(precision: str, device: torch.device) -> tuple | None:
+    """The grouped MLP's forced (GEMM1, GEMM2) ``triton.Config`` pair in the batch-invariant mode on ``device``:
+    ``GROUPED_MLP_TILES[precision]`` where the class is that pair (a GPU not probed, the interpreter, fp32), None
+    where the launch may take any tile of the class (``same_bits_tile``: the tile table's or the autotuner's)."""
+    if classes_probed(device) and precision != "fp32":
+        return None
     from moe_ref.kernels.experts.grouped_mlp_tiles import config_of_tile
 
     return tuple(config_of_tile(tile) for tile in GROUPED_MLP_TILES[precision])
+
+
+def matmul_tile(precision: str, num_rows: int, num_cols: int, device: torch.device) -> tuple:
+    """``fixed_tile_matmul``'s tile for a ``[num_rows, I] x [num_cols, I]`` call of ``precision`` (``"16bit"`` or
+    ``"fp32"``) on ``device``: by the rules where the class was probed, else the precision's one tile."""
+    if is_interpreter():
+        return _INTERPRETER_TILE
+    if not classes_probed(device):
+        return _MATMUL_TILES[precision]
+    for max_rows, max_cols, tile in _MATMUL_TILE_RULES[precision]:
+        if (max_rows is None or num_rows <= max_rows) and (max_cols is None or num_cols <= max_cols):
+            return tile
+    raise AssertionError("the last rule of each precision takes every call")
 
 
 _TL_OUT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -106,7 +162,8 @@ def _check_args(x_TI: torch.Tensor, w_OI: torch.Tensor, out_dtype: torch.dtype) 
 
 
 def fixed_tile_matmul(x_TI: torch.Tensor, w_OI: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``x_TI @ w_OI.T`` with fp32 sums, rounded once to ``out_dtype``: one tile for every T (module doc).
+    """``x_TI @ w_OI.T`` with fp32 sums, rounded once to ``out_dtype``: the tile of ``matmul_tile`` (one bits class
+    for every T; module doc).
 
     Args:
         x_TI: ``[T, I]`` fp32/fp16/bf16 (CUDA, or the CPU under the interpreter).
@@ -126,8 +183,8 @@ def fixed_tile_matmul(x_TI: torch.Tensor, w_OI: torch.Tensor, out_dtype: torch.d
     if x_TI.shape[1] == 0:
         return y_TO.zero_()
     ieee = x_TI.dtype == torch.float32
-    block_m, block_n, block_k, warps, stages = (_INTERPRETER_TILE if is_interpreter()
-                                                else _MATMUL_TILES["fp32" if ieee else "16bit"])
+    block_m, block_n, block_k, warps, stages = matmul_tile("fp32" if ieee else "16bit", num_rows, num_cols,
+                                                           x_TI.device)
     launch(_fixed_tile_matmul_kernel, (cdiv(num_rows, block_m), cdiv(num_cols, block_n)),
            x_TI, w_OI, y_TO, num_rows, num_cols, x_TI.shape[1],
            x_TI.stride(0), x_TI.stride(1), w_OI.stride(0), w_OI.stride(1), y_TO.stride(0), y_TO.stride(1),

@@ -54,7 +54,7 @@ def routing_check(topk_ids_TK: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_DS: torch.Tensor,
               activation: str = "silu", situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-              add_TD: torch.Tensor | None = None, configs: tuple | None = None) -> torch.Tensor:
+              add_TD: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """One gated MLP over all rows (the shared experts): ``[T, D] -> [T, D]`` in ``x_TD``'s dtype, plus ``add_TD``
     (``[T, D]`` of x's dtype: the routed experts' output) when given.
 
@@ -62,8 +62,8 @@ def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_
     first GEMM, on its fp32 accumulators; ``add_TD`` added in the second GEMM's epilogue to its fp32 sums, rounded
     once, where x's dtype is the weights'), against six torch ops, two cuBLAS calls and the add of
     ``activations.dense_mlp`` + ``add_TD`` (its twin: same math, which rounds each GEMM's output to the weights'
-    dtype, so the two differ by those roundings). ``configs``: the kernel's (GEMM1, GEMM2) tiles, forced (the
-    batch-invariant mode's); None: the tile table's or the autotuner's for the row count.
+    dtype, so the two differ by those roundings). ``batch_invariant``: the kernel launches tiles of one bits class
+    only (``grouped_mlp``'s argument: a row's bits do not depend on T).
     """
     weights_dtype, num_tokens = gate_up_weight_2SD.dtype, x_TD.shape[0]
     kernel = (uses_triton(x_TD.device) and weights_dtype in (torch.bfloat16, torch.float16) and num_tokens > 0
@@ -75,7 +75,7 @@ def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_
                                    down_weight_DS.unsqueeze(0), layout[:1], layout[1:2], activation, situ_beta,
                                    situ_linear_beta, num_rows_hint=num_tokens, zero_unused_rows=False,
                                    add_PDx=add_TD.contiguous() if fused_add else None,
-                                   configs=configs).to(x_TD.dtype)
+                                   batch_invariant=batch_invariant).to(x_TD.dtype)
     else:
         y_TD = _dense_mlp_ref(x_TD, gate_up_weight_2SD, down_weight_DS, activation, situ_beta, situ_linear_beta)
     # otherwise one add in x's dtype: torch adds bf16/fp16 in fp32 and rounds once
