@@ -386,3 +386,41 @@ def test_tuner_alignment_packs_the_segments_and_sweeps_on_cpu(tmp_path, monkeypa
     lines = tune.paste_blocks(results, forced)
     assert list(_credited_tiles(lines)) == [new_tile], lines
     _assert_paste_blocks_credit_the_run("\n".join(lines), forced, "--alignment 1")
+
+
+# --- the batch-invariant mode: only tiles of the launch's bits class (kernels.runtime.fixed_tiles) -------------------
+
+@pytest.mark.parametrize("rows_hint", [64, 4096, 32768])
+def test_same_bits_pruning_keeps_only_the_fp8_class(rows_hint):
+    """FP8 launches in the mode autotune over BLOCK_K 128, BLOCK_N <= 128 tiles only; where the regime's list has
+    none left, the precision's one tile of GROUPED_MLP_TILES runs. 16-bit launches keep every tile (one class)."""
+    from moe_ref.kernels.runtime.fixed_tiles import GROUPED_MLP_TILES, same_bits_tile
+
+    named = {"rows_hint": rows_hint, "num_experts": 48, **_KIMI_GATE_UP}
+    for flags, precision in ((_FP8_GATE_UP, "fp8"), (_BF16_GATE_UP, "16bit")):
+        every = [tiles.tile_of(c) for c in tiles.prune_configs(tiles.gpu_configs(), named, **flags)]
+        kept = [tiles.tile_of(c) for c in tiles.prune_configs(tiles.gpu_configs(), named, same_bits=True, **flags)]
+        assert kept and all(same_bits_tile(t, precision) for t in kept), kept
+        assert kept == [t for t in every if same_bits_tile(t, precision)] or kept == [GROUPED_MLP_TILES[precision][0]]
+    assert not same_bits_tile((64, 128, 64, 4, 4), "fp8") and not same_bits_tile((64, 256, 128, 8, 4, 8), "fp8")
+    assert same_bits_tile((16, 128, 128, 4, 5), "fp8") and same_bits_tile((128, 256, 64, 8, 3), "16bit")
+    assert [same_bits_tile(t, "fp32") for t in GROUPED_MLP_TILES["fp32"]] == [True, True]
+    assert not same_bits_tile((64, 64, 64, 4, 4), "fp32")
+
+
+def test_the_mode_skips_recorded_tiles_outside_the_class(monkeypatch):
+    """``table_config(..., same_bits=...)``: the first recorded candidate of the bits class, past a nearer one
+    outside it; without ``same_bits`` the nearer one."""
+    from moe_ref.kernels.experts import tile_table
+
+    entry = lambda rows, tile: tile_table.TileEntry(  # noqa: E731
+        n=2048, k=7168, experts=48, rows=rows, flags=tile_table.matched_flags(flags), tile=tile)
+    flags = dict(ACTIVATION=1, INTERLEAVED=True, FP8=True, QUANT_OUT=True, USE_TMA=True, PERSISTENT=False,
+                 IEEE_FP32=False, ADD=False)
+    table = {"9.0/TEST GPU": [entry(4096, (64, 128, 64, 4, 4)), entry(32768, (64, 128, 128, 8, 3))]}
+    monkeypatch.setattr(tile_table, "load_table", lambda path=None: table)
+    monkeypatch.setattr(gm, "gpu_class_of", lambda device: "9.0/TEST GPU")
+    facts = dict(n=2048, k=7168, num_experts=48, flags=flags, rows_bucket=4096)
+    assert tiles.tile_of(gm.table_config("cuda", **facts)) == (64, 128, 64, 4, 4)
+    assert tiles.tile_of(gm.table_config("cuda", same_bits="fp8", **facts)) == (64, 128, 128, 8, 3)
+    assert gm.tiles_recorded("cuda")

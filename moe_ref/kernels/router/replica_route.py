@@ -16,8 +16,8 @@ overflows: the key sums C <= 16 products of a 32-bit value and a multiplier belo
 key by 2654435761 < 2^32), so the kernel equals its twin ``replica_route_ref`` bitwise. No host sync and no
 allocation that depends on data: graph-safe.
 
-Shape legend: T tokens, K top-k, D hidden width, C key columns (min(NUM_KEY_COLUMNS, D)), E logical experts, Ph
-physical slots, W = Ph - E + 1 (the table's width: the most replicas an expert can have).
+Shape legend: T tokens, K top-k, D hidden width, E experts (logical), Ph physical slots. The key columns
+(min(NUM_KEY_COLUMNS, D)) and the table's width (Ph - E + 1: the most replicas an expert can have) have no letter.
 """
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ def token_key(x_TD: torch.Tensor, key_columns: torch.Tensor, key_multipliers: to
 
     Args:
         x_TD: ``[T, D]`` fp32, fp16 or bf16 hidden states.
-        key_columns: ``[C]`` int64 column indices in ``[0, D)``.
-        key_multipliers: ``[C]`` int64 odd multipliers ``< 2^26``, one per column.
+        key_columns: ``[min(NUM_KEY_COLUMNS, D)]`` int64 column indices in ``[0, D)``.
+        key_multipliers: int64 odd multipliers ``< 2^26``, one per column.
     """
-    bits_TC = key_bits(x_TD).index_select(1, key_columns).to(torch.int64)
-    mixed_T = ((bits_TC & 0xFFFFFFFF) * key_multipliers).sum(dim=1)
+    bits_T_ = key_bits(x_TD).index_select(1, key_columns).to(torch.int64)
+    mixed_T = ((bits_T_ & 0xFFFFFFFF) * key_multipliers).sum(dim=1)
     return (mixed_T ^ (mixed_T >> 31)) & 0x7FFFFFFF
 
 
@@ -112,10 +112,11 @@ def replica_route(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, key_columns: to
     Args:
         x_TD: ``[T, D]`` bf16, fp16 or fp32 hidden states (the key's bits), any strides.
         topk_ids_TK: ``[T, K]`` int64 or int32 logical ids, any strides.
-        key_columns: ``[C]`` int64 columns in ``[0, D)``. key_multipliers: ``[C]`` int64, below 2^26.
+        key_columns: ``[min(NUM_KEY_COLUMNS, D)]`` int64 columns in ``[0, D)``.
+        key_multipliers: int64, one per column, below 2^26.
         replica_count_E: ``[E]`` int64, each >= 1, contiguous.
-        logical_to_physical_E_: ``[E, W]`` int64, unit stride along W: row l's first ``replica_count_E[l]``
-            entries are expert l's slots in increasing order.
+        logical_to_physical_E_: ``[E, Ph - E + 1]`` int64, unit stride along its rows: row l's first
+            ``replica_count_E[l]`` entries are expert l's slots in increasing order.
         num_experts: E. num_physical: Ph.
 
     Returns:

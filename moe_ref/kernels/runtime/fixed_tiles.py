@@ -5,7 +5,7 @@ row sits among them (the batch-invariant mode's GEMMs: ``moe_ref.ep.batch_invari
     fixed_tile_matmul_ref(x_TI, w_OI, out_dtype)  -> [T, O]   the torch twin: BLAS on blocks of FIXED_ROW_BLOCK rows
     in_row_blocks(fn, x_TI)                       -> fn's rows, fn called on zero-padded [FIXED_ROW_BLOCK, I] copies
     same_bits_tile(tile, precision)               -> may the grouped MLP launch this tile in the mode (its bits class)
-    forced_grouped_configs(precision, device)     -> the grouped MLP's (GEMM1, GEMM2) configs where the class is one pair
+    forced_grouped_configs(precision, device)     -> the grouped MLP's (GEMM1, GEMM2) pair where the class is that pair
 
 Why: a GEMM library picks its kernel by the problem's shape (MKL takes another code path for 1-3 rows; cuBLAS and
 the grouped MLP's autotuner pick tiles and split-K by the row count), and another kernel adds a row's products in
