@@ -20,36 +20,10 @@ from pathlib import Path
 import torch
 
 from moe_ref.core.errors import PlacementError
+from moe_ref.kernels.router.replica_route import replica_index
 
 FILE_FORMAT = "moe_ref.eplb.placement"
 FILE_VERSION = 1
-# replica_for's hash: Knuth's multiplicative constant (odd, so token -> hash is a bijection mod 2^32) and a second
-# odd constant that moves the top-k slot to another replica.
-_TOKEN_MULTIPLIER = 2654435761
-_SLOT_MULTIPLIER = 40503
-_HASH_MASK = (1 << 32) - 1
-_HASH_SHIFT = 16
-
-
-def replica_index(token_key: torch.Tensor, slot_idx: torch.Tensor, replica_count: torch.Tensor) -> torch.Tensor:
-    """Which of an expert's replicas serves one (token, k) entry: the one rule of EPLB's replica choice.
-
-    ``h = ((key mod 2^31) * 2654435761 + k * 40503) mod 2^32``, ``replica = (h >> 16) mod c``: a function of the
-    token's key, its top-k slot k and the expert's replica count c only, never of where the token sits in a batch,
-    so every rank, chunking and micro-batching agree; distinct keys spread about evenly over the replicas.
-
-    Args:
-        token_key: ``>= 0`` int64 (any shape broadcastable with the others).
-        slot_idx: top-k slots in ``[0, K)``, int64.
-        replica_count: the expert's replica count, ``>= 1``, int64.
-
-    Returns:
-        replica: the broadcast shape, int64 in ``[0, c)``.
-    """
-    mixed = ((token_key & 0x7FFFFFFF) * _TOKEN_MULTIPLIER + slot_idx * _SLOT_MULTIPLIER) & _HASH_MASK
-    return (mixed >> _HASH_SHIFT) % replica_count
-
-
 @dataclass(frozen=True, eq=False)  # tensors have no truth value: compare physical_to_logical_LyPh
 class Placement:
     """The physical slots of every MoE layer and the logical expert each holds (checked on construction).

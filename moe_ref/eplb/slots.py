@@ -13,7 +13,7 @@ tables that send each routed (token, k) to one replica of its logical expert.
       deployment_slots(cfg, R, N, placement)   the same two calls (resolve_slots, step_config) without a group:
                                       what moe-ref plan / check count (Ph / R slots per rank, the layer's coded errors)
 
-Replica choice (``to_physical``): ``placement.replica_index(token_key(x), k, replica count)``, one Triton launch on
+Replica choice (``to_physical``): ``replica_index(token_key(x), k, replica count)``, one Triton launch on
 CUDA, its torch twin elsewhere (both, and ``token_key``, in ``moe_ref.kernels.router.replica_route``). The key is a
 hash of the bits of ``NUM_KEY_COLUMNS`` fixed, evenly spaced columns of the token's hidden state: a function of the
 token's content only, so a token gets the same replica whichever rank, batch position, chunk or micro-batch it is

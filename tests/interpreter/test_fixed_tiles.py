@@ -28,7 +28,7 @@ from moe_ref.kernels.experts.grouped_mlp_tiles import tile_of
 from moe_ref.kernels.router.router_topk import router_topk
 from moe_ref.kernels.runtime._triton_utils import is_interpreter
 from moe_ref.kernels.runtime.fixed_tiles import (GROUPED_MLP_TILES, fixed_tile_matmul, fixed_tile_matmul_ref,
-                                                 forced_grouped_configs, same_bits_tile)
+                                                 forced_grouped_tiles, same_bits_tile)
 
 pytestmark = pytest.mark.interpreter
 
@@ -89,9 +89,9 @@ def grouped_launches(monkeypatch):
 def assert_mode_tiles(launched: list, precision: str, device) -> None:
     """Every grouped launch of the mode took a tile it may take: the precision's one pair where the class is that
     pair (the interpreter, a GPU not probed), else a tile of its bits class."""
-    forced = forced_grouped_configs(precision, torch.device(device))
+    forced = forced_grouped_tiles(precision, torch.device(device))
     if forced is not None:
-        pair = {tile_of(config)[:3] for config in forced}
+        pair = {tile[:3] for tile in forced}
         assert launched and all(tile in pair for tile in launched), (launched, pair)
     else:
         assert all(same_bits_tile(tile, precision) for tile in launched), launched
@@ -197,7 +197,7 @@ def test_grouped_mlp_rows_do_not_depend_on_their_segment(dtype, device, assert_c
     x = randn(int(counts.sum()), HIDDEN, dtype=dtype, device=device, seed=12)
     y = experts(x, base)
     precision = "fp32" if dtype == torch.float32 else "16bit"
-    if forced_grouped_configs(precision, torch.device(device)) is not None:
+    if forced_grouped_tiles(precision, torch.device(device)) is not None:
         assert grouped_launches == [tile[:3] for tile in GROUPED_MLP_TILES[precision]], grouped_launches
     assert_close(y, gm.grouped_mlp_ref(x, gate_up, down, base.row_start_e, counts), dtype, dtype=dtype)
 

@@ -40,7 +40,7 @@ def gpu_path(monkeypatch):
     """launch_gemm as on a GPU, with the autotuner and the kernel replaced by recorders."""
     tuner, kernel = _Launches(), _Launches()
     monkeypatch.setattr(gm, "is_interpreter", lambda: False)
-    monkeypatch.setattr(gm, "autotuned_kernel", lambda: tuner)
+    monkeypatch.setattr(gm, "autotuned_kernel", lambda same_bits=False: tuner)
     monkeypatch.setattr(gm, "_grouped_gemm_kernel", kernel)
     monkeypatch.setattr(gm, "launch", lambda jit_fn, grid, *args, **kwargs: jit_fn[grid](*args, **kwargs))
     monkeypatch.setattr(gm, "_TUNED", {})

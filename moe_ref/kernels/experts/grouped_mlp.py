@@ -476,7 +476,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
             summed in fp32 and rounded once (GEMM2 only: `activation="none"`, not `quant_out`).
         batch_invariant: launch only tiles of the precision's bits class (`fixed_tiles.same_bits_tile`: the tile
             table's first in the class, else the autotuner over the class), or the one forced tile where the class is
-            one (`fixed_tiles.forced_grouped_configs`), so a row's bits do not depend on the row count.
+            one (`fixed_tiles.forced_grouped_tiles`), so a row's bits do not depend on the row count.
 
     Returns:
         what the Triton launch returns (c and c_scale are written in place).
@@ -500,8 +500,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
     precision = "fp8" if fp8 else "fp32" if a.dtype == torch.float32 else "16bit"
     if batch_invariant and config is None:
-        forced = fixed_tiles.forced_grouped_configs(precision, a.device)
-        config = None if forced is None else forced[0 if activation != "none" else 1]
+        forced = fixed_tiles.forced_grouped_tiles(precision, a.device)
+        config = None if forced is None else tiles.config_of_tile(forced[0 if activation != "none" else 1])
     if schedule is None:
         schedule = "hinted" if tiles.regime(rows_bucket, num_experts)[0] == "decode" else "grid"
     if schedule not in SCHEDULES:

@@ -5,7 +5,7 @@
 Per token t and top-k slot k (the rule of ``moe_ref.eplb.slots``' module doc):
     key_t   = token_key(x_t): the bits of the ``key_columns`` of row t (int16 for 16-bit x, int32 for fp32),
               m = sum_c (bits_c & 0xFFFFFFFF) * multiplier_c, key = (m ^ (m >> 31)) & 0x7FFFFFFF       (int64)
-    replica = replica_index(key_t, k, replica_count_E[id])              (``moe_ref.eplb.placement``)
+    replica = replica_index(key_t, k, replica_count_E[id])              (below; ``moe_ref.eplb`` uses it too)
     slot    = logical_to_physical_E_[id, replica]   for id in [0, E); -1 stays -1, an id >= E becomes Ph, an id
               below -1 stays itself (the routing check reports both)
 
@@ -26,11 +26,10 @@ import triton
 import triton.language as tl
 
 from moe_ref.core.errors import DTypeError
-from moe_ref.eplb.placement import _HASH_MASK, _HASH_SHIFT, _SLOT_MULTIPLIER, _TOKEN_MULTIPLIER, replica_index
 from moe_ref.kernels.runtime._triton_utils import cdiv, check_device, next_power_of_2
 from moe_ref.kernels.runtime.launch import launch
 
-__all__ = ["replica_route", "replica_route_ref", "token_key"]
+__all__ = ["replica_index", "replica_route", "replica_route_ref", "token_key"]
 
 # one program per 32 tokens: at T = 4096, 128 programs (about one per SM of an H100)
 BLOCK_T = 32
@@ -38,6 +37,33 @@ BLOCK_T = 32
 _KEY_BITS_DTYPES = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _LOW_32_BITS = tl.constexpr(0xFFFFFFFF)
 _KEY_MASK = tl.constexpr(0x7FFFFFFF)
+# replica_index's hash: Knuth's multiplicative constant (odd, so token -> hash is a bijection mod 2^32) and a second
+# odd constant that moves the top-k slot to another replica.
+_TOKEN_MULTIPLIER = 2654435761
+_SLOT_MULTIPLIER = 40503
+_HASH_MASK = (1 << 32) - 1
+_HASH_SHIFT = 16
+
+
+def replica_index(token_key: torch.Tensor, slot_idx: torch.Tensor, replica_count: torch.Tensor) -> torch.Tensor:
+    """Which of an expert's replicas serves one (token, k) entry: the one rule of EPLB's replica choice.
+
+    ``h = ((key mod 2^31) * 2654435761 + k * 40503) mod 2^32``, ``replica = (h >> 16) mod c``: a function of the
+    token's key, its top-k slot k and the expert's replica count c only, never of where the token sits in a batch,
+    so every rank, chunking and micro-batching agree; distinct keys spread about evenly over the replicas.
+
+    Args:
+        token_key: ``>= 0`` int64 (any shape broadcastable with the others).
+        slot_idx: top-k slots in ``[0, K)``, int64.
+        replica_count: the expert's replica count, ``>= 1``, int64.
+
+    Returns:
+        replica: the broadcast shape, int64 in ``[0, c)``.
+    """
+    mixed = ((token_key & 0x7FFFFFFF) * _TOKEN_MULTIPLIER + slot_idx * _SLOT_MULTIPLIER) & _HASH_MASK
+    return (mixed >> _HASH_SHIFT) % replica_count
+
+
 _TL_TOKEN_MULTIPLIER, _TL_SLOT_MULTIPLIER = tl.constexpr(_TOKEN_MULTIPLIER), tl.constexpr(_SLOT_MULTIPLIER)
 _TL_HASH_MASK, _TL_HASH_SHIFT = tl.constexpr(_HASH_MASK), tl.constexpr(_HASH_SHIFT)
 

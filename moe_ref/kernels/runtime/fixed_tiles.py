@@ -5,7 +5,7 @@ row sits among them (the batch-invariant mode's GEMMs: ``moe_ref.ep.batch_invari
     fixed_tile_matmul_ref(x_TI, w_OI, out_dtype)  -> [T, O]   the torch twin: BLAS on blocks of FIXED_ROW_BLOCK rows
     in_row_blocks(fn, x_TI)                       -> fn's rows, fn called on zero-padded [FIXED_ROW_BLOCK, I] copies
     same_bits_tile(tile, precision)               -> may the grouped MLP launch this tile in the mode (its bits class)
-    forced_grouped_configs(precision, device)     -> the grouped MLP's (GEMM1, GEMM2) pair where the class is that pair
+    forced_grouped_tiles(precision, device)       -> the grouped MLP's (GEMM1, GEMM2) pair where the class is that pair
 
 Why: a GEMM library picks its kernel by the problem's shape (MKL takes another code path for 1-3 rows; cuBLAS and
 the grouped MLP's autotuner pick tiles and split-K by the row count), and another kernel adds a row's products in
@@ -41,7 +41,7 @@ from moe_ref.kernels.runtime._triton_utils import cdiv, check_device, is_interpr
 from moe_ref.kernels.runtime.launch import launch
 
 __all__ = ["FIXED_ROW_BLOCK", "GROUPED_MLP_TILES", "SAME_BITS_CAPABILITIES", "classes_probed", "fixed_tile_matmul",
-           "fixed_tile_matmul_ref", "forced_grouped_configs", "in_row_blocks", "matmul_tile", "same_bits_tile"]
+           "fixed_tile_matmul_ref", "forced_grouped_tiles", "in_row_blocks", "matmul_tile", "same_bits_tile"]
 
 # Rows of every BLAS call on the CPU path: small, so a decode step pads few rows.
 FIXED_ROW_BLOCK = 16
@@ -88,15 +88,13 @@ def same_bits_tile(tile: tuple, precision: str) -> bool:
     return tuple(tile[:5]) in GROUPED_MLP_TILES[precision]
 
 
-def forced_grouped_configs(precision: str, device: torch.device) -> tuple | None:
-    """The grouped MLP's forced (GEMM1, GEMM2) ``triton.Config`` pair in the batch-invariant mode on ``device``:
+def forced_grouped_tiles(precision: str, device: torch.device) -> tuple | None:
+    """The grouped MLP's forced (GEMM1, GEMM2) tile pair in the batch-invariant mode on ``device``:
     ``GROUPED_MLP_TILES[precision]`` where the class is that pair (a GPU not probed, the interpreter, fp32), None
     where the launch may take any tile of the class (``same_bits_tile``: the tile table's or the autotuner's)."""
     if classes_probed(device) and precision != "fp32":
         return None
-    from moe_ref.kernels.experts.grouped_mlp_tiles import config_of_tile
-
-    return tuple(config_of_tile(tile) for tile in GROUPED_MLP_TILES[precision])
+    return GROUPED_MLP_TILES[precision]
 
 
 def matmul_tile(precision: str, num_rows: int, num_cols: int, device: torch.device) -> tuple:
