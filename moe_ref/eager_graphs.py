@@ -20,7 +20,8 @@ replay's output is cloned before the next replay on the stream; calls of layers 
 ``eager_graph_max_tokens=0``. Each graph keeps only what a failed check needs to name the bad tokens (the router
 logits ``[T, E]`` fp32, the top-k ids and weights ``[T, K]``). A layer keeps at most ``MAX_GRAPHS`` graphs (the
 least recently used goes). Loading weights or ``destroy()`` drops a layer's graphs (they hold the addresses of
-the weights and buffers they were captured with).
+the weights and buffers they were captured with). ``graph_memory(device)`` tells what the graphs hold (the pool's
+reserved bytes, the I/O buffers); the layer's repr shows it (``EagerGraphs.describe``).
 
 Shape legend: T tokens of this rank, D hidden.
 """
@@ -37,7 +38,7 @@ import torch
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.ep.routed_step import RoutedStep
 
-__all__ = ["EagerGraphs", "MAX_GRAPHS"]
+__all__ = ["EagerGraphs", "MAX_GRAPHS", "graph_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,13 @@ class EagerGraphs:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def describe(self) -> str:
+        """One line for the layer's repr: this layer's graphs and what every layer's graphs on the device hold."""
+        memory = graph_memory(self.device)
+        pool = "unknown" if memory["pool_bytes"] is None else f"{memory['pool_bytes'] / 2**20:.1f} MiB"
+        return (f"eager graphs {len(self)} (at most {MAX_GRAPHS}, T <= {self.max_tokens}); the device's graphs: "
+                f"{memory['graphs']}, pool {pool}, I/O buffers {memory['io_bytes'] / 2**20:.1f} MiB")
 
     def covers(self, x_TD: torch.Tensor, max_num_tokens: int | None) -> bool:
         """Whether this call may be replayed: 1 <= T <= max_tokens, within the caller's ``max_num_tokens`` (a
@@ -184,6 +192,27 @@ def _count_graph(graph: _Graph, device: torch.device) -> None:
 
 def _graph_dropped(device: torch.device) -> None:
     _LIVE_GRAPHS[device] -= 1
+
+
+def graph_memory(device: torch.device | str) -> dict:
+    """What the eager graphs of every layer hold on ``device``: ``{"graphs": live graphs, "pool_bytes": the bytes
+    their shared pool reserves (None where the allocator's snapshot does not tell), "io_bytes": the shared input
+    and output buffers}``. Reads a snapshot of the allocator where graphs live (milliseconds): for reports, not calls.
+    """
+    device = torch.device(device)
+    io_bytes = sum(2 * x.numel() * x.element_size() for (where, *_), (x, _) in _IO_BUFFERS.items() if where == device)
+    graphs = _LIVE_GRAPHS.get(device, 0)
+    pool_bytes = 0
+    if graphs and device in _POOLS:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            segments = torch.cuda.memory_snapshot()
+            pool = tuple(_POOLS[device])
+            pool_bytes = sum(segment["total_size"] for segment in segments
+                             if segment["device"] == index and tuple(segment["segment_pool_id"]) == pool)
+        except (RuntimeError, KeyError, TypeError):  # no snapshot, or one without pool ids
+            pool_bytes = None
+    return {"graphs": graphs, "pool_bytes": pool_bytes, "io_bytes": io_bytes}
 
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:

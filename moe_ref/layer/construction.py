@@ -167,4 +167,5 @@ def describe(layer, experts_precision: str) -> str:
             f"device={o.device}, cap={o.num_max_tokens_per_rank}, overflow={o.overflow}, transport={o.transport}, "
             f"experts={o.experts_backend}{experts_precision}, "
             f"dispatch={'fp8' if o.dispatch_fp8 else 'activation dtype'}, alignment={o.alignment}, "
-            f"pool={o.pool_format}, mega={o.mega}{' (in use)' if layer.uses_mega else ''}")
+            f"pool={o.pool_format}, mega={o.mega}{' (in use)' if layer.uses_mega else ''}"
+            + ("" if getattr(layer, "_graphs", None) is None else f", {layer._graphs.describe()}"))

@@ -172,3 +172,17 @@ def test_the_first_call_warms_every_token_count_up_and_leaves_no_trace():
     assert warmed.routed_step.calls == cold.routed_step.calls == 3
     assert torch.equal(warmed.num_recv_tokens_per_expert, cold.num_recv_tokens_per_expert)
     assert int(warmed.num_recv_tokens_per_expert.sum()) == (5 + 5 + 17) * warmed.cfg.num_topk
+
+
+def test_the_repr_reports_the_graphs_and_their_pool():
+    """After a capture the layer's repr names its graphs, and the device's graph pool reserves memory (the
+    allocator snapshot's pool ids match the pool the graphs were captured into)."""
+    moe = _layer()
+    x = _inputs(5, moe.cfg.hidden_size, seed=1)
+    with torch.no_grad():
+        for _ in range(3):
+            moe(x)
+    memory = eager_graphs.graph_memory(moe.options.device)
+    assert memory["graphs"] >= 1 and memory["pool_bytes"] and memory["pool_bytes"] > 0, memory
+    assert memory["io_bytes"] >= 2 * moe.options.eager_graph_max_tokens * moe.cfg.hidden_size * 2
+    assert "eager graphs 1 (at most 32" in repr(moe), repr(moe)

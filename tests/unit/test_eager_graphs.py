@@ -179,3 +179,30 @@ def test_no_warm_up_on_the_cpu():
     with torch.no_grad():
         moe(torch.randn(5, moe.cfg.hidden_size))
     assert seen == [5] and moe._warm and moe.routed_step.calls == 1
+
+
+def test_graph_memory_counts_the_pool_of_its_device_and_the_io_buffers(monkeypatch):
+    """``graph_memory``: the allocator snapshot's segments of the graphs' pool on that device (not another pool's or
+    device's), the I/O buffers of that device; None where the snapshot has no pool ids; the repr line built on it."""
+    device = torch.device("cuda", 0)
+    x = torch.empty(8, 16, dtype=torch.bfloat16)
+    monkeypatch.setattr(eager_graphs, "_IO_BUFFERS", {(device, torch.bfloat16, 16, 8): (x, x),
+                                                      (torch.device("cuda", 1), torch.bfloat16, 16, 8): (x, x)})
+    monkeypatch.setattr(eager_graphs, "_POOLS", {device: (0, 7)})
+    monkeypatch.setattr(eager_graphs, "_LIVE_GRAPHS", {device: 2})
+    segments = [{"device": 0, "segment_pool_id": (0, 7), "total_size": 3 << 20},
+                {"device": 0, "segment_pool_id": (0, 7), "total_size": 1 << 20},
+                {"device": 0, "segment_pool_id": (0, 0), "total_size": 64 << 20},
+                {"device": 1, "segment_pool_id": (0, 7), "total_size": 8 << 20}]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert eager_graphs.graph_memory(device) == {"graphs": 2, "pool_bytes": 4 << 20, "io_bytes": 512}
+    assert EagerGraphs(8, device).describe() == ("eager graphs 0 (at most 32, T <= 8); the device's graphs: 2, "
+                                                 "pool 4.0 MiB, I/O buffers 0.0 MiB")
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"device": 0, "total_size": 1}])  # no pool ids
+    assert eager_graphs.graph_memory(device)["pool_bytes"] is None
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: (_ for _ in ()).throw(RuntimeError("no snapshot")))
+    assert eager_graphs.graph_memory(device)["pool_bytes"] is None
+    assert "pool unknown" in EagerGraphs(8, device).describe()
+    monkeypatch.setattr(eager_graphs, "_LIVE_GRAPHS", {})
+    assert eager_graphs.graph_memory(device) == {"graphs": 0, "pool_bytes": 0, "io_bytes": 512}
