@@ -2,16 +2,18 @@
 transport) default vs ``batch_invariant=True``, eager calls and CUDA-graph replays, bf16 and FP8 dispatch, at
 Kimi-K2's per-rank share (48 experts, EP 8) and Step3 (48 experts), T = 1, 16, 128, 1024, 4096.
 
-    python scripts/bench_invariant.py [--models kimi-k2/48 step3/48] [--tokens 1 16 128 1024 4096]
+    python scripts/bench_invariant.py [--models kimi-k2/48 step3/48] [--tokens 1 16 128 1024 4096] [--out DIR]
 
-Prints one markdown table: median us per call (``moe_ref.bench.timing.bench_us``, L2 flushed) and invariant /
-default. Weights are random, made on the GPU (bf16; FP8 dispatch quantizes the experts once at load). The default
-layer's first call of each token count may autotune (seconds, untimed). About 2-3 minutes on one H100.
+Prints one markdown table, a row as each is measured (``--out``: also ``DIR/bench_invariant.md``): median us per
+call (``moe_ref.bench.timing.bench_us``, L2 flushed) and invariant / default. Weights are random, made on the GPU
+(bf16; FP8 dispatch quantizes the experts once at load). The default layer's first call of each token count may
+autotune (seconds, untimed). About 2-3 minutes on one H100.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 import torch
@@ -64,12 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["kimi-k2/48", "step3/48"])
     parser.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
+    parser.add_argument("--out", default=None, help="a folder for bench_invariant.md (also printed)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_invariant.py needs a CUDA GPU", file=sys.stderr)
         return 2
     cap = max(args.tokens)
-    rows = []
+    lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; us per call (median)\n",
+             "| model | precision | T | default eager | invariant eager | ratio | default graph | invariant graph "
+             "| ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
     for name in args.models:
         cfg = model_config(name)
         weights = gpu_weights(cfg)
@@ -88,15 +94,16 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             for num_tokens in args.tokens:
                 (d_eager, d_graph), (i_eager, i_graph) = timings[False, num_tokens], timings[True, num_tokens]
-                rows.append(f"| {name} | {'fp8 dispatch' if fp8 else 'bf16'} | {num_tokens} | {d_eager:.1f} | "
-                            f"{i_eager:.1f} | {i_eager / d_eager:.2f}x | {d_graph:.1f} | {i_graph:.1f} | "
-                            f"{i_graph / d_graph:.2f}x |")
+                lines.append(f"| {name} | {'fp8 dispatch' if fp8 else 'bf16'} | {num_tokens} | {d_eager:.1f} | "
+                             f"{i_eager:.1f} | {i_eager / d_eager:.2f}x | {d_graph:.1f} | {i_graph:.1f} | "
+                             f"{i_graph / d_graph:.2f}x |")
+                print(lines[-1], flush=True)
         del weights
         torch.cuda.empty_cache()
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; us per call (median)\n")
-    print("| model | precision | T | default eager | invariant eager | ratio | default graph | invariant graph | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_invariant.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
     return 0
 
 

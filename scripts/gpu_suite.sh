@@ -33,6 +33,10 @@
 # prefill_profile = the FP8 expert MLP through auto at prefill, eager and from a CUDA graph, beside DeepGEMM's bare
 # GEMMs, each row's kernels, GPU span and CUDA runtime calls per call (where an eager call makes the GPU wait;
 # $PROFILE_MODELS, $PROFILE_ROWS, $PROFILE_LIMIT s);
+# invariant = the batch-invariant mode's GPU tests (its tile classes re-checked on this GPU, slow cases included) and
+# its cost (scripts/bench_invariant.py, Kimi-K2's share); first_calls = the eager-graph and warm-up GPU tests and
+# scripts/bench_warmup.py; tiles = this GPU class's grouped-MLP tile table (scripts/tune_tiles.py, into $OUT/tiles;
+# copy it into moe_ref/kernels/experts/tile_table.json with --install from a tree);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -151,6 +155,13 @@ for s in $STEPS; do case $s in
   align) step align "${ALIGN_LIMIT:-300}" python3 scripts/ab_grouped_mlp.py --ab alignment --nohint \
       --models "${ALIGN_MODELS:-kimi-k2,step3}" --max-seconds "$(( ${ALIGN_LIMIT:-300} - 30 ))" \
       --out "$OUT/align/ab_alignment.json" ;;
+  invariant)
+    step invariant_tests 200 python3 -m pytest -q -rs --timeout=180 tests/gpu/test_batch_invariant_cuda.py
+    step invariant_cost 240 python3 scripts/bench_invariant.py --models kimi-k2/48 --out "$OUT/invariant" ;;
+  first_calls)
+    step first_calls_tests 120 python3 -m pytest -q -rs --timeout=100 tests/gpu/test_eager_graphs_cuda.py
+    step first_calls 240 python3 scripts/bench_warmup.py --out "$OUT/warmup" --modes default launch ;;
+  tiles) step tiles 590 python3 scripts/tune_tiles.py --out "$OUT/tiles" --models kimi-k2/48 ;;
   *) echo "unknown step $s" ;;
 esac; done
 echo "=== suite done, status=$status" | tee -a "$LOG"
