@@ -54,8 +54,8 @@ bench: $(INSTALLED)
 # 4 ranks over the tiny cases; exit 1 on a FAIL (the mutants' excepted) or on a mutant that no check catches.
 .PHONY: conform
 conform: $(INSTALLED)
-	$(PY) -m moe_ref conform --impl moe_ref/torch --impl moe_ref/torch+chunk --impl moe_ref/grouped_mm \
-		--impl moe_ref/quant/torch --impl moe_ref/dispatch/local --impl moe_ref/dispatch/symm \
+	$(PY) -m moe_ref conform --impl moe_ref/torch --impl moe_ref/torch+chunk --impl moe_ref/torch+invariant \
+		--impl moe_ref/grouped_mm --impl moe_ref/quant/torch --impl moe_ref/dispatch/local --impl moe_ref/dispatch/symm \
 		--impl moe_ref/dispatch/a2a --mutants --ranks 1,2,4 --cases 'tiny*'
 
 clean:

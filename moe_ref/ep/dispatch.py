@@ -156,6 +156,8 @@ def zero_padding_rows(layout: ExpertLayout, pools: list[torch.Tensor]) -> Expert
 
 def _rows_at(y_PD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
     """``[T, K, Dx]``: ``y_PD[pos]``, a zero row where ``pos < 0``."""
+    if y_PD.shape[0] == 0:  # every slot masked: an empty pool, no row to read (not even row 0 for the masked ones)
+        return y_PD.new_zeros(*pos_TK.shape, y_PD.shape[1])
     rows_TKD = y_PD[pos_TK.clamp(min=0)]
     return torch.where((pos_TK >= 0)[:, :, None], rows_TKD, 0)
 

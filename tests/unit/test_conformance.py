@@ -41,8 +41,8 @@ def test_each_mutant_is_caught_by_its_check_and_the_correct_base_passes_there(na
     assert _failed(base, case_id) == set()  # the positive control: the same case passes without the bug
 
 
-@pytest.mark.parametrize("name", ["moe_ref/torch", "moe_ref/torch+chunk", "moe_ref/dispatch/local",
-                                  "example:sglang-style"])
+@pytest.mark.parametrize("name", ["moe_ref/torch", "moe_ref/torch+chunk", "moe_ref/torch+invariant",
+                                  "moe_ref/dispatch/local", "example:sglang-style"])
 def test_moe_ref_and_the_worked_example_pass_the_tiny_matrix_at_one_rank(name):
     impl = registered()[name]
     failures = {}

@@ -1,7 +1,8 @@
 """moe_ref itself under test, from outside: each experts backend through the modular routed step
 (``routed_step`` kind: the transport, the overflow policy, the chunk loop and the backend together) and each
 transport's dispatch/combine on its own (``dispatch_combine`` kind). Names: ``moe_ref/<backend>`` (overflow
-``error``), ``moe_ref/torch+chunk`` (overflow ``chunk``), ``moe_ref/dispatch/<transport>``.
+``error``), ``moe_ref/torch+chunk`` (overflow ``chunk``), ``moe_ref/torch+invariant`` (the batch-invariant mode:
+fixed row blocks, every slot's row back unreduced and summed at home in slot order), ``moe_ref/dispatch/<transport>``.
 
 Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, F expert intermediate,
 P receive-pool rows.
@@ -21,16 +22,17 @@ def _config(problem: Problem) -> MoEConfig:
                      intermediate_size=problem.intermediate)
 
 
-def _options(problem: Problem, backend: str, transport: str, overflow: str):
+def _options(problem: Problem, backend: str, transport: str, overflow: str, batch_invariant: bool = False):
     from moe_ref.ep.options import EPOptions
 
     return EPOptions.resolve(num_max_tokens_per_rank=problem.max_tokens_per_rank, overflow=overflow,
                              transport=transport, experts_backend=backend, dtype=problem.dtype,
-                             device=problem.device)
+                             device=problem.device, batch_invariant=batch_invariant)
 
 
-def routed_step_factory(backend: str, overflow: str = "error", transport: str = "auto"):
-    """``Problem -> run``: moe_ref's ``ModularRoutedStep`` over ``backend`` and ``transport``."""
+def routed_step_factory(backend: str, overflow: str = "error", transport: str = "auto", batch_invariant: bool = False):
+    """``Problem -> run``: moe_ref's ``ModularRoutedStep`` over ``backend`` and ``transport`` (in the
+    batch-invariant mode with ``batch_invariant``, as the layer builds it there)."""
     def factory(problem: Problem):
         from moe_ref.ep.routed_step import make_modular_step
         from moe_ref.experts import FP8ExpertWeights, make_experts
@@ -38,8 +40,9 @@ def routed_step_factory(backend: str, overflow: str = "error", transport: str = 
         w = problem.weights
         fp8 = None if w.quant == "none" else FP8ExpertWeights(w.gate_up_q, w.gate_up_scale, w.down_q, w.down_scale)
         experts = make_experts(backend, w.gate_up_e2FD, w.down_eDF, fp8_weights=fp8)
+        experts.batch_invariant = batch_invariant
         step = make_modular_step(_config(problem), problem.group, experts,
-                                 _options(problem, backend, transport, overflow))
+                                 _options(problem, backend, transport, overflow, batch_invariant))
 
         def run(x_TD, topk_ids_TK, topk_weights_TK, out_TD):
             out_TD.copy_(step(x_TD, topk_ids_TK, topk_weights_TK))
@@ -90,6 +93,9 @@ _add("moe_ref/torch", "routed_step", Capabilities(**_BASE, batch_invariant=True,
 _add("moe_ref/torch+chunk", "routed_step",
      Capabilities(**{**_BASE, "overflow": "chunk"}, batch_invariant=True, devices=("cpu",), tile_rows=128),
      routed_step_factory("torch", overflow="chunk"))
+_add("moe_ref/torch+invariant", "routed_step",
+     Capabilities(**{**_BASE, "overflow": "chunk"}, batch_invariant=True, devices=("cpu",), tile_rows=16),
+     routed_step_factory("torch", overflow="chunk", batch_invariant=True), "the batch-invariant mode")
 _add("moe_ref/grouped_mm", "routed_step", Capabilities(**_BASE, tile_rows=16), routed_step_factory("grouped_mm"),
      unavailable=_grouped_mm_missing)
 _add("moe_ref/triton", "routed_step",
