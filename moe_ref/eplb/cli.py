@@ -119,16 +119,19 @@ def _report_lines(header: str, result: Balancedness, summary: dict, step: StepTi
     return lines
 
 
+def _table_name(args: argparse.Namespace) -> str:
+    return "the shipped table" if args.times is None else repr(args.times)
+
+
 def _times(args: argparse.Namespace) -> ExpertTimes:
     """t(r) of ``--model`` / ``--expert-dtype`` from ``--times`` or the shipped table (CFG015 naming what it holds)."""
-    name = "the shipped table" if args.times is None else repr(args.times)
-    return expert_times(read_table(args.times), args.model, args.expert_dtype, name)
+    return expert_times(read_table(args.times), args.model, args.expert_dtype, _table_name(args))
 
 
 def _step_times(args: argparse.Namespace, times: ExpertTimes, load_LyE: torch.Tensor, num_steps: int,
                 placement) -> tuple[list[str], dict, StepTimes]:
     """The modelled step lines, their JSON record and the ``StepTimes`` for one step's rows (load / num_steps)."""
-    name = "the shipped table" if args.times is None else repr(args.times)
+    name = _table_name(args)
     result = step_times(load_LyE / num_steps, placement, times)
     before, after = float(result.before_us_Ly.sum()), float(result.after_us_Ly.sum())
     num_layers = load_LyE.shape[0]

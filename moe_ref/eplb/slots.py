@@ -65,19 +65,18 @@ class ExpertSlots:
     Args:
         placement: a one-layer ``Placement`` (``physical_to_logical_LyPh`` ``[1, Ph]``).
         rank: this rank (its slots are ``[rank * e, (rank + 1) * e)``).
-        num_topk: K of the layer's router.
         hidden_size: D of the layer's input (the key's columns).
         device: where the tables live (the layer's device).
 
     Attributes:
-        placement: the current placement. num_physical: Ph. num_local: e. first_slot: ``rank * e``. num_topk: K.
+        placement: the current placement. num_physical: Ph. num_local: e. first_slot: ``rank * e``.
         map_Ph: ``[Ph]`` int64 (device): the placement's map, which the layer saves in its state dict.
         replica_count_E: ``[E]`` int64 (device). logical_to_physical_E_: ``[E, Ph - E + 1]`` int64 (device), row
             ``l``'s first ``replica_count_E[l]`` entries are expert l's slots in increasing order, the rest 0.
     """
 
-    def __init__(self, placement: Placement, rank: int, num_topk: int, hidden_size: int, device: torch.device):
-        self.rank, self.num_physical, self.num_topk = rank, placement.num_physical, num_topk
+    def __init__(self, placement: Placement, rank: int, hidden_size: int, device: torch.device):
+        self.rank, self.num_physical = rank, placement.num_physical
         self.num_experts, self.num_ranks = placement.num_experts, placement.num_ranks
         self.num_local = placement.slots_per_rank
         self.first_slot = rank * self.num_local
@@ -88,7 +87,8 @@ class ExpertSlots:
             self.logical_to_physical_E_ = torch.zeros(self.num_experts, width, dtype=torch.int64, device=device)
             self.map_Ph = torch.zeros(self.num_physical, dtype=torch.int64, device=device)
             self.key_columns = torch.linspace(0, hidden_size - 1, num_columns).round().to(torch.int64).to(device)
-            self.key_multipliers = (torch.arange(num_columns) * _KEY_MULTIPLIER + _KEY_OFFSET & _KEY_MASK | 1).to(device)
+            multipliers = torch.arange(num_columns) * _KEY_MULTIPLIER + _KEY_OFFSET & _KEY_MASK | 1
+            self.key_multipliers = multipliers.to(device)
         self._counter, self._baseline = None, None
         self.set_placement(placement)
 
@@ -250,7 +250,7 @@ def resolve_slots(cfg: MoEConfig, world_size: int, rank: int, num_redundant_expe
     problem = _fit_problem(placement, E, R, num_physical)
     if problem is not None:
         return None, problem
-    return ExpertSlots(placement, rank, cfg.num_topk, cfg.hidden_size, device), None
+    return ExpertSlots(placement, rank, cfg.hidden_size, device), None
 
 
 def deployment_slots(cfg: MoEConfig, ep_size: int, num_redundant_experts=None,

@@ -6,8 +6,8 @@ left out of pickles.
     layer.routed_step    build_routed_step: ``ModularRoutedStep`` (transport x experts) or ``MonolithicRoutedStep``
                          (DeepGEMM's mega engine); collective: every rank builds it on its first call
     layer.eager_graphs   eager_graphs_for: the CUDA graphs one rank on CUDA replays (``moe_ref.eager_graphs``)
-    first eager call     warm_up: one rank on CUDA runs the layer's work once per token count of WARM_UP_COUNTS first,
-                         so that no later call of a new T loads a kernel variant
+    first eager call     warm_up: one rank on CUDA runs the layer's work once per token count of warm_up_counts
+                         first, so that no later call of a new T loads a kernel variant
     after a load         weights_changed: the experts rebuilt on next use and swapped into a built modular step (its
                          plan and buffers stay); a fused engine (it holds fp8 copies of the weights) rebuilt
     destroy()            the step and its share of the group's symmetric buffer released, the graphs dropped
@@ -122,13 +122,17 @@ def build_routed_step(layer: nn.Module) -> RoutedStep:
         return make_modular_step(cfg, layer.group, layer.experts, layer.options)
 
 
+def _calls_run_alone(layer: nn.Module, step: RoutedStep) -> bool:
+    """One rank on CUDA whose device checks are read by a later call (no host sync, no collective in a call), on
+    the modular routed step: where a call's device work can be replayed, or run ahead of time."""
+    return layer.options.device.type == "cuda" and step.deferred_checks is not None and not layer.uses_mega
+
+
 def eager_graphs_for(layer: nn.Module, step: RoutedStep) -> EagerGraphs | None:
-    """The layer's eager CUDA graphs (``moe_ref.eager_graphs``), where calls can replay them: one rank on CUDA whose
-    device checks are read by a later call (no host sync in a call), ``eager_graph_max_tokens`` > 0, the modular
-    routed step; else None."""
+    """The layer's eager CUDA graphs (``moe_ref.eager_graphs``), where calls can replay them (``_calls_run_alone``
+    and ``eager_graph_max_tokens`` > 0); else None."""
     o = layer.options
-    if layer._graphs is None and o.device.type == "cuda" and o.eager_graph_max_tokens > 0 \
-            and step.deferred_checks is not None and not layer.uses_mega:
+    if layer._graphs is None and o.eager_graph_max_tokens > 0 and _calls_run_alone(layer, step):
         layer._graphs = EagerGraphs(o.eager_graph_max_tokens, o.device)
     return layer._graphs
 
@@ -158,7 +162,7 @@ def warm_up(layer: nn.Module, step: RoutedStep, device_work) -> None:
         return
     layer._warm = True
     o = layer.options
-    if o.device.type != "cuda" or step.deferred_checks is None or layer.uses_mega or step.capturing():
+    if not _calls_run_alone(layer, step) or step.capturing():
         return
     if layer.experts.name != "triton" or not tiles_recorded(o.device):
         return  # each new rows bucket would autotune (seconds): left to the calls that meet it

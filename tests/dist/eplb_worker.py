@@ -73,7 +73,7 @@ def quantized_bytes_cross_ranks(rank: int, world: int) -> dict:
     num_physical = E + world
     old = list(range(E)) + list(range(world))
     new = list(reversed(old))
-    slots = ExpertSlots(Placement(torch.tensor([old]), E, world), rank, 4, 48, torch.device("cpu"))
+    slots = ExpertSlots(Placement(torch.tensor([old]), E, world), rank, 48, torch.device("cpu"))
     mine = slice(rank * slots.num_local, (rank + 1) * slots.num_local)
 
     def encoded(experts, dtype):

@@ -54,7 +54,7 @@ def test_after_a_rebalance_a_graph_captured_again_gives_the_same_output():
 def test_to_physical_on_cuda_equals_the_torch_twin(num_tokens):
     E, K, D = 48, 8, 7168  # Kimi-K2's per-rank share, with 16 redundant slots: experts 0, 1 in 3, 2-13 in 2
     placement = Placement(torch.tensor([[*range(E), 0, 0, 1, 1, *range(2, 14)]]), E, 1)
-    slots = ExpertSlots(placement, 0, K, D, torch.device("cuda"))
+    slots = ExpertSlots(placement, 0, D, torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     x = torch.randn(num_tokens, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     ids = torch.randint(-2, E + 2, (num_tokens, K), device="cuda", generator=gen)  # masked (-1) and invalid ids too

@@ -18,8 +18,8 @@ E, PH = 8, 14
 MULTI_REPLICA = {1: [1, 8], 2: [2, 9, 10], 5: [5, 11, 12], 6: [6, 13]}
 
 
-def _slots(num_topk: int, hidden: int, device) -> ExpertSlots:
-    return ExpertSlots(PLACEMENT, 0, num_topk, hidden, torch.device(device))
+def _slots(hidden: int, device) -> ExpertSlots:
+    return ExpertSlots(PLACEMENT, 0, hidden, torch.device(device))
 
 
 def _tables(slots: ExpertSlots) -> tuple:
@@ -62,7 +62,7 @@ def _route_both(x_TD, ids_TK, slots):
     (40, 6, 5, torch.float16, torch.int64),
 ])
 def test_kernel_equals_twin_with_masked_and_invalid_ids(num_tokens, num_topk, hidden, x_dtype, ids_dtype, device):
-    slots = _slots(num_topk, hidden, device)
+    slots = _slots(hidden, device)
     x, ids = _x(num_tokens, hidden, x_dtype).to(device), _ids(num_tokens, num_topk, ids_dtype).to(device)
     physical = _route_both(x, ids, slots).cpu()
     ids = ids.cpu().to(torch.int64)
@@ -74,7 +74,7 @@ def test_kernel_equals_twin_with_masked_and_invalid_ids(num_tokens, num_topk, hi
 
 
 def test_every_replica_serves_and_identical_rows_share_one():
-    slots = _slots(8, 64, "cpu")
+    slots = _slots(64, "cpu")
     ids = torch.tensor([[1, 2, 5, 6, 0, 3, -1, 7]]).expand(129, -1)
     physical = _route_both(_x(129, 64, torch.bfloat16, seed=3), ids, slots)
     for k, expert in enumerate(ids[0].tolist()):
@@ -85,7 +85,7 @@ def test_every_replica_serves_and_identical_rows_share_one():
 
 
 def test_only_the_sampled_columns_make_the_key():
-    slots = _slots(4, 64, "cpu")
+    slots = _slots(64, "cpu")
     sampled, other = slots.key_columns[5].item(), 2  # column 2 is no key column at D = 64
     assert other not in slots.key_columns.tolist()
     x = _x(1, 64, torch.float16, seed=4).expand(129, -1).clone()
@@ -106,13 +106,13 @@ def test_only_the_sampled_columns_make_the_key():
 ])
 def test_extreme_bit_patterns(x_dtype, bits_dtype, patterns):
     """All-ones and sign-bit patterns (NaN and -0.0 among them): the largest products and sums of the key."""
-    slots = _slots(8, 64, "cpu")
+    slots = _slots(64, "cpu")
     bits = torch.tensor(patterns, dtype=bits_dtype).repeat_interleave(11)[:, None].expand(-1, 64).contiguous()
     _route_both(bits.view(x_dtype), _ids(bits.shape[0], 8, torch.int64, seed=7), slots)
 
 
 def test_strided_views():
-    slots = _slots(8, 64, "cpu")
+    slots = _slots(64, "cpu")
     wide_x = _x(70, 128, torch.bfloat16, seed=5)
     wide_ids = _ids(70, 16, torch.int32, seed=5)
     x, ids = wide_x[:, ::2], wide_ids[:, 8:]
@@ -121,7 +121,7 @@ def test_strided_views():
 
 
 def test_to_physical_on_the_cpu_is_replica_index_of_the_token_key():
-    slots = _slots(8, 96, "cpu")
+    slots = _slots(96, "cpu")
     x, ids = _x(50, 96, torch.bfloat16, seed=6), _ids(50, 8, torch.int64, seed=6)
     physical = slots.to_physical(x, ids)
     valid = (ids >= 0) & (ids < E)

@@ -35,7 +35,7 @@ def _placement(physical_to_logical: list[int], ranks: int = 1) -> Placement:
 
 
 def _slots(placement: Placement, rank: int = 0) -> ExpertSlots:
-    return ExpertSlots(placement, rank, K, D, torch.device("cpu"))
+    return ExpertSlots(placement, rank, D, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -22,33 +22,40 @@ def _config(problem: Problem) -> MoEConfig:
                      intermediate_size=problem.intermediate)
 
 
-def _options(problem: Problem, backend: str, transport: str, overflow: str, batch_invariant: bool = False):
+def _options(problem: Problem, backend: str, transport: str, overflow: str, **more):
+    """``EPOptions`` of the problem's cap, dtype and device (``more``: other ``EPOptions.resolve`` arguments)."""
     from moe_ref.ep.options import EPOptions
 
     return EPOptions.resolve(num_max_tokens_per_rank=problem.max_tokens_per_rank, overflow=overflow,
                              transport=transport, experts_backend=backend, dtype=problem.dtype,
-                             device=problem.device, batch_invariant=batch_invariant)
+                             device=problem.device, **more)
+
+
+def step_runner(problem: Problem, experts, options):
+    """``run(x, ids, w, out)`` over moe_ref's ``ModularRoutedStep`` of ``experts`` (``run.close`` releases it)."""
+    from moe_ref.ep.routed_step import make_modular_step
+
+    step = make_modular_step(_config(problem), problem.group, experts, options)
+
+    def run(x_TD, topk_ids_TK, topk_weights_TK, out_TD):
+        out_TD.copy_(step(x_TD, topk_ids_TK, topk_weights_TK))
+
+    run.close = step.destroy
+    return run
 
 
 def routed_step_factory(backend: str, overflow: str = "error", transport: str = "auto", batch_invariant: bool = False):
     """``Problem -> run``: moe_ref's ``ModularRoutedStep`` over ``backend`` and ``transport`` (in the
     batch-invariant mode with ``batch_invariant``, as the layer builds it there)."""
     def factory(problem: Problem):
-        from moe_ref.ep.routed_step import make_modular_step
         from moe_ref.experts import FP8ExpertWeights, make_experts
 
         w = problem.weights
         fp8 = None if w.quant == "none" else FP8ExpertWeights(w.gate_up_q, w.gate_up_scale, w.down_q, w.down_scale)
         experts = make_experts(backend, w.gate_up_e2FD, w.down_eDF, fp8_weights=fp8)
         experts.batch_invariant = batch_invariant
-        step = make_modular_step(_config(problem), problem.group, experts,
-                                 _options(problem, backend, transport, overflow, batch_invariant))
-
-        def run(x_TD, topk_ids_TK, topk_weights_TK, out_TD):
-            out_TD.copy_(step(x_TD, topk_ids_TK, topk_weights_TK))
-
-        run.close = step.destroy
-        return run
+        return step_runner(problem, experts,
+                           _options(problem, backend, transport, overflow, batch_invariant=batch_invariant))
 
     return factory
 

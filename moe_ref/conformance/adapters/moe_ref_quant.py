@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from moe_ref.conformance.adapters.moe_ref_impls import CAP, _config
+from moe_ref.conformance.adapters.moe_ref_impls import CAP, _config, _options, step_runner
 from moe_ref.conformance.api import Capabilities, Implementation, Problem, register
 from moe_ref.conformance.scenarios import published_form
 
@@ -77,8 +77,6 @@ def load_as_published(problem: Problem):
 def quant_step_factory(backend: str, transport: str = "auto"):
     """``Problem -> run``: moe_ref's modular routed step over ``make_quantized_experts(..., backend=backend)``."""
     def factory(problem: Problem):
-        from moe_ref.ep.options import EPOptions
-        from moe_ref.ep.routed_step import make_modular_step
         from moe_ref.experts.quantized import (QuantTorchExperts, W4A16Experts, make_quantized_experts,
                                                quantized_experts_class)
 
@@ -89,17 +87,9 @@ def quant_step_factory(backend: str, transport: str = "auto"):
         elif runs_on is not QuantTorchExperts:
             qweights = qweights.with_interleaved_gate_up()
         experts = make_quantized_experts(qweights, backend=backend)
-        options = EPOptions.resolve(num_max_tokens_per_rank=problem.max_tokens_per_rank, overflow="error",
-                                    transport=transport, experts_backend=backend,
-                                    dispatch_fp8=problem.weights.quant == "fp8_block",
-                                    alignment=experts.segment_alignment, dtype=problem.dtype, device=problem.device)
-        step = make_modular_step(_config(problem), problem.group, experts, options)
-
-        def run(x_TD, topk_ids_TK, topk_weights_TK, out_TD):
-            out_TD.copy_(step(x_TD, topk_ids_TK, topk_weights_TK))
-
-        run.close = step.destroy
-        return run
+        return step_runner(problem, experts, _options(problem, backend, transport, "error",
+                                                      dispatch_fp8=problem.weights.quant == "fp8_block",
+                                                      alignment=experts.segment_alignment))
 
     return factory
 

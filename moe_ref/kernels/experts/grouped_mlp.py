@@ -498,7 +498,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     """
     num_rows, num_experts = a.shape[0], b.shape[0]
     rows_bucket = next_power_of_2(max(1, rows_hint))  # the autotune key's rows
-    precision = "fp8" if fp8 else "fp32" if a.dtype == torch.float32 else "16bit"
+    precision = fixed_tiles.tile_precision(fp8, ieee_fp32=a.dtype == torch.float32)
     if batch_invariant and config is None:
         forced = fixed_tiles.forced_grouped_tiles(precision, a.device)
         config = None if forced is None else tiles.config_of_tile(forced[0 if activation != "none" else 1])
@@ -601,10 +601,15 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
     return out
 
 
+def _recorded_entries(device: torch.device) -> list | None:
+    """The tile table's entries for ``device``'s GPU class, or None: no table for it, or ``MOE_REF_AUTOTUNE=1``."""
+    return None if envs.autotune() else tile_table.load_table().get(gpu_class_of(device))
+
+
 def tiles_recorded(device: torch.device) -> bool:
     """Whether launches on ``device`` take recorded tiles (``tile_table``): a table for its GPU class, and
     ``MOE_REF_AUTOTUNE`` unset. Where not, the first launch of each shape key autotunes (seconds)."""
-    return gpu_class_of(device) in tile_table.load_table() and not envs.autotune()
+    return _recorded_entries(device) is not None
 
 
 def table_config(device: torch.device, *, n: int, k: int, num_experts: int, flags: dict,
@@ -612,9 +617,9 @@ def table_config(device: torch.device, *, n: int, k: int, num_experts: int, flag
     """The recorded tile of a launch (``tile_table.candidates``' first one the kernel accepts for it, and with
     ``same_bits``, a precision, one of its bits class: ``fixed_tiles.same_bits_tile``), or None: no table for
     ``device``'s GPU class, no entry with the launch's flags, none legal, or ``MOE_REF_AUTOTUNE=1``."""
-    if not tiles_recorded(device):
+    entries = _recorded_entries(device)
+    if entries is None:
         return None
-    entries = tile_table.load_table()[gpu_class_of(device)]
     facts = dict(n=n, k=k, gated=flags["ACTIVATION"] != 0, fp8=flags["FP8"], quant_out=flags["QUANT_OUT"],
                  ieee_fp32=flags["IEEE_FP32"], interleaved=flags["INTERLEAVED"] and flags["ACTIVATION"] != 0)
     for tile in tile_table.candidates(entries, n=n, k=k, num_experts=num_experts, flags=flags,

@@ -19,7 +19,7 @@ import triton
 
 from moe_ref.core.errors import InvalidConfigError
 from moe_ref.kernels.runtime._triton_utils import is_interpreter, next_power_of_2
-from moe_ref.kernels.runtime.fixed_tiles import GROUPED_MLP_TILES, same_bits_tile
+from moe_ref.kernels.runtime.fixed_tiles import GROUPED_MLP_TILES, same_bits_tile, tile_precision
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, GROUP_M]), grouped by the rows-per-expert regime
 # they serve (see `regime`); GROUP_M (program-order swizzle) is 1 when left out. For GEMM1 BLOCK_N
@@ -196,7 +196,7 @@ def prune_configs(configs, named_args, same_bits: bool = False, **kwargs):
                  interleaved=kwargs.get("INTERLEAVED", False) and kwargs.get("ACTIVATION", 0) != 0)
     kept = [config for config in configs if tile_of(config) in allowed and config_problem(config, **facts) is None]
     if same_bits:
-        precision = "fp8" if facts["fp8"] else "fp32" if ieee_fp32 else "16bit"
+        precision = tile_precision(facts["fp8"], ieee_fp32)
         kept = [config for config in kept if same_bits_tile(tile_of(config), precision)]
         if not kept:
             return [config_of_tile(GROUPED_MLP_TILES[precision][0 if facts["gated"] else 1])]

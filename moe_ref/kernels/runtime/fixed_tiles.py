@@ -41,7 +41,8 @@ from moe_ref.kernels.runtime._triton_utils import cdiv, check_device, is_interpr
 from moe_ref.kernels.runtime.launch import launch
 
 __all__ = ["FIXED_ROW_BLOCK", "GROUPED_MLP_TILES", "SAME_BITS_CAPABILITIES", "classes_probed", "fixed_tile_matmul",
-           "fixed_tile_matmul_ref", "forced_grouped_tiles", "in_row_blocks", "matmul_tile", "same_bits_tile"]
+           "fixed_tile_matmul_ref", "forced_grouped_tiles", "in_row_blocks", "matmul_tile", "same_bits_tile",
+           "tile_precision"]
 
 # Rows of every BLAS call on the CPU path: small, so a decode step pads few rows.
 FIXED_ROW_BLOCK = 16
@@ -75,6 +76,12 @@ def classes_probed(device: torch.device) -> bool:
     """Whether the bits classes hold on ``device``: a CUDA device of ``SAME_BITS_CAPABILITIES``, not interpreted."""
     return (device.type == "cuda" and not is_interpreter()
             and tuple(torch.cuda.get_device_capability(device)) in SAME_BITS_CAPABILITIES)
+
+
+def tile_precision(fp8: bool, ieee_fp32: bool) -> str:
+    """The precision the tile rules key on: ``"fp8"`` (e4m3 operands), ``"fp32"`` (IEEE fp32 operands), else
+    ``"16bit"``."""
+    return "fp8" if fp8 else "fp32" if ieee_fp32 else "16bit"
 
 
 def same_bits_tile(tile: tuple, precision: str) -> bool:
@@ -181,7 +188,7 @@ def fixed_tile_matmul(x_TI: torch.Tensor, w_OI: torch.Tensor, out_dtype: torch.d
     if x_TI.shape[1] == 0:
         return y_TO.zero_()
     ieee = x_TI.dtype == torch.float32
-    block_m, block_n, block_k, warps, stages = matmul_tile("fp32" if ieee else "16bit", num_rows, num_cols,
+    block_m, block_n, block_k, warps, stages = matmul_tile(tile_precision(False, ieee), num_rows, num_cols,
                                                            x_TI.device)
     launch(_fixed_tile_matmul_kernel, (cdiv(num_rows, block_m), cdiv(num_cols, block_n)),
            x_TI, w_OI, y_TO, num_rows, num_cols, x_TI.shape[1],
