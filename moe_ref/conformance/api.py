@@ -48,6 +48,8 @@ class Capabilities:
         overflow: above C: ``error`` (raise ``overflow_error``), ``chunk`` (split, results as if unchunked) or
             ``unbounded`` (no C).
         overflow_error: the exception class raised above C under ``error`` (moe_ref's CAP001 by default).
+        configurable_cap: the factory sizes itself for ``Problem.max_tokens_per_rank``, whatever it is (moe_ref's
+            ``num_max_tokens_per_rank``): a speed case of T above C is built with C = T. False: such a case SKIPs.
         deterministic: a re-run on the same inputs gives the same bits (checked bitwise).
         batch_invariant: a token's output bits do not depend on the other tokens of the call (permuted, alone,
             chunked runs checked bitwise; else against the oracle).
@@ -66,6 +68,7 @@ class Capabilities:
     max_tokens_per_rank: int | None = None
     overflow: str = "unbounded"
     overflow_error: type[BaseException] = CapacityExceededError
+    configurable_cap: bool = False
     deterministic: bool = True
     batch_invariant: bool = False
     duplicate_experts: bool = False

@@ -4,6 +4,7 @@
                     [--jsonl out.jsonl] [--matrix out.md] [--csv out.csv] [--plot out.png] [--ledger known.json]
     moe-ref conform --mutants [--write-doc docs/conform.md]   # every mutant at 1, 2, 4 ranks: the caught-by table
     moe-ref conform --list                                    # registered implementations and case ids
+    moe-ref conform --impl moe_ref/triton --device cuda --cases kimi-k2/bf16/T512 --speed  # a speed case by its id
 
 Exit status 1 when a case of an implementation other than a mutant FAILs, a ledgered case passes (XPASS), or a
 mutant is caught by no check; 0 otherwise (``failing``).
@@ -19,7 +20,7 @@ from fnmatch import fnmatchcase
 from moe_ref.conformance.registry import registered, resolve
 from moe_ref.conformance.report import apply_ledger, caught_by, matrix, plot, read_ledger, record
 from moe_ref.conformance.runner import skip_reason
-from moe_ref.conformance.scenarios import all_cases
+from moe_ref.conformance.scenarios import all_cases, case_by_id, speed_tokens
 from moe_ref.conformance.spawn import run_jobs
 from moe_ref.core.errors import ConformanceLedgerError
 
@@ -56,6 +57,8 @@ def run(args) -> int:
         return 0
     patterns = args.cases.split(",")
     chosen = [c for c in cases if any(fnmatchcase(c.id, p) for p in patterns)]
+    # a speed case (moe-ref bench's <shape>/<recipe>/T<n>, as its REPRO names it) is given by its id
+    chosen += [case_by_id(p, args.seed) for p in patterns if speed_tokens(p.rsplit("/", 1)[-1]) is not None]
     if not chosen:
         raise ConformanceLedgerError(f"--cases {args.cases!r} matches no case; `moe-ref conform --list` names them")
     specs = list(args.impl) + (["correct", *MUTANT_NAMES, "dispatch:correct"] if args.mutants else [])

@@ -28,7 +28,8 @@ import torch
 
 from moe_ref.conformance.api import Implementation, Problem
 from moe_ref.conformance.oracle import compare, oracle_moe
-from moe_ref.conformance.scenarios import Case, global_weights, local_weights, rank_inputs, tokens_per_rank
+from moe_ref.conformance.scenarios import (Case, global_weights, local_weights, rank_inputs, speed_tokens,
+                                          tokens_per_rank)
 
 GUARD_ROWS = 4
 SPEED_ITERS = 10
@@ -70,15 +71,32 @@ def skip_reason(impl: Implementation, case: Case, world: int, device: str) -> st
         (name in ("cap", "cap+1") and caps.max_tokens_per_rank is None, "no max_tokens_per_rank declared"),
         (name.startswith("tile") and impl.kind == "dispatch_combine", "tile edges are the experts' concern"),
         (name == "cap+1" and impl.kind == "dispatch_combine", "the overflow policy is the routed step's"),
+        (not _fits(caps, case), f"T above max_tokens_per_rank {caps.max_tokens_per_rank}"),
     ]
     return next((why for hit, why in reasons if hit), None)
+
+
+def _fits(caps, case: Case) -> bool:
+    """A speed case's T is within the implementation's C, or its factory builds for any C (``configurable_cap``)."""
+    tokens = speed_tokens(case.scenario)
+    limit = caps.max_tokens_per_rank
+    return tokens is None or limit is None or tokens <= limit or caps.configurable_cap
+
+
+def case_cap(caps, case: Case) -> int | None:
+    """The C a case builds the implementation for: the declared one, raised to a speed case's T where the
+    implementation builds for any C."""
+    tokens = speed_tokens(case.scenario)
+    if tokens is not None and caps.configurable_cap and caps.max_tokens_per_rank is not None:
+        return max(caps.max_tokens_per_rank, tokens)
+    return caps.max_tokens_per_rank
 
 
 def run_case(impl: Implementation, case: Case, rank: int, world: int, group, device: torch.device,
              progress: Callable[[str], None] = lambda step: None, speed: bool = False) -> Verdict:
     """Run ``case`` on this rank (collective over ``group``); an exception of the implementation is a FAIL."""
     caps = impl.caps
-    cap = caps.max_tokens_per_rank
+    cap = case_cap(caps, case)
     inputs = rank_inputs(case, world, cap, caps.tile_rows)
     x_TD, ids_TK, w_TK = (t.to(device, copy=True) for t in inputs[rank])  # cached: the implementation gets a copy
     shape = case.shape

@@ -16,18 +16,24 @@ Case ids read ``<shape>/<dtype>[-<quant>]/<scenario>``, e.g. ``tiny/bf16/mask0.3
 | cap             | C on every rank                     | random                                                |
 | cap+1           | C + 1 on rank 0, C elsewhere        | random: must raise the agreed error or chunk           |
 | duplicates      | T                                   | slot 1 repeats slot 0's expert (where allowed)        |
+| T<n> (speed)    | n on every rank                     | random (as base)                                      |
+
+The speed cases (``speed_case``; ``moe-ref bench``) are outside the matrix: ``<shape>/<recipe>/T<n>``, where the
+shape is one of ``SHAPES`` or any model preset's per-rank share, ``<preset>@ep<N>`` (e.g. ``deepseek-v3@ep16``).
 
 Shape legend: T tokens of this rank, K top-k, E experts, e local experts, D hidden width, F expert intermediate,
 Db = ceil(D / 128), Fb = ceil(F / 128).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from moe_ref.conformance.api import DTYPES, ExpertWeights
+from moe_ref.conformance.api import DTYPES, QUANTS, ExpertWeights
+from moe_ref.core.errors import ConformanceLedgerError
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP8_MAX = 448.0
@@ -85,6 +91,9 @@ class Case:
         return DTYPES[self.dtype]
 
 
+SPEED_SEED_OFFSET = 999  # a speed case's seed: seed * 1000 + this (past every matrix position)
+
+
 def all_cases(seed: int = 0) -> list[Case]:
     """Every case of the matrix, each seeded from ``seed`` and its position (stable as long as ``RECIPES`` is)."""
     cases = [Case(SHAPES[shape], dtype, quant, scenario, 0) for (shape, dtype, quant), names in RECIPES
@@ -92,10 +101,59 @@ def all_cases(seed: int = 0) -> list[Case]:
     return [Case(c.shape, c.dtype, c.quant, c.scenario, seed * 1000 + i) for i, c in enumerate(cases)]
 
 
+def speed_tokens(scenario: str) -> int | None:
+    """n of a speed scenario ``T<n>``; None for the matrix's scenarios."""
+    found = re.fullmatch(r"T(\d+)", scenario)
+    return int(found.group(1)) if found else None
+
+
+def shape_named(name: str) -> Shape:
+    """A shape of ``SHAPES``, or ``<preset>@ep<N>``: that model preset's routed experts of one rank at EP N (its
+    expert width and intermediate size, top-k, 64 base tokens). Raises ``ConformanceLedgerError`` (CFG029) naming
+    what is known."""
+    if name in SHAPES:
+        return SHAPES[name]
+    from moe_ref.core.config import PRESETS, preset
+
+    found = re.fullmatch(r"(.+)@ep(\d+)", name)
+    if found is None or found.group(1) not in PRESETS:
+        raise ConformanceLedgerError(f"shape {name!r}: not one of {', '.join(SHAPES)}, nor <preset>@ep<N> with a "
+                                     f"preset of {', '.join(PRESETS)}")
+    cfg, ep = preset(found.group(1)), int(found.group(2))
+    if ep < 1 or cfg.num_experts % ep:
+        raise ConformanceLedgerError(f"shape {name!r}: EP {ep} does not divide {cfg.name}'s {cfg.num_experts} experts")
+    return Shape(name, cfg.num_experts // ep, cfg.num_topk, cfg.expert_hidden_size, cfg.intermediate_size, 64,
+                 cuda_only=not cfg.name.startswith("tiny"))
+
+
+def speed_case(shape: str, dtype: str, quant: str, tokens: int, seed: int = 0) -> Case:
+    """The speed case of ``tokens`` per rank on ``shape`` (``shape_named``), routed as ``base``."""
+    if dtype not in DTYPES or quant not in QUANTS:
+        raise ConformanceLedgerError(f"speed case: dtype {dtype!r} / quant {quant!r}; dtypes from {tuple(DTYPES)}, "
+                                     f"quants from {QUANTS}")
+    return Case(shape_named(shape), dtype, quant, f"T{tokens}", seed * 1000 + SPEED_SEED_OFFSET)
+
+
+def case_by_id(case_id: str, seed: int = 0) -> Case:
+    """The case ``case_id`` names: one of the matrix's (``all_cases``) or a speed case ``<shape>/<recipe>/T<n>``."""
+    matrix = {c.id: c for c in all_cases(seed)}
+    if case_id in matrix:
+        return matrix[case_id]
+    shape, recipe, scenario = (case_id.split("/") + ["", ""])[:3]
+    tokens = speed_tokens(scenario)
+    if tokens is None or case_id.count("/") != 2:
+        raise ConformanceLedgerError(f"case {case_id!r}: not a case of the matrix (`moe-ref conform --list`) nor a "
+                                     f"speed case <shape>/<dtype>[-<quant>]/T<n>")
+    dtype, _, quant = recipe.partition("-")
+    return speed_case(shape, dtype, quant or "none", tokens, seed)
+
+
 def tokens_per_rank(case: Case, world: int, cap: int | None, tile: int) -> list[int]:
     """T of each rank (see the module table); ``cap`` is the implementation's C (None: no bound)."""
     base = case.shape.tokens
     name = case.scenario
+    if speed_tokens(name) is not None:
+        return [speed_tokens(name)] * world
     if name == "zero_all":
         return [0] * world
     if name == "zero_one":

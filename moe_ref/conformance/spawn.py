@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from moe_ref.core.errors import ConformanceSpawnError
 
@@ -65,15 +66,16 @@ def merge(per_rank: dict[int, dict]) -> dict:
 
 
 def run_jobs(jobs: list[tuple[str, str]], world: int, device: str, deadline_s: float, seed: int = 0,
-             speed: bool = False) -> dict[tuple[str, str], dict]:
-    """Run ``jobs`` (``(implementation, case id)`` pairs: a registered name or ``module:attribute``, and a case of
-    ``scenarios.all_cases(seed)``) at ``world`` ranks in one group of rank processes, restarted only after a hang or
+             speed: bool = False, on_done: Callable[[tuple[str, str], dict], None] | None = None,
+             ) -> dict[tuple[str, str], dict]:
+    """Run ``jobs`` (``(implementation, case id)`` pairs: a registered name or ``module:attribute``, and a case id
+    ``scenarios.case_by_id`` knows) at ``world`` ranks in one group of rank processes, restarted only after a hang or
     a rank's exit; returns each job's merged record (``merge``; a hang: FAIL with ``errors`` naming each rank's last
-    step)."""
+    step). ``on_done(job, record)`` is called as each job's record is merged."""
     results: dict[tuple[str, str], dict] = {}
     pending = list(dict.fromkeys(tuple(job) for job in jobs))
     while pending:
-        results.update(_one_group(pending, world, device, deadline_s, seed, speed))
+        results.update(_one_group(pending, world, device, deadline_s, seed, speed, on_done or (lambda job, rec: None)))
         pending = [job for job in pending if job not in results]
     return results
 
@@ -99,7 +101,7 @@ class _RankState:
                 self.steps[rec["job"]] = rec["step"]
 
 
-def _one_group(jobs, world, device, deadline_s, seed, speed) -> dict[tuple[str, str], dict]:
+def _one_group(jobs, world, device, deadline_s, seed, speed, on_done) -> dict[tuple[str, str], dict]:
     """Start the group on ``jobs``; return the records of the jobs it finished, plus the one it failed on."""
     out = Path(tempfile.mkdtemp(prefix="moe_ref_conform_"))
     shm = tempfile.mkdtemp(prefix="moe_ref_conform_", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
@@ -121,6 +123,7 @@ def _one_group(jobs, world, device, deadline_s, seed, speed) -> dict[tuple[str, 
                 rank.poll()
             while current < len(jobs) and all(current in rank.verdicts for rank in ranks):
                 results[jobs[current]] = merge({r: rank.verdicts[current] for r, rank in enumerate(ranks)})
+                on_done(jobs[current], results[jobs[current]])
                 current += 1
             if current == len(jobs):
                 return results
@@ -142,11 +145,13 @@ def _one_group(jobs, world, device, deadline_s, seed, speed) -> dict[tuple[str, 
                             rank.poll()
                         if all(current in rank.verdicts for rank in ranks):  # every rank finished it: no hang
                             results[jobs[current]] = merge({r: rank.verdicts[current] for r, rank in enumerate(ranks)})
+                            on_done(jobs[current], results[jobs[current]])
                             return results
                         exited = {r: p.poll() for r, p in enumerate(procs) if p.poll() is not None}
                         if results and _left_before(current, ranks, exited):
                             return results
                     results[jobs[current]] = _abandoned(current, ranks, deadline_s, timed_out, exited)
+                    on_done(jobs[current], results[jobs[current]])
                     return results
     finally:
         for p in procs:

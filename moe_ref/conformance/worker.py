@@ -17,7 +17,7 @@ def main(spec_path: str, rank: int) -> int:
 
     from moe_ref.conformance.registry import resolve
     from moe_ref.conformance.runner import run_case
-    from moe_ref.conformance.scenarios import all_cases
+    from moe_ref.conformance.scenarios import case_by_id
 
     spec = json.loads(open(spec_path).read())
     world, device_type = spec["world"], spec["device"]
@@ -36,12 +36,11 @@ def main(spec_path: str, rank: int) -> int:
                                 world_size=world, timeout=datetime.timedelta(seconds=spec["deadline_s"]))
         group = dist.group.WORLD
     impls = {}
-    cases = {c.id: c for c in all_cases(spec["seed"])}
     for job, (impl_spec, case_id) in enumerate(spec["jobs"]):
         emit(job=job, step="begin")
         if impl_spec not in impls:
             impls[impl_spec] = resolve(impl_spec)
-        verdict = run_case(impls[impl_spec], cases[case_id], rank, world, group, device,
+        verdict = run_case(impls[impl_spec], case_by_id(case_id, spec["seed"]), rank, world, group, device,
                            progress=lambda step, j=job: emit(job=j, step=step), speed=spec["speed"])
         emit(job=job, verdict=verdict.as_dict())
         if verdict.error is not None and world > 1:

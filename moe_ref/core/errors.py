@@ -288,10 +288,9 @@ class CommandLineError(ConfigError):
         "CFG015", "a command-line flag is missing, unknown or out of range",
         "moe-ref and moe_ref.tools.dist_check check every flag before doing any work: counts and sizes must be "
         "positive integers (token counts may be 0), and flags that depend on each other must agree.",
-        "moe-ref bench --experts 0, moe-ref demo --runs 0, moe-ref demo --cap -5, bench --rows 4 --experts 8, "
-        "or a misspelled flag.",
+        "moe-ref bench --tokens 0, moe-ref demo --runs 0, moe-ref demo --cap -5, or a misspelled flag.",
         ["Use a value in the range the message gives.", "Run `moe-ref <command> --help` to list the flags."],
-        "moe-ref bench --experts 8 --iters 10\nmoe-ref demo --cap 64 --runs 5")
+        "moe-ref bench --tokens 16,128\nmoe-ref demo --cap 64 --runs 5")
 
 
 class LayerConversionError(ConfigError, TypeError):
@@ -449,28 +448,38 @@ class PlacementDisagreementError(ConfigError):
 
 class ConformanceImplError(ConfigError):
     code = _entry(
-        "CFG028", "a conformance implementation cannot be loaded, or declares impossible capabilities",
+        "CFG028", "a conformance implementation cannot be loaded, declares impossible capabilities, or none runs "
+        "the benched case",
         "moe-ref conform loads the implementation under test from --impl (module:attribute, or a registered name) "
         "and checks what it declares (moe_ref.conformance.Capabilities: dtypes, quant recipes, overflow behaviour "
         "and its cap, the kind) before any case runs.",
         "--impl pkg.mod:factory where the module does not import, the attribute is a plain function not wrapped by "
-        "@implementation, overflow='error' without max_tokens_per_rank, or kind 'experts' with ep_sizes (2,).",
+        "@implementation, overflow='error' without max_tokens_per_rank, kind 'experts' with ep_sizes (2,), or "
+        "moe-ref bench --shape kimi-k2 on a CPU (a real model's shape runs on CUDA only).",
         ["Decorate the factory with moe_ref.conformance.implementation(name, kind=..., caps=Capabilities(...)).",
          "Declare the cap (max_tokens_per_rank) whenever overflow is 'error' or 'chunk'.",
-         "`moe-ref conform --list` names the registered implementations."],
+         "`moe-ref conform --list` names the registered implementations.",
+         "moe-ref bench: pick a shape, dtype, quant and rank count an implementation here declares (the message "
+         "says why each one skips)."],
         "@implementation('mine', kind='experts', caps=Capabilities(dtypes=('bf16',)))\ndef mine(problem): ...")
 
 
 class ConformanceLedgerError(ConfigError):
     code = _entry(
-        "CFG029", "the conformance ledger of known failures or the case filter is malformed",
+        "CFG029", "the conformance ledger of known failures, the case filter or a speed case is malformed",
         "moe-ref conform reads a JSON ledger {\"impl/case\": \"why it fails\"} of known failures (an entry that "
         "passes fails the run: the ledger must be kept current) and a --cases filter (fnmatch patterns); an entry "
-        "must be an object of strings, a filter must match at least one case.",
-        "--ledger known.json holding a list, or --cases 'tiny/nope*' matching nothing.",
-        ["Write the ledger as {\"torch/tiny/bf16/base\": \"reason\"}; run with --list-cases to see the ids.",
-         "Remove entries that now pass."],
-        "moe-ref conform --impl torch --ledger docs/conform_ledger.json --cases 'tiny/*'")
+        "must be an object of strings, a filter must match at least one case. moe-ref bench (and conform) also "
+        "take speed cases <shape>/<dtype>[-<quant>]/T<n>, whose shape is a named one or <preset>@ep<N> with N "
+        "dividing the preset's experts.",
+        "--ledger known.json holding a list, --cases 'tiny/nope*' matching nothing, moe-ref bench --shape "
+        "kimi-k2@ep7 (384 experts are not split over 7 ranks).",
+        ["Write the ledger as {\"moe_ref/torch@1/tiny/bf16/base\": \"reason\"}; moe-ref conform --list names "
+         "the implementations and cases.",
+         "Remove entries that now pass.",
+         "Give a shape moe-ref conform --list names, or a preset with an EP size that divides its experts."],
+        "moe-ref conform --impl moe_ref/torch --ledger known.json --cases 'tiny/*'\n"
+        "moe-ref bench --shape deepseek-v3@ep16 --tokens 128")
 
 
 # --- capacity --------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
     moe-ref explain CAP001
     moe-ref demo                      # EP over 2 processes (CPU, or GPUs when present)
     moe-ref demo --preset tiny-kimi-k3 --quant mxfp4   # the same from a quantized checkpoint, kept as stored
-    moe-ref bench                     # expert backends: GPU, Kimi-K2's experts per rank at EP 8; CPU, a tiny shape
+    moe-ref bench                     # every implementation here, checked then timed: GPU, Kimi-K2's share; CPU, tiny
     moe-ref info                      # versions, devices, backends and why not
     moe-ref conform --impl pkg.mod:factory   # your kernel over the conformance matrix (docs/conform.md)
 
@@ -494,87 +494,18 @@ class _Steps:
 
 
 # --- bench -----------------------------------------------------------------------------------------------
-BENCH_TINY = dict(experts=8, hidden=256, intermediate=128, rows=512)  # the CPU shape (seconds on a laptop)
-BENCH_PRESET, BENCH_EP, BENCH_TOKENS = "kimi-k2", 8, 512  # the GPU shape: a preset's per-rank share
-
-
-def bench_shape(args, device: str) -> tuple[dict, str]:
-    """The expert shape ``moe-ref bench`` times on ``device``, and where it comes from (one line).
-
-    On CUDA, or whenever ``--preset`` is given: the preset's (default kimi-k2) routed experts of ONE rank at
-    ``--ep`` (default 8), its expert width and intermediate size, rows = 512 tokens per rank x top-k (Kimi-K2:
-    48 experts, D 7168, F 2048, 4096 rows). On CPU without ``--preset``: ``BENCH_TINY``. ``--experts``,
-    ``--hidden``, ``--intermediate`` and ``--rows`` override either. Needs no GPU.
-
-    Returns:
-        shape: ``experts``, ``hidden``, ``intermediate``, ``rows`` and ``activation``.
-        source: the shape's origin in words, for the output.
-    """
-    if device == "cuda" or args.preset:
-        from moe_ref.core.config import preset
-
-        cfg = preset(args.preset or BENCH_PRESET)
-        for problem in ParallelConfig(ep_size=args.ep).problems(cfg):  # CFG002: --ep must divide the experts
-            raise problem
-        shape = dict(experts=cfg.num_experts // args.ep, hidden=cfg.expert_hidden_size,
-                     intermediate=cfg.intermediate_size, rows=BENCH_TOKENS * cfg.num_topk, activation=cfg.activation)
-        source = (f"{cfg.name}'s routed experts of one rank at EP {args.ep} ({shape['experts']} of {cfg.num_experts}, "
-                  f"rows = {BENCH_TOKENS} tokens x top-{cfg.num_topk})")
-    else:
-        shape, source = dict(BENCH_TINY, activation="silu"), "the tiny CPU shape (a GPU runs kimi-k2's per-rank share)"
-    overridden = [name for name in ("experts", "hidden", "intermediate", "rows") if getattr(args, name) is not None]
-    shape.update({name: getattr(args, name) for name in overridden})
-    if overridden:
-        source += f", with --{' --'.join(overridden)} from the command line"
-    return shape, source
-
-
 def cmd_bench(args) -> int:
-    from tqdm import tqdm
+    """``moe-ref bench`` (``moe_ref.conformance.bench``) after its memory estimate (ENV016)."""
+    from moe_ref.conformance.bench import bench_cases, memory_bytes, run
 
-    from moe_ref.experts import ExpertLayout, make_experts
-    from moe_ref.testing import bench, calc_diff
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shape, source = bench_shape(args, device)
-    e, D, F, rows = shape["experts"], shape["hidden"], shape["intermediate"], shape["rows"]
-    if rows < e:
-        raise CommandLineError(f"moe-ref bench: --rows {rows} < --experts {e}: every expert needs at least "
-                               f"one row (rows are split evenly); pass --rows >= {e}")
-    if not args.skip_memory_check:  # the weights (made in dtype on the device), the pool, 2F-wide and 2 outputs
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        need = 3 * e * F * D * itemsize + (rows + e * 127) * (3 * D + 2 * F) * itemsize
-        require_memory(need, f"bench at --experts {e} --hidden {D} --intermediate {F} --rows {rows}",
-                       "pass fewer --experts or smaller --hidden/--intermediate/--rows",
-                       0 if device == "cuda" else None)
-    gen = torch.Generator(device=device).manual_seed(0)
-    gate_up = torch.randn(e, 2 * F, D, generator=gen, device=device, dtype=dtype).mul_(D**-0.5)
-    down = torch.randn(e, D, F, generator=gen, device=device, dtype=dtype).mul_(F**-0.5)
-    counts = torch.full((e,), rows // e, dtype=torch.int64)
-    layout = ExpertLayout.from_counts(counts.to(device), 128)
-    x = torch.randn(layout.num_pool_rows, D, generator=gen, device=device, dtype=dtype)
-    backends = ["torch", "grouped_mm"] + (["triton"] if device == "cuda" else [])
-    activation = shape["activation"]
-    ref = make_experts("torch", gate_up, down, activation)(x, layout)
-    flops = 2 * 3 * int(counts.sum()) * D * F
-    print(f"shape: {source}")
-    print(f"experts e={e} D={D} F={F} rows={int(counts.sum())} on {device} ({dtype})")
-    print(f"{'backend':>12} {'us':>10} {'TFLOP/s':>8} {'x torch':>8} {'calc_diff':>10}")
-    base = None
-    for name in tqdm(backends, desc="backends", file=sys.stderr, ncols=80, leave=False, disable=not envs.show_progress()):
-        try:
-            experts = make_experts(name, gate_up, down, activation)
-            out = experts(x, layout)
-            t_us = bench(lambda: experts(x, layout), iters=args.iters)
-        except MoERefError as err:
-            tqdm.write(f"{name:>12}  unavailable: {err}", file=sys.stdout)
-            continue
-        base = base or t_us
-        tqdm.write(f"{name:>12} {t_us:>10.1f} {flops / t_us / 1e6:>8.2f} {base / t_us:>8.2f} {calc_diff(out, ref):>10.2e}",
-                   file=sys.stdout)
-    print("(full GPU benchmarks: scripts/bench_experts.py, scripts/bench_layer.py)")
-    return 0
+    device, cases = bench_cases(args)
+    if not args.skip_memory_check and not (device == "cpu" and cases[0].shape.cuda_only):  # else nothing is made
+        need = max(memory_bytes(case, args.ranks) for case in cases)
+        where = 0 if device == "cuda" else None
+        require_memory(need * (args.ranks if where is None else 1), f"bench on {cases[0].id.rsplit('/', 1)[0]} at "
+                       f"{args.ranks} rank(s)", "pass a smaller --shape (a tiny preset, or <preset>@ep<N> with a "
+                       "larger N)", where)
+    return run(args, device, cases)
 
 
 # --- info ------------------------------------------------------------------------------------------------
@@ -725,24 +656,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-memory-check", action="store_true", help="run even when the memory estimate does not fit")
     p.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser(
-        "bench", parents=[debug], help="time the expert backends on this machine",
-        description=f"Time the expert backends on one rank's experts. On a GPU (bf16): {BENCH_PRESET}'s routed experts "
-                    f"of one rank at EP {BENCH_EP} (48 experts, top-8, hidden 7168, intermediate 2048; rows = "
-                    f"{BENCH_TOKENS} tokens x top-k), or --preset's. On CPU (fp32): a tiny shape "
-                    f"({BENCH_TINY['experts']} experts, hidden {BENCH_TINY['hidden']}, intermediate "
-                    f"{BENCH_TINY['intermediate']}, {BENCH_TINY['rows']} rows) unless --preset is given. "
-                    f"--experts/--hidden/--intermediate/--rows override the shape.")
-    p.add_argument("--preset", choices=PRESETS, default=None,
-                   help=f"time this model's experts of one rank at --ep (default on a GPU: {BENCH_PRESET}; on CPU: "
-                        f"the tiny shape)")
-    p.add_argument("--ep", type=positive, default=BENCH_EP, help="expert-parallel size of the per-rank share")
-    p.add_argument("--experts", type=positive, default=None, help="local experts (default: from the shape above)")
-    p.add_argument("--hidden", type=positive, default=None, help="expert width D (default: from the shape above)")
-    p.add_argument("--intermediate", type=positive, default=None, help="expert intermediate F (default: from the shape)")
-    p.add_argument("--rows", type=positive, default=None,
-                   help="rows over all experts, split evenly (at least one per expert; default: from the shape)")
-    p.add_argument("--iters", type=positive, default=10)
+    from moe_ref.conformance.bench import __doc__ as bench_doc, add_arguments as add_bench_arguments
+
+    p = sub.add_parser("bench", parents=[debug], help="time every implementation that runs here (moe_ref's backends, "
+                       "the peers' kernels) on one model shape, each after the conformance checks passed",
+                       description=bench_doc.split("\n\n")[0])
+    add_bench_arguments(p, count=positive)
     p.add_argument("--skip-memory-check", action="store_true", help="run even when the memory estimate does not fit")
     p.set_defaults(fn=cmd_bench)
 

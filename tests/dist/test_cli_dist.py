@@ -39,7 +39,7 @@ def test_make_demo_quant_on_two_processes(name, quant):
 
 def test_python_dash_m_prints_one_line_and_exits_2():
     env = {k: v for k, v in os.environ.items() if k != "MOE_REF_DEBUG"}
-    proc = subprocess.run([sys.executable, "-m", "moe_ref", "bench", "--experts", "0"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "moe_ref", "bench", "--tokens", "0"], capture_output=True,
                           text=True, timeout=120, env=env)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("moe-ref: [CFG015] ")

@@ -62,10 +62,9 @@ def no_spawn(monkeypatch):
 
 # --- flags out of range: CFG015 naming the flag, the value and the range ----------------------------------
 @pytest.mark.parametrize("argv, flag, value, bound", [
-    (["bench", "--experts", "0"], "--experts", "0", ">= 1"),
-    (["bench", "--iters", "0"], "--iters", "0", ">= 1"),
-    (["bench", "--rows", "-4"], "--rows", "-4", ">= 1"),
-    (["bench", "--hidden", "0"], "--hidden", "0", ">= 1"),
+    (["bench", "--tokens", "0"], "--tokens", "0", ">= 1"),
+    (["bench", "--tokens", "16,-4"], "--tokens", "-4", ">= 1"),
+    (["bench", "--ranks", "0"], "--ranks", "0", ">= 1"),
     (["demo", "--runs", "0"], "--runs", "0", ">= 1"),
     (["demo", "--runs", "-3"], "--runs", "-3", ">= 1"),
     (["demo", "--cap", "0"], "--cap", "0", ">= 1"),
@@ -76,7 +75,7 @@ def no_spawn(monkeypatch):
     (["plan", "--max-num-tokens", "0"], "--max-num-tokens", "0", ">= 1"),
     (["plan", "--budget-gib", "0"], "--budget-gib", "0.0", "> 0"),
     (["check", "--tp", "-2"], "--tp", "-2", ">= 1"),
-    (["bench", "--experts", "eight"], "--experts", "'eight'", ">= 1"),
+    (["bench", "--tokens", "eight"], "--tokens", "'eight'", ">= 1"),
 ])
 def test_flag_out_of_range_is_cfg015_naming_flag_value_and_range(capsys, no_spawn, argv, flag, value, bound):
     status, out, err = _run(capsys, argv)
@@ -88,26 +87,6 @@ def test_flag_out_of_range_is_cfg015_naming_flag_value_and_range(capsys, no_spaw
 def test_unknown_command_is_cfg015(capsys):
     status, _, err = _run(capsys, ["bogus"])
     assert status == 2 and "'bogus'" in _one_coded_line(err, "CFG015")
-
-
-def test_bench_rows_fewer_than_experts_is_cfg015_naming_both(capsys):
-    status, _, err = _run(capsys, ["bench", "--experts", "8", "--rows", "4"])
-    line = _one_coded_line(err, "CFG015")
-    assert status == 2 and "--rows 4 < --experts 8" in line and "--rows >= 8" in line
-
-
-@pytest.mark.parametrize("progress", [None, "1"])
-def test_bench_smallest_valid_run_prints_rows_and_a_bar_only_when_asked(capsys, monkeypatch, progress):
-    """stderr is no terminal here: no bar drawn into the log unless MOE_REF_PROGRESS=1."""
-    if progress is None:
-        monkeypatch.delenv("MOE_REF_PROGRESS", raising=False)
-    else:
-        monkeypatch.setenv("MOE_REF_PROGRESS", progress)
-    status, out, err = _run(capsys, ["bench", "--experts", "1", "--hidden", "16", "--intermediate", "8",
-                                     "--rows", "1", "--iters", "1"])
-    assert status == 0, err
-    assert "e=1 D=16 F=8 rows=1" in out and "torch" in out
-    assert ("backends" in err) == (progress == "1"), err  # tqdm's bar on stderr
 
 
 class _Stream:
@@ -126,51 +105,6 @@ def test_progress_bars_on_a_terminal_unless_the_variable_says(monkeypatch, value
     else:
         monkeypatch.setenv("MOE_REF_PROGRESS", value)
     assert envs.show_progress(_Stream(tty)) is expected
-
-
-def _bench_shape(argv, device):
-    return cli.bench_shape(cli.build_parser().parse_args(["bench", *argv]), device)
-
-
-def test_bench_shape_is_tiny_on_cpu_and_kimi_k2_per_rank_on_a_gpu():
-    shape, source = _bench_shape([], "cpu")
-    assert shape == dict(experts=8, hidden=256, intermediate=128, rows=512, activation="silu")
-    assert "tiny CPU shape" in source
-    shape, source = _bench_shape([], "cuda")  # Kimi-K2's share of one rank at EP 8: 384 / 8 experts, 512 tokens x 8
-    assert shape == dict(experts=48, hidden=7168, intermediate=2048, rows=4096, activation="silu")
-    assert "kimi-k2's routed experts of one rank at EP 8 (48 of 384" in source
-
-
-@pytest.mark.parametrize("on_gpu", [False, True])  # (a "cuda" id would mark the test as needing a GPU)
-def test_bench_shape_from_a_preset_and_ep_on_either_device(on_gpu):
-    device = "cuda" if on_gpu else "cpu"
-    for name, ep in (("deepseek-v3", 8), ("kimi-k2", 2), ("tiny-kimi-k3", 2)):
-        cfg = preset(name)
-        shape, source = _bench_shape(["--preset", name, "--ep", str(ep)], device)
-        assert shape == dict(experts=cfg.num_experts // ep, hidden=cfg.expert_hidden_size,
-                             intermediate=cfg.intermediate_size, rows=512 * cfg.num_topk, activation=cfg.activation)
-        assert f"{name}'s routed experts of one rank at EP {ep}" in source
-
-
-def test_bench_shape_flags_override_the_device_default():
-    shape, source = _bench_shape(["--rows", "100", "--experts", "4"], "cuda")
-    assert (shape["experts"], shape["hidden"], shape["intermediate"], shape["rows"]) == (4, 7168, 2048, 100)
-    assert "with --experts --rows from the command line" in source
-    shape, _ = _bench_shape(["--hidden", "64"], "cpu")
-    assert (shape["experts"], shape["hidden"], shape["rows"]) == (8, 64, 512)
-
-
-def test_bench_ep_that_does_not_divide_the_experts_is_cfg002(capsys):
-    status, _, err = _run(capsys, ["bench", "--preset", "tiny-kimi-k2", "--ep", "3"])  # 16 experts
-    assert status == 2 and "ep_size" in _one_coded_line(err, "CFG002")
-
-
-def test_bench_on_cpu_says_it_runs_the_tiny_shape(capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    status, out, err = _run(capsys, ["bench", "--iters", "1", "--rows", "64"])
-    assert status == 0, err
-    assert "shape: the tiny CPU shape (a GPU runs kimi-k2's per-rank share)" in out
-    assert "e=8 D=256 F=128 rows=64 on cpu" in out
 
 
 # --- demo: device, checkpoint folder, memory, private temporary folder ------------------------------------

@@ -95,7 +95,7 @@ def quant_step_factory(backend: str, transport: str = "auto"):
 
 
 _QUANT = dict(quants=("int4", "mxfp4", "fp8_block"), ep_sizes=(1, 2, 4), max_tokens_per_rank=CAP, overflow="error",
-              deterministic=True, duplicate_experts=False, masked_slots=True)
+              configurable_cap=True, deterministic=True, duplicate_experts=False, masked_slots=True)
 # the torch loop computes whole 128-row segments of fp32 GEMMs over each expert's dequantized weights
 register(Implementation("moe_ref/quant/torch", "routed_step",
                         Capabilities(dtypes=("fp32", "bf16"), **_QUANT, batch_invariant=True, devices=("cpu",),

@@ -1,0 +1,146 @@
+"""``moe-ref bench``: the conformance harness's speed mode over every implementation this machine runs, on one
+model shape at a few token counts: each figure comes with the case's checks passed, beside the others of the run.
+
+    moe-ref bench [--impl NAME ...] [--shape kimi-k2 | <preset>@ep<N>] [--tokens 16,128,512] [--dtype bf16]
+                  [--quant none|fp8_block|int4|mxfp4] [--ranks 1] [--device cpu|cuda] [--jsonl F] [--table F]
+
+Each implementation runs the speed case ``<shape>/<recipe>/T<n>`` (``scenarios.speed_case``: n tokens on every
+rank, routed as the matrix's ``base``) for each n: first every check of a matrix case (the float64 oracle, re-run
+bits, permuted rows, a token alone, the poisoned and guarded output), then ``SPEED_ITERS`` timed calls (CUDA events
+with L2 flushed on a GPU; the median). A case that fails a check is reported FAIL with no time, and the command
+exits 1.
+
+Defaults: on a GPU, Kimi-K2's routed experts of one rank at EP 8 (48 experts, D 7168, F 2048, top-8) in bf16 at
+T = 16, 128, 512 and 4096; on CPU the tiny shape in fp32 at T = 24 and 96. Implementations: every registered one of
+kind ``experts`` or ``routed_step`` that runs the case here (``skip_reason``), not a mutant nor the docs' example:
+moe_ref's backends through its routed step (dispatch, experts, combine: the path the layer calls) and the peers'
+fused-MoE kernels when their files are in ``.whl/`` (``make peers``). The experts are SiLU-gated MLPs of the shape's
+widths, whatever the preset's activation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+import torch
+
+from moe_ref.conformance.mutants import MUTANT_NAMES
+from moe_ref.conformance.registry import registered, resolve
+from moe_ref.conformance.report import record
+from moe_ref.conformance.runner import skip_reason
+from moe_ref.conformance.scenarios import Case, speed_case, speed_tokens
+from moe_ref.conformance.spawn import run_jobs
+from moe_ref.core.errors import ConformanceImplError
+
+DEFAULTS = {"cuda": ("kimi-k2", "bf16", (16, 128, 512, 4096)), "cpu": ("tiny", "fp32", (24, 96))}
+TIMED_KINDS = ("experts", "routed_step")
+# the harness's own: the planted bugs and their correct base (``mutants``), the docs' worked example
+NOT_BENCHED = ("correct", "dispatch:correct", *MUTANT_NAMES, "example:sglang-style")
+
+
+def add_arguments(p: argparse.ArgumentParser, count=int) -> None:
+    """``moe-ref bench``'s flags; ``count``: the argparse type of a positive integer (the command line's, whose
+    errors are coded)."""
+    p.add_argument("--impl", action="append", default=[],
+                   help="a registered name or module:attribute (repeatable; default: every one that runs here)")
+    p.add_argument("--shape", default=None, help="a named shape (moe-ref conform --list) or <preset>@ep<N>; "
+                                                 "default kimi-k2 on a GPU, tiny on CPU")
+    p.add_argument("--tokens", default=None, type=lambda text: tuple(count(t) for t in re.split(r"[ ,]+", text) if t),
+                   help="comma-separated tokens per rank (default 16,128,512,4096 on a GPU, 24,96 on CPU)")
+    p.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--quant", default="none", choices=("none", "fp8_block", "int4", "mxfp4"))
+    p.add_argument("--ranks", type=count, default=1, help="rank processes (gloo on CPU, NCCL on GPUs)")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when present")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deadline", type=float, default=600.0, help="seconds per case before it is a hang (FAIL)")
+    p.add_argument("--jsonl", default=None, help="one JSON record per (implementation, T), as conform writes")
+    p.add_argument("--table", default=None, help="the markdown table, also printed")
+
+
+def default_impls(cases, world: int, device: str) -> list[str]:
+    """Every registered implementation of a timed kind that runs at least one of ``cases`` here."""
+    chosen = []
+    for name, impl in sorted(registered().items()):
+        if impl.kind in TIMED_KINDS and name not in NOT_BENCHED and \
+                any(skip_reason(impl, case, world, device) is None for case in cases):
+            chosen.append(impl.spec or name)
+    return chosen
+
+
+def table(records: list[dict]) -> str:
+    """One row per (implementation, T): status, us, TFLOP/s, GB/s, and the time over the fastest at that T."""
+    best = {}
+    for r in records:
+        if r["status"] == "PASS" and r["us"]:
+            best[r["case"]] = min(best.get(r["case"], r["us"]), r["us"])
+    lines = ["| implementation | T | status | us | TFLOP/s | GB/s | x fastest |", "|---|---:|---|---:|---:|---:|---:|"]
+    for r in sorted(records, key=lambda r: (int(r["case"].rsplit("/T", 1)[1]), r["us"] or float("inf"))):
+        timed = r["status"] == "PASS" and r["us"]
+        status = r["status"] + ("" if r["status"] == "PASS" else f": {r['reason'][:80]}")
+        numbers = (f"{r['us']:,.1f} | {r['TFLOP/s']:.3g} | {r['GB/s']:.3g} | {r['us'] / best[r['case']]:.2f}"
+                   if timed else "- | - | - | -")
+        lines.append(f"| {r['impl']}@{r['ranks']} | {r['case'].rsplit('/T', 1)[1]} | {status} | {numbers} |")
+    return "\n".join(lines)
+
+
+def bench_cases(args) -> tuple[str, list[Case]]:
+    """``(device, the speed cases)`` the flags ask for (defaults by device: ``DEFAULTS``)."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shape, dtype, tokens = DEFAULTS[device]
+    shape, dtype, tokens = args.shape or shape, args.dtype or dtype, args.tokens or tokens
+    return device, [speed_case(shape, dtype, args.quant, t, args.seed) for t in tokens]
+
+
+def memory_bytes(case: Case, world: int) -> int:
+    """Bytes one rank process holds at least: every expert of the case made in fp32 on its device, then in the
+    case's dtype (the cached ``global_weights``), and the implementation's copy of its own experts."""
+    s = case.shape
+    per_expert = 3 * s.hidden * s.intermediate
+    itemsize = case.torch_dtype.itemsize
+    return per_expert * (s.experts_per_rank * world * (4 + itemsize) + s.experts_per_rank * itemsize)
+
+
+def run(args, device: str, cases: list[Case]) -> int:
+    """Check then time each implementation on each case; print the table (exit 1 when a case FAILs)."""
+    tokens = [speed_tokens(c.scenario) for c in cases]
+    specs = list(args.impl) or default_impls(cases, args.ranks, device)
+    if not specs:
+        why = {skip_reason(impl, cases[0], args.ranks, device) for impl in registered().values()
+               if impl.kind in TIMED_KINDS and impl.name not in NOT_BENCHED}
+        raise ConformanceImplError(f"no registered implementation runs {cases[0].id.rsplit('/', 1)[0]} at "
+                                   f"{args.ranks} rank(s) on {device} ({'; '.join(sorted(why - {None}))}); give "
+                                   f"another --shape, --dtype, --quant or --ranks, or --impl your own")
+    impls = [resolve(spec) for spec in specs]
+    s = cases[0].shape
+    print(f"moe-ref bench: {cases[0].id.rsplit('/', 1)[0]} ({s.experts_per_rank} experts per rank, top-{s.topk}, "
+          f"D {s.hidden}, F {s.intermediate}) at T {', '.join(map(str, tokens))} per rank, {args.ranks} rank(s) on "
+          f"{device}; each time after the case's checks passed")
+    skips = {(impl.name, c.id): skip_reason(impl, c, args.ranks, device) for impl in impls for c in cases}
+    by_spec = {impl.spec or impl.name: impl for impl in impls}
+    cases_by_id = {c.id: c for c in cases}
+    jobs = [(impl.spec or impl.name, c.id) for c in cases for impl in impls if not skips[(impl.name, c.id)]]
+
+    def report(job, merged) -> None:  # as each case finishes: the long runs show progress
+        impl = by_spec[job[0]]
+        rec = record(impl, cases_by_id[job[1]], args.ranks, device, merged, None)
+        shown = f"{rec['us']:,.1f} us, {rec['TFLOP/s']:.3g} TFLOP/s" if rec["us"] else rec["reason"][:200]
+        print(f"  {impl.name} T={job[1].rsplit('/T', 1)[1]}: {rec['status']} {shown}", file=sys.stderr, flush=True)
+
+    done = run_jobs(jobs, args.ranks, device, args.deadline, args.seed, speed=True, on_done=report)
+    records = [record(impl, c, args.ranks, device, done.get((impl.spec or impl.name, c.id)), skips[(impl.name, c.id)])
+               for impl in impls for c in cases]
+    text = table(records)
+    print(text)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(text + "\n")
+    if args.jsonl:
+        with open(args.jsonl, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    failed = [r["id"] for r in records if r["status"] == "FAIL"]
+    for r in records:
+        if r["status"] == "FAIL":
+            print(f"FAIL {r['id']}: {r['reason'][:300]}\n  REPRO: {r['repro']}", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,89 @@
+"""``moe-ref bench`` on the conformance harness: speed cases named by id (``<shape>/<recipe>/T<n>``) that conform
+runs again from a REPRO, the cap a speed case builds for, the implementations it picks, and a FAIL that exits 1."""
+import pytest
+
+from moe_ref.conformance import registered
+from moe_ref.conformance.bench import NOT_BENCHED, table
+from moe_ref.conformance.cli import run as run_conform
+from moe_ref.conformance.runner import case_cap, skip_reason
+from moe_ref.conformance.scenarios import SHAPES, case_by_id, rank_inputs, speed_case, tokens_per_rank
+from moe_ref.core.config import preset
+from moe_ref.core.errors import ConformanceLedgerError
+from moe_ref.tools import cli
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_speed_case_round_trips_through_its_id_and_a_matrix_id_stays_the_matrix_case():
+    case = speed_case("tiny128", "bf16", "int4", 200, seed=3)
+    assert case.id == "tiny128/bf16-int4/T200"
+    assert case_by_id(case.id, seed=3) == case
+    assert tokens_per_rank(case, 4, 160, 16) == [200] * 4
+    ids_TK = rank_inputs(case, 1, None, 16)[0][1]
+    assert ids_TK.shape == (200, 3) and bool((ids_TK >= 0).all())  # routed as base: no masked slot
+    assert case_by_id("tiny/fp32/base").scenario == "base" and case_by_id("tiny/fp32/base").seed < 999
+
+
+def test_a_preset_share_is_a_shape_and_a_bad_one_is_cfg029():
+    cfg = preset("deepseek-v3")
+    shape = speed_case("deepseek-v3@ep16", "bf16", "none", 8).shape
+    assert (shape.experts_per_rank, shape.topk, shape.hidden, shape.intermediate, shape.cuda_only) == \
+        (cfg.num_experts // 16, cfg.num_topk, cfg.expert_hidden_size, cfg.intermediate_size, True)
+    assert not speed_case("tiny-kimi-k2@ep2", "fp32", "none", 8).shape.cuda_only
+    for bad, words in (("kimi-k2@ep7", "does not divide"), ("nope@ep2", "not one of"), ("tiny", None)):
+        if words is None:
+            assert speed_case(bad, "fp32", "none", 1).shape == SHAPES["tiny"]
+            continue
+        with pytest.raises(ConformanceLedgerError, match=words):
+            speed_case(bad, "fp32", "none", 8)
+    for bad in ("tiny/fp32/T", "tiny/fp32/Tx", "tiny/fp32/base/T4", "tiny/fp99/T4"):
+        with pytest.raises(ConformanceLedgerError):
+            case_by_id(bad)
+
+
+def test_a_speed_case_above_the_cap_builds_for_its_t_or_skips_where_the_cap_is_fixed():
+    moe_ref_impl, fixed = registered()["moe_ref/torch"], registered()["correct"]
+    big = speed_case("tiny", "fp32", "none", 500)
+    assert case_cap(moe_ref_impl.caps, big) == 500 and skip_reason(moe_ref_impl, big, 1, "cpu") is None
+    assert "T above max_tokens_per_rank" in skip_reason(fixed, big, 1, "cpu")
+    small = speed_case("tiny", "fp32", "none", 5)
+    assert case_cap(moe_ref_impl.caps, small) == moe_ref_impl.caps.max_tokens_per_rank
+    assert skip_reason(fixed, small, 1, "cpu") is None
+
+
+def test_the_table_orders_by_t_then_time_and_marks_the_fastest():
+    def rec(impl, t, us, status="PASS"):
+        return {"impl": impl, "ranks": 1, "case": f"tiny/fp32/T{t}", "status": status, "us": us,
+                "TFLOP/s": 1.0 if us else None, "GB/s": 2.0 if us else None, "reason": "" if us else "why"}
+    text = table([rec("b", 96, 30.0), rec("a", 96, 10.0), rec("a", 24, 5.0), rec("c", 24, None, "SKIP")])
+    rows = [line.split(" | ")[0].strip("| ") for line in text.splitlines()[2:]]
+    assert rows == ["a@1", "c@1", "a@1", "b@1"]
+    assert "| 3.00 |" in text and text.count("| 1.00 |") == 2 and "SKIP: why" in text
+
+
+def test_bench_on_cpu_checks_then_times_every_moe_ref_backend_and_no_harness_internal(capsys):
+    status = cli.main(["bench", "--tokens", "3,170"])  # 170 > the adapters' matrix cap (160): built for 170
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("| moe_ref/")]
+    for name in ("moe_ref/torch@1", "moe_ref/torch+chunk@1", "moe_ref/torch+invariant@1"):
+        assert sum(f"| {name} | " in line and "| PASS |" in line for line in rows) == 2, out
+    assert not any(name in out for name in NOT_BENCHED), out
+    assert "tiny/fp32 (4 experts per rank, top-3, D 64, F 32) at T 3, 170" in out
+
+
+def test_a_failing_implementation_exits_1_and_its_repro_fails_again_in_conform(capsys):
+    status = cli.main(["bench", "--impl", "mutant:segment_offset", "--tokens", "12"])
+    out, err = capsys.readouterr()
+    assert status == 1 and "| FAIL: oracle" in out, out
+    repro = next(line for line in err.splitlines() if "REPRO:" in line).split("REPRO: ", 1)[1]
+    assert "--cases 'tiny/fp32/T12'" in repro
+    argv = [word.strip("'") for word in repro.split()[2:]]  # past "moe-ref conform"
+    run_conform(cli.build_parser().parse_args(["conform", *argv]))  # (conform exits 0 on a mutant's FAIL)
+    assert "0 PASS, 1 FAIL" in capsys.readouterr().out
+
+
+def test_a_shape_nothing_here_runs_is_cfg028_saying_why(capsys):
+    status = cli.main(["bench", "--shape", "kimi-k2", "--device", "cpu", "--tokens", "4"])
+    err = capsys.readouterr().err
+    assert status == 2 and "[CFG028]" in err and "a real model's shape: CUDA only" in err
