@@ -46,7 +46,9 @@ demo-quant: $(INSTALLED)
 	$(PY) -m moe_ref demo --preset tiny-kimi-k3 --quant mxfp4
 	$(PY) -m moe_ref demo --preset tiny-deepseek-v3 --quant fp8_block
 
-# The expert backends timed by `moe-ref bench` (a GPU: Kimi-K2's experts per rank at EP 8; a CPU: a tiny shape).
+# `moe-ref bench`: every implementation that runs here (moe_ref's backends through the routed step, the peers' kernels
+# when `make peers` fetched them), checked by the conformance harness then timed (a GPU: Kimi-K2's experts per rank
+# at EP 8, T 16-4096; a CPU: the tiny shape).
 bench: $(INSTALLED)
 	$(PY) -m moe_ref bench
 

@@ -1,7 +1,7 @@
 """``moe-ref bench``: the conformance harness's speed mode over every implementation this machine runs, on one
 model shape at a few token counts: each figure comes with the case's checks passed, beside the others of the run.
 
-    moe-ref bench [--impl NAME ...] [--shape kimi-k2 | <preset>@ep<N>] [--tokens 16,128,512] [--dtype bf16]
+    moe-ref bench [--kind moe|dispatch] [--impl NAME ...] [--shape kimi-k2 | <preset>@ep<N>] [--tokens 16,128,512] [--dtype bf16]
                   [--quant none|fp8_block|int4|mxfp4] [--ranks 1] [--device cpu|cuda] [--jsonl F] [--table F]
 
 Each implementation runs the speed case ``<shape>/<recipe>/T<n>`` (``scenarios.speed_case``: n tokens on every
@@ -9,6 +9,9 @@ rank, routed as the matrix's ``base``) for each n: first every check of a matrix
 bits, permuted rows, a token alone, the poisoned and guarded output), then ``SPEED_ITERS`` timed calls (CUDA events
 with L2 flushed on a GPU; the median). A case that fails a check is reported FAIL with no time, and the command
 exits 1.
+
+``--kind dispatch`` compares the transports' dispatch + combine instead (``dispatch_combine`` implementations, the
+rows checked exactly; GB/s counts each live slot's row sent and sent back).
 
 Defaults: on a GPU, Kimi-K2's routed experts of one rank at EP 8 (48 experts, D 7168, F 2048, top-8) in bf16 at
 T = 16, 128, 512 and 4096; on CPU the tiny shape in fp32 at T = 24 and 96. Implementations: every registered one of
@@ -35,7 +38,7 @@ from moe_ref.conformance.spawn import run_jobs
 from moe_ref.core.errors import ConformanceImplError
 
 DEFAULTS = {"cuda": ("kimi-k2", "bf16", (16, 128, 512, 4096)), "cpu": ("tiny", "fp32", (24, 96))}
-TIMED_KINDS = ("experts", "routed_step")
+KINDS = {"moe": ("experts", "routed_step"), "dispatch": ("dispatch_combine",)}  # --kind: what one table compares
 # the harness's own: the planted bugs and their correct base (``mutants``), the docs' worked example
 NOT_BENCHED = ("correct", "dispatch:correct", *MUTANT_NAMES, "example:sglang-style")
 
@@ -45,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser, count=int) -> None:
     errors are coded)."""
     p.add_argument("--impl", action="append", default=[],
                    help="a registered name or module:attribute (repeatable; default: every one that runs here)")
+    p.add_argument("--kind", default="moe", choices=tuple(KINDS),
+                   help="moe: fused-MoE kernels and routed steps (default); dispatch: dispatch + combine alone")
     p.add_argument("--shape", default=None, help="a named shape (moe-ref conform --list) or <preset>@ep<N>; "
                                                  "default kimi-k2 on a GPU, tiny on CPU")
     p.add_argument("--tokens", default=None, type=lambda text: tuple(count(t) for t in re.split(r"[ ,]+", text) if t),
@@ -59,28 +64,32 @@ def add_arguments(p: argparse.ArgumentParser, count=int) -> None:
     p.add_argument("--table", default=None, help="the markdown table, also printed")
 
 
-def default_impls(cases, world: int, device: str) -> list[str]:
-    """Every registered implementation of a timed kind that runs at least one of ``cases`` here."""
+def default_impls(cases, world: int, device: str, kinds: tuple[str, ...]) -> list[str]:
+    """Every registered implementation of ``kinds`` that runs at least one of ``cases`` here."""
     chosen = []
     for name, impl in sorted(registered().items()):
-        if impl.kind in TIMED_KINDS and name not in NOT_BENCHED and \
+        if impl.kind in kinds and name not in NOT_BENCHED and \
                 any(skip_reason(impl, case, world, device) is None for case in cases):
             chosen.append(impl.spec or name)
     return chosen
 
 
-def table(records: list[dict]) -> str:
-    """One row per (implementation, T): status, us, TFLOP/s, GB/s, and the time over the fastest at that T."""
+def table(records: list[dict], flops: bool = True) -> str:
+    """One row per (implementation, T): status, us, TFLOP/s (``flops``), GB/s, and the time over the fastest at
+    that T."""
     best = {}
     for r in records:
         if r["status"] == "PASS" and r["us"]:
             best[r["case"]] = min(best.get(r["case"], r["us"]), r["us"])
-    lines = ["| implementation | T | status | us | TFLOP/s | GB/s | x fastest |", "|---|---:|---|---:|---:|---:|---:|"]
+    columns = ["implementation", "T", "status", "us"] + (["TFLOP/s"] if flops else []) + ["GB/s", "x fastest"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" if c in ("implementation", "status") else "---:"
+                                                            for c in columns) + "|"]
     for r in sorted(records, key=lambda r: (int(r["case"].rsplit("/T", 1)[1]), r["us"] or float("inf"))):
         timed = r["status"] == "PASS" and r["us"]
         status = r["status"] + ("" if r["status"] == "PASS" else f": {r['reason'][:80]}")
-        numbers = (f"{r['us']:,.1f} | {r['TFLOP/s']:.3g} | {r['GB/s']:.3g} | {r['us'] / best[r['case']]:.2f}"
-                   if timed else "- | - | - | -")
+        numbers = " | ".join([f"{r['us']:,.1f}"] + ([f"{r['TFLOP/s']:.3g}"] if flops else []) +
+                             [f"{r['GB/s']:.3g}", f"{r['us'] / best[r['case']]:.2f}"]) if timed else \
+            " | ".join(["-"] * (4 if flops else 3))
         lines.append(f"| {r['impl']}@{r['ranks']} | {r['case'].rsplit('/T', 1)[1]} | {status} | {numbers} |")
     return "\n".join(lines)
 
@@ -105,10 +114,10 @@ def memory_bytes(case: Case, world: int) -> int:
 def run(args, device: str, cases: list[Case]) -> int:
     """Check then time each implementation on each case; print the table (exit 1 when a case FAILs)."""
     tokens = [speed_tokens(c.scenario) for c in cases]
-    specs = list(args.impl) or default_impls(cases, args.ranks, device)
+    specs = list(args.impl) or default_impls(cases, args.ranks, device, KINDS[args.kind])
     if not specs:
         why = {skip_reason(impl, cases[0], args.ranks, device) for impl in registered().values()
-               if impl.kind in TIMED_KINDS and impl.name not in NOT_BENCHED}
+               if impl.kind in KINDS[args.kind] and impl.name not in NOT_BENCHED}
         raise ConformanceImplError(f"no registered implementation runs {cases[0].id.rsplit('/', 1)[0]} at "
                                    f"{args.ranks} rank(s) on {device} ({'; '.join(sorted(why - {None}))}); give "
                                    f"another --shape, --dtype, --quant or --ranks, or --impl your own")
@@ -125,13 +134,13 @@ def run(args, device: str, cases: list[Case]) -> int:
     def report(job, merged) -> None:  # as each case finishes: the long runs show progress
         impl = by_spec[job[0]]
         rec = record(impl, cases_by_id[job[1]], args.ranks, device, merged, None)
-        shown = f"{rec['us']:,.1f} us, {rec['TFLOP/s']:.3g} TFLOP/s" if rec["us"] else rec["reason"][:200]
+        shown = f"{rec['us']:,.1f} us, {rec['GB/s']:.3g} GB/s" if rec["us"] else rec["reason"][:200]
         print(f"  {impl.name} T={job[1].rsplit('/T', 1)[1]}: {rec['status']} {shown}", file=sys.stderr, flush=True)
 
     done = run_jobs(jobs, args.ranks, device, args.deadline, args.seed, speed=True, on_done=report)
     records = [record(impl, c, args.ranks, device, done.get((impl.spec or impl.name, c.id)), skips[(impl.name, c.id)])
                for impl in impls for c in cases]
-    text = table(records)
+    text = table(records, flops=args.kind == "moe")
     print(text)
     if args.table:
         with open(args.table, "w") as f:

@@ -272,7 +272,9 @@ def _check_dispatch(built, case, inputs, rank, problem: Problem, verdict: Verdic
 
 
 def _time(built, impl, inputs, problem: Problem, verdict: Verdict) -> None:
-    """us per call (median, CUDA events with L2 flushed on a GPU), bytes moved and FLOPs of the experts."""
+    """us per call (median, CUDA events with L2 flushed on a GPU), bytes moved and FLOPs of the experts. Bytes: the
+    tokens read and written and the weights read (``experts``, ``routed_step``); each live slot's row sent and sent
+    back (``dispatch_combine``)."""
     from moe_ref.testing import bench
 
     x_TD, ids_TK, w_TK = inputs
@@ -286,10 +288,13 @@ def _time(built, impl, inputs, problem: Problem, verdict: Verdict) -> None:
             built(x_TD, ids_TK, w_TK, out_TD)
     verdict.us = bench(call, warmup=2, iters=SPEED_ITERS)
     live = int((ids_TK >= 0).sum())
+    if impl.kind == "dispatch_combine":
+        verdict.bytes = 2 * live * x_TD.shape[1] * x_TD.element_size()
+        return
     weights = problem.weights
     # a quantized kernel reads the codes (and scales), a plain one the activation-dtype weights
     read = (weights.gate_up_q, weights.down_q, weights.gate_up_scale, weights.down_scale) \
         if weights.gate_up_q is not None else (weights.gate_up_e2FD, weights.down_eDF)
     weight_bytes = sum(t.numel() * t.element_size() for t in read)
     verdict.bytes = 2 * x_TD.numel() * x_TD.element_size() + weight_bytes
-    verdict.flops = 0 if impl.kind == "dispatch_combine" else 6 * live * problem.hidden * problem.intermediate
+    verdict.flops = 6 * live * problem.hidden * problem.intermediate

@@ -87,3 +87,12 @@ def test_a_shape_nothing_here_runs_is_cfg028_saying_why(capsys):
     status = cli.main(["bench", "--shape", "kimi-k2", "--device", "cpu", "--tokens", "4"])
     err = capsys.readouterr().err
     assert status == 2 and "[CFG028]" in err and "a real model's shape: CUDA only" in err
+
+
+def test_bench_of_the_transports_times_dispatch_and_combine_at_two_ranks_above_the_matrix_cap(capsys):
+    status = cli.main(["bench", "--kind", "dispatch", "--ranks", "2", "--tokens", "200"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert "| implementation | T | status | us | GB/s | x fastest |" in out  # no FLOPs in a dispatch
+    for transport in ("symm", "a2a"):
+        assert f"| moe_ref/dispatch/{transport}@2 | 200 | PASS |" in out, out

@@ -115,5 +115,6 @@ _add("moe_ref/deep_gemm", "routed_step",
      routed_step_factory("deep_gemm"), "DeepGEMM's grouped GEMMs (SM90)")
 for _transport, _sizes in (("local", (1,)), ("symm", (2, 4)), ("a2a", (2, 4))):
     _add(f"moe_ref/dispatch/{_transport}", "dispatch_combine",
-         Capabilities(dtypes=("fp32", "bf16"), ep_sizes=_sizes, max_tokens_per_rank=CAP, overflow="error"),
+         Capabilities(dtypes=("fp32", "bf16"), ep_sizes=_sizes, max_tokens_per_rank=CAP, overflow="error",
+                      configurable_cap=True),
          lambda problem, transport=_transport: _Dispatch(problem, transport))

@@ -30,6 +30,7 @@ Shape legend: T rows (tokens, or pool rows), I input features (the reduced width
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -75,7 +76,13 @@ GROUPED_MLP_TILES = {
 def classes_probed(device: torch.device) -> bool:
     """Whether the bits classes hold on ``device``: a CUDA device of ``SAME_BITS_CAPABILITIES``, not interpreted."""
     return (device.type == "cuda" and not is_interpreter()
-            and tuple(torch.cuda.get_device_capability(device)) in SAME_BITS_CAPABILITIES)
+            and _capability_probed(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_probed(index: int) -> bool:
+    # asked at every grouped launch in the batch-invariant mode: once per GPU
+    return tuple(torch.cuda.get_device_capability(index)) in SAME_BITS_CAPABILITIES
 
 
 def tile_precision(fp8: bool, ieee_fp32: bool) -> str:
