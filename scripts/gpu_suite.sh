@@ -36,14 +36,15 @@
 # invariant = the batch-invariant mode's GPU tests (its tile classes re-checked on this GPU, slow cases included) and
 # its cost (scripts/bench_invariant.py, Kimi-K2's share); first_calls = the eager-graph and warm-up GPU tests and
 # scripts/bench_warmup.py; tiles = this GPU class's grouped-MLP tile table (scripts/tune_tiles.py, into $OUT/tiles;
-# copy it into moe_ref/kernels/experts/tile_table.json with --install from a tree);
+# copy it into moe_ref/kernels/experts/tile_table.json with --install from a tree); bench = `moe-ref bench` on this GPU
+# (every implementation that runs here, the peers' when .whl/ holds their files, checked then timed; $BENCH_LIMIT s);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 MODE=${1:-quick}; shift || true
 STEPS=${*:-info tests tests_slow tests2 dist graph mega peer_check bench_experts bench_layer layer1 eager w4 align}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$OUT/bench"
 LOG="$OUT/suite.log"
 # Keep NVLink multicast off (it can take a shared host's GPUs out of service).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -161,6 +162,8 @@ for s in $STEPS; do case $s in
   first_calls)
     step first_calls_tests 120 python3 -m pytest -q -rs --timeout=100 tests/gpu/test_eager_graphs_cuda.py
     step first_calls 240 python3 scripts/bench_warmup.py --out "$OUT/warmup" --modes default launch ;;
+  bench) step bench "${BENCH_LIMIT:-300}" python3 -m moe_ref bench --device cuda --table "$OUT/bench/bench.md" \
+      --jsonl "$OUT/bench/bench.jsonl" ;;
   tiles) step tiles 590 python3 scripts/tune_tiles.py --out "$OUT/tiles" --models kimi-k2/48 ;;
   *) echo "unknown step $s" ;;
 esac; done
