@@ -545,11 +545,15 @@ def tile_table_lines() -> list[str]:
     if envs.autotune():
         return ["grouped MLP tiles: MOE_REF_AUTOTUNE=1: autotuned at the first launch of each shape key"]
     if recorded is None:
-        return [f"grouped MLP tiles: GPU class {gpu_class} has no recorded tile table ({tile_table.TABLE_PATH}): "
-                "autotuned at the first launch of each token-count bucket (seconds each); record one with "
-                "python scripts/tune_tiles.py --install"]
-    header, count = recorded
+        return [f"grouped MLP tiles: GPU class {gpu_class} has no recorded tile table, nor does its compute "
+                f"capability ({tile_table.TABLE_PATH}): autotuned at the first launch of each token-count bucket "
+                "(seconds each); record one with python scripts/tune_tiles.py --install"]
+    source, header, count = recorded
     about = ", ".join(f"{field} {header[field]}" for field in ("date", "command", "torch", "triton") if field in header)
+    if source != gpu_class:
+        return [f"grouped MLP tiles: {count} recorded for {source}, taken by {gpu_class} (same compute capability; "
+                f"none recorded for this class: python scripts/tune_tiles.py --install) ({about}); no autotune in a "
+                "call"]
     return [f"grouped MLP tiles: {count} recorded for {gpu_class} ({about}); no autotune in a call"]
 
 

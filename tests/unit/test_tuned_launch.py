@@ -4,6 +4,7 @@ autotuner runs once per shape key, later launches of that key go straight to the
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 import torch
@@ -150,7 +151,7 @@ def with_table(gpu_path, monkeypatch):
     """The GPU path on a stand-in GPU class whose table the test fills (``entries.extend(...)``)."""
     entries: list = []
     monkeypatch.setattr(gm, "gpu_class_of", lambda device: STAND_IN_CLASS)
-    monkeypatch.setattr(tile_table, "load_table", lambda: {STAND_IN_CLASS: entries})
+    monkeypatch.setattr(tile_table, "load_table", lambda path=None: {STAND_IN_CLASS: entries})
     monkeypatch.setattr(gm, "_CHOSEN_BY", {})
     monkeypatch.delenv("MOE_REF_AUTOTUNE", raising=False)
     return (*gpu_path, entries)
@@ -178,17 +179,43 @@ def test_a_tile_the_launch_cannot_take_is_skipped(with_table):
     assert not tuner.calls and _tile_of_call(kernel.calls[0]) == (32, 32, 64, 4, 3)
 
 
-@pytest.mark.parametrize("why", ["other flags", "MOE_REF_AUTOTUNE=1", "another GPU class"])
+@pytest.mark.parametrize("why", ["other flags", "MOE_REF_AUTOTUNE=1", "another compute capability"])
 def test_without_a_usable_entry_the_autotuner_chooses(with_table, monkeypatch, why):
     tuner, kernel, entries = with_table
     entries.append(_entry(32, (16, 32, 32, 4, 2), activation=0 if why == "other flags" else 1))
     if why == "MOE_REF_AUTOTUNE=1":
         monkeypatch.setenv("MOE_REF_AUTOTUNE", "1")
-    if why == "another GPU class":
-        monkeypatch.setattr(gm, "gpu_class_of", lambda device: "9.0/Another GPU")
+    if why == "another compute capability":
+        monkeypatch.setattr(gm, "gpu_class_of", lambda device: "10.0/Another GPU")
     _launch()
     assert len(tuner.calls) == 1 and not kernel.calls
     assert [row["source"] for row in gm.chosen_tiles()] == ["autotune"]
+
+
+def test_a_class_without_its_own_table_takes_one_of_its_compute_capability(with_table, monkeypatch):
+    """An H200 with only an H100 table recorded launches the H100's tile, no autotune."""
+    tuner, kernel, entries = with_table
+    entries.append(_entry(32, (16, 32, 32, 4, 2)))
+    monkeypatch.setattr(gm, "gpu_class_of", lambda device: "9.0/Another GPU")
+    _launch()
+    assert not tuner.calls and _tile_of_call(kernel.calls[0]) == (16, 32, 32, 4, 2)
+
+
+def test_table_for_prefers_the_class_then_its_capability_and_header_of_names_the_source(tmp_path):
+    body = lambda gpu: {"header": {"gpu": gpu, "date": "2026-12-07"},  # noqa: E731
+                        "entries": [{"n": 1, "k": 1, "experts": 1, "rows": 1, "tile": [16, 16, 16, 4, 2],
+                                     "flags": dict.fromkeys(tile_table.MATCHED_FLAGS, 0)}]}
+    path = tmp_path / "tile_table.json"
+    path.write_text(json.dumps({"format": 1, "gpu_classes": {"9.0/B GPU": body("B"), "9.0/A GPU": body("A"),
+                                                             "8.0/C GPU": body("C")}}))
+    tile_table.load_table.cache_clear()
+    try:
+        assert tile_table.table_for("9.0/B GPU", path)[0] == "9.0/B GPU"
+        assert tile_table.table_for("9.0/New GPU", path)[0] == "9.0/A GPU"  # the first in name order
+        assert tile_table.table_for("10.0/New GPU", path) is None and tile_table.table_for(None, path) is None
+        assert tile_table.header_of("9.0/New GPU", path) == ("9.0/A GPU", {"gpu": "A", "date": "2026-12-07"}, 1)
+    finally:
+        tile_table.load_table.cache_clear()
 
 
 def test_candidates_prefer_the_launch_shape_then_its_rows_per_expert():

@@ -602,8 +602,10 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
 
 
 def _recorded_entries(device: torch.device) -> list | None:
-    """The tile table's entries for ``device``'s GPU class, or None: no table for it, or ``MOE_REF_AUTOTUNE=1``."""
-    return None if envs.autotune() else tile_table.load_table().get(gpu_class_of(device))
+    """The tile table's entries for ``device``'s GPU class (``tile_table.table_for``: its own, or a recorded class of
+    its compute capability), or None: none applies, or ``MOE_REF_AUTOTUNE=1``."""
+    found = None if envs.autotune() else tile_table.table_for(gpu_class_of(device))
+    return None if found is None else found[1]
 
 
 def tiles_recorded(device: torch.device) -> bool:

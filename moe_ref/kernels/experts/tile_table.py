@@ -8,8 +8,11 @@ Why: autotuning is per rows bucket (a power of 2 of the routed rows) and costs s
 whose T changes call to call paid it again and again during its first minutes. The table holds what the autotuner
 chose for the shapes of the presets' per-rank shares over every rows bucket (``scripts/tune_tiles.py`` on the GPU,
 ``--install`` writes ``tile_table.json`` beside this module); a launch takes the recorded tile of its own key, else the
-nearest one the kernel accepts (``grouped_mlp_tiles.config_problem``). A GPU class without a table, a launch whose
-flags no entry has, and ``MOE_REF_AUTOTUNE=1`` autotune as before (``scripts/tune_tiles.py`` sets it).
+nearest one the kernel accepts (``grouped_mlp_tiles.config_problem``). A GPU class without a table of its own takes
+the table of a recorded class of the same compute capability (``table_for``: an H200 takes an H100's; the same SMs,
+instructions and shared memory, so every recorded tile compiles and runs there, where an autotune would cost seconds
+per new token count); a launch whose flags no entry has, a capability with no table at all, and
+``MOE_REF_AUTOTUNE=1`` autotune as before (``scripts/tune_tiles.py`` sets it).
 
 Shape legend: n and k the GEMM's output and input features (GEMM1 n = F per half, k = Dx; GEMM2 n = Dx, k = F).
 """
@@ -99,13 +102,28 @@ def load_table(path: Path = TABLE_PATH) -> dict[str, list[TileEntry]]:
     return parse_table(path.read_text(), str(path))
 
 
-def header_of(gpu_class: str | None, path: Path = TABLE_PATH) -> tuple[dict, int] | None:
-    """(the header: date, gpu, torch, triton, command; the number of entries) of ``gpu_class``'s table, None when
-    the file has none (``moe-ref info`` prints it). A malformed file is ``TileTableError`` (CFG036) here too."""
-    entries = load_table(path).get(gpu_class)
-    if entries is None:
+def table_for(gpu_class: str | None, path: Path = TABLE_PATH) -> tuple[str, list[TileEntry]] | None:
+    """``(the class whose table applies, its entries)`` for ``gpu_class`` (``"9.0/NVIDIA H200"``): its own table,
+    else the first recorded class (in name order) of the same compute capability; None when neither exists."""
+    table = load_table(path)
+    if gpu_class is None:
         return None
-    return json.loads(path.read_text())["gpu_classes"][gpu_class].get("header", {}), len(entries)
+    if gpu_class in table:
+        return gpu_class, table[gpu_class]
+    capability = gpu_class.split("/", 1)[0]
+    sibling = next((name for name in sorted(table) if name.split("/", 1)[0] == capability), None)
+    return None if sibling is None else (sibling, table[sibling])
+
+
+def header_of(gpu_class: str | None, path: Path = TABLE_PATH) -> tuple[str, dict, int] | None:
+    """(the class whose table applies (``table_for``), its header: date, gpu, torch, triton, command; its number of
+    entries), None when none applies (``moe-ref info`` prints it). A malformed file is ``TileTableError`` (CFG036)
+    here too."""
+    found = table_for(gpu_class, path)
+    if found is None:
+        return None
+    source, entries = found
+    return source, json.loads(path.read_text())["gpu_classes"][source].get("header", {}), len(entries)
 
 
 def candidates(entries: list[TileEntry], *, n: int, k: int, num_experts: int, flags: dict,
