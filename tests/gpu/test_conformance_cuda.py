@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("name", ["moe_ref/triton", "moe_ref/deep_gemm", "moe_ref/quant/triton", "peer:sglang",
-                                  "peer:vllm"])
+@pytest.mark.parametrize("name", ["moe_ref/triton", "moe_ref/triton+invariant", "moe_ref/deep_gemm",
+                                  "moe_ref/quant/triton", "peer:sglang", "peer:vllm"])
 def test_gpu_implementations_pass_their_cases(name):
     impl = registered()[name]
     ids = [c.id for c in all_cases() if c.shape.name != "tiny" and skip_reason(impl, c, 1, "cuda") is None]

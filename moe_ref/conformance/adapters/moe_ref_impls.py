@@ -1,8 +1,9 @@
 """moe_ref itself under test, from outside: each experts backend through the modular routed step
 (``routed_step`` kind: the transport, the overflow policy, the chunk loop and the backend together) and each
 transport's dispatch/combine on its own (``dispatch_combine`` kind). Names: ``moe_ref/<backend>`` (overflow
-``error``), ``moe_ref/torch+chunk`` (overflow ``chunk``), ``moe_ref/torch+invariant`` (the batch-invariant mode:
-fixed row blocks, every slot's row back unreduced and summed at home in slot order), ``moe_ref/dispatch/<transport>``.
+``error``), ``moe_ref/torch+chunk`` (overflow ``chunk``), ``moe_ref/torch+invariant`` and ``moe_ref/triton+invariant``
+(the batch-invariant mode: tiles of one bits class, every slot's row back unreduced and summed at home in slot
+order), ``moe_ref/dispatch/<transport>``.
 
 Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, F expert intermediate,
 P receive-pool rows.
@@ -110,6 +111,10 @@ _add("moe_ref/grouped_mm", "routed_step", Capabilities(**_BASE, tile_rows=16), r
 _add("moe_ref/triton", "routed_step",
      Capabilities(**{**_BASE, "dtypes": ("bf16",)}, quants=("none", "fp8_block"), devices=("cuda",), tile_rows=64,
                   graph_safe=True), routed_step_factory("triton"))
+_add("moe_ref/triton+invariant", "routed_step",
+     Capabilities(**{**_BASE, "overflow": "chunk", "dtypes": ("bf16",)}, quants=("none", "fp8_block"),
+                  batch_invariant=True, devices=("cuda",), tile_rows=64, graph_safe=True),
+     routed_step_factory("triton", overflow="chunk", batch_invariant=True), "the batch-invariant mode on a GPU")
 _add("moe_ref/deep_gemm", "routed_step",
      Capabilities(**{**_BASE, "dtypes": ("bf16",)}, quants=("none", "fp8_block"), devices=("cuda",), tile_rows=128),
      routed_step_factory("deep_gemm"), "DeepGEMM's grouped GEMMs (SM90)")
