@@ -1,8 +1,9 @@
 """``moe-ref bench``: the conformance harness's speed mode over every implementation this machine runs, on one
 model shape at a few token counts: each figure comes with the case's checks passed, beside the others of the run.
 
-    moe-ref bench [--kind moe|dispatch] [--impl NAME ...] [--shape kimi-k2 | <preset>@ep<N>] [--tokens 16,128,512] [--dtype bf16]
-                  [--quant none|fp8_block|int4|mxfp4] [--ranks 1] [--device cpu|cuda] [--jsonl F] [--table F]
+    moe-ref bench [--kind moe|dispatch] [--impl NAME ...] [--shape kimi-k2 | <preset>@ep<N>] [--tokens 16,128,512]
+                  [--dtype bf16] [--quant none|fp8_block|int4|mxfp4] [--ranks 1] [--device cpu|cuda] [--jsonl F]
+                  [--table F]
 
 Each implementation runs the speed case ``<shape>/<recipe>/T<n>`` (``scenarios.speed_case``: n tokens on every
 rank, routed as the matrix's ``base``) for each n: first every check of a matrix case (the float64 oracle, re-run
@@ -38,7 +39,8 @@ from moe_ref.conformance.spawn import run_jobs
 from moe_ref.core.errors import ConformanceImplError
 
 DEFAULTS = {"cuda": ("kimi-k2", "bf16", (16, 128, 512, 4096)), "cpu": ("tiny", "fp32", (24, 96))}
-KINDS = {"moe": ("experts", "routed_step"), "dispatch": ("dispatch_combine",)}  # --kind: what one table compares
+# --kind: the implementation kinds one table compares
+COMPARED_KINDS = {"moe": ("experts", "routed_step"), "dispatch": ("dispatch_combine",)}
 # the harness's own: the planted bugs and their correct base (``mutants``), the docs' worked example
 NOT_BENCHED = ("correct", "dispatch:correct", *MUTANT_NAMES, "example:sglang-style")
 
@@ -48,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser, count=int) -> None:
     errors are coded)."""
     p.add_argument("--impl", action="append", default=[],
                    help="a registered name or module:attribute (repeatable; default: every one that runs here)")
-    p.add_argument("--kind", default="moe", choices=tuple(KINDS),
+    p.add_argument("--kind", default="moe", choices=tuple(COMPARED_KINDS),
                    help="moe: fused-MoE kernels and routed steps (default); dispatch: dispatch + combine alone")
     p.add_argument("--shape", default=None, help="a named shape (moe-ref conform --list) or <preset>@ep<N>; "
                                                  "default kimi-k2 on a GPU, tiny on CPU")
@@ -114,10 +116,10 @@ def memory_bytes(case: Case, world: int) -> int:
 def run(args, device: str, cases: list[Case]) -> int:
     """Check then time each implementation on each case; print the table (exit 1 when a case FAILs)."""
     tokens = [speed_tokens(c.scenario) for c in cases]
-    specs = list(args.impl) or default_impls(cases, args.ranks, device, KINDS[args.kind])
+    specs = list(args.impl) or default_impls(cases, args.ranks, device, COMPARED_KINDS[args.kind])
     if not specs:
         why = {skip_reason(impl, cases[0], args.ranks, device) for impl in registered().values()
-               if impl.kind in KINDS[args.kind] and impl.name not in NOT_BENCHED}
+               if impl.kind in COMPARED_KINDS[args.kind] and impl.name not in NOT_BENCHED}
         raise ConformanceImplError(f"no registered implementation runs {cases[0].id.rsplit('/', 1)[0]} at "
                                    f"{args.ranks} rank(s) on {device} ({'; '.join(sorted(why - {None}))}); give "
                                    f"another --shape, --dtype, --quant or --ranks, or --impl your own")

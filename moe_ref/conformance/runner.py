@@ -77,10 +77,9 @@ def skip_reason(impl: Implementation, case: Case, world: int, device: str) -> st
 
 
 def _fits(caps, case: Case) -> bool:
-    """A speed case's T is within the implementation's C, or its factory builds for any C (``configurable_cap``)."""
-    tokens = speed_tokens(case.scenario)
-    limit = caps.max_tokens_per_rank
-    return tokens is None or limit is None or tokens <= limit or caps.configurable_cap
+    """A speed case's T is within the C it is built for (``case_cap``)."""
+    tokens, cap = speed_tokens(case.scenario), case_cap(caps, case)
+    return tokens is None or cap is None or tokens <= cap
 
 
 def case_cap(caps, case: Case) -> int | None:

@@ -134,9 +134,14 @@ def speed_case(shape: str, dtype: str, quant: str, tokens: int, seed: int = 0) -
     return Case(shape_named(shape), dtype, quant, f"T{tokens}", seed * 1000 + SPEED_SEED_OFFSET)
 
 
+@lru_cache(maxsize=4)
+def _matrix_by_id(seed: int) -> dict[str, Case]:
+    return {c.id: c for c in all_cases(seed)}  # a worker looks up every job's case here
+
+
 def case_by_id(case_id: str, seed: int = 0) -> Case:
     """The case ``case_id`` names: one of the matrix's (``all_cases``) or a speed case ``<shape>/<recipe>/T<n>``."""
-    matrix = {c.id: c for c in all_cases(seed)}
+    matrix = _matrix_by_id(seed)
     if case_id in matrix:
         return matrix[case_id]
     shape, recipe, scenario = (case_id.split("/") + ["", ""])[:3]
@@ -152,8 +157,8 @@ def tokens_per_rank(case: Case, world: int, cap: int | None, tile: int) -> list[
     """T of each rank (see the module table); ``cap`` is the implementation's C (None: no bound)."""
     base = case.shape.tokens
     name = case.scenario
-    if speed_tokens(name) is not None:
-        return [speed_tokens(name)] * world
+    if (tokens := speed_tokens(name)) is not None:
+        return [tokens] * world
     if name == "zero_all":
         return [0] * world
     if name == "zero_one":
