@@ -121,7 +121,8 @@ def shape_named(name: str) -> Shape:
                                      f"preset of {', '.join(PRESETS)}")
     cfg, ep = preset(found.group(1)), int(found.group(2))
     if ep < 1 or cfg.num_experts % ep:
-        raise ConformanceLedgerError(f"shape {name!r}: EP {ep} does not divide {cfg.name}'s {cfg.num_experts} experts")
+        raise ConformanceLedgerError(f"shape {name!r}: EP {ep} does not divide {cfg.name}'s {cfg.num_experts} experts; "
+                                     f"give an N >= 1 that divides {cfg.num_experts}")
     return Shape(name, cfg.num_experts // ep, cfg.num_topk, cfg.expert_hidden_size, cfg.intermediate_size, 64,
                  cuda_only=not cfg.name.startswith("tiny"))
 
