@@ -1,5 +1,5 @@
 """The engine's expert MLP on OUR expert-major pool: the routing inputs its kernel walks, built from our layout
-(`peer_routing`, as the engine's `moe_align_block_size` lays them out, outside any timed region), and the two
+(`peer_routing`, as the engine's `moe_align_block_size` lays them out, on the device), and the two
 `fused_moe_kernel` launches with the engine's act and FP8 re-quantization between them (`run_peer_mlp`).
 
 Shape legend: P receive-pool rows, e local experts, D hidden width, F expert intermediate (2F: gate rows then up
@@ -34,9 +34,10 @@ class PeerRouting:
 
 
 def peer_routing(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, num_pool_rows: int, block_m: int,
-                 engine: PeerEngine) -> PeerRouting:
-    """`moe_align_block_size`'s output for our expert-major pool (syncs the host; build it outside timing), its
-    buffers sized by `engine.align_buffer_size`.
+                 engine: PeerEngine, num_routed: int | None = None) -> PeerRouting:
+    """`moe_align_block_size`'s output for our expert-major pool, its buffers sized by `engine.align_buffer_size`,
+    built on the pool's device with tensor ops (the engines build it with one CUDA kernel). `num_routed`: the sum
+    of `num_rows_e` when the caller knows it; None reads it from the device (one host sync).
 
     Example: counts [3, 0, 5] at rows [0, 4, 4] of a 12-row pool, block_m 4 -> sorted_token_ids
         [0, 1, 2, 12, 4, 5, 6, 7, 8, 12, 12, 12, 12, ...] (sentinel 12), expert_ids [0, 2, 2, -1, ...],
@@ -44,23 +45,27 @@ def peer_routing(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, num_pool_r
         vLLM 8 + 3 * 3 = 17 ids (5 blocks).
     """
     device = num_rows_e.device
-    counts, starts = num_rows_e.tolist(), row_start_e.tolist()
-    max_padded = engine.align_buffer_size(sum(counts), len(counts), block_m)
-    sentinel = num_pool_rows
-    sorted_ids = torch.full((max_padded,), sentinel, dtype=torch.int32)
-    expert_ids = torch.full((_cdiv(max_padded, block_m),), -1, dtype=torch.int32)
-    row_expert = torch.full((num_pool_rows,), -1, dtype=torch.int32)
-    cursor = 0
-    for expert, (start, count) in enumerate(zip(starts, counts)):
-        if count == 0:
-            continue
-        sorted_ids[cursor:cursor + count] = torch.arange(start, start + count, dtype=torch.int32)
-        blocks = _cdiv(count, block_m)
-        expert_ids[cursor // block_m:cursor // block_m + blocks] = expert
-        row_expert[start:start + count] = expert
-        cursor += blocks * block_m
-    return PeerRouting(sorted_ids.to(device), expert_ids.to(device),
-                       torch.tensor([cursor], dtype=torch.int32, device=device), row_expert.to(device),
+    num_experts = num_rows_e.numel()
+    counts_e = num_rows_e.to(torch.int64)
+    if num_routed is None:
+        num_routed = int(counts_e.sum())
+    max_padded = engine.align_buffer_size(num_routed, num_experts, block_m)
+    padded_e = (counts_e + block_m - 1) // block_m * block_m
+    padded_end_e = torch.cumsum(padded_e, 0)
+    # Routed row r is the offset-th row of its expert: pool row start[e] + offset, sorted position padded_start[e] +
+    # offset.
+    expert_R = torch.repeat_interleave(torch.arange(num_experts, device=device), counts_e, output_size=num_routed)
+    offset_R = torch.arange(num_routed, device=device) - (torch.cumsum(counts_e, 0) - counts_e)[expert_R]
+    pool_row_R = row_start_e.to(device=device, dtype=torch.int64)[expert_R] + offset_R
+    sorted_ids = torch.full((max_padded,), num_pool_rows, dtype=torch.int32, device=device)
+    sorted_ids[(padded_end_e - padded_e)[expert_R] + offset_R] = pool_row_R.to(torch.int32)
+    block_start = torch.arange(0, _cdiv(max_padded, block_m) * block_m, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end_e, block_start, right=True)  # skips experts with no rows
+    expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    row_expert = torch.full((num_pool_rows,), -1, dtype=torch.int32, device=device)
+    row_expert[pool_row_R] = expert_R.to(torch.int32)
+    num_padded = padded_end_e[-1:] if num_experts else torch.zeros(1, dtype=torch.int64, device=device)
+    return PeerRouting(sorted_ids, expert_ids, num_padded.to(torch.int32), row_expert,
                        torch.ones(max(num_pool_rows, 1), dtype=torch.float32, device=device), block_m, num_pool_rows)
 
 
@@ -133,10 +138,10 @@ def run_peer_mlp(peer: PeerKernel, x_PD: torch.Tensor, gate_up_e2FD: torch.Tenso
     """The engine's expert MLP on our expert-major pool (`grouped_mlp`'s operands and layout; FP8: e4m3 x with
     per-row per-128 fp32 scales `[P, D/128]`, e4m3 weights with 128x128 block scales).
 
-    `routing`: `peer_routing(row_start_e, num_rows_e, P, config.block_m, peer.engine)`, built once outside the
-    timed region (built here, with a host sync, when None). Returns y `[P, D]` in `out_dtype` (default: bf16 for
-    FP8, else x's dtype; FP8 runs keep gate||up and h in it too, as the engines keep them in their activations'
-    dtype); pool rows outside every segment are left unwritten.
+    `routing`: `peer_routing(row_start_e, num_rows_e, P, config.block_m, peer.engine)`, which a benchmark of the
+    kernels alone builds once outside its timed region (built here, with a host sync, when None). Returns y
+    `[P, D]` in `out_dtype` (default: bf16 for FP8, else x's dtype; FP8 runs keep gate||up and h in it too, as the
+    engines keep them in their activations' dtype); pool rows outside every segment are left unwritten.
     """
     num_pool_rows, hidden = x_PD.shape
     inter = down_eDF.shape[2]

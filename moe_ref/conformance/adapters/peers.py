@@ -4,12 +4,15 @@ only; without the files the factory raises ENV001 (a FAIL naming it: put the whe
 ``make peers``).
 
 The adapter builds the expert-major pool the kernels walk (one row per live slot, slot-major within an expert),
-runs the engine's two GEMMs and act at its best config (its tuned file, else its default rule), and does the
-weighted top-k sum in fp32 itself (the engines' ``moe_sum``).
+builds the kernel's routing inputs on the device (the engines' ``moe_align_block_size``), runs the engine's two GEMMs
+and act at its best config (its tuned file, else its default rule, looked up once per row count as the engines cache
+it), and does the weighted top-k sum in fp32 itself, in slot order (the engines' ``moe_sum``: deterministic).
 
 Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, P receive-pool rows.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -19,7 +22,8 @@ from moe_ref.conformance.api import Capabilities, Implementation, Problem, regis
 def peer_factory(engine: str):
     """``Problem -> run`` over the engine's kernel read from the newest peer file of ``engine`` in ``.whl/``."""
     def factory(problem: Problem):
-        from moe_ref.bench.peers import default_peer_files, load_peer_kernel, peer_config, run_peer_mlp
+        from moe_ref.bench.peers import (default_peer_files, load_peer_kernel, peer_config, peer_routing,
+                                         run_peer_mlp)
         from moe_ref.core.errors import BackendUnavailableError
 
         files = [f for f in default_peer_files() if f.split("/")[-1].startswith(engine)]
@@ -30,6 +34,12 @@ def peer_factory(engine: str):
         fp8 = w.quant == "fp8_block"
         gate_up, down = (w.gate_up_q, w.down_q) if fp8 else (w.gate_up_e2FD, w.down_eDF)
         device_name = torch.cuda.get_device_name(problem.device)
+        dtype_name = "fp8" if fp8 else {torch.bfloat16: "bf16", torch.float16: "fp16"}[problem.dtype]
+
+        @functools.lru_cache(maxsize=None)
+        def config_for(rows: int):
+            return peer_config(files[0], problem.num_local_experts, problem.intermediate, dtype_name, device_name,
+                               rows, hidden=problem.hidden)
 
         def run(x_TD, topk_ids_TK, topk_weights_TK, out_TD):
             live_TK = topk_ids_TK >= 0
@@ -44,15 +54,18 @@ def peer_factory(engine: str):
                 from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 
                 x_PD, x_scale = quantize_fp8_per_128(x_PD)
-            config = peer_config(files[0], problem.num_local_experts, problem.intermediate,
-                                 "fp8" if fp8 else {torch.bfloat16: "bf16", torch.float16: "fp16"}[problem.dtype],
-                                 device_name, int(token_N.numel()), hidden=problem.hidden)
+            num_routed = int(token_N.numel())
+            config = config_for(num_routed)
+            routing = peer_routing(row_start_e, num_rows_e, num_routed, config.block_m, peer.engine,
+                                   num_routed=num_routed)
             y_PD = run_peer_mlp(peer, x_PD, gate_up, down, row_start_e, num_rows_e, x_scale=x_scale,
                                 gate_up_scale=w.gate_up_scale if fp8 else None,
-                                down_scale=w.down_scale if fp8 else None, config=config, out_dtype=problem.dtype)
-            out = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-            out.index_add_(0, token_N, topk_weights_TK[token_N, slot_N, None].float() * y_PD.float())
-            out_TD.copy_(out)
+                                down_scale=w.down_scale if fp8 else None, config=config, routing=routing,
+                                out_dtype=problem.dtype)
+            # Each (token, slot) is written once, then summed over slots in order: no atomics, the same bits each call.
+            y_TKD = torch.zeros((*topk_ids_TK.shape, x_TD.shape[1]), dtype=torch.float32, device=x_TD.device)
+            y_TKD[token_N, slot_N] = topk_weights_TK[token_N, slot_N, None].float() * y_PD.float()
+            out_TD.copy_(y_TKD.sum(dim=1))
 
         return run
 
