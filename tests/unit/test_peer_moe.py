@@ -219,7 +219,7 @@ from sglang.kernels.jit.utils import is_arch_support_pdl   # unimportable here: 
 import triton
 import triton.language as tl
 
-SCALE = 3.0
+SCALE = tl.constexpr(3.0)  # Triton reads a module global inside a kernel only as a constexpr
 _UNUSED = object()
 
 
@@ -261,7 +261,7 @@ def test_kernels_are_read_out_of_the_wheel(tmp_path):
     assert peer.gemm_required == {"a_ptr", "c_ptr", "N", "BLOCK"}
     source = pathlib.Path(peer.module_file).read_text()
     assert not peer.module_file.startswith(str(pathlib.Path(__file__).resolve().parents[1]))  # not in the repo
-    assert "SCALE = 3.0" in source and "def helper" in source and "@triton.jit\ndef fused_moe_kernel" in source
+    assert "SCALE = tl.constexpr(3.0)" in source and "def helper" in source and "@triton.jit\ndef fused_moe_kernel" in source
     assert "sglang" not in source.split('"""')[2] and "_UNUSED" not in source and "not_a_kernel" not in source
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU (tests/conftest.py)
     a = torch.arange(5, dtype=torch.float32, device=device)
@@ -474,10 +474,10 @@ def test_real_peer_w4a16_matches_our_int4_twin(engine_name, dtype):
     w4 = pm.load_peer_w4a16(_peer_file(engine_name))
     gen = torch.Generator().manual_seed(3)
     counts, hidden, inter, block_m = [5, 0, 19], 64, 32, 16
-    layout = ExpertLayout.from_counts(torch.tensor(counts), alignment=1)
-    gate_up, gate_up_scale = quantize_int4(torch.randn(3, 2 * inter, hidden, generator=gen) / hidden**0.5)
-    down, down_scale = quantize_int4(torch.randn(3, hidden, inter, generator=gen) / inter**0.5)
-    x = torch.randn(layout.num_pool_rows, hidden, generator=gen).to(dtype)
+    layout = ExpertLayout.from_counts(torch.tensor(counts, device=_DEVICE), alignment=1)
+    gate_up, gate_up_scale = quantize_int4((torch.randn(3, 2 * inter, hidden, generator=gen) / hidden**0.5).to(_DEVICE))
+    down, down_scale = quantize_int4((torch.randn(3, hidden, inter, generator=gen) / inter**0.5).to(_DEVICE))
+    x = torch.randn(layout.num_pool_rows, hidden, generator=gen).to(_DEVICE, dtype)
     routing = pm.peer_routing(layout.row_start_e, layout.num_rows_e, layout.num_pool_rows, block_m, w4.peer.engine)
     config = dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2)
     y = pm.run_peer_w4a16_mlp(w4, x, pm.int4_words_as_peer_bytes(gate_up), gate_up_scale,
