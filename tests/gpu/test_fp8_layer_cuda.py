@@ -35,6 +35,7 @@ def weights():
 def test_layer_matches_bf16_reference(weights, num_tokens, dispatch_fp8, monkeypatch):
     from moe_ref.experts import TritonExperts
     from moe_ref.layer import MegaMoE
+    from moe_ref.layer.runtime import warm_up_counts
 
     layer = MegaMoE(CFG, num_max_tokens_per_rank=512, dispatch_fp8=dispatch_fp8, experts_backend="triton",
                     dtype=torch.bfloat16, device="cuda").load_weights(weights)
@@ -65,6 +66,9 @@ def test_layer_matches_bf16_reference(weights, num_tokens, dispatch_fp8, monkeyp
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all(), case
     assert diff <= limit, case
     # the device-side dispatch hands the whole pool (its used end stays on the device: no host sync), with the rows
-    # this rank sent as the tile hint, and lets the experts leave rows past the segments unwritten
-    assert pool_rows == [plan_pool_rows], case
-    assert hints == [(num_tokens * CFG.num_topk, False)], case
+    # this rank sent as the tile hint, and lets the experts leave rows past the segments unwritten. The calls before
+    # the last are the first call's warm-up (runtime.warm_up, where tiles are recorded for this GPU): the same pool.
+    assert set(pool_rows) == {plan_pool_rows}, case
+    assert hints[-1] == (num_tokens * CFG.num_topk, False), case
+    warm_up_hints = [(t * CFG.num_topk, False) for t in warm_up_counts(512)]
+    assert hints[:-1] in ([], warm_up_hints), case
