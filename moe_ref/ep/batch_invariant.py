@@ -81,35 +81,44 @@ def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_
     return matmul(h_TS.to(weights_dtype), down_weight_DS, weights_dtype).to(x_TD.dtype)
 
 
-def sum_slots(rows_TKDx: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """A token's routed output at its home rank: ``sum_j w[t, j] * rows[t, j]`` over its live slots (id >= 0), j in
+def sum_slots(rows: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor, out_dtype: torch.dtype,
+              pool_row_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """A token's routed output at its home rank: ``sum_j w[t, j] * row(t, j)`` over its live slots (id >= 0), j in
     order, fp32 from +0.0 with separate multiply and add roundings, rounded once to ``out_dtype``. On CUDA one Triton
     launch (``kernels.ep.ep_combine_slots.sum_slots_kernel``, no host sync), elsewhere its torch twin
     ``sum_slots_ref``: the same roundings in the same order, so the two agree bitwise (tested:
     tests/interpreter/test_combine_slots.py, tests/gpu/test_batch_invariant_cuda.py).
 
     Args:
-        rows_TKDx: ``[T, K, Dx]`` each slot's expert output, unweighted (masked slots: any bytes, never summed).
+        rows: ``[T, K, Dx]`` each slot's expert output, unweighted (masked slots: any bytes, never summed); or, with
+            ``pool_row_TK``, the expert pool ``[P, Dx]`` itself (one rank: no ``[T, K, Dx]`` gather is made).
         topk_ids_TK: ``[T, K]`` int64, -1 = masked. topk_weights_TK: ``[T, K]`` fp32.
+        pool_row_TK: ``[T, K]`` the pool row of each slot (< 0: a zero row), or None.
 
     Returns:
         ``[T, Dx]`` out_dtype. The rows are the same bits at any EP size, so is this sum.
     """
-    if rows_TKDx.is_cuda:
-        return sum_slots_kernel(rows_TKDx, topk_ids_TK, topk_weights_TK, out_dtype)
-    return sum_slots_ref(rows_TKDx, topk_ids_TK, topk_weights_TK, out_dtype)
+    if pool_row_TK is not None and rows.shape[0] == 0:  # an empty pool: every slot masked; give the reads a row
+        rows = rows.new_zeros(1, rows.shape[1])
+    if rows.is_cuda:
+        return sum_slots_kernel(rows, topk_ids_TK, topk_weights_TK, out_dtype, pool_row_TK)
+    return sum_slots_ref(rows, topk_ids_TK, topk_weights_TK, out_dtype, pool_row_TK)
 
 
-def sum_slots_ref(rows_TKDx: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+def sum_slots_ref(rows: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                  out_dtype: torch.dtype, pool_row_TK: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin of ``sum_slots``' kernel (same arguments and result, bitwise; any device): a loop over the K slots,
     ``torch.where`` keeping acc where a slot is masked (its product is computed and dropped, so its row's bytes never
     reach acc)."""
-    acc_TDx = torch.zeros(rows_TKDx.shape[0], rows_TKDx.shape[2], dtype=torch.float32, device=rows_TKDx.device)
+    acc_TDx = torch.zeros(topk_ids_TK.shape[0], rows.shape[-1], dtype=torch.float32, device=rows.device)
     live_TK = topk_ids_TK >= 0
-    for slot in range(rows_TKDx.shape[1]):
-        product_TDx = topk_weights_TK[:, slot:slot + 1] * rows_TKDx[:, slot].float()
+    for slot in range(topk_ids_TK.shape[1]):
+        if pool_row_TK is None:
+            row_TDx = rows[:, slot]
+        else:
+            row_T = pool_row_TK[:, slot].long()
+            row_TDx = torch.where((row_T >= 0)[:, None], rows[row_T.clamp(min=0)], 0)
+        product_TDx = topk_weights_TK[:, slot:slot + 1] * row_TDx.float()
         acc_TDx = torch.where(live_TK[:, slot:slot + 1], acc_TDx + product_TDx, acc_TDx)
     return acc_TDx.to(out_dtype)
 

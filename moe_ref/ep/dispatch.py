@@ -154,14 +154,6 @@ def zero_padding_rows(layout: ExpertLayout, pools: list[torch.Tensor]) -> Expert
     return ExpertLayout(layout.row_start_e, aligned_e, layout.num_pool_rows, layout.alignment)
 
 
-def _rows_at(y_PD: torch.Tensor, pos_TK: torch.Tensor) -> torch.Tensor:
-    """``[T, K, Dx]``: ``y_PD[pos]``, a zero row where ``pos < 0``."""
-    if y_PD.shape[0] == 0:  # every slot masked: an empty pool, no row to read (not even row 0 for the masked ones)
-        return y_PD.new_zeros(*pos_TK.shape, y_PD.shape[1])
-    rows_TKD = y_PD[pos_TK.clamp(min=0)]
-    return torch.where((pos_TK >= 0)[:, :, None], rows_TKD, 0)
-
-
 # --- the handle ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -351,16 +343,15 @@ class Dispatcher(ABC):
         view, num_tokens = self.buffer.view, handle.num_tokens
         y_PD = y_PD.to(self.plan.activation_dtype).contiguous()  # the rows travel exactly in the activation dtype
         ids_TK = view("topk_ids")[:num_tokens]
-        if self.world_size == 1:
-            rows_TKD = _rows_at(y_PD, view("recv_pos")[0, :num_tokens].long())
-        else:
-            if not self.plan.has_region("combine_slots"):
-                raise InvalidConfigError(
-                    f"combine_slots at EP {self.world_size} needs the batch-invariant plan (its combine_slots "
-                    f"region); build the dispatcher with batch_invariant=True", field="batch_invariant")
-            self._return_slot_rows(y_PD, handle)
-            rows_TKD = view("combine_slots")[:num_tokens]
-        return sum_slots(rows_TKD, ids_TK, view("topk_weights")[:num_tokens], self.plan.activation_dtype)
+        weights_TK = view("topk_weights")[:num_tokens]
+        if self.world_size == 1:  # the rows are read where they sit in the pool
+            return sum_slots(y_PD, ids_TK, weights_TK, self.plan.activation_dtype, view("recv_pos")[0, :num_tokens])
+        if not self.plan.has_region("combine_slots"):
+            raise InvalidConfigError(
+                f"combine_slots at EP {self.world_size} needs the batch-invariant plan (its combine_slots "
+                f"region); build the dispatcher with batch_invariant=True", field="batch_invariant")
+        self._return_slot_rows(y_PD, handle)
+        return sum_slots(view("combine_slots")[:num_tokens], ids_TK, weights_TK, self.plan.activation_dtype)
 
     def _return_slot_rows(self, y_PD: torch.Tensor, handle: DispatchHandle) -> None:
         """``combine_slots``' exchange (collective, ONE per chunk): every slot row of my pool to its source's

@@ -160,3 +160,52 @@ def test_slot_sum_kernel_refuses_bad_shapes_and_dtypes(device):
         sum_slots_kernel(rows_TKDx, ids_TK, weights_TK.to(torch.bfloat16), torch.bfloat16)
     with pytest.raises(DTypeError, match="out_dtype"):
         sum_slots_kernel(rows_TKDx, ids_TK, weights_TK, torch.int32)
+
+
+def as_pool(rows_TKDx: torch.Tensor, seed: int = 0):
+    """``(pool [P, Dx], pool_row [T, K] int64)`` holding ``rows_TKDx``' rows shuffled into a pool with NaN rows
+    between them (never read): what one rank's combine hands ``sum_slots``. One live slot gets no row (-1): a zero row."""
+    T, K, Dx = rows_TKDx.shape
+    gen = torch.Generator().manual_seed(seed)
+    num_pool_rows = 2 * T * K + 1
+    slot_of_row = torch.randperm(num_pool_rows, generator=gen)[:T * K]
+    pool_PDx = torch.full((num_pool_rows, Dx), float("nan"), dtype=rows_TKDx.dtype, device=rows_TKDx.device)
+    pool_PDx[slot_of_row.to(rows_TKDx.device)] = rows_TKDx.reshape(T * K, Dx)
+    return pool_PDx, slot_of_row.reshape(T, K).to(rows_TKDx.device)
+
+
+@pytest.mark.parametrize("T, K, Dx, dtype, out_dtype", SUM_CASES)
+def test_slot_sum_reads_the_pool_in_place_with_the_same_bits(T, K, Dx, dtype, out_dtype, device):
+    """One rank's form (rows read where they sit in the pool, no ``[T, K, Dx]`` gather) equals the gathered form
+    bitwise, kernel and twin, int64 and int32 rows; a live slot without a row (-1) sums a zero row in both."""
+    rows_TKDx, ids_TK, weights_TK = slot_sum_inputs(T, K, Dx, dtype, seed=T + 10 * K + Dx + 1, device=device)
+    pool_PDx, pool_row_TK = as_pool(rows_TKDx, seed=T + K)
+    if T > 3:
+        live = (ids_TK[3] >= 0).nonzero()
+        if live.numel():
+            pool_row_TK[3, live[0, 0]] = -1
+            rows_TKDx[3, live[0, 0]] = 0
+    want_TDx = sum_slots_ref(rows_TKDx, ids_TK, weights_TK, out_dtype)
+    for pool_row in (pool_row_TK, pool_row_TK.to(torch.int32)):
+        assert_same_bits(sum_slots_ref(pool_PDx, ids_TK, weights_TK, out_dtype, pool_row), want_TDx, T=T, K=K)
+        assert_same_bits(sum_slots_kernel(pool_PDx, ids_TK, weights_TK, out_dtype, pool_row), want_TDx, T=T, K=K)
+    assert_same_bits(sum_slots(pool_PDx, ids_TK, weights_TK, out_dtype, pool_row_TK), want_TDx)
+
+
+def test_slot_sum_over_an_empty_pool_gives_zeros(device):
+    ids_TK = torch.full((3, 2), -1, device=device)
+    weights_TK = torch.ones(3, 2, device=device)
+    got_TDx = sum_slots(torch.empty(0, 8, dtype=torch.bfloat16, device=device), ids_TK, weights_TK, torch.bfloat16,
+                        torch.full((3, 2), -1, device=device))
+    assert_same_bits(got_TDx, torch.zeros(3, 8, dtype=torch.bfloat16, device=device))
+
+
+def test_slot_sum_kernel_refuses_a_pool_form_of_the_wrong_shape(device):
+    rows_TKDx, ids_TK, weights_TK = slot_sum_inputs(2, 3, 8, torch.bfloat16, device=device)
+    pool_PDx, pool_row_TK = as_pool(rows_TKDx)
+    with pytest.raises(ShapeError, match="pool"):
+        sum_slots_kernel(rows_TKDx, ids_TK, weights_TK, torch.bfloat16, pool_row_TK)
+    with pytest.raises(ShapeError, match="pool_row_TK must be"):
+        sum_slots_kernel(pool_PDx, ids_TK, weights_TK, torch.bfloat16, pool_row_TK[:, :2])
+    with pytest.raises(DTypeError, match="pool_row_TK"):
+        sum_slots_kernel(pool_PDx, ids_TK, weights_TK, torch.bfloat16, pool_row_TK.float())

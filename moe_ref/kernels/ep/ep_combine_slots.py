@@ -92,13 +92,15 @@ def _round_rn(x, DTYPE: tl.constexpr):
 @triton.jit
 def _sum_slots_kernel(
     # pointers
-    rows_ptr, ids_ptr, weights_ptr, out_ptr,
+    rows_ptr, ids_ptr, weights_ptr, pool_row_ptr, out_ptr,
     # sizes
     Dx,
     # strides
-    stride_rows_t, stride_rows_k, stride_ids_t, stride_ids_k, stride_w_t, stride_w_k, stride_out_t,
+    stride_rows_t, stride_rows_k, stride_ids_t, stride_ids_k, stride_w_t, stride_w_k, stride_pool_row_t,
+    stride_pool_row_k, stride_out_t,
     # meta
     K: tl.constexpr,
+    POOL_ROWS: tl.constexpr,       # rows is the pool [P, Dx], slot (t, j) reading row pool_row[t, j] (< 0: zeros)
     OUT_DTYPE: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -115,51 +117,73 @@ def _sum_slots_kernel(
         id_j = tl.load(ids_ptr + t * stride_ids_t + j * stride_ids_k)
         w_j = tl.load(weights_ptr + t * stride_w_t + j * stride_w_k)
         live = (tl.full([BLOCK_D], 0, tl.int64) + id_j) >= 0  # a tensor (the interpreter needs it)
-        row = tl.load(rows_ptr + t * stride_rows_t + j * stride_rows_k + offs_d, mask=mask_d & live,
-                      other=0.0).to(tl.float32)
+        if POOL_ROWS:
+            row_j = tl.load(pool_row_ptr + t * stride_pool_row_t + j * stride_pool_row_k).to(tl.int64)
+            has_row = (tl.full([BLOCK_D], 0, tl.int64) + row_j) >= 0
+            row = tl.load(rows_ptr + row_j * stride_rows_t + offs_d, mask=mask_d & live & has_row,
+                          other=0.0).to(tl.float32)
+        else:
+            row = tl.load(rows_ptr + t * stride_rows_t + j * stride_rows_k + offs_d, mask=mask_d & live,
+                          other=0.0).to(tl.float32)
         # where() on the sum, not a product with 0: a masked slot leaves acc bit-identical whatever w_j is
         acc = tl.where(live, acc + w_j * row, acc)
     tl.store(out_ptr + t * stride_out_t + offs_d, _round_rn(acc, OUT_DTYPE), mask=mask_d)
 
 
-def sum_slots_kernel(rows_TKDx: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                     out_dtype: torch.dtype) -> torch.Tensor:
+def sum_slots_kernel(rows: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
+                     out_dtype: torch.dtype, pool_row_TK: torch.Tensor | None = None) -> torch.Tensor:
     """``moe_ref.ep.batch_invariant.sum_slots`` in one launch (no host sync, CUDA-graph safe), bitwise equal to its
-    torch loop: ``sum_j w[t, j] * rows[t, j]`` over the live slots (id >= 0), j in order, fp32 from +0.0 with
+    torch loop: ``sum_j w[t, j] * row(t, j)`` over the live slots (id >= 0), j in order, fp32 from +0.0 with
     separate multiply and add roundings, rounded once to ``out_dtype``.
 
     Args:
-        rows_TKDx: ``[T, K, Dx]`` fp32/fp16/bf16, each slot's expert row unweighted; any strides along T and K, unit
-            stride along Dx. A masked slot's row is never read (it may hold any bytes).
+        rows: ``[T, K, Dx]`` fp32/fp16/bf16, each slot's expert row unweighted (any strides along T and K); or, with
+            ``pool_row_TK``, the expert pool ``[P, Dx]``, slot (t, j) reading row ``pool_row_TK[t, j]`` (a zero row
+            where it is < 0), so no ``[T, K, Dx]`` copy is made. Unit stride along Dx. A masked slot's row is never
+            read (it may hold any bytes).
         topk_ids_TK: ``[T, K]`` int64 or int32, -1 = masked. topk_weights_TK: ``[T, K]`` fp32.
         out_dtype: fp32, fp16 or bf16.
+        pool_row_TK: ``[T, K]`` int64 or int32, or None.
 
     Returns:
         ``[T, Dx]`` out_dtype, contiguous (a masked token: +0.0).
     """
-    if rows_TKDx.dim() != 3:
-        raise ShapeError(f"rows_TKDx must be [T, K, Dx], got {tuple(rows_TKDx.shape)}")
-    T, K, Dx = rows_TKDx.shape
-    for name, t in (("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK)):
-        if tuple(t.shape) != (T, K):
-            raise ShapeError(f"{name} must be [T={T}, K={K}] (rows_TKDx's), got {tuple(t.shape)}")
-    if rows_TKDx.dtype not in _TL_DTYPES or out_dtype not in _TL_DTYPES:
-        raise DTypeError(f"rows_TKDx and out_dtype must be fp32/fp16/bf16, got {rows_TKDx.dtype} and {out_dtype}")
-    if topk_ids_TK.dtype not in (torch.int64, torch.int32) or topk_weights_TK.dtype != torch.float32:
-        raise DTypeError(f"topk_ids_TK must be int64/int32 and topk_weights_TK fp32, got {topk_ids_TK.dtype} and "
+    T, K = topk_ids_TK.shape if topk_ids_TK.dim() == 2 else (-1, -1)
+    if pool_row_TK is None:
+        if rows.dim() != 3:
+            raise ShapeError(f"rows must be [T, K, Dx], got {tuple(rows.shape)}")
+        T, K, Dx = rows.shape
+    else:
+        if rows.dim() != 2:
+            raise ShapeError(f"rows must be the pool [P, Dx] with pool_row_TK, got {tuple(rows.shape)}")
+        Dx = rows.shape[1]
+    named = [("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK)]
+    named += [("pool_row_TK", pool_row_TK)] if pool_row_TK is not None else []
+    for name, t in named:
+        if t.dim() != 2 or tuple(t.shape) != (T, K):
+            raise ShapeError(f"{name} must be [T={T}, K={K}] (rows' or topk_ids_TK's), got {tuple(t.shape)}")
+    if rows.dtype not in _TL_DTYPES or out_dtype not in _TL_DTYPES:
+        raise DTypeError(f"rows and out_dtype must be fp32/fp16/bf16, got {rows.dtype} and {out_dtype}")
+    index_dtypes = (torch.int64, torch.int32)
+    if topk_ids_TK.dtype not in index_dtypes or topk_weights_TK.dtype != torch.float32 or (
+            pool_row_TK is not None and pool_row_TK.dtype not in index_dtypes):
+        raise DTypeError(f"topk_ids_TK and pool_row_TK must be int64/int32 and topk_weights_TK fp32, got "
+                         f"{topk_ids_TK.dtype}, {None if pool_row_TK is None else pool_row_TK.dtype} and "
                          f"{topk_weights_TK.dtype}")
-    if rows_TKDx.numel() and rows_TKDx.stride(2) != 1:
-        raise ShapeError(f"rows_TKDx must have a contiguous last dimension, got strides {rows_TKDx.stride()}")
-    for name, t in (("rows_TKDx", rows_TKDx), ("topk_ids_TK", topk_ids_TK), ("topk_weights_TK", topk_weights_TK)):
+    if rows.numel() and rows.stride(-1) != 1:
+        raise ShapeError(f"rows must have a contiguous last dimension, got strides {rows.stride()}")
+    for name, t in [("rows", rows)] + named:
         check_device(name, t)
-    out_TDx = torch.empty(T, Dx, dtype=out_dtype, device=rows_TKDx.device)
+    out_TDx = torch.empty(T, Dx, dtype=out_dtype, device=rows.device)
     if out_TDx.numel() == 0:
         return out_TDx
+    pool_row_TK = topk_ids_TK if pool_row_TK is None else pool_row_TK  # not read without POOL_ROWS
     block_d = min(next_power_of_2(Dx), _SUM_BLOCK_COLS_INTERPRETED if is_interpreter() else _SUM_BLOCK_COLS)
     launch(_sum_slots_kernel, (T, cdiv(Dx, block_d)),
-        rows_TKDx, topk_ids_TK, topk_weights_TK, out_TDx, Dx,
-        rows_TKDx.stride(0), rows_TKDx.stride(1), *topk_ids_TK.stride(), *topk_weights_TK.stride(), out_TDx.stride(0),
-        K=K, OUT_DTYPE=_TL_DTYPES[out_dtype], BLOCK_D=block_d,
+        rows, topk_ids_TK, topk_weights_TK, pool_row_TK, out_TDx, Dx,
+        rows.stride(0), rows.stride(1) if rows.dim() == 3 else 0, *topk_ids_TK.stride(), *topk_weights_TK.stride(),
+        *pool_row_TK.stride(), out_TDx.stride(0),
+        K=K, POOL_ROWS=rows.dim() == 2, OUT_DTYPE=_TL_DTYPES[out_dtype], BLOCK_D=block_d,
         num_warps=4, **launch_options(fp_fusion=False),
     )
     return out_TDx
