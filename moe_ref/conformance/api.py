@@ -152,7 +152,10 @@ class Problem:
 
 
 class ExpertsFn(Protocol):
-    """``experts`` and ``routed_step`` kinds: write ``y_TD = sum_j w[t, j] * Expert_{ids[t, j]}(x[t])`` into ``out_TD``."""
+    """``experts`` and ``routed_step`` kinds: write ``y_TD = sum_j w[t, j] * Expert_{ids[t, j]}(x[t])`` into ``out_TD``.
+
+    Optional: ``tune(x_TD, topk_ids_TK, topk_weights_TK)``, which a speed case calls once with its inputs before
+    its checks and timing (an autotuner's search for that exact shape; its seconds are reported as ``tune_s``)."""
 
     def __call__(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                  out_TD: torch.Tensor) -> None: ...

@@ -43,6 +43,9 @@ DEFAULTS = {"cuda": ("kimi-k2", "bf16", (16, 128, 512, 4096)), "cpu": ("tiny", "
 COMPARED_KINDS = {"moe": ("experts", "routed_step"), "dispatch": ("dispatch_combine",)}
 # the harness's own: the planted bugs and their correct base (``mutants``), the docs' worked example
 NOT_BENCHED = ("correct", "dispatch:correct", *MUTANT_NAMES, "example:sglang-style")
+# implementations that search their config per case before it is checked and timed (minutes per case): benched when
+# named, or with --tune-peers
+TUNED_SUFFIX = "+tuned"
 
 
 def add_arguments(p: argparse.ArgumentParser, count=int) -> None:
@@ -64,13 +67,17 @@ def add_arguments(p: argparse.ArgumentParser, count=int) -> None:
     p.add_argument("--deadline", type=float, default=600.0, help="seconds per case before it is a hang (FAIL)")
     p.add_argument("--jsonl", default=None, help="one JSON record per (implementation, T), as conform writes")
     p.add_argument("--table", default=None, help="the markdown table, also printed")
+    p.add_argument("--tune-peers", action="store_true",
+                   help="also the peers at their best (peer:*+tuned): each searches its own tuner's space for each "
+                        "case first (at most 50 configs: minutes per case on a GPU)")
 
 
-def default_impls(cases, world: int, device: str, kinds: tuple[str, ...]) -> list[str]:
-    """Every registered implementation of ``kinds`` that runs at least one of ``cases`` here."""
+def default_impls(cases, world: int, device: str, kinds: tuple[str, ...], tuned: bool = False) -> list[str]:
+    """Every registered implementation of ``kinds`` that runs at least one of ``cases`` here (``tuned``: the
+    ``+tuned`` ones too)."""
     chosen = []
     for name, impl in sorted(registered().items()):
-        if impl.kind in kinds and name not in NOT_BENCHED and \
+        if impl.kind in kinds and name not in NOT_BENCHED and (tuned or not name.endswith(TUNED_SUFFIX)) and \
                 any(skip_reason(impl, case, world, device) is None for case in cases):
             chosen.append(impl.spec or name)
     return chosen
@@ -116,7 +123,7 @@ def memory_bytes(case: Case, world: int) -> int:
 def run(args, device: str, cases: list[Case]) -> int:
     """Check then time each implementation on each case; print the table (exit 1 when a case FAILs)."""
     tokens = [speed_tokens(c.scenario) for c in cases]
-    specs = list(args.impl) or default_impls(cases, args.ranks, device, COMPARED_KINDS[args.kind])
+    specs = list(args.impl) or default_impls(cases, args.ranks, device, COMPARED_KINDS[args.kind], args.tune_peers)
     if not specs:
         why = {skip_reason(impl, cases[0], args.ranks, device) for impl in registered().values()
                if impl.kind in COMPARED_KINDS[args.kind] and impl.name not in NOT_BENCHED}
@@ -137,6 +144,7 @@ def run(args, device: str, cases: list[Case]) -> int:
         impl = by_spec[job[0]]
         rec = record(impl, cases_by_id[job[1]], args.ranks, device, merged, None)
         shown = f"{rec['us']:,.1f} us, {rec['GB/s']:.3g} GB/s" if rec["us"] else rec["reason"][:200]
+        shown += f" (tuned first, {rec['tune_s']:.0f} s)" if rec["tune_s"] is not None else ""
         print(f"  {impl.name} T={job[1].rsplit('/T', 1)[1]}: {rec['status']} {shown}", file=sys.stderr, flush=True)
 
     done = run_jobs(jobs, args.ranks, device, args.deadline, args.seed, speed=True, on_done=report)

@@ -20,7 +20,9 @@ def record(impl, case, world: int, device: str, merged: dict | None, skip: str |
            "reason": skip or "; ".join(f"{k}: {v}" for k, v in (merged or {}).get("failed", {}).items()),
            "errors": [] if merged is None else merged["errors"], "failed_checks": sorted(
                {k.split("@")[0] for k in (merged or {}).get("failed", {})}),
-           "us": us, "GB/s": None, "TFLOP/s": None, "capabilities": impl.caps.describe(),
+           "us": us, "GB/s": None, "TFLOP/s": None,
+           "tune_s": None if merged is None or merged.get("tune_s") is None else round(merged["tune_s"], 1),
+           "capabilities": impl.caps.describe(),
            "repro": f"moe-ref conform --impl {impl.spec or impl.name} --ranks {world} --device {device} "
                     f"--cases '{case.id}' --seed {case.seed // 1000}"}
     if us:

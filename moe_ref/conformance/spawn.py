@@ -60,9 +60,10 @@ def merge(per_rank: dict[int, dict]) -> dict:
     failed = {f"{check}@rank{r}": why for r, v in sorted(per_rank.items()) for check, why in v["failed"].items()}
     errors = [f"rank {r}: {v['error']}" for r, v in sorted(per_rank.items()) if v.get("error")]
     times = [v["us"] for v in per_rank.values() if v.get("us") is not None]
+    tunes = [v["tune_s"] for v in per_rank.values() if v.get("tune_s") is not None]
     first = per_rank[min(per_rank)]
     return {"status": status, "failed": failed, "errors": errors, "us": max(times) if times else None,
-            "bytes": first.get("bytes", 0), "flops": first.get("flops", 0)}
+            "tune_s": max(tunes) if tunes else None, "bytes": first.get("bytes", 0), "flops": first.get("flops", 0)}
 
 
 def run_jobs(jobs: list[tuple[str, str]], world: int, device: str, deadline_s: float, seed: int = 0,

@@ -96,3 +96,51 @@ def test_bench_of_the_transports_times_dispatch_and_combine_at_two_ranks_above_t
     assert "| implementation | T | status | us | GB/s | x fastest |" in out  # no FLOPs in a dispatch
     for transport in ("symm", "a2a"):
         assert f"| moe_ref/dispatch/{transport}@2 | 200 | PASS |" in out, out
+
+
+class _TunedToy:
+    """moe_ref's torch step, times ``scale``, which ``tune`` sets: a tuning that breaks the result must FAIL."""
+
+    def __init__(self, problem, tuned_scale: float, tunes: list):
+        self.inner = registered()["moe_ref/torch"].factory(problem)
+        self.scale, self.tuned_scale, self.tunes = 1.0, tuned_scale, tunes
+
+    def __call__(self, x_TD, topk_ids_TK, topk_weights_TK, out_TD):
+        self.inner(x_TD, topk_ids_TK, topk_weights_TK, out_TD)
+        out_TD.mul_(self.scale)
+
+    def tune(self, x_TD, topk_ids_TK, topk_weights_TK):
+        self.tunes.append(tuple(x_TD.shape))
+        self.scale = self.tuned_scale
+
+
+@pytest.mark.parametrize("tuned_scale, status", [(1.0, "PASS"), (1.5, "FAIL")])
+def test_a_speed_case_tunes_first_and_its_checks_check_the_tuned_implementation(tuned_scale, status):
+    import dataclasses
+
+    import torch
+
+    from moe_ref.conformance.runner import run_case
+
+    torch_step = registered()["moe_ref/torch"]
+    tunes = []
+    impl = dataclasses.replace(torch_step, name="toy+tuned",
+                               factory=lambda problem: _TunedToy(problem, tuned_scale, tunes))
+    verdict = run_case(impl, speed_case("tiny", "fp32", "none", 12), 0, 1, None, torch.device("cpu"), speed=True)
+    assert verdict.status() == status, verdict.failed
+    assert tunes == [(12, 64)] and verdict.tune_s is not None and verdict.tune_s >= 0
+    assert (verdict.us is not None) == (status == "PASS")  # a FAIL has no time
+    if status == "FAIL":
+        assert "oracle" in verdict.failed
+    matrix = run_case(impl, case_by_id("tiny/fp32/base"), 0, 1, None, torch.device("cpu"))
+    assert len(tunes) == 1 and matrix.tune_s is None  # a matrix case is never tuned
+
+
+def test_the_tuned_peers_are_benched_only_when_asked():
+    from moe_ref.conformance.bench import COMPARED_KINDS, default_impls
+
+    cases = [speed_case("kimi-k2", "bf16", "none", 16)]
+    plain = default_impls(cases, 1, "cuda", COMPARED_KINDS["moe"])
+    tuned = default_impls(cases, 1, "cuda", COMPARED_KINDS["moe"], tuned=True)
+    assert {"peer:sglang", "peer:vllm"} <= set(plain) and not any(name.endswith("+tuned") for name in plain)
+    assert set(tuned) - set(plain) == {"peer:sglang+tuned", "peer:vllm+tuned"}

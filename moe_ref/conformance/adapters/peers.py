@@ -1,79 +1,141 @@
 """The SGLang and vLLM Triton fused-MoE kernels, read from their wheels as ``moe_ref.bench.peers`` reads them
-(``make peers`` puts the files in ``.whl/``), as ``experts`` implementations: ``peer:sglang``, ``peer:vllm``. GPU
-only; without the files the factory raises ENV001 (a FAIL naming it: put the wheel in the ledger or run
-``make peers``).
+(``make peers`` puts the files in ``.whl/``), as ``experts`` implementations. GPU only; without the files the
+factory raises ENV001 (a FAIL naming it: put the wheel in the ledger or run ``make peers``).
+
+    peer:<engine>        the config the engine itself picks: its tuned file for the shape and GPU, else its default
+                         rule (what a user of the engine gets without tuning)
+    peer:<engine>+tuned  the engine at its best: before a speed case is checked and timed, ``tune`` searches its own
+                         tuner's space for that case's exact rows (``search_config``'s small search, at most 50
+                         configs, each checked against the engine's own config first), as the engine's tuner writes
+                         a config file for a shape; other row counts keep the engine's config
 
 The adapter builds the expert-major pool the kernels walk (one row per live slot, slot-major within an expert),
 builds the kernel's routing inputs on the device (the engines' ``moe_align_block_size``), runs the engine's two GEMMs
-and act at its best config (its tuned file, else its default rule, looked up once per row count as the engines cache
-it), and does the weighted top-k sum in fp32 itself, in slot order (the engines' ``moe_sum``: deterministic).
+and act, and does the weighted top-k sum in fp32 itself, in slot order (the engines' ``moe_sum``: deterministic).
 
-Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, P receive-pool rows.
+Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, P receive-pool rows, N live slots.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from moe_ref.conformance.api import Capabilities, Implementation, Problem, register
 
 
-def peer_factory(engine: str):
-    """``Problem -> run`` over the engine's kernel read from the newest peer file of ``engine`` in ``.whl/``."""
-    def factory(problem: Problem):
-        from moe_ref.bench.peers import (default_peer_files, load_peer_kernel, peer_config, peer_routing,
-                                         run_peer_mlp)
+class PeerMoE:
+    """One engine's fused-MoE kernel over one case's weights, at the engine's own config (an ``ExpertsFn``)."""
+
+    def __init__(self, engine: str, problem: Problem):
+        from moe_ref.bench.peers import default_peer_files, load_peer_kernel
         from moe_ref.core.errors import BackendUnavailableError
 
         files = [f for f in default_peer_files() if f.split("/")[-1].startswith(engine)]
         if not files:
             raise BackendUnavailableError(f"no {engine} wheel or fused-moe zip in .whl/: run `make peers`")
-        peer = load_peer_kernel(files[0])
+        self.wheel, self.peer, self.problem = files[0], load_peer_kernel(files[0]), problem
         w = problem.weights
-        fp8 = w.quant == "fp8_block"
-        gate_up, down = (w.gate_up_q, w.down_q) if fp8 else (w.gate_up_e2FD, w.down_eDF)
-        device_name = torch.cuda.get_device_name(problem.device)
-        dtype_name = "fp8" if fp8 else {torch.bfloat16: "bf16", torch.float16: "fp16"}[problem.dtype]
+        self.fp8 = w.quant == "fp8_block"
+        self.dtype_name = "fp8" if self.fp8 else {torch.bfloat16: "bf16", torch.float16: "fp16"}[problem.dtype]
+        self.gate_up, self.down = (w.gate_up_q, w.down_q) if self.fp8 else (w.gate_up_e2FD, w.down_eDF)
+        self.scales = dict(gate_up_scale=w.gate_up_scale, down_scale=w.down_scale) if self.fp8 else {}
+        self.device_name = torch.cuda.get_device_name(problem.device)
+        self.configs = {}  # live slots N -> the PeerConfig their calls run
 
-        @functools.lru_cache(maxsize=None)
-        def config_for(rows: int):
-            return peer_config(files[0], problem.num_local_experts, problem.intermediate, dtype_name, device_name,
-                               rows, hidden=problem.hidden)
+    def config(self, num_routed: int):
+        """The config for ``num_routed`` rows: the engine's pick, looked up once per count (as the engines cache
+        it), unless ``tune`` set another."""
+        if num_routed not in self.configs:
+            from moe_ref.bench.peers import peer_config
 
-        def run(x_TD, topk_ids_TK, topk_weights_TK, out_TD):
-            live_TK = topk_ids_TK >= 0
-            token_N, slot_N = live_TK.nonzero(as_tuple=True)
-            expert_N = topk_ids_TK[token_N, slot_N]
-            order = torch.argsort(expert_N, stable=True)
-            token_N, slot_N, expert_N = token_N[order], slot_N[order], expert_N[order]
-            num_rows_e = torch.bincount(expert_N, minlength=problem.num_local_experts)
-            row_start_e = torch.cumsum(num_rows_e, 0) - num_rows_e
-            x_PD, x_scale = x_TD[token_N], None
-            if fp8:
-                from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
+            p = self.problem
+            self.configs[num_routed] = peer_config(self.wheel, p.num_local_experts, p.intermediate, self.dtype_name,
+                                                   self.device_name, num_routed, hidden=p.hidden)
+        return self.configs[num_routed]
 
-                x_PD, x_scale = quantize_fp8_per_128(x_PD)
-            num_routed = int(token_N.numel())
-            config = config_for(num_routed)
-            routing = peer_routing(row_start_e, num_rows_e, num_routed, config.block_m, peer.engine,
-                                   num_routed=num_routed)
-            y_PD = run_peer_mlp(peer, x_PD, gate_up, down, row_start_e, num_rows_e, x_scale=x_scale,
-                                gate_up_scale=w.gate_up_scale if fp8 else None,
-                                down_scale=w.down_scale if fp8 else None, config=config, routing=routing,
-                                out_dtype=problem.dtype)
-            # Each (token, slot) is written once, then summed over slots in order: no atomics, the same bits each call.
-            y_TKD = torch.zeros((*topk_ids_TK.shape, x_TD.shape[1]), dtype=torch.float32, device=x_TD.device)
-            y_TKD[token_N, slot_N] = topk_weights_TK[token_N, slot_N, None].float() * y_PD.float()
-            out_TD.copy_(y_TKD.sum(dim=1))
+    def pool(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor):
+        """``(token_N, slot_N, row_start_e, num_rows_e, x_PD, x_scale)``: the live slots grouped by expert, in slot
+        order within an expert, and their rows (FP8: quantized per 128 columns, as the engines quantize them)."""
+        token_N, slot_N = (topk_ids_TK >= 0).nonzero(as_tuple=True)
+        expert_N = topk_ids_TK[token_N, slot_N]
+        order = torch.argsort(expert_N, stable=True)
+        token_N, slot_N, expert_N = token_N[order], slot_N[order], expert_N[order]
+        num_rows_e = torch.bincount(expert_N, minlength=self.problem.num_local_experts)
+        row_start_e = torch.cumsum(num_rows_e, 0) - num_rows_e
+        x_PD, x_scale = x_TD[token_N], None
+        if self.fp8:
+            from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 
-        return run
+            x_PD, x_scale = quantize_fp8_per_128(x_PD)
+        return token_N, slot_N, row_start_e, num_rows_e, x_PD, x_scale
+
+    def mlp(self, pool, config) -> torch.Tensor:
+        """``y_PD``: the engine's two GEMMs and act over the pool at ``config`` (routing inputs built on the device)."""
+        from moe_ref.bench.peers import peer_routing, run_peer_mlp
+
+        token_N, _, row_start_e, num_rows_e, x_PD, x_scale = pool
+        num_routed = int(token_N.numel())
+        routing = peer_routing(row_start_e, num_rows_e, num_routed, config.block_m, self.peer.engine,
+                               num_routed=num_routed)
+        return run_peer_mlp(self.peer, x_PD, self.gate_up, self.down, row_start_e, num_rows_e, x_scale=x_scale,
+                            config=config, routing=routing, out_dtype=self.problem.dtype, **self.scales)
+
+    def __call__(self, x_TD, topk_ids_TK, topk_weights_TK, out_TD) -> None:
+        pool = self.pool(x_TD, topk_ids_TK)
+        token_N, slot_N = pool[0], pool[1]
+        num_routed = int(token_N.numel())
+        y_PD = self.mlp(pool, self.config(num_routed))
+        # Each (token, slot) is written once, then summed over slots in order: no atomics, the same bits each call.
+        y_TKD = torch.zeros((*topk_ids_TK.shape, x_TD.shape[1]), dtype=torch.float32, device=x_TD.device)
+        y_TKD[token_N, slot_N] = topk_weights_TK[token_N, slot_N, None].float() * y_PD.float()
+        out_TD.copy_(y_TKD.sum(dim=1))
+
+
+
+class TunedPeerMoE(PeerMoE):
+    """The engine at its best: ``tune`` (which the harness calls before a speed case's checks) pins the fastest
+    config of the engine's own tuner space for that case's rows."""
+
+    def tune(self, x_TD, topk_ids_TK, topk_weights_TK) -> None:
+        """Search the engine's tuner space for these inputs' rows (small search) and keep the winner for their row
+        count. Each config is first run once and compared with the engine's own config's output (calc_diff within
+        the dtype's bound, else it counts as failed), then timed with ``moe_ref.testing.bench``."""
+        from moe_ref.bench.peers import PeerConfig, search_config, tuned_peer_config
+        from moe_ref.testing import CALC_DIFF_TOLERANCES, bench, calc_diff
+
+        pool = self.pool(x_TD, topk_ids_TK)
+        num_routed = int(pool[0].numel())
+        if num_routed == 0:
+            return
+        expected_PD = self.mlp(pool, self.config(num_routed)).float()
+        limit = CALC_DIFF_TOLERANCES[torch.float8_e4m3fn if self.fp8 else self.problem.dtype]
+
+        def time_config(config: dict) -> float:
+            chosen = PeerConfig(dict(config), dict(config), "search", num_routed)
+            diff = calc_diff(self.mlp(pool, chosen).float(), expected_PD)
+            if not diff <= limit:
+                raise ValueError(f"calc_diff {diff:.3g} against the engine's own config (bound {limit:g})")
+            return bench(lambda: self.mlp(pool, chosen), warmup=2, iters=10)
+
+        result = search_config(self.peer.engine, self.dtype_name, "small", time_config,
+                               max_rows_per_expert=int(pool[3].max()))
+        self.configs[num_routed] = tuned_peer_config(self.peer.engine, result, num_routed)
+
+
+def peer_factory(engine: str, tuned: bool = False):
+    """``Problem -> PeerMoE`` of ``engine`` (the newest peer file of it in ``.whl/``); ``tuned``: ``TunedPeerMoE``."""
+    def factory(problem: Problem) -> PeerMoE:
+        return (TunedPeerMoE if tuned else PeerMoE)(engine, problem)
 
     return factory
 
 
 for _engine in ("sglang", "vllm"):
-    register(Implementation(f"peer:{_engine}", "experts",
-                            Capabilities(dtypes=("bf16",), quants=("none", "fp8_block"), devices=("cuda",)),
-                            peer_factory(_engine), f"{_engine}'s Triton fused_moe_kernel from its wheel, at its best "
-                            f"config", spec=f"peer:{_engine}"))
+    for _tuned in (False, True):
+        register(Implementation(
+            f"peer:{_engine}{'+tuned' if _tuned else ''}", "experts",
+            Capabilities(dtypes=("bf16",), quants=("none", "fp8_block"), devices=("cuda",)),
+            peer_factory(_engine, _tuned),
+            f"{_engine}'s Triton fused_moe_kernel from its wheel, "
+            + ("at the fastest config of its own tuner's space for the case (small search)" if _tuned else
+               "at the config the engine picks (its tuned file, else its default rule)"),
+            spec=f"peer:{_engine}{'+tuned' if _tuned else ''}"))
