@@ -38,6 +38,8 @@
 # scripts/bench_warmup.py; tiles = this GPU class's grouped-MLP tile table (scripts/tune_tiles.py, into $OUT/tiles;
 # copy it into moe_ref/kernels/experts/tile_table.json with --install from a tree); bench = `moe-ref bench` on this GPU
 # (every implementation that runs here, the peers' when .whl/ holds their files, checked then timed; $BENCH_LIMIT s);
+# bench_tuned = moe_ref's Triton step beside the peers at their best (peer:*+tuned: a search of their own tuner's
+# space per case) at T 512 and 4096 ($BENCH_LIMIT s, default 580);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -164,6 +166,9 @@ for s in $STEPS; do case $s in
     step first_calls 240 python3 scripts/bench_warmup.py --out "$OUT/warmup" --modes default launch ;;
   bench) step bench "${BENCH_LIMIT:-300}" python3 -m moe_ref bench --device cuda --table "$OUT/bench/bench.md" \
       --jsonl "$OUT/bench/bench.jsonl" ;;
+  bench_tuned) step bench_tuned "${BENCH_LIMIT:-580}" python3 -m moe_ref bench --device cuda --tokens 512,4096 \
+      --impl moe_ref/triton --impl peer:sglang+tuned --impl peer:vllm+tuned --table "$OUT/bench/bench_tuned.md" \
+      --jsonl "$OUT/bench/bench_tuned.jsonl" ;;
   tiles) step tiles 590 python3 scripts/tune_tiles.py --out "$OUT/tiles" --models kimi-k2/48 ;;
   *) echo "unknown step $s" ;;
 esac; done
