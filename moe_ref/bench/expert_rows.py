@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from moe_ref.bench.cases import (Case, aligned_layout, api_call, api_layout, case_pool, grouped_mm_path, make_weights,
                                  routed_rows, segment_rows)
-from moe_ref.bench.peers import (SMEM_LIMIT_SM90, PeerConfig, default_peer_files, load_peer_kernel, nearest_tuned,
-                                 peer_config, peer_routing, run_peer_mlp, tuned_peer_config)
+from moe_ref.bench.peers import (PeerConfig, default_peer_files, load_peer_kernel, nearest_tuned, peer_config,
+                                 peer_routing, run_peer_mlp, device_smem_limit, tuned_peer_config)
 from moe_ref.bench.peers import search as peer_search
 from moe_ref.bench.timing import bench_us, kernel_us
 from moe_ref.testing import calc_diff
@@ -186,7 +186,7 @@ def peer_paths(case: Case, peer, search: str = "none", quick: bool = False, log:
             start = time.time()
             result = peer_search.search_config(peer.engine, dtype, search,
                                                peer_search_timer(case, peer, dtype, quick),
-                                               max_rows_per_expert=max(case.counts), smem_limit=smem_limit())
+                                               max_rows_per_expert=max(case.counts), smem_limit=device_smem_limit())
             seconds = time.time() - start
             print(f"  {peer.label} {dtype}: {result.summary()} in {seconds:.0f} s; best {result.best} "
                   f"{result.best_us:.1f} us", flush=True)
@@ -204,12 +204,6 @@ def peer_paths(case: Case, peer, search: str = "none", quick: bool = False, log:
             paths.append((name, functools.partial(run_peer_mlp, peer, *operands, *layout, **scales, config=config,
                                                   routing=routing), config))
     return paths
-
-
-def smem_limit() -> int:
-    """The opt-in shared memory per block of this GPU (the search prunes configs over it), SM90's if unknown."""
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or SMEM_LIMIT_SM90)
 
 
 def peer_paths_logged(case: Case, peer, log: dict, search: str = "none", quick: bool = False

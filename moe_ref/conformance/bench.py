@@ -68,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser, count=int) -> None:
     p.add_argument("--jsonl", default=None, help="one JSON record per (implementation, T), as conform writes")
     p.add_argument("--table", default=None, help="the markdown table, also printed")
     p.add_argument("--tune-peers", action="store_true",
-                   help="also the peers at their best (peer:*+tuned): each searches its own tuner's space for each "
-                        "case first (at most 50 configs: minutes per case on a GPU)")
+                   help="also the peers at their best (peer:*+tuned), beside the defaults or the --impl ones: each "
+                        "searches its own tuner's space for each case first (at most 50 configs: minutes per case "
+                        "on a GPU)")
 
 
 def default_impls(cases, world: int, device: str, kinds: tuple[str, ...], tuned: bool = False) -> list[str]:
@@ -123,7 +124,11 @@ def memory_bytes(case: Case, world: int) -> int:
 def run(args, device: str, cases: list[Case]) -> int:
     """Check then time each implementation on each case; print the table (exit 1 when a case FAILs)."""
     tokens = [speed_tokens(c.scenario) for c in cases]
-    specs = list(args.impl) or default_impls(cases, args.ranks, device, COMPARED_KINDS[args.kind], args.tune_peers)
+    kinds = COMPARED_KINDS[args.kind]
+    specs = list(args.impl) or default_impls(cases, args.ranks, device, kinds)
+    if args.tune_peers:  # beside the defaults or the named ones
+        specs += [name for name in default_impls(cases, args.ranks, device, kinds, tuned=True)
+                  if name.endswith(TUNED_SUFFIX) and name not in specs]
     if not specs:
         why = {skip_reason(impl, cases[0], args.ranks, device) for impl in registered().values()
                if impl.kind in COMPARED_KINDS[args.kind] and impl.name not in NOT_BENCHED}

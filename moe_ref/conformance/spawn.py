@@ -1,5 +1,6 @@
 """The rank processes of a conformance run: one process per rank (gloo on CPU, NCCL on GPUs) that stays alive across
-the jobs of a run (every implementation and case at that rank count, in order), one deadline per job. A job that
+the jobs of a run (every implementation and case at that rank count, in order), one deadline per job (a speed case's
+``tune`` step has ``TUNE_DEADLINE_S``, and the job's deadline starts again after it). A job that
 passes its deadline is a FAIL naming every rank's last step, never a stuck run: the group is killed and started
 again at the next job; so is a group whose rank exited mid-job.
 
@@ -26,6 +27,7 @@ from typing import Callable
 from moe_ref.core.errors import ConformanceSpawnError
 
 POLL_S = 0.05
+TUNE_DEADLINE_S = 1800.0  # seconds a speed case's tune (a config search: tens of compiles) may take
 
 
 def _free_port() -> int:
@@ -115,7 +117,8 @@ def _one_group(jobs, world, device, deadline_s, seed, speed, on_done) -> dict[tu
                               start_new_session=True) for r in range(world)]
     ranks = [_RankState(out / f"rank{r}.jsonl") for r in range(world)]
     results: dict[tuple[str, str], dict] = {}
-    begun: dict[int, float] = {}  # when the parent first saw each job begin
+    begun: dict[int, float] = {}  # when the parent first saw each job begin (again, after its tune)
+    tuned_jobs: set[int] = set()  # jobs seen in their tune step
     current = 0  # the index of the first job without a merged record (the jobs run in order)
     try:
         while True:
@@ -137,7 +140,16 @@ def _one_group(jobs, world, device, deadline_s, seed, speed, on_done) -> dict[tu
                 raise ConformanceSpawnError(f"the {world} rank processes ended before {impl_spec} case {case_id} "
                                             f"began (exit {exited}): " + _tails(out, world))
             if began:
-                timed_out = time.monotonic() - begun.setdefault(current, time.monotonic()) > deadline_s
+                # an implementation's own tuning (a speed case's ``tune``: a config search) has TUNE_DEADLINE_S;
+                # the case's deadline starts again when it ends
+                tuning = any(rank.steps.get(current) == "tune" for rank in ranks)
+                if tuning:
+                    tuned_jobs.add(current)
+                elif current in tuned_jobs:
+                    tuned_jobs.discard(current)
+                    begun[current] = time.monotonic()
+                limit_s = max(deadline_s, TUNE_DEADLINE_S) if tuning else deadline_s
+                timed_out = time.monotonic() - begun.setdefault(current, time.monotonic()) > limit_s
                 failed_rank = any(code != 0 for code in exited.values())
                 if timed_out or failed_rank or len(exited) == world:
                     if failed_rank and not timed_out:
@@ -151,7 +163,7 @@ def _one_group(jobs, world, device, deadline_s, seed, speed, on_done) -> dict[tu
                         exited = {r: p.poll() for r, p in enumerate(procs) if p.poll() is not None}
                         if results and _left_before(current, ranks, exited):
                             return results
-                    results[jobs[current]] = _abandoned(current, ranks, deadline_s, timed_out, exited)
+                    results[jobs[current]] = _abandoned(current, ranks, limit_s, timed_out, exited)
                     on_done(jobs[current], results[jobs[current]])
                     return results
     finally:
@@ -174,8 +186,8 @@ def _abandoned(job: int, ranks: list[_RankState], deadline_s: float, timed_out: 
     per_rank = {r: rank.verdicts[job] for r, rank in enumerate(ranks) if job in rank.verdicts}
     last_steps = [f"rank {r}: {'verdict' if r in per_rank else rank.steps.get(job, 'not begun')}"
                   + (f" (exit {exited[r]})" if r in exited else "") for r, rank in enumerate(ranks)]
-    record = merge(per_rank) if per_rank else {"status": "FAIL", "failed": {}, "errors": [], "us": None, "bytes": 0,
-                                               "flops": 0}
+    record = merge(per_rank) if per_rank else {"status": "FAIL", "failed": {}, "errors": [], "us": None,
+                                               "tune_s": None, "bytes": 0, "flops": 0}
     record["status"] = "FAIL"
     why = f"hang: past the {deadline_s:g} s deadline" if timed_out else "a rank exited mid-case"
     record["failed"]["deadline" if timed_out else "exit"] = f"{why}; last steps: {'; '.join(last_steps)}"

@@ -249,7 +249,7 @@ def test_searched_config_reaches_the_kernel(h200, monkeypatch, engine_name):
         return pm.search_config(engine, dtype, mode, lambda c: 1.0 if c == chosen else 2.0, **kwargs)
 
     monkeypatch.setattr(peer_search, "search_config", search)
-    monkeypatch.setattr(expert_rows, "smem_limit", lambda: pm.SMEM_LIMIT_SM90)
+    monkeypatch.setattr(expert_rows, "device_smem_limit", lambda: pm.SMEM_LIMIT_SM90)
     log = {"searches": []}
     paths = expert_rows.peer_paths(case, peer, "full", log=log)  # full: every runnable config, so `chosen` is timed
     assert [name for name, _, _ in paths] == [f"peer_{engine_name}_bf16", f"peer_{engine_name}_tuned_bf16"]

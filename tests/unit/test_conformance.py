@@ -96,3 +96,28 @@ def test_bad_declarations_are_coded_errors():
         implementation("x", kind="experts", caps=Capabilities(ep_sizes=(2,)))(lambda problem: None)
     with pytest.raises(ConformanceImplError):
         resolve("no_such_module_here:factory")
+
+
+def test_a_tune_has_its_own_deadline_and_the_case_deadline_starts_after_it(tmp_path, monkeypatch):
+    from moe_ref.conformance import spawn
+
+    (tmp_path / "tuned_impls.py").write_text(
+        "import time\nfrom moe_ref.conformance import implementation, registered\n"
+        "CORRECT = registered()['correct']\n"
+        "class Tuned:\n"
+        "    def __init__(self, problem, seconds):\n"
+        "        self.inner, self.seconds = CORRECT.factory(problem), seconds\n"
+        "    def __call__(self, x, ids, w, out):\n        self.inner(x, ids, w, out)\n"
+        "    def tune(self, x, ids, w):\n        time.sleep(self.seconds)\n"
+        "@implementation('slow_tune', kind=CORRECT.kind, caps=CORRECT.caps)\n"
+        "def slow_tune(problem):\n    return Tuned(problem, 7)\n"
+        "@implementation('endless_tune', kind=CORRECT.kind, caps=CORRECT.caps)\n"
+        "def endless_tune(problem):\n    return Tuned(problem, 1000)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(spawn, "TUNE_DEADLINE_S", 9.0)
+    slow, endless = ("tuned_impls:slow_tune", "tiny/fp32/T12"), ("tuned_impls:endless_tune", "tiny/fp32/T12")
+    done = run_jobs([slow], 1, "cpu", 5, speed=True)  # a 7 s tune under a 5 s case deadline
+    assert done[slow]["status"] == "PASS" and done[slow]["tune_s"] >= 7, done[slow]
+    hung = run_jobs([endless], 1, "cpu", 5, speed=True)[endless]
+    assert hung["status"] == "FAIL" and "past the 9 s deadline" in hung["failed"]["deadline"]
+    assert "rank 0: tune" in hung["failed"]["deadline"] and hung["tune_s"] is None

@@ -99,7 +99,8 @@ from moe_ref.bench.peers.loading import PeerKernel, default_peer_files, extract_
 from moe_ref.bench.peers.run import PeerRouting, peer_routing, run_peer_mlp, swap_ab_rule
 from moe_ref.bench.peers.search import (SEARCH_MODES, SMEM_LIMIT_SM90, TUNERS, SearchResult, SearchSpace,
                                         block_m_cap, config_problems, effective_config, pruned_space, search_config,
-                                        small_stage1, small_stage2, smem_bytes, tuned_peer_config, tuner_space)
+                                        small_stage1, small_stage2, smem_bytes, device_smem_limit, tuned_peer_config,
+                                        tuner_space)
 from moe_ref.bench.peers.w4a16 import (W4A16_KERNEL, PeerW4A16, int4_words_as_peer_bytes, launch_w4a16_gemm,
                                        load_peer_w4a16, run_peer_w4a16_mlp, w4a16_config_problems)
 
@@ -109,5 +110,5 @@ __all__ = ["check", "check_case", "check_cases", "PeerConfig", "find_config_file
            "extract_members", "load_peer_kernel", "PeerRouting", "peer_routing", "run_peer_mlp", "swap_ab_rule",
            "SEARCH_MODES", "SMEM_LIMIT_SM90", "TUNERS", "SearchResult", "SearchSpace", "block_m_cap",
            "config_problems", "effective_config", "pruned_space", "search_config", "small_stage1", "small_stage2",
-           "smem_bytes", "tuned_peer_config", "tuner_space", "W4A16_KERNEL", "PeerW4A16", "int4_words_as_peer_bytes",
-           "launch_w4a16_gemm", "load_peer_w4a16", "run_peer_w4a16_mlp", "w4a16_config_problems"]
+           "smem_bytes", "device_smem_limit", "tuned_peer_config", "tuner_space", "W4A16_KERNEL", "PeerW4A16",
+           "int4_words_as_peer_bytes", "launch_w4a16_gemm", "load_peer_w4a16", "run_peer_w4a16_mlp", "w4a16_config_problems"]

@@ -37,7 +37,8 @@ def peer_routing(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, num_pool_r
                  engine: PeerEngine, num_routed: int | None = None) -> PeerRouting:
     """`moe_align_block_size`'s output for our expert-major pool, its buffers sized by `engine.align_buffer_size`,
     built on the pool's device with tensor ops (the engines build it with one CUDA kernel). `num_routed`: the sum
-    of `num_rows_e` when the caller knows it; None reads it from the device (one host sync).
+    of `num_rows_e` when the caller knows it (it must be exact: on CUDA a wrong one is not detected); None reads it
+    from the device (one host sync).
 
     Example: counts [3, 0, 5] at rows [0, 4, 4] of a 12-row pool, block_m 4 -> sorted_token_ids
         [0, 1, 2, 12, 4, 5, 6, 7, 8, 12, 12, 12, 12, ...] (sentinel 12), expert_ids [0, 2, 2, -1, ...],

@@ -136,6 +136,14 @@ def pruned_space(engine: PeerEngine | str, dtype: str, smem_limit: int = SMEM_LI
     return SearchSpace(kept, len(space), dropped)
 
 
+def device_smem_limit() -> int:
+    """The opt-in shared memory per block of the current GPU (the search prunes configs over it), SM90's if unknown."""
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or SMEM_LIMIT_SM90)
+
+
 def block_m_cap(max_rows_per_expert: int) -> int:
     """The largest BLOCK_SIZE_M the small search tries: the smallest power of two >= the rows of the fullest expert
     (at least 16): a larger M tile only computes padding rows."""

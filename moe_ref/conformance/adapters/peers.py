@@ -11,7 +11,8 @@ factory raises ENV001 (a FAIL naming it: put the wheel in the ledger or run ``ma
 
 The adapter builds the expert-major pool the kernels walk (one row per live slot, slot-major within an expert),
 builds the kernel's routing inputs on the device (the engines' ``moe_align_block_size``), runs the engine's two GEMMs
-and act, and does the weighted top-k sum in fp32 itself, in slot order (the engines' ``moe_sum``: deterministic).
+and act, and does the weighted top-k sum (the engines' ``moe_sum``) with moe_ref's ``sum_slots``: fp32, slots in
+order, each row read where it sits in the pool (one launch, the same bits at every call).
 
 Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, P receive-pool rows, N live slots.
 """
@@ -68,26 +69,28 @@ class PeerMoE:
             x_PD, x_scale = quantize_fp8_per_128(x_PD)
         return token_N, slot_N, row_start_e, num_rows_e, x_PD, x_scale
 
-    def mlp(self, pool, config) -> torch.Tensor:
-        """``y_PD``: the engine's two GEMMs and act over the pool at ``config`` (routing inputs built on the device)."""
+    def mlp(self, pool, config, routing=None) -> torch.Tensor:
+        """``y_PD``: the engine's two GEMMs and act over the pool at ``config``; ``routing``: the kernel's routing
+        inputs for ``config.block_m`` (None: built here, on the device, as the engine builds them per call)."""
         from moe_ref.bench.peers import peer_routing, run_peer_mlp
 
         token_N, _, row_start_e, num_rows_e, x_PD, x_scale = pool
-        num_routed = int(token_N.numel())
-        routing = peer_routing(row_start_e, num_rows_e, num_routed, config.block_m, self.peer.engine,
-                               num_routed=num_routed)
+        if routing is None:
+            num_routed = int(token_N.numel())
+            routing = peer_routing(row_start_e, num_rows_e, num_routed, config.block_m, self.peer.engine,
+                                   num_routed=num_routed)
         return run_peer_mlp(self.peer, x_PD, self.gate_up, self.down, row_start_e, num_rows_e, x_scale=x_scale,
                             config=config, routing=routing, out_dtype=self.problem.dtype, **self.scales)
 
     def __call__(self, x_TD, topk_ids_TK, topk_weights_TK, out_TD) -> None:
+        from moe_ref.ep.batch_invariant import sum_slots
+
         pool = self.pool(x_TD, topk_ids_TK)
         token_N, slot_N = pool[0], pool[1]
-        num_routed = int(token_N.numel())
-        y_PD = self.mlp(pool, self.config(num_routed))
-        # Each (token, slot) is written once, then summed over slots in order: no atomics, the same bits each call.
-        y_TKD = torch.zeros((*topk_ids_TK.shape, x_TD.shape[1]), dtype=torch.float32, device=x_TD.device)
-        y_TKD[token_N, slot_N] = topk_weights_TK[token_N, slot_N, None].float() * y_PD.float()
-        out_TD.copy_(y_TKD.sum(dim=1))
+        y_PD = self.mlp(pool, self.config(int(token_N.numel())))
+        pool_row_TK = torch.full(topk_ids_TK.shape, -1, dtype=torch.int64, device=x_TD.device)
+        pool_row_TK[token_N, slot_N] = torch.arange(token_N.numel(), device=x_TD.device)
+        out_TD.copy_(sum_slots(y_PD, topk_ids_TK, topk_weights_TK.float(), out_TD.dtype, pool_row_TK))
 
 
 
@@ -99,7 +102,7 @@ class TunedPeerMoE(PeerMoE):
         """Search the engine's tuner space for these inputs' rows (small search) and keep the winner for their row
         count. Each config is first run once and compared with the engine's own config's output (calc_diff within
         the dtype's bound, else it counts as failed), then timed with ``moe_ref.testing.bench``."""
-        from moe_ref.bench.peers import PeerConfig, search_config, tuned_peer_config
+        from moe_ref.bench.peers import PeerConfig, device_smem_limit, peer_routing, search_config, tuned_peer_config
         from moe_ref.testing import CALC_DIFF_TOLERANCES, bench, calc_diff
 
         pool = self.pool(x_TD, topk_ids_TK)
@@ -108,16 +111,20 @@ class TunedPeerMoE(PeerMoE):
             return
         expected_PD = self.mlp(pool, self.config(num_routed)).float()
         limit = CALC_DIFF_TOLERANCES[torch.float8_e4m3fn if self.fp8 else self.problem.dtype]
+        routings = {}  # per BLOCK_SIZE_M, built once outside the timing (as bench_experts' search does)
 
         def time_config(config: dict) -> float:
             chosen = PeerConfig(dict(config), dict(config), "search", num_routed)
-            diff = calc_diff(self.mlp(pool, chosen).float(), expected_PD)
+            if chosen.block_m not in routings:
+                routings[chosen.block_m] = peer_routing(pool[2], pool[3], num_routed, chosen.block_m,
+                                                        self.peer.engine, num_routed=num_routed)
+            diff = calc_diff(self.mlp(pool, chosen, routings[chosen.block_m]).float(), expected_PD)
             if not diff <= limit:
                 raise ValueError(f"calc_diff {diff:.3g} against the engine's own config (bound {limit:g})")
-            return bench(lambda: self.mlp(pool, chosen), warmup=2, iters=10)
+            return bench(lambda: self.mlp(pool, chosen, routings[chosen.block_m]), warmup=2, iters=10)
 
         result = search_config(self.peer.engine, self.dtype_name, "small", time_config,
-                               max_rows_per_expert=int(pool[3].max()))
+                               max_rows_per_expert=int(pool[3].max()), smem_limit=device_smem_limit())
         self.configs[num_routed] = tuned_peer_config(self.peer.engine, result, num_routed)
 
 
