@@ -2,8 +2,8 @@
 (`peer_routing`, as the engine's `moe_align_block_size` lays them out, on the device), and the two
 `fused_moe_kernel` launches with the engine's act and FP8 re-quantization between them (`run_peer_mlp`).
 
-Shape legend: P receive-pool rows, e local experts, D hidden width, F expert intermediate (2F: gate rows then up
-rows).
+Shape legend: P receive-pool rows, N routed rows (those in an expert's segment), e local experts, D hidden width,
+F expert intermediate (2F: gate rows then up rows).
 """
 from __future__ import annotations
 
@@ -53,18 +53,18 @@ def peer_routing(row_start_e: torch.Tensor, num_rows_e: torch.Tensor, num_pool_r
     max_padded = engine.align_buffer_size(num_routed, num_experts, block_m)
     padded_e = (counts_e + block_m - 1) // block_m * block_m
     padded_end_e = torch.cumsum(padded_e, 0)
-    # Routed row r is the offset-th row of its expert: pool row start[e] + offset, sorted position padded_start[e] +
+    # Routed row n is the offset-th row of its expert: pool row start[e] + offset, sorted position padded_start[e] +
     # offset.
-    expert_R = torch.repeat_interleave(torch.arange(num_experts, device=device), counts_e, output_size=num_routed)
-    offset_R = torch.arange(num_routed, device=device) - (torch.cumsum(counts_e, 0) - counts_e)[expert_R]
-    pool_row_R = row_start_e.to(device=device, dtype=torch.int64)[expert_R] + offset_R
+    expert_N = torch.repeat_interleave(torch.arange(num_experts, device=device), counts_e, output_size=num_routed)
+    offset_N = torch.arange(num_routed, device=device) - (torch.cumsum(counts_e, 0) - counts_e)[expert_N]
+    pool_row_N = row_start_e.to(device=device, dtype=torch.int64)[expert_N] + offset_N
     sorted_ids = torch.full((max_padded,), num_pool_rows, dtype=torch.int32, device=device)
-    sorted_ids[(padded_end_e - padded_e)[expert_R] + offset_R] = pool_row_R.to(torch.int32)
+    sorted_ids[(padded_end_e - padded_e)[expert_N] + offset_N] = pool_row_N.to(torch.int32)
     block_start = torch.arange(0, _cdiv(max_padded, block_m) * block_m, block_m, device=device)
     block_expert = torch.searchsorted(padded_end_e, block_start, right=True)  # skips experts with no rows
     expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     row_expert = torch.full((num_pool_rows,), -1, dtype=torch.int32, device=device)
-    row_expert[pool_row_R] = expert_R.to(torch.int32)
+    row_expert[pool_row_N] = expert_N.to(torch.int32)
     num_padded = padded_end_e[-1:] if num_experts else torch.zeros(1, dtype=torch.int64, device=device)
     return PeerRouting(sorted_ids, expert_ids, num_padded.to(torch.int32), row_expert,
                        torch.ones(max(num_pool_rows, 1), dtype=torch.float32, device=device), block_m, num_pool_rows)
