@@ -34,6 +34,7 @@ KINDS = ("experts", "routed_step", "dispatch_combine")
 QUANTS = ("none", "fp8_block", "int4", "mxfp4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OVERFLOWS = ("error", "chunk", "unbounded")
+COMPUTES = (None, "fp8_block")  # Capabilities.compute
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,10 @@ class Capabilities:
             expert).
         devices: ``cpu`` and/or ``cuda``.
         layouts: receive-pool layouts (reported; ``contiguous``, ``masked``).
+        compute: None: it computes in the case's recipe. ``"fp8_block"``: it computes FP8 block GEMMs whatever the
+            recipe (e.g. DeepGEMM's mega-MoE on bf16 weights): on a plain-weight case the oracle rounds the
+            activations per token per 128 columns and the weights per 128 x 128 block to e4m3 as it does, and the
+            case is judged at the ``fp8_block`` limits.
     """
 
     dtypes: tuple[str, ...] = ("fp32", "bf16")
@@ -77,16 +82,18 @@ class Capabilities:
     tile_rows: int = 16
     devices: tuple[str, ...] = ("cpu", "cuda")
     layouts: tuple[str, ...] = ("contiguous",)
+    compute: str | None = None
 
     def __post_init__(self):
         bad = [f"dtypes {d!r}" for d in self.dtypes if d not in DTYPES] + \
               [f"quants {q!r}" for q in self.quants if q not in QUANTS] + \
               ([f"overflow {self.overflow!r}"] if self.overflow not in OVERFLOWS else []) + \
               (["overflow 'error'/'chunk' without max_tokens_per_rank"]
-               if self.overflow != "unbounded" and self.max_tokens_per_rank is None else [])
+               if self.overflow != "unbounded" and self.max_tokens_per_rank is None else []) + \
+              ([f"compute {self.compute!r}"] if self.compute not in COMPUTES else [])
         if bad:
             raise ConformanceImplError(f"Capabilities: {', '.join(bad)}; dtypes from {tuple(DTYPES)}, quants from "
-                                       f"{QUANTS}, overflow from {OVERFLOWS}")
+                                       f"{QUANTS}, overflow from {OVERFLOWS}, compute from {COMPUTES}")
 
     def describe(self) -> dict[str, Any]:
         """The capabilities as JSON values (for the per-case records)."""
@@ -199,6 +206,8 @@ class Implementation:
         spec: how a worker process finds it again (``module:attribute``), filled in by ``implementation``.
         unavailable: ``() -> why it cannot run in this environment (one line) | None``: its cases SKIP with that
             reason instead of FAILing (e.g. a torch without ``grouped_mm``); None: always available.
+        refuses: ``(shape, ranks) -> why it cannot run that shape at that rank count | None``: those cases SKIP with
+            the reason (a kernel's shape limits, e.g. widths in multiples of 128); None: every shape.
     """
 
     name: str
@@ -208,6 +217,7 @@ class Implementation:
     label: str = ""
     spec: str = field(default="", compare=False)
     unavailable: Callable[[], str | None] | None = field(default=None, compare=False)
+    refuses: Callable[[Any, int], str | None] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:

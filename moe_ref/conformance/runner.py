@@ -60,9 +60,11 @@ class Verdict:
 
 
 def skip_reason(impl: Implementation, case: Case, world: int, device: str) -> str | None:
-    """Why ``impl`` does not run ``case`` at ``world`` ranks on ``device`` (its capabilities), or None."""
+    """Why ``impl`` does not run ``case`` at ``world`` ranks on ``device`` (its capabilities, then the shapes it
+    refuses), or None."""
     caps, name = impl.caps, case.scenario
     why_not = impl.unavailable() if impl.unavailable is not None and device in caps.devices else None
+    refused = impl.refuses(case.shape, world) if impl.refuses is not None else None
     reasons = [
         (case.shape.cuda_only and device != "cuda", "a real model's shape: CUDA only"),
         (device not in caps.devices, f"runs on {', '.join(caps.devices)}"),
@@ -77,6 +79,7 @@ def skip_reason(impl: Implementation, case: Case, world: int, device: str) -> st
         (name.startswith("tile") and impl.kind == "dispatch_combine", "tile edges are the experts' concern"),
         (name == "cap+1" and impl.kind == "dispatch_combine", "the overflow policy is the routed step's"),
         (not _fits(caps, case), f"T above max_tokens_per_rank {caps.max_tokens_per_rank}"),
+        (refused is not None, f"refuses the shape: {refused}"),
     ]
     return next((why for hit, why in reasons if hit), None)
 
@@ -182,10 +185,18 @@ def _same_rows(check: str, actual, base, expected, key: str, bitwise: bool, verd
         _oracle_check(actual, expected, key, verdict, check)
 
 
+def limit_key(impl: Implementation, case: Case) -> str:
+    """The ``oracle.LIMITS`` key ``case`` is judged by for ``impl``: the weight recipe, else the compute the
+    implementation declares (``Capabilities.compute``), else the activation dtype."""
+    if case.quant != "none":
+        return case.quant
+    return impl.caps.compute or case.dtype
+
+
 def _check_moe(built, impl, case, inputs, weights, verdict: Verdict, progress) -> None:
     x_TD, ids_TK, w_TK = inputs
-    key = case.quant if case.quant != "none" else case.dtype
-    expected_TD = oracle_moe(x_TD, ids_TK, w_TK, weights)
+    key = limit_key(impl, case)
+    expected_TD = oracle_moe(x_TD, ids_TK, w_TK, weights, impl.caps.compute)
     progress("run")
     out_TD, storage = _call(built, x_TD, ids_TK, w_TK)
     _buffer_checks(out_TD, storage, expected_TD, verdict)
@@ -228,9 +239,9 @@ def _check_overflow(built, impl, case, mine, inputs, weights, verdict: Verdict, 
         return
     cap = caps.max_tokens_per_rank
     out_TD, storage = _call(built, x_TD, ids_TK, w_TK)
-    expected_TD = oracle_moe(x_TD, ids_TK, w_TK, weights)
+    expected_TD = oracle_moe(x_TD, ids_TK, w_TK, weights, impl.caps.compute)
     _buffer_checks(out_TD, storage, expected_TD, verdict)
-    key = case.quant if case.quant != "none" else case.dtype
+    key = limit_key(impl, case)
     num_chunks = -(-max(x.shape[0] for x, _, _ in inputs) // cap)
     pieces = [_call(built, x_TD[i * cap:(i + 1) * cap], ids_TK[i * cap:(i + 1) * cap], w_TK[i * cap:(i + 1) * cap])[0]
               for i in range(num_chunks)]

@@ -1,5 +1,6 @@
 """The conformance harness: every mutant is caught by the check made for it, the correct base and moe_ref's own
 backends and transports pass, a hang is a FAIL naming each rank's last step, and the ledger turns a pass into XPASS."""
+import dataclasses
 import json
 
 import pytest
@@ -121,3 +122,73 @@ def test_a_tune_has_its_own_deadline_and_the_case_deadline_starts_after_it(tmp_p
     hung = run_jobs([endless], 1, "cpu", 5, speed=True)[endless]
     assert hung["status"] == "FAIL" and "past the 9 s deadline" in hung["failed"]["deadline"]
     assert "rank 0: tune" in hung["failed"]["deadline"] and hung["tune_s"] is None
+
+
+def _row_blocks_fp8(x_TD: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 with one scale per row per 128 columns (the toy's own, not the oracle's)."""
+    out = torch.empty_like(x_TD)
+    for lo in range(0, x_TD.shape[1], 128):
+        part = x_TD[:, lo:lo + 128]
+        scale = (part.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+        out[:, lo:lo + 128] = (part / scale).to(torch.float8_e4m3fn).float() * scale
+    return out
+
+
+def _square_blocks_fp8(w_OI: torch.Tensor) -> torch.Tensor:
+    """w rounded to e4m3 with one scale per 128 x 128 block."""
+    out = torch.empty_like(w_OI)
+    for r in range(0, w_OI.shape[0], 128):
+        for c in range(0, w_OI.shape[1], 128):
+            block = w_OI[r:r + 128, c:c + 128]
+            scale = (block.abs().amax() / 448.0).clamp(min=1e-12)
+            out[r:r + 128, c:c + 128] = (block / scale).to(torch.float8_e4m3fn).float() * scale
+    return out
+
+
+class _Fp8BlockToy:
+    """An experts implementation that computes FP8 blocks on plain weights, as DeepGEMM's mega-MoE does: x per token
+    per 128 columns, the weights per 128 x 128 block, the intermediate re-quantized per 128; fp32 sums."""
+
+    def __init__(self, problem):
+        self.gate_up = [_square_blocks_fp8(w) for w in problem.weights.gate_up_e2FD.float()]
+        self.down = [_square_blocks_fp8(w) for w in problem.weights.down_eDF.float()]
+
+    def __call__(self, x_TD, topk_ids_TK, topk_weights_TK, out_TD):
+        x = _row_blocks_fp8(x_TD.float())
+        y = torch.zeros(x.shape)
+        for t, j in (topk_ids_TK >= 0).nonzero().tolist():
+            expert = int(topk_ids_TK[t, j])
+            gate, up = (x[t:t + 1] @ self.gate_up[expert].T).chunk(2, dim=-1)
+            h = _row_blocks_fp8(torch.nn.functional.silu(gate) * up)
+            y[t] += float(topk_weights_TK[t, j]) * (h @ self.down[expert].T)[0]
+        out_TD.copy_(y)
+
+
+@pytest.mark.parametrize("compute, status", [("fp8_block", "PASS"), (None, "FAIL")])
+def test_an_fp8_computing_implementation_is_judged_by_its_declared_compute(compute, status):
+    """The same FP8-block implementation on plain bf16 weights: PASSes where it declares compute='fp8_block' (the
+    oracle rounds as it does, FP8 limits), FAILs the bf16 oracle where it declares nothing: the capability matters."""
+    impl = dataclasses.replace(registered()["correct"], name="fp8_toy", factory=_Fp8BlockToy,
+                               caps=Capabilities(dtypes=("bf16",), compute=compute))
+    for case_id in ("tiny/bf16/base", "tiny/bf16/mask0.3", "tiny/bf16/one_expert"):
+        verdict = run_case(impl, CASES[case_id], 0, 1, None, torch.device("cpu"))
+        assert verdict.status() == status, (case_id, verdict.failed, verdict.error)
+        if status == "FAIL":
+            assert "calc_diff" in verdict.failed["oracle"] and "(bf16)" in verdict.failed["oracle"]
+    with pytest.raises(ConformanceImplError, match="compute 'fp4'"):
+        Capabilities(compute="fp4")
+
+
+def test_deep_gemm_mega_runs_only_the_shapes_and_rank_counts_it_takes():
+    """The mega-MoE adapter's cases on 2 GPUs: the real SwiGLU shapes within its limits; tiny widths (not multiples of
+    128), Step3 (F 5120 > 4096) and one rank SKIP with the kernel's own reason. (It runs on 2+ GPUs only:
+    tests/gpu/test_conformance_cuda.py.)"""
+    impl = registered()["moe_ref/mega/deep_gemm"]
+    assert impl.caps.compute == "fp8_block" and impl.caps.devices == ("cuda",)
+    impl = dataclasses.replace(impl, unavailable=None)  # the DeepGEMM probe needs a GPU
+    assert skip_reason(impl, CASES["kimi-k2/bf16/base"], 2, "cuda") is None
+    assert skip_reason(impl, CASES["deepseek-v3/bf16/base"], 4, "cuda") is None
+    assert "multiples of 128" in skip_reason(impl, CASES["tiny/bf16/base"], 2, "cuda")
+    assert "intermediate_size=5120 > 4096" in skip_reason(impl, CASES["step3/bf16/base"], 2, "cuda")
+    assert "ep_sizes" in skip_reason(impl, CASES["kimi-k2/bf16/base"], 1, "cuda")
+    assert skip_reason(impl, CASES["kimi-k2/bf16/base"], 2, "cpu") is not None

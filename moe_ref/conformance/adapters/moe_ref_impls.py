@@ -3,7 +3,7 @@
 transport's dispatch/combine on its own (``dispatch_combine`` kind). Names: ``moe_ref/<backend>`` (overflow
 ``error``), ``moe_ref/torch+chunk`` (overflow ``chunk``), ``moe_ref/torch+invariant`` and ``moe_ref/triton+invariant``
 (the batch-invariant mode: tiles of one bits class, every slot's row back unreduced and summed at home in slot
-order), ``moe_ref/dispatch/<transport>``.
+order), ``moe_ref/mega/deep_gemm`` (DeepGEMM's fused mega-MoE at 2+ ranks), ``moe_ref/dispatch/<transport>``.
 
 Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, F expert intermediate,
 P receive-pool rows.
@@ -63,6 +63,40 @@ def routed_step_factory(backend: str, overflow: str = "error", transport: str = 
     return factory
 
 
+def mega_step_factory(problem: Problem):
+    """``Problem -> run``: DeepGEMM's SM90 mega-MoE under moe_ref's cap and overflow policy, as
+    ``MegaMoE(..., mega='deep_gemm')`` builds it (``make_mega_step``): the engine quantizes the bf16 weights and
+    the activations to FP8 blocks itself (``Capabilities.compute``)."""
+    from moe_ref.ep.mega_deep_gemm import make_mega_step
+
+    w = problem.weights
+    step = make_mega_step(_config(problem), problem.group, _options(problem, "deep_gemm", "auto", "error"),
+                          w.gate_up_e2FD, w.down_eDF)
+
+    def run(x_TD, topk_ids_TK, topk_weights_TK, out_TD):
+        out_TD.copy_(step(x_TD, topk_ids_TK, topk_weights_TK))
+
+    run.close = step.destroy
+    return run
+
+
+def _mega_missing() -> str | None:
+    """Why DeepGEMM's SM90 mega-MoE cannot run here (``deep_gemm_status``), or None."""
+    from moe_ref.experts.deep_gemm.probe import deep_gemm_status
+
+    status = deep_gemm_status()
+    return None if status.available and status.mega_moe else status.reason
+
+
+def _mega_refuses(shape, world: int) -> str | None:
+    """Why DeepGEMM's mega-MoE refuses ``shape`` at ``world`` ranks (``mega_deep_gemm.supports``), or None."""
+    from moe_ref.ep.mega_deep_gemm import supports
+
+    ok, reason = supports(MoEConfig(num_experts=shape.experts_per_rank * world, num_topk=shape.topk,
+                                    hidden_size=shape.hidden, intermediate_size=shape.intermediate), world)
+    return None if ok else reason
+
+
 class _Dispatch:
     """A moe_ref ``Dispatcher`` in the ``DispatchCombine`` protocol."""
 
@@ -84,8 +118,8 @@ class _Dispatch:
         self.dispatcher.destroy()
 
 
-def _add(name: str, kind: str, caps: Capabilities, factory, label: str = "", unavailable=None) -> None:
-    register(Implementation(name, kind, caps, factory, label, spec=name, unavailable=unavailable))
+def _add(name: str, kind: str, caps: Capabilities, factory, label: str = "", unavailable=None, refuses=None) -> None:
+    register(Implementation(name, kind, caps, factory, label, spec=name, unavailable=unavailable, refuses=refuses))
 
 
 def _grouped_mm_missing() -> str | None:
@@ -118,6 +152,12 @@ _add("moe_ref/triton+invariant", "routed_step",
 _add("moe_ref/deep_gemm", "routed_step",
      Capabilities(**{**_BASE, "dtypes": ("bf16",)}, quants=("none", "fp8_block"), devices=("cuda",), tile_rows=128),
      routed_step_factory("deep_gemm"), "DeepGEMM's grouped GEMMs (SM90)")
+# its re-run bits are not known yet: declared non-deterministic (checked against the oracle, not bitwise)
+_add("moe_ref/mega/deep_gemm", "routed_step",
+     Capabilities(**{**_BASE, "dtypes": ("bf16",), "ep_sizes": (2, 4, 8), "deterministic": False}, compute="fp8_block",
+                  devices=("cuda",), tile_rows=128),
+     mega_step_factory, "DeepGEMM's SM90 mega-MoE (2+ GPUs; FP8 blocks on bf16 weights)", unavailable=_mega_missing,
+     refuses=_mega_refuses)
 for _transport, _sizes in (("local", (1,)), ("symm", (2, 4)), ("a2a", (2, 4))):
     _add(f"moe_ref/dispatch/{_transport}", "dispatch_combine",
          Capabilities(dtypes=("fp32", "bf16"), ep_sizes=_sizes, max_tokens_per_rank=CAP, overflow="error",
