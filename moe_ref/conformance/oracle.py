@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from moe_ref.conformance.api import ExpertWeights
-from moe_ref.conformance.scenarios import FP8_MAX, dequantize
+from moe_ref.conformance.scenarios import FP8_MAX, dequantize, quantize_fp8_blocks
 
 # (calc_diff limit, per-row atol, per-row rtol of the row's max |y|) by dtype, or by the quant recipe
 LIMITS = {
@@ -47,19 +47,6 @@ def fake_quant_fp8_rows(x_TD: torch.Tensor) -> torch.Tensor:
     return ((view / scale).float().to(torch.float8_e4m3fn).double() * scale).view(num_tokens, -1)[:, :dim]
 
 
-def fake_quant_fp8_blocks(w_OI: torch.Tensor) -> torch.Tensor:
-    """``w`` in float64, rounded as an FP8 block recipe stores it: e4m3 with one scale (amax / 448) per 128 x 128
-    block (a ragged edge block scaled by its own amax)."""
-    rows, cols = w_OI.shape
-    padded_rows, padded_cols = -(-rows // 128) * 128, -(-cols // 128) * 128
-    padded = torch.zeros(padded_rows, padded_cols, dtype=torch.float64, device=w_OI.device)
-    padded[:rows, :cols] = w_OI.double()
-    view = padded.view(padded_rows // 128, 128, padded_cols // 128, 128)
-    scale = (view.abs().amax(dim=(1, 3), keepdim=True) / FP8_MAX).clamp(min=1e-12).float().double()
-    rounded = (view / scale).float().to(torch.float8_e4m3fn).double() * scale
-    return rounded.view(padded_rows, padded_cols)[:rows, :cols]
-
-
 def expert_weights_f64(weights: ExpertWeights, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up ``[2F, D]``, down ``[D, F]``) of one expert in float64, from its codes where the recipe has them."""
     if weights.quant == "none":
@@ -81,8 +68,9 @@ def oracle_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: t
     for expert in torch.unique(ids_TK[ids_TK >= 0]).tolist():
         token_N, slot_N = (ids_TK == expert).nonzero(as_tuple=True)
         gate_up_2FD, down_DF = (t.to(x.device) for t in expert_weights_f64(weights, expert))
-        if block_weights:
-            gate_up_2FD, down_DF = fake_quant_fp8_blocks(gate_up_2FD), fake_quant_fp8_blocks(down_DF)
+        if block_weights:  # rounded as the harness's own fp8_block recipe stores weights
+            gate_up_2FD, down_DF = (dequantize(*quantize_fp8_blocks(w[None]), "fp8_block")[0]
+                                    for w in (gate_up_2FD, down_DF))
         gate_NF, up_NF = (x[token_N] @ gate_up_2FD.T).chunk(2, dim=-1)
         out_ND = (gate_NF * torch.sigmoid(gate_NF) * up_NF) @ down_DF.T
         y_TD.index_add_(0, token_N, w_TK[token_N, slot_N, None] * out_ND)

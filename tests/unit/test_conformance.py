@@ -12,6 +12,8 @@ from moe_ref.conformance.runner import run_case, skip_reason
 from moe_ref.conformance.scenarios import all_cases
 from moe_ref.conformance.spawn import run_cases, run_jobs
 from moe_ref.core.errors import ConformanceImplError
+from moe_ref.kernels.experts.fp8 import (dequantize_fp8_per_128, dequantize_fp8_per_block_128, quantize_fp8_per_128,
+                                        quantize_fp8_per_block_128)
 
 pytestmark = pytest.mark.unit
 CASES = {c.id: c for c in all_cases()}
@@ -125,24 +127,13 @@ def test_a_tune_has_its_own_deadline_and_the_case_deadline_starts_after_it(tmp_p
 
 
 def _row_blocks_fp8(x_TD: torch.Tensor) -> torch.Tensor:
-    """x rounded to e4m3 with one scale per row per 128 columns (the toy's own, not the oracle's)."""
-    out = torch.empty_like(x_TD)
-    for lo in range(0, x_TD.shape[1], 128):
-        part = x_TD[:, lo:lo + 128]
-        scale = (part.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
-        out[:, lo:lo + 128] = (part / scale).to(torch.float8_e4m3fn).float() * scale
-    return out
+    """x rounded as moe_ref's kernels round activations (e4m3 per row per 128 columns): the toy's own rounding."""
+    return dequantize_fp8_per_128(*quantize_fp8_per_128(x_TD))
 
 
 def _square_blocks_fp8(w_OI: torch.Tensor) -> torch.Tensor:
-    """w rounded to e4m3 with one scale per 128 x 128 block."""
-    out = torch.empty_like(w_OI)
-    for r in range(0, w_OI.shape[0], 128):
-        for c in range(0, w_OI.shape[1], 128):
-            block = w_OI[r:r + 128, c:c + 128]
-            scale = (block.abs().amax() / 448.0).clamp(min=1e-12)
-            out[r:r + 128, c:c + 128] = (block / scale).to(torch.float8_e4m3fn).float() * scale
-    return out
+    """w rounded as moe_ref's kernels round weights (e4m3 per 128 x 128 block)."""
+    return dequantize_fp8_per_block_128(*quantize_fp8_per_block_128(w_OI))
 
 
 class _Fp8BlockToy:
