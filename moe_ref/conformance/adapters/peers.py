@@ -18,9 +18,22 @@ Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, P
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from moe_ref.conformance.api import Capabilities, Implementation, Problem, register
+
+
+class Pool(NamedTuple):
+    """The live slots grouped by expert (slot order within an expert) and their rows, as the kernels walk them."""
+
+    token_N: torch.Tensor       # [N] the token of each pool row
+    slot_N: torch.Tensor        # [N] its top-k slot
+    row_start_e: torch.Tensor   # [e] the first pool row of each expert
+    num_rows_e: torch.Tensor    # [e] its rows
+    x_PD: torch.Tensor          # [N, D] the rows (FP8 e4m3 for the fp8_block recipe)
+    x_scale: torch.Tensor | None  # [N, D / 128] fp32 for FP8, else None
 
 
 class PeerMoE:
@@ -53,9 +66,8 @@ class PeerMoE:
                                                    self.device_name, num_routed, hidden=p.hidden)
         return self.configs[num_routed]
 
-    def pool(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor):
-        """``(token_N, slot_N, row_start_e, num_rows_e, x_PD, x_scale)``: the live slots grouped by expert, in slot
-        order within an expert, and their rows (FP8: quantized per 128 columns, as the engines quantize them)."""
+    def pool(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor) -> Pool:
+        """The pool of these inputs (FP8: the rows quantized per 128 columns, as the engines quantize them)."""
         token_N, slot_N = (topk_ids_TK >= 0).nonzero(as_tuple=True)
         expert_N = topk_ids_TK[token_N, slot_N]
         order = torch.argsort(expert_N, stable=True)
@@ -67,31 +79,30 @@ class PeerMoE:
             from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 
             x_PD, x_scale = quantize_fp8_per_128(x_PD)
-        return token_N, slot_N, row_start_e, num_rows_e, x_PD, x_scale
+        return Pool(token_N, slot_N, row_start_e, num_rows_e, x_PD, x_scale)
 
-    def mlp(self, pool, config, routing=None) -> torch.Tensor:
+    def mlp(self, pool: Pool, config, routing=None) -> torch.Tensor:
         """``y_PD``: the engine's two GEMMs and act over the pool at ``config``; ``routing``: the kernel's routing
         inputs for ``config.block_m`` (None: built here, on the device, as the engine builds them per call)."""
         from moe_ref.bench.peers import peer_routing, run_peer_mlp
 
-        token_N, _, row_start_e, num_rows_e, x_PD, x_scale = pool
         if routing is None:
-            num_routed = int(token_N.numel())
-            routing = peer_routing(row_start_e, num_rows_e, num_routed, config.block_m, self.peer.engine,
+            num_routed = int(pool.token_N.numel())
+            routing = peer_routing(pool.row_start_e, pool.num_rows_e, num_routed, config.block_m, self.peer.engine,
                                    num_routed=num_routed)
-        return run_peer_mlp(self.peer, x_PD, self.gate_up, self.down, row_start_e, num_rows_e, x_scale=x_scale,
-                            config=config, routing=routing, out_dtype=self.problem.dtype, **self.scales)
+        return run_peer_mlp(self.peer, pool.x_PD, self.gate_up, self.down, pool.row_start_e, pool.num_rows_e,
+                            x_scale=pool.x_scale, config=config, routing=routing, out_dtype=self.problem.dtype,
+                            **self.scales)
 
     def __call__(self, x_TD, topk_ids_TK, topk_weights_TK, out_TD) -> None:
         from moe_ref.ep.batch_invariant import sum_slots
 
         pool = self.pool(x_TD, topk_ids_TK)
-        token_N, slot_N = pool[0], pool[1]
-        y_PD = self.mlp(pool, self.config(int(token_N.numel())))
+        num_routed = int(pool.token_N.numel())
+        y_PD = self.mlp(pool, self.config(num_routed))
         pool_row_TK = torch.full(topk_ids_TK.shape, -1, dtype=torch.int64, device=x_TD.device)
-        pool_row_TK[token_N, slot_N] = torch.arange(token_N.numel(), device=x_TD.device)
+        pool_row_TK[pool.token_N, pool.slot_N] = torch.arange(num_routed, device=x_TD.device)
         out_TD.copy_(sum_slots(y_PD, topk_ids_TK, topk_weights_TK.float(), out_TD.dtype, pool_row_TK))
-
 
 
 class TunedPeerMoE(PeerMoE):
@@ -106,7 +117,7 @@ class TunedPeerMoE(PeerMoE):
         from moe_ref.testing import CALC_DIFF_TOLERANCES, bench, calc_diff
 
         pool = self.pool(x_TD, topk_ids_TK)
-        num_routed = int(pool[0].numel())
+        num_routed = int(pool.token_N.numel())
         if num_routed == 0:
             return
         expected_PD = self.mlp(pool, self.config(num_routed)).float()
@@ -116,15 +127,15 @@ class TunedPeerMoE(PeerMoE):
         def time_config(config: dict) -> float:
             chosen = PeerConfig(dict(config), dict(config), "search", num_routed)
             if chosen.block_m not in routings:
-                routings[chosen.block_m] = peer_routing(pool[2], pool[3], num_routed, chosen.block_m,
-                                                        self.peer.engine, num_routed=num_routed)
+                routings[chosen.block_m] = peer_routing(pool.row_start_e, pool.num_rows_e, num_routed,
+                                                        chosen.block_m, self.peer.engine, num_routed=num_routed)
             diff = calc_diff(self.mlp(pool, chosen, routings[chosen.block_m]).float(), expected_PD)
             if not diff <= limit:
                 raise ValueError(f"calc_diff {diff:.3g} against the engine's own config (bound {limit:g})")
             return bench(lambda: self.mlp(pool, chosen, routings[chosen.block_m]), warmup=2, iters=10)
 
         result = search_config(self.peer.engine, self.dtype_name, "small", time_config,
-                               max_rows_per_expert=int(pool[3].max()), smem_limit=device_smem_limit())
+                               max_rows_per_expert=int(pool.num_rows_e.max()), smem_limit=device_smem_limit())
         self.configs[num_routed] = tuned_peer_config(self.peer.engine, result, num_routed)
 
 
