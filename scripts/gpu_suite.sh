@@ -10,7 +10,7 @@
 # engines' W4A16 kernel; align = the alignment-1 vs 128-aligned pool A/B, with the no-hint pool;
 # peer_check = SGLang's and vLLM's fused-MoE kernels, read from the peer files in .whl/ (`make peers`), vs our twin). One device command runs 10 min at
 # most, so split them over calls, e.g. `bash scripts/gpu_suite.sh quick info tests dist`.
-# Not in the default: auto_table = experts_backend="auto"'s table for this GPU class (scripts/tune_experts_auto.py, one
+# Not in the default: auto_table = experts_backend="auto"'s table for this GPU class (moe-ref bench --auto-table, one
 # call of its own, < 9 min; $OUT/auto_table.json and .md, to be copied to moe_ref/experts/auto_table.json);
 # w4_kernel = the 4-bit kernel's tests on the GPU (its decode of every code pair, every scale byte, the kernel vs its
 # twin; tests/gpu/test_quant_cuda.py) and bench_w4a16 with the engines' W4A16 kernel (~6 min); auto_check = auto's and DeepGEMM's GPU tests, then the expert MLPs through the public
@@ -40,6 +40,8 @@
 # (every implementation that runs here, the peers' when .whl/ holds their files, checked then timed; $BENCH_LIMIT s);
 # bench_tuned = moe_ref's Triton step beside the peers at their best (peer:*+tuned: a search of their own tuner's
 # space per case) at T 512 and 4096 ($BENCH_LIMIT s, default 580);
+# bench_kernels = the expert MLPs alone on one pool (moe-ref bench --kind experts: moe_ref's backends and the peers'
+# kernels, kernel-only rows) at Kimi-K2's share, T 8, 64, 512, 4096 (64 to 32768 routed rows; $BENCH_LIMIT s);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -107,7 +109,7 @@ for s in $STEPS; do case $s in
     step eager 420 python3 scripts/bench_eager.py --out "$OUT/eager" --profile --ab-bound-launch --tokens 16 128 1024 4096
     step eager_compile 200 python3 scripts/bench_eager.py --out "$OUT/eager_compile" --tokens 128 \
       --routes eager graph compile ;;
-  auto_table) step auto_table 590 python3 scripts/tune_experts_auto.py --max-seconds 480 --out "$OUT/auto_table.json" ;;
+  auto_table) step auto_table 590 python3 -m moe_ref bench --auto-table "$OUT/auto_table.json" --max-seconds 480 ;;
   w4_kernel)
     step w4_tests 400 python3 -m pytest -q -rs --timeout=250 tests/interpreter/test_grouped_mlp_w4.py \
       tests/gpu/test_quant_cuda.py
@@ -169,6 +171,8 @@ for s in $STEPS; do case $s in
   bench_tuned) step bench_tuned "${BENCH_LIMIT:-580}" python3 -m moe_ref bench --device cuda --tokens 512,4096 \
       --impl moe_ref/triton --impl peer:sglang+tuned --impl peer:vllm+tuned --table "$OUT/bench/bench_tuned.md" \
       --jsonl "$OUT/bench/bench_tuned.jsonl" ;;
+  bench_kernels) step bench_kernels "${BENCH_LIMIT:-400}" python3 -m moe_ref bench --device cuda --kind experts \
+      --tokens 8,64,512,4096 --table "$OUT/bench/bench_kernels.md" --jsonl "$OUT/bench/bench_kernels.jsonl" ;;
   tiles) step tiles 590 python3 scripts/tune_tiles.py --out "$OUT/tiles" --models kimi-k2/48 ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -1,5 +1,4 @@
-"""Expert-MLP benchmark cases at per-rank EP8 shapes (scripts/bench_experts.py, tune_experts_auto.py,
-ab_grouped_mlp.py): a model's expert weights (`make_weights`), routed rows spread uniformly at random over its experts
+"""Expert-MLP benchmark cases at per-rank EP8 shapes (scripts/bench_experts.py, ab_grouped_mlp.py): a model's expert weights (`make_weights`), routed rows spread uniformly at random over its experts
 (`routed_counts`) in a 128-aligned pool (`make_case`), the same rows in the pool of any other segment alignment
 (`case_pool`), and the calls the routed step makes on such a pool (`api_layout`, `api_call`).
 
@@ -50,7 +49,7 @@ class Case:
 class Pool:
     """The case's routed rows laid out as a backend's pool: segments starting on multiples of `alignment`
     (`ExpertLayout.from_counts`), padding rows zero; the FP8 pool (e4m3 rows + per-128 scales) beside it. A masked
-    pool (`masked_rows` = M > 0) holds expert i's rows at i * M (scripts/tune_experts_auto.py builds those)."""
+    pool (`masked_rows` = M > 0) holds expert i's rows at i * M."""
 
     alignment: int
     x_PDx: torch.Tensor                   # [P, Dx] bf16

@@ -9,9 +9,11 @@ kinds), ``scenarios`` (the seeded cases), ``oracle`` (float64, shares no code wi
 the matrix, the ledger), ``mutants`` (planted bugs that every check must catch), ``adapters`` (moe_ref's own
 backends and transports, the peers, the worked example), ``cli``. The guide: docs/conform.md.
 """
-from moe_ref.conformance.api import (KINDS, QUANTS, Capabilities, DispatchCombine, ExpertsFn, ExpertWeights,
-                                     Implementation, Problem, Received, implementation, register)
+from moe_ref.conformance.api import (KINDS, QUANTS, Capabilities, DispatchCombine, ExpertPool, ExpertsFn,
+                                     ExpertWeights, Implementation, PoolExpertsFn, Problem, Received, implementation,
+                                     register)
 from moe_ref.conformance.registry import registered, resolve
 
-__all__ = ["KINDS", "QUANTS", "Capabilities", "DispatchCombine", "ExpertsFn", "ExpertWeights", "Implementation",
-           "Problem", "Received", "implementation", "register", "registered", "resolve"]
+__all__ = ["KINDS", "QUANTS", "Capabilities", "DispatchCombine", "ExpertPool", "ExpertsFn", "ExpertWeights",
+           "Implementation", "PoolExpertsFn", "Problem", "Received", "implementation", "register", "registered",
+           "resolve"]

@@ -14,6 +14,9 @@ Kinds (what the factory's return value does):
 | ``routed_step``    | ``run(x, ids, w, out)``, collective; the | 1..N ranks     | the same, per rank                       |
 |                    | problem's weights are the local experts  |                |                                          |
 | ``dispatch_combine`` | a ``DispatchCombine``                  | 1..N ranks     | receive counts and rows exactly, combine |
+| ``pool_experts``   | ``run(pool) -> y_PD``: the expert MLPs   | 1 rank         | segment rows against the oracle, bits,   |
+|                    | on a dispatched ``ExpertPool`` (kernel   |                | the pool left unchanged                  |
+|                    | only: no routing, no top-k sum)          |                |                                          |
 
 Shape legend: T tokens of this rank, K top-k, E experts, e local experts, D hidden width, F expert intermediate,
 P receive-pool rows, Db = ceil(D / 128), Fb = ceil(F / 128).
@@ -27,7 +30,7 @@ import torch
 
 from moe_ref.core.errors import CapacityExceededError, ConformanceImplError
 
-KINDS = ("experts", "routed_step", "dispatch_combine")
+KINDS = ("experts", "routed_step", "dispatch_combine", "pool_experts")
 # Weight recipes: "none" = the activation dtype; fp8_block = e4m3 weights with fp32 128x128 block scales and x
 # quantized per token per 128 columns (DeepSeek-V3); int4 = weight-only, signed 4-bit codes with one fp32 scale per
 # 32 input columns; mxfp4 = weight-only e2m1 codes with one power-of-two scale per 32 input columns.
@@ -35,6 +38,7 @@ QUANTS = ("none", "fp8_block", "int4", "mxfp4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OVERFLOWS = ("error", "chunk", "unbounded")
 COMPUTES = (None, "fp8_block")  # Capabilities.compute
+LAYOUTS = ("contiguous", "masked")  # Capabilities.layouts
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,11 @@ class Capabilities:
         tile_rows: the row tile its kernels work in (the tile-edge scenarios put tile - 1, tile, tile + 1 rows on an
             expert).
         devices: ``cpu`` and/or ``cuda``.
-        layouts: receive-pool layouts (reported; ``contiguous``, ``masked``).
+        layouts: receive-pool layouts: ``contiguous`` (segments back to back) or ``masked`` (expert i's rows at
+            i * M, M the largest segment rounded up to ``segment_alignment``). A ``pool_experts`` implementation is
+            handed its first one; reported for the other kinds.
+        segment_alignment: ``pool_experts``: each segment of the pool it is handed starts on a multiple of this
+            many rows (DeepGEMM's contiguous layout: 128); the rows between segments hold NaN.
         compute: None: it computes in the case's recipe. ``"fp8_block"``: it computes FP8 block GEMMs whatever the
             recipe (e.g. DeepGEMM's mega-MoE on bf16 weights): on a plain-weight case the oracle rounds the
             activations per token per 128 columns and the weights per 128 x 128 block to e4m3 as it does, and the
@@ -82,6 +90,7 @@ class Capabilities:
     tile_rows: int = 16
     devices: tuple[str, ...] = ("cpu", "cuda")
     layouts: tuple[str, ...] = ("contiguous",)
+    segment_alignment: int = 1
     compute: str | None = None
 
     def __post_init__(self):
@@ -90,10 +99,13 @@ class Capabilities:
               ([f"overflow {self.overflow!r}"] if self.overflow not in OVERFLOWS else []) + \
               (["overflow 'error'/'chunk' without max_tokens_per_rank"]
                if self.overflow != "unbounded" and self.max_tokens_per_rank is None else []) + \
-              ([f"compute {self.compute!r}"] if self.compute not in COMPUTES else [])
+              ([f"compute {self.compute!r}"] if self.compute not in COMPUTES else []) + \
+              [f"layouts {layout!r}" for layout in self.layouts if layout not in LAYOUTS] + \
+              ([f"segment_alignment {self.segment_alignment!r}"] if self.segment_alignment < 1 else [])
         if bad:
             raise ConformanceImplError(f"Capabilities: {', '.join(bad)}; dtypes from {tuple(DTYPES)}, quants from "
-                                       f"{QUANTS}, overflow from {OVERFLOWS}, compute from {COMPUTES}")
+                                       f"{QUANTS}, overflow from {OVERFLOWS}, compute from {COMPUTES}, layouts from "
+                                       f"{LAYOUTS}, segment_alignment >= 1")
 
     def describe(self) -> dict[str, Any]:
         """The capabilities as JSON values (for the per-case records)."""
@@ -184,6 +196,41 @@ class Received:
     handle: Any = None
 
 
+@dataclass(frozen=True)
+class ExpertPool:
+    """What a ``pool_experts`` implementation is handed: one rank's routed rows grouped by local expert, as a
+    dispatch delivers them (rows of one expert in (token, slot) order).
+
+    Attributes:
+        x_PD: ``[P, D]`` the rows in the activation dtype; local expert i's are ``x_PD[row_start_e[i]:][:num_rows_e[i]]``.
+            Rows outside every segment (alignment padding, a masked pool's unused rows) hold NaN: a kernel that
+            mixes them into a segment's result shows it.
+        row_start_e, num_rows_e: ``[e]`` int64 on the device.
+        num_rows: the routed rows (``num_rows_e.sum()``), known on the host (a layer's static rows hint).
+        masked_rows: M > 0 for a masked pool (``row_start_e[i] == i * M``, P = e * M); 0 for a contiguous one.
+        x_fp8_PD, x_scale_PDb: the ``fp8_block`` recipe's rows as FP8 dispatch sends them: e4m3 ``[P, D]`` with one
+            fp32 scale per row per 128 columns ``[P, Db]`` (the harness's own quantizer); None for other recipes.
+    """
+
+    x_PD: torch.Tensor
+    row_start_e: torch.Tensor
+    num_rows_e: torch.Tensor
+    num_rows: int
+    masked_rows: int = 0
+    x_fp8_PD: torch.Tensor | None = None
+    x_scale_PDb: torch.Tensor | None = None
+
+
+class PoolExpertsFn(Protocol):
+    """``pool_experts`` kind: the expert MLPs alone (kernel-only rows beside the full-path ones).
+
+    Optional: ``tune(pool)``, called once before a speed case's checks and timing (as ``ExpertsFn.tune``)."""
+
+    def __call__(self, pool: ExpertPool) -> torch.Tensor:
+        """``y_PD [P, D]`` in the activation dtype: row r of expert i's segment is ``Expert_i(x_PD[r])``; the rows
+        outside every segment may hold anything."""
+
+
 class DispatchCombine(Protocol):
     """``dispatch_combine`` kind (collective calls)."""
 
@@ -196,12 +243,12 @@ class DispatchCombine(Protocol):
 
 @dataclass(frozen=True)
 class Implementation:
-    """A registered implementation: ``factory(problem)`` builds it for one case (an ``ExpertsFn`` or a
-    ``DispatchCombine``; an optional ``close()`` on the result is called after the case).
+    """A registered implementation: ``factory(problem)`` builds it for one case (an ``ExpertsFn``, a
+    ``DispatchCombine`` or a ``PoolExpertsFn``; an optional ``close()`` on the result is called after the case).
 
     Attributes:
         name: how the matrix names it. kind: one of ``KINDS``. caps: its ``Capabilities``.
-        factory: ``Problem -> ExpertsFn | DispatchCombine``.
+        factory: ``Problem -> ExpertsFn | DispatchCombine | PoolExpertsFn``.
         label: a note shown beside the name (``peer at its best``, ``mutant: ...``).
         spec: how a worker process finds it again (``module:attribute``), filled in by ``implementation``.
         unavailable: ``() -> why it cannot run in this environment (one line) | None``: its cases SKIP with that
@@ -222,8 +269,8 @@ class Implementation:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ConformanceImplError(f"implementation {self.name!r}: kind={self.kind!r}; one of {KINDS}")
-        if self.kind == "experts" and tuple(self.caps.ep_sizes) != (1,):
-            raise ConformanceImplError(f"implementation {self.name!r}: kind 'experts' runs at one rank; declare "
+        if self.kind in ("experts", "pool_experts") and tuple(self.caps.ep_sizes) != (1,):
+            raise ConformanceImplError(f"implementation {self.name!r}: kind {self.kind!r} runs at one rank; declare "
                                        f"ep_sizes=(1,) or kind 'routed_step'")
 
 

@@ -1,9 +1,10 @@
 """``moe-ref bench``: the conformance harness's speed mode over every implementation this machine runs, on one
 model shape at a few token counts: each figure comes with the case's checks passed, beside the others of the run.
 
-    moe-ref bench [--kind moe|dispatch] [--impl NAME ...] [--shape kimi-k2 | <preset>@ep<N>] [--tokens 16,128,512]
+    moe-ref bench [--kind moe|experts|dispatch] [--impl NAME ...] [--shape kimi-k2 | <preset>@ep<N>] [--tokens 16,128,512]
                   [--dtype bf16] [--quant none|fp8_block|int4|mxfp4] [--ranks 1] [--device cpu|cuda] [--jsonl F]
                   [--table F]
+    moe-ref bench --auto-table [OUT] [--install] [--max-seconds 480]   # experts_backend="auto"'s table, this GPU
 
 Each implementation runs the speed case ``<shape>/<recipe>/T<n>`` (``scenarios.speed_case``: n tokens on every
 rank, routed as the matrix's ``base``) for each n: first every check of a matrix case (the float64 oracle, re-run
@@ -12,7 +13,10 @@ with L2 flushed on a GPU; the median). A case that fails a check is reported FAI
 exits 1.
 
 ``--kind dispatch`` compares the transports' dispatch + combine instead (``dispatch_combine`` implementations, the
-rows checked exactly; GB/s counts each live slot's row sent and sent back).
+rows checked exactly; GB/s counts each live slot's row sent and sent back). ``--kind experts`` compares the expert
+MLPs alone (``pool_experts``: kernel-only rows): moe_ref's backends and the peers' kernels on the same 128-aligned
+pool of the case's routed rows, no routing and no top-k sum. ``--auto-table`` measures ``experts_backend="auto"``'s
+table for this GPU class from such cases (``moe_ref.conformance.auto_table``).
 
 Defaults: on a GPU, Kimi-K2's routed experts of one rank at EP 8 (48 experts, D 7168, F 2048, top-8) in bf16 at
 T = 16, 128, 512 and 4096; on CPU the tiny shape in fp32 at T = 24 and 96. Implementations: every registered one of
@@ -30,7 +34,7 @@ import sys
 
 import torch
 
-from moe_ref.conformance.mutants import MUTANT_NAMES
+from moe_ref.conformance.mutants import CORRECT_BASES, MUTANT_NAMES
 from moe_ref.conformance.registry import registered, resolve
 from moe_ref.conformance.report import record
 from moe_ref.conformance.runner import skip_reason
@@ -40,9 +44,9 @@ from moe_ref.core.errors import ConformanceImplError
 
 DEFAULTS = {"cuda": ("kimi-k2", "bf16", (16, 128, 512, 4096)), "cpu": ("tiny", "fp32", (24, 96))}
 # --kind: the implementation kinds one table compares
-COMPARED_KINDS = {"moe": ("experts", "routed_step"), "dispatch": ("dispatch_combine",)}
+COMPARED_KINDS = {"moe": ("experts", "routed_step"), "experts": ("pool_experts",), "dispatch": ("dispatch_combine",)}
 # the harness's own: the planted bugs and their correct base (``mutants``), the docs' worked example
-NOT_BENCHED = ("correct", "dispatch:correct", *MUTANT_NAMES, "example:sglang-style")
+NOT_BENCHED = (*CORRECT_BASES, *MUTANT_NAMES, "example:sglang-style")
 # implementations that search their config per case before it is checked and timed (minutes per case): benched when
 # named, or with --tune-peers
 TUNED_SUFFIX = "+tuned"
@@ -54,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser, count=int) -> None:
     p.add_argument("--impl", action="append", default=[],
                    help="a registered name or module:attribute (repeatable; default: every one that runs here)")
     p.add_argument("--kind", default="moe", choices=tuple(COMPARED_KINDS),
-                   help="moe: fused-MoE kernels and routed steps (default); dispatch: dispatch + combine alone")
+                   help="moe: fused-MoE kernels and routed steps (default); experts: the expert MLPs alone on one "
+                        "pool (kernel-only rows); dispatch: dispatch + combine alone")
     p.add_argument("--shape", default=None, help="a named shape (moe-ref conform --list) or <preset>@ep<N>; "
                                                  "default kimi-k2 on a GPU, tiny on CPU")
     p.add_argument("--tokens", default=None, type=lambda text: tuple(count(t) for t in re.split(r"[ ,]+", text) if t),
@@ -71,6 +76,13 @@ def add_arguments(p: argparse.ArgumentParser, count=int) -> None:
                    help="also the peers at their best (peer:*+tuned), beside the defaults or the --impl ones: each "
                         "searches its own tuner's space for each case first (at most 50 configs: minutes per case "
                         "on a GPU)")
+    p.add_argument("--auto-table", nargs="?", const="results/auto_table.json", default=None, metavar="OUT",
+                   help="measure experts_backend='auto''s table for this GPU class instead (moe_ref.conformance."
+                        "auto_table; default OUT results/auto_table.json)")
+    p.add_argument("--install", action="store_true",
+                   help="with --auto-table: write the package's table (moe_ref/experts/auto_table.json)")
+    p.add_argument("--max-seconds", type=float, default=480.0,
+                   help="with --auto-table: start no measurement after this many seconds; write what finished")
 
 
 def default_impls(cases, world: int, device: str, kinds: tuple[str, ...], tuned: bool = False) -> list[str]:
@@ -122,7 +134,14 @@ def memory_bytes(case: Case, world: int) -> int:
 
 
 def run(args, device: str, cases: list[Case]) -> int:
-    """Check then time each implementation on each case; print the table (exit 1 when a case FAILs)."""
+    """Check then time each implementation on each case; print the table (exit 1 when a case FAILs); or, with
+    ``--auto-table``, measure and write the auto table."""
+    if args.auto_table is not None:
+        from moe_ref.conformance import auto_table
+
+        return auto_table.run(args)
+    if args.install:
+        raise ConformanceImplError("--install writes the auto table: give it with --auto-table")
     tokens = [speed_tokens(c.scenario) for c in cases]
     kinds = COMPARED_KINDS[args.kind]
     specs = list(args.impl) or default_impls(cases, args.ranks, device, kinds)
@@ -155,7 +174,7 @@ def run(args, device: str, cases: list[Case]) -> int:
     done = run_jobs(jobs, args.ranks, device, args.deadline, args.seed, speed=True, on_done=report)
     records = [record(impl, c, args.ranks, device, done.get((impl.spec or impl.name, c.id)), skips[(impl.name, c.id)])
                for impl in impls for c in cases]
-    text = table(records, flops=args.kind == "moe")
+    text = table(records, flops=args.kind != "dispatch")
     print(text)
     if args.table:
         with open(args.table, "w") as f:

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from moe_ref.conformance.mutants import MUTANT_NAMES
+    from moe_ref.conformance.mutants import CORRECT_BASES, MUTANT_NAMES
 
     cases = all_cases(args.seed)
     if args.list:
@@ -61,7 +61,7 @@ def run(args) -> int:
     chosen += [case_by_id(p, args.seed) for p in patterns if speed_tokens(p.rsplit("/", 1)[-1]) is not None]
     if not chosen:
         raise ConformanceLedgerError(f"--cases {args.cases!r} matches no case; `moe-ref conform --list` names them")
-    specs = list(args.impl) + (["correct", *MUTANT_NAMES, "dispatch:correct"] if args.mutants else [])
+    specs = list(args.impl) + ([*CORRECT_BASES, *MUTANT_NAMES] if args.mutants else [])
     ranks = [int(r) for r in re.split(r"[ ,]+", "1,2,4" if args.mutants and args.ranks == "1" else args.ranks) if r]
     ledger = read_ledger(args.ledger)
     impls = [resolve(spec) for spec in specs]

@@ -15,6 +15,13 @@ changes one line of it. ``correct`` is that base, registered too: its clean pass
 | write_past_t         | the output writer runs one row past T                                            |
 | no_capacity_check    | rows staged in a C-row buffer without checking T <= C (row C lands on row 0)      |
 | masked_to_last_rank  | dispatch: a masked slot's owner computed as -1 // e, i.e. the last rank's expert |
+| pool_segment_offset  | experts on a pool: each segment read from one row before its start              |
+| pool_in_place        | experts on a pool: the result written over the pool's rows and returned          |
+| pool_split_k         | experts on a pool: the K sums split in three, associated anew on every call      |
+| pool_shared_scale    | experts on a pool: one activation scale per segment (amax over its rows), not    |
+|                      | per row                                                                          |
+
+The experts-on-a-pool mutants change one line of ``RowByRowExperts`` (``pool:correct``).
 
 Shape legend: T tokens of this rank, K top-k, E experts, e local experts, D hidden width, P receive-pool rows.
 """
@@ -25,7 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from moe_ref.conformance.api import Capabilities, Implementation, Problem, Received, register
+from moe_ref.conformance.api import Capabilities, ExpertPool, Implementation, Problem, Received, register
 from moe_ref.conformance.oracle import fake_quant_fp8_rows
 from moe_ref.conformance.scenarios import dequantize
 from moe_ref.core.errors import CapacityExceededError
@@ -35,6 +42,8 @@ CAPS = Capabilities(dtypes=("fp32", "bf16"), quants=("none", "fp8_block", "int4"
                     max_tokens_per_rank=MUTANT_CAP, overflow="error", deterministic=True, batch_invariant=True,
                     duplicate_experts=True, devices=("cpu",))
 DISPATCH_CAPS = Capabilities(dtypes=("fp32", "bf16"), ep_sizes=(1, 2, 4), deterministic=True, devices=("cpu",))
+POOL_CAPS = Capabilities(dtypes=("fp32", "bf16"), quants=("none",), deterministic=True, batch_invariant=True,
+                         duplicate_experts=True, devices=("cpu",), segment_alignment=8)
 
 
 def _gather_counts(num_rows: int, problem: Problem) -> list[int]:
@@ -176,6 +185,40 @@ class GatherDispatch:
         out_TD.copy_(total[mine].to(out_TD.dtype))
 
 
+class RowByRowExperts:
+    """The correct experts on a pool (``pool_experts`` kind; ``bug`` names the line a mutant changes): each row
+    through its expert in float64, one row at a time (elementwise products and sums), rounded once."""
+
+    def __init__(self, problem: Problem, bug: str | None = None):
+        self.problem, self.bug, self.calls = problem, bug, 0
+        self.gate_up, self.down = problem.weights.gate_up_e2FD.double(), problem.weights.down_eDF.double()
+
+    def _dot(self, rows_ND, w_OD):
+        """``[N, O]``: each row's products with each weight row, summed; the split-K mutant sums three fp32 partial
+        sums of D, associated another way on every other call (as atomics add split-K partials)."""
+        products_NOD = rows_ND[:, None, :] * w_OD[None]
+        if self.bug != "pool_split_k":
+            return products_NOD.sum(-1)
+        a, b, c = (part.float().sum(-1) for part in products_NOD.tensor_split(3, dim=-1))
+        return ((a + b) + c if self.calls % 2 else a + (b + c)).double()
+
+    def __call__(self, pool: ExpertPool) -> torch.Tensor:
+        self.calls += 1
+        y_PD = torch.zeros(pool.x_PD.shape, dtype=torch.float64)
+        for expert, (start, count) in enumerate(zip(pool.row_start_e.tolist(), pool.num_rows_e.tolist())):
+            read = max(start - 1, 0) if self.bug == "pool_segment_offset" else start
+            rows_ND = pool.x_PD[read:read + count].double()
+            if self.bug == "pool_shared_scale" and count:  # one scale for the segment, rows rounded to 1/64 of it
+                step = rows_ND.abs().amax() / 64
+                rows_ND = torch.round(rows_ND / step) * step
+            gate_NF, up_NF = self._dot(rows_ND, self.gate_up[expert]).chunk(2, dim=-1)
+            y_PD[start:start + count] = self._dot(gate_NF * torch.sigmoid(gate_NF) * up_NF, self.down[expert])
+        if self.bug == "pool_in_place":
+            pool.x_PD.copy_(y_PD)
+            return pool.x_PD
+        return y_PD.to(pool.x_PD.dtype)
+
+
 MUTANTS = ("segment_offset", "masked_row_dropped", "wrong_scale", "atomic_combine", "write_past_t",
            "no_capacity_check")
 
@@ -192,4 +235,10 @@ for _bug in (None, "masked_to_last_rank"):
     _register("dispatch:correct" if _bug is None else f"mutant:{_bug}", "dispatch_combine", DISPATCH_CAPS,
               "correct dispatch" if _bug is None else f"planted bug: {_bug}",
               lambda problem, bug=_bug: GatherDispatch(problem, bug))
-MUTANT_NAMES = tuple(f"mutant:{bug}" for bug in (*MUTANTS, "masked_to_last_rank"))
+POOL_MUTANTS = ("pool_segment_offset", "pool_in_place", "pool_split_k", "pool_shared_scale")
+for _bug in (None, *POOL_MUTANTS):
+    _register("pool:correct" if _bug is None else f"mutant:{_bug}", "pool_experts", POOL_CAPS,
+              "the pool mutants' correct base" if _bug is None else f"planted bug: {_bug}",
+              lambda problem, bug=_bug: RowByRowExperts(problem, bug))
+MUTANT_NAMES = tuple(f"mutant:{bug}" for bug in (*MUTANTS, "masked_to_last_rank", *POOL_MUTANTS))
+CORRECT_BASES = ("correct", "dispatch:correct", "pool:correct")

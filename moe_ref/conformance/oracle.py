@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from moe_ref.conformance.api import ExpertWeights
-from moe_ref.conformance.scenarios import FP8_MAX, dequantize, quantize_fp8_blocks
+from moe_ref.conformance.scenarios import dequantize, quantize_fp8_blocks, quantize_fp8_rows
 
 # (calc_diff limit, per-row atol, per-row rtol of the row's max |y|) by dtype, or by the quant recipe
 LIMITS = {
@@ -37,14 +37,9 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def fake_quant_fp8_rows(x_TD: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded as FP8 dispatch rounds it: e4m3 with one scale (amax / 448) per token per 128 columns."""
-    num_tokens, dim = x_TD.shape
-    blocks = -(-dim // 128)
-    padded = torch.zeros(num_tokens, blocks * 128, dtype=torch.float64, device=x_TD.device)
-    padded[:, :dim] = x_TD.double()
-    view = padded.view(num_tokens, blocks, 128)
-    scale = (view.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12).float().double()
-    return ((view / scale).float().to(torch.float8_e4m3fn).double() * scale).view(num_tokens, -1)[:, :dim]
+    """``x`` rounded as FP8 dispatch rounds it (``scenarios.quantize_fp8_rows``), in float64."""
+    codes, scale = quantize_fp8_rows(x_TD)
+    return codes.double() * scale.double().repeat_interleave(128, 1)[:, :x_TD.shape[1]]
 
 
 def expert_weights_f64(weights: ExpertWeights, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,25 +51,53 @@ def expert_weights_f64(weights: ExpertWeights, expert: int) -> tuple[torch.Tenso
             dequantize(weights.down_q[one], weights.down_scale[one], weights.quant)[0])
 
 
+def _expert_mlp(x_ND: torch.Tensor, expert: int, weights: ExpertWeights, block_weights: bool) -> torch.Tensor:
+    """``[N, D]`` float64: ``down(silu(gate x) * up x)`` of one expert over float64 rows; ``block_weights``: its
+    plain weights rounded per 128 x 128 block first, as the harness's own fp8_block recipe stores weights."""
+    gate_up_2FD, down_DF = (t.to(x_ND.device) for t in expert_weights_f64(weights, expert))
+    if block_weights:
+        gate_up_2FD, down_DF = (dequantize(*quantize_fp8_blocks(w[None]), "fp8_block")[0] for w in (gate_up_2FD, down_DF))
+    gate_NF, up_NF = (x_ND @ gate_up_2FD.T).chunk(2, dim=-1)
+    return (gate_NF * torch.sigmoid(gate_NF) * up_NF) @ down_DF.T
+
+
+def _fp8_inputs(weights: ExpertWeights, compute: str | None) -> tuple[bool, bool]:
+    """(round the activations per token per 128, round plain weights per block): the recipe's or the declared
+    compute's FP8 block arithmetic."""
+    block_weights = compute == "fp8_block" and weights.quant == "none"
+    return weights.quant == "fp8_block" or block_weights, block_weights
+
+
 def oracle_moe(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
                weights: ExpertWeights, compute: str | None = None) -> torch.Tensor:
     """``[T, D]`` float64 on x's device: the routed experts of every token over ALL experts (``weights`` holds E).
     ``compute``: the implementation's ``Capabilities.compute``; ``"fp8_block"`` on plain weights rounds them per
     128 x 128 block, and the activations per token per 128 columns, as an FP8 block recipe does."""
-    block_weights = compute == "fp8_block" and weights.quant == "none"
-    x = fake_quant_fp8_rows(x_TD) if weights.quant == "fp8_block" or block_weights else x_TD.double()
+    fp8_x, block_weights = _fp8_inputs(weights, compute)
+    x = fake_quant_fp8_rows(x_TD) if fp8_x else x_TD.double()
     y_TD = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     ids_TK, w_TK = topk_ids_TK.to(x.device).long(), topk_weights_TK.to(x.device).double()
     for expert in torch.unique(ids_TK[ids_TK >= 0]).tolist():
         token_N, slot_N = (ids_TK == expert).nonzero(as_tuple=True)
-        gate_up_2FD, down_DF = (t.to(x.device) for t in expert_weights_f64(weights, expert))
-        if block_weights:  # rounded as the harness's own fp8_block recipe stores weights
-            gate_up_2FD, down_DF = (dequantize(*quantize_fp8_blocks(w[None]), "fp8_block")[0]
-                                    for w in (gate_up_2FD, down_DF))
-        gate_NF, up_NF = (x[token_N] @ gate_up_2FD.T).chunk(2, dim=-1)
-        out_ND = (gate_NF * torch.sigmoid(gate_NF) * up_NF) @ down_DF.T
+        out_ND = _expert_mlp(x[token_N], expert, weights, block_weights)
         y_TD.index_add_(0, token_N, w_TK[token_N, slot_N, None] * out_ND)
     return y_TD
+
+
+def oracle_rows(x_PD: torch.Tensor, expert_P: torch.Tensor, weights: ExpertWeights,
+                compute: str | None = None) -> torch.Tensor:
+    """``[P, D]`` float64 on x's device: each pool row through its expert (``expert_P``, -1: a row outside every
+    segment, NaN here); the activations rounded as ``oracle_moe`` rounds them."""
+    fp8_x, block_weights = _fp8_inputs(weights, compute)
+    live_P = expert_P >= 0
+    y_PD = torch.full(x_PD.shape, float("nan"), dtype=torch.float64, device=x_PD.device)
+    x_ND = x_PD[live_P]
+    x_ND = fake_quant_fp8_rows(x_ND) if fp8_x else x_ND.double()
+    rows_N = live_P.nonzero().flatten()
+    for expert in torch.unique(expert_P[live_P]).tolist():
+        mine = expert_P[rows_N] == expert
+        y_PD[rows_N[mine]] = _expert_mlp(x_ND[mine], expert, weights, block_weights)
+    return y_PD
 
 
 def compare(actual_TD: torch.Tensor, expected_TD: torch.Tensor, limit_key: str) -> str | None:

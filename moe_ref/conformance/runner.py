@@ -16,8 +16,13 @@ Checks, by kind (each names the planted bug it exists to catch; ``moe_ref.confor
 | counts    | -                                                                      | rows per local expert, exactly       |
 | payload   | -                                                                      | each received row is the sent row, bit for bit, and (rank, token) pairs exactly the routed ones (rank and token id ride in the last two columns) |
 
+``pool_experts`` (the expert MLPs alone, on the pool ``scenarios.expert_pool`` builds, padding rows NaN): oracle
+(each segment row against ``oracle.oracle_rows``), finite (no NaN/inf in a segment row: the padding read into it,
+or a row never written), input (the pool's bytes unchanged
+by the call), rerun, permute (the rows rotated inside each segment), alone (one row alone in the pool).
+
 A speed case (``<shape>/<recipe>/T<n>``) first hands the built implementation's optional ``tune(x_TD, topk_ids_TK,
-topk_weights_TK)`` its inputs (an engine's offline tuning for one shape); the checks then check what is timed.
+topk_weights_TK)`` (``pool_experts``: ``tune(pool)``) its inputs (an engine's offline tuning for one shape); the checks then check what is timed.
 
 Shape legend: T tokens of this rank, K top-k, E experts, e local experts, D hidden width, P receive-pool rows.
 """
@@ -30,10 +35,10 @@ from typing import Any, Callable
 
 import torch
 
-from moe_ref.conformance.api import Implementation, Problem
-from moe_ref.conformance.oracle import compare, oracle_moe
-from moe_ref.conformance.scenarios import (Case, global_weights, local_weights, rank_inputs, speed_tokens,
-                                          tokens_per_rank)
+from moe_ref.conformance.api import ExpertPool, Implementation, Problem
+from moe_ref.conformance.oracle import compare, oracle_moe, oracle_rows
+from moe_ref.conformance.scenarios import (Case, expert_pool, global_weights, local_weights, rank_inputs,
+                                          rows_deranged_in_segments, speed_tokens, tokens_per_rank)
 
 GUARD_ROWS = 4
 SPEED_ITERS = 10
@@ -77,7 +82,8 @@ def skip_reason(impl: Implementation, case: Case, world: int, device: str) -> st
         (name.startswith("mask") and name != "mask0" and not caps.masked_slots, "masked_slots=False"),
         (name in ("cap", "cap+1") and caps.max_tokens_per_rank is None, "no max_tokens_per_rank declared"),
         (name.startswith("tile") and impl.kind == "dispatch_combine", "tile edges are the experts' concern"),
-        (name == "cap+1" and impl.kind == "dispatch_combine", "the overflow policy is the routed step's"),
+        (name == "cap+1" and impl.kind in ("dispatch_combine", "pool_experts"), "the overflow policy is the routed "
+                                                                                 "step's"),
         (not _fits(caps, case), f"T above max_tokens_per_rank {caps.max_tokens_per_rank}"),
         (refused is not None, f"refuses the shape: {refused}"),
     ]
@@ -108,8 +114,9 @@ def run_case(impl: Implementation, case: Case, rank: int, world: int, group, dev
     x_TD, ids_TK, w_TK = (t.to(device, copy=True) for t in inputs[rank])  # cached: the implementation gets a copy
     shape = case.shape
     weights = global_weights(case, world, device)
-    num_local = shape.experts_per_rank if impl.kind != "experts" else shape.experts_per_rank * world
-    first = rank * num_local if impl.kind != "experts" else 0
+    one_rank = impl.kind in ("experts", "pool_experts")  # all E experts on the one rank
+    num_local = shape.experts_per_rank * world if one_rank else shape.experts_per_rank
+    first = 0 if one_rank else rank * num_local
     problem = Problem(num_experts=shape.experts_per_rank * world, num_topk=shape.topk, hidden=shape.hidden,
                       intermediate=shape.intermediate, dtype=case.torch_dtype,
                       weights=local_weights(weights, first, num_local, device), first_expert=first, rank=rank,
@@ -120,23 +127,29 @@ def run_case(impl: Implementation, case: Case, rank: int, world: int, group, dev
     try:
         progress("build")
         built = impl.factory(problem)
+        pooled = _pool_of(impl, x_TD, ids_TK, problem) if impl.kind == "pool_experts" else None
         tune = getattr(built, "tune", None)
         if tune is not None and speed_tokens(case.scenario) is not None:
             # an implementation's own tuning for a speed case's exact inputs (as an engine's tuner writes a config
             # file for a shape), before the checks, so that they check what is timed; its seconds are in no time
             progress("tune")
             start = time.perf_counter()
-            tune(x_TD.clone(), ids_TK.clone(), w_TK.clone())
+            if pooled is not None:
+                tune(pooled[0])
+            else:
+                tune(x_TD.clone(), ids_TK.clone(), w_TK.clone())
             verdict.tune_s = time.perf_counter() - start
         if impl.kind == "dispatch_combine":
             _check_dispatch(built, case, inputs, rank, problem, verdict, progress)
+        elif pooled is not None:
+            _check_pool(built, impl, case, (x_TD, ids_TK), pooled, weights, verdict, progress)
         elif case.scenario == "cap+1":
             _check_overflow(built, impl, case, (x_TD, ids_TK, w_TK), inputs, weights, verdict, progress)
         else:
             _check_moe(built, impl, case, (x_TD, ids_TK, w_TK), weights, verdict, progress)
         if speed and not verdict.failed:
             progress("speed")
-            _time(built, impl, (x_TD, ids_TK, w_TK), problem, verdict)
+            _time(built, impl, (x_TD, ids_TK, w_TK), problem, verdict, pooled)
     except Exception as err:  # noqa: BLE001 - the implementation's failure is the case's verdict
         verdict.error = f"{type(err).__name__}: {err}".splitlines()[0][:400]
         verdict.failed.setdefault("raised", traceback.format_exc(limit=-3)[-600:])
@@ -294,15 +307,81 @@ def _check_dispatch(built, case, inputs, rank, problem: Problem, verdict: Verdic
     _oracle_check(out_TD, expected_TD, case.dtype, verdict, "combine")
 
 
-def _time(built, impl, inputs, problem: Problem, verdict: Verdict) -> None:
+def _pool_of(impl: Implementation, x_TD, ids_TK, problem: Problem):
+    """``(pool, expert_P, row_TK)`` of these rows in the layout and alignment ``impl`` declares."""
+    caps = impl.caps
+    return expert_pool(x_TD, ids_TK, problem.num_experts, caps.segment_alignment, caps.layouts[0],
+                       fp8=problem.weights.quant == "fp8_block")
+
+
+def _run_pool(built, pool: ExpertPool, verdict: Verdict, what: str) -> torch.Tensor:
+    """``y_PD`` of one call; the input check: the pool's bytes are what they were before it."""
+    before = [t.clone() for t in (pool.x_PD, pool.x_fp8_PD, pool.x_scale_PDb) if t is not None]
+    y_PD = built(pool)
+    after = [t for t in (pool.x_PD, pool.x_fp8_PD, pool.x_scale_PDb) if t is not None]
+    if any(not torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(after, before)):
+        verdict.failed.setdefault("input", f"{what}the call wrote into the pool it was handed")
+    if tuple(y_PD.shape) != tuple(pool.x_PD.shape):
+        raise ValueError(f"{what}returned {tuple(y_PD.shape)}, the pool is {tuple(pool.x_PD.shape)}")
+    return y_PD
+
+
+def _check_pool(built, impl, case, inputs, pooled, weights, verdict: Verdict, progress) -> None:
+    """The ``pool_experts`` checks (module docstring): ``pooled`` = ``_pool_of``'s ``(pool, expert_P, row_TK)``."""
+    x_TD, ids_TK = inputs
+    pool, expert_P, row_TK = pooled
+    key = limit_key(impl, case)
+    live_P = expert_P >= 0
+    expected_PD = oracle_rows(pool.x_PD, expert_P, weights, impl.caps.compute)
+    progress("run")
+    y_PD = _run_pool(built, pool, verdict, "")
+    not_finite = (~torch.isfinite(y_PD[live_P].float()).all(-1)).nonzero().flatten()
+    if not_finite.numel():  # the oracle check looks at finite rows only
+        verdict.failed.setdefault("finite", f"{not_finite.numel()} of {int(live_P.sum())} segment rows hold NaN/inf "
+                                            f"(padding read into them, or never written)")
+    _oracle_check(y_PD[live_P], expected_PD[live_P], key, verdict)
+    caps = impl.caps
+    if caps.deterministic:
+        progress("rerun")
+        again_PD = _run_pool(built, pool, verdict, "rerun: ")
+        if not torch.equal(again_PD[live_P].view(torch.uint8), y_PD[live_P].view(torch.uint8)):
+            verdict.failed.setdefault("rerun", "a second call on the same pool gave other bits")
+    progress("permute")
+    src_P = rows_deranged_in_segments(pool)
+    permuted = ExpertPool(pool.x_PD[src_P], pool.row_start_e, pool.num_rows_e, pool.num_rows, pool.masked_rows,
+                          *(None if t is None else t[src_P] for t in (pool.x_fp8_PD, pool.x_scale_PDb)))
+    restored_PD = torch.empty_like(y_PD)
+    restored_PD[src_P] = _run_pool(built, permuted, verdict, "permute: ")
+    _same_rows("permute", restored_PD[live_P], y_PD[live_P], expected_PD[live_P], key, caps.batch_invariant, verdict)
+    progress("alone")
+    token_N, slot_N = (ids_TK >= 0).nonzero(as_tuple=True)
+    if token_N.numel():
+        token, slot = int(token_N[-1]), int(slot_N[-1])
+        ids_alone = torch.full_like(ids_TK[:1], -1)
+        ids_alone[0, slot] = ids_TK[token, slot]
+        one_pool, _, one_row_TK = expert_pool(x_TD[token:token + 1], ids_alone, len(pool.num_rows_e),
+                                                         caps.segment_alignment, caps.layouts[0],
+                                                         fp8=pool.x_fp8_PD is not None)
+        alone_row = int(one_row_TK[0, slot])
+        alone = _run_pool(built, one_pool, verdict, "alone: ")[alone_row:alone_row + 1]
+        row = int(row_TK[token, slot])
+        _same_rows("alone", alone, y_PD[row:row + 1], expected_PD[row:row + 1], key, caps.batch_invariant, verdict)
+
+
+def _time(built, impl, inputs, problem: Problem, verdict: Verdict, pooled=None) -> None:
     """us per call (median, CUDA events with L2 flushed on a GPU), bytes moved and FLOPs of the experts. Bytes: the
-    tokens read and written and the weights read (``experts``, ``routed_step``); each live slot's row sent and sent
-    back (``dispatch_combine``)."""
+    tokens read and written and the weights read (``experts``, ``routed_step``); each routed row read as handed and
+    written, and the weights (``pool_experts``); each live slot's row sent and sent back (``dispatch_combine``)."""
     from moe_ref.testing import bench
 
     x_TD, ids_TK, w_TK = inputs
     out_TD = torch.empty_like(x_TD)
-    if impl.kind == "dispatch_combine":
+    if impl.kind == "pool_experts":
+        pool = pooled[0]
+
+        def call():
+            built(pool)
+    elif impl.kind == "dispatch_combine":
         def call():
             received = built.dispatch(x_TD, ids_TK, w_TK)
             built.combine(received.x_PD, received, out_TD)
@@ -319,5 +398,11 @@ def _time(built, impl, inputs, problem: Problem, verdict: Verdict) -> None:
     read = (weights.gate_up_q, weights.down_q, weights.gate_up_scale, weights.down_scale) \
         if weights.gate_up_q is not None else (weights.gate_up_e2FD, weights.down_eDF)
     weight_bytes = sum(t.numel() * t.element_size() for t in read)
-    verdict.bytes = 2 * x_TD.numel() * x_TD.element_size() + weight_bytes
+    if impl.kind == "pool_experts":  # each routed row read (as handed: FP8 with its scales) and written
+        pool = pooled[0]
+        row_bytes = pool.x_PD.shape[1] * x_TD.element_size()
+        read_row = row_bytes if pool.x_fp8_PD is None else pool.x_PD.shape[1] + 4 * pool.x_scale_PDb.shape[1]
+        verdict.bytes = live * (row_bytes + read_row) + weight_bytes
+    else:
+        verdict.bytes = 2 * x_TD.numel() * x_TD.element_size() + weight_bytes
     verdict.flops = 6 * live * problem.hidden * problem.intermediate

@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import torch
 
-from moe_ref.conformance.api import DTYPES, QUANTS, ExpertWeights
+from moe_ref.conformance.api import DTYPES, QUANTS, ExpertPool, ExpertWeights
 from moe_ref.core.errors import ConformanceLedgerError
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -208,7 +208,71 @@ def rank_inputs(case: Case, world: int, cap: int | None, tile: int) -> list[tupl
     return out
 
 
+# --- the receive pool a ``pool_experts`` implementation is handed (the harness's own dispatch at one rank) -------
+
+def expert_pool(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, alignment: int = 1,
+                layout: str = "contiguous", fp8: bool = False) -> tuple[ExpertPool, torch.Tensor, torch.Tensor]:
+    """``(pool, expert_P, row_TK)``: every live (token, slot) row of ``x_TD`` in its expert's segment, the rows of
+    one expert in (token, slot) order; segments start on multiples of ``alignment`` (``masked``: expert i's at
+    i * M, M the largest segment rounded up to ``alignment``); the other rows NaN. ``expert_P`` ``[P]`` int64:
+    each pool row's expert, -1 outside every segment; ``row_TK``: each slot's pool row, -1 for a masked slot.
+    ``fp8``: the pool's rows quantized too (``quantize_fp8_rows``). On ``x_TD``'s device."""
+    device = x_TD.device
+    ids_TK = topk_ids_TK.to(device).long()
+    token_N, slot_N = (ids_TK >= 0).nonzero(as_tuple=True)
+    expert_N = ids_TK[token_N, slot_N]
+    order = torch.argsort(expert_N, stable=True)
+    token_N, slot_N, expert_N = token_N[order], slot_N[order], expert_N[order]
+    num_rows_e = torch.bincount(expert_N, minlength=num_experts)
+    aligned_e = (num_rows_e + alignment - 1) // alignment * alignment
+    masked_rows = 0
+    if layout == "masked":
+        masked_rows = max(alignment, int(aligned_e.max()) if num_experts else 0)
+        row_start_e = torch.arange(num_experts, device=device) * masked_rows
+        num_pool_rows = num_experts * masked_rows
+    else:
+        row_start_e = torch.cumsum(aligned_e, 0) - aligned_e
+        num_pool_rows = int(aligned_e.sum())
+    first_of_expert_N = (torch.cumsum(num_rows_e, 0) - num_rows_e)[expert_N]
+    row_N = row_start_e[expert_N] + torch.arange(expert_N.numel(), device=device) - first_of_expert_N
+    x_PD = torch.full((num_pool_rows, x_TD.shape[1]), float("nan"), dtype=x_TD.dtype, device=device)
+    x_PD[row_N] = x_TD[token_N]
+    expert_P = torch.full((num_pool_rows,), -1, dtype=torch.int64, device=device)
+    expert_P[row_N] = expert_N
+    row_TK = torch.full(ids_TK.shape, -1, dtype=torch.int64, device=device)
+    row_TK[token_N, slot_N] = row_N
+    x_fp8_PD, x_scale_PDb = quantize_fp8_rows(x_PD) if fp8 else (None, None)
+    return (ExpertPool(x_PD, row_start_e, num_rows_e, int(expert_N.numel()), masked_rows, x_fp8_PD, x_scale_PDb),
+            expert_P, row_TK)
+
+
+def rows_deranged_in_segments(pool: ExpertPool) -> torch.Tensor:
+    """``src_P`` ``[P]``: a permutation of the pool's rows that moves every row of a segment of two or more rows to
+    another place in its segment (each segment rotated by half its length); rows outside segments stay."""
+    num_pool_rows = pool.x_PD.shape[0]
+    device = pool.x_PD.device
+    src_P = torch.arange(num_pool_rows, device=device)
+    for start, count in zip(pool.row_start_e.tolist(), pool.num_rows_e.tolist()):
+        if count > 1:
+            src_P[start:start + count] = start + (torch.arange(count, device=device) + count // 2) % count
+    return src_P
+
+
 # --- weights in each recipe (the harness's own quantizers: nothing shared with the code under test) ------------
+
+def quantize_fp8_rows(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, D]`` -> (e4m3 codes ``[N, D]``, fp32 scales ``[N, Db]``): one scale (amax / 448) per row per 128
+    columns, as FP8 dispatch sends rows."""
+    num_rows, dim = x_ND.shape
+    blocks = -(-dim // 128)
+    padded = torch.zeros(num_rows, blocks * 128, dtype=torch.float64, device=x_ND.device)
+    padded[:, :dim] = x_ND.double()
+    view = padded.view(num_rows, blocks, 128)
+    scale = (view.abs().amax(-1) / FP8_MAX).clamp(min=1e-12).float()
+    codes = (view / scale.double()[..., None]).float().to(torch.float8_e4m3fn).view(num_rows, -1)
+    return codes[:, :dim].contiguous(), scale
+
+
 
 def quantize_fp8_blocks(w_eOI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[e, O, I]`` -> (e4m3 codes ``[e, O, I]``, fp32 scales ``[e, ceil(O/128), ceil(I/128)]``), amax / 448 per

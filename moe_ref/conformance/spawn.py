@@ -70,15 +70,17 @@ def merge(per_rank: dict[int, dict]) -> dict:
 
 def run_jobs(jobs: list[tuple[str, str]], world: int, device: str, deadline_s: float, seed: int = 0,
              speed: bool = False, on_done: Callable[[tuple[str, str], dict], None] | None = None,
-             ) -> dict[tuple[str, str], dict]:
+             stop_at: float | None = None) -> dict[tuple[str, str], dict]:
     """Run ``jobs`` (``(implementation, case id)`` pairs: a registered name or ``module:attribute``, and a case id
     ``scenarios.case_by_id`` knows) at ``world`` ranks in one group of rank processes, restarted only after a hang or
     a rank's exit; returns each job's merged record (``merge``; a hang: FAIL with ``errors`` naming each rank's last
-    step). ``on_done(job, record)`` is called as each job's record is merged."""
+    step). ``on_done(job, record)`` is called as each job's record is merged. ``stop_at`` (``time.monotonic()``):
+    once passed, the group stops after the job it is in, and the jobs not run are absent from the result."""
     results: dict[tuple[str, str], dict] = {}
     pending = list(dict.fromkeys(tuple(job) for job in jobs))
-    while pending:
-        results.update(_one_group(pending, world, device, deadline_s, seed, speed, on_done or (lambda job, rec: None)))
+    while pending and (stop_at is None or time.monotonic() < stop_at):
+        results.update(_one_group(pending, world, device, deadline_s, seed, speed, on_done or (lambda job, rec: None),
+                                  stop_at))
         pending = [job for job in pending if job not in results]
     return results
 
@@ -104,7 +106,7 @@ class _RankState:
                 self.steps[rec["job"]] = rec["step"]
 
 
-def _one_group(jobs, world, device, deadline_s, seed, speed, on_done) -> dict[tuple[str, str], dict]:
+def _one_group(jobs, world, device, deadline_s, seed, speed, on_done, stop_at=None) -> dict[tuple[str, str], dict]:
     """Start the group on ``jobs``; return the records of the jobs it finished, plus the one it failed on."""
     out = Path(tempfile.mkdtemp(prefix="moe_ref_conform_"))
     shm = tempfile.mkdtemp(prefix="moe_ref_conform_", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
@@ -129,7 +131,7 @@ def _one_group(jobs, world, device, deadline_s, seed, speed, on_done) -> dict[tu
                 results[jobs[current]] = merge({r: rank.verdicts[current] for r, rank in enumerate(ranks)})
                 on_done(jobs[current], results[jobs[current]])
                 current += 1
-            if current == len(jobs):
+            if current == len(jobs) or (stop_at is not None and time.monotonic() > stop_at):
                 return results
             began = any(current in rank.steps for rank in ranks)
             exited = {r: p.poll() for r, p in enumerate(procs) if p.poll() is not None}

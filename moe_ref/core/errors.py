@@ -241,15 +241,15 @@ class AutoTableError(InvalidConfigError):
     code = _entry(
         "CFG019", "the experts backend table of experts_backend='auto' is malformed",
         "experts_backend='auto' picks a backend per call regime (dtype, pool format, rows per expert) from a JSON "
-        "table measured per GPU class (moe_ref/experts/auto_table.json, written by scripts/tune_experts_auto.py). "
+        "table measured per GPU class (moe_ref/experts/auto_table.json, written by `moe-ref bench --auto-table`). "
         "The file is not JSON, or a field is missing or has the wrong type or value (the message names the file "
-        "and the field): a hand edit or a partial copy, since the script checks the table before writing it.",
+        "and the field): a hand edit or a partial copy, since the command checks the table before writing it.",
         "A regime whose 'order' is empty, a 'max_rows_per_expert' of 0, two regimes of one dtype and pool format "
         "whose bounds do not increase, a truncated file.",
         ["Restore the file from the package (git checkout moe_ref/experts/auto_table.json) or regenerate it on the "
-         "GPU: python scripts/tune_experts_auto.py",
+         "GPU: moe-ref bench --auto-table --install",
          "Or run with an explicit experts_backend ('triton', 'deep_gemm') until the table is fixed."],
-        "python scripts/tune_experts_auto.py --out moe_ref/experts/auto_table.json")
+        "moe-ref bench --auto-table --install")
 
 
 class TileTableError(InvalidConfigError):

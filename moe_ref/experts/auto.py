@@ -1,6 +1,6 @@
 """``experts_backend="auto"``: per call, the backend a measured table ranks fastest for the call's regime.
 
-    auto_table.json (per GPU class "9.0/NVIDIA H200": regimes measured by scripts/tune_experts_auto.py on that GPU)
+    auto_table.json (per GPU class "9.0/NVIDIA H200": regimes measured by `moe-ref bench --auto-table` on that GPU)
       --auto_plan(device)--> the backends auto holds here: Triton, plus each backend that is the fastest installed
                              one in some regime of this GPU class (deep_gemm where it runs, ...)
       --experts_class("auto", device)--> CPU: the torch loop; CUDA: TritonExperts when that is all it would hold

@@ -46,7 +46,7 @@ def table(monkeypatch, tmp_path):
     major, minor = torch.cuda.get_device_capability()
     gpu_class = auto.gpu_class_of("cuda")
     header = {"date": "test", "gpu": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}",
-              "torch": "", "triton": "", "deep_gemm": status.version, "command": "python scripts/tune_experts_auto.py (test)"}
+              "torch": "", "triton": "", "deep_gemm": status.version, "command": "moe-ref bench --auto-table (test)"}
     path = tmp_path / "auto_table.json"
     path.write_text(json.dumps({"format": auto.TABLE_FORMAT, "gpu_classes": {gpu_class: {
         "header": header, "regimes": _regimes("bf16") + _regimes("fp8")}}}))

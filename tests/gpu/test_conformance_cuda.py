@@ -1,6 +1,7 @@
 """The conformance matrix on a GPU: moe_ref's Triton and DeepGEMM backends, its quantized experts as stored (W4A16
 and FP8-block kernels, read through its checkpoint loader) and the SGLang/vLLM peers (read from their wheels in
-.whl/) over the quantized tiny shape and the real per-rank shapes, at one rank, in the rank processes of a real run;
+.whl/), each through its routed step and (``moe_ref/experts/*``, ``peer:*/experts``) alone on a pool, over the
+quantized tiny shape and the real per-rank shapes, at one rank, in the rank processes of a real run;
 DeepGEMM's fused mega-MoE at two ranks (cuda2). A peer without its wheel FAILs with ENV001 in its record (run
 `make peers` first)."""
 import pytest
@@ -17,9 +18,16 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow,
 
 
 @pytest.mark.parametrize("name", ["moe_ref/triton", "moe_ref/triton+invariant", "moe_ref/deep_gemm",
-                                  "moe_ref/quant/triton", "peer:sglang", "peer:vllm"])
+                                  "moe_ref/quant/triton", "peer:sglang", "peer:vllm",
+                                  # the expert MLPs alone on a pool (kernel-only rows)
+                                  "moe_ref/experts/triton", "moe_ref/experts/triton+masked",
+                                  "moe_ref/experts/deep_gemm", "moe_ref/experts/deep_gemm+masked",
+                                  "moe_ref/experts/grouped_mm", "peer:sglang/experts", "peer:vllm/experts"])
 def test_gpu_implementations_pass_their_cases(name):
     impl = registered()[name]
+    missing = impl.unavailable() if impl.unavailable is not None else None
+    if missing:
+        pytest.skip(f"{name} is not here: {missing}")
     ids = [c.id for c in all_cases() if c.shape.name != "tiny" and skip_reason(impl, c, 1, "cuda") is None]
     assert ids, f"{name} declares no case here"
     results = run_cases(name, ids, 1, "cuda", deadline_s=300)

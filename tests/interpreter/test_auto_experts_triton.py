@@ -39,7 +39,7 @@ def auto_class(monkeypatch, tmp_path):
     regimes = [regime(dtype, bound, order) for dtype in ("bf16", "fp8")
                for bound, order in ((64, ["triton", "deep_gemm"]), (None, ["deep_gemm", "triton"]))]
     header = {"date": "", "gpu": "StandIn GPU", "compute_capability": "9.0", "torch": "", "triton": "", "deep_gemm": "",
-              "command": "python scripts/tune_experts_auto.py (test)"}
+              "command": "moe-ref bench --auto-table (test)"}
     path = tmp_path / "auto_table.json"
     path.write_text(json.dumps({"format": auto.TABLE_FORMAT, "gpu_classes": {"9.0/StandIn GPU": {"header": header,
                                                                                                "regimes": regimes}}}))

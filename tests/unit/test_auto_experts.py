@@ -1,7 +1,7 @@
 """experts_backend="auto" on the CPU: the measured table (loading, validation, buckets), what auto holds on a GPU
 class (stand-in backends registered for the test, DeepGEMM made "available" through its probe, a pretend SM90
 device), the pick per regime, one shared copy of the weights, the options and their fingerprint, `moe-ref info`,
-and scripts/tune_experts_auto.py's decisions and dry run. The kernels themselves run in tests/gpu."""
+and the decisions, plan and loop of `moe-ref bench --auto-table`. The kernels themselves run in tests/gpu."""
 from __future__ import annotations
 
 import copy
@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from moe_ref.conformance import auto_table as auto_table_run
 from moe_ref.core.errors import AutoTableError, GroupDisagreementError
 from moe_ref.ep.distributed import check_fields_agree
 from moe_ref.ep.options import EPOptions
@@ -22,11 +23,10 @@ from moe_ref.experts.deep_gemm.backend import DeepGemmExperts
 from moe_ref.experts.deep_gemm.probe import DeepGemmStatus
 from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE
 from moe_ref.tools.cli import auto_backend_lines, main
-from script_loader import load_script
 
 pytestmark = pytest.mark.unit
 
-tune = load_script("tune_experts_auto")
+tune = auto_table_run
 NUM_EXPERTS, HIDDEN, INTER = 4, 128, 128
 
 
@@ -76,7 +76,7 @@ CLASS = "9.0/StandIn GPU"  # the sm90 fixture's GPU class
 
 def header(compute_capability="9.0"):
     return {"date": "2026-12-02", "gpu": "StandIn GPU", "compute_capability": compute_capability, "torch": "2.x",
-            "triton": "3.x", "deep_gemm": "0.1.4", "command": "python scripts/tune_experts_auto.py"}
+            "triton": "3.x", "deep_gemm": "0.1.4", "command": "moe-ref bench --auto-table"}
 
 
 # fp8: deep_gemm above 30 rows per expert on contiguous pools, Triton below and on masked pools;
@@ -166,7 +166,8 @@ def test_the_committed_table_is_valid_and_every_class_was_made_by_the_script():
     assert table.path == str(auto.TABLE_PATH)
     for gpu_class, entry in table.gpu_classes.items():  # none until a GPU run wrote one
         assert auto.gpu_class_name(entry.header["compute_capability"], entry.header["gpu"]) == gpu_class
-        assert entry.header["command"].startswith("python scripts/tune_experts_auto.py"), gpu_class
+        assert entry.header["command"].startswith(("python scripts/tune_experts_auto.py", "moe-ref bench --auto-table")), \
+            gpu_class
         assert all(regime.measured["us"] for regime in entry.regimes), gpu_class
 
 
@@ -432,7 +433,7 @@ def test_info_on_a_machine_without_gpu(capsys):
 
 
 # --------------------------------------------------------------------------------------------------
-# scripts/tune_experts_auto.py
+# moe-ref bench --auto-table (moe_ref.conformance.auto_table): the decisions, the plan, the loop
 # --------------------------------------------------------------------------------------------------
 def test_buckets_reach_halfway_on_a_log_scale_and_the_last_is_unbounded():
     assert tune.bucket_bounds([64 / 48, 512 / 48, 4096 / 48, 32768 / 48]) == [3.77, 30.17, 241.36, None]
@@ -447,7 +448,7 @@ def test_the_order_is_decided_by_the_sum_over_model_shapes():
     assert tune.decide_order(one_shape_only)[0] == ["triton"]  # deep_gemm not measured on step3: left out
 
 
-def test_the_scripts_regimes_make_a_valid_table_and_it_keeps_other_classes(tmp_path):
+def test_the_regimes_make_a_valid_table_and_it_keeps_other_classes(tmp_path):
     def point(triton, deep_gemm):
         return {"us": {"kimi-k2": {"triton": triton, "deep_gemm": deep_gemm}}, "left_out": {"grouped_mm": "absent"}}
 
@@ -469,7 +470,7 @@ def test_the_scripts_regimes_make_a_valid_table_and_it_keeps_other_classes(tmp_p
     assert "| fp8 | contiguous | <= 10.67 | triton, deep_gemm |" in text and "- bf16 contiguous rows 64: ..." in text
 
 
-def test_the_script_refuses_to_write_a_table_moe_ref_would_refuse(tmp_path):
+def test_it_refuses_to_write_a_table_moe_ref_would_refuse(tmp_path):
     out = tmp_path / "auto_table.json"
     bad = [regime("fp8", "contiguous", 5.0, ["triton"])]  # bounded last bucket
     with pytest.raises(AutoTableError, match="must end with one unbounded bucket"):
@@ -477,73 +478,54 @@ def test_the_script_refuses_to_write_a_table_moe_ref_would_refuse(tmp_path):
     assert not out.exists()
 
 
-def test_dry_run_prints_the_plan_without_cuda(capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("the dry run asked for CUDA"))
-    assert tune.main(["--dry-run", "--rows", "64,4096"]) == 0
-    out = capsys.readouterr().out
-    assert "plan: 8 points x 2 model shapes" in out and "model step3: 48 experts, D 7168, F 5120, top-3" in out
-    assert "rows 64: 1.33 rows per expert, bucket <= 10.67" in out
-    assert "rows 4096: 85.33 rows per expert, bucket <= unbounded" in out
-    assert "bf16 contiguous: triton, deep_gemm, grouped_mm" in out and "fp8 masked: triton, deep_gemm" in out
-    assert "at most 36 measurements" in out
+def test_the_plan_times_fp8_first_and_every_shape_near_the_points_rows():
+    points = tune.plan(rows=(64, 4096))
+    assert len(points) == 2 * 2 * (2 + 2 + 3 + 2)  # rows x shapes x the candidates of each dtype and pool format
+    assert points[0] == (("fp8", "contiguous", 64), "kimi-k2", "triton", "kimi-k2/bf16-fp8_block/T8")
+    assert (("fp8", "contiguous", 64), "step3@ep1", "deep_gemm", "step3@ep1/bf16-fp8_block/T21") in points
+    assert (("bf16", "contiguous", 4096), "step3@ep1", "grouped_mm", "step3@ep1/bf16/T1365") in points
+    assert [p[0][:2] for p in points][::8][:4] == [("fp8", "contiguous"), ("fp8", "masked"), ("bf16", "contiguous"),
+                                                   ("bf16", "contiguous")]
 
 
-class Identity(StandIn):
-    """Returns its rows (bf16 for the FP8 pool): every Identity backend agrees with the others."""
-
-    def forward(self, x_PDx, layout, x_scale_PDb=None):
-        return x_PDx.to(torch.bfloat16 if x_PDx.dtype == FP8_DTYPE else x_PDx.dtype)
-
-
-class IdentityTriton(Identity):
-    name, segment_alignment = "triton", 1
+def test_auto_table_needs_cuda(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--auto-table", "x.json", "--skip-memory-check"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-class IdentityDeepGemm(Identity):
-    name, segment_alignment, unavailable_reason = "deep_gemm", 128, StandInDeepGemm.unavailable_reason
+CPU_CANDIDATES = {("bf16", "contiguous"): ("torch", "wrong"), ("bf16", "masked"): ("torch",)}
 
 
-class NegatingGroupedMM(Identity):
-    name, segment_alignment, supports_fp8 = "grouped_mm", 16, False
+def cpu_impl(backend: str, pool_format: str) -> str:
+    """The torch experts on a pool, or a planted bug (a segment read one row early) for ``wrong``."""
+    from moe_ref.conformance.adapters.moe_ref_pool import pool_name
 
-    def forward(self, x_PDx, layout, x_scale_PDb=None):
-        return -x_PDx
-
-
-@pytest.fixture
-def tiny_models(monkeypatch):
-    """Two tiny model shapes with one expert count, and identity stand-ins (grouped_mm gives wrong rows)."""
-    monkeypatch.setitem(tune.MODELS, "tiny-a", (4, 128, 128, 2))
-    monkeypatch.setitem(tune.MODELS, "tiny-b", (4, 256, 128, 2))
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-    for cls in (IdentityTriton, IdentityDeepGemm, NegatingGroupedMM):
-        register_experts(cls.name, cls)
-    deep_gemm_usable(monkeypatch, True)
-    return ["tiny-a", "tiny-b"]
+    return "mutant:pool_segment_offset" if backend == "wrong" else pool_name(backend, pool_format)
 
 
-def test_the_tuning_loop_measures_every_point_and_leaves_a_wrong_backend_out(tiny_models, tmp_path, capsys):
-    measured, notes = tune.run(tiny_models, [8, 64], seed=0, iters=2, max_seconds=600, device="cpu")
-    assert notes == [] and sorted(measured) == sorted(tune.plan_points([8, 64]))
-    for (dtype, pool_format, num_rows), point in measured.items():
-        case = (dtype, pool_format, num_rows)
-        assert set(point["us"]) == set(tiny_models), case
-        assert all(set(times) == {"triton", "deep_gemm"} for times in point["us"].values()), case
-        if (dtype, pool_format) == ("bf16", "contiguous"):
-            assert "calc_diff 2.00e+00 vs triton" in point["left_out"]["grouped_mm"], case
-    assert "bf16 contiguous rows      8 tiny-a   deep_gemm" in capsys.readouterr().out  # a progress line
-    out = tmp_path / "auto_table.json"
-    tune.write_table({"header": header(), "regimes": tune.build_regimes(measured, 4)}, str(out))
-    regimes = auto_table(out).gpu_classes[CLASS].regimes
-    assert [(r.dtype, r.pool_format, r.max_rows_per_expert) for r in regimes][:2] == [("fp8", "contiguous", 5.66),
-                                                                                   ("fp8", "contiguous", None)]
-    assert all(set(r.order) == {"triton", "deep_gemm"} for r in regimes)
+def test_the_loop_times_checked_cases_and_leaves_a_wrong_backend_out(tmp_path):
+    points = tune.plan(shapes=("tiny", "tiny128"), rows=(24, 60), candidates=CPU_CANDIDATES, dtypes=("bf16",))
+    lines = []
+    measured, notes = tune.measure(points, "cpu", 120.0, 600.0, log=lines.append, impl_of=cpu_impl)
+    assert notes == [] and sorted(measured) == [("bf16", "contiguous", 24), ("bf16", "contiguous", 60),
+                                                ("bf16", "masked", 24), ("bf16", "masked", 60)]
+    for point in measured.values():
+        assert set(point["us"]) == {"tiny", "tiny128"}
+        assert all(set(times) == {"torch"} and times["torch"] > 0 for times in point["us"].values())
+    assert "FAIL" in measured[("bf16", "contiguous", 24)]["left_out"]["wrong"]
+    assert any("bf16 masked     rows     60 tiny128    torch" in line for line in lines), lines
+    regimes = tune.build_regimes(measured, 4)
+    assert [(r["dtype"], r["pool_format"], r["max_rows_per_expert"], r["order"]) for r in regimes] == [
+        ("bf16", "contiguous", 9.49, ["torch"]), ("bf16", "contiguous", None, ["torch"]),
+        ("bf16", "masked", 9.49, ["torch"]), ("bf16", "masked", None, ["torch"])]
 
 
-def test_the_tuning_loop_stops_at_max_seconds_and_says_what_it_left_out(tiny_models):
-    measured, notes = tune.run(tiny_models, [8], seed=0, iters=2, max_seconds=0, device="cpu")
-    assert measured == {} and notes[0] == "fp8 contiguous rows 8: not measured (--max-seconds 0 reached)"
-    assert len(notes) == 4
+def test_the_loop_stops_at_max_seconds_and_says_what_it_left_out():
+    points = tune.plan(shapes=("tiny",), rows=(24,), candidates=CPU_CANDIDATES, dtypes=("bf16",))
+    measured, notes = tune.measure(points, "cpu", 120.0, 0.0, impl_of=cpu_impl)
+    assert measured == {} and notes == ["bf16 contiguous rows 24: not measured (--max-seconds 0 reached)",
+                                        "bf16 masked rows 24: not measured (--max-seconds 0 reached)"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -34,18 +34,24 @@ CAUGHT = [("mutant:segment_offset", "tiny/fp32/base", "oracle"),
           ("mutant:write_past_t", "tiny/fp32/base", "guard"),
           ("mutant:no_capacity_check", "tiny/fp32/cap+1", "overflow"),
           ("mutant:masked_to_last_rank", "tiny/fp32/mask0.3", "counts"),
-          ("mutant:masked_to_last_rank", "tiny/fp32/mask0.3", "payload")]
+          ("mutant:masked_to_last_rank", "tiny/fp32/mask0.3", "payload"),
+          ("mutant:pool_segment_offset", "tiny/fp32/base", "finite"),
+          ("mutant:pool_in_place", "tiny/bf16/base", "input"),
+          ("mutant:pool_split_k", "tiny/fp32/base", "rerun"),
+          ("mutant:pool_shared_scale", "tiny/fp32/base", "alone")]
+BASE_OF_KIND = {"dispatch_combine": "dispatch:correct", "pool_experts": "pool:correct", "routed_step": "correct"}
 
 
 @pytest.mark.parametrize("name,case_id,check", CAUGHT)
 def test_each_mutant_is_caught_by_its_check_and_the_correct_base_passes_there(name, case_id, check):
     assert check in _failed(name, case_id)
-    base = "dispatch:correct" if registered()[name].kind == "dispatch_combine" else "correct"
+    base = BASE_OF_KIND[registered()[name].kind]
     assert _failed(base, case_id) == set()  # the positive control: the same case passes without the bug
 
 
 @pytest.mark.parametrize("name", ["moe_ref/torch", "moe_ref/torch+chunk", "moe_ref/torch+invariant",
-                                  "moe_ref/dispatch/local", "example:sglang-style"])
+                                  "moe_ref/dispatch/local", "example:sglang-style", "moe_ref/experts/torch",
+                                  "moe_ref/experts/torch+masked", "moe_ref/experts/grouped_mm"])
 def test_moe_ref_and_the_worked_example_pass_the_tiny_matrix_at_one_rank(name):
     impl = registered()[name]
     failures = {}
@@ -55,6 +61,30 @@ def test_moe_ref_and_the_worked_example_pass_the_tiny_matrix_at_one_rank(name):
             if verdict.status() != "PASS":
                 failures[case.id] = verdict.failed or verdict.error
     assert failures == {}
+
+
+def test_the_pool_holds_each_live_slot_in_its_experts_segment_and_nan_elsewhere():
+    from moe_ref.conformance.scenarios import expert_pool, quantize_fp8_rows, rows_deranged_in_segments
+
+    x_TD = torch.arange(1, 4 * 256 + 1, dtype=torch.float32).view(4, 256) / 100
+    ids_TK = torch.tensor([[2, 0], [-1, 2], [2, -1], [0, 3]])
+    pool, expert_P, row_TK = expert_pool(x_TD, ids_TK, 4, alignment=4)
+    assert pool.num_rows_e.tolist() == [2, 0, 3, 1] and pool.row_start_e.tolist() == [0, 4, 4, 8]
+    assert pool.num_rows == 6 and pool.masked_rows == 0 and pool.x_PD.shape == (12, 256)
+    assert expert_P.tolist() == [0, 0, -1, -1, 2, 2, 2, -1, 3, -1, -1, -1]
+    assert row_TK.tolist() == [[4, 0], [-1, 5], [6, -1], [1, 8]]  # an expert's rows in (token, slot) order
+    live_TK = ids_TK >= 0
+    assert torch.equal(pool.x_PD[row_TK[live_TK]], x_TD[live_TK.nonzero()[:, 0]])
+    assert bool(pool.x_PD[expert_P < 0].isnan().all())
+    masked, masked_expert_P, _ = expert_pool(x_TD, ids_TK, 4, alignment=4, layout="masked", fp8=True)
+    assert masked.masked_rows == 4 and masked.row_start_e.tolist() == [0, 4, 8, 12] and masked.x_PD.shape[0] == 16
+    codes, scale = quantize_fp8_rows(masked.x_PD[masked_expert_P >= 0])
+    assert torch.equal(masked.x_fp8_PD[masked_expert_P >= 0].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(masked.x_scale_PDb[masked_expert_P >= 0], scale) and scale.shape == (6, 2)
+    src_P = rows_deranged_in_segments(pool)
+    assert src_P.tolist() == [1, 0, 2, 3, 5, 6, 4, 7, 8, 9, 10, 11]  # segments of 2+ rows rotated, the rest stay
+    empty, empty_expert_P, _ = expert_pool(x_TD[:0], ids_TK[:0], 4, alignment=4)
+    assert empty.x_PD.shape == (0, 256) and empty.num_rows == 0 and empty_expert_P.numel() == 0
 
 
 def test_one_group_runs_every_job_a_raise_restarts_it_and_a_hang_fails_with_every_ranks_last_step(tmp_path,

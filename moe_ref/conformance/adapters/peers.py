@@ -8,6 +8,8 @@ factory raises ENV001 (a FAIL naming it: put the wheel in the ledger or run ``ma
                          tuner's space for that case's exact rows (``search_config``'s small search, at most 50
                          configs, each checked against the engine's own config first), as the engine's tuner writes
                          a config file for a shape; other row counts keep the engine's config
+    peer:<engine>/experts[+tuned]  the same kernels alone (``pool_experts``) on the harness's 128-aligned pool, the
+                         kernel-only rows beside ``moe_ref/experts/*`` on the same pool
 
 The adapter builds the expert-major pool the kernels walk (one row per live slot, slot-major within an expert),
 builds the kernel's routing inputs on the device (the engines' ``moe_align_block_size``), runs the engine's two GEMMs
@@ -18,22 +20,9 @@ Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, P
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from moe_ref.conformance.api import Capabilities, Implementation, Problem, register
-
-
-class Pool(NamedTuple):
-    """The live slots grouped by expert (slot order within an expert) and their rows, as the kernels walk them."""
-
-    token_N: torch.Tensor       # [N] the token of each pool row
-    slot_N: torch.Tensor        # [N] its top-k slot
-    row_start_e: torch.Tensor   # [e] the first pool row of each expert
-    num_rows_e: torch.Tensor    # [e] its rows
-    x_PD: torch.Tensor          # [N, D] the rows (FP8 e4m3 for the fp8_block recipe)
-    x_scale: torch.Tensor | None  # [N, D / 128] fp32 for FP8, else None
+from moe_ref.conformance.api import Capabilities, ExpertPool, Implementation, Problem, register
 
 
 class PeerMoE:
@@ -53,7 +42,7 @@ class PeerMoE:
         self.gate_up, self.down = (w.gate_up_q, w.down_q) if self.fp8 else (w.gate_up_e2FD, w.down_eDF)
         self.scales = dict(gate_up_scale=w.gate_up_scale, down_scale=w.down_scale) if self.fp8 else {}
         self.device_name = torch.cuda.get_device_name(problem.device)
-        self.configs = {}  # live slots N -> the PeerConfig their calls run
+        self.configs = {}  # routed rows N -> the PeerConfig their calls run
 
     def config(self, num_routed: int):
         """The config for ``num_routed`` rows: the engine's pick, looked up once per count (as the engines cache
@@ -66,42 +55,73 @@ class PeerMoE:
                                                    self.device_name, num_routed, hidden=p.hidden)
         return self.configs[num_routed]
 
-    def pool(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor) -> Pool:
-        """The pool of these inputs (FP8: the rows quantized per 128 columns, as the engines quantize them)."""
+    def pool(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor) -> tuple[ExpertPool, torch.Tensor, torch.Tensor]:
+        """``(pool, token_N, slot_N)``: the live slots grouped by expert (slot order within an expert), packed, and
+        each pool row's token and slot (FP8: the rows quantized per 128 columns, as the engines quantize them)."""
         token_N, slot_N = (topk_ids_TK >= 0).nonzero(as_tuple=True)
         expert_N = topk_ids_TK[token_N, slot_N]
         order = torch.argsort(expert_N, stable=True)
         token_N, slot_N, expert_N = token_N[order], slot_N[order], expert_N[order]
         num_rows_e = torch.bincount(expert_N, minlength=self.problem.num_local_experts)
         row_start_e = torch.cumsum(num_rows_e, 0) - num_rows_e
-        x_PD, x_scale = x_TD[token_N], None
+        x_PD, x_fp8, x_scale = x_TD[token_N], None, None
         if self.fp8:
             from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 
-            x_PD, x_scale = quantize_fp8_per_128(x_PD)
-        return Pool(token_N, slot_N, row_start_e, num_rows_e, x_PD, x_scale)
+            x_fp8, x_scale = quantize_fp8_per_128(x_PD)
+        return ExpertPool(x_PD, row_start_e, num_rows_e, int(token_N.numel()), 0, x_fp8, x_scale), token_N, slot_N
 
-    def mlp(self, pool: Pool, config, routing=None) -> torch.Tensor:
+    def mlp(self, pool: ExpertPool, config, routing=None) -> torch.Tensor:
         """``y_PD``: the engine's two GEMMs and act over the pool at ``config``; ``routing``: the kernel's routing
         inputs for ``config.block_m`` (None: built here, on the device, as the engine builds them per call)."""
         from moe_ref.bench.peers import peer_routing, run_peer_mlp
 
         if routing is None:
-            num_routed = int(pool.token_N.numel())
-            routing = peer_routing(pool.row_start_e, pool.num_rows_e, num_routed, config.block_m, self.peer.engine,
-                                   num_routed=num_routed)
-        return run_peer_mlp(self.peer, pool.x_PD, self.gate_up, self.down, pool.row_start_e, pool.num_rows_e,
-                            x_scale=pool.x_scale, config=config, routing=routing, out_dtype=self.problem.dtype,
+            routing = peer_routing(pool.row_start_e, pool.num_rows_e, pool.x_PD.shape[0], config.block_m,
+                                   self.peer.engine, num_routed=pool.num_rows)
+        x_PD = pool.x_fp8_PD if self.fp8 else pool.x_PD
+        return run_peer_mlp(self.peer, x_PD, self.gate_up, self.down, pool.row_start_e, pool.num_rows_e,
+                            x_scale=pool.x_scale_PDb, config=config, routing=routing, out_dtype=self.problem.dtype,
                             **self.scales)
+
+    def search(self, pool: ExpertPool) -> None:
+        """The engine at its best for ``pool``'s rows: search its tuner space (small search) and keep the winner
+        for that row count. Each config is first run once and compared with the engine's own config's output
+        (calc_diff within the dtype's bound, else it counts as failed), then timed with ``moe_ref.testing.bench``;
+        the routing inputs are built once per BLOCK_SIZE_M outside the timing (as bench_experts' search does)."""
+        from moe_ref.bench.peers import PeerConfig, device_smem_limit, peer_routing, search_config, tuned_peer_config
+        from moe_ref.testing import CALC_DIFF_TOLERANCES, bench, calc_diff
+
+        if pool.num_rows == 0:
+            return
+        live_P = torch.zeros(pool.x_PD.shape[0], dtype=torch.bool, device=pool.x_PD.device)
+        for start, count in zip(pool.row_start_e.tolist(), pool.num_rows_e.tolist()):
+            live_P[start:start + count] = True
+        expected_ND = self.mlp(pool, self.config(pool.num_rows))[live_P].float()
+        limit = CALC_DIFF_TOLERANCES[torch.float8_e4m3fn if self.fp8 else self.problem.dtype]
+        routings = {}
+
+        def time_config(config: dict) -> float:
+            chosen = PeerConfig(dict(config), dict(config), "search", pool.num_rows)
+            if chosen.block_m not in routings:
+                routings[chosen.block_m] = peer_routing(pool.row_start_e, pool.num_rows_e, pool.x_PD.shape[0],
+                                                        chosen.block_m, self.peer.engine, num_routed=pool.num_rows)
+            diff = calc_diff(self.mlp(pool, chosen, routings[chosen.block_m])[live_P].float(), expected_ND)
+            if not diff <= limit:
+                raise ValueError(f"calc_diff {diff:.3g} against the engine's own config (bound {limit:g})")
+            return bench(lambda: self.mlp(pool, chosen, routings[chosen.block_m]), warmup=2, iters=10)
+
+        result = search_config(self.peer.engine, self.dtype_name, "small", time_config,
+                               max_rows_per_expert=int(pool.num_rows_e.max()), smem_limit=device_smem_limit())
+        self.configs[pool.num_rows] = tuned_peer_config(self.peer.engine, result, pool.num_rows)
 
     def __call__(self, x_TD, topk_ids_TK, topk_weights_TK, out_TD) -> None:
         from moe_ref.ep.batch_invariant import sum_slots
 
-        pool = self.pool(x_TD, topk_ids_TK)
-        num_routed = int(pool.token_N.numel())
-        y_PD = self.mlp(pool, self.config(num_routed))
+        pool, token_N, slot_N = self.pool(x_TD, topk_ids_TK)
+        y_PD = self.mlp(pool, self.config(pool.num_rows))
         pool_row_TK = torch.full(topk_ids_TK.shape, -1, dtype=torch.int64, device=x_TD.device)
-        pool_row_TK[pool.token_N, pool.slot_N] = torch.arange(num_routed, device=x_TD.device)
+        pool_row_TK[token_N, slot_N] = torch.arange(pool.num_rows, device=x_TD.device)
         out_TD.copy_(sum_slots(y_PD, topk_ids_TK, topk_weights_TK.float(), out_TD.dtype, pool_row_TK))
 
 
@@ -110,50 +130,49 @@ class TunedPeerMoE(PeerMoE):
     config of the engine's own tuner space for that case's rows."""
 
     def tune(self, x_TD, topk_ids_TK, topk_weights_TK) -> None:
-        """Search the engine's tuner space for these inputs' rows (small search) and keep the winner for their row
-        count. Each config is first run once and compared with the engine's own config's output (calc_diff within
-        the dtype's bound, else it counts as failed), then timed with ``moe_ref.testing.bench``."""
-        from moe_ref.bench.peers import PeerConfig, device_smem_limit, peer_routing, search_config, tuned_peer_config
-        from moe_ref.testing import CALC_DIFF_TOLERANCES, bench, calc_diff
-
-        pool = self.pool(x_TD, topk_ids_TK)
-        num_routed = int(pool.token_N.numel())
-        if num_routed == 0:
-            return
-        expected_PD = self.mlp(pool, self.config(num_routed)).float()
-        limit = CALC_DIFF_TOLERANCES[torch.float8_e4m3fn if self.fp8 else self.problem.dtype]
-        routings = {}  # per BLOCK_SIZE_M, built once outside the timing (as bench_experts' search does)
-
-        def time_config(config: dict) -> float:
-            chosen = PeerConfig(dict(config), dict(config), "search", num_routed)
-            if chosen.block_m not in routings:
-                routings[chosen.block_m] = peer_routing(pool.row_start_e, pool.num_rows_e, num_routed,
-                                                        chosen.block_m, self.peer.engine, num_routed=num_routed)
-            diff = calc_diff(self.mlp(pool, chosen, routings[chosen.block_m]).float(), expected_PD)
-            if not diff <= limit:
-                raise ValueError(f"calc_diff {diff:.3g} against the engine's own config (bound {limit:g})")
-            return bench(lambda: self.mlp(pool, chosen, routings[chosen.block_m]), warmup=2, iters=10)
-
-        result = search_config(self.peer.engine, self.dtype_name, "small", time_config,
-                               max_rows_per_expert=int(pool.num_rows_e.max()), smem_limit=device_smem_limit())
-        self.configs[num_routed] = tuned_peer_config(self.peer.engine, result, num_routed)
+        self.search(self.pool(x_TD, topk_ids_TK)[0])
 
 
-def peer_factory(engine: str, tuned: bool = False):
-    """``Problem -> PeerMoE`` of ``engine`` (the newest peer file of it in ``.whl/``); ``tuned``: ``TunedPeerMoE``."""
+class PeerPoolExperts(PeerMoE):
+    """The engine's kernels alone on the harness's pool (``pool_experts``: kernel-only rows beside moe_ref's
+    experts on the same pool); its routing inputs (the engines' ``moe_align_block_size``) are built in each call."""
+
+    def __call__(self, pool: ExpertPool) -> torch.Tensor:
+        return self.mlp(pool, self.config(pool.num_rows))
+
+
+class TunedPeerPoolExperts(PeerPoolExperts):
+    """``PeerPoolExperts`` at the engine's best config for the pool's rows (``tune`` before a speed case)."""
+
+    def tune(self, pool: ExpertPool) -> None:
+        self.search(pool)
+
+
+def peer_factory(engine: str, tuned: bool = False, pool: bool = False):
+    """``Problem -> PeerMoE`` of ``engine`` (the newest peer file of it in ``.whl/``); ``tuned``: at its best;
+    ``pool``: its kernels alone on a pool."""
+    classes = {(False, False): PeerMoE, (True, False): TunedPeerMoE, (False, True): PeerPoolExperts,
+               (True, True): TunedPeerPoolExperts}
+
     def factory(problem: Problem) -> PeerMoE:
-        return (TunedPeerMoE if tuned else PeerMoE)(engine, problem)
+        return classes[(tuned, pool)](engine, problem)
 
     return factory
 
 
 for _engine in ("sglang", "vllm"):
     for _tuned in (False, True):
+        _config_note = ("at the fastest config of its own tuner's space for the case (small search)" if _tuned else
+                        "at the config the engine picks (its tuned file, else its default rule)")
+        _name = f"peer:{_engine}{'+tuned' if _tuned else ''}"
         register(Implementation(
-            f"peer:{_engine}{'+tuned' if _tuned else ''}", "experts",
-            Capabilities(dtypes=("bf16",), quants=("none", "fp8_block"), devices=("cuda",)),
-            peer_factory(_engine, _tuned),
-            f"{_engine}'s Triton fused_moe_kernel from its wheel, "
-            + ("at the fastest config of its own tuner's space for the case (small search)" if _tuned else
-               "at the config the engine picks (its tuned file, else its default rule)"),
-            spec=f"peer:{_engine}{'+tuned' if _tuned else ''}"))
+            _name, "experts", Capabilities(dtypes=("bf16",), quants=("none", "fp8_block"), devices=("cuda",)),
+            peer_factory(_engine, _tuned), f"{_engine}'s Triton fused_moe_kernel from its wheel, {_config_note}",
+            spec=_name))
+        # the kernels alone on the pool moe_ref's experts get (moe_ref_pool.POOL_ALIGNMENT)
+        _name = f"peer:{_engine}/experts{'+tuned' if _tuned else ''}"
+        register(Implementation(
+            _name, "pool_experts", Capabilities(dtypes=("bf16",), quants=("none", "fp8_block"), devices=("cuda",),
+                                                segment_alignment=128, duplicate_experts=True),
+            peer_factory(_engine, _tuned, pool=True),
+            f"{_engine}'s fused_moe_kernel alone on a pool, {_config_note}", spec=_name))
