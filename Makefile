@@ -58,7 +58,8 @@ bench: $(INSTALLED)
 conform: $(INSTALLED)
 	$(PY) -m moe_ref conform --impl moe_ref/torch --impl moe_ref/torch+chunk --impl moe_ref/torch+invariant \
 		--impl moe_ref/grouped_mm --impl moe_ref/quant/torch --impl moe_ref/dispatch/local --impl moe_ref/dispatch/symm \
-		--impl moe_ref/dispatch/a2a --mutants --ranks 1,2,4 --cases 'tiny*'
+		--impl moe_ref/dispatch/a2a --impl moe_ref/experts/torch --impl moe_ref/experts/torch+masked \
+		--impl moe_ref/experts/grouped_mm --mutants --ranks 1,2,4 --cases 'tiny*'
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache results
