@@ -210,14 +210,15 @@ def markdown(entry) -> str:
 
 
 def run(args) -> int:
-    """``moe-ref bench --auto-table OUT``: measure, decide, write (CUDA)."""
+    """``moe-ref bench --auto-table OUT``: measure, decide, write (CUDA; else ``DeviceUnavailableError``, ENV006)."""
     import torch
 
+    from moe_ref.core.errors import DeviceUnavailableError
     from moe_ref.experts.auto import TABLE_PATH
 
     if not torch.cuda.is_available():
-        print("moe-ref bench --auto-table needs a CUDA GPU: the table is per GPU class", file=sys.stderr)
-        return 2
+        raise DeviceUnavailableError("moe-ref bench --auto-table measures the table of this machine's GPU class, and "
+                                     "torch sees no CUDA device here: run it on the GPU whose table you want")
     out = str(TABLE_PATH) if args.install else args.auto_table
     start = time.monotonic()
     points = plan(seed=args.seed)

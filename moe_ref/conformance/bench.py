@@ -40,7 +40,7 @@ from moe_ref.conformance.report import record
 from moe_ref.conformance.runner import skip_reason
 from moe_ref.conformance.scenarios import Case, speed_case, speed_tokens
 from moe_ref.conformance.spawn import run_jobs
-from moe_ref.core.errors import ConformanceImplError
+from moe_ref.core.errors import CommandLineError, ConformanceImplError
 
 DEFAULTS = {"cuda": ("kimi-k2", "bf16", (16, 128, 512, 4096)), "cpu": ("tiny", "fp32", (24, 96))}
 # --kind: the implementation kinds one table compares
@@ -141,7 +141,8 @@ def run(args, device: str, cases: list[Case]) -> int:
 
         return auto_table.run(args)
     if args.install:
-        raise ConformanceImplError("--install writes the auto table: give it with --auto-table")
+        raise CommandLineError("moe-ref bench: --install writes the auto table, so it needs --auto-table: give "
+                               "`moe-ref bench --auto-table --install`, or leave --install out")
     tokens = [speed_tokens(c.scenario) for c in cases]
     kinds = COMPARED_KINDS[args.kind]
     specs = list(args.impl) or default_impls(cases, args.ranks, device, kinds)

@@ -37,8 +37,8 @@ import torch
 
 from moe_ref.conformance.api import ExpertPool, Implementation, Problem
 from moe_ref.conformance.oracle import compare, oracle_moe, oracle_rows
-from moe_ref.conformance.scenarios import (Case, expert_pool, global_weights, local_weights, rank_inputs,
-                                          rows_deranged_in_segments, speed_tokens, tokens_per_rank)
+from moe_ref.conformance.scenarios import (Case, PooledRows, expert_pool, global_weights, local_weights,
+                                          rank_inputs, rows_deranged_in_segments, speed_tokens, tokens_per_rank)
 
 GUARD_ROWS = 4
 SPEED_ITERS = 10
@@ -135,7 +135,7 @@ def run_case(impl: Implementation, case: Case, rank: int, world: int, group, dev
             progress("tune")
             start = time.perf_counter()
             if pooled is not None:
-                tune(pooled[0])
+                tune(pooled.pool)
             else:
                 tune(x_TD.clone(), ids_TK.clone(), w_TK.clone())
             verdict.tune_s = time.perf_counter() - start
@@ -149,7 +149,7 @@ def run_case(impl: Implementation, case: Case, rank: int, world: int, group, dev
             _check_moe(built, impl, case, (x_TD, ids_TK, w_TK), weights, verdict, progress)
         if speed and not verdict.failed:
             progress("speed")
-            _time(built, impl, (x_TD, ids_TK, w_TK), problem, verdict, pooled)
+            _time(built, impl, (x_TD, ids_TK, w_TK), problem, verdict, pooled and pooled.pool)
     except Exception as err:  # noqa: BLE001 - the implementation's failure is the case's verdict
         verdict.error = f"{type(err).__name__}: {err}".splitlines()[0][:400]
         verdict.failed.setdefault("raised", traceback.format_exc(limit=-3)[-600:])
@@ -307,8 +307,8 @@ def _check_dispatch(built, case, inputs, rank, problem: Problem, verdict: Verdic
     _oracle_check(out_TD, expected_TD, case.dtype, verdict, "combine")
 
 
-def _pool_of(impl: Implementation, x_TD, ids_TK, problem: Problem):
-    """``(pool, expert_P, row_TK)`` of these rows in the layout and alignment ``impl`` declares."""
+def _pool_of(impl: Implementation, x_TD, ids_TK, problem: Problem) -> PooledRows:
+    """These rows pooled in the layout and alignment ``impl`` declares."""
     caps = impl.caps
     return expert_pool(x_TD, ids_TK, problem.num_experts, caps.segment_alignment, caps.layouts[0],
                        fp8=problem.weights.quant == "fp8_block")
@@ -326,8 +326,8 @@ def _run_pool(built, pool: ExpertPool, verdict: Verdict, what: str) -> torch.Ten
     return y_PD
 
 
-def _check_pool(built, impl, case, inputs, pooled, weights, verdict: Verdict, progress) -> None:
-    """The ``pool_experts`` checks (module docstring): ``pooled`` = ``_pool_of``'s ``(pool, expert_P, row_TK)``."""
+def _check_pool(built, impl, case, inputs, pooled: PooledRows, weights, verdict: Verdict, progress) -> None:
+    """The ``pool_experts`` checks (module docstring) on the pool ``_pool_of`` built."""
     x_TD, ids_TK = inputs
     pool, expert_P, row_TK = pooled
     key = limit_key(impl, case)
@@ -359,16 +359,15 @@ def _check_pool(built, impl, case, inputs, pooled, weights, verdict: Verdict, pr
         token, slot = int(token_N[-1]), int(slot_N[-1])
         ids_alone = torch.full_like(ids_TK[:1], -1)
         ids_alone[0, slot] = ids_TK[token, slot]
-        one_pool, _, one_row_TK = expert_pool(x_TD[token:token + 1], ids_alone, len(pool.num_rows_e),
-                                                         caps.segment_alignment, caps.layouts[0],
-                                                         fp8=pool.x_fp8_PD is not None)
-        alone_row = int(one_row_TK[0, slot])
-        alone = _run_pool(built, one_pool, verdict, "alone: ")[alone_row:alone_row + 1]
+        one = expert_pool(x_TD[token:token + 1], ids_alone, len(pool.num_rows_e), caps.segment_alignment,
+                          caps.layouts[0], fp8=pool.x_fp8_PD is not None)
+        alone_row = int(one.row_TK[0, slot])
+        alone = _run_pool(built, one.pool, verdict, "alone: ")[alone_row:alone_row + 1]
         row = int(row_TK[token, slot])
         _same_rows("alone", alone, y_PD[row:row + 1], expected_PD[row:row + 1], key, caps.batch_invariant, verdict)
 
 
-def _time(built, impl, inputs, problem: Problem, verdict: Verdict, pooled=None) -> None:
+def _time(built, impl, inputs, problem: Problem, verdict: Verdict, pool: ExpertPool | None = None) -> None:
     """us per call (median, CUDA events with L2 flushed on a GPU), bytes moved and FLOPs of the experts. Bytes: the
     tokens read and written and the weights read (``experts``, ``routed_step``); each routed row read as handed and
     written, and the weights (``pool_experts``); each live slot's row sent and sent back (``dispatch_combine``)."""
@@ -377,8 +376,6 @@ def _time(built, impl, inputs, problem: Problem, verdict: Verdict, pooled=None) 
     x_TD, ids_TK, w_TK = inputs
     out_TD = torch.empty_like(x_TD)
     if impl.kind == "pool_experts":
-        pool = pooled[0]
-
         def call():
             built(pool)
     elif impl.kind == "dispatch_combine":
@@ -399,7 +396,6 @@ def _time(built, impl, inputs, problem: Problem, verdict: Verdict, pooled=None) 
         if weights.gate_up_q is not None else (weights.gate_up_e2FD, weights.down_eDF)
     weight_bytes = sum(t.numel() * t.element_size() for t in read)
     if impl.kind == "pool_experts":  # each routed row read (as handed: FP8 with its scales) and written
-        pool = pooled[0]
         row_bytes = pool.x_PD.shape[1] * x_TD.element_size()
         read_row = row_bytes if pool.x_fp8_PD is None else pool.x_PD.shape[1] + 4 * pool.x_scale_PDb.shape[1]
         verdict.bytes = live * (row_bytes + read_row) + weight_bytes

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -210,9 +211,17 @@ def rank_inputs(case: Case, world: int, cap: int | None, tile: int) -> list[tupl
 
 # --- the receive pool a ``pool_experts`` implementation is handed (the harness's own dispatch at one rank) -------
 
+class PooledRows(NamedTuple):
+    """A pool the harness built (``expert_pool``) and where its rows came from."""
+
+    pool: ExpertPool
+    expert_P: torch.Tensor  # [P] int64: each pool row's expert, -1 outside every segment
+    row_TK: torch.Tensor    # [T, K] int64: each slot's pool row, -1 for a masked slot
+
+
 def expert_pool(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int, alignment: int = 1,
-                layout: str = "contiguous", fp8: bool = False) -> tuple[ExpertPool, torch.Tensor, torch.Tensor]:
-    """``(pool, expert_P, row_TK)``: every live (token, slot) row of ``x_TD`` in its expert's segment, the rows of
+                layout: str = "contiguous", fp8: bool = False) -> PooledRows:
+    """``PooledRows(pool, expert_P, row_TK)``: every live (token, slot) row of ``x_TD`` in its expert's segment, the rows of
     one expert in (token, slot) order; segments start on multiples of ``alignment`` (``masked``: expert i's at
     i * M, M the largest segment rounded up to ``alignment``); the other rows NaN. ``expert_P`` ``[P]`` int64:
     each pool row's expert, -1 outside every segment; ``row_TK``: each slot's pool row, -1 for a masked slot.
@@ -242,8 +251,8 @@ def expert_pool(x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, num_experts: int,
     row_TK = torch.full(ids_TK.shape, -1, dtype=torch.int64, device=device)
     row_TK[token_N, slot_N] = row_N
     x_fp8_PD, x_scale_PDb = quantize_fp8_rows(x_PD) if fp8 else (None, None)
-    return (ExpertPool(x_PD, row_start_e, num_rows_e, int(expert_N.numel()), masked_rows, x_fp8_PD, x_scale_PDb),
-            expert_P, row_TK)
+    return PooledRows(ExpertPool(x_PD, row_start_e, num_rows_e, int(expert_N.numel()), masked_rows, x_fp8_PD,
+                                 x_scale_PDb), expert_P, row_TK)
 
 
 def rows_deranged_in_segments(pool: ExpertPool) -> torch.Tensor:

@@ -488,10 +488,13 @@ def test_the_plan_times_fp8_first_and_every_shape_near_the_points_rows():
                                                    ("bf16", "contiguous")]
 
 
-def test_auto_table_needs_cuda(capsys, monkeypatch):
+def test_auto_table_needs_cuda_and_install_needs_auto_table(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench", "--auto-table", "x.json", "--skip-memory-check"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert "[ENV006]" in capsys.readouterr().err
+    assert main(["bench", "--install", "--skip-memory-check"]) == 2
+    err = capsys.readouterr().err
+    assert "[CFG015]" in err and "needs --auto-table" in err
 
 
 CPU_CANDIDATES = {("bf16", "contiguous"): ("torch", "wrong"), ("bf16", "masked"): ("torch",)}

@@ -122,11 +122,16 @@ def _add(name: str, kind: str, caps: Capabilities, factory, label: str = "", una
     register(Implementation(name, kind, caps, factory, label, spec=name, unavailable=unavailable, refuses=refuses))
 
 
-def _grouped_mm_missing() -> str | None:
-    """Why torch's ``grouped_mm`` is not here (``GroupedMMExperts.unavailable_reason``), or None."""
-    from moe_ref.experts import GroupedMMExperts
+def backend_missing(backend: str):
+    """``() -> why the experts backend cannot run here | None`` (``Experts.unavailable_reason`` on the device it
+    would use: e.g. a torch without ``grouped_mm``, DeepGEMM not installed)."""
+    def why() -> str | None:
+        from moe_ref.experts import experts_class
 
-    return GroupedMMExperts.unavailable_reason()
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return experts_class(backend, device).unavailable_reason()
+
+    return why
 
 
 _BASE = dict(dtypes=("fp32", "bf16"), ep_sizes=(1, 2, 4), max_tokens_per_rank=CAP, overflow="error",
@@ -141,7 +146,7 @@ _add("moe_ref/torch+invariant", "routed_step",
      Capabilities(**{**_BASE, "overflow": "chunk"}, batch_invariant=True, devices=("cpu",), tile_rows=16),
      routed_step_factory("torch", overflow="chunk", batch_invariant=True), "the batch-invariant mode")
 _add("moe_ref/grouped_mm", "routed_step", Capabilities(**_BASE, tile_rows=16), routed_step_factory("grouped_mm"),
-     unavailable=_grouped_mm_missing)
+     unavailable=backend_missing("grouped_mm"))
 _add("moe_ref/triton", "routed_step",
      Capabilities(**{**_BASE, "dtypes": ("bf16",)}, quants=("none", "fp8_block"), devices=("cuda",), tile_rows=64,
                   graph_safe=True), routed_step_factory("triton"))

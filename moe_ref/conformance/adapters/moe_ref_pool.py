@@ -13,6 +13,7 @@ Shape legend: e local experts, D hidden width, P receive-pool rows, Db = ceil(D 
 """
 from __future__ import annotations
 
+from moe_ref.conformance.adapters.moe_ref_impls import backend_missing
 from moe_ref.conformance.api import Capabilities, ExpertPool, Implementation, Problem, register
 
 POOL_ALIGNMENT = 128
@@ -45,19 +46,6 @@ def pool_experts_factory(backend: str):
     return factory
 
 
-def _missing(backend: str):
-    """``() -> why backend cannot run here | None`` (``Experts.unavailable_reason`` on the device it would use)."""
-    def why() -> str | None:
-        import torch
-
-        from moe_ref.experts import experts_class
-
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return experts_class(backend, device).unavailable_reason()
-
-    return why
-
-
 def pool_name(backend: str, layout: str) -> str:
     """The registered name of ``backend`` on a ``layout`` pool."""
     return f"moe_ref/experts/{backend}" + ("+masked" if layout == "masked" else "")
@@ -72,4 +60,4 @@ for _backend, _devices, _dtypes, _quants, _layouts in BACKENDS:
                          masked_slots=True, duplicate_experts=True, tile_rows=128 if _backend == "torch" else 64,
                          graph_safe=_backend in ("triton", "deep_gemm")),
             pool_experts_factory(_backend), f"moe_ref's {_backend} experts alone on a {_layout} pool",
-            spec=pool_name(_backend, _layout), unavailable=_missing(_backend)))
+            spec=pool_name(_backend, _layout), unavailable=backend_missing(_backend)))

@@ -89,14 +89,13 @@ class PeerMoE:
         for that row count. Each config is first run once and compared with the engine's own config's output
         (calc_diff within the dtype's bound, else it counts as failed), then timed with ``moe_ref.testing.bench``;
         the routing inputs are built once per BLOCK_SIZE_M outside the timing (as bench_experts' search does)."""
+        from moe_ref.bench.cases import segment_rows
         from moe_ref.bench.peers import PeerConfig, device_smem_limit, peer_routing, search_config, tuned_peer_config
         from moe_ref.testing import CALC_DIFF_TOLERANCES, bench, calc_diff
 
         if pool.num_rows == 0:
             return
-        live_P = torch.zeros(pool.x_PD.shape[0], dtype=torch.bool, device=pool.x_PD.device)
-        for start, count in zip(pool.row_start_e.tolist(), pool.num_rows_e.tolist()):
-            live_P[start:start + count] = True
+        live_P = segment_rows(pool.row_start_e, pool.num_rows_e, pool.x_PD.shape[0])
         expected_ND = self.mlp(pool, self.config(pool.num_rows))[live_P].float()
         limit = CALC_DIFF_TOLERANCES[torch.float8_e4m3fn if self.fp8 else self.problem.dtype]
         routings = {}
