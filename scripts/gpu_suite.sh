@@ -41,7 +41,8 @@
 # bench_tuned = moe_ref's Triton step beside the peers at their best (peer:*+tuned: a search of their own tuner's
 # space per case) at T 512 and 4096 ($BENCH_LIMIT s, default 580);
 # bench_kernels = the expert MLPs alone on one pool (moe-ref bench --kind experts: moe_ref's backends and the peers'
-# kernels, kernel-only rows) at Kimi-K2's share, T 8, 64, 512, 4096 (64 to 32768 routed rows; $BENCH_LIMIT s);
+# kernels, kernel-only rows) at Kimi-K2's share, T 8, 64, 512, 4096 (64 to 32768 routed rows; $BENCH_LIMIT s; timed by
+# $TIMER: events (default), graph or kernels, moe-ref bench --timer);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -172,7 +173,8 @@ for s in $STEPS; do case $s in
       --impl moe_ref/triton --impl peer:sglang+tuned --impl peer:vllm+tuned --table "$OUT/bench/bench_tuned.md" \
       --jsonl "$OUT/bench/bench_tuned.jsonl" ;;
   bench_kernels) step bench_kernels "${BENCH_LIMIT:-400}" python3 -m moe_ref bench --device cuda --kind experts \
-      --tokens 8,64,512,4096 --table "$OUT/bench/bench_kernels.md" --jsonl "$OUT/bench/bench_kernels.jsonl" ;;
+      --tokens 8,64,512,4096 --timer "${TIMER:-events}" --table "$OUT/bench/bench_kernels_${TIMER:-events}.md" \
+      --jsonl "$OUT/bench/bench_kernels_${TIMER:-events}.jsonl" ;;
   tiles) step tiles 590 python3 scripts/tune_tiles.py --out "$OUT/tiles" --models kimi-k2/48 ;;
   *) echo "unknown step $s" ;;
 esac; done

@@ -51,26 +51,39 @@ def time_rounds(paths: list[tuple[str, Callable[[], object]]], rounds: int,
 
 
 def kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, list[str]]:
-    """(us per call, kernel names): the GPU time of the kernels `fn` launches, from the profiler (as DeepGEMM's own
-    tests time its kernels), L2 flushed before each call by a 256 MB fill whose kernel is not counted."""
+    """(us per call, kernel names): the GPU time of the kernels ``fn`` launches, summed, from the profiler (as
+    DeepGEMM's own tests time its kernels), L2 flushed before each call by a 256 MB float64 fill.
+
+    The fill's kernel is told apart by its exact name, seen in a profile of the fill alone; a call that launches a
+    kernel of that very name raises (its time could not be told apart) rather than be undercounted."""
     from torch.profiler import ProfilerActivity, profile
 
-    flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    flush = torch.empty(256 * 1024 * 1024 // 8, dtype=torch.float64, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flush.fill_(1.0)
+        torch.cuda.synchronize()
+    flush_names = {event.name for event in prof.events() if _device(event) == "CUDA"}
     calls = 10 if quick else 30
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    flush.zero_()  # the fill kernel's name, to leave it out
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            flush.zero_()
+            flush.fill_(1.0)
             fn()
         torch.cuda.synchronize()
-    total, names = 0.0, set()
+    total, names, flushes = 0.0, set(), 0
     for event in prof.events():
-        if str(getattr(event, "device_type", "")).endswith("CUDA") and "fill" not in event.name.lower():
-            total += event.time_range.elapsed_us()  # a device event's own span: the kernel's run time
-            names.add(event.name)
+        if _device(event) != "CUDA":
+            continue
+        if event.name in flush_names:
+            flushes += 1
+            continue
+        total += event.time_range.elapsed_us()  # a device event's own span: the kernel's run time
+        names.add(event.name)
+    if flushes != calls * len(flush_names):
+        raise RuntimeError(f"the call launches the L2 flush's own kernel ({sorted(flush_names)}): its kernel time "
+                           "cannot be told apart")
     if not names:
         raise RuntimeError("the profiler saw no kernel of the call")
     return total / calls, sorted(names)

@@ -140,7 +140,7 @@ def measure(points, device: str, deadline_s: float, max_seconds: float, seed: in
             log(f"[{time.monotonic() - start:6.1f} s] {point[0]} {point[1]:10s} rows {point[2]:6d} {shape:10s} "
                 f"{backend:10s} {shown}")
 
-    done = run_jobs(jobs, 1, device, deadline_s, seed, speed=True, on_done=report,
+    done = run_jobs(jobs, 1, device, deadline_s, seed, timer="events", on_done=report,
                     stop_at=start + max_seconds)
     measured, notes = {}, []
     for point in dict.fromkeys(p for p, *_ in points):

@@ -42,6 +42,15 @@ from moe_ref.conformance.scenarios import (Case, PooledRows, expert_pool, global
 
 GUARD_ROWS = 4
 SPEED_ITERS = 10
+# how a speed case is timed (``moe-ref bench --timer``); graph and kernels need CUDA
+TIMERS = {
+    "events": "wall time of each call (CUDA events around it, L2 flushed before it; median): host work and launch "
+              "gaps included",
+    "graph": "the call captured once in a CUDA graph and replayed (CUDA events, L2 flushed; median): its GPU work "
+             "without the host's; graph_safe implementations only",
+    "kernels": "the GPU time of the kernels a call launches, summed (torch profiler, L2 flushed by a fill not "
+               "counted; mean), as DeepGEMM's tests time their kernels: no host work, no launch gaps",
+}
 
 
 @dataclass
@@ -106,8 +115,9 @@ def case_cap(caps, case: Case) -> int | None:
 
 
 def run_case(impl: Implementation, case: Case, rank: int, world: int, group, device: torch.device,
-             progress: Callable[[str], None] = lambda step: None, speed: bool = False) -> Verdict:
-    """Run ``case`` on this rank (collective over ``group``); an exception of the implementation is a FAIL."""
+             progress: Callable[[str], None] = lambda step: None, timer: str | None = None) -> Verdict:
+    """Run ``case`` on this rank (collective over ``group``); an exception of the implementation is a FAIL.
+    ``timer``: a key of ``TIMERS``: time the call after its checks pass (a speed case); None: checks only."""
     caps = impl.caps
     cap = case_cap(caps, case)
     inputs = rank_inputs(case, world, cap, caps.tile_rows)
@@ -147,9 +157,9 @@ def run_case(impl: Implementation, case: Case, rank: int, world: int, group, dev
             _check_overflow(built, impl, case, (x_TD, ids_TK, w_TK), inputs, weights, verdict, progress)
         else:
             _check_moe(built, impl, case, (x_TD, ids_TK, w_TK), weights, verdict, progress)
-        if speed and not verdict.failed:
+        if timer is not None and not verdict.failed:
             progress("speed")
-            _time(built, impl, (x_TD, ids_TK, w_TK), problem, verdict, pooled and pooled.pool)
+            _time(built, impl, (x_TD, ids_TK, w_TK), problem, verdict, pooled and pooled.pool, timer)
     except Exception as err:  # noqa: BLE001 - the implementation's failure is the case's verdict
         verdict.error = f"{type(err).__name__}: {err}".splitlines()[0][:400]
         verdict.failed.setdefault("raised", traceback.format_exc(limit=-3)[-600:])
@@ -367,11 +377,13 @@ def _check_pool(built, impl, case, inputs, pooled: PooledRows, weights, verdict:
         _same_rows("alone", alone, y_PD[row:row + 1], expected_PD[row:row + 1], key, caps.batch_invariant, verdict)
 
 
-def _time(built, impl, inputs, problem: Problem, verdict: Verdict, pool: ExpertPool | None = None) -> None:
-    """us per call (median, CUDA events with L2 flushed on a GPU), bytes moved and FLOPs of the experts. Bytes: the
-    tokens read and written and the weights read (``experts``, ``routed_step``); each routed row read as handed and
-    written, and the weights (``pool_experts``); each live slot's row sent and sent back (``dispatch_combine``)."""
-    from moe_ref.testing import bench
+def _time(built, impl, inputs, problem: Problem, verdict: Verdict, pool: ExpertPool | None = None,
+          timer: str = "events") -> None:
+    """us per call by ``timer`` (``TIMERS``; on CPU ``events`` is the wall clock), bytes moved and FLOPs of the
+    experts. Bytes: the tokens read and written and the weights read (``experts``, ``routed_step``); each routed row
+    read as handed and written, and the weights (``pool_experts``); each live slot's row sent and sent back
+    (``dispatch_combine``)."""
+    from moe_ref.testing import bench, graphed
 
     x_TD, ids_TK, w_TK = inputs
     out_TD = torch.empty_like(x_TD)
@@ -385,7 +397,12 @@ def _time(built, impl, inputs, problem: Problem, verdict: Verdict, pool: ExpertP
     else:
         def call():
             built(x_TD, ids_TK, w_TK, out_TD)
-    verdict.us = bench(call, warmup=2, iters=SPEED_ITERS)
+    if timer == "kernels":
+        from moe_ref.bench.timing import kernel_us
+
+        verdict.us = kernel_us(call, quick=True)[0]
+    else:
+        verdict.us = bench(graphed(call) if timer == "graph" else call, warmup=2, iters=SPEED_ITERS)
     live = int((ids_TK >= 0).sum())
     if impl.kind == "dispatch_combine":
         verdict.bytes = 2 * live * x_TD.shape[1] * x_TD.element_size()

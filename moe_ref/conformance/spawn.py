@@ -69,26 +69,27 @@ def merge(per_rank: dict[int, dict]) -> dict:
 
 
 def run_jobs(jobs: list[tuple[str, str]], world: int, device: str, deadline_s: float, seed: int = 0,
-             speed: bool = False, on_done: Callable[[tuple[str, str], dict], None] | None = None,
+             timer: str | None = None, on_done: Callable[[tuple[str, str], dict], None] | None = None,
              stop_at: float | None = None) -> dict[tuple[str, str], dict]:
     """Run ``jobs`` (``(implementation, case id)`` pairs: a registered name or ``module:attribute``, and a case id
     ``scenarios.case_by_id`` knows) at ``world`` ranks in one group of rank processes, restarted only after a hang or
     a rank's exit; returns each job's merged record (``merge``; a hang: FAIL with ``errors`` naming each rank's last
-    step). ``on_done(job, record)`` is called as each job's record is merged. ``stop_at`` (``time.monotonic()``):
+    step). ``timer``: time each job after its checks pass with this key of ``runner.TIMERS`` (speed cases); None:
+    checks only. ``on_done(job, record)`` is called as each job's record is merged. ``stop_at`` (``time.monotonic()``):
     once passed, the group stops after the job it is in, and the jobs not run are absent from the result."""
     results: dict[tuple[str, str], dict] = {}
     pending = list(dict.fromkeys(tuple(job) for job in jobs))
     while pending and (stop_at is None or time.monotonic() < stop_at):
-        results.update(_one_group(pending, world, device, deadline_s, seed, speed, on_done or (lambda job, rec: None),
+        results.update(_one_group(pending, world, device, deadline_s, seed, timer, on_done or (lambda job, rec: None),
                                   stop_at))
         pending = [job for job in pending if job not in results]
     return results
 
 
 def run_cases(impl_spec: str, case_ids: list[str], world: int, device: str, deadline_s: float, seed: int = 0,
-              speed: bool = False) -> dict[str, dict]:
+              timer: str | None = None) -> dict[str, dict]:
     """``run_jobs`` for one implementation: ``{case id: merged record}``."""
-    done = run_jobs([(impl_spec, case_id) for case_id in case_ids], world, device, deadline_s, seed, speed)
+    done = run_jobs([(impl_spec, case_id) for case_id in case_ids], world, device, deadline_s, seed, timer)
     return {case_id: done[(impl_spec, case_id)] for case_id in case_ids}
 
 
@@ -106,12 +107,12 @@ class _RankState:
                 self.steps[rec["job"]] = rec["step"]
 
 
-def _one_group(jobs, world, device, deadline_s, seed, speed, on_done, stop_at=None) -> dict[tuple[str, str], dict]:
+def _one_group(jobs, world, device, deadline_s, seed, timer, on_done, stop_at=None) -> dict[tuple[str, str], dict]:
     """Start the group on ``jobs``; return the records of the jobs it finished, plus the one it failed on."""
     out = Path(tempfile.mkdtemp(prefix="moe_ref_conform_"))
     shm = tempfile.mkdtemp(prefix="moe_ref_conform_", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
     spec = {"jobs": [list(job) for job in jobs], "world": world, "device": device, "deadline_s": deadline_s,
-            "seed": seed, "speed": speed, "out": str(out), "init": f"tcp://127.0.0.1:{_free_port()}"}
+            "seed": seed, "timer": timer, "out": str(out), "init": f"tcp://127.0.0.1:{_free_port()}"}
     (out / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_REF_SHM_DIR": shm}
     procs = [subprocess.Popen([sys.executable, "-m", "moe_ref.conformance.worker", str(out / "spec.json"), str(r)],

@@ -41,7 +41,7 @@ def main(spec_path: str, rank: int) -> int:
         if impl_spec not in impls:
             impls[impl_spec] = resolve(impl_spec)
         verdict = run_case(impls[impl_spec], case_by_id(case_id, spec["seed"]), rank, world, group, device,
-                           progress=lambda step, j=job: emit(job=j, step=step), speed=spec["speed"])
+                           progress=lambda step, j=job: emit(job=j, step=step), timer=spec["timer"])
         emit(job=job, verdict=verdict.as_dict())
         if verdict.error is not None and world > 1:
             # the peers may be waiting inside a collective this rank left: leave now, without the process group's

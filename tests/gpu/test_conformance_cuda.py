@@ -50,3 +50,22 @@ def test_deep_gemm_mega_moe_passes_its_cases_at_two_ranks():
     results = run_cases(impl.name, ids, 2, "cuda", deadline_s=300)
     failed = {c: r["failed"] or r["errors"] for c, r in results.items() if r["status"] != "PASS"}
     assert failed == {}
+
+
+@pytest.mark.parametrize("timer", ["graph", "kernels"])
+def test_bench_times_a_checked_case_from_a_graph_and_by_its_kernels_beside_the_run_anchors(timer, capsys, tmp_path):
+    from moe_ref.tools import cli
+
+    table = tmp_path / "bench.md"
+    status = cli.main(["bench", "--kind", "experts", "--device", "cuda", "--shape", "tiny128", "--dtype", "bf16",
+                       "--tokens", "64", "--impl", "moe_ref/experts/triton", "--impl", "moe_ref/experts/grouped_mm",
+                       "--timer", timer, "--table", str(table)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    text = table.read_text()
+    assert f"`--timer {timer}`" in text and "Anchors of this run: HBM copy" in text
+    row = next(line for line in text.splitlines() if line.startswith("| moe_ref/experts/triton@1 | 64 | PASS |"))
+    us, roof = float(row.split(" | ")[3].replace(",", "")), float(row.split(" | ")[6])
+    assert us > 0 and 0 < roof <= 1.0, row
+    grouped_mm = next(line for line in text.splitlines() if line.startswith("| moe_ref/experts/grouped_mm@1 |"))
+    assert ("SKIP: not graph_safe" in grouped_mm) == (timer == "graph"), grouped_mm

@@ -149,9 +149,9 @@ def test_a_tune_has_its_own_deadline_and_the_case_deadline_starts_after_it(tmp_p
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setattr(spawn, "TUNE_DEADLINE_S", 9.0)
     slow, endless = ("tuned_impls:slow_tune", "tiny/fp32/T12"), ("tuned_impls:endless_tune", "tiny/fp32/T12")
-    done = run_jobs([slow], 1, "cpu", 5, speed=True)  # a 7 s tune under a 5 s case deadline
+    done = run_jobs([slow], 1, "cpu", 5, timer="events")  # a 7 s tune under a 5 s case deadline
     assert done[slow]["status"] == "PASS" and done[slow]["tune_s"] >= 7, done[slow]
-    hung = run_jobs([endless], 1, "cpu", 5, speed=True)[endless]
+    hung = run_jobs([endless], 1, "cpu", 5, timer="events")[endless]
     assert hung["status"] == "FAIL" and "past the 9 s deadline" in hung["failed"]["deadline"]
     assert "rank 0: tune" in hung["failed"]["deadline"] and hung["tune_s"] is None
 

@@ -127,7 +127,7 @@ def test_a_speed_case_tunes_first_and_its_checks_check_the_tuned_implementation(
     tunes = []
     impl = dataclasses.replace(torch_step, name="toy+tuned",
                                factory=lambda problem: _TunedToy(problem, tuned_scale, tunes))
-    verdict = run_case(impl, speed_case("tiny", "fp32", "none", 12), 0, 1, None, torch.device("cpu"), speed=True)
+    verdict = run_case(impl, speed_case("tiny", "fp32", "none", 12), 0, 1, None, torch.device("cpu"), timer="events")
     assert verdict.status() == status, verdict.failed
     assert tunes == [(12, 64)] and verdict.tune_s is not None and verdict.tune_s >= 0
     assert (verdict.us is not None) == (status == "PASS")  # a FAIL has no time
@@ -145,3 +145,37 @@ def test_the_tuned_peers_are_benched_only_when_asked():
     tuned = default_impls(cases, 1, "cuda", COMPARED_KINDS["moe"], tuned=True)
     assert {"peer:sglang", "peer:vllm"} <= set(plain) and not any(name.endswith("+tuned") for name in plain)
     assert set(tuned) - set(plain) == {"peer:sglang+tuned", "peer:vllm+tuned"}
+
+
+def test_the_timers_other_than_the_wall_clock_are_cuda_only_and_graph_times_only_graph_safe_ones(capsys):
+    from moe_ref.conformance.bench import _timer_skip
+
+    for timer in ("graph", "kernels"):
+        status = cli.main(["bench", "--device", "cpu", "--tokens", "4", "--timer", timer])
+        err = capsys.readouterr().err
+        assert status == 2 and "[ENV006]" in err and f"--timer {timer}" in err, err
+    status = cli.main(["bench", "--auto-table", "--timer", "kernels"])
+    assert status == 2 and "[CFG015]" in capsys.readouterr().err
+    impls = registered()
+    assert "graph_safe" in _timer_skip(impls["correct"], "graph")  # the harness's own base declares no capture
+    graph_safe = [impl for impl in impls.values() if impl.caps.graph_safe]
+    assert graph_safe and all(_timer_skip(impl, "graph") is None for impl in graph_safe)
+    assert _timer_skip(impls["correct"], "events") is None and _timer_skip(impls["correct"], "kernels") is None
+
+
+def test_the_roofline_column_is_the_larger_of_the_bandwidth_and_compute_fractions():
+    from moe_ref.conformance.bench import roofline
+
+    anchors = {"hbm_bytes_per_s": 3e12, "bf16_flops_per_s": 800e12}
+    timed = {"GB/s": 1500.0, "TFLOP/s": 300.0}
+    assert roofline(timed, anchors, fp8=False) == pytest.approx(0.5)  # bandwidth: 1500 / 3000
+    assert roofline({"GB/s": 300.0, "TFLOP/s": 600.0}, anchors, fp8=False) == pytest.approx(0.75)
+    assert roofline({"GB/s": 300.0, "TFLOP/s": 600.0}, anchors, fp8=True) == pytest.approx(0.375)  # peak doubled
+
+    def rec(t, us, roof):
+        return {"impl": "a", "ranks": 1, "case": f"kimi-k2/bf16/T{t}", "status": "PASS", "us": us, "TFLOP/s": 1.0,
+                "GB/s": 2.0, "reason": "", "roofline": roof}
+    text = table([rec(16, 10.0, 0.42), rec(128, 20.0, None)])
+    assert "| implementation | T | status | us | TFLOP/s | GB/s | roofline | x fastest |" in text
+    assert "| a@1 | 16 | PASS | 10.0 | 1 | 2 | 0.42 | 1.00 |" in text and "| 2 | - | 1.00 |" in text
+    assert "roofline" not in table([rec(16, 10.0, None)])  # a CPU run: no anchors, no column
