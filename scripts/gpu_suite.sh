@@ -163,7 +163,8 @@ for s in $STEPS; do case $s in
       --out "$OUT/align/ab_alignment.json" ;;
   invariant)
     step invariant_tests 200 python3 -m pytest -q -rs --timeout=180 tests/gpu/test_batch_invariant_cuda.py
-    step invariant_cost 300 python3 scripts/bench_invariant.py --models kimi-k2/48 step3/48 --out "$OUT/invariant" ;;
+    step invariant_cost 300 python3 scripts/bench_invariant.py --models kimi-k2/48 step3/48 --kernel-table 4096 \
+      --out "$OUT/invariant" ;;
   first_calls)
     step first_calls_tests 120 python3 -m pytest -q -rs --timeout=100 tests/gpu/test_eager_graphs_cuda.py
     step first_calls 240 python3 scripts/bench_warmup.py --out "$OUT/warmup" --modes default launch ;;

@@ -193,3 +193,13 @@ def test_which_replica_serves_a_token_does_not_change_its_bits(dtype):
     assert torch.equal(y_plain, y_replicated)
     plain.destroy()
     replicated.destroy()
+
+
+def test_bench_invariants_kernel_rows_put_the_largest_differences_first_and_sum_each_layer():
+    from script_loader import load_script
+
+    bench = load_script("bench_invariant")
+    rows = bench.kernel_rows("kimi-k2/48", "bf16", 4096, {"gemm": 100.0, "sum": 10.0, "router": 5.0},
+                             {"gemm": 101.0, "slot_sum": 40.0, "router": 20.0}, top=3)
+    assert [row.split(" | ")[3] for row in rows] == ["slot_sum", "router", "sum", "all kernels"]
+    assert rows[0].endswith("| 0.0 | 40.0 |") and rows[-1].endswith("| 115.0 | 161.0 |")
