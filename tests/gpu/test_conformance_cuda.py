@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow,
                                   # the expert MLPs alone on a pool (kernel-only rows)
                                   "moe_ref/experts/triton", "moe_ref/experts/triton+masked",
                                   "moe_ref/experts/deep_gemm", "moe_ref/experts/deep_gemm+masked",
-                                  "moe_ref/experts/grouped_mm", "peer:sglang/experts", "peer:vllm/experts"])
+                                  "moe_ref/experts/grouped_mm", "moe_ref/experts/torch", "peer:sglang/experts",
+                                  "peer:vllm/experts"])
 def test_gpu_implementations_pass_their_cases(name):
     impl = registered()[name]
     missing = impl.unavailable() if impl.unavailable is not None else None

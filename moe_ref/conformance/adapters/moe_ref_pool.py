@@ -6,6 +6,9 @@ rows outside every segment left unwritten) and, for the ``fp8_block`` recipe, th
                                        DeepGEMM is installed (DeepGEMM needs it; the others take any alignment)
     moe_ref/experts/<backend>+masked   expert i's rows at i * M (DeepGEMM's masked layout, the decode pool)
 
+``torch`` is one matmul pair per expert (the baseline any grouped kernel must beat), ``grouped_mm`` torch's grouped
+GEMM, ``triton`` moe_ref's grouped MLP, ``deep_gemm`` DeepGEMM's grouped GEMMs with moe_ref's activation between.
+
 ``moe-ref bench --kind experts`` times these beside the peers' kernels on the same pools, and ``moe-ref bench
 --auto-table`` orders them per regime into ``experts_backend="auto"``'s table.
 
@@ -18,7 +21,7 @@ from moe_ref.conformance.api import Capabilities, ExpertPool, Implementation, Pr
 
 POOL_ALIGNMENT = 128
 # (backend, devices, dtypes, quants, pool layouts)
-BACKENDS = (("torch", ("cpu",), ("fp32", "bf16"), ("none",), ("contiguous", "masked")),
+BACKENDS = (("torch", ("cpu", "cuda"), ("fp32", "bf16"), ("none",), ("contiguous", "masked")),  # per-expert loop
             ("grouped_mm", ("cpu", "cuda"), ("fp32", "bf16"), ("none",), ("contiguous",)),
             ("triton", ("cuda",), ("bf16",), ("none", "fp8_block"), ("contiguous", "masked")),
             ("deep_gemm", ("cuda",), ("bf16",), ("none", "fp8_block"), ("contiguous", "masked")))
