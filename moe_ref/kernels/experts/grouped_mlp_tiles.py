@@ -28,6 +28,10 @@ from moe_ref.kernels.runtime.fixed_tiles import GROUPED_MLP_TILES, same_bits_til
 # `scripts/tune_grouped_mlp.py` sweeps tiles per GEMM on a GPU (with `launch_gemm(..., config=...)`).
 DECODE_TILES = [  # <= 32 rows per expert: weight-bandwidth bound, many N tiles in flight
     (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+    # SGLang's tuner's winners at 512 rows in bf16 (BLOCK_SIZE_M 32, N 128, K 128, 4 warps, 3 stages for Kimi-K2, 5
+    # for Step3; docs/results/experts_vs_peers_512_rows_h200_2026-12-02.md), where that peer ran 6% faster than us
+    # on an H100; GEMM1's BLOCK_N counts one half, so the peer's N 128 is our 64 there
+    (32, 64, 128, 4, 3), (32, 128, 128, 4, 3), (32, 64, 128, 4, 5), (32, 128, 128, 4, 5),
 ]
 # The last entries of MID_TILES and PREFILL_TILES are the winners of scripts/tune_grouped_mlp.py on an H200
 # (2026-11-30, docs/results/tune_grouped_mlp.txt): 1.29-1.44x over this list's previous best at 4096 rows,
