@@ -50,8 +50,9 @@ def time_rounds(paths: list[tuple[str, Callable[[], object]]], rounds: int,
     return per_round, timing_of
 
 
-def kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, list[str]]:
-    """(us per call, kernel names): the GPU time of the kernels ``fn`` launches, summed, from the profiler (as
+def kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, dict[str, float]]:
+    """(us per call, {kernel name: us per call}, largest first): the GPU time of the kernels ``fn`` launches, summed,
+    from the profiler (as
     DeepGEMM's own tests time its kernels), L2 flushed before each call by a 256 MB float64 fill.
 
     The fill's kernel is told apart by its exact name, seen in a profile of the fill alone; a call that launches a
@@ -72,21 +73,32 @@ def kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, list[str]]:
             flush.fill_(1.0)
             fn()
         torch.cuda.synchronize()
-    total, names, flushes = 0.0, set(), 0
-    for event in prof.events():
+    per_kernel = kernels_without_flush(prof.events(), flush_names, calls)
+    return sum(per_kernel.values()), per_kernel
+
+
+def kernels_without_flush(events, flush_names: set[str], calls: int) -> dict[str, float]:
+    """``{kernel name: GPU us per call}``, largest first, of a profile's CUDA events over ``calls`` calls, each after
+    one L2 flush whose kernels are named ``flush_names``; those are left out. Raises when the flush's kernels appear
+    more often than once per call (the call launches one of them: its time cannot be told apart) or no other
+    kernel ran.
+
+    Example: calls 2, flush "fill"; events fill 80, A 10, fill 80, A 12 -> {"A": 11.0}."""
+    per_kernel, flushes = {}, 0
+    for event in events:
         if _device(event) != "CUDA":
             continue
         if event.name in flush_names:
             flushes += 1
             continue
-        total += event.time_range.elapsed_us()  # a device event's own span: the kernel's run time
-        names.add(event.name)
+        # a device event's own span: the kernel's run time
+        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.time_range.elapsed_us() / calls
     if flushes != calls * len(flush_names):
         raise RuntimeError(f"the call launches the L2 flush's own kernel ({sorted(flush_names)}): its kernel time "
                            "cannot be told apart")
-    if not names:
+    if not per_kernel:
         raise RuntimeError("the profiler saw no kernel of the call")
-    return total / calls, sorted(names)
+    return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
 
 
 def kernel_table(fn: Callable[[], object], calls: int = 10) -> tuple[dict[str, float], float, dict[str, list[float]]]:

@@ -217,6 +217,7 @@ def run(args, device: str, cases: list[Case]) -> int:
         rec = record(impl, cases_by_id[job[1]], args.ranks, device, merged, None)
         shown = f"{rec['us']:,.1f} us, {rec['GB/s']:.3g} GB/s" if rec["us"] else rec["reason"][:200]
         shown += f" (tuned first, {rec['tune_s']:.0f} s)" if rec["tune_s"] is not None else ""
+        shown += "".join(f"\n      {us:9.1f} us  {name[:100]}" for name, us in list(rec.get("kernels", {}).items())[:6])
         print(f"  {impl.name} T={job[1].rsplit('/T', 1)[1]}: {rec['status']} {shown}", file=sys.stderr, flush=True)
 
     done = run_jobs(jobs, args.ranks, device, args.deadline, args.seed, timer=args.timer, on_done=report)

@@ -25,6 +25,8 @@ def record(impl, case, world: int, device: str, merged: dict | None, skip: str |
            "capabilities": impl.caps.describe(),
            "repro": f"moe-ref conform --impl {impl.spec or impl.name} --ranks {world} --device {device} "
                     f"--cases '{case.id}' --seed {case.seed // 1000}"}
+    if merged is not None and merged.get("kernels"):
+        rec["kernels"] = merged["kernels"]  # rank 0's us per call of each kernel (--timer kernels)
     if us:
         rec["GB/s"] = round(merged["bytes"] / us / 1e3, 2)
         rec["TFLOP/s"] = round(merged["flops"] / us / 1e6, 3)

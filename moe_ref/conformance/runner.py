@@ -64,13 +64,15 @@ class Verdict:
     tune_s: float | None = None
     bytes: int = 0
     flops: int = 0
+    kernels: dict[str, float] | None = None  # --timer kernels: us per call of each kernel
 
     def status(self) -> str:
         return "SKIP" if self.skip else "FAIL" if self.failed or self.error else "PASS"
 
     def as_dict(self) -> dict[str, Any]:
         return {"status": self.status(), "failed": self.failed, "skip": self.skip, "error": self.error,
-                "us": self.us, "tune_s": self.tune_s, "bytes": self.bytes, "flops": self.flops}
+                "us": self.us, "tune_s": self.tune_s, "bytes": self.bytes, "flops": self.flops,
+                "kernels": self.kernels}
 
 
 def skip_reason(impl: Implementation, case: Case, world: int, device: str) -> str | None:
@@ -400,7 +402,8 @@ def _time(built, impl, inputs, problem: Problem, verdict: Verdict, pool: ExpertP
     if timer == "kernels":
         from moe_ref.bench.timing import kernel_us
 
-        verdict.us = kernel_us(call, quick=True)[0]
+        verdict.us, per_kernel = kernel_us(call, quick=True)
+        verdict.kernels = {name: round(us, 2) for name, us in per_kernel.items()}
     else:
         verdict.us = bench(graphed(call) if timer == "graph" else call, warmup=2, iters=SPEED_ITERS)
     live = int((ids_TK >= 0).sum())

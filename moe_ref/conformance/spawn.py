@@ -65,7 +65,8 @@ def merge(per_rank: dict[int, dict]) -> dict:
     tunes = [v["tune_s"] for v in per_rank.values() if v.get("tune_s") is not None]
     first = per_rank[min(per_rank)]
     return {"status": status, "failed": failed, "errors": errors, "us": max(times) if times else None,
-            "tune_s": max(tunes) if tunes else None, "bytes": first.get("bytes", 0), "flops": first.get("flops", 0)}
+            "tune_s": max(tunes) if tunes else None, "bytes": first.get("bytes", 0), "flops": first.get("flops", 0),
+            "kernels": first.get("kernels")}
 
 
 def run_jobs(jobs: list[tuple[str, str]], world: int, device: str, deadline_s: float, seed: int = 0,

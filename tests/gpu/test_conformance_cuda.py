@@ -57,10 +57,12 @@ def test_deep_gemm_mega_moe_passes_its_cases_at_two_ranks():
 def test_bench_times_a_checked_case_from_a_graph_and_by_its_kernels_beside_the_run_anchors(timer, capsys, tmp_path):
     from moe_ref.tools import cli
 
-    table = tmp_path / "bench.md"
+    import json
+
+    table, jsonl = tmp_path / "bench.md", tmp_path / "bench.jsonl"
     status = cli.main(["bench", "--kind", "experts", "--device", "cuda", "--shape", "tiny128", "--dtype", "bf16",
                        "--tokens", "64", "--impl", "moe_ref/experts/triton", "--impl", "moe_ref/experts/grouped_mm",
-                       "--timer", timer, "--table", str(table)])
+                       "--timer", timer, "--table", str(table), "--jsonl", str(jsonl)])
     out = capsys.readouterr().out
     assert status == 0, out
     text = table.read_text()
@@ -70,3 +72,8 @@ def test_bench_times_a_checked_case_from_a_graph_and_by_its_kernels_beside_the_r
     assert us > 0 and 0 < roof <= 1.0, row
     grouped_mm = next(line for line in text.splitlines() if line.startswith("| moe_ref/experts/grouped_mm@1 |"))
     assert ("SKIP: not graph_safe" in grouped_mm) == (timer == "graph"), grouped_mm
+    triton_rec = next(json.loads(line) for line in jsonl.read_text().splitlines() if '"moe_ref/experts/triton"' in line)
+    if timer == "kernels":  # each kernel's time, summing to the row's
+        assert triton_rec["kernels"] and sum(triton_rec["kernels"].values()) == pytest.approx(triton_rec["us"], rel=0.01)
+    else:
+        assert "kernels" not in triton_rec

@@ -417,3 +417,23 @@ def test_runtime_calls_counts_the_host_side_cuda_calls_per_call():
         _Event("cudaFree", "DeviceType.CUDA", _Range(0, 1))]  # not a host event
     assert timing.runtime_calls(events, calls=2) == {"cudaFree": [0.5, 100.0], "cudaLaunchKernel": [3.0, 12.0],
                                                      "cuLaunchKernelEx": [0.5, 1.0]}
+
+
+def test_kernel_time_leaves_the_l2_flush_out_and_refuses_a_call_that_launches_its_kernel():
+    """Two calls, each after one flush ("fill"): the flush is left out, the rest summed per call, largest first."""
+    flush = {"fill<double>"}
+
+    def profile(*kernels):
+        t, events = 0.0, []
+        for name, us in kernels:
+            events.append(_Event(name, "DeviceType.CUDA", _Range(t, t + us)))
+            t += us
+        return events + [_Event("cudaLaunchKernel", "DeviceType.CPU", _Range(0, 1))]
+
+    two_calls = profile(("fill<double>", 80), ("A", 10), ("B", 4), ("fill<double>", 80), ("A", 12), ("B", 6))
+    assert timing.kernels_without_flush(two_calls, flush, calls=2) == {"A": 11.0, "B": 5.0}
+    launches_the_fill = profile(("fill<double>", 80), ("fill<double>", 3), ("A", 10), ("fill<double>", 80), ("A", 10))
+    with pytest.raises(RuntimeError, match="launches the L2 flush's own kernel"):
+        timing.kernels_without_flush(launches_the_fill, flush, calls=2)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        timing.kernels_without_flush(profile(("fill<double>", 80), ("fill<double>", 80)), flush, calls=2)
