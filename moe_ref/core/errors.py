@@ -226,15 +226,18 @@ class BatchInvariantUnsupportedError(InvalidConfigError):
 
 class BatchInvariantExpertsError(InvalidConfigError):
     code = _entry(
-        "CFG027", "quantized checkpoint experts loaded into a batch-invariant layer",
-        "The experts of a quantized checkpoint (FP8 blocks, INT4, MXFP4) run on kernels whose tiles are still chosen "
-        "per row count (the W4A16 kernel, the FP8-block experts), so a batch-invariant layer cannot hold its contract "
-        "on them; the load is refused after reading, on every rank alike (every rank loads the same checkpoint).",
-        "MegaMoE(cfg, batch_invariant=True).load_hf_weights('/models/kimi-k2-thinking', 5) (INT4 experts).",
-        ["Load a bf16 checkpoint (or dequantize the experts) into the batch-invariant layer; FP8 dispatch "
-         "(dispatch_fp8=True) with bf16 weights holds the contract on Triton.",
-         "Or build the layer with batch_invariant=False to run the quantized experts as stored."],
-        "MegaMoE(cfg, batch_invariant=True, dispatch_fp8=True).load_hf_weights(bf16_checkpoint, 5)")
+        "CFG027", "4-bit checkpoint experts in a batch-invariant layer on CUDA",
+        "A batch-invariant layer holds its contract on quantized checkpoint experts where their kernel does: FP8 "
+        "blocks on the Triton grouped MLP (CUDA) and every format on the torch loop (CPU). INT4 and MXFP4 experts "
+        "on CUDA run on the W4A16 kernel, whose tiles are chosen per row count and whose bits across tiles are not "
+        "probed, so they are refused when the experts are first built (the first call), on every rank alike (every "
+        "rank loads the same checkpoint).",
+        "MegaMoE(cfg, batch_invariant=True, device='cuda').load_hf_weights('/models/kimi-k2-thinking', 5) (INT4 "
+        "experts), then a call.",
+        ["Load a bf16 or FP8-block checkpoint into the batch-invariant layer (FP8 dispatch, dispatch_fp8=True, "
+         "holds the contract on Triton too).",
+         "Or build the layer with batch_invariant=False to run the 4-bit experts as stored."],
+        "MegaMoE(cfg, batch_invariant=True, device='cuda').load_hf_weights('/models/deepseek-v3', 5)  # FP8 blocks")
 
 
 class AutoTableError(InvalidConfigError):

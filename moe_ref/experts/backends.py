@@ -21,6 +21,7 @@ class TorchLoopExperts(Experts):
     which other rows share its expert, so chunked and unchunked runs agree bitwise on CPU."""
 
     name = "torch"
+    honours_batch_invariant = True
     computes_whole_segments = True
     segment_alignment = 128  # whole 128-row segments keep chunked == unchunked bitwise (moe_ref.ep.dispatch NOTE)
     activations = ("silu", "situ", "swigluoai")
@@ -30,9 +31,12 @@ class TorchLoopExperts(Experts):
         y_PDx = torch.zeros_like(x_PDx)
         for i, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
             if count:
-                def expert_mlp(x_MDx, i=i):
+                # fetched once per expert (stored experts dequantize on access: QuantTorchExperts)
+                gate_up_2FD, down_DF = self.gate_up_weight_e2FD[i], self.down_weight_eDF[i]
+
+                def expert_mlp(x_MDx, i=i, gate_up_2FD=gate_up_2FD, down_DF=down_DF):
                     return dense_mlp(
-                        x_MDx, self.gate_up_weight_e2FD[i], self.down_weight_eDF[i],
+                        x_MDx, gate_up_2FD, down_DF,
                         self.activation, self.situ_beta, self.situ_linear_beta, swiglu_alpha=self.swiglu_alpha,
                         swiglu_limit=self.swiglu_limit,
                         gate_up_bias_2S=None if self.gate_up_bias_e2F is None else self.gate_up_bias_e2F[i],
@@ -118,6 +122,7 @@ class TritonExperts(Experts):
     """
 
     name = "triton"
+    honours_batch_invariant = True
     segment_alignment = 1
     supports_fp8 = True
 

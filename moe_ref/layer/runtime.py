@@ -31,7 +31,7 @@ from moe_ref.core.errors import BatchInvariantExpertsError, LayerNotPicklableErr
 from moe_ref.eager_graphs import EagerGraphs
 from moe_ref.ep.routed_step import RoutedStep, make_modular_step
 from moe_ref.experts import Experts, ExpertLayout, experts_class, make_experts
-from moe_ref.experts.quantized import make_quantized_experts
+from moe_ref.experts.quantized import make_quantized_experts, quantized_experts_class
 from moe_ref.kernels.experts.grouped_mlp import tiles_recorded
 from moe_ref.layer.weights import expert_shapes, missing_weights, quantized_backend
 
@@ -95,13 +95,18 @@ def build_experts(layer: nn.Module) -> Experts:
             meta = [torch.empty(shape, dtype=options.dtype, device="meta") for shape in expert_shapes(layer)]
             return UnloadedExperts(experts_class(options.experts_backend, options.device), *meta)
         if layer.quantized_experts is not None:
-            if options.batch_invariant:  # every rank loads the same checkpoint: every rank raises here alike
+            stored = layer.quantized_experts
+            backend = quantized_backend(layer, stored.spec)
+            cls = quantized_experts_class(stored.spec.format, backend, stored.device)
+            if options.batch_invariant and not cls.honours_batch_invariant:
+                # every rank loads the same checkpoint: every rank raises here alike
                 raise BatchInvariantExpertsError(
-                    f"batch_invariant=True, but the routed experts were loaded quantized as stored "
-                    f"({layer.quantized_experts.spec}); their kernels pick tiles by the row count: load bf16 experts, "
-                    f"or build the layer with batch_invariant=False")
-            backend = quantized_backend(layer, layer.quantized_experts.spec)
-            return make_quantized_experts(layer.quantized_experts, *activation, backend=backend)
+                    f"batch_invariant=True, but the routed experts were loaded quantized as stored ({stored.spec}) "
+                    f"and run on {cls.__name__}, whose tiles follow the row count; load bf16 experts, or build the "
+                    f"layer with batch_invariant=False")
+            experts = make_quantized_experts(stored, *activation, backend=backend)
+            experts.batch_invariant = options.batch_invariant
+            return experts
         experts = make_experts(options.experts_backend, layer.gate_up_weight, layer.down_weight, *activation,
                                fp8=fp8_experts(layer), swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
                                gate_up_bias_e2F=layer.gate_up_bias, down_bias_eD=layer.down_bias)

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow,
 
 
 @pytest.mark.parametrize("name", ["moe_ref/triton", "moe_ref/triton+invariant", "moe_ref/deep_gemm",
-                                  "moe_ref/quant/triton", "peer:sglang", "peer:vllm",
+                                  "moe_ref/quant/triton", "moe_ref/quant/triton+invariant", "peer:sglang", "peer:vllm",
                                   # the expert MLPs alone on a pool (kernel-only rows)
                                   "moe_ref/experts/triton", "moe_ref/experts/triton+masked",
                                   "moe_ref/experts/deep_gemm", "moe_ref/experts/deep_gemm+masked",

@@ -158,3 +158,22 @@ def test_progress_bar_on_rank_0_on_a_terminal_or_as_moe_ref_progress_says(tmp_pa
     assert f"layer {LAYER} experts" in capsys.readouterr().err
     MegaMoE(cfg).load_hf_weights(tmp_path, layer_idx=LAYER, progress=False)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_batch_invariant_layer_runs_a_quantized_checkpoint_and_a_token_keeps_its_bits_alone(tmp_path, case):
+    """Each format's experts as stored on the torch loop (dequantized per expert, rows in fixed blocks): a token alone
+    or in a smaller batch gives the bits it gets inside the batch of 160."""
+    from moe_ref.ep.batch_invariant import rows_with_other_bits
+
+    cfg, _ = _checkpoint(tmp_path, case)
+    layer = MegaMoE(cfg, num_max_tokens_per_rank=256, batch_invariant=True, alignment=1)
+    layer.load_hf_weights(tmp_path, layer_idx=LAYER)
+    assert isinstance(layer.experts, QuantTorchExperts) and layer.experts.batch_invariant
+    x = torch.randn(160, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full = layer(x)
+        for size in (1, 2, 3, 17, 64, 129):
+            offset = 160 - size if size > 3 else 7 * size
+            assert rows_with_other_bits(layer(x[offset:offset + size]), full[offset:offset + size]) == 0, (case, size)
+    layer.destroy()

@@ -10,6 +10,7 @@ takes what the formats' documentation says a checkpoint holds.
 | ``moe_ref/quant/torch``  | ``QuantTorchExperts``: each expert dequantized to fp32 when it runs    | cpu     |
 | ``moe_ref/quant/triton`` | ``W4A16Experts`` (int4, mxfp4), ``FP8BlockExperts`` (fp8_block), the | cuda    |
 |                        | weights rewritten for the kernel as the layer holds them (``held``)   |         |
+| ``moe_ref/quant/triton+invariant`` | ``FP8BlockExperts`` in the batch-invariant mode (fp8_block) | cuda    |
 
 Both run in moe_ref's modular routed step (transport, overflow ``error``, chunk loop); fp8_block dispatches FP8 rows
 (``dispatch_fp8``: e4m3 with one scale per token per 128 columns, what the oracle quantizes).
@@ -74,8 +75,9 @@ def load_as_published(problem: Problem):
                                       prefix=LAYER_PREFIX, progress=False)
 
 
-def quant_step_factory(backend: str, transport: str = "auto"):
-    """``Problem -> run``: moe_ref's modular routed step over ``make_quantized_experts(..., backend=backend)``."""
+def quant_step_factory(backend: str, transport: str = "auto", batch_invariant: bool = False):
+    """``Problem -> run``: moe_ref's modular routed step over ``make_quantized_experts(..., backend=backend)`` (in the
+    batch-invariant mode with ``batch_invariant``, as the layer builds it there)."""
     def factory(problem: Problem):
         from moe_ref.experts.quantized import (QuantTorchExperts, W4A16Experts, make_quantized_experts,
                                                quantized_experts_class)
@@ -87,9 +89,11 @@ def quant_step_factory(backend: str, transport: str = "auto"):
         elif runs_on is not QuantTorchExperts:
             qweights = qweights.with_interleaved_gate_up()
         experts = make_quantized_experts(qweights, backend=backend)
+        experts.batch_invariant = batch_invariant
         return step_runner(problem, experts, _options(problem, backend, transport, "error",
                                                       dispatch_fp8=problem.weights.quant == "fp8_block",
-                                                      alignment=experts.segment_alignment))
+                                                      alignment=experts.segment_alignment,
+                                                      batch_invariant=batch_invariant))
 
     return factory
 
@@ -106,3 +110,9 @@ register(Implementation("moe_ref/quant/triton", "routed_step",
                         Capabilities(dtypes=("bf16",), **_QUANT, devices=("cuda",), tile_rows=64, graph_safe=True),
                         quant_step_factory("triton"), "quantized experts as stored: W4A16 / FP8 block kernels",
                         spec="moe_ref/quant/triton"))
+# FP8-block experts on the grouped MLP's tiles of one bits class (the W4A16 kernel does not hold the mode: CFG027)
+register(Implementation("moe_ref/quant/triton+invariant", "routed_step",
+                        Capabilities(dtypes=("bf16",), **{**_QUANT, "quants": ("fp8_block",)}, batch_invariant=True,
+                                     devices=("cuda",), tile_rows=64, graph_safe=True),
+                        quant_step_factory("triton", batch_invariant=True),
+                        "FP8-block experts as stored, the batch-invariant mode", spec="moe_ref/quant/triton+invariant"))
