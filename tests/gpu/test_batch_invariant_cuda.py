@@ -70,6 +70,29 @@ def test_eager_replay_graph_and_compile_agree_bitwise():
     moe.destroy()
 
 
+@pytest.mark.parametrize("dispatch_fp8", [False, True])
+def test_an_fp8_checkpoints_token_alone_equals_the_token_in_a_batch(tmp_path, dispatch_fp8):
+    """FP8-block experts as stored (FP8BlockExperts, the Triton FP8 grouped MLP) in the batch-invariant layer."""
+    import dataclasses
+
+    from moe_ref.checkpoint.synthetic import quantizable_config, write_synthetic_checkpoint
+    from moe_ref.core.config import preset
+
+    cfg = quantizable_config(dataclasses.replace(preset("tiny-deepseek-v3"), hidden_size=256, intermediate_size=128),
+                             "fp8_block")
+    write_synthetic_checkpoint(tmp_path, cfg, layer_idx=1, quant="fp8_block", seed=3, dtype=torch.float32)
+    moe = MegaMoE(cfg, dtype=torch.bfloat16, device="cuda", batch_invariant=True, dispatch_fp8=dispatch_fp8,
+                  num_max_tokens_per_rank=256, eager_graph_max_tokens=0)
+    moe.load_hf_weights(tmp_path, layer_idx=1)
+    assert type(moe.experts).__name__ == "FP8BlockExperts" and moe.experts.batch_invariant
+    x = tokens(160, cfg.hidden_size, torch.bfloat16)
+    with torch.no_grad():
+        full = moe(x)
+        for size in SIZES:
+            assert rows_with_other_bits(moe(x[-size:]), full[-size:]) == 0, size
+    moe.destroy()
+
+
 @pytest.mark.parametrize("num_tokens", [1, 128, 4096])
 def test_slot_sum_kernel_equals_the_torch_loop_bitwise_at_kimi_k2_sizes(num_tokens):
     """K = 8, Dx = 7168, bf16 rows: about a quarter of the slots masked (their rows NaN, never summed), token 0 wholly
