@@ -43,6 +43,8 @@
 # bench_kernels = the expert MLPs alone on one pool (moe-ref bench --kind experts: moe_ref's backends and the peers'
 # kernels, kernel-only rows) at Kimi-K2's share, T 8, 64, 512, 4096 (64 to 32768 routed rows; $BENCH_LIMIT s; timed by
 # $TIMER: events (default), graph or kernels, moe-ref bench --timer);
+# probe_w4 = which W4A16 tiles give a row the same bits (INT4, MXFP4; scripts/probe_tile_bits.py --only w4: the question
+# the batch-invariant mode's 4-bit experts on CUDA wait on);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -177,6 +179,7 @@ for s in $STEPS; do case $s in
       --tokens 8,64,512,4096 --timer "${TIMER:-events}" --table "$OUT/bench/bench_kernels_${TIMER:-events}.md" \
       --jsonl "$OUT/bench/bench_kernels_${TIMER:-events}.jsonl" ;;
   tiles) step tiles 590 python3 scripts/tune_tiles.py --out "$OUT/tiles" --models kimi-k2/48 ;;
+  probe_w4) step probe_w4 400 python3 scripts/probe_tile_bits.py --only w4 --out "$OUT/probe" ;;
   *) echo "unknown step $s" ;;
 esac; done
 echo "=== suite done, status=$status" | tee -a "$LOG"

@@ -2,11 +2,14 @@
 
 For one pool of expert rows (segments of 0-300 rows at 128-aligned starts) every candidate tile of the grouped MLP's
 lists runs GEMM1 and GEMM2 alone (`launch_gemm(..., config=...)`), and every candidate tile of the fixed-tile
-matmul runs the router and shared-expert shapes; outputs are grouped by their bits. Tiles of one group are
-interchangeable in the batch-invariant mode (a token's sum has the same order whichever of them runs), so the mode
-may pick among them by the row count. Each candidate is also timed at the layer's row counts.
+matmul runs the router and shared-expert shapes, and (``--only w4``, or by default) every tile of the W4A16 kernel
+(``grouped_mlp_w4.TILES``) runs its two GEMMs on INT4 and MXFP4 weights with bf16 rows; outputs are grouped by their
+bits. Tiles of one group are interchangeable in the batch-invariant mode (a token's sum has the same order whichever
+of them runs), so the mode may pick among them by the row count. Each candidate is also timed at the layer's row
+counts.
 
-    python3 scripts/probe_tile_bits.py --out results/probe   (a GPU; writes probe.json, prints the groups)
+    python3 scripts/probe_tile_bits.py --out results/probe [--only grouped|fixed|w4]
+    (a GPU; writes probe.json, prints the groups)
 
 Shape legend: P pool rows, D hidden, F expert intermediate, e experts, T tokens, O output features.
 """
@@ -124,6 +127,46 @@ def grouped(precision: str, results: dict, num_experts=48, hidden=7168, inter=20
             print(f"  {key}: {sorted({tuple(m[0]) for m in members})}", flush=True)
 
 
+def w4(fmt: str, results: dict, num_experts=48, hidden=7168, inter=2048) -> None:
+    """Every W4A16 tile on one pool of bf16 rows, GEMM1 (gated, SiLU) and GEMM2, ``fmt`` "int4" or "mxfp4" weights:
+    the groups of bits per GEMM, each tile's time."""
+    from moe_ref.kernels.experts.grouped_mlp_w4 import TILES, launch_w4_gemm
+    from moe_ref.kernels.experts.w4 import quantize_int4, quantize_mxfp4, to_group_planes
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    starts, counts, num_rows = pool(num_experts, 0)
+
+    def stack(out_features: int, in_features: int):
+        dense = torch.randn(num_experts, out_features, in_features, generator=g, device="cuda") * in_features ** -0.5
+        return to_group_planes(*(quantize_int4(dense) if fmt == "int4" else quantize_mxfp4(dense)), fmt)
+
+    x = torch.randn(num_rows, hidden, generator=g, device="cuda").bfloat16()
+    h = torch.randn(num_rows, inter, generator=g, device="cuda").bfloat16()
+    total = int(counts.sum())
+    for name, a, weight, out_features, activation in (("gemm1", x, stack(2 * inter, hidden), inter, "silu"),
+                                                      ("gemm2", h, stack(hidden, inter), hidden, "none")):
+        out = torch.empty(num_rows, out_features, dtype=torch.bfloat16, device="cuda")
+        groups: dict[str, list] = {}
+        for tile in TILES:
+            def run(tile=tile):
+                launch_w4_gemm(a, weight, out, starts, counts, rows_hint=total, tile=tile, activation=activation)
+
+            out.fill_(0)
+            try:
+                run()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - a tile that does not fit this GPU
+                print(f"w4 {fmt} {name} {tile}: {type(exc).__name__}", flush=True)
+                continue
+            groups.setdefault(digest(live_rows(out, starts, counts)), []).append(list(tile))
+            results["w4_time"].append(dict(fmt=fmt, gemm=name, tile=list(tile), us=round(bench(run), 1), rows=total))
+        results["w4_groups"][f"{fmt}/{name}"] = groups
+        print(f"w4 {fmt} {name}: {len(groups)} group(s) of bits over {sum(map(len, groups.values()))} tiles",
+              flush=True)
+        for key, members in groups.items():
+            print(f"  {key}: {members}", flush=True)
+
+
 def fixed(results: dict) -> None:
     shapes = {"router": (7168, 384, torch.bfloat16, torch.float32), "shared_gate_up": (7168, 4096, torch.bfloat16,
               torch.bfloat16), "shared_down": (2048, 7168, torch.bfloat16, torch.bfloat16),
@@ -173,17 +216,20 @@ def fixed(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/probe")
-    parser.add_argument("--only", choices=("grouped", "fixed"), default=None)
+    parser.add_argument("--only", choices=("grouped", "fixed", "w4"), default=None)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "date": time.strftime("%Y-%m-%d"), "grouped_groups": {}, "grouped_time": [], "fixed_groups": {},
-               "fixed_time": []}
+               "fixed_time": [], "w4_groups": {}, "w4_time": []}
     if args.only in (None, "fixed"):
         fixed(results)
     if args.only in (None, "grouped"):
         for precision in ("bf16", "fp8"):
             grouped(precision, results)
+    if args.only in (None, "w4"):
+        for fmt in ("int4", "mxfp4"):
+            w4(fmt, results)
     with open(os.path.join(args.out, "probe.json"), "w") as f:
         json.dump(results, f, indent=1)
 
