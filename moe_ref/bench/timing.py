@@ -83,7 +83,7 @@ def kernels_without_flush(events, flush_names: set[str], calls: int) -> dict[str
     more often than once per call (the call launches one of them: its time cannot be told apart) or no other
     kernel ran.
 
-    Example: calls 2, flush "fill"; events fill 80, A 10, fill 80, A 12 -> {"A": 11.0}."""
+    Example: two calls, the flush kernel "fill"; events fill 80, A 10, fill 80, A 12 -> {"A": 11.0}."""
     per_kernel, flushes = {}, 0
     for event in events:
         if _device(event) != "CUDA":
