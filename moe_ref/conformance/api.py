@@ -60,7 +60,8 @@ class Capabilities:
             chunked runs checked bitwise; else against the oracle).
         duplicate_experts: a token may pick one expert in two slots (summed twice).
         masked_slots: ``topk_ids == -1`` marks a slot to skip.
-        graph_safe: capturable in a CUDA graph (reported, not checked on CPU).
+        graph_safe: capturable in a CUDA graph: on a GPU at one rank the ``graph`` check replays a captured call on
+            other routing (``runner._check_graph``); ``moe-ref bench --timer graph`` times only these.
         tile_rows: the row tile its kernels work in (the tile-edge scenarios put tile - 1, tile, tile + 1 rows on an
             expert).
         devices: ``cpu`` and/or ``cuda``.

@@ -12,6 +12,10 @@ Checks, by kind (each names the planted bug it exists to catch; ``moe_ref.confor
 | permute   | tokens deranged: each row as before (bitwise if ``batch_invariant``,   | -                                    |
 |           | else against the oracle)                                               |                                      |
 | alone     | one token alone per rank: its row as in the batch (likewise)           | -                                    |
+| graph     | ``graph_safe`` on a GPU at one rank: the call captured in a CUDA graph,  | -                                    |
+|           | replayed on other routing (each live slot's expert id + 1: other        |                                      |
+|           | segment sizes), equals an eager call on that routing (bitwise if        |                                      |
+|           | ``deterministic``, else against the oracle); a capture that raises FAILs |                                      |
 | overflow  | C + 1 rows: the declared error on every rank, or the chunked result    | -                                    |
 | counts    | -                                                                      | rows per local expert, exactly       |
 | payload   | -                                                                      | each received row is the sent row, bit for bit, and (rank, token) pairs exactly the routed ones (rank and token id ride in the last two columns) |
@@ -159,6 +163,8 @@ def run_case(impl: Implementation, case: Case, rank: int, world: int, group, dev
             _check_overflow(built, impl, case, (x_TD, ids_TK, w_TK), inputs, weights, verdict, progress)
         else:
             _check_moe(built, impl, case, (x_TD, ids_TK, w_TK), weights, verdict, progress)
+            if impl.caps.graph_safe and device.type == "cuda" and world == 1:
+                _check_graph(built, impl, case, (x_TD, ids_TK, w_TK), weights, verdict, progress)
         if timer is not None and not verdict.failed:
             progress("speed")
             _time(built, impl, (x_TD, ids_TK, w_TK), problem, verdict, pooled and pooled.pool, timer)
@@ -246,6 +252,42 @@ def _check_moe(built, impl, case, inputs, weights, verdict: Verdict, progress) -
     last = slice(num_tokens - 1, num_tokens) if num_tokens else slice(0, 0)
     alone, _ = _call(built, x_TD[last], ids_TK[last], w_TK[last])
     _same_rows("alone", alone, out_TD[last], expected_TD[last.start:last.stop], key, caps.batch_invariant, verdict)
+
+
+def shifted_routing(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Each live slot's expert id + 1 (mod ``num_experts``), masked slots kept: the per-expert row counts rotate by one
+    expert (other segment sizes, unless every expert had as many rows), the same number of live slots, and a token's
+    experts still distinct when they were (a bijection).
+
+    Example: ids [[0, 3], [-1, 2]], 4 experts -> [[1, 0], [-1, 3]]."""
+    return torch.where(ids_TK >= 0, (ids_TK + 1) % num_experts, ids_TK)
+
+
+def _check_graph(built, impl, case, inputs, weights, verdict: Verdict, progress) -> None:
+    """graph: capture the call once on ``inputs``, replay it on shifted routing, compare with an eager call there."""
+    from moe_ref.testing import graphed
+
+    x_TD, ids_TK, w_TK = inputs
+    progress("graph")
+    shifted_TK = shifted_routing(ids_TK, weights.gate_up_e2FD.shape[0])
+    out_TD = torch.full_like(x_TD, float("nan"))
+    try:
+        replay = graphed(built, x_TD.clone(), ids_TK.clone(), w_TK.clone(), out_TD)
+        replay(x_TD, shifted_TK, w_TK, out_TD)
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001 - a graph_safe claim that does not hold is the check's failure
+        verdict.failed.setdefault("graph", f"declared graph_safe, but capturing or replaying the call raised "
+                                           f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        return
+    eager_TD, _ = _call(built, x_TD, shifted_TK, w_TK)
+    if impl.caps.deterministic:
+        if not torch.equal(out_TD.view(torch.uint8), eager_TD.view(torch.uint8)):
+            differ = (out_TD.view(torch.uint8) != eager_TD.view(torch.uint8)).any(-1).nonzero().flatten()
+            verdict.failed.setdefault("graph", f"{differ.numel()} rows of the replay on other routing differ in bits "
+                                               f"from an eager call on it (first {differ[:5].tolist()})")
+    else:
+        expected_TD = oracle_moe(x_TD, shifted_TK, w_TK, weights, impl.caps.compute)
+        _oracle_check(out_TD, expected_TD, limit_key(impl, case), verdict, "graph")
 
 
 def _check_overflow(built, impl, case, mine, inputs, weights, verdict: Verdict, progress) -> None:

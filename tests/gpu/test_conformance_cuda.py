@@ -77,3 +77,32 @@ def test_bench_times_a_checked_case_from_a_graph_and_by_its_kernels_beside_the_r
         assert triton_rec["kernels"] and sum(triton_rec["kernels"].values()) == pytest.approx(triton_rec["us"], rel=0.01)
     else:
         assert "kernels" not in triton_rec
+
+
+def test_the_graph_check_fails_a_graph_safe_claim_that_syncs_the_host_and_passes_the_step_it_wraps():
+    """A routed step that reads a routing value on the host (``int(ids.max())``, a common wrapper bug) is right in
+    every eager check; captured in a CUDA graph it raises, and the graph check FAILs it. The step it wraps passes."""
+    import dataclasses
+
+    from moe_ref.conformance.runner import run_case
+
+    step = registered()["moe_ref/triton"]
+
+    class HostSync:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, x_TD, topk_ids_TK, topk_weights_TK, out_TD):
+            assert int(topk_ids_TK.max()) < 10 ** 6  # the host sync
+            self.inner(x_TD, topk_ids_TK, topk_weights_TK, out_TD)
+
+        def close(self):
+            self.inner.close()
+
+    case = next(c for c in all_cases() if c.scenario == "base" and c.shape.name != "tiny"
+                and skip_reason(step, c, 1, "cuda") is None)
+    wrapped = dataclasses.replace(step, name="graph:host_sync", factory=lambda problem: HostSync(step.factory(problem)))
+    bad = run_case(wrapped, case, 0, 1, None, torch.device("cuda"))
+    assert set(bad.failed) == {"graph"} and "raised" in bad.failed["graph"], bad.failed
+    good = run_case(step, case, 0, 1, None, torch.device("cuda"))
+    assert good.status() == "PASS", good.failed

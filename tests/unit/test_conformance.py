@@ -213,3 +213,15 @@ def test_deep_gemm_mega_runs_only_the_shapes_and_rank_counts_it_takes():
     assert "intermediate_size=5120 > 4096" in skip_reason(impl, CASES["step3/bf16/base"], 2, "cuda")
     assert "ep_sizes" in skip_reason(impl, CASES["kimi-k2/bf16/base"], 1, "cuda")
     assert skip_reason(impl, CASES["kimi-k2/bf16/base"], 2, "cpu") is not None
+
+
+def test_the_graph_checks_other_routing_moves_every_live_slot_and_keeps_a_tokens_experts_distinct():
+    from moe_ref.conformance.runner import shifted_routing
+
+    ids = torch.tensor([[0, 3], [-1, 0], [1, -1]])
+    shifted = shifted_routing(ids, 4)
+    assert shifted.tolist() == [[1, 0], [-1, 1], [2, -1]]
+    live = ids >= 0
+    assert bool((shifted[live] != ids[live]).all()) and bool((shifted[~live] == -1).all())
+    counts = [torch.bincount(t[t >= 0], minlength=4).tolist() for t in (ids, shifted)]
+    assert counts[0] != counts[1]  # other segment sizes: a plan frozen at capture shows
