@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from moe_ref.core.errors import UnknownNameError
+from moe_ref.core.fixed_chunks import in_fixed_chunks
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu",
@@ -40,7 +41,7 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str = "si
 def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_DS: torch.Tensor,
               activation: str = "silu", situ_beta: float = 4.0, situ_linear_beta: float = 25.0, *,
               swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, gate_up_bias_2S: torch.Tensor | None = None,
-              down_bias_D: torch.Tensor | None = None) -> torch.Tensor:
+              down_bias_D: torch.Tensor | None = None, fixed_chunks: bool = False) -> torch.Tensor:
     """One gated MLP (a shared expert, or one routed expert on its rows): ``[T, D] -> [T, D]``.
 
     GEMMs run in the weights' dtype with fp32 accumulation (torch's default), the activation in fp32;
@@ -53,14 +54,19 @@ def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_
         activation, situ_beta, situ_linear_beta, swiglu_alpha, swiglu_limit: see ``gated_activation``.
         gate_up_bias_2S: ``[2S]`` bias of the first GEMM (gate, then up), or None (gpt-oss's experts have one).
         down_bias_D: ``[D]`` bias of the down GEMM, or None.
+        fixed_chunks: compute the activation in fixed chunks (``moe_ref.core.fixed_chunks``: its bits do not depend
+            on T; the batch-invariant mode's CPU path).
     """
     # one fp32 copy of both halves (gated_activation's casts are then no-ops): the same values, one launch
     gate_up_T2S = (x_TD.to(gate_up_weight_2SD.dtype) @ gate_up_weight_2SD.t()).float()
     if gate_up_bias_2S is not None:
         gate_up_T2S = gate_up_T2S + gate_up_bias_2S.float()
     gate_TS, up_TS = gate_up_T2S.chunk(2, dim=-1)
-    h_TS = gated_activation(gate_TS, up_TS, activation, situ_beta, situ_linear_beta, swiglu_alpha=swiglu_alpha,
-                            swiglu_limit=swiglu_limit)
+    def act(gate, up):
+        return gated_activation(gate, up, activation, situ_beta, situ_linear_beta, swiglu_alpha=swiglu_alpha,
+                                swiglu_limit=swiglu_limit)
+
+    h_TS = in_fixed_chunks(act, gate_TS, up_TS) if fixed_chunks else act(gate_TS, up_TS)
     y_TD = h_TS.to(down_weight_DS.dtype) @ down_weight_DS.t()
     if down_bias_D is not None:
         y_TD = y_TD + down_bias_D.to(y_TD.dtype)

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from moe_ref.core.errors import NonFiniteError
+from moe_ref.core.fixed_chunks import in_fixed_chunks
 
 
 class RouterOutput(NamedTuple):
@@ -67,8 +68,8 @@ def select_experts(
     """
     num_tokens, num_experts = logits_TE.shape
     logits_TE = logits_TE.float()
-    if scoring == "sigmoid":
-        scores_TE = logits_TE.sigmoid()
+    if scoring == "sigmoid":  # in fixed chunks: a token's bits do not depend on T (moe_ref.core.fixed_chunks)
+        scores_TE = in_fixed_chunks(torch.sigmoid, logits_TE)
     elif scoring == "softmax":
         scores_TE = logits_TE.softmax(dim=-1)
     else:  # topk_softmax: the logits themselves select
@@ -87,7 +88,7 @@ def select_experts(
     topk_ids_TK = torch.sort(selection_TE, dim=-1, descending=True, stable=True).indices[:, :num_topk]
     topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
     if scoring == "topk_softmax":  # exp(l - max) / sum over the K chosen logits, summed slot by slot
-        topk_weights_TK = (topk_weights_TK - topk_weights_TK.max(dim=-1, keepdim=True).values).exp()
+        topk_weights_TK = in_fixed_chunks(torch.exp, topk_weights_TK - topk_weights_TK.max(dim=-1, keepdim=True).values)
         denominator_T = torch.zeros(num_tokens, dtype=torch.float32, device=logits_TE.device)
         for slot in range(num_topk):
             denominator_T = denominator_T + topk_weights_TK[:, slot]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from moe_ref.core.activations import gated_activation
+from moe_ref.core.fixed_chunks import in_fixed_chunks
 from moe_ref.core.errors import BatchInvariantUnsupportedError, MoERefError
 from moe_ref.ep.options import BATCH_INVARIANT_BACKENDS, EPOptions
 from moe_ref.kernels.ep.ep_combine_slots import sum_slots_kernel
@@ -77,7 +78,8 @@ def dense_mlp(x_TD: torch.Tensor, gate_up_weight_2SD: torch.Tensor, down_weight_
                              batch_invariant=True)
     gate_up_T2S = matmul(x_TD.to(weights_dtype), gate_up_weight_2SD, weights_dtype).float()
     gate_TS, up_TS = gate_up_T2S.chunk(2, dim=-1)
-    h_TS = gated_activation(gate_TS, up_TS, activation, situ_beta, situ_linear_beta)
+    h_TS = in_fixed_chunks(lambda gate, up: gated_activation(gate, up, activation, situ_beta, situ_linear_beta),
+                           gate_TS, up_TS)
     return matmul(h_TS.to(weights_dtype), down_weight_DS, weights_dtype).to(x_TD.dtype)
 
 

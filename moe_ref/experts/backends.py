@@ -40,7 +40,8 @@ class TorchLoopExperts(Experts):
                         self.activation, self.situ_beta, self.situ_linear_beta, swiglu_alpha=self.swiglu_alpha,
                         swiglu_limit=self.swiglu_limit,
                         gate_up_bias_2S=None if self.gate_up_bias_e2F is None else self.gate_up_bias_e2F[i],
-                        down_bias_D=None if self.down_bias_eD is None else self.down_bias_eD[i])
+                        down_bias_D=None if self.down_bias_eD is None else self.down_bias_eD[i],
+                        fixed_chunks=self.batch_invariant)
 
                 rows = x_PDx[start:start + count]  # batch-invariant: one GEMM shape for any segment length
                 y_PDx[start:start + count] = in_row_blocks(expert_mlp, rows) if self.batch_invariant else expert_mlp(rows)

@@ -3,8 +3,8 @@ at this EP size, over ``symm`` and ``a2a``, in fp32 and bf16.
 
     python -m torch.distributed.run --standalone --nproc-per-node R tests/dist/batch_invariant_worker.py --out OUT
 
-The G = 64 global tokens are split unevenly over the ranks (the last rank gets none at R = 4) and chunked by a cap of
-16 rows. Each rank reports, per case, the bytes of its output rows as hex, with the global token index of each; the
+The G = 64 global tokens are split unevenly over the ranks (the last rank gets none at R = 4, two ranks none at R = 8:
+two experts each) and chunked by a cap of 16 rows. Each rank reports, per case, the bytes of its output rows as hex, with the global token index of each; the
 test compares them with one process's output on all 64 tokens, bitwise. It also reports what each chunk's combine
 cost in transport calls (``count_combine_exchanges``), so the test can require ONE exchange per chunk.
 """
@@ -19,7 +19,7 @@ from launch import join_group  # noqa: E402  (tests/dist, beside this worker)
 from moe_ref import MegaMoE
 
 PRESET, NUM_TOKENS, SEED = "tiny-kimi-k2", 64, 0
-SPLITS = {1: [64], 2: [40, 24], 4: [20, 24, 20, 0]}
+SPLITS = {1: [64], 2: [40, 24], 4: [20, 24, 20, 0], 8: [12, 0, 20, 4, 8, 0, 17, 3]}
 
 
 def global_tokens(hidden: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The batch-invariant mode at EP 2 and 4 (torchrun, gloo, CPU ranks): every token's output bits equal one process's
+"""The batch-invariant mode at EP 2, 4 and 8 (torchrun, gloo, CPU ranks): every token's output bits equal one process's
 output on the same 64 global tokens, over ``symm`` and ``a2a``, fp32 and bf16 (``batch_invariant_worker.py``), and
 each chunk's combine is ONE exchange (one ``all_to_all_single``, or one slot push and one barrier over ``symm``)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from moe_ref import MegaMoE  # noqa: E402
 
 pytestmark = pytest.mark.dist
 WORKER = Path(__file__).resolve().parent / "batch_invariant_worker.py"
-NUM_CHUNKS = {2: 3, 4: 2}  # ceil(largest split / the workers' cap of 16)
+NUM_CHUNKS = {2: 3, 4: 2, 8: 2}  # ceil(largest split / the workers' cap of 16)
 
 
 def one_process_rows(dtype: torch.dtype) -> list[str]:
@@ -32,7 +32,7 @@ def one_process_rows(dtype: torch.dtype) -> list[str]:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_ep_size_does_not_change_a_token_bits(world_size, tmp_path):
     launch = torchrun(world_size, [], tmp_path, 90, worker=WORKER)
     assert launch.returncode == 0, f"{launch.returncode=} after {launch.seconds:.0f} s\n{launch.log[-4000:]}"

@@ -47,6 +47,10 @@ def test_a_token_alone_equals_the_token_in_a_batch(preset, dtype):
         for size in SIZES:
             offset = 160 - size if size > 3 else 7 * size
             assert rows_with_other_bits(moe(x[offset:offset + size]), full[offset:offset + size]) == 0, size
+        # every token alone: the router's sigmoid of one token's logits ran a scalar path (other bits) where a batch's
+        # ran the vector one, which a few positions only showed (moe_ref.core.fixed_chunks)
+        alone = torch.cat([moe(x[t:t + 1]) for t in range(x.shape[0])])
+        assert rows_with_other_bits(alone, full) == 0
         assert moe(x[:0]).shape == (0, moe.cfg.hidden_size)
 
 
@@ -203,3 +207,24 @@ def test_bench_invariants_kernel_rows_put_the_largest_differences_first_and_sum_
                              {"gemm": 101.0, "slot_sum": 40.0, "router": 20.0}, top=3)
     assert [row.split(" | ")[3] for row in rows] == ["slot_sum", "router", "sum", "all kernels"]
     assert rows[0].endswith("| 0.0 | 40.0 |") and rows[-1].endswith("| 115.0 | 161.0 |")
+
+
+def test_in_fixed_chunks_gives_an_element_the_same_bits_at_any_size_and_place():
+    """Rows of [200, 384] logits (three chunks: rows cross chunk boundaries) alone and in slices, sigmoid and a
+    two-input activation; an exact function comes back exact; mismatched shapes are refused."""
+    from moe_ref.core.activations import gated_activation
+    from moe_ref.core.fixed_chunks import CHUNK, in_fixed_chunks
+
+    logits = tokens(200, 384, torch.float32) * 3
+    up = tokens(200, 384, torch.float32, seed=2)
+    assert logits.numel() > 2 * CHUNK
+    full = in_fixed_chunks(torch.sigmoid, logits)
+    act = in_fixed_chunks(gated_activation, logits, up)
+    for lo, hi in ((0, 1), (85, 86), (84, 87), (170, 171), (199, 200), (3, 120)):
+        assert rows_with_other_bits(in_fixed_chunks(torch.sigmoid, logits[lo:hi]), full[lo:hi]) == 0, (lo, hi)
+        assert rows_with_other_bits(in_fixed_chunks(gated_activation, logits[lo:hi], up[lo:hi]), act[lo:hi]) == 0
+    assert torch.equal(in_fixed_chunks(lambda a: a * 2, logits), logits * 2)
+    torch.testing.assert_close(full, logits.sigmoid(), rtol=1e-6, atol=1e-7)  # the same function, maybe other ulps
+    assert in_fixed_chunks(torch.sigmoid, logits[:0]).shape == (0, 384)
+    with pytest.raises(ValueError, match="one shape"):
+        in_fixed_chunks(gated_activation, logits, up[:5])
