@@ -78,6 +78,10 @@ def run_jobs(jobs: list[tuple[str, str]], world: int, device: str, deadline_s: f
     step). ``timer``: time each job after its checks pass with this key of ``runner.TIMERS`` (speed cases); None:
     checks only. ``on_done(job, record)`` is called as each job's record is merged. ``stop_at`` (``time.monotonic()``):
     once passed, the group stops after the job it is in, and the jobs not run are absent from the result."""
+    from moe_ref.conformance.runner import TIMERS
+
+    if timer is not None and timer not in TIMERS:  # e.g. a bool in the place of the former ``speed`` flag
+        raise TypeError(f"run_jobs: timer={timer!r}; one of {tuple(TIMERS)}, or None for the checks alone")
     results: dict[tuple[str, str], dict] = {}
     pending = list(dict.fromkeys(tuple(job) for job in jobs))
     while pending and (stop_at is None or time.monotonic() < stop_at):

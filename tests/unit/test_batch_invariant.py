@@ -210,21 +210,22 @@ def test_bench_invariants_kernel_rows_put_the_largest_differences_first_and_sum_
 
 
 def test_in_fixed_chunks_gives_an_element_the_same_bits_at_any_size_and_place():
-    """Rows of [200, 384] logits (three chunks: rows cross chunk boundaries) alone and in slices, sigmoid and a
-    two-input activation; an exact function comes back exact; mismatched shapes are refused."""
+    """Rows of [250, 300] logits (three chunks: rows cross chunk boundaries; a row alone is not a whole vector step)
+    alone and in slices, sigmoid and a two-input activation; an exact function comes back exact; mismatched shapes are
+    refused."""
     from moe_ref.core.activations import gated_activation
     from moe_ref.core.fixed_chunks import CHUNK, in_fixed_chunks
 
-    logits = tokens(200, 384, torch.float32) * 3
-    up = tokens(200, 384, torch.float32, seed=2)
+    logits = tokens(250, 300, torch.float32) * 3
+    up = tokens(250, 300, torch.float32, seed=2)
     assert logits.numel() > 2 * CHUNK
     full = in_fixed_chunks(torch.sigmoid, logits)
     act = in_fixed_chunks(gated_activation, logits, up)
-    for lo, hi in ((0, 1), (85, 86), (84, 87), (170, 171), (199, 200), (3, 120)):
+    for lo, hi in ((0, 1), (109, 110), (108, 111), (218, 219), (249, 250), (3, 120)):
         assert rows_with_other_bits(in_fixed_chunks(torch.sigmoid, logits[lo:hi]), full[lo:hi]) == 0, (lo, hi)
         assert rows_with_other_bits(in_fixed_chunks(gated_activation, logits[lo:hi], up[lo:hi]), act[lo:hi]) == 0
     assert torch.equal(in_fixed_chunks(lambda a: a * 2, logits), logits * 2)
     torch.testing.assert_close(full, logits.sigmoid(), rtol=1e-6, atol=1e-7)  # the same function, maybe other ulps
-    assert in_fixed_chunks(torch.sigmoid, logits[:0]).shape == (0, 384)
+    assert in_fixed_chunks(torch.sigmoid, logits[:0]).shape == (0, 300)
     with pytest.raises(ValueError, match="one shape"):
         in_fixed_chunks(gated_activation, logits, up[:5])

@@ -225,3 +225,21 @@ def test_the_graph_checks_other_routing_moves_every_live_slot_and_keeps_a_tokens
     assert bool((shifted[live] != ids[live]).all()) and bool((shifted[~live] == -1).all())
     counts = [torch.bincount(t[t >= 0], minlength=4).tolist() for t in (ids, shifted)]
     assert counts[0] != counts[1]  # other segment sizes: a plan frozen at capture shows
+
+
+def test_run_jobs_takes_a_timer_name_or_none_and_conform_times_only_with_speed(capsys):
+    from moe_ref.tools import cli
+
+    for bad in (True, False, "wall"):
+        with pytest.raises(TypeError, match="timer="):
+            run_jobs([("correct", "tiny/fp32/base")], 1, "cpu", 60, 0, bad)
+    import tempfile
+
+    for flags, timed in (([], False), (["--speed"], True)):
+        with tempfile.TemporaryDirectory() as tmp:
+            status = cli.main(["conform", "--impl", "correct", "--cases", "tiny/fp32/base", "--jsonl",
+                               f"{tmp}/r.jsonl", *flags])
+            out = capsys.readouterr().out
+            record = json.loads(open(f"{tmp}/r.jsonl").read().splitlines()[0])
+        assert status == 0, out
+        assert (record["us"] is not None) == timed, record
