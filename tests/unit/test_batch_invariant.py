@@ -229,3 +229,23 @@ def test_in_fixed_chunks_gives_an_element_the_same_bits_at_any_size_and_place():
     assert in_fixed_chunks(torch.sigmoid, logits[:0]).shape == (0, 300)
     with pytest.raises(ValueError, match="one shape"):
         in_fixed_chunks(gated_activation, logits, up[:5])
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral",
+                                        "olmoe", "ernie4_5_moe", "hunyuan_v1_moe", "gpt_oss"])
+def test_every_transformers_family_keeps_a_tokens_bits_alone(model_type):
+    """The contract over every family the layer loads (their routers, shared-expert gates, activations and biases):
+    each of 48 tokens alone gives the bits it gets in the batch, fp32 and bf16."""
+    import hf_tiny_models as tiny  # tests/unit, beside this file (transformers imported only here)
+
+    from moe_ref.core.config import MoEConfig
+
+    cfg = MoEConfig.from_hf_config(tiny.tiny_model(model_type).config)
+    for dtype in (torch.float32, torch.bfloat16):
+        moe = MegaMoE(cfg, seed=0, dtype=dtype, batch_invariant=True, num_max_tokens_per_rank=64, alignment=1)
+        x = tokens(48, cfg.hidden_size, dtype)
+        with torch.no_grad():
+            full = moe(x)
+            alone = torch.cat([moe(x[t:t + 1]) for t in range(x.shape[0])])
+        assert rows_with_other_bits(alone, full) == 0, (model_type, dtype)
+        assert full.abs().sum() > 0  # the experts ran: not a layer of zeros
