@@ -23,6 +23,7 @@ from moe_ref.core.config import MoEConfig
 from moe_ref.ep import batch_invariant as batch_invariant_ops
 from moe_ref.ep.device_checks import DeviceChecks
 from moe_ref.core.errors import DTypeError, NonFiniteError, ShapeError
+from moe_ref.core.fixed_chunks import in_fixed_chunks
 from moe_ref.core.router import RouterOutput, non_finite_logits_error
 from moe_ref.core.weights import MoEWeights
 
@@ -148,7 +149,9 @@ def finish(routed_TDx: torch.Tensor, x_TD: torch.Tensor, weights: MoEWeights, cf
     shared_args = (x_TD, weights.shared_gate_up_weight_2SD, weights.shared_down_weight_DS, cfg.activation,
                    cfg.situ_beta, cfg.situ_linear_beta)
     if cfg.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ w) scales the shared output per token, in fp32
-        gate_T1 = torch.sigmoid(_linear(x_TD, weights.shared_gate_weight_D[None, :], torch.float32, batch_invariant))
+        gate_logit_T1 = _linear(x_TD, weights.shared_gate_weight_D[None, :], torch.float32, batch_invariant)
+        # [T, 1]: T elements, whose vectorized sigmoid leaves a tail to scalar code: in fixed chunks when invariant
+        gate_T1 = in_fixed_chunks(torch.sigmoid, gate_logit_T1) if batch_invariant else torch.sigmoid(gate_logit_T1)
         return (routed.float() + gate_T1 * shared_mlp(*shared_args).float()).to(x_TD.dtype)
     if batch_invariant:  # one add in x's dtype (fp32 inside, rounded once)
         return routed.to(x_TD.dtype) + shared_mlp(*shared_args)

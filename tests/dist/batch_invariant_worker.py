@@ -1,7 +1,10 @@
 """torchrun worker of tests/dist/test_batch_invariant_dist.py: the same global tokens through a batch-invariant layer
 at this EP size, over ``symm`` and ``a2a``, in fp32 and bf16.
 
-    python -m torch.distributed.run --standalone --nproc-per-node R tests/dist/batch_invariant_worker.py --out OUT
+    python -m torch.distributed.run --standalone --nproc-per-node R tests/dist/batch_invariant_worker.py --out OUT \
+        [--model tiny-kimi-k2 | hf:<model_type>]
+
+``--model``: a preset, or ``hf:<model_type>``, a transformers family's tiny config (``tests/unit/hf_tiny_models.py``).
 
 The G = 64 global tokens are split unevenly over the ranks (the last rank gets none at R = 4, two ranks none at R = 8:
 two experts each) and chunked by a cap of 16 rows. Each rank reports, per case, the bytes of its output rows as hex, with the global token index of each; the
@@ -11,6 +14,8 @@ cost in transport calls (``count_combine_exchanges``), so the test can require O
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,6 +25,18 @@ from moe_ref import MegaMoE
 
 PRESET, NUM_TOKENS, SEED = "tiny-kimi-k2", 64, 0
 SPLITS = {1: [64], 2: [40, 24], 4: [20, 24, 20, 0], 8: [12, 0, 20, 4, 8, 0, 17, 3]}
+
+
+def layer_config(model: str):
+    """What ``MegaMoE`` is built from: a preset name, or the MoEConfig of a transformers family's tiny model."""
+    if not model.startswith("hf:"):
+        return model
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    import hf_tiny_models as tiny
+
+    from moe_ref.core.config import MoEConfig
+
+    return MoEConfig.from_hf_config(tiny.tiny_model(model[3:]).config)
 
 
 def global_tokens(hidden: int, dtype: torch.dtype) -> torch.Tensor:
@@ -70,13 +87,15 @@ def count_combine_exchanges(dispatcher) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default=PRESET)
     args = parser.parse_args()
+    cfg = layer_config(args.model)
     rank, world, report = join_group(args.out, 60)
     lo = sum(SPLITS[world][:rank])
     hi = lo + SPLITS[world][rank]
     for transport in ("symm", "a2a"):
         for dtype in (torch.float32, torch.bfloat16):
-            moe = MegaMoE(PRESET, dist.group.WORLD, transport=transport, dtype=dtype, seed=SEED, batch_invariant=True,
+            moe = MegaMoE(cfg, dist.group.WORLD, transport=transport, dtype=dtype, seed=SEED, batch_invariant=True,
                           num_max_tokens_per_rank=16, overflow="chunk", alignment=1)
             all_to_all_single = dist.all_to_all_single
             counts = count_combine_exchanges(moe.routed_step.dispatcher)  # collective: builds the step

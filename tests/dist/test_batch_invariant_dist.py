@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_invariant_worker import NUM_TOKENS, PRESET, SEED, global_tokens, row_bytes  # noqa: E402
+from batch_invariant_worker import NUM_TOKENS, PRESET, SEED, global_tokens, layer_config, row_bytes  # noqa: E402
 from launch import read_reports, torchrun  # noqa: E402
 
 from moe_ref import MegaMoE  # noqa: E402
@@ -20,24 +20,28 @@ WORKER = Path(__file__).resolve().parent / "batch_invariant_worker.py"
 NUM_CHUNKS = {2: 3, 4: 2, 8: 2}  # ceil(largest split / the workers' cap of 16)
 
 
-def one_process_rows(dtype: torch.dtype) -> list[str]:
+def one_process_rows(dtype: torch.dtype, model: str = PRESET) -> list[str]:
     """EP 1 on all tokens, with the workers' one BLAS thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        moe = MegaMoE(PRESET, dtype=dtype, seed=SEED, batch_invariant=True, num_max_tokens_per_rank=NUM_TOKENS)
+        moe = MegaMoE(layer_config(model), dtype=dtype, seed=SEED, batch_invariant=True,
+                      num_max_tokens_per_rank=NUM_TOKENS)
         with torch.no_grad():
             return row_bytes(moe(global_tokens(moe.cfg.hidden_size, dtype)))
     finally:
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_ep_size_does_not_change_a_token_bits(world_size, tmp_path):
-    launch = torchrun(world_size, [], tmp_path, 90, worker=WORKER)
+# Kimi-K2's router and shared expert at every EP size; other families' routers (softmax, group-limited greedy), expert
+# biases and gated shared experts at one each (transformers' tiny configs: 8 experts)
+@pytest.mark.parametrize("world_size, model", [(2, PRESET), (4, PRESET), (8, PRESET), (4, "tiny-step3"),
+                                               (4, "hf:gpt_oss"), (2, "hf:qwen2_moe"), (8, "hf:deepseek_v2")])
+def test_ep_size_does_not_change_a_token_bits(world_size, model, tmp_path):
+    launch = torchrun(world_size, ["--model", model], tmp_path, 90, worker=WORKER)
     assert launch.returncode == 0, f"{launch.returncode=} after {launch.seconds:.0f} s\n{launch.log[-4000:]}"
     reports = read_reports(tmp_path, world_size)
-    expected = {dtype: one_process_rows(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    expected = {dtype: one_process_rows(dtype, model) for dtype in (torch.float32, torch.bfloat16)}
     for transport in ("symm", "a2a"):
         for dtype, rows in expected.items():
             case = f"{transport}/{str(dtype).removeprefix('torch.')}"
