@@ -12,10 +12,10 @@ Checks, by kind (each names the planted bug it exists to catch; ``moe_ref.confor
 | permute   | tokens deranged: each row as before (bitwise if ``batch_invariant``,   | -                                    |
 |           | else against the oracle)                                               |                                      |
 | alone     | one token alone per rank: its row as in the batch (likewise)           | -                                    |
-| graph     | ``graph_safe`` on a GPU at one rank: the call captured in a CUDA graph,  | -                                    |
-|           | replayed on other routing (each live slot's expert id + 1: other        |                                      |
-|           | segment sizes), equals an eager call on that routing (bitwise if        |                                      |
-|           | ``deterministic``, else against the oracle); a capture that raises FAILs |                                      |
+| graph     | ``graph_safe``, a GPU, one rank: the call captured in a CUDA graph,    | -                                    |
+|           | replayed on other routing (each live slot's expert id + 1: other       |                                      |
+|           | segment sizes), equals an eager call there (bitwise if                 |                                      |
+|           | ``deterministic``, else the oracle); a capture that raises FAILs       |                                      |
 | overflow  | C + 1 rows: the declared error on every rank, or the chunked result    | -                                    |
 | counts    | -                                                                      | rows per local expert, exactly       |
 | payload   | -                                                                      | each received row is the sent row, bit for bit, and (rank, token) pairs exactly the routed ones (rank and token id ride in the last two columns) |
