@@ -43,6 +43,8 @@
 # bench_kernels = the expert MLPs alone on one pool (moe-ref bench --kind experts: moe_ref's backends and the peers'
 # kernels, kernel-only rows) at Kimi-K2's share, T 8, 64, 512, 4096 (64 to 32768 routed rows; $BENCH_LIMIT s; timed by
 # $TIMER: events (default), graph or kernels, moe-ref bench --timer);
+# conform_gpu = the conformance harness's GPU tests (every GPU adapter over the real shapes, the graph check, the
+# timers; $CONFORM_K picks some, e.g. CONFORM_K="experts or graph"; needs .whl/ for DeepGEMM and the peers);
 # probe_w4 = which W4A16 tiles give a row the same bits (INT4, MXFP4; scripts/probe_tile_bits.py --only w4: the question
 # the batch-invariant mode's 4-bit experts on CUDA wait on);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
@@ -180,6 +182,8 @@ for s in $STEPS; do case $s in
       --jsonl "$OUT/bench/bench_kernels_${TIMER:-events}.jsonl" ;;
   tiles) step tiles 590 python3 scripts/tune_tiles.py --out "$OUT/tiles" --models kimi-k2/48 ;;
   probe_w4) step probe_w4 400 python3 scripts/probe_tile_bits.py --only w4 --out "$OUT/probe" ;;
+  conform_gpu) step conform_gpu "${CONFORM_LIMIT:-580}" python3 -m pytest -q -rs --timeout=570 \
+      tests/gpu/test_conformance_cuda.py ${CONFORM_K:+-k "$CONFORM_K"} --durations=10 ;;
   *) echo "unknown step $s" ;;
 esac; done
 echo "=== suite done, status=$status" | tee -a "$LOG"
