@@ -249,3 +249,20 @@ def test_every_transformers_family_keeps_a_tokens_bits_alone(model_type):
             alone = torch.cat([moe(x[t:t + 1]) for t in range(x.shape[0])])
         assert rows_with_other_bits(alone, full) == 0, (model_type, dtype)
         assert full.abs().sum() > 0  # the experts ran: not a layer of zeros
+
+
+@pytest.mark.parametrize("preset_name", ["tiny-kimi-k2", "tiny-step3"])
+def test_fp8_dispatch_keeps_a_tokens_bits_alone(preset_name):
+    """FP8 dispatch on the CPU (rows sent as e4m3 with one scale per token per 128 columns): each of 64 tokens alone
+    gives the bits it gets in the batch."""
+    import dataclasses
+
+    cfg = dataclasses.replace(preset(preset_name), hidden_size=256, intermediate_size=128)
+    moe = MegaMoE(cfg, seed=0, dtype=torch.bfloat16, batch_invariant=True, dispatch_fp8=True,
+                  num_max_tokens_per_rank=128, alignment=1)
+    x = tokens(64, cfg.hidden_size, torch.bfloat16)
+    with torch.no_grad():
+        full = moe(x)
+        alone = torch.cat([moe(x[t:t + 1]) for t in range(x.shape[0])])
+    assert rows_with_other_bits(alone, full) == 0
+    assert full.abs().sum() > 0
