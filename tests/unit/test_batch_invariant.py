@@ -266,3 +266,24 @@ def test_fp8_dispatch_keeps_a_tokens_bits_alone(preset_name):
         alone = torch.cat([moe(x[t:t + 1]) for t in range(x.shape[0])])
     assert rows_with_other_bits(alone, full) == 0
     assert full.abs().sum() > 0
+
+
+@pytest.mark.parametrize("preset_name", ["tiny-kimi-k2", "tiny-kimi-k3", "tiny-step3", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_cut_at_random_places_gives_the_batchs_bits(preset_name, dtype):
+    """200 tokens cut into pieces of random lengths 1-40 (seeded), each piece one call: the pieces' rows are the
+    batch's bits, whatever T each call had (every T from 1 to 40 is likely among them)."""
+    moe = MegaMoE(preset_name, seed=0, dtype=dtype, batch_invariant=True, num_max_tokens_per_rank=256, alignment=1)
+    x = tokens(200, moe.cfg.hidden_size, dtype, seed=3)
+    lengths = torch.randint(1, 41, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    bounds, start = [], 0
+    for length in lengths:
+        if start >= 200:
+            break
+        bounds.append((start, min(200, start + length)))
+        start += length
+    with torch.no_grad():
+        full = moe(x)
+        pieces = torch.cat([moe(x[lo:hi]) for lo, hi in bounds])
+    assert len(bounds) > 5 and bounds[-1][1] == 200
+    assert rows_with_other_bits(pieces, full) == 0, bounds
