@@ -3,8 +3,9 @@ for the transcendental steps (the router's sigmoid and exp, the gated activation
 
 torch's CPU elementwise kernels run a vectorized loop over the flattened tensor and compute the elements left after
 its last full step (up to 63 of them) with scalar code: ``std::exp`` where the loop uses its own vector exp, so
-``sigmoid``, ``exp`` and ``silu`` give such an element other bits (measured: a Kimi-K2-like router's sigmoid of one
-token's 16 logits differs in 3 of 16 from the same token's inside 64 tokens). Which elements fall in that tail
+``sigmoid``, ``exp`` and ``silu`` give such an element other bits (measured on an AVX-512 CPU with torch 2.13: the
+tiny Kimi-K2 preset's router sigmoid of one token's 16 logits alone differed in 3 of 16 from the same token's inside
+64 tokens). Which elements fall in that tail
 depends on the tensor's size, and a tensor above torch's grain size (32768 elements) is also split over threads at
 places that depend on it. ``in_fixed_chunks`` runs the function on fresh 1-D chunks of at most ``CHUNK`` elements,
 each a multiple of ``STEP`` (the last zero padded): one thread each, no tail, so every element goes through the same
@@ -22,7 +23,7 @@ import torch
 
 # torch's CPU grain size (at::internal::GRAIN_SIZE: a range this long runs on one thread)
 CHUNK = 32768
-# a multiple of every vectorized loop's step (two vectors of 32 bf16 at most); CHUNK is one too
+# a multiple of every vectorized loop's step (two vectors of at most 32 bf16: 64 elements); CHUNK is one too
 STEP = 64
 
 
