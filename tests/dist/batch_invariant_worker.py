@@ -1,5 +1,5 @@
 """torchrun worker of tests/dist/test_batch_invariant_dist.py: the same global tokens through a batch-invariant layer
-at this EP size, over ``symm`` and ``a2a``, in fp32 and bf16.
+at this EP size, over ``symm`` and ``a2a``, in fp32, bf16 and bf16 with FP8 dispatch.
 
     python -m torch.distributed.run --standalone --nproc-per-node R tests/dist/batch_invariant_worker.py --out OUT \
         [--model tiny-kimi-k2 | hf:<model_type>]
@@ -24,6 +24,8 @@ from launch import join_group  # noqa: E402  (tests/dist, beside this worker)
 from moe_ref import MegaMoE
 
 PRESET, NUM_TOKENS, SEED = "tiny-kimi-k2", 64, 0
+# the case names the test compares: (activation dtype, FP8 dispatch)
+RECIPES = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False), "bfloat16+fp8": (torch.bfloat16, True)}
 SPLITS = {1: [64], 2: [40, 24], 4: [20, 24, 20, 0], 8: [12, 0, 20, 4, 8, 0, 17, 3]}
 
 
@@ -94,9 +96,9 @@ def main() -> int:
     lo = sum(SPLITS[world][:rank])
     hi = lo + SPLITS[world][rank]
     for transport in ("symm", "a2a"):
-        for dtype in (torch.float32, torch.bfloat16):
+        for recipe, (dtype, fp8) in RECIPES.items():
             moe = MegaMoE(cfg, dist.group.WORLD, transport=transport, dtype=dtype, seed=SEED, batch_invariant=True,
-                          num_max_tokens_per_rank=16, overflow="chunk", alignment=1)
+                          dispatch_fp8=fp8, num_max_tokens_per_rank=16, overflow="chunk", alignment=1)
             all_to_all_single = dist.all_to_all_single
             counts = count_combine_exchanges(moe.routed_step.dispatcher)  # collective: builds the step
             try:
@@ -104,7 +106,7 @@ def main() -> int:
                     y = moe(global_tokens(moe.cfg.hidden_size, dtype)[lo:hi])
             finally:
                 dist.all_to_all_single = all_to_all_single
-            report({"case": f"{transport}/{str(dtype).removeprefix('torch.')}", "tokens": list(range(lo, hi)),
+            report({"case": f"{transport}/{recipe}", "tokens": list(range(lo, hi)),
                     "rows": row_bytes(y), "combine": counts})
             moe.destroy()
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """The batch-invariant mode at EP 2, 4 and 8 (torchrun, gloo, CPU ranks): every token's output bits equal one process's
-output on the same 64 global tokens, over ``symm`` and ``a2a``, fp32 and bf16 (``batch_invariant_worker.py``), and
-each chunk's combine is ONE exchange (one ``all_to_all_single``, or one slot push and one barrier over ``symm``)."""
+output on the same 64 global tokens, over ``symm`` and ``a2a``, fp32, bf16 and bf16 with FP8 dispatch
+(``batch_invariant_worker.py``), and each chunk's combine is ONE exchange (one ``all_to_all_single``, or one slot
+push and one barrier over ``symm``)."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_invariant_worker import NUM_TOKENS, PRESET, SEED, global_tokens, layer_config, row_bytes  # noqa: E402
+from batch_invariant_worker import (NUM_TOKENS, PRESET, RECIPES, SEED, global_tokens, layer_config,  # noqa: E402
+                                    row_bytes)
 from launch import read_reports, torchrun  # noqa: E402
 
 from moe_ref import MegaMoE  # noqa: E402
@@ -20,12 +22,12 @@ WORKER = Path(__file__).resolve().parent / "batch_invariant_worker.py"
 NUM_CHUNKS = {2: 3, 4: 2, 8: 2}  # ceil(largest split / the workers' cap of 16)
 
 
-def one_process_rows(dtype: torch.dtype, model: str = PRESET) -> list[str]:
+def one_process_rows(dtype: torch.dtype, model: str = PRESET, fp8: bool = False) -> list[str]:
     """EP 1 on all tokens, with the workers' one BLAS thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        moe = MegaMoE(layer_config(model), dtype=dtype, seed=SEED, batch_invariant=True,
+        moe = MegaMoE(layer_config(model), dtype=dtype, seed=SEED, batch_invariant=True, dispatch_fp8=fp8,
                       num_max_tokens_per_rank=NUM_TOKENS)
         with torch.no_grad():
             return row_bytes(moe(global_tokens(moe.cfg.hidden_size, dtype)))
@@ -41,10 +43,11 @@ def test_ep_size_does_not_change_a_token_bits(world_size, model, tmp_path):
     launch = torchrun(world_size, ["--model", model], tmp_path, 90, worker=WORKER)
     assert launch.returncode == 0, f"{launch.returncode=} after {launch.seconds:.0f} s\n{launch.log[-4000:]}"
     reports = read_reports(tmp_path, world_size)
-    expected = {dtype: one_process_rows(dtype, model) for dtype in (torch.float32, torch.bfloat16)}
+    expected = {recipe: one_process_rows(dtype, model, fp8) for recipe, (dtype, fp8) in RECIPES.items()}
+    assert expected["bfloat16+fp8"] != expected["bfloat16"]  # FP8 dispatch ran: its rows are other values
     for transport in ("symm", "a2a"):
-        for dtype, rows in expected.items():
-            case = f"{transport}/{str(dtype).removeprefix('torch.')}"
+        for recipe, rows in expected.items():
+            case = f"{transport}/{recipe}"
             seen = []
             for rank in range(world_size):
                 assert case in reports[rank], f"rank {rank} did not report {case}\n{launch.log[-4000:]}"
