@@ -4,7 +4,8 @@ at this EP size, over ``symm`` and ``a2a``, in fp32, bf16 and bf16 with FP8 disp
     python -m torch.distributed.run --standalone --nproc-per-node R tests/dist/batch_invariant_worker.py --out OUT \
         [--model tiny-kimi-k2 | hf:<model_type>]
 
-``--model``: a preset, or ``hf:<model_type>``, a transformers family's tiny config (``tests/unit/hf_tiny_models.py``).
+``--model``: a preset, ``hf:<model_type>`` (a transformers family's tiny config) or ``ckpt:<folder>`` (a synthetic
+checkpoint, experts loaded as stored): ``build_layer``.
 
 The G = 64 global tokens are split unevenly over the ranks (the last rank gets none at R = 4, two ranks none at R = 8:
 two experts each) and chunked by a cap of 16 rows. Each rank reports, per case, the bytes of its output rows as hex, with the global token index of each; the
@@ -29,16 +30,29 @@ RECIPES = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False
 SPLITS = {1: [64], 2: [40, 24], 4: [20, 24, 20, 0], 8: [12, 0, 20, 4, 8, 0, 17, 3]}
 
 
-def layer_config(model: str):
-    """What ``MegaMoE`` is built from: a preset name, or the MoEConfig of a transformers family's tiny model."""
-    if not model.startswith("hf:"):
-        return model
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    import hf_tiny_models as tiny
+CHECKPOINT_LAYER = 1  # the MoE layer a ``ckpt:`` folder holds (the test writes it)
 
+
+def build_layer(model: str, group=None, **options) -> MegaMoE:
+    """A batch-invariant ``MegaMoE`` of ``model``: a preset name; ``hf:<model_type>``, a transformers family's tiny
+    config (``tests/unit/hf_tiny_models.py``); or ``ckpt:<folder>``, a synthetic checkpoint loaded as stored (quantized
+    experts kept quantized)."""
     from moe_ref.core.config import MoEConfig
 
-    return MoEConfig.from_hf_config(tiny.tiny_model(model[3:]).config)
+    if model.startswith("hf:"):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+        import hf_tiny_models as tiny
+
+        cfg = MoEConfig.from_hf_config(tiny.tiny_model(model[3:]).config)
+    elif model.startswith("ckpt:"):
+        cfg = MoEConfig.from_hf_config(model[5:])
+    else:
+        cfg = model
+    moe = MegaMoE(cfg, group, seed=SEED, batch_invariant=True, **options)
+    if model.startswith("ckpt:"):
+        moe.load_hf_weights(model[5:], layer_idx=CHECKPOINT_LAYER)
+        assert moe.quantized_experts is not None, "the checkpoint's experts were not kept as stored"
+    return moe
 
 
 def global_tokens(hidden: int, dtype: torch.dtype) -> torch.Tensor:
@@ -91,14 +105,13 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default=PRESET)
     args = parser.parse_args()
-    cfg = layer_config(args.model)
     rank, world, report = join_group(args.out, 60)
     lo = sum(SPLITS[world][:rank])
     hi = lo + SPLITS[world][rank]
     for transport in ("symm", "a2a"):
         for recipe, (dtype, fp8) in RECIPES.items():
-            moe = MegaMoE(cfg, dist.group.WORLD, transport=transport, dtype=dtype, seed=SEED, batch_invariant=True,
-                          dispatch_fp8=fp8, num_max_tokens_per_rank=16, overflow="chunk", alignment=1)
+            moe = build_layer(args.model, dist.group.WORLD, transport=transport, dtype=dtype, dispatch_fp8=fp8,
+                              num_max_tokens_per_rank=16, overflow="chunk", alignment=1)
             all_to_all_single = dist.all_to_all_single
             counts = count_combine_exchanges(moe.routed_step.dispatcher)  # collective: builds the step
             try:

@@ -11,15 +11,28 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_invariant_worker import (NUM_TOKENS, PRESET, RECIPES, SEED, global_tokens, layer_config,  # noqa: E402
-                                    row_bytes)
+from batch_invariant_worker import (CHECKPOINT_LAYER, NUM_TOKENS, PRESET, RECIPES, build_layer,  # noqa: E402
+                                    global_tokens, row_bytes)
 from launch import read_reports, torchrun  # noqa: E402
 
-from moe_ref import MegaMoE  # noqa: E402
 
 pytestmark = pytest.mark.dist
 WORKER = Path(__file__).resolve().parent / "batch_invariant_worker.py"
 NUM_CHUNKS = {2: 3, 4: 2, 8: 2}  # ceil(largest split / the workers' cap of 16)
+
+
+def write_checkpoint(folder: Path, fmt: str) -> Path:
+    """A synthetic Kimi-K2-family checkpoint of one MoE layer with ``fmt`` experts (sizes the format takes)."""
+    import dataclasses
+
+    from moe_ref.checkpoint.synthetic import quantizable_config, write_synthetic_checkpoint
+    from moe_ref.core.config import preset
+
+    sizes = dict(hidden_size=128, intermediate_size=128) if fmt == "fp8_block" else dict(hidden_size=64,
+                                                                                         intermediate_size=32)
+    cfg = quantizable_config(dataclasses.replace(preset(PRESET), **sizes), fmt)
+    write_synthetic_checkpoint(folder, cfg, layer_idx=CHECKPOINT_LAYER, quant=fmt, seed=3, dtype=torch.float32)
+    return folder
 
 
 def one_process_rows(dtype: torch.dtype, model: str = PRESET, fp8: bool = False) -> list[str]:
@@ -27,8 +40,7 @@ def one_process_rows(dtype: torch.dtype, model: str = PRESET, fp8: bool = False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        moe = MegaMoE(layer_config(model), dtype=dtype, seed=SEED, batch_invariant=True, dispatch_fp8=fp8,
-                      num_max_tokens_per_rank=NUM_TOKENS)
+        moe = build_layer(model, dtype=dtype, dispatch_fp8=fp8, num_max_tokens_per_rank=NUM_TOKENS)
         with torch.no_grad():
             return row_bytes(moe(global_tokens(moe.cfg.hidden_size, dtype)))
     finally:
@@ -38,8 +50,11 @@ def one_process_rows(dtype: torch.dtype, model: str = PRESET, fp8: bool = False)
 # Kimi-K2's router and shared expert at every EP size; other families' routers (softmax, group-limited greedy), expert
 # biases and gated shared experts at one each (transformers' tiny configs: 8 experts)
 @pytest.mark.parametrize("world_size, model", [(2, PRESET), (4, PRESET), (8, PRESET), (4, "tiny-step3"),
-                                               (4, "hf:gpt_oss"), (2, "hf:qwen2_moe"), (8, "hf:deepseek_v2")])
+                                               (4, "hf:gpt_oss"), (2, "hf:qwen2_moe"), (8, "hf:deepseek_v2"),
+                                               (2, "ckpt:int4_group"), (4, "ckpt:mxfp4"), (2, "ckpt:fp8_block")])
 def test_ep_size_does_not_change_a_token_bits(world_size, model, tmp_path):
+    if model.startswith("ckpt:"):  # quantized experts kept as stored (the torch loop over each expert dequantized)
+        model = f"ckpt:{write_checkpoint(tmp_path / 'checkpoint', model[5:])}"
     launch = torchrun(world_size, ["--model", model], tmp_path, 90, worker=WORKER)
     assert launch.returncode == 0, f"{launch.returncode=} after {launch.seconds:.0f} s\n{launch.log[-4000:]}"
     reports = read_reports(tmp_path, world_size)
