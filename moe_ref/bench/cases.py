@@ -1,6 +1,7 @@
-"""Expert-MLP benchmark cases at per-rank EP8 shapes (scripts/bench_experts.py, ab_grouped_mlp.py): a model's expert weights (`make_weights`), routed rows spread uniformly at random over its experts
-(`routed_counts`) in a 128-aligned pool (`make_case`), the same rows in the pool of any other segment alignment
-(`case_pool`), and the calls the routed step makes on such a pool (`api_layout`, `api_call`).
+"""Expert-MLP benchmark cases at per-rank EP8 shapes (scripts/bench_experts.py, ab_grouped_mlp.py): a model's expert
+weights (`make_weights`), routed rows spread uniformly at random over its experts (`routed_counts`) in a 128-aligned
+pool (`make_case`), the same rows in the pool of any other segment alignment (`case_pool`), and the calls the routed
+step makes on such a pool (`api_layout`, `api_call`).
 
 Shape legend: P receive-pool rows, e local experts, D hidden width, Dx expert input width, Db FP8 scale blocks of an
 expert input row, F expert intermediate (2F: gate rows then up rows), N routed entries (the routed rows, packed),

@@ -52,8 +52,8 @@ def time_rounds(paths: list[tuple[str, Callable[[], object]]], rounds: int,
 
 def kernel_us(fn: Callable[[], object], quick: bool) -> tuple[float, dict[str, float]]:
     """(us per call, {kernel name: us per call}, largest first): the GPU time of the kernels ``fn`` launches, summed,
-    from the profiler (as
-    DeepGEMM's own tests time its kernels), L2 flushed before each call by a 256 MB float64 fill.
+    from the profiler (as DeepGEMM's own tests time its kernels), L2 flushed before each call by a 256 MB float64
+    fill.
 
     The fill's kernel is told apart by its exact name, seen in a profile of the fill alone; a call that launches a
     kernel of that very name raises (its time could not be told apart) rather than be undercounted."""

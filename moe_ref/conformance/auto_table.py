@@ -230,6 +230,7 @@ def run(args) -> int:
     command = " ".join(["moe-ref", *sys.argv[1:]])
     entry = {"header": header(command, notes, time.monotonic() - start), "regimes": build_regimes(measured, num_experts)}
     markdown_path = write_table(entry, out)
-    print(open(markdown_path).read())
+    with open(markdown_path) as f:
+        print(f.read())
     print(f"wrote {out} and {markdown_path} in {time.monotonic() - start:.0f} s", flush=True)
     return 0

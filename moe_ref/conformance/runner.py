@@ -22,11 +22,12 @@ Checks, by kind (each names the planted bug it exists to catch; ``moe_ref.confor
 
 ``pool_experts`` (the expert MLPs alone, on the pool ``scenarios.expert_pool`` builds, padding rows NaN): oracle
 (each segment row against ``oracle.oracle_rows``), finite (no NaN/inf in a segment row: the padding read into it,
-or a row never written), input (the pool's bytes unchanged
-by the call), rerun, permute (the rows rotated inside each segment), alone (one row alone in the pool).
+or a row never written), input (the pool's bytes unchanged by the call), rerun, permute (the rows rotated inside each
+segment), alone (one row alone in the pool).
 
 A speed case (``<shape>/<recipe>/T<n>``) first hands the built implementation's optional ``tune(x_TD, topk_ids_TK,
-topk_weights_TK)`` (``pool_experts``: ``tune(pool)``) its inputs (an engine's offline tuning for one shape); the checks then check what is timed.
+topk_weights_TK)`` (``pool_experts``: ``tune(pool)``) its inputs (an engine's offline tuning for one shape); the
+checks then check what is timed.
 
 Shape legend: T tokens of this rank, K top-k, E experts, e local experts, D hidden width, P receive-pool rows.
 """

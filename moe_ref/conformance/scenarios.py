@@ -282,7 +282,6 @@ def quantize_fp8_rows(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes[:, :dim].contiguous(), scale
 
 
-
 def quantize_fp8_blocks(w_eOI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[e, O, I]`` -> (e4m3 codes ``[e, O, I]``, fp32 scales ``[e, ceil(O/128), ceil(I/128)]``), amax / 448 per
     128x128 block (on ``w_eOI``'s device)."""
