@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from moe_ref.bench.cases import Case
+from moe_ref.bench.timing import roofline_s
 
 def row_label(path: str, peer_labels: dict | None = None, search: str = "none") -> str:
     """What a row times, in words, for the JSON (`label`) and the markdown."""
@@ -43,11 +44,9 @@ def case_metrics(case: Case, path: str, us: float, anchors: dict) -> dict:
     weight_bytes = active * 3 * inter * hidden * (1 if fp8 else 2)
     act_bytes = case.num_rows * (hidden * 2 + inter * 2 * 2 + hidden * 2)  # x, h (w + r), y
     flops = 6 * case.num_rows * hidden * inter
-    peak = anchors["bf16_flops_per_s"] * (2 if fp8 else 1)
-    roofline_s = max((weight_bytes + act_bytes) / anchors["hbm_bytes_per_s"], flops / peak)
+    least_s, bound = roofline_s(weight_bytes + act_bytes, flops, anchors, fp8)
     return {"us": us, "tflops": flops / (us * 1e-6) / 1e12, "weight_gbps": weight_bytes / (us * 1e-6) / 1e9,
-            "roofline_fraction": roofline_s / (us * 1e-6), "bound": "memory" if
-            (weight_bytes + act_bytes) / anchors["hbm_bytes_per_s"] > flops / peak else "compute"}
+            "roofline_fraction": least_s / (us * 1e-6), "bound": bound}
 
 
 def markdown(results: dict) -> str:

@@ -84,21 +84,15 @@ def kernels_without_flush(events, flush_names: set[str], calls: int) -> dict[str
     kernel ran.
 
     Example: two calls, the flush kernel "fill"; events fill 80, A 10, fill 80, A 12 -> {"A": 11.0}."""
-    per_kernel, flushes = {}, 0
-    for event in events:
-        if _device(event) != "CUDA":
-            continue
-        if event.name in flush_names:
-            flushes += 1
-            continue
-        # a device event's own span: the kernel's run time
-        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.time_range.elapsed_us() / calls
+    kernels = [event for event in events if _device(event) == "CUDA"]
+    flushes = sum(event.name in flush_names for event in kernels)
+    per_kernel = _us_per_call([event for event in kernels if event.name not in flush_names], calls)
     if flushes != calls * len(flush_names):
         raise RuntimeError(f"the call launches the L2 flush's own kernel ({sorted(flush_names)}): its kernel time "
                            "cannot be told apart")
     if not per_kernel:
         raise RuntimeError("the profiler saw no kernel of the call")
-    return dict(sorted(per_kernel.items(), key=lambda item: -item[1]))
+    return per_kernel
 
 
 def kernel_table(fn: Callable[[], object], calls: int = 10) -> tuple[dict[str, float], float, dict[str, list[float]]]:
@@ -124,6 +118,15 @@ def _device(event) -> str:
     return str(getattr(event, "device_type", "")).rsplit(".", 1)[-1]  # DeviceType.CUDA -> CUDA
 
 
+def _us_per_call(kernel_events, calls: int) -> dict[str, float]:
+    """``{kernel name: summed GPU us / calls}`` of device events (each event's own span: the kernel's run time),
+    largest first, not rounded."""
+    table: dict[str, float] = {}
+    for event in kernel_events:
+        table[event.name] = table.get(event.name, 0.0) + event.time_range.elapsed_us() / calls
+    return dict(sorted(table.items(), key=lambda item: -item[1]))
+
+
 def gpu_kernels(events, calls: int) -> tuple[dict[str, float], float]:
     """``({kernel name: GPU us per call}, GPU span us per call)`` of a profile's CUDA events over ``calls`` calls.
 
@@ -133,15 +136,10 @@ def gpu_kernels(events, calls: int) -> tuple[dict[str, float], float]:
     Example: two calls, kernels A at [0, 10) and [30, 40), B at [10, 20) and [40, 50) us ->
     ({"A": 10.0, "B": 10.0}, 25.0): 20 us of kernels per call in a 25 us span.
     """
-    table: dict[str, float] = {}
-    starts, ends = [], []
-    for event in events:
-        if _device(event) == "CUDA":
-            table[event.name] = table.get(event.name, 0.0) + event.time_range.elapsed_us() / calls
-            starts.append(event.time_range.start)
-            ends.append(event.time_range.end)
-    span = (max(ends) - min(starts)) / calls if starts else 0.0
-    return {name: round(us, 1) for name, us in sorted(table.items(), key=lambda item: -item[1])}, round(span, 1)
+    kernels = [event for event in events if _device(event) == "CUDA"]
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / calls \
+        if kernels else 0.0
+    return {name: round(us, 1) for name, us in _us_per_call(kernels, calls).items()}, round(span, 1)
 
 
 def runtime_calls(events, calls: int) -> dict[str, list[float]]:
@@ -171,6 +169,17 @@ def measure_anchors(quick: bool) -> dict:
     del a, b
     return {"hbm_bytes_per_s": 2 * numel * 2 / (copy_us * 1e-6), "bf16_flops_per_s": 2 * 8192**3 / (gemm_us * 1e-6),
             "copy_us": copy_us, "gemm_8192_us": gemm_us}
+
+
+def roofline_s(bytes_moved: float, flops: float, anchors: dict, fp8: bool = False) -> tuple[float, str]:
+    """(seconds, bound): the least time ``bytes_moved`` and ``flops`` take on the GPU of ``anchors``
+    (``measure_anchors``): max(bytes / HBM copy bandwidth, FLOPs / bf16 GEMM peak, doubled for ``fp8``: an estimate),
+    and which of the two bounds it ("memory" or "compute").
+
+    Example: 3e9 bytes and 4e11 FLOPs on 3e12 B/s and 8e14 FLOP/s -> (1e-3, "memory")."""
+    memory_s = bytes_moved / anchors["hbm_bytes_per_s"]
+    compute_s = flops / (anchors["bf16_flops_per_s"] * (2 if fp8 else 1))
+    return max(memory_s, compute_s), "memory" if memory_s > compute_s else "compute"
 
 
 def host_and_wall_us(fn, inputs, calls: int) -> tuple[float, float]:

@@ -107,11 +107,12 @@ def default_impls(cases, world: int, device: str, kinds: tuple[str, ...], tuned:
 
 
 def roofline(rec: dict, anchors: dict, fp8: bool) -> float:
-    """The fraction of this GPU's roofline a timed record reaches: max(bytes / HBM bandwidth, FLOPs / peak) over its
-    time, from its GB/s and TFLOP/s and the run's ``anchors`` (``measure_anchors``); ``fp8``: the peak doubled (an
-    estimate). Example: 1500 GB/s and 300 TFLOP/s on 3000 GB/s and 800 TFLOP/s -> max(0.5, 0.375) = 0.5."""
-    peak = anchors["bf16_flops_per_s"] * (2 if fp8 else 1)
-    return max(rec["GB/s"] * 1e9 / anchors["hbm_bytes_per_s"], (rec["TFLOP/s"] or 0.0) * 1e12 / peak)
+    """The fraction of this GPU's roofline a timed record reaches: ``moe_ref.bench.timing.roofline_s`` of what it moves
+    and computes in one second of its time (its GB/s and TFLOP/s), on the run's ``anchors``; ``fp8``: the peak doubled
+    (an estimate). Example: 1500 GB/s and 300 TFLOP/s on 3000 GB/s and 800 TFLOP/s -> max(0.5, 0.375) = 0.5."""
+    from moe_ref.bench.timing import roofline_s
+
+    return roofline_s(rec["GB/s"] * 1e9, (rec["TFLOP/s"] or 0.0) * 1e12, anchors, fp8)[0]
 
 
 def table(records: list[dict], flops: bool = True) -> str:

@@ -206,12 +206,14 @@ def _oracle_check(out_TD, expected_TD, key: str, verdict: Verdict, name: str = "
         verdict.failed.setdefault(name, why)
 
 
-def _same_rows(check: str, actual, base, expected, key: str, bitwise: bool, verdict: Verdict) -> None:
-    """``actual`` against the earlier rows ``base`` bit for bit, else (not batch invariant) against the oracle."""
+def _same_rows(check: str, actual, base, expected, key: str, bitwise: bool, verdict: Verdict,
+               base_name: str = "the batch run") -> None:
+    """``actual`` against the earlier rows ``base`` (``base_name`` in the message) bit for bit, else against the
+    oracle's ``expected`` (unused, and may be None, when ``bitwise``)."""
     if bitwise:
         if not torch.equal(actual.view(torch.uint8), base.view(torch.uint8)):
             differ = (actual.view(torch.uint8) != base.view(torch.uint8)).any(-1).nonzero().flatten()
-            verdict.failed.setdefault(check, f"{differ.numel()} rows differ in bits from the batch run (first "
+            verdict.failed.setdefault(check, f"{differ.numel()} rows differ in bits from {base_name} (first "
                                              f"{differ[:5].tolist()})")
     else:
         _oracle_check(actual, expected, key, verdict, check)
@@ -281,14 +283,10 @@ def _check_graph(built, impl, case, inputs, weights, verdict: Verdict, progress)
                                            f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
         return
     eager_TD, _ = _call(built, x_TD, shifted_TK, w_TK)
-    if impl.caps.deterministic:
-        if not torch.equal(out_TD.view(torch.uint8), eager_TD.view(torch.uint8)):
-            differ = (out_TD.view(torch.uint8) != eager_TD.view(torch.uint8)).any(-1).nonzero().flatten()
-            verdict.failed.setdefault("graph", f"{differ.numel()} rows of the replay on other routing differ in bits "
-                                               f"from an eager call on it (first {differ[:5].tolist()})")
-    else:
-        expected_TD = oracle_moe(x_TD, shifted_TK, w_TK, weights, impl.caps.compute)
-        _oracle_check(out_TD, expected_TD, limit_key(impl, case), verdict, "graph")
+    bitwise = impl.caps.deterministic
+    expected_TD = None if bitwise else oracle_moe(x_TD, shifted_TK, w_TK, weights, impl.caps.compute)
+    _same_rows("graph", out_TD, eager_TD, expected_TD, limit_key(impl, case), bitwise, verdict,
+               "an eager call on the same (shifted) routing")
 
 
 def _check_overflow(built, impl, case, mine, inputs, weights, verdict: Verdict, progress) -> None:

@@ -171,6 +171,9 @@ def test_the_roofline_column_is_the_larger_of_the_bandwidth_and_compute_fraction
     assert roofline(timed, anchors, fp8=False) == pytest.approx(0.5)  # bandwidth: 1500 / 3000
     assert roofline({"GB/s": 300.0, "TFLOP/s": 600.0}, anchors, fp8=False) == pytest.approx(0.75)
     assert roofline({"GB/s": 300.0, "TFLOP/s": 600.0}, anchors, fp8=True) == pytest.approx(0.375)  # peak doubled
+    from moe_ref.bench.timing import roofline_s  # the one formula, also bench_experts' (expert_report.case_metrics)
+    assert roofline_s(3e9, 4e11, anchors) == (pytest.approx(1e-3), "memory")
+    assert roofline_s(3e9, 4e12, anchors)[1] == "compute"
 
     def rec(t, us, roof):
         return {"impl": "a", "ranks": 1, "case": f"kimi-k2/bf16/T{t}", "status": "PASS", "us": us, "TFLOP/s": 1.0,

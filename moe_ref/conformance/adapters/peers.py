@@ -20,6 +20,8 @@ Shape legend: T tokens of this rank, K top-k, e local experts, D hidden width, P
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moe_ref.conformance.api import Capabilities, ExpertPool, Implementation, Problem, register
@@ -55,21 +57,19 @@ class PeerMoE:
                                                    self.device_name, num_routed, hidden=p.hidden)
         return self.configs[num_routed]
 
-    def pool(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor) -> tuple[ExpertPool, torch.Tensor, torch.Tensor]:
-        """``(pool, token_N, slot_N)``: the live slots grouped by expert (slot order within an expert), packed, and
-        each pool row's token and slot (FP8: the rows quantized per 128 columns, as the engines quantize them)."""
-        token_N, slot_N = (topk_ids_TK >= 0).nonzero(as_tuple=True)
-        expert_N = topk_ids_TK[token_N, slot_N]
-        order = torch.argsort(expert_N, stable=True)
-        token_N, slot_N, expert_N = token_N[order], slot_N[order], expert_N[order]
-        num_rows_e = torch.bincount(expert_N, minlength=self.problem.num_local_experts)
-        row_start_e = torch.cumsum(num_rows_e, 0) - num_rows_e
-        x_PD, x_fp8, x_scale = x_TD[token_N], None, None
+    def pool(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor) -> tuple[ExpertPool, torch.Tensor]:
+        """``(pool, row_TK)``: the live slots grouped by expert, packed (``scenarios.expert_pool``: (token, slot)
+        order within an expert), and each slot's pool row (-1: masked); FP8: the rows quantized per 128 columns as the
+        engines quantize them (moe_ref's quantizer, not the harness's)."""
+        from moe_ref.conformance.scenarios import expert_pool
+
+        pool, _, row_TK = expert_pool(x_TD, topk_ids_TK, self.problem.num_local_experts)
         if self.fp8:
             from moe_ref.kernels.experts.fp8 import quantize_fp8_per_128
 
-            x_fp8, x_scale = quantize_fp8_per_128(x_PD)
-        return ExpertPool(x_PD, row_start_e, num_rows_e, int(token_N.numel()), 0, x_fp8, x_scale), token_N, slot_N
+            x_fp8, x_scale = quantize_fp8_per_128(pool.x_PD)
+            pool = dataclasses.replace(pool, x_fp8_PD=x_fp8, x_scale_PDb=x_scale)
+        return pool, row_TK
 
     def mlp(self, pool: ExpertPool, config, routing=None) -> torch.Tensor:
         """``y_PD``: the engine's two GEMMs and act over the pool at ``config``; ``routing``: the kernel's routing
@@ -117,11 +117,9 @@ class PeerMoE:
     def __call__(self, x_TD, topk_ids_TK, topk_weights_TK, out_TD) -> None:
         from moe_ref.ep.batch_invariant import sum_slots
 
-        pool, token_N, slot_N = self.pool(x_TD, topk_ids_TK)
+        pool, row_TK = self.pool(x_TD, topk_ids_TK)
         y_PD = self.mlp(pool, self.config(pool.num_rows))
-        pool_row_TK = torch.full(topk_ids_TK.shape, -1, dtype=torch.int64, device=x_TD.device)
-        pool_row_TK[token_N, slot_N] = torch.arange(pool.num_rows, device=x_TD.device)
-        out_TD.copy_(sum_slots(y_PD, topk_ids_TK, topk_weights_TK.float(), out_TD.dtype, pool_row_TK))
+        out_TD.copy_(sum_slots(y_PD, topk_ids_TK, topk_weights_TK.float(), out_TD.dtype, row_TK))
 
 
 class TunedPeerMoE(PeerMoE):
