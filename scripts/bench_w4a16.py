@@ -2,7 +2,7 @@
 """W4A16 (INT4, MXFP4) and FP8-from-checkpoint experts vs bf16 experts through the public Experts API (CUDA).
 
     python scripts/bench_w4a16.py [--rows 64 512] [--out results/bench_w4a16.json] [--sweep]
-                                  [--peer first|all|none] [--max-seconds 240] [--dry-run]
+                                  [--peer first|all|none] [--max-seconds 240] [--dry-run] [--every-tile]
 
 Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed rows spread uniformly at random
 (multinomial) over the experts; pool layout with alignment 1 (the Triton backends' own). Paths:
@@ -31,7 +31,8 @@ BLOCK_M 8 and 16 `TILES` up to 4 rows per expert, BLOCK_M 16 up to 16, the large
 format) and timed alone; each checked against the autotuned launch's output (calc_diff < 1e-4; gate_up writes h, the
 SiLU of its gate and up sums; down reads the autotuned gate_up's h). A tile that fails to compile or launch is recorded
 with its error.
-The best per (format, rows, GEMM) goes into the JSON and the markdown.
+The best per (format, rows, GEMM) goes into the JSON and the markdown. --every-tile sweeps all of `TILES` at every
+row count (is a tile the regimes leave out faster there? e.g. BLOCK_M 16 at prefill).
 
 Peer anchor (--peer, default the first peer file): the INT4 W4A16 Triton kernel SGLang and vLLM ship (`fused_moe_kernel_gptq_awq`, read
 out of the files `make peers` puts in .whl/ by `moe_ref.bench.peers`, never installed) on the same INT4 weights
@@ -64,7 +65,7 @@ from moe_ref.bench.w4_cases import HIDDEN, INTER, NUM_EXPERTS, quantized_weights
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights  # noqa: E402
 from moe_ref.experts import make_experts  # noqa: E402
 from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
-from moe_ref.kernels.experts.grouped_mlp_w4 import launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
+from moe_ref.kernels.experts.grouped_mlp_w4 import TILES, launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
 from moe_ref.kernels.experts.w4 import W4Weight  # noqa: E402
 from moe_ref.testing import bench as _bench_calls, calc_diff, graphed  # noqa: E402
 
@@ -100,14 +101,15 @@ def gemm_shape(gemm: str) -> tuple[int, int]:
     return (2 * INTER, HIDDEN) if gemm == "gate_up" else (HIDDEN, INTER)
 
 
-def sweep_tiles(rows: int) -> list[tuple]:
+def sweep_tiles(rows: int, every_tile: bool = False) -> list[tuple]:
     """The tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) autotune tries for `rows` routed rows over this script's
-    experts (`grouped_mlp_w4.tiles_for`): the sweep's candidates, the same for both formats and GEMMs.
+    experts (`grouped_mlp_w4.tiles_for`), or with ``every_tile`` all of ``TILES`` (to see whether the regimes'
+    bounds leave a faster tile out): the sweep's candidates, the same for both formats and GEMMs.
 
     Example: 64 rows (1.3 per expert) -> the BLOCK_M 8 and 16 tiles; 512 rows (10.7) -> BLOCK_M 16; 4096 rows (85.3
     per expert) -> BLOCK_M 32 to 128.
     """
-    return [tuple(tile) for tile in tiles_for(rows / NUM_EXPERTS)]
+    return [tuple(tile) for tile in (TILES if every_tile else tiles_for(rows / NUM_EXPERTS))]
 
 
 def autotuned_tiles(rows: int, scale_dtype: torch.dtype, tuned: dict | None = None) -> dict[str, tuple | None]:
@@ -242,7 +244,7 @@ def run_sweep(cases: list[dict], quantized: dict, args, results: dict) -> None:
         for gemm in GEMMS:
             for case in cases:
                 ref = refs[case["rows"]]
-                for tile in sweep_tiles(case["rows"]):
+                for tile in sweep_tiles(case["rows"], args.every_tile):
                     if _elapsed() > args.max_seconds:
                         results["stopped_early"] = f"sweep at {path} {case['rows']} rows {gemm} {tile_label(tile)}"
                         _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the sweep")
@@ -371,6 +373,8 @@ def _parse(argv=None):
     parser.add_argument("--out", default="results/bench_w4a16.json")
     parser.add_argument("--sweep", action="store_true",
                         help="time every tile autotune tries, forced, per 4-bit format, rows and GEMM")
+    parser.add_argument("--every-tile", action="store_true",
+                        help="with --sweep: every tile of grouped_mlp_w4.TILES at every row count, not only its regime's")
     parser.add_argument("--peer", choices=["first", "all", "none"], default="first",
                         help="peer files to run: the first of .whl/ (SGLang's wheel when present: the engines' kernels "
                              "differ only in argument names), every one, or none")
@@ -389,7 +393,7 @@ def dry_run(args) -> int:
     if args.sweep:
         for rows in args.rows:
             print(f"sweep {rows} rows ({rows / NUM_EXPERTS:.1f} per expert), per format and GEMM: "
-                  f"{[tile_label(t) for t in sweep_tiles(rows)]}")
+                  f"{[tile_label(t) for t in sweep_tiles(rows, args.every_tile)]}")
     if args.peer != "none":
         files = peers.default_peer_files()[:1 if args.peer == "first" else None]
         print(f"peer files: {[os.path.basename(f) for f in files] or 'none (skipped: run `make peers`)'}")

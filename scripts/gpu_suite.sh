@@ -47,6 +47,8 @@
 # timers; $CONFORM_K picks some, e.g. CONFORM_K="experts or graph"; needs .whl/ for DeepGEMM and the peers);
 # probe_w4 = which W4A16 tiles give a row the same bits (INT4, MXFP4; scripts/probe_tile_bits.py --only w4: the question
 # the batch-invariant mode's 4-bit experts on CUDA wait on);
+# w4_prefill = the 4-bit experts at 1024 and 4096 rows through the API beside bf16 and FP8, and every tile of the W4A16
+# kernel forced there (is the prefill regime's tile list the right one?);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -134,6 +136,8 @@ for s in $STEPS; do case $s in
   quant_rows) step quant_rows 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_kernels_cuda.py -k quantize_rows ;;
   w4_tests) step w4_tests 150 python3 -m pytest -q -rs --timeout=120 tests/interpreter/test_grouped_mlp_w4.py \
       -k "decode or scale or forced or no_rows or twin" ;;
+  w4_prefill) step w4_prefill 360 python3 scripts/bench_w4a16.py --peer none --rows 1024 4096 --sweep --every-tile \
+      --max-seconds 330 --out "$OUT/w4_prefill/bench_w4a16.json" ;;
   w4_api) step w4_api 200 python3 scripts/bench_w4a16.py --peer none --out "$OUT/w4_api/bench_w4a16.json" ;;
   launch)
     step launch_tests 200 python3 -m pytest -q -rs --timeout=150 tests/gpu/test_bound_launch_cuda.py tests/unit/test_bound_launch.py

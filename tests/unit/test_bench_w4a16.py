@@ -55,6 +55,7 @@ def test_sweep_tiles_follow_the_kernels_regimes():
     assert bw.sweep_tiles(64) and {t[0] for t in bw.sweep_tiles(16 * bw.NUM_EXPERTS)} == {16}
     assert min(t[0] for t in bw.sweep_tiles(16 * bw.NUM_EXPERTS + 1)) >= 32
     assert set(bw.sweep_tiles(64)) | set(bw.sweep_tiles(4096)) == {tuple(t) for t in w4k.TILES}
+    assert bw.sweep_tiles(4096, every_tile=True) == [tuple(t) for t in w4k.TILES]
 
 
 def test_tile_label():
