@@ -136,7 +136,7 @@ for s in $STEPS; do case $s in
   quant_rows) step quant_rows 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_kernels_cuda.py -k quantize_rows ;;
   w4_tests) step w4_tests 150 python3 -m pytest -q -rs --timeout=120 tests/interpreter/test_grouped_mlp_w4.py \
       -k "decode or scale or forced or no_rows or twin" ;;
-  w4_prefill) step w4_prefill 360 python3 scripts/bench_w4a16.py --peer none --rows 1024 4096 --sweep --every-tile \
+  w4_prefill) step w4_prefill 360 python3 scripts/bench_w4a16.py --peer none --rows ${W4_ROWS:-1024 4096} --sweep --every-tile \
       --max-seconds 330 --out "$OUT/w4_prefill/bench_w4a16.json" ;;
   w4_api) step w4_api 200 python3 scripts/bench_w4a16.py --peer none --out "$OUT/w4_api/bench_w4a16.json" ;;
   launch)

@@ -151,7 +151,7 @@ def zero_padding_rows(layout: ExpertLayout, pools: list[torch.Tensor]) -> Expert
         rows_N = first_pad_e[seg_N] + torch.arange(num_pad, device=pad_e.device) - before_e[seg_N]
         for pool in pools:
             pool[rows_N] = 0
-    return ExpertLayout(layout.row_start_e, aligned_e, layout.num_pool_rows, layout.alignment)
+    return ExpertLayout(layout.row_start_e, aligned_e, layout.num_pool_rows, layout.alignment, packed=layout.packed)
 
 
 # --- the handle ---------------------------------------------------------------------------------------------
@@ -275,7 +275,8 @@ class Dispatcher(ABC):
         # the whole pool goes to the experts exactly when the host does not know its used end (hint given):
         # then rows past it need not be zeroed (combine reads rows inside segments only)
         layout = ExpertLayout(self.buffer.view("row_start"), num_rows_e, num_pool_rows, self.plan.alignment, hint,
-                              zero_unused_rows=hint is None, masked_rows=self.regions.masked_rows)
+                              zero_unused_rows=hint is None, masked_rows=self.regions.masked_rows,
+                              packed=not self.regions.masked_rows)
         return DispatchHandle(num_tokens=num_tokens, recv_x_PD=self.buffer.view("recv_x"),
                               recv_x_scale_PDb=self.buffer.view("recv_x_scale") if self.plan.dispatch_fp8 else None,
                               recv_src_P3=self.buffer.view("recv_src"), layout=layout, routes=routes)

@@ -85,6 +85,10 @@ class ExpertLayout:
         masked_rows: M > 0 when the pool is masked (``moe_ref.ep.capacity``): expert i's segment starts at i * M and
             ``num_pool_rows == e * M``, so the pool viewed as ``[e, M, Dx]`` is DeepGEMM's masked layout with
             ``num_rows_e`` as its ``masked_m``. 0: contiguous segments.
+        packed: contiguous segments back to back, each on the next multiple of ``alignment`` after the one before
+            (``row_start_e[i + 1] == align(row_start_e[i] + num_rows_e[i])``, the first at row 0), as ``from_counts``
+            and the dispatcher lay them out: the segments' ends then say where every segment starts, so a backend
+            may skip the pool past the last one (DeepGEMM's psum layout). False: only the attributes above hold.
     """
 
     row_start_e: torch.Tensor
@@ -94,6 +98,7 @@ class ExpertLayout:
     num_rows_hint: int | None = None
     zero_unused_rows: bool = True
     masked_rows: int = 0
+    packed: bool = False
 
     def rows_hint(self) -> int:
         """``num_rows_hint``, or the exact count of valid rows (NOTE: then a host sync)."""
@@ -109,7 +114,7 @@ class ExpertLayout:
         aligned_e = (num_rows_e + alignment - 1) // alignment * alignment
         row_start_e = torch.cumsum(aligned_e, 0) - aligned_e
         needed = int(aligned_e.sum()) if num_pool_rows is None else num_pool_rows
-        return ExpertLayout(row_start_e, num_rows_e, needed, alignment)
+        return ExpertLayout(row_start_e, num_rows_e, needed, alignment, packed=True)
 
     @property
     def num_local_experts(self) -> int:

@@ -92,6 +92,7 @@ W4_CASES = {
     "w4 int4 bf16 gate_up, scales past the fold (fp32 route)": ("int4", "gate_up", torch.bfloat16, 512, (16, 64, 4, 2),
                                                                 1.0),
     "w4 int4 bf16 gate_up, K 96, folded, one dot a half block": ("int4", "gate_up", torch.bfloat16, 96, (16, 64, 4, 3)),
+    "w4 128-row tile, 2 stages: int4 gate_up bf16": ("int4", "gate_up", torch.bfloat16, 512, (128, 128, 8, 2)),
     "w4 wide dot, int4 gate_up bf16 prefill tile": ("int4", "gate_up", torch.bfloat16, 512, (64, 128, 8, 3), 0.25,
                                                      True),
     "w4 wide dot, mxfp4 down bf16 128-row tile": ("mxfp4", "down", torch.bfloat16, 512, (128, 128, 8, 3), 0.25, True),

@@ -148,6 +148,30 @@ def test_pool_rows_not_a_multiple_of_128_and_all_padding(weights):
                    ExpertLayout.from_counts(torch.zeros(NUM_EXPERTS, dtype=torch.int64), 128)).shape == (0, HIDDEN)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_packed_pool_with_an_unused_tail_as_segment_ends_and_as_rows(weights, fp8):
+    """A pool sized for a cap, far past its last segment (as the dispatcher hands it over): the psum form (segment
+    ends; the GEMMs stop at the last segment) and the row form (every block scheduled) both give the experts' rows,
+    the tail and the padding zero."""
+    import dataclasses
+
+    counts = torch.tensor([5, 0, 130, 1, 0, 0, 64, 0], device="cuda")
+    packed = ExpertLayout.from_counts(counts, 128, num_pool_rows=128 * 40)  # 640 rows used of 5120
+    assert packed.packed
+    x_PDx = torch.randn(packed.num_pool_rows, HIDDEN, device="cuda").bfloat16()
+    reference = TorchLoopExperts(*weights).forward(x_PDx, packed)
+    valid_P = packed.row_expert_P() >= 0
+    limit = LIMIT["fp8" if fp8 else "bf16"]
+    for layout in (packed, dataclasses.replace(packed, packed=False)):
+        experts = DeepGemmExperts(*weights, fp8=fp8)
+        y_PDx = experts(x_PDx, layout)
+        label = f"packed={layout.packed} psum={experts._psum} refused={experts.psum_refused}"
+        print(f"deep_gemm {'fp8' if fp8 else 'bf16'} {label}")
+        assert bool((y_PDx[~valid_P] == 0).all()), label
+        diff = calc_diff(y_PDx[valid_P], reference[valid_P])
+        assert diff < limit, (label, diff)
+
+
 def test_layout_alignment_below_deep_gemm_alignment_is_refused(weights):
     experts = DeepGemmExperts(*weights)
     layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device="cuda"), 64)

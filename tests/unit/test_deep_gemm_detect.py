@@ -233,14 +233,23 @@ def _weight_value(b, g):
 def _fake_deep_gemm_module() -> types.ModuleType:
     calls = []
 
-    def contiguous(a, b, d, grouped_layout, **kwargs):
+    def contiguous(a, b, d, grouped_layout, use_psum_layout=False, **kwargs):
         rows = (a[0] if isinstance(a, tuple) else a)
         assert rows.is_contiguous() and rows.shape[0] % 128 == 0 and d.dtype == torch.bfloat16
-        assert grouped_layout.dtype == torch.int32 and grouped_layout.shape == (rows.shape[0],)
         assert kwargs.get("disable_ue8m0_cast", True) is True
-        calls.append(("contiguous", tuple(rows.shape), kwargs))
-        d.fill_(float("nan"))
+        calls.append(("contiguous", tuple(rows.shape), dict(kwargs, use_psum_layout=use_psum_layout)))
+        d.fill_(float("nan"))  # rows no group covers stay unwritten
         value = _rows_value(a)
+        if use_psum_layout:  # [G] segment ends; group g starts at the 128-aligned end of group g - 1
+            if module.refuse_psum:
+                raise RuntimeError("Assertion error: not use_psum_layout")
+            assert grouped_layout.dtype == torch.int32 and grouped_layout.shape == (module.weights_of(b).shape[0],)
+            start = 0
+            for g, end in enumerate(grouped_layout.tolist()):
+                d[start:end] = (value[start:end] @ _weight_value(b, g).t()).bfloat16()
+                start = -(-end // 128) * 128
+            return
+        assert grouped_layout.dtype == torch.int32 and grouped_layout.shape == (rows.shape[0],)
         for g in torch.unique(grouped_layout[grouped_layout >= 0]).tolist():
             mask = grouped_layout == g
             d[mask] = (value[mask] @ _weight_value(b, g).t()).bfloat16()
@@ -257,6 +266,8 @@ def _fake_deep_gemm_module() -> types.ModuleType:
     module = types.ModuleType("deep_gemm")
     module.__version__ = "0.1.4-fake"
     module.calls = calls
+    module.refuse_psum = False  # True: the psum form raises, as a build whose kernels refuse it
+    module.weights_of = lambda b: b[0] if isinstance(b, tuple) else b
     module.m_grouped_bf16_gemm_nt_contiguous = module.m_grouped_fp8_gemm_nt_contiguous = contiguous
     module.m_grouped_bf16_gemm_nt_masked = module.m_grouped_fp8_fp4_gemm_nt_masked = masked
     module.get_mk_alignment_for_contiguous_layout = lambda: 128
@@ -296,6 +307,30 @@ def test_experts_wiring_matches_torch_loop(fake_deep_gemm, fp8, limit, counts, n
     assert calc_diff(y_PDx, reference) < limit, calc_diff(y_PDx, reference)
     shapes = {call[1] for call in fake_deep_gemm.calls}
     assert shapes == {(-(-layout.num_pool_rows // 128) * 128, 256), (-(-layout.num_pool_rows // 128) * 128, 128)}
+    assert all(call[2]["use_psum_layout"] for call in fake_deep_gemm.calls)  # from_counts packs its segments
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("form", ["psum", "rows", "psum refused"])
+def test_a_pool_past_its_last_segment_in_each_contiguous_form(fake_deep_gemm, fp8, form):
+    """A packed pool sized for a cap (as the dispatcher's): segment ends (psum: the GEMMs stop at the last segment),
+    the expert of each row (an unpacked layout), or psum refused by the build (the row form from then on, the reason
+    kept); the same rows each way, every row outside a segment zero."""
+    import dataclasses
+
+    fake_deep_gemm.refuse_psum = form == "psum refused"
+    weights = _small_weights()
+    layout = ExpertLayout.from_counts(torch.tensor([3, 0, 130]), 128, num_pool_rows=128 * 9)
+    layout = layout if form != "rows" else dataclasses.replace(layout, packed=False)
+    x_PDx = torch.randn(layout.num_pool_rows, 256).bfloat16()
+    experts = DeepGemmExperts(*weights, fp8=fp8)
+    y_PDx = experts(x_PDx, layout)
+    reference = TorchLoopExperts(*weights).forward(x_PDx, layout)
+    assert bool((y_PDx[layout.row_expert_P() < 0] == 0).all()) and bool(torch.isfinite(y_PDx).all())
+    assert calc_diff(y_PDx, reference) < (1e-2 if fp8 else 1e-4)
+    forms = [call[2]["use_psum_layout"] for call in fake_deep_gemm.calls if call[0] == "contiguous"]
+    assert forms == {"psum": [True, True], "rows": [False, False], "psum refused": [True, False, False]}[form]
+    assert (experts.psum_refused is not None) == (form == "psum refused")
 
 
 @pytest.mark.parametrize("fp8, limit", [(False, 1e-4), (True, 1e-2)], ids=["bf16", "fp8"])

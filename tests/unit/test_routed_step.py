@@ -112,8 +112,10 @@ def test_dispatch_handle_pool_layout_and_metadata():
         layout = handle.layout
         assert layout.num_rows_e.tolist() == [3, 0, 0, 0, 0, 2, 0, 1]
         assert layout.row_start_e.tolist() == [0, 4, 4, 4, 4, 4, 8, 8]  # expert-major, aligned to 4
+        ends = (layout.row_start_e + layout.num_rows_e).tolist()
+        assert layout.packed and layout.row_start_e.tolist() == [0] + [-(-end // 4) * 4 for end in ends[:-1]]
         whole = dispatcher.whole_segment_layout(handle)
-        assert whole.num_rows_e.tolist() == [4, 0, 0, 0, 0, 4, 0, 4]
+        assert whole.num_rows_e.tolist() == [4, 0, 0, 0, 0, 4, 0, 4] and whole.packed
         # (source rank, token, slot) per pool row, ordered by token then slot inside each expert; -1 on padding
         src = handle.recv_src_P3[:12].tolist()
         assert src[:4] == [[0, 0, 1], [0, 1, 0], [0, 2, 2], [-1, -1, -1]]

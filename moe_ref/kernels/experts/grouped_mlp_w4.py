@@ -504,8 +504,8 @@ def _w4_gemm_kernel(
 # They pay where an expert's rows fit 8.
 TILES = [(8, 32, 2, 2), (8, 64, 4, 2), (8, 64, 4, 3), (8, 128, 4, 2),
          (16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 4, 3), (16, 128, 8, 3),
-         (16, 32, 2, 3), (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3),
-         (128, 128, 8, 3)]
+         (16, 32, 2, 3), (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
+         (64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
 INTERPRETER_TILE = (16, 16, 1, 1)
 FEW_ROWS_PER_EXPERT = 4  # up to this many rows per expert (on average), the BLOCK_M 8 tiles are tried too
 DECODE_ROWS_PER_EXPERT = 16  # up to this many, the BLOCK_M 16 tiles (one M block per expert)
