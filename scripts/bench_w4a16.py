@@ -32,8 +32,7 @@ format) and timed alone; each checked against the autotuned launch's output (cal
 SiLU of its gate and up sums; down reads the autotuned gate_up's h). A tile that fails to compile or launch is recorded
 with its error.
 The best per (format, rows, GEMM) goes into the JSON and the markdown. --every-tile sweeps all of `TILES` at every
-row count (is a tile the regimes leave out faster there? e.g. BLOCK_M 16 at prefill), and the prefill tiles once more
-with `launch_w4_gemm(wide_dot=True)` (one K-128 dot a half block, as the 16-row tiles; labelled "wide").
+row count (is a tile the regimes leave out faster there? e.g. BLOCK_M 16 at prefill).
 
 Peer anchor (--peer, default the first peer file): the INT4 W4A16 Triton kernel SGLang and vLLM ship (`fused_moe_kernel_gptq_awq`, read
 out of the files `make peers` puts in .whl/ by `moe_ref.bench.peers`, never installed) on the same INT4 weights
@@ -111,16 +110,6 @@ def sweep_tiles(rows: int, every_tile: bool = False) -> list[tuple]:
     per expert) -> BLOCK_M 32 to 128.
     """
     return [tuple(tile) for tile in (TILES if every_tile else tiles_for(rows / NUM_EXPERTS))]
-
-
-def sweep_variants(rows: int, every_tile: bool = False) -> list[tuple[tuple, bool]]:
-    """``(tile, wide_dot)`` per sweep run: each of `sweep_tiles` as the kernel runs it, and with ``every_tile`` the
-    prefill tiles (BLOCK_M >= 32, BLOCK_N >= 64) once more with ``launch_w4_gemm(wide_dot=True)`` (one K-128 dot a
-    half block, as the 16-row tiles)."""
-    tiles = sweep_tiles(rows, every_tile)
-    return [(tile, False) for tile in tiles] + [(tile, True) for tile in tiles
-                                                 if every_tile and tile[0] >= 32 and tile[1] >= 64]
-
 
 def autotuned_tiles(rows: int, scale_dtype: torch.dtype, tuned: dict | None = None) -> dict[str, tuple | None]:
     """``{gemm: (BLOCK_M, BLOCK_N, num_warps, num_stages) or None}``: what autotune chose for this script's 4-bit
@@ -212,14 +201,13 @@ def _gemm_weights(q: QuantizedExpertWeights, gemm: str) -> tuple[torch.Tensor, t
     return q.down_qweight_eDFq, q.down_scale_eDFs
 
 
-def _launch(case: dict, weight: W4Weight, gemm: str, a: torch.Tensor, out: torch.Tensor, tile: tuple | None = None,
-            wide_dot: bool = False):
+def _launch(case: dict, weight: W4Weight, gemm: str, a: torch.Tensor, out: torch.Tensor, tile: tuple | None = None):
     """One GEMM of this script's shape through ``launch_w4_gemm`` (autotuned, or the forced ``tile``), as
     ``grouped_mlp_w4`` runs it: gate_up reads x ``[P, D]`` into h ``[P, F]`` (SiLU of its gate and up sums, x's dtype),
     down reads h into y ``[P, D]``."""
     layout = case["layout"]
     return launch_w4_gemm(a, weight, out, layout.row_start_e, layout.num_rows_e, rows_hint=case["rows"], tile=tile,
-                          activation="silu" if gemm == "gate_up" else "none", wide_dot=wide_dot)
+                          activation="silu" if gemm == "gate_up" else "none")
 
 
 def api_row(name: str, experts, weight_bytes: int, reference, case: dict,
@@ -255,12 +243,12 @@ def run_sweep(cases: list[dict], quantized: dict, args, results: dict) -> None:
         for gemm in GEMMS:
             for case in cases:
                 ref = refs[case["rows"]]
-                for tile, wide_dot in sweep_variants(case["rows"], args.every_tile):
+                for tile in sweep_tiles(case["rows"], args.every_tile):
                     if _elapsed() > args.max_seconds:
                         results["stopped_early"] = f"sweep at {path} {case['rows']} rows {gemm} {tile_label(tile)}"
                         _log(f"--max-seconds {args.max_seconds:.0f} reached: stopping the sweep")
                         return
-                    run = sweep_run(path, case, planes[gemm], gemm, ref[gemm]["a"], ref[gemm], tile, wide_dot)
+                    run = sweep_run(path, case, planes[gemm], gemm, ref[gemm]["a"], ref[gemm], tile)
                     results["sweep"].append(run)
                     _log(f"sweep {path} {case['rows']} rows {gemm:7s} {run['label']:15s} {outcome(run)}")
 
@@ -283,19 +271,17 @@ def _autotuned_refs(case: dict, planes: dict[str, W4Weight]) -> dict[str, dict]:
 
 
 def sweep_run(path: str, case: dict, weight: W4Weight, gemm: str, a: torch.Tensor, ref: dict,
-              tile: tuple, wide_dot: bool = False) -> dict:
-    """One forced tile of one GEMM at one case (``wide_dot``: ``launch_w4_gemm``'s, the label ends in " wide"):
-    checked against the autotuned launch's output (`ref`, from `_autotuned_refs`), then timed; a tile that fails to
-    compile or launch gets ``error`` instead."""
-    run = dict(path=path, rows=case["rows"], gemm=gemm, tile=list(tile), wide_dot=wide_dot,
-               label=tile_label(tile) + (" wide" if wide_dot else ""), autotuned_us=ref["us"],
-               autotuned_label=ref["label"])
+              tile: tuple) -> dict:
+    """One forced tile of one GEMM at one case: checked against the autotuned launch's output (`ref`, from
+    `_autotuned_refs`), then timed; a tile that fails to compile or launch gets ``error`` instead."""
+    run = dict(path=path, rows=case["rows"], gemm=gemm, tile=list(tile), label=tile_label(tile),
+               autotuned_us=ref["us"], autotuned_label=ref["label"])
     out = torch.full_like(ref["out"], float("nan"))
     try:
-        _launch(case, weight, gemm, a, out, tile, wide_dot)
+        _launch(case, weight, gemm, a, out, tile)
         run["calc_diff"] = calc_diff(out.float(), ref["out"].float())
         run["ok"] = bool(run["calc_diff"] < SWEEP_CALC_DIFF_LIMIT)
-        run["us"] = bench(lambda: _launch(case, weight, gemm, a, out, tile, wide_dot))
+        run["us"] = bench(lambda: _launch(case, weight, gemm, a, out, tile))
         run["weight_gb_per_s"] = weight.nbytes() * case["touched"] / run["us"] / 1e3
     except Exception as exc:  # noqa: BLE001 - e.g. OutOfResources: recorded, the sweep goes on
         run["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -388,7 +374,7 @@ def _parse(argv=None):
                         help="time every tile autotune tries, forced, per 4-bit format, rows and GEMM")
     parser.add_argument("--every-tile", action="store_true",
                         help="with --sweep: every tile of grouped_mlp_w4.TILES at every row count, not only its "
-                             "regime's, and the prefill tiles with wide_dot too")
+                             "regime's")
     parser.add_argument("--peer", choices=["first", "all", "none"], default="first",
                         help="peer files to run: the first of .whl/ (SGLang's wheel when present: the engines' kernels "
                              "differ only in argument names), every one, or none")
@@ -407,7 +393,7 @@ def dry_run(args) -> int:
     if args.sweep:
         for rows in args.rows:
             print(f"sweep {rows} rows ({rows / NUM_EXPERTS:.1f} per expert), per format and GEMM: "
-                  f"{[tile_label(t) + (' wide' if wide else '') for t, wide in sweep_variants(rows, args.every_tile)]}")
+                  f"{[tile_label(t) for t in sweep_tiles(rows, args.every_tile)]}")
     if args.peer != "none":
         files = peers.default_peer_files()[:1 if args.peer == "first" else None]
         print(f"peer files: {[os.path.basename(f) for f in files] or 'none (skipped: run `make peers`)'}")

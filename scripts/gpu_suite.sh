@@ -47,6 +47,8 @@
 # timers; $CONFORM_K picks some, e.g. CONFORM_K="experts or graph"; needs .whl/ for DeepGEMM and the peers);
 # probe_w4 = which W4A16 tiles give a row the same bits (INT4, MXFP4; scripts/probe_tile_bits.py --only w4: the question
 # the batch-invariant mode's 4-bit experts on CUDA wait on);
+# probe_deep_gemm = whether DeepGEMM's experts give a row the same bits in pools of every size (bf16, FP8; needs .whl/:
+# the question letting the batch-invariant mode use DeepGEMM at prefill waits on);
 # w4_prefill = the 4-bit experts at 1024 and 4096 rows through the API beside bf16 and FP8, and every tile of the W4A16
 # kernel forced there (is the prefill regime's tile list the right one?);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
@@ -186,6 +188,7 @@ for s in $STEPS; do case $s in
       --jsonl "$OUT/bench/bench_kernels_${TIMER:-events}.jsonl" ;;
   tiles) step tiles 590 python3 scripts/tune_tiles.py --out "$OUT/tiles" --models kimi-k2/48 ;;
   probe_w4) step probe_w4 400 python3 scripts/probe_tile_bits.py --only w4 --out "$OUT/probe" ;;
+  probe_deep_gemm) step probe_deep_gemm 300 python3 scripts/probe_tile_bits.py --only deep_gemm --out "$OUT/probe_dg" ;;
   conform_gpu) step conform_gpu "${CONFORM_LIMIT:-580}" python3 -m pytest -q -rs --timeout=570 \
       tests/gpu/test_conformance_cuda.py ${CONFORM_K:+-k "$CONFORM_K"} --durations=10 ;;
   *) echo "unknown step $s" ;;

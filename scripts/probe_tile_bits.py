@@ -3,12 +3,13 @@
 For one pool of expert rows (segments of 0-300 rows at 128-aligned starts) every candidate tile of the grouped MLP's
 lists runs GEMM1 and GEMM2 alone (`launch_gemm(..., config=...)`), and every candidate tile of the fixed-tile
 matmul runs the router and shared-expert shapes, and (``--only w4``, or by default) every tile of the W4A16 kernel
-(``grouped_mlp_w4.TILES``) runs its two GEMMs on INT4 and MXFP4 weights with bf16 rows; outputs are grouped by their
-bits. Tiles of one group are interchangeable in the batch-invariant mode (a token's sum has the same order whichever
+(``grouped_mlp_w4.TILES``) runs its two GEMMs on INT4 and MXFP4 weights with bf16 rows, and (``--only deep_gemm``)
+DeepGEMM's experts run the same probe rows inside pools of every size its tile heuristic sees; outputs are grouped by
+their bits. Tiles of one group are interchangeable in the batch-invariant mode (a token's sum has the same order whichever
 of them runs), so the mode may pick among them by the row count. Each candidate is also timed at the layer's row
 counts.
 
-    python3 scripts/probe_tile_bits.py --out results/probe [--only grouped|fixed|w4]
+    python3 scripts/probe_tile_bits.py --out results/probe [--only grouped|fixed|w4|deep_gemm]
     (a GPU; writes probe.json, prints the groups)
 
 Shape legend: P pool rows, D hidden, F expert intermediate, e experts, T tokens, O output features.
@@ -167,6 +168,52 @@ def w4(fmt: str, results: dict, num_experts=48, hidden=7168, inter=2048) -> None
             print(f"  {key}: {members}", flush=True)
 
 
+def deep_gemm_rows(precision: str, results: dict, num_experts=48, hidden=7168, inter=2048) -> None:
+    """DeepGEMM picks its own tiles by the problem's M, so it cannot be forced tile by tile: instead the same probe
+    rows (16 rows of expert 0, then 16 of expert 47) run through ``DeepGemmExperts`` inside pools of every size class
+    the heuristic sees (other experts' rows 0 to 700 each: 64 to 33,600 pool rows), in both contiguous forms (segment
+    ends, a packed pool sized 2x; a row's expert, unpacked), and with the probe rows reversed in their segments. One
+    group of bits for the probe rows over every run: DeepGEMM gives a row the same bits whatever its batch (on this
+    GPU and build), the question the batch-invariant mode's use of it waits on."""
+    import dataclasses
+
+    from moe_ref.experts import ExpertLayout
+    from moe_ref.experts.deep_gemm.backend import DeepGemmExperts
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device="cuda") * hidden ** -0.5).bfloat16()
+    down = (torch.randn(num_experts, hidden, inter, generator=g, device="cuda") * inter ** -0.5).bfloat16()
+    experts = DeepGemmExperts(gate_up, down, fp8=precision == "fp8")
+    probe = {0: torch.randn(16, hidden, generator=g, device="cuda").bfloat16(),
+             num_experts - 1: torch.randn(16, hidden, generator=g, device="cuda").bfloat16()}
+    groups: dict[str, list] = {}
+    for others in (0, 1, 8, 64, 170, 700):
+        counts = torch.full((num_experts,), others, dtype=torch.int64, device="cuda")
+        for e, rows in probe.items():
+            counts[e] = others + rows.shape[0]
+        base = ExpertLayout.from_counts(counts, experts.segment_alignment)
+        for form, reverse in (("psum", False), ("psum", True), ("rows", False)):
+            layout = (dataclasses.replace(base, num_pool_rows=2 * base.num_pool_rows) if form == "psum" else
+                      dataclasses.replace(base, packed=False))
+            x = torch.randn(layout.num_pool_rows, hidden, generator=g, device="cuda").bfloat16()
+            placed = []
+            for e, rows in probe.items():  # the probe rows after the expert's other rows
+                at = int(layout.row_start_e[e]) + others + torch.arange(rows.shape[0], device="cuda")
+                at = at.flip(0) if reverse else at
+                x[at] = rows
+                placed.append(at)
+            y = experts(x, layout)
+            torch.cuda.synchronize()
+            key = digest(torch.cat([y[at] for at in placed]))
+            groups.setdefault(key, []).append(dict(other_rows=others, pool_rows=layout.num_pool_rows, form=form,
+                                                  reversed=reverse))
+    results["deep_gemm_groups"][precision] = groups
+    print(f"deep_gemm {precision}: {len(groups)} group(s) of bits over {sum(map(len, groups.values()))} pools",
+          flush=True)
+    for key, members in groups.items():
+        print(f"  {key}: {[(m['other_rows'], m['form'], m['reversed']) for m in members]}", flush=True)
+
+
 def fixed(results: dict) -> None:
     shapes = {"router": (7168, 384, torch.bfloat16, torch.float32), "shared_gate_up": (7168, 4096, torch.bfloat16,
               torch.bfloat16), "shared_down": (2048, 7168, torch.bfloat16, torch.bfloat16),
@@ -216,12 +263,12 @@ def fixed(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/probe")
-    parser.add_argument("--only", choices=("grouped", "fixed", "w4"), default=None)
+    parser.add_argument("--only", choices=("grouped", "fixed", "w4", "deep_gemm"), default=None)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "date": time.strftime("%Y-%m-%d"), "grouped_groups": {}, "grouped_time": [], "fixed_groups": {},
-               "fixed_time": [], "w4_groups": {}, "w4_time": []}
+               "fixed_time": [], "w4_groups": {}, "w4_time": [], "deep_gemm_groups": {}}
     if args.only in (None, "fixed"):
         fixed(results)
     if args.only in (None, "grouped"):
@@ -230,6 +277,14 @@ def main() -> None:
     if args.only in (None, "w4"):
         for fmt in ("int4", "mxfp4"):
             w4(fmt, results)
+    if args.only in (None, "deep_gemm"):
+        from moe_ref.experts.deep_gemm.probe import deep_gemm_status
+
+        if deep_gemm_status().available:
+            for precision in ("bf16", "fp8"):
+                deep_gemm_rows(precision, results)
+        else:
+            print(f"deep_gemm: not probed ({deep_gemm_status().reason})", flush=True)
     with open(os.path.join(args.out, "probe.json"), "w") as f:
         json.dump(results, f, indent=1)
 

@@ -76,8 +76,8 @@ CASES = {
     "fp8 down decode tile, TMA": ("fp8", "down", False, True, (32, 128, 128, 4, 4)),
 }
 
-# name -> (4-bit format, GEMM, x dtype, input features K, grouped_mlp_w4 tile[, INT4 scale[, wide_dot]]): the W4A16
-# kernel (K 96: not whole 256-feature blocks, so x's loads keep their column mask)
+# name -> (4-bit format, GEMM, x dtype, input features K, grouped_mlp_w4 tile[, INT4 scale]): the W4A16 kernel
+# (K 96: not whole 256-feature blocks, so x's loads keep their column mask)
 W4_CASES = {
     "w4 int4 gate_up bf16, decode tile": ("int4", "gate_up", torch.bfloat16, 512, (16, 64, 4, 3)),
     "w4 int4 down fp16, mma.sync decode tile": ("int4", "down", torch.float16, 512, (16, 32, 2, 4)),
@@ -93,11 +93,11 @@ W4_CASES = {
                                                                 1.0),
     "w4 int4 bf16 gate_up, K 96, folded, one dot a half block": ("int4", "gate_up", torch.bfloat16, 96, (16, 64, 4, 3)),
     "w4 128-row tile, 2 stages: int4 gate_up bf16": ("int4", "gate_up", torch.bfloat16, 512, (128, 128, 8, 2)),
-    "w4 wide dot, int4 gate_up bf16 prefill tile": ("int4", "gate_up", torch.bfloat16, 512, (64, 128, 8, 3), 0.25,
-                                                     True),
-    "w4 wide dot, mxfp4 down bf16 128-row tile": ("mxfp4", "down", torch.bfloat16, 512, (128, 128, 8, 3), 0.25, True),
-    "w4 wide dot, int4 gate_up bf16 K 96 32-row tile": ("int4", "gate_up", torch.bfloat16, 96, (32, 64, 4, 3), 0.25,
-                                                          True),
+    "w4 prefill tile, one dot a half block: int4 gate_up bf16": ("int4", "gate_up", torch.bfloat16, 512,
+                                                                 (64, 128, 8, 3)),
+    "w4 128-row tile, one dot a half block: mxfp4 down bf16": ("mxfp4", "down", torch.bfloat16, 512, (128, 128, 8, 3)),
+    "w4 32-row tile, one dot a half block, K 96: int4 gate_up bf16": ("int4", "gate_up", torch.bfloat16, 96,
+                                                                      (32, 64, 4, 3)),
 }
 
 # name -> (ids dtype, weights dtype)
@@ -184,12 +184,10 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
         gm._tma_possible, gm._num_sms = tma_possible, num_sms
 
 
-def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple, int4_scale: float = 0.25,
-               wide_dot: bool = False):
+def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple, int4_scale: float = 0.25):
     """One GEMM of grouped_mlp_w4 as the MLP launches it (4 experts, 64 pool rows; gate_up 2 x 128 rows into h
     ``[64, 128]`` through its SiLU epilogue, down 128 rows), its forced tile compiled for sm_90. ``int4_scale``: every
-    INT4 scale (below ``w4.INT4_FOLD_SCALE_LIMIT`` bf16 x takes the folded decode, else the fp32 route); ``wide_dot``:
-    ``launch_w4_gemm``'s."""
+    INT4 scale (below ``w4.INT4_FOLD_SCALE_LIMIT`` bf16 x takes the folded decode, else the fp32 route)."""
     experts, n, rows = 4, 128, 64
     b_rows = 2 * n if gemm == "gate_up" else n
     packed = (torch.zeros(experts, b_rows, k // 8, dtype=torch.int32) if fmt == "int4" else
@@ -200,7 +198,7 @@ def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple, int
     return compile_launch(w4, "_w4_gemm_kernel", lambda: w4.launch_w4_gemm(
         torch.zeros(rows, k, dtype=dtype), weight, torch.zeros(rows, n, dtype=dtype),
         torch.arange(experts, dtype=torch.int64) * 16, torch.full((experts,), 16, dtype=torch.int32), rows_hint=rows,
-        tile=tile, activation="silu" if gemm == "gate_up" else "none", wide_dot=wide_dot))
+        tile=tile, activation="silu" if gemm == "gate_up" else "none"))
 
 
 def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):

@@ -58,15 +58,6 @@ def test_sweep_tiles_follow_the_kernels_regimes():
     assert bw.sweep_tiles(4096, every_tile=True) == [tuple(t) for t in w4k.TILES]
 
 
-def test_every_tile_sweeps_the_prefill_tiles_with_the_wide_dot_too():
-    assert all(not wide for _, wide in bw.sweep_variants(4096))
-    variants = bw.sweep_variants(64, every_tile=True)
-    wide = [tile for tile, is_wide in variants if is_wide]
-    assert [tile for tile, is_wide in variants if not is_wide] == [tuple(t) for t in w4k.TILES]
-    assert wide and all(tile[0] >= 32 and tile[1] >= 64 for tile in wide)
-    assert set(wide) == {tuple(t) for t in w4k.TILES if t[0] >= 32 and t[1] >= 64}
-
-
 def test_tile_label():
     assert bw.tile_label((16, 64, 4, 3)) == "M16 N64 w4 s3"
     assert bw.tile_label([128, 128, 8, 3]) == "M128 N128 w8 s3"  # as read back from the JSON

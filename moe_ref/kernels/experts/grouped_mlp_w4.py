@@ -24,8 +24,8 @@ computes ``out.T = W @ x.T``: on Hopper ``wgmma`` takes A from registers, B from
 is elementwise on the loaded words (a per-row operand broadcast along them is fine).
 
 With bf16 x the decode's last packed FMA also applies the group's scale (``FOLD``), so the dots accumulate in place,
-none waiting for its result, and on the 16-row wgmma tiles one dot takes the 4 groups of a half block, their decoded
-planes put side by side in registers (``ONE_DOT``):
+none waiting for its result, and on the wgmma tiles (BLOCK_M >= 16, BLOCK_N >= 64) one dot takes the 4 groups of a
+half block, their decoded planes put side by side in registers (``ONE_DOT``):
 - MXFP4: the scale is a power of two, so the weights come out exact in bf16.
 - INT4: ``bf16((code - 8) * s) / 16``, the product rounded once (the bf16 weights compressed-tensors' own
   dequantization gives, and the peers' W4A16 kernels use) over 16, the power of two that lets each plane be read
@@ -422,7 +422,6 @@ def _w4_gemm_kernel(
     BLOCK_N: tl.constexpr,         # output features per program (the MMA's M)
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
     FOLD: tl.constexpr,            # bf16 x, a GPU, W4Weight.foldable: the decode applies the scales
-    WIDE_DOT: tl.constexpr,        # BLOCK_M >= 32 tiles take ONE_DOT too (an A/B: launch_w4_gemm's wide_dot)
 ):
     """``c = x @ W_e.T`` (or ``act(gate, up)``) on each expert's rows. One program = BLOCK_N weight rows x BLOCK_M rows
     of one expert, as ``acc.T [BLOCK_N, BLOCK_M]`` = the decoded weight tile (A, registers) @ x's tile transposed (B).
@@ -447,12 +446,13 @@ def _w4_gemm_kernel(
         w_row = offs_n
     mask_n = offs_n < N
     offs_w = tl.arange(0, 16)
-    # FOLD on the 16-row wgmma tiles (BLOCK_N >= 64): the weights come out of the decode scaled, so one dot takes a
-    # half block's four groups (K 128), with a quarter of the dots' descriptors: 449 -> 414 sm_90a instructions a
-    # k-step. The mma.sync tiles (BLOCK_M 8, BLOCK_N 32) and the prefill tiles (BLOCK_M >= 64) took more registers
-    # and instructions so, and keep one dot a group; BLOCK_M 32 tiles with one dot a half block ran 15-27% slower than
-    # BLOCK_M 16 at 512 rows (2026-12-02, one H200).
-    ONE_DOT: tl.constexpr = FOLD and BLOCK_N >= 64 and (BLOCK_M == 16 or (WIDE_DOT and BLOCK_M >= 32))
+    # FOLD on the wgmma tiles (BLOCK_M >= 16, BLOCK_N >= 64): the weights come out of the decode scaled, so one dot
+    # takes a half block's four groups (K 128), with a quarter of the dots' descriptors: 449 -> 414 sm_90a
+    # instructions a k-step at (16, 64, 4, 3). At prefill it was the faster form on every tile that is the fastest of
+    # its case: INT4 gate_up at 4096 rows of 48 Kimi-K2 experts, (32, 64, 4, 3), 1,082.9 -> 872.8 us; MXFP4 at
+    # (128, 128, 8, 3) 690.7 -> 654.0 us (2026-12-07, one H100, `scripts/bench_w4a16.py --sweep --every-tile` with
+    # the form forced per tile). The mma.sync tiles (BLOCK_M 8, BLOCK_N 32) keep one dot a group.
+    ONE_DOT: tl.constexpr = FOLD and BLOCK_M >= 16 and BLOCK_N >= 64
     offs_k = tl.arange(0, 128 if ONE_DOT else 32)
     w_rows = w_ptr + expert * stride_w_e + w_row[:, None] * stride_w_n + offs_w[None, :]
     s_rows = s_ptr + expert * stride_s_e + w_row[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -546,8 +546,7 @@ def clear_tuned_tiles() -> None:
 
 
 def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint: int, tile: tuple | None = None,
-                   activation: str = "none", situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                   wide_dot: bool = False):
+                   activation: str = "none", situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
     """One grouped GEMM of ``grouped_mlp_w4``: ``c[rows of e] = x[rows of e] @ W_e.T`` for every local expert e, or with
     an activation ``c[rows of e] = act(x @ gate_e.T, x @ up_e.T)`` (GEMM1 and the activation in one launch).
 
@@ -559,9 +558,6 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint
         tile: None (autotune once per key; the interpreter runs ``INTERPRETER_TILE``) or
             (BLOCK_M, BLOCK_N, num_warps, num_stages), forced; BLOCK_N counts weight rows (gated: half of them gate).
         activation, situ_beta, situ_linear_beta: ``"none"``, or as ``grouped_mlp``.
-        wide_dot: the prefill tiles (BLOCK_M >= 32, BLOCK_N >= 64) also put a half block's four folded groups into
-            one K-128 dot, as the 16-row tiles do (an A/B for ``scripts/bench_w4a16.py --every-tile``; the bits may
-            differ from the per-group dots by fp32 summation order).
     """
     if activation not in ACTIVATION_CODES:
         raise UnknownNameError(f"{activation=} must be one of {', '.join(ACTIVATION_CODES)}")
@@ -581,7 +577,7 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint
                  SITU_LINEAR=bool(situ_linear_beta), IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
                  EVEN_K=weight.in_features % PLANE_BLOCK == 0, ASM=not is_interpreter(),
                  BLOCK_E=next_power_of_2(num_experts),
-                 FOLD=x.dtype == torch.bfloat16 and not is_interpreter() and weight.foldable, WIDE_DOT=wide_dot)
+                 FOLD=x.dtype == torch.bfloat16 and not is_interpreter() and weight.foldable)
 
     def grid(block_m: int, block_n: int) -> tuple:
         return ((cdiv(num_rows, block_m) + num_experts) * cdiv(out_n, block_n // 2 if gated else block_n),)
