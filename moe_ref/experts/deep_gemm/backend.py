@@ -136,8 +136,8 @@ class DeepGemmExperts(Experts):
             self._gate_up_weight = gate_up_weight_e2FD.to(torch.bfloat16).contiguous()
             self._down_weight = down_weight_eDF.to(torch.bfloat16).contiguous()
         self.fp8_weights = fp8_weights
-        # DeepGEMM's psum form of the contiguous layout (segment ends, not a row's expert), where this build has it;
-        # a first call it raises in turns it off, with the reason in ``psum_refused``
+        # DeepGEMM's psum form of the contiguous layout (segment ends, not each row's expert), where this build has
+        # it; a call that it raises in turns it off for this instance, the reason kept in ``psum_refused``
         self._psum = all("use_psum_layout" in inspect.signature(getattr(deep_gemm, name)).parameters
                          for name in ("m_grouped_fp8_gemm_nt_contiguous", "m_grouped_bf16_gemm_nt_contiguous"))
         self.psum_refused: str | None = None
@@ -185,9 +185,9 @@ class DeepGemmExperts(Experts):
             a_PD = tuple(_pad_rows(part, num_padded_rows) for part in a_PD) if self.fp8 else \
                 _pad_rows(a_PD, num_padded_rows)
         grouped_layout_P = grouped_layout(layout, num_padded_rows, x_PDx.device)
-        # A packed pool's segment ends locate every segment (psum layout): the GEMMs then stop at the last one. With a
-        # row per row layout they load the weights for every 128-row block of the pool, also the blocks no expert uses,
-        # and the dispatcher's pool is sized for the cap, not the call.
+        # A packed pool's segment ends locate every segment (psum layout): the GEMMs then stop at the last one. With
+        # the expert of each row they load the weights for every 128-row block of the pool, also the blocks no expert
+        # uses, and the dispatcher's pool is sized for the cap, not the call.
         groups = (layout.row_start_e + layout.num_rows_e).to(torch.int32) if layout.packed and self._psum else None
 
         gate_up_P2F = self._grouped_gemm(a_PD, self._gate_up_weight, grouped_layout_P, groups)
