@@ -501,11 +501,15 @@ def _w4_gemm_kernel(
 # the older mma.sync; BLOCK_M 8 runs mma.sync (m16n8k16; Triton 3.6, the GPU image's: newer ones take wgmma n8 on 4
 # warps), with half the accumulators per weight (INT4: half the FFMAs that scale them) and no descriptors: 10-20% fewer
 # instructions per weight than the wgmma tile, and 2.5-2.7x bf16 at 64 rows of 48 experts (2026-12-02, one H200).
-# They pay where an expert's rows fit 8.
+# They pay where an expert's rows fit 8. The prefill tiles (BLOCK_M >= 32), at 1024 and 4096 rows of 48 Kimi-K2
+# experts (2026-12-07, one H100): (32, 64, 4, 3) was the fastest in six cases of eight, (128, 128, 8, 3) in MXFP4's two
+# at 4096 rows; INT4 cannot launch that one (233,472 bytes of shared memory, 1 KiB past Hopper's), hence its 2-stage
+# twin; (64, 128, 4, 3) took 1.5-2.4x the best in every case, either dot form, and is gone; (64, 64, 4, 3) and
+# (128, 64, 4, 3) are untried.
 TILES = [(8, 32, 2, 2), (8, 64, 4, 2), (8, 64, 4, 3), (8, 128, 4, 2),
          (16, 64, 4, 2), (16, 64, 4, 3), (16, 64, 4, 4), (16, 64, 4, 5), (16, 128, 4, 3), (16, 128, 8, 3),
-         (16, 32, 2, 3), (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
-         (64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
+         (16, 32, 2, 3), (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3),
+         (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
 INTERPRETER_TILE = (16, 16, 1, 1)
 FEW_ROWS_PER_EXPERT = 4  # up to this many rows per expert (on average), the BLOCK_M 8 tiles are tried too
 DECODE_ROWS_PER_EXPERT = 16  # up to this many, the BLOCK_M 16 tiles (one M block per expert)
