@@ -2,6 +2,7 @@
 """The public layer on one GPU: eager calls against the CUDA-graph routes, and where an eager call's host time goes.
 
     PYTHONPATH=. python3 scripts/bench_eager.py --out results/eager [--tokens 16 128 1024] [--profile]
+        [--weights random int4_group mxfp4 fp8_block] [--checkpoint-dir /tmp/moe_ref_bench_eager]
 
 ``MegaMoE`` (one process, ``group=None``: the ``local`` transport) at a per-rank share of Kimi-K2 (48 experts,
 top-8, H 7168, F 2048, one shared expert, bf16, Triton experts), bf16 and FP8 dispatch. Per T (cap = the largest T):
@@ -18,17 +19,25 @@ top-8, H 7168, F 2048, one shared expert, bf16, Triton experts), bf16 and FP8 di
   functions the host time goes to (cProfile, ``cprofile_<dispatch>_<T>.txt``).
 Every route's output is compared with the eager call's (bitwise). Writes ``bench_eager.json``, ``bench_eager.md`` and
 ``bench_eager.png`` (with matplotlib).
+
+``--weights`` picks the expert weights: ``random`` (bf16, drawn from the seed), or a published checkpoint format
+(``fp8_block``, ``int4_group``, ``mxfp4``): a synthetic checkpoint of the same share in that format is written once
+under ``--checkpoint-dir`` (``moe_ref.checkpoint.synthetic``; ~1-4 GB, some minutes of CPU) and loaded the way a user
+loads theirs (``MegaMoE.load_hf_weights``: the experts kept as stored, run by the quantized kernels). With several,
+the markdown gives each route's speed-up over the ``random`` layer of the same dispatch and T.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -39,10 +48,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from moe_ref import MegaMoE  # noqa: E402
 from moe_ref.bench.timing import RUNTIME_KINDS, cprofile_text, host_and_wall_us  # noqa: E402
+from moe_ref.checkpoint.synthetic import quantizable_config, write_synthetic_checkpoint  # noqa: E402
 from moe_ref.core.config import preset  # noqa: E402
 from moe_ref.kernels.runtime.launch import bound_launches  # noqa: E402
 from moe_ref.testing import graphed, sync_debug_mode  # noqa: E402
 
+WEIGHTS = ("random", "fp8_block", "int4_group", "mxfp4")  # --weights: random bf16, or a checkpoint format
+CHECKPOINT_LAYER = 1  # the synthetic checkpoints' MoE layer (layer 0 dense, as Kimi-K2's first_k_dense_replace)
 LAUNCHES = RUNTIME_KINDS["kernel launches"]
 SYNCS = RUNTIME_KINDS["synchronizations"]
 COPIES = RUNTIME_KINDS["copies (memcpy)"]
@@ -63,13 +75,40 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(bound launches off, as MOE_REF_BOUND_LAUNCH=0), the two alternating run by run in this "
                              "process")
     parser.add_argument("--profile", action="store_true", help="launches, syncs, sync sites and a cProfile")
+    parser.add_argument("--weights", nargs="+", default=["random"], choices=WEIGHTS,
+                        help="the experts' weights: random bf16, or a synthetic checkpoint in a published format")
+    parser.add_argument("--checkpoint-dir", default=os.path.join(tempfile.gettempdir(), "moe_ref_bench_eager"),
+                        help="where the synthetic checkpoints are written (once per format; not under --out: GBs)")
     return parser.parse_args(argv)
 
 
-def build_layer(args, dispatch: str, cap: int) -> MegaMoE:
-    cfg = dataclasses.replace(preset("kimi-k2"), num_experts=args.num_experts, name=f"kimi-k2/{args.num_experts}")
-    return MegaMoE(cfg, None, num_max_tokens_per_rank=cap, dtype=torch.bfloat16, device="cuda", seed=0,
-                   experts_backend="triton", dispatch_fp8=dispatch == "fp8")
+def share_config(args):
+    """Kimi-K2 with ``--num-experts`` experts: one rank's share."""
+    return dataclasses.replace(preset("kimi-k2"), num_experts=args.num_experts, name=f"kimi-k2/{args.num_experts}")
+
+
+def checkpoint_folder(cfg, fmt: str, root: str) -> str:
+    """A synthetic checkpoint of layer ``CHECKPOINT_LAYER`` of ``cfg`` in format ``fmt`` under ``root``, written on
+    the first call (its config.json last, so a folder with one is whole) and reused after."""
+    folder = os.path.join(root, f"{cfg.name.replace('/', '_')}_{fmt}")
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        started = time.perf_counter()
+        print(f"writing a {fmt} checkpoint of {cfg.name} into {folder} ...", flush=True)
+        write_synthetic_checkpoint(folder, cfg, layer_idx=CHECKPOINT_LAYER, quant=fmt, seed=0, dtype=torch.bfloat16)
+        print(f"  written in {time.perf_counter() - started:.0f} s", flush=True)
+    return folder
+
+
+def build_layer(args, dispatch: str, cap: int, weights: str = "random", **options) -> MegaMoE:
+    """The layer at ``share_config`` with ``weights`` (see the module docstring), Triton experts."""
+    cfg = share_config(args)
+    common = dict(num_max_tokens_per_rank=cap, dtype=torch.bfloat16, device="cuda", experts_backend="triton",
+                  dispatch_fp8=dispatch == "fp8", **options)
+    if weights == "random":
+        return MegaMoE(cfg, None, seed=0, **common)
+    cfg = quantizable_config(cfg, weights)
+    folder = checkpoint_folder(cfg, weights, args.checkpoint_dir)
+    return MegaMoE(cfg, None, **common).load_hf_weights(folder, layer_idx=CHECKPOINT_LAYER)
 
 
 def sync_sites(fn, x) -> list[str]:
@@ -190,23 +229,25 @@ def profile_calls(row: dict, name: str, fn, x, args, dispatch: str, num_tokens: 
         f.write(cprofile_text(fn, (x,), args.calls, rank=0))
 
 
-def build_layers(args, dispatch: str, cap: int) -> tuple[MegaMoE, MegaMoE | None]:
+def build_layers(args, dispatch: str, cap: int, weights: str = "random") -> tuple[MegaMoE, MegaMoE | None]:
     """The layer as built by default, and (route ``eager_launches``) one with ``eager_graph_max_tokens=0`` holding
-    the same weights (copied on the GPU: the random weights are drawn once, on the CPU)."""
-    moe = build_layer(args, dispatch, cap)
+    the same weights (random ones copied on the GPU, as they are drawn once on the CPU; a checkpoint loaded again)."""
+    moe = build_layer(args, dispatch, cap, weights)
     if "eager_launches" not in args.routes:
         return moe, None
-    cfg = moe.cfg
-    launching = MegaMoE(cfg, None, num_max_tokens_per_rank=cap, dtype=torch.bfloat16, device="cuda",
+    if weights != "random":
+        return moe, build_layer(args, dispatch, cap, weights, eager_graph_max_tokens=0)
+    launching = MegaMoE(moe.cfg, None, num_max_tokens_per_rank=cap, dtype=torch.bfloat16, device="cuda",
                         experts_backend="triton", dispatch_fp8=dispatch == "fp8", eager_graph_max_tokens=0)
     launching.load_state_dict(moe.state_dict())
     return moe, launching
 
 
-def run_case(args, moe: MegaMoE, launching: MegaMoE | None, dispatch: str, cap: int, num_tokens: int) -> dict:
+def run_case(args, moe: MegaMoE, launching: MegaMoE | None, dispatch: str, cap: int, num_tokens: int,
+             weights: str = "random") -> dict:
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     x = torch.randn(num_tokens, moe.cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-    row: dict = {"dispatch": dispatch, "tokens": num_tokens, "cap": cap,
+    row: dict = {"weights": weights, "dispatch": dispatch, "tokens": num_tokens, "cap": cap,
                  "eager_graph_max_tokens": moe.options.eager_graph_max_tokens}
     with torch.inference_mode():
         first = time.perf_counter()
@@ -260,6 +301,28 @@ def _launch_counts(row: dict, prefix: str) -> str:
     return " + ".join(f"{row.get(prefix + key, 0):g}" for key in ("launches", "graph_launches", "copies"))
 
 
+def _weights(row: dict) -> str:
+    return row.get("weights", "random")
+
+
+def speedup_lines(rows: list[dict]) -> list[str]:
+    """Each checkpoint row's speed-up over the ``random`` row of the same dispatch and T (that row's us over this
+    row's), eager and from a graph; no lines without both."""
+    base = {(r["dispatch"], r["tokens"]): r for r in rows if _weights(r) == "random"}
+    pairs = [(base[(r["dispatch"], r["tokens"])], r) for r in rows
+             if _weights(r) != "random" and (r["dispatch"], r["tokens"]) in base]
+    if not pairs:
+        return []
+
+    def ratio(anchor: dict, row: dict, key: str) -> str:
+        return f"{anchor[key] / row[key]:.2f}x" if anchor.get(key) and row.get(key) else "-"
+
+    lines = ["", "Speed-up over the random bf16 weights' layer of the same dispatch and T (its us / this row's us):",
+             "", "| weights | dispatch | T | eager | graph |", "|---|---|---:|---:|---:|"]
+    return lines + [f"| {_weights(r)} | {r['dispatch']} | {r['tokens']} | {ratio(b, r, 'eager_wall_us')} | "
+                    f"{ratio(b, r, 'graph_us')} |" for b, r in pairs]
+
+
 def write_markdown(out: str, meta: dict, rows: list[dict]) -> None:
     nan = float("nan")
     lines = [f"# MegaMoE eager vs graph, one GPU ({meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
@@ -268,14 +331,16 @@ def write_markdown(out: str, meta: dict, rows: list[dict]) -> None:
              "built with `eager_graph_max_tokens=0` (every kernel launched from Python). us per call.", "",
              "host work: the host's own time per call, 3 calls started on an idle GPU (back to back, the host "
              "waits for the GPU once 4 calls' checks are unread).", "",
-             "| dispatch | T | eager wall | eager host | eager host work | eager, launches: wall | host | host work | "
+             "| weights | dispatch | T | eager wall | eager host | eager host work | eager, launches: wall | host | "
+             "host work | "
              "wall, Triton's launch path | "
              "graph | compile r-o | eager/graph | launches/graph | compile/graph | per call, eager: kernel launches "
              "+ graph launches + copies | eager, launches: the same | syncs | D2H pageable | GPU busy us |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = (f"{r['compile_us'] / r['graph_us']:.2f}" if "compile_us" in r and "graph_us" in r else "-")
-        lines.append(f"| {r['dispatch']} | {r['tokens']} | {r['eager_wall_us']:.0f} | {r['eager_host_us']:.0f} | "
+        lines.append(f"| {_weights(r)} | {r['dispatch']} | {r['tokens']} | {r['eager_wall_us']:.0f} | "
+                     f"{r['eager_host_us']:.0f} | "
                      f"{r.get('eager_host_work_us', nan):.0f} | "
                      f"{r.get('eager_launches_wall_us', nan):.0f} | {r.get('eager_launches_host_us', nan):.0f} | "
                      f"{r.get('eager_launches_host_work_us', nan):.0f} | "
@@ -289,23 +354,24 @@ def write_markdown(out: str, meta: dict, rows: list[dict]) -> None:
     for r in rows[:1] + rows[len(rows) // 2:len(rows) // 2 + 1]:
         for prefix, what in (("", "eager (graph replay)"), ("eager_launches_", "eager, launches")):
             if r.get(prefix + "kernels"):
-                lines += ["", f"GPU kernels of one call, {what}, {r['dispatch']} T={r['tokens']}:", "",
+                lines += ["", f"GPU kernels of one call, {what}, {_weights(r)} {r['dispatch']} T={r['tokens']}:", "",
                           "| kernel | per call |", "|---|---:|"]
                 lines += [f"| `{name}` | {n:g} |" for name, n in r[prefix + "kernels"].items()]
     for r in rows:
         for prefix, what in (("", "eager (graph replay)"), ("eager_launches_", "eager, launches")):
             if r.get(prefix + "sync_sites"):
-                lines += ["", f"Syncs of one call, {what}, {r['dispatch']} T={r['tokens']}:", ""]
+                lines += ["", f"Syncs of one call, {what}, {_weights(r)} {r['dispatch']} T={r['tokens']}:", ""]
                 lines += [f"- {s}" for s in r[prefix + "sync_sites"]]
         for key in ("graph_error", "compile_error"):
             if key in r:
-                lines += ["", f"{key}, {r['dispatch']} T={r['tokens']}: {r[key]}"]
+                lines += ["", f"{key}, {_weights(r)} {r['dispatch']} T={r['tokens']}: {r[key]}"]
+    lines += speedup_lines(rows)
     with open(os.path.join(out, "bench_eager.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
 def plot_results(out: str, meta: dict, rows: list[dict]) -> None:
-    """``bench_eager.png``: us per call of each route, one group of bars per (dispatch, T); skipped without
+    """``bench_eager.png``: us per call of each route, one group of bars per (weights, dispatch, T); skipped without
     matplotlib."""
     try:
         import matplotlib
@@ -322,7 +388,8 @@ def plot_results(out: str, meta: dict, rows: list[dict]) -> None:
     width = 0.8 / len(routes)
     for i, (key, label) in enumerate(routes):
         ax.bar([j + i * width for j in range(len(rows))], [r.get(key, 0) for r in rows], width, label=label)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))], [f"{r['dispatch']}\nT={r['tokens']}" for r in rows])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))],
+                  [f"{_weights(r)}\n{r['dispatch']}\nT={r['tokens']}" for r in rows])
     ax.set_ylabel("us per MegaMoE call (wall)")
     ax.set_title(f"MegaMoE, one GPU ({meta['device']}, triton {meta['triton']}, {meta['date']})", fontsize=9)
     ax.legend(fontsize=8)
@@ -343,10 +410,10 @@ def main(argv=None) -> int:
             "command": "python3 scripts/bench_eager.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     rows = []
     cap = max(args.tokens)
-    for dispatch in args.dispatch:
-        moe, launching = build_layers(args, dispatch, cap)
+    for weights, dispatch in itertools.product(args.weights, args.dispatch):
+        moe, launching = build_layers(args, dispatch, cap, weights)
         for num_tokens in args.tokens:
-            row = run_case(args, moe, launching, dispatch, cap, num_tokens)
+            row = run_case(args, moe, launching, dispatch, cap, num_tokens, weights)
             rows.append(row)
             print("EAGER " + json.dumps({k: v for k, v in row.items() if not k.endswith(("sync_sites", "kernels"))}),
                   flush=True)

@@ -49,6 +49,8 @@
 # the batch-invariant mode's 4-bit experts on CUDA wait on);
 # probe_deep_gemm = whether DeepGEMM's experts give a row the same bits in pools of every size (bf16, FP8; needs .whl/:
 # the question letting the batch-invariant mode use DeepGEMM at prefill waits on);
+# quant_layer = the layer with its experts from synthetic checkpoints (INT4, MXFP4, FP8 blocks, as users load theirs)
+# against random bf16 weights, T 16, 128, 1024, eager and from a graph (scripts/bench_eager.py --weights);
 # w4_prefill = the 4-bit experts at 1024 and 4096 rows through the API beside bf16 and FP8, and every tile of the W4A16
 # kernel forced there (is the prefill regime's tile list the right one?);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
@@ -138,6 +140,8 @@ for s in $STEPS; do case $s in
   quant_rows) step quant_rows 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_kernels_cuda.py -k quantize_rows ;;
   w4_tests) step w4_tests 150 python3 -m pytest -q -rs --timeout=120 tests/interpreter/test_grouped_mlp_w4.py \
       -k "decode or scale or forced or no_rows or twin" ;;
+  quant_layer) step quant_layer 590 python3 scripts/bench_eager.py --out "$OUT/quant_layer" --dispatch bf16 \
+      --weights random int4_group mxfp4 fp8_block --tokens 16 128 1024 --routes eager graph --calls 20 --repeats 3 ;;
   w4_prefill) step w4_prefill 360 python3 scripts/bench_w4a16.py --peer none --rows ${W4_ROWS:-1024 4096} --sweep --every-tile \
       --max-seconds 330 --out "$OUT/w4_prefill/bench_w4a16.json" ;;
   w4_api) step w4_api 200 python3 scripts/bench_w4a16.py --peer none --out "$OUT/w4_api/bench_w4a16.json" ;;
