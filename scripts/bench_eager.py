@@ -2,7 +2,7 @@
 """The public layer on one GPU: eager calls against the CUDA-graph routes, and where an eager call's host time goes.
 
     PYTHONPATH=. python3 scripts/bench_eager.py --out results/eager [--tokens 16 128 1024] [--profile]
-        [--weights random int4_group mxfp4 fp8_block] [--checkpoint-dir /tmp/moe_ref_bench_eager]
+        [--weights random int4_group mxfp4 fp8_block] [--checkpoint-dir DIR]
 
 ``MegaMoE`` (one process, ``group=None``: the ``local`` transport) at a per-rank share of Kimi-K2 (48 experts,
 top-8, H 7168, F 2048, one shared expert, bf16, Triton experts), bf16 and FP8 dispatch. Per T (cap = the largest T):
