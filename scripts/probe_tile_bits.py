@@ -56,6 +56,13 @@ def live_rows(t: torch.Tensor, starts, counts) -> torch.Tensor:
     return torch.cat([t[s:s + c] for s, c in zip(starts.tolist(), counts.tolist()) if c])
 
 
+def print_groups(label: str, what: str, groups: dict[str, list], show=lambda members: members) -> None:
+    """``label: N group(s) of bits over M <what>``, then each group's digest and its members (``show``n)."""
+    print(f"{label}: {len(groups)} group(s) of bits over {sum(map(len, groups.values()))} {what}", flush=True)
+    for key, members in groups.items():
+        print(f"  {key}: {show(members)}", flush=True)
+
+
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=3, rep=15) * 1e3  # us
 
@@ -122,10 +129,7 @@ def grouped(precision: str, results: dict, num_experts=48, hidden=7168, inter=20
                     results["grouped_time"].append(dict(precision=precision, gemm=name, tile=list(tile),
                                                         us=round(bench(lambda: run(cfg, total)), 1), rows=total))
         results["grouped_groups"][f"{precision}/{name}"] = groups
-        print(f"{precision} {name}: {len(groups)} group(s) of bits over {sum(map(len, groups.values()))} runs",
-              flush=True)
-        for key, members in groups.items():
-            print(f"  {key}: {sorted({tuple(m[0]) for m in members})}", flush=True)
+        print_groups(f"{precision} {name}", "runs", groups, lambda members: sorted({tuple(m[0]) for m in members}))
 
 
 def w4(fmt: str, results: dict, num_experts=48, hidden=7168, inter=2048) -> None:
@@ -162,10 +166,7 @@ def w4(fmt: str, results: dict, num_experts=48, hidden=7168, inter=2048) -> None
             groups.setdefault(digest(live_rows(out, starts, counts)), []).append(list(tile))
             results["w4_time"].append(dict(fmt=fmt, gemm=name, tile=list(tile), us=round(bench(run), 1), rows=total))
         results["w4_groups"][f"{fmt}/{name}"] = groups
-        print(f"w4 {fmt} {name}: {len(groups)} group(s) of bits over {sum(map(len, groups.values()))} tiles",
-              flush=True)
-        for key, members in groups.items():
-            print(f"  {key}: {members}", flush=True)
+        print_groups(f"w4 {fmt} {name}", "tiles", groups)
 
 
 def deep_gemm_rows(precision: str, results: dict, num_experts=48, hidden=7168, inter=2048) -> None:
@@ -208,10 +209,8 @@ def deep_gemm_rows(precision: str, results: dict, num_experts=48, hidden=7168, i
             groups.setdefault(key, []).append(dict(other_rows=others, pool_rows=layout.num_pool_rows, form=form,
                                                   reversed=reverse))
     results["deep_gemm_groups"][precision] = groups
-    print(f"deep_gemm {precision}: {len(groups)} group(s) of bits over {sum(map(len, groups.values()))} pools",
-          flush=True)
-    for key, members in groups.items():
-        print(f"  {key}: {[(m['other_rows'], m['form'], m['reversed']) for m in members]}", flush=True)
+    print_groups(f"deep_gemm {precision}", "pools", groups,
+                 lambda members: [(m["other_rows"], m["form"], m["reversed"]) for m in members])
 
 
 def fixed(results: dict) -> None:
@@ -250,9 +249,7 @@ def fixed(results: dict) -> None:
                 results["fixed_time"].append(dict(shape=name, tile=list(tile), T=t,
                                                   us=round(bench(lambda: run(x_all[:t])), 2)))
         results["fixed_groups"][name] = groups
-        print(f"fixed {name}: {len(groups)} group(s)", flush=True)
-        for key, members in groups.items():
-            print(f"  {key}: {members}", flush=True)
+        print_groups(f"fixed {name}", "tiles", groups)
         for t in (1, 16, 128, 1024, 4096):
             rows = sorted((r for r in results["fixed_time"] if r["shape"] == name and r["T"] == t),
                           key=lambda r: r["us"])[:3]
