@@ -71,6 +71,8 @@ def test_the_pool_holds_each_live_slot_in_its_experts_segment_and_nan_elsewhere(
     pool, expert_P, row_TK = expert_pool(x_TD, ids_TK, 4, alignment=4)
     assert pool.num_rows_e.tolist() == [2, 0, 3, 1] and pool.row_start_e.tolist() == [0, 4, 4, 8]
     assert pool.num_rows == 6 and pool.masked_rows == 0 and pool.x_PD.shape == (12, 256)
+    ends = (pool.row_start_e + pool.num_rows_e).tolist()  # packed, as the pool adapters tell the backends
+    assert pool.row_start_e.tolist() == [0] + [-(-end // 4) * 4 for end in ends[:-1]]
     assert expert_P.tolist() == [0, 0, -1, -1, 2, 2, 2, -1, 3, -1, -1, -1]
     assert row_TK.tolist() == [[4, 0], [-1, 5], [6, -1], [1, 8]]  # an expert's rows in (token, slot) order
     live_TK = ids_TK >= 0

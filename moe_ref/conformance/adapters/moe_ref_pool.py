@@ -38,8 +38,10 @@ def pool_experts_factory(backend: str):
         experts = make_experts(backend, w.gate_up_e2FD, w.down_eDF, fp8_weights=fp8)
 
         def run(pool: ExpertPool):
+            # a contiguous scenario pool packs its segments (scenarios.expert_pool), as the dispatcher's does
             layout = ExpertLayout(pool.row_start_e, pool.num_rows_e, pool.x_PD.shape[0], POOL_ALIGNMENT,
-                                  num_rows_hint=pool.num_rows, zero_unused_rows=False, masked_rows=pool.masked_rows)
+                                  num_rows_hint=pool.num_rows, zero_unused_rows=False, masked_rows=pool.masked_rows,
+                                  packed=not pool.masked_rows)
             if pool.x_fp8_PD is not None and experts.accepts_fp8_input:
                 return experts(pool.x_fp8_PD, layout, pool.x_scale_PDb)
             return experts(pool.x_PD, layout)
