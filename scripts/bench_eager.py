@@ -89,12 +89,15 @@ def share_config(args):
 
 def checkpoint_folder(cfg, fmt: str, root: str) -> str:
     """A synthetic checkpoint of layer ``CHECKPOINT_LAYER`` of ``cfg`` in format ``fmt`` under ``root``, written on
-    the first call (its config.json last, so a folder with one is whole) and reused after."""
+    the first call and reused after (written beside, then renamed: a folder of that name is always whole)."""
     folder = os.path.join(root, f"{cfg.name.replace('/', '_')}_{fmt}")
-    if not os.path.exists(os.path.join(folder, "config.json")):
+    if not os.path.isdir(folder):
         started = time.perf_counter()
         print(f"writing a {fmt} checkpoint of {cfg.name} into {folder} ...", flush=True)
-        write_synthetic_checkpoint(folder, cfg, layer_idx=CHECKPOINT_LAYER, quant=fmt, seed=0, dtype=torch.bfloat16)
+        os.makedirs(root, exist_ok=True)
+        partial = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".", dir=root)
+        write_synthetic_checkpoint(partial, cfg, layer_idx=CHECKPOINT_LAYER, quant=fmt, seed=0, dtype=torch.bfloat16)
+        os.replace(partial, folder)
         print(f"  written in {time.perf_counter() - started:.0f} s", flush=True)
     return folder
 

@@ -78,6 +78,7 @@ def test_a_checkpoint_is_written_once_and_loads_at_the_layer_the_script_reads(tm
     monkeypatch.setattr(bench, "write_synthetic_checkpoint", lambda *a, **k: writes.append(a) or write(*a, **k))
     folder = bench.checkpoint_folder(cfg, "int4_group", str(tmp_path))
     assert bench.checkpoint_folder(cfg, "int4_group", str(tmp_path)) == folder and len(writes) == 1
+    assert os.listdir(tmp_path) == [os.path.basename(folder)]  # written beside, then renamed into place
     layer = MegaMoE(cfg, None, num_max_tokens_per_rank=8).load_hf_weights(folder, layer_idx=bench.CHECKPOINT_LAYER)
     assert layer.quantized_experts is not None
     y = layer(torch.randn(5, cfg.hidden_size))
