@@ -138,8 +138,8 @@ for s in $STEPS; do case $s in
       tests/gpu/test_fp8_layer_cuda.py -k "fp8 or load"
     step fp8_auto_tests 240 python3 -m pytest -q -rs --timeout=200 tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py ;;
   quant_rows) step quant_rows 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_kernels_cuda.py -k quantize_rows ;;
-  w4_tests) step w4_tests 150 python3 -m pytest -q -rs --timeout=120 tests/interpreter/test_grouped_mlp_w4.py \
-      -k "decode or scale or forced or no_rows or twin" ;;
+  w4_tests) step w4_tests 240 python3 -m pytest -q -rs --timeout=120 tests/interpreter/test_grouped_mlp_w4.py \
+      -k "decode or scale or forced or no_rows or twin or every_tile" ;;
   quant_layer) step quant_layer 590 python3 scripts/bench_eager.py --out "$OUT/quant_layer" --dispatch bf16 \
       --weights random int4_group mxfp4 fp8_block --tokens 16 128 1024 --routes eager graph --calls 20 --repeats 3 ;;
   w4_prefill) step w4_prefill 360 python3 scripts/bench_w4a16.py --peer none --rows ${W4_ROWS:-1024 4096} --sweep --every-tile \
