@@ -102,16 +102,21 @@ def checkpoint_folder(cfg, fmt: str, root: str) -> str:
     return folder
 
 
+def layer_options(dispatch: str, cap: int, **options) -> dict:
+    """Every layer's keyword arguments here: bf16 on one GPU, Triton experts, ``dispatch``, cap, and ``options``."""
+    return dict(num_max_tokens_per_rank=cap, dtype=torch.bfloat16, device="cuda", experts_backend="triton",
+                dispatch_fp8=dispatch == "fp8", **options)
+
+
 def build_layer(args, dispatch: str, cap: int, weights: str = "random", **options) -> MegaMoE:
     """The layer at ``share_config`` with ``weights`` (see the module docstring), Triton experts."""
     cfg = share_config(args)
-    common = dict(num_max_tokens_per_rank=cap, dtype=torch.bfloat16, device="cuda", experts_backend="triton",
-                  dispatch_fp8=dispatch == "fp8", **options)
     if weights == "random":
-        return MegaMoE(cfg, None, seed=0, **common)
+        return MegaMoE(cfg, None, seed=0, **layer_options(dispatch, cap, **options))
     cfg = quantizable_config(cfg, weights)
     folder = checkpoint_folder(cfg, weights, args.checkpoint_dir)
-    return MegaMoE(cfg, None, **common).load_hf_weights(folder, layer_idx=CHECKPOINT_LAYER)
+    return MegaMoE(cfg, None, **layer_options(dispatch, cap, **options)).load_hf_weights(folder,
+                                                                                       layer_idx=CHECKPOINT_LAYER)
 
 
 def sync_sites(fn, x) -> list[str]:
@@ -240,8 +245,7 @@ def build_layers(args, dispatch: str, cap: int, weights: str = "random") -> tupl
         return moe, None
     if weights != "random":
         return moe, build_layer(args, dispatch, cap, weights, eager_graph_max_tokens=0)
-    launching = MegaMoE(moe.cfg, None, num_max_tokens_per_rank=cap, dtype=torch.bfloat16, device="cuda",
-                        experts_backend="triton", dispatch_fp8=dispatch == "fp8", eager_graph_max_tokens=0)
+    launching = MegaMoE(moe.cfg, None, **layer_options(dispatch, cap, eager_graph_max_tokens=0))
     launching.load_state_dict(moe.state_dict())
     return moe, launching
 

@@ -5,9 +5,9 @@ lists runs GEMM1 and GEMM2 alone (`launch_gemm(..., config=...)`), and every can
 matmul runs the router and shared-expert shapes, and (``--only w4``, or by default) every tile of the W4A16 kernel
 (``grouped_mlp_w4.TILES``) runs its two GEMMs on INT4 and MXFP4 weights with bf16 rows, and (``--only deep_gemm``)
 DeepGEMM's experts run the same probe rows inside pools of every size its tile heuristic sees; outputs are grouped by
-their bits. Tiles of one group are interchangeable in the batch-invariant mode (a token's sum has the same order whichever
-of them runs), so the mode may pick among them by the row count. Each candidate is also timed at the layer's row
-counts.
+their bits. Tiles of one group are interchangeable in the batch-invariant mode (a token's sum has the same order
+whichever of them runs), so the mode may pick among them by the row count. Each candidate is also timed at the
+layer's row counts.
 
     python3 scripts/probe_tile_bits.py --out results/probe [--only grouped|fixed|w4|deep_gemm]
     (a GPU; writes probe.json, prints the groups)

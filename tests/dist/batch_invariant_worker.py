@@ -8,9 +8,10 @@ at this EP size, over ``symm`` and ``a2a``, in fp32, bf16 and bf16 with FP8 disp
 checkpoint, experts loaded as stored): ``build_layer``.
 
 The G = 64 global tokens are split unevenly over the ranks (the last rank gets none at R = 4, two ranks none at R = 8:
-two experts each) and chunked by a cap of 16 rows. Each rank reports, per case, the bytes of its output rows as hex, with the global token index of each; the
-test compares them with one process's output on all 64 tokens, bitwise. It also reports what each chunk's combine
-cost in transport calls (``count_combine_exchanges``), so the test can require ONE exchange per chunk.
+two experts each) and chunked by a cap of 16 rows. Each rank reports, per case, the bytes of its output rows as hex,
+with the global token index of each; the test compares them with one process's output on all 64 tokens, bitwise.
+It also reports what each chunk's combine cost in transport calls (``count_combine_exchanges``), so the test can
+require ONE exchange per chunk.
 """
 from __future__ import annotations
 
