@@ -173,29 +173,39 @@ def deep_gemm_rows(precision: str, results: dict, num_experts=48, hidden=7168, i
     """DeepGEMM picks its own tiles by the problem's M, so it cannot be forced tile by tile: instead the same probe
     rows (16 rows of expert 0, then 16 of expert 47) run through ``DeepGemmExperts`` inside pools of every size class
     the heuristic sees (other experts' rows 0 to 700 each: 64 to 33,600 pool rows), in both contiguous forms (segment
-    ends, a packed pool sized 2x; a row's expert, unpacked), and with the probe rows reversed in their segments. One
+    ends, a packed pool sized 2x; a row's expert, unpacked), in the masked form (the masked GEMMs) and with the probe
+    rows reversed in their segments. One
     group of bits for the probe rows over every run: DeepGEMM gives a row the same bits whatever its batch (on this
-    GPU and build), the question the batch-invariant mode's use of it waits on."""
+    GPU and build), the question the batch-invariant mode's use of it waits on. The batch-invariant mode's own
+    experts (the Triton grouped MLP on its bits class, sharing the FP8 weights) run the same pools beside it: were
+    their bits DeepGEMM's too, the mode could switch between the two by the row count."""
     import dataclasses
 
-    from moe_ref.experts import ExpertLayout
+    from moe_ref.experts import ExpertLayout, TritonExperts
     from moe_ref.experts.deep_gemm.backend import DeepGemmExperts
 
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device="cuda") * hidden ** -0.5).bfloat16()
     down = (torch.randn(num_experts, hidden, inter, generator=g, device="cuda") * inter ** -0.5).bfloat16()
     experts = DeepGemmExperts(gate_up, down, fp8=precision == "fp8")
+    invariant_triton = TritonExperts(gate_up, down, fp8_weights=experts.fp8_weights) if experts.fp8 else \
+        TritonExperts(gate_up, down)
+    invariant_triton.batch_invariant = True
     probe = {0: torch.randn(16, hidden, generator=g, device="cuda").bfloat16(),
              num_experts - 1: torch.randn(16, hidden, generator=g, device="cuda").bfloat16()}
     groups: dict[str, list] = {}
+    triton_groups: dict[str, list] = {}
     for others in (0, 1, 8, 64, 170, 700):
         counts = torch.full((num_experts,), others, dtype=torch.int64, device="cuda")
         for e, rows in probe.items():
             counts[e] = others + rows.shape[0]
         base = ExpertLayout.from_counts(counts, experts.segment_alignment)
-        for form, reverse in (("psum", False), ("psum", True), ("rows", False)):
-            layout = (dataclasses.replace(base, num_pool_rows=2 * base.num_pool_rows) if form == "psum" else
-                      dataclasses.replace(base, packed=False))
+        masked_rows = cdiv(int(counts.max()), 128) * 128  # the masked pool: expert i's rows at i * M
+        masked = ExpertLayout(torch.arange(num_experts, device="cuda") * masked_rows, counts, num_experts * masked_rows,
+                              masked_rows, masked_rows=masked_rows)
+        for form, reverse in (("psum", False), ("psum", True), ("rows", False), ("masked", False)):
+            layout = {"psum": dataclasses.replace(base, num_pool_rows=2 * base.num_pool_rows),
+                      "rows": dataclasses.replace(base, packed=False), "masked": masked}[form]
             x = torch.randn(layout.num_pool_rows, hidden, generator=g, device="cuda").bfloat16()
             placed = []
             for e, rows in probe.items():  # the probe rows after the expert's other rows
@@ -203,14 +213,18 @@ def deep_gemm_rows(precision: str, results: dict, num_experts=48, hidden=7168, i
                 at = at.flip(0) if reverse else at
                 x[at] = rows
                 placed.append(at)
-            y = experts(x, layout)
-            torch.cuda.synchronize()
-            key = digest(torch.cat([y[at] for at in placed]))
-            groups.setdefault(key, []).append(dict(other_rows=others, pool_rows=layout.num_pool_rows, form=form,
-                                                  reversed=reverse))
+            run = dict(other_rows=others, pool_rows=layout.num_pool_rows, form=form, reversed=reverse)
+            for backend, backend_groups in ((experts, groups), (invariant_triton, triton_groups)):
+                y = backend(x, layout)
+                torch.cuda.synchronize()
+                backend_groups.setdefault(digest(torch.cat([y[at] for at in placed])), []).append(run)
     results["deep_gemm_groups"][precision] = groups
-    print_groups(f"deep_gemm {precision}", "pools", groups,
-                 lambda members: [(m["other_rows"], m["form"], m["reversed"]) for m in members])
+    results["deep_gemm_groups"][f"{precision}/triton+invariant"] = triton_groups
+    show = lambda members: [(m["other_rows"], m["form"], m["reversed"]) for m in members]  # noqa: E731
+    print_groups(f"deep_gemm {precision}", "pools", groups, show)
+    print_groups(f"triton+invariant {precision} (the same pools)", "pools", triton_groups, show)
+    print(f"deep_gemm {precision}: bits shared with triton+invariant: {sorted(set(groups) & set(triton_groups))}",
+          flush=True)
 
 
 def fixed(results: dict) -> None:
@@ -278,7 +292,7 @@ def main() -> None:
         from moe_ref.experts.deep_gemm.probe import deep_gemm_status
 
         if deep_gemm_status().available:
-            for precision in ("bf16", "fp8"):
+            for precision in ("fp8", "bf16"):  # FP8 first: the batch-invariant mode's gap is FP8 at prefill
                 deep_gemm_rows(precision, results)
         else:
             print(f"deep_gemm: not probed ({deep_gemm_status().reason})", flush=True)
