@@ -227,6 +227,51 @@ def deep_gemm_rows(precision: str, results: dict, num_experts=48, hidden=7168, i
           flush=True)
 
 
+def deep_gemm_vs_triton_gemms(results: dict, num_experts=48, hidden=7168, inter=2048) -> None:
+    """Does the Triton FP8 GEMM give DeepGEMM's bits? Each FP8 GEMM of the experts (gate_up on the interleaved
+    weights, down) runs once through DeepGEMM's contiguous GEMM and once through ``launch_gemm`` with no activation
+    (bf16 out, as DeepGEMM writes) on every legal tile of the FP8 lists, over one pool (segments of 0-300 rows).
+    Both promote per 128-K step in fp32; a tile whose rows all equal DeepGEMM's would let the batch-invariant mode
+    run Triton at decode and DeepGEMM at prefill with the activation between the GEMMs done by one kernel for both."""
+    from moe_ref.experts import ExpertLayout
+    from moe_ref.experts.deep_gemm.backend import DeepGemmExperts, grouped_layout
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device="cuda") * hidden ** -0.5).bfloat16()
+    down = (torch.randn(num_experts, hidden, inter, generator=g, device="cuda") * inter ** -0.5).bfloat16()
+    experts = DeepGemmExperts(gate_up, down, fp8=True)
+    weights = experts.fp8_weights
+    starts, counts, num_rows = pool(num_experts, 3)
+    group_P = grouped_layout(ExpertLayout(starts, counts.long(), num_rows, 128), num_rows, starts.device)
+    total = int(counts.sum())
+    candidates = list(dict.fromkeys(tiles.normalize_tile(t) for t in
+                                    tiles.DECODE_TILES_FP8 + tiles.MID_TILES_FP8 + tiles.PREFILL_TILES_FP8))
+    shared = {}
+    for name, w, w_scale, n, k in (("gate_up", weights.gate_up_fp8_e2FD, weights.gate_up_scale_e2FbDb, 2 * inter,
+                                    hidden), ("down", weights.down_fp8_eDF, weights.down_scale_eDbFb, hidden, inter)):
+        x = torch.randn(num_rows, k, generator=g, device="cuda").to(FP8_DTYPE)
+        x_scale = torch.rand(num_rows, cdiv(k, 128), generator=g, device="cuda") * 1e-2 + 1e-3
+        reference = live_rows(experts._grouped_gemm((x, x_scale), (w, w_scale), group_P), starts, counts)
+        equal = []
+        for tile in candidates:
+            cfg = tiles.config_of_tile(tile)
+            if tiles.config_problem(cfg, n=n, k=k, gated=False, fp8=True, quant_out=False, ieee_fp32=False):
+                continue
+            c = torch.zeros(num_rows, n, dtype=torch.bfloat16, device="cuda")
+            launch_gemm(x, x_scale, w, w_scale, c, None, starts, counts, n=n, k=k, activation="none",
+                        situ_beta=4.0, situ_linear_beta=25.0, fp8=True, quant_out=False, rows_hint=total, config=cfg)
+            mine = live_rows(c, starts, counts)
+            rows_other = int((mine.view(torch.int16) != reference.view(torch.int16)).any(dim=1).sum())
+            diff = (mine.float() - reference.float()).abs().max().item()
+            print(f"fp8 {name} {tile}: {rows_other} of {total} rows differ from DeepGEMM's (max |diff| {diff:.3g})",
+                  flush=True)
+            if rows_other == 0:
+                equal.append(list(tile))
+        shared[name] = equal
+        print(f"fp8 {name}: Triton tiles with DeepGEMM's bits: {equal}", flush=True)
+    results["deep_gemm_vs_triton"] = shared
+
+
 def fixed(results: dict) -> None:
     shapes = {"router": (7168, 384, torch.bfloat16, torch.float32), "shared_gate_up": (7168, 4096, torch.bfloat16,
               torch.bfloat16), "shared_down": (2048, 7168, torch.bfloat16, torch.bfloat16),
@@ -292,6 +337,7 @@ def main() -> None:
         from moe_ref.experts.deep_gemm.probe import deep_gemm_status
 
         if deep_gemm_status().available:
+            deep_gemm_vs_triton_gemms(results)
             for precision in ("fp8", "bf16"):  # FP8 first: the batch-invariant mode's gap is FP8 at prefill
                 deep_gemm_rows(precision, results)
         else:
