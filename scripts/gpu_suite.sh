@@ -47,6 +47,7 @@
 # timers; $CONFORM_K picks some, e.g. CONFORM_K="experts or graph"; needs .whl/ for DeepGEMM and the peers);
 # probe_w4 = which W4A16 tiles give a row the same bits (INT4, MXFP4; scripts/probe_tile_bits.py --only w4: the question
 # the batch-invariant mode's 4-bit experts on CUDA wait on);
+# probe_fp8 = which tiles of the FP8 grouped MLP give a row the same bits (every FP8 tile, schedule, load path);
 # probe_deep_gemm = whether DeepGEMM's experts give a row the same bits in pools of every size (bf16, FP8; needs .whl/:
 # the question letting the batch-invariant mode use DeepGEMM at prefill waits on);
 # quant_layer = the layer with its experts from synthetic checkpoints (INT4, MXFP4, FP8 blocks, as users load theirs)
@@ -192,6 +193,7 @@ for s in $STEPS; do case $s in
       --jsonl "$OUT/bench/bench_kernels_${TIMER:-events}.jsonl" ;;
   tiles) step tiles 590 python3 scripts/tune_tiles.py --out "$OUT/tiles" --models kimi-k2/48 ;;
   probe_w4) step probe_w4 400 python3 scripts/probe_tile_bits.py --only w4 --out "$OUT/probe" ;;
+  probe_fp8) step probe_fp8 240 python3 scripts/probe_tile_bits.py --only grouped --precision fp8 --out "$OUT/probe_fp8" ;;
   probe_deep_gemm) step probe_deep_gemm 300 python3 scripts/probe_tile_bits.py --only deep_gemm --out "$OUT/probe_dg" ;;
   conform_gpu) step conform_gpu "${CONFORM_LIMIT:-580}" python3 -m pytest -q -rs --timeout=570 \
       tests/gpu/test_conformance_cuda.py ${CONFORM_K:+-k "$CONFORM_K"} --durations=10 ;;

@@ -9,7 +9,7 @@ their bits. Tiles of one group are interchangeable in the batch-invariant mode (
 whichever of them runs), so the mode may pick among them by the row count. Each candidate is also timed at the
 layer's row counts.
 
-    python3 scripts/probe_tile_bits.py --out results/probe [--only grouped|fixed|w4|deep_gemm]
+    python3 scripts/probe_tile_bits.py --out results/probe [--only grouped|fixed|w4|deep_gemm] [--precision fp8]
     (a GPU; writes probe.json, prints the groups)
 
 Shape legend: P pool rows, D hidden, F expert intermediate, e experts, T tokens, O output features.
@@ -320,6 +320,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/probe")
     parser.add_argument("--only", choices=("grouped", "fixed", "w4", "deep_gemm"), default=None)
+    parser.add_argument("--precision", choices=("bf16", "fp8"), default=None, help="the grouped MLP's: one only")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -328,7 +329,7 @@ def main() -> None:
     if args.only in (None, "fixed"):
         fixed(results)
     if args.only in (None, "grouped"):
-        for precision in ("bf16", "fp8"):
+        for precision in [args.precision] if args.precision else ("bf16", "fp8"):
             grouped(precision, results)
     if args.only in (None, "w4"):
         for fmt in ("int4", "mxfp4"):

@@ -114,9 +114,10 @@ def _fp8_product(a, b, SWAP_AB: tl.constexpr):
 @triton.jit
 def _promote(acc, partial, scale_a, b_scale_base, first_col, stride_b_scale_n, k0, num_cols,
              ONE_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """FP8: acc + partial * x scale (per row) * weight scale (per 128 columns of b, from b's column first_col).
-    ONE_SCALE: the tile's BLOCK_N columns share one 128x128 weight block, folded into the row scales (one FMA
-    per element, as DeepGEMM's SM90 promotion). SWAP_AB: acc and partial are transposed (`_fp8_product`)."""
+    """FP8: acc + partial * (x scale (per row) * weight scale (per 128 columns of b, from b's column first_col)).
+    ONE_SCALE: the tile's BLOCK_N columns share one 128x128 weight block, folded into the row scales. Either way
+    each element takes one product of its two scales and one FMA, as DeepGEMM's SM90 promotion, so an element's
+    bits do not depend on BLOCK_N. SWAP_AB: acc and partial are transposed (`_fp8_product`)."""
     if ONE_SCALE:
         scale_b = tl.load(b_scale_base + (first_col // 128) * stride_b_scale_n + k0 // 128)
         if SWAP_AB:
@@ -128,9 +129,9 @@ def _promote(acc, partial, scale_a, b_scale_base, first_col, stride_b_scale_n, k
         scale_b = tl.load(b_scale_base + (offs_col // 128) * stride_b_scale_n + k0 // 128, mask=offs_col < num_cols,
                           other=0.0)
         if SWAP_AB:
-            acc += partial * scale_b[:, None] * scale_a[None, :]
+            acc += partial * (scale_b[:, None] * scale_a[None, :])
         else:
-            acc += partial * scale_a[:, None] * scale_b[None, :]
+            acc += partial * (scale_a[:, None] * scale_b[None, :])
     return acc
 
 
