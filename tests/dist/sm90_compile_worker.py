@@ -54,7 +54,8 @@ HOPPER = GPUTarget("cuda", 90, 32)
 OPTION_KEYS = ("num_warps", "num_stages", "enable_fp_fusion")
 FP8 = torch.float8_e4m3fn
 
-# name -> (weights "bf16" | "fp8", GEMM "gate_up" | "down", interleaved, TMA, tile[, schedule[, add]])
+# name -> (weights "bf16" | "fp8", GEMM "gate_up" | "down", interleaved, TMA, tile[, schedule[, add[,
+#         batch_invariant]]])
 CASES = {
     "bf16 gate_up decode tile, TMA": ("bf16", "gate_up", False, True, (16, 64, 128, 4, 4)),
     "bf16 gate_up interleaved prefill tile, TMA": ("bf16", "gate_up", True, True, (128, 128, 64, 8, 4, 8)),
@@ -74,6 +75,8 @@ CASES = {
                                                                 "grid"),
     "fp8 gate_up stacked decode tile, pointer loads": ("fp8", "gate_up", False, False, (16, 128, 128, 4, 4)),
     "fp8 down decode tile, TMA": ("fp8", "down", False, True, (32, 128, 128, 4, 4)),
+    "fp8 gate_up interleaved decode tile, batch-invariant": ("fp8", "gate_up", True, True, (16, 128, 128, 4, 4), None,
+                                                             False, True),
 }
 
 # name -> (4-bit format, GEMM, x dtype, input features K, grouped_mlp_w4 tile[, INT4 scale]): the W4A16 kernel
@@ -163,9 +166,10 @@ def _operands(weights: str, gemm: str, interleaved: bool) -> dict:
 
 
 def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tuple, schedule: str | None = None,
-                 add: bool = False):
+                 add: bool = False, batch_invariant: bool = False):
     """Launch one grouped-MLP case into the recorder, then compile the recorded launch for sm_90 (``add``: GEMM2 adds
-    a tensor of c's shape in its epilogue, as the shared experts' MLP adds the routed output)."""
+    a tensor of c's shape in its epilogue, as the shared experts' MLP adds the routed output; ``batch_invariant``:
+    the mode's launch, FP8 GEMM1 rounding gate and up to bf16 before the activation)."""
     ops = _operands(weights, gemm, interleaved)
     experts = ops["b"].shape[0]
     row_start_e = torch.arange(experts, dtype=torch.int64) * 16
@@ -179,7 +183,7 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
             n=ops["n"], k=ops["k"], activation=ops["activation"], situ_beta=4.0, situ_linear_beta=25.0,
             fp8=ops["fp8"], quant_out=ops["quant_out"], rows_hint=64, interleaved=ops["interleaved"],
             config=gm.tiles.config_of_tile(tile), schedule=schedule,
-            add=torch.zeros_like(ops["c"]) if add else None))
+            add=torch.zeros_like(ops["c"]) if add else None, batch_invariant=batch_invariant))
     finally:
         gm._tma_possible, gm._num_sms = tma_possible, num_sms
 

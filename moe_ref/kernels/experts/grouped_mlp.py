@@ -215,6 +215,8 @@ def _grouped_gemm_kernel(
     GROUP_M: tl.constexpr = 1,     # program order: 1 = N fastest (pid_m = pid // num_pid_n); G > 1 = L2 swizzle
     PERSISTENT: tl.constexpr = False,  # programs walk the live tiles, grid-strided (else one per upper-bound tile)
     ADD: tl.constexpr = False,     # c = a @ b.T + add, summed in fp32 and rounded once (no activation, no fp8 out)
+    ROUND_GATE_UP: tl.constexpr = False,  # gated: round gate and up to bf16 before the activation, as DeepGEMM's
+                                          # GEMM1 writes them (the batch-invariant mode's FP8 experts)
 ):
     """One program = BLOCK_M rows of one expert x BLOCK_N output columns (x2 for gate and up).
 
@@ -233,8 +235,8 @@ def _grouped_gemm_kernel(
                        b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, add_ptr, a_desc, b_desc, R, N, K, situ_beta,
                        situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
                        stride_b_scale_n, stride_c_r, stride_c_scale_r, stride_add_r, ACTIVATION, INTERLEAVED,
-                       SITU_LINEAR, FP8, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, ADD, BLOCK_M, BLOCK_N,
-                       BLOCK_K)
+                       SITU_LINEAR, FP8, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, ADD, ROUND_GATE_UP,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
     else:  # one program per tile of the upper-bound grid; the surplus programs exit at once
         pid_m, pid_n = _tile_coords(tl.program_id(0), tl.num_programs(0) // num_pid_n, num_pid_n, GROUP_M)
         if pid_m < num_pid_m:
@@ -242,8 +244,8 @@ def _grouped_gemm_kernel(
                        b_scale_ptr, c_ptr, c_scale_ptr, row_start_ptr, add_ptr, a_desc, b_desc, R, N, K, situ_beta,
                        situ_linear_beta, stride_a_r, stride_a_scale_r, stride_b_e, stride_b_n, stride_b_scale_e,
                        stride_b_scale_n, stride_c_r, stride_c_scale_r, stride_add_r, ACTIVATION, INTERLEAVED,
-                       SITU_LINEAR, FP8, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, ADD, BLOCK_M, BLOCK_N,
-                       BLOCK_K)
+                       SITU_LINEAR, FP8, QUANT_OUT, USE_TMA, N_ALIGNED, UPCAST, IEEE_FP32, ADD, ROUND_GATE_UP,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -268,8 +270,8 @@ def _gemm_tile(
     stride_c_r, stride_c_scale_r, stride_add_r,
     ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, SITU_LINEAR: tl.constexpr, FP8: tl.constexpr,
     QUANT_OUT: tl.constexpr, USE_TMA: tl.constexpr,
-    N_ALIGNED: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    N_ALIGNED: tl.constexpr, UPCAST: tl.constexpr, IEEE_FP32: tl.constexpr, ADD: tl.constexpr,
+    ROUND_GATE_UP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """M block `pid_m` (of all experts' blocks, `pid_m < sum(num_blocks_e)`) x N tile `pid_n` of one grouped GEMM;
     arguments as `_grouped_gemm_kernel`'s, plus the expert table (`num_rows_e`, their BLOCK_M blocks and the
@@ -349,6 +351,8 @@ def _gemm_tile(
         acc, acc_up = split_halves(acc_halves)
 
     # --- epilogue: activation (fp32), optional fp8 re-quantization, store ----------------------------
+    if ROUND_GATE_UP:
+        acc, acc_up = acc.to(tl.bfloat16).to(tl.float32), acc_up.to(tl.bfloat16).to(tl.float32)
     acc = gated_act(acc, acc_up, situ_beta, situ_linear_beta, ACTIVATION, SITU_LINEAR)
     c_ptrs = c_ptr + rows[:, None] * stride_c_r + offs_n[None, :]
     mask_c = mask_m[:, None] & mask_n[None, :]
@@ -477,7 +481,9 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
             summed in fp32 and rounded once (GEMM2 only: `activation="none"`, not `quant_out`).
         batch_invariant: launch only tiles of the precision's bits class (`fixed_tiles.same_bits_tile`: the tile
             table's first in the class, else the autotuner over the class), or the one forced tile where the class is
-            one (`fixed_tiles.forced_grouped_tiles`), so a row's bits do not depend on the row count.
+            one (`fixed_tiles.forced_grouped_tiles`), so a row's bits do not depend on the row count. FP8 GEMM1
+            also rounds gate and up to bf16 before the activation, as the activation of DeepGEMM's experts reads
+            them (`experts.deep_gemm`: its GEMM1 writes bf16), so the two run one arithmetic up to the GEMMs'.
 
     Returns:
         what the Triton launch returns (c and c_scale are written in place).
@@ -530,6 +536,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         QUANT_OUT=quant_out, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=next_power_of_2(num_experts),
         PERSISTENT=schedule != "grid", ADD=add is not None,
+        ROUND_GATE_UP=batch_invariant and fp8 and activation != "none",
     )
     max_programs = None
     if schedule == "persistent":
