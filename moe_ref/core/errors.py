@@ -213,9 +213,10 @@ class BatchInvariantUnsupportedError(InvalidConfigError):
         "A batch-invariant layer promises that a token's output bits do not depend on its batch, its row order in an "
         "expert segment, the chunk count or the EP size (docs/batch_invariance.md). Only paths whose every GEMM runs "
         "one fixed order per row hold that: the torch experts loop on the CPU (fixed 16-row blocks), the Triton "
-        "grouped MLP on CUDA (one tile per precision, no autotune), moe_ref's own routed step (mega='off'). cuBLAS, "
-        "CUTLASS and DeepGEMM pick kernels by the row count, so grouped_mm, deep_gemm, auto holding DeepGEMM and "
-        "DeepGEMM's fused mega-MoE are refused.",
+        "grouped MLP on CUDA (tiles of one bits class, or one tile per precision where no class was probed), "
+        "moe_ref's own routed step (mega='off'). cuBLAS, CUTLASS and DeepGEMM pick kernels by the row count, and "
+        "whether a row keeps its bits across them is not established, so grouped_mm, deep_gemm, auto holding "
+        "DeepGEMM and DeepGEMM's fused mega-MoE are refused.",
         "MegaMoE(cfg, batch_invariant=True, experts_backend='deep_gemm'), MOE_REF_BATCH_INVARIANT=1 with "
         "mega='auto', experts_backend='torch' on CUDA.",
         ["Use experts_backend='auto' (it resolves to torch on the CPU and triton on CUDA in this mode), and "
@@ -226,18 +227,18 @@ class BatchInvariantUnsupportedError(InvalidConfigError):
 
 class BatchInvariantExpertsError(InvalidConfigError):
     code = _entry(
-        "CFG027", "4-bit checkpoint experts in a batch-invariant layer on CUDA",
-        "A batch-invariant layer holds its contract on quantized checkpoint experts where their kernel does: FP8 "
-        "blocks on the Triton grouped MLP (CUDA) and every format on the torch loop (CPU). INT4 and MXFP4 experts "
-        "on CUDA run on the W4A16 kernel, whose tiles are chosen per row count and whose bits across tiles are not "
-        "probed, so they are refused when the experts are first built (the first call), on every rank alike (every "
-        "rank loads the same checkpoint).",
-        "MegaMoE(cfg, batch_invariant=True, device='cuda').load_hf_weights('/models/kimi-k2-thinking', 5) (INT4 "
-        "experts), then a call.",
-        ["Load a bf16 or FP8-block checkpoint into the batch-invariant layer (FP8 dispatch, dispatch_fp8=True, "
-         "holds the contract on Triton too).",
-         "Or build the layer with batch_invariant=False to run the 4-bit experts as stored."],
-        "MegaMoE(cfg, batch_invariant=True, device='cuda').load_hf_weights('/models/deepseek-v3', 5)  # FP8 blocks")
+        "CFG027", "quantized checkpoint experts whose kernel does not hold the batch-invariance contract",
+        "A batch-invariant layer runs quantized checkpoint experts only on a kernel that gives a row the same bits in "
+        "every batch: the layer checks the experts class (Experts.honours_batch_invariant) when it first builds the "
+        "experts (the first call), on every rank alike (every rank loads the same checkpoint). Every class the layer "
+        "builds today holds it: FP8 blocks on the Triton grouped MLP (tiles of one bits class), INT4 and MXFP4 on "
+        "the W4A16 kernel (one tile pair at every row count, since 2026-12-07; before, they were refused here), every "
+        "format on the torch loop (CPU). The check guards an experts class added later.",
+        "MegaMoE(cfg, batch_invariant=True).load_hf_weights(path, 5) with experts whose class sets "
+        "honours_batch_invariant = False, then a call.",
+        ["Load the checkpoint into a layer whose experts backend holds the mode (experts_backend='auto').",
+         "Or build the layer with batch_invariant=False to run the experts as stored."],
+        "MegaMoE(cfg, batch_invariant=True, device='cuda').load_hf_weights('/models/kimi-k2-thinking', 5)  # INT4")
 
 
 class AutoTableError(InvalidConfigError):

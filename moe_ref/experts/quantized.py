@@ -48,6 +48,7 @@ class W4A16Experts(Experts):
     """
 
     name = "w4a16"
+    honours_batch_invariant = True  # one tile pair at every row count (grouped_mlp_w4.BATCH_INVARIANT_TILES)
     segment_alignment = 1
 
     def __init__(self, qweights: QuantizedExpertWeights, activation: str = "silu", situ_beta: float = 4.0,
@@ -74,7 +75,7 @@ class W4A16Experts(Experts):
         return grouped_mlp_w4(x_PDx, self.gate_up_planes, self.down_planes, layout.row_start_e, layout.num_rows_e,
                               self.activation, self.situ_beta, self.situ_linear_beta,
                               num_rows_hint=layout.rows_hint(),  # picks GPU tiles (no host sync when the layout has it)
-                              zero_unused_rows=layout.zero_unused_rows)
+                              zero_unused_rows=layout.zero_unused_rows, batch_invariant=self.batch_invariant)
 
 
 class FP8BlockExperts(TritonExperts):

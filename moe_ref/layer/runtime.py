@@ -102,8 +102,9 @@ def build_experts(layer: nn.Module) -> Experts:
                 # every rank loads the same checkpoint: every rank raises here alike
                 raise BatchInvariantExpertsError(
                     f"batch_invariant=True, but the routed experts were loaded quantized as stored ({stored.spec}) "
-                    f"and run on {cls.__name__}, whose tiles follow the row count; load bf16 or FP8-block experts, "
-                    f"or build the layer with batch_invariant=False")
+                    f"and run on {cls.__name__}, whose kernel does not give a row the same bits in every batch; run "
+                    f"them on a backend that does (experts_backend='auto'), or build the layer with "
+                    f"batch_invariant=False")
             experts = make_quantized_experts(stored, *activation, backend=backend)
             experts.batch_invariant = options.batch_invariant
             return experts

@@ -1,9 +1,10 @@
 """The batch-invariant mode on one GPU (docs/batch_invariance.md): the fixed-tile GEMM against its twin; a token alone
-equals the token in a batch (bf16, fp32, FP8 dispatch; Kimi-K2, Kimi-K3's latent path, Step3); eager launches,
-the layer's eager-graph replays, a user's CUDA graph and torch.compile give the same bits; the default mode's lone
-token differs where it does (positive control, reported, not asserted: cuBLAS and the autotuner may agree); the slot
-sum's one-launch kernel equals its torch loop bitwise at Kimi-K2's sizes; every tile of a bits class gives a row the
-same bits on this GPU (the assumption that lets the mode pick tiles by the row count)."""
+equals the token in a batch (bf16, fp32, FP8 dispatch; Kimi-K2, Kimi-K3's latent path, Step3; experts stored as FP8
+blocks, INT4 or MXFP4); eager launches, the layer's eager-graph replays, a user's CUDA graph and torch.compile give
+the same bits; the default mode's lone token differs where it does (positive control, reported, not asserted: cuBLAS
+and the autotuner may agree); the slot sum's one-launch kernel equals its torch loop bitwise at Kimi-K2's sizes; every
+tile of a bits class gives a row the same bits on this GPU (the assumption that lets the mode pick tiles by the row
+count)."""
 from __future__ import annotations
 
 import pytest
@@ -70,21 +71,24 @@ def test_eager_replay_graph_and_compile_agree_bitwise():
     moe.destroy()
 
 
-@pytest.mark.parametrize("dispatch_fp8", [False, True])
-def test_an_fp8_checkpoints_token_alone_equals_the_token_in_a_batch(tmp_path, dispatch_fp8):
-    """FP8-block experts as stored (FP8BlockExperts, the Triton FP8 grouped MLP) in the batch-invariant layer."""
+@pytest.mark.parametrize("fmt, dispatch_fp8", [("fp8_block", False), ("fp8_block", True), ("int4_group", False),
+                                               ("mxfp4", False)])
+def test_a_quantized_checkpoints_token_alone_equals_the_token_in_a_batch(tmp_path, fmt, dispatch_fp8):
+    """Experts as stored in the batch-invariant layer: FP8 blocks on the Triton FP8 grouped MLP (FP8BlockExperts),
+    INT4 and MXFP4 on the W4A16 kernel's one tile pair (W4A16Experts)."""
     import dataclasses
 
     from moe_ref.checkpoint.synthetic import quantizable_config, write_synthetic_checkpoint
     from moe_ref.core.config import preset
 
     cfg = quantizable_config(dataclasses.replace(preset("tiny-deepseek-v3"), hidden_size=256, intermediate_size=128),
-                             "fp8_block")
-    write_synthetic_checkpoint(tmp_path, cfg, layer_idx=1, quant="fp8_block", seed=3, dtype=torch.float32)
+                             fmt)
+    write_synthetic_checkpoint(tmp_path, cfg, layer_idx=1, quant=fmt, seed=3, dtype=torch.float32)
     moe = MegaMoE(cfg, dtype=torch.bfloat16, device="cuda", batch_invariant=True, dispatch_fp8=dispatch_fp8,
                   num_max_tokens_per_rank=256, eager_graph_max_tokens=0)
     moe.load_hf_weights(tmp_path, layer_idx=1)
-    assert type(moe.experts).__name__ == "FP8BlockExperts" and moe.experts.batch_invariant
+    expected = "FP8BlockExperts" if fmt == "fp8_block" else "W4A16Experts"
+    assert type(moe.experts).__name__ == expected and moe.experts.batch_invariant
     x = tokens(160, cfg.hidden_size, torch.bfloat16)
     with torch.no_grad():
         full = moe(x)

@@ -68,3 +68,40 @@ def assert_close():
                                  f"max_err={err.nan_to_num().max().item():.3g} {atol=} {rtol=} {case=}")
 
     return check
+
+
+class DotSpy:
+    """The emulated dot's call count and the stock dot (to compare against)."""
+
+    def __init__(self, stock):
+        self.stock, self.calls = stock, 0
+
+
+@pytest.fixture
+def row_invariant_dot(monkeypatch):
+    """Under the interpreter: its ``create_dot`` with the stock dtypes (8-bit floats read as fp16, the product and
+    sum in the accumulator's dtype, plus the accumulator), each output element summed over K by numpy's reduction,
+    which depends on the element's own products and the tile shape only. The stock dot is ``numpy.matmul``, whose
+    order of additions for a row depends on the row's place in the call, so no kernel built on it is row-invariant
+    under the interpreter however fixed its tile (tests/interpreter/test_fixed_tiles.py says more). None on a GPU."""
+    if torch.cuda.is_available():
+        yield None
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    spy = DotSpy(interpreter.InterpreterBuilder.create_dot)
+
+    def create_dot(builder, a, b, d, input_precision, max_num_imprecise_acc):
+        spy.calls += 1
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+                (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
+            a_data = interpreter._convert_float(a_data, a.dtype, interpreter.tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype, interpreter.tl.float16, None).view(np.float16)
+        acc_dtype = d.data.dtype
+        products = a_data.astype(acc_dtype)[..., :, :, None] * b_data.astype(acc_dtype)[..., None, :, :]
+        return interpreter.TensorHandle(products.sum(axis=-2, dtype=acc_dtype) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+    yield spy

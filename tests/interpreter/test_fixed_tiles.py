@@ -6,7 +6,7 @@ lowest expert id, as the torch router), and the layer with ``experts_backend='tr
 The interpreter's ``tl.dot`` is ``numpy.matmul`` (OpenBLAS sgemm), and that GEMM's order of additions for a row
 depends on the row's place in the call (on the development machine, rows 0-5 of a [16, 32] x [32, 32] sgemm add in
 one order and rows 6-15 in another), so no kernel built on it is row-invariant under the stock interpreter, however
-fixed its tile. The GPU's MMA has no such dependence. The autouse fixture ``row_invariant_dot`` therefore swaps in a
+fixed its tile. The GPU's MMA has no such dependence. The fixture ``row_invariant_dot`` (conftest) therefore swaps in a
 dot with the stock one's dtypes (fp32 sums; 16-bit operands as the stock one reads them) whose every output element
 is its own K products summed in an order fixed by the tile shape: what stays under test is what the kernels decide
 (tiles, masks, a row's program and K loop, the expert a block maps to, the forced tiles reaching the launches).
@@ -14,7 +14,6 @@ is its own K products summed in an order fixed by the tile shape: what stays und
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -30,44 +29,10 @@ from moe_ref.kernels.runtime._triton_utils import is_interpreter
 from moe_ref.kernels.runtime.fixed_tiles import (GROUPED_MLP_TILES, fixed_tile_matmul, fixed_tile_matmul_ref,
                                                  forced_grouped_tiles, same_bits_tile)
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("row_invariant_dot")]
 
 UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
 N_COLS, K_WIDTH = 45, 70  # not multiples of any tile (interpreter 16x32x32, GPU 64x64x64 and 32x64x32)
-
-
-class DotSpy:
-    """The emulated dot's call count and the stock dot (to compare against)."""
-
-    def __init__(self, stock):
-        self.stock, self.calls = stock, 0
-
-
-@pytest.fixture(autouse=True)
-def row_invariant_dot(monkeypatch):
-    """Under the interpreter: its ``create_dot`` with the stock dtypes (8-bit floats read as fp16, the product and
-    sum in the accumulator's dtype, plus the accumulator), each output element summed over K by numpy's reduction,
-    which depends on the element's own products and the tile shape only (module docstring). None on a GPU."""
-    if not is_interpreter():
-        yield None
-        return
-    from triton.runtime import interpreter
-
-    spy = DotSpy(interpreter.InterpreterBuilder.create_dot)
-
-    def create_dot(builder, a, b, d, input_precision, max_num_imprecise_acc):
-        spy.calls += 1
-        a_data, b_data = a.data, b.data
-        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
-                (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
-            a_data = interpreter._convert_float(a_data, a.dtype, interpreter.tl.float16, None).view(np.float16)
-            b_data = interpreter._convert_float(b_data, b.dtype, interpreter.tl.float16, None).view(np.float16)
-        acc_dtype = d.data.dtype
-        products = a_data.astype(acc_dtype)[..., :, :, None] * b_data.astype(acc_dtype)[..., None, :, :]
-        return interpreter.TensorHandle(products.sum(axis=-2, dtype=acc_dtype) + d.data, d.dtype.scalar)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-    yield spy
 
 
 @pytest.fixture

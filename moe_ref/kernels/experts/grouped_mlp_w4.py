@@ -511,6 +511,12 @@ TILES = [(8, 32, 2, 2), (8, 64, 4, 2), (8, 64, 4, 3), (8, 128, 4, 2),
          (16, 32, 2, 3), (16, 32, 2, 4), (32, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3),
          (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
 INTERPRETER_TILE = (16, 16, 1, 1)
+# The batch-invariant mode's one (GEMM1, GEMM2) tile pair, whatever the row count: a row's sums then run one K loop
+# and one MMA shape in every batch (the kernel has no split-K), so its bits do not depend on the other rows. The tiles
+# above differ in their dot forms (one dot a group of 32, or a K-128 dot a half block) and their MMA instructions,
+# so autotune's choice among them would change a row's bits. (32, 64, 4, 3) was the fastest prefill tile in six of
+# eight cases above; at decode it computes 32-row blocks for the few rows of each expert.
+BATCH_INVARIANT_TILES = ((32, 64, 4, 3), (32, 64, 4, 3))
 FEW_ROWS_PER_EXPERT = 4  # up to this many rows per expert (on average), the BLOCK_M 8 tiles are tried too
 DECODE_ROWS_PER_EXPERT = 16  # up to this many, the BLOCK_M 16 tiles (one M block per expert)
 
@@ -621,7 +627,7 @@ def _check(x_PDx, gate_up: W4Weight, down: W4Weight) -> None:
 def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_start_e: torch.Tensor,
                    num_rows_e: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
                    situ_linear_beta: float = 25.0, *, num_rows_hint: int | None = None, zero_unused_rows: bool = True,
-                   tiles: tuple[tuple, tuple] | None = None) -> torch.Tensor:
+                   tiles: tuple[tuple, tuple] | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """Every local expert's gated MLP on its rows of the pool, with 4-bit weights (two launches, no host sync).
 
     Args:
@@ -631,6 +637,8 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
         activation, situ_beta, situ_linear_beta: as ``grouped_mlp``.
         num_rows_hint: about ``sum(num_rows_e)`` (autotune key; default P). zero_unused_rows: as ``grouped_mlp``.
         tiles: None, or (GEMM1's, GEMM2's) (BLOCK_M, BLOCK_N, num_warps, num_stages), forced.
+        batch_invariant: with ``tiles`` None, the mode's one pair ``BATCH_INVARIANT_TILES`` at every row count (the
+            interpreter: its own tile, as always), so a row's bits do not depend on the other rows.
 
     Returns:
         y_PDx ``[P, Dx]`` in x's dtype; GEMM1's sums stay fp32 into the activation, h is rounded to x's dtype between
@@ -650,6 +658,8 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
     if not x_PDx.is_contiguous():
         raise ShapeError(f"x_PDx must be contiguous (strides {x_PDx.stride()})")
     rows_hint = num_rows if num_rows_hint is None else num_rows_hint
+    if tiles is None and batch_invariant and not is_interpreter():
+        tiles = BATCH_INVARIANT_TILES
     tile1, tile2 = (None, None) if tiles is None else tiles
     h_PF = torch.empty(num_rows, inter, dtype=x_PDx.dtype, device=x_PDx.device)  # only the segments' rows are written
     launch_w4_gemm(x_PDx, gate_up, h_PF, row_start_e, num_rows_e, rows_hint=rows_hint, tile=tile1,
