@@ -34,7 +34,8 @@
 # GEMMs, each row's kernels, GPU span and CUDA runtime calls per call (where an eager call makes the GPU wait;
 # $PROFILE_MODELS, $PROFILE_ROWS, $PROFILE_LIMIT s);
 # invariant = the batch-invariant mode's GPU tests (its tile classes re-checked on this GPU, slow cases included) and
-# its cost (scripts/bench_invariant.py, Kimi-K2's and Step3's shares); first_calls = the eager-graph and warm-up GPU tests and
+# its cost (scripts/bench_invariant.py, Kimi-K2's and Step3's shares); invariant_checks = its quantized-checkpoint and
+# bits-class GPU tests alone; first_calls = the eager-graph and warm-up GPU tests and
 # scripts/bench_warmup.py; tiles = this GPU class's grouped-MLP tile table (scripts/tune_tiles.py, into $OUT/tiles;
 # copy it into moe_ref/kernels/experts/tile_table.json with --install from a tree); bench = `moe-ref bench` on this GPU
 # (every implementation that runs here, the peers' when .whl/ holds their files, checked then timed; $BENCH_LIMIT s);
@@ -180,6 +181,8 @@ for s in $STEPS; do case $s in
     step invariant_tests 200 python3 -m pytest -q -rs --timeout=180 tests/gpu/test_batch_invariant_cuda.py
     step invariant_cost 300 python3 scripts/bench_invariant.py --models kimi-k2/48 step3/48 --kernel-table 4096 \
       --out "$OUT/invariant" ;;
+  invariant_checks) step invariant_checks 200 python3 -m pytest -q -rs --timeout=180 tests/gpu/test_batch_invariant_cuda.py \
+      -k "quantized or every_tile" ;;
   first_calls)
     step first_calls_tests 120 python3 -m pytest -q -rs --timeout=100 tests/gpu/test_eager_graphs_cuda.py
     step first_calls 240 python3 scripts/bench_warmup.py --out "$OUT/warmup" --modes default launch ;;
