@@ -110,9 +110,9 @@ register(Implementation("moe_ref/quant/triton", "routed_step",
                         Capabilities(dtypes=("bf16",), **_QUANT, devices=("cuda",), tile_rows=64, graph_safe=True),
                         quant_step_factory("triton"), "quantized experts as stored: W4A16 / FP8 block kernels",
                         spec="moe_ref/quant/triton"))
-# FP8-block experts on the grouped MLP's tiles of one bits class (the W4A16 kernel does not hold the mode: CFG027)
+# FP8-block experts on the grouped MLP's tiles of one bits class, INT4 and MXFP4 on the W4A16 kernel's one tile pair
 register(Implementation("moe_ref/quant/triton+invariant", "routed_step",
-                        Capabilities(dtypes=("bf16",), **{**_QUANT, "quants": ("fp8_block",)}, batch_invariant=True,
-                                     devices=("cuda",), tile_rows=64, graph_safe=True),
+                        Capabilities(dtypes=("bf16",), **_QUANT, batch_invariant=True, devices=("cuda",), tile_rows=64,
+                                     graph_safe=True),
                         quant_step_factory("triton", batch_invariant=True),
-                        "FP8-block experts as stored, the batch-invariant mode", spec="moe_ref/quant/triton+invariant"))
+                        "quantized experts as stored, the batch-invariant mode", spec="moe_ref/quant/triton+invariant"))
