@@ -99,6 +99,8 @@ W4_CASES = {
     "w4 prefill tile, one dot a half block: int4 gate_up bf16": ("int4", "gate_up", torch.bfloat16, 512,
                                                                  (64, 128, 8, 3)),
     "w4 128-row tile, one dot a half block: mxfp4 down bf16": ("mxfp4", "down", torch.bfloat16, 512, (128, 128, 8, 3)),
+    "w4 batch-invariant tile, int4 gate_up fp32": ("int4", "gate_up", torch.float32, 512, (32, 64, 4, 3)),
+    "w4 batch-invariant tile, mxfp4 down fp32": ("mxfp4", "down", torch.float32, 512, (32, 64, 4, 3)),
     "w4 32-row tile, one dot a half block, K 96: int4 gate_up bf16": ("int4", "gate_up", torch.bfloat16, 96,
                                                                       (32, 64, 4, 3)),
 }
