@@ -53,6 +53,8 @@
 # the question letting the batch-invariant mode use DeepGEMM at prefill waits on);
 # quant_layer = the layer with its experts from synthetic checkpoints (INT4, MXFP4, FP8 blocks, as users load theirs)
 # against random bf16 weights, T 16, 128, 1024, eager and from a graph (scripts/bench_eager.py --weights);
+# quant_layer_invariant = the same in the batch-invariant mode (MOE_REF_BATCH_INVARIANT=1; quant_layer's rows are its
+# default-mode anchors);
 # w4_prefill = the 4-bit experts at 1024 and 4096 rows through the API beside bf16 and FP8, and every tile of the W4A16
 # kernel forced there (is the prefill regime's tile list the right one?);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
@@ -144,6 +146,9 @@ for s in $STEPS; do case $s in
       -k "decode or scale or forced or no_rows or twin or every_tile" ;;
   quant_layer) step quant_layer 590 python3 scripts/bench_eager.py --out "$OUT/quant_layer" --dispatch bf16 \
       --weights random int4_group mxfp4 fp8_block --tokens 16 128 1024 --routes eager graph --calls 20 --repeats 3 ;;
+  quant_layer_invariant) MOE_REF_BATCH_INVARIANT=1 step quant_layer_invariant 590 python3 scripts/bench_eager.py \
+      --out "$OUT/quant_layer_invariant" --dispatch bf16 --weights random int4_group mxfp4 fp8_block --tokens 16 128 1024 \
+      --routes eager graph --calls 20 --repeats 3 ;;
   w4_prefill) step w4_prefill 360 python3 scripts/bench_w4a16.py --peer none --rows ${W4_ROWS:-1024 4096} --sweep --every-tile \
       --max-seconds 330 --out "$OUT/w4_prefill/bench_w4a16.json" ;;
   w4_api) step w4_api 200 python3 scripts/bench_w4a16.py --peer none --out "$OUT/w4_api/bench_w4a16.json" ;;
