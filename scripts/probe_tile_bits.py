@@ -169,28 +169,36 @@ def w4(fmt: str, results: dict, num_experts=48, hidden=7168, inter=2048) -> None
         print_groups(f"w4 {fmt} {name}", "tiles", groups)
 
 
-def deep_gemm_rows(precision: str, results: dict, num_experts=48, hidden=7168, inter=2048) -> None:
-    """DeepGEMM picks its own tiles by the problem's M, so it cannot be forced tile by tile: instead the same probe
-    rows (16 rows of expert 0, then 16 of expert 47) run through ``DeepGemmExperts`` inside pools of every size class
-    the heuristic sees (other experts' rows 0 to 700 each: 64 to 33,600 pool rows), in both contiguous forms (segment
-    ends, a packed pool sized 2x; a row's expert, unpacked), in the masked form (the masked GEMMs) and with the probe
-    rows reversed in their segments. One
-    group of bits for the probe rows over every run: DeepGEMM gives a row the same bits whatever its batch (on this
-    GPU and build), the question the batch-invariant mode's use of it waits on. The batch-invariant mode's own
-    experts (the Triton grouped MLP on its bits class, sharing the FP8 weights) run the same pools beside it: were
-    their bits DeepGEMM's too, the mode could switch between the two by the row count."""
-    import dataclasses
-
-    from moe_ref.experts import ExpertLayout, TritonExperts
+def deep_gemm_experts(precision: str, num_experts=48, hidden=7168, inter=2048):
+    """``DeepGemmExperts`` over random bf16 weights of Kimi-K2's per-rank share (FP8: quantized once, 128x128 blocks)."""
     from moe_ref.experts.deep_gemm.backend import DeepGemmExperts
 
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device="cuda") * hidden ** -0.5).bfloat16()
     down = (torch.randn(num_experts, hidden, inter, generator=g, device="cuda") * inter ** -0.5).bfloat16()
-    experts = DeepGemmExperts(gate_up, down, fp8=precision == "fp8")
-    invariant_triton = TritonExperts(gate_up, down, fp8_weights=experts.fp8_weights) if experts.fp8 else \
-        TritonExperts(gate_up, down)
+    return DeepGemmExperts(gate_up, down, fp8=precision == "fp8")
+
+
+def deep_gemm_rows(experts, results: dict) -> None:
+    """DeepGEMM picks its own tiles by the problem's M, so it cannot be forced tile by tile: instead the same probe
+    rows (16 rows of the first expert, then 16 of the last) run through ``experts`` (``deep_gemm_experts``) inside
+    pools of every size class the heuristic sees (other experts' rows 0 to 700 each: 64 to 33,600 pool rows), in both
+    contiguous forms (segment ends, a packed pool sized 2x; a row's expert, unpacked), in the masked form (the masked
+    GEMMs) and with the probe rows reversed in their segments. One group of bits for the probe rows over every run:
+    DeepGEMM gives a row the same bits whatever its batch (on this GPU and build), the question the batch-invariant
+    mode's use of it waits on. The batch-invariant mode's own experts (the Triton grouped MLP on its bits class,
+    sharing the FP8 weights) run the same pools beside it: were their bits DeepGEMM's too, the mode could switch
+    between the two by the row count."""
+    import dataclasses
+
+    from moe_ref.experts import ExpertLayout, TritonExperts
+
+    precision = "fp8" if experts.fp8 else "bf16"
+    num_experts, hidden = experts.num_local_experts, experts.hidden_size
+    invariant_triton = TritonExperts(experts.gate_up_weight_e2FD, experts.down_weight_eDF,
+                                     fp8_weights=experts.fp8_weights)
     invariant_triton.batch_invariant = True
+    g = torch.Generator(device="cuda").manual_seed(1)
     probe = {0: torch.randn(16, hidden, generator=g, device="cuda").bfloat16(),
              num_experts - 1: torch.randn(16, hidden, generator=g, device="cuda").bfloat16()}
     groups: dict[str, list] = {}
@@ -227,26 +235,26 @@ def deep_gemm_rows(precision: str, results: dict, num_experts=48, hidden=7168, i
           flush=True)
 
 
-def deep_gemm_vs_triton_gemms(results: dict, num_experts=48, hidden=7168, inter=2048) -> None:
-    """Does the Triton FP8 GEMM give DeepGEMM's bits? Each FP8 GEMM of the experts (gate_up on the interleaved
-    weights, down) runs once through DeepGEMM's contiguous GEMM and once through ``launch_gemm`` with no activation
-    (bf16 out, as DeepGEMM writes) on every legal tile of the FP8 lists, over one pool (segments of 0-300 rows).
-    Both promote per 128-K step in fp32; a tile whose rows all equal DeepGEMM's would let the batch-invariant mode
-    run Triton at decode and DeepGEMM at prefill with the activation between the GEMMs done by one kernel for both."""
+def deep_gemm_vs_triton_gemms(experts, results: dict) -> None:
+    """Does the Triton FP8 GEMM give DeepGEMM's bits? Each FP8 GEMM of ``experts`` (``deep_gemm_experts("fp8")``:
+    gate_up on the interleaved weights, down) runs once through DeepGEMM's contiguous GEMM and once through
+    ``launch_gemm`` with no activation (bf16 out, as DeepGEMM writes) on every legal tile of the FP8 lists, over one
+    pool (segments of 0-300 rows). Both promote per 128-K step in fp32; a tile whose rows all equal DeepGEMM's would
+    let the batch-invariant mode run Triton at decode and DeepGEMM at prefill with the activation between the GEMMs
+    done by one kernel for both."""
+    from moe_ref.ep.batch_invariant import rows_with_other_bits
     from moe_ref.experts import ExpertLayout
-    from moe_ref.experts.deep_gemm.backend import DeepGemmExperts, grouped_layout
+    from moe_ref.experts.deep_gemm.backend import grouped_layout
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device="cuda") * hidden ** -0.5).bfloat16()
-    down = (torch.randn(num_experts, hidden, inter, generator=g, device="cuda") * inter ** -0.5).bfloat16()
-    experts = DeepGemmExperts(gate_up, down, fp8=True)
     weights = experts.fp8_weights
-    starts, counts, num_rows = pool(num_experts, 3)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    starts, counts, num_rows = pool(experts.num_local_experts, 3)
     group_P = grouped_layout(ExpertLayout(starts, counts.long(), num_rows, 128), num_rows, starts.device)
     total = int(counts.sum())
     candidates = list(dict.fromkeys(tiles.normalize_tile(t) for t in
                                     tiles.DECODE_TILES_FP8 + tiles.MID_TILES_FP8 + tiles.PREFILL_TILES_FP8))
     shared = {}
+    hidden, inter = experts.hidden_size, experts.intermediate_size
     for name, w, w_scale, n, k in (("gate_up", weights.gate_up_fp8_e2FD, weights.gate_up_scale_e2FbDb, 2 * inter,
                                     hidden), ("down", weights.down_fp8_eDF, weights.down_scale_eDbFb, hidden, inter)):
         x = torch.randn(num_rows, k, generator=g, device="cuda").to(FP8_DTYPE)
@@ -261,7 +269,7 @@ def deep_gemm_vs_triton_gemms(results: dict, num_experts=48, hidden=7168, inter=
             launch_gemm(x, x_scale, w, w_scale, c, None, starts, counts, n=n, k=k, activation="none",
                         situ_beta=4.0, situ_linear_beta=25.0, fp8=True, quant_out=False, rows_hint=total, config=cfg)
             mine = live_rows(c, starts, counts)
-            rows_other = int((mine.view(torch.int16) != reference.view(torch.int16)).any(dim=1).sum())
+            rows_other = rows_with_other_bits(mine, reference)
             diff = (mine.float() - reference.float()).abs().max().item()
             print(f"fp8 {name} {tile}: {rows_other} of {total} rows differ from DeepGEMM's (max |diff| {diff:.3g})",
                   flush=True)
@@ -338,9 +346,12 @@ def main() -> None:
         from moe_ref.experts.deep_gemm.probe import deep_gemm_status
 
         if deep_gemm_status().available:
-            deep_gemm_vs_triton_gemms(results)
             for precision in ("fp8", "bf16"):  # FP8 first: the batch-invariant mode's gap is FP8 at prefill
-                deep_gemm_rows(precision, results)
+                experts = deep_gemm_experts(precision)
+                if experts.fp8:
+                    deep_gemm_vs_triton_gemms(experts, results)
+                deep_gemm_rows(experts, results)
+                del experts  # the next precision's weights in its place
         else:
             print(f"deep_gemm: not probed ({deep_gemm_status().reason})", flush=True)
     with open(os.path.join(args.out, "probe.json"), "w") as f:

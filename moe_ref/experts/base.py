@@ -164,9 +164,10 @@ class Experts(ABC):
     # Set per instance by the layer (moe_ref.layer.runtime) in the batch-invariant mode: every row's GEMMs run one
     # fixed order whatever the rows beside it (moe_ref.ep.batch_invariant names the backends that honour it).
     batch_invariant = False
-    # Whether ``batch_invariant = True`` is honoured (the torch loop, the Triton grouped MLP) on the device the mode
-    # allows the backend on (``moe_ref.ep.batch_invariant.options_problem``: torch on CPU, triton on CUDA); the layer
-    # refuses a quantized checkpoint's experts in a batch-invariant layer when their class does not (CFG027).
+    # Whether ``batch_invariant = True`` is honoured (the torch loop, the Triton grouped MLP, the W4A16 kernel) on the
+    # device the mode allows the backend on (``moe_ref.ep.batch_invariant.options_problem``: torch on CPU, triton on
+    # CUDA); the layer refuses a quantized checkpoint's experts in a batch-invariant layer when their class does not
+    # (CFG027).
     honours_batch_invariant = False
 
     @classmethod
