@@ -13,6 +13,8 @@ Shape: Kimi-K2 per rank at EP8 (48 local experts, D 7168, F 2048, SiLU); routed 
                 outside the timed call: the layer's path)
     int4_w4a16  make_quantized_experts(int4_group weights), bf16 activations
     mxfp4_w4a16 make_quantized_experts(mxfp4 weights), bf16 activations
+    int4_w4a8, mxfp4_w4a8  the same experts with W4A8 at every row count (`W4A16Experts(a8_rows_per_expert=0)`: x and
+                h quantized to e4m3 per row, fp8 MMAs on the weights cast to fp8 in the decode)
 The 4-bit paths are `W4A16Experts` on `moe_ref.kernels.experts.grouped_mlp_w4`: the stored weights laid out once
 (`to_group_planes`: a group's 32 features in 16 words, as the decode's register pairs; scales block-major), then two
 autotuned launches (gate_up with the SiLU in its epilogue, then down) that decode the 4-bit codes in the registers the
@@ -64,7 +66,7 @@ from moe_ref.bench import peers  # noqa: E402
 from moe_ref.bench.w4_cases import HIDDEN, INTER, NUM_EXPERTS, quantized_weights, random_weights, w4_case  # noqa: E402
 from moe_ref.checkpoint.formats import QuantFormat, QuantizedExpertWeights  # noqa: E402
 from moe_ref.experts import make_experts  # noqa: E402
-from moe_ref.experts.quantized import make_quantized_experts  # noqa: E402
+from moe_ref.experts.quantized import W4A16Experts, make_quantized_experts  # noqa: E402
 from moe_ref.kernels.experts.grouped_mlp_w4 import TILES, launch_w4_gemm, tiles_for, tuned_tiles  # noqa: E402
 from moe_ref.kernels.experts.w4 import W4Weight  # noqa: E402
 from moe_ref.testing import bench as _bench_calls, calc_diff, graphed  # noqa: E402
@@ -76,6 +78,7 @@ def bench(fn) -> float:
 
 
 W4_PATHS = ("int4_w4a16", "mxfp4_w4a16")  # the 4-bit paths (INT4, MXFP4)
+A8_PATHS = ("int4_w4a8", "mxfp4_w4a8")  # the same weights, W4A8
 GEMMS = ("gate_up", "down")
 SWEEP_CALC_DIFF_LIMIT = 1e-4
 SWEEP_BEST_KEYS = ("path", "rows", "gemm")  # the sweep keeps its fastest correct tile per these
@@ -111,18 +114,20 @@ def sweep_tiles(rows: int, every_tile: bool = False) -> list[tuple]:
     """
     return [tuple(tile) for tile in (TILES if every_tile else tiles_for(rows / NUM_EXPERTS))]
 
-def autotuned_tiles(rows: int, scale_dtype: torch.dtype, tuned: dict | None = None) -> dict[str, tuple | None]:
+def autotuned_tiles(rows: int, scale_dtype: torch.dtype, tuned: dict | None = None,
+                    x_dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple | None]:
     """``{gemm: (BLOCK_M, BLOCK_N, num_warps, num_stages) or None}``: what autotune chose for this script's 4-bit
     launches at `rows` rows (its rows bucket), read from `tuned` (default `tuned_tiles()`, keyed ``(rows bucket, N, K,
     experts, kernel flags, x dtype, scale dtype)``): N and K tell the GEMMs apart, the scale dtype the format (INT4
-    bf16/fp16/fp32, MXFP4 uint8; `to_group_planes` keeps the stored one), x is bf16. None: no such launch was tuned.
+    bf16/fp16/fp32, MXFP4 uint8; `to_group_planes` keeps the stored one), x is bf16 (W4A8: e4m3). None: no such
+    launch was tuned.
     """
     tuned = tuned_tiles() if tuned is None else tuned
     chosen = {}
     for gemm in GEMMS:
         want = (triton.next_power_of_2(rows), *gemm_shape(gemm), NUM_EXPERTS)
         chosen[gemm] = next((tile for key, tile in tuned.items()
-                             if key[:4] == want and key[-2:] == (torch.bfloat16, scale_dtype)), None)
+                             if key[:4] == want and key[-2:] == (x_dtype, scale_dtype)), None)
     return chosen
 
 
@@ -389,7 +394,7 @@ def _parse(argv=None):
 
 def dry_run(args) -> int:
     print(f"shape: {NUM_EXPERTS} experts, D {HIDDEN}, F {INTER}; rows {args.rows}; out {args.out} (+ .md)")
-    print("API rows: bf16, fp8_ckpt, fp8_ckpt_pool, " + ", ".join(W4_PATHS))
+    print("API rows: bf16, fp8_ckpt, fp8_ckpt_pool, " + ", ".join(W4_PATHS + A8_PATHS))
     if args.sweep:
         for rows in args.rows:
             print(f"sweep {rows} rows ({rows / NUM_EXPERTS:.1f} per expert), per format and GEMM: "
@@ -425,6 +430,10 @@ def main(argv=None) -> int:
         paths[name] = (make_quantized_experts(q, "silu"), q.nbytes(), reference)
         if fmt == QuantFormat.FP8_BLOCK:
             paths[name + "_pool"] = paths[name]
+    for w4_name, a8_name in zip(W4_PATHS, A8_PATHS):
+        q = quantized[w4_name]
+        paths[a8_name] = (W4A16Experts(q, "silu", a8_rows_per_expert=0), q.nbytes(), paths[w4_name][2])
+        quantized[a8_name] = q
     del gate_up, down
     _log("weights ready")
     results = {"device": torch.cuda.get_device_name(), "shape": dict(experts=NUM_EXPERTS, hidden=HIDDEN,
@@ -438,8 +447,10 @@ def main(argv=None) -> int:
         for name, (experts, weight_bytes, reference) in paths.items():
             row, y = api_row(name, experts, weight_bytes, reference, case, base)
             base = base or row
-            if name in W4_PATHS:
-                row["autotuned_tiles"] = autotuned_tiles(num_rows, quantized[name].gate_up_scale_e2FDs.dtype)
+            if name in W4_PATHS + A8_PATHS:
+                x_dtype = torch.float8_e4m3fn if name in A8_PATHS else torch.bfloat16
+                row["autotuned_tiles"] = autotuned_tiles(num_rows, quantized[name].gate_up_scale_e2FDs.dtype,
+                                                         x_dtype=x_dtype)
             if name == "int4_w4a16":
                 ours[num_rows] = (row["us"], y)  # the peer's yardstick
             results["results"].append(row)

@@ -55,8 +55,11 @@
 # against random bf16 weights, T 16, 128, 1024, eager and from a graph (scripts/bench_eager.py --weights);
 # quant_layer_invariant = the same in the batch-invariant mode (MOE_REF_BATCH_INVARIANT=1; quant_layer's rows are its
 # default-mode anchors);
-# w4_prefill = the 4-bit experts at 1024 and 4096 rows through the API beside bf16 and FP8, and every tile of the W4A16
-# kernel forced there (is the prefill regime's tile list the right one?);
+# w4_prefill = the 4-bit experts at 1024 and 4096 rows through the API beside bf16 and FP8 (W4A16 and W4A8), and every
+# tile of the W4A16 kernel forced there (is the prefill regime's tile list the right one?);
+# w4a8 = the W4A8 kernel's GPU tests (its fp8 weights bit for bit on each decode route), then the 4-bit experts at
+# 4096 and 8192 rows (the layer's T = 1024) through the API, W4A16 and W4A8 beside bf16 and FP8;
+# quant_layer_a8 = quant_layer's 4-bit rows with W4A8 from 64 rows per expert (MOE_REF_W4A8_ROWS_PER_EXPERT=64);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -143,7 +146,14 @@ for s in $STEPS; do case $s in
     step fp8_auto_tests 240 python3 -m pytest -q -rs --timeout=200 tests/gpu/test_auto_experts_cuda.py tests/gpu/test_deep_gemm.py ;;
   quant_rows) step quant_rows 150 python3 -m pytest -q -rs --timeout=120 tests/gpu/test_kernels_cuda.py -k quantize_rows ;;
   w4_tests) step w4_tests 240 python3 -m pytest -q -rs --timeout=120 tests/interpreter/test_grouped_mlp_w4.py \
-      -k "decode or scale or forced or no_rows or twin or every_tile" ;;
+      -k "decode or scale or forced or no_rows or twin or every_tile or a8" ;;
+  w4a8)
+    step w4a8_tests 240 python3 -m pytest -q -rs --timeout=200 tests/interpreter/test_grouped_mlp_w4.py -k a8
+    step w4a8_bench 300 python3 scripts/bench_w4a16.py --peer none --rows 4096 8192 --max-seconds 280 \
+      --out "$OUT/w4a8/bench_w4a16.json" ;;
+  quant_layer_a8) MOE_REF_W4A8_ROWS_PER_EXPERT=64 step quant_layer_a8 400 python3 scripts/bench_eager.py \
+      --out "$OUT/quant_layer_a8" --dispatch bf16 --weights random int4_group mxfp4 --tokens 128 1024 \
+      --routes eager graph --calls 20 --repeats 3 ;;
   quant_layer) step quant_layer 590 python3 scripts/bench_eager.py --out "$OUT/quant_layer" --dispatch bf16 \
       --weights random int4_group mxfp4 fp8_block --tokens 16 128 1024 --routes eager graph --calls 20 --repeats 3 ;;
   quant_layer_invariant) MOE_REF_BATCH_INVARIANT=1 step quant_layer_invariant 590 python3 scripts/bench_eager.py \

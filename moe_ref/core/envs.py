@@ -17,6 +17,7 @@
 | MOE_REF_AUTOTUNE                   | ``1``: the grouped MLP kernel autotunes at the first launch of each shape key, also where its GPU class has a recorded tile table (``moe_ref.kernels.experts.tile_table``) | 0 |
 | MOE_REF_PROGRESS                   | ``1``: progress bars always; ``0``: never            | on a terminal only |
 | MOE_REF_BATCH_INVARIANT            | ``1``: batch-invariant layers when the caller passes none (docs/batch_invariance.md) | 0 |
+| MOE_REF_W4A8_ROWS_PER_EXPERT       | INT4/MXFP4 experts run W4A8 (fp8 rows, fp8 MMAs) from this many routed rows per local expert on (``W4A16Experts``) | unset: never |
 
 Switches (``SWITCHES``: ``MOE_REF_DEBUG``, ``MOE_REF_DEBUG_CHECKS``, ``MOE_REF_NATIVE``, ``MOE_REF_TMA``,
 ``MOE_REF_BOUND_LAUNCH``, ``MOE_REF_AUTOTUNE``, ``MOE_REF_PROGRESS``, ``MOE_REF_BATCH_INVARIANT``) take ``1``, ``true``,
@@ -100,6 +101,25 @@ def _integer(name: str, hint: str = "") -> int | None:
         from moe_ref.core.errors import InvalidConfigError
 
         raise InvalidConfigError(f"{name}={value!r} is not an integer{hint}") from None
+
+
+def w4a8_rows_per_expert() -> float | None:
+    """``MOE_REF_W4A8_ROWS_PER_EXPERT``: from this many routed rows per local expert on, 4-bit experts run W4A8; None
+    (unset or empty): W4A16 always. ``InvalidConfigError`` naming it when it is not a number >= 0."""
+    check_switches()
+    value = _get("MOE_REF_W4A8_ROWS_PER_EXPERT")
+    if value is None or not value.strip():
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number >= 0:  # NaN fails too
+        from moe_ref.core.errors import InvalidConfigError
+
+        raise InvalidConfigError(f"MOE_REF_W4A8_ROWS_PER_EXPERT={value!r} is not a number >= 0 (routed rows per local "
+                                 f"expert from which INT4/MXFP4 experts run W4A8); unset it for W4A16 always")
+    return number
 
 
 def num_max_tokens_per_rank() -> int | None:

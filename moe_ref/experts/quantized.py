@@ -2,7 +2,8 @@
 
     load_quantized_experts(...) --> QuantizedExpertWeights --make_quantized_experts--> Experts
       int4_group / mxfp4, "triton": W4A16Experts   (kernels.grouped_mlp_w4: the 4-bit weights decoded in the
-                                                    MMA's registers, the group scale applied in the decode)
+                                                    MMA's registers, the group scale applied in the decode; W4A8
+                                                    past a rows threshold when asked)
       fp8_block,          "triton": FP8BlockExperts (TritonExperts' FP8 kernel fed the checkpoint's own e4m3
                                                     weights and 128x128 scales: no bf16 round trip, no re-quant)
       fp8_block,          "auto" on CUDA: FP8BlockExperts, or the auto class (moe_ref.experts.auto) where it holds
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_ref.core import envs
 from moe_ref.core.errors import UnknownNameError
 from moe_ref.experts import Experts, TorchLoopExperts, TritonExperts, experts_class
 from moe_ref.experts.base import FP8ExpertWeights
@@ -42,9 +44,18 @@ class W4A16Experts(Experts):
     ``qweights`` holds them so already (the layer rewrites its own in place: ``with_group_planes``), else copies
     (``extra_nbytes()``).
 
+    W4A8 at prefill (``a8_rows_per_expert``): from that many routed rows per local expert on (the layout's static
+    rows hint over e), a call quantizes x and h to fp8 e4m3 with one scale per row and runs fp8 MMAs on the weights
+    cast to fp8 in the decode (``grouped_mlp_w4(..., a8=True)``: MXFP4 exactly where ``W4Weight.a8_exact``, INT4
+    rounded to e4m3), an FP8 recipe's accuracy (calc_diff ~1e-3 against the dequantized weights). Off by default;
+    never in the batch-invariant mode (its rows would change arithmetic with the batch size).
+
     Args:
         qweights: int4_group or mxfp4 ``QuantizedExpertWeights`` on CUDA (or CPU under the interpreter).
         activation, situ_beta, situ_linear_beta: see ``moe_ref.core.activations``.
+        a8_rows_per_expert: W4A8 from this many rows per expert on; None (default): ``MOE_REF_W4A8_ROWS_PER_EXPERT``,
+            and W4A16 always when that is unset. Weights the W4A8 kernel cannot take (``W4Weight.a8_supported``)
+            stay W4A16.
     """
 
     name = "w4a16"
@@ -52,7 +63,7 @@ class W4A16Experts(Experts):
     segment_alignment = 1
 
     def __init__(self, qweights: QuantizedExpertWeights, activation: str = "silu", situ_beta: float = 4.0,
-                 situ_linear_beta: float = 25.0):
+                 situ_linear_beta: float = 25.0, *, a8_rows_per_expert: float | None = None):
         if qweights.spec.format == QuantFormat.FP8_BLOCK:
             raise UnknownNameError("W4A16Experts takes int4_group or mxfp4 weights; fp8_block goes to FP8BlockExperts "
                                    "(make_quantized_experts picks it)")
@@ -60,6 +71,10 @@ class W4A16Experts(Experts):
                          situ_linear_beta)
         self.qweights = qweights
         self.gate_up_planes, self.down_planes = qweights.group_planes()
+        if a8_rows_per_expert is None:
+            a8_rows_per_expert = envs.w4a8_rows_per_expert()
+        a8_ok = self.gate_up_planes.a8_supported and self.down_planes.a8_supported
+        self.a8_rows_per_expert = a8_rows_per_expert if a8_ok else None
 
     def extra_nbytes(self) -> int:
         """Device bytes held beside ``qweights``: the block-major scales, and a copy of the words unless
@@ -69,13 +84,19 @@ class W4A16Experts(Experts):
         copies = sum(w.nbytes for w, q in zip(words, stored) if w.data_ptr() != q.data_ptr())
         return copies + self.gate_up_planes.block_scale.nbytes + self.down_planes.block_scale.nbytes
 
+    def runs_a8(self, num_rows_hint: int, num_local_experts: int) -> bool:
+        """Whether a call with this rows hint runs W4A8 (``a8_rows_per_expert``; never in the batch-invariant mode)."""
+        return (self.a8_rows_per_expert is not None and not self.batch_invariant
+                and num_rows_hint >= self.a8_rows_per_expert * max(1, num_local_experts))
+
     def forward(self, x_PDx, layout, x_scale_PDb=None):
         from moe_ref.kernels.experts.grouped_mlp_w4 import grouped_mlp_w4
 
+        rows_hint = layout.rows_hint()  # picks GPU tiles and W4A8 (no host sync when the layout has it)
         return grouped_mlp_w4(x_PDx, self.gate_up_planes, self.down_planes, layout.row_start_e, layout.num_rows_e,
-                              self.activation, self.situ_beta, self.situ_linear_beta,
-                              num_rows_hint=layout.rows_hint(),  # picks GPU tiles (no host sync when the layout has it)
-                              zero_unused_rows=layout.zero_unused_rows, batch_invariant=self.batch_invariant)
+                              self.activation, self.situ_beta, self.situ_linear_beta, num_rows_hint=rows_hint,
+                              zero_unused_rows=layout.zero_unused_rows, batch_invariant=self.batch_invariant,
+                              a8=self.runs_a8(rows_hint, self.gate_up_planes.shape[0]))
 
 
 class FP8BlockExperts(TritonExperts):

@@ -103,6 +103,12 @@ W4_CASES = {
     "w4 batch-invariant tile, mxfp4 down fp32": ("mxfp4", "down", torch.float32, 512, (32, 64, 4, 3)),
     "w4 32-row tile, one dot a half block, K 96: int4 gate_up bf16": ("int4", "gate_up", torch.bfloat16, 96,
                                                                       (32, 64, 4, 3)),
+    # W4A8 (x e4m3 per row, the weights cast to fp8 in the decode): the A8 tiles, each decode route
+    "w4a8 128-row tile: mxfp4 down": ("mxfp4", "down", FP8, 512, (128, 128, 8, 3)),
+    "w4a8 128-row tile: int4 gate_up": ("int4", "gate_up", FP8, 512, (128, 128, 8, 3)),
+    "w4a8 128 x 64 tile, K 96: int4 gate_up": ("int4", "gate_up", FP8, 96, (128, 64, 4, 3)),
+    "w4a8 one dot a group: mxfp4 down": ("mxfp4", "down", FP8, 512, (64, 32, 4, 3)),
+    "w4a8 fp32 route: int4 gate_up": ("int4", "gate_up", FP8, 512, (64, 128, 8, 3), 1.0),
 }
 
 # name -> (ids dtype, weights dtype)
@@ -116,6 +122,7 @@ ROUTING_CHECK_CASES = {
 QUANTIZE_ROWS_CASES = {
     "quantize_rows bf16, D 7168": (torch.bfloat16, 7168),
     "quantize_rows fp32, D 200 (a partial group)": (torch.float32, 200),
+    "quantize_rows per row (W4A8), bf16, D 7168": (torch.bfloat16, 7168, True),
 }
 
 GATED_ACT_CASES = {
@@ -193,7 +200,8 @@ def compile_case(weights: str, gemm: str, interleaved: bool, tma: bool, tile: tu
 def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple, int4_scale: float = 0.25):
     """One GEMM of grouped_mlp_w4 as the MLP launches it (4 experts, 64 pool rows; gate_up 2 x 128 rows into h
     ``[64, 128]`` through its SiLU epilogue, down 128 rows), its forced tile compiled for sm_90. ``int4_scale``: every
-    INT4 scale (below ``w4.INT4_FOLD_SCALE_LIMIT`` bf16 x takes the folded decode, else the fp32 route)."""
+    INT4 scale (below ``w4.INT4_FOLD_SCALE_LIMIT`` bf16 x takes the folded decode, else the fp32 route). ``dtype``
+    e4m3: the W4A8 launch (its rows' scales all 1)."""
     experts, n, rows = 4, 128, 64
     b_rows = 2 * n if gemm == "gate_up" else n
     packed = (torch.zeros(experts, b_rows, k // 8, dtype=torch.int32) if fmt == "int4" else
@@ -201,10 +209,12 @@ def compile_w4(fmt: str, gemm: str, dtype: torch.dtype, k: int, tile: tuple, int
     scale = (torch.full((experts, b_rows, k // 32), int4_scale, dtype=torch.bfloat16) if fmt == "int4" else
              torch.ones(experts, b_rows, k // 32, dtype=torch.uint8))
     weight = to_group_planes(packed, scale, fmt)
+    a8 = dtype == FP8  # W4A8: e4m3 rows with one scale each, bf16 out
     return compile_launch(w4, "_w4_gemm_kernel", lambda: w4.launch_w4_gemm(
-        torch.zeros(rows, k, dtype=dtype), weight, torch.zeros(rows, n, dtype=dtype),
+        torch.zeros(rows, k, dtype=dtype), weight, torch.zeros(rows, n, dtype=torch.bfloat16 if a8 else dtype),
         torch.arange(experts, dtype=torch.int64) * 16, torch.full((experts,), 16, dtype=torch.int32), rows_hint=rows,
-        tile=tile, activation="silu" if gemm == "gate_up" else "none"))
+        tile=tile, activation="silu" if gemm == "gate_up" else "none",
+        x_scale=torch.ones(rows, dtype=torch.float32) if a8 else None))
 
 
 def compile_routing_check(ids_dtype: torch.dtype, weights_dtype: torch.dtype):
@@ -315,13 +325,15 @@ def compile_gated_act(pool: str, quant: bool, activation: str):
         ga.check_device = check_device
 
 
-def compile_quantize_rows(dtype: torch.dtype, dim: int):
-    """The FP8 experts' row quantizer over 64 rows of ``dim`` columns, compiled for sm_90."""
+def compile_quantize_rows(dtype: torch.dtype, dim: int, per_row: bool = False):
+    """The FP8 experts' row quantizer over 64 rows of ``dim`` columns (``per_row``: one scale a row, W4A8's),
+    compiled for sm_90."""
     check_device = qr.check_device
     qr.check_device = lambda name, tensor: None
+    kernel = "_quantize_whole_rows_kernel" if per_row else "_quantize_rows_kernel"
     try:
-        return compile_launch(qr, "_quantize_rows_kernel", lambda: qr.quantize_rows_fp8(torch.zeros(64, dim,
-                                                                                                   dtype=dtype)))
+        return compile_launch(qr, kernel, lambda: qr.quantize_rows_fp8(torch.zeros(64, dim, dtype=dtype),
+                                                                       per_row=per_row))
     finally:
         qr.check_device = check_device
 

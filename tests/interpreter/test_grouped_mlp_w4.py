@@ -5,6 +5,7 @@ ragged segments, rows outside every segment, features not in whole 256-blocks, z
 the W4A16 and FP8 checkpoint experts through the public Experts API, and the layer on quantized checkpoints."""
 
 import dataclasses
+import functools
 import importlib
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import DTypeError, InvalidConfigError, QuantTensorValueError, ShapeError, UnknownNameError
 from moe_ref.experts import ExpertLayout, make_experts
 from moe_ref.experts.quantized import FP8BlockExperts, W4A16Experts, make_quantized_experts
@@ -20,8 +22,10 @@ from moe_ref.checkpoint.formats import (QUANTIZED_TENSOR_FIELDS, QuantFormat, Qu
 from moe_ref.kernels.experts.gated_act import gated_activation_rows
 from moe_ref.kernels.ep.pool_rows import pool_row_experts
 from moe_ref.kernels.experts.w4 import (INT4_FOLD_MIN_SCALE, MXFP4_FOLD_MAX_SCALE_BYTE, MXFP4_MAX_SCALE_BYTE, MXFP4_PLANE_BITS,
-                                W4Weight, block_major_scales, dequantize_int4, dequantize_mxfp4, dequantize_planes,
-                                e2m1_to_float, from_group_planes, pack_fp4, pack_int4, to_group_planes)
+                                W4Weight, a8_tables, a8_weights_eOI, block_major_scales, dequantize_int4,
+                                dequantize_mxfp4, dequantize_planes, e2m1_to_float, from_group_planes, pack_fp4,
+                                pack_int4, to_group_planes)
+from moe_ref.kernels.experts.quantize_rows import quantize_rows_fp8_ref
 from moe_ref.testing import CALC_DIFF_TOLERANCES, assert_bitwise_equal, calc_diff
 
 gm = importlib.import_module("moe_ref.kernels.experts.grouped_mlp")  # the package re-exports a function of that name
@@ -251,7 +255,7 @@ def _folded_plane_kernel(words_ptr, scale_ptr, out_ptr, PLANE: tl.constexpr, W4:
     stored scales `[16, 8]` (group PLANE's)."""
     rows = tl.arange(0, 16)
     words = tl.load(words_ptr + rows[:, None] * 16 + tl.arange(0, 16)[None, :])
-    mults, biases = w4._fold_multipliers(scale_ptr, 0, 0, 0, rows, rows < 16, W4)
+    mults, biases = w4._fold_multipliers(scale_ptr, 0, 0, 0, rows, rows < 16, W4, tl.zeros([16], tl.int32), False)
     tl.store(out_ptr + rows[:, None] * 32 + tl.arange(0, 32)[None, :],
              w4._folded_plane(words, PLANE, mults[PLANE], biases[PLANE], W4))
 
@@ -297,7 +301,7 @@ def test_folded_decode_is_the_correctly_rounded_bf16_weight(fmt, plane, device):
 @triton.jit
 def _fold_multipliers_kernel(scale_ptr, mult_ptr, bias_ptr, W4: tl.constexpr):
     rows = tl.arange(0, 16)
-    mults, biases = w4._fold_multipliers(scale_ptr, 0, 0, 0, rows, rows < 16, W4)
+    mults, biases = w4._fold_multipliers(scale_ptr, 0, 0, 0, rows, rows < 16, W4, tl.zeros([16], tl.int32), False)
     for group in tl.static_range(8):
         tl.store(mult_ptr + rows * 8 + group, mults[group])
         tl.store(bias_ptr + rows * 8 + group, biases[group])
@@ -799,3 +803,171 @@ def test_layer_interleaves_its_fp8_experts_in_place_and_saves_them_as_stored(tmp
         assert torch.equal(fresh(x), y)
     layer.destroy()
     fresh.destroy()
+
+
+# --------------------------------------------------------------------------------------------------
+# W4A8 (grouped_mlp_w4(..., a8=True)): fp8 rows, the weights cast to fp8 in the decode
+# --------------------------------------------------------------------------------------------------
+def test_a8_tables_scale_each_row_by_a_power_of_two():
+    """Per weight row: MXFP4's row scale is ``2**(S - 126)`` for its largest byte S, its multipliers' exponent addend
+    ``(254 - S) << 7`` in both bf16 halves, exact while the row's bytes span at most 16; INT4's row scale is
+    ``2**(floor(log2 max|s|) - 4)``, its bf16 multiplier the inverse times 16; an all-zero row takes S = 0; INT4 rows
+    whose largest scale is below 2**-119 are refused (their multiplier would overflow bf16)."""
+    row_scale, fold, exact, supported = a8_tables("mxfp4", block_major_scales(
+        torch.tensor([[[120, 118], [101, 117]]], dtype=torch.uint8), 64), 64)  # spreads 2 and 16
+    assert_bitwise_equal(row_scale, torch.tensor([[2.0**-6, 2.0**-9]]))
+    assert fold.tolist() == [[(134 << 7) * 0x00010001, (137 << 7) * 0x00010001]]
+    assert exact and supported
+    assert not a8_tables("mxfp4", block_major_scales(torch.tensor([[[120, 103]]], dtype=torch.uint8), 64), 64)[2]
+    scales = torch.tensor([[[0.01, -0.02], [0.0, 0.0], [0.5, 0.25]]], dtype=torch.bfloat16)
+    row_scale, fold, exact, supported = a8_tables("int4", block_major_scales(scales, 64), 64)
+    assert_bitwise_equal(row_scale, torch.tensor([[2.0**-10, 2.0**-4, 2.0**-5]]))
+    assert [hex(word & 0xFFFF) for word in fold[0].tolist()] == ["0x4680", "0x4380", "0x4400"]  # 2**14, 2**8, 2**9
+    assert not exact and supported
+    tiny = torch.tensor([[[2.0**-121, 0.0]]], dtype=torch.bfloat16)
+    assert not a8_tables("int4", block_major_scales(tiny, 64), 64)[3]
+
+
+def _fp8_unit_rows(num_rows: int, features: int, device) -> torch.Tensor:
+    """Row i: 448 at feature i, else 0 (fp8 448 with row scale exactly 1), so a GEMM's row i is 448 times weight
+    column i times the weight row's A8 scale: the kernel's fp8 weights, recovered exactly."""
+    return (torch.eye(features)[:num_rows] * 448).to(device)
+
+
+A8_ROUTES = [(fmt, route) for fmt in W4 for route in ("one dot a half block", "one dot a group")] + [
+    (QuantFormat.INT4_GROUP, "fp32 route")]  # every MXFP4 weight folds in W4A8 (its multipliers are <= 2**127)
+
+
+@pytest.mark.parametrize("hidden", [96, 256])
+@pytest.mark.parametrize("fmt, route", A8_ROUTES)
+def test_a8_kernel_multiplies_the_twins_fp8_weights(fmt, hidden, route, device):
+    """The fp8 weights the W4A8 kernel multiplies are ``a8_weights_eOI``'s, bit for bit: MXFP4 exact in e5m2, INT4 its
+    bf16 weight over the row scale rounded to nearest-even e4m3, including ties. On a GPU each decode route: the
+    PTX fold with one K-128 dot a half block (BLOCK_N >= 64), with one dot a group (BLOCK_N 32), and the Triton route
+    of weights the fold cannot take (an INT4 scale of 0.75); the interpreter runs the Triton route."""
+    q = _qweights(fmt, 2, hidden, 64, device, seed=21)
+    if route == "fp32 route":
+        q.gate_up_scale_e2FDs[1, 5, 0] = 0.75
+    gate_up, _ = _planes(q)
+    assert gate_up.a8_supported and gate_up.a8_exact == (fmt == QuantFormat.MXFP4)
+    x_fp8, x_scale = quantize_rows_fp8_ref(_fp8_unit_rows(hidden, hidden, device), per_row=True)
+    assert bool((x_scale == 1).all())
+    tile = {"one dot a half block": (32, 64, 4, 3), "one dot a group": (32, 32, 4, 3), "fp32 route": (32, 64, 4, 3)}
+    layout = ExpertLayout.from_counts(torch.tensor([hidden, hidden], device=device), alignment=1)
+    x_PI = torch.cat([x_fp8, x_fp8])
+    c_PO = torch.empty(2 * hidden, 128, device=device)
+    w4.launch_w4_gemm(x_PI, gate_up, c_PO, layout.row_start_e, layout.num_rows_e, rows_hint=2 * hidden,
+                      tile=tile[route] if device == "cuda" else None, x_scale=torch.cat([x_scale, x_scale]))
+    got_eOI = c_PO.cpu().reshape(2, hidden, 128).transpose(1, 2).contiguous()
+    got = got_eOI / gate_up.a8_row_scale_eO.cpu()[..., None] / 448
+    # + 0.0: a dot's sum of -0.0 products and +0.0 is +0.0, so MXFP4's code -0 comes back as +0
+    assert_bitwise_equal(got + 0.0, a8_weights_eOI(gate_up).cpu() + 0.0, fmt=fmt.value, hidden=hidden, route=route)
+
+
+@pytest.mark.parametrize("fmt", W4)
+@pytest.mark.parametrize("activation", ["none", "silu"])
+def test_a8_gemms_match_the_twins_sums(fmt, activation, device, assert_close):
+    """Each W4A8 launch against the twin's fp8 operands: the plain GEMM's fp32 output within fp32 summation order
+    (every fp8 product is exact in fp32), GEMM1 with its activation within h's bf16 rounding; an empty expert and a
+    ragged one, K = 96 (a partial 256-feature block)."""
+    q = _qweights(fmt, len(COUNTS), 96, 32, device, seed=22)
+    gate_up, _ = _planes(q)
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=64)
+    x_PDx, valid = _pool(layout, 96, torch.bfloat16, device, seed=23)
+    x_fp8, x_scale = quantize_rows_fp8_ref(torch.where(valid.to(device)[:, None], x_PDx, 0), per_row=True)
+    gated = activation != "none"
+    out_dtype = torch.bfloat16 if gated else torch.float32
+    c_PO = torch.zeros(64, 32 if gated else 64, dtype=out_dtype, device=device)
+    w4.launch_w4_gemm(x_fp8, gate_up, c_PO, layout.row_start_e, layout.num_rows_e, rows_hint=24, x_scale=x_scale,
+                      activation=activation)
+    weight_eOI, row_scale_eO = a8_weights_eOI(gate_up).to(device), gate_up.a8_row_scale_eO.to(device)
+    expected = torch.zeros(64, 64, device=device)
+    for expert, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
+        rows = slice(start, start + count)
+        expected[rows] = (x_fp8[rows].float() @ weight_eOI[expert].T) * row_scale_eO[expert] * x_scale[rows, None]
+    if gated:
+        expected = gated_activation(expected[:, :32], expected[:, 32:], activation).to(out_dtype)
+    assert_close(c_PO[valid.to(device)], expected[valid.to(device)], out_dtype, fmt=fmt.value, activation=activation)
+
+
+@pytest.mark.parametrize("fmt", W4)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a8_mlp_matches_its_twin_and_stays_near_w4a16(fmt, dtype, device):
+    """The W4A8 MLP (x and h per row in e4m3) against its twin and against the W4A16 twin (within the FP8 recipe's
+    bound); rows outside the segments stay 0. Against its own twin the bound is looser than one GEMM's: an ulp of h
+    from the dots' summation order can move h's row scale, and with it the row's e4m3 values (measured 1.8e-4 in
+    bf16, against 1e-3 here)."""
+    q = _qweights(fmt, len(COUNTS), 96, 32, device, seed=22)
+    layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=64)
+    x_PDx, valid = _pool(layout, 96, dtype, device, seed=23)
+    args = (x_PDx, *_planes(q), layout.row_start_e, layout.num_rows_e)
+    y_PDx = w4.grouped_mlp_w4(*args, a8=True)
+    y_a8_ref, y_w4a16_ref = w4.grouped_mlp_w4_ref(*args, a8=True), w4.grouped_mlp_w4_ref(*args)
+    case = dict(fmt=fmt.value, dtype=dtype)
+    assert y_PDx.dtype == dtype and (y_PDx.cpu()[~valid] == 0).all(), case
+    rows = valid.to(device)
+    assert calc_diff(y_PDx[rows], y_a8_ref[rows]) <= 1e-3, case
+    assert calc_diff(y_PDx[rows], y_w4a16_ref[rows]) <= CALC_DIFF_TOLERANCES[torch.float8_e4m3fn], case
+
+
+def test_a8_mlp_with_every_row_on_one_expert_and_no_rows(device):
+    """W4A8 on whole blocks (K = 256) with every row on the last expert, and a pool with no rows."""
+    q = _qweights(QuantFormat.MXFP4, 3, 256, 256, device, seed=24)
+    layout = ExpertLayout.from_counts(torch.tensor([0, 0, 37], device=device), alignment=1)
+    x_PDx, _ = _pool(layout, 256, torch.bfloat16, device, seed=25)
+    args = (x_PDx, *_planes(q), layout.row_start_e, layout.num_rows_e)
+    assert calc_diff(w4.grouped_mlp_w4(*args, a8=True), w4.grouped_mlp_w4_ref(*args, a8=True)) <= 1e-3
+    empty = ExpertLayout.from_counts(torch.tensor([0, 0, 0], device=device), alignment=1)
+    y = w4.grouped_mlp_w4(torch.zeros(0, 256, dtype=torch.bfloat16, device=device), *_planes(q), empty.row_start_e,
+                          empty.num_rows_e, a8=True)
+    assert y.shape == (0, 256)
+
+
+def test_a8_launch_refuses_rows_it_cannot_take(device):
+    """x must be e4m3 with one fp32 scale per row; INT4 weights whose largest scale in a row is below 2**-119 are
+    refused with the way out (W4A16)."""
+    q = _qweights(QuantFormat.INT4_GROUP, 1, 64, 32, device)
+    gate_up, _ = _planes(q)
+    layout = ExpertLayout.from_counts(torch.tensor([4], device=device), alignment=1)
+    x_fp8, x_scale = quantize_rows_fp8_ref(torch.randn(4, 64, device=device), per_row=True)
+    c = torch.empty(4, 64, device=device)
+    launch = functools.partial(w4.launch_w4_gemm, row_start_e=layout.row_start_e, num_rows_e=layout.num_rows_e,
+                               rows_hint=4)
+    with pytest.raises(DTypeError, match="one scale per row"):
+        launch(x_fp8.float(), gate_up, c, x_scale=x_scale)
+    with pytest.raises(DTypeError, match="one scale per row"):
+        launch(x_fp8, gate_up, c, x_scale=x_scale[:, None])
+    q.gate_up_scale_e2FDs[0, 3] = 2.0**-121
+    tiny, _ = _planes(q)
+    with pytest.raises(InvalidConfigError, match="W4A16"):
+        launch(x_fp8, tiny, c, x_scale=x_scale)
+
+
+@pytest.mark.parametrize("fmt", W4)
+def test_w4a16_experts_run_w4a8_from_their_rows_threshold(fmt, device, monkeypatch):
+    """``W4A16Experts(a8_rows_per_expert=n)``: a call whose rows hint reaches n rows per local expert runs W4A8 (the
+    A8 twin's output), one below it W4A16 (the W4A16 twin's); ``MOE_REF_W4A8_ROWS_PER_EXPERT`` sets n when the argument
+    is not given, a bad value is a coded error; never in the batch-invariant mode; weights the W4A8 kernel cannot take
+    stay W4A16."""
+    q = _qweights(fmt, 3, 96, 64, device, seed=26)
+    layout = ExpertLayout.from_counts(torch.tensor([7, 0, 18], device=device), alignment=1)  # 25 rows: 8.3 each
+    x_PDx, _ = _pool(layout, 96, torch.bfloat16, device, seed=27)
+    args = (x_PDx, *_planes(q), layout.row_start_e, layout.num_rows_e, "silu")
+    y_a8, y_w4a16 = w4.grouped_mlp_w4_ref(*args, a8=True), w4.grouped_mlp_w4_ref(*args)
+    assert calc_diff(y_a8, y_w4a16) > 1e-5  # the two paths are told apart
+    at, above = W4A16Experts(q, a8_rows_per_expert=25 / 3), W4A16Experts(q, a8_rows_per_expert=9)
+    assert at.runs_a8(25, 3) and not above.runs_a8(25, 3)
+    assert calc_diff(at(x_PDx, layout), y_a8) <= 1e-3
+    assert calc_diff(above(x_PDx, layout), y_w4a16) <= CALC_DIFF_TOLERANCES[torch.bfloat16]
+    monkeypatch.setenv("MOE_REF_W4A8_ROWS_PER_EXPERT", "4")
+    assert W4A16Experts(q).a8_rows_per_expert == 4.0 and W4A16Experts(q, a8_rows_per_expert=9).runs_a8(25, 3) is False
+    monkeypatch.setenv("MOE_REF_W4A8_ROWS_PER_EXPERT", "prefill")
+    with pytest.raises(InvalidConfigError, match="MOE_REF_W4A8_ROWS_PER_EXPERT='prefill'"):
+        W4A16Experts(q)
+    monkeypatch.delenv("MOE_REF_W4A8_ROWS_PER_EXPERT")
+    assert W4A16Experts(q).a8_rows_per_expert is None
+    at.batch_invariant = True
+    assert not at.runs_a8(25, 3)
+    if fmt == QuantFormat.INT4_GROUP:
+        q.down_scale_eDFs[0, 1] = 2.0**-121
+        assert W4A16Experts(q, a8_rows_per_expert=0).a8_rows_per_expert is None

@@ -1,6 +1,7 @@
 """Torch FP8 e4m3 quantizers: the one place moe_ref turns activations and weights into fp8 + fp32 scales.
 
     activations (rows)  x [..., Dx]    -> fp8 [..., Dx]    + scale [..., Db]                    per row, per 128 columns
+                        x [..., Dx]    -> fp8 [..., Dx]    + scale [...]                        per row (W4A8)
     weights (matrices)  w [..., O, I]  -> fp8 [..., O, I]  + scale [..., Ob, Ib]                per 128x128 block
 
 Both follow DeepGEMM's SM90 convention (plain fp32 scales, no UE8M0): ``scale = max(amax, 1e-4) / 448``
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from moe_ref.kernels.runtime._triton_utils import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_AMAX, num_fp8_groups
 
-__all__ = ["quantize_fp8_per_128", "dequantize_fp8_per_128", "quantize_fp8_per_block_128",
+__all__ = ["quantize_fp8_per_128", "dequantize_fp8_per_128", "quantize_fp8_per_row", "quantize_fp8_per_block_128",
            "dequantize_fp8_per_block_128"]
 
 
@@ -48,6 +49,24 @@ def quantize_fp8_per_128(x_TDx: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     scale_TDb = amax / torch.full_like(amax, FP8_MAX)
     x_fp8 = (x_groups / scale_TDb.unsqueeze(-1)).reshape(*lead, num_groups * FP8_GROUP)[..., :dim]
     return x_fp8.to(FP8_DTYPE), scale_TDb
+
+
+def quantize_fp8_per_row(x_TDx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row of `x_TDx` to fp8 e4m3 with ONE scale (the W4A8 experts' rows: their dots then need no
+    rescaling inside the K loop).
+
+    Args:
+        x_TDx: `[..., Dx]` float tensor (bf16/fp16/fp32).
+
+    Returns:
+        x_fp8_TDx: `[..., Dx]` `torch.float8_e4m3fn`, `x / scale` rounded to nearest even.
+        scale_T: `[...]` fp32, `max(amax over the row, 1e-4) / 448` (the per-128 recipe over the whole row).
+    """
+    x_float = x_TDx.float()
+    amax = x_float.abs().amax(dim=-1).clamp(min=FP8_MIN_AMAX) if x_TDx.shape[-1] else torch.full(
+        x_TDx.shape[:-1], FP8_MIN_AMAX, device=x_TDx.device)
+    scale_T = amax / torch.full_like(amax, FP8_MAX)  # tensor / tensor: IEEE division, as the kernels' (see above)
+    return (x_float / scale_T.unsqueeze(-1)).to(FP8_DTYPE), scale_T
 
 
 def dequantize_fp8_per_128(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

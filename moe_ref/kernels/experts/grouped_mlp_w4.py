@@ -71,12 +71,14 @@ import triton.language as tl
 
 from moe_ref.core.activations import gated_activation
 from moe_ref.core.errors import DTypeError, InvalidConfigError, ShapeError, UnknownNameError
-from moe_ref.kernels.runtime._triton_utils import (ACTIVATION_CODES, cdiv, check_device, gated_act, is_interpreter,
-                                           launch_options, next_power_of_2, split_halves)
+from moe_ref.kernels.runtime._triton_utils import (ACTIVATION_CODES, FP8_DTYPE, cdiv, check_device, gated_act,
+                                                   div_rn, is_interpreter, launch_options, next_power_of_2,
+                                                   split_halves, to_e4m3, to_e5m2)
 from moe_ref.kernels.experts.grouped_mlp import expert_block_rows, expert_table
+from moe_ref.kernels.experts.quantize_rows import quantize_rows_fp8, quantize_rows_fp8_ref
 from moe_ref.kernels.runtime.launch import launch
-from moe_ref.kernels.experts.w4 import (MXFP4_PLANE_BITS, PLANE_BLOCK, WORDS_PER_BLOCK,
-                               W4Weight, dequantize_planes)
+from moe_ref.kernels.experts.w4 import (A8_INT4_MIN_EXPONENT, MXFP4_PLANE_BITS, PLANE_BLOCK, WORDS_PER_BLOCK,
+                                        W4Weight, a8_weights_eOI, dequantize_planes)
 
 __all__ = ["TILES", "clear_tuned_tiles", "grouped_mlp_w4", "grouped_mlp_w4_ref", "launch_w4_gemm", "tiles_for",
            "tuned_tiles"]
@@ -345,26 +347,35 @@ def _int4_fold_pair(word):
 
 
 @triton.jit
-def _mxfp4_fold_pair(word, BYTES: tl.constexpr):
+def _mxfp4_fold_pair(word, BYTES: tl.constexpr, addend, A8: tl.constexpr):
     """Scale bytes BYTES (``"10"``: bytes 0 and 1, ``"32"``: 2 and 3) of ``word``, groups 2j and 2j + 1 -> their
     ``2**(byte + 1)`` as bf16 in the low and high half (``_decode_mxfp4_bf16_plane_asm``'s multipliers):
     ``(byte + 128) << 7``, no carry for bytes up to ``w4.MXFP4_FOLD_MAX_SCALE_BYTE``. A byte permute puts the two
-    bytes at the bottom of the halves, one multiply-add shifts and offsets both."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t; prmt.b32 t, $1, 0, 0x4" + BYTES[0] + "4" + BYTES[1] + "; mad.lo.u32 $0, t, 128, 0x40004000; }",
-        "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
+    bytes at the bottom of the halves, one multiply-add shifts and offsets both. A8: ``(byte << 7) + addend`` with the
+    row's ``addend`` (``[BLOCK_N]`` int32, ``w4.a8_tables``), the multipliers ``2**(byte - S + 127)`` (S the row's
+    largest byte: at most 2**127, so any byte folds)."""
+    if A8:
+        pair = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; prmt.b32 t, $1, 0, 0x4" + BYTES[0] + "4" + BYTES[1] + "; mad.lo.u32 $0, t, 128, $2; }",
+            "=r,r,r", [word, tl.broadcast_to(addend, word.shape)], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        pair = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; prmt.b32 t, $1, 0, 0x4" + BYTES[0] + "4" + BYTES[1] + "; "
+            "mad.lo.u32 $0, t, 128, 0x40004000; }", "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
+    return pair
 
 
 @triton.jit
-def _fold_multipliers(s_ptr, s_row0, kb, stride_s_b, offs_n, mask, W4: tl.constexpr):
+def _fold_multipliers(s_ptr, s_row0, kb, stride_s_b, offs_n, mask, W4: tl.constexpr, a8_fold, A8: tl.constexpr):
     """FOLD: k-block ``kb``'s 8 groups -> (multipliers, biases), 8 ``[BLOCK_N]`` int32 each, for ``_folded_plane``:
     group g's in half ``g % 2``, groups 2j and 2j + 1 sharing a register (INT4 as ``_int4_fold_pair``; MXFP4 as
-    ``_mxfp4_fold_pair``, whose decode adds -0.0: no bias)."""
+    ``_mxfp4_fold_pair``, whose decode adds -0.0: no bias). A8: MXFP4's multipliers take the rows' ``a8_fold``
+    (``[BLOCK_N]`` int32) addends; INT4's are unchanged (``_a8_weights`` normalizes the decoded tile)."""
     if W4 == 2:  # a row's 8 scale bytes as 2 int32 words, four groups each
         words = (s_ptr + s_row0 + kb * stride_s_b).to(tl.pointer_type(tl.int32), bitcast=True) + offs_n[:, None] * 2
         w03, w47 = tl.split(tl.load(words + tl.arange(0, 2)[None, :], mask=mask[:, None], other=0))
-        m01, m23 = _mxfp4_fold_pair(w03, "10"), _mxfp4_fold_pair(w03, "32")
-        m45, m67 = _mxfp4_fold_pair(w47, "10"), _mxfp4_fold_pair(w47, "32")
+        m01, m23 = _mxfp4_fold_pair(w03, "10", a8_fold, A8), _mxfp4_fold_pair(w03, "32", a8_fold, A8)
+        m45, m67 = _mxfp4_fold_pair(w47, "10", a8_fold, A8), _mxfp4_fold_pair(w47, "32", a8_fold, A8)
         b01 = tl.full(m01.shape, _NEG_ZERO_BF16X2, tl.int32)
         b23, b45, b67 = b01, b01, b01
     else:  # a row's 8 bf16 scales as 4 int32 words, two groups each
@@ -378,6 +389,43 @@ def _fold_multipliers(s_ptr, s_row0, kb, stride_s_b, offs_n, mask, W4: tl.conste
         m45, b45 = _int4_fold_pair(w2)
         m67, b67 = _int4_fold_pair(w3)
     return (m01, m01, m23, m23, m45, m45, m67, m67), (b01, b01, b23, b23, b45, b45, b67, b67)
+
+
+@triton.jit
+def _a8_weights(q, a8_fold, W4: tl.constexpr):
+    """W4A8 on the PTX route: a decoded ``[BLOCK_N, K]`` bf16 tile (``_folded_plane``s) -> the fp8 tile the dot takes.
+    MXFP4 comes out of the decode already divided by its rows' A8 scales (``_mxfp4_fold_pair``): e5m2 (``to_e5m2``;
+    exact where ``W4Weight.a8_exact``). INT4 comes out as ``w / 16``: times the rows' bf16 ``2**(8 - S)`` (the low
+    half of ``a8_fold``, exact), then rounded to e4m3 (``to_e4m3``)."""
+    if W4 == 2:
+        q8 = to_e5m2(q.to(tl.float32))
+    else:
+        norm = (a8_fold & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        q8 = to_e4m3((q * norm[:, None]).to(tl.float32))
+    return q8
+
+
+@triton.jit
+def _a8_group_dot(acc, words, PLANE: tl.constexpr, x_t, scale, inv_row_scale, W4: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """W4A8 on the Triton route (the interpreter; GPU weights the fold cannot take): ``acc + q8 @ x_t`` for one
+    group of 32 input features, q8 the group's weights (exact in fp32: value times scale), INT4's rounded to bf16 as
+    the fold rounds them, over the rows' A8 scales (``inv_row_scale``, ``[BLOCK_N]`` fp32 powers of two), cast to
+    fp8 (MXFP4 e5m2, exact; INT4 e4m3); x_t ``[32, BLOCK_M]`` e4m3."""
+    w = _decode_plane(words, PLANE, W4, tl.float32, False) * _group_scale(scale, W4, tl.float32)[:, None]
+    if W4 == 1:  # to the nearest bf16 (even on ties) on the bit pattern: the interpreter's bf16 cast is not IEEE
+        bits = w.to(tl.int32, bitcast=True)
+        w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    w = w * inv_row_scale[:, None]
+    if W4 == 2:
+        q8 = to_e5m2(w)
+    else:
+        q8 = to_e4m3(w)
+    if UPCAST:  # the interpreter's fp8 dot is not IEEE: fp32 operands (every fp8 value is exact in fp32)
+        acc = tl.dot(q8.to(tl.float32), x_t.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(q8, x_t, acc)
+    return acc
 
 
 @triton.jit
@@ -407,10 +455,11 @@ def _load_x_groups(x_cols, group, mask_m, offs_k, K, EVEN_K: tl.constexpr):
 @triton.jit
 def _w4_gemm_kernel(
     x_ptr, w_ptr, s_ptr, c_ptr, row_start_ptr, num_rows_ptr,
+    x_scale_ptr, a8_scale_ptr, a8_fold_ptr,  # A8: x's per-row scales [R]; the weight rows' A8 scales and fold words
     R, N, K, num_blocks_k, num_experts,
     rows_hint,                     # autotune key only (unused in the body)
     situ_beta, situ_linear_beta,
-    stride_x_r, stride_w_e, stride_w_n, stride_s_e, stride_s_b, stride_c_r,
+    stride_x_r, stride_w_e, stride_w_n, stride_s_e, stride_s_b, stride_c_r, stride_a8_e,
     W4: tl.constexpr,              # 1 INT4, 2 MXFP4
     ACTIVATION: tl.constexpr,      # 0: c = x @ W_e.T; 1 silu, 2 situ: W_e has 2N rows (gate, up), c = act(gate, up)
     SITU_LINEAR: tl.constexpr,     # situ: squash up too (situ_linear_beta != 0)
@@ -421,13 +470,18 @@ def _w4_gemm_kernel(
     BLOCK_M: tl.constexpr,         # pool rows per program (the MMA's N)
     BLOCK_N: tl.constexpr,         # output features per program (the MMA's M)
     BLOCK_E: tl.constexpr,         # next_power_of_2(num_experts)
-    FOLD: tl.constexpr,            # bf16 x, a GPU, W4Weight.foldable: the decode applies the scales
+    FOLD: tl.constexpr,            # a GPU, bf16 x and W4Weight.foldable (A8: MXFP4, or foldable INT4): the decode
+                                   # applies the scales
+    A8: tl.constexpr,              # W4A8: x e4m3 with one scale per row, the weights cast to fp8 in the decode
 ):
     """``c = x @ W_e.T`` (or ``act(gate, up)``) on each expert's rows. One program = BLOCK_N weight rows x BLOCK_M rows
     of one expert, as ``acc.T [BLOCK_N, BLOCK_M]`` = the decoded weight tile (A, registers) @ x's tile transposed (B).
     Gated, the tile's weight rows are OUT_N = BLOCK_N / 2 gate rows and the up rows of the same output features, so
     the main loop is the plain GEMM's (one weight stream, one accumulator) and the epilogue pairs the halves.
-    The expert table is found on the device (``grouped_mlp.expert_table``, upper-bound grid, surplus exits)."""
+    The expert table is found on the device (``grouped_mlp.expert_table``, upper-bound grid, surplus exits).
+    A8 (W4A8): each weight row is divided by its A8 scale (a power of two, ``w4.a8_tables``) and cast to fp8 (MXFP4
+    e5m2, exact; INT4 e4m3), x is e4m3 with one scale per row, so the fp8 dots accumulate in place and both scales
+    multiply the fp32 sums once, in the epilogue."""
     OUT_N: tl.constexpr = BLOCK_N // 2 if ACTIVATION != 0 else BLOCK_N  # output features per program
     num_pid_n = tl.cdiv(N, OUT_N)
     offs_e, num_rows_e, num_blocks_e, block_end_e = expert_table(num_rows_ptr, num_experts, BLOCK_M, BLOCK_E)
@@ -458,11 +512,19 @@ def _w4_gemm_kernel(
     s_rows = s_ptr + expert * stride_s_e + w_row[:, None] * 8 + tl.arange(0, 8)[None, :]
     x_cols = x_ptr + rows[None, :] * stride_x_r + offs_k[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if A8:
+        a8_scale = tl.load(a8_scale_ptr + expert * stride_a8_e + w_row, mask=mask_n, other=1.0)
+        a8_fold = tl.load(a8_fold_ptr + expert * stride_a8_e + w_row, mask=mask_n, other=0)
+    else:
+        a8_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        a8_fold = tl.zeros([BLOCK_N], tl.int32)
+    a8_inv_scale = div_rn(tl.full([BLOCK_N], 1.0, tl.float32), a8_scale)  # powers of two: exact
     for kb in range(0, num_blocks_k):
         # a k-block's scales load in the loop step that uses them: loaded a step ahead they would stay live across the
         # step (92 registers against 80), and INT4 ran 5% slower so (2026-12-02, one H200)
         if FOLD:
-            mults, biases = _fold_multipliers(s_ptr, expert * stride_s_e, kb, stride_s_b, w_row, mask_n, W4)
+            mults, biases = _fold_multipliers(s_ptr, expert * stride_s_e, kb, stride_s_b, w_row, mask_n, W4, a8_fold,
+                                              A8)
         else:
             scales = _load_block_scales(s_rows, kb, stride_s_b, mask_n[:, None])
         for half in tl.static_range(2):  # 16 words: groups 4 half .. 4 half + 3 of this block
@@ -473,17 +535,29 @@ def _w4_gemm_kernel(
                              _folded_plane(words, 1, mults[half * 4 + 1], biases[half * 4 + 1], W4))
                 q23 = _cat_k(_folded_plane(words, 2, mults[half * 4 + 2], biases[half * 4 + 2], W4),
                              _folded_plane(words, 3, mults[half * 4 + 3], biases[half * 4 + 3], W4))
-                acc = tl.dot(_cat_k(q01, q23), x_t, acc)
+                if A8:
+                    acc = tl.dot(_a8_weights(_cat_k(q01, q23), a8_fold, W4), x_t, acc)
+                else:
+                    acc = tl.dot(_cat_k(q01, q23), x_t, acc)
             else:
                 for plane in tl.static_range(4):
                     x_t = _load_x_groups(x_cols, kb * 8 + half * 4 + plane, mask_m, offs_k, K, EVEN_K)
                     if FOLD:  # the weights come out of the decode scaled: the dots accumulate in place
                         q = _folded_plane(words, plane, mults[half * 4 + plane], biases[half * 4 + plane], W4)
-                        acc = tl.dot(q, x_t, acc)
+                        if A8:
+                            acc = tl.dot(_a8_weights(q, a8_fold, W4), x_t, acc)
+                        else:
+                            acc = tl.dot(q, x_t, acc)
+                    elif A8:
+                        acc = _a8_group_dot(acc, words, plane, x_t, scales[half * 4 + plane], a8_inv_scale, W4,
+                                            UPCAST)
                     else:
                         scale = _group_scale(scales[half * 4 + plane], W4, x_t.dtype)
                         acc = _group_dot(acc, words, plane, x_t, scale, W4, UPCAST, IEEE_FP32, ASM)
-    if FOLD and W4 == 1:
+    if A8:  # both scales once (the weight rows' a power of two): the dots summed unscaled fp8 products
+        x_scale = tl.load(x_scale_ptr + rows, mask=mask_m, other=0.0)
+        acc = acc * a8_scale[:, None] * x_scale[None, :]
+    elif FOLD and W4 == 1:
         acc = acc * 16.0  # the decode's 2**-4 (exact)
     if ACTIVATION != 0:  # fp32 gate and up of the same features -> h, rounded once to c's dtype
         gate, up = split_halves(tl.trans(acc))  # [BLOCK_M, OUT_N] each
@@ -517,16 +591,25 @@ INTERPRETER_TILE = (16, 16, 1, 1)
 # so autotune's choice among them would change a row's bits. (32, 64, 4, 3) was the fastest prefill tile in six of
 # eight cases above; at decode it computes 32-row blocks for the few rows of each expert.
 BATCH_INVARIANT_TILES = ((32, 64, 4, 3), (32, 64, 4, 3))
+# W4A8's candidates: the decode and the fp8 cast are paid once per BLOCK_M rows while the fp8 MMAs halve, so only
+# wide tiles can win. A CPU count of the main loop's sm_90a instructions (tests/dist/sm90_compile_worker.py --sass
+# "128-row tile", 2026-12-07, Triton 3.9): at (128, 128, 8, 3) 698 (MXFP4) / 689 (INT4) a k-block, 8 fp8 wgmma,
+# against the W4A16 tiles' 489 / 392 and 16 bf16 ones; at BLOCK_M 64 the same instructions feed half the rows.
+# Not yet timed on a GPU (docs/RESULTS.md, "Quantized experts").
+A8_TILES = ((128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 8, 3))
 FEW_ROWS_PER_EXPERT = 4  # up to this many rows per expert (on average), the BLOCK_M 8 tiles are tried too
 DECODE_ROWS_PER_EXPERT = 16  # up to this many, the BLOCK_M 16 tiles (one M block per expert)
 
 
-def tiles_for(rows_per_expert: float) -> list[tuple]:
+def tiles_for(rows_per_expert: float, *, a8: bool = False) -> list[tuple]:
     """The ``TILES`` autotune tries at this many rows per expert (on average): BLOCK_M 8 and 16 up to
     ``FEW_ROWS_PER_EXPERT`` (autotune weighs an 8-row tile against the second M block of an expert with more rows),
-    BLOCK_M 16 up to ``DECODE_ROWS_PER_EXPERT``, the larger ones above.
+    BLOCK_M 16 up to ``DECODE_ROWS_PER_EXPERT``, the larger ones above. W4A8 (``a8``, a prefill path) tries
+    ``A8_TILES`` at any count.
 
     Example: 64 rows over 48 experts (1.3 each) -> the BLOCK_M 8 and 16 tiles; 512 rows (10.7) -> BLOCK_M 16."""
+    if a8:
+        return list(A8_TILES)
     if rows_per_expert <= FEW_ROWS_PER_EXPERT:
         return [t for t in TILES if t[0] <= 16]
     if rows_per_expert <= DECODE_ROWS_PER_EXPERT:
@@ -537,7 +620,8 @@ def tiles_for(rows_per_expert: float) -> list[tuple]:
 @functools.lru_cache(maxsize=None)
 def _autotuned(tiles: tuple) -> triton.runtime.Autotuner:
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
-    return triton.autotune(configs, key=["rows_hint", "N", "K", "num_experts", "W4", "ACTIVATION"])(_w4_gemm_kernel)
+    return triton.autotune(configs, key=["rows_hint", "N", "K", "num_experts", "W4", "ACTIVATION", "A8"])(
+        _w4_gemm_kernel)
 
 
 # autotune key (rows bucket, N, K, experts, kernel flags, x dtype, scale dtype) -> the tile it chose
@@ -556,18 +640,22 @@ def clear_tuned_tiles() -> None:
 
 
 def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint: int, tile: tuple | None = None,
-                   activation: str = "none", situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+                   activation: str = "none", situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                   x_scale: torch.Tensor | None = None):
     """One grouped GEMM of ``grouped_mlp_w4``: ``c[rows of e] = x[rows of e] @ W_e.T`` for every local expert e, or with
     an activation ``c[rows of e] = act(x @ gate_e.T, x @ up_e.T)`` (GEMM1 and the activation in one launch).
 
     Args:
-        x: ``[P, I]`` bf16/fp16/fp32 pool rows. weight: ``W4Weight`` of ``[e, O, I]`` (gated: O = 2N, N gate rows then
-            N up rows). c: ``[P, O]``, gated ``[P, N]`` (any float dtype: the fp32 accumulator, or the fp32
-            activation of two, is rounded to it); rows outside every segment are not written.
+        x: ``[P, I]`` bf16/fp16/fp32 pool rows (W4A8: fp8 e4m3, with ``x_scale``). weight: ``W4Weight`` of
+            ``[e, O, I]`` (gated: O = 2N, N gate rows then N up rows). c: ``[P, O]``, gated ``[P, N]`` (any float
+            dtype: the fp32 accumulator, or the fp32 activation of two, is rounded to it); rows outside every segment
+            are not written.
         row_start_e, num_rows_e: ``[e]`` int32/int64 segments. rows_hint: about the live rows (autotune key).
         tile: None (autotune once per key; the interpreter runs ``INTERPRETER_TILE``) or
             (BLOCK_M, BLOCK_N, num_warps, num_stages), forced; BLOCK_N counts weight rows (gated: half of them gate).
         activation, situ_beta, situ_linear_beta: ``"none"``, or as ``grouped_mlp``.
+        x_scale: None, or W4A8: ``[P]`` fp32, x's one scale per row (``quantize_rows_fp8(..., per_row=True)``); the
+            weights must be ``a8_supported``.
     """
     if activation not in ACTIVATION_CODES:
         raise UnknownNameError(f"{activation=} must be one of {', '.join(ACTIVATION_CODES)}")
@@ -578,16 +666,21 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint
         want = "[P, O / 2] with O even (gate and up rows)" if gated else "[P, O]"
         raise ShapeError(f"x [P, I] {tuple(x.shape)}, weight [e, O, I] {weight.shape} and c {tuple(c.shape)} disagree: "
                          f"c must be {want} ({activation=})")
+    a8 = x_scale is not None
+    if a8:
+        _check_a8(x, x_scale, weight)
     rows_bucket = next_power_of_2(max(1, rows_hint))
-    args = (x, weight.words_eOw, weight.block_scale, c, row_start_e, num_rows_e, num_rows, out_n, weight.in_features,
+    args = (x, weight.words_eOw, weight.block_scale, c, row_start_e, num_rows_e,
+            x_scale if a8 else weight.a8_row_scale_eO, weight.a8_row_scale_eO, weight.a8_fold_eO,
+            num_rows, out_n, weight.in_features,
             weight.words_eOw.shape[-1] // WORDS_PER_BLOCK, num_experts, rows_bucket, situ_beta, situ_linear_beta,
             x.stride(0), weight.words_eOw.stride(0), weight.words_eOw.stride(1), weight.block_scale.stride(0),
-            weight.block_scale.stride(1), c.stride(0))
+            weight.block_scale.stride(1), c.stride(0), weight.a8_row_scale_eO.stride(0))
+    fold = (weight.fmt == "mxfp4" or weight.foldable) if a8 else x.dtype == torch.bfloat16 and weight.foldable
     flags = dict(W4=_FORMATS[weight.fmt], ACTIVATION=ACTIVATION_CODES[activation],
                  SITU_LINEAR=bool(situ_linear_beta), IEEE_FP32=x.dtype == torch.float32, UPCAST=is_interpreter(),
                  EVEN_K=weight.in_features % PLANE_BLOCK == 0, ASM=not is_interpreter(),
-                 BLOCK_E=next_power_of_2(num_experts),
-                 FOLD=x.dtype == torch.bfloat16 and not is_interpreter() and weight.foldable)
+                 BLOCK_E=next_power_of_2(num_experts), FOLD=fold and not is_interpreter(), A8=a8)
 
     def grid(block_m: int, block_n: int) -> tuple:
         return ((cdiv(num_rows, block_m) + num_experts) * cdiv(out_n, block_n // 2 if gated else block_n),)
@@ -599,7 +692,7 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint
                weight.block_scale.dtype)
         tile = _TUNED.get(key)
         if tile is None:
-            tuner = _autotuned(tuple(tiles_for(rows_hint / max(1, num_experts))))
+            tuner = _autotuned(tuple(tiles_for(rows_hint / max(1, num_experts), a8=a8)))
             out = tuner[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags,
                                                                               **launch_options(fp_fusion=True))
             best = tuner.best_config
@@ -611,6 +704,17 @@ def launch_w4_gemm(x, weight: W4Weight, c, row_start_e, num_rows_e, *, rows_hint
     extra = {} if is_interpreter() else launch_options(fp_fusion=True)
     return launch(_w4_gemm_kernel, grid(block_m, block_n), *args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                   num_warps=warps, num_stages=stages, **extra)
+
+
+def _check_a8(x: torch.Tensor, x_scale: torch.Tensor, weight: W4Weight) -> None:
+    if x.dtype != FP8_DTYPE or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != (x.shape[0],):
+        raise DTypeError(f"W4A8 takes fp8 e4m3 x [P, I] and fp32 x_scale [P] (one scale per row), got x {x.dtype} "
+                         f"{tuple(x.shape)} and x_scale {x_scale.dtype} {tuple(x_scale.shape)}: "
+                         f"quantize_rows_fp8(x, per_row=True) makes them")
+    if not weight.a8_supported:
+        raise InvalidConfigError(f"W4A8 cannot take these {weight.fmt} weights: a row's largest scale is below "
+                                 f"2**{A8_INT4_MIN_EXPONENT} (its multiplier would not be a finite bf16); run them "
+                                 f"W4A16 (a8=False)")
 
 
 def _check(x_PDx, gate_up: W4Weight, down: W4Weight) -> None:
@@ -627,7 +731,8 @@ def _check(x_PDx, gate_up: W4Weight, down: W4Weight) -> None:
 def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_start_e: torch.Tensor,
                    num_rows_e: torch.Tensor, activation: str = "silu", situ_beta: float = 4.0,
                    situ_linear_beta: float = 25.0, *, num_rows_hint: int | None = None, zero_unused_rows: bool = True,
-                   tiles: tuple[tuple, tuple] | None = None, batch_invariant: bool = False) -> torch.Tensor:
+                   tiles: tuple[tuple, tuple] | None = None, batch_invariant: bool = False,
+                   a8: bool = False) -> torch.Tensor:
     """Every local expert's gated MLP on its rows of the pool, with 4-bit weights (two launches, no host sync).
 
     Args:
@@ -639,6 +744,10 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
         tiles: None, or (GEMM1's, GEMM2's) (BLOCK_M, BLOCK_N, num_warps, num_stages), forced.
         batch_invariant: with ``tiles`` None, the mode's one pair ``BATCH_INVARIANT_TILES`` at every row count (the
             interpreter: its own tile, as always), so a row's bits do not depend on the other rows.
+        a8: W4A8, a prefill path: x and h are quantized to fp8 e4m3 with one scale per row
+            (``quantize_rows_fp8(..., per_row=True)``), the weights are cast to fp8 in the decode (MXFP4 e5m2 exactly
+            where ``W4Weight.a8_exact``; INT4 rounded to e4m3), and the GEMMs run fp8 MMAs (``launch_w4_gemm``'s
+            ``x_scale``). The weights must be ``a8_supported``.
 
     Returns:
         y_PDx ``[P, Dx]`` in x's dtype; GEMM1's sums stay fp32 into the activation, h is rounded to x's dtype between
@@ -661,6 +770,17 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
     if tiles is None and batch_invariant and not is_interpreter():
         tiles = BATCH_INVARIANT_TILES
     tile1, tile2 = (None, None) if tiles is None else tiles
+    if a8:
+        # rows outside the segments stay 0, so their per-row quantization reads no stale bits
+        h_PF = torch.zeros(num_rows, inter, dtype=x_PDx.dtype, device=x_PDx.device)
+        x_fp8_PDx, x_scale_P = quantize_rows_fp8(x_PDx, per_row=True)
+        launch_w4_gemm(x_fp8_PDx, gate_up, h_PF, row_start_e, num_rows_e, rows_hint=rows_hint, tile=tile1,
+                       activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                       x_scale=x_scale_P)
+        h_fp8_PF, h_scale_P = quantize_rows_fp8(h_PF, per_row=True)
+        launch_w4_gemm(h_fp8_PF, down, y_PDx, row_start_e, num_rows_e, rows_hint=rows_hint, tile=tile2,
+                       x_scale=h_scale_P)
+        return y_PDx
     h_PF = torch.empty(num_rows, inter, dtype=x_PDx.dtype, device=x_PDx.device)  # only the segments' rows are written
     launch_w4_gemm(x_PDx, gate_up, h_PF, row_start_e, num_rows_e, rows_hint=rows_hint, tile=tile1,
                    activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
@@ -671,25 +791,35 @@ def grouped_mlp_w4(x_PDx: torch.Tensor, gate_up: W4Weight, down: W4Weight, row_s
 # --------------------------------------------------------------------------------------------------
 # torch twin
 # --------------------------------------------------------------------------------------------------
-def _gemm_ref(x_PI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
-    return x_PI.float() @ weight_OI.T
+def _gemm_ref(x_PI: torch.Tensor, weight_OI: torch.Tensor, row_scale_O: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` in fp32; W4A8 (``row_scale_O``): x's fp8 rows with their per-row scales, W the fp8 values
+    (``w4.a8_weights_eOI``), the two scales applied to the sums as the kernel applies them."""
+    if row_scale_O is None:
+        return x_PI.float() @ weight_OI.T
+    x_fp8_PI, x_scale_P = quantize_rows_fp8_ref(x_PI, per_row=True)
+    return (x_fp8_PI.float() @ weight_OI.T) * row_scale_O * x_scale_P[:, None]
 
 
 def grouped_mlp_w4_ref(x_PDx, gate_up: W4Weight, down: W4Weight, row_start_e, num_rows_e, activation="silu",
                        situ_beta=4.0, situ_linear_beta=25.0, *, num_rows_hint=None, zero_unused_rows=True,
-                       tiles=None) -> torch.Tensor:
+                       tiles=None, batch_invariant=False, a8=False) -> torch.Tensor:
     """Plain-torch twin of ``grouped_mlp_w4`` (same arguments and return): per expert, the weights dequantized
-    exactly in fp32, h rounded to x's dtype. NOTE: ``.tolist()`` on the row counts syncs the host."""
+    exactly in fp32 (W4A8: the fp8 weights and per-row fp8 rows the kernel multiplies), h rounded to x's dtype.
+    NOTE: ``.tolist()`` on the row counts syncs the host."""
     _check(x_PDx, gate_up, down)
     inter = gate_up.shape[1] // 2
-    gate_up_e2FD, down_eDF = dequantize_planes(gate_up), dequantize_planes(down)
+    if a8:
+        gate_up_e2FD, down_eDF = a8_weights_eOI(gate_up), a8_weights_eOI(down)
+        gate_up_scale_e2F, down_scale_eD = gate_up.a8_row_scale_eO, down.a8_row_scale_eO
+    else:
+        gate_up_e2FD, down_eDF = dequantize_planes(gate_up), dequantize_planes(down)
     y_PDx = torch.zeros_like(x_PDx)
     for i, (start, count) in enumerate(zip(row_start_e.tolist(), num_rows_e.tolist())):
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate_up_P2F = _gemm_ref(x_PDx[rows], gate_up_e2FD[i])
+        gate_up_P2F = _gemm_ref(x_PDx[rows], gate_up_e2FD[i], gate_up_scale_e2F[i] if a8 else None)
         h_PF = gated_activation(gate_up_P2F[:, :inter], gate_up_P2F[:, inter:], activation, situ_beta,
                                 situ_linear_beta).to(x_PDx.dtype)
-        y_PDx[rows] = _gemm_ref(h_PF, down_eDF[i]).to(x_PDx.dtype)
+        y_PDx[rows] = _gemm_ref(h_PF, down_eDF[i], down_scale_eD[i] if a8 else None).to(x_PDx.dtype)
     return y_PDx

@@ -31,6 +31,13 @@ MXFP4_FOLD_MAX_SCALE_BYTE = 126
 INT4_FOLD_SCALE_LIMIT = 0.5
 INT4_FOLD_MIN_SCALE = 2.0**-122
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> |value|; bit 3 is the sign
+# W4A8 (``grouped_mlp_w4(..., a8=True)``): each weight row is divided by a power of two, its A8 row scale, and cast to
+# fp8 in the decode. MXFP4 goes to e5m2: E2M1 * 2**(1 - d) for a group d binades below the row's largest scale byte,
+# exact down to e5m2's smallest subnormal (d <= 16). INT4 goes to e4m3 (3 mantissa bits: rounded), w / 16 normalized
+# below 2**8 (e4m3's largest finite is 448); its bf16 multiplier 2**(8 - S) is finite for S >= -119.
+A8_MXFP4_EXACT_SPREAD = 16
+A8_INT4_TOP_EXPONENT = 8
+A8_INT4_MIN_EXPONENT = -119
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,6 +193,13 @@ class W4Weight:
         foldable: whether the kernel may multiply the scales into its bf16 decode (bf16 x): MXFP4 bytes up to
             ``MXFP4_FOLD_MAX_SCALE_BYTE``, INT4 bf16 scales below ``INT4_FOLD_SCALE_LIMIT`` and each 0 or at least
             ``INT4_FOLD_MIN_SCALE`` (INT4: one reduction and a host sync, at load).
+        a8_row_scale_eO: fp32 ``[e, O]``, the power of two each weight row is divided by before its fp8 cast in the
+            W4A8 kernel (``a8_tables``). a8_fold_eO: int32 ``[e, O]``, the same for the PTX decode (MXFP4: the
+            multiplier's exponent addend; INT4: the bf16 multiplier ``1 / (16 * row scale)`` in both halves).
+        a8_exact: MXFP4 whose fp8 weights equal the stored ones (every row's scale bytes within
+            ``A8_MXFP4_EXACT_SPREAD`` of each other); INT4 is rounded to e4m3, never exact.
+        a8_supported: whether the W4A8 kernel takes these weights (INT4: every row's largest scale at least
+            ``2**A8_INT4_MIN_EXPONENT``, or the row all zero).
     """
 
     def __init__(self, fmt: str, words_eOw: torch.Tensor, block_scale: torch.Tensor, in_features: int,
@@ -199,6 +213,8 @@ class W4Weight:
             self.foldable = max_scale_byte <= MXFP4_FOLD_MAX_SCALE_BYTE
         else:
             self.foldable = block_scale.dtype == torch.bfloat16 and _in_fold_range(block_scale)
+        self.a8_row_scale_eO, self.a8_fold_eO, self.a8_exact, self.a8_supported = a8_tables(fmt, block_scale,
+                                                                                            in_features)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -207,6 +223,37 @@ class W4Weight:
 
     def nbytes(self) -> int:
         return self.words_eOw.nbytes + self.block_scale.nbytes
+
+
+def a8_tables(fmt: str, block_scale: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
+    """The W4A8 kernel's per-row normalization of block-major scales ``[e, ceil(I/256), O, 8]`` (``W4Weight``'s
+    attributes of the same names): ``(a8_row_scale_eO, a8_fold_eO, a8_exact, a8_supported)``; two host syncs.
+
+    MXFP4, S the row's largest scale byte: row scale ``2**(S - 126)``, so a weight ``E2M1 * 2**(byte - 125)`` becomes
+    ``E2M1 * 2**(byte - S + 1)`` (at most 12); the PTX decode's multiplier ``2**(byte - S + 127)`` has the exponent
+    field ``byte + 254 - S``, i.e. ``(byte << 7) + addend`` in each bf16 half, addend ``(254 - S) << 7``.
+    INT4, S = floor(log2(the row's largest |scale|)) (0 for an all-zero row): row scale ``2**(S - 4)``, so ``w`` becomes
+    ``w * 2**(4 - S)``, below 2**8 (|w| <= 8 |s|); the PTX decode gives ``w / 16`` and multiplies it by ``2**(8 - S)``.
+
+    Example: MXFP4 row bytes [120, 118] -> row scale 2**-6, addend 134 << 7 in both halves (exact: spread 2 <= 16).
+        INT4 row scales [0.01, -0.02] -> S = -6, row scale 2**-10, multiplier 2**14.
+    """
+    groups = in_features // GROUP_SIZE
+    scale_eOg = block_scale.transpose(1, 2).flatten(-2)[..., :groups].float()
+    if groups == 0:
+        scale_eOg = torch.zeros(*scale_eOg.shape[:-1], 1, device=block_scale.device)
+    if fmt == "mxfp4":
+        top, low = scale_eOg.amax(-1), scale_eOg.amin(-1)
+        exact = bool(((top - low) <= A8_MXFP4_EXACT_SPREAD).all()) if top.numel() else True
+        row_scale = torch.exp2(top - 126.0)
+        fold = ((254 - top.to(torch.int64)) << 7) * 0x00010001
+        return row_scale, fold.to(torch.int32), exact, True
+    amax = scale_eOg.abs().amax(-1)
+    exponent = torch.where(amax > 0, torch.frexp(amax).exponent - 1, 0).to(torch.int64)
+    supported = bool((exponent >= A8_INT4_MIN_EXPONENT).all()) if exponent.numel() else True
+    multiplier = (A8_INT4_TOP_EXPONENT - exponent).clamp(max=127)  # a bf16 power of two: ((k + 127) << 7) per half
+    fold = ((multiplier + 127) << 7) * 0x00010001
+    return torch.exp2((exponent - 4).float()), fold.to(torch.int32), False, supported
 
 
 def _in_fold_range(scales: torch.Tensor) -> bool:
@@ -350,3 +397,14 @@ def dequantize_planes(weight: W4Weight, dtype: torch.dtype = torch.float32) -> t
     packed, scale = from_group_planes(weight)
     dequantize = dequantize_int4 if weight.fmt == "int4" else dequantize_mxfp4
     return dequantize(packed, scale, dtype)
+
+
+def a8_weights_eOI(weight: W4Weight) -> torch.Tensor:
+    """``[e, O, I]`` fp32: the fp8 values the W4A8 kernel multiplies (the twin's weights). Each weight, exact in fp32
+    (INT4 then rounded to bf16, as the kernel's decode rounds it), over its row's A8 scale (``a8_row_scale_eO``),
+    cast to fp8: MXFP4 e5m2 (exact where ``a8_exact``), INT4 e4m3 (rounded to nearest even)."""
+    w = dequantize_planes(weight)
+    if weight.fmt == "int4":
+        w = w.to(torch.bfloat16).float()
+    w = w / weight.a8_row_scale_eO.unsqueeze(-1)
+    return w.to(torch.float8_e5m2 if weight.fmt == "mxfp4" else torch.float8_e4m3fn).float()

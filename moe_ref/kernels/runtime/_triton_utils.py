@@ -131,25 +131,49 @@ def fp8_scale(amax):
 
 
 @triton.jit
+def _on_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SNAP: tl.constexpr):
+    """fp32 `x` rounded to nearest even on an fp8 format's grid, in fp32 (the interpreter's fp8 casts are not IEEE,
+    so `to_e4m3` and `to_e5m2` round here first and their cast is then exact). Normal range (|x| >= MIN_NORMAL):
+    keep MANTISSA_BITS of 23 mantissa bits with an integer round-half-even on the bit pattern (carries into the
+    exponent correctly). Subnormal range: add and subtract SNAP (1.5 times a power of two whose fp32 ulp is the
+    format's smallest subnormal) to |x|, then put the sign back (a tiny negative value becomes -0.0, as in torch)."""
+    DROP: tl.constexpr = 23 - MANTISSA_BITS
+    bits = x.to(tl.int32, bitcast=True)
+    sign_bit = bits & -2147483648
+    x_normal = ((bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & -(1 << DROP)).to(tl.float32, bitcast=True)
+    abs_subnormal = (tl.abs(x) + SNAP) - SNAP
+    x_subnormal = (abs_subnormal.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < MIN_NORMAL, x_subnormal, x_normal)
+
+
+@triton.jit
+def to_e5m2(x):
+    """Cast fp32 `x` (|x| <= 57344) to fp8 e5m2, rounding to nearest even, bitwise like torch: on a GPU one
+    `cvt.rn.satfinite.e5m2x2.f32` per two values; under the interpreter `_on_fp8_grid` with 2 mantissa bits (normal
+    from 2**-14, subnormal multiples of 2**-16: 192 = 1.5 * 2**7 has that ulp).
+
+    Example: 0.3 -> 0.3125 (1.25 * 2**-2); 2**-17 -> 0.0 (a tie between 0 and 2**-16: the even one).
+    """
+    if _PTX:  # operands in order: $1 the even element, $2 the odd one; cvt puts its first source in the high byte
+        y = tl.inline_asm_elementwise("cvt.rn.satfinite.e5m2x2.f32 $0, $2, $1;", "=h,r,r", [x],
+                                      dtype=tl.float8e5, is_pure=True, pack=2)
+    else:
+        y = _on_fp8_grid(x, 2, 6.103515625e-05, 192.0).to(tl.float8e5)
+    return y
+
+
+@triton.jit
 def to_e4m3(x):
     """Cast fp32 `x` (|x| <= 448) to fp8 e4m3, rounding to nearest even, bitwise like torch.
 
-    On a GPU: one `cvt.rn.satfinite.e4m3x2.f32` per two values. Under the interpreter: round on the e4m3 grid in
-    fp32 first. Normal range (|x| >= 2**-6): keep 3 of 23 mantissa bits with an integer round-half-even on the bit
-    pattern (carries into the exponent correctly). Subnormal range: add and subtract 1.5 * 2**14 to |x| to round
-    it to a multiple of 2**-9, then put the sign back (a tiny negative value becomes -0.0, as in torch). The final
-    cast is then exact.
+    On a GPU: one `cvt.rn.satfinite.e4m3x2.f32` per two values. Under the interpreter: `_on_fp8_grid` with 3
+    mantissa bits (normal from 2**-6, subnormal multiples of 2**-9: 24576 = 1.5 * 2**14 has that ulp).
     """
     if _PTX:  # operands in order: $1 the even element, $2 the odd one; cvt puts its first source in the high byte
         y = tl.inline_asm_elementwise("cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", "=h,r,r", [x],
                                       dtype=tl.float8e4nv, is_pure=True, pack=2)
     else:
-        bits = x.to(tl.int32, bitcast=True)
-        sign_bit = bits & -2147483648
-        x_normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-        abs_subnormal = (tl.abs(x) + 24576.0) - 24576.0
-        x_subnormal = (abs_subnormal.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
-        y = tl.where(tl.abs(x) < 0.015625, x_subnormal, x_normal).to(tl.float8e4nv)
+        y = _on_fp8_grid(x, 3, 0.015625, 24576.0).to(tl.float8e4nv)
     return y
 
 
