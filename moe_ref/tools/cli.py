@@ -594,6 +594,9 @@ def cmd_info(args) -> int:
 
     reason = tma_unavailable_reason()
     print(f"grouped MLP tile loads: {'TMA descriptors' if reason is None else f'pointers ({reason})'}")
+    a8_rows = envs.w4a8_rows_per_expert()
+    print("4-bit experts (INT4, MXFP4): W4A16" + ("" if a8_rows is None else
+          f"; W4A8 (fp8 rows and MMAs) from {a8_rows:g} routed rows per local expert (MOE_REF_W4A8_ROWS_PER_EXPERT)"))
     if model_lines:
         print("\n".join(model_lines))
     return 0

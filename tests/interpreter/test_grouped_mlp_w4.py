@@ -731,6 +731,39 @@ def test_layer_loads_a_quantized_checkpoint_into_the_triton_quantized_experts(tm
 
 
 
+@pytest.mark.parametrize("name, fmt, overrides", [
+    ("tiny-kimi-k3", "mxfp4", dict(intermediate_size=32)),
+    ("tiny-kimi-k2", "int4_group", dict(hidden_size=64, intermediate_size=32)),
+])
+def test_layer_runs_w4a8_when_the_environment_asks(tmp_path, device, monkeypatch, name, fmt, overrides):
+    """``MOE_REF_W4A8_ROWS_PER_EXPERT=0``: the layer's 4-bit experts run W4A8 at every call, within the FP8 recipe's
+    bound of the layer's reference on the dequantized weights and unlike the W4A16 layer's output."""
+    from moe_ref.core.config import preset
+    from moe_ref.layer import MegaMoE
+    from moe_ref.reference import reference_moe
+    from moe_ref.checkpoint.synthetic import quantizable_config, write_synthetic_checkpoint
+
+    cfg = quantizable_config(dataclasses.replace(preset(name), **overrides), fmt)
+    written = write_synthetic_checkpoint(tmp_path, cfg, layer_idx=0, quant=fmt, seed=6, dtype=torch.float32)
+    x = torch.randn(30, cfg.hidden_size, generator=torch.Generator().manual_seed(7)).to(device)
+    outputs = {}
+    for rows in ("0", None):
+        if rows is None:
+            monkeypatch.delenv("MOE_REF_W4A8_ROWS_PER_EXPERT")
+        else:
+            monkeypatch.setenv("MOE_REF_W4A8_ROWS_PER_EXPERT", rows)
+        layer = MegaMoE(cfg, num_max_tokens_per_rank=32, experts_backend="triton", device=device)
+        layer.load_hf_weights(tmp_path, layer_idx=0, progress=False)
+        with torch.inference_mode():
+            outputs[rows] = layer(x)
+        assert layer.experts.a8_rows_per_expert == (0.0 if rows else None), (fmt, rows)
+        layer.destroy()
+    with torch.inference_mode():
+        y_ref = reference_moe(x, written.to(device), cfg)
+    assert calc_diff(outputs["0"], y_ref) <= CALC_DIFF_TOLERANCES[torch.float8_e4m3fn], fmt
+    assert calc_diff(outputs["0"], outputs[None]) > 1e-6, fmt  # the two paths are told apart
+
+
 def test_layer_keeps_one_copy_of_its_4bit_experts_and_saves_them_as_stored(tmp_path, device):
     """D = F = 256: the layer rewrites its INT4 experts in place for the kernel at load (the same bytes), and its
     state_dict still holds the checkpoint's tensors, which a fresh layer loads to the same outputs."""

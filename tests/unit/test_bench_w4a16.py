@@ -22,7 +22,8 @@ def test_dry_run_prints_the_plan_without_a_gpu(capsys):
     assert bw.main(["--dry-run", "--sweep", "--rows", "64", "4096", "--peer", "all", "--max-seconds", "100"]) == 0
     out = capsys.readouterr().out
     assert "rows [64, 4096]" in out and "--max-seconds 100" in out
-    assert "API rows: bf16, fp8_ckpt, fp8_ckpt_pool, int4_w4a16, mxfp4_w4a16\n" in out  # one row per 4-bit path
+    # one row per 4-bit path, W4A16 and W4A8
+    assert "API rows: bf16, fp8_ckpt, fp8_ckpt_pool, int4_w4a16, mxfp4_w4a16, int4_w4a8, mxfp4_w4a8\n" in out
     assert "decode" not in out.lower()
     decode = [bw.tile_label(t) for t in w4k.TILES if t[0] <= 16]  # 64 rows: 1.3 per expert
     prefill = [bw.tile_label(t) for t in w4k.TILES if t[0] >= 32]  # 4096 rows: 85.3 per expert
@@ -84,7 +85,8 @@ def _fake_planes(fmt: str, gemm: str) -> W4Weight:
     out, k = bw.gemm_shape(gemm)
     scale_dtype = torch.bfloat16 if fmt == "int4" else torch.uint8
     words = torch.zeros((), dtype=torch.int32).expand(bw.NUM_EXPERTS, out, k // 8)
-    return W4Weight(fmt, words, torch.zeros((), dtype=scale_dtype).expand(bw.NUM_EXPERTS, k // 32, out), k)
+    block_scale = torch.zeros((), dtype=scale_dtype).expand(bw.NUM_EXPERTS, -(-k // 256), out, 8)  # block-major
+    return W4Weight(fmt, words, block_scale, k)
 
 
 def _autotuned_launch(fmt: str, gemm: str, rows: int) -> None:

@@ -519,6 +519,18 @@ def test_info_says_how_the_grouped_mlp_loads_its_tiles(capsys, monkeypatch):
     assert status == 0 and f"grouped MLP tile loads: {expected}" in out, out
 
 
+def test_info_says_whether_4bit_experts_run_w4a8(capsys, monkeypatch):
+    monkeypatch.delenv("MOE_REF_W4A8_ROWS_PER_EXPERT", raising=False)
+    status, out, _ = _run(capsys, ["info"])
+    assert status == 0 and "4-bit experts (INT4, MXFP4): W4A16\n" in out, out
+    monkeypatch.setenv("MOE_REF_W4A8_ROWS_PER_EXPERT", "64")
+    status, out, _ = _run(capsys, ["info"])
+    assert status == 0 and "W4A8 (fp8 rows and MMAs) from 64 routed rows per local expert" in out, out
+    monkeypatch.setenv("MOE_REF_W4A8_ROWS_PER_EXPERT", "-1")
+    status, out, err = _run(capsys, ["info"])
+    assert status != 0 and "MOE_REF_W4A8_ROWS_PER_EXPERT='-1' is not a number >= 0" in out + err
+
+
 def test_info_says_which_cpu_ep_path_runs(capsys, monkeypatch):
     from moe_ref.kernels.runtime import native
 

@@ -195,7 +195,7 @@ class W4Weight:
             ``INT4_FOLD_MIN_SCALE`` (INT4: one reduction and a host sync, at load).
         a8_row_scale_eO: fp32 ``[e, O]``, the power of two each weight row is divided by before its fp8 cast in the
             W4A8 kernel (``a8_tables``). a8_fold_eO: int32 ``[e, O]``, the same for the PTX decode (MXFP4: the
-            multiplier's exponent addend; INT4: the bf16 multiplier ``1 / (16 * row scale)`` in both halves).
+            multiplier's exponent addend; INT4: the bf16 multiplier ``16 / row scale`` in both halves).
         a8_exact: MXFP4 whose fp8 weights equal the stored ones (every row's scale bytes within
             ``A8_MXFP4_EXACT_SPREAD`` of each other); INT4 is rounded to e4m3, never exact.
         a8_supported: whether the W4A8 kernel takes these weights (INT4: every row's largest scale at least
@@ -238,17 +238,22 @@ def a8_tables(fmt: str, block_scale: torch.Tensor, in_features: int) -> tuple[to
     Example: MXFP4 row bytes [120, 118] -> row scale 2**-6, addend 134 << 7 in both halves (exact: spread 2 <= 16).
         INT4 row scales [0.01, -0.02] -> S = -6, row scale 2**-10, multiplier 2**14.
     """
-    groups = in_features // GROUP_SIZE
-    scale_eOg = block_scale.transpose(1, 2).flatten(-2)[..., :groups].float()
-    if groups == 0:
-        scale_eOg = torch.zeros(*scale_eOg.shape[:-1], 1, device=block_scale.device)
+    num_experts, _, num_rows, _ = block_scale.shape
+    # the row's groups past I (block padding, scale 0) must not count: reductions over the stored dtype, no fp32 copy
+    real = torch.arange(block_scale.shape[1] * GROUPS_PER_BLOCK, device=block_scale.device).view(-1, 1, 8)
+    real = real < in_features // GROUP_SIZE  # [blocks, 1, 8]
     if fmt == "mxfp4":
-        top, low = scale_eOg.amax(-1), scale_eOg.amin(-1)
+        if not bool(real.any()):
+            top = low = torch.zeros(num_experts, num_rows, device=block_scale.device)
+        else:
+            top = block_scale.amax(dim=(1, 3)).float()
+            low = torch.where(real, block_scale, 255).amin(dim=(1, 3)).float()
         exact = bool(((top - low) <= A8_MXFP4_EXACT_SPREAD).all()) if top.numel() else True
         row_scale = torch.exp2(top - 126.0)
         fold = ((254 - top.to(torch.int64)) << 7) * 0x00010001
         return row_scale, fold.to(torch.int32), exact, True
-    amax = scale_eOg.abs().amax(-1)
+    amax = block_scale.abs().amax(dim=(1, 3)).float() if block_scale.numel() else torch.zeros(
+        num_experts, num_rows, device=block_scale.device)
     exponent = torch.where(amax > 0, torch.frexp(amax).exponent - 1, 0).to(torch.int64)
     supported = bool((exponent >= A8_INT4_MIN_EXPONENT).all()) if exponent.numel() else True
     multiplier = (A8_INT4_TOP_EXPONENT - exponent).clamp(max=127)  # a bf16 power of two: ((k + 127) << 7) per half
