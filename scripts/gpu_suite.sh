@@ -148,8 +148,8 @@ for s in $STEPS; do case $s in
   w4_tests) step w4_tests 240 python3 -m pytest -q -rs --timeout=120 tests/interpreter/test_grouped_mlp_w4.py \
       -k "decode or scale or forced or no_rows or twin or every_tile or a8" ;;
   w4a8)
-    step w4a8_tests 240 python3 -m pytest -q -rs --timeout=200 tests/interpreter/test_grouped_mlp_w4.py -k a8
-    step w4a8_bench 300 python3 scripts/bench_w4a16.py --peer none --rows 4096 8192 --max-seconds 280 \
+    step w4a8_tests 280 python3 -m pytest -q -rs --timeout=200 tests/interpreter/test_grouped_mlp_w4.py -k a8
+    step w4a8_bench 280 python3 scripts/bench_w4a16.py --peer none --rows 4096 8192 --max-seconds 260 \
       --out "$OUT/w4a8/bench_w4a16.json" ;;
   quant_layer_a8) MOE_REF_W4A8_ROWS_PER_EXPERT=64 step quant_layer_a8 400 python3 scripts/bench_eager.py \
       --out "$OUT/quant_layer_a8" --dispatch bf16 --weights random int4_group mxfp4 --tokens 128 1024 \
