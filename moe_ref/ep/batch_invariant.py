@@ -4,7 +4,8 @@ the chunk count or the EP size. The contract, what holds it and what it costs: d
 
     route:   gate GEMM (tiles of one bits class, fp32 sums) -> the family's top-k (row-wise; ties: the lowest id)
     experts: the torch loop in FIXED_ROW_BLOCK-row blocks (CPU) | the Triton grouped MLP on tiles of one bits
-             class (CUDA: kernels.runtime.fixed_tiles.same_bits_tile; a GPU not probed: one tile pair)
+             class (CUDA: kernels.runtime.fixed_tiles.same_bits_tile; a GPU not probed: one tile pair), or for FP8
+             weights DeepGEMM where auto ranks it and it gives the same bits (experts.auto.gives_triton_fp8_bits)
     combine: every (token, slot) expert row comes back unreduced, one exchange (Dispatcher.combine_slots); the home
              rank sums its K weighted rows in slot order in fp32, rounding once (sum_slots: one Triton launch on
              CUDA, its torch twin elsewhere): the same sum at any EP
@@ -33,21 +34,22 @@ from moe_ref.kernels.runtime.fixed_tiles import fixed_tile_matmul, fixed_tile_ma
 def options_problem(options: EPOptions) -> MoERefError | None:
     """Why ``options`` cannot hold the contract (CFG026, not raised: the construction agrees on it), or None.
 
-    Held: ``mega='off'`` with the torch experts loop on the CPU, the Triton grouped MLP on CUDA (bf16, fp16, fp32;
-    FP8 dispatch included), any transport, pool format and alignment."""
+    Held: ``mega='off'`` with the torch experts loop on the CPU; on CUDA the Triton grouped MLP (bf16, fp16, fp32;
+    FP8 dispatch included), or auto running it and, for FP8 weights, a backend probed to give its bits (DeepGEMM);
+    any transport, pool format and alignment."""
     if not options.batch_invariant:
         return None
     where = options.source.get("batch_invariant", "the argument")
-    holder = BATCH_INVARIANT_BACKENDS.get(options.device.type)
+    holders = BATCH_INVARIANT_BACKENDS.get(options.device.type, ())
     # the Triton interpreter runs the CUDA path's kernels on the CPU (the tests of its invariance)
     interpreted_triton = options.experts_backend == "triton" and is_interpreter()
-    if options.experts_backend != holder and not interpreted_triton:
+    if options.experts_backend not in holders and not interpreted_triton:
+        names = " or ".join(f"experts_backend={name!r}" for name in holders) or "no experts backend"
         return BatchInvariantUnsupportedError(
             f"batch_invariant=True (from {where}) with experts_backend={options.experts_backend!r} (from "
-            f"{options.source.get('experts_backend', 'the argument')}) on {options.device.type}: only "
-            f"experts_backend={holder!r} holds the contract there (tiles of one bits class for every row count); pass "
-            f"experts_backend='auto' (it resolves to {holder!r} in this mode) or turn the mode off",
-            field="experts_backend")
+            f"{options.source.get('experts_backend', 'the argument')}) on {options.device.type}: only {names} "
+            f"holds the contract there (kernels giving a row the same bits at every row count); pass "
+            f"experts_backend='auto' or turn the mode off", field="experts_backend")
     if options.mega != "off":
         return BatchInvariantUnsupportedError(
             f"batch_invariant=True (from {where}) with mega={options.mega!r}: DeepGEMM's fused mega-MoE picks its "

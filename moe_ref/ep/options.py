@@ -62,9 +62,11 @@ DEFAULT_NUM_MAX_TOKENS_PER_RANK = 4096
 DEFAULT_EAGER_GRAPH_MAX_TOKENS = 1024
 # Receive-pool rows are addressed with int32 (recv_src); R * cap * K stays far below 2**31 with this bound.
 MAX_NUM_MAX_TOKENS_PER_RANK = 1 << 20
-# The experts backend that holds the batch-invariance contract on each device type (docs/batch_invariance.md):
-# experts_backend='auto' resolves to it in that mode; moe_ref.ep.batch_invariant refuses the others (CFG026).
-BATCH_INVARIANT_BACKENDS = {"cpu": "torch", "cuda": "triton"}
+# The experts backends that hold the batch-invariance contract on each device type (docs/batch_invariance.md), the
+# first the one experts_backend='auto' resolves to in that mode where auto itself is not one of them; on CUDA auto
+# holds it too (in the mode it runs only Triton, or a backend giving Triton's FP8 bits: moe_ref.experts.auto).
+# moe_ref.ep.batch_invariant refuses the others (CFG026).
+BATCH_INVARIANT_BACKENDS = {"cpu": ("torch",), "cuda": ("triton", "auto")}
 
 
 @dataclass(frozen=True)
@@ -195,8 +197,8 @@ class EPOptions:
         device = torch.device(device)
         invariant = bool(pick("batch_invariant", batch_invariant, "MOE_REF_BATCH_INVARIANT", envs.batch_invariant(),
                               False))
-        if backend == "auto" and invariant:
-            backend = BATCH_INVARIANT_BACKENDS.get(device.type, backend)  # the one that holds the contract here
+        if backend == "auto" and invariant and "auto" not in BATCH_INVARIANT_BACKENDS.get(device.type, ("auto",)):
+            backend = BATCH_INVARIANT_BACKENDS[device.type][0]  # the one that holds the contract here
         if backend == "auto":
             backend = experts_class("auto", device).name  # torch, triton, or auto holding more than Triton here
         if alignment is None and backend in registered_backends():

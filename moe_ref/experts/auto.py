@@ -54,8 +54,9 @@ from moe_ref.experts.registry import experts_class, make_experts, register_exper
 from moe_ref.kernels.ep.ep_regions import POOL_FORMATS
 from moe_ref.kernels.runtime.gpu_class import gpu_class_name, gpu_class_of  # noqa: F401  (re-exported: the table's keys)
 
-__all__ = ["AutoExperts", "AutoPlan", "AutoTable", "GpuClassTable", "Regime", "TABLE_PATH", "auto_plan",
-           "auto_table", "find_regime", "format_regimes", "gpu_class_name", "gpu_class_of", "validate_table"]
+__all__ = ["AutoExperts", "AutoPlan", "AutoTable", "FP8_BITS_OF_TRITON", "GpuClassTable", "Regime", "TABLE_PATH",
+           "auto_plan", "auto_table", "find_regime", "format_regimes", "gives_triton_fp8_bits", "gpu_class_name",
+           "gpu_class_of", "validate_table"]
 
 TABLE_PATH = Path(__file__).resolve().with_name("auto_table.json")
 TABLE_FORMAT = 2  # 2: GPU classes keyed by compute capability and device name (1: capability alone)
@@ -254,6 +255,33 @@ def _unavailable_reason(name: str, device: torch.device | str) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------
+# the batch-invariant mode: which held backends give a row the Triton experts' FP8 bits
+# --------------------------------------------------------------------------------------------------
+# (compute capability, backend, the backend's version, Triton's version) where a backend's FP8 experts were probed to
+# give every row the bits of the Triton grouped MLP's FP8 class (``kernels.runtime.fixed_tiles``): the
+# batch-invariant mode lets auto run them where the table ranks them faster. DeepGEMM 0.1.4 on sm_90 with Triton
+# 3.6: its psum, row and masked forms over pools of 0 to 700 rows per expert gave one set of bits, the mode's Triton
+# experts' own (scripts/probe_tile_bits.py --only deep_gemm, 2026-12-07, one H100; docs/RESULTS.md). Its bf16
+# experts are row-invariant too, but their bits are not Triton's bf16 ones: the mode keeps bf16 calls on Triton.
+FP8_BITS_OF_TRITON = frozenset({((9, 0), "deep_gemm", "0.1.4", "3.6.0")})
+
+
+def gives_triton_fp8_bits(name: str, device: torch.device | str) -> bool:
+    """Whether backend ``name``'s FP8 experts give a row the Triton experts' bits on ``device``, as probed for this
+    compute capability and the installed versions (``FP8_BITS_OF_TRITON``); Triton itself always does."""
+    import triton
+
+    if name == "triton":
+        return True
+    device = torch.device(device)
+    if device.type != "cuda" or name not in registered_backends():
+        return False
+    key = (torch.cuda.get_device_capability(device), name, experts_class(name, device).installed_version(),
+           triton.__version__)
+    return key in FP8_BITS_OF_TRITON
+
+
+# --------------------------------------------------------------------------------------------------
 # the backend
 # --------------------------------------------------------------------------------------------------
 class AutoExperts(Experts):
@@ -276,6 +304,11 @@ class AutoExperts(Experts):
     so a captured CUDA graph replays the choice made at capture; no host sync beyond ``layout.rows_hint()`` (none when
     the layer passes its static hint). ``last_backend`` names the backend of the last call.
 
+    In the batch-invariant mode (``batch_invariant = True``, passed on to every held backend) a call runs only a
+    backend that gives a row the same bits as Triton's tiles of one bits class: Triton, or for fp8 weights a backend
+    probed to give its bits here (``gives_triton_fp8_bits``: DeepGEMM 0.1.4 on sm_90 with Triton 3.6). A row's bits
+    then do not depend on which of them the row count picks.
+
     Args:
         gate_up_weight_e2FD: ``[e, 2F, Dx]`` gate rows then up rows (bf16 to hold more than Triton; fp8 with
             ``fp8_weights``).
@@ -293,6 +326,7 @@ class AutoExperts(Experts):
 
     name = "auto"
     supports_fp8 = True
+    honours_batch_invariant = True  # in the mode a call runs Triton or a backend giving Triton's FP8 bits
     gpu_class: str | None = None
     regimes: tuple[Regime, ...] = ()
     held_backends: tuple[str, ...] = ("triton",)
@@ -321,6 +355,21 @@ class AutoExperts(Experts):
                 self.left_out[name] = str(err)
         self.accepts_fp8_input = fp8 and all(backend.accepts_fp8_input for backend in self.backends.values())
         self.last_backend: str | None = None
+        # the held backends a call may run in the batch-invariant mode
+        self.invariant_backends = tuple(name for name in self.backends if name == "triton" or (
+            fp8 and gives_triton_fp8_bits(name, gate_up_weight_e2FD.device)))
+        self._batch_invariant = False
+
+    @property
+    def batch_invariant(self) -> bool:
+        """The batch-invariant mode (set by the layer): passed on to every held backend."""
+        return self._batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        self._batch_invariant = bool(on)
+        for backend in self.backends.values():
+            backend.batch_invariant = self._batch_invariant
 
     def _refusal(self, name: str, gate_up_weight_e2FD: torch.Tensor, down_weight_eDF: torch.Tensor) -> str | None:
         """Why ``name`` is not built over these weights (None: build it). Triton is always built."""
@@ -358,13 +407,15 @@ class AutoExperts(Experts):
         return dtype, pool_format, layout.rows_hint() / max(1, layout.num_local_experts)
 
     def pick(self, x_dtype: torch.dtype, layout: ExpertLayout) -> str:
-        """The backend a call runs: the first of its regime's order that this object holds, runs the pool format
-        and, on a contiguous pool, whose ``segment_alignment`` divides ``layout.alignment``; Triton otherwise."""
+        """The backend a call runs: the first of its regime's order that this object holds (in the batch-invariant
+        mode: one of ``invariant_backends``), runs the pool format and, on a contiguous pool, whose
+        ``segment_alignment`` divides ``layout.alignment``; Triton otherwise."""
         dtype, pool_format, rows_per_expert = self.regime_of(x_dtype, layout)
         regime = find_regime(self.regimes, dtype, pool_format, rows_per_expert)
+        allowed = self.invariant_backends if self.batch_invariant else tuple(self.backends)
         for name in regime.order if regime is not None else ():
             backend = self.backends.get(name)
-            if backend is not None and pool_format in backend.pool_formats and (
+            if name in allowed and backend is not None and pool_format in backend.pool_formats and (
                     layout.masked_rows or layout.alignment % backend.segment_alignment == 0):
                 return name
         return "triton"

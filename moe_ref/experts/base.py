@@ -182,6 +182,12 @@ class Experts(ABC):
         return None
 
     @classmethod
+    def installed_version(cls) -> str | None:
+        """The version of the library this backend runs on, where it is one of its own (DeepGEMM's), else None: what
+        a measured property of its kernels is keyed on (``moe_ref.experts.auto.FP8_BITS_OF_TRITON``)."""
+        return None
+
+    @classmethod
     def describe(cls) -> str:
         """The backend as the ranks of an EP group must agree on it (``EPOptions.fingerprint``): its name; ``auto``
         adds the backends it holds here."""

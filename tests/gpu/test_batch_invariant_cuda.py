@@ -87,13 +87,44 @@ def test_a_quantized_checkpoints_token_alone_equals_the_token_in_a_batch(tmp_pat
     moe = MegaMoE(cfg, dtype=torch.bfloat16, device="cuda", batch_invariant=True, dispatch_fp8=dispatch_fp8,
                   num_max_tokens_per_rank=256, eager_graph_max_tokens=0)
     moe.load_hf_weights(tmp_path, layer_idx=1)
-    expected = "FP8BlockExperts" if fmt == "fp8_block" else "W4A16Experts"
-    assert type(moe.experts).__name__ == expected and moe.experts.batch_invariant
+    # FP8 blocks: auto's class where it holds DeepGEMM here (its FP8 bits are Triton's), else FP8BlockExperts
+    expected = ("FP8BlockExperts", "AutoExperts[triton+deep_gemm]") if fmt == "fp8_block" else ("W4A16Experts",)
+    assert type(moe.experts).__name__ in expected and moe.experts.batch_invariant
     x = tokens(160, cfg.hidden_size, torch.bfloat16)
     with torch.no_grad():
         full = moe(x)
         for size in SIZES:
             assert rows_with_other_bits(moe(x[-size:]), full[-size:]) == 0, size
+    moe.destroy()
+
+
+def test_fp8_experts_keep_a_rows_bits_when_auto_switches_to_deep_gemm():
+    """FP8 experts in the batch-invariant mode with auto holding DeepGEMM: a batch of 256 tokens over 4 experts (128
+    rows each, past the auto table's FP8 threshold of ~30) runs DeepGEMM, a token alone runs Triton, and a token's
+    bits are the same whichever ran it (``experts.auto.gives_triton_fp8_bits``)."""
+    import dataclasses
+
+    from moe_ref.core.config import preset
+    from moe_ref.experts.auto import gives_triton_fp8_bits
+
+    cfg = dataclasses.replace(preset("tiny-kimi-k2"), hidden_size=512, intermediate_size=256, num_experts=4,
+                              num_topk=2)
+    moe = MegaMoE(cfg, seed=0, dtype=torch.bfloat16, device="cuda", batch_invariant=True, dispatch_fp8=True,
+                  num_max_tokens_per_rank=256, eager_graph_max_tokens=0)
+    x = tokens(256, cfg.hidden_size, torch.bfloat16)
+    with torch.no_grad():
+        full = moe(x)
+        if "deep_gemm" not in getattr(moe.experts, "invariant_backends", ()):
+            moe.destroy()
+            pytest.skip(f"auto runs no backend but Triton in the mode here ({type(moe.experts).__name__}; DeepGEMM "
+                        f"giving Triton's FP8 bits: {gives_triton_fp8_bits('deep_gemm', 'cuda')})")
+        assert moe.experts.last_backend == "deep_gemm"
+        ran = {}
+        for size in SIZES:  # the rows hint is T * K: up to 17 tokens run Triton, 64 and 129 DeepGEMM
+            alone = moe(x[-size:])
+            ran[size] = moe.experts.last_backend
+            assert rows_with_other_bits(alone, full[-size:]) == 0, (size, ran[size])
+    assert ran[1] == "triton" and ran[129] == "deep_gemm", ran
     moe.destroy()
 
 

@@ -71,3 +71,50 @@ def test_auto_equals_triton_bitwise_where_the_table_ranks_it_first(auto_class, f
     alone = TritonExperts(gate_up, down, fp8_weights=experts.fp8_weights) if fp8 else TritonExperts(gate_up, down)
     assert alone.fp8_weights is experts.fp8_weights
     assert_bitwise_equal(y_PDx, alone(inputs[0], layout, inputs[1]), fp8=fp8, hint=hint)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("shares_bits", [False, True])
+def test_in_the_batch_invariant_mode_auto_runs_only_backends_giving_tritons_bits(auto_class, monkeypatch, fp8,
+                                                                                shares_bits):
+    """At many rows per expert the table ranks the stand-in DeepGEMM first. In the batch-invariant mode auto runs it
+    only for fp8 weights, and only where it was probed to give Triton's FP8 bits (``gives_triton_fp8_bits``); every
+    other call runs Triton, with the mode passed on to each held backend. Outside the mode the table decides."""
+    monkeypatch.setattr(auto, "gives_triton_fp8_bits", lambda name, device: name == "triton" or shares_bits)
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen) * HIDDEN ** -0.5).bfloat16()
+    down = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen) * INTER ** -0.5).bfloat16()
+    experts = auto_class(gate_up, down, fp8=fp8)
+    counts = torch.tensor([300, 0, 130, 64])  # 123.5 rows per expert: the stand-in's bucket
+    packed = ExpertLayout.from_counts(counts, 128)
+    layout = ExpertLayout(packed.row_start_e, counts, packed.num_pool_rows, 128, num_rows_hint=int(counts.sum()))
+    x_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    assert experts.pick(x_dtype, layout) == "deep_gemm"
+    experts.batch_invariant = True
+    assert all(backend.batch_invariant for backend in experts.backends.values())
+    in_mode = "deep_gemm" if fp8 and shares_bits else "triton"
+    assert experts.invariant_backends == (("triton", "deep_gemm") if fp8 and shares_bits else ("triton",))
+    assert experts.pick(x_dtype, layout) == in_mode, (fp8, shares_bits)
+    experts.batch_invariant = False
+    assert not any(backend.batch_invariant for backend in experts.backends.values())
+    assert experts.pick(x_dtype, layout) == "deep_gemm"
+
+
+def test_tritons_fp8_bits_are_keyed_by_capability_and_versions(auto_class, monkeypatch):
+    """``gives_triton_fp8_bits``: the probed (compute capability, backend, its version, Triton's version) only; Triton
+    itself always; a CPU device never."""
+    import triton
+
+    monkeypatch.setattr(StandInDeepGemm, "installed_version", classmethod(lambda cls: "0.1.4"), raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert auto.gives_triton_fp8_bits("deep_gemm", "cuda") and auto.gives_triton_fp8_bits("triton", "cpu")
+    assert not auto.gives_triton_fp8_bits("deep_gemm", "cpu")
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert not auto.gives_triton_fp8_bits("deep_gemm", "cuda")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not auto.gives_triton_fp8_bits("deep_gemm", "cuda")
+    monkeypatch.setattr(StandInDeepGemm, "installed_version", classmethod(lambda cls: "0.1.5"), raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert not auto.gives_triton_fp8_bits("deep_gemm", "cuda")

@@ -903,7 +903,9 @@ def test_a8_kernel_multiplies_the_twins_fp8_weights(fmt, hidden, route, device):
 def test_a8_gemms_match_the_twins_sums(fmt, activation, device, assert_close):
     """Each W4A8 launch against the twin's fp8 operands: the plain GEMM's fp32 output within fp32 summation order
     (every fp8 product is exact in fp32), GEMM1 with its activation within h's bf16 rounding; an empty expert and a
-    ragged one, K = 96 (a partial 256-feature block)."""
+    ragged one, K = 96 (a partial 256-feature block). On a GPU the plain GEMM's bound is that of Hopper's fp8 wgmma,
+    which keeps fewer bits than fp32 while it accumulates (measured 1.4e-4 to 2e-3 relative error per element on one
+    H100, 2026-12-07): 2**-10 of the sum of the products' magnitudes."""
     q = _qweights(fmt, len(COUNTS), 96, 32, device, seed=22)
     gate_up, _ = _planes(q)
     layout = ExpertLayout.from_counts(torch.tensor(COUNTS, device=device), alignment=16, num_pool_rows=64)
@@ -915,13 +917,22 @@ def test_a8_gemms_match_the_twins_sums(fmt, activation, device, assert_close):
     w4.launch_w4_gemm(x_fp8, gate_up, c_PO, layout.row_start_e, layout.num_rows_e, rows_hint=24, x_scale=x_scale,
                       activation=activation, tile=A8_GPU_TILES[0] if device == "cuda" else None)
     weight_eOI, row_scale_eO = a8_weights_eOI(gate_up).to(device), gate_up.a8_row_scale_eO.to(device)
-    expected = torch.zeros(64, 64, device=device)
+    expected, magnitude = torch.zeros(64, 64, device=device), torch.zeros(64, 64, device=device)
     for expert, (start, count) in enumerate(zip(layout.row_start_e.tolist(), layout.num_rows_e.tolist())):
         rows = slice(start, start + count)
-        expected[rows] = (x_fp8[rows].float() @ weight_eOI[expert].T) * row_scale_eO[expert] * x_scale[rows, None]
+        scales = row_scale_eO[expert] * x_scale[rows, None]
+        expected[rows] = (x_fp8[rows].float() @ weight_eOI[expert].T) * scales
+        magnitude[rows] = (x_fp8[rows].float().abs() @ weight_eOI[expert].abs().T) * scales
+    rows = valid.to(device)
+    case = dict(fmt=fmt.value, activation=activation)
     if gated:
         expected = gated_activation(expected[:, :32], expected[:, 32:], activation).to(out_dtype)
-    assert_close(c_PO[valid.to(device)], expected[valid.to(device)], out_dtype, fmt=fmt.value, activation=activation)
+        assert_close(c_PO[rows], expected[rows], out_dtype, **case)
+    elif device == "cuda":
+        err = (c_PO[rows] - expected[rows]).abs()
+        assert bool((err <= 2.0**-10 * magnitude[rows]).all()), (case, err.max().item())
+    else:
+        assert_close(c_PO[rows], expected[rows], out_dtype, **case)
 
 
 @pytest.mark.parametrize("fmt", W4)

@@ -152,6 +152,10 @@ class DeepGemmExperts(Experts):
         status = deep_gemm_status()
         return None if status.available else status.reason
 
+    @classmethod
+    def installed_version(cls) -> str | None:
+        return deep_gemm_status().version
+
     # --- contiguous layout ---------------------------------------------------------------------------
     def forward(self, x_PDx: torch.Tensor, layout: ExpertLayout, x_scale_PDb: torch.Tensor | None = None) -> torch.Tensor:
         """Run every local expert over its segment of the pool (DeepGEMM's masked GEMMs when the pool is masked).

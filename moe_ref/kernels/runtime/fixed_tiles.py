@@ -17,7 +17,9 @@ breaking the contract. Probed on one H100 (sm_90; 2026-12-07, ``scripts/probe_ti
 set of bits over every tile tried (bf16 and fp32 matmul: BLOCK_M and BLOCK_N 16-128, BLOCK_K 16-128, 4 or 8 warps,
 3 or 5 stages; the bf16 grouped MLP: every tile of its lists, each schedule, TMA or pointer loads). The FP8 grouped
 MLP scales each k-step's partial product before adding it, so its BLOCK_K is part of the order: its class is
-BLOCK_K 128 (one scale group per step) with BLOCK_N <= 128 (BLOCK_N 256 gave other bits). On a GPU not probed
+BLOCK_K 128 (one scale group per step), any BLOCK_N. (BLOCK_N 256 gave other bits while it scaled a partial product
+by each scale in turn; since every tile multiplies by the product of the two scales in one FMA, as DeepGEMM does, each
+BLOCK_K 128 tile gives DeepGEMM's bits in every row: a later probe the same day.) On a GPU not probed
 (``SAME_BITS_CAPABILITIES``) and under the interpreter every GEMM keeps one tile per precision. The GPU suite checks
 the class on the GPU it runs on (tests/gpu/test_batch_invariant_cuda.py).
 How, on the CPU: every call the BLAS sees has the same shape: the rows are copied into zero-padded blocks of
@@ -93,12 +95,12 @@ def tile_precision(fp8: bool, ieee_fp32: bool) -> str:
 
 def same_bits_tile(tile: tuple, precision: str) -> bool:
     """Whether the grouped MLP's ``tile`` (BLOCK_M, BLOCK_N, BLOCK_K, ...) is in the bits class of ``precision``
-    (``"16bit"``, ``"fp8"``, ``"fp32"``) on a probed GPU (module doc): any tile for 16-bit operands; BLOCK_K 128 and
-    BLOCK_N <= 128 for FP8; for fp32 (not probed) only ``GROUPED_MLP_TILES``' pair."""
+    (``"16bit"``, ``"fp8"``, ``"fp32"``) on a probed GPU (module doc): any tile for 16-bit operands; BLOCK_K 128 for
+    FP8; for fp32 (not probed) only ``GROUPED_MLP_TILES``' pair."""
     if precision == "16bit":
         return True
     if precision == "fp8":
-        return tile[2] == 128 and tile[1] <= 128
+        return tile[2] == 128
     return tuple(tile[:5]) in GROUPED_MLP_TILES[precision]
 
 
