@@ -60,6 +60,8 @@
 # w4a8 = the W4A8 kernel's GPU tests (its fp8 weights bit for bit on each decode route), then the 4-bit experts at
 # 4096 and 8192 rows (the layer's T = 1024) through the API, W4A16 and W4A8 beside bf16 and FP8;
 # quant_layer_a8 = quant_layer's 4-bit rows with W4A8 from 64 rows per expert (MOE_REF_W4A8_ROWS_PER_EXPERT=64);
+# invariant_fp8 = the batch-invariant mode's GPU tests of its FP8 and quantized paths (DeepGEMM where auto ranks it;
+# needs .whl/), then its cost at Kimi-K2's share (invariant's bench, one model);
 # pack = $OUT into $OUT.tgz, last (the device returns a limited number of files per command).
 set -u
 cd "$(dirname "$0")/.."
@@ -197,6 +199,10 @@ for s in $STEPS; do case $s in
       -k "not every_tile_of_a_grouped"  # the slow one is invariant_checks' (one compile per tile)
     step invariant_cost 300 python3 scripts/bench_invariant.py --models kimi-k2/48 step3/48 --kernel-table 4096 \
       --out "$OUT/invariant" ;;
+  invariant_fp8)  # the mode's FP8 experts on DeepGEMM where auto ranks it: the GPU tests, then the cost at Kimi-K2
+    step invariant_fp8_tests 240 python3 -m pytest -q -rs --timeout=200 tests/gpu/test_batch_invariant_cuda.py \
+      -k "deep_gemm or quantized or token_alone_equals"
+    step invariant_fp8_cost 240 python3 scripts/bench_invariant.py --models kimi-k2/48 --out "$OUT/invariant" ;;
   invariant_checks) step invariant_checks 200 python3 -m pytest -q -rs --timeout=180 tests/gpu/test_batch_invariant_cuda.py \
       -k "quantized or every_tile" ;;
   first_calls)
