@@ -594,8 +594,9 @@ BATCH_INVARIANT_TILES = ((32, 64, 4, 3), (32, 64, 4, 3))
 # W4A8's candidates: the decode and the fp8 cast are paid once per BLOCK_M rows while the fp8 MMAs halve, so only
 # wide tiles can win. A CPU count of the main loop's sm_90a instructions (tests/dist/sm90_compile_worker.py --sass
 # "128-row tile", 2026-12-07, Triton 3.9): at (128, 128, 8, 3) 698 (MXFP4) / 689 (INT4) a k-block, 8 fp8 wgmma,
-# against the W4A16 tiles' 489 / 392 and 16 bf16 ones; at BLOCK_M 64 the same instructions feed half the rows.
-# Not yet timed on a GPU (docs/RESULTS.md, "Quantized experts").
+# against the W4A16 tiles' 489 / 392 and 16 bf16 ones; at BLOCK_M 64 the same instructions feed half the rows. On one
+# H100 autotune took (128, 64, 4, 3) for MXFP4 and (128, 128, 8, 3) for INT4 at 4096 and 8192 rows (2026-12-07;
+# docs/RESULTS.md, "Quantized experts").
 A8_TILES = ((128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 8, 3))
 FEW_ROWS_PER_EXPERT = 4  # up to this many rows per expert (on average), the BLOCK_M 8 tiles are tried too
 DECODE_ROWS_PER_EXPERT = 16  # up to this many, the BLOCK_M 16 tiles (one M block per expert)
