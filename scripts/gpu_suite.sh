@@ -49,8 +49,8 @@
 # probe_w4 = which W4A16 tiles give a row the same bits (INT4, MXFP4; scripts/probe_tile_bits.py --only w4: the question
 # the batch-invariant mode's 4-bit experts on CUDA wait on);
 # probe_fp8 = which tiles of the FP8 grouped MLP give a row the same bits (every FP8 tile, schedule, load path);
-# probe_deep_gemm = whether DeepGEMM's experts give a row the same bits in pools of every size (bf16, FP8; needs .whl/:
-# the question letting the batch-invariant mode use DeepGEMM at prefill waits on);
+# probe_deep_gemm = whether DeepGEMM's experts give a row the same bits in pools of every size, and the mode's Triton
+# bits (bf16, FP8, or $PROBE_PRECISION alone; needs .whl/: the batch-invariant mode runs DeepGEMM only where it does);
 # quant_layer = the layer with its experts from synthetic checkpoints (INT4, MXFP4, FP8 blocks, as users load theirs)
 # against random bf16 weights, T 16, 128, 1024, eager and from a graph (scripts/bench_eager.py --weights);
 # quant_layer_invariant = the same in the batch-invariant mode (MOE_REF_BATCH_INVARIANT=1; quant_layer's rows are its
@@ -219,7 +219,8 @@ for s in $STEPS; do case $s in
   tiles) step tiles 590 python3 scripts/tune_tiles.py --out "$OUT/tiles" --models kimi-k2/48 ;;
   probe_w4) step probe_w4 400 python3 scripts/probe_tile_bits.py --only w4 --out "$OUT/probe" ;;
   probe_fp8) step probe_fp8 240 python3 scripts/probe_tile_bits.py --only grouped --precision fp8 --out "$OUT/probe_fp8" ;;
-  probe_deep_gemm) step probe_deep_gemm 300 python3 scripts/probe_tile_bits.py --only deep_gemm --out "$OUT/probe_dg" ;;
+  probe_deep_gemm) step probe_deep_gemm 300 python3 scripts/probe_tile_bits.py --only deep_gemm \
+      ${PROBE_PRECISION:+--precision "$PROBE_PRECISION"} --out "$OUT/probe_dg" ;;
   conform_gpu) step conform_gpu "${CONFORM_LIMIT:-580}" python3 -m pytest -q -rs --timeout=570 \
       tests/gpu/test_conformance_cuda.py ${CONFORM_K:+-k "$CONFORM_K"} --durations=10 ;;
   *) echo "unknown step $s" ;;

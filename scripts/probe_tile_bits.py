@@ -328,7 +328,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/probe")
     parser.add_argument("--only", choices=("grouped", "fixed", "w4", "deep_gemm"), default=None)
-    parser.add_argument("--precision", choices=("bf16", "fp8"), default=None, help="the grouped MLP's: one only")
+    parser.add_argument("--precision", choices=("bf16", "fp8"), default=None, help="the grouped MLP's or DeepGEMM's: one only")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -346,7 +346,7 @@ def main() -> None:
         from moe_ref.experts.deep_gemm.probe import deep_gemm_status
 
         if deep_gemm_status().available:
-            for precision in ("fp8", "bf16"):  # FP8 first: the batch-invariant mode's gap is FP8 at prefill
+            for precision in [args.precision] if args.precision else ("fp8", "bf16"):
                 experts = deep_gemm_experts(precision)
                 if experts.fp8:
                     deep_gemm_vs_triton_gemms(experts, results)

@@ -4,8 +4,8 @@ the chunk count or the EP size. The contract, what holds it and what it costs: d
 
     route:   gate GEMM (tiles of one bits class, fp32 sums) -> the family's top-k (row-wise; ties: the lowest id)
     experts: the torch loop in FIXED_ROW_BLOCK-row blocks (CPU) | the Triton grouped MLP on tiles of one bits
-             class (CUDA: kernels.runtime.fixed_tiles.same_bits_tile; a GPU not probed: one tile pair), or for FP8
-             weights DeepGEMM where auto ranks it and it gives the same bits (experts.auto.gives_triton_fp8_bits)
+             class (CUDA: kernels.runtime.fixed_tiles.same_bits_tile; a GPU not probed: one tile pair), or
+             DeepGEMM where auto ranks it and it was probed to give the same bits (experts.auto.gives_triton_bits)
     combine: every (token, slot) expert row comes back unreduced, one exchange (Dispatcher.combine_slots); the home
              rank sums its K weighted rows in slot order in fp32, rounding once (sum_slots: one Triton launch on
              CUDA, its torch twin elsewhere): the same sum at any EP

@@ -54,8 +54,8 @@ from moe_ref.experts.registry import experts_class, make_experts, register_exper
 from moe_ref.kernels.ep.ep_regions import POOL_FORMATS
 from moe_ref.kernels.runtime.gpu_class import gpu_class_name, gpu_class_of  # noqa: F401  (re-exported: the table's keys)
 
-__all__ = ["AutoExperts", "AutoPlan", "AutoTable", "FP8_BITS_OF_TRITON", "GpuClassTable", "Regime", "TABLE_PATH",
-           "auto_plan", "auto_table", "find_regime", "format_regimes", "gives_triton_fp8_bits", "gpu_class_name",
+__all__ = ["AutoExperts", "AutoPlan", "AutoTable", "GpuClassTable", "Regime", "TABLE_PATH", "TRITON_BITS_PROBED",
+           "auto_plan", "auto_table", "find_regime", "format_regimes", "gives_triton_bits", "gpu_class_name",
            "gpu_class_of", "validate_table"]
 
 TABLE_PATH = Path(__file__).resolve().with_name("auto_table.json")
@@ -255,20 +255,22 @@ def _unavailable_reason(name: str, device: torch.device | str) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# the batch-invariant mode: which held backends give a row the Triton experts' FP8 bits
+# the batch-invariant mode: which held backends give a row the Triton experts' bits
 # --------------------------------------------------------------------------------------------------
-# (compute capability, backend, the backend's version, Triton's version) where a backend's FP8 experts were probed to
-# give every row the bits of the Triton grouped MLP's FP8 class (``kernels.runtime.fixed_tiles``): the
-# batch-invariant mode lets auto run them where the table ranks them faster. DeepGEMM 0.1.4 on sm_90 with Triton
-# 3.6: its psum, row and masked forms over pools of 0 to 700 rows per expert gave one set of bits, the mode's Triton
-# experts' own (scripts/probe_tile_bits.py --only deep_gemm, 2026-12-07, one H100; docs/RESULTS.md). Its bf16
-# experts are row-invariant too, but their bits are not Triton's bf16 ones: the mode keeps bf16 calls on Triton.
-FP8_BITS_OF_TRITON = frozenset({((9, 0), "deep_gemm", "0.1.4", "3.6.0")})
+# (compute capability, backend, the backend's version, Triton's version, precision) where a backend's experts were
+# probed to give every row the bits of the mode's Triton grouped MLP of that precision (its tiles of one bits class,
+# ``kernels.runtime.fixed_tiles``; GEMM1 rounds gate and up to bf16 before the activation, as DeepGEMM's output
+# does): the batch-invariant mode lets auto run them where the table ranks them faster. DeepGEMM 0.1.4 on sm_90 with
+# Triton 3.6, FP8: its psum, row and masked forms over pools of 0 to 700 rows per expert gave one set of bits, the
+# mode's Triton experts' own (scripts/probe_tile_bits.py --only deep_gemm, 2026-12-07, one H100; docs/RESULTS.md).
+# Its bf16 experts are row-invariant too; not listed until the probe finds the mode's Triton bf16 bits equal.
+TRITON_BITS_PROBED = frozenset({((9, 0), "deep_gemm", "0.1.4", "3.6.0", "fp8")})
 
 
-def gives_triton_fp8_bits(name: str, device: torch.device | str) -> bool:
-    """Whether backend ``name``'s FP8 experts give a row the Triton experts' bits on ``device``, as probed for this
-    compute capability and the installed versions (``FP8_BITS_OF_TRITON``); Triton itself always does."""
+def gives_triton_bits(name: str, device: torch.device | str, precision: str) -> bool:
+    """Whether backend ``name``'s experts of ``precision`` ("bf16" or "fp8" weights) give a row the mode's Triton
+    experts' bits on ``device``, as probed for this compute capability and the installed versions
+    (``TRITON_BITS_PROBED``); Triton itself always does."""
     import triton
 
     if name == "triton":
@@ -277,8 +279,8 @@ def gives_triton_fp8_bits(name: str, device: torch.device | str) -> bool:
     if device.type != "cuda" or name not in registered_backends():
         return False
     key = (torch.cuda.get_device_capability(device), name, experts_class(name, device).installed_version(),
-           triton.__version__)
-    return key in FP8_BITS_OF_TRITON
+           triton.__version__, precision)
+    return key in TRITON_BITS_PROBED
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,9 +307,9 @@ class AutoExperts(Experts):
     the layer passes its static hint). ``last_backend`` names the backend of the last call.
 
     In the batch-invariant mode (``batch_invariant = True``, passed on to every held backend) a call runs only a
-    backend that gives a row the same bits as Triton's tiles of one bits class: Triton, or for fp8 weights a backend
-    probed to give its bits here (``gives_triton_fp8_bits``: DeepGEMM 0.1.4 on sm_90 with Triton 3.6). A row's bits
-    then do not depend on which of them the row count picks.
+    backend that gives a row the same bits as Triton's tiles of one bits class: Triton, or a backend probed to give
+    its bits here for the weights' precision (``gives_triton_bits``: DeepGEMM 0.1.4's FP8 on sm_90 with Triton 3.6).
+    A row's bits then do not depend on which of them the row count picks.
 
     Args:
         gate_up_weight_e2FD: ``[e, 2F, Dx]`` gate rows then up rows (bf16 to hold more than Triton; fp8 with
@@ -326,7 +328,7 @@ class AutoExperts(Experts):
 
     name = "auto"
     supports_fp8 = True
-    honours_batch_invariant = True  # in the mode a call runs Triton or a backend giving Triton's FP8 bits
+    honours_batch_invariant = True  # in the mode a call runs Triton or a backend giving Triton's bits
     gpu_class: str | None = None
     regimes: tuple[Regime, ...] = ()
     held_backends: tuple[str, ...] = ("triton",)
@@ -356,8 +358,9 @@ class AutoExperts(Experts):
         self.accepts_fp8_input = fp8 and all(backend.accepts_fp8_input for backend in self.backends.values())
         self.last_backend: str | None = None
         # the held backends a call may run in the batch-invariant mode
-        self.invariant_backends = tuple(name for name in self.backends if name == "triton" or (
-            fp8 and gives_triton_fp8_bits(name, gate_up_weight_e2FD.device)))
+        precision = "fp8" if fp8 else "bf16"
+        self.invariant_backends = tuple(name for name in self.backends
+                                        if gives_triton_bits(name, gate_up_weight_e2FD.device, precision))
         self._batch_invariant = False
 
     @property

@@ -184,7 +184,7 @@ class Experts(ABC):
     @classmethod
     def installed_version(cls) -> str | None:
         """The version of the library this backend runs on, where it is one of its own (DeepGEMM's), else None: what
-        a measured property of its kernels is keyed on (``moe_ref.experts.auto.FP8_BITS_OF_TRITON``)."""
+        a measured property of its kernels is keyed on (``moe_ref.experts.auto.TRITON_BITS_PROBED``)."""
         return None
 
     @classmethod

@@ -98,33 +98,36 @@ def test_a_quantized_checkpoints_token_alone_equals_the_token_in_a_batch(tmp_pat
     moe.destroy()
 
 
-def test_fp8_experts_keep_a_rows_bits_when_auto_switches_to_deep_gemm():
-    """FP8 experts in the batch-invariant mode with auto holding DeepGEMM: a batch of 256 tokens over 4 experts (128
-    rows each, past the auto table's FP8 threshold of ~30) runs DeepGEMM, a token alone runs Triton, and a token's
-    bits are the same whichever ran it (``experts.auto.gives_triton_fp8_bits``)."""
+@pytest.mark.parametrize("dispatch_fp8", [True, False], ids=["fp8", "bf16"])
+def test_experts_keep_a_rows_bits_when_auto_switches_to_deep_gemm(dispatch_fp8):
+    """Experts in the batch-invariant mode with auto holding DeepGEMM: a batch of 1024 tokens over 4 experts (512 rows
+    each, past the auto table's thresholds: ~30 rows per expert in FP8, ~241 in bf16) runs DeepGEMM, a token alone
+    runs Triton, and a token's bits are the same whichever ran it (``experts.auto.gives_triton_bits``; skipped
+    where this GPU and these versions are not listed for the precision)."""
     import dataclasses
 
     from moe_ref.core.config import preset
-    from moe_ref.experts.auto import gives_triton_fp8_bits
+    from moe_ref.experts.auto import gives_triton_bits
 
     cfg = dataclasses.replace(preset("tiny-kimi-k2"), hidden_size=512, intermediate_size=256, num_experts=4,
                               num_topk=2)
-    moe = MegaMoE(cfg, seed=0, dtype=torch.bfloat16, device="cuda", batch_invariant=True, dispatch_fp8=True,
-                  num_max_tokens_per_rank=256, eager_graph_max_tokens=0)
-    x = tokens(256, cfg.hidden_size, torch.bfloat16)
+    moe = MegaMoE(cfg, seed=0, dtype=torch.bfloat16, device="cuda", batch_invariant=True, dispatch_fp8=dispatch_fp8,
+                  num_max_tokens_per_rank=1024, eager_graph_max_tokens=0)
+    x = tokens(1024, cfg.hidden_size, torch.bfloat16)
+    precision = "fp8" if dispatch_fp8 else "bf16"
     with torch.no_grad():
         full = moe(x)
         if "deep_gemm" not in getattr(moe.experts, "invariant_backends", ()):
             moe.destroy()
             pytest.skip(f"auto runs no backend but Triton in the mode here ({type(moe.experts).__name__}; DeepGEMM "
-                        f"giving Triton's FP8 bits: {gives_triton_fp8_bits('deep_gemm', 'cuda')})")
+                        f"giving Triton's {precision} bits: {gives_triton_bits('deep_gemm', 'cuda', precision)})")
         assert moe.experts.last_backend == "deep_gemm"
         ran = {}
-        for size in SIZES:  # the rows hint is T * K: up to 17 tokens run Triton, 64 and 129 DeepGEMM
+        for size in SIZES + (600,):  # the rows hint is T * K over 4 experts: 1 token runs Triton, 600 DeepGEMM
             alone = moe(x[-size:])
             ran[size] = moe.experts.last_backend
             assert rows_with_other_bits(alone, full[-size:]) == 0, (size, ran[size])
-    assert ran[1] == "triton" and ran[129] == "deep_gemm", ran
+    assert ran[1] == "triton" and ran[600] == "deep_gemm", ran
     moe.destroy()
 
 

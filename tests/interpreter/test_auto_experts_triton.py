@@ -74,13 +74,14 @@ def test_auto_equals_triton_bitwise_where_the_table_ranks_it_first(auto_class, f
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("shares_bits", [False, True])
+@pytest.mark.parametrize("probed", [(), ("fp8",), ("bf16", "fp8")], ids=["none", "fp8", "bf16+fp8"])
 def test_in_the_batch_invariant_mode_auto_runs_only_backends_giving_tritons_bits(auto_class, monkeypatch, fp8,
-                                                                                shares_bits):
+                                                                                probed):
     """At many rows per expert the table ranks the stand-in DeepGEMM first. In the batch-invariant mode auto runs it
-    only for fp8 weights, and only where it was probed to give Triton's FP8 bits (``gives_triton_fp8_bits``); every
-    other call runs Triton, with the mode passed on to each held backend. Outside the mode the table decides."""
-    monkeypatch.setattr(auto, "gives_triton_fp8_bits", lambda name, device: name == "triton" or shares_bits)
+    only for the weights' precisions where it was probed to give Triton's bits (``gives_triton_bits``); every other
+    call runs Triton, with the mode passed on to each held backend. Outside the mode the table decides."""
+    monkeypatch.setattr(auto, "gives_triton_bits", lambda name, device, precision: name == "triton" or
+                        precision in probed)
     gen = torch.Generator().manual_seed(1)
     gate_up = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, generator=gen) * HIDDEN ** -0.5).bfloat16()
     down = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, generator=gen) * INTER ** -0.5).bfloat16()
@@ -92,29 +93,31 @@ def test_in_the_batch_invariant_mode_auto_runs_only_backends_giving_tritons_bits
     assert experts.pick(x_dtype, layout) == "deep_gemm"
     experts.batch_invariant = True
     assert all(backend.batch_invariant for backend in experts.backends.values())
-    in_mode = "deep_gemm" if fp8 and shares_bits else "triton"
-    assert experts.invariant_backends == (("triton", "deep_gemm") if fp8 and shares_bits else ("triton",))
-    assert experts.pick(x_dtype, layout) == in_mode, (fp8, shares_bits)
+    shares_bits = ("fp8" if fp8 else "bf16") in probed
+    assert experts.invariant_backends == (("triton", "deep_gemm") if shares_bits else ("triton",))
+    assert experts.pick(x_dtype, layout) == ("deep_gemm" if shares_bits else "triton"), (fp8, probed)
     experts.batch_invariant = False
     assert not any(backend.batch_invariant for backend in experts.backends.values())
     assert experts.pick(x_dtype, layout) == "deep_gemm"
 
 
-def test_tritons_fp8_bits_are_keyed_by_capability_and_versions(auto_class, monkeypatch):
-    """``gives_triton_fp8_bits``: the probed (compute capability, backend, its version, Triton's version) only; Triton
-    itself always; a CPU device never."""
+def test_tritons_bits_are_keyed_by_capability_versions_and_precision(auto_class, monkeypatch):
+    """``gives_triton_bits``: the probed (compute capability, backend, its version, Triton's version, precision)
+    only; Triton itself always; a CPU device never."""
     import triton
 
+    monkeypatch.setattr(auto, "TRITON_BITS_PROBED", frozenset({((9, 0), "deep_gemm", "0.1.4", "3.6.0", "fp8")}))
     monkeypatch.setattr(StandInDeepGemm, "installed_version", classmethod(lambda cls: "0.1.4"), raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(triton, "__version__", "3.6.0")
-    assert auto.gives_triton_fp8_bits("deep_gemm", "cuda") and auto.gives_triton_fp8_bits("triton", "cpu")
-    assert not auto.gives_triton_fp8_bits("deep_gemm", "cpu")
+    assert auto.gives_triton_bits("deep_gemm", "cuda", "fp8") and auto.gives_triton_bits("triton", "cpu", "bf16")
+    assert not auto.gives_triton_bits("deep_gemm", "cuda", "bf16")
+    assert not auto.gives_triton_bits("deep_gemm", "cpu", "fp8")
     monkeypatch.setattr(triton, "__version__", "3.9.0")
-    assert not auto.gives_triton_fp8_bits("deep_gemm", "cuda")
+    assert not auto.gives_triton_bits("deep_gemm", "cuda", "fp8")
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    assert not auto.gives_triton_fp8_bits("deep_gemm", "cuda")
+    assert not auto.gives_triton_bits("deep_gemm", "cuda", "fp8")
     monkeypatch.setattr(StandInDeepGemm, "installed_version", classmethod(lambda cls: "0.1.5"), raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert not auto.gives_triton_fp8_bits("deep_gemm", "cuda")
+    assert not auto.gives_triton_bits("deep_gemm", "cuda", "fp8")

@@ -216,7 +216,7 @@ def _grouped_gemm_kernel(
     PERSISTENT: tl.constexpr = False,  # programs walk the live tiles, grid-strided (else one per upper-bound tile)
     ADD: tl.constexpr = False,     # c = a @ b.T + add, summed in fp32 and rounded once (no activation, no fp8 out)
     ROUND_GATE_UP: tl.constexpr = False,  # gated: round gate and up to bf16 before the activation, as DeepGEMM's
-                                          # GEMM1 writes them (the batch-invariant mode's FP8 experts)
+                                          # GEMM1 writes them (the batch-invariant mode, bf16 and FP8)
 ):
     """One program = BLOCK_M rows of one expert x BLOCK_N output columns (x2 for gate and up).
 
@@ -481,8 +481,8 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
             summed in fp32 and rounded once (GEMM2 only: `activation="none"`, not `quant_out`).
         batch_invariant: launch only tiles of the precision's bits class (`fixed_tiles.same_bits_tile`: the tile
             table's first in the class, else the autotuner over the class), or the one forced tile where the class is
-            one (`fixed_tiles.forced_grouped_tiles`), so a row's bits do not depend on the row count. FP8 GEMM1
-            also rounds gate and up to bf16 before the activation, as the activation of DeepGEMM's experts reads
+            one (`fixed_tiles.forced_grouped_tiles`), so a row's bits do not depend on the row count. GEMM1 on bf16
+            or FP8 rows also rounds gate and up to bf16 before the activation, as the activation of DeepGEMM's experts reads
             them (`experts.deep_gemm`: its GEMM1 writes bf16), so the two run one arithmetic up to the GEMMs'.
 
     Returns:
@@ -536,7 +536,7 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         QUANT_OUT=quant_out, USE_TMA=use_tma, N_ALIGNED=n % 128 == 0,
         UPCAST=is_interpreter(), IEEE_FP32=a.dtype == torch.float32, BLOCK_E=next_power_of_2(num_experts),
         PERSISTENT=schedule != "grid", ADD=add is not None,
-        ROUND_GATE_UP=batch_invariant and fp8 and activation != "none",
+        ROUND_GATE_UP=batch_invariant and activation != "none" and (fp8 or a.dtype == torch.bfloat16),
     )
     max_programs = None
     if schedule == "persistent":
