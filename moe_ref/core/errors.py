@@ -214,10 +214,10 @@ class BatchInvariantUnsupportedError(InvalidConfigError):
         "expert segment, the chunk count or the EP size (docs/batch_invariance.md). Only paths whose every GEMM runs "
         "one fixed order per row hold that: the torch experts loop on the CPU (fixed 16-row blocks), the Triton "
         "grouped MLP on CUDA (tiles of one bits class, or one tile per precision where no class was probed), auto on "
-        "CUDA (in the mode it runs Triton, and for FP8 weights DeepGEMM where it was probed to give Triton's bits: "
-        "DeepGEMM 0.1.4 on sm_90 with Triton 3.6), moe_ref's own routed step (mega='off'). cuBLAS and CUTLASS pick "
-        "kernels by the row count, and DeepGEMM's bf16 bits are not Triton's, so grouped_mm, deep_gemm on its own "
-        "and DeepGEMM's fused mega-MoE are refused.",
+        "CUDA (in the mode it runs Triton, and DeepGEMM where it was probed to give Triton's bits: DeepGEMM 0.1.4, "
+        "bf16 and FP8, on sm_90 with Triton 3.6), moe_ref's own routed step (mega='off'). cuBLAS and CUTLASS pick "
+        "kernels by the row count, so grouped_mm is refused; deep_gemm on its own and DeepGEMM's fused mega-MoE are "
+        "refused too (the mode's tests cover DeepGEMM only as auto's prefill backend beside Triton).",
         "MegaMoE(cfg, batch_invariant=True, experts_backend='deep_gemm'), MOE_REF_BATCH_INVARIANT=1 with "
         "mega='auto', experts_backend='torch' on CUDA.",
         ["Use experts_backend='auto' (the torch loop on the CPU; on CUDA Triton, with DeepGEMM for FP8 weights where "

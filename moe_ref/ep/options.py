@@ -64,7 +64,7 @@ DEFAULT_EAGER_GRAPH_MAX_TOKENS = 1024
 MAX_NUM_MAX_TOKENS_PER_RANK = 1 << 20
 # The experts backends that hold the batch-invariance contract on each device type (docs/batch_invariance.md), the
 # first the one experts_backend='auto' resolves to in that mode where auto itself is not one of them; on CUDA auto
-# holds it too (in the mode it runs only Triton, or a backend giving Triton's FP8 bits: moe_ref.experts.auto).
+# holds it too (in the mode it runs only Triton, or a backend probed to give Triton's bits: moe_ref.experts.auto).
 # moe_ref.ep.batch_invariant refuses the others (CFG026).
 BATCH_INVARIANT_BACKENDS = {"cpu": ("torch",), "cuda": ("triton", "auto")}
 

@@ -261,10 +261,13 @@ def _unavailable_reason(name: str, device: torch.device | str) -> str | None:
 # probed to give every row the bits of the mode's Triton grouped MLP of that precision (its tiles of one bits class,
 # ``kernels.runtime.fixed_tiles``; GEMM1 rounds gate and up to bf16 before the activation, as DeepGEMM's output
 # does): the batch-invariant mode lets auto run them where the table ranks them faster. DeepGEMM 0.1.4 on sm_90 with
-# Triton 3.6, FP8: its psum, row and masked forms over pools of 0 to 700 rows per expert gave one set of bits, the
-# mode's Triton experts' own (scripts/probe_tile_bits.py --only deep_gemm, 2026-12-07, one H100; docs/RESULTS.md).
-# Its bf16 experts are row-invariant too; not listed until the probe finds the mode's Triton bf16 bits equal.
-TRITON_BITS_PROBED = frozenset({((9, 0), "deep_gemm", "0.1.4", "3.6.0", "fp8")})
+# Triton 3.6: its psum, row and masked forms over pools of 0 to 700 rows per expert gave one set of bits, the mode's
+# Triton experts' own, for FP8 (scripts/probe_tile_bits.py --only deep_gemm, 2026-12-07, one H100) and for bf16
+# (the same probe with --precision bf16, 2026-12-08, one H100); docs/RESULTS.md, "The batch-invariant mode".
+TRITON_BITS_PROBED = frozenset({
+    ((9, 0), "deep_gemm", "0.1.4", "3.6.0", "fp8"),
+    ((9, 0), "deep_gemm", "0.1.4", "3.6.0", "bf16"),
+})
 
 
 def gives_triton_bits(name: str, device: torch.device | str, precision: str) -> bool:
@@ -308,7 +311,7 @@ class AutoExperts(Experts):
 
     In the batch-invariant mode (``batch_invariant = True``, passed on to every held backend) a call runs only a
     backend that gives a row the same bits as Triton's tiles of one bits class: Triton, or a backend probed to give
-    its bits here for the weights' precision (``gives_triton_bits``: DeepGEMM 0.1.4's FP8 on sm_90 with Triton 3.6).
+    its bits here for the weights' precision (``gives_triton_bits``: DeepGEMM 0.1.4 on sm_90 with Triton 3.6).
     A row's bits then do not depend on which of them the row count picks.
 
     Args:
