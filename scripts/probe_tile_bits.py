@@ -328,7 +328,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/probe")
     parser.add_argument("--only", choices=("grouped", "fixed", "w4", "deep_gemm"), default=None)
-    parser.add_argument("--precision", choices=("bf16", "fp8"), default=None, help="the grouped MLP's or DeepGEMM's: one only")
+    parser.add_argument("--precision", choices=("bf16", "fp8"), default=None,
+                        help="the grouped MLP's or DeepGEMM's: one only")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

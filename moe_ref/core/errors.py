@@ -220,8 +220,8 @@ class BatchInvariantUnsupportedError(InvalidConfigError):
         "refused too (the mode's tests cover DeepGEMM only as auto's prefill backend beside Triton).",
         "MegaMoE(cfg, batch_invariant=True, experts_backend='deep_gemm'), MOE_REF_BATCH_INVARIANT=1 with "
         "mega='auto', experts_backend='torch' on CUDA.",
-        ["Use experts_backend='auto' (the torch loop on the CPU; on CUDA Triton, with DeepGEMM for FP8 weights where "
-         "it gives Triton's bits), and mega='off'.", "Or turn the mode off (batch_invariant=False, "
+        ["Use experts_backend='auto' (the torch loop on the CPU; on CUDA Triton, with DeepGEMM where it gives "
+         "Triton's bits), and mega='off'.", "Or turn the mode off (batch_invariant=False, "
          "MOE_REF_BATCH_INVARIANT=0) for the fastest kernels."],
         "MegaMoE(cfg, group, batch_invariant=True, experts_backend='auto', mega='off')")
 

@@ -482,8 +482,9 @@ def launch_gemm(a, a_scale, b, b_scale, c, c_scale, row_start_e, num_rows_e, *, 
         batch_invariant: launch only tiles of the precision's bits class (`fixed_tiles.same_bits_tile`: the tile
             table's first in the class, else the autotuner over the class), or the one forced tile where the class is
             one (`fixed_tiles.forced_grouped_tiles`), so a row's bits do not depend on the row count. GEMM1 on bf16
-            or FP8 rows also rounds gate and up to bf16 before the activation, as the activation of DeepGEMM's experts reads
-            them (`experts.deep_gemm`: its GEMM1 writes bf16), so the two run one arithmetic up to the GEMMs'.
+            or FP8 rows also rounds gate and up to bf16 before the activation, as the activation of DeepGEMM's
+            experts reads them (`experts.deep_gemm`: its GEMM1 writes bf16), so the two run one arithmetic up to the
+            GEMMs'.
 
     Returns:
         what the Triton launch returns (c and c_scale are written in place).
