@@ -927,8 +927,7 @@ def test_a8_gemms_match_the_twins_sums(fmt, activation, device, assert_close):
     case = dict(fmt=fmt.value, activation=activation)
     if gated:
         expected = gated_activation(expected[:, :32], expected[:, 32:], activation).to(out_dtype)
-        assert_close(c_PO[rows], expected[rows], out_dtype, **case)
-    elif device == "cuda":
+    if device == "cuda" and not gated:
         err = (c_PO[rows] - expected[rows]).abs()
         assert bool((err <= 2.0**-10 * magnitude[rows]).all()), (case, err.max().item())
     else:

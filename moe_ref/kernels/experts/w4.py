@@ -227,7 +227,7 @@ class W4Weight:
 
 def a8_tables(fmt: str, block_scale: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor, bool, bool]:
     """The W4A8 kernel's per-row normalization of block-major scales ``[e, ceil(I/256), O, 8]`` (``W4Weight``'s
-    attributes of the same names): ``(a8_row_scale_eO, a8_fold_eO, a8_exact, a8_supported)``; two host syncs.
+    attributes of the same names): ``(a8_row_scale_eO, a8_fold_eO, a8_exact, a8_supported)``; one host sync.
 
     MXFP4, S the row's largest scale byte: row scale ``2**(S - 126)``, so a weight ``E2M1 * 2**(byte - 125)`` becomes
     ``E2M1 * 2**(byte - S + 1)`` (at most 12); the PTX decode's multiplier ``2**(byte - S + 127)`` has the exponent
@@ -240,10 +240,10 @@ def a8_tables(fmt: str, block_scale: torch.Tensor, in_features: int) -> tuple[to
     """
     num_experts, _, num_rows, _ = block_scale.shape
     # the row's groups past I (block padding, scale 0) must not count: reductions over the stored dtype, no fp32 copy
-    real = torch.arange(block_scale.shape[1] * GROUPS_PER_BLOCK, device=block_scale.device).view(-1, 1, 8)
-    real = real < in_features // GROUP_SIZE  # [blocks, 1, 8]
+    real = torch.arange(block_scale.shape[1] * GROUPS_PER_BLOCK, device=block_scale.device)
+    real = real.view(-1, 1, GROUPS_PER_BLOCK) < in_features // GROUP_SIZE  # [blocks, 1, 8]
     if fmt == "mxfp4":
-        if not bool(real.any()):
+        if block_scale.shape[1] == 0 or in_features < GROUP_SIZE:  # no real group (known on the host: no sync)
             top = low = torch.zeros(num_experts, num_rows, device=block_scale.device)
         else:
             top = block_scale.amax(dim=(1, 3)).float()
